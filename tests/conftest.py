@@ -1,0 +1,56 @@
+"""Test layers, chosen automatically.
+
+* ``sim``     — kernels run in Numba's CUDA simulator with the PTX twins (no GPU needed);
+* ``compile`` — offline ``compile_ptx`` + ``ptxas -v`` checks, in a subprocess without the
+  simulator (no GPU needed);
+* ``gpu``     — real hardware; skipped with a reason where there is no GPU.
+
+With no GPU, ``NUMBA_ENABLE_CUDASIM=1`` is set here, before anything imports Numba. A run in
+which no test executed (everything skipped, or nothing collected) fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tilepy import _env  # noqa: E402  (must run before numba is imported)
+
+SIMULATOR = _env.choose_target()
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "sim: runs kernels through the CUDA simulator and twins")
+    config.addinivalue_line("markers", "compile: offline compile_ptx + ptxas checks")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+
+
+def pytest_report_header(config):
+    return f"tilepy target: {'CUDA simulator (no GPU)' if SIMULATOR else 'GPU'}"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none found; ran in the simulator)")
+    skip_sim = pytest.mark.skip(reason="simulator-only test; this run uses the GPU")
+    for item in items:
+        if SIMULATOR and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        if not SIMULATOR and "sim" in item.keywords and "gpu" not in item.keywords:
+            # Simulator tests need NUMBA_ENABLE_CUDASIM in this process; on a GPU machine
+            # run them with NUMBA_ENABLE_CUDASIM=1 python -m pytest -m sim.
+            item.add_marker(skip_sim)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or exitstatus not in (0,):
+        return
+    executed = len(reporter.stats.get("passed", [])) + len(reporter.stats.get("failed", []))
+    if executed == 0:
+        reporter.write_line("tilepy: no test executed (all skipped or none collected): failing",
+                            red=True)
+        session.exitstatus = 1

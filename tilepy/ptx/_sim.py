@@ -1,0 +1,115 @@
+"""The simulator side of the PTX layer: lanes, warp-wide exchange, and bit-level conversions.
+
+In Numba's CUDA simulator every CUDA thread is a Python thread (``BlockThread``) run by a
+``BlockManager`` per block. A warp-collective twin (mma, ldmatrix, shuffles…) needs the values
+of all 32 lanes of its warp: each lane writes its value into per-block scratch, the block meets
+at the simulator's own ``syncthreads`` (cheaper than a Python barrier per warp, see
+shared/numba-cuda-notes.md), and each lane reads the warp's 32 values back.
+
+Contract (stated in the docs): every thread of the block that is still running reaches each
+warp-collective call, in the same order — as tile kernels do. A kernel in which one warp
+shuffles while another waits elsewhere does not simulate faithfully.
+
+The scratch is double-buffered by a per-thread parity bit, so one barrier per exchange
+suffices: a lane can only overwrite buffer ``p`` again after the *next* exchange's barrier,
+which every lane reaches only after it has finished reading buffer ``p``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+WARP = 32
+_create_lock = threading.Lock()
+
+
+def this_thread():
+    t = threading.current_thread()
+    if not hasattr(t, "thread_id"):
+        raise RuntimeError("tilepy.ptx twins must be called from inside a simulated CUDA kernel")
+    return t
+
+
+def lane_id() -> int:
+    return this_thread().thread_id % WARP
+
+
+def warp_id() -> int:
+    return this_thread().thread_id // WARP
+
+
+def _scratch(t):
+    m = t._manager
+    s = getattr(m, "_tilepy_scratch", None)
+    if s is None:
+        with _create_lock:
+            s = getattr(m, "_tilepy_scratch", None)
+            if s is None:
+                nthreads = int(np.prod(m._block_dim))
+                nwarps = (nthreads + WARP - 1) // WARP
+                s = [[[None] * WARP for _ in range(nwarps)] for _ in range(2)]
+                m._tilepy_scratch = s
+    return s
+
+
+def warp_exchange(value):
+    """All 32 lanes' ``value`` (a list indexed by lane), for the calling thread's warp."""
+    t = this_thread()
+    scratch = _scratch(t)
+    parity = getattr(t, "_tilepy_parity", 0)
+    t._tilepy_parity = parity ^ 1
+    row = scratch[parity][t.thread_id // WARP]
+    row[t.thread_id % WARP] = value
+    t.syncthreads()
+    return list(row)
+
+
+# ---- bit-level conversions used by the twins (NumPy scalars in, NumPy scalars out) --------
+
+def u32(x) -> np.uint32:
+    return np.uint32(int(x) & 0xFFFFFFFF)
+
+
+def f16_bits(x) -> int:
+    return int(np.float16(x).view(np.uint16))
+
+
+def bits_f16(b) -> np.float16:
+    return np.uint16(int(b) & 0xFFFF).view(np.float16)
+
+
+def f32_to_bf16_bits(x) -> int:
+    """Round-to-nearest-even float32 → bfloat16 bits (NaN stays NaN), like cvt.rn.bf16.f32."""
+    b = int(np.float32(x).view(np.uint32))
+    if (b & 0x7F800000) == 0x7F800000 and (b & 0x007FFFFF):
+        return ((b >> 16) | 0x40) & 0xFFFF  # quiet NaN, sign kept
+    b += 0x7FFF + ((b >> 16) & 1)
+    return (b >> 16) & 0xFFFF
+
+
+def bf16_bits_to_f32(b) -> np.float32:
+    return np.uint32((int(b) & 0xFFFF) << 16).view(np.float32)
+
+
+def f32_bits(x) -> int:
+    return int(np.float32(x).view(np.uint32))
+
+
+def bits_f32(b) -> np.float32:
+    return np.uint32(int(b) & 0xFFFFFFFF).view(np.float32)
+
+
+def halves(word) -> tuple[int, int]:
+    w = int(word) & 0xFFFFFFFF
+    return w & 0xFFFF, w >> 16
+
+
+def join_halves(lo, hi) -> np.uint32:
+    return np.uint32((int(lo) & 0xFFFF) | ((int(hi) & 0xFFFF) << 16))
+
+
+def bytes4(word) -> list[int]:
+    w = int(word) & 0xFFFFFFFF
+    return [(w >> (8 * i)) & 0xFF for i in range(4)]
