@@ -23,12 +23,6 @@ SIMULATOR = _env.choose_target()
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "sim: runs kernels through the CUDA simulator and twins")
-    config.addinivalue_line("markers", "compile: offline compile_ptx + ptxas checks")
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
-
-
 def pytest_report_header(config):
     return f"tilepy target: {'CUDA simulator (no GPU)' if SIMULATOR else 'GPU'}"
 

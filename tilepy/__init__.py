@@ -1,0 +1,17 @@
+"""tilepy: GPU tile kernels in plain Python on Numba-CUDA.
+
+Importing tilepy checks that NumPy and numba-cuda can work together, and — when no GPU is
+present and Numba has not been imported yet — turns on Numba's CUDA simulator, in which every
+PTX intrinsic runs as its Python twin. ``tilepy.SIMULATOR`` says which one this process uses.
+"""
+
+from . import _env
+
+__version__ = "0.1.0"
+
+_env.check_versions()
+SIMULATOR: bool = _env.choose_target()
+
+from . import ptx  # noqa: E402
+
+__all__ = ["SIMULATOR", "__version__", "ptx"]

@@ -1,0 +1,18 @@
+"""tilepy.ptx — the only place in tilepy that writes PTX.
+
+Each intrinsic is a Numba ``@intrinsic`` emitting inline PTX on the GPU and a Python twin with
+the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). Modules:
+
+* :mod:`~tilepy.ptx.mma` — ``mma.sync`` (m16n8k16 / k8 / k32; f16, bf16, tf32, s8, fp8)
+* :mod:`~tilepy.ptx.ldmatrix` — ``ldmatrix`` / ``stmatrix``
+* :mod:`~tilepy.ptx.cp_async` — ``cp.async`` with zero-fill, commit and wait
+* :mod:`~tilepy.ptx.shuffle` — warp shuffles that also work in the simulator
+* :mod:`~tilepy.ptx.math` — ex2 / rcp approximations and f16 / bf16 packing
+* :mod:`~tilepy.ptx.address` — shared / global addresses of array elements
+* :mod:`~tilepy.ptx.fragments` — which lane holds which element of an mma operand
+"""
+
+from . import address, asm, fragments, mma  # noqa: F401
+from .address import global_addr, shared_addr  # noqa: F401
+from .asm import SIMULATOR, UnsupportedTarget  # noqa: F401
+from .mma import *  # noqa: F401,F403

@@ -33,6 +33,10 @@ from numba import config as _numba_config
 
 SIMULATOR: bool = bool(_numba_config.ENABLE_CUDASIM)
 
+#: Every instruction declared through :func:`instruction`, by name: (callable, Instruction).
+#: The offline checks compile a probe kernel for each entry.
+REGISTRY: dict = {}
+
 _KINDS = ("u32", "i32", "u64", "f32", "f16")
 
 
@@ -217,10 +221,10 @@ def instruction(name, template, *, outs=(), ins=(), tie=(), side_effect=False,
     """
     spec = Instruction(name, template, tuple(outs), tuple(ins), tuple(tie), side_effect,
                        convergent, tuple(min_cc) if min_cc else None, clobber_memory)
-    if SIMULATOR:
-        fn = twin
-    else:
-        fn = make_intrinsic(spec)
+    if name in REGISTRY:
+        raise ValueError(f"tilepy.ptx: instruction {name!r} declared twice")
+    fn = twin if SIMULATOR else make_intrinsic(spec)
+    REGISTRY[name] = (fn, spec)
     try:
         fn.spec = spec
         fn.twin = twin

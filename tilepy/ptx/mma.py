@@ -109,6 +109,10 @@ def make_warp_model(k, ab, acc):
         return np.array([[int(v) & 0xFFFFFFFF for v in r[lo:hi]] for r in lanes], np.uint32)
 
     def model(lanes):
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf inputs are legitimate
+            return _model(lanes)
+
+    def _model(lanes):
         if any(len(r) != n_a + n_b + n_c for r in lanes) or len(lanes) != WARP:
             raise TypeError(f"mma m16n8k{k} {ab}->{acc} takes {n_a + n_b + n_c} registers "
                             "per lane from 32 lanes")
@@ -226,3 +230,5 @@ ALL = {f.spec.name: f for f in (
     mma_m16n8k16_f16_f32, mma_m16n8k16_bf16_f32, mma_m16n8k16_f16_f16, mma_m16n8k8_f16_f32,
     mma_m16n8k8_bf16_f32, mma_m16n8k8_tf32_f32, mma_m16n8k32_s8_s32, mma_m16n8k32_e4m3_f32,
     mma_m16n8k32_e5m2_f32)}
+
+__all__ = sorted(ALL)

@@ -1,0 +1,50 @@
+"""Offline compile layer: every PTX intrinsic, alone in a probe kernel, for sm_80 and sm_90.
+
+Runs ``python -m tilepy.offline tilepy.ptx.probes:compile_all`` once, in a subprocess without
+the simulator, and checks per probe: the PTX holds exactly one of the intended instruction,
+``ptxas -v`` accepts it with no stack frame, spills or local memory, and a compute capability
+that lacks the instruction is refused with a clear error instead of a ptxas failure.
+"""
+
+import pytest
+
+from tilepy.offline import find_ptxas, run_in_subprocess
+from tilepy.ptx import asm, probes
+
+pytestmark = pytest.mark.compile
+
+probes.load_all()
+NAMES = sorted(asm.REGISTRY) + sorted(probes.EXTRA)
+
+
+@pytest.fixture(scope="session")
+def reports():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    return run_in_subprocess("tilepy.ptx.probes:compile_all")
+
+
+def _min_cc(name):
+    if name in asm.REGISTRY:
+        return asm.REGISTRY[name][1].min_cc
+    return probes.EXTRA[name][3]
+
+
+@pytest.mark.parametrize("cc", probes.CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
+@pytest.mark.parametrize("name", NAMES)
+def test_probe_compiles_to_the_instruction(reports, name, cc):
+    entry = reports[f"{name}@sm_{cc[0]}{cc[1]}"]
+    assert "error" not in entry, entry.get("error")
+    min_cc = _min_cc(name)
+    if min_cc and tuple(cc) < tuple(min_cc):
+        assert "needs compute capability" in entry.get("refused", ""), entry
+        return
+    assert "refused" not in entry, entry["refused"]
+    assert entry["found"] == 1, f"{entry['opcode']} occurs {entry['found']} times in the PTX"
+    assert entry["stack_frame"] == 0 and entry["local_bytes"] == 0
+    assert entry["spill_stores"] == 0 and entry["spill_loads"] == 0
+    assert 0 < entry["registers"] <= 64
+
+
+def test_every_probe_was_compiled(reports):
+    assert {r["probe"] for r in reports.values()} == set(NAMES)

@@ -1,0 +1,137 @@
+"""Command line: ``python -m tilepy {demo, info, inspect}``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tilepy",
+                                description="GPU tile kernels in plain Python on Numba-CUDA.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,info,inspect}")
+    d = sub.add_parser("demo", help="run every op on a default problem, check it, print a table")
+    d.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+    sub.add_parser("info", help="versions, GPU or simulator, cache directories")
+    i = sub.add_parser("inspect", help="compile a kernel offline for sm_90 and report resources")
+    i.add_argument("op", help="a kernel name; 'list' shows them")
+    i.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None)
+    i.add_argument("--cc", default="90", help="compute capability, e.g. 80, 90, 90a (default 90)")
+    i.add_argument("--ptx", action="store_true", help="print the PTX too")
+    return p
+
+
+def cmd_info() -> int:
+    from importlib import metadata
+
+    import numpy
+
+    import tilepy
+
+    def version(pkg):
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    rows = [("tilepy", tilepy.__version__), ("python", sys.version.split()[0]),
+            ("numpy", numpy.__version__), ("numba", version("numba")),
+            ("numba-cuda", version("numba-cuda"))]
+    # NVVM is only loadable with the simulator off: ask a clean interpreter.
+    probe = ("from numba.cuda.cudadrv.nvvm import NVVM; "
+             "print('.'.join(map(str, NVVM().get_version())))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+    nvvm = proc.stdout.strip() if proc.returncode == 0 else "unavailable"
+    rows.append(("NVVM", f"{nvvm or 'unavailable'} (nvidia-nvvm wheel: {version('nvidia-nvvm')})"))
+    from .offline import find_ptxas
+
+    rows.append(("ptxas", find_ptxas() or "not found (offline checks need tilepy[test])"))
+    if tilepy.SIMULATOR:
+        rows.append(("target", "simulator (NUMBA_ENABLE_CUDASIM=1: no GPU found)"))
+    else:
+        from numba import cuda
+
+        for dev in cuda.list_devices():
+            cc = dev.compute_capability
+            rows.append((f"GPU {dev.id}", f"{dev.name.decode() if isinstance(dev.name, bytes) else dev.name}"
+                         f" (compute capability {cc[0]}.{cc[1]})"))
+    from numba.core import config
+
+    rows.append(("numba cache", config.CACHE_DIR or "next to each source file (__pycache__)"))
+    rows.append(("tilepy cache", os.environ.get("TILEPY_CACHE_DIR")
+                 or os.path.join(os.environ.get("XDG_CACHE_HOME")
+                                 or os.path.expanduser("~/.cache"), "tilepy")))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import tilepy
+
+    from . import demo
+
+    gpu = not tilepy.SIMULATOR
+    where = "GPU" if gpu else "the CUDA SIMULATOR (no GPU found): small sizes, correctness only"
+    print(f"tilepy {tilepy.__version__} demo — running on {where}\n")
+    rows = demo.run(gpu)
+    print(demo.format_table(rows))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "rows": rows}, f, indent=1, default=str)
+    if not gpu:
+        print("\nRan in the CUDA simulator: each PTX instruction ran as its Python twin.")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def cmd_inspect(args) -> int:
+    import tilepy
+
+    if tilepy.SIMULATOR:
+        # Offline compilation needs the real CUDA target: rerun without the simulator.
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        return subprocess.call([sys.executable, "-m", "tilepy"] + sys.argv[1:], env=env)
+    from . import offline
+
+    targets = offline.inspect_targets()
+    if args.op == "list":
+        for name in sorted(targets):
+            print(name)
+        return 0
+    if args.op not in targets:
+        _parser().error(f"unknown kernel {args.op!r}; 'python -m tilepy inspect list' shows them")
+    cc = args.cc.strip()
+    if not (cc[:2].isdigit() and cc[2:] in ("", "a")):
+        _parser().error(f"--cc wants e.g. 80, 90 or 90a, not {args.cc!r}")
+    try:
+        pyfunc, argtypes = targets[args.op](args.dtype)
+    except ValueError as e:
+        _parser().error(str(e))
+    rep = offline.compile_kernel(args.op, pyfunc, argtypes, (int(cc[0]), int(cc[1]), cc[2:]))
+    print(rep.summary())
+    print(f"  registers/thread {rep.registers}, spill stores {rep.spill_stores} B, spill loads "
+          f"{rep.spill_loads} B, stack frame {rep.stack_frame} B, shared {rep.shared_bytes} B, "
+          f"local {rep.local_bytes} B")
+    print("  PTX instructions: " + ", ".join(f"{k} {v}" for k, v in rep.counts.items()))
+    if args.ptx:
+        print(rep.ptx)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "info":
+        return cmd_info()
+    if args.command == "demo":
+        return cmd_demo(args)
+    return cmd_inspect(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

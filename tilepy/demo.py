@@ -1,0 +1,146 @@
+"""``python -m tilepy demo``: run what tilepy has on an embedded problem, check it, print a table.
+
+On a GPU: realistic sizes, throughput and the ratio to the peer (cuBLAS through PyTorch or
+CuPy) when one is installed. In the simulator: small sizes, correctness only — and it says so.
+
+Each entry is a function ``(gpu: bool) -> dict`` with keys ``what, size, max_rel_err, ok`` and,
+on a GPU, ``throughput`` / ``peer`` / ``ratio``. Ops add their entries to :data:`ENTRIES`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from numba import cuda  # a module global: the simulator swaps it inside kernels
+
+ENTRIES = []
+
+
+def entry(fn):
+    ENTRIES.append(fn)
+    return fn
+
+
+def rel_err(got, ref) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@entry
+def warp_mma(gpu: bool) -> dict:
+    """One warp computes a 16×8×16 f16 product with mma.sync, checked against float64."""
+    from .ptx import fragments, mma_m16n8k16_f16_f32
+
+    rng = np.random.default_rng()
+    a = rng.standard_normal((16, 16)).astype(np.float16)
+    b = rng.standard_normal((16, 8)).astype(np.float16)
+    regs = np.zeros((32, 12), np.float16)
+    for lane, r, j, row, col in fragments.a_map(16, 2):
+        regs[lane, 2 * r + j] = a[row, col]
+    for lane, r, j, row, col in fragments.b_map(16, 2):
+        regs[lane, 8 + 2 * r + j] = b[row, col]
+    regs32 = regs.view(np.uint32)
+    out = np.full((32, 4), np.nan, np.float32)
+
+    @cuda.jit
+    def one_warp(regs, out):
+        lane = cuda.threadIdx.x
+        z = np.float32(0)
+        d0, d1, d2, d3 = mma_m16n8k16_f16_f32(regs[lane, 0], regs[lane, 1], regs[lane, 2],
+                                              regs[lane, 3], regs[lane, 4], regs[lane, 5],
+                                              z, z, z, z)
+        out[lane, 0] = d0
+        out[lane, 1] = d1
+        out[lane, 2] = d2
+        out[lane, 3] = d3
+
+    one_warp[1, 32](regs32, out)
+    d = np.zeros((16, 8))
+    for lane, r, _, row, col in fragments.c_map(1):
+        d[row, col] = out[lane, r]
+    err = rel_err(d, a.astype(np.float64) @ b.astype(np.float64))
+    return {"what": "ptx.mma_m16n8k16 (one warp)", "size": "16x8x16 f16->f32",
+            "max_rel_err": err, "ok": err < 1e-5}
+
+
+def _peer_matmul_tflops(n=4096):
+    """cuBLAS fp16 n³ through PyTorch (or CuPy), timed with CUDA events; None if neither."""
+    try:
+        import torch
+
+        a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+        for _ in range(3):
+            a @ b
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            a @ b
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return 2 * n**3 / float(np.median(times)) / 1e9, "torch.matmul fp16 4096^3"
+    except Exception:
+        pass
+    try:
+        import cupy
+
+        from .testing.timing import time_cuda
+
+        a = cupy.random.standard_normal((n, n), dtype=cupy.float32).astype(cupy.float16)
+        ms = time_cuda(lambda: a @ a, repeat=10)
+        return 2 * n**3 / ms / 1e9, "cupy.matmul fp16 4096^3"
+    except Exception:
+        return None, None
+
+
+@entry
+def mma_peak(gpu: bool) -> dict | None:
+    """Register-only mma.sync loop: the tensor-core rate a Numba kernel reaches."""
+    if not gpu:
+        return None
+    from .testing.peak import run_mma_peak
+
+    tflops, _ = run_mma_peak()
+    peer, peer_name = _peer_matmul_tflops()
+    return {"what": "mma.sync register loop", "size": "132 SM x 8 blocks x 4 warps",
+            "max_rel_err": None, "ok": True, "throughput": f"{tflops:.0f} TFLOPS",
+            "peer": peer_name and f"{peer_name}: {peer:.0f} TFLOPS",
+            "ratio": peer and tflops / peer}
+
+
+def run(gpu: bool) -> list[dict]:
+    rows = []
+    for fn in ENTRIES:
+        t0 = time.perf_counter()
+        try:
+            row = fn(gpu)
+        except Exception as e:  # a failing entry is reported, and the demo exits non-zero
+            row = {"what": fn.__name__, "size": "", "max_rel_err": None, "ok": False,
+                   "error": f"{type(e).__name__}: {e}"}
+        if row is not None:
+            row["seconds"] = time.perf_counter() - t0
+            rows.append(row)
+    return rows
+
+
+def format_table(rows) -> str:
+    head = ["what", "size", "max rel err", "check", "throughput", "peer", "ratio", "s"]
+    body = []
+    for r in rows:
+        err = r.get("max_rel_err")
+        body.append([r["what"], r.get("size", ""),
+                     "-" if err is None else f"{err:.2e}",
+                     "ok" if r["ok"] else "FAIL " + r.get("error", ""),
+                     r.get("throughput") or "-", r.get("peer") or "-",
+                     "-" if r.get("ratio") is None else f"{r['ratio']:.2f}x",
+                     f"{r['seconds']:.1f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths)) for row in [head] + body]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

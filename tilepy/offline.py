@@ -1,0 +1,198 @@
+"""Offline compilation: PTX for a chosen compute capability and ``ptxas -v``'s resource report.
+
+Needs no GPU, but needs the real Numba-CUDA target: in a process where the CUDA simulator is
+on (``NUMBA_ENABLE_CUDASIM=1``, e.g. a test run on a machine without GPU), use
+:func:`run_in_subprocess`, which starts a clean interpreter for the compile.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+# Instruction families whose counts the reports carry (regex on PTX instruction lines).
+COUNTED = {
+    "mma": r"^\s*mma\.sync",
+    "wgmma": r"^\s*wgmma\.",
+    "ldmatrix": r"^\s*ldmatrix\.",
+    "stmatrix": r"^\s*stmatrix\.",
+    "cp.async": r"^\s*cp\.async\.(ca|cg)\.",
+    "cp.async.commit": r"^\s*cp\.async\.commit_group",
+    "cp.async.wait": r"^\s*cp\.async\.wait_(group|all)",
+    "shfl": r"^\s*shfl\.sync",
+    "bar.sync": r"^\s*bar(rier)?\.sync",
+    "ld.local": r"^\s*ld\.local",
+    "st.local": r"^\s*st\.local",
+}
+
+
+@dataclass
+class Report:
+    """What one kernel compiled to."""
+
+    name: str
+    arch: str
+    registers: int = -1
+    spill_stores: int = -1
+    spill_loads: int = -1
+    stack_frame: int = -1
+    shared_bytes: int = -1
+    local_bytes: int = -1
+    counts: dict = field(default_factory=dict)
+    ptxas_log: str = ""
+    ptx: str = ""
+
+    def summary(self) -> str:
+        c = " ".join(f"{k}={v}" for k, v in self.counts.items() if v)
+        return (f"{self.name} [{self.arch}] regs={self.registers} spill(st/ld)="
+                f"{self.spill_stores}/{self.spill_loads} stack={self.stack_frame}B "
+                f"smem={self.shared_bytes}B {c}")
+
+
+def count_instructions(ptx: str) -> dict:
+    lines = ptx.splitlines()
+    return {k: sum(1 for ln in lines if re.search(rx, ln)) for k, rx in COUNTED.items()}
+
+
+def find_ptxas() -> str | None:
+    """ptxas from PATH, CUDA_HOME, or the nvidia-cuda-nvcc wheel; None if there is none."""
+    env = os.environ.get("TILEPY_PTXAS")
+    if env:
+        return env
+    candidates = []
+    for root in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        candidates += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "bin", "ptxas")),
+                             reverse=True)
+        candidates += glob.glob(os.path.join(root, "nvidia", "cuda_nvcc", "bin", "ptxas"))
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates.append(os.path.join(home, "bin", "ptxas"))
+    which = shutil.which("ptxas")
+    if which:
+        candidates.append(which)
+    for c in candidates:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def parse_ptxas(log: str, report: Report) -> None:
+    m = re.search(r"Used (\d+) registers", log)
+    if m:
+        report.registers = int(m.group(1))
+    m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                  log)
+    if m:
+        report.stack_frame, report.spill_stores, report.spill_loads = map(int, m.groups())
+    m = re.search(r"(\d+) bytes smem", log)
+    report.shared_bytes = int(m.group(1)) if m else 0
+    m = re.search(r"(\d+) bytes lmem", log)
+    report.local_bytes = int(m.group(1)) if m else 0
+
+
+def ptxas(ptx: str, arch: str) -> str:
+    """Assemble ``ptx`` for ``arch`` (e.g. 'sm_90a') with -v; return the log. Raises on error."""
+    exe = find_ptxas()
+    if exe is None:
+        raise FileNotFoundError("ptxas not found: pip install 'tilepy[test]' (nvidia-cuda-nvcc), "
+                                "or set TILEPY_PTXAS / CUDA_HOME")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed for {arch}:\n{proc.stderr}")
+    return proc.stderr + proc.stdout
+
+
+def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **options) -> Report:
+    """compile_ptx(pyfunc, argtypes) for ``cc`` and, if ``assemble``, run ptxas -v on it."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        raise RuntimeError("offline compilation needs the real CUDA target; this process runs "
+                           "the simulator (NUMBA_ENABLE_CUDASIM=1): use run_in_subprocess")
+    from numba import cuda
+
+    ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=tuple(cc), **options)
+    arch = "sm_%d%d%s" % (cc[0], cc[1], cc[2] if len(cc) > 2 else "")
+    rep = Report(name=name, arch=arch, counts=count_instructions(ptx), ptx=ptx)
+    if assemble:
+        rep.ptxas_log = ptxas(ptx, arch)
+        parse_ptxas(rep.ptxas_log, rep)
+    return rep
+
+
+def run_in_subprocess(target: str, timeout: float = 900) -> dict:
+    """Run ``python -m tilepy.offline TARGET`` with the simulator off; return its JSON.
+
+    ``TARGET`` is ``module:function``; the function is called with no arguments and returns
+    a list of :class:`Report` (or dicts). Errors per kernel come back as
+    ``{"name": …, "error": …}`` entries.
+    """
+    env = dict(os.environ)
+    env["NUMBA_ENABLE_CUDASIM"] = "0"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tilepy.offline", target], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"offline compile of {target} failed:\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _main(argv) -> int:
+    import importlib
+
+    (target,) = argv
+    mod, fn = target.split(":")
+    reports = importlib.import_module(mod).__dict__[fn]()
+    out = {}
+    for r in reports:
+        d = asdict(r) if isinstance(r, Report) else dict(r)
+        out[d["name"]] = d
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
+
+
+def inspect_targets() -> dict:
+    """Kernels ``python -m tilepy inspect`` knows: name -> f(dtype) -> (pyfunc, argtypes)."""
+    from .ptx import probes
+
+    def fixed(pyfunc, argtypes, dtype_ok=(None,)):
+        def build(dtype):
+            if dtype not in dtype_ok:
+                raise ValueError(f"this kernel has a fixed dtype; drop --dtype {dtype}")
+            return pyfunc, argtypes
+        return build
+
+    out = {}
+    for name, pyfunc, argtypes, _, _ in probes.all_probes():
+        out[f"ptx.{name}"] = fixed(pyfunc, argtypes)
+
+    def mma_loop(dtype):
+        if dtype not in (None, "float16"):
+            raise ValueError("mma_loop is float16 only")
+        from numba import types
+
+        from .testing.peak import mma_loop_kernel
+
+        kernel, _ = mma_loop_kernel()
+        return kernel.py_func, (types.uint32[:, :], types.float32[:], types.int64)
+
+    out["mma_loop"] = mma_loop
+    return out

@@ -1,0 +1,1 @@
+"""Helpers for checking and timing tilepy kernels: references, tolerances, CUDA-event timing."""
