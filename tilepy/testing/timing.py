@@ -9,6 +9,7 @@ def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, stream=None) -> float:
     """Median milliseconds of ``fn()`` measured with CUDA events on ``stream`` (default stream)."""
     from numba import cuda
 
+    stream = 0 if stream is None else stream
     for _ in range(warmup):
         fn()
     cuda.synchronize()
