@@ -70,15 +70,17 @@ def wmma_peer():
 def test_mma_sync_register_loop_tilepy(benchmark, record, wmma_peer, gpu_name):
     from numba import cuda
 
-    from tilepy.testing.peak import run_mma_peak
+    from tilepy.testing.peak import mma_peak_setup
+    from tilepy.testing.timing import time_cuda
 
-    tflops, ms = run_mma_peak(ITERS, BLOCKS_PER_SM, WARPS, CHAINS)
+    run, flop = mma_peak_setup(ITERS, BLOCKS_PER_SM, WARPS, CHAINS)
+    ms = time_cuda(run, repeat=10)
+    tflops = flop / ms / 1e9
     peer_tflops = wmma_peer[0]
     record(gpu=gpu_name, tflops=tflops, ms=ms, peer="CUDA C++ wmma loop (NVRTC)",
            peer_tflops=peer_tflops, ratio=tflops / peer_tflops,
            anchor_tflops=540.0, fraction_of_anchor=tflops / 540.0)
-    benchmark.pedantic(lambda: (run_mma_peak(ITERS, BLOCKS_PER_SM, WARPS, CHAINS, repeat=1),
-                                cuda.synchronize()), rounds=3, iterations=1)
+    benchmark.pedantic(lambda: (run(), cuda.synchronize()), rounds=5, iterations=1)
 
 
 def test_mma_sync_register_loop_cuda_cpp_peer(benchmark, record, wmma_peer, gpu_name):
@@ -87,5 +89,5 @@ def test_mma_sync_register_loop_cuda_cpp_peer(benchmark, record, wmma_peer, gpu_
     tflops, ms, run = wmma_peer
     record(gpu=gpu_name, tflops=tflops, ms=ms, anchor_tflops=540.0,
            fraction_of_anchor=tflops / 540.0)
-    benchmark.pedantic(lambda: (run(), cupy.cuda.Device().synchronize()), rounds=3,
+    benchmark.pedantic(lambda: (run(), cupy.cuda.Device().synchronize()), rounds=5,
                        iterations=1)

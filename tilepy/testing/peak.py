@@ -39,12 +39,10 @@ def mma_loop_kernel(chains: int = 8):
     return cuda.jit(ns["mma_loop"]), chains
 
 
-def run_mma_peak(iters: int = 4096, blocks_per_sm: int = 8, warps_per_block: int = 4,
-                 chains: int = 8, repeat: int = 10):
-    """(TFLOPS, ms) of the register-only mma loop on the current GPU."""
+def mma_peak_setup(iters: int = 4096, blocks_per_sm: int = 8, warps_per_block: int = 4,
+                   chains: int = 8):
+    """(run, flop): a closure that launches the register-only mma loop once, and its FLOPs."""
     from numba import cuda
-
-    from .timing import time_cuda
 
     kernel, chains = mma_loop_kernel(chains)
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
@@ -53,6 +51,19 @@ def run_mma_peak(iters: int = 4096, blocks_per_sm: int = 8, warps_per_block: int
     regs = cuda.to_device((rng.standard_normal((32, 12)).astype(np.float16) * 0.01)
                           .view(np.uint32))
     out = cuda.device_array(blocks * threads, np.float32)
-    ms = time_cuda(lambda: kernel[blocks, threads](regs, out, iters), repeat=repeat)
-    flop = FLOP_PER_MMA * chains * iters * blocks * warps_per_block
+    launch = kernel[blocks, threads]
+
+    def run():
+        launch(regs, out, iters)
+
+    return run, FLOP_PER_MMA * chains * iters * blocks * warps_per_block
+
+
+def run_mma_peak(iters: int = 4096, blocks_per_sm: int = 8, warps_per_block: int = 4,
+                 chains: int = 8, repeat: int = 10):
+    """(TFLOPS, ms) of the register-only mma loop on the current GPU (CUDA-event median)."""
+    from .timing import time_cuda
+
+    run, flop = mma_peak_setup(iters, blocks_per_sm, warps_per_block, chains)
+    ms = time_cuda(run, repeat=repeat)
     return flop / ms / 1e9, ms
