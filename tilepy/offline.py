@@ -154,6 +154,11 @@ def run_in_subprocess(target: str, timeout: float = 900) -> dict:
 def _main(argv) -> int:
     import importlib
 
+    from numba import config
+
+    if config.ENABLE_CUDASIM:  # `import tilepy` chose the simulator (no GPU): compile without it
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        return subprocess.call([sys.executable, "-m", "tilepy.offline"] + list(argv), env=env)
     (target,) = argv
     mod, fn = target.split(":")
     reports = importlib.import_module(mod).__dict__[fn]()

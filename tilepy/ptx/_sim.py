@@ -66,6 +66,41 @@ def warp_exchange(value):
     return list(row)
 
 
+def warp_collective(value, model):
+    """``model(all 32 lanes' values)[this lane]``, with ``model`` evaluated once per warp.
+
+    For twins whose warp-wide result is expensive (mma): the first lane past the barrier
+    computes the list of 32 results, the others reuse it. Results are kept per (parity, warp)
+    with the exchange's sequence number, so a stale result is never read.
+    """
+    t = this_thread()
+    seq = getattr(t, "_tilepy_seq", 0)
+    t._tilepy_seq = seq + 1
+    lanes = warp_exchange(value)
+    results = _results(t)
+    slot = (seq & 1, t.thread_id // WARP)
+    with _result_lock:
+        done = results.get(slot)
+        if done is None or done[0] != seq:
+            done = (seq, model(lanes))
+            results[slot] = done
+    return done[1][t.thread_id % WARP]
+
+
+_result_lock = threading.Lock()
+
+
+def _results(t):
+    m = t._manager
+    r = getattr(m, "_tilepy_results", None)
+    if r is None:
+        with _create_lock:
+            r = getattr(m, "_tilepy_results", None)
+            if r is None:
+                r = m._tilepy_results = {}
+    return r
+
+
 # ---- bit-level conversions used by the twins (NumPy scalars in, NumPy scalars out) --------
 
 def u32(x) -> np.uint32:

@@ -141,8 +141,7 @@ def make_warp_model(k, ab, acc):
 
 def _make_twin(name, model):
     def twin(*regs):
-        lanes = _sim.warp_exchange(regs)
-        return model(lanes)[_sim.lane_id()]
+        return _sim.warp_collective(regs, model)
 
     twin.__name__ = name + "_twin"
     twin.warp_model = model

@@ -1,0 +1,159 @@
+"""The mma.sync GEMM kernel: a multi-stage cp.async pipeline feeding ldmatrix + mma.sync.
+
+``gemm_kernel(cfg, b_k_major, out_kind, activation, has_bias)`` returns a ``@cuda.jit`` kernel
+
+    kernel(a, b, out, bias, alpha)
+
+computing ``out = act(alpha · a @ b + bias)`` for 2-D 16-bit arrays (uint16 views of float16 /
+bfloat16 data): ``a`` (M, K) row-major; ``b`` (K, N) row-major when ``b_k_major`` else (N, K)
+row-major (i.e. B column-major); ``out`` (M, N) — float32, or uint16 bits of ``out_kind``.
+Launch with grid (ceil(N / BN), ceil(M / BM)), ``cfg.threads`` threads and ``cfg.smem_bytes``
+of dynamic shared memory (see :func:`launch`). Rows must be 16-byte aligned (K and, for a
+k-major B, N multiples of 8 elements); edges of any size are zero-filled by cp.async.
+
+Pipeline: the prologue issues ``stages - 1`` k-tiles; iteration ``kt`` waits until tile ``kt``
+has landed (``cp.async.wait_group stages-2``), one barrier, issues tile ``kt + stages - 1``
+into the slot every warp has finished with, then runs the k16 steps of tile ``kt``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ..ptx import shared_addr
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..tile.config import GemmConfig
+from ..tile.copy import copy_global_to_shared, load_a_fragments, load_b_fragments
+from ..tile.epilogue import store_accumulators
+from ..tile.mma import warp_mma
+from ..tile.smem import allow_dynamic_shared, dynamic_shared
+
+
+@functools.cache
+def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float16",
+                activation=None, has_bias: bool = False):
+    BM, BN, BK = cfg.block.m, cfg.block.n, cfg.block.k
+    STAGES = cfg.pipeline.stages
+    WAIT = STAGES - 2
+    THREADS = cfg.threads
+    WARPS_N = cfg.warps.n
+    WM, WN = cfg.warp_m, cfg.warp_n
+    MI, NI, KI = cfg.mi, cfg.ni, cfg.ki
+    A_BYTES = BM * BK * 2
+    B_BYTES = BK * BN * 2
+    STAGE_BYTES = A_BYTES + B_BYTES
+
+    smem = dynamic_shared()
+    copy_a = copy_global_to_shared(BM, BK, THREADS, cfg.swizzle)
+    if b_k_major:
+        copy_b = copy_global_to_shared(BK, BN, THREADS, cfg.swizzle)
+        load_b = load_b_fragments(NI, BN, True, cfg.swizzle)
+    else:
+        copy_b = copy_global_to_shared(BN, BK, THREADS, cfg.swizzle)
+        load_b = load_b_fragments(NI, BK, False, cfg.swizzle)
+    load_a = load_a_fragments(MI, BK, cfg.swizzle)
+    mma = warp_mma(MI, NI, cfg.dtype)
+    store = store_accumulators(MI, NI, out_kind, activation, has_bias)
+
+    @cuda.jit(device=True, inline="always")
+    def issue_tile(base, slot, kt, a, b, row0, col0, m, n, k, tid):
+        a_addr = base + slot * STAGE_BYTES
+        copy_a(a_addr, a, row0, kt * BK, m, k, tid)
+        if b_k_major:
+            copy_b(a_addr + A_BYTES, b, kt * BK, col0, k, n, tid)
+        else:
+            copy_b(a_addr + A_BYTES, b, col0, kt * BK, n, k, tid)
+
+    @cuda.jit(device=True, inline="always")
+    def gemm_block(a, b, out, bias, alpha):
+        m = a.shape[0]
+        k = a.shape[1]
+        n = out.shape[1]
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        row0 = cuda.blockIdx.y * BM
+        col0 = cuda.blockIdx.x * BN
+        wrow = (warp // WARPS_N) * WM
+        wcol = (warp % WARPS_N) * WN
+        base = shared_addr(smem(), 0)
+
+        acc = cuda.local.array((MI, NI, 4), np.float32)
+        a_frag = cuda.local.array((MI, 4), np.uint32)
+        b_frag = cuda.local.array((NI, 2), np.uint32)
+        for i in range(MI):
+            for j in range(NI):
+                for e in range(4):
+                    acc[i, j, e] = 0
+
+        ktiles = (k + BK - 1) // BK
+        for s in range(STAGES - 1):
+            if s < ktiles:
+                issue_tile(base, s, s, a, b, row0, col0, m, n, k, tid)
+            cp_async_commit_group()
+
+        for kt in range(ktiles):
+            cp_async_wait_group(WAIT)
+            cuda.syncthreads()
+            nxt = kt + STAGES - 1
+            if nxt < ktiles:
+                issue_tile(base, nxt % STAGES, nxt, a, b, row0, col0, m, n, k, tid)
+            cp_async_commit_group()
+            a_addr = base + (kt % STAGES) * STAGE_BYTES
+            b_addr = a_addr + A_BYTES
+            for kk in range(KI):
+                load_a(a_frag, a_addr, kk, wrow, lane)
+                load_b(b_frag, b_addr, kk, wcol, lane)
+                mma(acc, a_frag, b_frag)
+
+        store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, lane)
+
+    @cuda.jit
+    def kernel(a, b, out, bias, alpha):
+        gemm_block(a, b, out, bias, alpha)
+
+    kernel.gemm_block = gemm_block
+    return kernel
+
+
+def grid(cfg: GemmConfig, m: int, n: int):
+    return ((n + cfg.block.n - 1) // cfg.block.n, (m + cfg.block.m - 1) // cfg.block.m)
+
+
+def launch(kernel, cfg: GemmConfig, a, b, out, bias, alpha, stream=0):
+    """Launch with the config's grid, block and dynamic shared memory (>48 KB allowed)."""
+    args = (a, b, out, bias, np.float32(alpha))
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    kernel[grid(cfg, a.shape[0], out.shape[1]), cfg.threads, stream, cfg.smem_bytes](*args)
+
+
+def argtypes(out_kind: str, layout: str = "C"):
+    """Numba argument types of :func:`gemm_kernel`'s kernel (for offline compilation)."""
+    from numba import types
+
+    u16 = types.Array(types.uint16, 2, layout)
+    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "C")
+    return (u16, u16, out, types.float32[::1], types.float32)
+
+
+def compile_reports():
+    """Offline reports of the default main loop (128×128×32, 3 stages, 8 warps) for sm_90."""
+    import time
+
+    from ..offline import compile_kernel
+
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        cfg = GemmConfig(dtype=dtype)
+        t0 = time.perf_counter()
+        kern = gemm_kernel(cfg, True, dtype)
+        rep = compile_kernel(f"gemm_{dtype}", kern.py_func, argtypes(dtype), (9, 0))
+        d = rep.__dict__.copy()
+        d["compile_seconds"] = time.perf_counter() - t0
+        d["config"] = cfg.describe()
+        d.pop("ptx")
+        out.append(d)
+    return out

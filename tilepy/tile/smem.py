@@ -1,0 +1,56 @@
+"""Shared memory for tile kernels: the dynamic buffer, and permission to use more than 48 KB.
+
+* :func:`dynamic_shared` — a device function returning the block's dynamic shared buffer as
+  uint16 elements, 128-byte aligned on the GPU (cp.async / ldmatrix want 16; TMA and the
+  128-byte swizzle want more). The simulator rejects ``alignment=``, so it is left out there.
+* :func:`allow_dynamic_shared` — a kernel may use more than 48 KB of dynamic shared memory only
+  after ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` is raised on its compiled code.
+  Numba has no public API for this (upstream issue); this is the one place that reaches into
+  its internals (``overloads``, ``_codelibrary.get_cufunc()``) — tested on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, types
+
+from ..ptx.asm import SIMULATOR
+
+STATIC_LIMIT = 48 * 1024
+
+
+@functools.cache
+def dynamic_shared():
+    if SIMULATOR:
+        @cuda.jit(device=True, inline="always")
+        def buffer():
+            return cuda.shared.array(0, types.uint16)
+    else:
+        @cuda.jit(device=True, inline="always")
+        def buffer():
+            return cuda.shared.array(0, types.uint16, alignment=128)
+    return buffer
+
+
+_raised: dict = {}
+
+
+def allow_dynamic_shared(kernel, args, nbytes: int) -> None:
+    """Compile ``kernel`` for ``args`` (if needed) and let it use ``nbytes`` of dynamic smem."""
+    if SIMULATOR or nbytes <= STATIC_LIMIT:
+        return
+    sig = tuple(kernel.typeof_pyval(a) for a in args)
+    overload = kernel.overloads.get(sig) or kernel.compile(sig)
+    dev = cuda.get_current_device()
+    key = (id(overload), dev.id)
+    if _raised.get(key, 0) >= nbytes:
+        return
+    from cuda.bindings import driver
+
+    handle = overload._codelibrary.get_cufunc().handle
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (err,) = driver.cuKernelSetAttribute(attr, int(nbytes), handle, dev.id)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"could not allow {nbytes} B of dynamic shared memory: {err}")
+    _raised[key] = nbytes
