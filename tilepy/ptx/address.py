@@ -11,8 +11,9 @@ per-thread base once, then add compile-time byte offsets in the loop. Apply swiz
 offsets, not to absolute addresses.
 
 In the simulator both return the host address of the element (a Python int) and remember the
-array's extent, so that twins can refuse an address outside every array the block named —
-with a Python error instead of a wild read.
+array's extent for the running block, so that twins can refuse an address outside every array
+the block named — with a Python error instead of a wild read. The record lives on the block
+(the simulator's BlockManager), so nothing stale from earlier launches can vouch for an address.
 """
 
 from __future__ import annotations
@@ -27,7 +28,20 @@ from .asm import SIMULATOR, pick
 # ---- simulator ------------------------------------------------------------------------------
 
 _extent_lock = threading.Lock()
-_extents: dict[str, dict[int, int]] = {"shared": {}, "global": {}}
+
+
+def _block_extents() -> dict:
+    """{"shared": {start: end}, "global": {...}} of the calling simulated thread's block."""
+    from ._sim import this_thread
+
+    m = this_thread()._manager
+    ext = getattr(m, "_tilepy_extents", None)
+    if ext is None:
+        with _extent_lock:
+            ext = getattr(m, "_tilepy_extents", None)
+            if ext is None:
+                ext = m._tilepy_extents = {"shared": {}, "global": {}}
+    return ext
 
 
 def _ndarray(a) -> np.ndarray:
@@ -53,14 +67,18 @@ def _element_address(space: str, a, idx) -> int:
     base = arr.ctypes.data
     lo = base + min(0, sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s < 0))
     hi = base + sum((n - 1) * s for n, s in zip(arr.shape, arr.strides) if s > 0) + arr.itemsize
+    extents = _block_extents()[space]
     with _extent_lock:
-        _extents[space][lo] = max(hi, _extents[space].get(lo, hi))
+        extents[lo] = hi
     return base + offset
 
 
 def check_range(space: str, who: str, addr: int, nbytes: int, align: int) -> None:
     """Raise if [addr, addr+nbytes) is not inside one array named by ``space``_addr, or misaligned."""
-    for lo, hi in _extents[space].items():
+    extents = _block_extents()[space]
+    with _extent_lock:
+        ranges = list(extents.items())
+    for lo, hi in ranges:
         if lo <= addr and addr + nbytes <= hi:
             if (addr - lo) % align:
                 raise ValueError(f"{who}: address is {(addr - lo) % align} bytes off the "

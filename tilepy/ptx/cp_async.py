@@ -72,10 +72,7 @@ def pending_groups() -> int:
 
 
 def _check(space, who, addr, nbytes, align):
-    # check_range walks a dict that shared_addr / global_addr may grow from another simulated
-    # thread at the same moment: hold the module's lock.
-    with address._extent_lock:
-        address.check_range(space, who, addr, nbytes, align)
+    address.check_range(space, who, addr, nbytes, align)
 
 
 def _make_copy_twin(name, size):
@@ -192,3 +189,26 @@ except AttributeError:  # pragma: no cover
 
 COPIES = {f.spec.name: f for f in (cp_async_ca_4, cp_async_ca_8, cp_async_ca_16,
                                    cp_async_cg_16)}
+
+__all__ = [*COPIES, "cp_async_commit_group", "cp_async_wait_group", "cp_async_wait_all"]
+
+
+# ---- offline probe (tilepy.ptx.probes) for the hand-written cp_async_wait_group ---------------
+
+def _register_probes():
+    from . import probes
+
+    def argtypes():
+        from numba import types
+
+        return (types.uint32[:],)
+
+    def probe_cp_async_wait_group(u32s):
+        cp_async_wait_group(1)
+        u32s[0] = u32s[1]
+
+    probes.EXTRA["cp_async_wait_group"] = (probe_cp_async_wait_group, argtypes,
+                                           "cp.async.wait_group", _MIN_CC)
+
+
+_register_probes()

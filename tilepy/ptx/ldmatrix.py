@@ -6,7 +6,8 @@ of a warp call together (``.sync.aligned``); each passes ONE shared address (fro
 :func:`tilepy.ptx.address.shared_addr`, plus byte offsets) and gets / gives one uint32 register
 per matrix.
 
-Addresses — for ``xN``, lanes ``8i … 8i+7`` give the addresses of rows ``0 … 7`` of matrix ``i``:
+Addresses — for ``xN``, lanes ``8i … 8i+7`` give the addresses of rows ``0 … 7`` of
+matrix ``i``:
 
 ====== ===================== =========================================
  name   lanes whose address   registers per lane
@@ -135,11 +136,8 @@ def _check_own(name, n, lane, addr):
     if lane >= 8 * n:
         return None
     try:
-        # address.check_range iterates a dict that shared_addr / global_addr may grow from
-        # another simulated thread at the same moment: hold the module's lock.
-        with address._extent_lock:
-            address.check_range("shared", f"{name} (lane {lane}: row {lane % 8} of matrix "
-                                f"{lane // 8})", addr, ROW_BYTES, ROW_BYTES)
+        address.check_range("shared", f"{name} (lane {lane}: row {lane % 8} of matrix "
+                            f"{lane // 8})", addr, ROW_BYTES, ROW_BYTES)
     except (IndexError, ValueError) as e:
         return e
     return None
@@ -261,3 +259,5 @@ LDMATRIX = {f.spec.name: f for f in (ldmatrix_x1, ldmatrix_x2, ldmatrix_x4, ldma
 STMATRIX = {f.spec.name: f for f in (stmatrix_x1, stmatrix_x2, stmatrix_x4, stmatrix_x1_trans,
                                      stmatrix_x2_trans, stmatrix_x4_trans)}
 ALL = {**LDMATRIX, **STMATRIX}
+
+__all__ = [*ALL, "make_ldmatrix_model", "make_stmatrix_model"]

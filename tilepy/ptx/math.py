@@ -14,9 +14,12 @@ Special values (PTX ISA):
 
 * ``.ftz``: subnormal inputs are read as zero of the same sign, subnormal results are flushed
   to zero of the same sign.
-* NaN in gives NaN out. The conversions to f16/bf16 give the canonical NaN ``0x7fff`` in that
-  half, ``cvt_tf32`` gives ``0x7fffffff`` (the values the hardware produces; see
-  :data:`CANONICAL_NAN`).
+* NaN in gives NaN out. The conversions to f16/bf16 write the canonical NaN ``0x7fff`` in
+  that half (:data:`CANONICAL_NAN`) and ``cvt.f32.f16`` writes ``0x7fffffff``, whatever the
+  payload. ``cvt_tf32`` is the exception: it clears the low 13 bits of a NaN like those of any
+  other value (no rounding), so a NaN whose payload lies only in those bits comes out as the
+  bits of ±inf — which is what a tf32 mma would read from that NaN anyway. All of this was
+  seen on an H200 (sm_90).
 * The conversions round to nearest, ties to even (``.rn``) except ``cvt_tf32`` (``.rna``:
   ties away from zero); they keep subnormal results and overflow to ±inf.
 """
@@ -28,8 +31,8 @@ import numpy as np
 from . import _sim
 from .asm import instruction
 
-#: The NaN bit patterns the conversion instructions write (per result width).
-CANONICAL_NAN = {"f16": 0x7FFF, "bf16": 0x7FFF, "tf32": 0x7FFFFFFF}
+#: The NaN bit patterns the conversions to 16-bit halves and cvt.f32.f16 write.
+CANONICAL_NAN = {"f16": 0x7FFF, "bf16": 0x7FFF, "f32": 0x7FFFFFFF}
 
 _F32_MIN_NORMAL = np.float32(2.0 ** -126)
 
@@ -83,10 +86,14 @@ def f32_to_bf16_bits(x) -> int:
 
 
 def f32_to_tf32_bits(x) -> int:
-    """cvt.rna.tf32.f32 as bits: keep 10 mantissa bits, ties away from zero, low 13 bits 0."""
+    """cvt.rna.tf32.f32 as bits: keep 10 mantissa bits, ties away from zero, low 13 bits 0.
+
+    ±inf stay; a NaN has its low 13 bits cleared without rounding (seen on sm_90: 0x7fbfffff →
+    0x7fbfe000, 0x7f800001 → 0x7f800000).
+    """
     b = _sim.f32_bits(x)
     if (b & 0x7F800000) == 0x7F800000:
-        return CANONICAL_NAN["tf32"] if b & 0x007FFFFF else b  # NaN / ±inf
+        return b & 0xFFFFE000  # ±inf unchanged; NaN truncated
     # Adding half of the dropped range to the magnitude rounds ties away from zero; a carry
     # out of the mantissa bumps the exponent (the largest finite values round to inf).
     return (b + 0x1000) & 0xFFFFE000
@@ -138,7 +145,7 @@ def _f16_bits_to_f32(b: int) -> np.float32:
     """cvt.f32.f16: exact; NaN → canonical 0x7fffffff (what the hardware writes)."""
     h = _sim.bits_f16(b)
     if np.isnan(h):
-        return _sim.bits_f32(0x7FFFFFFF)
+        return _sim.bits_f32(CANONICAL_NAN["f32"])
     return np.float32(h)
 
 
@@ -207,8 +214,9 @@ unpack_f16x2 = instruction(
 
 unpack_f16x2_f32 = instruction(
     "unpack_f16x2_f32",
-    "{ .reg .b16 tp_lo, tp_hi; mov.b32 {tp_lo, tp_hi}, $2; "
-    "cvt.f32.f16 $0, tp_lo; cvt.f32.f16 $1, tp_hi; }",
+    # One instruction a line, so that the PTX (and the offline probe's line count) reads well.
+    "{\n\t.reg .b16 tp_lo, tp_hi;\n\tmov.b32 {tp_lo, tp_hi}, $2;\n"
+    "\tcvt.f32.f16 $0, tp_lo;\n\tcvt.f32.f16 $1, tp_hi;\n\t}",
     outs=("f32", "f32"), ins=("u32",), twin=_unpack_f16x2_f32_twin,
     doc="""unpack_f16x2_f32(word: uint32) -> (lo: float32, hi: float32)  (cvt.f32.f16 ×2)
 
@@ -229,8 +237,9 @@ cvt_tf32 = instruction(
     doc="""cvt_tf32(x: float32) -> uint32  (cvt.rna.tf32.f32)
 
 The bits of ``x`` rounded to tf32 (10 mantissa bits: nearest, ties away from zero; the low 13
-bits are 0; the largest finite values round to ±inf; subnormals kept; NaN → 0x7fffffff), the
-operand format of the tf32 mma. Compute capability 8.0+.""")
+bits are 0; the largest finite values round to ±inf; subnormals kept; ±inf kept; a NaN has
+its low 13 bits cleared, so a payload only there gives the bits of ±inf), the operand format of
+the tf32 mma. Compute capability 8.0+.""")
 
 ALL = {f.spec.name: f for f in (
     ex2_approx, rcp_approx, cvt_f16x2_f32, cvt_bf16x2_f32, pack_f16x2, unpack_f16x2,

@@ -34,7 +34,11 @@ def load_all():
 
 def opcode(spec) -> str:
     """The instruction's mnemonic as it appears in the PTX (first token of the template)."""
-    return spec.template.strip().lstrip("{").split()[0]
+    for part in spec.template.replace("\n", ";").replace("{", ";").replace("}", ";").split(";"):
+        part = part.strip()
+        if part and not part.startswith(".reg"):
+            return part.split()[0].rstrip(";")
+    raise ValueError(f"no instruction in the template of {spec.name}")
 
 
 def _argtypes():
@@ -94,9 +98,8 @@ def compile_all():
             except Exception as e:  # reported, and the test fails on it
                 entry["error"] = f"{type(e).__name__}: {e}"
             else:
-                found = sum(1 for ln in rep.ptx.splitlines() if ln.strip().startswith(op + " ")
-                            or ln.strip().startswith(op + "\t") or ln.strip() == op + ";"
-                            or ln.strip().startswith(op + ";"))
+                found = sum(1 for ln in rep.ptx.splitlines()
+                            if ln.strip().split(" ")[0].split("\t")[0].rstrip(";") == op)
                 entry.update(found=found, registers=rep.registers,
                              spill_stores=rep.spill_stores, spill_loads=rep.spill_loads,
                              stack_frame=rep.stack_frame, local_bytes=rep.local_bytes)

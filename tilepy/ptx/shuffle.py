@@ -198,3 +198,27 @@ Lane ``i`` gets the value of lane ``src_lane & 31`` (``src_lane`` may differ per
 Called by the whole warp. PTX: shfl.sync.idx.b32 d, a, b, 0x1f, 0xffffffff.""")
 
 ALL = {"shfl_xor": shfl_xor, "shfl_down": shfl_down, "shfl_up": shfl_up, "shfl_idx": shfl_idx}
+
+__all__ = ["FULL_MASK", *ALL]
+
+
+# ---- offline probes (tilepy.ptx.probes): one shuffle of a float32 per kernel ------------------
+
+def _register_probes():
+    from . import probes
+
+    def argtypes():
+        from numba import types
+
+        return (types.float32[:], types.int32[:])
+
+    for name, fn in ALL.items():
+        src = (f"def probe_{name}(f32s, i32s):\n"
+               f"    f32s[0] = fn(f32s[1], i32s[0])\n")
+        namespace = {"fn": fn}
+        exec(compile(src, f"<probe {name}>", "exec"), namespace)
+        probes.EXTRA[name] = (namespace[f"probe_{name}"], argtypes,
+                              f"shfl.sync.{_MODES[name][0]}.b32", None)
+
+
+_register_probes()
