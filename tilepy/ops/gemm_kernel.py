@@ -47,25 +47,25 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     STAGE_BYTES = A_BYTES + B_BYTES
 
     smem = dynamic_shared()
-    copy_a = copy_global_to_shared(BM, BK, THREADS, cfg.swizzle)
+    setup_a, copy_a = copy_global_to_shared(BM, BK, THREADS, cfg.swizzle)
     if b_k_major:
-        copy_b = copy_global_to_shared(BK, BN, THREADS, cfg.swizzle)
-        load_b = load_b_fragments(NI, BN, True, cfg.swizzle)
+        setup_b, copy_b = copy_global_to_shared(BK, BN, THREADS, cfg.swizzle, True)
+        setup_fb, load_b = load_b_fragments(NI, BN, True, cfg.swizzle)
     else:
-        copy_b = copy_global_to_shared(BN, BK, THREADS, cfg.swizzle)
-        load_b = load_b_fragments(NI, BK, False, cfg.swizzle)
-    load_a = load_a_fragments(MI, BK, cfg.swizzle)
+        setup_b, copy_b = copy_global_to_shared(BN, BK, THREADS, cfg.swizzle)
+        setup_fb, load_b = load_b_fragments(NI, BK, False, cfg.swizzle)
+    PER_A = BM * BK // 8 // THREADS
+    PER_B = BK * BN // 8 // THREADS
+    setup_fa, load_a = load_a_fragments(MI, BK, cfg.swizzle)
     mma = warp_mma(MI, NI, cfg.dtype)
     store = store_accumulators(MI, NI, out_kind, activation, has_bias)
 
     @cuda.jit(device=True, inline="always")
-    def issue_tile(base, slot, kt, a, b, row0, col0, m, n, k, tid):
+    def issue_tile(plan_a, plan_b, base, slot, kt, k, kstep_b):
         a_addr = base + slot * STAGE_BYTES
-        copy_a(a_addr, a, row0, kt * BK, m, k, tid)
-        if b_k_major:
-            copy_b(a_addr + A_BYTES, b, kt * BK, col0, k, n, tid)
-        else:
-            copy_b(a_addr + A_BYTES, b, col0, kt * BK, n, k, tid)
+        k_left = k - kt * BK
+        copy_a(plan_a, a_addr, kt, k_left, BK * 2)
+        copy_b(plan_b, a_addr + A_BYTES, kt, k_left, kstep_b)
 
     @cuda.jit(device=True, inline="always")
     def gemm_block(a, b, out, bias, alpha):
@@ -89,10 +89,23 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
                 for e in range(4):
                     acc[i, j, e] = 0
 
+        plan_a = cuda.local.array((4, PER_A), np.int64)
+        plan_b = cuda.local.array((4, PER_B), np.int64)
+        setup_a(plan_a, a, row0, 0, m, k, tid)
+        if b_k_major:
+            setup_b(plan_b, b, 0, col0, k, n, tid)
+            kstep_b = BK * b.strides[0]
+        else:
+            setup_b(plan_b, b, col0, 0, n, k, tid)
+            kstep_b = BK * 2
+
+        fa_off, fa_x = setup_fa(wrow, lane)
+        fb_off, fb_u, fb_v = setup_fb(wcol, lane)
+
         ktiles = (k + BK - 1) // BK
         for s in range(STAGES - 1):
             if s < ktiles:
-                issue_tile(base, s, s, a, b, row0, col0, m, n, k, tid)
+                issue_tile(plan_a, plan_b, base, s, s, k, kstep_b)
             cp_async_commit_group()
 
         for kt in range(ktiles):
@@ -100,13 +113,13 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             cuda.syncthreads()
             nxt = kt + STAGES - 1
             if nxt < ktiles:
-                issue_tile(base, nxt % STAGES, nxt, a, b, row0, col0, m, n, k, tid)
+                issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
             cp_async_commit_group()
             a_addr = base + (kt % STAGES) * STAGE_BYTES
             b_addr = a_addr + A_BYTES
             for kk in range(KI):
-                load_a(a_frag, a_addr, kk, wrow, lane)
-                load_b(b_frag, b_addr, kk, wcol, lane)
+                load_a(a_frag, a_addr, kk, fa_off, fa_x)
+                load_b(b_frag, b_addr, kk, fb_off, fb_u, fb_v)
                 mma(acc, a_frag, b_frag)
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, lane)

@@ -45,13 +45,26 @@ def swizzle_fn(chunks_per_row: int, enabled: bool = True):
 
 
 @functools.cache
-def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True):
-    """``copy(tile_addr, g, row0, col0, nrows, ncols, tid)``: block-wide, issue only.
+def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True,
+                          k_along_rows: bool = False):
+    """A block-wide pipelined tile copy: ``(setup, issue)`` device functions.
 
-    Copies ``g[row0:row0+rows, col0:col0+cols]`` (a 2-D array of 16-bit elements, logical size
-    nrows × ncols) into the shared tile at byte address ``tile_addr``; elements outside the
-    matrix become 0. Every thread of the block calls it; it issues cp.async and returns —
-    commit and wait are the caller's (that is what makes multi-stage pipelines possible).
+    The tile is ``rows × cols`` 16-bit elements of a 2-D global array ``g`` (logical size
+    ``nrows × ncols``), copied into a (swizzled) shared tile with 16-byte ``cp.async.cg``.
+    The tile walks along K from one k-step to the next: along columns (an A tile, or a B tile
+    stored n-major) or, with ``k_along_rows``, along rows (a B tile stored k-major).
+
+    * ``setup(plan, g, row0, col0, nrows, ncols, tid)`` — once per block, before the loop:
+      fills ``plan``, a ``cuda.local.array((4, per_thread), int64)``, with this thread's chunk
+      offsets, so the loop only adds compile-time constants.
+    * ``issue(plan, tile_addr, kt, k_left, kstep)`` — issue the copies of k-step ``kt``:
+      ``k_left`` is K minus the k index where step ``kt`` starts, ``kstep`` the bytes one step
+      moves in ``g`` (``cols*2`` along columns, ``rows*row_stride`` along rows). Elements outside
+      the matrix are zero-filled through cp.async's src-size operand; nothing is read there.
+      Issue only: commit and wait are the caller's, which is what makes multi-stage pipelines.
+
+    Needs 16-byte aligned rows (a row stride that is a multiple of 16 bytes and an aligned
+    base); the op wrappers check that and take another path otherwise.
     """
     chunks = cols // 8
     if cols % 8 or (rows * chunks) % threads:
@@ -59,89 +72,141 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
                          f"{threads} threads")
     per_thread = rows * chunks // threads
     swz = swizzle_fn(chunks, swizzle)
+    BIG = 1 << 30
 
     @cuda.jit(device=True, inline="always")
-    def copy(tile_addr, g, row0, col0, nrows, ncols, tid):
+    def setup(plan, g, row0, col0, nrows, ncols, tid):
+        base = global_addr(g, (0, 0))
+        stride = g.strides[0]
         for p in range(per_thread):
             q = tid + p * threads
             r = q // chunks
             c = q % chunks
             grow = row0 + r
             gcol = col0 + c * 8
-            dst = tile_addr + (r * chunks + swz(r, c)) * 16
-            if grow < nrows and gcol < ncols:
-                nbytes = min(16, (ncols - gcol) * 2)
-                cp_async_cg_16(dst, global_addr(g, (grow, gcol)), nbytes)
+            plan[0, p] = base + grow * stride + gcol * 2          # source at k-step 0
+            plan[1, p] = (r * chunks + swz(r, c)) * 16              # shared offset
+            if k_along_rows:
+                plan[2, p] = r                                       # k index in the step
+                plan[3, p] = max(0, min(16, (ncols - gcol) * 2))     # bytes this column has
             else:
-                cp_async_cg_16(dst, global_addr(g, (0, 0)), 0)  # zero-fill, reads nothing
+                plan[2, p] = c * 8 if grow < nrows else BIG
+                plan[3, p] = 16
 
-    return copy
+    @cuda.jit(device=True, inline="always")
+    def issue(plan, tile_addr, kt, k_left, kstep):
+        for p in range(per_thread):
+            if k_along_rows:
+                nbytes = plan[3, p] if plan[2, p] < k_left else 0
+            else:
+                nbytes = max(0, min(16, (k_left - plan[2, p]) * 2))
+            cp_async_cg_16(tile_addr + plan[1, p], plan[0, p] + kt * kstep, nbytes)
+
+    return setup, issue
+
+
+def _mask_fn(chunks: int, enabled: bool):
+    rows_per_line = max(1, layout.BANK_GROUPS // chunks)
+    modulo = min(chunks, layout.BANK_GROUPS)
+
+    if enabled:
+        @cuda.jit(device=True, inline="always")
+        def mask(row):
+            return (row // rows_per_line) % modulo
+    else:
+        @cuda.jit(device=True, inline="always")
+        def mask(row):
+            return 0
+    return mask
+
+
+# The swizzle mask of a row depends on row mod 8 only (rows_per_line × modulo = 8), so it is
+# the same for rows 16 apart: each warp computes it once, and the loops below only add
+# compile-time constants and XOR a per-thread value — no division in the main loop.
 
 
 @functools.cache
 def load_a_fragments(mi: int, tile_cols: int, swizzle: bool = True):
-    """``load(frag, tile_addr, kk, row0, lane)``: one warp, A fragments of one k16 step.
+    """``(setup, load)`` for one warp's A fragments of one k16 step, from a shared tile.
 
-    The shared tile is row-major (m rows × ``tile_cols`` k-columns). Fills
-    ``frag[i, 0..3]`` (uint32) for the m16 tiles ``i < mi`` starting at tile row ``row0``,
-    k columns ``16·kk … 16·kk+15`` — the A operand of ``mma_m16n8k16``.
+    The tile is row-major (m rows × ``tile_cols`` k-columns). ``setup(row0, lane)`` returns
+    this lane's ``(offset, xor)`` for the warp's rows ``row0 …``; then
+    ``load(frag, tile_addr, kk, offset, xor)`` fills ``frag[i, 0..3]`` (uint32) for the m16
+    tiles ``i < mi``, k columns ``16·kk … 16·kk+15`` — the A operand of ``mma_m16n8k16``.
     """
     chunks = tile_cols // 8
-    swz = swizzle_fn(chunks, swizzle)
+    layout.check_swizzle(chunks, swizzle)
+    mask = _mask_fn(chunks, swizzle)
+    row_step = 16 * chunks * 16
 
     @cuda.jit(device=True, inline="always")
-    def load(frag, tile_addr, kk, row0, lane):
-        chunk = kk * 2 + lane // 16
+    def setup(row0, lane):
+        r = row0 + lane % 16
+        return r * chunks * 16, (lane // 16) ^ mask(r)
+
+    @cuda.jit(device=True, inline="always")
+    def load(frag, tile_addr, kk, offset, xor):
+        addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
         for i in range(mi):
-            r = row0 + i * 16 + lane % 16
-            a0, a1, a2, a3 = ldmatrix_x4(tile_addr + (r * chunks + swz(r, chunk)) * 16)
+            a0, a1, a2, a3 = ldmatrix_x4(addr + i * row_step)
             frag[i, 0] = a0
             frag[i, 1] = a1
             frag[i, 2] = a2
             frag[i, 3] = a3
 
-    return load
+    return setup, load
 
 
 @functools.cache
 def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = True):
-    """``load(frag, tile_addr, kk, col0, lane)``: one warp, B fragments of one k16 step.
+    """``(setup, load)`` for one warp's B fragments of one k16 step, from a shared tile.
 
-    ``k_major=True``: the shared tile is (k rows × ``tile_cols`` n-columns), B as stored by a
+    ``k_major=True``: the tile is (k rows × ``tile_cols`` n-columns), B as stored by a
     row-major (K, N) matrix; loaded with ldmatrix.x4.trans. ``k_major=False``: the tile is
     (n rows × ``tile_cols`` k-columns), from a column-major B (a transposed (N, K) array);
-    loaded with ldmatrix.x4. Fills ``frag[j, 0..1]`` for the n8 tiles ``j < ni`` starting at
-    column ``col0`` — the B operand of ``mma_m16n8k16``. ``ni`` must be even.
+    loaded with ldmatrix.x4. ``setup(col0, lane)`` returns this lane's ``(offset, a, b)``;
+    ``load(frag, tile_addr, kk, offset, a, b)`` fills ``frag[j, 0..1]`` for the n8 tiles
+    ``j < ni`` starting at column ``col0`` — the B operand of ``mma_m16n8k16``. ``ni`` even.
     """
     if ni % 2:
         raise ValueError(f"load_b_fragments loads n8 tiles in pairs; ni={ni} is odd")
     chunks = tile_cols // 8
-    swz = swizzle_fn(chunks, swizzle)
+    layout.check_swizzle(chunks, swizzle)
+    mask = _mask_fn(chunks, swizzle)
     pairs = ni // 2
+    step16 = 16 * chunks * 16  # bytes of 16 tile rows
 
     if k_major:
         @cuda.jit(device=True, inline="always")
-        def load(frag, tile_addr, kk, col0, lane):
+        def setup(col0, lane):
             q = lane // 8
-            k = kk * 16 + (q % 2) * 8 + lane % 8
+            krow = (q % 2) * 8 + lane % 8
+            return krow * chunks * 16, col0 // 8 + q // 2, mask(krow)
+
+        @cuda.jit(device=True, inline="always")
+        def load(frag, tile_addr, kk, offset, chunk0, xor):
+            addr = tile_addr + offset + kk * step16
             for jj in range(pairs):
-                chunk = (col0 + jj * 16) // 8 + q // 2
-                b0, b1, b2, b3 = ldmatrix_x4_trans(tile_addr + (k * chunks + swz(k, chunk)) * 16)
+                b0, b1, b2, b3 = ldmatrix_x4_trans(addr + (((chunk0 + 2 * jj) ^ xor) << 4))
                 frag[2 * jj, 0] = b0
                 frag[2 * jj, 1] = b1
                 frag[2 * jj + 1, 0] = b2
                 frag[2 * jj + 1, 1] = b3
     else:
         @cuda.jit(device=True, inline="always")
-        def load(frag, tile_addr, kk, col0, lane):
+        def setup(col0, lane):
             q = lane // 8
-            chunk = kk * 2 + q % 2
+            n = col0 + (q // 2) * 8 + lane % 8
+            return n * chunks * 16, (q % 2) ^ mask(n), 0
+
+        @cuda.jit(device=True, inline="always")
+        def load(frag, tile_addr, kk, offset, xor, unused):
+            addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
             for jj in range(pairs):
-                n = col0 + jj * 16 + (q // 2) * 8 + lane % 8
-                b0, b1, b2, b3 = ldmatrix_x4(tile_addr + (n * chunks + swz(n, chunk)) * 16)
+                b0, b1, b2, b3 = ldmatrix_x4(addr + jj * step16)
                 frag[2 * jj, 0] = b0
                 frag[2 * jj, 1] = b1
                 frag[2 * jj + 1, 0] = b2
                 frag[2 * jj + 1, 1] = b3
 
-    return load
+    return setup, load

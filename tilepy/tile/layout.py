@@ -16,6 +16,14 @@ CHUNK_BYTES = 16
 BANK_GROUPS = 8  # 32 banks × 4 bytes = 128 bytes = 8 chunks
 
 
+def check_swizzle(chunks_per_row: int, swizzle: bool = True) -> None:
+    """The XOR swizzle keeps a chunk inside its row only for 1, 2, 4 or a multiple of 8 chunks."""
+    if swizzle and not (chunks_per_row in (1, 2, 4) or chunks_per_row % 8 == 0):
+        raise ValueError(f"a swizzled tile row must hold 1, 2, 4 or a multiple of 8 chunks of "
+                         f"16 bytes; {chunks_per_row} chunks ({chunks_per_row * 8} elements) "
+                         "do not")
+
+
 def swizzle_mask(row: int, chunks_per_row: int) -> int:
     rows_per_line = max(1, BANK_GROUPS // chunks_per_row)
     return (row // rows_per_line) % min(chunks_per_row, BANK_GROUPS)
