@@ -7,7 +7,7 @@
 computing ``out = act(alpha · a @ b + bias)`` for 2-D 16-bit arrays (uint16 views of float16 /
 bfloat16 data): ``a`` (M, K) row-major; ``b`` (K, N) row-major when ``b_k_major`` else (N, K)
 row-major (i.e. B column-major); ``out`` (M, N) — float32, or uint16 bits of ``out_kind``.
-Launch with grid (ceil(N / BN), ceil(M / BM)), ``cfg.threads`` threads and ``cfg.smem_bytes``
+Launch with a 1-D grid of ceil(M / BM) · ceil(N / BN) blocks (:func:`grid`), ``cfg.threads`` threads and ``cfg.smem_bytes``
 of dynamic shared memory (see :func:`launch`). Rows must be 16-byte aligned (K and, for a
 k-major B, N multiples of 8 elements); edges of any size are zero-filled by cp.async.
 
@@ -37,6 +37,7 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
                 activation=None, has_bias: bool = False):
     BM, BN, BK = cfg.block.m, cfg.block.n, cfg.block.k
     STAGES = cfg.pipeline.stages
+    GROUP_M = 8
     WAIT = STAGES - 2
     THREADS = cfg.threads
     WARPS_N = cfg.warps.n
@@ -75,15 +76,23 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
-        row0 = cuda.blockIdx.y * BM
-        col0 = cuda.blockIdx.x * BN
+        # Grouped order: consecutive blocks sweep GROUP_M block-rows before moving right, so
+        # the A panels and B panels they read stay in L2 together.
+        tiles_m = (m + BM - 1) // BM
+        tiles_n = (n + BN - 1) // BN
+        pid = cuda.blockIdx.x
+        per_group = GROUP_M * tiles_n
+        first_m = (pid // per_group) * GROUP_M
+        rows_here = min(tiles_m - first_m, GROUP_M)
+        row0 = (first_m + (pid % per_group) % rows_here) * BM
+        col0 = ((pid % per_group) // rows_here) * BN
         wrow = (warp // WARPS_N) * WM
         wcol = (warp % WARPS_N) * WN
         base = shared_addr(smem(), 0)
 
         acc = cuda.local.array((MI, NI, 4), np.float32)
-        a_frag = cuda.local.array((MI, 4), np.uint32)
-        b_frag = cuda.local.array((NI, 2), np.uint32)
+        a_frag = cuda.local.array((2, MI, 4), np.uint32)  # two register buffers: the
+        b_frag = cuda.local.array((2, NI, 2), np.uint32)  # next k16 step loads under the mma
         for i in range(MI):
             for j in range(NI):
                 for e in range(4):
@@ -117,10 +126,13 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             cp_async_commit_group()
             a_addr = base + (kt % STAGES) * STAGE_BYTES
             b_addr = a_addr + A_BYTES
+            load_a(a_frag, 0, a_addr, 0, fa_off, fa_x)
+            load_b(b_frag, 0, b_addr, 0, fb_off, fb_u, fb_v)
             for kk in range(KI):
-                load_a(a_frag, a_addr, kk, fa_off, fa_x)
-                load_b(b_frag, b_addr, kk, fb_off, fb_u, fb_v)
-                mma(acc, a_frag, b_frag)
+                if kk + 1 < KI:
+                    load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_x)
+                    load_b(b_frag, (kk + 1) % 2, b_addr, kk + 1, fb_off, fb_u, fb_v)
+                mma(acc, a_frag, b_frag, kk % 2)
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, lane)
 
@@ -133,7 +145,8 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
 
 def grid(cfg: GemmConfig, m: int, n: int):
-    return ((n + cfg.block.n - 1) // cfg.block.n, (m + cfg.block.m - 1) // cfg.block.m)
+    """One block per (BM × BN) tile of the output, in a 1-D grid (the kernel orders them)."""
+    return ((n + cfg.block.n - 1) // cfg.block.n) * ((m + cfg.block.m - 1) // cfg.block.m)
 
 
 def launch(kernel, cfg: GemmConfig, a, b, out, bias, alpha, stream=0):

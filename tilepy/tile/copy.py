@@ -131,8 +131,8 @@ def load_a_fragments(mi: int, tile_cols: int, swizzle: bool = True):
 
     The tile is row-major (m rows × ``tile_cols`` k-columns). ``setup(row0, lane)`` returns
     this lane's ``(offset, xor)`` for the warp's rows ``row0 …``; then
-    ``load(frag, tile_addr, kk, offset, xor)`` fills ``frag[i, 0..3]`` (uint32) for the m16
-    tiles ``i < mi``, k columns ``16·kk … 16·kk+15`` — the A operand of ``mma_m16n8k16``.
+    ``load(frag, buf, tile_addr, kk, offset, xor)`` fills ``frag[buf, i, 0..3]`` (uint32; ``buf``
+    selects one of the register buffers, for double-buffering) for the m16 tiles ``i < mi``, k columns ``16·kk … 16·kk+15`` — the A operand of ``mma_m16n8k16``.
     """
     chunks = tile_cols // 8
     layout.check_swizzle(chunks, swizzle)
@@ -145,14 +145,14 @@ def load_a_fragments(mi: int, tile_cols: int, swizzle: bool = True):
         return r * chunks * 16, (lane // 16) ^ mask(r)
 
     @cuda.jit(device=True, inline="always")
-    def load(frag, tile_addr, kk, offset, xor):
+    def load(frag, buf, tile_addr, kk, offset, xor):
         addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
         for i in range(mi):
             a0, a1, a2, a3 = ldmatrix_x4(addr + i * row_step)
-            frag[i, 0] = a0
-            frag[i, 1] = a1
-            frag[i, 2] = a2
-            frag[i, 3] = a3
+            frag[buf, i, 0] = a0
+            frag[buf, i, 1] = a1
+            frag[buf, i, 2] = a2
+            frag[buf, i, 3] = a3
 
     return setup, load
 
@@ -165,7 +165,7 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
     row-major (K, N) matrix; loaded with ldmatrix.x4.trans. ``k_major=False``: the tile is
     (n rows × ``tile_cols`` k-columns), from a column-major B (a transposed (N, K) array);
     loaded with ldmatrix.x4. ``setup(col0, lane)`` returns this lane's ``(offset, a, b)``;
-    ``load(frag, tile_addr, kk, offset, a, b)`` fills ``frag[j, 0..1]`` for the n8 tiles
+    ``load(frag, buf, tile_addr, kk, offset, a, b)`` fills ``frag[buf, j, 0..1]`` for the n8 tiles
     ``j < ni`` starting at column ``col0`` — the B operand of ``mma_m16n8k16``. ``ni`` even.
     """
     if ni % 2:
@@ -184,14 +184,14 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
             return krow * chunks * 16, col0 // 8 + q // 2, mask(krow)
 
         @cuda.jit(device=True, inline="always")
-        def load(frag, tile_addr, kk, offset, chunk0, xor):
+        def load(frag, buf, tile_addr, kk, offset, chunk0, xor):
             addr = tile_addr + offset + kk * step16
             for jj in range(pairs):
                 b0, b1, b2, b3 = ldmatrix_x4_trans(addr + (((chunk0 + 2 * jj) ^ xor) << 4))
-                frag[2 * jj, 0] = b0
-                frag[2 * jj, 1] = b1
-                frag[2 * jj + 1, 0] = b2
-                frag[2 * jj + 1, 1] = b3
+                frag[buf, 2 * jj, 0] = b0
+                frag[buf, 2 * jj, 1] = b1
+                frag[buf, 2 * jj + 1, 0] = b2
+                frag[buf, 2 * jj + 1, 1] = b3
     else:
         @cuda.jit(device=True, inline="always")
         def setup(col0, lane):
@@ -200,13 +200,13 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
             return n * chunks * 16, (q % 2) ^ mask(n), 0
 
         @cuda.jit(device=True, inline="always")
-        def load(frag, tile_addr, kk, offset, xor, unused):
+        def load(frag, buf, tile_addr, kk, offset, xor, unused):
             addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
             for jj in range(pairs):
                 b0, b1, b2, b3 = ldmatrix_x4(addr + jj * step16)
-                frag[2 * jj, 0] = b0
-                frag[2 * jj, 1] = b1
-                frag[2 * jj + 1, 0] = b2
-                frag[2 * jj + 1, 1] = b3
+                frag[buf, 2 * jj, 0] = b0
+                frag[buf, 2 * jj, 1] = b1
+                frag[buf, 2 * jj + 1, 0] = b2
+                frag[buf, 2 * jj + 1, 1] = b3
 
     return setup, load

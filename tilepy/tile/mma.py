@@ -13,10 +13,10 @@ _MMA = {"float16": mma_m16n8k16_f16_f32, "bfloat16": mma_m16n8k16_bf16_f32}
 
 @functools.cache
 def warp_mma(mi: int, ni: int, dtype: str = "float16"):
-    """``run(acc, a_frag, b_frag)``: acc[i, j, 0..3] += A_i · B_j for all i < mi, j < ni.
+    """``run(acc, a_frag, b_frag, buf)``: acc[i, j, 0..3] += A_i · B_j for all i < mi, j < ni.
 
     ``acc`` is a (mi, ni, 4) float32 local array (the m16n8 accumulator layout of
-    :mod:`tilepy.ptx.fragments`), ``a_frag`` (mi, 4) and ``b_frag`` (ni, 2) uint32 arrays as
+    :mod:`tilepy.ptx.fragments`), ``a_frag[buf]`` (mi, 4) and ``b_frag[buf]`` (ni, 2) uint32 as
     filled by :func:`tilepy.tile.copy.load_a_fragments` / ``load_b_fragments``. All sizes are
     closure constants: the loops unroll and everything stays in registers.
     """
@@ -26,12 +26,12 @@ def warp_mma(mi: int, ni: int, dtype: str = "float16"):
         raise ValueError(f"warp_mma: dtype must be one of {sorted(_MMA)}, got {dtype!r}") from None
 
     @cuda.jit(device=True, inline="always")
-    def run(acc, a_frag, b_frag):
+    def run(acc, a_frag, b_frag, buf):
         for i in range(mi):
             for j in range(ni):
                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma(
-                    a_frag[i, 0], a_frag[i, 1], a_frag[i, 2], a_frag[i, 3],
-                    b_frag[j, 0], b_frag[j, 1],
+                    a_frag[buf, i, 0], a_frag[buf, i, 1], a_frag[buf, i, 2], a_frag[buf, i, 3],
+                    b_frag[buf, j, 0], b_frag[buf, j, 1],
                     acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
 
     return run
