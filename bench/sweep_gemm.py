@@ -36,6 +36,8 @@ def main():
     p.add_argument("n", type=int, nargs="?", default=4096)
     p.add_argument("dtype", nargs="?", default="float16")
     p.add_argument("--json")
+    p.add_argument("--variants", action="store_true",
+                   help="for two configs, each of group_m in {1, 8} x double_buffer on/off")
     args = p.parse_args()
     import torch
     from numba import cuda
@@ -71,17 +73,22 @@ def main():
     peer = ms_of(lambda: torch.matmul(a, b))
     rows = []
     print(f"N={n} {dtype}: torch.matmul {flop / peer / 1e9:.0f} TFLOPS")
-    for cfg in configs():
+    plan = [(c, 8, True) for c in configs()]
+    if args.variants:
+        picked = [configs()[0], configs()[9]]
+        plan = [(c, g, d) for c in picked for g in (1, 8) for d in (False, True)]
+    for cfg, group_m, dbuf in plan:
         cfg = GemmConfig(cfg.block, cfg.warps, cfg.pipeline, dtype)
         try:
-            kern = gemm_kernel(cfg, True, dtype)
+            kern = gemm_kernel(cfg, True, dtype, group_m=group_m, double_buffer=dbuf)
             launch(kern, cfg, *dargs, 1.0)
             torch.cuda.synchronize()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             configured = kern[grid(cfg, n, n), cfg.threads, 0, cfg.smem_bytes]
             alpha = np.float32(1)
             ms = ms_of(lambda: configured(*dargs, alpha))
-            row = {"config": cfg.describe(), "tflops": flop / ms / 1e9,
+            row = {"config": cfg.describe(), "group_m": group_m, "double_buffer": dbuf,
+                   "tflops": flop / ms / 1e9,
                    "ratio": peer / ms, "err": err}
         except Exception as e:  # report and go on
             row = {"config": cfg.describe(), "error": f"{type(e).__name__}: {e}"[:200]}
