@@ -52,8 +52,8 @@ def main():
     out = torch.empty(n, n, device="cuda", dtype=tdt)
     ref = (a.float() @ b.float())
     bias = torch.zeros(1, device="cuda", dtype=torch.float32)
-    dargs = [cuda.as_cuda_array(t.view(torch.int16)).view(np.uint16) for t in (a, b, out)]
-    dargs.append(cuda.as_cuda_array(bias))
+    dargs = [cuda.as_cuda_array(t.view(torch.int16)[None]).view(np.uint16) for t in (a, b, out)]
+    dargs += [dargs[2], cuda.as_cuda_array(bias)]
 
     def ms_of(fn, rep=20):
         for _ in range(3):
@@ -81,12 +81,13 @@ def main():
         cfg = GemmConfig(cfg.block, cfg.warps, cfg.pipeline, dtype)
         try:
             kern = gemm_kernel(cfg, True, dtype, group_m=group_m, double_buffer=dbuf)
-            launch(kern, cfg, *dargs, 1.0)
+            launch(kern, cfg, *dargs)
             torch.cuda.synchronize()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
             configured = kern[grid(cfg, n, n), cfg.threads, 0, cfg.smem_bytes]
             alpha = np.float32(1)
-            ms = ms_of(lambda: configured(*dargs, alpha))
+            beta = np.float32(0)
+            ms = ms_of(lambda: configured(*dargs, alpha, beta))
             row = {"config": cfg.describe(), "group_m": group_m, "double_buffer": dbuf,
                    "tflops": flop / ms / 1e9,
                    "ratio": peer / ms, "err": err}

@@ -46,20 +46,20 @@ def test_gemm_tilepy_vs_cublas(benchmark, record, torch, gpu_name, n, dtype):
     bias = torch.zeros(1, device="cuda", dtype=torch.float32)
     cfg = GemmConfig(dtype=dtype)
     kern = gemm_kernel(cfg, True, dtype)
-    args = [cuda.as_cuda_array(t.view(torch.int16)).view(np.uint16) for t in (a, b, out)]
-    args.append(cuda.as_cuda_array(bias))
-    launch(kern, cfg, *args, 1.0)  # compile + allow smem
+    args = [cuda.as_cuda_array(t.view(torch.int16)[None]).view(np.uint16) for t in (a, b, out)]
+    args += [args[2], cuda.as_cuda_array(bias)]
+    launch(kern, cfg, *args)  # compile + allow smem
     torch.cuda.synchronize()
     ref = a.float() @ b.float()
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < 2e-2, err
     configured = kern[grid(cfg, n, n), cfg.threads, 0, cfg.smem_bytes]
-    alpha = np.float32(1.0)
-    ms = cuda_ms(torch, lambda: configured(*args, alpha))
+    alpha, beta = np.float32(1.0), np.float32(0.0)
+    ms = cuda_ms(torch, lambda: configured(*args, alpha, beta))
     peer_ms = cuda_ms(torch, lambda: torch.matmul(a, b))
     flop = 2 * n**3
     record(gpu=gpu_name, tflops=flop / ms / 1e9, peer="torch.matmul (cuBLAS)",
            peer_tflops=flop / peer_ms / 1e9, ratio=peer_ms / ms, config=cfg.describe(),
            max_rel_err=err)
-    benchmark.pedantic(lambda: (configured(*args, alpha), torch.cuda.synchronize()),
+    benchmark.pedantic(lambda: (configured(*args, alpha, beta), torch.cuda.synchronize()),
                        rounds=5, iterations=1)

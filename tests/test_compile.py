@@ -48,3 +48,21 @@ def test_probe_compiles_to_the_instruction(reports, name, cc):
 
 def test_every_probe_was_compiled(reports):
     assert {r["probe"] for r in reports.values()} == set(NAMES)
+
+
+@pytest.fixture(scope="session")
+def gemm_reports():
+    return run_in_subprocess("tilepy.ops.gemm_kernel:compile_reports")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gemm_main_loop_128x128x32_3_stages_8_warps(gemm_reports, dtype):
+    rep = gemm_reports[f"gemm_{dtype}"]
+    assert "128x128x32 block, 2x4 warps" in rep["config"] and "3 stages" in rep["config"]
+    c = rep["counts"]
+    assert c["mma"] >= 16 and c["ldmatrix"] >= 6 and c["cp.async"] >= 4
+    assert c["cp.async.wait"] >= 1 and c["ld.local"] == 0 and c["st.local"] == 0
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_frame"] == 0
+    assert rep["local_bytes"] == 0
+    assert rep["registers"] <= 168, rep["registers"]
+    print(f"gemm {dtype}: {rep['registers']} registers, cold compile {rep['compile_seconds']:.1f} s")

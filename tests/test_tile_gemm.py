@@ -37,7 +37,7 @@ ACT = {None: lambda v: v, "relu": lambda v: np.maximum(v, 0),
 
 
 def run_case(cfg, m, n, k, *, dtype="float16", out_kind="float32", b_k_major=True,
-             activation=None, bias=False, alpha=1.0, seed=None, device=None):
+             activation=None, bias=False, alpha=1.0, beta=0.0, seed=None, device=None):
     rng = np.random.default_rng(seed)
     a = to_bits(rng.standard_normal((m, k)), dtype)
     b_log = to_bits(rng.standard_normal((k, n)), dtype)
@@ -47,18 +47,23 @@ def run_case(cfg, m, n, k, *, dtype="float16", out_kind="float32", b_k_major=Tru
         out = np.full((m, n), np.nan, np.float32)
     else:
         out = np.full((m, n), 0x7FFF, np.uint16)  # NaN bits in both 16-bit formats
-    kern = gemm_kernel(cfg, b_k_major, out_kind, activation, bias)
+    c = (rng.standard_normal((m, n)).astype(np.float32) if out_kind == "float32"
+         else to_bits(rng.standard_normal((m, n)), out_kind)) if beta else np.zeros_like(out[:1, :1])
+    kern = gemm_kernel(cfg, b_k_major, out_kind, activation, bias, bool(beta))
+    ops = [x[None] for x in (a, b, out, c)] + [bias_v]
     if device is None:
-        launch(kern, cfg, a, b, out, bias_v, alpha)
+        launch(kern, cfg, *ops, alpha, beta)
         got = out
     else:
-        d = [device.to_device(x) for x in (a, b, out, bias_v)]
-        launch(kern, cfg, d[0], d[1], d[2], d[3], alpha)
-        got = d[2].copy_to_host()
+        d = [device.to_device(x) for x in ops]
+        launch(kern, cfg, *d, alpha, beta)
+        got = d[2].copy_to_host()[0]
     got = got.astype(np.float64) if out_kind == "float32" else from_bits(got, out_kind)
     ref = alpha * (from_bits(a, dtype) @ from_bits(b_log, dtype))
     if bias:
         ref = ref + bias_v
+    if beta:
+        ref = ref + beta * (c.astype(np.float64) if out_kind == "float32" else from_bits(c, out_kind))
     ref = ACT[activation](ref)
     return got, ref
 
@@ -71,22 +76,22 @@ def assert_close(got, ref, out_kind, k):
 
 
 CASES = [
-    # cfg, m, n, k, dtype, out_kind, b_k_major, activation, bias
-    (SMALL, 40, 56, 40, "float16", "float32", True, None, False),
-    (SMALL, 32, 32, 16, "bfloat16", "bfloat16", True, None, False),
-    (SMALL, 17, 24, 24, "float16", "float16", False, "gelu", True),
-    (SMALL3, 8, 40, 72, "bfloat16", "float32", False, "silu", True),
-    (SMALL3, 20, 16, 8, "float16", "float16", True, "relu", True),
-    (SMALL, 1, 8, 8, "float16", "float32", True, "gelu_tanh", False),
+    # cfg, m, n, k, dtype, out_kind, b_k_major, activation, bias, beta
+    (SMALL, 40, 56, 40, "float16", "float32", True, None, False, 0.0),
+    (SMALL, 32, 32, 16, "bfloat16", "bfloat16", True, None, False, 1.0),
+    (SMALL, 17, 24, 24, "float16", "float16", False, "gelu", True, 0.0),
+    (SMALL3, 8, 40, 72, "bfloat16", "float32", False, "silu", True, -0.5),
+    (SMALL3, 20, 16, 8, "float16", "float16", True, "relu", True, 2.0),
+    (SMALL, 1, 8, 8, "float16", "float32", True, "gelu_tanh", False, 0.0),
 ]
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("cfg,m,n,k,dtype,out_kind,b_k_major,act,bias", CASES)
-def test_gemm_main_loop_in_simulator(cfg, m, n, k, dtype, out_kind, b_k_major, act, bias):
+@pytest.mark.parametrize("cfg,m,n,k,dtype,out_kind,b_k_major,act,bias,beta", CASES)
+def test_gemm_main_loop_in_simulator(cfg, m, n, k, dtype, out_kind, b_k_major, act, bias, beta):
     cfg = GemmConfig(cfg.block, cfg.warps, cfg.pipeline, dtype)
     got, ref = run_case(cfg, m, n, k, dtype=dtype, out_kind=out_kind, b_k_major=b_k_major,
-                        activation=act, bias=bias, alpha=0.5)
+                        activation=act, bias=bias, alpha=0.5, beta=beta)
     assert_close(got, ref, out_kind, k)
 
 

@@ -13,5 +13,6 @@ _env.check_versions()
 SIMULATOR: bool = _env.choose_target()
 
 from . import ptx  # noqa: E402
+from .ops.gemm import gemm  # noqa: E402
 
-__all__ = ["SIMULATOR", "__version__", "ptx"]
+__all__ = ["SIMULATOR", "__version__", "gemm", "ptx"]

@@ -113,8 +113,13 @@ def cmd_inspect(args) -> int:
         pyfunc, argtypes = targets[args.op](args.dtype)
     except ValueError as e:
         _parser().error(str(e))
+    import time
+
+    t0 = time.perf_counter()
     rep = offline.compile_kernel(args.op, pyfunc, argtypes, (int(cc[0]), int(cc[1]), cc[2:]))
+    seconds = time.perf_counter() - t0
     print(rep.summary())
+    print(f"  cold compile (NVVM + ptxas) {seconds:.2f} s")
     print(f"  registers/thread {rep.registers}, spill stores {rep.spill_stores} B, spill loads "
           f"{rep.spill_loads} B, stack frame {rep.stack_frame} B, shared {rep.shared_bytes} B, "
           f"local {rep.local_bytes} B")

@@ -200,4 +200,16 @@ def inspect_targets() -> dict:
         return kernel.py_func, (types.uint32[:, :], types.float32[:], types.int64)
 
     out["mma_loop"] = mma_loop
+
+    def gemm(dtype):
+        from .ops.gemm_kernel import argtypes, gemm_kernel
+        from .tile.config import GemmConfig
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("the tensor-core gemm kernel takes float16 or bfloat16")
+        cfg = GemmConfig(dtype=dtype)
+        return gemm_kernel(cfg, True, dtype).py_func, argtypes(dtype)
+
+    out["gemm"] = gemm
     return out

@@ -1,15 +1,20 @@
 """The mma.sync GEMM kernel: a multi-stage cp.async pipeline feeding ldmatrix + mma.sync.
 
-``gemm_kernel(cfg, b_k_major, out_kind, activation, has_bias)`` returns a ``@cuda.jit`` kernel
+``gemm_kernel(cfg, b_k_major, out_kind, activation, has_bias, has_c)`` returns a ``@cuda.jit``
+kernel
 
-    kernel(a, b, out, bias, alpha)
+    kernel(a, b, out, c, bias, alpha, beta)
 
-computing ``out = act(alpha · a @ b + bias)`` for 2-D 16-bit arrays (uint16 views of float16 /
-bfloat16 data): ``a`` (M, K) row-major; ``b`` (K, N) row-major when ``b_k_major`` else (N, K)
-row-major (i.e. B column-major); ``out`` (M, N) — float32, or uint16 bits of ``out_kind``.
-Launch with a 1-D grid of ceil(M / BM) · ceil(N / BN) blocks (:func:`grid`), ``cfg.threads`` threads and ``cfg.smem_bytes``
-of dynamic shared memory (see :func:`launch`). Rows must be 16-byte aligned (K and, for a
-k-major B, N multiples of 8 elements); edges of any size are zero-filled by cp.async.
+computing ``out[z] = act(alpha · a[z] @ b[z'] + beta · c[z'] + bias)`` for batches of 16-bit
+matrices (uint16 views of float16 / bfloat16 data): ``a`` (Z, M, K) with row-major matrices;
+``b`` (Zb, K, N) row-major when ``b_k_major`` else (Zb, N, K) row-major (B column-major);
+``out`` (Z, M, N) — float32, or uint16 bits of ``out_kind``; ``c`` (Zc, M, N) of the same kind
+as ``out`` (read only if ``has_c``); ``bias`` (N,) float32 (read only if ``has_bias``).
+A batch of 1 in ``a``, ``b`` or ``c`` is broadcast (``z' = min(z, Zb - 1)``).
+Launch with grid (ceil(M / BM) · ceil(N / BN), Z) (:func:`grid`), ``cfg.threads`` threads and
+``cfg.smem_bytes`` of dynamic shared memory (see :func:`launch`). Rows must be 16-byte aligned
+(row strides multiples of 8 elements, aligned bases); edges of any size are zero-filled by
+cp.async.
 
 Pipeline: the prologue issues ``stages - 1`` k-tiles; iteration ``kt`` waits until tile ``kt``
 has landed (``cp.async.wait_group stages-2``), one barrier, issues tile ``kt + stages - 1``
@@ -34,10 +39,12 @@ from ..tile.smem import allow_dynamic_shared, dynamic_shared
 
 @functools.cache
 def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float16",
-                activation=None, has_bias: bool = False):
+                activation=None, has_bias: bool = False, has_c: bool = False, group_m: int = 8,
+                double_buffer: bool = True):
     BM, BN, BK = cfg.block.m, cfg.block.n, cfg.block.k
     STAGES = cfg.pipeline.stages
-    GROUP_M = 8
+    GROUP_M = group_m
+    NBUF = 2 if double_buffer else 1
     WAIT = STAGES - 2
     THREADS = cfg.threads
     WARPS_N = cfg.warps.n
@@ -59,7 +66,7 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     PER_B = BK * BN // 8 // THREADS
     setup_fa, load_a = load_a_fragments(MI, BK, cfg.swizzle)
     mma = warp_mma(MI, NI, cfg.dtype)
-    store = store_accumulators(MI, NI, out_kind, activation, has_bias)
+    store = store_accumulators(MI, NI, out_kind, activation, has_bias, has_c)
 
     @cuda.jit(device=True, inline="always")
     def issue_tile(plan_a, plan_b, base, slot, kt, k, kstep_b):
@@ -69,7 +76,7 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
         copy_b(plan_b, a_addr + A_BYTES, kt, k_left, kstep_b)
 
     @cuda.jit(device=True, inline="always")
-    def gemm_block(a, b, out, bias, alpha):
+    def gemm_block(a, b, out, c, bias, alpha, beta):
         m = a.shape[0]
         k = a.shape[1]
         n = out.shape[1]
@@ -91,8 +98,8 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
         base = shared_addr(smem(), 0)
 
         acc = cuda.local.array((MI, NI, 4), np.float32)
-        a_frag = cuda.local.array((2, MI, 4), np.uint32)  # two register buffers: the
-        b_frag = cuda.local.array((2, NI, 2), np.uint32)  # next k16 step loads under the mma
+        a_frag = cuda.local.array((NBUF, MI, 4), np.uint32)  # two register buffers: the
+        b_frag = cuda.local.array((NBUF, NI, 2), np.uint32)  # next k16 step loads under the mma
         for i in range(MI):
             for j in range(NI):
                 for e in range(4):
@@ -126,43 +133,53 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             cp_async_commit_group()
             a_addr = base + (kt % STAGES) * STAGE_BYTES
             b_addr = a_addr + A_BYTES
-            load_a(a_frag, 0, a_addr, 0, fa_off, fa_x)
-            load_b(b_frag, 0, b_addr, 0, fb_off, fb_u, fb_v)
-            for kk in range(KI):
-                if kk + 1 < KI:
-                    load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_x)
-                    load_b(b_frag, (kk + 1) % 2, b_addr, kk + 1, fb_off, fb_u, fb_v)
-                mma(acc, a_frag, b_frag, kk % 2)
+            if double_buffer:
+                load_a(a_frag, 0, a_addr, 0, fa_off, fa_x)
+                load_b(b_frag, 0, b_addr, 0, fb_off, fb_u, fb_v)
+                for kk in range(KI):
+                    if kk + 1 < KI:
+                        load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_x)
+                        load_b(b_frag, (kk + 1) % 2, b_addr, kk + 1, fb_off, fb_u, fb_v)
+                    mma(acc, a_frag, b_frag, kk % 2)
+            else:
+                for kk in range(KI):
+                    load_a(a_frag, 0, a_addr, kk, fa_off, fa_x)
+                    load_b(b_frag, 0, b_addr, kk, fb_off, fb_u, fb_v)
+                    mma(acc, a_frag, b_frag, 0)
 
-        store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, lane)
+        store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, c, beta, lane)
 
     @cuda.jit
-    def kernel(a, b, out, bias, alpha):
-        gemm_block(a, b, out, bias, alpha)
+    def kernel(a, b, out, c, bias, alpha, beta):
+        z = cuda.blockIdx.y
+        gemm_block(a[min(z, a.shape[0] - 1)], b[min(z, b.shape[0] - 1)], out[z],
+                   c[min(z, c.shape[0] - 1)], bias, alpha, beta)
 
     kernel.gemm_block = gemm_block
     return kernel
 
 
-def grid(cfg: GemmConfig, m: int, n: int):
-    """One block per (BM × BN) tile of the output, in a 1-D grid (the kernel orders them)."""
-    return ((n + cfg.block.n - 1) // cfg.block.n) * ((m + cfg.block.m - 1) // cfg.block.m)
+def grid(cfg: GemmConfig, m: int, n: int, batch: int = 1):
+    """(tiles of the output, batch): the kernel orders the tiles of one matrix itself."""
+    return (((n + cfg.block.n - 1) // cfg.block.n) * ((m + cfg.block.m - 1) // cfg.block.m),
+            batch)
 
 
-def launch(kernel, cfg: GemmConfig, a, b, out, bias, alpha, stream=0):
-    """Launch with the config's grid, block and dynamic shared memory (>48 KB allowed)."""
-    args = (a, b, out, bias, np.float32(alpha))
+def launch(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, stream=0):
+    """Launch on 3-D operands with the config's grid, block and dynamic shared memory."""
+    args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    kernel[grid(cfg, a.shape[0], out.shape[1]), cfg.threads, stream, cfg.smem_bytes](*args)
+    g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])
+    kernel[g, cfg.threads, stream, cfg.smem_bytes](*args)
 
 
 def argtypes(out_kind: str, layout: str = "C"):
     """Numba argument types of :func:`gemm_kernel`'s kernel (for offline compilation)."""
     from numba import types
 
-    u16 = types.Array(types.uint16, 2, layout)
-    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "C")
-    return (u16, u16, out, types.float32[::1], types.float32)
+    u16 = types.Array(types.uint16, 3, layout)
+    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 3, "C")
+    return (u16, u16, out, out, types.float32[::1], types.float32, types.float32)
 
 
 def compile_reports():

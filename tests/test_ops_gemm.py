@@ -1,0 +1,162 @@
+"""tilepy.gemm: results against float64 NumPy (simulator, small shapes; GPU, full size), and
+every user error raised before launch."""
+
+import math
+
+import numpy as np
+import pytest
+
+import tilepy
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+ACT = {None: lambda v: v, "relu": lambda v: np.maximum(v, 0),
+       "gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
+       "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))),
+       "silu": lambda v: v / (1 + np.exp(-v))}
+
+
+def rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(NP[dtype])
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def check(got, ref, dtype, out_dtype=None):
+    got = f64(got)
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), "NaN or unwritten element"
+    tol = TOL[out_dtype or dtype]
+    scale = max(np.abs(ref).max(), 1e-6)
+    assert np.abs(got - ref).max() / scale <= tol
+
+
+pytestmark = pytest.mark.sim
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (17, 33, 65), (64, 64, 64)])
+def test_shapes(dtype, m, n, k):
+    rng = np.random.default_rng()
+    a, b = rand(rng, (m, k), dtype), rand(rng, (k, n), dtype)
+    out = np.full((m, n), np.nan, NP[dtype])
+    res = tilepy.gemm(a, b, out=out)
+    assert res is out
+    check(out, f64(a) @ f64(b), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_transposed_inputs_and_float32_out(dtype):
+    rng = np.random.default_rng()
+    at = rand(rng, (40, 24), dtype)        # a = at.T is column-major: copied to an aligned buffer
+    bt = rand(rng, (48, 40), dtype)        # b = bt.T is column-major: read in place
+    got = tilepy.gemm(at.T, bt.T, out_dtype="float32")
+    assert got.dtype == np.float32
+    check(got, f64(at.T) @ f64(bt.T), dtype, "float32")
+
+
+@pytest.mark.parametrize("act", list(ACT))
+def test_epilogues(act):
+    rng = np.random.default_rng()
+    dtype = "float16"
+    a, b = rand(rng, (20, 24), dtype), rand(rng, (24, 40), dtype)
+    bias = rng.standard_normal(40).astype(np.float32)
+    c = rand(rng, (20, 40), dtype)
+    got = tilepy.gemm(a, b, bias=bias, activation=act, alpha=0.5, beta=-1.5, c=c)
+    ref = ACT[act](0.5 * (f64(a) @ f64(b)) - 1.5 * f64(c) + bias)
+    check(got, ref, dtype)
+
+
+def test_batched_and_broadcast():
+    rng = np.random.default_rng()
+    a = rand(rng, (3, 9, 16), "bfloat16")
+    b = rand(rng, (3, 16, 24), "bfloat16")
+    check(tilepy.gemm(a, b), f64(a) @ f64(b), "bfloat16")
+    b2 = rand(rng, (16, 24), "bfloat16")     # 2-D b broadcast over the batch
+    check(tilepy.gemm(a, b2), f64(a) @ f64(b2), "bfloat16")
+
+
+def test_unaligned_leading_dimensions_take_the_copy_path():
+    rng = np.random.default_rng()
+    a, b = rand(rng, (7, 13), "float16"), rand(rng, (13, 11), "float16")  # rows of 26/22 bytes
+    check(tilepy.gemm(a, b), f64(a) @ f64(b), "float16")
+
+
+def test_float32_is_exact_path():
+    rng = np.random.default_rng()
+    a, b = rand(rng, (19, 21), "float32"), rand(rng, (21, 18), "float32")
+    bias = rng.standard_normal(18).astype(np.float32)
+    check(tilepy.gemm(a, b, bias=bias, activation="silu"),
+          ACT["silu"](f64(a) @ f64(b) + bias), "float32")
+
+
+def test_zero_sized_dimensions_follow_numpy():
+    a, b = np.ones((5, 0), np.float16), np.ones((0, 3), np.float16)
+    got = tilepy.gemm(a, b)
+    assert got.shape == (5, 3) and not np.any(got)
+    bias = np.arange(3, dtype=np.float32)
+    assert np.array_equal(f64(tilepy.gemm(a, b, bias=bias)), np.tile(np.arange(3.0), (5, 1)))
+    assert tilepy.gemm(np.ones((0, 4), np.float16), np.ones((4, 3), np.float16)).shape == (0, 3)
+
+
+def test_errors_are_raised_before_launch():
+    a, b = np.ones((4, 8), np.float16), np.ones((8, 16), np.float16)
+    with pytest.raises(ValueError, match=r"\(4, 8\).*\(9, 16\)"):
+        tilepy.gemm(a, np.ones((9, 16), np.float16))
+    with pytest.raises(TypeError, match="float16 and b float32"):
+        tilepy.gemm(a, b.astype(np.float32))
+    with pytest.raises(TypeError, match="float64"):
+        tilepy.gemm(a.astype(np.float64), b.astype(np.float64))
+    with pytest.raises(TypeError, match="list"):
+        tilepy.gemm([[1.0]], b)
+    with pytest.raises(ValueError, match="out must have shape"):
+        tilepy.gemm(a, b, out=np.empty((4, 15), np.float16))
+    with pytest.raises(ValueError, match="out must have dtype"):
+        tilepy.gemm(a, b, out=np.empty((4, 16), np.float32))
+    with pytest.raises(ValueError, match="beta != 0 needs c"):
+        tilepy.gemm(a, b, beta=1.0)
+    with pytest.raises(ValueError, match="activation"):
+        tilepy.gemm(a, b, activation="tanh")
+    with pytest.raises(ValueError, match=r"bias must have shape \(16,\)"):
+        tilepy.gemm(a, b, bias=np.ones(8, np.float32))
+    with pytest.raises(NotImplementedError, match="TF32"):
+        tilepy.gemm(a.astype(np.float32), b.astype(np.float32), allow_tf32=True)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        tilepy.gemm(np.ones((2, 4, 8), np.float16), np.ones((3, 8, 16), np.float16))
+
+
+# ---- GPU: full size against float64 / cuBLAS --------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_random_shapes_against_cublas(dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    tdt = getattr(torch, dtype)
+    for _ in range(6):
+        m, n, k = (int(x) for x in rng.integers(1, 3000, size=3))
+        a = torch.randn(m, k, device="cuda", dtype=tdt)
+        b = torch.randn(k, n, device="cuda", dtype=tdt)
+        bias = torch.randn(n, device="cuda")
+        got = tilepy.gemm(a, b, bias=bias, activation="gelu", out_dtype="float32")
+        assert isinstance(got, torch.Tensor) and got.device == a.device
+        ref = torch.nn.functional.gelu(a.double() @ b.double() + bias.double())
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-4, (m, n, k, err)
+
+
+@pytest.mark.gpu
+def test_gpu_cupy_batched_transposed():
+    cupy = pytest.importorskip("cupy")
+    a = cupy.random.standard_normal((4, 1000, 520), dtype=cupy.float32).astype(cupy.float16)
+    bt = cupy.random.standard_normal((4, 1064, 520), dtype=cupy.float32).astype(cupy.float16)
+    b = bt.transpose(0, 2, 1)  # column-major matrices, read in place
+    got = tilepy.gemm(a, b)
+    assert isinstance(got, cupy.ndarray)
+    ref = cupy.matmul(a.astype(cupy.float64), b.astype(cupy.float64))
+    err = float(cupy.abs(got.astype(cupy.float64) - ref).max() / cupy.abs(ref).max())
+    assert err < 2e-3

@@ -1,0 +1,276 @@
+"""Arrays in, same kind of arrays out: CuPy, PyTorch, Numba device arrays (and, in the CUDA
+simulator, NumPy). All validation of user arrays lives here and in the op wrappers, before any
+launch; nothing below ``tilepy.ops`` knows about CuPy or PyTorch.
+
+An :class:`Operand` records what a user passed: its family, logical dtype (``float16``,
+``bfloat16`` or ``float32``), shape, element strides and device. :func:`kernel_view` turns it
+into what kernels take — a Numba device array (a NumPy array in the simulator) of ``uint16``
+bits for 16-bit types, ``float32`` otherwise — without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._env import choose_target
+
+SIMULATOR = choose_target()
+
+DTYPES = ("float16", "bfloat16", "float32")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Operand:
+    name: str
+    family: str  # "torch" | "cupy" | "numba" | "numpy"
+    dtype: str
+    shape: tuple
+    strides: tuple  # in elements
+    device: int | None
+    raw: object
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def byte_pointer(self) -> int:
+        return _pointer(self)
+
+
+def _family(x) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "numba"
+    return ""
+
+
+def _dtype_name(family, x) -> str | None:
+    if family == "torch":
+        import torch
+
+        return {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float32: "float32"}.get(x.dtype)
+    name = str(np.dtype(x.dtype)) if family != "numba" else str(x.dtype)
+    return name if name in DTYPES else None
+
+
+def describe(x, name: str, *, allow_float32: bool = True) -> Operand:
+    """Check that ``x`` is an array tilepy can take; raise TypeError naming ``name`` if not."""
+    fam = _family(x)
+    if not fam:
+        raise TypeError(f"{name}: expected a CuPy array, a PyTorch tensor or a Numba device "
+                        f"array, got {type(x).__name__}")
+    if fam == "numpy" and not SIMULATOR:
+        raise TypeError(f"{name}: a NumPy array lives on the host; move it to the GPU first, "
+                        "e.g. cupy.asarray(x), torch.as_tensor(x, device='cuda') or "
+                        "numba.cuda.to_device(x)")
+    dt = _dtype_name(fam, x)
+    allowed = DTYPES if allow_float32 else DTYPES[:2]
+    if dt not in allowed:
+        raise TypeError(f"{name}: dtype {x.dtype} is not supported; expected one of "
+                        f"{', '.join(allowed)}")
+    if fam == "torch":
+        if not x.is_cuda and not SIMULATOR:
+            raise TypeError(f"{name}: a CPU tensor; move it to the GPU with .cuda()")
+        strides = tuple(x.stride())
+        device = x.device.index
+    elif fam == "cupy":
+        strides = tuple(s // x.itemsize for s in x.strides)
+        device = x.device.id
+    elif fam == "numba":
+        strides = tuple(s // x.dtype.itemsize for s in x.strides)
+        device = _numba_device(x)
+    else:
+        strides = tuple(s // x.itemsize for s in x.strides)
+        device = None
+    return Operand(name, fam, dt, tuple(x.shape), strides, device, x)
+
+
+def _numba_device(x):
+    try:
+        from numba import cuda
+
+        return cuda.get_current_device().id
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _pointer(op: Operand) -> int:
+    x = op.raw
+    if op.family == "torch":
+        return x.data_ptr()
+    if op.family == "cupy":
+        return x.data.ptr
+    if op.family == "numba":
+        return x.__cuda_array_interface__["data"][0]
+    return x.ctypes.data
+
+
+def same_device(*ops: Operand) -> int | None:
+    devices = {op.device for op in ops if op is not None and op.device is not None}
+    families = {op.family for op in ops if op is not None}
+    if len(devices) > 1:
+        raise ValueError("inputs are on different devices: " + ", ".join(
+            f"{op.name} on cuda:{op.device}" for op in ops if op is not None))
+    if len(families) > 1:
+        raise TypeError("inputs mix array kinds: " + ", ".join(
+            f"{op.name} is {op.family}" for op in ops if op is not None))
+    return devices.pop() if devices else None
+
+
+def kernel_view(op: Operand, ndim: int | None = None, swap_last: bool = False):
+    """The operand as a kernel argument (no copy): uint16 bits for 16-bit types.
+
+    With ``ndim`` larger than the operand's, leading axes of length 1 are added (stride 0);
+    ``swap_last`` swaps the last two axes (a transposed view). In the simulator the NumPy view
+    is wrapped as a simulator device array, so the kernel works on the caller's memory itself
+    (the simulator would otherwise copy, and refuse non-contiguous views).
+    """
+    view = _kernel_view(op)
+    while ndim is not None and len(view.shape) < ndim:
+        view = _restride(view, (1,) + tuple(view.shape), (0,) + tuple(view.strides))
+    if swap_last:
+        shape, strides = list(view.shape), list(view.strides)
+        shape[-1], shape[-2] = shape[-2], shape[-1]
+        strides[-1], strides[-2] = strides[-2], strides[-1]
+        view = _restride(view, tuple(shape), tuple(strides))
+    if isinstance(view, np.ndarray):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(view)
+    return view
+
+
+def _restride(view, shape, strides):
+    if isinstance(view, np.ndarray):
+        return np.lib.stride_tricks.as_strided(view, shape, strides)
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return DeviceNDArray(shape=shape, strides=strides, dtype=view.dtype, stream=view.stream,
+                         gpu_data=view.gpu_data)
+
+
+def _kernel_view(op: Operand):
+    x = op.raw
+    bits = ITEMSIZE[op.dtype] == 2
+    if op.family == "numpy":
+        if op.dtype == "bfloat16" or bits:
+            return x.view(np.uint16)
+        return x
+    from numba import cuda
+
+    if op.family == "torch":
+        import torch
+
+        if bits:
+            x = x.view(torch.int16)
+        return cuda.as_cuda_array(x).view(np.uint16) if bits else cuda.as_cuda_array(x)
+    if op.family == "cupy":
+        return cuda.as_cuda_array(x.view(np.uint16) if bits else x)
+    return x.view(np.uint16) if bits else x
+
+
+def empty(like: Operand, shape, dtype: str):
+    """A new array of ``like``'s family and device."""
+    fam = like.family
+    if fam == "torch":
+        import torch
+
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.raw.device)
+    if fam == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.device):
+            return cupy.empty(shape, dtype=_np_dtype(dtype))
+    if fam == "numba":
+        from numba import cuda
+
+        if dtype == "bfloat16":
+            raise TypeError("Numba device arrays have no bfloat16 dtype; pass out_dtype="
+                            "'float32' or use CuPy / PyTorch arrays")
+        return cuda.device_array(shape, dtype=_np_dtype(dtype))
+    return np.empty(shape, dtype=_np_dtype(dtype))
+
+
+def _np_dtype(dtype: str):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(dtype)
+
+
+def copy_aligned(op: Operand, min_rows_align: int = 8):
+    """A copy of ``op`` whose matrices are row-major with row strides a multiple of 8
+    elements (16 bytes) — the slow path for layouts and alignments the kernels cannot read.
+    Returns the new raw array (a view of a padded buffer with the same logical shape)."""
+    x = op.raw
+    *batch, rows, cols = op.shape
+    padded = -(-max(cols, 1) // min_rows_align) * min_rows_align
+    buf_shape = (*batch, rows, padded)
+    if op.family == "torch":
+        import torch
+
+        buf = torch.zeros(buf_shape, dtype=x.dtype, device=x.device)
+    elif op.family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device):
+            buf = cupy.zeros(buf_shape, dtype=x.dtype)
+    elif op.family == "numba":
+        from numba import cuda
+
+        host = np.zeros(buf_shape, dtype=x.dtype)
+        host[..., :cols] = x.copy_to_host()
+        return cuda.to_device(host)[tuple([slice(None)] * (op.ndim - 1) + [slice(0, cols)])]
+    else:
+        buf = np.zeros(buf_shape, dtype=x.dtype)
+    buf[..., :cols] = x
+    return buf[..., :cols]
+
+
+def zeros_like_matrix(op: Operand, rows: int, cols: int):
+    """A zero array of ``op``'s family, dtype, device and batch, with matrices rows × cols."""
+    shape = (*op.shape[:-2], rows, cols)
+    x = op.raw
+    if op.family == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=x.dtype, device=x.device)
+    if op.family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device):
+            return cupy.zeros(shape, dtype=x.dtype)
+    if op.family == "numba":
+        from numba import cuda
+
+        return cuda.to_device(np.zeros(shape, dtype=x.dtype))
+    return np.zeros(shape, dtype=x.dtype)
+
+
+def stream_of(op: Operand):
+    """The caller's current stream on ``op``'s device, as a Numba stream (0 in the simulator)."""
+    if op.family == "numpy":
+        return 0
+    from numba import cuda
+
+    if op.family == "torch":
+        import torch
+
+        return cuda.external_stream(torch.cuda.current_stream(op.raw.device).cuda_stream)
+    if op.family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device):
+            return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+    return cuda.default_stream()

@@ -1,0 +1,206 @@
+"""``tilepy.gemm``: ``act(alpha · a @ b + beta · c + bias)`` on tensor cores.
+
+Validation and layout handling on the host, then one launch of the mma.sync kernel of
+:mod:`tilepy.ops.gemm_kernel` (float16 / bfloat16) or of the float32 CUDA-core kernel of
+:mod:`tilepy.ops.gemm_simt`, on the inputs' device and the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays
+from ..arrays import describe, kernel_view
+from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
+from ..tile.epilogue import ACTIVATIONS
+from . import gemm_kernel as tc
+from . import gemm_simt as simt
+
+SMS = 132  # H200; only used to pick tile sizes
+
+# Heuristic configs (bench/sweep_gemm.py, bench/NOTES.md): 64×64 warp tiles win at large sizes.
+LARGE = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(4))
+MEDIUM = GemmConfig(BlockTile(64, 128, 32), WarpLayout(2, 2), Pipeline(4))
+SMALL = GemmConfig(BlockTile(64, 64, 32), WarpLayout(2, 2), Pipeline(3))
+# In the simulator every thread is a Python thread: the smallest tile that is still a real
+# multi-warp pipeline.
+SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
+
+
+def choose_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
+    """The built-in heuristic: the largest tile that still gives every SM work."""
+    if arrays.SIMULATOR:
+        base = SIMULATOR_CONFIG
+    else:
+        def tiles(cfg):
+            return -(-m // cfg.block.m) * -(-n // cfg.block.n) * batch
+
+        base = LARGE if tiles(LARGE) >= 2 * SMS else MEDIUM if tiles(MEDIUM) >= SMS else SMALL
+    return GemmConfig(base.block, base.warps, base.pipeline, dtype, base.swizzle, base.cc)
+
+
+def _matrix_layout(op) -> str:
+    """'row' (unit column stride, 16-byte row stride), 'col' (its transpose), or 'other'."""
+    s_row, s_col = op.strides[-2], op.strides[-1]
+    rows, cols = op.shape[-2], op.shape[-1]
+    item = arrays.ITEMSIZE[op.dtype]
+    aligned = op.byte_pointer() % 16 == 0
+    if (s_col == 1 or cols == 1) and (s_row * item) % 16 == 0 and aligned:
+        return "row"
+    if (s_row == 1 or rows == 1) and (s_col * item) % 16 == 0 and aligned:
+        return "col"
+    return "other"
+
+
+def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=None,
+         out_dtype=None, config=None, allow_tf32=False):
+    """``act(alpha · a @ b + beta · c + bias)``.
+
+    * ``a`` (M, K) or (B, M, K); ``b`` (K, N) or (B, K, N); a batch of 1 (or a 2-D operand)
+      is broadcast over the other's batch. ``bias`` (N,); ``c`` (M, N) or (B, M, N), read only
+      when ``beta != 0`` (as in BLAS).
+    * float16 / bfloat16 inputs run on tensor cores with float32 accumulation; the result is the
+      input dtype, or float32 with ``out_dtype="float32"``. float32 inputs run on the CUDA cores
+      (exact float32; TF32 tensor cores are not implemented yet: ``allow_tf32=True`` raises).
+    * Row-major inputs, and a column-major ``b`` (a transposed view), are read in place; other
+      strides or misaligned data are first copied into an aligned buffer.
+    * ``activation``: None, "relu", "gelu", "gelu_tanh" or "silu".
+    * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
+      result is of the same kind, on the inputs' device, computed on the caller's current
+      stream. Errors are raised before anything is launched.
+    """
+    A = describe(a, "a")
+    B = describe(b, "b")
+    if A.dtype != B.dtype:
+        raise TypeError(f"a and b must have the same dtype; got a {A.dtype} and b {B.dtype}")
+    dtype = A.dtype
+    if A.ndim not in (2, 3) or B.ndim not in (2, 3):
+        raise ValueError(f"a and b must be 2-D or 3-D (batched); got shapes {A.shape} and "
+                         f"{B.shape}")
+    m, k = A.shape[-2:]
+    k2, n = B.shape[-2:]
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: a {A.shape} @ b {B.shape} ({k} != {k2})")
+    za = A.shape[0] if A.ndim == 3 else 1
+    zb = B.shape[0] if B.ndim == 3 else 1
+    if za != zb and 1 not in (za, zb):
+        raise ValueError(f"batch sizes differ: a {A.shape} and b {B.shape}")
+    batch = max(za, zb)
+    batched = A.ndim == 3 or B.ndim == 3
+    out_shape = (batch, m, n) if batched else (m, n)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if out_dtype is None:
+        out_dtype = dtype
+    out_dtype = str(np.dtype(out_dtype)) if out_dtype != "bfloat16" and not hasattr(
+        out_dtype, "is_floating_point") else str(out_dtype).replace("torch.", "")
+    if out_dtype not in (dtype, "float32"):
+        raise TypeError(f"out_dtype must be {dtype} or float32 for {dtype} inputs, got "
+                        f"{out_dtype}")
+    if dtype == "float32" and allow_tf32:
+        raise NotImplementedError("the TF32 tensor-core path is not implemented yet; "
+                                  "allow_tf32=False runs the exact float32 path")
+    Bias = describe(bias, "bias") if bias is not None else None
+    if Bias is not None and Bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {Bias.shape}")
+    use_c = beta != 0
+    C = describe(c, "c") if (c is not None and use_c) else None
+    if use_c and c is None:
+        raise ValueError("beta != 0 needs c")
+    if C is not None:
+        if C.shape not in ((m, n), (batch, m, n), (1, m, n)):
+            raise ValueError(f"c must have shape {(m, n)} or {(batch, m, n)}, got {C.shape}")
+        if C.dtype != out_dtype:
+            raise TypeError(f"c must have the output dtype {out_dtype}, got {C.dtype}")
+    Out = describe(out, "out") if out is not None else None
+    if Out is not None:
+        if Out.shape != out_shape:
+            raise ValueError(f"out must have shape {out_shape}, got {Out.shape}")
+        if Out.dtype != out_dtype:
+            raise ValueError(f"out must have dtype {out_dtype}, got {Out.dtype}")
+    device = arrays.same_device(A, B, Bias, C, Out)
+    if config is not None:
+        if not isinstance(config, GemmConfig):
+            raise TypeError(f"config must be a tilepy.tile.GemmConfig, got {type(config).__name__}")
+        if dtype != "float32" and config.dtype != dtype:
+            raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
+    if out is None:
+        out = arrays.empty(A, out_shape, out_dtype)
+        Out = describe(out, "out")
+    if m == 0 or n == 0 or batch == 0:
+        return out
+    return _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta,
+                config, device)
+
+
+def _aligned(op):
+    """``op`` itself when its matrices are row-major and 16-byte aligned, else an aligned copy."""
+    if _matrix_layout(op) == "row":
+        return op
+    return describe(arrays.copy_aligned(op), op.name)
+
+
+def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta, config,
+         device):
+    from numba import cuda
+
+    ctx = cuda.gpus[device] if (device is not None and not arrays.SIMULATOR) else _nullcontext()
+    with ctx:
+        stream = arrays.stream_of(A)
+        bias_v = _bias_view(Bias, Out)
+        out_v = kernel_view(Out, 3)
+        c_v = kernel_view(C, 3) if C is not None else out_v
+        if dtype == "float32":
+            kern = simt.simt_gemm_kernel(activation, Bias is not None, C is not None)
+            simt.launch(kern, kernel_view(A, 3), kernel_view(B, 3), out_v, c_v, bias_v, alpha,
+                        beta, stream)
+            return Out.raw
+        if k == 0:
+            # NumPy's answer for an empty inner dimension is zeros; run the epilogue on K = 8
+            # of zeros so that bias, c and the activation apply as usual.
+            A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
+            B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+            k = 8
+        A = _aligned(A)
+        layout_b = _matrix_layout(B)
+        if layout_b == "other":
+            B = _aligned(B)
+            layout_b = "row"
+        cfg = config or choose_config(m, n, k, batch, dtype)
+        b_view = kernel_view(B, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
+        kern = tc.gemm_kernel(cfg, layout_b == "row", out_dtype, activation, Bias is not None,
+                              C is not None)
+        tc.launch(kern, cfg, kernel_view(A, 3), b_view, out_v, c_v, bias_v, alpha, beta, stream)
+    return Out.raw
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _bias_view(Bias, Out):
+    """bias as a contiguous float32 kernel argument (a tiny copy if it is not one already)."""
+    if Bias is None:
+        if Out.family == "numpy":
+            return kernel_view(describe(np.zeros(1, np.float32), "bias"))
+        from numba import cuda
+
+        return cuda.device_array(1, np.float32)
+    x = Bias.raw
+    if Bias.family == "torch":
+        import torch
+
+        x = x.to(torch.float32).contiguous()
+    elif Bias.family == "cupy":
+        x = x.astype("float32", copy=False)
+    elif Bias.family == "numba":
+        if Bias.dtype != "float32":
+            raise TypeError("bias: Numba device arrays must be float32")
+    else:
+        x = np.ascontiguousarray(x, dtype=np.float32) if Bias.dtype != "bfloat16" else \
+            x.astype(np.float32)
+    return kernel_view(describe(x, "bias"))

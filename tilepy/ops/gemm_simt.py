@@ -1,0 +1,63 @@
+"""A float32 GEMM on the CUDA cores (no tensor cores): the exact path for float32 inputs.
+
+``simt_gemm_kernel(activation, has_bias, has_c)`` returns ``kernel(a, b, out, c, bias, alpha,
+beta)`` with the operand conventions of :mod:`tilepy.ops.gemm_kernel` but float32 arrays of any
+strides. 16 × 16 threads per block, each computing one element of a 16 × 16 output tile from
+16 × 16 shared tiles. Correct first; it is also the "plain Numba" baseline of the benchmarks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ..tile.epilogue import activation_fn
+
+T = 16
+
+
+@functools.cache
+def simt_gemm_kernel(activation=None, has_bias=False, has_c=False):
+    act = activation_fn(activation)
+
+    @cuda.jit
+    def kernel(a3, b3, out3, c3, bias, alpha, beta):
+        z = cuda.blockIdx.z
+        a = a3[min(z, a3.shape[0] - 1)]
+        b = b3[min(z, b3.shape[0] - 1)]
+        out = out3[z]
+        m, k = a.shape
+        n = out.shape[1]
+        ta = cuda.shared.array((T, T), np.float32)
+        tb = cuda.shared.array((T, T), np.float32)
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        row = cuda.blockIdx.y * T + ty
+        col = cuda.blockIdx.x * T + tx
+        acc = np.float32(0)
+        for k0 in range(0, k, T):
+            ka = k0 + tx
+            kb = k0 + ty
+            ta[ty, tx] = a[row, ka] if row < m and ka < k else np.float32(0)
+            tb[ty, tx] = b[kb, col] if kb < k and col < n else np.float32(0)
+            cuda.syncthreads()
+            for q in range(T):
+                acc += ta[ty, q] * tb[q, tx]
+            cuda.syncthreads()
+        if row < m and col < n:
+            v = alpha * acc
+            if has_bias:
+                v += bias[col]
+            if has_c:
+                v += beta * c3[min(z, c3.shape[0] - 1)][row, col]
+            out[row, col] = act(v)
+
+    return kernel
+
+
+def launch(kernel, a, b, out, c, bias, alpha, beta, stream=0):
+    z, m, n = out.shape
+    grid = ((n + T - 1) // T, (m + T - 1) // T, z)
+    kernel[grid, (T, T), stream](a, b, out, c, bias, np.float32(alpha), np.float32(beta))

@@ -1,0 +1,211 @@
+"""The online-softmax update of FlashAttention, on mma accumulator fragments in registers.
+
+A warp streams over key blocks. For each block it has the scores ``S = Q Kᵀ`` of its
+``mi*16`` query rows against the block's ``ni*8`` keys as an accumulator fragment, and keeps
+per row a running max ``m`` and a running sum ``l``. With ``c = scale_log2`` (the softmax
+scale times log2(e)) the softmax of row ``r`` is ``exp2(c·s - c·m) / l``;
+:func:`online_softmax_update` turns each block's scores into ``p = exp2(c·s - c·m_new)`` in
+place, and gives the factor ``alpha = exp2(c·(m_old - m_new))`` by which the caller rescales
+the output accumulator rows before adding ``p @ V``. :func:`online_softmax_finalize` divides
+the output rows by ``l`` at the end::
+
+    m[:] = -inf; l[:] = 0; acc_o[:] = 0
+    for each key block:
+        S = Q @ K_blockᵀ                                   (scores: acc[mi, ni, 4])
+        update(S, m, l, alpha, scale_log2)                 (S now holds p)
+        acc_o[i, :, 2h:2h+2] *= alpha[i, h]; acc_o += p @ V_block
+    finalize(acc_o, l)
+
+Layouts: ``scores`` (mi, ni, 4) and ``acc_o`` (mi, nd, 4) float32 local arrays in the m16n8
+accumulator layout (:mod:`tilepy.ptx.fragments`; lane ``4g + t`` holds rows ``g`` in
+``[..., 0:2]`` and ``g + 8`` in ``[..., 2:4]`` of each m16 tile); the row statistics are
+(mi, 2) float32 local arrays, ``[i, h]`` for row ``16 i + g + 8 h`` of the warp tile, equal on
+the 4 lanes of a quad. Who calls: one warp, all 32 lanes together (quad shuffles).
+
+Fully masked rows (every score so far -inf) stay clean, as in FlashAttention: ``m`` stays
+-inf, ``alpha`` is 1, ``p`` is 0, ``l`` is 0, and the finalized row is 0 — no NaN. A NaN
+score makes its row NaN. Scores of +inf are not supported (inf - inf).
+
+Accuracy: ``p`` is computed as ``ex2.approx(s·c - m·c)`` (one FMA per element on the GPU, as
+FlashAttention does), so besides ex2's 2**-22 relative error the argument carries a rounding
+error of about ``2**-24 · (|s·c| + |m·c|)`` — relative error ~7e-8 per unit of ``|s·c|``; with
+``|s·c|`` ~ 1e3 that is ~1e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ..ptx.math import ex2_approx
+from .reduce import _check_count, fragment_row_reduce, quad_row_reduce
+
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+@functools.cache
+def online_softmax_update(mi: int, ni: int, quad_sum: bool = True):
+    """``update(scores, row_max, row_sum, out_acc_scale, scale_log2)`` for one key block; one warp.
+
+    * ``scores``: (mi, ni, 4) float32 fragment of S for this key block (``mi*16`` rows,
+      ``ni*8`` keys); overwritten with ``p = exp2(s·c - m_new·c)``, ``c = scale_log2``.
+      Masked keys are -inf (p = 0).
+    * ``row_max``: (mi, 2) running max of the raw scores; start at -inf. Becomes
+      ``m_new = max(m_old, max of this block's row)`` (quad-reduced: all 4 lanes hold it).
+    * ``row_sum``: (mi, 2) running sum; start at 0. Becomes ``row_sum·alpha + Σ_row p``.
+      With ``quad_sum=False`` it holds each lane's partial sum over its own columns (saving
+      ``mi*4`` shuffles per block); then finalize with the same ``quad_sum=False``.
+    * ``out_acc_scale``: (mi, 2) output: ``alpha = exp2((m_old - m_new)·c)``, the factor for
+      the rows of the output accumulator (0 on a row's first unmasked block, 1 while a row
+      is fully masked).
+    * ``scale_log2``: float32 > 0 (softmax scale · log2(e)).
+
+    Shuffles: ``mi*4`` for the max, ``mi*4`` more for the sum with ``quad_sum``. ex2:
+    ``mi * (ni*4 + 2)``.
+    """
+    _check_count("online_softmax_update", "mi", mi)
+    _check_count("online_softmax_update", "ni", ni)
+    max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
+    sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
+
+    @cuda.jit(device=True, inline="always")
+    def update(scores, row_max, row_sum, out_acc_scale, scale_log2):
+        c = np.float32(scale_log2)
+        for i in range(mi):
+            for h in range(2):
+                out_acc_scale[i, h] = row_max[i, h]  # m_old, until alpha replaces it
+        max_into(scores, row_max)
+        for i in range(mi):
+            for h in range(2):
+                m_new = row_max[i, h]
+                if m_new == _NEG_INF:
+                    # Nothing unmasked yet: exp2(-inf - -inf) would be NaN.
+                    alpha = _ONE
+                    m_scaled = _ZERO
+                else:
+                    alpha = ex2_approx((out_acc_scale[i, h] - m_new) * c)
+                    m_scaled = m_new * c
+                out_acc_scale[i, h] = alpha
+                row_sum[i, h] = row_sum[i, h] * alpha
+                for j in range(ni):
+                    scores[i, j, 2 * h] = ex2_approx(scores[i, j, 2 * h] * c - m_scaled)
+                    scores[i, j, 2 * h + 1] = ex2_approx(scores[i, j, 2 * h + 1] * c - m_scaled)
+        sum_into(scores, row_sum)
+
+    return update
+
+
+@functools.cache
+def online_softmax_finalize(mi: int, ni: int, quad_sum: bool = True):
+    """``finalize(acc_o, row_sum)``: divide the output accumulator rows by their sums; one warp.
+
+    ``acc_o`` is the (mi, ni, 4) float32 output accumulator (``ni*8`` output columns, e.g. the
+    head dimension — not the key block's ``ni``), ``row_sum`` the (mi, 2) running sum of
+    :func:`online_softmax_update` built with the same ``quad_sum``. With ``quad_sum=False``
+    the lanes' partial sums are first combined across the quad (``mi*2`` … ``mi*4`` shuffles)
+    and ``row_sum`` is overwritten with the row totals. A row whose sum is 0 (fully masked)
+    is set to 0; a NaN sum gives NaN.
+    """
+    _check_count("online_softmax_finalize", "mi", mi)
+    _check_count("online_softmax_finalize", "ni", ni)
+    across = quad_row_reduce("sum")
+    quad_sum = bool(quad_sum)
+
+    @cuda.jit(device=True, inline="always")
+    def finalize(acc_o, row_sum):
+        for i in range(mi):
+            for h in range(2):
+                s = row_sum[i, h]
+                if not quad_sum:
+                    s = across(s)
+                    row_sum[i, h] = s
+                inv = _ONE / s if s != _ZERO else _ZERO
+                for j in range(ni):
+                    acc_o[i, j, 2 * h] = acc_o[i, j, 2 * h] * inv
+                    acc_o[i, j, 2 * h + 1] = acc_o[i, j, 2 * h + 1] * inv
+
+    return finalize
+
+
+# ---- offline compile check ----------------------------------------------------------------
+
+def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True):
+    """A kernel streaming the update over ``nblocks`` key blocks, for the offline check.
+
+    ``kernel(s, out, nblocks, scale_log2)``, one warp: block ``kb``'s scores for lane ``L``
+    are ``s[kb, L, 0 : mi*ni*4]`` (fragment order); the output accumulator (mi, nd, 4) is
+    rescaled by alpha and gets ``p`` added (a stand-in for ``p @ V`` that uses every value),
+    then is finalized and stored to ``out[L, :]``.
+    """
+    update = online_softmax_update(mi, ni, quad_sum)
+    finalize = online_softmax_finalize(mi, nd, quad_sum)
+
+    def kernel(s, out, nblocks, scale_log2):
+        lane = cuda.threadIdx.x & 31
+        acc = cuda.local.array((mi, nd, 4), np.float32)
+        scores = cuda.local.array((mi, ni, 4), np.float32)
+        m = cuda.local.array((mi, 2), np.float32)
+        lsum = cuda.local.array((mi, 2), np.float32)
+        alpha = cuda.local.array((mi, 2), np.float32)
+        for i in range(mi):
+            for h in range(2):
+                m[i, h] = _NEG_INF
+                lsum[i, h] = _ZERO
+            for j in range(nd):
+                for e in range(4):
+                    acc[i, j, e] = _ZERO
+        for kb in range(nblocks):
+            for i in range(mi):
+                for j in range(ni):
+                    for e in range(4):
+                        scores[i, j, e] = s[kb, lane, (i * ni + j) * 4 + e]
+            update(scores, m, lsum, alpha, scale_log2)
+            for i in range(mi):
+                for j in range(nd):
+                    for e in range(4):
+                        acc[i, j, e] = acc[i, j, e] * alpha[i, e // 2] + scores[i, j % ni, e]
+        finalize(acc, lsum)
+        for i in range(mi):
+            for j in range(nd):
+                for e in range(4):
+                    out[lane, (i * nd + j) * 4 + e] = acc[i, j, e]
+
+    return kernel
+
+
+def compile_reports():
+    """Offline reports (sm_90) of :func:`streaming_kernel` for mi=2, ni=8, nd=8 (a 32-row
+    warp tile, 64-key blocks, head dim 64), with the sum reduced per block and deferred.
+
+    Run with the simulator off: ``tilepy.offline.run_in_subprocess(
+    "tilepy.tile.online_softmax:compile_reports")``.
+    """
+    import re
+
+    from numba import types
+
+    from ..offline import compile_kernel
+
+    argtypes = (types.float32[:, :, ::1], types.float32[:, ::1], types.int32, types.float32)
+    out = []
+    for quad_sum in (True, False):
+        name = f"online_softmax_2x8_{'quad_sum' if quad_sum else 'deferred_sum'}"
+        entry = {"name": name, "mi": 2, "ni": 8, "nd": 8, "quad_sum": quad_sum}
+        try:
+            rep = compile_kernel(name, streaming_kernel(2, 8, 8, quad_sum), argtypes, (9, 0))
+        except Exception as e:  # reported; the test fails on it
+            entry["error"] = f"{type(e).__name__}: {e}"
+        else:
+            entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
+                         spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
+                         local_bytes=rep.local_bytes, counts=rep.counts,
+                         ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.M)))
+        out.append(entry)
+    return out
+
+
+__all__ = ["online_softmax_finalize", "online_softmax_update"]
