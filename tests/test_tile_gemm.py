@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from tilepy.ops.gemm_kernel import gemm_kernel, launch
-from tilepy.ptx import _sim
 from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 
 SMALL = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
@@ -21,7 +20,9 @@ SMALL3 = GemmConfig(BlockTile(16, 32, 32), WarpLayout(1, 2), Pipeline(3))
 def to_bits(x, dtype):
     if dtype == "float16":
         return x.astype(np.float16).view(np.uint16)
-    return np.vectorize(_sim.f32_to_bf16_bits, otypes=[np.uint16])(x.astype(np.float32))
+    # round-to-nearest-even float32 -> bfloat16 bits, vectorised (inputs here are finite)
+    b = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def from_bits(bits, dtype):

@@ -149,7 +149,7 @@ def block_row_reduce(op: str, warps: int):
         r = scratch[0]
         for w in range(1, warps):
             r = f(r, scratch[w])
-        pass  # every read is done: the next call may write scratch
+        cuda.syncthreads()  # every read is done: the next call may write scratch
         return r
 
     return reduce
