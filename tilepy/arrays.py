@@ -48,8 +48,8 @@ def _family(x) -> str:
         return "cupy"
     if isinstance(x, np.ndarray):
         return "numpy"
-    if hasattr(x, "__cuda_array_interface__"):
-        return "numba"
+    if hasattr(x, "__cuda_array_interface__") or (SIMULATOR and type(x).__name__ == "FakeCUDAArray"):
+        return "numba"  # a Numba device array (in the simulator: its stand-in)
     return ""
 
 
@@ -111,6 +111,8 @@ def _pointer(op: Operand) -> int:
     if op.family == "cupy":
         return x.data.ptr
     if op.family == "numba":
+        if SIMULATOR:
+            return x._ary.ctypes.data
         return x.__cuda_array_interface__["data"][0]
     return x.ctypes.data
 
@@ -161,11 +163,11 @@ def _restride(view, shape, strides):
 
 def _kernel_view(op: Operand):
     x = op.raw
+    if SIMULATOR and op.family == "numba":
+        x = x._ary  # the simulator's device array is a NumPy array inside
     bits = ITEMSIZE[op.dtype] == 2
-    if op.family == "numpy":
-        if op.dtype == "bfloat16" or bits:
-            return x.view(np.uint16)
-        return x
+    if op.family == "numpy" or isinstance(x, np.ndarray):
+        return x.view(np.uint16) if bits else x
     from numba import cuda
 
     if op.family == "torch":
@@ -260,7 +262,7 @@ def zeros_like_matrix(op: Operand, rows: int, cols: int):
 
 def stream_of(op: Operand):
     """The caller's current stream on ``op``'s device, as a Numba stream (0 in the simulator)."""
-    if op.family == "numpy":
+    if op.family == "numpy" or SIMULATOR:
         return 0
     from numba import cuda
 
