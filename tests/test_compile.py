@@ -66,3 +66,18 @@ def test_gemm_main_loop_128x128x32_3_stages_8_warps(gemm_reports, dtype):
     assert rep["local_bytes"] == 0
     assert rep["registers"] <= 168, rep["registers"]
     print(f"gemm {dtype}: {rep['registers']} registers, cold compile {rep['compile_seconds']:.1f} s")
+
+
+@pytest.fixture(scope="session")
+def typing_errors():
+    return run_in_subprocess("tilepy.ptx.probes:typing_errors")
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("mma_with_float64_fragment", "mma_m16n8k16_f16_f32(u32, u32, u32, u32, u32, u32, f32"),
+    ("mma_with_array_operand", "mma_m16n8k16_f16_f32(u32"),
+    ("shared_addr_of_scalar", "shared_addr(array, index)"),
+])
+def test_wrong_operand_types_name_the_intrinsic(typing_errors, case, expect):
+    msg = typing_errors[case]["message"]
+    assert msg is not None and "TypingError" in msg and expect in msg, msg

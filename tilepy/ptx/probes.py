@@ -106,3 +106,41 @@ def compile_all():
             entry["min_cc"] = list(min_cc) if min_cc else None
             reports.append(entry)
     return reports
+
+
+def typing_errors():
+    """Compile kernels that call intrinsics with wrong operand types; return the messages.
+
+    Used by the compile layer to check that the error names the intrinsic and what it takes.
+    """
+    from numba import cuda, types
+
+    from .address import shared_addr
+    from .mma import mma_m16n8k16_f16_f32
+
+    def mma_with_float64_fragment(x, out):
+        r = mma_m16n8k16_f16_f32(x[0], x[1], x[2], x[3], x[4], x[5], out[0], out[1], out[2],
+                                 out[3])
+        out[0] = r[0]
+
+    def mma_with_array_operand(x, out):
+        r = mma_m16n8k16_f16_f32(x, x[1], x[2], x[3], x[4], x[5], out[0], out[1], out[2], out[3])
+        out[0] = r[0]
+
+    def shared_addr_of_scalar(x, out):
+        out[0] = shared_addr(out[0], 0)
+
+    cases = [("mma_with_float64_fragment", mma_with_float64_fragment,
+              (types.float64[:], types.float32[:])),
+             ("mma_with_array_operand", mma_with_array_operand,
+              (types.uint32[:], types.float32[:])),
+             ("shared_addr_of_scalar", shared_addr_of_scalar,
+              (types.uint32[:], types.float32[:]))]
+    out = []
+    for name, fn, sig in cases:
+        try:
+            cuda.compile_ptx(fn, sig, cc=(9, 0))
+            out.append({"name": name, "message": None})
+        except Exception as e:  # the message is the point
+            out.append({"name": name, "message": f"{type(e).__name__}: {e}"})
+    return out
