@@ -25,3 +25,12 @@ def test_examples_run(path):
 
 def test_there_are_examples():
     assert sum(len(blocks(p)) for p in FILES) >= 3
+
+
+def test_performance_page_is_generated_from_the_results():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), "--check"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
