@@ -81,3 +81,9 @@ def typing_errors():
 def test_wrong_operand_types_name_the_intrinsic(typing_errors, case, expect):
     msg = typing_errors[case]["message"]
     assert msg is not None and "TypingError" in msg and expect in msg, msg
+
+
+def test_float32_simt_gemm_compiles_without_local_memory():
+    rep = run_in_subprocess("tilepy.ops.gemm_simt:compile_reports")["gemm_simt"]
+    assert rep["counts"]["mma"] == 0 and rep["counts"]["bar.sync"] >= 2
+    assert rep["stack_frame"] == 0 and rep["spill_stores"] == 0 and rep["local_bytes"] == 0

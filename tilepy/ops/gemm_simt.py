@@ -61,3 +61,18 @@ def launch(kernel, a, b, out, c, bias, alpha, beta, stream=0):
     z, m, n = out.shape
     grid = ((n + T - 1) // T, (m + T - 1) // T, z)
     kernel[grid, (T, T), stream](a, b, out, c, bias, np.float32(alpha), np.float32(beta))
+
+
+def compile_reports():
+    """Offline sm_90 report of the float32 kernel (bias + gelu + c), for the compile layer."""
+    from numba import types
+
+    from ..offline import compile_kernel
+
+    f3 = types.Array(types.float32, 3, "A")
+    kern = simt_gemm_kernel("gelu", True, True)
+    rep = compile_kernel("gemm_simt", kern.py_func,
+                         (f3, f3, f3, f3, types.float32[::1], types.float32, types.float32))
+    d = dict(rep.__dict__)
+    d.pop("ptx")
+    return [d]
