@@ -14,5 +14,6 @@ SIMULATOR: bool = _env.choose_target()
 
 from . import ptx  # noqa: E402
 from .ops.gemm import gemm  # noqa: E402
+from .ops.softmax import log_softmax, softmax  # noqa: E402
 
-__all__ = ["SIMULATOR", "__version__", "gemm", "ptx"]
+__all__ = ["SIMULATOR", "__version__", "gemm", "log_softmax", "ptx", "softmax"]

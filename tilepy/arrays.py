@@ -137,14 +137,14 @@ def kernel_view(op: Operand, ndim: int | None = None, swap_last: bool = False):
     is wrapped as a simulator device array, so the kernel works on the caller's memory itself
     (the simulator would otherwise copy, and refuse non-contiguous views).
     """
-    view = _kernel_view(op)
+    view = raw_view(op)
     while ndim is not None and len(view.shape) < ndim:
-        view = _restride(view, (1,) + tuple(view.shape), (0,) + tuple(view.strides))
+        view = restride(view, (1,) + tuple(view.shape), (0,) + tuple(view.strides))
     if swap_last:
         shape, strides = list(view.shape), list(view.strides)
         shape[-1], shape[-2] = shape[-2], shape[-1]
         strides[-1], strides[-2] = strides[-2], strides[-1]
-        view = _restride(view, tuple(shape), tuple(strides))
+        view = restride(view, tuple(shape), tuple(strides))
     if isinstance(view, np.ndarray):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
@@ -152,7 +152,8 @@ def kernel_view(op: Operand, ndim: int | None = None, swap_last: bool = False):
     return view
 
 
-def _restride(view, shape, strides):
+def restride(view, shape, strides):
+    """``view`` (NumPy or Numba device array) with a new shape and byte strides, no copy."""
     if isinstance(view, np.ndarray):
         return np.lib.stride_tricks.as_strided(view, shape, strides)
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -161,7 +162,9 @@ def _restride(view, shape, strides):
                          gpu_data=view.gpu_data)
 
 
-def _kernel_view(op: Operand):
+def raw_view(op: Operand):
+    """The operand's data as a NumPy (simulator) or Numba device array, 16-bit types as uint16
+    bits, not wrapped for the simulator and not reshaped (see :func:`kernel_view`)."""
     x = op.raw
     if SIMULATOR and op.family == "numba":
         x = x._ary  # the simulator's device array is a NumPy array inside

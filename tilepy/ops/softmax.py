@@ -1,0 +1,694 @@
+"""``tilepy.softmax`` and ``tilepy.log_softmax`` along one axis, float32 arithmetic inside.
+
+Host wrapper (validation, layout, choice of kernel) and three row kernels. Every kernel works
+on a 2-D view ``(rows, n)`` of the data — unit element stride, any positive row stride — and
+computes, per row, with ``m = max(row)`` and ``s = Σ exp(x - m)``:
+
+* softmax:      ``exp(x - m) / s``     (as ``ex2((x - m)·log2 e) · (1/s)``)
+* log_softmax:  ``(x - m) - log(s)``
+
+Kernels (picked by the row length ``n``; thresholds :data:`SHORT_MAX`, :data:`MEDIUM_MAX`):
+
+=========  ======================  =============================================================
+path       rows                    how
+=========  ======================  =============================================================
+``warp``   ``n <= SHORT_MAX``      one warp per row, :data:`SHORT_WARPS` rows per block; each
+                                   lane holds ``bucket/32`` values in registers (bucket = the
+                                   next power of two ≥ max(n, 32)); warp shuffles only.
+``block``  ``n <= MEDIUM_MAX``     one block per row; each thread holds ``per_thread`` values in
+                                   registers; block reductions through a few words of shared
+                                   memory. One read, one write.
+``online`` longer                  one block per row; pass 1 keeps a running max and running sum
+                                   per thread (rescaled when the max grows), the block combines
+                                   them; pass 2 reads the row again and writes it. Two reads.
+=========  ======================  =============================================================
+
+All sizes inside a kernel are closure constants (elements per thread, warps, unroll), so the
+value loops unroll and the values stay in registers; kernels are cached per
+(path, dtype, log, sizes): at most ~6 warp buckets and ~5 block buckets per dtype.
+
+Numerics (float32 inside, whatever the dtype in and out):
+
+* ``exp`` is ``ex2.approx.ftz.f32`` of ``(x - m) · log2(e)`` (:func:`tilepy.ptx.math.ex2_approx`):
+  the subtraction comes first, so large inputs (±1e4) lose nothing — folding log2(e) into an
+  FMA ``x·c - m·c`` would cost ~1e-3 relative error there. Results below 2**-126 flush to 0.
+* A NaN anywhere in a row makes the whole row NaN (max propagates NaN,
+  :mod:`tilepy.tile.reduce`); a row that is all -inf gives NaN (``-inf - -inf``), and a +inf
+  gives NaN for its row — as PyTorch does.
+* 16-bit data travel as uint16 bits (:func:`tilepy.arrays.kernel_view`); float16 is widened
+  with ``cvt.f32.f16``, bfloat16 by a 16-bit shift, and the result is rounded to nearest even
+  with ``cvt.rn.{f16,bf16}x2.f32``.
+
+Layouts: the reduced axis is read in place when it has unit stride and the other axes collapse
+into one row index with a positive stride (the last axis of any C-contiguous array, a row
+slice ``x[:, :n]``, a strided row selection ``x[::2]``, ``axis=0`` of a transposed matrix…).
+Anything else (``axis=0`` of a row-major matrix, a transposed or broadcast input along its
+last axis) is first copied into a new contiguous buffer with the axis last, through the
+caller's array library on the caller's stream (PyTorch ``movedim(ax, -1).clone()``, CuPy /
+NumPy ``array(moveaxis(x, ax, -1), copy=True)``, Numba device-array assignment); the kernel
+runs in place on that buffer, and the result is copied into ``out`` (through the moved view of
+``out``). When only ``out`` has such a layout, the kernel writes a new buffer that is then
+copied into ``out``. Each copy is one more read and write of the tensor; the copies of a
+transpose are PyTorch's / CuPy's strided copy kernels (Numba's generic assignment kernel for
+Numba arrays, much slower).
+
+``out`` may be ``x`` itself (every element is read before it, or by the thread that writes
+it), but not a different view that overlaps ``x``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from .. import arrays
+from ..arrays import describe
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, unpack_bf16x2_f32, \
+    unpack_f16x2_f32
+from ..tile.reduce import block_row_reduce, combine, warp_reduce
+
+# ---- thresholds and configs (module level, so that tests can force a path) ----------------
+
+#: Rows up to this length take the warp-per-row kernel.
+SHORT_MAX = 1024
+#: Rows up to this length (and longer than SHORT_MAX) take the block-per-row register kernel.
+MEDIUM_MAX = 16384
+#: Rows (warps) per block of the warp path.
+SHORT_WARPS = 4
+#: Values per thread the block path aims at; threads = bucket / this, within [32, max].
+MEDIUM_PER_THREAD = 16
+#: Largest block of the block path (GPU / simulator, where every thread is a Python thread).
+MEDIUM_MAX_THREADS = 1024
+SIM_MEDIUM_MAX_THREADS = 128
+#: (warps, values per thread per step) of the online path, GPU / simulator.
+ONLINE = (16, 8)
+SIM_ONLINE = (2, 2)
+
+PATHS = ("warp", "block", "online")
+WARP = 32
+
+_LOG2E = np.float32(1.4426950408889634)
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which kernel runs a row of ``n`` values: ``path``, ``warps`` per block, and
+    ``per_thread`` values per thread (online path: per thread and per step)."""
+
+    path: str
+    warps: int
+    per_thread: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * WARP
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def plan(n: int, *, simulator: bool | None = None) -> Plan:
+    """The kernel and its sizes for rows of ``n`` values (``n >= 1``)."""
+    sim = arrays.SIMULATOR if simulator is None else simulator
+    if n <= SHORT_MAX:
+        bucket = max(WARP, _pow2_at_least(n))
+        return Plan("warp", SHORT_WARPS, bucket // WARP)
+    if n <= MEDIUM_MAX:
+        bucket = _pow2_at_least(n)
+        top = SIM_MEDIUM_MAX_THREADS if sim else MEDIUM_MAX_THREADS
+        threads = min(top, max(WARP, bucket // MEDIUM_PER_THREAD))
+        return Plan("block", threads // WARP, bucket // threads)
+    warps, unroll = SIM_ONLINE if sim else ONLINE
+    return Plan("online", warps, unroll)
+
+
+# ---- element load / store (float32 in registers, the dtype in memory) ---------------------
+
+@functools.cache
+def _element_io(kind: str):
+    """``load(x, r, c) -> float32`` and ``store(out, r, c, v)`` for a 2-D array of ``kind``
+    (float32 values, or uint16 bits of float16 / bfloat16)."""
+    if kind == "float32":
+        @cuda.jit(device=True, inline="always")
+        def load(x, r, c):
+            return x[r, c]
+
+        @cuda.jit(device=True, inline="always")
+        def store(out, r, c, v):
+            out[r, c] = v
+    elif kind in ("float16", "bfloat16"):
+        unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
+        pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
+
+        @cuda.jit(device=True, inline="always")
+        def load(x, r, c):
+            lo, _ = unpack(np.uint32(x[r, c]))
+            return lo
+
+        @cuda.jit(device=True, inline="always")
+        def store(out, r, c, v):
+            out[r, c] = pack(v, v) & 0xFFFF
+    else:
+        raise ValueError(f"kind must be float32, float16 or bfloat16, got {kind!r}")
+    return load, store
+
+
+@functools.cache
+def _finish(log: bool):
+    """``f(v, m, k) -> float32``: the output of input value ``v`` given the row max ``m`` and
+    ``k`` = 1/sum (softmax) or log(sum) (log_softmax)."""
+    if log:
+        @cuda.jit(device=True, inline="always")
+        def f(v, m, k):
+            return (v - m) - k
+    else:
+        @cuda.jit(device=True, inline="always")
+        def f(v, m, k):
+            return ex2_approx((v - m) * _LOG2E) * k
+    return f
+
+
+@functools.cache
+def _exp_and_sum(K: int, log: bool):
+    """``sum_exp(vals, m) -> float32``: ``Σ_k 2^((vals[k] - m)·log2 e)`` over a K-value
+    register array. For softmax it also replaces ``vals[k]`` by its exponential (the kernel
+    then only scales it: one ex2 per element); log_softmax keeps the inputs."""
+    keep = bool(log)
+
+    @cuda.jit(device=True, inline="always")
+    def sum_exp(vals, m):
+        s = _ZERO
+        for k in range(K):
+            e = ex2_approx((vals[k] - m) * _LOG2E)
+            s += e
+            if not keep:
+                vals[k] = e
+        return s
+
+    return sum_exp
+
+
+@functools.cache
+def _from_registers(log: bool):
+    """``f(r, m, k) -> float32``: the output from what :func:`_exp_and_sum` left in a
+    register: ``r · (1/sum)`` for softmax, ``(r - m) - log(sum)`` for log_softmax."""
+    if log:
+        @cuda.jit(device=True, inline="always")
+        def f(r, m, k):
+            return (r - m) - k
+    else:
+        @cuda.jit(device=True, inline="always")
+        def f(r, m, k):
+            return r * k
+    return f
+
+
+@functools.cache
+def _row_constant(log: bool):
+    """``g(s) -> float32``: 1/s for softmax, log(s) for log_softmax."""
+    if log:
+        @cuda.jit(device=True, inline="always")
+        def g(s):
+            return np.float32(math.log(s))
+    else:
+        @cuda.jit(device=True, inline="always")
+        def g(s):
+            return _ONE / s
+    return g
+
+
+# ---- kernels --------------------------------------------------------------------------------
+
+def _kernel_jit(threads: int):
+    """``cuda.jit`` with ``launch_bounds=threads`` on the GPU: ptxas then keeps the registers
+    within what a block of that size may use (64 per thread at 1024 threads), instead of
+    failing the launch. The simulator's jit takes no launch bounds."""
+    if arrays.SIMULATOR:
+        return cuda.jit
+    return cuda.jit(launch_bounds=int(threads))
+
+
+@functools.cache
+def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int):
+    """``kernel(x, out)``: rows of ``n <= 32 * per_lane`` values, one warp per row.
+
+    Launch with ``ceil(rows / warps)`` blocks of ``warps * 32`` threads. Lane ``l`` holds
+    columns ``l, l + 32, …`` (coalesced). Warps past the last row still take part in the
+    shuffles (the simulator needs every thread of a block at each one) but store nothing.
+    """
+    load, store = _element_io(kind)
+    mx = combine("max")
+    row_max = warp_reduce("max")
+    row_sum = warp_reduce("sum")
+    sum_exp = _exp_and_sum(int(per_lane), log)
+    finish = _from_registers(log)
+    constant = _row_constant(log)
+    K = int(per_lane)
+    W = int(warps)
+
+    @_kernel_jit(W * WARP)
+    def kernel(x, out):
+        rows = x.shape[0]
+        n = x.shape[1]
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        row = cuda.blockIdx.x * W + (tid >> 5)
+        valid = row < rows
+        vals = cuda.local.array(K, np.float32)
+        m = _NEG_INF
+        for k in range(K):
+            c = lane + WARP * k
+            v = _NEG_INF
+            if valid and c < n:
+                v = load(x, row, c)
+            vals[k] = v
+            m = mx(m, v)
+        m = row_max(m)
+        s = row_sum(sum_exp(vals, m))
+        kk = constant(s)
+        if valid:
+            for k in range(K):
+                c = lane + WARP * k
+                if c < n:
+                    store(out, row, c, finish(vals[k], m, kk))
+
+    return kernel
+
+
+@functools.cache
+def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int):
+    """``kernel(x, out)``: rows of ``n <= 32 * warps * per_thread`` values, one block per row.
+
+    Launch with ``rows`` blocks of ``warps * 32`` threads. Thread ``t`` holds columns
+    ``t, t + T, …`` (T threads; coalesced) in registers; the row max and sum go through
+    :func:`tilepy.tile.reduce.block_row_reduce` (``warps`` floats of shared memory, 4 barriers).
+    """
+    load, store = _element_io(kind)
+    mx = combine("max")
+    W = int(warps)
+    T = W * WARP
+    K = int(per_thread)
+    row_max = block_row_reduce("max", W)
+    row_sum = block_row_reduce("sum", W)
+    sum_exp = _exp_and_sum(K, log)
+    finish = _from_registers(log)
+    constant = _row_constant(log)
+
+    @_kernel_jit(T)
+    def kernel(x, out):
+        n = x.shape[1]
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        scratch = cuda.shared.array(W, np.float32)
+        vals = cuda.local.array(K, np.float32)
+        m = _NEG_INF
+        for k in range(K):
+            c = tid + T * k
+            v = _NEG_INF
+            if c < n:
+                v = load(x, row, c)
+            vals[k] = v
+            m = mx(m, v)
+        m = row_max(m, scratch)
+        s = row_sum(sum_exp(vals, m), scratch)
+        kk = constant(s)
+        for k in range(K):
+            c = tid + T * k
+            if c < n:
+                store(out, row, c, finish(vals[k], m, kk))
+
+    return kernel
+
+
+@functools.cache
+def online_row_kernel(kind: str, log: bool, unroll: int, warps: int):
+    """``kernel(x, out)``: rows of any length, one block per row, two reads of the row.
+
+    Launch with ``rows`` blocks of ``warps * 32`` threads. Pass 1 walks the row in steps of
+    ``T * unroll`` values (T threads; thread ``t`` takes ``t + T·u`` of each step, coalesced);
+    per step a thread takes the max ``m'`` of its ``unroll`` values and updates its running
+    sum ``s = s·2^((m - m')·log2 e) + Σ 2^((v - m')·log2 e)``. While ``m'`` is still -inf
+    nothing is added (``-inf - -inf`` would be NaN and poison a row that has finite values
+    later). Then the block takes ``M = max m`` and ``S = Σ s·2^((m - M)·log2 e)``; a thread
+    that saw only -inf adds 0, unless the whole row is -inf, which gives NaN as it should.
+    Pass 2 reads the row again and writes the result.
+    """
+    load, store = _element_io(kind)
+    mx = combine("max")
+    W = int(warps)
+    T = W * WARP
+    U = int(unroll)
+    STEP = T * U
+    row_max = block_row_reduce("max", W)
+    row_sum = block_row_reduce("sum", W)
+    finish = _finish(log)
+    constant = _row_constant(log)
+
+    @_kernel_jit(T)
+    def kernel(x, out):
+        n = x.shape[1]
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        scratch = cuda.shared.array(W, np.float32)
+        vals = cuda.local.array(U, np.float32)
+        m = _NEG_INF
+        s = _ZERO
+        for base in range(0, n, STEP):
+            step_max = _NEG_INF
+            for u in range(U):
+                c = base + tid + T * u
+                v = _NEG_INF
+                if c < n:
+                    v = load(x, row, c)
+                vals[u] = v
+                step_max = mx(step_max, v)
+            m_new = mx(m, step_max)
+            if m_new != _NEG_INF:  # NaN passes too, and poisons s as it should
+                t = _ZERO
+                for u in range(U):
+                    t += ex2_approx((vals[u] - m_new) * _LOG2E)
+                s = s * ex2_approx((m - m_new) * _LOG2E) + t
+                m = m_new
+        big_m = row_max(m, scratch)
+        s = s * ex2_approx((m - big_m) * _LOG2E)
+        total = row_sum(s, scratch)
+        kk = constant(total)
+        for base in range(0, n, STEP):
+            for u in range(U):
+                c = base + tid + T * u
+                if c < n:
+                    store(out, row, c, finish(load(x, row, c), big_m, kk))
+
+    return kernel
+
+
+def kernel_for(p: Plan, kind: str, log: bool):
+    """The compiled-on-first-call kernel of a plan."""
+    if p.path == "warp":
+        return warp_rows_kernel(kind, log, p.per_thread, p.warps)
+    if p.path == "block":
+        return block_row_kernel(kind, log, p.per_thread, p.warps)
+    if p.path == "online":
+        return online_row_kernel(kind, log, p.per_thread, p.warps)
+    raise ValueError(f"path must be one of {PATHS}, got {p.path!r}")
+
+
+def launch(x2, out2, kind: str, log: bool, stream=0, p: Plan | None = None) -> Plan:
+    """Run the kernel for 2-D kernel views ``x2``, ``out2`` (rows, n) on ``stream``.
+    ``out2`` may be ``x2`` itself (in place). Returns the plan used."""
+    rows, n = x2.shape
+    p = p or plan(n)
+    kern = kernel_for(p, kind, log)
+    blocks = -(-rows // p.warps) if p.path == "warp" else rows
+    kern[blocks, p.threads, stream](x2, out2)
+    return p
+
+
+# ---- host wrapper ---------------------------------------------------------------------------
+
+def softmax(x, axis=-1, *, out=None):
+    """``exp(x - max) / sum(exp(x - max))`` along ``axis``, like ``torch.softmax(x, axis)``.
+
+    * ``x``: a CuPy array, PyTorch tensor or Numba device array (a NumPy array in the CUDA
+      simulator) of float32, float16 or bfloat16, any rank (0-d included) and any strides.
+      The result has the dtype of ``x``; the arithmetic is float32.
+    * ``axis``: an integer in ``[-ndim, ndim)`` (``-1`` or ``0`` for a 0-d input).
+    * ``out``: optional array of the same kind, shape and dtype; it may be ``x`` itself
+      (in place). Returned.
+    * The last axis of a row-major array (any row stride, unit element stride) is read in
+      place; other axes and layouts go through a contiguous copy (see the module docstring).
+    * A row that contains NaN or +inf, or is all -inf, comes out NaN. Zero-size inputs give
+      an empty result. Computed on the inputs' device and the caller's current stream; every
+      user error is raised before anything is launched.
+    """
+    return _softmax(x, axis, out, log=False)
+
+
+def log_softmax(x, axis=-1, *, out=None):
+    """``(x - max) - log(sum(exp(x - max)))`` along ``axis``, like ``torch.log_softmax``.
+
+    Same arguments, layouts, dtypes and rules as :func:`softmax`.
+    """
+    return _softmax(x, axis, out, log=True)
+
+
+def _normalize_axis(axis, ndim: int) -> int:
+    if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an integer, got {type(axis).__name__} {axis!r}")
+    top = max(ndim, 1)
+    if not -top <= axis < top:
+        raise ValueError(f"axis {int(axis)} is out of range for x with {ndim} dimension"
+                         f"{'' if ndim == 1 else 's'} (expected {-top} … {top - 1})")
+    return int(axis) % top
+
+
+def _rows_layout(shape, strides):
+    """``(rows, n, row_stride)`` when the last axis of an array can be read in place as
+    rows of ``n`` with a unit element stride and one positive row stride; else None."""
+    if len(shape) == 0:
+        return 1, 1, 1
+    n = shape[-1]
+    if n > 1 and strides[-1] != 1:
+        return None
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    lead = [(s, st) for s, st in zip(shape[:-1], strides[:-1]) if s != 1]
+    if not lead:
+        return rows, n, max(n, 1)
+    for (_, st0), (s1, st1) in zip(lead, lead[1:]):
+        if st0 != st1 * s1:
+            return None
+    row_stride = lead[-1][1]
+    if row_stride <= 0:
+        return None
+    return rows, n, row_stride
+
+
+def _overlaps_itself(op) -> bool:
+    """True when two elements of ``op`` may share memory (zero or interleaved strides)."""
+    dims = sorted((abs(st), s) for s, st in zip(op.shape, op.strides) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return True
+        extent += (s - 1) * st
+    return False
+
+
+def _softmax(x, axis, out, log: bool):
+    X = describe(x, "x")
+    ax = _normalize_axis(axis, X.ndim)
+    Out = describe(out, "out") if out is not None else None
+    if Out is not None:
+        if Out.shape != X.shape:
+            raise ValueError(f"out must have shape {X.shape} (that of x), got {Out.shape}")
+        if Out.dtype != X.dtype:
+            raise ValueError(f"out must have dtype {X.dtype} (that of x), got {Out.dtype}")
+        if Out.shape and min(Out.shape) > 0 and _overlaps_itself(Out):
+            raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
+                             "array whose elements are distinct")
+    device = arrays.same_device(X, Out)
+    if out is None:
+        out = arrays.empty(X, X.shape, X.dtype)
+        Out = describe(out, "out")
+    if any(s == 0 for s in X.shape):
+        return out
+    ctx = cuda.gpus[device] if (device is not None and not arrays.SIMULATOR) else _Null()
+    with ctx:
+        _run(X, Out, ax, log)
+    return out
+
+
+def _moved_layout(op, ax: int):
+    """``_rows_layout`` of ``op`` seen with axis ``ax`` moved last (None: not in place)."""
+    if op.ndim == 0:
+        return _rows_layout((), ())
+    return _rows_layout(_moved_shape(op.shape, ax), _moved_shape(op.strides, ax))
+
+
+def _run(X, Out, ax: int, log: bool) -> None:
+    stream = arrays.stream_of(X)
+    in_rows = _moved_layout(X, ax)
+    out_rows = _moved_layout(Out, ax)
+    tmp = None
+    if in_rows is not None:
+        x2 = _view2d(X, *in_rows)
+    else:
+        tmp = describe(_contiguous_moved(X, ax, stream), "x")
+        x2 = _view2d(tmp, *_rows_layout(tmp.shape, tmp.strides))
+    if out_rows is not None:
+        out2 = _view2d(Out, *out_rows)
+        result = None
+    elif tmp is not None:
+        out2, result = x2, tmp          # in place in the copy
+    else:
+        result = describe(arrays.empty(X, _moved_shape(X.shape, ax), X.dtype), "out")
+        out2 = _view2d(result, *_rows_layout(result.shape, result.strides))
+    launch(x2, out2, X.dtype, log, stream)
+    if result is not None:
+        _assign(_moved(Out, ax), result.raw, Out.family, stream)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- views and copies in the caller's array library ----------------------------------------
+
+def _view2d(op, rows: int, n: int, row_stride: int):
+    """``op``'s data as a (rows, n) kernel argument with element strides (row_stride, 1)."""
+    raw = arrays.raw_view(op)  # NumPy array (simulator) or Numba device array; no copy
+    item = raw.dtype.itemsize
+    view = arrays.restride(raw, (rows, n), (row_stride * item, item))
+    if isinstance(view, np.ndarray):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(view)
+    return view
+
+
+def _moved_shape(shape, ax):
+    shape = tuple(shape)
+    return shape[:ax] + shape[ax + 1:] + shape[ax:ax + 1]
+
+
+def _moved(op, ax: int):
+    """A view of ``op``'s array with axis ``ax`` moved last (no copy)."""
+    x = op.raw
+    if op.family == "torch":
+        return x.movedim(ax, -1)
+    if op.family == "cupy":
+        import cupy
+
+        return cupy.moveaxis(x, ax, -1)
+    if op.family == "numpy":
+        return np.moveaxis(x, ax, -1)
+    d = cuda.as_cuda_array(x)
+    order = [i for i in range(d.ndim) if i != ax] + [ax]
+    return arrays.restride(d, tuple(d.shape[i] for i in order),
+                            tuple(d.strides[i] for i in order))
+
+
+def _contiguous_moved(op, ax: int, stream):
+    """A C-contiguous copy of ``op`` with axis ``ax`` last, made on ``stream``."""
+    # Always a new buffer (the kernel then runs in place on it): ``contiguous()`` and
+    # ``ascontiguousarray`` would return the input itself when it already is contiguous.
+    view = _moved(op, ax)
+    if op.family == "torch":
+        import torch
+
+        return view.clone(memory_format=torch.contiguous_format)
+    if op.family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(op.device):
+            return cupy.array(view, copy=True, order="C")
+    if op.family == "numpy":
+        return np.array(view, copy=True, order="C")
+    dst = cuda.device_array(view.shape, dtype=view.dtype, stream=stream)
+    _assign(dst, view, "numba", stream)
+    return dst
+
+
+def _assign(dst, src, family: str, stream) -> None:
+    """``dst[...] = src`` (same shape) in the caller's library, on ``stream``."""
+    if family == "torch":
+        dst.copy_(src)
+    elif family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(dst.device.id):
+            dst[...] = src
+    elif family == "numpy":
+        dst[...] = src
+    else:
+        dst.setitem((slice(None),) * dst.ndim, src, stream=stream)
+
+
+# ---- offline compile check -------------------------------------------------------------------
+
+def argtypes(kind: str, layout: str = "A"):
+    """Numba argument types of every kernel here: (x, out) 2-D arrays of ``kind``."""
+    from numba import types
+
+    el = types.float32 if kind == "float32" else types.uint16
+    arr = types.Array(el, 2, layout)
+    return (arr, arr)
+
+
+def compile_plans():
+    """(name, plan, kind, log) of the kernels the offline report compiles: every warp and
+    block bucket in float32 and float16, the online kernel, and a few bf16 / log variants."""
+    items = []
+    for kind in ("float32", "float16"):
+        for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 16385):
+            p = plan(n, simulator=False)
+            items.append((f"softmax_{kind}_n{n}_{p.path}_{p.warps}w_x{p.per_thread}", p, kind,
+                          False))
+    for n in (1024, 16384, 16385):
+        p = plan(n, simulator=False)
+        items.append((f"softmax_bfloat16_n{n}_{p.path}", p, "bfloat16", False))
+        items.append((f"log_softmax_float32_n{n}_{p.path}", p, "float32", True))
+    return items
+
+
+def compile_reports(only=None, layouts=("A",)):
+    """Offline sm_90 reports of :func:`compile_plans` (registers, spills, local memory), or of
+    those whose name is in ``only``, for each array layout in ``layouts`` ("A": strided rows,
+    "C": contiguous — the two types the kernels get compiled for). Entries are named
+    ``"{name}:{layout}"``; compiled with the launch bounds the real kernels carry.
+
+    Run without the simulator: ``tilepy.offline.run_in_subprocess(
+    "tilepy.ops.softmax:compile_reports")`` (all, ~20 s), or
+    ``"tilepy.ops.softmax:compile_reports_one_per_path"`` (three kernels, both layouts).
+    """
+    import re
+
+    from ..offline import compile_kernel
+
+    out = []
+    for name, p, kind, log in compile_plans():
+        if only is not None and name not in only:
+            continue
+        for layout in layouts:
+            entry = {"name": f"{name}:{layout}", "layout": layout, "path": p.path,
+                     "warps": p.warps, "per_thread": p.per_thread, "threads": p.threads,
+                     "kind": kind, "log": log}
+            try:
+                rep = compile_kernel(name, kernel_for(p, kind, log).py_func,
+                                     argtypes(kind, layout), (9, 0), launch_bounds=p.threads)
+            except Exception as e:  # noqa: BLE001  (reported per kernel)
+                entry["error"] = f"{type(e).__name__}: {e}"
+            else:
+                entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
+                             spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
+                             local_bytes=rep.local_bytes, shared_bytes=rep.shared_bytes,
+                             counts=rep.counts,
+                             ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.M)),
+                             maxntid=bool(re.search(r"\.maxntid\s+%d," % p.threads,
+                                                    rep.ptx)))
+            out.append(entry)
+    return out
+
+
+#: One kernel of each path, for the quick check in the test suite.
+ONE_PER_PATH = ("softmax_float16_n1024_warp_4w_x32", "softmax_float32_n16384_block_32w_x16",
+                "softmax_bfloat16_n16385_online")
+
+
+def compile_reports_one_per_path():
+    return compile_reports(ONE_PER_PATH, layouts=("A", "C"))
+
+
+__all__ = ["MEDIUM_MAX", "SHORT_MAX", "Plan", "log_softmax", "plan", "softmax"]
