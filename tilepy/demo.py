@@ -161,6 +161,48 @@ def gemm(gpu: bool) -> dict:
             "peer": f"torch.matmul: {flop / peer / 1e9:.0f} TFLOPS", "ratio": peer / ours}
 
 
+@entry
+def softmax(gpu: bool) -> dict:
+    """tilepy.softmax against float64; on a GPU also GB/s against torch.softmax."""
+    from . import softmax as tp_softmax
+
+    if not gpu:
+        rng = np.random.default_rng()
+        x = (rng.standard_normal((6, 1000)) * 4).astype(np.float32)
+        got = tp_softmax(x)
+        e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+        err = rel_err(got, e / e.sum(axis=1, keepdims=True))
+        return {"what": "tilepy.softmax", "size": "6x1000 f32", "max_rel_err": err,
+                "ok": err < 1e-5}
+    import torch
+
+    x = torch.randn(16384, 4096, device="cuda")
+    out = torch.empty_like(x)
+    tp_softmax(x, out=out)
+    ref = torch.softmax(x.double(), dim=-1)
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+    def ms(fn):
+        for _ in range(3):
+            fn()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        return float(np.median(times))
+
+    ours = ms(lambda: tp_softmax(x, out=out))
+    peer = ms(lambda: torch.softmax(x, dim=-1))
+    nbytes = 2 * x.numel() * 4
+    return {"what": "tilepy.softmax f32", "size": "16384x4096", "max_rel_err": err,
+            "ok": err < 1e-5, "throughput": f"{nbytes / ours / 1e6:.0f} GB/s",
+            "peer": f"torch.softmax: {nbytes / peer / 1e6:.0f} GB/s", "ratio": peer / ours}
+
+
 def run(gpu: bool) -> list[dict]:
     rows = []
     for fn in ENTRIES:
