@@ -17,7 +17,6 @@ import pytest
 from numba import cuda
 
 from tilepy.offline import find_ptxas
-from tilepy.ptx import address
 from tilepy.ptx import cp_async as C
 from tilepy.ptx.address import global_addr, shared_addr
 from tilepy.ptx.asm import SIMULATOR

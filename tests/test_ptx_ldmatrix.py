@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tilepy.ptx import address
 from tilepy.ptx import ldmatrix as L
 from tilepy.ptx.address import shared_addr
 from tilepy.ptx.asm import SIMULATOR
