@@ -1,0 +1,132 @@
+"""Tuning choices on disk: one JSON file per op under the tilepy cache directory.
+
+* Location: ``$TILEPY_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/tilepy`` or ``~/.cache/tilepy``.
+* Keys say what a choice is valid for: op, shape bucket, dtype, GPU name and tilepy version
+  (see :func:`make_key`).
+* Writes are atomic (a temporary file renamed over the old one) and serialised by an advisory
+  lock on a side file, so concurrent processes neither corrupt the file nor lose each other's
+  entries.
+* A file that does not parse is moved aside (``<op>.json.corrupt-<time>``) with one warning,
+  and the cache starts empty. A directory that cannot be written means no caching, with one
+  warning per directory — never an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+import warnings
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - non-POSIX: atomic replace only
+    fcntl = None
+
+_warned: set = set()
+
+
+def cache_dir() -> str:
+    env = os.environ.get("TILEPY_CACHE_DIR")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tilepy")
+
+
+def shape_bucket(n: int) -> int:
+    """Sizes round up to a power of two (min 16): nearby shapes share one tuning result."""
+    b = 16
+    while b < n:
+        b *= 2
+    return b
+
+
+def make_key(op: str, shape, dtype: str, gpu: str, version: str) -> str:
+    buckets = "x".join(str(shape_bucket(int(s))) for s in shape)
+    return f"{op}|{buckets}|{dtype}|{gpu}|{version}"
+
+
+def _warn_once(tag: str, message: str) -> None:
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+class TuneCache:
+    """``get(key)`` / ``put(key, value)`` for one op's file; values are JSON-able dicts."""
+
+    def __init__(self, op: str, directory: str | None = None):
+        self.op = op
+        self.directory = os.path.join(directory or cache_dir(), "tune")
+        self.path = os.path.join(self.directory, f"{op}.json")
+        self.enabled = True
+
+    # ---- reading ----
+    def _read(self) -> dict:
+        try:
+            with open(self.path) as f:
+                data = json.load(f)
+            if not isinstance(data, dict):
+                raise ValueError("top level is not an object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (ValueError, UnicodeDecodeError) as e:
+            aside = f"{self.path}.corrupt-{int(time.time() * 1000)}"
+            with contextlib.suppress(OSError):
+                os.replace(self.path, aside)
+            warnings.warn(f"tilepy: tuning cache {self.path} was unreadable ({e}); moved to "
+                          f"{aside} and starting afresh", RuntimeWarning, stacklevel=3)
+            return {}
+        except OSError as e:
+            _warn_once(self.directory, f"tilepy: cannot read tuning cache {self.path} ({e}); "
+                       "tuning results will not be reused")
+            return {}
+
+    def get(self, key: str):
+        return self._read().get(key)
+
+    def entries(self) -> dict:
+        return self._read()
+
+    # ---- writing ----
+    @contextlib.contextmanager
+    def _locked(self):
+        lock = open(self.path + ".lock", "a")
+        try:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
+
+    def put(self, key: str, value) -> bool:
+        """Store ``value`` under ``key``; False (and one warning) if the cache is not writable."""
+        if not self.enabled:
+            return False
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with self._locked():
+                data = self._read()
+                data[key] = value
+                fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{self.op}.",
+                                           suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(data, f, indent=1, sort_keys=True)
+                    os.replace(tmp, self.path)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise
+            return True
+        except OSError as e:
+            self.enabled = False
+            _warn_once(self.directory, f"tilepy: tuning cache directory {self.directory} is "
+                       f"not writable ({e}); tuning results will not be saved")
+            return False
