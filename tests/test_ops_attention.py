@@ -1,0 +1,366 @@
+"""tilepy.flash_attention: results against a float64 NumPy reference (simulator, tiny shapes;
+GPU, full size against PyTorch's scaled_dot_product_attention), the LSE, every user error
+raised before launch, and the compiled kernels' resources (offline, sm_90)."""
+
+import math
+
+import numpy as np
+import pytest
+
+import tilepy
+from tilepy.ops.attention import flash_attention
+from tilepy.ops.attention_kernel import HEAD_DIMS, AttentionConfig
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+# Max |error| relative to max |v|: p is rounded to the input dtype before p·v and the output
+# is rounded to it (FlashAttention's numerics), so the bound is a few ulp of the dtype.
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
+LSE_TOL = 1e-5
+
+sim = pytest.mark.sim
+gpu = pytest.mark.gpu
+
+
+def rand(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(NP[dtype])
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def reference(q, k, v, causal=False, scale=None, layout="bhsd"):
+    """float64 softmax(scale · q kᵀ + mask) v and its natural-log LSE, (B, Hq, Sq[, D]).
+
+    Causal mask aligned bottom-right (key j visible to query i iff j <= i + Sk - Sq); a row
+    with no visible key gives zeros and lse -inf. GQA by repeating k, v over the query heads.
+    """
+    q, k, v = f64(q), f64(k), f64(v)
+    if layout == "bshd":
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    _, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    k = np.repeat(k, hq // hk, axis=1)
+    v = np.repeat(v, hq // hk, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) * scale
+    if causal:
+        i = np.arange(sq)[:, None]
+        j = np.arange(sk)[None, :]
+        s = np.where(j <= i + sk - sq, s, -np.inf)
+    m = s.max(-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
+    seen = np.isfinite(m)
+    m0 = np.where(seen, m, 0.0)
+    p = np.exp(s - m0)
+    total = p.sum(-1, keepdims=True)
+    o = np.where(seen, (p / np.where(seen, total, 1.0)) @ v, 0.0)
+    lse = np.where(seen[..., 0], np.log(np.where(seen, total, 1.0))[..., 0] + m0[..., 0],
+                   -np.inf)
+    if layout == "bshd":
+        o = o.transpose(0, 2, 1, 3)
+    return o, lse
+
+
+def check(got, ref, v, dtype):
+    got = f64(got)
+    assert got.shape == ref.shape
+    assert not np.isnan(got).any(), "NaN or unwritten element"
+    err = np.abs(got - ref).max() if got.size else 0.0
+    assert err <= TOL[dtype] * max(np.abs(f64(v)).max(), 1e-6), err
+
+
+def check_lse(got, ref):
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref)), "rows without keys: lse -inf"
+    fin = np.isfinite(ref)
+    assert np.isfinite(got[fin]).all()
+    assert np.abs(f64(got[fin]) - ref[fin]).max(initial=0) <= LSE_TOL * (1 + np.abs(ref).max())
+
+
+def run_case(shape_q, shape_kv, dtype, causal, layout="bhsd", rng=None, **kw):
+    rng = rng or np.random.default_rng()
+    q = rand(rng, shape_q, dtype)
+    k = rand(rng, shape_kv, dtype)
+    v = rand(rng, shape_kv, dtype)
+    out = np.full(shape_q, np.nan, NP[dtype])
+    res, lse = flash_attention(q, k, v, causal=causal, out=out, return_lse=True,
+                               layout=layout, **kw)
+    assert res is out
+    ro, rl = reference(q, k, v, causal, kw.get("scale"), layout)
+    check(out, ro, v, dtype)
+    check_lse(lse, rl)
+    return out, ro
+
+
+# ---- simulator ---------------------------------------------------------------------------
+
+@sim
+@pytest.mark.parametrize("b,hq,sq,sk,d,causal,dtype", [
+    (1, 1, 1, 1, 16, False, "float16"),      # one query, one key
+    (1, 1, 7, 7, 32, True, "bfloat16"),
+    (1, 1, 65, 65, 64, False, "float16"),    # one row and one key past the blocks
+    (1, 1, 65, 65, 32, True, "bfloat16"),
+    (2, 1, 17, 40, 32, True, "float16"),     # seq_q < seq_k: bottom-right diagonal
+    (1, 2, 40, 17, 16, True, "bfloat16"),    # seq_q > seq_k: rows 0..22 see no key -> 0
+    (1, 1, 23, 70, 64, False, "bfloat16"),
+    (1, 1, 70, 9, 16, False, "float16"),
+    (1, 1, 20, 20, 128, True, "float16"),    # the largest head_dim
+    (1, 1, 30, 26, 48, True, "bfloat16"),    # 6 chunks a row: unswizzled tiles
+], ids=lambda x: str(x))
+def test_against_float64(b, hq, sq, sk, d, causal, dtype):
+    out, _ = run_case((b, hq, sq, d), (b, hq, sk, d), dtype, causal)
+    if causal and sq > sk:
+        assert not np.any(f64(out)[:, :, :sq - sk]), "rows with no visible key must be 0"
+
+
+@sim
+def test_whole_query_blocks_without_keys_give_zeros():
+    # causal, seq_q 40 > seq_k 5: rows 0..34 see nothing, so the first query block visits
+    # no key block at all (and reads no K/V); rows 35..39 see 1..5 keys.
+    out, _ = run_case((1, 1, 40, 16), (1, 1, 5, 16), "float16", True)
+    assert not np.any(f64(out)[0, 0, :35]) and np.all(np.any(f64(out)[0, 0, 35:], -1))
+
+
+@sim
+@pytest.mark.parametrize("hkv,causal,dtype", [(2, True, "float16"), (1, False, "bfloat16")])
+def test_grouped_and_multi_query(hkv, causal, dtype):
+    run_case((1, 4, 19, 16), (1, hkv, 23, 16), dtype, causal)
+
+
+@sim
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_bshd_layout_in_place(dtype):
+    # (batch, seq, heads, head_dim): strided (B, H, S, D) views, no copy; GQA too.
+    rng = np.random.default_rng()
+    run_case((2, 21, 2, 32), (2, 30, 1, 32), dtype, True, layout="bshd", rng=rng)
+
+
+@sim
+def test_scale_and_without_lse():
+    rng = np.random.default_rng()
+    q, k, v = (rand(rng, (1, 1, 18, 32), "float16") for _ in range(3))
+    got = flash_attention(q, k, v, scale=0.3)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float16
+    check(got, reference(q, k, v, scale=0.3)[0], v, "float16")
+
+
+@sim
+def test_unaligned_and_strided_inputs_are_copied():
+    rng = np.random.default_rng()
+    # Rows of 36 elements (72 bytes: not 16-byte aligned) and a head_dim axis of stride 2.
+    qb = rand(rng, (1, 1, 20, 36), "float16")
+    kb = rand(rng, (1, 1, 24, 32, 2), "float16")
+    v = rand(rng, (1, 1, 24, 32), "float16")
+    q, k = qb[..., :32], kb[..., 0]
+    got = flash_attention(q, k, v, causal=True)
+    check(got, reference(q, k, v, True)[0], v, "float16")
+
+
+@sim
+def test_other_configs():
+    # 32 rows per warp (two m16 tiles), 32-key blocks, one warp per block.
+    rng = np.random.default_rng()
+    cfg = AttentionConfig(32, block_m=32, block_n=32, warp_rows=32, dtype="bfloat16")
+    run_case((1, 1, 45, 32), (1, 1, 50, 32), "bfloat16", True, rng=rng, config=cfg)
+
+
+@sim
+def test_empty_sizes():
+    q = np.ones((1, 2, 0, 16), np.float16)
+    k = np.ones((1, 2, 5, 16), np.float16)
+    out, lse = flash_attention(q, k, k, return_lse=True)
+    assert out.shape == (1, 2, 0, 16) and lse.shape == (1, 2, 0)
+    # No keys at all: every row sees nothing -> zeros, lse -inf.
+    q = np.ones((1, 1, 3, 16), np.float16)
+    k = np.ones((1, 1, 0, 16), np.float16)
+    out = np.full_like(q, np.nan)
+    _, lse = flash_attention(q, k, k, out=out, return_lse=True)
+    assert not np.any(f64(out)) and np.all(np.isneginf(lse))
+
+
+@sim
+def test_errors_are_raised_before_launch():
+    h = np.ones((1, 2, 8, 16), np.float16)
+    kv = np.ones((1, 1, 8, 16), np.float16)
+    with pytest.raises(ValueError, match="head_dim 24 is not supported; supported: 16, 32"):
+        x = np.ones((1, 1, 8, 24), np.float16)
+        flash_attention(x, x, x)
+    with pytest.raises(ValueError, match="head_dim differs: q 16, k 32"):
+        flash_attention(h, np.ones((1, 1, 8, 32), np.float16), kv)
+    with pytest.raises(ValueError, match=r"heads_q \(2\) must be a multiple of heads_kv \(3\)"):
+        x = np.ones((1, 3, 8, 16), np.float16)
+        flash_attention(h, x, x)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        x = np.ones((2, 1, 8, 16), np.float16)
+        flash_attention(h, x, x)
+    with pytest.raises(ValueError, match="k and v must have the same shape"):
+        flash_attention(h, kv, np.ones((1, 1, 9, 16), np.float16))
+    with pytest.raises(TypeError, match="same dtype"):
+        flash_attention(h, kv, kv.astype(ml_dtypes.bfloat16))
+    with pytest.raises(TypeError, match="float32 is not supported"):
+        flash_attention(h.astype(np.float32), kv, kv)
+    with pytest.raises(TypeError, match="list"):
+        flash_attention([[1.0]], kv, kv)
+    with pytest.raises(ValueError, match="must be 4-D"):
+        flash_attention(h[0], kv, kv)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        flash_attention(h, kv, kv, layout="sbhd")
+    with pytest.raises(ValueError, match="scale must be a finite positive"):
+        flash_attention(h, kv, kv, scale=-1.0)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(h, kv, kv, causal="yes")
+    with pytest.raises(ValueError, match="out must have shape"):
+        flash_attention(h, kv, kv, out=np.empty((1, 2, 8, 32), np.float16))
+    with pytest.raises(ValueError, match="out must have dtype"):
+        flash_attention(h, kv, kv, out=np.empty(h.shape, ml_dtypes.bfloat16))
+    with pytest.raises(ValueError, match="config is for head_dim 32"):
+        flash_attention(h, kv, kv, config=AttentionConfig(32, 32, 16))
+    # In bshd, the heads are axis 2: (1, 8, 2, 16) q with (1, 8, 3, 16) k.
+    with pytest.raises(ValueError, match=r"heads_q \(2\) must be a multiple of heads_kv \(3\)"):
+        x = np.ones((1, 8, 3, 16), np.float16)
+        flash_attention(np.ones((1, 8, 2, 16), np.float16), x, x, layout="bshd")
+
+
+def test_p_fragments_are_the_a_operand():
+    """S accumulator tiles 2kk, 2kk+1 (keys 16kk..16kk+15), registers paired (c0, c1) and
+    (c2, c3), are the A fragment of k16 step kk: the kernel's packing, checked against the
+    fragment maps of tilepy.ptx.fragments."""
+    from tilepy.ptx.fragments import a_map, c_map
+
+    c_at = {(lane, r): (row, col) for lane, r, _, row, col in c_map(1)}
+    for lane, r, j, row, col in a_map(16, 2):
+        tile = r // 2                      # a0, a1 <- tile 2kk; a2, a3 <- tile 2kk + 1
+        creg = 2 * (r % 2) + j             # a0/a2 <- (c0, c1); a1/a3 <- (c2, c3)
+        srow, scol = c_at[(lane, creg)]
+        assert (srow, 8 * tile + scol) == (row, col)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        AttentionConfig(40)
+    with pytest.raises(ValueError, match="block_n=24 is not a positive multiple of 16"):
+        AttentionConfig(64, block_n=24)
+    with pytest.raises(ValueError, match="warp_rows"):
+        AttentionConfig(64, block_m=48, warp_rows=32)
+    with pytest.raises(ValueError, match="shared memory"):
+        AttentionConfig(128, block_m=256, block_n=256, warp_rows=32)
+    assert AttentionConfig(128).smem_bytes == 96 * 1024
+    assert tuple(HEAD_DIMS) == (16, 32, 48, 64, 80, 96, 112, 128)
+
+
+# ---- compile layer: the real kernels, offline, sm_90 -------------------------------------
+
+@pytest.mark.compile
+def test_kernels_compile_to_mma_ldmatrix_cp_async_without_spills():
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reports = run_in_subprocess("tilepy.ops.attention_kernel:compile_reports")
+    assert len(reports) == 4
+    for name, rep in reports.items():
+        assert "error" not in rep, rep.get("error")
+        c = rep["counts"]
+        d = 128 if "d128" in name else 64
+        # per key block of 64: Q·Kᵀ (D/16)·8 mma + P·V 4·(D/8) mma; ldmatrix for Q, K, V
+        assert c["mma"] >= (d // 16) * 8 + 4 * (d // 8), (name, c)
+        assert c["ldmatrix"] >= d // 16 + (d // 16) * 4 + 4 * (d // 16), (name, c)
+        assert c["cp.async"] >= 1 and c["cp.async.wait"] >= 2 and c["bar.sync"] >= 2
+        assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+        assert rep["stack_frame"] == 0 and rep["local_bytes"] == 0, rep
+        assert rep["f64"] == 0, "64-bit float arithmetic in the kernel"
+        assert 0 < rep["registers"] <= 255
+        print(f"{name}: {rep['registers']} registers, {rep['config']}")
+
+
+# ---- GPU: full size against PyTorch --------------------------------------------------------
+
+def _torch_reference(torch, q, k, v, causal, scale=None, layout="bhsd"):
+    """float64 attention with the bottom-right causal mask, (B, Hq, Sq, D) and lse."""
+    if layout == "bshd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = q.double(), k.double(), v.double()
+    hq, sq, d = q.shape[1], q.shape[2], q.shape[3]
+    hk, sk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    k = k.repeat_interleave(hq // hk, dim=1)
+    v = v.repeat_interleave(hq // hk, dim=1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + sk - sq, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = p @ v
+    if layout == "bshd":
+        o = o.transpose(1, 2)
+    return o, lse
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_against_sdpa(dtype, causal):
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    for b, h, s, d in [(2, 8, 1024, 128), (4, 4, 777, 64), (1, 2, 4096, 128)]:
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=tdt) for _ in range(3))
+        got = flash_attention(q, k, v, causal=causal)
+        assert isinstance(got, torch.Tensor) and got.device == q.device and got.dtype == tdt
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 2 * TOL[dtype] * v.abs().max().item(), (b, h, s, d, err)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_odd_shapes_gqa_layouts_lse(dtype):
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    rng = np.random.default_rng()
+    cases = [(1, 4, 1, 1, 1, 64, "bhsd"), (2, 8, 2, 333, 1000, 128, "bhsd"),
+             (2, 8, 8, 1000, 333, 64, "bshd"), (1, 16, 4, 129, 129, 96, "bshd"),
+             (3, 4, 2, 65, 4097, 16, "bhsd"), (2, 6, 3, 513, 200, 80, "bshd")]
+    for b, hq, hk, sq, sk, d, layout in cases:
+        causal = bool(rng.integers(2))
+        shape_q, shape_kv = (b, hq, sq, d), (b, hk, sk, d)
+        if layout == "bshd":
+            shape_q, shape_kv = (b, sq, hq, d), (b, sk, hk, d)
+        q = torch.randn(shape_q, device="cuda", dtype=tdt)
+        k = torch.randn(shape_kv, device="cuda", dtype=tdt)
+        v = torch.randn(shape_kv, device="cuda", dtype=tdt)
+        out = torch.full_like(q, float("nan"))
+        got, lse = flash_attention(q, k, v, causal=causal, return_lse=True, out=out,
+                                   layout=layout)
+        want, want_lse = _torch_reference(torch, q, k, v, causal, layout=layout)
+        assert got is out and not got.isnan().any()
+        err = (got.double() - want).abs().max().item()
+        assert err <= TOL[dtype] * v.abs().max().item(), (b, hq, hk, sq, sk, d, layout, err)
+        fin = want_lse.isfinite()
+        assert torch.equal(lse.isneginf(), ~fin)
+        lerr = (lse.double()[fin] - want_lse[fin]).abs().max().item() if fin.any() else 0.0
+        assert lerr <= 1e-4 * (1 + want_lse[fin].abs().max().item()), lerr
+
+
+@gpu
+def test_gpu_cupy_and_caller_stream():
+    cupy = pytest.importorskip("cupy")
+    q = cupy.random.standard_normal((2, 4, 300, 64), dtype=cupy.float32).astype(cupy.float16)
+    k = cupy.random.standard_normal((2, 2, 500, 64), dtype=cupy.float32).astype(cupy.float16)
+    v = cupy.random.standard_normal((2, 2, 500, 64), dtype=cupy.float32).astype(cupy.float16)
+    with cupy.cuda.Stream(non_blocking=True):
+        got = flash_attention(q, k, v, causal=True)
+        cupy.cuda.get_current_stream().synchronize()
+    assert isinstance(got, cupy.ndarray)
+    want, _ = reference(cupy.asnumpy(q), cupy.asnumpy(k), cupy.asnumpy(v), True)
+    check(cupy.asnumpy(got), want, cupy.asnumpy(v), "float16")
+
+
+def test_exported_from_the_ops_module():
+    assert callable(flash_attention)
+    if hasattr(tilepy, "flash_attention"):
+        assert tilepy.flash_attention is flash_attention

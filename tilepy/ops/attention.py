@@ -1,0 +1,213 @@
+"""``tilepy.flash_attention``: the FlashAttention-2 forward pass on tensor cores.
+
+Validation and layout handling on the host, then one launch of the mma.sync kernel of
+:mod:`tilepy.ops.attention_kernel` on the inputs' device and the caller's current stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import arrays
+from ..arrays import describe
+from . import attention_kernel as fa
+from .attention_kernel import HEAD_DIMS, AttentionConfig
+
+LAYOUTS = ("bhsd", "bshd")
+
+# GPU: 8 warps of 16 query rows (BM = 128) share each K/V tile of 64 keys; Q (BM × D), and two
+# stages of K and V: 48 KB at D = 64, 96 KB at D = 128. 128 / 210 registers per thread
+# (offline report, sm_90), no spills.
+GPU_BLOCK_M, GPU_BLOCK_N, GPU_WARP_ROWS = 128, 64, 16
+# Simulator: every thread is a Python thread: 2 warps, 16-key blocks, still a real pipeline
+# (several key blocks per query block) with masked edges.
+SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
+
+
+def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
+    """The built-in config for a head dimension and dtype (simulator: a small one)."""
+    if arrays.SIMULATOR:
+        return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
+    return AttentionConfig(head_dim, GPU_BLOCK_M, GPU_BLOCK_N, GPU_WARP_ROWS, dtype)
+
+
+def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,
+                    layout="bhsd", config=None):
+    """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
+
+    * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
+      heads_kv, seq_k, head_dim). ``layout="bshd"``: (batch, seq, heads, head_dim) instead,
+      read and written in place (no transposing copy). ``out`` and the result have ``q``'s
+      shape and layout.
+    * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
+      ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
+    * ``head_dim``: one of 16, 32, 48, 64, 80, 96, 112, 128 (the same for q, k and v).
+    * Any ``seq_q`` and ``seq_k`` (not multiples of a block; ``seq_q != seq_k`` allowed).
+    * Grouped-query / multi-query attention: ``heads_q`` a multiple of ``heads_kv``; query
+      head ``h`` uses key/value head ``h // (heads_q // heads_kv)``.
+    * ``causal=True``: query ``i`` sees keys ``j <= i + seq_k - seq_q`` — the causal mask
+      aligned to the bottom-right corner when ``seq_q != seq_k`` (FlashAttention-2's
+      convention; PyTorch's ``is_causal`` aligns to the top-left instead). A query row that
+      sees no key at all (``i < seq_q - seq_k``) comes out as zeros.
+    * ``scale``: a positive float; default ``1 / sqrt(head_dim)``.
+    * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
+      (always in this order, whatever the layout): the natural-log
+      ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
+      that sees none.
+    * ``config``: an :class:`tilepy.ops.attention_kernel.AttentionConfig` to override the
+      built-in choice (its ``head_dim`` and ``dtype`` must match the inputs).
+    * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
+      result is of the same kind, on the inputs' device, computed on the caller's current
+      stream. Inputs whose head_dim axis is not contiguous, or whose other strides or base are
+      not 16-byte aligned, are first copied. Errors are raised before anything is launched.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    Q = describe(q, "q", allow_float32=False)
+    K = describe(k, "k", allow_float32=False)
+    V = describe(v, "v", allow_float32=False)
+    if not (Q.dtype == K.dtype == V.dtype):
+        raise TypeError(f"q, k and v must have the same dtype; got q {Q.dtype}, k {K.dtype}, "
+                        f"v {V.dtype}")
+    dtype = Q.dtype
+    for op in (Q, K, V):
+        if op.ndim != 4:
+            raise ValueError(f"{op.name} must be 4-D ({_axes(layout)}), got shape {op.shape}")
+    bq, hq, sq, d = _bhsd(Q.shape, layout)
+    bk, hk, sk, dk = _bhsd(K.shape, layout)
+    bv, hv, sv, dv = _bhsd(V.shape, layout)
+    if not (bq == bk == bv):
+        raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
+                         f"(layout {layout!r}: {_axes(layout)})")
+    if not (d == dk == dv):
+        raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
+                         f"k {K.shape}, v {V.shape}, layout {layout!r})")
+    if (hk, sk) != (hv, sv):
+        raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk}) (shapes q "
+                         f"{Q.shape}, k {K.shape}, layout {layout!r})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; supported: "
+                         f"{', '.join(map(str, HEAD_DIMS))}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                        np.floating)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    Out = describe(out, "out", allow_float32=False) if out is not None else None
+    if Out is not None:
+        if Out.shape != Q.shape:
+            raise ValueError(f"out must have shape {Q.shape} (that of q), got {Out.shape}")
+        if Out.dtype != dtype:
+            raise ValueError(f"out must have dtype {dtype} (that of q), got {Out.dtype}")
+    device = arrays.same_device(Q, K, V, Out)
+    if config is not None:
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig, "
+                            f"got {type(config).__name__}")
+        if (config.head_dim, config.dtype) != (d, dtype):
+            raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
+                             f"inputs are head_dim {d} {dtype}")
+
+    if out is None:
+        out = arrays.empty(Q, Q.shape, dtype)
+        Out = describe(out, "out")
+    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
+    if bq and hq and sq:
+        cfg = config or choose_config(d, dtype)
+        _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
+    return (out, lse) if return_lse else out
+
+
+def _axes(layout: str) -> str:
+    return ("batch, heads, seq, head_dim" if layout == "bhsd"
+            else "batch, seq, heads, head_dim")
+
+
+def _bhsd(shape, layout: str):
+    """(batch, heads, seq, head_dim) of a 4-D shape in ``layout``."""
+    if layout == "bhsd":
+        return tuple(shape)
+    b, s, h, d = shape
+    return b, h, s, d
+
+
+def _readable(op) -> bool:
+    """The kernel's cp.async reads ``op`` in place: unit stride along head_dim, every other
+    stride (of an axis longer than 1) and the base 16-byte aligned."""
+    if op.shape[-1] > 1 and op.strides[-1] != 1:
+        return False
+    if any(s % 8 for n, s in zip(op.shape[:-1], op.strides[:-1]) if n > 1):
+        return False
+    return op.byte_pointer() % 16 == 0
+
+
+def _kernel_view(op, layout: str):
+    """``op`` as a 4-D (B, H, S, D) kernel argument, no copy (bshd: a strided view)."""
+    view = arrays.raw_view(op)
+    if layout == "bshd":
+        shape, strides = list(view.shape), list(view.strides)
+        shape[1], shape[2] = shape[2], shape[1]
+        strides[1], strides[2] = strides[2], strides[1]
+        view = arrays.restride(view, tuple(shape), tuple(strides))
+    if isinstance(view, np.ndarray):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(view)
+    return view
+
+
+_NO_LSE: dict = {}
+
+
+def _lse_placeholder():
+    """A 1×1×1 float32 array the kernels without LSE are given (and never write)."""
+    if arrays.SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(np.zeros((1, 1, 1), np.float32))
+    from numba import cuda
+
+    dev = cuda.get_current_device().id
+    if dev not in _NO_LSE:
+        _NO_LSE[dev] = cuda.device_array((1, 1, 1), np.float32)
+    return _NO_LSE[dev]
+
+
+def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
+    from numba import cuda
+
+    ctx = cuda.gpus[device] if (device is not None and not arrays.SIMULATOR) else _Null()
+    with ctx:
+        stream = arrays.stream_of(Q)
+        views = []
+        for op in (Q, K, V):
+            if not _readable(op):
+                op = describe(arrays.copy_aligned(op), op.name)
+            views.append(_kernel_view(op, layout))
+        o_v = _kernel_view(Out, layout)
+        if lse is not None:
+            lse_v = _kernel_view(describe(lse, "lse"), "bhsd")
+        else:
+            lse_v = _lse_placeholder()
+        kern = fa.attention_kernel(cfg, causal, lse is not None)
+        fa.launch(kern, cfg, *views, o_v, lse_v, scale, stream)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+__all__ = ["choose_config", "flash_attention"]
