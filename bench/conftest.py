@@ -21,6 +21,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def torch():
+    return pytest.importorskip("torch")
+
+
 @pytest.fixture(scope="session")
 def gpu_name():
     from numba import cuda

@@ -55,19 +55,10 @@ def main():
     dargs = [cuda.as_cuda_array(t.view(torch.int16)[None]).view(np.uint16) for t in (a, b, out)]
     dargs += [dargs[2], cuda.as_cuda_array(bias)]
 
+    from tilepy.testing.timing import time_cuda
+
     def ms_of(fn, rep=20):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        ts = []
-        for _ in range(rep):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return float(np.median(ts))
+        return time_cuda(fn, repeat=rep)
 
     flop = 2 * n**3
     peer = ms_of(lambda: torch.matmul(a, b))

@@ -7,28 +7,14 @@ row-major A and B, 16-bit out, timed with CUDA events.
 import numpy as np
 import pytest
 
+from tilepy.testing.timing import time_cuda
+
 SIZES = [4096, 8192]
 DTYPES = ["float16", "bfloat16"]
 
 
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
 def cuda_ms(torch, fn, repeat=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return float(np.median(times))
+    return time_cuda(fn, warmup=warmup, repeat=repeat)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -11,8 +11,9 @@ Shapes of issue 6: 16384×4096, 32768×1024, 4096×32768 in float32 and float16;
 sweep of Triton's tutorial (4096 rows, 256 … 32768 columns).
 """
 
-import numpy as np
 import pytest
+
+from tilepy.testing.timing import time_cuda
 
 SHAPES = [(16384, 4096), (32768, 1024), (4096, 32768)]
 DTYPES = ["float32", "float16"]
@@ -21,27 +22,9 @@ INNER = 10
 REPEAT = 15
 
 
-@pytest.fixture(scope="module")
-def torch():
-    return pytest.importorskip("torch")
-
-
 def cuda_ms(torch, fn, repeat=REPEAT, inner=INNER, warmup=3):
     """Median milliseconds per call of ``fn`` (CUDA events around ``inner`` calls)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start = torch.cuda.Event(enable_timing=True)
-        stop = torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / inner)
-    return float(np.median(times))
+    return time_cuda(fn, warmup=warmup, repeat=repeat, inner=inner)
 
 
 def measure(torch, record, gpu_name, rows, cols, dtype):

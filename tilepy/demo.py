@@ -14,6 +14,8 @@ import time
 import numpy as np
 from numba import cuda  # a module global: the simulator swaps it inside kernels
 
+from .testing.timing import time_cuda
+
 ENTRIES = []
 
 
@@ -140,21 +142,9 @@ def gemm(gpu: bool) -> dict:
     ref = a.float() @ b.float()
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
-    def ms(fn):
-        for _ in range(3):
-            fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return float(np.median(times))
 
-    ours = ms(lambda: tp_gemm(a, b, out=out))
-    peer = ms(lambda: torch.matmul(a, b))
+    ours = time_cuda(lambda: tp_gemm(a, b, out=out), repeat=10)
+    peer = time_cuda(lambda: torch.matmul(a, b), repeat=10)
     flop = 2 * n**3
     return {"what": "tilepy.gemm fp16", "size": f"{n}^3", "max_rel_err": err, "ok": err < 1e-2,
             "throughput": f"{flop / ours / 1e9:.0f} TFLOPS",
@@ -182,25 +172,50 @@ def softmax(gpu: bool) -> dict:
     ref = torch.softmax(x.double(), dim=-1)
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
-    def ms(fn):
-        for _ in range(3):
-            fn()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return float(np.median(times))
 
-    ours = ms(lambda: tp_softmax(x, out=out))
-    peer = ms(lambda: torch.softmax(x, dim=-1))
+    ours = time_cuda(lambda: tp_softmax(x, out=out), repeat=10)
+    peer = time_cuda(lambda: torch.softmax(x, dim=-1), repeat=10)
     nbytes = 2 * x.numel() * 4
     return {"what": "tilepy.softmax f32", "size": "16384x4096", "max_rel_err": err,
             "ok": err < 1e-5, "throughput": f"{nbytes / ours / 1e6:.0f} GB/s",
             "peer": f"torch.softmax: {nbytes / peer / 1e6:.0f} GB/s", "ratio": peer / ours}
+
+
+@entry
+def attention(gpu: bool) -> dict:
+    """tilepy.flash_attention against float64 (simulator) or SDPA (GPU)."""
+    from . import flash_attention
+
+    if not gpu:
+        rng = np.random.default_rng()
+        q, k, v = (rng.standard_normal((1, 2, 40, 32)).astype(np.float16) for _ in range(3))
+        got = flash_attention(q, k, v, causal=True)
+        s = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) / np.sqrt(32)
+        s = np.where(np.tril(np.ones((40, 40), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        ref = (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
+        err = rel_err(got, ref)
+        return {"what": "tilepy.flash_attention causal", "size": "1x2x40x32 f16",
+                "max_rel_err": err, "ok": err < 2e-3}
+    import torch
+
+    b, h, s_len, d = 4, 32, 4096, 128
+    q, k, v = (torch.randn(b, h, s_len, d, device="cuda", dtype=torch.float16)
+               for _ in range(3))
+    out = flash_attention(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+    ours = time_cuda(lambda: flash_attention(q, k, v, out=out), warmup=2, repeat=5)
+    peer = time_cuda(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                     warmup=2, repeat=5)
+    flop = 4 * b * h * s_len * s_len * d
+    return {"what": "tilepy.flash_attention f16", "size": "B4 H32 S4096 D128",
+            "max_rel_err": err, "ok": err < 1e-2,
+            "throughput": f"{flop / ours / 1e9:.0f} TFLOPS",
+            "peer": f"SDPA (default backend): {flop / peer / 1e9:.0f} TFLOPS",
+            "ratio": peer / ours}
 
 
 def run(gpu: bool) -> list[dict]:

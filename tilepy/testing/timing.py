@@ -5,8 +5,12 @@ from __future__ import annotations
 import statistics
 
 
-def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, stream=None) -> float:
-    """Median milliseconds of ``fn()`` measured with CUDA events on ``stream`` (default stream)."""
+def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, inner: int = 1, stream=None) -> float:
+    """Median milliseconds per ``fn()`` call, CUDA events around ``inner`` calls, ``repeat`` times.
+
+    Events go on ``stream`` (default: the legacy default stream, which is also where PyTorch
+    and CuPy enqueue unless told otherwise, so their work is timed correctly too).
+    """
     from numba import cuda
 
     stream = 0 if stream is None else stream
@@ -17,8 +21,9 @@ def time_cuda(fn, *, warmup: int = 3, repeat: int = 20, stream=None) -> float:
     for _ in range(repeat):
         start, stop = cuda.event(), cuda.event()
         start.record(stream)
-        fn()
+        for _ in range(inner):
+            fn()
         stop.record(stream)
         stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop))
+        times.append(cuda.event_elapsed_time(start, stop) / inner)
     return statistics.median(times)
