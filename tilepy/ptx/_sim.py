@@ -40,18 +40,28 @@ def warp_id() -> int:
     return this_thread().thread_id // WARP
 
 
-def _scratch(t):
-    m = t._manager
-    s = getattr(m, "_tilepy_scratch", None)
-    if s is None:
+def block_state(name: str, factory, t=None):
+    """Per-block state of the calling simulated thread: ``factory(manager)`` made once per
+    block (kept on the simulator's BlockManager, so it dies with the block)."""
+    m = (t or this_thread())._manager
+    attr = "_tilepy_" + name
+    value = getattr(m, attr, None)
+    if value is None:
         with _create_lock:
-            s = getattr(m, "_tilepy_scratch", None)
-            if s is None:
-                nthreads = int(np.prod(m._block_dim))
-                nwarps = (nthreads + WARP - 1) // WARP
-                s = [[[None] * WARP for _ in range(nwarps)] for _ in range(2)]
-                m._tilepy_scratch = s
-    return s
+            value = getattr(m, attr, None)
+            if value is None:
+                value = factory(m)
+                setattr(m, attr, value)
+    return value
+
+
+def _new_scratch(m):
+    nwarps = (int(np.prod(m._block_dim)) + WARP - 1) // WARP
+    return [[[None] * WARP for _ in range(nwarps)] for _ in range(2)]
+
+
+def _scratch(t):
+    return block_state("scratch", _new_scratch, t)
 
 
 def warp_exchange(value):
@@ -91,14 +101,7 @@ _result_lock = threading.Lock()
 
 
 def _results(t):
-    m = t._manager
-    r = getattr(m, "_tilepy_results", None)
-    if r is None:
-        with _create_lock:
-            r = getattr(m, "_tilepy_results", None)
-            if r is None:
-                r = m._tilepy_results = {}
-    return r
+    return block_state("results", lambda m: {}, t)
 
 
 # ---- bit-level conversions used by the twins (NumPy scalars in, NumPy scalars out) --------

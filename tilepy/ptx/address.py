@@ -32,16 +32,9 @@ _extent_lock = threading.Lock()
 
 def _block_extents() -> dict:
     """{"shared": {start: end}, "global": {...}} of the calling simulated thread's block."""
-    from ._sim import this_thread
+    from ._sim import block_state
 
-    m = this_thread()._manager
-    ext = getattr(m, "_tilepy_extents", None)
-    if ext is None:
-        with _extent_lock:
-            ext = getattr(m, "_tilepy_extents", None)
-            if ext is None:
-                ext = m._tilepy_extents = {"shared": {}, "global": {}}
-    return ext
+    return block_state("extents", lambda m: {"shared": {}, "global": {}})
 
 
 def _ndarray(a) -> np.ndarray:
