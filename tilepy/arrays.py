@@ -63,6 +63,15 @@ def _dtype_name(family, x) -> str | None:
     return name if name in DTYPES else None
 
 
+def dtype_name(dtype) -> str:
+    """A dtype given as a string, NumPy / CuPy / ml_dtypes dtype or PyTorch dtype, by name."""
+    if isinstance(dtype, str):
+        return dtype
+    if type(dtype).__module__.split(".")[0] == "torch":
+        return str(dtype).replace("torch.", "")
+    return str(np.dtype(dtype))
+
+
 def describe(x, name: str, *, allow_float32: bool = True) -> Operand:
     """Check that ``x`` is an array tilepy can take; raise TypeError naming ``name`` if not."""
     fam = _family(x)

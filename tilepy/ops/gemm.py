@@ -92,8 +92,7 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if out_dtype is None:
         out_dtype = dtype
-    out_dtype = str(np.dtype(out_dtype)) if out_dtype != "bfloat16" and not hasattr(
-        out_dtype, "is_floating_point") else str(out_dtype).replace("torch.", "")
+    out_dtype = arrays.dtype_name(out_dtype)
     if out_dtype not in (dtype, "float32"):
         raise TypeError(f"out_dtype must be {dtype} or float32 for {dtype} inputs, got "
                         f"{out_dtype}")
