@@ -37,7 +37,8 @@ def main():
     p.add_argument("dtype", nargs="?", default="float16")
     p.add_argument("--json")
     p.add_argument("--variants", action="store_true",
-                   help="for two configs, each of group_m in {1, 8} x double_buffer on/off")
+                   help="for two configs, each of group_m in {1, 8} x double_buffer on/off x "
+                        "late_issue on/off")
     args = p.parse_args()
     import torch
     from numba import cuda
@@ -64,14 +65,16 @@ def main():
     peer = ms_of(lambda: torch.matmul(a, b))
     rows = []
     print(f"N={n} {dtype}: torch.matmul {flop / peer / 1e9:.0f} TFLOPS")
-    plan = [(c, 8, True) for c in configs()]
+    plan = [(c, 8, True, False) for c in configs()]
     if args.variants:
         picked = [configs()[0], configs()[9]]
-        plan = [(c, g, d) for c in picked for g in (1, 8) for d in (False, True)]
-    for cfg, group_m, dbuf in plan:
+        plan = [(c, g, d, late) for c in picked for g in (1, 8) for d in (False, True)
+                for late in (False, True)]
+    for cfg, group_m, dbuf, late in plan:
         cfg = GemmConfig(cfg.block, cfg.warps, cfg.pipeline, dtype)
         try:
-            kern = gemm_kernel(cfg, True, dtype, group_m=group_m, double_buffer=dbuf)
+            kern = gemm_kernel(cfg, True, dtype, group_m=group_m, double_buffer=dbuf,
+                               late_issue=late)
             launch(kern, cfg, *dargs)
             torch.cuda.synchronize()
             err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -80,6 +83,7 @@ def main():
             beta = np.float32(0)
             ms = ms_of(lambda: configured(*dargs, alpha, beta))
             row = {"config": cfg.describe(), "group_m": group_m, "double_buffer": dbuf,
+                   "late_issue": late,
                    "tflops": flop / ms / 1e9,
                    "ratio": peer / ms, "err": err}
         except Exception as e:  # report and go on

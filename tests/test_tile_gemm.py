@@ -38,7 +38,8 @@ ACT = {None: lambda v: v, "relu": lambda v: np.maximum(v, 0),
 
 
 def run_case(cfg, m, n, k, *, dtype="float16", out_kind="float32", b_k_major=True,
-             activation=None, bias=False, alpha=1.0, beta=0.0, seed=None, device=None):
+             activation=None, bias=False, alpha=1.0, beta=0.0, seed=None, device=None,
+             **switches):
     rng = np.random.default_rng(seed)
     a = to_bits(rng.standard_normal((m, k)), dtype)
     b_log = to_bits(rng.standard_normal((k, n)), dtype)
@@ -50,7 +51,7 @@ def run_case(cfg, m, n, k, *, dtype="float16", out_kind="float32", b_k_major=Tru
         out = np.full((m, n), 0x7FFF, np.uint16)  # NaN bits in both 16-bit formats
     c = (rng.standard_normal((m, n)).astype(np.float32) if out_kind == "float32"
          else to_bits(rng.standard_normal((m, n)), out_kind)) if beta else np.zeros_like(out[:1, :1])
-    kern = gemm_kernel(cfg, b_k_major, out_kind, activation, bias, bool(beta))
+    kern = gemm_kernel(cfg, b_k_major, out_kind, activation, bias, bool(beta), **switches)
     ops = [x[None] for x in (a, b, out, c)] + [bias_v]
     if device is None:
         launch(kern, cfg, *ops, alpha, beta)
@@ -94,6 +95,15 @@ def test_gemm_main_loop_in_simulator(cfg, m, n, k, dtype, out_kind, b_k_major, a
     got, ref = run_case(cfg, m, n, k, dtype=dtype, out_kind=out_kind, b_k_major=b_k_major,
                         activation=act, bias=bias, alpha=0.5, beta=beta)
     assert_close(got, ref, out_kind, k)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("switches", [dict(late_issue=True), dict(double_buffer=False),
+                                      dict(late_issue=True, double_buffer=False, group_m=1)])
+def test_experiment_switches_keep_results(switches):
+    cfg = GemmConfig(SMALL3.block, SMALL3.warps, SMALL3.pipeline, "float16")
+    got, ref = run_case(cfg, 24, 40, 80, out_kind="float32", **switches)
+    assert_close(got, ref, "float32", 80)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,9 @@ cp.async.
 Pipeline: the prologue issues ``stages - 1`` k-tiles; iteration ``kt`` waits until tile ``kt``
 has landed (``cp.async.wait_group stages-2``), one barrier, issues tile ``kt + stages - 1``
 into the slot every warp has finished with, then runs the k16 steps of tile ``kt``.
+Switches for experiments (``bench/sweep_gemm.py --variants``): ``group_m`` (grouped block
+order), ``double_buffer`` (ldmatrix of step kk+1 before the mma of step kk), ``late_issue``
+(issue the next tile's copies after the first k16 step's ldmatrix instead of before).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from ..tile.smem import allow_dynamic_shared, dynamic_shared
 @functools.cache
 def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float16",
                 activation=None, has_bias: bool = False, has_c: bool = False, group_m: int = 8,
-                double_buffer: bool = True):
+                double_buffer: bool = True, late_issue: bool = False):
     BM, BN, BK = cfg.block.m, cfg.block.n, cfg.block.k
     STAGES = cfg.pipeline.stages
     GROUP_M = group_m
@@ -128,14 +131,19 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             cp_async_wait_group(WAIT)
             cuda.syncthreads()
             nxt = kt + STAGES - 1
-            if nxt < ktiles:
-                issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
-            cp_async_commit_group()
             a_addr = base + (kt % STAGES) * STAGE_BYTES
             b_addr = a_addr + A_BYTES
+            if not late_issue:
+                if nxt < ktiles:
+                    issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                cp_async_commit_group()
             if double_buffer:
                 load_a(a_frag, 0, a_addr, 0, fa_off, fa_x)
                 load_b(b_frag, 0, b_addr, 0, fb_off, fb_u, fb_v)
+                if late_issue:  # the first fragments' ldmatrix go out before the copies
+                    if nxt < ktiles:
+                        issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                    cp_async_commit_group()
                 for kk in range(KI):
                     if kk + 1 < KI:
                         load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_x)
@@ -145,6 +153,10 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
                 for kk in range(KI):
                     load_a(a_frag, 0, a_addr, kk, fa_off, fa_x)
                     load_b(b_frag, 0, b_addr, kk, fb_off, fb_u, fb_v)
+                    if late_issue and kk == 0:
+                        if nxt < ktiles:
+                            issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                        cp_async_commit_group()
                     mma(acc, a_frag, b_frag, 0)
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, c, beta, lane)
