@@ -110,13 +110,15 @@ def cmd_inspect(args) -> int:
     if not (cc[:2].isdigit() and cc[2:] in ("", "a")):
         _parser().error(f"--cc wants e.g. 80, 90 or 90a, not {args.cc!r}")
     try:
-        pyfunc, argtypes = targets[args.op](args.dtype)
+        pyfunc, argtypes, *options = targets[args.op](args.dtype)
     except ValueError as e:
         _parser().error(str(e))
+    options = options[0] if options else {}
     import time
 
     t0 = time.perf_counter()
-    rep = offline.compile_kernel(args.op, pyfunc, argtypes, (int(cc[0]), int(cc[1]), cc[2:]))
+    rep = offline.compile_kernel(args.op, pyfunc, argtypes, (int(cc[0]), int(cc[1]), cc[2:]),
+                                 **options)
     seconds = time.perf_counter() - t0
     print(rep.summary())
     print(f"  cold compile (NVVM + ptxas) {seconds:.2f} s")

@@ -175,7 +175,8 @@ if __name__ == "__main__":
 
 
 def inspect_targets() -> dict:
-    """Kernels ``python -m tilepy inspect`` knows: name -> f(dtype) -> (pyfunc, argtypes)."""
+    """Kernels ``python -m tilepy inspect`` knows: name -> f(dtype) -> (pyfunc, argtypes[,
+    compile options])."""
     from .ptx import probes
 
     def fixed(pyfunc, argtypes, dtype_ok=(None,)):
@@ -212,4 +213,25 @@ def inspect_targets() -> dict:
         return gemm_kernel(cfg, True, dtype).py_func, argtypes(dtype)
 
     out["gemm"] = gemm
+
+    def softmax(dtype):
+        from .ops.softmax import argtypes, kernel_for, plan
+
+        dtype = dtype or "float32"
+        p = plan(4096, simulator=False)
+        kern = kernel_for(p, dtype, False)
+        return kern.py_func, argtypes(dtype), {"launch_bounds": p.threads}
+
+    def attention(dtype):
+        from .ops.attention_kernel import AttentionConfig, argtypes, attention_kernel
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("flash attention takes float16 or bfloat16")
+        cfg = AttentionConfig(128, dtype=dtype)
+        kern = attention_kernel(cfg, False, False)
+        return kern.py_func, argtypes(), {"launch_bounds": cfg.threads}
+
+    out["softmax"] = softmax      # the block-per-row kernel for rows of 4096
+    out["attention"] = attention  # head_dim 128, not causal
     return out
