@@ -272,6 +272,18 @@ def zeros_like_matrix(op: Operand, rows: int, cols: int):
     return np.zeros(shape, dtype=x.dtype)
 
 
+def on_device(device):
+    """Context in which a launch goes to ``device`` (the inputs' GPU); a no-op in the simulator
+    or when the device is unknown."""
+    import contextlib
+
+    if device is None or SIMULATOR:
+        return contextlib.nullcontext()
+    from numba import cuda
+
+    return cuda.gpus[device]
+
+
 def stream_of(op: Operand):
     """The caller's current stream on ``op``'s device, as a Numba stream (0 in the simulator)."""
     if op.family == "numpy" or SIMULATOR:

@@ -183,10 +183,8 @@ def _lse_placeholder():
 
 
 def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
-    from numba import cuda
 
-    ctx = cuda.gpus[device] if (device is not None and not arrays.SIMULATOR) else _Null()
-    with ctx:
+    with arrays.on_device(device):
         stream = arrays.stream_of(Q)
         views = []
         for op in (Q, K, V):
@@ -201,13 +199,6 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
         kern = fa.attention_kernel(cfg, causal, lse is not None)
         fa.launch(kern, cfg, *views, o_v, lse_v, scale, stream)
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 __all__ = ["choose_config", "flash_attention"]

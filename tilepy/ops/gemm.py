@@ -141,10 +141,8 @@ def _aligned(op):
 
 def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta, config,
          device):
-    from numba import cuda
 
-    ctx = cuda.gpus[device] if (device is not None and not arrays.SIMULATOR) else _nullcontext()
-    with ctx:
+    with arrays.on_device(device):
         stream = arrays.stream_of(A)
         bias_v = _bias_view(Bias, Out)
         out_v = kernel_view(Out, 3)
@@ -172,13 +170,6 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
         tc.launch(kern, cfg, kernel_view(A, 3), b_view, out_v, c_v, bias_v, alpha, beta, stream)
     return Out.raw
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 _NO_BIAS: dict = {}
