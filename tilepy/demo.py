@@ -223,7 +223,10 @@ def run(gpu: bool) -> list[dict]:
     for fn in ENTRIES:
         t0 = time.perf_counter()
         try:
-            row = fn(gpu)
+            # In the simulator kernel arithmetic is NumPy scalar arithmetic: padding lanes that
+            # compute -inf - -inf (never stored) would print RuntimeWarnings.
+            with np.errstate(invalid="ignore", over="ignore"):
+                row = fn(gpu)
         except Exception as e:  # a failing entry is reported, and the demo exits non-zero
             row = {"what": fn.__name__, "size": "", "max_rel_err": None, "ok": False,
                    "error": f"{type(e).__name__}: {e}"}
