@@ -284,6 +284,26 @@ def on_device(device):
     return cuda.gpus[device]
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(ndim: int):
+    """A float32 array of ``ndim`` ones-sized axes for a kernel argument the kernel never
+    touches (no bias, no LSE): made once per device, not per call (an allocation per call
+    costs a cuMemAlloc on the host path); in the simulator a fresh simulator array."""
+    shape = (1,) * ndim
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(np.zeros(shape, np.float32))
+    from numba import cuda
+
+    key = (cuda.get_current_device().id, ndim)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = cuda.device_array(shape, np.float32)
+    return _PLACEHOLDERS[key]
+
+
 def stream_of(op: Operand):
     """The caller's current stream on ``op``'s device, as a Numba stream (0 in the simulator)."""
     if op.family == "numpy" or SIMULATOR:

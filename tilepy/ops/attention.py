@@ -165,23 +165,6 @@ def _kernel_view(op, layout: str):
     return view
 
 
-_NO_LSE: dict = {}
-
-
-def _lse_placeholder():
-    """A 1×1×1 float32 array the kernels without LSE are given (and never write)."""
-    if arrays.SIMULATOR:
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(np.zeros((1, 1, 1), np.float32))
-    from numba import cuda
-
-    dev = cuda.get_current_device().id
-    if dev not in _NO_LSE:
-        _NO_LSE[dev] = cuda.device_array((1, 1, 1), np.float32)
-    return _NO_LSE[dev]
-
-
 def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
 
     with arrays.on_device(device):
@@ -195,7 +178,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
         if lse is not None:
             lse_v = _kernel_view(describe(lse, "lse"), "bhsd")
         else:
-            lse_v = _lse_placeholder()
+            lse_v = arrays.placeholder(3)
         kern = fa.attention_kernel(cfg, causal, lse is not None)
         fa.launch(kern, cfg, *views, o_v, lse_v, scale, stream)
 

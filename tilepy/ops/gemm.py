@@ -172,22 +172,10 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
 
 
 
-_NO_BIAS: dict = {}
-
-
 def _bias_view(Bias, Out):
     """bias as a contiguous float32 kernel argument (a tiny copy if it is not one already)."""
     if Bias is None:
-        if arrays.SIMULATOR:
-            return kernel_view(describe(np.zeros(1, np.float32), "bias"))
-        # A placeholder the kernel never reads; allocated once per device, not per call
-        # (an allocation per call costs a cuMemAlloc on the host path).
-        from numba import cuda
-
-        dev = cuda.get_current_device().id
-        if dev not in _NO_BIAS:
-            _NO_BIAS[dev] = cuda.device_array(1, np.float32)
-        return _NO_BIAS[dev]
+        return arrays.placeholder(1)
     x = Bias.raw
     if Bias.family == "torch":
         import torch
