@@ -97,6 +97,24 @@ def run_case(shape_q, shape_kv, dtype, causal, layout="bhsd", rng=None, **kw):
 # ---- simulator ---------------------------------------------------------------------------
 
 @sim
+def test_repeated_calls_reuse_the_plan_with_new_data():
+    """Calls 2… with the same signature take the cached launch plan: each must read its own
+    q, k, v and write its own out and lse (new allocations or the caller's)."""
+    from tilepy.ops import attention as at
+
+    at._PLANS.clear()
+    rng = np.random.default_rng()
+    for i in range(3):
+        q = rand(rng, (1, 2, 9, 16), "float16")
+        k, v = rand(rng, (1, 1, 12, 16), "float16"), rand(rng, (1, 1, 12, 16), "float16")
+        o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+        ro, rl = reference(q, k, v, True)
+        check(o, ro, v, "float16")
+        check_lse(lse, rl)
+    assert len(at._PLANS) == 1
+
+
+@sim
 @pytest.mark.parametrize("b,hq,sq,sk,d,causal,dtype", [
     (1, 1, 1, 1, 16, False, "float16"),      # one query, one key
     (1, 1, 7, 7, 32, True, "bfloat16"),
@@ -364,3 +382,22 @@ def test_exported_from_the_ops_module():
     assert callable(flash_attention)
     if hasattr(tilepy, "flash_attention"):
         assert tilepy.flash_attention is flash_attention
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_on_the_callers_stream():
+    """The cached launch plan (calls 2…) follows new tensors and the caller's stream."""
+    torch = pytest.importorskip("torch")
+    from tilepy.ops import attention as at
+
+    at._PLANS.clear()
+    s = torch.cuda.Stream()
+    for _ in range(3):
+        with torch.cuda.stream(s):
+            q, k, v = (torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.float16)
+                       for _ in range(3))
+            got = flash_attention(q, k, v, causal=True)
+        s.synchronize()
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert (got.float() - want.float()).abs().max().item() < 1e-2
+    assert len(at._PLANS) == 1

@@ -129,6 +129,58 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(np.ones((2, 4, 8), np.float16), np.ones((3, 8, 16), np.float16))
 
 
+# ---- the launch-plan cache: a repeated signature must use the new call's arrays ----------
+
+def test_repeated_calls_reuse_the_plan_with_new_data():
+    """Calls 2… take the cached plan (no validation, no views): each must still read its own
+    inputs, write its own (new or given) output and use its own alpha / beta / c."""
+    from tilepy.ops import gemm as g
+
+    rng = np.random.default_rng()
+    g._PLANS.clear()
+    m, n, k = 20, 24, 40
+    a, b = rand(rng, (m, k), "float16"), rand(rng, (k, n), "float16")
+    bias = rng.standard_normal(n).astype(np.float32)
+    first = tilepy.gemm(a, b, bias=bias)  # builds the plan
+    assert len(g._PLANS) == 1
+    check(first, f64(a) @ f64(b) + bias, "float16")
+    for alpha in (1.0, -0.5):
+        x, y = rand(rng, (m, k), "float16"), rand(rng, (k, n), "float16")
+        bias2 = rng.standard_normal(n).astype(np.float32)
+        got = tilepy.gemm(x, y, bias=bias2, alpha=alpha)
+        assert got is not first and len(g._PLANS) == 1
+        check(got, alpha * (f64(x) @ f64(y)) + bias2, "float16")
+    # out given, beta·c: another signature, then reused with new c and beta
+    for beta in (0.5, 2.0):
+        x, y = rand(rng, (m, k), "float16"), rand(rng, (k, n), "float16")
+        c = rand(rng, (m, n), "float16")
+        out = np.full((m, n), np.nan, np.float16)
+        assert tilepy.gemm(x, y, beta=beta, c=c, out=out) is out
+        check(out, f64(x) @ f64(y) + beta * f64(c), "float16")
+    assert len(g._PLANS) == 2
+
+
+def test_same_buffer_twice_then_distinct_buffers():
+    """A plan first built for gemm(a, a) must not tie b to a's pointer."""
+    rng = np.random.default_rng()
+    a = rand(rng, (32, 32), "float16")
+    check(tilepy.gemm(a, a), f64(a) @ f64(a), "float16")
+    x, y = rand(rng, (32, 32), "float16"), rand(rng, (32, 32), "float16")
+    check(tilepy.gemm(x, y), f64(x) @ f64(y), "float16")
+
+
+def test_views_with_other_alignment_do_not_share_a_plan():
+    """A misaligned view has the same shape and strides as an aligned one: the signature
+    holds the alignment, so the misaligned call takes the copying path, not the plan."""
+    rng = np.random.default_rng()
+    buf = rand(rng, (16 * 40 + 8,), "float16")
+    a_ok = buf[:16 * 40].reshape(16, 40)
+    a_off = buf[1:1 + 16 * 40].reshape(16, 40)   # 2-byte offset
+    b = rand(rng, (40, 16), "float16")
+    check(tilepy.gemm(a_ok, b), f64(a_ok) @ f64(b), "float16")
+    check(tilepy.gemm(a_off, b), f64(a_off) @ f64(b), "float16")
+
+
 # ---- GPU: full size against float64 / cuBLAS --------------------------------------------
 
 @pytest.mark.gpu
@@ -160,3 +212,40 @@ def test_gpu_cupy_batched_transposed():
     ref = cupy.matmul(a.astype(cupy.float64), b.astype(cupy.float64))
     err = float(cupy.abs(got.astype(cupy.float64) - ref).max() / cupy.abs(ref).max())
     assert err < 2e-3
+
+
+@pytest.mark.gpu
+def test_gpu_plan_cache_matches_numba_and_follows_new_data():
+    """The cached path's parameter buffer equals Numba's own packing of the same arguments,
+    and repeated calls (torch, new tensors each time, the caller's stream) stay correct."""
+    torch = pytest.importorskip("torch")
+    from tilepy.ops import gemm as g
+
+    g._PLANS.clear()
+    for i in range(4):
+        a = torch.randn(300, 200, device="cuda", dtype=torch.float16)
+        b = torch.randn(200, 504, device="cuda", dtype=torch.float16)  # rows 16-byte aligned: no copy
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            got = tilepy.gemm(a, b, alpha=1.0 + i)
+        s.synchronize()
+        ref = (1.0 + i) * (a.double() @ b.double())
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 2e-3, (i, err)
+    assert len(g._PLANS) == 1
+    # the parameter buffer against Numba's own packing of the same arguments
+    from numba import cuda
+
+    from tilepy.ops import gemm_kernel as tc
+
+    cfg = g.choose_config(300, 504, 200, 1, "float16")
+    kern = tc.gemm_kernel(cfg, True, "float16")
+    out = torch.empty(300, 504, device="cuda", dtype=torch.float16)
+    views = [cuda.as_cuda_array(t.view(torch.int16)[None]).view(np.uint16) for t in (a, b, out)]
+    bias = cuda.as_cuda_array(torch.zeros(1, device="cuda"))
+    plan, args = tc.plan(kern, cfg, views[0], views[1], views[2], views[2], bias, 2.0, 0.5)
+    overload = kern.overloads[tuple(kern.typeof_pyval(x) for x in args)]
+    packed = []
+    for t, v in zip(overload.argument_types, args):
+        overload._prepare_args(t, v, 0, [], packed)
+    assert plan.parameter_values() == [getattr(v, "value", v) for v in packed]

@@ -72,6 +72,7 @@ def force(monkeypatch):
                          "online": (0, 0)}[path]
         monkeypatch.setattr(sm, "SHORT_MAX", short)
         monkeypatch.setattr(sm, "MEDIUM_MAX", medium)
+        monkeypatch.setattr(sm, "_PLANS", {})   # plans made under other thresholds
 
     return put
 
@@ -87,6 +88,21 @@ def special_rows(n, dtype, rng):
     x[4, :] = np.where(rng.random(n) < 0.5, 1e4, -1e4) + rng.standard_normal(n)
     x[4, 0] = 1e4
     return x.astype(NP[dtype])
+
+
+# ---- the launch-plan cache ---------------------------------------------------------------------
+
+def test_repeated_calls_reuse_the_plan_with_new_data(monkeypatch):
+    monkeypatch.setattr(sm, "_PLANS", {})
+    rng = np.random.default_rng()
+    for i in range(3):
+        x = rng.standard_normal((3, 40)).astype(np.float32)
+        out = poisoned((3, 40), "float32") if i == 2 else None
+        got = softmax(x, out=out) if out is not None else softmax(x)
+        check(got, reference(x), "float32")
+        got = log_softmax(x)
+        check(got, reference(x, log=True), "float32", log=True)
+    assert len(sm._PLANS) == 3   # softmax, log_softmax, softmax with out=
 
 
 # ---- the kernel choice -------------------------------------------------------------------------
@@ -399,3 +415,19 @@ def test_gpu_cupy_and_numba_arrays():
     got = softmax(d, axis=1)                                # Numba array, copy path
     assert hasattr(got, "copy_to_host")
     check(got.copy_to_host(), reference(h, axis=1), "float32")
+
+
+@pytest.mark.gpu
+def test_gpu_repeated_calls_on_the_callers_stream():
+    """The cached launch plan (calls 2…) follows new tensors and the caller's stream."""
+    torch = pytest.importorskip("torch")
+    sm._PLANS.clear()
+    s = torch.cuda.Stream()
+    for _ in range(3):
+        with torch.cuda.stream(s):
+            x = torch.randn(999, 3000, device="cuda", dtype=torch.float16)
+            got = softmax(x)
+        s.synchronize()
+        err = (got.float() - torch.softmax(x.float(), -1)).abs().max().item()
+        assert err < 2e-3
+    assert len(sm._PLANS) == 1

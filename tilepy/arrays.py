@@ -320,3 +320,96 @@ def stream_of(op: Operand):
         with cupy.cuda.Device(op.device):
             return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
     return cuda.default_stream()
+
+
+# ---- the per-call fast path: signatures, pointers, streams, allocation ---------------------
+
+_FAMILY_OF_TYPE: dict = {}
+
+
+def fingerprint(x):
+    """``(signature, data pointer)`` of a user array, cheaply: the signature holds everything
+    validation and kernel views depend on (kind, dtype, shape, strides, device, 16-byte
+    alignment), so two arrays with equal signatures can share a launch plan. ``None`` stands
+    for an absent argument; an unknown kind gives a signature no plan was made for."""
+    if x is None:
+        return None, 0
+    t = type(x)
+    fam = _FAMILY_OF_TYPE.get(t)
+    if fam is None:
+        fam = _FAMILY_OF_TYPE[t] = _family(x)
+    if fam == "torch":
+        p = x.data_ptr()
+        return (t, x.dtype, x.shape, x.stride(), x.get_device(), p & 15), p
+    if fam == "cupy":
+        p = x.data.ptr
+        return (t, x.dtype, x.shape, x.strides, x.data.device_id, p & 15), p
+    if fam == "numba" and SIMULATOR:
+        x = x._ary
+    if fam in ("numba", "numpy"):
+        p = x.ctypes.data if isinstance(x, np.ndarray) else int(x.device_ctypes_pointer.value
+                                                                 or 0)
+        return (t, x.dtype, x.shape, x.strides, p & 15), p
+    return (t, id(x)), 0
+
+
+def stream_handle(op: Operand) -> int:
+    """The caller's current stream on ``op``'s device as a raw handle (0: the legacy default
+    stream; always 0 in the simulator)."""
+    if op.family in ("numpy", "numba") or SIMULATOR:
+        return 0
+    if op.family == "torch":
+        import torch
+
+        get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if get is not None:
+            return int(get(op.device))
+        return int(torch.cuda.current_stream(op.device).cuda_stream)
+    import cupy
+
+    with cupy.cuda.Device(op.device):
+        return int(cupy.cuda.get_current_stream().ptr)
+
+
+def stream_getter(op: Operand):
+    """A function of no arguments returning :func:`stream_handle` for ``op``'s family and
+    device (what a cached launch plan calls per call)."""
+    dev = op.device
+    if op.family in ("numpy", "numba") or SIMULATOR:
+        return lambda: 0
+    if op.family == "torch":
+        import torch
+
+        get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if get is not None:
+            return lambda: get(dev)
+        return lambda: torch.cuda.current_stream(dev).cuda_stream
+    import cupy
+
+    def cupy_stream():
+        with cupy.cuda.Device(dev):
+            return cupy.cuda.get_current_stream().ptr
+
+    return cupy_stream
+
+
+def allocator(like: Operand, shape, dtype: str):
+    """A function of no arguments returning ``(array, data pointer)``: a new array like
+    :func:`empty` would make (``like``'s family and device)."""
+    shape = tuple(shape)
+    if like.family == "torch":
+        import torch
+
+        tdt, dev = getattr(torch, dtype), like.raw.device
+
+        def torch_alloc():
+            y = torch.empty(shape, dtype=tdt, device=dev)
+            return y, y.data_ptr()
+
+        return torch_alloc
+
+    def alloc():
+        y = empty(like, shape, dtype)
+        return y, fingerprint(y)[1]
+
+    return alloc

@@ -62,7 +62,33 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Inputs whose head_dim axis is not contiguous, or whose other strides or base are
       not 16-byte aligned, are first copied. Errors are raised before anything is launched.
+    * A call with the same array kinds, dtypes, shapes, strides, device, alignment and
+      arguments as an earlier one reuses its launch plan (:mod:`tilepy.launch`).
     """
+    fq, pq = arrays.fingerprint(q)
+    fk, pk = arrays.fingerprint(k)
+    fv, pv = arrays.fingerprint(v)
+    fo, po = arrays.fingerprint(out)
+    key = (fq, fk, fv, fo, causal, scale, return_lse, layout, config)
+    try:
+        cached = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: the checks below say what is wrong
+        cached = key = None
+    if cached is not None:
+        bound, stream, alloc_out, alloc_lse, scalars = cached
+        if out is None:
+            out, po = alloc_out()
+        lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
+        bound(stream(), (pq, pk, pv, po, pl), scalars)
+        return (out, lse) if return_lse else out
+    return _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key)
+
+
+_PLANS: dict = {}
+MAX_PLANS = 512
+
+
+def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q = describe(q, "q", allow_float32=False)
@@ -117,13 +143,21 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
 
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
         Out = describe(out, "out")
     lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
     if bq and hq and sq:
         cfg = config or choose_config(d, dtype)
-        _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
+        bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
+        if bound is not None and key is not None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = (bound, arrays.stream_getter(Q),
+                           None if caller_out else arrays.allocator(Q, Q.shape, dtype),
+                           arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
+                           (scale, scale * fa.LOG2E))
     return (out, lse) if return_lse else out
 
 
@@ -166,22 +200,28 @@ def _kernel_view(op, layout: str):
 
 
 def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
-
+    """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
+    later call with the same signature can reuse it), else None."""
     with arrays.on_device(device):
-        stream = arrays.stream_of(Q)
-        views = []
+        views, reusable = [], True
         for op in (Q, K, V):
             if not _readable(op):
                 op = describe(arrays.copy_aligned(op), op.name)
+                reusable = False
             views.append(_kernel_view(op, layout))
         o_v = _kernel_view(Out, layout)
         if lse is not None:
-            lse_v = _kernel_view(describe(lse, "lse"), "bhsd")
+            Lse = describe(lse, "lse")
+            lse_v, lse_src = _kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
         else:
-            lse_v = arrays.placeholder(3)
+            lse_v, lse_src = arrays.placeholder(3), None
         kern = fa.attention_kernel(cfg, causal, lse is not None)
-        fa.launch(kern, cfg, *views, o_v, lse_v, scale, stream)
-
+        plan, args = fa.plan(kern, cfg, *views, o_v, lse_v, scale)
+        plan.launch(arrays.stream_handle(Q), args)
+    if not reusable:
+        return None
+    return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
+                      (3, Out.byte_pointer()), lse_src])
 
 
 __all__ = ["choose_config", "flash_attention"]

@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
@@ -69,6 +70,7 @@ from ..tile.copy import load_a_fragments, load_b_fragments, swizzle_fn
 from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tune.kcache import cached_jit
 
 #: Head dimensions the kernel supports: multiples of 16 (mma k16 steps over D for Q·Kᵀ and
 #: pairs of n8 tiles for P·V) up to 128 (Q's fragments stay in registers next to O's
@@ -246,7 +248,7 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
 def _kernel_jit(threads: int):
     if SIMULATOR:
         return cuda.jit
-    return cuda.jit(launch_bounds=int(threads))
+    return cached_jit(launch_bounds=int(threads))
 
 
 @functools.cache
@@ -439,12 +441,19 @@ def grid(cfg: AttentionConfig, seq_q: int, heads_q: int, batch: int):
     return (-(-seq_q // cfg.block_m), heads_q, batch)
 
 
-def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0):
-    """Launch on 4-D (B, H, S, D) kernel views with the config's grid, block and shared memory."""
+def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float):
+    """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views: the config's grid,
+    block and dynamic shared memory (allowed above 48 KB)."""
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    kernel[grid(cfg, q.shape[2], q.shape[1], q.shape[0]), cfg.threads, stream,
-           cfg.smem_bytes](*args)
+    g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+
+
+def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0):
+    """Launch on 4-D (B, H, S, D) kernel views with the config's grid, block and shared memory."""
+    p, args = plan(kernel, cfg, q, k, v, o, lse, scale)
+    p.launch(stream, args)
 
 
 def argtypes(layout: str = "A"):

@@ -68,7 +68,49 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Errors are raised before anything is launched.
+
+    A call whose arrays have the same kinds, dtypes, shapes, strides, device and alignment,
+    and the same flags, as an earlier call reuses that call's launch plan
+    (:mod:`tilepy.launch`): no validation or view building is repeated, only the pointers,
+    ``alpha`` and ``beta`` change.
     """
+    use_c = beta != 0
+    fa, pa = arrays.fingerprint(a)
+    fb, pb = arrays.fingerprint(b)
+    fbias, pbias = arrays.fingerprint(bias)
+    fc, pc = arrays.fingerprint(c if use_c else None)
+    fo, po = arrays.fingerprint(out)
+    key = (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c)
+    try:
+        cached = _PLANS.get(key)
+    except TypeError:  # an unhashable argument: the checks below will say what is wrong
+        cached = key = None
+    if cached is not None:
+        return cached(out, [pa, pb, pbias, pc, po], alpha, beta)
+    return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
+                 key)
+
+
+class _Cached:
+    """A launch plan bound to gemm's operands (a, b, bias, c, out) plus what a call needs
+    besides: the stream getter and, when the caller passes no ``out``, an allocator."""
+
+    def __init__(self, bound, stream, alloc):
+        self.bound, self.stream, self.alloc = bound, stream, alloc
+
+    def __call__(self, out, ptrs, alpha, beta):
+        if out is None:
+            out, ptrs[4] = self.alloc()
+        self.bound(self.stream(), ptrs, (alpha, beta))
+        return out
+
+
+_PLANS: dict = {}
+#: How many signatures to remember (a process that sees endless new shapes must not grow).
+MAX_PLANS = 512
+
+
+def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32, key):
     A = describe(a, "a")
     B = describe(b, "b")
     if A.dtype != B.dtype:
@@ -123,13 +165,20 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
             raise TypeError(f"config must be a tilepy.tile.GemmConfig, got {type(config).__name__}")
         if dtype != "float32" and config.dtype != dtype:
             raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(A, out_shape, out_dtype)
         Out = describe(out, "out")
     if m == 0 or n == 0 or batch == 0:
         return out
-    return _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta,
-                config, device)
+    bound = _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta,
+                 config, device)
+    if bound is not None and key is not None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        alloc = None if caller_out else arrays.allocator(A, out_shape, out_dtype)
+        _PLANS[key] = _Cached(bound, arrays.stream_getter(A), alloc)
+    return out
 
 
 def _aligned(op):
@@ -141,38 +190,52 @@ def _aligned(op):
 
 def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta, config,
          device):
-
+    """Launch; return the plan bound to the operands (a, b, bias, c, out) when a later call
+    with the same signature can reuse it (no copies were needed), else None."""
     with arrays.on_device(device):
-        stream = arrays.stream_of(A)
-        bias_v = _bias_view(Bias, Out)
+        stream = arrays.stream_handle(A)
+        bias_v = _bias_view(Bias)
         out_v = kernel_view(Out, 3)
         c_v = kernel_view(C, 3) if C is not None else out_v
+        reusable = Bias is None or Bias.byte_pointer() == _ptr(bias_v)
+        sources = [(4, Out.byte_pointer()), (3, C.byte_pointer()) if C is not None else
+                   (4, Out.byte_pointer()), (2, Bias.byte_pointer()) if Bias is not None
+                   else None]
         if dtype == "float32":
             kern = simt.simt_gemm_kernel(activation, Bias is not None, C is not None)
-            simt.launch(kern, kernel_view(A, 3), kernel_view(B, 3), out_v, c_v, bias_v, alpha,
-                        beta, stream)
-            return Out.raw
-        if k == 0:
-            # NumPy's answer for an empty inner dimension is zeros; run the epilogue on K = 8
-            # of zeros so that bias, c and the activation apply as usual.
-            A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
-            B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
-            k = 8
-        A = _aligned(A)
-        layout_b = _matrix_layout(B)
-        if layout_b == "other":
-            B = _aligned(B)
-            layout_b = "row"
-        cfg = config or choose_config(m, n, k, batch, dtype)
-        b_view = kernel_view(B, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
-        kern = tc.gemm_kernel(cfg, layout_b == "row", out_dtype, activation, Bias is not None,
-                              C is not None)
-        tc.launch(kern, cfg, kernel_view(A, 3), b_view, out_v, c_v, bias_v, alpha, beta, stream)
-    return Out.raw
+            plan, args = simt.plan(kern, kernel_view(A, 3), kernel_view(B, 3), out_v, c_v,
+                                   bias_v, alpha, beta)
+        else:
+            if k == 0:
+                # NumPy's answer for an empty inner dimension is zeros; run the epilogue on
+                # K = 8 of zeros so that bias, c and the activation apply as usual.
+                A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
+                B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+                k, reusable = 8, False
+            A2 = _aligned(A)
+            layout_b = _matrix_layout(B)
+            B2 = B if layout_b != "other" else _aligned(B)
+            reusable = reusable and A2 is A and B2 is B
+            layout_b = "row" if layout_b == "other" else layout_b
+            cfg = config or choose_config(m, n, k, batch, dtype)
+            b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
+            kern = tc.gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
+                                  Bias is not None, C is not None)
+            plan, args = tc.plan(kern, cfg, kernel_view(A2, 3), b_view, out_v, c_v, bias_v,
+                                 alpha, beta)
+        plan.launch(stream, args)
+    if not reusable:
+        return None
+    return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources)
 
 
+def _ptr(view) -> int:
+    from ..launch import _pointer
 
-def _bias_view(Bias, Out):
+    return _pointer(view)
+
+
+def _bias_view(Bias):
     """bias as a contiguous float32 kernel argument (a tiny copy if it is not one already)."""
     if Bias is None:
         return arrays.placeholder(1)

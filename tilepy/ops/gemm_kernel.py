@@ -31,6 +31,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ..launch import LaunchPlan
 from ..ptx import shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..tile.config import GemmConfig
@@ -38,6 +39,7 @@ from ..tile.copy import copy_global_to_shared, load_a_fragments, load_b_fragment
 from ..tile.epilogue import store_accumulators
 from ..tile.mma import warp_mma
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tune.kcache import cached_jit
 
 
 @functools.cache
@@ -161,7 +163,7 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, c, beta, lane)
 
-    @cuda.jit
+    @cached_jit
     def kernel(a, b, out, c, bias, alpha, beta):
         z = cuda.blockIdx.y
         gemm_block(a[min(z, a.shape[0] - 1)], b[min(z, b.shape[0] - 1)], out[z],
@@ -177,12 +179,19 @@ def grid(cfg: GemmConfig, m: int, n: int, batch: int = 1):
             batch)
 
 
-def launch(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, stream=0):
-    """Launch on 3-D operands with the config's grid, block and dynamic shared memory."""
+def plan(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0):
+    """``(launch plan, arguments)`` for 3-D operands: the config's grid, block and dynamic
+    shared memory (allowed above 48 KB), the kernel compiled for these argument types."""
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])
-    kernel[g, cfg.threads, stream, cfg.smem_bytes](*args)
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+
+
+def launch(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, stream=0):
+    """Launch on 3-D operands with the config's grid, block and dynamic shared memory."""
+    p, args = plan(kernel, cfg, a, b, out, c, bias, alpha, beta)
+    p.launch(stream, args)
 
 
 def argtypes(out_kind: str, layout: str = "C"):

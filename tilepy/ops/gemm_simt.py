@@ -13,7 +13,9 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ..launch import LaunchPlan
 from ..tile.epilogue import activation_fn
+from ..tune.kcache import cached_jit
 
 T = 16
 
@@ -22,7 +24,7 @@ T = 16
 def simt_gemm_kernel(activation=None, has_bias=False, has_c=False):
     act = activation_fn(activation)
 
-    @cuda.jit
+    @cached_jit
     def kernel(a3, b3, out3, c3, bias, alpha, beta):
         z = cuda.blockIdx.z
         a = a3[min(z, a3.shape[0] - 1)]
@@ -57,10 +59,17 @@ def simt_gemm_kernel(activation=None, has_bias=False, has_c=False):
     return kernel
 
 
-def launch(kernel, a, b, out, c, bias, alpha, beta, stream=0):
+def plan(kernel, a, b, out, c, bias, alpha=1.0, beta=0.0):
+    """``(launch plan, arguments)`` for 3-D float32 operands."""
     z, m, n = out.shape
     grid = ((n + T - 1) // T, (m + T - 1) // T, z)
-    kernel[grid, (T, T), stream](a, b, out, c, bias, np.float32(alpha), np.float32(beta))
+    args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
+    return LaunchPlan(kernel, args, grid, (T, T)), args
+
+
+def launch(kernel, a, b, out, c, bias, alpha, beta, stream=0):
+    p, args = plan(kernel, a, b, out, c, bias, alpha, beta)
+    p.launch(stream, args)
 
 
 def compile_reports():

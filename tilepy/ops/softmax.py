@@ -67,9 +67,11 @@ from numba import cuda
 
 from .. import arrays
 from ..arrays import describe
+from ..launch import LaunchPlan
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, unpack_bf16x2_f32, \
     unpack_f16x2_f32
 from ..tile.reduce import block_row_reduce, combine, warp_reduce
+from ..tune.kcache import cached_jit
 
 # ---- thresholds and configs (module level, so that tests can force a path) ----------------
 
@@ -233,7 +235,7 @@ def _kernel_jit(threads: int):
     failing the launch. The simulator's jit takes no launch bounds."""
     if arrays.SIMULATOR:
         return cuda.jit
-    return cuda.jit(launch_bounds=int(threads))
+    return cached_jit(launch_bounds=int(threads))
 
 
 @functools.cache
@@ -401,14 +403,22 @@ def kernel_for(p: Plan, kind: str, log: bool):
     raise ValueError(f"path must be one of {PATHS}, got {p.path!r}")
 
 
-def launch(x2, out2, kind: str, log: bool, stream=0, p: Plan | None = None) -> Plan:
-    """Run the kernel for 2-D kernel views ``x2``, ``out2`` (rows, n) on ``stream``.
-    ``out2`` may be ``x2`` itself (in place). Returns the plan used."""
+def launch_plan(x2, out2, kind: str, log: bool, p: Plan | None = None):
+    """``(launch plan, arguments)`` of the kernel for 2-D kernel views ``x2``, ``out2``
+    (rows, n); ``out2`` may be ``x2`` itself (in place)."""
     rows, n = x2.shape
     p = p or plan(n)
     kern = kernel_for(p, kind, log)
     blocks = -(-rows // p.warps) if p.path == "warp" else rows
-    kern[blocks, p.threads, stream](x2, out2)
+    return LaunchPlan(kern, (x2, out2), blocks, p.threads), (x2, out2)
+
+
+def launch(x2, out2, kind: str, log: bool, stream=0, p: Plan | None = None) -> Plan:
+    """Run the kernel for 2-D kernel views ``x2``, ``out2`` (rows, n) on ``stream``.
+    ``out2`` may be ``x2`` itself (in place). Returns the plan used."""
+    p = p or plan(x2.shape[1])
+    lp, args = launch_plan(x2, out2, kind, log, p)
+    lp.launch(stream, args)
     return p
 
 
@@ -482,7 +492,30 @@ def _overlaps_itself(op) -> bool:
     return False
 
 
+_PLANS: dict = {}
+MAX_PLANS = 512
+
+
 def _softmax(x, axis, out, log: bool):
+    """Reuse the launch plan of an earlier call with the same signature (kinds, dtypes,
+    shapes, strides, device, alignment, axis), else validate, launch and remember."""
+    fx, px = arrays.fingerprint(x)
+    fo, po = arrays.fingerprint(out)
+    key = (fx, fo, axis, log)
+    try:
+        cached = _PLANS.get(key)
+    except TypeError:  # an unhashable axis: _checked_softmax says what is wrong
+        cached = key = None
+    if cached is not None:
+        bound, stream, alloc = cached
+        if out is None:
+            out, po = alloc()
+        bound(stream(), (px, po))
+        return out
+    return _checked_softmax(x, axis, out, log, key)
+
+
+def _checked_softmax(x, axis, out, log: bool, key):
     X = describe(x, "x")
     ax = _normalize_axis(axis, X.ndim)
     Out = describe(out, "out") if out is not None else None
@@ -495,13 +528,19 @@ def _softmax(x, axis, out, log: bool):
             raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
                              "array whose elements are distinct")
     device = arrays.same_device(X, Out)
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(X, X.shape, X.dtype)
         Out = describe(out, "out")
     if any(s == 0 for s in X.shape):
         return out
     with arrays.on_device(device):
-        _run(X, Out, ax, log)
+        bound = _run(X, Out, ax, log)
+    if bound is not None and key is not None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        alloc = None if caller_out else arrays.allocator(X, X.shape, X.dtype)
+        _PLANS[key] = (bound, arrays.stream_getter(X), alloc)
     return out
 
 
@@ -512,7 +551,9 @@ def _moved_layout(op, ax: int):
     return _rows_layout(_moved_shape(op.shape, ax), _moved_shape(op.strides, ax))
 
 
-def _run(X, Out, ax: int, log: bool) -> None:
+def _run(X, Out, ax: int, log: bool):
+    """Launch; return the plan bound to (x, out) when both are read in place (a later call
+    with the same signature can reuse it), else None."""
     stream = arrays.stream_of(X)
     in_rows = _moved_layout(X, ax)
     out_rows = _moved_layout(Out, ax)
@@ -530,9 +571,13 @@ def _run(X, Out, ax: int, log: bool) -> None:
     else:
         result = describe(arrays.empty(X, _moved_shape(X.shape, ax), X.dtype), "out")
         out2 = _view2d(result, *_rows_layout(result.shape, result.strides))
-    launch(x2, out2, X.dtype, log, stream)
+    lp, args = launch_plan(x2, out2, X.dtype, log)
+    lp.launch(arrays.stream_handle(X), args)
     if result is not None:
         _assign(_moved(Out, ax), result.raw, Out.family, stream)
+    if tmp is not None or result is not None:
+        return None
+    return lp.bind([(0, X.byte_pointer()), (1, Out.byte_pointer())])
 
 
 
