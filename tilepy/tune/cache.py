@@ -49,7 +49,21 @@ def make_key(op: str, shape, dtype: str, gpu: str, version: str) -> str:
     return f"{op}|{buckets}|{dtype}|{gpu}|{version}"
 
 
-def _warn_once(tag: str, message: str) -> None:
+@contextlib.contextmanager
+def file_lock(path: str):
+    """An exclusive advisory lock on ``path`` (created if need be) for the ``with`` block;
+    serialises read-modify-write of a cache file across processes."""
+    with open(path, "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _warn_once(tag, message: str) -> None:
     if tag not in _warned:
         _warned.add(tag)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
@@ -70,11 +84,11 @@ class TuneCache:
             with open(self.path) as f:
                 data = json.load(f)
             if not isinstance(data, dict):
-                raise ValueError("top level is not an object")
+                raise TypeError("top level is not an object")
             return data
         except FileNotFoundError:
             return {}
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, TypeError, UnicodeDecodeError) as e:
             aside = f"{self.path}.corrupt-{int(time.time() * 1000)}"
             with contextlib.suppress(OSError):
                 os.replace(self.path, aside)
@@ -93,25 +107,13 @@ class TuneCache:
         return self._read()
 
     # ---- writing ----
-    @contextlib.contextmanager
-    def _locked(self):
-        lock = open(self.path + ".lock", "a")
-        try:
-            if fcntl is not None:
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            yield
-        finally:
-            if fcntl is not None:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-            lock.close()
-
     def put(self, key: str, value) -> bool:
         """Store ``value`` under ``key``; False (and one warning) if the cache is not writable."""
         if not self.enabled:
             return False
         try:
             os.makedirs(self.directory, exist_ok=True)
-            with self._locked():
+            with file_lock(self.path + ".lock"):
                 data = self._read()
                 data[key] = value
                 fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{self.op}.",
