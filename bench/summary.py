@@ -18,19 +18,21 @@ def main(outdir):
             info = b.get("extra_info", {})
             thr = info.get("tflops") or info.get("gbps")
             unit = "TFLOPS" if "tflops" in info else "GB/s"
+            others = ", ".join(f"{k} {v:.2f}x" for k, v in info.get("ratios", {}).items()
+                               if v is not None and k != info.get("peer"))
             rows.append((b["name"], f"{thr:.1f} {unit}" if thr else "-",
                          f"{info['ratio']:.3f}x" if "ratio" in info else "-",
-                         info.get("peer", "-")))
+                         info.get("peer", "-"), others or "-"))
     demo = out / "demo.json"
     if demo.exists():
         for r in json.loads(demo.read_text())["rows"]:
             rows.append(("demo: " + r["what"], r.get("throughput") or "-",
                          f"{r['ratio']:.3f}x" if r.get("ratio") else "-",
-                         "ok" if r["ok"] else "FAIL"))
+                         "ok" if r["ok"] else "FAIL", "-"))
     if not rows:
         print("no results found in", out)
         return 1
-    head = ("what", "throughput", "ratio", "peer / check")
+    head = ("what", "throughput", "ratio", "peer / check", "ratios to other peers")
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     for row in [head] + rows:
         print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))

@@ -1,90 +1,104 @@
 """FlashAttention forward: ``tilepy.flash_attention`` against PyTorch's
 ``scaled_dot_product_attention`` with the FlashAttention-2 backend and with the cuDNN backend,
-same run.
+and a Triton fused attention forward, same run.
 
 Throughput is ``4·B·H·Sq·Sk·D`` FLOP (two matmuls), halved for causal attention, per second
-of GPU time. Timed with CUDA events around ``INNER`` back-to-back calls on PyTorch's current
-stream (the median of ``REPEAT`` such runs, divided by ``INNER``), so the host cost of each
-wrapper hides behind the GPU work as it does in a model; tilepy writes into a preallocated
-``out``, SDPA allocates its result (from PyTorch's cache). The backend is pinned with
-``torch.nn.attention.sdpa_kernel`` around the whole timing loop. A backend that refuses a
-case (e.g. cuDNN missing) is recorded as ``None``.
+of GPU time (``bench/measure.py``: CUDA events, the CPU cost of each call kept out of the
+events and recorded as ``host_us``). tilepy and Triton write into a preallocated ``out``; SDPA
+allocates its result (from PyTorch's cache). The SDPA backend is pinned with
+``torch.nn.attention.sdpa_kernel`` around the whole timing. The main peer is SDPA's
+FlashAttention-2 backend (``ratio``); cuDNN and Triton are in ``ratios``. A peer that refuses
+a case is left out and says why in ``peer_errors``.
 
-Shapes of issue 7: B=4, H=32, S ∈ {1024, 4096}, D=128; B=8, H=16, S=2048, D=64; causal and
-not; float16 and bfloat16; plus GQA with 8 KV heads (B=4, Hq=32, S=4096, D=128).
+Shapes of issue 7: B=4, H=32, S ∈ {1024, 2048, 4096, 8192}, D=128; B=8, H=16, S=2048, D=64;
+GQA with 8 KV heads (B=4, Hq=32, S=4096, D=128); causal and not; float16, and bfloat16 at
+two shapes. Select parts with ``-k``: ``-k "not bfloat16"``, ``-k causal``, ``-k S8192``, …
 """
 
 import pytest
-
-from tilepy.testing.timing import time_cuda
+from measure import (
+    checked_timing,
+    gpu_time,
+    max_abs_err,
+    record_throughput,
+    triton_peers,
+    try_peer,
+)
 
 # (batch, heads_q, heads_kv, seq, head_dim)
-SHAPES = [(4, 32, 32, 1024, 128), (4, 32, 32, 4096, 128), (8, 16, 16, 2048, 64),
-          (4, 32, 8, 4096, 128)]
-DTYPES = ["float16", "bfloat16"]
-INNER = 10
-REPEAT = 15
+SEQ_SWEEP = [(4, 32, 32, s, 128) for s in (1024, 2048, 4096, 8192)]
+D64 = (8, 16, 16, 2048, 64)
+GQA = (4, 32, 8, 4096, 128)
+CASES = ([(s, "float16") for s in SEQ_SWEEP + [D64, GQA]]
+         + [(s, "bfloat16") for s in (SEQ_SWEEP[2], D64)])
+FA2 = "SDPA FA2"
 
 
-def cuda_ms(torch, fn, repeat=REPEAT, inner=INNER, warmup=3):
-    """Median milliseconds per call of ``fn`` (CUDA events around ``inner`` calls)."""
-    return time_cuda(fn, warmup=warmup, repeat=repeat, inner=inner)
+def tolerance(dtype):
+    """Max abs error relative to max |v|: p is rounded to the input dtype before p·v."""
+    return 4e-3 if dtype == "float16" else 3e-2
 
 
-def sdpa_ms(torch, backend, q, k, v, causal):
-    """Milliseconds of SDPA pinned to ``backend``; None if the backend refuses the case."""
+def sdpa_timing(torch, backend, q, k, v, causal):
+    """SDPA pinned to ``backend``; raises when the backend refuses the case."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    gqa = q.shape[1] != k.shape[1]
-    kw = {"enable_gqa": True} if gqa else {}
+    kw = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return gpu_time(torch, lambda: sdpa(q, k, v, is_causal=causal, **kw))
+
+
+def config_of(d, dtype):
     try:
-        with sdpa_kernel(getattr(SDPBackend, backend)):
-            sdpa(q, k, v, is_causal=causal, **kw)  # refuses here if it cannot run the case
-            torch.cuda.synchronize()
-            return cuda_ms(torch, lambda: sdpa(q, k, v, is_causal=causal, **kw))
-    except (RuntimeError, TypeError):
-        return None
+        from tilepy.ops.attention import choose_config
+
+        return choose_config(d, dtype).describe()
+    except Exception:  # noqa: BLE001 — a description, never a reason to fail
+        return "?"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}_Hq{}_Hkv{}_S{}_D{}".format(*s))
-def test_flash_attention_vs_sdpa(benchmark, record, torch, gpu_name, shape, causal, dtype):
-    from tilepy.ops.attention import choose_config, flash_attention
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "B{}_Hq{}_Hkv{}_S{}_D{}".format(*c[0]) + f"-{c[1]}")
+def test_flash_attention(benchmark, record, torch, gpu_name, case, causal):
+    import tilepy
 
-    b, hq, hkv, s, d = shape
+    (b, hq, hkv, s, d), dtype = case
     tdt = getattr(torch, dtype)
     q = torch.randn(b, hq, s, d, device="cuda", dtype=tdt)
     k = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
     v = torch.randn(b, hkv, s, d, device="cuda", dtype=tdt)
     out = torch.empty_like(q)
-    flash_attention(q, k, v, causal=causal, out=out)  # compile
-    torch.cuda.synchronize()
+
+    def ours():
+        return tilepy.flash_attention(q, k, v, causal=causal, out=out)
+
+    ours()  # compile
     kr = k.repeat_interleave(hq // hkv, dim=1)
     vr = v.repeat_interleave(hq // hkv, dim=1)
     want = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=causal)
-    err = (out.float() - want.float()).abs().max().item()
-    assert err < (4e-3 if dtype == "float16" else 3e-2) * v.abs().max().item(), err
+    del kr, vr
+    limit = tolerance(dtype) * v.abs().max().item()
+    err = max_abs_err(out, want)
+    assert err < limit, err
 
-    ms = cuda_ms(torch, lambda: flash_attention(q, k, v, causal=causal, out=out))
-    flash = sdpa_ms(torch, "FLASH_ATTENTION", q, k, v, causal)
-    cudnn = sdpa_ms(torch, "CUDNN_ATTENTION", q, k, v, causal)
-    flop = 4 * b * hq * s * s * d / (2 if causal else 1)
-
-    def tflops(t):
-        return None if t is None else flop / t / 1e9
-
-    figures = {"gpu": gpu_name, "shape": f"B={b} Hq={hq} Hkv={hkv} S={s} D={d}",
-               "dtype": dtype, "causal": causal, "tflops": tflops(ms),
-               "peer": "SDPA FLASH_ATTENTION", "peer_tflops": tflops(flash),
-               "ratio": None if flash is None else flash / ms,
-               "cudnn_tflops": tflops(cudnn),
-               "ratio_cudnn": None if cudnn is None else cudnn / ms,
-               "config": choose_config(d, dtype).describe(), "max_abs_err": err,
-               "timing": f"CUDA events, {INNER} calls per event pair, median of {REPEAT}"}
-    # A backend that refused the case leaves its figures out (bench/summary.py formats
-    # every ratio it finds).
-    record(**{key: val for key, val in figures.items() if val is not None})
-    benchmark.pedantic(lambda: (flash_attention(q, k, v, causal=causal, out=out),
-                                torch.cuda.synchronize()), rounds=5, iterations=1)
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    for label, backend in ((FA2, "FLASH_ATTENTION"), ("SDPA cuDNN", "CUDNN_ATTENTION")):
+        timings[label] = try_peer(notes, label,
+                                  lambda b=backend: sdpa_timing(torch, b, q, k, v, causal))
+    timings["Triton"] = try_peer(notes, "Triton", lambda: checked_timing(
+        torch, lambda o: triton_peers().attention(q, k, v, causal=causal, out=o), want, limit,
+        err=max_abs_err))
+    mask = "causal" if causal else "full"
+    gqa = f" Hkv={hkv}" if hkv != hq else ""
+    figure = f"attention_{dtype}_B{b}_H{hq}{'_gqa' if gqa else ''}_D{d}_{mask}"
+    record_throughput(record, work=4 * b * hq * s * s * d / (2 if causal else 1),
+                      unit="TFLOPS", timings=timings, main=FA2, notes=notes, gpu=gpu_name,
+                      shape=f"B={b} Hq={hq} Hkv={hkv} S={s} D={d}", dtype=dtype,
+                      causal=causal, config=config_of(d, dtype), max_abs_err=err,
+                      table="Attention forward",
+                      case=f"B{b} H{hq}{gqa} S{s} D{d} {mask} {dtype}",
+                      figure=figure, x=s, xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

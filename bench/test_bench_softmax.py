@@ -1,70 +1,100 @@
-"""Softmax: ``tilepy.softmax`` against ``torch.softmax`` and a device-to-device copy, same run.
+"""Softmax: ``tilepy.softmax`` against ``torch.softmax``, a Triton fused softmax and a
+device-to-device copy, same run.
 
-Bandwidth-bound: throughput is GB/s of one read and one write of the tensor (the copy moves
-the same bytes, so ``fraction_of_copy`` is how close the op gets to the memory ceiling). Timed
-with CUDA events around ``INNER`` back-to-back calls on PyTorch's current stream (the median
-of ``REPEAT`` such runs, divided by ``INNER``), so the host cost of tilepy's wrapper is hidden
-behind the GPU work as it is in a real pipeline, and the same for the peers. tilepy writes into
-a preallocated ``out``; ``torch.softmax`` allocates its result (from PyTorch's cache).
+Bandwidth-bound: throughput is GB/s of one read and one write of the tensor. The copy moves
+the same bytes, so its ratio (``copy_ms / ms``, the ``fraction_of_copy``) is how close an
+implementation gets to the memory ceiling. tilepy and Triton write into a preallocated
+``out``; ``torch.softmax`` allocates its result (from PyTorch's cache). Tensors that fit in
+L2 are timed with the cache flushed before each run (``bench/measure.py``).
 
-Shapes of issue 6: 16384×4096, 32768×1024, 4096×32768 in float32 and float16; plus the row
-sweep of Triton's tutorial (4096 rows, 256 … 32768 columns).
+Shapes of issue 6: 16384×4096, 32768×1024, 4096×32768 in float32 and float16; the row sweep
+of Triton's tutorial (4096 rows, 256 … 32768 columns); ``log_softmax`` at 16384×4096 float32.
+Select parts with ``-k``: ``-k shapes``, ``-k sweep``, ``-k log``.
 """
 
 import pytest
-
-from tilepy.testing.timing import time_cuda
+from measure import (
+    checked_timing,
+    fits_in_l2,
+    gpu_time,
+    max_abs_err,
+    record_throughput,
+    triton_peers,
+    try_peer,
+)
 
 SHAPES = [(16384, 4096), (32768, 1024), (4096, 32768)]
 DTYPES = ["float32", "float16"]
 SWEEP = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-INNER = 10
-REPEAT = 15
+TORCH = "torch"
+COPY = "copy (ceiling)"
 
 
-def cuda_ms(torch, fn, repeat=REPEAT, inner=INNER, warmup=3):
-    """Median milliseconds per call of ``fn`` (CUDA events around ``inner`` calls)."""
-    return time_cuda(fn, warmup=warmup, repeat=repeat, inner=inner)
+def tolerance(dtype, log):
+    """Max abs error: softmax values are ≤ 1; log-softmax values are about -log(n)."""
+    base = 1e-5 if dtype == "float32" else 2e-3
+    return base * (20 if log else 1)
 
 
-def measure(torch, record, gpu_name, rows, cols, dtype):
-    """Check tilepy against PyTorch once, time tilepy / torch / copy, record the figures;
-    return the tilepy call for benchmark.pedantic."""
-    from tilepy.ops.softmax import plan, softmax
+def plan_of(cols):
+    """tilepy's kernel choice for rows of ``cols`` values, described (or '?')."""
+    try:
+        from tilepy.ops.softmax import plan
 
-    tdt = getattr(torch, dtype)
-    x = torch.randn(rows, cols, device="cuda", dtype=tdt)
+        p = plan(cols)
+        return f"{p.path}, {p.threads} threads, {p.per_thread} per thread"
+    except Exception:  # noqa: BLE001 — a description, never a reason to fail
+        return "?"
+
+
+def softmax_case(torch, record, gpu_name, rows, cols, dtype, log=False, **info):
+    """Check tilepy against PyTorch once, time tilepy / torch / Triton / copy, record; return
+    the tilepy call for benchmark.pedantic."""
+    import tilepy
+
+    ours_fn = tilepy.log_softmax if log else tilepy.softmax
+    torch_fn = torch.log_softmax if log else torch.softmax
+    x = torch.randn(rows, cols, device="cuda", dtype=getattr(torch, dtype))
     out = torch.empty_like(x)
-    softmax(x, out=out)  # compile
-    torch.cuda.synchronize()
-    want = torch.softmax(x.float(), -1)
-    err = ((out.float() - want).abs().max()).item()
-    assert err < (1e-5 if dtype == "float32" else 2e-3), err
+    flush = fits_in_l2(torch, x, out)
+    ours_fn(x, out=out)  # compile
+    want = torch_fn(x.float(), -1)
+    err = max_abs_err(out, want)
+    assert err < tolerance(dtype, log), err
 
-    ms = cuda_ms(torch, lambda: softmax(x, out=out))
-    peer_ms = cuda_ms(torch, lambda: torch.softmax(x, -1))
+    notes = {}
     copy = torch.empty_like(x)
-    copy_ms = cuda_ms(torch, lambda: copy.copy_(x))
-    nbytes = 2 * x.numel() * x.element_size()
-    p = plan(cols)
-    record(gpu=gpu_name, shape=f"{rows}x{cols}", dtype=dtype, gbps=nbytes / ms / 1e6,
-           peer="torch.softmax", peer_gbps=nbytes / peer_ms / 1e6, ratio=peer_ms / ms,
-           copy_gbps=nbytes / copy_ms / 1e6, fraction_of_copy=copy_ms / ms,
-           peer_fraction_of_copy=copy_ms / peer_ms, path=p.path, threads=p.threads,
-           per_thread=p.per_thread, max_abs_err=err, timing=f"CUDA events, {INNER} calls "
-           f"per event pair, median of {REPEAT}")
-    return lambda: (softmax(x, out=out), torch.cuda.synchronize())
+    timings = {"tilepy": gpu_time(torch, lambda: ours_fn(x, out=out), flush=flush),
+               TORCH: gpu_time(torch, lambda: torch_fn(x, -1), flush=flush)}
+    timings["Triton"] = try_peer(notes, "Triton", lambda: checked_timing(
+        torch, lambda o: triton_peers().softmax(x, out=o, log=log), want.to(x.dtype),
+        tolerance(dtype, log), flush=flush, err=max_abs_err))
+    timings[COPY] = gpu_time(torch, lambda: copy.copy_(x), flush=flush)
+    record_throughput(record, work=2 * x.numel() * x.element_size(), unit="GB/s",
+                      timings=timings, main=TORCH, notes=notes, gpu=gpu_name,
+                      shape=f"{rows}x{cols}", dtype=dtype, plan=plan_of(cols),
+                      max_abs_err=err, **info)
+    return lambda: (ours_fn(x, out=out), torch.cuda.synchronize())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_softmax_tilepy_vs_torch(benchmark, record, torch, gpu_name, shape, dtype):
-    run = measure(torch, record, gpu_name, *shape, dtype)
-    benchmark.pedantic(run, rounds=5, iterations=1)
+def test_softmax_shapes(benchmark, record, torch, gpu_name, shape, dtype):
+    run = softmax_case(torch, record, gpu_name, *shape, dtype, table="Softmax",
+                       case=f"{shape[0]}×{shape[1]} {dtype}")
+    benchmark.pedantic(run, rounds=3, iterations=1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cols", SWEEP)
 def test_softmax_row_sweep(benchmark, record, torch, gpu_name, cols, dtype):
-    run = measure(torch, record, gpu_name, 4096, cols, dtype)
-    benchmark.pedantic(run, rounds=5, iterations=1)
+    run = softmax_case(torch, record, gpu_name, 4096, cols, dtype,
+                       table="Softmax: 4096 rows, row-length sweep", case=f"{cols} {dtype}",
+                       figure=f"softmax_sweep_{dtype}", x=cols, xlabel="row length (4096 rows)")
+    benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+def test_log_softmax(benchmark, record, torch, gpu_name):
+    run = softmax_case(torch, record, gpu_name, 16384, 4096, "float32", log=True,
+                       table="Log-softmax", case="16384×4096 float32")
+    benchmark.pedantic(run, rounds=3, iterations=1)

@@ -1,0 +1,226 @@
+"""What every benchmark suite shares: GPU timing, the correctness check, the recorded figures.
+
+Timing is CUDA events around the calls, median of ``repeat`` timed runs — the method of
+:func:`tilepy.testing.timing.time_cuda` — with two additions that function cannot make:
+
+* **L2 flush** (``flush=True``): a 256 MB buffer is written before every timed run, so inputs
+  that fit in the L2 cache (50 MB on an H200) are read from memory as in a real pipeline, not
+  from the cache the previous run left warm. Use it where the inputs fit (:func:`fits_in_l2`).
+* **Host cost kept out of the events**: before every timed run the GPU is given a short spin
+  (``torch.cuda._sleep``) that lasts longer than issuing the calls takes on the CPU, so the
+  events time GPU work only, even for a call whose Python wrapper costs more than its kernel
+  (``time_cuda`` synchronises right before its first event, so there the host cost of the
+  first call lands inside the events). The CPU cost of one asynchronous call is measured on
+  its own and recorded as ``host_us`` beside the GPU time.
+
+Every result is recorded through :func:`record_throughput`: throughput of each
+implementation, the ratio ``peer_ms / ms`` to each peer, and what plots and tables need
+(``table``, ``case``, ``figure``, ``x``); ``bench/results_data.py`` reads them back.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+
+REPEAT = 10
+WARMUP = 2
+FLUSH_BYTES = 256 << 20
+L2_DEFAULT_BYTES = 50 << 20  # H200; used when PyTorch does not report the L2 size
+HOST_CALLS = 5
+
+
+@dataclass(frozen=True)
+class Timing:
+    """``ms``: median GPU milliseconds per call; ``host_us``: CPU microseconds of one
+    asynchronous call; ``flushed``: L2 written over before each timed run; ``hidden``: the
+    GPU was still busy with the spin when the last timed call had been issued (so the events
+    hold GPU time only)."""
+
+    ms: float
+    host_us: float
+    flushed: bool
+    hidden: bool
+
+
+def l2_bytes(torch) -> int:
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 0) or L2_DEFAULT_BYTES)
+
+
+def fits_in_l2(torch, *tensors) -> bool:
+    """True when the tensors together fit in the L2 cache (then timed runs flush it)."""
+    return sum(t.numel() * t.element_size() for t in tensors) <= l2_bytes(torch)
+
+
+_flush_buffer = {}
+
+
+def _flush(torch):
+    dev = torch.cuda.current_device()
+    if dev not in _flush_buffer:
+        _flush_buffer[dev] = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    _flush_buffer[dev].zero_()
+
+
+@functools.cache
+def _cycles_per_us() -> float:
+    """SM clock (the attribute is the peak clock, so a spin only ever lasts longer)."""
+    from numba import cuda
+
+    try:
+        khz = cuda.get_current_device().CLOCK_RATE
+    except Exception:  # noqa: BLE001 — attribute missing from a driver's enum
+        khz = 0
+    return (khz or 2_000_000) / 1000.0
+
+
+def _gpu_spin(torch, us: float) -> bool:
+    """Keep the GPU busy for about ``us`` µs on the current stream; False if unavailable."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is None:
+        return False
+    sleep(int(us * _cycles_per_us()))
+    return True
+
+
+def host_us_per_call(torch, fn, calls: int = HOST_CALLS) -> float:
+    """CPU microseconds of one asynchronous ``fn()`` call, issued while the GPU is busy (so
+    no call waits for the GPU)."""
+    _gpu_spin(torch, 20_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: int = WARMUP,
+             inner: int = 1) -> Timing:
+    """Median GPU milliseconds per ``fn()``: CUDA events around ``inner`` calls, ``repeat``
+    times, after ``warmup`` calls (which also compile / autotune). Events and calls go on the
+    legacy default stream, PyTorch's, CuPy's and tilepy's default."""
+    from numba import cuda
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    host_us = host_us_per_call(torch, fn)
+    lead_us = 2.0 * host_us * inner + 100.0
+    times, all_hidden = [], True
+    for _ in range(repeat):
+        for _attempt in range(3):
+            if flush:
+                _flush(torch)
+            spun = _gpu_spin(torch, lead_us)
+            guard, start, stop = cuda.event(), cuda.event(), cuda.event()
+            guard.record(0)
+            start.record(0)
+            for _ in range(inner):
+                fn()
+            stop.record(0)
+            # The spin already over when the last call was issued: the GPU may have waited
+            # for the CPU inside the events; try again with a longer spin.
+            caught_up = spun and guard.query()
+            stop.synchronize()
+            if not caught_up:
+                break
+            lead_us *= 4
+        all_hidden = all_hidden and spun and not caught_up
+        times.append(cuda.event_elapsed_time(start, stop) / inner)
+    return Timing(statistics.median(times), host_us, flush, all_hidden)
+
+
+def max_rel_err(got, want) -> float:
+    """max |got - want| / max |want|, in float32."""
+    g, w = got.float(), want.float()
+    return ((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item()
+
+
+def try_peer(notes: dict, name: str, run):
+    """``run()`` (a peer's check + timing), or None when the peer fails; the failure goes into
+    ``notes`` so that the results say why a peer is missing instead of the test failing."""
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 — a broken peer must not cost tilepy's figures
+        notes[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return None
+
+
+def optional_module(name: str):
+    """The module, or None when it cannot be imported (the peer is then left out)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except Exception:  # noqa: BLE001 — ImportError, or a broken install raising anything
+        return None
+
+
+def max_abs_err(got, want) -> float:
+    """max |got - want|, in float32."""
+    return (got.float() - want.float()).abs().max().item()
+
+
+def checked_timing(torch, run, want, tolerance, *, flush=False, err=max_rel_err) -> Timing:
+    """A peer's timing after one check of its answer: ``run(out)`` writes into ``out`` (shaped
+    like ``want``); AssertionError when ``err(out, want)`` is not below ``tolerance``."""
+    out = torch.empty_like(want)
+    run(out)
+    torch.cuda.synchronize()
+    e = err(out, want)
+    if not e < tolerance:
+        raise AssertionError(f"wrong answer: error {e:.3g} (tolerance {tolerance:.3g})")
+    return gpu_time(torch, lambda: run(out), flush=flush)
+
+
+def triton_peers():
+    """bench/triton_peers.py, or ImportError when Triton cannot be imported."""
+    if optional_module("triton") is None:
+        raise ImportError("triton is not importable")
+    import triton_peers as peers
+
+    return peers
+
+
+def _round(v):
+    return None if v is None else round(float(v), 4)
+
+
+def record_throughput(record, *, work: float, unit: str, timings: dict, main: str,
+                      ours: str = "tilepy", notes: dict | None = None, **info) -> None:
+    """Record ``timings`` ({label: Timing or None}, ``ours`` first) as throughput figures.
+
+    ``work``: FLOP (``unit="TFLOPS"``) or bytes moved (``unit="GB/s"``). ``main``: the peer
+    of the ``ratio`` figure; every other peer gets its ratio in ``ratios``. ``info``: what
+    identifies the case for tables and plots (``table``, ``case``, ``figure``, ``x``,
+    ``xlabel``, ``dtype``, ...).
+    """
+    scale = 1e9 if unit == "TFLOPS" else 1e6
+    key = "tflops" if unit == "TFLOPS" else "gbps"
+
+    def thr(t):
+        return None if t is None else work / t.ms / scale
+
+    me = timings[ours]
+    peers = {k: t for k, t in timings.items() if k != ours}
+    figures = dict(info)
+    figures.update({
+        "unit": unit, key: thr(me), "ms": me.ms, "host_us": me.host_us,
+        "impls": {k: _round(thr(t)) for k, t in timings.items()},
+        "ratios": {k: _round(t.ms / me.ms) if t else None for k, t in peers.items()},
+        "host_us_all": {k: _round(t.host_us) for k, t in timings.items() if t},
+        "flushed_l2": me.flushed,
+        "host_hidden": all(t.hidden for t in timings.values() if t),
+        "timing": f"CUDA events, median of {REPEAT} runs after {WARMUP} warm-up calls"
+                  + (", L2 flushed before each" if me.flushed else ""),
+    })
+    if timings.get(main) is not None:
+        figures.update({"peer": main, f"peer_{key}": thr(timings[main]),
+                        "ratio": timings[main].ms / me.ms})
+    if notes:
+        figures["peer_errors"] = dict(notes)
+    record(**{k: v for k, v in figures.items() if v is not None})

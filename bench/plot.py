@@ -1,0 +1,100 @@
+"""Plot the benchmark results: throughput against problem size, one line per implementation.
+
+    python bench/plot.py                    # every GPU under bench/results/ → docs/img/<gpu>/
+    python bench/plot.py --results DIR --out DIR
+
+One PNG per figure the suites recorded (``figure`` / ``x`` in ``extra_info``, see
+``bench/results_data.py``): GEMM TFLOPS against size, softmax GB/s against row length,
+attention TFLOPS against sequence length. The points of a figure all come from one result
+file (the newest that has it). A figure with a single point is not drawn (its table has it).
+Needs matplotlib (``pip install -e '.[bench]'``); then run ``python bench/report.py`` so that
+docs/performance.md links the new plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import results_data
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("bench/plot.py needs matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[bench]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw(plt, fig: results_data.Figure, gpu: str, path: pathlib.Path) -> None:
+    numeric = all(isinstance(x, (int, float)) for x in fig.xs)
+    positions = fig.xs if numeric else list(range(len(fig.xs)))
+    f, ax = plt.subplots(figsize=(7, 4.2))
+    for impl, values in fig.series.items():
+        pts = [(p, v) for p, v in zip(positions, values) if v is not None]
+        if not pts:
+            continue
+        style = {"linewidth": 2.5, "zorder": 3} if impl.startswith("tilepy") else {}
+        if impl.startswith("copy"):
+            style = {"linestyle": "--", "color": "grey"}
+        ax.plot(*zip(*pts), marker="o", label=impl, **style)
+    if numeric:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(fig.xs)
+        ax.set_xticklabels([str(x) for x in fig.xs])
+        ax.minorticks_off()
+    else:
+        ax.set_xticks(positions)
+        ax.set_xticklabels([str(x) for x in fig.xs], rotation=15)
+    ax.set_xlabel(fig.xlabel)
+    ax.set_ylabel(fig.unit)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{fig.name.replace('_', ' ')} — {gpu.replace('_', ' ')}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    f.text(0.99, 0.01, fig.file, ha="right", va="bottom", fontsize=6, color="grey")
+    f.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f.savefig(path, dpi=110)
+    plt.close(f)
+
+
+def plot_all(results: pathlib.Path, out: pathlib.Path) -> list:
+    """Draw every figure of every GPU directory under ``results``; return the PNG paths."""
+    plt = require_matplotlib()
+    written = []
+    for gpu_dir in sorted(p for p in results.iterdir() if p.is_dir()):
+        for fig in results_data.figures(results_data.entries(gpu_dir)).values():
+            if len(fig.xs) < 2:
+                continue
+            path = results_data.plot_path(out, gpu_dir.name, fig.name)
+            draw(plt, fig, gpu_dir.name, path)
+            written.append(path)
+    return written
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=pathlib.Path, default=ROOT / "bench" / "results")
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "img")
+    args = p.parse_args(argv)
+    written = plot_all(args.results, args.out)
+    for path in written:
+        print("wrote", path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+    if not written:
+        print(f"no figures with two or more points in {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
