@@ -1,4 +1,4 @@
-"""python -m tilepy {demo, info, inspect}: exit codes and what they say."""
+"""python -m tilepy {demo, info, inspect, tune}: exit codes and what they say."""
 
 import os
 import subprocess
@@ -11,10 +11,11 @@ import tilepy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run(*args, timeout=300, **env_vars):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **env_vars)
     return subprocess.run([sys.executable, "-m", "tilepy", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=ROOT)
+                          text=True, env=env, timeout=timeout, cwd=ROOT, check=False)
 
 
 def test_bad_command_and_bad_arguments_exit_2():
@@ -27,7 +28,7 @@ def test_bad_command_and_bad_arguments_exit_2():
 def test_info_names_versions_and_target():
     res = run("info")
     assert res.returncode == 0
-    for word in ("tilepy", "numba-cuda", "numpy", "NVVM", "tilepy cache"):
+    for word in ("tilepy", "numba-cuda", "numpy", "NVVM", "tilepy cache", "kernel cache"):
         assert word in res.stdout
     assert ("simulator" in res.stdout) == tilepy.SIMULATOR
 
@@ -48,3 +49,40 @@ def test_inspect_reports_the_gemm_kernel_offline():
     assert res.returncode == 0, res.stderr
     assert "mma=" in res.stdout and "ldmatrix=" in res.stdout and "cp.async=" in res.stdout
     assert "spill(st/ld)=0/0" in res.stdout and "cold compile" in res.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["tune"], "the following arguments are required: op"),
+    (["tune", "softmax", "--shape", "1", "2", "3"], "invalid choice: 'softmax'"),
+    (["tune", "gemm"], "the following arguments are required: --shape"),
+    (["tune", "gemm", "--shape", "64", "64"], "--shape: expected 3 arguments"),
+    (["tune", "gemm", "--shape", "64", "0", "64"], "expected a positive integer, got 0"),
+    (["tune", "gemm", "--shape", "64", "x", "64"], "expected a positive integer, got 'x'"),
+    (["tune", "gemm", "--shape", "64", "64", "64", "--batch", "-1"], "positive integer"),
+    (["tune", "gemm", "--shape", "64", "64", "64", "--dtype", "float32"], "invalid choice"),
+])
+def test_tune_arguments_are_checked(argv, message, capsys):
+    from tilepy.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tune_arguments_parse():
+    from tilepy.__main__ import _parser
+
+    args = _parser().parse_args(["tune", "gemm", "--shape", "4096", "1024", "512", "--batch",
+                                 "4", "--dtype", "bfloat16", "--json", "x.json"])
+    assert (args.op, args.shape, args.batch, args.dtype, args.repeat, args.json) == \
+        ("gemm", [4096, 1024, 512], 4, "bfloat16", 20, "x.json")
+
+
+def test_tune_without_a_gpu_is_one_clear_line():
+    # NUMBA_ENABLE_CUDASIM=1 stands for "no GPU" on any machine
+    res = run("tune", "gemm", "--shape", "64", "64", "64", NUMBA_ENABLE_CUDASIM="1")
+    assert res.returncode == 1
+    assert res.stdout == ""
+    (line,) = res.stderr.strip().splitlines()
+    assert "needs a CUDA GPU" in line and "simulator" in line

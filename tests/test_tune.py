@@ -136,3 +136,18 @@ def test_keys_bucket_shapes_and_name_the_context():
     assert shape_bucket(1) == 16 and shape_bucket(17) == 32 and shape_bucket(4096) == 4096
     assert make_key("gemm", (4000, 100), "bfloat16", "NVIDIA H200", "0.1.0") == \
         "gemm|4096x128|bfloat16|NVIDIA H200|0.1.0"
+
+
+def test_default_timer_in_the_simulator_is_the_wall_clock(tmp_path, monkeypatch):
+    import time
+
+    from numba import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("on a GPU the default timer is CUDA events")
+    monkeypatch.setenv("TILEPY_VERBOSE", "0")
+    tuned = autotune(lambda cfg, x: time.sleep(cfg), [0.02, 0.0], key=lambda x: ((x,), "f"),
+                     op="sleep", gpu_name=lambda: "sim", cache_directory=str(tmp_path),
+                     warmup=0, repeat=3)
+    assert tuned.choose(1) == 0.0
+    assert tuned.last_report[0]["ms"] >= 15

@@ -1,4 +1,4 @@
-"""Command line: ``python -m tilepy {demo, info, inspect}``."""
+"""Command line: ``python -m tilepy {demo, info, inspect, tune}``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tilepy",
                                 description="GPU tile kernels in plain Python on Numba-CUDA.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,info,inspect}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{demo,info,inspect,tune}")
     d = sub.add_parser("demo", help="run every op on a default problem, check it, print a table")
     d.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     sub.add_parser("info", help="versions, GPU or simulator, cache directories")
@@ -20,7 +20,27 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default=None)
     i.add_argument("--cc", default="90", help="compute capability, e.g. 80, 90, 90a (default 90)")
     i.add_argument("--ptx", action="store_true", help="print the PTX too")
+    t = sub.add_parser("tune", help="time an op's candidate configs on this GPU and remember the "
+                       "fastest for later calls (needs a GPU)")
+    t.add_argument("op", choices=["gemm"], help="the op to tune")
+    t.add_argument("--shape", nargs=3, type=_positive, metavar=("M", "N", "K"), required=True,
+                   help="a (M x K) @ (K x N) problem")
+    t.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    t.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    t.add_argument("--repeat", type=_positive, default=20,
+                   help="timed runs per candidate (median; default 20)")
+    t.add_argument("--json", metavar="FILE", help="also write the result rows as JSON")
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def cmd_info() -> int:
@@ -43,7 +63,7 @@ def cmd_info() -> int:
     probe = ("from numba.cuda.cudadrv.nvvm import NVVM; "
              "print('.'.join(map(str, NVVM().get_version())))")
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+                          env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"), check=False)
     nvvm = proc.stdout.strip() if proc.returncode == 0 else "unavailable"
     rows.append(("NVVM", f"{nvvm or 'unavailable'} (nvidia-nvvm wheel: {version('nvidia-nvvm')})"))
     from .offline import find_ptxas
@@ -56,14 +76,17 @@ def cmd_info() -> int:
 
         for dev in cuda.list_devices():
             cc = dev.compute_capability
-            rows.append((f"GPU {dev.id}", f"{dev.name.decode() if isinstance(dev.name, bytes) else dev.name}"
-                         f" (compute capability {cc[0]}.{cc[1]})"))
+            name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+            rows.append((f"GPU {dev.id}", f"{name} (compute capability {cc[0]}.{cc[1]})"))
     from numba.core import config
 
     rows.append(("numba cache", config.CACHE_DIR or "next to each source file (__pycache__)"))
-    rows.append(("tilepy cache", os.environ.get("TILEPY_CACHE_DIR")
-                 or os.path.join(os.environ.get("XDG_CACHE_HOME")
-                                 or os.path.expanduser("~/.cache"), "tilepy")))
+    from .tune import cache, kcache
+
+    rows.append(("tilepy cache", cache.cache_dir()))
+    kernels = kcache.kernel_cache_dir() if kcache.enabled() else "off (TILEPY_KERNEL_CACHE=0)"
+    rows.append(("kernel cache", kernels + (" (unused in the simulator)" if tilepy.SIMULATOR
+                                            else "")))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
@@ -131,12 +154,43 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_tune(args) -> int:
+    import tilepy
+
+    if tilepy.SIMULATOR:
+        print("python -m tilepy tune: needs a CUDA GPU; this process runs the CUDA simulator "
+              "(no GPU found, or NUMBA_ENABLE_CUDASIM=1), where timings mean nothing",
+              file=sys.stderr)
+        return 1
+    from .tune import spaces
+
+    m, n, k = args.shape
+    result = spaces.tune_gemm(m, n, k, args.dtype, args.batch, repeat=args.repeat, table=False)
+    print(f"tilepy {tilepy.__version__} tune gemm {m}x{n}x{k} batch {args.batch} {args.dtype} "
+          f"on {result.key.split('|')[3]}")
+    print(result.table)
+    for what, why in result.rejected:
+        print(f"   {'not tried':>12}  {what}  ({why})")
+    where = spaces.TuneCache(spaces.OP).path
+    print(f"best: {result.config.describe()}" + (f"\nsaved to {where} under {result.key}"
+                                                 if result.saved else "\nnot saved"))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"key": result.key, "best": result.config.describe(),
+                       "rows": result.rows, "rejected": result.rejected}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "info":
         return cmd_info()
     if args.command == "demo":
         return cmd_demo(args)
+    if args.command == "tune":
+        return cmd_tune(args)
     return cmd_inspect(args)
 
 

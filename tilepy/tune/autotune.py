@@ -9,7 +9,8 @@ tuned(a, b)            # first call for a key: times the candidates; later calls
 ``launch(config, *args)`` runs the kernel with ``config`` (it must be callable repeatedly).
 Candidates that raise (e.g. fail to compile) or whose output fails ``reference(config, *args)``
 are skipped and reported, not fatal. Timing uses CUDA events (median of ``repeat`` after
-``warmup``) unless a ``timer(fn) -> ms`` is given (tests use a fake one). ``TILEPY_AUTOTUNE=0``
+``warmup``; wall clock in the simulator) unless a ``timer(fn, warmup, repeat) -> ms`` is given
+(tests use a fake one). ``TILEPY_AUTOTUNE=0``
 never tunes: the first config (the heuristic choice) is used. ``TILEPY_VERBOSE=0`` silences the
 progress line and the result table.
 """
@@ -41,6 +42,20 @@ def describe_config(cfg) -> str:
 
 
 def _default_timer(fn, warmup, repeat):
+    from numba import config
+
+    if config.ENABLE_CUDASIM:  # no CUDA events there: wall clock (says nothing about a GPU)
+        import statistics
+        import time
+
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(times)
     from ..testing.timing import time_cuda
 
     return time_cuda(fn, warmup=warmup, repeat=repeat)
@@ -48,7 +63,7 @@ def _default_timer(fn, warmup, repeat):
 
 class Tuned:
     def __init__(self, launch, configs, key, op, prune, reference, warmup, repeat, timer,
-                 gpu_name, cache_directory, flops):
+                 gpu_name, cache_directory, flops, table=True):
         self.launch = launch
         self.configs = list(configs)
         if not self.configs:
@@ -62,6 +77,7 @@ class Tuned:
         self.gpu_name = gpu_name
         self.cache = TuneCache(op, cache_directory)
         self.flops = flops
+        self.table = table
         self.memory: dict = {}
         self.last_report: list = []
 
@@ -102,14 +118,15 @@ class Tuned:
                       f"{describe_config(cfg)[:60]}", end="", file=sys.stderr, flush=True)
             row = {"index": i, "config": describe_config(cfg)}
             try:
-                ms = self.timer(lambda: self.launch(cfg, *args), self.warmup, self.repeat)
+                ms = self.timer(lambda cfg=cfg: self.launch(cfg, *args), self.warmup,
+                                self.repeat)
                 if self.reference is not None and not self.reference(cfg, *args):
                     row["skipped"] = "wrong answer"
                 else:
                     row["ms"] = ms
                     if self.flops is not None:
                         row["tflops"] = self.flops(*args) / ms / 1e9
-            except Exception as e:  # a candidate that fails is reported, not fatal
+            except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
                 row["skipped"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
             if "ms" in row and (best is None or row["ms"] < best["ms"]):
@@ -117,7 +134,8 @@ class Tuned:
         self.last_report = rows
         if _verbose():
             print(file=sys.stderr)
-            print(format_report(self.op, rows, best), file=sys.stderr)
+            if self.table:
+                print(format_report(self.op, rows, best), file=sys.stderr)
         if best is None:
             raise RuntimeError(f"{self.op}: every candidate config failed: " +
                                "; ".join(f"{r['config']}: {r['skipped']}" for r in rows))
@@ -133,14 +151,31 @@ def format_report(op, rows, best) -> str:
         mark = "*" if best is not None and r["index"] == best["index"] else " "
         if "ms" in r:
             extra = f"  {r['tflops']:.0f} TFLOPS" if "tflops" in r else ""
+            if "first_call_s" in r:
+                extra += f"  (first call {r['first_call_s']:.1f} s)"
             lines.append(f" {mark} {r['ms']:9.4f} ms{extra}  {r['config']}")
         else:
             lines.append(f"   {'skipped':>12}  {r['config']}  ({r['skipped']})")
     return "\n".join(lines)
 
 
+def current_gpu_name(device=None) -> str:
+    """The name of CUDA device ``device`` (default: the current one); "simulator" in the
+    CUDA simulator. Part of every tuning-cache key."""
+    from numba import config, cuda
+
+    if config.ENABLE_CUDASIM:
+        return "simulator"
+    dev = cuda.get_current_device()
+    if device is not None and device != dev.id:
+        dev = next((d for d in cuda.list_devices() if d.id == device), dev)
+    name = dev.name
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def autotune(launch, configs, *, key, op, prune=None, reference=None, warmup=3, repeat=20,
-             timer=None, gpu_name=None, cache_directory=None, flops=None) -> Tuned:
+             timer=None, gpu_name=None, cache_directory=None, flops=None,
+             table=True) -> Tuned:
     """Wrap ``launch(config, *args)`` so each call runs the best config for its key.
 
     ``key(*args) -> (shape tuple, dtype str)`` decides which calls share a choice (shapes are
@@ -149,14 +184,6 @@ def autotune(launch, configs, *, key, op, prune=None, reference=None, warmup=3, 
     if timer is None:
         timer = _default_timer
     if gpu_name is None:
-        def gpu_name():
-            from numba import cuda
-
-            from .. import SIMULATOR
-
-            if SIMULATOR:
-                return "simulator"
-            name = cuda.get_current_device().name
-            return name.decode() if isinstance(name, bytes) else name
+        gpu_name = current_gpu_name
     return Tuned(launch, configs, key, op, prune, reference, warmup, repeat, timer, gpu_name,
-                 cache_directory, flops)
+                 cache_directory, flops, table)

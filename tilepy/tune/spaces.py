@@ -1,0 +1,339 @@
+"""Built-in config spaces, the tuned choice an op call uses, and ahead-of-time tuning.
+
+* :func:`gemm_space` — the candidate :class:`~tilepy.tile.config.GemmConfig` list for the
+  tensor-core GEMM, pruned *before anything compiles* by the device's limits (the config's own
+  validation: shared memory per block, the register estimate, warp/tile divisibility) and by
+  the problem's size (no block tile far larger than the output, no more stages than k-tiles).
+* :func:`pick_gemm_config` — what ``tilepy.gemm`` runs when the caller gives no config: the
+  choice persisted by an earlier :func:`tune_gemm` for this (shape bucket, dtype, GPU, tilepy
+  version), else the built-in heuristic. It never tunes: one candidate compiles for seconds,
+  which no ordinary call should pay unasked. After its first look-up for a shape it costs a
+  dictionary lookup.
+* :func:`tune_gemm` — times every candidate on real inputs (``python -m tilepy tune gemm``
+  calls it), checks each result against the heuristic config's, persists the winner and
+  returns it with the table.
+
+``TILEPY_AUTOTUNE=0``: :func:`pick_gemm_config` returns the heuristic (the tuning cache is not
+read). ``TILEPY_VERBOSE=0``: no progress line or table on stderr while tuning.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
+from .autotune import (
+    _enabled,
+    autotune,
+    current_gpu_name,
+    describe_config,
+    format_report,
+)
+from .cache import TuneCache, make_key
+
+OP = "gemm"
+
+#: (block m, n, k), (warps along m, n): the tile shapes worth timing on sm_80 / sm_90 — warp
+#: tiles of 32×32 to 64×64 (bench/NOTES.md: 64×64 warp tiles win at large sizes), BK 32 or 64.
+GEMM_TILES = (
+    ((128, 128, 32), (2, 2)), ((128, 128, 32), (2, 4)), ((128, 128, 64), (2, 2)),
+    ((128, 128, 64), (2, 4)), ((128, 256, 32), (2, 4)), ((256, 128, 32), (4, 2)),
+    ((128, 256, 64), (2, 4)), ((64, 128, 32), (2, 2)), ((128, 64, 32), (2, 2)),
+    ((64, 128, 64), (2, 2)), ((64, 64, 32), (2, 2)), ((64, 64, 64), (2, 2)),
+)
+#: cp.async pipeline depths tried for each tile shape.
+GEMM_STAGES = (3, 4)
+
+
+def _device_cc():
+    """The current device's compute capability; (9, 0) when there is none (simulator)."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return (9, 0)
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def gemm_space(dtype: str = "float16", cc=None, m=None, n=None, k=None, *,
+               with_rejected: bool = False):
+    """Candidate GEMM configs for ``dtype`` on compute capability ``cc`` (default: the current
+    device's), that fit the device; with ``m``, ``n``, ``k`` also only those that fit the
+    problem. ``with_rejected=True`` returns ``(configs, [(what, why), …])``."""
+    cc = tuple(cc) if cc is not None else _device_cc()
+    kept, rejected = [], []
+    for (bm, bn, bk), (wm, wn) in GEMM_TILES:
+        for stages in GEMM_STAGES:
+            what = f"{bm}x{bn}x{bk} block, {wm}x{wn} warps, {stages} stages"
+            try:
+                cfg = GemmConfig(BlockTile(bm, bn, bk), WarpLayout(wm, wn), Pipeline(stages),
+                                 dtype, True, cc)
+            except ValueError as e:  # over the device's shared memory or registers, …
+                rejected.append((what, str(e)))
+                continue
+            why = _misfit(cfg, m, n, k)
+            if why:
+                rejected.append((what, why))
+            else:
+                kept.append(cfg)
+    return (kept, rejected) if with_rejected else kept
+
+
+def _misfit(cfg: GemmConfig, m, n, k) -> str | None:
+    """Why ``cfg`` is not worth timing on an (m, n, k) problem, or None."""
+    b = cfg.block
+    if m is not None and b.m > max(64, 2 * m):
+        return f"block m {b.m} > twice the rows ({m})"
+    if n is not None and b.n > max(64, 2 * n):
+        return f"block n {b.n} > twice the columns ({n})"
+    if k is not None and cfg.pipeline.stages - 1 > max(1, -(-k // b.k)):
+        return f"{cfg.pipeline.stages} stages for {-(-k // b.k)} k-tiles"
+    return None
+
+
+# ---- the choice an op call uses --------------------------------------------------------------
+
+_entries: dict = {}   # gpu name -> the gemm tuning file's entries, read once per process
+_choices: dict = {}   # (m, n, k, batch, dtype, device) -> GemmConfig or None (= heuristic)
+MAX_CHOICES = 4096
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+def gemm_key(m, n, k, batch, dtype, gpu) -> str:
+    """The tuning-cache key of a GEMM problem (shapes bucketed to powers of two)."""
+    return make_key(OP, (m, n, k, batch), dtype, gpu, _version())
+
+
+def config_fields(cfg: GemmConfig) -> dict:
+    """What a persisted choice stores to rebuild ``cfg``."""
+    return {"block": [cfg.block.m, cfg.block.n, cfg.block.k],
+            "warps": [cfg.warps.m, cfg.warps.n], "stages": cfg.pipeline.stages,
+            "swizzle": cfg.swizzle}
+
+
+def config_from_fields(fields: dict, like: GemmConfig) -> GemmConfig | None:
+    """The config a persisted choice names (dtype and cc of ``like``); None if the entry is
+    malformed or no longer valid."""
+    try:
+        return GemmConfig(BlockTile(*map(int, fields["block"])),
+                          WarpLayout(*map(int, fields["warps"])),
+                          Pipeline(int(fields["stages"])), like.dtype,
+                          bool(fields.get("swizzle", True)), like.cc)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic: GemmConfig,
+                     device=None) -> GemmConfig:
+    """The config ``tilepy.gemm`` should run: the persisted tuned choice for this problem, else
+    ``heuristic``. Never tunes. ``device``: the CUDA device id of the operands (None: current)."""
+    if not _enabled():
+        return heuristic
+    key = (m, n, k, batch, dtype, device)
+    try:
+        choice = _choices[key]
+    except KeyError:
+        if len(_choices) >= MAX_CHOICES:
+            _choices.clear()
+        choice = _choices[key] = _stored_choice(m, n, k, batch, dtype, heuristic, device)
+    return heuristic if choice is None else choice
+
+
+def _stored_choice(m, n, k, batch, dtype, heuristic, device):
+    gpu = current_gpu_name(device)
+    entries = _entries.get(gpu)
+    if entries is None:
+        entries = _entries[gpu] = TuneCache(OP).entries()
+    entry = entries.get(gemm_key(m, n, k, batch, dtype, gpu))
+    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
+        return None
+    return config_from_fields(entry["fields"], heuristic)
+
+
+def forget_choices() -> None:
+    """Drop this process's memory of the tuning file (after it changed)."""
+    _entries.clear()
+    _choices.clear()
+
+
+# ---- ahead-of-time tuning --------------------------------------------------------------------
+
+@dataclass
+class TuneResult:
+    """What :func:`tune_gemm` found: the winner, every candidate's row, the printed table."""
+
+    config: GemmConfig
+    rows: list
+    key: str
+    saved: bool
+    rejected: list = field(default_factory=list)
+
+    @property
+    def table(self) -> str:
+        best = next((r for r in self.rows if r.get("config") == describe_config(self.config)
+                     and "ms" in r), None)
+        return format_report(OP, self.rows, best)
+
+
+def _module(name):
+    try:
+        return __import__(name)
+    except ImportError:
+        return None
+
+
+def gemm_inputs(m, n, k, dtype="float16", batch=1, seed=0):
+    """Random ``a``, ``b`` and an ``out`` for a GEMM, on the GPU (PyTorch, else CuPy, else
+    Numba device arrays; NumPy arrays in the simulator), and a function that copies an array
+    back as float32 NumPy."""
+    import numpy as np
+
+    from .. import SIMULATOR
+
+    rng = np.random.default_rng(seed)
+    lead = (batch,) if batch > 1 else ()
+    a = rng.uniform(-1, 1, lead + (m, k)).astype(np.float32)
+    b = rng.uniform(-1, 1, lead + (k, n)).astype(np.float32)
+    if SIMULATOR:
+        np_dtype = np.float16 if dtype == "float16" else __import__("ml_dtypes").bfloat16
+        return (a.astype(np_dtype), b.astype(np_dtype), np.empty(lead + (m, n), np_dtype),
+                lambda x: np.asarray(x, dtype=np.float32))
+    torch = _module("torch")
+    if torch is not None and torch.cuda.is_available():
+        t = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        ta, tb = (torch.from_numpy(x).to("cuda", t) for x in (a, b))
+        return (ta, tb, torch.empty(lead + (m, n), dtype=t, device="cuda"),
+                lambda x: x.float().cpu().numpy())
+    cupy = _module("cupy")
+    if cupy is not None and dtype == "float16":
+        return (cupy.asarray(a.astype(np.float16)), cupy.asarray(b.astype(np.float16)),
+                cupy.empty(lead + (m, n), np.float16),
+                lambda x: cupy.asnumpy(x).astype(np.float32))
+    from numba import cuda
+
+    if dtype == "bfloat16":
+        np_dtype = __import__("ml_dtypes").bfloat16
+    else:
+        np_dtype = np.float16
+    try:
+        da, db = cuda.to_device(a.astype(np_dtype)), cuda.to_device(b.astype(np_dtype))
+        out = cuda.device_array(lead + (m, n), np_dtype)
+    except Exception as e:
+        raise RuntimeError(f"cannot allocate {dtype} inputs without PyTorch ({e}); install "
+                           "torch to tune bfloat16") from e
+    return da, db, out, lambda x: x.copy_to_host().astype(np.float32)
+
+
+def _check_against_float64(a, b, ref, to_host, rows=64, seed=1) -> float:
+    """Largest error of ``ref`` against a float64 product on a sample of rows, relative to
+    the largest magnitude there."""
+    import numpy as np
+
+    ha, hb, hr = to_host(a), to_host(b), to_host(ref)
+    if ha.ndim == 2:
+        ha, hr = ha[None], hr[None]
+    if hb.ndim == 2:
+        hb = hb[None]
+    pick = np.random.default_rng(seed).choice(ha.shape[1], min(rows, ha.shape[1]),
+                                              replace=False)
+    z = ha.shape[0] - 1
+    exact = ha[z][pick].astype(np.float64) @ hb[min(z, hb.shape[0] - 1)].astype(np.float64)
+    got = hr[z][pick]
+    return float(np.abs(got - exact).max() / max(np.abs(exact).max(), 1e-30))
+
+
+def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, configs=None,
+              *, warmup: int = 3, repeat: int = 20, timer=None, save: bool = True,
+              cache_directory=None, table: bool = True) -> TuneResult:
+    """Time ``tilepy.gemm`` on an (m × k) @ (k × n) problem (``batch`` of them) for every
+    candidate config, keep the fastest, and persist it for :func:`pick_gemm_config`.
+
+    ``configs``: the candidates (default: :func:`gemm_space` for this problem and device); the
+    heuristic config always runs first and is the reference every other candidate's output is
+    checked against (a candidate that fails to compile, fails to launch or gives a different
+    answer is skipped and reported). ``timer(fn, warmup, repeat) -> ms`` replaces the CUDA-event
+    timer (tests). Progress and the table go to stderr unless ``TILEPY_VERBOSE=0`` (the table
+    not with ``table=False``). Returns a :class:`TuneResult`; its ``table`` is what the CLI
+    prints.
+    """
+    import tilepy
+
+    from ..ops.gemm import choose_config
+
+    for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"dtype must be float16 or bfloat16 (the tensor-core path), got "
+                         f"{dtype!r}")
+    heuristic = choose_config(m, n, k, batch, dtype)
+    rejected = []
+    if configs is None:
+        configs, rejected = gemm_space(dtype, heuristic.cc, m, n, k, with_rejected=True)
+    candidates = [heuristic] + [c for c in configs if c != heuristic]
+    for c in candidates:
+        if not isinstance(c, GemmConfig) or c.dtype != dtype:
+            raise TypeError(f"configs must be GemmConfig for {dtype}, got {c!r}")
+
+    a, b, out, to_host = gemm_inputs(m, n, k, dtype, batch)
+    t0 = time.perf_counter()
+    ref = tilepy.gemm(a, b, config=heuristic)
+    _synchronize()
+    first_call = {describe_config(heuristic): time.perf_counter() - t0}
+    error = _check_against_float64(a, b, ref, to_host)
+    limit = 2e-2 if dtype == "float16" else 4e-2
+    if error > limit:
+        raise RuntimeError(f"the heuristic config {heuristic.describe()} is off by {error:.3g} "
+                           f"(relative) against a float64 product: not tuning a broken kernel")
+    ref_host = to_host(ref)
+    scale = max(float(abs(ref_host).max()), 1e-30)
+
+    def launch(cfg, a, b, out):
+        desc = describe_config(cfg)
+        if desc not in first_call:  # the first call compiles (or loads from the disk cache)
+            t = time.perf_counter()
+            tilepy.gemm(a, b, config=cfg, out=out)
+            _synchronize()
+            first_call[desc] = time.perf_counter() - t
+            return out
+        return tilepy.gemm(a, b, config=cfg, out=out)
+
+    def same_as_heuristic(cfg, a, b, out):
+        _synchronize()
+        return float(abs(to_host(out) - ref_host).max()) <= limit * scale
+
+    gpu = current_gpu_name()
+    tuned = autotune(launch, candidates, key=lambda *args: ((m, n, k, batch), dtype), op=OP,
+                     reference=same_as_heuristic, warmup=warmup, repeat=repeat, timer=timer,
+                     gpu_name=lambda: gpu, cache_directory=cache_directory,
+                     flops=lambda *args: 2.0 * m * n * k * batch, table=table)
+    best = tuned.tune(a, b, out)
+    rows = tuned.last_report
+    for r in rows:
+        if r["config"] in first_call:
+            r["first_call_s"] = first_call[r["config"]]
+    winner = candidates[best["index"]]
+    key = gemm_key(m, n, k, batch, dtype, gpu)
+    entry = dict(best, fields=config_fields(winner), shape=[m, n, k, batch],
+                 tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    saved = tuned.cache.put(key, entry) if save else False
+    forget_choices()
+    return TuneResult(winner, rows, key, saved, rejected)
+
+
+def _synchronize() -> None:
+    from numba import cuda
+
+    cuda.synchronize()
+
+
+__all__ = ["GEMM_STAGES", "GEMM_TILES", "TuneResult", "config_fields", "config_from_fields",
+           "forget_choices", "gemm_inputs", "gemm_key", "gemm_space", "pick_gemm_config",
+           "tune_gemm"]
