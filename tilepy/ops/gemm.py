@@ -13,6 +13,7 @@ from .. import arrays
 from ..arrays import describe, kernel_view
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
+from ..tune.spaces import pick_gemm_config
 from . import gemm_kernel as tc
 from . import gemm_simt as simt
 
@@ -217,7 +218,8 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             B2 = B if layout_b != "other" else _aligned(B)
             reusable = reusable and A2 is A and B2 is B
             layout_b = "row" if layout_b == "other" else layout_b
-            cfg = config or choose_config(m, n, k, batch, dtype)
+            cfg = config or pick_gemm_config(m, n, k, batch, dtype,
+                                             choose_config(m, n, k, batch, dtype), device)
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             kern = tc.gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
                                   Bias is not None, C is not None)

@@ -325,6 +325,9 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                  tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
     saved = tuned.cache.put(key, entry) if save else False
     forget_choices()
+    from ..ops import gemm as _gemm_op
+
+    _gemm_op._PLANS.clear()  # launch plans made before tuning hold the old configs
     return TuneResult(winner, rows, key, saved, rejected)
 
 
