@@ -151,3 +151,113 @@ def join_halves(lo, hi) -> np.uint32:
 def bytes4(word) -> list[int]:
     w = int(word) & 0xFFFFFFFF
     return [(w >> (8 * i)) & 0xFF for i in range(4)]
+
+
+# ---- warpgroups (wgmma): four consecutive warps, 128 threads -------------------------------
+#
+# A warpgroup-collective twin (wgmma.mma_async) needs the values of all 128 threads of its
+# warpgroup. Unlike the warp collectives above it does NOT rendezvous at the block's
+# syncthreads: warp-specialised kernels run a producer warpgroup (TMA, mbarrier waits) beside
+# consumer warpgroups, so only the warpgroup's own 128 threads meet, at a Python barrier.
+
+WARPGROUP = 128
+
+#: Seconds a simulated thread waits at a warpgroup barrier or an mbarrier before the twin
+#: declares a deadlock (a thread that never arrives) and raises.
+WAIT_TIMEOUT = 120.0
+
+
+def warpgroup_id() -> int:
+    return this_thread().thread_id // WARPGROUP
+
+
+def block_threads(t=None) -> int:
+    return int(np.prod((t or this_thread())._manager._block_dim))
+
+
+def check_abort(t, what: str) -> None:
+    """Raise if the simulator aborted the block (another thread raised)."""
+    if getattr(t, "abort", False):
+        raise RuntimeError(f"{what}: the block was aborted (another thread raised)")
+
+
+class _GroupBarrier:
+    """A reusable barrier for ``n`` simulated threads that gives up when the block aborts."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.count = 0
+        self.generation = 0
+        self.cond = threading.Condition()
+
+    def wait(self, t, what: str) -> None:
+        import time
+
+        with self.cond:
+            gen = self.generation
+            self.count += 1
+            if self.count == self.n:
+                self.count = 0
+                self.generation += 1
+                self.cond.notify_all()
+                return
+            deadline = time.monotonic() + WAIT_TIMEOUT
+            while self.generation == gen:
+                self.cond.wait(0.05)
+                check_abort(t, what)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{what}: only {self.count} of the {self.n} threads of the warpgroup "
+                        f"arrived within {WAIT_TIMEOUT:.0f} s; every thread of a warpgroup "
+                        "must make each .sync.aligned warpgroup call")
+
+
+def _warpgroup_barriers(m):
+    n = int(np.prod(m._block_dim))
+    return [_GroupBarrier(WARPGROUP) for _ in range(n // WARPGROUP)]
+
+
+def warpgroup_exchange(value, what: str = "warpgroup collective"):
+    """All 128 threads' ``value`` (a list indexed by thread within the warpgroup)."""
+    t = this_thread()
+    n = block_threads(t)
+    if n % WARPGROUP:
+        raise RuntimeError(f"{what}: the block has {n} threads; warpgroup instructions need a "
+                           f"multiple of {WARPGROUP} (whole warpgroups)")
+    scratch = block_state("wg_scratch", lambda m: [[[None] * WARPGROUP
+                                                    for _ in range(n // WARPGROUP)]
+                                                   for _ in range(2)], t)
+    barriers = block_state("wg_barriers", _warpgroup_barriers, t)
+    parity = getattr(t, "_tilepy_wg_parity", 0)
+    t._tilepy_wg_parity = parity ^ 1
+    wg, me = divmod(t.thread_id, WARPGROUP)
+    row = scratch[parity][wg]
+    row[me] = value
+    barriers[wg].wait(t, what)
+    return list(row)
+
+
+def warpgroup_collective(value, model, what: str = "warpgroup collective"):
+    """``model(all 128 threads' values)[this thread]``, ``model`` evaluated once per warpgroup.
+
+    The same double-buffering argument as :func:`warp_collective` makes one barrier per call
+    enough: results are kept per (parity, warpgroup) with the call's sequence number.
+    If ``model`` raises, every thread of the warpgroup raises the same error.
+    """
+    t = this_thread()
+    seq = getattr(t, "_tilepy_wg_seq", 0)
+    t._tilepy_wg_seq = seq + 1
+    lanes = warpgroup_exchange(value, what)
+    results = block_state("wg_results", lambda m: {}, t)
+    slot = (seq & 1, t.thread_id // WARPGROUP)
+    with _result_lock:
+        done = results.get(slot)
+        if done is None or done[0] != seq:
+            try:
+                done = (seq, model(lanes), None)
+            except Exception as e:  # noqa: BLE001  (every thread of the warpgroup re-raises it)
+                done = (seq, None, e)
+            results[slot] = done
+    if done[2] is not None:
+        raise type(done[2])(str(done[2]))
+    return done[1][t.thread_id % WARPGROUP]

@@ -17,7 +17,13 @@ from . import asm
 #: name -> (pyfunc, argtypes builder, opcode expected in the PTX, min_cc)
 EXTRA: dict = {}
 
-_MODULES = ("mma", "ldmatrix", "cp_async", "shuffle", "math", "address")
+#: Probes of arch-specific instructions (wgmma, setmaxnreg: sm_90a only). They are compiled for
+#: the ``a`` variant of each compute capability at or above their min_cc (reported under the
+#: plain name, e.g. ``@sm_90``, with ``"arch": "sm_90a"``).
+ARCH_SPECIFIC: set = set()
+
+_MODULES = ("mma", "ldmatrix", "cp_async", "shuffle", "math", "address", "wgmma", "mbarrier",
+            "tma")
 
 _ARRAYS = ("u32", "i32", "u64", "f32", "f16")
 
@@ -91,8 +97,11 @@ def compile_all():
         for cc in CCS:
             key = f"{name}@sm_{cc[0]}{cc[1]}"
             entry = {"name": key, "probe": name, "opcode": op, "cc": list(cc)}
+            target = cc
+            if name in ARCH_SPECIFIC and min_cc and tuple(cc) >= tuple(min_cc):
+                target = tuple(cc) + ("a",)
             try:
-                rep = compile_kernel(key, pyfunc, argtypes, cc)
+                rep = compile_kernel(key, pyfunc, argtypes, target)
             except asm.UnsupportedTarget as e:
                 entry["refused"] = str(e)
             except Exception as e:  # reported, and the test fails on it
@@ -100,7 +109,7 @@ def compile_all():
             else:
                 found = sum(1 for ln in rep.ptx.splitlines()
                             if ln.strip().split(" ")[0].split("\t")[0].rstrip(";") == op)
-                entry.update(found=found, registers=rep.registers,
+                entry.update(found=found, arch=rep.arch, registers=rep.registers,
                              spill_stores=rep.spill_stores, spill_loads=rep.spill_loads,
                              stack_frame=rep.stack_frame, local_bytes=rep.local_bytes)
             entry["min_cc"] = list(min_cc) if min_cc else None
