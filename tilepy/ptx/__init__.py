@@ -12,9 +12,11 @@ the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). M
 * :mod:`~tilepy.ptx.fragments` — which lane holds which element of an mma operand
 * :mod:`~tilepy.ptx.wgmma` — warpgroup MMA (sm_90a): ``wgmma.mma_async`` m64nNk16, fences,
   groups, matrix descriptors and their swizzles, ``setmaxnreg``
+* :mod:`~tilepy.ptx.mbarrier` — shared-memory barriers with transaction counts
+* :mod:`~tilepy.ptx.tma` — TMA tensor loads (host side: :mod:`tilepy.tile.tma`)
 """
 
-from . import address, asm, fragments, mma, wgmma  # noqa: F401
+from . import address, asm, fragments, mbarrier, mma, tma, wgmma  # noqa: F401
 from .address import global_addr, shared_addr  # noqa: F401
 from .asm import SIMULATOR, UnsupportedTarget  # noqa: F401
 from .mma import *  # noqa: F401,F403

@@ -1,0 +1,198 @@
+"""Tensor Memory Accelerator (TMA) loads, device side: a box of a tensor, global → shared (sm_90).
+
+One thread issues ``cp.async.bulk.tensor.{2,3}d.shared::cluster.global.tile.mbarrier::complete_tx
+::bytes``: the copy engine reads the box of the tensor that a *tensor map* describes, starting at
+the given element coordinates, writes it densely into shared memory (innermost dimension
+fastest, with the map's swizzle applied to the shared addresses), and completes the box's bytes
+on an mbarrier (:mod:`tilepy.ptx.mbarrier`). Elements outside the tensor read as zeros and
+still count, so a phase always expects the full box size.
+
+* ``tma_load_2d(dst, tmap, bar, x, y)`` / ``tma_load_3d(dst, tmap, bar, x, y, z)`` —
+  ``dst``: uint32 shared address (128-byte aligned; a swizzled box must start where the swizzle
+  pattern repeats, i.e. at a multiple of 8 × the swizzle size of a 1024-byte-aligned buffer);
+  ``tmap``: uint64 address of the 128-byte tensor map in global memory
+  (:func:`tilepy.ptx.address.global_addr` of the device array that
+  :class:`tilepy.tile.tma.TensorMap` made); ``bar``: uint32 shared address of the mbarrier;
+  ``x, y, z``: int32 element coordinates of the box's first element, **innermost dimension
+  first** (x is the column of a row-major matrix). ``x`` times the element size must be a
+  multiple of 16 bytes (other starts have killed the context on an H200); coordinates may be
+  negative or past the end (zeros).
+* ``fence_proxy_tensormap_acquire(tmap)`` — once per kernel (per thread that issues TMA),
+  before the first copy through a tensor map that was written to global memory by an ordinary
+  (generic-proxy) copy: Numba cannot pass a ``__grid_constant__`` kernel parameter, so tilepy
+  passes the map as a global-memory array, and this fence makes it visible to the TMA unit.
+* ``prefetch_tensormap(tmap)`` — optional, warms the map's cache line.
+
+Swizzle (the map's, 0 / 32 / 64 / 128 bytes): the box byte offset ``o`` lands at shared address
+``swizzle(dst + o)`` with :func:`tilepy.ptx.wgmma.swizzle` — the layout wgmma descriptors read.
+
+Simulator: the twin performs the copy when issued (reading the tensor through the host address
+the map holds, writing shared memory with the swizzle, treating the destination array as if it
+started on a 1024-byte boundary) and completes the bytes on the mbarrier. It reads maps that
+:mod:`tilepy.tile.tma` encoded for the simulator (a tilepy-private format, not a CUtensorMap),
+and refuses a swizzled box whose inner dimension is not exactly the swizzle size (whether the
+GPU packs such boxes densely is not modelled).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+
+from . import address, mbarrier
+from .asm import instruction
+from .wgmma_layout import swizzle as _swizzle
+
+MAP_BYTES = 128
+MAX_RANK = 5
+_MAGIC = b"tilepyTM"
+# magic, global address, element bytes, rank, swizzle bytes, dims (5, innermost first),
+# strides in bytes of dims 1..4, box (5)
+_FORMAT = "<8sQBBHI5Q4Q5H"
+
+
+# ---- the simulator's tensor-map format (written by tilepy.tile.tma in the simulator) ------------
+
+def sim_encode(address_: int, elem_bytes: int, dims, strides, box, swizzle_bytes: int) -> bytes:
+    """128 bytes describing a tiled tensor map for the simulator's twins.
+
+    ``dims``, ``box``: innermost first; ``strides``: bytes of dims 1 … rank-1 (innermost first).
+    """
+    rank = len(dims)
+    pad = MAX_RANK - rank
+    raw = struct.pack(_FORMAT, _MAGIC, int(address_), int(elem_bytes), rank, int(swizzle_bytes),
+                      0, *map(int, dims), *([1] * pad), *map(int, strides),
+                      *([0] * (MAX_RANK - 1 - len(strides))), *map(int, box), *([1] * pad))
+    return raw + bytes(MAP_BYTES - len(raw))
+
+
+def sim_decode(raw: bytes) -> dict:
+    size = struct.calcsize(_FORMAT)
+    fields = struct.unpack(_FORMAT, bytes(raw[:size]))
+    if fields[0] != _MAGIC:
+        raise ValueError("not a tensor map that tilepy.tile.tma encoded for the simulator "
+                         "(a CUtensorMap from the driver cannot be read by the twins)")
+    rank = fields[3]
+    dims = fields[6:11][:rank]
+    strides = (fields[2],) + fields[11:15][:rank - 1]
+    box = fields[15:20][:rank]
+    return {"address": fields[1], "elem_bytes": fields[2], "rank": rank, "swizzle": fields[4],
+                "dims": dims, "strides": strides, "box": box}
+
+
+# ---- simulator twins ------------------------------------------------------------------------------
+
+def _read_map(tmap, who):
+    raw = address.read_bytes(int(tmap), MAP_BYTES)
+    try:
+        return sim_decode(raw)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
+
+
+def _box_bytes(m):
+    return int(np.prod(m["box"])) * m["elem_bytes"]
+
+
+def _load(who, dst, tmap, bar, coords):
+    m = _read_map(tmap, who)
+    if m["rank"] != len(coords):
+        raise ValueError(f"{who}: the tensor map has rank {m['rank']}, the copy is "
+                         f"{len(coords)}-D")
+    esize, swz = m["elem_bytes"], m["swizzle"]
+    if (coords[0] * esize) % 16:
+        raise ValueError(f"{who}: the box starts at x = {coords[0]}, {coords[0] * esize} bytes "
+                         "into a row; it must be a multiple of 16 bytes")
+    if swz and m["box"][0] * esize != swz:
+        raise NotImplementedError(f"{who}: a {m['box'][0] * esize}-byte box row with the "
+                                  f"{swz}-byte swizzle: the simulator models rows of exactly the "
+                                  "swizzle size")
+    nbytes = _box_bytes(m)
+    dst = int(dst)
+    address.check_range("shared", f"{who} destination", dst, nbytes, 128)
+    lo = _array_start(dst)
+
+    # the box, innermost dimension last in NumPy order
+    shape = tuple(reversed(m["box"]))
+    idx = np.indices(shape).reshape(len(shape), -1)[::-1]  # row i: dimension i (innermost 0)
+    g = idx + np.array(coords, np.int64)[:, None]
+    dims = np.array(m["dims"], np.int64)[:, None]
+    inside = ((g >= 0) & (g < dims)).all(axis=0)
+    src_off = (g * np.array(m["strides"], np.int64)[:, None]).sum(axis=0)
+    extent = sum((d - 1) * s for d, s in zip(m["dims"], m["strides"])) + esize
+    src = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(m["address"]))
+    elems = np.zeros((idx.shape[1], esize), np.uint8)
+    take = src_off[inside][:, None] + np.arange(esize)
+    elems[inside] = src[take]
+
+    rel = dst - lo + np.arange(idx.shape[1], dtype=np.int64) * esize
+    target = _swizzle(rel, swz) if swz else rel
+    smem = np.ctypeslib.as_array((ctypes.c_uint8 * (int(target.max()) + esize)).from_address(lo))
+    smem[target[:, None] + np.arange(esize)] = elems
+    mbarrier.complete_tx(bar, nbytes, who)
+
+
+def _array_start(addr):
+    extents = address._block_extents()["shared"]
+    with address._extent_lock:
+        for lo, hi in extents.items():
+            if lo <= addr < hi:
+                return lo
+    raise IndexError(f"shared address {addr:#x} is in no shared array")  # pragma: no cover
+
+
+def _load_2d_twin(dst, tmap, bar, x, y):
+    _load("tma_load_2d", dst, tmap, bar, (int(x), int(y)))
+
+
+def _load_3d_twin(dst, tmap, bar, x, y, z):
+    _load("tma_load_3d", dst, tmap, bar, (int(x), int(y), int(z)))
+
+
+def _check_map_twin(tmap):
+    _read_map(tmap, "fence_proxy_tensormap_acquire")
+
+
+# ---- declarations ---------------------------------------------------------------------------------
+
+_SM90 = (9, 0)
+_COPY = ("cp.async.bulk.tensor.{d}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+         "[$0], [$1, {{{coords}}}], [$2];")
+
+tma_load_2d = instruction(
+    "tma_load_2d", _COPY.format(d=2, coords="$3, $4"), ins=("u32", "u64", "u32", "i32", "i32"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_2d_twin,
+    doc="``tma_load_2d(dst, tmap, bar, x, y)``: copy the box at element (x, y) (x innermost) of "
+        "the 2-D tensor map tmap into shared memory at dst; its bytes complete on the mbarrier "
+        "bar. One thread. sm_90+. See tilepy.ptx.tma.")
+
+tma_load_3d = instruction(
+    "tma_load_3d", _COPY.format(d=3, coords="$3, $4, $5"),
+    ins=("u32", "u64", "u32", "i32", "i32", "i32"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_3d_twin,
+    doc="``tma_load_3d(dst, tmap, bar, x, y, z)``: as tma_load_2d for a 3-D tensor map (x "
+        "innermost). sm_90+.")
+
+fence_proxy_tensormap_acquire = instruction(
+    "fence_proxy_tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
+    ins=("u64",), side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_check_map_twin,
+    doc="``fence_proxy_tensormap_acquire(tmap)``: make the 128-byte tensor map at global address "
+        "tmap, written by an ordinary copy, visible to the TMA unit; before its first use. "
+        "sm_90+.")
+
+prefetch_tensormap = instruction(
+    "prefetch_tensormap", "prefetch.tensormap [$0];", ins=("u64",), side_effect=True,
+    min_cc=_SM90, twin=_check_map_twin,
+    doc="``prefetch_tensormap(tmap)``: prefetch the tensor map at tmap into its cache. sm_90+.")
+
+__all__ = [
+    "MAP_BYTES",
+    "fence_proxy_tensormap_acquire",
+    "prefetch_tensormap",
+    "sim_decode",
+    "sim_encode",
+    "tma_load_2d",
+    "tma_load_3d",
+]
