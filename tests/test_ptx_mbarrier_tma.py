@@ -16,7 +16,7 @@ from tilepy.ptx import _sim
 from tilepy.ptx import mbarrier as B
 from tilepy.ptx import tma as T
 from tilepy.ptx import wgmma as W
-from tilepy.ptx.address import global_addr, shared_addr
+from tilepy.ptx.address import shared_addr
 from tilepy.ptx.asm import SIMULATOR
 from tilepy.tile import tma as host
 
@@ -245,7 +245,7 @@ def make_load_kernel(rank, box_words, nloads):
         smem = cuda.shared.array(box_words, uint16, alignment=ALIGN)
         bars = cuda.shared.array(1, uint64)
         bar = shared_addr(bars, 0)
-        tm = global_addr(tmap, 0)
+        tm = T.tensor_map_address(tmap)
         if tid == 0:
             B.mbarrier_init(bar, 1)
             B.fence_mbarrier_init()
@@ -339,13 +339,13 @@ def _bad_tma_kernel(case):
         bar = shared_addr(bars, 0)
         B.mbarrier_init(bar, 1)
         if case == "unaligned_x":
-            T.tma_load_2d(shared_addr(smem, 0), global_addr(tmap, 0), bar, 4, 0)
+            T.tma_load_2d(shared_addr(smem, 0), T.tensor_map_address(tmap), bar, 4, 0)
         elif case == "dst_too_small":
-            T.tma_load_2d(shared_addr(smem, 64), global_addr(tmap, 0), bar, 0, 0)
+            T.tma_load_2d(shared_addr(smem, 64), T.tensor_map_address(tmap), bar, 0, 0)
         elif case == "wrong_rank":
-            T.tma_load_3d(shared_addr(smem, 0), global_addr(tmap, 0), bar, 0, 0, 0)
+            T.tma_load_3d(shared_addr(smem, 0), T.tensor_map_address(tmap), bar, 0, 0, 0)
         elif case == "not_a_map":
-            T.tma_load_2d(shared_addr(smem, 0), global_addr(out, 0), bar, 0, 0)
+            T.tma_load_2d(shared_addr(smem, 0), T.tensor_map_address(out), bar, 0, 0)
         out[0] = 1
 
     return kernel
@@ -383,8 +383,8 @@ def make_gemm_kernel(k_tiles):
         sb = cuda.shared.array(b_words, uint16, alignment=ALIGN)
         bars = cuda.shared.array(1, uint64)
         bar = shared_addr(bars, 0)
-        ta = global_addr(tmap_a, 0)
-        tb = global_addr(tmap_b, 0)
+        ta = T.tensor_map_address(tmap_a)
+        tb = T.tensor_map_address(tmap_b)
         if tid == 0:
             B.mbarrier_init(bar, 1)
             B.fence_mbarrier_init()

@@ -10,9 +10,9 @@ still count, so a phase always expects the full box size.
 * ``tma_load_2d(dst, tmap, bar, x, y)`` / ``tma_load_3d(dst, tmap, bar, x, y, z)`` —
   ``dst``: uint32 shared address (128-byte aligned; a swizzled box must start where the swizzle
   pattern repeats, i.e. at a multiple of 8 × the swizzle size of a 1024-byte-aligned buffer);
-  ``tmap``: uint64 address of the 128-byte tensor map in global memory
-  (:func:`tilepy.ptx.address.global_addr` of the device array that
-  :class:`tilepy.tile.tma.TensorMap` made); ``bar``: uint32 shared address of the mbarrier;
+  ``tmap``: uint64 generic address of the 128-byte tensor map in global memory
+  (``tensor_map_address(arr)`` of the device array that
+  :meth:`tilepy.tile.tma.TensorMap.to_device` made); ``bar``: uint32 shared address of the mbarrier;
   ``x, y, z``: int32 element coordinates of the box's first element, **innermost dimension
   first** (x is the column of a row-major matrix). ``x`` times the element size must be a
   multiple of 16 bytes (other starts have killed the context on an H200); coordinates may be
@@ -22,6 +22,8 @@ still count, so a phase always expects the full box size.
   (generic-proxy) copy: Numba cannot pass a ``__grid_constant__`` kernel parameter, so tilepy
   passes the map as a global-memory array, and this fence makes it visible to the TMA unit.
 * ``prefetch_tensormap(tmap)`` — optional, warms the map's cache line.
+* ``tensor_map_address(arr) -> uint64`` — the generic address of ``arr[0]``, a kernel argument
+  holding a tensor map (the operand form the instructions above take).
 
 Swizzle (the map's, 0 / 32 / 64 / 128 bytes): the box byte offset ``o`` lands at shared address
 ``swizzle(dst + o)`` with :func:`tilepy.ptx.wgmma.swizzle` — the layout wgmma descriptors read.
@@ -42,7 +44,7 @@ import struct
 import numpy as np
 
 from . import address, mbarrier
-from .asm import instruction
+from .asm import SIMULATOR, instruction, pick
 from .wgmma_layout import swizzle as _swizzle
 
 MAP_BYTES = 128
@@ -187,12 +189,49 @@ prefetch_tensormap = instruction(
     min_cc=_SM90, twin=_check_map_twin,
     doc="``prefetch_tensormap(tmap)``: prefetch the tensor map at tmap into its cache. sm_90+.")
 
+def _tensor_map_address_twin(arr):
+    addr = address._element_address("global", arr, 0)
+    address.check_range("global", "tensor_map_address", addr, MAP_BYTES, 1)
+    return addr
+
+
+def _make_tensor_map_address():
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def tensor_map_address(typingctx, arr):
+        if not (isinstance(arr, types.Array) and arr.ndim == 1):
+            raise TypingError(f"tilepy.ptx.tensor_map_address(array): expected the 1-D device "
+                              f"array holding a tensor map, got {arr}")
+
+        def lower(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            return builder.ptrtoint(ary.data, ir.IntType(64))  # Numba's data pointers are generic
+
+        return types.uint64(arr), lower
+
+    return tensor_map_address
+
+
+tensor_map_address = pick(None if SIMULATOR else _make_tensor_map_address(),
+                          _tensor_map_address_twin)
+try:
+    tensor_map_address.__doc__ = (
+        "``tensor_map_address(arr) -> uint64``: the generic address of arr[0], the device array "
+        "(uint8[128]) holding a tensor map; what tma_load_2d/3d and the fences take.")
+except AttributeError:  # pragma: no cover
+    pass
+
 __all__ = [
     "MAP_BYTES",
     "fence_proxy_tensormap_acquire",
     "prefetch_tensormap",
     "sim_decode",
     "sim_encode",
+    "tensor_map_address",
     "tma_load_2d",
     "tma_load_3d",
 ]
