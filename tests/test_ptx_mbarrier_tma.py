@@ -365,6 +365,67 @@ def test_bad_tma_load_is_a_clear_error(case, error, match):
         _bad_tma_kernel(case)[1, 1](tm.to_device(), np.zeros(128, np.uint8))
 
 
+def make_store_kernel(rank, box_words):
+    """Every thread copies its part of a shared-memory image into smem; thread 0 stores it."""
+
+    @cuda.jit
+    def kernel(tmap, image, coords):
+        tid = cuda.threadIdx.x
+        smem = cuda.shared.array(box_words, uint16, alignment=ALIGN)
+        tm = T.tensor_map_address(tmap)
+        for j in range(tid, box_words, cuda.blockDim.x):
+            smem[j] = image[j]
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        if tid == 0:
+            T.fence_proxy_tensormap_acquire(tm)
+            if rank == 2:
+                T.tma_store_2d(tm, shared_addr(smem, 0), coords[0], coords[1])
+            else:
+                T.tma_store_3d(tm, shared_addr(smem, 0), coords[0], coords[1], coords[2])
+            T.bulk_commit_group()
+            T.bulk_wait_group_read(0)
+            T.bulk_wait_group(0)
+
+    return kernel
+
+
+def read_back(keep):
+    return keep if SIMULATOR else keep.copy_to_host()
+
+
+STORES = [(128, (64, 64), (32, 80)), (64, (16, 32), (64, -4)), (0, (24, 40), (8, 90)),
+          (128, (2, 16, 64), (0, 30, 3))]
+
+
+def _check_store(swizzle, box, coords):
+    rng, seed = fresh_rng()
+    shape = (100, 96) if len(box) == 2 else (4, 40, 64)
+    before = (rng.standard_normal(shape) * 4).astype(np.float16)
+    values = (rng.standard_normal(box) * 4).astype(np.float16)
+    keep, ptr = device_tensor(before)
+    tm = host.encode_tiled(ptr, "float16", shape, before.strides, box, swizzle)
+    # the smem image of `values` as a load would have written it (swizzle included)
+    image = expected_box(values, (0,) * len(box), box, swizzle)
+    make_store_kernel(len(box), image.size)[1, 64](tm.to_device(), image,
+                                                  np.array(coords, np.int32))
+    after = read_back(keep)
+    want = before.copy()
+    origin = tuple(reversed(coords))  # NumPy order
+    dst = tuple(slice(max(0, o), min(n, o + b)) for o, b, n in zip(origin, box, shape))
+    src = tuple(slice(d.start - o, d.stop - o) for d, o in zip(dst, origin))
+    want[dst] = values[src]
+    np.testing.assert_array_equal(after.view(np.uint16), want.view(np.uint16),
+                                  err_msg=f"seed {seed}")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("swizzle,box,coords", STORES,
+                         ids=[f"swz{s}-box{'x'.join(map(str, b))}" for s, b, _ in STORES])
+def test_tma_store_writes_the_box_and_drops_what_is_outside(swizzle, box, coords):
+    _check_store(swizzle, box, coords)
+
+
 # ---- TMA → 128B-swizzled smem → wgmma ---------------------------------------------------------
 
 BM, BN, BK = 64, 128, 64  # one warpgroup's tile; one TMA box per operand per k-tile
@@ -470,7 +531,8 @@ def compile_reports():
     for name, kernel, sig in (
             ("tma_wgmma", make_gemm_kernel(2), (u8[:], u8[:], i32, i32, types.float32[:, :])),
             ("tma_2d", make_load_kernel(2, 4096, 3), (u8[:], i32[:, :], types.uint16[:, :])),
-            ("tma_3d", make_load_kernel(3, 2048, 2), (u8[:], i32[:, :], types.uint16[:, :]))):
+            ("tma_3d", make_load_kernel(3, 2048, 2), (u8[:], i32[:, :], types.uint16[:, :])),
+            ("tma_store_2d", make_store_kernel(2, 4096), (u8[:], types.uint16[:], i32[:]))):
         rep = compile_kernel(name, kernel.py_func, sig, (9, 0, "a"))
         lines = [ln.strip() for ln in rep.ptx.splitlines()]
         reports.append({
@@ -502,12 +564,16 @@ def test_sm90a_compile_of_the_tma_wgmma_pipeline(compiled):
 
 
 @pytest.mark.compile
-def test_sm90a_compile_of_the_tma_loads(compiled):
+def test_sm90a_compile_of_the_tma_loads_and_stores(compiled):
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
         in compiled["tma_2d"]["ops"]
     assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
         in compiled["tma_3d"]["ops"]
-    for rep in (compiled["tma_2d"], compiled["tma_3d"]):
+    assert {"cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group",
+            "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read",
+            "cp.async.bulk.wait_group", "fence.proxy.async.shared::cta"} <= \
+        set(compiled["tma_store_2d"]["ops"]), compiled["tma_store_2d"]["ops"]
+    for rep in (compiled["tma_2d"], compiled["tma_3d"], compiled["tma_store_2d"]):
         assert rep["spill"] == 0 and rep["registers"] <= 64, rep["log"]
 
 
@@ -517,6 +583,13 @@ def test_sm90a_compile_of_the_tma_loads(compiled):
 @pytest.mark.parametrize("swizzle,box", TMA2D, ids=[f"swz{s}-box{b[0]}x{b[1]}" for s, b in TMA2D])
 def test_gpu_tma_2d_loads_swizzled_boxes_with_zero_filled_edges(swizzle, box):
     _check_2d(swizzle, box)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swizzle,box,coords", STORES,
+                         ids=[f"swz{s}-box{'x'.join(map(str, b))}" for s, b, _ in STORES])
+def test_gpu_tma_store_writes_the_box_and_drops_what_is_outside(swizzle, box, coords):
+    _check_store(swizzle, box, coords)
 
 
 @pytest.mark.gpu

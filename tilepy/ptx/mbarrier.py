@@ -1,4 +1,4 @@
-"""Shared-memory barriers with transaction counts (``mbarrier``): how TMA tells threads a copy landed.
+"""Shared-memory barriers with transaction counts (``mbarrier``): how TMA says a copy landed.
 
 An mbarrier is 8 bytes of shared memory (8-byte aligned) that counts down, per *phase*, a number
 of expected arrivals and a signed count of expected transaction bytes. A phase completes when
@@ -44,7 +44,7 @@ from .asm import SIMULATOR, call_asm, instruction, pick, require_cc
 _TX_LIMIT = 2**20 - 1
 
 
-# ---- simulator state ------------------------------------------------------------------------------
+# ---- simulator state -----------------------------------------------------------------------------
 
 class _Barrier:
     __slots__ = ("count", "pending", "phase", "tx")
@@ -188,7 +188,7 @@ for _f, _n in ((_init_twin, "init"), (_arrive_twin, "arrive"),
     _f.__name__ = f"mbarrier_{_n}_twin"
 
 
-# ---- declarations ---------------------------------------------------------------------------------
+# ---- declarations --------------------------------------------------------------------------------
 
 _SM80, _SM90 = (8, 0), (9, 0)
 

@@ -1,4 +1,4 @@
-"""Tensor Memory Accelerator (TMA) loads, device side: a box of a tensor, global → shared (sm_90).
+"""Tensor Memory Accelerator (TMA), device side: boxes of a tensor, global ↔ shared (sm_90).
 
 One thread issues ``cp.async.bulk.tensor.{2,3}d.shared::cluster.global.tile.mbarrier::complete_tx
 ::bytes``: the copy engine reads the box of the tensor that a *tensor map* describes, starting at
@@ -12,11 +12,17 @@ still count, so a phase always expects the full box size.
   pattern repeats, i.e. at a multiple of 8 × the swizzle size of a 1024-byte-aligned buffer);
   ``tmap``: uint64 generic address of the 128-byte tensor map in global memory
   (``tensor_map_address(arr)`` of the device array that
-  :meth:`tilepy.tile.tma.TensorMap.to_device` made); ``bar``: uint32 shared address of the mbarrier;
-  ``x, y, z``: int32 element coordinates of the box's first element, **innermost dimension
+  :meth:`tilepy.tile.tma.TensorMap.to_device` made); ``bar``: uint32 shared address of the
+  mbarrier; ``x, y, z``: int32 element coordinates of the box's first element, **innermost dimension
   first** (x is the column of a row-major matrix). ``x`` times the element size must be a
   multiple of 16 bytes (other starts have killed the context on an H200); coordinates may be
   negative or past the end (zeros).
+* ``tma_store_2d(tmap, src, x, y)`` / ``tma_store_3d(tmap, src, x, y, z)`` — the reverse: the
+  box at shared address ``src`` (laid out as a load writes it, swizzle included) goes to the
+  tensor; elements outside the tensor are dropped. Before it, each thread that wrote ``src``
+  calls :func:`tilepy.ptx.wgmma.fence_proxy_async_shared`, then a barrier. The issuing thread
+  tracks completion with ``bulk_commit_group()``, ``bulk_wait_group_read(N)`` (``src`` may be
+  reused) and ``bulk_wait_group(N)`` (the writes are done); N a compile-time literal.
 * ``fence_proxy_tensormap_acquire(tmap)`` — once per kernel (per thread that issues TMA),
   before the first copy through a tensor map that was written to global memory by an ordinary
   (generic-proxy) copy: Numba cannot pass a ``__grid_constant__`` kernel parameter, so tilepy
@@ -28,9 +34,10 @@ still count, so a phase always expects the full box size.
 Swizzle (the map's, 0 / 32 / 64 / 128 bytes): the box byte offset ``o`` lands at shared address
 ``swizzle(dst + o)`` with :func:`tilepy.ptx.wgmma.swizzle` — the layout wgmma descriptors read.
 
-Simulator: the twin performs the copy when issued (reading the tensor through the host address
-the map holds, writing shared memory with the swizzle, treating the destination array as if it
-started on a 1024-byte boundary) and completes the bytes on the mbarrier. It reads maps that
+Simulator: a load twin performs the copy when issued (reading the tensor through the host
+address the map holds, writing shared memory with the swizzle, treating the destination array as
+if it started on a 1024-byte boundary) and completes the bytes on the mbarrier; a store twin
+writes the tensor when issued, and the bulk-group calls only keep count. The twins read maps that
 :mod:`tilepy.tile.tma` encoded for the simulator (a tilepy-private format, not a CUtensorMap),
 and refuses a swizzled box whose inner dimension is not exactly the swizzle size (whether the
 GPU packs such boxes densely is not modelled).
@@ -43,8 +50,8 @@ import struct
 
 import numpy as np
 
-from . import address, mbarrier
-from .asm import SIMULATOR, instruction, pick
+from . import _sim, address, mbarrier
+from .asm import SIMULATOR, call_asm, instruction, pick, require_cc
 from .wgmma_layout import swizzle as _swizzle
 
 MAP_BYTES = 128
@@ -84,7 +91,7 @@ def sim_decode(raw: bytes) -> dict:
                 "dims": dims, "strides": strides, "box": box}
 
 
-# ---- simulator twins ------------------------------------------------------------------------------
+# ---- simulator twins -----------------------------------------------------------------------------
 
 def _read_map(tmap, who):
     raw = address.read_bytes(int(tmap), MAP_BYTES)
@@ -98,42 +105,83 @@ def _box_bytes(m):
     return int(np.prod(m["box"])) * m["elem_bytes"]
 
 
+class _Box:
+    """Where each element of a box lives: in global memory (byte offsets from the tensor's
+    address, and whether it is inside the tensor) and in shared memory (swizzled byte offsets
+    from the start of the shared array). Elements in box order, innermost dimension fastest."""
+
+    def __init__(self, who, tmap, smem_addr, coords, what):
+        m = _read_map(tmap, who)
+        if m["rank"] != len(coords):
+            raise ValueError(f"{who}: the tensor map has rank {m['rank']}, the copy is "
+                             f"{len(coords)}-D")
+        esize, swz = m["elem_bytes"], m["swizzle"]
+        if (coords[0] * esize) % 16:
+            raise ValueError(f"{who}: the box starts at x = {coords[0]}, {coords[0] * esize} "
+                             "bytes into a row; it must be a multiple of 16 bytes")
+        if swz and m["box"][0] * esize != swz:
+            raise NotImplementedError(f"{who}: a {m['box'][0] * esize}-byte box row with the "
+                                      f"{swz}-byte swizzle: the simulator models rows of exactly "
+                                      "the swizzle size")
+        self.nbytes = _box_bytes(m)
+        smem_addr = int(smem_addr)
+        address.check_range("shared", f"{who} {what}", smem_addr, self.nbytes, 128)
+        self.esize = esize
+        shape = tuple(reversed(m["box"]))
+        idx = np.indices(shape).reshape(len(shape), -1)[::-1]  # row i: dimension i (innermost 0)
+        g = idx + np.array(coords, np.int64)[:, None]
+        self.inside = ((g >= 0) & (g < np.array(m["dims"], np.int64)[:, None])).all(axis=0)
+        self.global_off = (g * np.array(m["strides"], np.int64)[:, None]).sum(axis=0)
+        extent = sum((d - 1) * s for d, s in zip(m["dims"], m["strides"])) + esize
+        self.tensor = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(m["address"]))
+        lo = _array_start(smem_addr)
+        rel = smem_addr - lo + np.arange(idx.shape[1], dtype=np.int64) * esize
+        self.smem_off = _swizzle(rel, swz) if swz else rel
+        size = int(self.smem_off.max()) + esize
+        self.smem = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(lo))
+
+    def bytes_of(self, offsets, mask=None):
+        """(elements, esize) byte indices of the given element offsets."""
+        offs = offsets if mask is None else offsets[mask]
+        return offs[:, None] + np.arange(self.esize)
+
+
 def _load(who, dst, tmap, bar, coords):
-    m = _read_map(tmap, who)
-    if m["rank"] != len(coords):
-        raise ValueError(f"{who}: the tensor map has rank {m['rank']}, the copy is "
-                         f"{len(coords)}-D")
-    esize, swz = m["elem_bytes"], m["swizzle"]
-    if (coords[0] * esize) % 16:
-        raise ValueError(f"{who}: the box starts at x = {coords[0]}, {coords[0] * esize} bytes "
-                         "into a row; it must be a multiple of 16 bytes")
-    if swz and m["box"][0] * esize != swz:
-        raise NotImplementedError(f"{who}: a {m['box'][0] * esize}-byte box row with the "
-                                  f"{swz}-byte swizzle: the simulator models rows of exactly the "
-                                  "swizzle size")
-    nbytes = _box_bytes(m)
-    dst = int(dst)
-    address.check_range("shared", f"{who} destination", dst, nbytes, 128)
-    lo = _array_start(dst)
+    box = _Box(who, tmap, dst, coords, "destination")
+    elems = np.zeros((box.inside.size, box.esize), np.uint8)
+    elems[box.inside] = box.tensor[box.bytes_of(box.global_off, box.inside)]
+    box.smem[box.bytes_of(box.smem_off)] = elems
+    mbarrier.complete_tx(bar, box.nbytes, who)
 
-    # the box, innermost dimension last in NumPy order
-    shape = tuple(reversed(m["box"]))
-    idx = np.indices(shape).reshape(len(shape), -1)[::-1]  # row i: dimension i (innermost 0)
-    g = idx + np.array(coords, np.int64)[:, None]
-    dims = np.array(m["dims"], np.int64)[:, None]
-    inside = ((g >= 0) & (g < dims)).all(axis=0)
-    src_off = (g * np.array(m["strides"], np.int64)[:, None]).sum(axis=0)
-    extent = sum((d - 1) * s for d, s in zip(m["dims"], m["strides"])) + esize
-    src = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(m["address"]))
-    elems = np.zeros((idx.shape[1], esize), np.uint8)
-    take = src_off[inside][:, None] + np.arange(esize)
-    elems[inside] = src[take]
 
-    rel = dst - lo + np.arange(idx.shape[1], dtype=np.int64) * esize
-    target = _swizzle(rel, swz) if swz else rel
-    smem = np.ctypeslib.as_array((ctypes.c_uint8 * (int(target.max()) + esize)).from_address(lo))
-    smem[target[:, None] + np.arange(esize)] = elems
-    mbarrier.complete_tx(bar, nbytes, who)
+def _store(who, tmap, src, coords):
+    box = _Box(who, tmap, src, coords, "source")
+    elems = box.smem[box.bytes_of(box.smem_off)]
+    box.tensor[box.bytes_of(box.global_off, box.inside)] = elems[box.inside]
+    _bulk_groups()[0] += 1
+
+
+def _bulk_groups():
+    """[uncommitted stores, committed groups] of the calling simulated thread (bookkeeping: the
+    twins store when issued)."""
+    t = _sim.this_thread()
+    st = getattr(t, "_tilepy_bulk", None)
+    if st is None:
+        st = t._tilepy_bulk = [0, 0]
+    return st
+
+
+def _bulk_commit_twin():
+    st = _bulk_groups()
+    st[0], st[1] = 0, st[1] + 1
+
+
+def _bulk_wait_twin(n):
+    n = int(n)
+    if n < 0:
+        raise ValueError(f"bulk_wait_group: N is {n}; it must be >= 0")
+    st = _bulk_groups()
+    st[1] = min(st[1], n)
 
 
 def _array_start(addr):
@@ -153,11 +201,19 @@ def _load_3d_twin(dst, tmap, bar, x, y, z):
     _load("tma_load_3d", dst, tmap, bar, (int(x), int(y), int(z)))
 
 
+def _store_2d_twin(tmap, src, x, y):
+    _store("tma_store_2d", tmap, src, (int(x), int(y)))
+
+
+def _store_3d_twin(tmap, src, x, y, z):
+    _store("tma_store_3d", tmap, src, (int(x), int(y), int(z)))
+
+
 def _check_map_twin(tmap):
     _read_map(tmap, "fence_proxy_tensormap_acquire")
 
 
-# ---- declarations ---------------------------------------------------------------------------------
+# ---- declarations --------------------------------------------------------------------------------
 
 _SM90 = (9, 0)
 _COPY = ("cp.async.bulk.tensor.{d}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
@@ -176,6 +232,71 @@ tma_load_3d = instruction(
     side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_3d_twin,
     doc="``tma_load_3d(dst, tmap, bar, x, y, z)``: as tma_load_2d for a 3-D tensor map (x "
         "innermost). sm_90+.")
+
+_STORE = ("cp.async.bulk.tensor.{d}d.global.shared::cta.tile.bulk_group "
+          "[$0, {{{coords}}}], [$1];")
+
+tma_store_2d = instruction(
+    "tma_store_2d", _STORE.format(d=2, coords="$2, $3"), ins=("u64", "u32", "i32", "i32"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_store_2d_twin,
+    doc="``tma_store_2d(tmap, src, x, y)``: copy the box in shared memory at src (laid out as "
+        "tma_load_2d writes it, swizzle included) to the tensor at element (x, y); elements "
+        "outside the tensor are not written. One thread; the smem writes before it need "
+        "fence_proxy_async_shared and a barrier. Completes in a bulk group: bulk_commit_group, "
+        "then bulk_wait_group_read(N) before reusing src, bulk_wait_group(N) before the data "
+        "is needed in global memory. sm_90+.")
+
+tma_store_3d = instruction(
+    "tma_store_3d", _STORE.format(d=3, coords="$2, $3, $4"),
+    ins=("u64", "u32", "i32", "i32", "i32"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_store_3d_twin,
+    doc="``tma_store_3d(tmap, src, x, y, z)``: as tma_store_2d for a 3-D tensor map. sm_90+.")
+
+bulk_commit_group = instruction(
+    "bulk_commit_group", "cp.async.bulk.commit_group;", side_effect=True, clobber_memory=True,
+    min_cc=_SM90, twin=_bulk_commit_twin,
+    doc="``bulk_commit_group()``: close this thread's uncommitted bulk copies (TMA stores) into "
+        "a bulk group. sm_90+.")
+
+
+def _make_bulk_wait(name, template):
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def bulk_wait(typingctx, n):
+        if not isinstance(n, types.IntegerLiteral) or not 0 <= n.literal_value <= 63:
+            raise TypingError(f"tilepy.ptx: {name}(N) needs N to be a compile-time integer "
+                              f"literal 0 … 63, got {n}")
+        value = n.literal_value
+
+        def lower(context, builder, sig, args):
+            require_cc(name, _SM90)
+            call_asm(builder, template.format(value), "~{memory}", (), (), (), side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(n), lower
+
+    return bulk_wait
+
+
+bulk_wait_group_read = pick(None if SIMULATOR else _make_bulk_wait(
+    "bulk_wait_group_read", "cp.async.bulk.wait_group.read {};"), _bulk_wait_twin)
+bulk_wait_group = pick(None if SIMULATOR else _make_bulk_wait(
+    "bulk_wait_group", "cp.async.bulk.wait_group {};"), _bulk_wait_twin)
+_WAIT_DOCS = {
+    "bulk_wait_group_read": ("``bulk_wait_group_read(N)``: wait until at most N bulk groups "
+                             "still read their shared-memory source (then it may be "
+                             "overwritten). N a literal. sm_90+."),
+    "bulk_wait_group": ("``bulk_wait_group(N)``: wait until at most N bulk groups are pending "
+                        "(their writes done). N a literal. sm_90+."),
+}
+for _name, _doc in _WAIT_DOCS.items():
+    try:
+        globals()[_name].__doc__ = _doc
+    except AttributeError:  # pragma: no cover
+        pass
 
 fence_proxy_tensormap_acquire = instruction(
     "fence_proxy_tensormap_acquire", "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;",
@@ -227,6 +348,9 @@ except AttributeError:  # pragma: no cover
 
 __all__ = [
     "MAP_BYTES",
+    "bulk_commit_group",
+    "bulk_wait_group",
+    "bulk_wait_group_read",
     "fence_proxy_tensormap_acquire",
     "prefetch_tensormap",
     "sim_decode",
@@ -234,4 +358,31 @@ __all__ = [
     "tensor_map_address",
     "tma_load_2d",
     "tma_load_3d",
+    "tma_store_2d",
+    "tma_store_3d",
 ]
+
+
+def _register_probes():
+    from . import probes
+
+    def argtypes():
+        from numba import types
+
+        return (types.uint32[:],)
+
+    def probe_bulk_wait_group_read(u32s):
+        bulk_wait_group_read(1)
+        u32s[0] = u32s[1]
+
+    def probe_bulk_wait_group(u32s):
+        bulk_wait_group(0)
+        u32s[0] = u32s[1]
+
+    probes.EXTRA["bulk_wait_group_read"] = (probe_bulk_wait_group_read, argtypes,
+                                            "cp.async.bulk.wait_group.read", _SM90)
+    probes.EXTRA["bulk_wait_group"] = (probe_bulk_wait_group, argtypes, "cp.async.bulk.wait_group",
+                                       _SM90)
+
+
+_register_probes()

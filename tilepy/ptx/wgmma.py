@@ -369,7 +369,7 @@ def wgmma(n: int, ab: str = "f16", *, a_in_registers: bool = False, trans_a: boo
 # ---- fences, groups, descriptors, operand fences, setmaxnreg -------------------------------------
 
 def _make_simple(name, template, min_literal=None):
-    """An intrinsic with no operands, or with one compile-time literal formatted into ``template``."""
+    """An intrinsic with no operands, or one compile-time literal formatted into ``template``."""
     from numba import types
     from numba.core.extending import intrinsic
 
