@@ -20,7 +20,13 @@ LAYOUTS = ("bhsd", "bshd")
 # GPU: 8 warps of 16 query rows (BM = 128) share each K/V tile of 64 keys; Q (BM × D), and two
 # stages of K and V: 48 KB at D = 64, 96 KB at D = 128. 128 / 210 registers per thread
 # (offline report, sm_90), no spills.
-GPU_BLOCK_M, GPU_BLOCK_N, GPU_WARP_ROWS = 128, 64, 16
+# (block_m, block_n, warp_rows) by head_dim, from bench/sweep_attention.py on the H200
+# (2026-11-29_s2_sweep_attention.json, non-causal fp16): head_dim 64: 128×64 with 32 query rows
+# per warp (4 warps) 0.92× SDPA FA2 (the former 128×64×16 default: 0.85×); head_dim 128:
+# 64×64×16 (4 warps) 0.85× (default 0.77×; 128×128×16 ties). Head dims without a measurement
+# take the nearest measured one's shape (≤ 64 → the first, else the second); warp_rows 32
+# spills at head_dim 128 (offline compile), so it is not used above 64.
+GPU_CONFIGS = {64: (128, 64, 32), 128: (64, 64, 16)}
 # Simulator: every thread is a Python thread: 2 warps, 16-key blocks, still a real pipeline
 # (several key blocks per query block) with masked edges.
 SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
@@ -30,7 +36,7 @@ def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
     """The built-in config for a head dimension and dtype (simulator: a small one)."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
-    return AttentionConfig(head_dim, GPU_BLOCK_M, GPU_BLOCK_N, GPU_WARP_ROWS, dtype)
+    return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,
