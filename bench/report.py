@@ -81,6 +81,7 @@ def build() -> str:
         items = results_data.entries(gpu_dir)
         parts += suite_tables(items) + plot_links(gpu_dir.name, items)
         bench_rows, sweep_rows, demo_rows, host_rows = [], [], [], []
+        att_rows, first_rows = [], []
         for b in results_data.legacy(items):
             e = b.info
             thr = e.get("tflops") or e.get("gbps")
@@ -104,6 +105,15 @@ def build() -> str:
             elif "rows" in data and all("us_per_call" in r for r in data["rows"]):
                 host_rows += [(f.name, r["name"], "peer" if r.get("peer") else "tilepy",
                                fmt(r["us_per_call"])) for r in data["rows"]]
+            elif "rows" in data and all("block_m" in r for r in data["rows"]):
+                att_rows += [(f.name, f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
+                              + (" causal" if r["causal"] else ""),
+                              f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp",
+                              fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
+            elif "rows" in data and all("cold" in r and "warm" in r for r in data["rows"]):
+                first_rows += [(f.name, r["label"], which, fmt(r[which].get("import_s")),
+                                fmt(r[which].get("first_call_s")))
+                               for r in data["rows"] for which in ("cold", "warm")]
             elif "rows" in data and "gpu" in data:
                 for r in data["rows"]:
                     demo_rows.append((f.name, r["what"], r.get("size", ""),
@@ -117,6 +127,14 @@ def build() -> str:
             parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "cuBLAS TFLOPS", "ratio"),
                             sweep_rows), ""]
+        if att_rows:
+            parts += ["### Attention kernel configurations (`bench/sweep_attention.py`)", "",
+                      table(("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2"),
+                            att_rows), ""]
+        if first_rows:
+            parts += ["### First call in a fresh process (`bench/first_call.py`)", "",
+                      table(("file", "call", "kernel cache", "import s", "first call s"),
+                            first_rows), ""]
         if host_rows:
             parts += ["### Host cost of one call (`bench/overhead.py`)", "",
                       table(("file", "call", "who", "µs per call"), host_rows), ""]
