@@ -518,6 +518,93 @@ def test_tma_fed_wgmma_matches_numpy():
     assert (np.abs(d - ref) / np.maximum(mag, 1e-30)).max() <= 1e-6, f"seed {seed}"
 
 
+def make_specialised_kernel(k_tiles, bn=64, stages=2):
+    """Warp-specialised: warpgroup 0 (its thread 0) produces k-tiles with TMA into a ring of
+    ``stages`` buffers; warpgroup 1 consumes them with wgmma m64n{bn}k16 and frees each buffer
+    through an "empty" mbarrier. No syncthreads after the split."""
+    nacc = bn // 2
+    a_words, b_words = BM * BK, bn * BK
+    ring_a, ring_b, n_bars = stages * a_words, stages * b_words, 2 * stages  # shapes: constants
+    fn = W.wgmma(bn, "f16")
+
+    @cuda.jit
+    def kernel(tmap_a, tmap_b, out):
+        tid = cuda.threadIdx.x
+        sa = cuda.shared.array(ring_a, uint16, alignment=ALIGN)
+        sb = cuda.shared.array(ring_b, uint16, alignment=ALIGN)
+        bars = cuda.shared.array(n_bars, uint64)
+        if tid == 0:
+            for s in range(stages):
+                B.mbarrier_init(shared_addr(bars, s), 1)             # full: the producer
+                B.mbarrier_init(shared_addr(bars, stages + s), 128)  # empty: every consumer
+            B.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid < 128:
+            if tid == 0:
+                ta = T.tensor_map_address(tmap_a)
+                tb = T.tensor_map_address(tmap_b)
+                T.fence_proxy_tensormap_acquire(ta)
+                T.fence_proxy_tensormap_acquire(tb)
+                for kt in range(k_tiles):
+                    s = kt % stages
+                    phase = (kt // stages) & 1
+                    B.mbarrier_wait_parity(shared_addr(bars, stages + s), phase ^ 1)
+                    full = shared_addr(bars, s)
+                    B.mbarrier_arrive_expect_tx(full, (a_words + b_words) * 2)
+                    T.tma_load_2d(shared_addr(sa, s * a_words), ta, full, kt * BK, 0)
+                    T.tma_load_2d(shared_addr(sb, s * b_words), tb, full, kt * BK, 0)
+        else:
+            t = tid - 128
+            acc = cuda.local.array(nacc, float32)
+            for i in range(nacc):
+                acc[i] = 0.0
+            da = W.matrix_descriptor(shared_addr(sa, 0), 16, 1024, 128)
+            db = W.matrix_descriptor(shared_addr(sb, 0), 16, 1024, 128)
+            for kt in range(k_tiles):
+                s = kt % stages
+                B.mbarrier_wait_parity(shared_addr(bars, s), (kt // stages) & 1)
+                W.wgmma_fence()
+                for k in range(BK // 16):
+                    fn(acc, W.descriptor_advance(da, s * a_words * 2 + 32 * k),
+                       W.descriptor_advance(db, s * b_words * 2 + 32 * k), 1)
+                W.wgmma_commit_group()
+                W.wgmma_wait_group(0)
+                W.wgmma_fence_operand(acc, nacc)
+                B.mbarrier_arrive(shared_addr(bars, stages + s))
+            for i in range(nacc):
+                out[t, i] = acc[i]
+
+    return kernel
+
+
+def _check_specialised(k, seed):
+    rng = np.random.default_rng(seed)
+    bn = 64
+    a = rng.standard_normal((BM, k)).astype(np.float16)
+    bt = rng.standard_normal((bn, k)).astype(np.float16)
+    keep_a, pa = device_tensor(a)
+    keep_b, pb = device_tensor(bt)
+    tma_a = host.encode_tiled(pa, "float16", a.shape, a.strides, (BM, BK), 128)
+    tma_b = host.encode_tiled(pb, "float16", bt.shape, bt.strides, (bn, BK), 128)
+    out = np.full((128, bn // 2), np.nan, np.float32)
+    make_specialised_kernel(k // BK, bn)[1, 256](tma_a.to_device(), tma_b.to_device(), out)
+    del keep_a, keep_b
+    d = np.zeros((BM, bn))
+    for t in range(128):
+        for i in range(bn // 2):
+            d[W.accumulator_position(t, i)] = out[t, i]
+    ref = a.astype(np.float64) @ bt.astype(np.float64).T
+    mag = np.abs(a.astype(np.float64)) @ np.abs(bt.astype(np.float64)).T
+    err = (np.abs(d - ref) / np.maximum(mag, 1e-30)).max()
+    assert err <= 1e-5, f"seed {seed}: {err}"
+
+
+@pytest.mark.sim
+def test_warp_specialised_producer_and_consumer_warpgroups():
+    """Five k-tiles through a two-stage ring: the ring wraps and both parities are used."""
+    _check_specialised(5 * BK, fresh_rng()[1])
+
+
 # ---- offline compile for sm_90a ----------------------------------------------------------------
 
 def compile_reports():
@@ -532,7 +619,8 @@ def compile_reports():
             ("tma_wgmma", make_gemm_kernel(2), (u8[:], u8[:], i32, i32, types.float32[:, :])),
             ("tma_2d", make_load_kernel(2, 4096, 3), (u8[:], i32[:, :], types.uint16[:, :])),
             ("tma_3d", make_load_kernel(3, 2048, 2), (u8[:], i32[:, :], types.uint16[:, :])),
-            ("tma_store_2d", make_store_kernel(2, 4096), (u8[:], types.uint16[:], i32[:]))):
+            ("tma_store_2d", make_store_kernel(2, 4096), (u8[:], types.uint16[:], i32[:])),
+            ("specialised", make_specialised_kernel(4), (u8[:], u8[:], types.float32[:, :]))):
         rep = compile_kernel(name, kernel.py_func, sig, (9, 0, "a"))
         lines = [ln.strip() for ln in rep.ptx.splitlines()]
         reports.append({
@@ -564,6 +652,13 @@ def test_sm90a_compile_of_the_tma_wgmma_pipeline(compiled):
 
 
 @pytest.mark.compile
+def test_sm90a_compile_of_the_warp_specialised_pipeline(compiled):
+    rep = compiled["specialised"]
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in rep["ops"]
+    assert rep["spill"] == 0 and rep["registers"] <= 128, rep["log"]
+
+
+@pytest.mark.compile
 def test_sm90a_compile_of_the_tma_loads_and_stores(compiled):
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
         in compiled["tma_2d"]["ops"]
@@ -590,6 +685,12 @@ def test_gpu_tma_2d_loads_swizzled_boxes_with_zero_filled_edges(swizzle, box):
                          ids=[f"swz{s}-box{'x'.join(map(str, b))}" for s, b, _ in STORES])
 def test_gpu_tma_store_writes_the_box_and_drops_what_is_outside(swizzle, box, coords):
     _check_store(swizzle, box, coords)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [BK, 5 * BK, 64 * BK])
+def test_gpu_warp_specialised_producer_and_consumer_warpgroups(k):
+    _check_specialised(k, fresh_rng()[1])
 
 
 @pytest.mark.gpu
