@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 COUNTED = {
     "mma": r"^\s*mma\.sync",
     "wgmma": r"^\s*wgmma\.",
+    "wgmma.mma_async": r"^\s*wgmma\.mma_async",
+    "cp.async.bulk.tensor": r"^\s*cp\.async\.bulk\.tensor",
+    "mbarrier": r"^\s*mbarrier\.",
     "ldmatrix": r"^\s*ldmatrix\.",
     "stmatrix": r"^\s*stmatrix\.",
     "cp.async": r"^\s*cp\.async\.(ca|cg)\.",
