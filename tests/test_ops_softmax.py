@@ -111,11 +111,11 @@ def test_plan_picks_the_path_by_row_length():
     for n in (1, 3, 31, 32, 33, 1000, 1024):
         p = sm.plan(n, simulator=False)
         assert p.path == "warp" and 32 * p.per_thread >= n and p.per_thread <= 32
-    for n in (1025, 5000, 16384):
+    for n in (1025, 5000, 16384, 16385, 32768):
         p = sm.plan(n, simulator=False)
         assert p.path == "block" and p.threads * p.per_thread >= n and p.threads <= 1024
-        assert p.per_thread <= 16
-    for n in (16385, 32768, 1 << 20, 3 << 20):
+        assert p.per_thread <= (16 if n <= 16384 else 32)
+    for n in (32769, 1 << 20, 3 << 20):
         assert sm.plan(n, simulator=False).path == "online"
     # simulator blocks stay small
     assert sm.plan(5000, simulator=True).threads <= sm.SIM_MEDIUM_MAX_THREADS
@@ -195,6 +195,99 @@ def test_ones_give_uniform_and_sums_are_one():
     rng = np.random.default_rng(5)
     y = softmax((5 * rng.standard_normal((2, 700))).astype(np.float32))
     np.testing.assert_allclose(y.astype(np.float64).sum(axis=1), 1.0, rtol=1e-5)
+
+
+# ---- 16-byte vector accesses and their scalar fallback -------------------------------------------
+
+def aligned(rows, width, dtype, rng, offset=0):
+    """A (rows, width) array of ``dtype`` whose data start ``offset`` elements past a 16-byte
+    boundary (NumPy's own alignment is not relied on)."""
+    item = np.dtype(NP[dtype]).itemsize
+    raw = np.zeros(rows * width * item + 64, np.uint8)
+    start = (-raw.ctypes.data) % 16 + offset * item
+    x = raw[start:start + rows * width * item].view(NP[dtype]).reshape(rows, width)
+    x[...] = (3 * rng.standard_normal((rows, width))).astype(NP[dtype])
+    return x
+
+
+@pytest.fixture
+def widths(monkeypatch):
+    """The vector widths the launches of the test pick (1: scalar kernels)."""
+    seen = []
+    real = sm.vector_width
+    monkeypatch.setattr(sm, "vector_width", lambda *a: seen.append(real(*a)) or seen[-1])
+    monkeypatch.setattr(sm, "_PLANS", {})
+    return seen
+
+
+def test_vector_width_conditions():
+    rng = np.random.default_rng(12)
+
+    def view(a):
+        return arrays.kernel_view(arrays.describe(a, "x"))
+
+    for dtype, v in (("float32", 4), ("float16", 8), ("bfloat16", 8)):
+        kind = dtype
+        base = aligned(3, 64, dtype, rng)
+        assert sm.vector_width(kind, view(base)) == v
+        assert sm.vector_width(kind, view(base[:, :45])) == v          # tail: scalar in kernel
+        assert sm.vector_width(kind, view(base[:, 1:])) == 1            # misaligned base
+        assert sm.vector_width(kind, view(base[:, 1:]), view(base)) == 1
+        assert sm.vector_width(kind, view(base[:1, 1:])) == 1
+        assert sm.vector_width(kind, view(base[:, : v - 1])) == 1       # shorter than a vector
+        odd = aligned(3, 64 + 1, dtype, rng)                          # row stride not 16 B
+        assert sm.vector_width(kind, view(odd[:, :64])) == 1
+        assert sm.vector_width(kind, view(odd[:1, :64])) == v           # one row: no stride
+    assert sm.natural_width("float32") == 4 and sm.natural_width("float16") == 8
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
+@pytest.mark.parametrize("path,n,width", [("warp", 45, 64), ("warp", 64, 64),
+                                          ("block", 203, 208), ("online", 1100, 1104)])
+def test_vector_kernels_with_tails(force, widths, path, n, width, dtype):
+    """Aligned rows: the vector kernels, with n not a multiple of the vector (a scalar tail)
+    except for n = 64; the simulator's vector twins refuse a misaligned access. The online
+    kernel steps 64 threads × 1 or 2 groups, so n = 1100 takes several steps and a tail."""
+    force(path)
+    rng = np.random.default_rng(n)
+    base = aligned(5, width, dtype, rng)
+    base[:, :n] = special_rows(n, dtype, rng)
+    x = base[:, :n]
+    out = aligned(5, width, dtype, rng)
+    out[...] = np.nan
+    softmax(x, out=out[:, :n])
+    assert widths == [sm.natural_width(dtype)]
+    check(out[:, :n], reference(x), dtype)
+    assert np.isnan(out[:, n:].astype(np.float32)).all(), "wrote past the row"
+    got = log_softmax(x)
+    check(got, reference(x, log=True), dtype, log=True)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("path", ["warp", "block"])
+def test_misaligned_rows_fall_back_to_scalar(force, widths, path, dtype):
+    force(path)
+    rng = np.random.default_rng(13)
+    base = aligned(3, 72, dtype, rng)
+    x = base[:, 1:70]                                  # base 1 element past 16 B
+    softmax(x, out=(out := poisoned(x.shape, dtype)))
+    check(out, reference(x), dtype)
+    odd = aligned(3, 67, dtype, rng)[:, :64]          # row stride of 67 elements
+    check(softmax(odd), reference(odd), dtype)
+    assert widths == [1, 1]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_rows_of_one_and_in_place_vector(widths, dtype):
+    rng = np.random.default_rng(14)
+    one = aligned(4, 1, dtype, rng)
+    got = softmax(one)
+    assert np.all(np.asarray(got, np.float32) == 1.0)
+    x = aligned(3, 96, dtype, rng)
+    ref = reference(x)
+    assert softmax(x, out=x) is x                      # in place, vector kernel
+    check(x, ref, dtype)
+    assert widths[-1] == sm.natural_width(dtype)
 
 
 # ---- layouts -------------------------------------------------------------------------------------

@@ -23,6 +23,14 @@ path       rows                    how
                                    them; pass 2 reads the row again and writes it. Two reads.
 =========  ======================  =============================================================
 
+Memory access: when the data pointers and row strides of ``x`` and ``out`` are multiples of 16
+bytes (:func:`vector_width`, decided on the host; the launch-plan key holds the pointers'
+alignment), every kernel moves 16 bytes per lane and access (``ld/st.global.v4``: 4 float32 or
+8 16-bit values, :func:`vload` / :func:`vstore`), thread ``t`` owning the groups ``t, t + T, …``
+so that a warp covers 512 contiguous bytes; the row's last partial group is read and written
+one element at a time. Otherwise (a misaligned base or row stride, rows shorter than a vector)
+the same kernels are built with one element per access.
+
 All sizes inside a kernel are closure constants (elements per thread, warps, unroll), so the
 value loops unroll and the values stay in registers; kernels are cached per
 (path, dtype, log, sizes): at most ~6 warp buckets and ~5 block buckets per dtype.
@@ -77,8 +85,9 @@ from ..tune.kcache import cached_jit
 
 #: Rows up to this length take the warp-per-row kernel.
 SHORT_MAX = 1024
-#: Rows up to this length (and longer than SHORT_MAX) take the block-per-row register kernel.
-MEDIUM_MAX = 16384
+#: Rows up to this length (and longer than SHORT_MAX) take the block-per-row register kernel
+#: (32768: 1024 threads × 32 values, within the 64 registers a 1024-thread block may use).
+MEDIUM_MAX = 32768
 #: Rows (warps) per block of the warp path.
 SHORT_WARPS = 4
 #: Values per thread the block path aims at; threads = bucket / this, within [32, max].
@@ -87,7 +96,7 @@ MEDIUM_PER_THREAD = 16
 MEDIUM_MAX_THREADS = 1024
 SIM_MEDIUM_MAX_THREADS = 128
 #: (warps, values per thread per step) of the online path, GPU / simulator.
-ONLINE = (16, 8)
+ONLINE = (16, 16)
 SIM_ONLINE = (2, 2)
 
 PATHS = ("warp", "block", "online")
@@ -227,6 +236,239 @@ def _row_constant(log: bool):
     return g
 
 
+# ---- 16-byte vector access (one ld/st.global.v4 per lane) -----------------------------------
+
+#: Bytes one lane moves per vector access.
+VECTOR_BYTES = 16
+
+
+def natural_width(kind: str) -> int:
+    """Elements per 16-byte vector access for ``kind`` (4 float32, 8 16-bit values)."""
+    return VECTOR_BYTES // (4 if kind == "float32" else 2)
+
+
+def _sim_ndarray(a) -> np.ndarray:
+    inner = getattr(a, "_item", a)   # FakeWithinKernelCUDAArray -> FakeCUDAArray
+    return getattr(inner, "_ary", inner)
+
+
+def _sim_vector_slice(a, r, c):
+    arr = _sim_ndarray(a)
+    r, c = int(r), int(c)
+    nel = VECTOR_BYTES // arr.itemsize
+    if not (0 <= r < arr.shape[0] and 0 <= c and c + nel <= arr.shape[1]):
+        raise IndexError(f"vector access at ({r}, {c}) out of bounds for shape {arr.shape}")
+    if arr.strides[1] != arr.itemsize:
+        raise ValueError("vector access needs a unit element stride")
+    seg = arr[r, c:c + nel]
+    if seg.ctypes.data % VECTOR_BYTES:
+        raise ValueError(f"vector access at ({r}, {c}) is {seg.ctypes.data % VECTOR_BYTES} "
+                         "bytes off the 16-byte alignment ld.global.v4 needs")
+    return seg
+
+
+def _vload_twin(a, r, c):
+    seg = _sim_vector_slice(a, r, c)
+    if seg.dtype == np.float32:
+        return tuple(np.float32(v) for v in seg)
+    return tuple(np.uint32(v) for v in seg.view(np.uint32))
+
+
+def _vstore_twin(a, r, c, w0, w1, w2, w3):
+    seg = _sim_vector_slice(a, r, c)
+    if seg.dtype == np.float32:
+        seg[:] = np.array([w0, w1, w2, w3], np.float32)
+    else:
+        seg.view(np.uint32)[:] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)],
+                                          np.uint32)
+
+
+def _make_vector_intrinsics():
+    """``vload(a, r, c)`` / ``vstore(a, r, c, w0, w1, w2, w3)``: the 16 bytes at ``a[r, c]`` of
+    a 2-D float32 or uint16 array as one ``ld.global.v4`` / ``st.global.v4``: four float32
+    (float32 arrays) or four uint32 words each holding two 16-bit values, ``lo`` = the lower
+    column (uint16 arrays). The address is ``data + r·strides[0] + c·itemsize`` (a unit element
+    stride is assumed) and must be 16-byte aligned: the caller checks the base pointer and row
+    stride on the host. LLVM IR, not inline PTX: the loads stay visible to the optimiser."""
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.errors import TypingError
+    from numba.core.extending import intrinsic
+
+    def element(name, arr):
+        if not (isinstance(arr, types.Array) and arr.ndim == 2
+                and arr.dtype in (types.float32, types.uint16)):
+            raise TypingError(f"{name}: expected a 2-D float32 or uint16 array, got {arr}")
+        return types.float32 if arr.dtype == types.float32 else types.uint32
+
+    def address(context, builder, aryty, ary_val, r, rty, c, cty, lanety):
+        ary = context.make_array(aryty)(context, builder, ary_val)
+        i64 = ir.IntType(64)
+        r = context.cast(builder, r, rty, types.intp)
+        c = context.cast(builder, c, cty, types.intp)
+        s0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
+        off = builder.add(builder.mul(r, s0),
+                          builder.mul(c, ir.Constant(i64, aryty.dtype.bitwidth // 8)))
+        i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+        p = builder.gep(i8p, [off])
+        g = builder.addrspacecast(p, ir.IntType(8).as_pointer(1))
+        return builder.bitcast(g, ir.VectorType(lanety, 4).as_pointer(1))
+
+    @intrinsic
+    def vload(typingctx, arr, r, c):
+        el = element("vload", arr)
+
+        def codegen(context, builder, sig, args):
+            lanety = context.get_value_type(el)
+            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                          args[2], sig.args[2], lanety)
+            vec = builder.load(ptr, align=VECTOR_BYTES)
+            parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i))
+                     for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return types.UniTuple(el, 4)(arr, r, c), codegen
+
+    @intrinsic
+    def vstore(typingctx, arr, r, c, w0, w1, w2, w3):
+        el = element("vstore", arr)
+
+        def codegen(context, builder, sig, args):
+            lanety = context.get_value_type(el)
+            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                          args[2], sig.args[2], lanety)
+            vec = ir.Constant(ir.VectorType(lanety, 4), ir.Undefined)
+            for i in range(4):
+                v = context.cast(builder, args[3 + i], sig.args[3 + i], el)
+                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), i))
+            builder.store(vec, ptr, align=VECTOR_BYTES)
+            return context.get_dummy_value()
+
+        return types.none(arr, r, c, w0, w1, w2, w3), codegen
+
+    return vload, vstore
+
+
+if arrays.SIMULATOR:
+    vload, vstore = _vload_twin, _vstore_twin
+else:
+    vload, vstore = _make_vector_intrinsics()
+
+
+@functools.cache
+def _group_io(kind: str, V: int):
+    """``gload(x, r, c0, n, vals, b)``: ``vals[b … b+V-1]`` = columns ``c0 … c0+V-1`` of row
+    ``r`` as float32 (-inf past ``n``); ``gstore(out, r, c0, n, vals, b)``: the reverse, only
+    columns below ``n``. ``V == 1``: one scalar access. Otherwise one 16-byte vector access when
+    the group lies wholly inside the row, else (the row's tail) scalar accesses; ``c0`` must be
+    a multiple of ``V`` and rows 16-byte aligned (:func:`vector_width`)."""
+    load, store = _element_io(kind)
+    if V == 1:
+        @cuda.jit(device=True, inline="always")
+        def gload(x, r, c0, n, vals, b):
+            v = _NEG_INF
+            if c0 < n:
+                v = load(x, r, c0)
+            vals[b] = v
+
+        @cuda.jit(device=True, inline="always")
+        def gstore(out, r, c0, n, vals, b):
+            if c0 < n:
+                store(out, r, c0, vals[b])
+
+        return gload, gstore
+
+    if kind == "float32":
+        assert V == 4
+
+        @cuda.jit(device=True, inline="always")
+        def vec_load(x, r, c0, vals, b):
+            a0, a1, a2, a3 = vload(x, r, c0)
+            vals[b] = a0
+            vals[b + 1] = a1
+            vals[b + 2] = a2
+            vals[b + 3] = a3
+
+        @cuda.jit(device=True, inline="always")
+        def vec_store(out, r, c0, vals, b):
+            vstore(out, r, c0, vals[b], vals[b + 1], vals[b + 2], vals[b + 3])
+    else:
+        assert V == 8
+        unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
+        pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
+
+        @cuda.jit(device=True, inline="always")
+        def vec_load(x, r, c0, vals, b):
+            w0, w1, w2, w3 = vload(x, r, c0)
+            lo, hi = unpack(w0)
+            vals[b] = lo
+            vals[b + 1] = hi
+            lo, hi = unpack(w1)
+            vals[b + 2] = lo
+            vals[b + 3] = hi
+            lo, hi = unpack(w2)
+            vals[b + 4] = lo
+            vals[b + 5] = hi
+            lo, hi = unpack(w3)
+            vals[b + 6] = lo
+            vals[b + 7] = hi
+
+        @cuda.jit(device=True, inline="always")
+        def vec_store(out, r, c0, vals, b):
+            vstore(out, r, c0, pack(vals[b], vals[b + 1]), pack(vals[b + 2], vals[b + 3]),
+                   pack(vals[b + 4], vals[b + 5]), pack(vals[b + 6], vals[b + 7]))
+
+    @cuda.jit(device=True, inline="always")
+    def gload(x, r, c0, n, vals, b):
+        if c0 + V <= n:
+            vec_load(x, r, c0, vals, b)
+        else:
+            for i in range(V):
+                v = _NEG_INF
+                if c0 + i < n:
+                    v = load(x, r, c0 + i)
+                vals[b + i] = v
+
+    @cuda.jit(device=True, inline="always")
+    def gstore(out, r, c0, n, vals, b):
+        if c0 + V <= n:
+            vec_store(out, r, c0, vals, b)
+        else:
+            for i in range(V):
+                if c0 + i < n:
+                    store(out, r, c0 + i, vals[b + i])
+
+    return gload, gstore
+
+
+def _pointer_of(view) -> int:
+    if isinstance(view, np.ndarray):
+        return view.ctypes.data
+    inner = getattr(view, "_ary", None)     # the simulator's FakeCUDAArray
+    if isinstance(inner, np.ndarray):
+        return inner.ctypes.data
+    return int(view.device_ctypes_pointer.value or 0)
+
+
+def vector_width(kind: str, *views) -> int:
+    """Elements per access the kernels may use on the 2-D kernel views ``views`` (rows, n):
+    :func:`natural_width` when every view's data pointer and row stride are multiples of 16
+    bytes, its element stride is the item size and rows hold at least one vector; else 1 (the
+    scalar kernels)."""
+    V = natural_width(kind)
+    for v in views:
+        rows, n = v.shape
+        item = v.dtype.itemsize
+        if n < V or (n > 1 and v.strides[1] != item):
+            return 1
+        if rows > 1 and v.strides[0] % VECTOR_BYTES:
+            return 1
+        if _pointer_of(v) % VECTOR_BYTES:
+            return 1
+    return V
+
+
 # ---- kernels --------------------------------------------------------------------------------
 
 def _kernel_jit(threads: int):
@@ -238,66 +480,75 @@ def _kernel_jit(threads: int):
     return cached_jit(launch_bounds=int(threads))
 
 
+def _groups(per_thread: int, V: int) -> int:
+    """Vector groups of ``V`` a thread holds to cover at least ``per_thread`` values."""
+    return max(1, -(-int(per_thread) // int(V)))
+
+
 @functools.cache
-def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int):
+def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int = 1):
     """``kernel(x, out)``: rows of ``n <= 32 * per_lane`` values, one warp per row.
 
-    Launch with ``ceil(rows / warps)`` blocks of ``warps * 32`` threads. Lane ``l`` holds
-    columns ``l, l + 32, …`` (coalesced). Warps past the last row still take part in the
-    shuffles (the simulator needs every thread of a block at each one) but store nothing.
+    Launch with ``ceil(rows / warps)`` blocks of ``warps * 32`` threads. With ``vec`` values
+    per access, lane ``l`` holds the groups ``g = l, l + 32, …`` (columns ``vec·g … vec·g +
+    vec - 1``; one 16-byte access per group when ``vec > 1``, coalesced across the warp), at
+    least ``per_lane`` values. Warps past the last row still take part in the shuffles (the
+    simulator needs every thread of a block at each one) but load and store nothing.
     """
-    load, store = _element_io(kind)
+    V = int(vec)
+    G = _groups(per_lane, V)
+    K = G * V
+    gload, gstore = _group_io(kind, V)
     mx = combine("max")
     row_max = warp_reduce("max")
     row_sum = warp_reduce("sum")
-    sum_exp = _exp_and_sum(int(per_lane), log)
+    sum_exp = _exp_and_sum(K, log)
     finish = _from_registers(log)
     constant = _row_constant(log)
-    K = int(per_lane)
     W = int(warps)
 
     @_kernel_jit(W * WARP)
     def kernel(x, out):
         rows = x.shape[0]
-        n = x.shape[1]
         tid = cuda.threadIdx.x
         lane = tid & 31
         row = cuda.blockIdx.x * W + (tid >> 5)
         valid = row < rows
+        n = x.shape[1] if valid else 0
         vals = cuda.local.array(K, np.float32)
-        m = _NEG_INF
-        for k in range(K):
-            c = lane + WARP * k
-            v = _NEG_INF
-            if valid and c < n:
-                v = load(x, row, c)
-            vals[k] = v
-            m = mx(m, v)
+        for g in range(G):
+            gload(x, row, (lane + WARP * g) * V, n, vals, g * V)
+        m = vals[0]
+        for k in range(1, K):
+            m = mx(m, vals[k])
         m = row_max(m)
         s = row_sum(sum_exp(vals, m))
         kk = constant(s)
         if valid:
             for k in range(K):
-                c = lane + WARP * k
-                if c < n:
-                    store(out, row, c, finish(vals[k], m, kk))
+                vals[k] = finish(vals[k], m, kk)
+            for g in range(G):
+                gstore(out, row, (lane + WARP * g) * V, n, vals, g * V)
 
     return kernel
 
 
 @functools.cache
-def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int):
+def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int, vec: int = 1):
     """``kernel(x, out)``: rows of ``n <= 32 * warps * per_thread`` values, one block per row.
 
-    Launch with ``rows`` blocks of ``warps * 32`` threads. Thread ``t`` holds columns
-    ``t, t + T, …`` (T threads; coalesced) in registers; the row max and sum go through
-    :func:`tilepy.tile.reduce.block_row_reduce` (``warps`` floats of shared memory, 4 barriers).
+    Launch with ``rows`` blocks of ``warps * 32`` threads. Thread ``t`` holds the groups
+    ``g = t, t + T, …`` of ``vec`` values (T threads; coalesced) in registers; the row max and
+    sum go through :func:`tilepy.tile.reduce.block_row_reduce` (``warps`` floats of shared
+    memory, 4 barriers). One read, one write.
     """
-    load, store = _element_io(kind)
+    V = int(vec)
+    G = _groups(per_thread, V)
+    K = G * V
+    gload, gstore = _group_io(kind, V)
     mx = combine("max")
     W = int(warps)
     T = W * WARP
-    K = int(per_thread)
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
     sum_exp = _exp_and_sum(K, log)
@@ -311,43 +562,42 @@ def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int):
         tid = cuda.threadIdx.x
         scratch = cuda.shared.array(W, np.float32)
         vals = cuda.local.array(K, np.float32)
-        m = _NEG_INF
-        for k in range(K):
-            c = tid + T * k
-            v = _NEG_INF
-            if c < n:
-                v = load(x, row, c)
-            vals[k] = v
-            m = mx(m, v)
+        for g in range(G):
+            gload(x, row, (tid + T * g) * V, n, vals, g * V)
+        m = vals[0]
+        for k in range(1, K):
+            m = mx(m, vals[k])
         m = row_max(m, scratch)
         s = row_sum(sum_exp(vals, m), scratch)
         kk = constant(s)
         for k in range(K):
-            c = tid + T * k
-            if c < n:
-                store(out, row, c, finish(vals[k], m, kk))
+            vals[k] = finish(vals[k], m, kk)
+        for g in range(G):
+            gstore(out, row, (tid + T * g) * V, n, vals, g * V)
 
     return kernel
 
 
 @functools.cache
-def online_row_kernel(kind: str, log: bool, unroll: int, warps: int):
+def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 1):
     """``kernel(x, out)``: rows of any length, one block per row, two reads of the row.
 
     Launch with ``rows`` blocks of ``warps * 32`` threads. Pass 1 walks the row in steps of
-    ``T * unroll`` values (T threads; thread ``t`` takes ``t + T·u`` of each step, coalesced);
-    per step a thread takes the max ``m'`` of its ``unroll`` values and updates its running
-    sum ``s = s·2^((m - m')·log2 e) + Σ 2^((v - m')·log2 e)``. While ``m'`` is still -inf
-    nothing is added (``-inf - -inf`` would be NaN and poison a row that has finite values
-    later). Then the block takes ``M = max m`` and ``S = Σ s·2^((m - M)·log2 e)``; a thread
-    that saw only -inf adds 0, unless the whole row is -inf, which gives NaN as it should.
-    Pass 2 reads the row again and writes the result.
+    ``T * U`` values (T threads, U = ``unroll`` rounded up to groups of ``vec``; thread ``t``
+    takes the groups ``t + T·u`` of each step, coalesced); per step a thread takes the max
+    ``m'`` of its ``U`` values and updates its running sum ``s = s·2^((m - m')·log2 e) +
+    Σ 2^((v - m')·log2 e)``. While ``m'`` is still -inf nothing is added (``-inf - -inf``
+    would be NaN and poison a row that has finite values later). Then the block takes ``M =
+    max m`` and ``S = Σ s·2^((m - M)·log2 e)``; a thread that saw only -inf adds 0, unless the
+    whole row is -inf, which gives NaN as it should. Pass 2 reads the row again and writes it.
     """
-    load, store = _element_io(kind)
+    V = int(vec)
+    G = _groups(unroll, V)
+    U = G * V
+    gload, gstore = _group_io(kind, V)
     mx = combine("max")
     W = int(warps)
     T = W * WARP
-    U = int(unroll)
     STEP = T * U
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
@@ -364,14 +614,11 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int):
         m = _NEG_INF
         s = _ZERO
         for base in range(0, n, STEP):
-            step_max = _NEG_INF
-            for u in range(U):
-                c = base + tid + T * u
-                v = _NEG_INF
-                if c < n:
-                    v = load(x, row, c)
-                vals[u] = v
-                step_max = mx(step_max, v)
+            for g in range(G):
+                gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
+            step_max = vals[0]
+            for u in range(1, U):
+                step_max = mx(step_max, vals[u])
             m_new = mx(m, step_max)
             if m_new != _NEG_INF:  # NaN passes too, and poisons s as it should
                 t = _ZERO
@@ -384,31 +631,36 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int):
         total = row_sum(s, scratch)
         kk = constant(total)
         for base in range(0, n, STEP):
+            for g in range(G):
+                gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
             for u in range(U):
-                c = base + tid + T * u
-                if c < n:
-                    store(out, row, c, finish(load(x, row, c), big_m, kk))
+                vals[u] = finish(vals[u], big_m, kk)
+            for g in range(G):
+                gstore(out, row, base + (tid + T * g) * V, n, vals, g * V)
 
     return kernel
 
 
-def kernel_for(p: Plan, kind: str, log: bool):
-    """The compiled-on-first-call kernel of a plan."""
+def kernel_for(p: Plan, kind: str, log: bool, vec: int | None = None):
+    """The compiled-on-first-call kernel of a plan; ``vec`` values per access (default: the
+    16-byte :func:`natural_width` of ``kind``; 1 for the scalar kernels)."""
+    vec = natural_width(kind) if vec is None else int(vec)
     if p.path == "warp":
-        return warp_rows_kernel(kind, log, p.per_thread, p.warps)
+        return warp_rows_kernel(kind, log, p.per_thread, p.warps, vec)
     if p.path == "block":
-        return block_row_kernel(kind, log, p.per_thread, p.warps)
+        return block_row_kernel(kind, log, p.per_thread, p.warps, vec)
     if p.path == "online":
-        return online_row_kernel(kind, log, p.per_thread, p.warps)
+        return online_row_kernel(kind, log, p.per_thread, p.warps, vec)
     raise ValueError(f"path must be one of {PATHS}, got {p.path!r}")
 
 
 def launch_plan(x2, out2, kind: str, log: bool, p: Plan | None = None):
     """``(launch plan, arguments)`` of the kernel for 2-D kernel views ``x2``, ``out2``
-    (rows, n); ``out2`` may be ``x2`` itself (in place)."""
+    (rows, n); ``out2`` may be ``x2`` itself (in place). 16-byte vector kernels when both
+    views allow them (:func:`vector_width`), else the scalar ones."""
     rows, n = x2.shape
     p = p or plan(n)
-    kern = kernel_for(p, kind, log)
+    kern = kernel_for(p, kind, log, vector_width(kind, x2, out2))
     blocks = -(-rows // p.warps) if p.path == "warp" else rows
     return LaunchPlan(kern, (x2, out2), blocks, p.threads), (x2, out2)
 
@@ -669,11 +921,11 @@ def compile_plans():
     block bucket in float32 and float16, the online kernel, and a few bf16 / log variants."""
     items = []
     for kind in ("float32", "float16"):
-        for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 16385):
+        for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 32769):
             p = plan(n, simulator=False)
             items.append((f"softmax_{kind}_n{n}_{p.path}_{p.warps}w_x{p.per_thread}", p, kind,
                           False))
-    for n in (1024, 16384, 16385):
+    for n in (1024, 16384, 32768, 32769):
         p = plan(n, simulator=False)
         items.append((f"softmax_bfloat16_n{n}_{p.path}", p, "bfloat16", False))
         items.append((f"log_softmax_float32_n{n}_{p.path}", p, "float32", True))
@@ -721,7 +973,7 @@ def compile_reports(only=None, layouts=("A",)):
 
 #: One kernel of each path, for the quick check in the test suite.
 ONE_PER_PATH = ("softmax_float16_n1024_warp_4w_x32", "softmax_float32_n16384_block_32w_x16",
-                "softmax_bfloat16_n16385_online")
+                "softmax_bfloat16_n32769_online")
 
 
 def compile_reports_one_per_path():
