@@ -16,6 +16,7 @@ from ..tile.epilogue import ACTIVATIONS
 from ..tune.spaces import pick_gemm_config
 from . import gemm_kernel as tc
 from . import gemm_simt as simt
+from . import gemm_wgmma as hw
 
 SMS = 132  # H200; only used to pick tile sizes
 
@@ -26,6 +27,34 @@ SMALL = GemmConfig(BlockTile(64, 64, 32), WarpLayout(2, 2), Pipeline(3))
 # In the simulator every thread is a Python thread: the smallest tile that is still a real
 # multi-warp pipeline.
 SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
+
+
+# Hopper (sm_90) configs, from bench/sweep_gemm_wgmma.py (2026-11-29_s2_sweep_gemm_wgmma.json):
+# 256×128 with 4 warpgroups, 4 stages: 0.67× cuBLAS at 4096³, 0.68× at 8192³; 128×128 (4
+# stages) where 256×128 tiles would leave SMs idle; below that the mma.sync heuristic.
+HOPPER_LARGE = (256, 128, 4)
+HOPPER_MEDIUM = (128, 128, 4)
+
+
+def _is_hopper() -> bool:
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+def hopper_config(m: int, n: int, batch: int, dtype: str):
+    """The wgmma kernel's config on a compute capability 9.0 GPU for a problem big enough to
+    fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``)."""
+    import os
+
+    if arrays.SIMULATOR or dtype == "float32" or os.environ.get("TILEPY_HOPPER", "1") == "0":
+        return None
+    if not _is_hopper():
+        return None
+    for bm, bn, st in (HOPPER_LARGE, HOPPER_MEDIUM):
+        if -(-m // bm) * -(-n // bn) * batch >= SMS:
+            return hw.WgmmaConfig(bm, bn, st, dtype)
+    return None
 
 
 def choose_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
@@ -162,10 +191,14 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
             raise ValueError(f"out must have dtype {out_dtype}, got {Out.dtype}")
     device = arrays.same_device(A, B, Bias, C, Out)
     if config is not None:
-        if not isinstance(config, GemmConfig):
-            raise TypeError(f"config must be a tilepy.tile.GemmConfig, got {type(config).__name__}")
+        if not isinstance(config, (GemmConfig, hw.WgmmaConfig)):
+            raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync) or a "
+                            f"tilepy.ops.gemm_wgmma.WgmmaConfig (Hopper), got "
+                            f"{type(config).__name__}")
         if dtype != "float32" and config.dtype != dtype:
             raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
+        if isinstance(config, hw.WgmmaConfig) and not (arrays.SIMULATOR or _is_hopper()):
+            raise ValueError("a WgmmaConfig needs a compute capability 9.0 GPU (wgmma)")
     caller_out = out is not None
     if out is None:
         out = arrays.empty(A, out_shape, out_dtype)
@@ -218,13 +251,14 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             B2 = B if layout_b != "other" else _aligned(B)
             reusable = reusable and A2 is A and B2 is B
             layout_b = "row" if layout_b == "other" else layout_b
-            cfg = config or pick_gemm_config(m, n, k, batch, dtype,
-                                             choose_config(m, n, k, batch, dtype), device)
+            cfg = config or hopper_config(m, n, batch, dtype) or pick_gemm_config(
+                m, n, k, batch, dtype, choose_config(m, n, k, batch, dtype), device)
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
-            kern = tc.gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
-                                  Bias is not None, C is not None)
-            plan, args = tc.plan(kern, cfg, kernel_view(A2, 3), b_view, out_v, c_v, bias_v,
-                                 alpha, beta)
+            gen = hw if isinstance(cfg, hw.WgmmaConfig) else tc
+            kern = (hw.wgmma_gemm_kernel if gen is hw else tc.gemm_kernel)(
+                cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
+            plan, args = gen.plan(kern, cfg, kernel_view(A2, 3), b_view, out_v, c_v, bias_v,
+                                  alpha, beta)
         plan.launch(stream, args)
     if not reusable:
         return None
