@@ -105,6 +105,10 @@ def build() -> str:
             elif "rows" in data and all("us_per_call" in r for r in data["rows"]):
                 host_rows += [(f.name, r["name"], "peer" if r.get("peer") else "tilepy",
                                fmt(r["us_per_call"])) for r in data["rows"]]
+            elif "rows" in data and "checks" in data:       # bench/sweep_gemm_wgmma.py
+                sweep_rows += [(f.name, f"{r['n']}³ float16", r["config"], fmt(r["tflops"]),
+                                fmt(r["peer_tflops"]), fmt(r["ratio"], "×"))
+                               for r in data["rows"]]
             elif "rows" in data and all("block_m" in r for r in data["rows"]):
                 att_rows += [(f.name, f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
                               + (" causal" if r["causal"] else ""),
@@ -124,7 +128,8 @@ def build() -> str:
                       table(("file", "benchmark", "tilepy", "peer", "peer", "ratio"), bench_rows),
                       ""]
         if sweep_rows:
-            parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`)", "",
+            parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`, "
+                      "`bench/sweep_gemm_wgmma.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "cuBLAS TFLOPS", "ratio"),
                             sweep_rows), ""]
         if att_rows:
