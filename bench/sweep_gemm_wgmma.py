@@ -28,10 +28,12 @@ def main():
     bias = cuda.as_cuda_array(torch.zeros(1, device="cuda"))
     rows, checks = [], []
     # correctness at odd shapes, both B layouts, f16 and bf16
-    for (m, n, k), dt, b_row in [((1000, 1064, 520), "float16", True),
-                                 ((777, 3000, 1032), "bfloat16", True),
-                                 ((1000, 1064, 520), "float16", False),
-                                 ((4096, 4096, 4096), "float16", True)]:
+    for (m, n, k), dt, b_row, ov in [((1000, 1064, 520), "float16", True, False),
+                                     ((777, 3000, 1032), "bfloat16", True, False),
+                                     ((1000, 1064, 520), "float16", False, False),
+                                     ((4096, 4096, 4096), "float16", True, False),
+                                     ((777, 3000, 1032), "bfloat16", True, True),
+                                     ((4096, 4096, 4096), "float16", False, True)]:
         tdt = getattr(torch, dt)
         a = torch.randn(m, k, device="cuda", dtype=tdt)
         if b_row:
@@ -41,7 +43,7 @@ def main():
             bk = torch.randn(n, k, device="cuda", dtype=tdt)
             b = bk.t()
         out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
-        cfg = gw.WgmmaConfig(dtype=dt)
+        cfg = gw.WgmmaConfig(dtype=dt, overlap=ov)
         kern = gw.wgmma_gemm_kernel(cfg, b_row, dt)
         va, vb, vo = views(torch, cuda, a, bk, out)
         plan, kargs = gw.plan(kern, cfg, va, vb, vo, vo, bias)
@@ -49,8 +51,10 @@ def main():
         torch.cuda.synchronize()
         ref = a.double() @ b.double()
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        checks.append({"shape": [m, n, k], "dtype": dt, "b_row_major": b_row, "rel_err": err})
-        print(f"check {m}x{n}x{k} {dt} b_row={b_row}: rel err {err:.2e}", flush=True)
+        checks.append({"shape": [m, n, k], "dtype": dt, "b_row_major": b_row, "overlap": ov,
+                       "rel_err": err})
+        print(f"check {m}x{n}x{k} {dt} b_row={b_row} overlap={ov}: rel err {err:.2e}",
+              flush=True)
     for size in (4096, 8192):
         a = torch.randn(size, size, device="cuda", dtype=torch.float16)
         b = torch.randn(size, size, device="cuda", dtype=torch.float16)
@@ -58,9 +62,10 @@ def main():
         flop = 2 * size**3
         peer_ms = time_cuda(lambda: torch.matmul(a, b), warmup=3, repeat=10)
         va, vb, vo = views(torch, cuda, a, b, out)
-        for bm, bn, st in [(128, 256, 4), (128, 256, 3), (128, 128, 6), (256, 128, 4),
-                           (128, 128, 4)]:
-            cfg = gw.WgmmaConfig(bm, bn, st)
+        for bm, bn, st, ov in [(128, 256, 4, False), (256, 128, 4, False),
+                               (128, 256, 4, True), (256, 128, 4, True), (128, 128, 6, True),
+                               (128, 128, 4, False)]:
+            cfg = gw.WgmmaConfig(bm, bn, st, overlap=ov)
             kern = gw.wgmma_gemm_kernel(cfg, True, "float16")
             plan, kargs = gw.plan(kern, cfg, va, vb, vo, vo, bias)
             ms = time_cuda(lambda: plan.launch(0, kargs), warmup=3, repeat=10)

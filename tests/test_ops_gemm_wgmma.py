@@ -30,15 +30,16 @@ def check(got, ref, dtype):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("b_layout", ["row", "col"])
-def test_odd_shapes_both_b_layouts(dtype, b_layout):
+@pytest.mark.parametrize("dtype,b_layout,stages,overlap", [
+    ("float16", "row", 2, False), ("bfloat16", "row", 2, False), ("float16", "col", 2, False),
+    ("bfloat16", "col", 3, True), ("float16", "row", 3, True), ("float16", "row", 4, True)])
+def test_odd_shapes_both_b_layouts(dtype, b_layout, stages, overlap):
     rng = np.random.default_rng()
-    m, n, k = 70, 100, 130            # two block rows, two block columns, three k steps
+    m, n, k = 70, 100, 258            # two block rows, two block columns, five k steps
     a = padded(rng, m, k, dtype)
     b = padded(rng, k, n, dtype) if b_layout == "row" else padded(rng, n, k, dtype).T
     out = np.full((m, n), np.nan, NP[dtype])
-    tilepy.gemm(a, b, out=out, config=WgmmaConfig(64, 64, 2, dtype))
+    tilepy.gemm(a, b, out=out, config=WgmmaConfig(64, 64, stages, dtype, overlap))
     check(out, a.astype(np.float64) @ b.astype(np.float64), dtype)
 
 
@@ -58,6 +59,8 @@ def test_fused_epilogue_and_batch():
 
 
 def test_config_validation():
+    with pytest.raises(ValueError, match="overlap needs 3 or more stages"):
+        WgmmaConfig(128, 128, 2, overlap=True)
     with pytest.raises(ValueError, match="block_n must be"):
         WgmmaConfig(128, 96)
     with pytest.raises(ValueError, match="exceeds the 232448 B of sm_90 by"):
@@ -73,7 +76,7 @@ def test_compiles_for_sm90a_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.gemm_wgmma:compile_reports")
-    assert set(reps) == {"gemm_wgmma_brow", "gemm_wgmma_bcol"}
+    assert set(reps) == {"gemm_wgmma_brow", "gemm_wgmma_bcol", "gemm_wgmma_brow_overlap"}
     for rep in reps.values():
         assert rep["arch"].startswith("sm_90a")
         c = rep["counts"]

@@ -18,7 +18,8 @@ proxy writes, wgmma reads through the async proxy), a block barrier, the copy of
 ``kt + stages - 1`` into the stage step ``kt - 1`` used (free: every warpgroup waited for its
 wgmmas before the barrier), then four wgmmas, commit and wait. The tensor cores idle between
 steps only for that barrier; the copies of the next ``stages - 1`` steps are in flight
-throughout. The epilogue is :func:`tilepy.tile.epilogue.store_accumulators` (the wgmma
+throughout. With ``overlap=True`` the wait leaves one wgmma group in flight and the copies
+run ``stages - 2`` steps ahead into the stage of step ``kt - 2``. The epilogue is :func:`tilepy.tile.epilogue.store_accumulators` (the wgmma
 accumulator layout per warp is the mma.sync C layout of a 16 × block_n strip).
 
 This is the first Hopper kernel (issue 10): no TMA, no warp specialisation, no persistent
@@ -57,6 +58,10 @@ class WgmmaConfig:
     block_n: int = 256
     stages: int = 4
     dtype: str = "float16"
+    #: keep one wgmma group in flight across k steps (wait(1); the stage two steps back is
+    #: refilled) so the barrier and copies of step k+1 overlap the MMAs of step k. Needs 3+
+    #: stages. Not yet measured on the GPU (bench/NOTES.md), hence off by default.
+    overlap: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -68,6 +73,7 @@ class WgmmaConfig:
         need(self.block_m in (64, 128, 192, 256), "block_m must be 64, 128, 192 or 256")
         need(self.block_n in (64, 128, 192, 256), "block_n must be 64, 128, 192 or 256")
         need(isinstance(self.stages, int) and self.stages >= 2, "stages must be >= 2")
+        need(not self.overlap or self.stages >= 3, "overlap needs 3 or more stages")
         limit = SMEM_LIMIT[(9, 0)]
         need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
              f"{limit} B of sm_90 by {self.smem_bytes - limit} B")
@@ -91,7 +97,8 @@ class WgmmaConfig:
 
     def describe(self) -> str:
         return (f"wgmma {self.block_m}x{self.block_n}x{BK}, {self.warpgroups} warpgroups, "
-                f"{self.stages} stages, {self.smem_bytes // 1024} KB smem")
+                f"{self.stages} stages, {self.smem_bytes // 1024} KB smem"
+                + (", 1 wgmma group in flight" if self.overlap else ""))
 
 
 def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
@@ -140,7 +147,10 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
     first; a batch of 1 broadcasts), like :func:`tilepy.ops.gemm_kernel.gemm_kernel`'s. With
     ``b_row_major=False`` ``b`` is the (Z, N, K) row-major view of a column-major B."""
     BM, BN, ST = cfg.block_m, cfg.block_n, cfg.stages
-    WAIT = ST - 2  # cp.async groups left in flight when a stage is consumed
+    OVERLAP = cfg.overlap
+    AHEAD = ST - 2 if OVERLAP else ST - 1   # k steps whose copies are issued ahead
+    WAIT = AHEAD - 1  # cp.async groups left in flight when a stage is consumed
+    MMA_WAIT = 1 if OVERLAP else 0
     NACC = BN // 2
     NI = BN // 8
     NJ = BN // 64
@@ -196,7 +206,7 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
         for i in range(NACC):
             acc[i] = f32(0)
 
-        for s in range(ST - 1):
+        for s in range(AHEAD):
             if s < ktiles:
                 stage = base + s * STAGE_BYTES
                 issue_a(stage, dst0, a_src, sa_row, rows_left, s, kdim - s * BK - ch * 8)
@@ -210,7 +220,7 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
             cp_async_wait_group(WAIT)
             W.fence_proxy_async_shared()
             cuda.syncthreads()
-            nxt = kt + ST - 1
+            nxt = kt + AHEAD
             if nxt < ktiles:
                 stage = base + (nxt % ST) * STAGE_BYTES
                 issue_a(stage, dst0, a_src, sa_row, rows_left, nxt, kdim - nxt * BK - ch * 8)
@@ -228,8 +238,9 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
                 mma(acc, W.descriptor_advance(da, kk * 32), W.descriptor_advance(db, kk * STEP_B),
                     1)
             W.wgmma_commit_group()
-            W.wgmma_wait_group(0)
-            W.wgmma_fence_operand(acc, NACC)
+            W.wgmma_wait_group(MMA_WAIT)
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc, NACC)
 
         acc3 = cuda.local.array((1, NI, 4), f32)
         for j in range(NI):
@@ -272,10 +283,11 @@ def compile_reports():
     from ..offline import compile_kernel
 
     out = []
-    for b_row in (True, False):
-        cfg = WgmmaConfig()
+    for b_row, overlap in ((True, False), (False, False), (True, True)):
+        cfg = WgmmaConfig(overlap=overlap)
         kern = wgmma_gemm_kernel(cfg, b_row, "float16")
-        rep = compile_kernel(f"gemm_wgmma_b{'row' if b_row else 'col'}", kern.py_func,
+        rep = compile_kernel(f"gemm_wgmma_b{'row' if b_row else 'col'}"
+                             f"{'_overlap' if overlap else ''}", kern.py_func,
                              argtypes("float16"), (9, 0, "a"))
         d = dict(rep.__dict__)
         d["config"] = cfg.describe()
