@@ -34,3 +34,48 @@ def test_performance_page_is_generated_from_the_results():
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.gpu
+def test_custom_kernel_guide_on_the_gpu_against_cublas(capsys):
+    """The guide's kernel, as written but with a GPU-sized tile (the one the guide names),
+    on device arrays: checked against PyTorch (cuBLAS) and timed beside it (printed; the
+    benchmark suites are where speed is recorded)."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+    from numba import cuda
+
+    from tilepy.testing.timing import time_cuda
+
+    path = ROOT / "docs" / "custom-kernels.md"
+    small = "cfg = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))"
+    big = "cfg = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(4))"
+    code = blocks(path)
+    assert small in code[0], "the guide's config line changed: update this test"
+    ns = {"__name__": "doc_custom_gpu"}
+    for i, block in enumerate(code[:3]):       # imports + config, the kernel, run()
+        exec(compile(block.replace(small, big), f"custom-kernels.md[block {i}]", "exec"), ns)
+    z, m, n, k = 4, 2048, 2048, 2048
+    a = torch.randn(z, m, k, device="cuda", dtype=torch.float16)
+    b = torch.randn(z, k, n, device="cuda", dtype=torch.float16)
+    bias = torch.randn(n, device="cuda")
+    out = torch.empty(z, m, n, device="cuda")
+    args = [cuda.as_cuda_array(t.view(torch.int16)).view(np.uint16) for t in (a, b)]
+    args += [cuda.as_cuda_array(out), cuda.as_cuda_array(bias)]
+    kern, cfg, stage = ns["batched_gemm_bias_gelu"], ns["cfg"], ns["STAGE"]
+    ns["allow_dynamic_shared"](kern, tuple(args), 2 * stage)
+    grid = (-(-n // cfg.block.n), -(-m // cfg.block.m), z)
+    launch = kern[grid, cfg.threads, 0, 2 * stage]
+    launch(*args)
+    torch.cuda.synchronize()
+    ref = torch.nn.functional.gelu(a.float() @ b.float() + bias)
+    err = ((out - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-3, err
+    ms = time_cuda(lambda: launch(*args), warmup=2, repeat=10)
+    peer = time_cuda(lambda: torch.nn.functional.gelu(torch.matmul(a, b) + bias),
+                     warmup=2, repeat=10)
+    flop = 2 * z * m * n * k
+    with capsys.disabled():
+        print(f"\ncustom-kernels guide kernel, {z}x{m}x{n}x{k} fp16 -> f32 + bias + GELU: "
+              f"{flop / ms / 1e9:.0f} TFLOPS; torch matmul + bias + gelu "
+              f"{flop / peer / 1e9:.0f} TFLOPS ({peer / ms:.2f}x); max rel err {err:.1e}")
