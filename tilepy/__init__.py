@@ -15,7 +15,8 @@ SIMULATOR: bool = _env.choose_target()
 from . import ptx  # noqa: E402
 from .ops.attention import flash_attention  # noqa: E402
 from .ops.gemm import gemm  # noqa: E402
+from .ops.gemm_softmax import gemm_softmax  # noqa: E402
 from .ops.softmax import log_softmax, softmax  # noqa: E402
 
-__all__ = ["SIMULATOR", "__version__", "flash_attention", "gemm", "log_softmax", "ptx",
-           "softmax"]
+__all__ = ["SIMULATOR", "__version__", "flash_attention", "gemm", "gemm_softmax", "log_softmax",
+           "ptx", "softmax"]

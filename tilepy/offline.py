@@ -235,6 +235,18 @@ def inspect_targets() -> dict:
         kern = attention_kernel(cfg, False, False)
         return kern.py_func, argtypes(), {"launch_bounds": cfg.threads}
 
+    def gemm_softmax(dtype):
+        from .ops.gemm_softmax import choose_config
+        from .ops.gemm_softmax_kernel import argtypes, gemm_softmax_kernel
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("gemm_softmax takes float16 or bfloat16")
+        cfg = choose_config(1024, dtype, simulator=False)
+        return (gemm_softmax_kernel(cfg, True, True).py_func, argtypes("C", True),
+                {"launch_bounds": cfg.threads})
+
+    out["gemm_softmax"] = gemm_softmax  # the on-chip kernel for rows of 1024
     out["softmax"] = softmax      # the block-per-row kernel for rows of 4096
     out["attention"] = attention  # head_dim 128, not causal
     return out
