@@ -8,8 +8,10 @@ implementation gets to the memory ceiling. tilepy and Triton write into a preall
 L2 are timed with the cache flushed before each run (``bench/measure.py``).
 
 Shapes of issue 6: 16384×4096, 32768×1024, 4096×32768 in float32 and float16; the row sweep
-of Triton's tutorial (4096 rows, 256 … 32768 columns); ``log_softmax`` at 16384×4096 float32.
-Select parts with ``-k``: ``-k shapes``, ``-k sweep``, ``-k log``.
+of Triton's tutorial (4096 rows, 256 … 32768 columns); ``log_softmax`` at 16384×4096 float32;
+``tilepy.gemm_softmax`` against ``tilepy.gemm`` + ``tilepy.softmax`` and against PyTorch
+(matmul + softmax) at M=16384, K=1024, N ∈ {1024, 4096}.
+Select parts with ``-k``: ``-k shapes``, ``-k sweep``, ``-k log``, ``-k gemm_softmax``.
 """
 
 import pytest
@@ -98,3 +100,37 @@ def test_log_softmax(benchmark, record, torch, gpu_name):
     run = softmax_case(torch, record, gpu_name, 16384, 4096, "float32", log=True,
                        table="Log-softmax", case="16384×4096 float32")
     benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n", [1024, 4096])
+def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype):
+    """Issue 6: one fused launch against tilepy.gemm followed by tilepy.softmax (the main
+    peer; the goal is a ratio >= 1.3 at N=1024) and against torch.matmul + torch.softmax."""
+    import tilepy
+
+    m, k, scale = 16384, 1024, 0.05
+    tdt = getattr(torch, dtype)
+    a = torch.randn(m, k, device="cuda", dtype=tdt)
+    b = torch.randn(k, n, device="cuda", dtype=tdt)
+    out, tmp = torch.empty(m, n, device="cuda", dtype=tdt), torch.empty(m, n, device="cuda",
+                                                                         dtype=tdt)
+    tilepy.gemm_softmax(a, b, scale=scale, out=out)
+    want = torch.softmax(scale * (a.float() @ b.float()), -1)
+    err = max_abs_err(out, want)
+    assert err < 2e-2, err
+
+    def unfused():
+        tilepy.gemm(a, b, alpha=scale, out=tmp)
+        tilepy.softmax(tmp, out=tmp)
+
+    timings = {"tilepy": gpu_time(torch, lambda: tilepy.gemm_softmax(a, b, scale=scale,
+                                                                     out=out)),
+               "tilepy gemm + softmax": gpu_time(torch, unfused),
+               TORCH: gpu_time(torch, lambda: torch.softmax(scale * torch.matmul(a, b), -1))}
+    record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings,
+                      main="tilepy gemm + softmax", gpu=gpu_name, shape=f"{m}x{n}x{k}",
+                      dtype=dtype, max_abs_err=err, table="Fused GEMM + softmax",
+                      case=f"{m}×{n}×{k} {dtype}")
+    benchmark.pedantic(lambda: (tilepy.gemm_softmax(a, b, scale=scale, out=out),
+                                torch.cuda.synchronize()), rounds=3, iterations=1)
