@@ -1,0 +1,254 @@
+"""The warp-specialised Hopper GEMM kernel (a TMA producer warpgroup, wgmma consumer warpgroups,
+mbarrier stages): in the simulator through its launch plan (the TMA, mbarrier and wgmma twins
+move and multiply the bytes), its sm_90a compile (registers, no spills, the instructions), and
+on the GPU at full size against torch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tilepy import arrays
+from tilepy.arrays import describe, kernel_view
+from tilepy.offline import find_ptxas, run_in_subprocess
+from tilepy.ops import gemm_wgmma_ws as ws
+from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
+# The smallest configs the design allows: one consumer of 64 rows (256 threads), and the
+# two-consumer shape of the GPU configs at its smallest (384 threads).
+SMALL = {"block_m": 64, "block_n": 64, "consumers": 1}
+TWO = {"block_m": 128, "block_n": 128, "consumers": 2}
+
+
+def padded(rng, shape, dtype, pad=6):
+    """An array of ``shape`` whose rows are 16-byte aligned but not contiguous (TMA strides)."""
+    *lead, rows, cols = shape
+    width = -(-(cols + pad) // 8) * 8
+    return rng.standard_normal((*lead, rows, width)).astype(NP[dtype])[..., :cols]
+
+
+def views(a, b, out, b_layout, c=None):
+    va = kernel_view(describe(a, "a"), 3)
+    vb = kernel_view(describe(b, "b"), 3, swap_last=b_layout == "col")
+    vo = kernel_view(describe(out, "out"), 3)
+    vc = kernel_view(describe(c, "c"), 3) if c is not None else vo
+    return va, vb, vo, vc
+
+
+def run(cfg, a, b, out, b_layout, *, bias=None, c=None, alpha=1.0, beta=0.0, activation=None,
+        sms=None):
+    va, vb, vo, vc = views(a, b, out, b_layout, c)
+    kind = arrays.dtype_name(out.dtype)
+    kern = ws.wgmma_ws_gemm_kernel(cfg, b_layout == "row", kind, activation, bias is not None,
+                                   c is not None)
+    bias_v = kernel_view(describe(bias, "bias")) if bias is not None else arrays.placeholder(1)
+    plan, args = ws.plan(kern, cfg, va, vb, vo, vc, bias_v, alpha, beta, sms=sms)
+    plan.launch(0, args)
+    return plan, args
+
+
+def check(got, ref, dtype):
+    got = np.asarray(got).astype(np.float64)
+    assert not np.isnan(got).any(), "NaN or unwritten element"
+    err = np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-6)
+    assert err <= TOL[dtype], err
+
+
+def matmul64(a, b):
+    return a.astype(np.float64) @ b.astype(np.float64)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,shape", [
+    ("float16", "row", SMALL), ("bfloat16", "col", SMALL), ("float16", "col", TWO),
+    ("bfloat16", "row", TWO)])
+def test_odd_shapes_both_b_layouts(dtype, b_layout, shape):
+    """M, N, K = 70, 100, 258: partial tiles on every edge (TMA zero fill), five k steps through
+    a two-stage ring (it wraps, both parities), out poisoned with NaN."""
+    rng = np.random.default_rng()
+    m, n, k = 70, 100, 258
+    a = padded(rng, (m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    out = np.full((m, n), np.nan, NP[dtype])
+    run(WsConfig(stages=2, dtype=dtype, **shape), a, b, out, b_layout)
+    check(out, matmul64(a, b), dtype)
+
+
+@pytest.mark.sim
+def test_batch_broadcast_fused_epilogue_and_persistent_grid():
+    """A batched A (3-D tensor map) times a broadcast B (2-D map), float32 out with bias,
+    c, alpha, beta and GELU; a persistent grid of 3 blocks walks the 2 × 2 × 2 tiles (the stage
+    ring and parities run on across tiles)."""
+    rng = np.random.default_rng()
+    z, m, n, k = 2, 70, 72, 200          # 4 k steps through 3 stages: the ring wraps mid-tile
+    a = padded(rng, (z, m, k), "float16")
+    b = padded(rng, (k, n), "float16")
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = rng.standard_normal((z, m, n)).astype(np.float32)
+    out = np.full((z, m, n), np.nan, np.float32)
+    cfg = WsConfig(stages=3, persistent=True, **SMALL)
+    plan, _ = run(cfg, a, b, out, "row", bias=bias, c=c, alpha=2.0, beta=0.5,
+                  activation="gelu", sms=3)
+    assert plan.grid == (3, 1, 1)
+    pre = 2.0 * matmul64(a, b) + 0.5 * c + bias
+    ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    check(out, ref, "float16")
+
+
+@pytest.mark.sim
+def test_bound_plan_reencodes_tensor_maps_for_new_pointers():
+    """A launch plan bound to operands (as tilepy.gemm's plan cache does) called with other
+    arrays of the same signature: the tensor maps follow the new pointers (batched B: 3-D)."""
+    rng = np.random.default_rng()
+    z, m, n, k = 2, 40, 64, 72
+    cfg = WsConfig(stages=2, **SMALL)
+    a1, b1 = padded(rng, (m, k), "float16"), padded(rng, (z, k, n), "float16")
+    out1 = np.full((z, m, n), np.nan, np.float16)
+    plan, _ = run(cfg, a1, b1, out1, "row")
+    check(out1, matmul64(a1, b1), "float16")
+    bound = plan.bind([(0, a1.ctypes.data), (1, b1.ctypes.data), (2, out1.ctypes.data),
+                       (2, out1.ctypes.data), None])   # a, b, out, c (= out), bias (constant)
+    a2, b2 = padded(rng, (m, k), "float16"), padded(rng, (z, k, n), "float16")
+    out2 = np.full((z, m, n), np.nan, np.float16)
+    before = plan.maps_encoded
+    bound(0, [a2.ctypes.data, b2.ctypes.data, out2.ctypes.data], (1.0, 0.0))
+    assert plan.maps_encoded == before + 1
+    check(out2, matmul64(a2, b2), "float16")
+    bound(0, [a2.ctypes.data, b2.ctypes.data, out2.ctypes.data], (1.0, 0.0))  # cached maps
+    assert plan.maps_encoded == before + 1
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="rows per consumer warpgroup"):
+        WsConfig(block_m=64, consumers=2)
+    with pytest.raises(ValueError, match="accumulators exceed"):
+        WsConfig(block_m=256, block_n=256)
+    with pytest.raises(ValueError, match="exceeds the 232448 B of sm_90"):
+        WsConfig(stages=5)
+    with pytest.raises(ValueError, match="register file"):
+        WsConfig(producer_regs=56, consumer_regs=240)
+    cfg = WsConfig()
+    assert cfg.threads == 384 and cfg.smem_bytes == 4 * 48 * 1024 + 64 and cfg.setmaxnreg
+    assert not WsConfig(**SMALL).setmaxnreg
+    assert ws.grid(cfg, 4096, 4096) == (16 * 32, 1)
+    assert ws.grid(WsConfig(persistent=True), 4096, 4096, 1, 132) == (132, 1)
+    assert ws.grid(WsConfig(persistent=True), 100, 100, 1, 132) == (1, 1)
+
+
+def test_tensor_map_layouts():
+    """2-D maps for one matrix, 3-D (batch outermost, box depth 1) for a batch; B row-major in
+    64 × 64 boxes (MN-major atoms), B column-major in block_n × 64 boxes."""
+    cfg = WsConfig(256, 128)
+    a = np.zeros((1, 300, 200), np.uint16)
+    b = np.zeros((3, 200, 136), np.uint16)[:, :, :130]
+    la, lb = ws.layouts(cfg, True, a, b)
+    assert la == ((300, 200), (400, 2), (256, 64))
+    assert lb == ((3, 200, 130), (200 * 272, 272, 2), (1, 64, 64))
+    _, lb = ws.layouts(cfg, False, a, np.zeros((1, 130, 200), np.uint16))
+    assert lb == ((130, 200), (400, 2), (128, 64))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ws.layouts(cfg, True, np.zeros((1, 30, 20), np.uint16)[:, :, :20], b)
+    with pytest.raises(ValueError, match="last dimension contiguous"):
+        ws.layouts(cfg, True, np.zeros((1, 30, 40), np.uint16)[:, :, ::2], b)
+
+
+# ---- offline compile for sm_90a ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reports():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    return run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports")
+
+
+@pytest.mark.compile
+def test_compiles_for_sm90a_without_spills(reports):
+    with_regs = {k: v for k, v in reports.items() if not k.endswith("_noreg")}
+    assert set(with_regs) == {"gemm_ws_128x256_brow", "gemm_ws_128x256_bcol",
+                              "gemm_ws_256x128_brow", "gemm_ws_128x256_brow_persistent"}
+    for name, rep in with_regs.items():
+        assert rep["arch"].startswith("sm_90a")
+        c = rep["counts"]
+        assert c["wgmma.mma_async"] >= 4 and c["cp.async.bulk.tensor"] >= 2, (name, c)
+        assert c["cp.async"] == 0 and c["ld.local"] == 0 and c["st.local"] == 0, (name, c)
+        assert c["bar.sync"] == 1, (name, c)   # the set-up barrier only
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
+        # 3 warpgroups: at most 168 per thread at launch; setmaxnreg moves 40 / 232
+        assert rep["registers"] <= 168, (name, rep["registers"])
+        assert "C7510" not in rep["ptxas_log"] and "C7511" not in rep["ptxas_log"]
+        ops = set(rep["ops"])
+        assert {"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes",
+                "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.arrive.shared::cta.b64",
+                "mbarrier.try_wait.parity.shared::cta.b64",
+                "fence.proxy.tensormap::generic.acquire.gpu",
+                "setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32",
+                "wgmma.wait_group.sync.aligned"} <= ops, (name, ops)
+        n = 128 if name.startswith("gemm_ws_256x128") else 256
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" in ops
+
+
+# ---- hardware ----------------------------------------------------------------------------------
+
+def _torch_views(torch, cuda, *ts):
+    return [cuda.as_cuda_array(t.view(torch.int16)[None] if t.dim() == 2 else
+                               t.view(torch.int16)).view(np.uint16) for t in ts]
+
+
+def _gpu_run(torch, cfg, a, b, b_col, bias=None):
+    """out = a @ b (+ bias) through the kernel's launch plan, torch tensors in and out."""
+    from numba import cuda
+
+    m, n = a.shape[-2], b.shape[-1]
+    out = torch.full((*a.shape[:-2], m, n), float("nan"), device="cuda", dtype=a.dtype)
+    bk = b.transpose(-1, -2) if b_col else b          # col: the (N, K) row-major tensor
+    va, vb, vo = _torch_views(torch, cuda, a, bk, out)
+    bias_v = cuda.as_cuda_array(bias if bias is not None else torch.zeros(1, device="cuda"))
+    kern = ws.wgmma_ws_gemm_kernel(cfg, not b_col, cfg.dtype, None, bias is not None)
+    plan, args = ws.plan(kern, cfg, va, vb, vo, vo, bias_v)
+    plan.launch(0, args)
+    torch.cuda.synchronize()
+    return out
+
+
+GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 2056, 1000), False),
+             ((2500, 4000, 776), True), ((70, 100, 258), False), ((70, 100, 258), True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("cfg_kw", [{}, {"block_m": 256, "block_n": 128},
+                                    {"persistent": True}],
+                         ids=["128x256", "256x128", "persistent"])
+def test_gpu_against_torch(dtype, cfg_kw):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    tdt = getattr(torch, dtype)
+    cfg = WsConfig(dtype=dtype, **cfg_kw)
+    for (m, n, k), b_col in GPU_CASES:
+        a = torch.randn(m, k, device="cuda", dtype=tdt)
+        b = torch.randn(n, k, device="cuda", dtype=tdt).t() if b_col else \
+            torch.randn(k, n, device="cuda", dtype=tdt)
+        bias = torch.randn(n, device="cuda")
+        got = _gpu_run(torch, cfg, a, b, b_col, bias)
+        ref = a.double() @ b.double() + bias.double()
+        err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < TOL[dtype], (m, n, k, b_col, err)
+
+
+@pytest.mark.gpu
+def test_gpu_batched_3d_tensor_maps():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    a = torch.randn(3, 1000, 520, device="cuda", dtype=torch.float16)
+    b = torch.randn(3, 520, 1064, device="cuda", dtype=torch.float16)
+    got = _gpu_run(torch, WsConfig(), a, b, False)
+    ref = a.double() @ b.double()
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < TOL["float16"]

@@ -1,0 +1,522 @@
+"""The warp-specialised Hopper GEMM kernel (sm_90a): TMA loads, mbarrier stages, wgmma consumers.
+
+Same kernel contract as :mod:`tilepy.ops.gemm_wgmma` — ``kernel(a, b, out, c, bias, alpha, beta,
+maps)`` on 3-D uint16 views (batch first, a batch of 1 broadcasts; ``b`` is the (Z, K, N) view of
+a row-major B or the (Z, N, K) view of a column-major one), the epilogue of
+:func:`tilepy.tile.epilogue.store_accumulators` — plus one argument: ``maps``, a 256-byte device
+array holding the TMA tensor maps of A (bytes 0–127) and B (128–255), which :func:`plan` encodes
+on the host from the operands' pointers, shapes and strides.
+
+One block has ``1 + consumers`` warpgroups:
+
+* **Producer** (warpgroup 0): lowers its register limit (``setmaxnreg.dec``, 40), and one thread
+  walks the k steps: wait until stage ``s`` is free (its "empty" mbarrier, parity flipped each
+  time round the ring), ``arrive.expect_tx`` the stage's bytes on its "full" mbarrier, issue the
+  TMA loads of the A box (``block_m`` × 64, K-major) and the B boxes (row-major B: ``block_n /
+  64`` boxes of 64 k × 64 n, MN-major; column-major B: one ``block_n`` × 64 box, K-major) into the
+  stage, all 128-byte swizzled — the canonical layouts the wgmma descriptors read (the same
+  layouts :mod:`tilepy.ops.gemm_wgmma` builds with cp.async). TMA zero-fills what lies outside
+  the tensor, so M, N and K edges need no predication; only the epilogue's stores are
+  predicated.
+* **Consumers** (warpgroups 1 … consumers): raise their register limit (``setmaxnreg.inc``,
+  232), each owns ``block_m / consumers`` rows (64: one ``m64n{block_n}k16`` per k16; 128: two)
+  and all ``block_n`` columns. Per k step: wait on "full" with the stage's parity, four k16
+  steps of wgmma, commit, ``wgmma.wait_group 1`` (the group of the *previous* step has retired,
+  this one stays in flight), then lane 0 of each warp arrives on the previous stage's "empty"
+  barrier (4 arrivals per consumer warpgroup: each warp's own wait covers its own reads).
+
+There is no block barrier after the set-up: the two sides meet only at the mbarriers, so the
+loads of up to ``stages`` steps ahead, the barrier waits and the tensor cores overlap.
+
+Batches: an operand with one matrix (``shape[0] == 1``, broadcast) gets a 2-D tensor map (the
+path proven on the H200); a batched one a 3-D map (batch outermost, box depth 1), chosen per
+operand at run time in the producer. ``persistent=True`` launches ``min(SMs, tiles)`` blocks
+that walk the (batch, tile) indices with a stride of the grid in the grouped order of
+:mod:`tilepy.ops.gemm_wgmma`; the stage ring and its parities run on across tiles, so the
+producer loads the next tile's first stages while the consumers run the epilogue. Without it
+the grid is (tiles, batch) and each block computes one tile — the same code, one iteration.
+
+Tensor maps hold the operand pointers: :class:`TmaLaunchPlan` (a :class:`tilepy.launch.
+LaunchPlan`) re-encodes them when a bound plan is called with other pointers, keeping the last
+:data:`MAP_CACHE` pairs (a map is a pure function of pointer, shape and strides, and a plan's
+shapes and strides are fixed, so a cached map is never stale).
+
+Not yet run on a GPU (bench/NOTES.md says what to check first).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, types
+
+from ..launch import SIMULATOR as _LAUNCH_SIM
+from ..launch import BoundPlan, LaunchPlan, _pointer
+from ..ptx import mbarrier as MB
+from ..ptx import shared_addr
+from ..ptx import tma as T
+from ..ptx import wgmma as W
+from ..ptx.asm import SIMULATOR
+from ..tile import tma as host_tma
+from ..tile.config import SMEM_LIMIT
+from ..tile.epilogue import store_accumulators
+from ..tile.smem import allow_dynamic_shared
+from ..tune.kcache import cached_jit
+
+BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit data
+WARPGROUP = 128
+GROUP_M = 8       # block rows walked together (L2 reuse of B panels)
+SMS = 132         # H200; the persistent grid's default when the device is not asked
+MAP_CACHE = 64    # tensor-map pairs a plan keeps (per operand pointer pair)
+_MAP_B = np.uint64(128)
+_REG_FILE = 65536
+
+
+@dataclass(frozen=True)
+class WsConfig:
+    """One warp-specialised Hopper GEMM kernel.
+
+    ``block_m`` × ``block_n`` per block (tile), ``stages`` of K = 64 in shared memory,
+    ``consumers`` warpgroups (1 or 2) of ``block_m / consumers`` rows each (64 or 128),
+    ``persistent`` grid, and the ``setmaxnreg`` register limits of the producer and of each
+    consumer (``producer_regs=0``: leave the limits alone).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    stages: int = 4
+    dtype: str = "float16"
+    consumers: int = 2
+    persistent: bool = False
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    def __post_init__(self):
+        def need(ok, what):
+            if not ok:
+                raise ValueError(f"WsConfig({self.block_m}, {self.block_n}, {self.stages}, "
+                                 f"{self.dtype!r}, consumers={self.consumers}): {what}")
+
+        need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
+        need(self.consumers in (1, 2), "consumers must be 1 or 2")
+        need(self.block_m in (64, 128, 256) and self.block_m % self.consumers == 0
+             and self.block_m // self.consumers in (64, 128),
+             "block_m / consumers (rows per consumer warpgroup) must be 64 or 128")
+        need(self.block_n in (64, 128, 192, 256), "block_n must be 64, 128, 192 or 256")
+        need(self.rows_per_consumer // 64 * self.block_n <= 256,
+             "a consumer's accumulators exceed 128 registers per thread (rows per consumer "
+             "× block_n must be at most 64 × 256)")
+        need(isinstance(self.stages, int) and self.stages >= 2, "stages must be >= 2")
+        limit = SMEM_LIMIT[(9, 0)]
+        need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
+             f"{limit} B of sm_90 by {self.smem_bytes - limit} B")
+        if self.producer_regs or self.consumer_regs:
+            for r in (self.producer_regs, self.consumer_regs):
+                need(24 <= r <= 256 and r % 8 == 0,
+                     "setmaxnreg limits must be multiples of 8 in 24 … 256")
+            need(WARPGROUP * (self.producer_regs + self.consumers * self.consumer_regs)
+                 <= _REG_FILE, "producer_regs + consumers × consumer_regs exceed the "
+                 "65536-register file (per 128 threads)")
+
+    @property
+    def rows_per_consumer(self) -> int:
+        return self.block_m // self.consumers
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (1 + self.consumers)
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.block_m + self.block_n) * BK * 2
+
+    @property
+    def barrier_bytes(self) -> int:
+        return 16 * self.stages  # a "full" and an "empty" mbarrier per stage
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.stages * self.stage_bytes + self.barrier_bytes
+
+    @property
+    def setmaxnreg(self) -> bool:
+        """Whether the kernel shifts registers: only with two consumers (with one, a 256-thread
+        block may use 255 registers per thread anyway)."""
+        return bool(self.producer_regs) and self.consumers == 2
+
+    def describe(self) -> str:
+        return (f"wgmma-ws {self.block_m}x{self.block_n}x{BK}, 1 TMA producer + "
+                f"{self.consumers} consumer warpgroups, {self.stages} stages, "
+                f"{self.smem_bytes // 1024} KB smem"
+                + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
+                   if self.setmaxnreg else "")
+                + (", persistent" if self.persistent else ""))
+
+
+def _jit(cfg: WsConfig):
+    if SIMULATOR:
+        return cuda.jit
+    return cached_jit(launch_bounds=(cfg.threads, 1))
+
+
+@functools.cache
+def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
+                         has_bias: bool = False, has_c: bool = False):
+    """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` (see the module docstring);
+    launch it through :func:`plan`."""
+    BM, BN, ST, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    CM = cfg.rows_per_consumer
+    MW = CM // 64                  # m64 wgmmas per k16 step per consumer
+    NACC = BN // 2
+    NACC1 = NACC if MW == 2 else 1
+    NI = BN // 8
+    NJ = BN // 64
+    A_BYTES = BM * BK * 2
+    STAGE_BYTES = cfg.stage_bytes
+    BAR0 = ST * STAGE_BYTES // 2   # uint16 index of the first mbarrier (after the stages)
+    ARRIVALS = 4 * NC              # lane 0 of every consumer warp frees a stage
+    SETREG = cfg.setmaxnreg
+    PREG, CREG = cfg.producer_regs, cfg.consumer_regs
+    ab = "f16" if cfg.dtype == "float16" else "bf16"
+    mma = W.wgmma(BN, ab, trans_b=b_row_major)
+    LBO_B, SBO_B, STEP_B = (8192, 1024, 2048) if b_row_major else (16, 1024, 32)
+    store = store_accumulators(1, NI, out_kind, activation, has_bias, has_c)
+    align = None if SIMULATOR else 1024
+    f32 = types.float32
+
+    @cuda.jit(device=True, inline="always")
+    def tile_origin(w, tiles_m, tiles_n):
+        """(batch, first row, first column) of work item w, grouped order within a batch."""
+        tiles = tiles_m * tiles_n
+        z = w // tiles
+        pid = w - z * tiles
+        width = GROUP_M * tiles_n
+        first = (pid // width) * GROUP_M
+        rows = min(tiles_m - first, GROUP_M)
+        tm = first + (pid % width) % rows
+        tn = (pid % width) // rows
+        return z, tm * BM, tn * BN
+
+    @cuda.jit(device=True, inline="always")
+    def produce(smem, base, maps, za, zb, m_tiles, n_tiles, total, ktiles, w0, step):
+        bars = shared_addr(smem, BAR0)
+        ta = T.tensor_map_address(maps)
+        tb = ta + _MAP_B
+        T.fence_proxy_tensormap_acquire(ta)
+        T.fence_proxy_tensormap_acquire(tb)
+        s = 0
+        ph = 0
+        for w in range(w0, total, step):
+            z, bm0, bn0 = tile_origin(w, m_tiles, n_tiles)
+            z_a = min(z, za - 1)
+            z_b = min(z, zb - 1)
+            for kt in range(ktiles):
+                full = bars + 8 * s
+                MB.mbarrier_wait_parity(bars + 8 * (ST + s), ph ^ 1)
+                MB.mbarrier_arrive_expect_tx(full, STAGE_BYTES)
+                stage = base + s * STAGE_BYTES
+                k0 = kt * BK
+                if za == 1:
+                    T.tma_load_2d(stage, ta, full, k0, bm0)
+                else:
+                    T.tma_load_3d(stage, ta, full, k0, bm0, z_a)
+                if b_row_major:
+                    for j in range(NJ):
+                        if zb == 1:
+                            T.tma_load_2d(stage + A_BYTES + j * 8192, tb, full, bn0 + j * 64, k0)
+                        else:
+                            T.tma_load_3d(stage + A_BYTES + j * 8192, tb, full, bn0 + j * 64,
+                                          k0, z_b)
+                else:
+                    if zb == 1:
+                        T.tma_load_2d(stage + A_BYTES, tb, full, k0, bn0)
+                    else:
+                        T.tma_load_3d(stage + A_BYTES, tb, full, k0, bn0, z_b)
+                s += 1
+                if s == ST:
+                    s = 0
+                    ph ^= 1
+
+    @cuda.jit(device=True, inline="always")
+    def consume(smem, base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total,
+                ktiles, w0, step):
+        m = a.shape[1]
+        n = b.shape[2] if b_row_major else b.shape[1]
+        bars = shared_addr(smem, BAR0)
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        acc0 = cuda.local.array(NACC, f32)
+        acc1 = cuda.local.array(NACC1, f32)
+        acc3 = cuda.local.array((1, NI, 4), f32)
+        s = 0
+        ph = 0
+        for w in range(w0, total, step):
+            z, bm0, bn0 = tile_origin(w, m_tiles, n_tiles)
+            for i in range(NACC):
+                acc0[i] = f32(0)
+            if MW == 2:
+                for i in range(NACC1):
+                    acc1[i] = f32(0)
+            prev = 0
+            for kt in range(ktiles):
+                MB.mbarrier_wait_parity(bars + 8 * s, ph)
+                stage = base + s * STAGE_BYTES
+                da = W.matrix_descriptor(stage + cw * (CM * 128), 16, 1024, 128)
+                db = W.matrix_descriptor(stage + A_BYTES, LBO_B, SBO_B, 128)
+                W.wgmma_fence()
+                for kk in range(BK // 16):
+                    dbk = W.descriptor_advance(db, kk * STEP_B)
+                    mma(acc0, W.descriptor_advance(da, kk * 32), dbk, 1)
+                    if MW == 2:
+                        mma(acc1, W.descriptor_advance(da, 64 * 128 + kk * 32), dbk, 1)
+                W.wgmma_commit_group()
+                W.wgmma_wait_group(1)
+                if kt > 0 and lane == 0:
+                    MB.mbarrier_arrive(bars + 8 * (ST + prev))
+                prev = s
+                s += 1
+                if s == ST:
+                    s = 0
+                    ph ^= 1
+            W.wgmma_wait_group(0)
+            W.wgmma_fence_operand(acc0, NACC)
+            if MW == 2:
+                W.wgmma_fence_operand(acc1, NACC1)
+            if lane == 0:
+                MB.mbarrier_arrive(bars + 8 * (ST + prev))
+
+            o = out[z]
+            cz = c[min(z, c.shape[0] - 1)]
+            row0 = bm0 + cw * CM + warp * 16
+            for j in range(NI):
+                for q in range(4):
+                    acc3[0, j, q] = acc0[4 * j + q]
+            store(acc3, o, row0, bn0, m, n, alpha, bias, cz, beta, lane)
+            if MW == 2:
+                for j in range(NI):
+                    for q in range(4):
+                        acc3[0, j, q] = acc1[4 * j + q]
+                store(acc3, o, row0 + 64, bn0, m, n, alpha, bias, cz, beta, lane)
+
+    @_jit(cfg)
+    def kernel(a, b, out, c, bias, alpha, beta, maps):
+        m = a.shape[1]
+        kdim = a.shape[2]
+        n = b.shape[2] if b_row_major else b.shape[1]
+        m_tiles = (m + BM - 1) // BM
+        n_tiles = (n + BN - 1) // BN
+        total = m_tiles * n_tiles * out.shape[0]
+        ktiles = (kdim + BK - 1) // BK
+        w0 = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
+        step = cuda.gridDim.x * cuda.gridDim.y
+
+        smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
+            cuda.shared.array(0, types.uint16)
+        base = shared_addr(smem, 0)
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP
+        if tid == 0:
+            bars = shared_addr(smem, BAR0)
+            for s in range(ST):
+                MB.mbarrier_init(bars + 8 * s, 1)                 # full: the producer's expect_tx
+                MB.mbarrier_init(bars + 8 * (ST + s), ARRIVALS)   # empty: every consumer warp
+            MB.fence_mbarrier_init()
+        cuda.syncthreads()
+        if wg == 0:
+            if SETREG:
+                W.setmaxnreg_dec(PREG)
+            if tid == 0:
+                produce(smem, base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total,
+                        ktiles, w0, step)
+        else:
+            if SETREG:
+                W.setmaxnreg_inc(CREG)
+            consume(smem, base, a, b, out, c, bias, alpha, beta, wg - 1, m_tiles, n_tiles,
+                    total, ktiles, w0, step)
+
+    kernel.config = cfg
+    kernel.b_row_major = b_row_major
+    return kernel
+
+
+# ---- host side: tensor maps, grid, launch plans ------------------------------------------------
+
+def _map_layout(view, box_rows: int):
+    """(shape, byte strides, box) of the tensor map of a 3-D uint16 kernel view: 2-D when the
+    view holds one matrix, else 3-D with the batch outermost. Strides of length-1 dimensions
+    are free; they are set to what the encoder accepts."""
+    z, rows, cols = (int(d) for d in view.shape)
+    sz, srow, scol = (int(s) for s in view.strides)
+    if cols == 1:
+        scol = 2
+    if rows == 1:
+        srow = max(16, -(-cols * 2 // 16) * 16)
+    if scol != 2:
+        raise ValueError(f"a TMA-fed operand needs its last dimension contiguous, got byte "
+                         f"strides {tuple(view.strides)} for shape {tuple(view.shape)}")
+    if z == 1:
+        return (rows, cols), (srow, 2), (box_rows, BK)
+    return (z, rows, cols), (sz, srow, 2), (1, box_rows, BK)
+
+
+def encode_maps(cfg: WsConfig, b_row_major: bool, a_ptr: int, a_layout, b_ptr: int, b_layout):
+    """The 256 bytes (uint8) of the A and B tensor maps for operands at ``a_ptr`` / ``b_ptr``
+    with the ``_map_layout`` layouts (shape, strides, box)."""
+    dt = cfg.dtype
+    ma = host_tma.encode_tiled(a_ptr, dt, *a_layout, swizzle=128)
+    mb = host_tma.encode_tiled(b_ptr, dt, *b_layout, swizzle=128)
+    return np.concatenate([ma.data, mb.data])
+
+
+def layouts(cfg: WsConfig, b_row_major: bool, a, b):
+    """The (shape, strides, box) of the A and B tensor maps of 3-D kernel views ``a``, ``b``;
+    raises ValueError for operands TMA cannot describe (the op then has to copy them)."""
+    a_layout = _map_layout(a, cfg.block_m)
+    # row-major B: boxes of 64 k rows × 64 n (MN-major atoms); column-major: block_n × 64 k
+    b_layout = _map_layout(b, BK if b_row_major else cfg.block_n)
+    for name, (shape, strides, _) in (("a", a_layout), ("b", b_layout)):
+        for s in strides[:-1]:
+            if s % 16 or s <= 0:
+                raise ValueError(f"{name}: byte strides {strides} are not multiples of 16; TMA "
+                                 "needs 16-byte-aligned rows (and batches)")
+    return a_layout, b_layout
+
+
+def _maps_stream(stream):
+    if SIMULATOR or stream is None:
+        return 0
+    if isinstance(stream, int):
+        return cuda.external_stream(stream) if stream else cuda.default_stream()
+    return stream
+
+
+class TmaLaunchPlan(LaunchPlan):
+    """A :class:`~tilepy.launch.LaunchPlan` of the warp-specialised kernel whose last argument
+    (the tensor maps) follows the pointers of ``a`` and ``b``: :meth:`launch` and bound plans
+    (:meth:`bind`, with sources for the seven arguments ``a … beta``' arrays only) look the maps
+    of the call's (a, b) pointers up in a small cache, encoding and copying them (on the launch
+    stream) on a miss."""
+
+    def __init__(self, kernel, args, grid, block, smem, encoder):
+        super().__init__(kernel, args, grid, block, smem)
+        self._encoder = encoder
+        self._maps = collections.OrderedDict()
+        self._maps_lock = threading.Lock()
+        self._maps[(_pointer(args[0]), _pointer(args[1]))] = args[7]
+        self.maps_encoded = 1
+
+    def maps_for(self, a_ptr: int, b_ptr: int, stream=0):
+        """The device array of the tensor maps of operands at these pointers."""
+        key = (int(a_ptr), int(b_ptr))
+        with self._maps_lock:
+            dev = self._maps.get(key)
+            if dev is not None:
+                self._maps.move_to_end(key)
+                return dev
+        raw = self._encoder(*key)
+        dev = cuda.to_device(raw, stream=_maps_stream(stream))
+        with self._maps_lock:
+            self._maps[key] = dev
+            self.maps_encoded += 1
+            while len(self._maps) > MAP_CACHE:
+                self._maps.popitem(last=False)
+        return dev
+
+    def launch(self, stream, args):
+        args = list(args[:7]) + [self.maps_for(_pointer(args[0]), _pointer(args[1]), stream)]
+        super().launch(stream, args)
+
+    def bind(self, sources):
+        """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps (the last array)."""
+        sources = list(sources)
+        if len(sources) == len(self._arrays) - 1:
+            sources.append(None)
+        if len(sources) != len(self._arrays):
+            raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
+        return _TmaBoundPlan(self, sources)
+
+
+class _TmaBoundPlan(BoundPlan):
+    def __call__(self, stream, ptrs, scalars=()):
+        arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
+        maps = self.plan.maps_for(arg_ptrs[0], arg_ptrs[1], stream)
+        arg_ptrs[-1] = _pointer(maps)
+        self.plan._go(stream, arg_ptrs, scalars)
+
+
+def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None):
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if not cfg.persistent:
+        return (tiles, batch)
+    return (max(1, min(sms or SMS, tiles * batch)), 1)
+
+
+def _sm_count() -> int:
+    if _LAUNCH_SIM:
+        return 4
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # noqa: BLE001 - no device attribute: the H200's count
+        return SMS
+
+
+def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
+         sms: int | None = None):
+    """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_ws_gemm_kernel`), the
+    same call as :func:`tilepy.ops.gemm_wgmma.plan`.
+
+    The arguments end with the tensor maps of ``a`` and ``b`` (encoded here, for the B layout
+    the kernel was generated for); the plan (:class:`TmaLaunchPlan`) re-encodes them for other
+    pointers. ``sms``: the persistent grid's block count (default: the device's SMs).
+    Raises ValueError for operands whose strides TMA cannot describe."""
+    b_row_major = kernel.b_row_major
+    a_layout, b_layout = layouts(cfg, b_row_major, a, b)
+
+    def encoder(a_ptr, b_ptr):
+        return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
+
+    maps = cuda.to_device(encoder(_pointer(a), _pointer(b)))
+    args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
+             sms if sms is not None else (_sm_count() if cfg.persistent else None))
+    return TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder), args
+
+
+def argtypes(out_kind: str):
+    """Numba argument types (for offline compilation)."""
+    u16 = types.Array(types.uint16, 3, "C")
+    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 3, "C")
+    return (u16, u16, out, out, types.float32[::1], types.float32, types.float32,
+            types.uint8[::1])
+
+
+def compile_reports():
+    """Offline sm_90a reports: 128×256 (2 consumers × 64 rows) both B layouts, 256×128
+    (2 consumers × 128 rows), the persistent variant, and 128×256 without setmaxnreg."""
+    from ..offline import compile_kernel
+
+    out = []
+    for name, cfg, b_row in (
+            ("ws_128x256_brow", WsConfig(), True),
+            ("ws_128x256_bcol", WsConfig(), False),
+            ("ws_256x128_brow", WsConfig(256, 128), True),
+            ("ws_128x256_brow_persistent", WsConfig(persistent=True), True),
+            ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True)):
+        kern = wgmma_ws_gemm_kernel(cfg, b_row, "float16")
+        rep = compile_kernel(f"gemm_{name}", kern.py_func, argtypes("float16"), (9, 0, "a"),
+                             launch_bounds=(cfg.threads, 1))
+        d = dict(rep.__dict__)
+        d["config"] = cfg.describe()
+        d["ops"] = sorted({ln.split()[0].rstrip(";") for ln in
+                           (x.strip() for x in rep.ptx.splitlines())
+                           if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
+                                             "fence."))})
+        d.pop("ptx")
+        out.append(d)
+    return out
