@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+import tilepy
 from tilepy import arrays
 from tilepy.arrays import describe, kernel_view
 from tilepy.offline import find_ptxas, run_in_subprocess
@@ -252,3 +253,22 @@ def test_gpu_batched_3d_tensor_maps():
     got = _gpu_run(torch, WsConfig(), a, b, False)
     ref = a.double() @ b.double()
     assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < TOL["float16"]
+
+
+@pytest.mark.sim
+def test_through_the_op_with_a_cached_plan():
+    """tilepy.gemm(config=WsConfig(...)): the first call builds the launch plan, later calls
+    with new arrays of the same signature reuse it (new tensor maps for the new pointers)."""
+    from tilepy.ops import gemm as g
+
+    rng = np.random.default_rng()
+    g._PLANS.clear()
+    for _ in range(3):
+        a = rng.standard_normal((70, 264)).astype(np.float16)[:, :258]
+        b = rng.standard_normal((258, 104)).astype(np.float16)[:, :100]
+        out = np.full((70, 100), np.nan, np.float16)
+        tilepy.gemm(a, b, out=out, config=WsConfig(64, 64, 2, consumers=1))
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+        assert not np.isnan(out.astype(np.float64)).any()
+        assert np.abs(out - ref).max() / np.abs(ref).max() < 2e-3
+    assert len(g._PLANS) == 1

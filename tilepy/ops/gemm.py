@@ -17,6 +17,7 @@ from ..tune.spaces import pick_gemm_config
 from . import gemm_kernel as tc
 from . import gemm_simt as simt
 from . import gemm_wgmma as hw
+from . import gemm_wgmma_ws as ws
 
 SMS = 132  # H200; only used to pick tile sizes
 
@@ -191,13 +192,15 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
             raise ValueError(f"out must have dtype {out_dtype}, got {Out.dtype}")
     device = arrays.same_device(A, B, Bias, C, Out)
     if config is not None:
-        if not isinstance(config, (GemmConfig, hw.WgmmaConfig)):
-            raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync) or a "
-                            f"tilepy.ops.gemm_wgmma.WgmmaConfig (Hopper), got "
+        if not isinstance(config, (GemmConfig, hw.WgmmaConfig, ws.WsConfig)):
+            raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync), a "
+                            f"tilepy.ops.gemm_wgmma.WgmmaConfig or a "
+                            f"tilepy.ops.gemm_wgmma_ws.WsConfig (Hopper), got "
                             f"{type(config).__name__}")
         if dtype != "float32" and config.dtype != dtype:
             raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
-        if isinstance(config, hw.WgmmaConfig) and not (arrays.SIMULATOR or _is_hopper()):
+        if isinstance(config, (hw.WgmmaConfig, ws.WsConfig)) and not (arrays.SIMULATOR or
+                                                                       _is_hopper()):
             raise ValueError("a WgmmaConfig needs a compute capability 9.0 GPU (wgmma)")
     caller_out = out is not None
     if out is None:
@@ -254,8 +257,10 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             cfg = config or hopper_config(m, n, batch, dtype) or pick_gemm_config(
                 m, n, k, batch, dtype, choose_config(m, n, k, batch, dtype), device)
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
-            gen = hw if isinstance(cfg, hw.WgmmaConfig) else tc
-            kern = (hw.wgmma_gemm_kernel if gen is hw else tc.gemm_kernel)(
+            gen = hw if isinstance(cfg, hw.WgmmaConfig) else \
+                ws if isinstance(cfg, ws.WsConfig) else tc
+            kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
+                    tc: tc.gemm_kernel}[gen](
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
             plan, args = gen.plan(kern, cfg, kernel_view(A2, 3), b_view, out_v, c_v, bias_v,
                                   alpha, beta)
