@@ -136,6 +136,29 @@ def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **option
     return rep
 
 
+def report_entry(name, build, argtypes, cc=(9, 0), *, threads, **info) -> dict:
+    """Compile the kernel ``build()`` returns for ``argtypes`` (launch bounds ``threads``) and
+    return ``info`` plus its report as a dict (registers, spills, instruction counts, ex2 and
+    f64 instruction counts, compile seconds), or plus ``error`` when building or compiling
+    raised — reported per kernel so one failure does not hide the others."""
+    import time
+
+    entry = dict(info, name=name, threads=threads)
+    t0 = time.perf_counter()
+    try:
+        rep = compile_kernel(name, build().py_func, argtypes, cc, launch_bounds=threads)
+    except Exception as e:  # noqa: BLE001  (reported per kernel; the tests fail on it)
+        entry["error"] = f"{type(e).__name__}: {e}"
+        return entry
+    entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
+                 spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
+                 local_bytes=rep.local_bytes, counts=rep.counts,
+                 ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE)),
+                 f64=len(re.findall(r"^\s*\w+(\.\w+)*\.f64\b", rep.ptx, re.MULTILINE)),
+                 compile_seconds=time.perf_counter() - t0)
+    return entry
+
+
 def run_in_subprocess(target: str, timeout: float = 900) -> dict:
     """Run ``python -m tilepy.offline TARGET`` with the simulator off; return its JSON.
 

@@ -480,30 +480,10 @@ def compile_reports(only=None):
     Run with the simulator off: ``tilepy.offline.run_in_subprocess(
     "tilepy.ops.attention_kernel:compile_reports")``.
     """
-    import re
-    import time
+    from ..offline import report_entry
 
-    from ..offline import compile_kernel
-
-    out = []
-    for name, cfg, causal, has_lse in COMPILED:
-        if only is not None and name not in only:
-            continue
-        entry = {"name": name, "config": cfg.describe(), "causal": causal, "lse": has_lse,
-                 "threads": cfg.threads, "smem_bytes": cfg.smem_bytes}
-        t0 = time.perf_counter()
-        try:
-            kern = attention_kernel(cfg, causal, has_lse)
-            rep = compile_kernel(name, kern.py_func, argtypes(), (9, 0),
-                                 launch_bounds=cfg.threads)
-        except Exception as e:  # noqa: BLE001  (reported per kernel; the test fails on it)
-            entry["error"] = f"{type(e).__name__}: {e}"
-        else:
-            entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
-                         spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
-                         local_bytes=rep.local_bytes, counts=rep.counts,
-                         ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE)),
-                         f64=len(re.findall(r"^\s*\w+(\.\w+)*\.f64\b", rep.ptx, re.MULTILINE)),
-                         compile_seconds=time.perf_counter() - t0)
-        out.append(entry)
-    return out
+    return [report_entry(name, lambda cfg=cfg, causal=causal, has_lse=has_lse:
+                         attention_kernel(cfg, causal, has_lse), argtypes(), (9, 0),
+                         threads=cfg.threads, config=cfg.describe(), causal=causal,
+                         lse=has_lse, smem_bytes=cfg.smem_bytes)
+            for name, cfg, causal, has_lse in COMPILED if only is None or name in only]

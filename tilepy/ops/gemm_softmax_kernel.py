@@ -658,30 +658,12 @@ def compile_reports(only=None):
     """Offline sm_90 reports (registers, spills, instruction counts, shared memory) of
     :func:`compiled_configs`. Run with the simulator off: ``tilepy.offline.run_in_subprocess(
     "tilepy.ops.gemm_softmax_kernel:compile_reports")``."""
-    import re
-    import time
+    from ..offline import report_entry
 
-    from ..offline import compile_kernel
-
-    out = []
-    for name, cfg, b_k_major, out_pairs, n in compiled_configs():
-        if only is not None and name not in only:
-            continue
-        entry = {"name": name, "config": cfg.describe(), "threads": cfg.threads, "n": n,
-                 "smem_bytes": cfg.smem_bytes(n), "fits": cfg.fits(n)}
-        t0 = time.perf_counter()
-        try:
-            kern = gemm_softmax_kernel(cfg, b_k_major, out_pairs)
-            rep = compile_kernel(name, kern.py_func, argtypes("C", out_pairs), (9, 0),
-                                 launch_bounds=cfg.threads)
-        except Exception as e:  # noqa: BLE001  (reported per kernel; the test fails on it)
-            entry["error"] = f"{type(e).__name__}: {e}"
-        else:
-            entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
-                         spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
-                         local_bytes=rep.local_bytes, counts=rep.counts,
-                         ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE)),
-                         f64=len(re.findall(r"^\s*\w+(\.\w+)*\.f64\b", rep.ptx, re.MULTILINE)),
-                         compile_seconds=time.perf_counter() - t0)
-        out.append(entry)
-    return out
+    return [report_entry(name, lambda cfg=cfg, b_k_major=b_k_major, out_pairs=out_pairs:
+                         gemm_softmax_kernel(cfg, b_k_major, out_pairs),
+                         argtypes("C", out_pairs), (9, 0), threads=cfg.threads,
+                         config=cfg.describe(), n=n, smem_bytes=cfg.smem_bytes(n),
+                         fits=cfg.fits(n))
+            for name, cfg, b_k_major, out_pairs, n in compiled_configs()
+            if only is None or name in only]
