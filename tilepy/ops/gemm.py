@@ -53,7 +53,9 @@ def hopper_config(m: int, n: int, batch: int, dtype: str):
     if not _is_hopper():
         return None
     for bm, bn, st in (HOPPER_LARGE, HOPPER_MEDIUM):
-        if -(-m // bm) * -(-n // bn) * batch >= SMS:
+        # at least one whole tile each way (a batch of small matrices would leave most of
+        # every 128-row tile empty), and enough tiles for every SM
+        if m >= bm and n >= bn and -(-m // bm) * -(-n // bn) * batch >= SMS:
             return hw.WgmmaConfig(bm, bn, st, dtype)
     return None
 
