@@ -347,9 +347,12 @@ def fingerprint(x):
     if fam == "numba" and SIMULATOR:
         x = x._ary
     if fam in ("numba", "numpy"):
-        p = x.ctypes.data if isinstance(x, np.ndarray) else int(x.device_ctypes_pointer.value
-                                                                 or 0)
-        return (t, x.dtype, x.shape, x.strides, p & 15), p
+        if isinstance(x, np.ndarray):
+            return (t, x.dtype, x.shape, x.strides, x.ctypes.data & 15), x.ctypes.data
+        p = int(x.device_ctypes_pointer.value or 0)
+        ctx = getattr(x.gpu_data, "context", None)   # the device the memory belongs to
+        dev = getattr(getattr(ctx, "device", None), "id", None)
+        return (t, x.dtype, x.shape, x.strides, dev, p & 15), p
     return (t, id(x)), 0
 
 
