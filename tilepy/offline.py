@@ -269,6 +269,16 @@ def inspect_targets() -> dict:
         return (gemm_softmax_kernel(cfg, True, True).py_func, argtypes("C", True),
                 {"launch_bounds": cfg.threads})
 
+    def gemm_wgmma(dtype):
+        from .ops.gemm_wgmma import WgmmaConfig, argtypes, wgmma_gemm_kernel
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("the wgmma gemm kernel takes float16 or bfloat16")
+        cfg = WgmmaConfig(256, 128, 4, dtype)
+        return wgmma_gemm_kernel(cfg, True, dtype).py_func, argtypes(dtype)
+
+    out["gemm_wgmma"] = gemm_wgmma  # the sm_90 default (256x128, 4 stages); needs --cc 90a
     out["gemm_softmax"] = gemm_softmax  # the on-chip kernel for rows of 1024
     out["softmax"] = softmax      # the block-per-row kernel for rows of 4096
     out["attention"] = attention  # head_dim 128, not causal
