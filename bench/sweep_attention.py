@@ -28,6 +28,15 @@ def configs(d, dtype):
             out.append(AttentionConfig(d, bm, bn, wr, dtype))
         except ValueError as e:
             print("skip", (d, bm, bn, wr), e, file=sys.stderr)
+    # the Hopper kernel (tilepy/ops/attention_wgmma.py): block_m x block_n, one warpgroup per
+    # 64 query rows
+    from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
+
+    for bm, bn in [(128, 128), (128, 64), (64, 128)]:
+        try:
+            out.append(WgmmaAttentionConfig(d, bm, bn, dtype))
+        except ValueError as e:
+            print("skip wgmma", (d, bm, bn), e, file=sys.stderr)
     return out
 
 
@@ -58,8 +67,9 @@ def main():
             want = fa2()
             peer_ms = time_cuda(fa2, warmup=2, repeat=10)
             for cfg in configs(d, "float16"):
+                wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows
                 tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
-                      f"bn={cfg.block_n} wr={cfg.warp_rows}"
+                      f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "")
                 try:
                     out = torch.empty_like(q)
                     tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
@@ -71,7 +81,8 @@ def main():
                     print(f"{tag}: FAILED {type(e).__name__}: {e}", flush=True)
                     continue
                 row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
-                           block_n=cfg.block_n, warp_rows=cfg.warp_rows, ms=ms,
+                           block_n=cfg.block_n, warp_rows=wr, kernel=type(cfg).__name__,
+                           ms=ms,
                            tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
                            ratio=peer_ms / ms, max_abs_err=err)
                 rows.append(row)

@@ -13,6 +13,7 @@ import numpy as np
 from .. import arrays
 from ..arrays import describe
 from . import attention_kernel as fa
+from . import attention_wgmma as aw
 from .attention_kernel import HEAD_DIMS, AttentionConfig
 
 LAYOUTS = ("bhsd", "bshd")
@@ -142,9 +143,10 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
             raise ValueError(f"out must have dtype {dtype} (that of q), got {Out.dtype}")
     device = arrays.same_device(Q, K, V, Out)
     if config is not None:
-        if not isinstance(config, AttentionConfig):
-            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig, "
-                            f"got {type(config).__name__}")
+        if not isinstance(config, (AttentionConfig, aw.WgmmaAttentionConfig)):
+            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig "
+                            f"(mma.sync) or a tilepy.ops.attention_wgmma.WgmmaAttentionConfig "
+                            f"(Hopper), got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
@@ -221,8 +223,10 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
             lse_v, lse_src = _kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
         else:
             lse_v, lse_src = arrays.placeholder(3), None
-        kern = fa.attention_kernel(cfg, causal, lse is not None)
-        plan, args = fa.plan(kern, cfg, *views, o_v, lse_v, scale)
+        gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
+        kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
+            cfg, causal, lse is not None)
+        plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
         plan.launch(arrays.stream_handle(Q), args)
     if not reusable:
         return None
