@@ -245,6 +245,98 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
 
 # ---- the kernel ----------------------------------------------------------------------------------
 
+@functools.cache
+def key_blocks(block_m: int, block_n: int, causal: bool):
+    """``bounds(sq, sk) -> (row0, n_kb, all_see)`` for this block: its first query row (causal:
+    heavier blocks first), how many key blocks it visits, and the last key every one of its
+    rows sees (blocks ending after it need the mask). Shared by the attention kernels."""
+    BM, BN, CAUSAL = block_m, block_n, bool(causal)
+
+    @cuda.jit(device=True, inline="always")
+    def bounds(sq, sk):
+        shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
+        if CAUSAL:
+            row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+            last = min(sk, min(row0 + BM, sq) + shift) - 1
+            n_kb = last // BN + 1 if last >= 0 else 0
+            all_see = min(sk, row0 + shift + 1) - 1
+        else:
+            row0 = cuda.blockIdx.x * BM
+            n_kb = (sk + BN - 1) // BN
+            all_see = sk - 1
+        return row0, n_kb, all_see
+
+    return bounds
+
+
+@functools.cache
+def row_limits(mi: int, causal: bool):
+    """``init(limit, row_max, row_sum, rows0, g, sq, sk)``: the last key each of this lane's
+    ``mi × 2`` rows sees (rows ``rows0 + 16 i + g + 8 h``) and the online softmax's start."""
+    CAUSAL = bool(causal)
+
+    @cuda.jit(device=True, inline="always")
+    def init(limit, row_max, row_sum, rows0, g, sq, sk):
+        for i in range(mi):
+            for hh in range(2):
+                row_max[i, hh] = _NEG_INF
+                row_sum[i, hh] = _ZERO
+                if CAUSAL:
+                    limit[i, hh] = min(sk, rows0 + 16 * i + g + 8 * hh + sk - sq + 1) - 1
+                else:
+                    limit[i, hh] = sk - 1
+
+    return init
+
+
+@functools.cache
+def mask_scores(mi: int, ns: int):
+    """``mask(s, limit, key0)``: set the S fragment entries of keys past each row's limit to
+    -inf (``key0``: the key of column 0 of this lane in the block, ``kb·BN + 2t``)."""
+
+    @cuda.jit(device=True, inline="always")
+    def mask(s, limit, key0):
+        for i in range(mi):
+            for hh in range(2):
+                rel = limit[i, hh] - key0  # last visible column, relative
+                for j in range(ns):
+                    if 8 * j > rel:
+                        s[i, j, 2 * hh] = _NEG_INF
+                    if 8 * j + 1 > rel:
+                        s[i, j, 2 * hh + 1] = _NEG_INF
+
+    return mask
+
+
+@functools.cache
+def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
+    """``store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)``: the finalized
+    O fragment (mi, no, 4) rounded to 16 bits into ``o2`` (rows past ``sq`` skipped), and lane
+    0 of each quad writes the row's natural-log LSE (-inf for a row that saw no key)."""
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+    HAS_LSE = bool(has_lse)
+
+    @cuda.jit(device=True, inline="always")
+    def store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
+        for i in range(mi):
+            for hh in range(2):
+                r = rows0 + 16 * i + g + 8 * hh
+                if r < sq:
+                    for j in range(no):
+                        c = 8 * j + 2 * t
+                        word = pack(acc[i, j, 2 * hh], acc[i, j, 2 * hh + 1])
+                        o2[r, c] = word & 0xFFFF
+                        o2[r, c + 1] = word >> 16
+                    if HAS_LSE and t == 0:
+                        total = row_sum[i, hh]
+                        if total > _ZERO:
+                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
+                        else:
+                            lse[b, h, r] = _NEG_INF
+
+    return store
+
+
 def _kernel_jit(threads: int):
     if SIMULATOR:
         return cuda.jit
@@ -266,7 +358,6 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
     TILE = cfg.tile_bytes
     STAGE = 2 * TILE    # K then V
     CAUSAL = bool(causal)
-    HAS_LSE = bool(has_lse)
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -278,6 +369,8 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
     setup_fv, load_v = load_b_fragments(NO, D, True, SW)
     update = online_softmax_update(MI, NS)
     finalize = online_softmax_finalize(MI, NO)
+    mask = mask_scores(MI, NS)
+    store = store_rows(MI, NO, cfg.dtype, has_lse)
 
     @_kernel_jit(THREADS)
     def kernel(q, k, v, o, lse, scale, scale_log2):
@@ -300,7 +393,9 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
         shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
 
         # Key blocks this query block visits, and the last key every one of its rows sees
-        # (blocks ending after it need the mask).
+        # (blocks ending after it need the mask). Written out here rather than through
+        # key_blocks / row_limits (which the wgmma kernel uses): with those, ptxas allocates
+        # 128 registers and spills 16 B at head_dim 64, causal with LSE (offline, sm_90).
         if CAUSAL:
             last = min(sk, min(row0 + BM, sq) + shift) - 1
             n_kb = last // BN + 1 if last >= 0 else 0
@@ -386,15 +481,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
 
                 # Mask keys past Sk and above the diagonal, in the blocks that have any.
                 if (kb + 1) * BN - 1 > all_see:
-                    key0 = kb * BN + 2 * t
-                    for i in range(MI):
-                        for hh in range(2):
-                            rel = limit[i, hh] - key0  # last visible column, relative
-                            for j in range(NS):
-                                if 8 * j > rel:
-                                    s[i, j, 2 * hh] = _NEG_INF
-                                if 8 * j + 1 > rel:
-                                    s[i, j, 2 * hh + 1] = _NEG_INF
+                    mask(s, limit, kb * BN + 2 * t)
 
                 update(s, row_max, row_sum, alpha, scale_log2)
                 for i in range(MI):
@@ -416,23 +503,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
 
         finalize(acc, row_sum)
-
-        o2 = o[b, h]
-        for i in range(MI):
-            for hh in range(2):
-                r = row0 + wrow + 16 * i + g + 8 * hh
-                if r < sq:
-                    for j in range(NO):
-                        c = 8 * j + 2 * t
-                        word = pack(acc[i, j, 2 * hh], acc[i, j, 2 * hh + 1])
-                        o2[r, c] = word & 0xFFFF
-                        o2[r, c + 1] = word >> 16
-                    if HAS_LSE and t == 0:
-                        total = row_sum[i, hh]
-                        if total > _ZERO:
-                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
-                        else:
-                            lse[b, h, r] = _NEG_INF
+        store(acc, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
     return kernel
 

@@ -29,7 +29,6 @@ the softmax with the next block's MMAs, no TMA); it is opt-in through
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +44,14 @@ from ..tile.config import SMEM_LIMIT
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.smem import allow_dynamic_shared
 from ..tune.kcache import cached_jit
-from .attention_kernel import DTYPES, LOG2E
+from .attention_kernel import (
+    DTYPES,
+    LOG2E,
+    key_blocks,
+    mask_scores,
+    row_limits,
+    store_rows,
+)
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -133,7 +139,6 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     P_REGS = 4 * KN       # P as the A registers of the P·V wgmmas
     Q_BYTES, TILE = cfg.q_bytes, cfg.tile_bytes
     STAGE = 2 * TILE
-    CAUSAL, HAS_LSE = bool(causal), bool(has_lse)
     ab = "f16" if cfg.dtype == "float16" else "bf16"
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
     mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
@@ -142,6 +147,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     copy_kv = _copy_rows(BN, D, THREADS)
     update = online_softmax_update(1, NS)
     finalize = online_softmax_finalize(1, NO)
+    bounds = key_blocks(BM, BN, causal)
+    init_rows = row_limits(1, causal)
+    mask = mask_scores(1, NS)
+    store = store_rows(1, NO, cfg.dtype, has_lse)
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
 
@@ -158,19 +167,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         warp = (tid % WARPGROUP) // 32
         g = lane // 4
         t = lane % 4
-        if CAUSAL:
-            row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
-        else:
-            row0 = cuda.blockIdx.x * BM
+        row0, n_kb, all_see = bounds(sq, sk)
         wrow = wg * 64 + warp * 16      # this warp's first row in the block
-        shift = sk - sq
-        if CAUSAL:
-            last = min(sk, min(row0 + BM, sq) + shift) - 1
-            n_kb = last // BN + 1 if last >= 0 else 0
-            all_see = min(sk, row0 + shift + 1) - 1
-        else:
-            n_kb = (sk + BN - 1) // BN
-            all_see = sk - 1
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -180,14 +178,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_max = cuda.local.array((1, 2), f32)
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
-        limit = cuda.local.array(2, i64)
-        for hh in range(2):
-            row_max[0, hh] = _NEG_INF
-            row_sum[0, hh] = _ZERO
-            if CAUSAL:
-                limit[hh] = min(sk, row0 + wrow + g + 8 * hh + shift + 1) - 1
-            else:
-                limit[hh] = sk - 1
+        limit = cuda.local.array((1, 2), i64)
+        init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
         for i in range(NACC_O):
             acc_o[i] = _ZERO
 
@@ -238,14 +230,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                         s3[0, j, e] = s[4 * j + e]
 
                 if (kb + 1) * BN - 1 > all_see:
-                    key0 = kb * BN + 2 * t
-                    for hh in range(2):
-                        rel = limit[hh] - key0
-                        for j in range(NS):
-                            if 8 * j > rel:
-                                s3[0, j, 2 * hh] = _NEG_INF
-                            if 8 * j + 1 > rel:
-                                s3[0, j, 2 * hh + 1] = _NEG_INF
+                    mask(s3, limit, kb * BN + 2 * t)
 
                 update(s3, row_max, row_sum, alpha, scale_log2)
                 for i in range(NACC_O):
@@ -269,21 +254,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             for e in range(4):
                 o3[0, j, e] = acc_o[4 * j + e]
         finalize(o3, row_sum)
-        o2 = o[b, h]
-        for hh in range(2):
-            r = row0 + wrow + g + 8 * hh
-            if r < sq:
-                for j in range(NO):
-                    c = 8 * j + 2 * t
-                    word = pack(o3[0, j, 2 * hh], o3[0, j, 2 * hh + 1])
-                    o2[r, c] = word & 0xFFFF
-                    o2[r, c + 1] = word >> 16
-                if HAS_LSE and t == 0:
-                    total = row_sum[0, hh]
-                    if total > _ZERO:
-                        lse[b, h, r] = row_max[0, hh] * scale + math.log(total)
-                    else:
-                        lse[b, h, r] = _NEG_INF
+        store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
     return kernel
 
