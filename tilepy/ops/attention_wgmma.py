@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
-from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
@@ -42,11 +41,9 @@ from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.config import SMEM_LIMIT
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
-from ..tile.smem import allow_dynamic_shared
 from ..tune.kcache import cached_jit
 from .attention_kernel import (
     DTYPES,
-    LOG2E,
     key_blocks,
     mask_scores,
     row_limits,
@@ -257,18 +254,6 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
     return kernel
-
-
-def grid(cfg: WgmmaAttentionConfig, seq_q: int, heads_q: int, batch: int):
-    return (-(-seq_q // cfg.block_m), heads_q, batch)
-
-
-def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float):
-    """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views."""
-    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
-    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
-    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
 
 
 def compile_reports():
