@@ -226,7 +226,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
-        plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
+        plan, args = fa.plan(kern, cfg, *views, o_v, lse_v, scale)  # either kernel's config
         plan.launch(arrays.stream_handle(Q), args)
     if not reusable:
         return None
