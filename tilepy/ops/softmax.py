@@ -486,6 +486,42 @@ def _groups(per_thread: int, V: int) -> int:
 
 
 @functools.cache
+def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
+    """``(K, load, sum_exp, write)`` for a row held in registers, ``K`` values per thread in
+    groups of ``vec`` (group ``g`` of the thread whose first group is ``first`` is group
+    ``first + stride·g`` of the row). ``load(x, row, first, n, vals)`` fills ``vals`` and
+    returns the thread's max; ``sum_exp(vals, m)`` its part of the row sum; ``write(out, row,
+    first, n, vals, m, s)`` turns the values into the result and stores them. Shared by the
+    warp-per-row and block-per-row kernels, which differ only in how they reduce."""
+    V = int(vec)
+    G = _groups(per_thread, V)
+    K = G * V
+    gload, gstore = _group_io(kind, V)
+    mx = combine("max")
+    finish = _from_registers(log)
+    constant = _row_constant(log)
+
+    @cuda.jit(device=True, inline="always")
+    def load(x, row, first, n, vals):
+        for g in range(G):
+            gload(x, row, (first + stride * g) * V, n, vals, g * V)
+        m = vals[0]
+        for k in range(1, K):
+            m = mx(m, vals[k])
+        return m
+
+    @cuda.jit(device=True, inline="always")
+    def write(out, row, first, n, vals, m, s):
+        kk = constant(s)
+        for k in range(K):
+            vals[k] = finish(vals[k], m, kk)
+        for g in range(G):
+            gstore(out, row, (first + stride * g) * V, n, vals, g * V)
+
+    return K, load, _exp_and_sum(K, log), write
+
+
+@functools.cache
 def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int = 1):
     """``kernel(x, out)``: rows of ``n <= 32 * per_lane`` values, one warp per row.
 
@@ -495,16 +531,9 @@ def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int =
     least ``per_lane`` values. Warps past the last row still take part in the shuffles (the
     simulator needs every thread of a block at each one) but load and store nothing.
     """
-    V = int(vec)
-    G = _groups(per_lane, V)
-    K = G * V
-    gload, gstore = _group_io(kind, V)
-    mx = combine("max")
+    K, load, sum_exp, write = _register_row(kind, log, per_lane, vec, WARP)
     row_max = warp_reduce("max")
     row_sum = warp_reduce("sum")
-    sum_exp = _exp_and_sum(K, log)
-    finish = _from_registers(log)
-    constant = _row_constant(log)
     W = int(warps)
 
     @_kernel_jit(W * WARP)
@@ -516,19 +545,10 @@ def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int =
         valid = row < rows
         n = x.shape[1] if valid else 0
         vals = cuda.local.array(K, np.float32)
-        for g in range(G):
-            gload(x, row, (lane + WARP * g) * V, n, vals, g * V)
-        m = vals[0]
-        for k in range(1, K):
-            m = mx(m, vals[k])
-        m = row_max(m)
+        m = row_max(load(x, row, lane, n, vals))
         s = row_sum(sum_exp(vals, m))
-        kk = constant(s)
         if valid:
-            for k in range(K):
-                vals[k] = finish(vals[k], m, kk)
-            for g in range(G):
-                gstore(out, row, (lane + WARP * g) * V, n, vals, g * V)
+            write(out, row, lane, n, vals, m, s)
 
     return kernel
 
@@ -542,18 +562,11 @@ def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int, vec: int
     sum go through :func:`tilepy.tile.reduce.block_row_reduce` (``warps`` floats of shared
     memory, 4 barriers). One read, one write.
     """
-    V = int(vec)
-    G = _groups(per_thread, V)
-    K = G * V
-    gload, gstore = _group_io(kind, V)
-    mx = combine("max")
     W = int(warps)
     T = W * WARP
+    K, load, sum_exp, write = _register_row(kind, log, per_thread, vec, T)
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
-    sum_exp = _exp_and_sum(K, log)
-    finish = _from_registers(log)
-    constant = _row_constant(log)
 
     @_kernel_jit(T)
     def kernel(x, out):
@@ -562,18 +575,9 @@ def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int, vec: int
         tid = cuda.threadIdx.x
         scratch = cuda.shared.array(W, np.float32)
         vals = cuda.local.array(K, np.float32)
-        for g in range(G):
-            gload(x, row, (tid + T * g) * V, n, vals, g * V)
-        m = vals[0]
-        for k in range(1, K):
-            m = mx(m, vals[k])
-        m = row_max(m, scratch)
+        m = row_max(load(x, row, tid, n, vals), scratch)
         s = row_sum(sum_exp(vals, m), scratch)
-        kk = constant(s)
-        for k in range(K):
-            vals[k] = finish(vals[k], m, kk)
-        for g in range(G):
-            gstore(out, row, (tid + T * g) * V, n, vals, g * V)
+        write(out, row, tid, n, vals, m, s)
 
     return kernel
 
