@@ -26,32 +26,71 @@ WS_CONFIGS = [{}, {"block_m": 256, "block_n": 128}, {"persistent": True},
               {"producer_regs": 0, "consumer_regs": 0}]
 
 
+def check(torch, cuda, bias, mod, kernel_fn, cfg, shape, dt, b_row):
+    """Max relative error of ``kernel_fn(cfg, b_row, dt)`` (launched through ``mod.plan``) on
+    fresh (m, k) @ (k, n) inputs, B row-major or a transposed (n, k) array, against float64."""
+    m, n, k = shape
+    tdt = getattr(torch, dt)
+    a = torch.randn(m, k, device="cuda", dtype=tdt)
+    bk = torch.randn(k, n, device="cuda", dtype=tdt) if b_row else \
+        torch.randn(n, k, device="cuda", dtype=tdt)
+    b = bk if b_row else bk.t()
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+    va, vb, vo = views(torch, cuda, a, bk, out)
+    plan, kargs = mod.plan(kernel_fn(cfg, b_row, dt), cfg, va, vb, vo, vo, bias)
+    plan.launch(0, kargs)
+    torch.cuda.synchronize()
+    ref = a.double() @ b.double()
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def squares(torch, cuda, time_cuda):
+    """(size, flop, cuBLAS ms, (a, b, out) views) for the square fp16 problems."""
+    for size in (4096, 8192):
+        a = torch.randn(size, size, device="cuda", dtype=torch.float16)
+        b = torch.randn(size, size, device="cuda", dtype=torch.float16)
+        out = torch.empty(size, size, device="cuda", dtype=torch.float16)
+        peer_ms = time_cuda(lambda: torch.matmul(a, b), warmup=3, repeat=10)
+        yield size, 2 * size**3, peer_ms, views(torch, cuda, a, b, out)
+
+
+def time_config(torch, mod, kernel_fn, cfg, va, vb, vo, bias, time_cuda):
+    """Median ms of the fp16 kernel ``kernel_fn(cfg, True, "float16")`` on the given views."""
+    plan, kargs = mod.plan(kernel_fn(cfg, True, "float16"), cfg, va, vb, vo, vo, bias)
+    ms = time_cuda(lambda: plan.launch(0, kargs), warmup=3, repeat=10)
+    torch.cuda.synchronize()
+    return ms
+
+
+def add_row(rows, size, cfg, flop, ms, peer_ms):
+    row = {"n": size, "config": cfg.describe(), "tflops": flop / ms / 1e9,
+           "peer": "torch.matmul (cuBLAS)", "peer_tflops": flop / peer_ms / 1e9,
+           "ratio": peer_ms / ms}
+    rows.append(row)
+    print(f"{size}^3 {cfg.describe()}: {row['tflops']:.1f} TFLOPS, "
+          f"{row['ratio']:.3f}x cuBLAS ({row['peer_tflops']:.1f})", flush=True)
+
+
+def _fatal(e) -> bool:
+    """The CUDA context is gone: nothing later in this process can run."""
+    return "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e)
+
+
 def ws_checks(torch, cuda, bias, checks, errors):
     from tilepy.ops import gemm_wgmma_ws as ws
 
     for cfg_kw in WS_CONFIGS[:3]:
         for (m, n, k), dt, b_row in WS_CHECKS:
             try:
-                tdt = getattr(torch, dt)
                 cfg = ws.WsConfig(dtype=dt, **cfg_kw)
-                a = torch.randn(m, k, device="cuda", dtype=tdt)
-                bk = torch.randn(k, n, device="cuda", dtype=tdt) if b_row else \
-                    torch.randn(n, k, device="cuda", dtype=tdt)
-                b = bk if b_row else bk.t()
-                out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
-                kern = ws.wgmma_ws_gemm_kernel(cfg, b_row, dt)
-                va, vb, vo = views(torch, cuda, a, bk, out)
-                plan, kargs = ws.plan(kern, cfg, va, vb, vo, vo, bias)
-                plan.launch(0, kargs)
-                torch.cuda.synchronize()
-                ref = a.double() @ b.double()
-                err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+                err = check(torch, cuda, bias, ws, ws.wgmma_ws_gemm_kernel, cfg, (m, n, k),
+                            dt, b_row)
             except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
                 errors.append({"what": f"check {cfg_kw} {m}x{n}x{k} {dt} b_row={b_row}",
                                "error": repr(e)})
                 print(f"ws check {cfg_kw} {m}x{n}x{k}: FAILED {e!r}", flush=True)
-                if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
-                    return False   # the context is gone: nothing later can run
+                if _fatal(e):
+                    return False
                 continue
             checks.append({"kernel": "wgmma_ws", "config": cfg.describe(), "shape": [m, n, k],
                            "dtype": dt, "b_row_major": b_row, "rel_err": err})
@@ -63,32 +102,19 @@ def ws_checks(torch, cuda, bias, checks, errors):
 def ws_rows(torch, cuda, bias, rows, errors, time_cuda):
     from tilepy.ops import gemm_wgmma_ws as ws
 
-    for size in (4096, 8192):
-        a = torch.randn(size, size, device="cuda", dtype=torch.float16)
-        b = torch.randn(size, size, device="cuda", dtype=torch.float16)
-        out = torch.empty(size, size, device="cuda", dtype=torch.float16)
-        flop = 2 * size**3
-        peer_ms = time_cuda(lambda: torch.matmul(a, b), warmup=3, repeat=10)
-        va, vb, vo = views(torch, cuda, a, b, out)
+    for size, flop, peer_ms, (va, vb, vo) in squares(torch, cuda, time_cuda):
         for cfg_kw in WS_CONFIGS:
             try:
                 cfg = ws.WsConfig(**cfg_kw)
-                kern = ws.wgmma_ws_gemm_kernel(cfg, True, "float16")
-                plan, kargs = ws.plan(kern, cfg, va, vb, vo, vo, bias)
-                ms = time_cuda(lambda: plan.launch(0, kargs), warmup=3, repeat=10)
-                torch.cuda.synchronize()
+                ms = time_config(torch, ws, ws.wgmma_ws_gemm_kernel, cfg, va, vb, vo, bias,
+                                 time_cuda)
             except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
                 errors.append({"what": f"time {cfg_kw} {size}^3", "error": repr(e)})
                 print(f"ws {size}^3 {cfg_kw}: FAILED {e!r}", flush=True)
-                if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
+                if _fatal(e):
                     return
                 continue
-            row = {"n": size, "config": cfg.describe(), "tflops": flop / ms / 1e9,
-                   "peer": "torch.matmul (cuBLAS)", "peer_tflops": flop / peer_ms / 1e9,
-                   "ratio": peer_ms / ms}
-            rows.append(row)
-            print(f"{size}^3 {cfg.describe()}: {row['tflops']:.1f} TFLOPS, "
-                  f"{row['ratio']:.3f}x cuBLAS ({row['peer_tflops']:.1f})", flush=True)
+            add_row(rows, size, cfg, flop, ms, peer_ms)
 
 
 def main():
@@ -106,54 +132,25 @@ def main():
     bias = cuda.as_cuda_array(torch.zeros(1, device="cuda"))
     rows, checks = [], []
     # correctness at odd shapes, both B layouts, f16 and bf16
-    for (m, n, k), dt, b_row, ov in [((1000, 1064, 520), "float16", True, False),
-                                     ((777, 3000, 1032), "bfloat16", True, False),
-                                     ((1000, 1064, 520), "float16", False, False),
-                                     ((4096, 4096, 4096), "float16", True, False),
-                                     ((777, 3000, 1032), "bfloat16", True, True),
-                                     ((4096, 4096, 4096), "float16", False, True)]:
-        tdt = getattr(torch, dt)
-        a = torch.randn(m, k, device="cuda", dtype=tdt)
-        if b_row:
-            b = torch.randn(k, n, device="cuda", dtype=tdt)
-            bk = b
-        else:
-            bk = torch.randn(n, k, device="cuda", dtype=tdt)
-            b = bk.t()
-        out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
-        cfg = gw.WgmmaConfig(dtype=dt, overlap=ov)
-        kern = gw.wgmma_gemm_kernel(cfg, b_row, dt)
-        va, vb, vo = views(torch, cuda, a, bk, out)
-        plan, kargs = gw.plan(kern, cfg, va, vb, vo, vo, bias)
-        plan.launch(0, kargs)
-        torch.cuda.synchronize()
-        ref = a.double() @ b.double()
-        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
-        checks.append({"shape": [m, n, k], "dtype": dt, "b_row_major": b_row, "overlap": ov,
+    for shape, dt, b_row, ov in [((1000, 1064, 520), "float16", True, False),
+                                 ((777, 3000, 1032), "bfloat16", True, False),
+                                 ((1000, 1064, 520), "float16", False, False),
+                                 ((4096, 4096, 4096), "float16", True, False),
+                                 ((777, 3000, 1032), "bfloat16", True, True),
+                                 ((4096, 4096, 4096), "float16", False, True)]:
+        err = check(torch, cuda, bias, gw, gw.wgmma_gemm_kernel,
+                    gw.WgmmaConfig(dtype=dt, overlap=ov), shape, dt, b_row)
+        checks.append({"shape": list(shape), "dtype": dt, "b_row_major": b_row, "overlap": ov,
                        "rel_err": err})
-        print(f"check {m}x{n}x{k} {dt} b_row={b_row} overlap={ov}: rel err {err:.2e}",
-              flush=True)
-    for size in (4096, 8192):
-        a = torch.randn(size, size, device="cuda", dtype=torch.float16)
-        b = torch.randn(size, size, device="cuda", dtype=torch.float16)
-        out = torch.empty(size, size, device="cuda", dtype=torch.float16)
-        flop = 2 * size**3
-        peer_ms = time_cuda(lambda: torch.matmul(a, b), warmup=3, repeat=10)
-        va, vb, vo = views(torch, cuda, a, b, out)
+        print(f"check {'x'.join(map(str, shape))} {dt} b_row={b_row} overlap={ov}: rel err "
+              f"{err:.2e}", flush=True)
+    for size, flop, peer_ms, (va, vb, vo) in squares(torch, cuda, time_cuda):
         for bm, bn, st, ov in [(128, 256, 4, False), (256, 128, 4, False),
                                (128, 256, 4, True), (256, 128, 4, True), (128, 128, 6, True),
                                (128, 128, 4, False)]:
             cfg = gw.WgmmaConfig(bm, bn, st, overlap=ov)
-            kern = gw.wgmma_gemm_kernel(cfg, True, "float16")
-            plan, kargs = gw.plan(kern, cfg, va, vb, vo, vo, bias)
-            ms = time_cuda(lambda: plan.launch(0, kargs), warmup=3, repeat=10)
-            torch.cuda.synchronize()
-            row = {"n": size, "config": cfg.describe(), "tflops": flop / ms / 1e9,
-                   "peer": "torch.matmul (cuBLAS)", "peer_tflops": flop / peer_ms / 1e9,
-                   "ratio": peer_ms / ms}
-            rows.append(row)
-            print(f"{size}^3 {cfg.describe()}: {row['tflops']:.1f} TFLOPS, "
-                  f"{row['ratio']:.3f}x cuBLAS ({row['peer_tflops']:.1f})", flush=True)
+            ms = time_config(torch, gw, gw.wgmma_gemm_kernel, cfg, va, vb, vo, bias, time_cuda)
+            add_row(rows, size, cfg, flop, ms, peer_ms)
     ws_errors = []
     if not args.skip_ws and ws_checks(torch, cuda, bias, checks, ws_errors):
         ws_rows(torch, cuda, bias, rows, ws_errors, time_cuda)
