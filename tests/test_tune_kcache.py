@@ -138,6 +138,7 @@ class FakeContext:
 def _kernels():
     from tilepy.ops import attention_kernel, gemm_simt, softmax
     from tilepy.ops.gemm_kernel import gemm_kernel
+    from tilepy.ops.gemm_wgmma import WgmmaConfig, wgmma_gemm_kernel
     from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 
     small = GemmConfig(BlockTile(64, 64, 32), WarpLayout(2, 2), Pipeline(3))
@@ -150,6 +151,8 @@ def _kernels():
         "attention": attention_kernel.attention_kernel(
             attention_kernel.AttentionConfig(64, dtype="float16"), False, False),
         "simt": gemm_simt.simt_gemm_kernel("gelu", True, True),
+        # the same batched kernel source as "gemm", around another block function
+        "gemm_wgmma": wgmma_gemm_kernel(WgmmaConfig(), True, "float16"),
     }
 
 
@@ -252,7 +255,7 @@ def test_generated_kernels_get_the_cache_with_stable_distinct_keys(saved):
     assert keys == {n: c[2] for n, c in second["caches"].items()}  # stable across processes
     assert keys["gemm"] == keys["gemm_again"]                     # same config, new closures
     distinct = [keys[n] for n in ("gemm", "gemm_small", "gemm_bf16", "softmax", "attention",
-                                  "simt")]
+                                  "simt", "gemm_wgmma")]
     assert len(set(distinct)) == len(distinct)                    # one entry per config
 
 

@@ -163,6 +163,14 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, c, beta, lane)
 
+    return batched_kernel(gemm_block)
+
+
+def batched_kernel(gemm_block):
+    """The kernel ``kernel(a, b, out, c, bias, alpha, beta)`` over 3-D operands: batch ``z =
+    blockIdx.y`` runs ``gemm_block`` on matrix ``z`` of each (a batch of one broadcasts).
+    Shared by the mma.sync and wgmma GEMMs; ``kernel.gemm_block`` is the block function."""
+
     @cached_jit
     def kernel(a, b, out, c, bias, alpha, beta):
         z = cuda.blockIdx.y

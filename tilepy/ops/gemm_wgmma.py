@@ -42,7 +42,7 @@ from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import store_accumulators
 from ..tile.smem import allow_dynamic_shared
-from ..tune.kcache import cached_jit
+from .gemm_kernel import batched_kernel
 
 BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit data
 WARPGROUP = 128
@@ -249,14 +249,7 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
         warp = (tid % WARPGROUP) // 32
         store(acc3, O, bm0 + wg * 64 + warp * 16, bn0, m, n, alpha, bias, C, beta, tid % 32)
 
-    @cached_jit
-    def kernel(a, b, out, c, bias, alpha, beta):
-        z = cuda.blockIdx.y
-        gemm_block(a[min(z, a.shape[0] - 1)], b[min(z, b.shape[0] - 1)], out[z],
-                   c[min(z, c.shape[0] - 1)], bias, alpha, beta)
-
-    kernel.gemm_block = gemm_block
-    return kernel
+    return batched_kernel(gemm_block)
 
 
 def grid(cfg: WgmmaConfig, m: int, n: int, batch: int = 1):
