@@ -359,19 +359,7 @@ def fingerprint(x):
 def stream_handle(op: Operand) -> int:
     """The caller's current stream on ``op``'s device as a raw handle (0: the legacy default
     stream; always 0 in the simulator)."""
-    if op.family in ("numpy", "numba") or SIMULATOR:
-        return 0
-    if op.family == "torch":
-        import torch
-
-        get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if get is not None:
-            return int(get(op.device))
-        return int(torch.cuda.current_stream(op.device).cuda_stream)
-    import cupy
-
-    with cupy.cuda.Device(op.device):
-        return int(cupy.cuda.get_current_stream().ptr)
+    return int(stream_getter(op)())
 
 
 def stream_getter(op: Operand):
