@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tilepy import arrays
+from tilepy.launch import PlanCache
 from tilepy.ops import softmax as sm
 from tilepy.ops.softmax import log_softmax, softmax
 
@@ -72,7 +73,7 @@ def force(monkeypatch):
                          "online": (0, 0)}[path]
         monkeypatch.setattr(sm, "SHORT_MAX", short)
         monkeypatch.setattr(sm, "MEDIUM_MAX", medium)
-        monkeypatch.setattr(sm, "_PLANS", {})   # plans made under other thresholds
+        monkeypatch.setattr(sm, "_PLANS", PlanCache())   # plans made under other thresholds
 
     return put
 
@@ -93,7 +94,7 @@ def special_rows(n, dtype, rng):
 # ---- the launch-plan cache ---------------------------------------------------------------------
 
 def test_repeated_calls_reuse_the_plan_with_new_data(monkeypatch):
-    monkeypatch.setattr(sm, "_PLANS", {})
+    monkeypatch.setattr(sm, "_PLANS", PlanCache())
     rng = np.random.default_rng()
     for i in range(3):
         x = rng.standard_normal((3, 40)).astype(np.float32)
@@ -216,7 +217,7 @@ def widths(monkeypatch):
     seen = []
     real = sm.vector_width
     monkeypatch.setattr(sm, "vector_width", lambda *a: seen.append(real(*a)) or seen[-1])
-    monkeypatch.setattr(sm, "_PLANS", {})
+    monkeypatch.setattr(sm, "_PLANS", PlanCache())
     return seen
 
 

@@ -206,3 +206,38 @@ def _stream_handle(stream) -> int:
         return 0
     value = getattr(handle, "value", handle)
     return int(value or 0)
+
+
+class PlanCache:
+    """An op's launch plans by call signature, at most ``limit`` of them (a process that
+    sees endless new shapes must not grow without bound: the cache starts over when full).
+
+    ``lookup(key)`` returns ``(entry, key)``: the entry or None, and the key to store a new
+    entry under — None when the key is unhashable (an argument the op's checks will reject),
+    in which case :meth:`put` stores nothing."""
+
+    def __init__(self, limit: int = 512):
+        self.limit = limit
+        self._entries: dict = {}
+
+    def lookup(self, key):
+        try:
+            return self._entries.get(key), key
+        except TypeError:
+            return None, None
+
+    def put(self, key, entry) -> None:
+        if key is None:
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[key] = entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def values(self):
+        return self._entries.values()
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import arrays
 from ..arrays import describe
+from ..launch import PlanCache
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
 from .attention_kernel import HEAD_DIMS, AttentionConfig
@@ -76,11 +77,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
-    key = (fq, fk, fv, fo, causal, scale, return_lse, layout, config)
-    try:
-        cached = _PLANS.get(key)
-    except TypeError:  # an unhashable argument: the checks below say what is wrong
-        cached = key = None
+    cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, return_lse, layout, config))
     if cached is not None:
         bound, stream, alloc_out, alloc_lse, scalars = cached
         if out is None:
@@ -91,8 +88,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
     return _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key)
 
 
-_PLANS: dict = {}
-MAX_PLANS = 512
+_PLANS = PlanCache()
 
 
 def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
@@ -159,13 +155,11 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
     if bq and hq and sq:
         cfg = config or choose_config(d, dtype)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
-        if bound is not None and key is not None:
-            if len(_PLANS) >= MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = (bound, arrays.stream_getter(Q),
+        if bound is not None:
+            _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, Q.shape, dtype),
                            arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
-                           (scale, scale * fa.LOG2E))
+                           (scale, scale * fa.LOG2E)))
     return (out, lse) if return_lse else out
 
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import arrays
 from ..arrays import describe, kernel_view
+from ..launch import PlanCache
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
 from ..tune.spaces import pick_gemm_config
@@ -113,11 +114,8 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fbias, pbias = arrays.fingerprint(bias)
     fc, pc = arrays.fingerprint(c if use_c else None)
     fo, po = arrays.fingerprint(out)
-    key = (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c)
-    try:
-        cached = _PLANS.get(key)
-    except TypeError:  # an unhashable argument: the checks below will say what is wrong
-        cached = key = None
+    cached, key = _PLANS.lookup(
+        (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
@@ -138,9 +136,7 @@ class _Cached:
         return out
 
 
-_PLANS: dict = {}
-#: How many signatures to remember (a process that sees endless new shapes must not grow).
-MAX_PLANS = 512
+_PLANS = PlanCache()
 
 
 def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32, key):
@@ -212,11 +208,9 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
         return out
     bound = _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta,
                  config, device)
-    if bound is not None and key is not None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
+    if bound is not None:
         alloc = None if caller_out else arrays.allocator(A, out_shape, out_dtype)
-        _PLANS[key] = _Cached(bound, arrays.stream_getter(A), alloc)
+        _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc))
     return out
 
 

@@ -75,7 +75,7 @@ from numba import cuda
 
 from .. import arrays
 from ..arrays import describe
-from ..launch import LaunchPlan
+from ..launch import LaunchPlan, PlanCache
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, unpack_bf16x2_f32, \
     unpack_f16x2_f32
 from ..tile.reduce import block_row_reduce, combine, warp_reduce
@@ -748,8 +748,7 @@ def _overlaps_itself(op) -> bool:
     return False
 
 
-_PLANS: dict = {}
-MAX_PLANS = 512
+_PLANS = PlanCache()
 
 
 def _softmax(x, axis, out, log: bool):
@@ -757,11 +756,7 @@ def _softmax(x, axis, out, log: bool):
     shapes, strides, device, alignment, axis), else validate, launch and remember."""
     fx, px = arrays.fingerprint(x)
     fo, po = arrays.fingerprint(out)
-    key = (fx, fo, axis, log)
-    try:
-        cached = _PLANS.get(key)
-    except TypeError:  # an unhashable axis: _checked_softmax says what is wrong
-        cached = key = None
+    cached, key = _PLANS.lookup((fx, fo, axis, log))
     if cached is not None:
         bound, stream, alloc = cached
         if out is None:
@@ -792,11 +787,9 @@ def _checked_softmax(x, axis, out, log: bool, key):
         return out
     with arrays.on_device(device):
         bound = _run(X, Out, ax, log)
-    if bound is not None and key is not None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
+    if bound is not None:
         alloc = None if caller_out else arrays.allocator(X, X.shape, X.dtype)
-        _PLANS[key] = (bound, arrays.stream_getter(X), alloc)
+        _PLANS.put(key, (bound, arrays.stream_getter(X), alloc))
     return out
 
 
