@@ -37,7 +37,7 @@ from ._env import choose_target
 SIMULATOR = choose_target()
 
 
-def _pointer(view) -> int:
+def pointer(view) -> int:
     """Device address of a Numba device array (host address of the simulator's stand-in)."""
     if SIMULATOR:
         return view._ary.ctypes.data if hasattr(view, "_ary") else view.ctypes.data
@@ -67,7 +67,7 @@ class LaunchPlan:
                 self._scalars.append((i, type(a)))
             elif hasattr(a, "shape") and hasattr(a, "strides"):
                 self._arrays.append((i, tuple(a.shape), tuple(a.strides), np.dtype(a.dtype),
-                                     _pointer(a)))
+                                     pointer(a)))
             else:
                 raise TypeError(f"argument {i}: a launch plan takes device arrays and NumPy "
                                 f"scalars, got {type(a).__name__}")
@@ -101,7 +101,7 @@ class LaunchPlan:
         self._scalar_slots = []  # per scalar argument, its ctypes slot
         for ty, a in zip(sig, args):
             if isinstance(ty, types.Array):
-                fields = [0, 0, int(a.size), int(a.dtype.itemsize), _pointer(a),
+                fields = [0, 0, int(a.size), int(a.dtype.itemsize), pointer(a),
                           *map(int, a.shape), *map(int, a.strides)]
                 cs = [ctypes.c_int64(v) for v in fields]
                 self._ptr_slots.append(cs[4])
@@ -160,7 +160,7 @@ class LaunchPlan:
 
     def launch(self, stream, args):
         """Launch with a full argument list shaped like the one the plan was built from."""
-        ptrs = [_pointer(args[i]) for i, *_ in self._arrays]
+        ptrs = [pointer(args[i]) for i, *_ in self._arrays]
         scalars = [args[i] for i, _ in self._scalars]
         self._go(stream, ptrs, scalars)
 

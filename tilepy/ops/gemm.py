@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import arrays
 from ..arrays import describe, kernel_view
-from ..launch import PlanCache
+from ..launch import PlanCache, pointer
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
 from ..tune.spaces import pick_gemm_config
@@ -230,7 +230,7 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
         bias_v = _bias_view(Bias)
         out_v = kernel_view(Out, 3)
         c_v = kernel_view(C, 3) if C is not None else out_v
-        reusable = Bias is None or Bias.byte_pointer() == _ptr(bias_v)
+        reusable = Bias is None or Bias.byte_pointer() == pointer(bias_v)
         sources = [(4, Out.byte_pointer()), (3, C.byte_pointer()) if C is not None else
                    (4, Out.byte_pointer()), (2, Bias.byte_pointer()) if Bias is not None
                    else None]
@@ -264,12 +264,6 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
     if not reusable:
         return None
     return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources)
-
-
-def _ptr(view) -> int:
-    from ..launch import _pointer
-
-    return _pointer(view)
 
 
 def _bias_view(Bias):

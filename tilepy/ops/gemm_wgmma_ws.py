@@ -55,7 +55,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..launch import SIMULATOR as _LAUNCH_SIM
-from ..launch import BoundPlan, LaunchPlan, _pointer
+from ..launch import BoundPlan, LaunchPlan, pointer
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
@@ -407,7 +407,7 @@ class TmaLaunchPlan(LaunchPlan):
         self._encoder = encoder
         self._maps = collections.OrderedDict()
         self._maps_lock = threading.Lock()
-        self._maps[(_pointer(args[0]), _pointer(args[1]))] = args[7]
+        self._maps[(pointer(args[0]), pointer(args[1]))] = args[7]
         self.maps_encoded = 1
 
     def maps_for(self, a_ptr: int, b_ptr: int, stream=0):
@@ -428,7 +428,7 @@ class TmaLaunchPlan(LaunchPlan):
         return dev
 
     def launch(self, stream, args):
-        args = list(args[:7]) + [self.maps_for(_pointer(args[0]), _pointer(args[1]), stream)]
+        args = list(args[:7]) + [self.maps_for(pointer(args[0]), pointer(args[1]), stream)]
         super().launch(stream, args)
 
     def bind(self, sources):
@@ -445,7 +445,7 @@ class _TmaBoundPlan(BoundPlan):
     def __call__(self, stream, ptrs, scalars=()):
         arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
         maps = self.plan.maps_for(arg_ptrs[0], arg_ptrs[1], stream)
-        arg_ptrs[-1] = _pointer(maps)
+        arg_ptrs[-1] = pointer(maps)
         self.plan._go(stream, arg_ptrs, scalars)
 
 
@@ -480,7 +480,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     def encoder(a_ptr, b_ptr):
         return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
 
-    maps = cuda.to_device(encoder(_pointer(a), _pointer(b)))
+    maps = cuda.to_device(encoder(pointer(a), pointer(b)))
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
