@@ -42,7 +42,7 @@ if [[ " $PART " == *" sweeps "* ]]; then
     # 3. the Hopper kernels' configs against cuBLAS / SDPA FA2
     step sweep_gemm_wgmma 280 "$PY" bench/sweep_gemm_wgmma.py \
         --json "$OUT/sweep_gemm_wgmma.json"
-    step sweep_attention 250 "$PY" bench/sweep_attention.py --quick \
+    step sweep_attention 250 "$PY" bench/sweep_attention.py --quick ${SWEEP_ATTN_ARGS:-} \
         --json "$OUT/sweep_attention.json"
 fi
 

@@ -14,7 +14,7 @@ import json
 import sys
 
 
-def configs(d, dtype):
+def configs(d, dtype, kernels=("mma_sync", "wgmma")):
     from tilepy.ops.attention_kernel import AttentionConfig
 
     # Offline sm_90 compiles (2026-11-29): at head_dim 128, warp_rows 32 and (64, 128, 16)
@@ -22,6 +22,8 @@ def configs(d, dtype):
     shapes = [(128, 64, 16), (128, 128, 16), (64, 64, 16), (128, 32, 16), (192, 64, 16)]
     if d <= 64:
         shapes += [(64, 128, 16), (128, 64, 32), (256, 64, 32)]
+    if "mma_sync" not in kernels:
+        shapes = []
     out = []
     for bm, bn, wr in shapes:
         try:
@@ -32,7 +34,7 @@ def configs(d, dtype):
     # 64 query rows
     from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 
-    for bm, bn in [(128, 128), (128, 64), (64, 128)]:
+    for bm, bn in [(128, 128), (128, 64), (64, 128)] if "wgmma" in kernels else []:
         try:
             out.append(WgmmaAttentionConfig(d, bm, bn, dtype))
         except ValueError as e:
@@ -44,6 +46,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true", help="one shape per head_dim, not causal")
+    p.add_argument("--kernels", default="mma_sync,wgmma",
+                   help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -66,7 +70,7 @@ def main():
 
             want = fa2()
             peer_ms = time_cuda(fa2, warmup=2, repeat=10)
-            for cfg in configs(d, "float16"):
+            for cfg in configs(d, "float16", args.kernels.split(",")):
                 wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows
                 tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
                       f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "")
