@@ -249,3 +249,22 @@ def test_gpu_plan_cache_matches_numba_and_follows_new_data():
     for t, v in zip(overload.argument_types, args):
         overload._prepare_args(t, v, 0, [], packed)
     assert plan.parameter_values() == [getattr(v, "value", v) for v in packed]
+
+
+def test_matrix_layout_needs_16_byte_aligned_batches():
+    """Row/column layouts are taken as they are only when every matrix of a batch starts
+    16-byte aligned; a batch stride of k·n + 1 elements makes the operand 'other' (copied)."""
+    from numpy.lib.stride_tricks import as_strided
+
+    from tilepy.arrays import describe
+    from tilepy.ops.gemm import _matrix_layout
+
+    k, n, z = 16, 32, 3
+    flat = np.ones(z * (k * n + 8), np.float16)
+    ok = as_strided(flat, (z, k, n), ((k * n + 8) * 2, n * 2, 2))
+    odd = as_strided(flat, (z, k, n), ((k * n + 1) * 2, n * 2, 2))
+    assert _matrix_layout(describe(ok, "b")) == "row"
+    assert _matrix_layout(describe(odd, "b")) == "other"
+    assert _matrix_layout(describe(odd[:1], "b")) == "row"     # one matrix: no batch stride
+    got = tilepy.gemm(np.ones((z, 4, k), np.float16), odd)
+    assert np.array_equal(got, np.full((z, 4, n), k, np.float16))

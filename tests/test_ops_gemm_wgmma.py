@@ -95,9 +95,15 @@ def test_gpu_default_path_against_cublas(dtype):
 
     if g.hopper_config(4096, 4096, 1, dtype) is None:
         pytest.skip("not a compute capability 9.0 GPU")
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    # big problems take the warp-specialised TMA kernel, medium ones the cp.async wgmma kernel
+    assert isinstance(g.hopper_config(4096, 4096, 1, dtype), WsConfig)
+    assert isinstance(g.hopper_config(1024, 1024, 2, dtype), g.hw.WgmmaConfig)
     tdt = getattr(torch, dtype)
     for m, n, k, b_col in [(3000, 2056, 1000, False), (2500, 4000, 776, True),
-                           (4096, 4096, 4096, False), (4096, 4096, 4096, False)]:
+                           (4096, 4096, 4096, False), (4096, 4096, 4096, False),
+                           (4096, 4096, 4096, True), (1024, 1024, 1000, False)]:
         a = torch.randn(m, k, device="cuda", dtype=tdt)
         b = torch.randn(n, k, device="cuda", dtype=tdt).t() if b_col else \
             torch.randn(k, n, device="cuda", dtype=tdt)
@@ -106,3 +112,21 @@ def test_gpu_default_path_against_cublas(dtype):
         ref = torch.relu(a.double() @ b.double() + bias.double())
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < TOL[dtype], (m, n, k, b_col, err)
+
+
+@pytest.mark.gpu
+def test_gpu_batch_strides_not_16_byte_multiples():
+    """A batched B whose matrices do not start 16-byte aligned (batch stride k·n + 1 elements):
+    neither cp.async nor TMA can load it as it is, so the op copies it — and is still right."""
+    torch = pytest.importorskip("torch")
+    from tilepy.ops import gemm as g
+
+    if g.hopper_config(4096, 4096, 1, "float16") is None:
+        pytest.skip("not a compute capability 9.0 GPU")
+    m, n, k, z = 1024, 2048, 512, 3
+    a = torch.randn(z, m, k, device="cuda", dtype=torch.float16)
+    flat = torch.randn(z * (k * n + 1), device="cuda", dtype=torch.float16)
+    b = torch.as_strided(flat, (z, k, n), (k * n + 1, n, 1))
+    got = tilepy.gemm(a, b)
+    ref = a.double() @ b.double()
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < TOL["float16"]

@@ -217,6 +217,12 @@ def _gpu_run(torch, cfg, a, b, b_col, bias=None):
     return out
 
 
+def _padded(torch, rows, cols, dt):
+    """A (rows, cols) view of a (rows, cols rounded up to 8) tensor: TMA needs 16-byte rows,
+    so odd widths come as views of padded storage (the op copies other operands)."""
+    return torch.randn(rows, -(-cols // 8) * 8, device="cuda", dtype=dt)[:, :cols]
+
+
 GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 2056, 1000), False),
              ((2500, 4000, 776), True), ((70, 100, 258), False), ((70, 100, 258), True)]
 
@@ -233,9 +239,8 @@ def test_gpu_against_torch(dtype, cfg_kw):
     tdt = getattr(torch, dtype)
     cfg = WsConfig(dtype=dtype, **cfg_kw)
     for (m, n, k), b_col in GPU_CASES:
-        a = torch.randn(m, k, device="cuda", dtype=tdt)
-        b = torch.randn(n, k, device="cuda", dtype=tdt).t() if b_col else \
-            torch.randn(k, n, device="cuda", dtype=tdt)
+        a = _padded(torch, m, k, tdt)
+        b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
         bias = torch.randn(n, device="cuda")
         got = _gpu_run(torch, cfg, a, b, b_col, bias)
         ref = a.double() @ b.double() + bias.double()

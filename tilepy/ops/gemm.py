@@ -31,9 +31,13 @@ SMALL = GemmConfig(BlockTile(64, 64, 32), WarpLayout(2, 2), Pipeline(3))
 SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
 
 
-# Hopper (sm_90) configs, from bench/sweep_gemm_wgmma.py (2026-11-29_s2_sweep_gemm_wgmma.json):
-# 256×128 with 4 warpgroups, 4 stages: 0.67× cuBLAS at 4096³, 0.68× at 8192³; 128×128 (4
-# stages) where 256×128 tiles would leave SMs idle; below that the mma.sync heuristic.
+# Hopper (sm_90) configs, from bench/sweep_gemm_wgmma.py. The warp-specialised TMA kernel
+# (gemm_wgmma_ws), 128×256 tiles, 2 consumer warpgroups, 4 stages, not persistent: 0.78×
+# cuBLAS at 4096³ and 0.88× at 8192³ (2026-11-30_s3_sweep_gemm_wgmma.json; persistent 0.79×
+# and 0.79×). Operands TMA cannot describe (rows not 16-byte aligned) take the cp.async wgmma
+# kernel: 256×128 with 4 warpgroups, 4 stages, 0.67× / 0.68× (2026-11-29_s2_...json); 128×128
+# (4 stages) where 256×128 tiles would leave SMs idle; below that the mma.sync heuristic.
+HOPPER_WS = (128, 256, 4)
 HOPPER_LARGE = (256, 128, 4)
 HOPPER_MEDIUM = (128, 128, 4)
 
@@ -53,10 +57,12 @@ def hopper_config(m: int, n: int, batch: int, dtype: str):
         return None
     if not _is_hopper():
         return None
-    for bm, bn, st in (HOPPER_LARGE, HOPPER_MEDIUM):
+    for bm, bn, st in (HOPPER_WS, HOPPER_LARGE, HOPPER_MEDIUM):
         # at least one whole tile each way (a batch of small matrices would leave most of
         # every 128-row tile empty), and enough tiles for every SM
         if m >= bm and n >= bn and -(-m // bm) * -(-n // bn) * batch >= SMS:
+            if (bm, bn, st) == HOPPER_WS:
+                return ws.WsConfig(bm, bn, st, dtype)
             return hw.WgmmaConfig(bm, bn, st, dtype)
     return None
 
@@ -74,11 +80,14 @@ def choose_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
 
 
 def _matrix_layout(op) -> str:
-    """'row' (unit column stride, 16-byte row stride), 'col' (its transpose), or 'other'."""
+    """'row' (unit column stride, 16-byte row stride), 'col' (its transpose), or 'other';
+    'row' and 'col' also need 16-byte aligned matrices (pointer and batch strides)."""
     s_row, s_col = op.strides[-2], op.strides[-1]
     rows, cols = op.shape[-2], op.shape[-1]
     item = arrays.ITEMSIZE[op.dtype]
-    aligned = op.byte_pointer() % 16 == 0
+    # every matrix of a batch must start 16-byte aligned too (cp.async and TMA move 16 bytes)
+    aligned = op.byte_pointer() % 16 == 0 and all(
+        (st * item) % 16 == 0 for st, d in zip(op.strides[:-2], op.shape[:-2]) if d > 1)
     if (s_col == 1 or cols == 1) and (s_row * item) % 16 == 0 and aligned:
         return "row"
     if (s_row == 1 or rows == 1) and (s_col * item) % 16 == 0 and aligned:
@@ -253,13 +262,16 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             cfg = config or hopper_config(m, n, batch, dtype) or pick_gemm_config(
                 m, n, k, batch, dtype, choose_config(m, n, k, batch, dtype), device)
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
+            a_view = kernel_view(A2, 3)
+            if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
+                    cfg, layout_b == "row", a_view, b_view):
+                cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)
             gen = hw if isinstance(cfg, hw.WgmmaConfig) else \
                 ws if isinstance(cfg, ws.WsConfig) else tc
             kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                     tc: tc.gemm_kernel}[gen](
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
-            plan, args = gen.plan(kern, cfg, kernel_view(A2, 3), b_view, out_v, c_v, bias_v,
-                                  alpha, beta)
+            plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta)
         plan.launch(stream, args)
     if not reusable:
         return None

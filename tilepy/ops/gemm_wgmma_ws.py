@@ -387,6 +387,16 @@ def layouts(cfg: WsConfig, b_row_major: bool, a, b):
     return a_layout, b_layout
 
 
+def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
+    """Whether TMA can describe the 3-D kernel views ``a`` and ``b`` as they are (16-byte rows
+    and batches, contiguous last dimension): the op's test before choosing this kernel."""
+    try:
+        layouts(cfg, b_row_major, a, b)
+    except ValueError:
+        return False
+    return pointer(a) % 16 == 0 and pointer(b) % 16 == 0
+
+
 def _maps_stream(stream):
     if SIMULATOR or stream is None:
         return 0
