@@ -36,6 +36,42 @@ def test_performance_page_is_generated_from_the_results():
     assert proc.returncode == 0, proc.stdout
 
 
+GUIDE_SMALL = "cfg = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))"
+GUIDE_BIG = "cfg = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(4))"
+
+_GUIDE_COMPILE = """
+import json, pathlib, re, sys
+from numba import config, cuda, types
+assert not config.ENABLE_CUDASIM
+code = re.findall(r"```python\\n(.*?)```", pathlib.Path(sys.argv[1]).read_text(), flags=re.S)
+ns = {"__name__": "doc_custom_offline"}
+exec(compile(code[0].replace(sys.argv[2], sys.argv[3]), "custom-kernels.md[block 0]", "exec"), ns)
+u16 = types.Array(types.uint16, 3, "C")
+sig = (u16, u16, types.Array(types.float32, 3, "C"), types.float32[::1])
+ptx, _ = cuda.compile_ptx(ns["batched_gemm_bias_gelu"].py_func, sig, cc=(9, 0))
+print(json.dumps({k: ptx.count(k) for k in ("mma.sync", "ldmatrix", "cp.async")}))
+"""
+
+
+def test_custom_kernel_guide_compiles_for_the_gpu():
+    """The simulator runs any Python, so it cannot tell whether the guide's kernel is one that
+    Numba can compile for a GPU (a config object used inside the kernel, say, is not): compile
+    it for sm_90 with the GPU-sized tile, offline, and check it uses the tensor-core path."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _GUIDE_COMPILE,
+                           str(ROOT / "docs" / "custom-kernels.md"), GUIDE_SMALL, GUIDE_BIG],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["mma.sync"] > 0 and counts["ldmatrix"] > 0 and counts["cp.async"] > 0, counts
+
+
 @pytest.mark.gpu
 def test_custom_kernel_guide_on_the_gpu_against_cublas(capsys):
     """The guide's kernel, as written but with a GPU-sized tile (the one the guide names),
@@ -48,8 +84,7 @@ def test_custom_kernel_guide_on_the_gpu_against_cublas(capsys):
     from tilepy.testing.timing import time_cuda
 
     path = ROOT / "docs" / "custom-kernels.md"
-    small = "cfg = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))"
-    big = "cfg = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(4))"
+    small, big = GUIDE_SMALL, GUIDE_BIG
     code = blocks(path)
     assert small in code[0], "the guide's config line changed: update this test"
     ns = {"__name__": "doc_custom_gpu"}

@@ -1,0 +1,94 @@
+"""Time a few Hopper GEMM configs through the public op over the benchmark shapes (squares and
+LLM projections), beside torch.matmul in the same run: which config ``gemm.hopper_config``
+should pick for which shape.
+
+    python bench/sweep_gemm_shapes.py [--json FILE] [--dtype float16]
+
+Each config's result is checked against torch once per shape before it is timed; a config that
+fails is recorded and the sweep goes on (one that kills the CUDA context ends it).
+"""
+# ruff: noqa: B023  (closures are timed inside the iteration that makes them)
+
+import argparse
+import json
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
+    (m, n, k) for m in (4096, 16384)
+    for n, k in ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096))]
+
+
+def candidates(dtype):
+    from tilepy.ops.gemm_wgmma import WgmmaConfig
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    return [("ws 128x256 s4", WsConfig(dtype=dtype)),
+            ("ws 128x256 s4 persistent", WsConfig(dtype=dtype, persistent=True)),
+            ("cp.async 128x256 s4 overlap", WgmmaConfig(128, 256, 4, dtype, overlap=True)),
+            ("cp.async 256x128 s4 overlap", WgmmaConfig(256, 128, 4, dtype, overlap=True)),
+            ("ws 128x192 s5", WsConfig(128, 192, 5, dtype))]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--dtype", default="float16")
+    args = p.parse_args()
+    import torch
+
+    import tilepy
+    from tilepy.testing.timing import time_cuda
+
+    tdt = getattr(torch, args.dtype)
+    rows, errors = [], []
+    # Clocks up first: a cold H200 idles at 345 MHz, and the first peer timed against it came
+    # out 20% slow in the 2026-11-30 sweep (bench/NOTES.md).
+    x = torch.randn(8192, 8192, device="cuda", dtype=tdt)
+    time_cuda(lambda: torch.matmul(x, x), warmup=50, repeat=5)
+    del x
+    for m, n, k in SHAPES:
+        a = torch.randn(m, k, device="cuda", dtype=tdt)
+        b = torch.randn(k, n, device="cuda", dtype=tdt)
+        out = torch.empty(m, n, device="cuda", dtype=tdt)
+        flop = 2 * m * n * k
+        peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)
+        ref = torch.matmul(a.float(), b.float())
+        for name, cfg in candidates(args.dtype):
+            try:
+                out.fill_(float("nan"))
+                tilepy.gemm(a, b, out=out, config=cfg)
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                if not err < 2e-2:
+                    raise AssertionError(f"relative error {err}")
+                ms = time_cuda(lambda: tilepy.gemm(a, b, out=out, config=cfg), warmup=3,
+                               repeat=10)
+            except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
+                errors.append({"shape": [m, n, k], "config": name, "error": repr(e)})
+                print(f"{m}x{n}x{k} {name}: FAILED {e!r}", flush=True)
+                if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
+                    break
+                continue
+            row = {"shape": [m, n, k], "dtype": args.dtype, "config": name,
+                   "describe": cfg.describe(), "tflops": flop / ms / 1e9, "ms": ms,
+                   "peer": "torch.matmul (cuBLAS)", "peer_tflops": flop / peer_ms / 1e9,
+                   "ratio": peer_ms / ms, "rel_err": err}
+            rows.append(row)
+            print(f"{m}x{n}x{k} {name}: {row['tflops']:.1f} TFLOPS {row['ratio']:.3f}x cuBLAS "
+                  f"({row['peer_tflops']:.1f})", flush=True)
+        del a, b, out, ref
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "errors": errors},
+                      f, indent=1)
+    best = {}
+    for r in rows:
+        key = tuple(r["shape"])
+        if key not in best or r["ratio"] > best[key]["ratio"]:
+            best[key] = r
+    print("== best per shape ==")
+    for key, r in best.items():
+        print(f"{'x'.join(map(str, key))}: {r['config']} {r['ratio']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
