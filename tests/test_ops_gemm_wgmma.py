@@ -99,7 +99,7 @@ def test_gpu_default_path_against_cublas(dtype):
 
     # big problems take the warp-specialised TMA kernel, medium ones the cp.async wgmma kernel
     assert isinstance(g.hopper_config(4096, 4096, 1, dtype), WsConfig)
-    assert isinstance(g.hopper_config(1024, 1024, 2, dtype), g.hw.WgmmaConfig)
+    assert isinstance(g.hopper_config(1536, 1536, 1, dtype), g.hw.WgmmaConfig)
     tdt = getattr(torch, dtype)
     for m, n, k, b_col in [(3000, 2056, 1000, False), (2500, 4000, 776, True),
                            (4096, 4096, 4096, False), (4096, 4096, 4096, False),
