@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 REPEAT = 10
 WARMUP = 2
+MAX_LEAD_US = 100_000.0   # the longest GPU spin put ahead of a timed run
 FLUSH_BYTES = 256 << 20
 L2_DEFAULT_BYTES = 50 << 20  # H200; used when PyTorch does not report the L2 size
 HOST_CALLS = 5
@@ -109,7 +110,7 @@ def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: in
         fn()
     torch.cuda.synchronize()
     host_us = host_us_per_call(torch, fn)
-    lead_us = 2.0 * host_us * inner + 100.0
+    lead_us = min(2.0 * host_us * inner + 100.0, MAX_LEAD_US)
     times, all_hidden = [], True
     for _ in range(repeat):
         for _attempt in range(3):
@@ -128,7 +129,10 @@ def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: in
             stop.synchronize()
             if not caught_up:
                 break
-            lead_us *= 4
+            # bounded: a call that waits for the GPU itself (a synchronous copy inside it)
+            # catches up with any spin, and an unbounded lead grew 4x per attempt into
+            # minutes-long spins (the bias + GELU benchmark on 2026-11-30)
+            lead_us = min(lead_us * 4, MAX_LEAD_US)
         all_hidden = all_hidden and spun and not caught_up
         times.append(cuda.event_elapsed_time(start, stop) / inner)
     return Timing(statistics.median(times), host_us, flush, all_hidden)

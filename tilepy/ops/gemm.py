@@ -271,7 +271,9 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                     tc: tc.gemm_kernel}[gen](
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
-            plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta)
+            extra = {"stream": stream} if gen is ws else {}
+            plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
+                                  **extra)
         plan.launch(stream, args)
     if not reusable:
         return None

@@ -476,13 +476,16 @@ def _sm_count() -> int:
 
 
 def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
-         sms: int | None = None):
+         sms: int | None = None, stream=0):
     """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_ws_gemm_kernel`), the
     same call as :func:`tilepy.ops.gemm_wgmma.plan`.
 
     The arguments end with the tensor maps of ``a`` and ``b`` (encoded here, for the B layout
     the kernel was generated for); the plan (:class:`TmaLaunchPlan`) re-encodes them for other
     pointers. ``sms``: the persistent grid's block count (default: the device's SMs).
+    ``stream``: where the maps are copied to the device — the launch stream, so that building
+    a plan never waits for the GPU (a synchronous copy here made every unplanned call, e.g.
+    with a bias that needs a float32 copy, wait for all earlier work).
     Raises ValueError for operands whose strides TMA cannot describe."""
     b_row_major = kernel.b_row_major
     a_layout, b_layout = layouts(cfg, b_row_major, a, b)
@@ -490,7 +493,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     def encoder(a_ptr, b_ptr):
         return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
 
-    maps = cuda.to_device(encoder(pointer(a), pointer(b)))
+    maps = cuda.to_device(encoder(pointer(a), pointer(b)), stream=_maps_stream(stream))
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
