@@ -126,22 +126,30 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     cached, key = _PLANS.lookup(
         (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c))
     if cached is not None:
-        return cached(out, [pa, pb, pbias, pc, po], alpha, beta)
+        return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
                  key)
 
 
 class _Cached:
     """A launch plan bound to gemm's operands (a, b, bias, c, out) plus what a call needs
-    besides: the stream getter and, when the caller passes no ``out``, an allocator."""
+    besides: the stream getter, when the caller passes no ``out`` an allocator, and whether
+    ``bias`` is converted to float32 per call (a float16 bias, say: the plan then reads the
+    converted copy)."""
 
-    def __init__(self, bound, stream, alloc):
+    def __init__(self, bound, stream, alloc, convert_bias=False):
         self.bound, self.stream, self.alloc = bound, stream, alloc
+        self.convert_bias = convert_bias
 
-    def __call__(self, out, ptrs, alpha, beta):
+    def __call__(self, out, ptrs, alpha, beta, bias=None):
         if out is None:
             out, ptrs[4] = self.alloc()
+        keep = None
+        if self.convert_bias:
+            keep = _bias_view(describe(bias, "bias"))
+            ptrs[2] = pointer(keep)
         self.bound(self.stream(), ptrs, (alpha, beta))
+        del keep    # stream-ordered allocators: freeing after the launch is enqueued is safe
         return out
 
 
@@ -215,11 +223,11 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
         Out = describe(out, "out")
     if m == 0 or n == 0 or batch == 0:
         return out
-    bound = _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta,
-                 config, device)
+    bound, convert_bias = _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation,
+                               alpha, beta, config, device)
     if bound is not None:
         alloc = None if caller_out else arrays.allocator(A, out_shape, out_dtype)
-        _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc))
+        _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc, convert_bias))
     return out
 
 
@@ -232,17 +240,20 @@ def _aligned(op):
 
 def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha, beta, config,
          device):
-    """Launch; return the plan bound to the operands (a, b, bias, c, out) when a later call
-    with the same signature can reuse it (no copies were needed), else None."""
+    """Launch; return (the plan bound to the operands (a, b, bias, c, out) when a later call
+    with the same signature can reuse it (no copies of a, b, c or out were needed) else None,
+    whether the bias is a float32 copy that such a call has to make again)."""
     with arrays.on_device(device):
         stream = arrays.stream_handle(A)
         bias_v = _bias_view(Bias)
         out_v = kernel_view(Out, 3)
         c_v = kernel_view(C, 3) if C is not None else out_v
-        reusable = Bias is None or Bias.byte_pointer() == pointer(bias_v)
+        reusable = True
+        convert_bias = Bias is not None and Bias.byte_pointer() != pointer(bias_v)
         sources = [(4, Out.byte_pointer()), (3, C.byte_pointer()) if C is not None else
-                   (4, Out.byte_pointer()), (2, Bias.byte_pointer()) if Bias is not None
-                   else None]
+                   (4, Out.byte_pointer()),
+                   None if Bias is None else
+                   (2, pointer(bias_v) if convert_bias else Bias.byte_pointer())]
         if dtype == "float32":
             kern = simt.simt_gemm_kernel(activation, Bias is not None, C is not None)
             plan, args = simt.plan(kern, kernel_view(A, 3), kernel_view(B, 3), out_v, c_v,
@@ -276,8 +287,8 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                                   **extra)
         plan.launch(stream, args)
     if not reusable:
-        return None
-    return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources)
+        return None, convert_bias
+    return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources), convert_bias
 
 
 def _bias_view(Bias):
