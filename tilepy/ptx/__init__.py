@@ -14,9 +14,11 @@ the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). M
   groups, matrix descriptors and their swizzles, ``setmaxnreg``
 * :mod:`~tilepy.ptx.mbarrier` — shared-memory barriers with transaction counts
 * :mod:`~tilepy.ptx.tma` — TMA tensor loads (host side: :mod:`tilepy.tile.tma`)
+* :mod:`~tilepy.ptx.barrier` — named CTA barriers (``bar.sync`` / ``bar.arrive`` id, count)
+* :mod:`~tilepy.ptx.vector` — 4/8/16-byte shared and global vector moves
 """
 
-from . import address, asm, fragments, mbarrier, mma, tma, wgmma  # noqa: F401
+from . import address, asm, barrier, fragments, mbarrier, mma, tma, vector, wgmma  # noqa: F401
 from .address import global_addr, shared_addr  # noqa: F401
 from .asm import SIMULATOR, UnsupportedTarget  # noqa: F401
 from .mma import *  # noqa: F401,F403

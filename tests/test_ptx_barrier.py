@@ -1,0 +1,173 @@
+"""Named barriers (bar.sync / bar.arrive id, count) and the vector shared/global moves: their
+simulator twins (they really block until ``count`` threads arrived, per id; producer → consumer
+ordering through bar.arrive) and their offline sm_90a compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from tilepy.offline import find_ptxas, run_in_subprocess
+from tilepy.ptx import _sim
+from tilepy.ptx import barrier as B
+from tilepy.ptx import vector as V
+from tilepy.ptx.address import global_addr, shared_addr
+
+ROUNDS = 3
+
+
+def two_warpgroups(counts, seen):
+    """256 threads: each warpgroup counts its arrivals in its own shared counter, syncs on its
+    own barrier (ids 1 and 2, 128 threads), then reads the counter — which must hold all 128
+    arrivals of this round. Then warpgroup 0 publishes a value and signals warpgroup 1 with
+    bar.arrive on id 3 (256 threads: 128 arrive, 128 wait), which must see it. Three rounds
+    reuse the barriers (generations)."""
+    tid = cuda.threadIdx.x
+    wg = tid // 128
+    box = cuda.shared.array(4, np.int32)
+    if tid == 0:
+        for i in range(4):
+            box[i] = 0
+    cuda.syncthreads()
+    for rnd in range(ROUNDS):
+        cuda.atomic.add(box, wg, 1)
+        B.bar_sync(1 + wg, 128)
+        seen[rnd, tid, 0] = box[wg] - 128 * rnd
+        B.bar_sync(1 + wg, 128)             # every read done before the next round adds
+        if wg == 0:
+            if tid == 0:
+                box[2] = 1000 + rnd
+            B.bar_sync(1, 128)              # thread 0's store before the group's arrive
+            B.bar_arrive(3, 256)
+        else:
+            B.bar_sync(3, 256)
+            seen[rnd, tid, 1] = box[2]
+    counts[tid] = box[wg]
+
+
+@pytest.mark.sim
+def test_two_warpgroups_on_different_ids_are_ordered():
+    counts = np.zeros(256, np.int32)
+    seen = np.full((ROUNDS, 256, 2), -1, np.int32)
+    cuda.jit(two_warpgroups)[1, 256](counts, seen)
+    assert (seen[:, :, 0] == 128).all(), np.unique(seen[:, :, 0])
+    for rnd in range(ROUNDS):
+        assert (seen[rnd, 128:, 1] == 1000 + rnd).all(), np.unique(seen[rnd, 128:, 1])
+    assert (counts == 128 * ROUNDS).all()
+
+
+def too_few(out):
+    """Only warp 0 arrives on a 64-thread barrier: it must block (and time out here)."""
+    if cuda.threadIdx.x < 32:
+        B.bar_sync(5, 64)
+        out[cuda.threadIdx.x] = 1
+
+
+@pytest.mark.sim
+def test_bar_sync_blocks_until_count_threads_arrived(monkeypatch):
+    monkeypatch.setattr(_sim, "WAIT_TIMEOUT", 0.5)
+    out = np.zeros(64, np.int32)
+    with pytest.raises(RuntimeError, match="only 32 of the 64 threads arrived on barrier 5"):
+        cuda.jit(too_few)[1, 64](out)
+    assert not out.any()
+
+
+def bad_args(which, out):
+    if which[0] == 0:
+        B.bar_sync(0, 64)
+    elif which[0] == 1:
+        B.bar_sync(1, 48)
+    else:
+        B.bar_sync(1, 96)
+    out[0] = 1
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("which,match", [(0, "named barriers are 1"),
+                                         (1, "multiple of 32"), (2, "32 … 64")])
+def test_twin_refuses_bad_ids_and_counts(which, match):
+    with pytest.raises(ValueError, match=match):
+        cuda.jit(bad_args)[1, 64](np.array([which], np.int32), np.zeros(1, np.int32))
+
+
+def vector_moves(src, out16, out32):
+    """Stage through shared memory with the vector moves: 4- and 8-byte stores in, 16-byte loads
+    out, 16-byte global stores."""
+    tid = cuda.threadIdx.x
+    sm = cuda.shared.array(64, np.uint32)
+    base = shared_addr(sm, 0)
+    V.st_shared_b32(base + 4 * tid, src[tid])
+    cuda.syncthreads()
+    if tid < 8:
+        w0, w1, w2, w3 = V.ld_shared_v4_b32(base + 16 * tid)
+        V.st_global_v4_b32(global_addr(out16, 4 * tid), w0, w1, w2, w3)
+    cuda.syncthreads()
+    if tid < 16:
+        V.st_shared_v2_f32(base + 8 * tid, np.float32(tid), np.float32(-tid))
+    cuda.syncthreads()
+    if tid < 8:
+        x0, x1, x2, x3 = V.ld_shared_v4_f32(base + 16 * tid)
+        V.st_global_v4_f32(global_addr(out32, 4 * tid), x0, x1, x2, x3)
+
+
+@pytest.mark.sim
+def test_vector_moves_round_trip():
+    src = np.arange(32, dtype=np.uint32) * np.uint32(0x01010101)
+    out16 = np.zeros(32, np.uint32)
+    out32 = np.zeros(32, np.float32)
+    cuda.jit(vector_moves)[1, 32](src, out16, out32)
+    assert (out16 == src).all()
+    want = np.stack([np.arange(16), -np.arange(16)], 1).reshape(-1).astype(np.float32)
+    assert (out32 == want).all()
+
+
+def misaligned(out):
+    sm = cuda.shared.array(16, np.uint32)
+    V.ld_shared_v4_b32(shared_addr(sm, 1))
+    out[0] = 1
+
+
+@pytest.mark.sim
+def test_vector_twin_refuses_misaligned_address():
+    with pytest.raises(ValueError, match="16-byte alignment"):
+        cuda.jit(misaligned)[1, 1](np.zeros(1, np.int32))
+
+
+# ---- offline compile -------------------------------------------------------------------------
+
+def compile_report():
+    """sm_90a PTX of the two-warpgroup kernel and the vector-move kernel (no simulator)."""
+    from numba import types
+
+    from tilepy.offline import compile_kernel
+
+    i32 = types.int32
+    out = []
+    rep = compile_kernel("named_barriers", two_warpgroups,
+                         (i32[::1], types.Array(i32, 3, "C")), (9, 0, "a"))
+    out.append({"name": "barrier", "ptx_lines": [ln.strip() for ln in rep.ptx.splitlines()
+                                    if ln.strip().startswith("bar")],
+                "spill_stores": rep.spill_stores, "registers": rep.registers})
+    u32 = types.uint32
+    rep = compile_kernel("vector_moves", vector_moves,
+                         (u32[::1], u32[::1], types.float32[::1]), (9, 0, "a"))
+    out.append({"name": "vector", "ptx_lines": [
+        ln.strip() for ln in rep.ptx.splitlines()
+        if ln.strip().startswith(("ld.shared", "st.shared", "st.global"))]})
+    return out
+
+
+@pytest.mark.compile
+def test_compiles_to_bar_sync_and_bar_arrive():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    rep = run_in_subprocess("tests.test_ptx_barrier:compile_report")
+    bars = rep["barrier"]["ptx_lines"]
+    assert sum(ln.startswith("bar.sync") for ln in bars) >= 4, bars
+    assert sum(ln.startswith("bar.arrive") for ln in bars) >= 1, bars
+    assert rep["barrier"]["spill_stores"] == 0
+    vec = " ".join(rep["vector"]["ptx_lines"])
+    for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v4.b32", "ld.shared.v4.f32",
+               "st.global.v4.b32", "st.global.v4.f32"):
+        assert op in vec, (op, vec)
