@@ -143,12 +143,70 @@ def test_tune_gemm_bfloat16_batched_default_space_keeps_the_heuristic_when_it_wi
     assert res.key.startswith("gemm|16x16x16x16|bfloat16|simulator|")
 
 
+def test_the_hopper_space_comes_first_on_sm90_only():
+    from tilepy.ops.gemm_wgmma import WgmmaConfig
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    big = spaces.gemm_space("bfloat16", (9, 0), 4096, 4096, 4096, hopper=True)
+    kinds = [type(c) for c in big[:len(spaces.HOPPER_CANDIDATES)]]
+    assert WsConfig in kinds and WgmmaConfig in kinds and all(c.dtype == "bfloat16" for c in big)
+    assert isinstance(big[-1], GemmConfig)
+    assert not any(isinstance(c, (WsConfig, WgmmaConfig))
+                   for c in spaces.gemm_space("float16", (8, 0), 4096, 4096, 4096, hopper=True))
+    assert not any(isinstance(c, (WsConfig, WgmmaConfig))
+                   for c in spaces.gemm_space("float16", (9, 0), 4096, 4096, 4096))
+    # no 256-wide tile for a 64-column output
+    assert all(c.block_n <= 128 for c in spaces.hopper_space("float16", 4096, 64))
+
+
+def test_a_persisted_hopper_choice_round_trips_and_needs_sm90():
+    from tilepy.ops.gemm_wgmma import WgmmaConfig
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    like90 = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(3), "bfloat16",
+                        True, (9, 0))
+    like80 = GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 2), Pipeline(3), "bfloat16",
+                        True, (8, 0))
+    for cfg in (WsConfig(256, 128, 4, "bfloat16", persistent=True),
+                WgmmaConfig(128, 256, 4, "bfloat16", overlap=True)):
+        fields = json.loads(json.dumps(spaces.config_fields(cfg)))   # as the file stores it
+        assert spaces.config_from_fields(fields, like90) == cfg
+        assert spaces.config_from_fields(fields, like80) is None
+    assert spaces.config_from_fields({"kind": "wgmma_ws", "block_n": 100}, like90) is None
+    assert spaces.config_from_fields({"kind": "nonsense"}, like90) is None
+
+
+@pytest.mark.sim
+@pytest.mark.skipif(not tilepy.SIMULATOR, reason="tiny simulator problem; on a GPU use the CLI")
+def test_a_tuned_hopper_choice_is_what_the_op_runs(tmp_path, monkeypatch):
+    """A persisted WsConfig for a problem too small for the Hopper default: the op runs it
+    (the choice comes before the heuristics), and the answer is right."""
+    from tilepy.ops import gemm as g
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    cfg = WsConfig(dtype="float16")
+    _store(70, 100, 264, 1, "float16", spaces.config_fields(cfg))
+    ran = []
+    real = g.ws.wgmma_ws_gemm_kernel
+    monkeypatch.setattr(g.ws, "wgmma_ws_gemm_kernel",
+                        lambda c, *a, **k: ran.append(c) or real(c, *a, **k))
+    g._PLANS.clear()
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((70, 264)).astype(np.float16)
+    b = rng.standard_normal((264, 104)).astype(np.float16)[:, :100]
+    got = tilepy.gemm(a, b)
+    g._PLANS.clear()
+    assert ran == [cfg]
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-3
+
+
 def test_tune_gemm_refuses_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
         spaces.tune_gemm(64, 64, 64, "float32")
     with pytest.raises(ValueError, match="m must be a positive int"):
         spaces.tune_gemm(0, 64, 64)
-    with pytest.raises(TypeError, match="GemmConfig for float16"):
+    with pytest.raises(TypeError, match="WsConfig for float16"):
         spaces.tune_gemm(64, 64, 64, configs=[GemmConfig(dtype="bfloat16")])
 
 

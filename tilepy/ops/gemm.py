@@ -14,7 +14,7 @@ from ..arrays import describe, kernel_view
 from ..launch import PlanCache, pointer
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
-from ..tune.spaces import pick_gemm_config
+from ..tune.spaces import tuned_gemm_config
 from . import gemm_kernel as tc
 from . import gemm_simt as simt
 from . import gemm_wgmma as hw
@@ -270,8 +270,11 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             B2 = B if layout_b != "other" else _aligned(B)
             reusable = reusable and A2 is A and B2 is B
             layout_b = "row" if layout_b == "other" else layout_b
-            cfg = config or hopper_config(m, n, batch, dtype) or pick_gemm_config(
-                m, n, k, batch, dtype, choose_config(m, n, k, batch, dtype), device)
+            # the caller's config, else a tuned choice persisted by `python -m tilepy tune
+            # gemm` (any kernel), else the Hopper default, else the mma.sync heuristic
+            mma_cfg = choose_config(m, n, k, batch, dtype)
+            cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \
+                hopper_config(m, n, batch, dtype) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(

@@ -44,6 +44,36 @@ GEMM_TILES = (
 )
 #: cp.async pipeline depths tried for each tile shape.
 GEMM_STAGES = (3, 4)
+#: Hopper (sm_90) candidates, tried before the mma.sync ones: (kernel, keyword arguments of its
+#: config) — the warp-specialised TMA kernel (``gemm_wgmma_ws.WsConfig``) and the cp.async one
+#: (``gemm_wgmma.WgmmaConfig``), the configs bench/sweep_gemm_wgmma.py found worth timing.
+HOPPER_CANDIDATES = (
+    ("wgmma_ws", {}), ("wgmma_ws", {"block_m": 256, "block_n": 128}),
+    ("wgmma_ws", {"persistent": True}), ("wgmma_ws", {"block_n": 192, "stages": 5}),
+    ("wgmma", {"block_m": 128, "block_n": 256, "stages": 4, "overlap": True}),
+    ("wgmma", {"block_m": 256, "block_n": 128, "stages": 4}),
+    ("wgmma", {"block_m": 128, "block_n": 128, "stages": 4}),
+)
+
+
+def _hopper_classes():
+    from ..ops.gemm_wgmma import WgmmaConfig
+    from ..ops.gemm_wgmma_ws import WsConfig
+
+    return {"wgmma_ws": WsConfig, "wgmma": WgmmaConfig}
+
+
+def hopper_space(dtype: str = "float16", m=None, n=None):
+    """The Hopper candidates for ``dtype`` (compute capability 9.0 only), without tiles far
+    larger than an (m, n) output."""
+    classes = _hopper_classes()
+    out = []
+    for kind, kw in HOPPER_CANDIDATES:
+        cfg = classes[kind](dtype=dtype, **kw)
+        if (m is None or cfg.block_m <= max(64, 2 * m)) and \
+                (n is None or cfg.block_n <= max(64, 2 * n)):
+            out.append(cfg)
+    return out
 
 
 def _device_cc():
@@ -58,12 +88,16 @@ def _device_cc():
 
 
 def gemm_space(dtype: str = "float16", cc=None, m=None, n=None, k=None, *,
-               with_rejected: bool = False):
+               with_rejected: bool = False, hopper: bool = False):
     """Candidate GEMM configs for ``dtype`` on compute capability ``cc`` (default: the current
     device's), that fit the device; with ``m``, ``n``, ``k`` also only those that fit the
-    problem. ``with_rejected=True`` returns ``(configs, [(what, why), …])``."""
+    problem. ``hopper=True`` (and cc 9.0) puts the wgmma kernels' configs
+    (:func:`hopper_space`) first. ``with_rejected=True`` returns
+    ``(configs, [(what, why), …])``."""
     cc = tuple(cc) if cc is not None else _device_cc()
     kept, rejected = [], []
+    if hopper and cc[:2] == (9, 0):
+        kept += hopper_space(dtype, m, n)
     for (bm, bn, bk), (wm, wn) in GEMM_TILES:
         for stages in GEMM_STAGES:
             what = f"{bm}x{bn}x{bk} block, {wm}x{wn} warps, {stages} stages"
@@ -111,16 +145,32 @@ def gemm_key(m, n, k, batch, dtype, gpu) -> str:
     return make_key(OP, (m, n, k, batch), dtype, gpu, _version())
 
 
-def config_fields(cfg: GemmConfig) -> dict:
-    """What a persisted choice stores to rebuild ``cfg``."""
+def config_fields(cfg) -> dict:
+    """What a persisted choice stores to rebuild ``cfg``: a GemmConfig's tile, warps, stages
+    and swizzle, or a Hopper config's kernel (``kind``) and fields (its dtype aside)."""
+    for kind, cls in _hopper_classes().items():
+        if isinstance(cfg, cls):
+            import dataclasses
+
+            return {"kind": kind, **{f.name: getattr(cfg, f.name)
+                                     for f in dataclasses.fields(cls) if f.name != "dtype"}}
     return {"block": [cfg.block.m, cfg.block.n, cfg.block.k],
             "warps": [cfg.warps.m, cfg.warps.n], "stages": cfg.pipeline.stages,
             "swizzle": cfg.swizzle}
 
 
-def config_from_fields(fields: dict, like: GemmConfig) -> GemmConfig | None:
+def config_from_fields(fields: dict, like: GemmConfig):
     """The config a persisted choice names (dtype and cc of ``like``); None if the entry is
-    malformed or no longer valid."""
+    malformed or no longer valid (a Hopper config off a compute capability 9.0 device, too)."""
+    kind = fields.get("kind", "mma_sync")
+    if kind != "mma_sync":
+        cls = _hopper_classes().get(kind)
+        if cls is None or tuple(like.cc)[:2] != (9, 0):
+            return None
+        try:
+            return cls(**{k: v for k, v in fields.items() if k != "kind"}, dtype=like.dtype)
+        except (TypeError, ValueError):
+            return None
     try:
         return GemmConfig(BlockTile(*map(int, fields["block"])),
                           WarpLayout(*map(int, fields["warps"])),
@@ -130,12 +180,21 @@ def config_from_fields(fields: dict, like: GemmConfig) -> GemmConfig | None:
         return None
 
 
-def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic: GemmConfig,
-                     device=None) -> GemmConfig:
+def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic,
+                     device=None):
     """The config ``tilepy.gemm`` should run: the persisted tuned choice for this problem, else
     ``heuristic``. Never tunes. ``device``: the CUDA device id of the operands (None: current)."""
+    choice = tuned_gemm_config(m, n, k, batch, dtype, heuristic, device)
+    return heuristic if choice is None else choice
+
+
+def tuned_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, like: GemmConfig,
+                      device=None):
+    """The persisted tuned choice for this problem (dtype and compute capability of ``like``,
+    a GemmConfig), or None: no choice, or ``TILEPY_AUTOTUNE=0``."""
     if not _enabled():
-        return heuristic
+        return None
+    heuristic = like
     key = (m, n, k, batch, dtype, device)
     try:
         choice = _choices[key]
@@ -143,7 +202,7 @@ def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic: 
         if len(_choices) >= MAX_CHOICES:
             _choices.clear()
         choice = _choices[key] = _stored_choice(m, n, k, batch, dtype, heuristic, device)
-    return heuristic if choice is None else choice
+    return choice
 
 
 def _stored_choice(m, n, k, batch, dtype, heuristic, device):
@@ -265,7 +324,7 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
     """
     import tilepy
 
-    from ..ops.gemm import choose_config
+    from ..ops.gemm import choose_config, hopper_config
 
     for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         if not isinstance(v, int) or v < 1:
@@ -273,14 +332,19 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be float16 or bfloat16 (the tensor-core path), got "
                          f"{dtype!r}")
-    heuristic = choose_config(m, n, k, batch, dtype)
+    mma_heuristic = choose_config(m, n, k, batch, dtype)
+    # the reference is what the op runs untuned: the Hopper default where it applies
+    heuristic = hopper_config(m, n, batch, dtype) or mma_heuristic
     rejected = []
     if configs is None:
-        configs, rejected = gemm_space(dtype, heuristic.cc, m, n, k, with_rejected=True)
+        configs, rejected = gemm_space(dtype, mma_heuristic.cc, m, n, k, with_rejected=True,
+                                       hopper=heuristic is not mma_heuristic)
     candidates = [heuristic] + [c for c in configs if c != heuristic]
+    kinds = (GemmConfig, *_hopper_classes().values())
     for c in candidates:
-        if not isinstance(c, GemmConfig) or c.dtype != dtype:
-            raise TypeError(f"configs must be GemmConfig for {dtype}, got {c!r}")
+        if not isinstance(c, kinds) or c.dtype != dtype:
+            raise TypeError(f"configs must be GemmConfig, WgmmaConfig or WsConfig for "
+                            f"{dtype}, got {c!r}")
 
     a, b, out, to_host = gemm_inputs(m, n, k, dtype, batch)
     t0 = time.perf_counter()
@@ -337,6 +401,6 @@ def _synchronize() -> None:
     cuda.synchronize()
 
 
-__all__ = ["GEMM_STAGES", "GEMM_TILES", "TuneResult", "config_fields", "config_from_fields",
-           "forget_choices", "gemm_inputs", "gemm_key", "gemm_space", "pick_gemm_config",
-           "tune_gemm"]
+__all__ = ["GEMM_STAGES", "GEMM_TILES", "HOPPER_CANDIDATES", "TuneResult", "config_fields",
+           "config_from_fields", "forget_choices", "gemm_inputs", "gemm_key", "gemm_space",
+           "hopper_space", "pick_gemm_config", "tune_gemm", "tuned_gemm_config"]
