@@ -16,11 +16,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tilepy import _env  # noqa: E402  (must run before numba is imported)
+from tilepy import _env
 
 SIMULATOR = _env.choose_target()
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_report_header(config):
@@ -48,3 +48,19 @@ def pytest_sessionfinish(session, exitstatus):
         reporter.write_line("tilepy: no test executed (all skipped or none collected): failing",
                             red=True)
         session.exitstatus = 1
+
+
+@pytest.fixture
+def isolated_tuning(tmp_path, monkeypatch):
+    """A fresh tuning cache directory, tuning on, quiet, and no remembered choices (GEMM or
+    attention) before or after the test."""
+    from tilepy.tune import attention_space, spaces
+
+    monkeypatch.setenv("TILEPY_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TILEPY_VERBOSE", "0")
+    monkeypatch.delenv("TILEPY_AUTOTUNE", raising=False)
+    spaces.forget_choices()
+    attention_space.forget_choices()
+    yield tmp_path
+    spaces.forget_choices()
+    attention_space.forget_choices()

@@ -8,18 +8,15 @@ import pytest
 
 import tilepy
 from tilepy.ops.gemm import choose_config
+from tilepy.testing.timing import preset_timer
 from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from tilepy.tune import spaces
 
 
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEPY_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TILEPY_VERBOSE", "0")
-    monkeypatch.delenv("TILEPY_AUTOTUNE", raising=False)
-    spaces.forget_choices()
-    yield
-    spaces.forget_choices()
+def own_cache(isolated_tuning):
+    """Every test here: its own tuning cache directory (tests/conftest.py)."""
+    return isolated_tuning
 
 
 # ---- the space -------------------------------------------------------------------------------
@@ -103,14 +100,6 @@ def test_an_unreadable_tuning_file_means_the_heuristic(tmp_path):
 
 # ---- ahead-of-time tuning (simulator) -------------------------------------------------------
 
-def order_timer(ms_in_order):
-    """A timer that runs the candidate once and reports preset times, in candidate order."""
-    times = list(ms_in_order)
-
-    def timer(fn, warmup, repeat):
-        fn()
-        return times.pop(0)
-    return timer
 
 
 @pytest.mark.sim
@@ -120,7 +109,7 @@ def test_tune_gemm_times_checks_persists_and_the_op_then_uses_it(tmp_path):
     other = GemmConfig(BlockTile(32, 32, 32), WarpLayout(2, 1), Pipeline(2))
     assert other != heuristic
     res = spaces.tune_gemm(32, 32, 32, "float16", configs=[other, heuristic],
-                           timer=order_timer([2.0, 1.0]))
+                           timer=preset_timer([2.0, 1.0]))
     assert res.config == other and res.saved
     assert [r["config"] for r in res.rows] == [heuristic.describe(), other.describe()]
     assert all("first_call_s" in r and "tflops" in r for r in res.rows)
@@ -138,7 +127,7 @@ def test_tune_gemm_bfloat16_batched_default_space_keeps_the_heuristic_when_it_wi
     res = spaces.tune_gemm(16, 16, 16, "bfloat16", batch=2,
                            configs=[GemmConfig(BlockTile(32, 32, 16), WarpLayout(1, 1),
                                                Pipeline(2), "bfloat16")],
-                           timer=order_timer([1.0, 3.0]))
+                           timer=preset_timer([1.0, 3.0]))
     assert res.config == choose_config(16, 16, 16, 2, "bfloat16")
     assert res.key.startswith("gemm|16x16x16x16|bfloat16|simulator|")
 

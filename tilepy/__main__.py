@@ -22,9 +22,13 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--ptx", action="store_true", help="print the PTX too")
     t = sub.add_parser("tune", help="time an op's candidate configs on this GPU and remember the "
                        "fastest for later calls (needs a GPU)")
-    t.add_argument("op", choices=["gemm"], help="the op to tune")
-    t.add_argument("--shape", nargs=3, type=_positive, metavar=("M", "N", "K"), required=True,
-                   help="a (M x K) @ (K x N) problem")
+    t.add_argument("op", choices=["gemm", "attention"], help="the op to tune")
+    t.add_argument("--shape", nargs="+", type=_positive, required=True,
+                   help="gemm: M N K, a (M x K) @ (K x N) problem; attention: B H S D "
+                        "(batch, query heads, sequence length, head_dim) or B H SQ SK D")
+    t.add_argument("--causal", action="store_true", help="attention: causal masking")
+    t.add_argument("--heads-kv", type=_positive, default=None,
+                   help="attention: key/value heads (GQA; default: the query heads)")
     t.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
     t.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     t.add_argument("--repeat", type=_positive, default=20,
@@ -162,16 +166,28 @@ def cmd_tune(args) -> int:
               "(no GPU found, or NUMBA_ENABLE_CUDASIM=1), where timings mean nothing",
               file=sys.stderr)
         return 1
-    from .tune import spaces
+    from .tune import attention_space, spaces
 
-    m, n, k = args.shape
-    result = spaces.tune_gemm(m, n, k, args.dtype, args.batch, repeat=args.repeat, table=False)
-    print(f"tilepy {tilepy.__version__} tune gemm {m}x{n}x{k} batch {args.batch} {args.dtype} "
-          f"on {result.key.split('|')[3]}")
+    if args.op == "gemm":
+        m, n, k = args.shape
+        result = spaces.tune_gemm(m, n, k, args.dtype, args.batch, repeat=args.repeat,
+                                  table=False)
+        what = f"gemm {m}x{n}x{k} batch {args.batch}"
+        cache = spaces.TuneCache(spaces.OP)
+    else:
+        b, h, sq, *rest = args.shape
+        sk, d = (rest[0], rest[1]) if len(rest) == 2 else (sq, rest[0])
+        result = attention_space.tune_attention(b, h, sq, sk, d, args.dtype, args.causal,
+                                                args.heads_kv, repeat=args.repeat, table=False)
+        what = (f"attention B{b} H{h}" + (f" Hkv{args.heads_kv}" if args.heads_kv else "")
+                + f" S{sq}" + (f"/{sk}" if sk != sq else "") + f" D{d}"
+                + (" causal" if args.causal else ""))
+        cache = spaces.TuneCache(attention_space.OP)
+    print(f"tilepy {tilepy.__version__} tune {what} {args.dtype} on {result.key.split('|')[3]}")
     print(result.table)
     for what, why in result.rejected:
         print(f"   {'not tried':>12}  {what}  ({why})")
-    where = spaces.TuneCache(spaces.OP).path
+    where = cache.path
     print(f"best: {result.config.describe()}" + (f"\nsaved to {where} under {result.key}"
                                                  if result.saved else "\nnot saved"))
     if args.json:
@@ -184,7 +200,14 @@ def cmd_tune(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "tune":
+        wanted = {"gemm": (3,), "attention": (4, 5)}[args.op]
+        if len(args.shape) not in wanted:
+            parser.error(f"--shape: {args.op} takes "
+                         + ("M N K" if args.op == "gemm" else "B H S D or B H SQ SK D")
+                         + f", got {len(args.shape)} values")
     if args.command == "info":
         return cmd_info()
     if args.command == "demo":

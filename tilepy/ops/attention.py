@@ -13,6 +13,7 @@ import numpy as np
 from .. import arrays
 from ..arrays import describe
 from ..launch import PlanCache
+from ..tune.attention_space import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
 from .attention_kernel import HEAD_DIMS, AttentionConfig
@@ -172,7 +173,10 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
         Out = describe(out, "out")
     lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
     if bq and hq and sq:
-        cfg = config or choose_config(d, dtype)
+        # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
+        # else the built-in one
+        cfg = config or tuned_attention_config(bq, hq, sq, sk, d, dtype, causal, device) or \
+            choose_config(d, dtype)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),

@@ -226,19 +226,21 @@ def forget_choices() -> None:
 
 @dataclass
 class TuneResult:
-    """What :func:`tune_gemm` found: the winner, every candidate's row, the printed table."""
+    """What :func:`tune_gemm` (or ``tune_attention``) found: the winner, every candidate's
+    row, the printed table."""
 
     config: GemmConfig
     rows: list
     key: str
     saved: bool
     rejected: list = field(default_factory=list)
+    op: str = OP
 
     @property
     def table(self) -> str:
         best = next((r for r in self.rows if r.get("config") == describe_config(self.config)
                      and "ms" in r), None)
-        return format_report(OP, self.rows, best)
+        return format_report(self.op, self.rows, best)
 
 
 def _module(name):
