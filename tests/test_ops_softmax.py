@@ -112,10 +112,12 @@ def test_plan_picks_the_path_by_row_length():
     for n in (1, 3, 31, 32, 33, 1000, 1024):
         p = sm.plan(n, simulator=False)
         assert p.path == "warp" and 32 * p.per_thread >= n and p.per_thread <= 32
-    for n in (1025, 5000, 16384, 16385, 32768):
-        p = sm.plan(n, simulator=False)
-        assert p.path == "block" and p.threads * p.per_thread >= n and p.threads <= 1024
-        assert p.per_thread <= (16 if n <= 16384 else 32)
+    for item in (4, 2):
+        for n in (1025, 5000, 16384, 16385, 32768):
+            p = sm.plan(n, simulator=False, itemsize=item)
+            assert p.path == "block" and p.threads * p.per_thread >= n and p.threads <= 1024
+            # 64 bytes per thread, 128 at the longest rows of a 512- or 1024-thread block
+            assert 64 <= p.per_thread * item <= 128
     for n in (32769, 1 << 20, 3 << 20):
         assert sm.plan(n, simulator=False).path == "online"
     # simulator blocks stay small
@@ -123,6 +125,79 @@ def test_plan_picks_the_path_by_row_length():
     # a bounded number of kernels: one per power-of-two bucket
     buckets = {sm.plan(n, simulator=False) for n in range(1, 20000, 7)}
     assert len(buckets) <= 12
+
+
+def test_block_plans_hold_the_same_bytes_per_thread_for_16_bit_rows():
+    """The shapes of issue 6 (GPU plans): 16-bit rows get as many bytes per thread as float32
+    ones (kept two values per register), long rows two 512-thread blocks per SM."""
+    P = sm.Plan
+    want = {  # (n, itemsize): plan
+        (2048, 4): P("block", 4, 16), (2048, 2): P("block", 2, 32),
+        (4096, 4): P("block", 8, 16), (4096, 2): P("block", 4, 32),
+        (8192, 4): P("block", 16, 16), (8192, 2): P("block", 8, 32),
+        (16384, 4): P("block", 16, 32), (16384, 2): P("block", 16, 32),
+        (32768, 4): P("block", 32, 32), (32768, 2): P("block", 16, 64),
+    }
+    for (n, item), p in want.items():
+        assert sm.plan(n, simulator=False, itemsize=item) == p, (n, item)
+        assert sm.plan(n // 2 + 1, simulator=False, itemsize=item) == p, (n // 2 + 1, item)
+    # around the thresholds: the next bucket up
+    assert sm.plan(8193, simulator=False).per_thread == 32            # f32 512 x 32
+    assert sm.plan(16385, simulator=False).threads == 1024            # f32 1024 x 32
+    assert sm.plan(16385, simulator=False, itemsize=2).per_thread == 64
+    assert sm.plan(32769, simulator=False, itemsize=2).path == "online"
+    # two blocks per SM (64 registers) for the 512-thread vector kernels; a scalar 16-bit
+    # kernel of 64 float32 registers per thread keeps one
+    assert sm.launch_bounds(want[32768, 2], "float16", 8) == (512, 2)
+    assert sm.launch_bounds(want[16384, 4], "float32", 4) == (512, 2)
+    assert sm.launch_bounds(want[32768, 2], "float16", 1) == 512
+    assert sm.launch_bounds(want[32768, 4], "float32", 4) == 1024
+    assert sm.launch_bounds(want[32768, 2], "float16", 8, log=True) == 512
+    assert sm.launch_bounds(want[16384, 2], "float16", 8, log=True) == (512, 2)
+    assert sm.packs_registers("float16", 8) and sm.packs_registers("bfloat16", 8)
+    assert not sm.packs_registers("float16", 1) and not sm.packs_registers("float32", 4)
+    # the simulator uses the dtype too, within its small blocks
+    assert sm.plan(5000, simulator=True, itemsize=2).threads <= sm.SIM_MEDIUM_MAX_THREADS
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("path,n,width", [("warp", 8, 8), ("warp", 9, 16), ("warp", 63, 64),
+                                          ("block", 255, 256), ("block", 256, 256),
+                                          ("block", 257, 264), ("block", 263, 264)])
+def test_packed_16_bit_rows_around_group_edges(force, widths, path, n, width, dtype):
+    """The packed 16-bit register rows (two values per word): n at, just below and just past
+    a multiple of the 8-value groups (one or two groups per thread, some wholly past the
+    row), odd n (a word half inside the row), special rows, softmax and log_softmax into a
+    NaN-poisoned output, and nothing written past the row."""
+    force(path)
+    rng = np.random.default_rng(n + 17)
+    base = aligned(5, width, dtype, rng)
+    base[:, :n] = special_rows(n, dtype, rng)
+    x = base[:, :n]
+    for log in (False, True):
+        out = aligned(5, width, dtype, rng)
+        out[...] = np.nan
+        FUNCS["log_softmax" if log else "softmax"](x, out=out[:, :n])
+        check(out[:, :n], reference(x, log=log), dtype, log=log)
+        assert np.isnan(out[:, n:].astype(np.float32)).all(), "wrote past the row"
+    assert set(widths) == {8}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_rows_with_several_groups_per_thread(force, monkeypatch, dtype):
+    """A block of 32 threads × 32 values (4 groups of 8 per thread), rows that fill every
+    group (the straight-line loads) and rows that end inside a thread's last groups."""
+    force("block")
+    monkeypatch.setattr(sm, "SIM_MEDIUM_MAX_THREADS", 32)
+    rng = np.random.default_rng(21)
+    for n in (1024, 1023, 1000, 777):
+        assert sm.plan(n, itemsize=2) == sm.Plan("block", 1, 32)
+        x = aligned(3, 1024, dtype, rng)[:, :n]
+        x[1] = special_rows(n, dtype, rng)[3]          # a NaN row
+        out = poisoned(x.shape, dtype)
+        softmax(x, out=out)
+        check(out, reference(x), dtype)
+        check(log_softmax(x), reference(x, log=True), dtype, log=True)
 
 
 # ---- lengths, as the issue lists them ---------------------------------------------------------
@@ -421,6 +496,34 @@ def test_one_kernel_per_path_compiles_for_sm90_without_spills():
         assert rep["maxntid"], name
         assert rep["registers"] * rep["threads"] <= 65536, (name, rep["registers"])
         assert rep["ex2"] >= 1 and rep["counts"]["shfl"] >= 10, name
+
+
+@pytest.mark.compile
+def test_long_16_bit_row_kernels_compile_for_sm90_with_two_blocks_per_sm():
+    """The kernels of 16384 / 32768-value float16 and bfloat16 rows: 512 threads, 64
+    registers at most (two blocks per SM: 2 × 512 × 64 = the register file), no spills, no
+    local memory; 4 or 8 16-byte loads per thread (64 or 128 bytes in flight per thread).
+    log_softmax at 32768 keeps one block per SM (launch bounds 512 only) and must not spill."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.skip("ptxas not found (install the test extra)")
+    reports = run_in_subprocess("tilepy.ops.softmax:compile_reports_long_16_bit")
+    assert set(reports) == {f"{n}:A" for n in sm.LONG_16_BIT}
+    for name, rep in reports.items():
+        assert "error" not in rep, rep["error"]
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, (name, rep)
+        assert rep["stack_frame"] == 0 and rep["local_bytes"] == 0, name
+        assert rep["counts"]["ld.local"] == 0 and rep["counts"]["st.local"] == 0, name
+        assert rep["maxntid"], name
+        if name.startswith("log_softmax_float16_n32768"):
+            assert rep["launch_bounds"] == 512, name
+            continue
+        if "n4096" in name:
+            assert rep["threads"] == 128 and rep["registers"] <= 56, (name, rep["registers"])
+            continue
+        assert rep["threads"] == 512 and rep["launch_bounds"] == [512, 2], name
+        assert rep["registers"] <= 64, (name, rep["registers"])      # two blocks per SM
 
 
 # ---- GPU: full size against PyTorch ------------------------------------------------------------

@@ -90,8 +90,14 @@ SHORT_MAX = 1024
 MEDIUM_MAX = 32768
 #: Rows (warps) per block of the warp path.
 SHORT_WARPS = 4
-#: Values per thread the block path aims at; threads = bucket / this, within [32, max].
-MEDIUM_PER_THREAD = 16
+#: Bytes per thread the block path aims at (16 float32 / 32 16-bit values: four 16-byte
+#: loads in flight per thread); threads = bucket bytes / this, within [32, MEDIUM_WIDE_THREADS].
+MEDIUM_BYTES_PER_THREAD = 64
+#: Threads of the block path for long rows: blocks of this size get launch bounds for two
+#: blocks per SM (at most 64 registers), so one block's loads overlap the other's reductions.
+#: A row of more than MEDIUM_WIDE_THREADS × 2 × MEDIUM_BYTES_PER_THREAD bytes takes
+#: MEDIUM_MAX_THREADS threads (float32 32768: 1024 × 32 values, one block per SM).
+MEDIUM_WIDE_THREADS = 512
 #: Largest block of the block path (GPU / simulator, where every thread is a Python thread).
 MEDIUM_MAX_THREADS = 1024
 SIM_MEDIUM_MAX_THREADS = 128
@@ -126,16 +132,27 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def plan(n: int, *, simulator: bool | None = None) -> Plan:
-    """The kernel and its sizes for rows of ``n`` values (``n >= 1``)."""
+def plan(n: int, *, simulator: bool | None = None, itemsize: int = 4) -> Plan:
+    """The kernel and its sizes for rows of ``n`` values (``n >= 1``) of ``itemsize`` bytes.
+
+    Block path: the same bytes per thread for every dtype (:data:`MEDIUM_BYTES_PER_THREAD`;
+    16-bit rows are kept two values per register, :func:`packs_registers`), so a float16
+    thread has as many bytes in flight as a float32 one; up to MEDIUM_WIDE_THREADS threads
+    (two blocks per SM), then twice the bytes per thread, then MEDIUM_MAX_THREADS threads."""
     sim = arrays.SIMULATOR if simulator is None else simulator
     if n <= SHORT_MAX:
         bucket = max(WARP, _pow2_at_least(n))
         return Plan("warp", SHORT_WARPS, bucket // WARP)
     if n <= MEDIUM_MAX:
         bucket = _pow2_at_least(n)
-        top = SIM_MEDIUM_MAX_THREADS if sim else MEDIUM_MAX_THREADS
-        threads = min(top, max(WARP, bucket // MEDIUM_PER_THREAD))
+        per = max(1, MEDIUM_BYTES_PER_THREAD // int(itemsize))
+        if sim:
+            threads = min(SIM_MEDIUM_MAX_THREADS, max(WARP, bucket // per))
+        else:
+            threads = max(WARP, bucket // per)
+            if threads > MEDIUM_WIDE_THREADS:
+                threads = MEDIUM_WIDE_THREADS if bucket // MEDIUM_WIDE_THREADS <= 2 * per \
+                    else MEDIUM_MAX_THREADS
         return Plan("block", threads // WARP, bucket // threads)
     warps, unroll = SIM_ONLINE if sim else ONLINE
     return Plan("online", warps, unroll)
@@ -362,7 +379,14 @@ def _group_io(kind: str, V: int):
     ``r`` as float32 (-inf past ``n``); ``gstore(out, r, c0, n, vals, b)``: the reverse, only
     columns below ``n``. ``V == 1``: one scalar access. Otherwise one 16-byte vector access when
     the group lies wholly inside the row, else (the row's tail) scalar accesses; ``c0`` must be
-    a multiple of ``V`` and rows 16-byte aligned (:func:`vector_width`)."""
+    a multiple of ``V`` and rows 16-byte aligned (:func:`vector_width`).
+
+    Returns ``(gload, gstore, fload, fstore)``: ``fload`` / ``fstore`` are the same accesses
+    for a group known to lie wholly inside the row (no test, no tail code). A caller that
+    knows all of a thread's groups are inside the row uses them in straight-line code, so
+    that ptxas issues every load before the first use of any: with ``gload`` per group, the
+    unpacking of a 16-bit vector sits inside its group's branch, which made each load wait
+    for the one before (one 16-byte load in flight per thread; see :func:`_register_row`)."""
     load, store = _element_io(kind)
     if V == 1:
         @cuda.jit(device=True, inline="always")
@@ -377,7 +401,15 @@ def _group_io(kind: str, V: int):
             if c0 < n:
                 store(out, r, c0, vals[b])
 
-        return gload, gstore
+        @cuda.jit(device=True, inline="always")
+        def fload(x, r, c0, vals, b):
+            vals[b] = load(x, r, c0)
+
+        @cuda.jit(device=True, inline="always")
+        def fstore(out, r, c0, vals, b):
+            store(out, r, c0, vals[b])
+
+        return gload, gstore, fload, fstore
 
     if kind == "float32":
         assert V == 4
@@ -439,7 +471,7 @@ def _group_io(kind: str, V: int):
                 if c0 + i < n:
                     store(out, r, c0 + i, vals[b + i])
 
-    return gload, gstore
+    return gload, gstore, vec_load, vec_store
 
 
 def _pointer_of(view) -> int:
@@ -471,13 +503,26 @@ def vector_width(kind: str, *views) -> int:
 
 # ---- kernels --------------------------------------------------------------------------------
 
-def _kernel_jit(threads: int):
-    """``cuda.jit`` with ``launch_bounds=threads`` on the GPU: ptxas then keeps the registers
-    within what a block of that size may use (64 per thread at 1024 threads), instead of
-    failing the launch. The simulator's jit takes no launch bounds."""
+def _kernel_jit(bounds):
+    """``cuda.jit`` with ``launch_bounds=bounds`` (threads, or (threads, min blocks per SM))
+    on the GPU: ptxas then keeps the registers within what a block of that size may use (64
+    per thread at 1024 threads, or at 512 threads and two blocks), instead of failing the
+    launch. The simulator's jit takes no launch bounds."""
     if arrays.SIMULATOR:
         return cuda.jit
-    return cached_jit(launch_bounds=int(threads))
+    return cached_jit(launch_bounds=bounds)
+
+
+def launch_bounds(p: Plan, kind: str, vec: int, log: bool = False):
+    """The launch bounds of the kernel of plan ``p``: its threads, plus a minimum of two
+    blocks per SM for MEDIUM_WIDE_THREADS-thread blocks of the block path, except when the
+    values would not fit in 64 registers: scalar 16-bit kernels keep a float32 register per
+    value (more than 32 values per thread), and the packed log_softmax kernel of 64 values per
+    thread spilled (212 spill stores at 64 registers, offline sm_90), so it keeps one."""
+    wide = p.path == "block" and p.threads == MEDIUM_WIDE_THREADS
+    if wide and (p.per_thread <= 32 or (packs_registers(kind, vec) and not log)):
+        return (p.threads, 2)
+    return p.threads
 
 
 def _groups(per_thread: int, V: int) -> int:
@@ -485,26 +530,42 @@ def _groups(per_thread: int, V: int) -> int:
     return max(1, -(-int(per_thread) // int(V)))
 
 
+def packs_registers(kind: str, vec: int) -> bool:
+    """True when the register kernels keep a 16-bit row as it came from memory, two values
+    per uint32 register (:func:`_packed_register_row`): 16-bit data with 16-byte accesses."""
+    return kind in ("float16", "bfloat16") and int(vec) == VECTOR_BYTES // 2
+
+
 @functools.cache
 def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
-    """``(K, load, sum_exp, write)`` for a row held in registers, ``K`` values per thread in
-    groups of ``vec`` (group ``g`` of the thread whose first group is ``first`` is group
-    ``first + stride·g`` of the row). ``load(x, row, first, n, vals)`` fills ``vals`` and
-    returns the thread's max; ``sum_exp(vals, m)`` its part of the row sum; ``write(out, row,
-    first, n, vals, m, s)`` turns the values into the result and stores them. Shared by the
-    warp-per-row and block-per-row kernels, which differ only in how they reduce."""
+    """``(slots, dtype, load, sum_exp, write)`` for a row held in registers, ``K`` values per
+    thread in groups of ``vec`` (group ``g`` of the thread whose first group is ``first`` is
+    group ``first + stride·g`` of the row). The kernel holds them in ``cuda.local.array(slots,
+    dtype)``: K float32 values, or (:func:`packs_registers`) K/2 uint32 words of two 16-bit
+    values. ``load(x, row, first, n, vals)`` fills ``vals`` and returns the thread's max;
+    ``sum_exp(vals, m)`` its part of the row sum; ``write(out, row, first, n, vals, m, s)``
+    turns the values into the result and stores them. Shared by the warp-per-row and
+    block-per-row kernels, which differ only in how they reduce."""
+    if packs_registers(kind, vec):
+        return _packed_register_row(kind, log, per_thread, stride)
     V = int(vec)
     G = _groups(per_thread, V)
     K = G * V
-    gload, gstore = _group_io(kind, V)
+    gload, gstore, fload, fstore = _group_io(kind, V)
     mx = combine("max")
     finish = _from_registers(log)
     constant = _row_constant(log)
 
+    LAST = stride * (G - 1)
+
     @cuda.jit(device=True, inline="always")
     def load(x, row, first, n, vals):
-        for g in range(G):
-            gload(x, row, (first + stride * g) * V, n, vals, g * V)
+        if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
+            for g in range(G):
+                fload(x, row, (first + stride * g) * V, vals, g * V)
+        else:
+            for g in range(G):
+                gload(x, row, (first + stride * g) * V, n, vals, g * V)
         m = vals[0]
         for k in range(1, K):
             m = mx(m, vals[k])
@@ -515,10 +576,123 @@ def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
         kk = constant(s)
         for k in range(K):
             vals[k] = finish(vals[k], m, kk)
-        for g in range(G):
-            gstore(out, row, (first + stride * g) * V, n, vals, g * V)
+        if (first + LAST) * V + V <= n:
+            for g in range(G):
+                fstore(out, row, (first + stride * g) * V, vals, g * V)
+        else:
+            for g in range(G):
+                gstore(out, row, (first + stride * g) * V, n, vals, g * V)
 
-    return K, load, _exp_and_sum(K, log), write
+    return K, np.float32, load, _exp_and_sum(K, log), write
+
+
+#: Bits of -inf (the value of columns past the row) in float16 / bfloat16.
+_NEG_INF_BITS = {"float16": 0xFC00, "bfloat16": 0xFF80}
+
+
+@functools.cache
+def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
+    """:func:`_register_row` for 16-bit data with 16-byte accesses: the thread keeps the
+    words it loaded (two values each, ``lo`` = the lower column), K/2 registers for K values
+    instead of K, and widens a word whenever it needs the values: for the max, for the sum of
+    exponentials, and again for the output (softmax computes ``2^((v - m)·log2 e)`` a second
+    time there instead of keeping K float32 exponentials: the same ex2.approx of the same
+    argument, so the same result). With the registers halved a thread can hold as many bytes
+    as a float32 one (64 values in the 64 registers of a 1024-thread or 2-blocks-of-512 launch).
+    Columns past ``n`` load as -inf bits and are never stored."""
+    V = VECTOR_BYTES // 2
+    H = V // 2                       # words per group
+    G = _groups(per_thread, V)
+    K = G * V
+    KW = K // 2
+    LAST = stride * (G - 1)
+    unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
+    pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
+    mx = combine("max")
+    finish = _finish(log)
+    constant = _row_constant(log)
+    NEG = np.uint32(_NEG_INF_BITS[kind])
+    SIXTEEN = np.uint32(16)
+    LOW = np.uint32(0xFFFF)
+
+    @cuda.jit(device=True, inline="always")
+    def bits(x, r, c, n):
+        b = NEG
+        if c < n:
+            b = np.uint32(x[r, c])
+        return b
+
+    @cuda.jit(device=True, inline="always")
+    def load(x, row, first, n, words):
+        if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
+            for g in range(G):
+                w0, w1, w2, w3 = vload(x, row, (first + stride * g) * V)
+                words[g * H] = w0
+                words[g * H + 1] = w1
+                words[g * H + 2] = w2
+                words[g * H + 3] = w3
+        else:
+            for g in range(G):
+                c0 = (first + stride * g) * V
+                if c0 + V <= n:
+                    w0, w1, w2, w3 = vload(x, row, c0)
+                    words[g * H] = w0
+                    words[g * H + 1] = w1
+                    words[g * H + 2] = w2
+                    words[g * H + 3] = w3
+                else:
+                    for i in range(H):
+                        c = c0 + 2 * i
+                        words[g * H + i] = bits(x, row, c, n) | (bits(x, row, c + 1, n)
+                                                                  << SIXTEEN)
+        m, hi = unpack(words[0])
+        m = mx(m, hi)
+        for j in range(1, KW):
+            lo, hi = unpack(words[j])
+            m = mx(mx(m, lo), hi)
+        return m
+
+    @cuda.jit(device=True, inline="always")
+    def sum_exp(words, m):
+        s = _ZERO
+        for j in range(KW):
+            lo, hi = unpack(words[j])
+            s += ex2_approx((lo - m) * _LOG2E)
+            s += ex2_approx((hi - m) * _LOG2E)
+        return s
+
+    @cuda.jit(device=True, inline="always")
+    def result(w, m, kk):
+        lo, hi = unpack(w)
+        return pack(finish(lo, m, kk), finish(hi, m, kk))
+
+    @cuda.jit(device=True, inline="always")
+    def store_group(out, row, c0, words, b, m, kk):
+        vstore(out, row, c0, result(words[b], m, kk), result(words[b + 1], m, kk),
+               result(words[b + 2], m, kk), result(words[b + 3], m, kk))
+
+    @cuda.jit(device=True, inline="always")
+    def write(out, row, first, n, words, m, s):
+        # group by group (a group's words die as soon as it is stored: fewer live registers)
+        kk = constant(s)
+        if (first + LAST) * V + V <= n:
+            for g in range(G):
+                store_group(out, row, (first + stride * g) * V, words, g * H, m, kk)
+        else:
+            for g in range(G):
+                c0 = (first + stride * g) * V
+                if c0 + V <= n:
+                    store_group(out, row, c0, words, g * H, m, kk)
+                else:
+                    for i in range(H):
+                        c = c0 + 2 * i
+                        if c < n:
+                            w = result(words[g * H + i], m, kk)
+                            out[row, c] = w & LOW
+                            if c + 1 < n:
+                                out[row, c + 1] = w >> SIXTEEN
+
+    return KW, np.uint32, load, sum_exp, write
 
 
 @functools.cache
@@ -531,7 +705,7 @@ def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int =
     least ``per_lane`` values. Warps past the last row still take part in the shuffles (the
     simulator needs every thread of a block at each one) but load and store nothing.
     """
-    K, load, sum_exp, write = _register_row(kind, log, per_lane, vec, WARP)
+    K, DT, load, sum_exp, write = _register_row(kind, log, per_lane, vec, WARP)
     row_max = warp_reduce("max")
     row_sum = warp_reduce("sum")
     W = int(warps)
@@ -544,7 +718,7 @@ def warp_rows_kernel(kind: str, log: bool, per_lane: int, warps: int, vec: int =
         row = cuda.blockIdx.x * W + (tid >> 5)
         valid = row < rows
         n = x.shape[1] if valid else 0
-        vals = cuda.local.array(K, np.float32)
+        vals = cuda.local.array(K, DT)
         m = row_max(load(x, row, lane, n, vals))
         s = row_sum(sum_exp(vals, m))
         if valid:
@@ -564,17 +738,17 @@ def block_row_kernel(kind: str, log: bool, per_thread: int, warps: int, vec: int
     """
     W = int(warps)
     T = W * WARP
-    K, load, sum_exp, write = _register_row(kind, log, per_thread, vec, T)
+    K, DT, load, sum_exp, write = _register_row(kind, log, per_thread, vec, T)
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
 
-    @_kernel_jit(T)
+    @_kernel_jit(launch_bounds(Plan("block", W, int(per_thread)), kind, vec, log))
     def kernel(x, out):
         n = x.shape[1]
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         scratch = cuda.shared.array(W, np.float32)
-        vals = cuda.local.array(K, np.float32)
+        vals = cuda.local.array(K, DT)
         m = row_max(load(x, row, tid, n, vals), scratch)
         s = row_sum(sum_exp(vals, m), scratch)
         write(out, row, tid, n, vals, m, s)
@@ -598,11 +772,12 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
     V = int(vec)
     G = _groups(unroll, V)
     U = G * V
-    gload, gstore = _group_io(kind, V)
+    gload, gstore, fload, fstore = _group_io(kind, V)
     mx = combine("max")
     W = int(warps)
     T = W * WARP
     STEP = T * U
+    LAST = T * (G - 1)
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
     finish = _finish(log)
@@ -618,8 +793,12 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
         m = _NEG_INF
         s = _ZERO
         for base in range(0, n, STEP):
-            for g in range(G):
-                gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
+            if base + (tid + LAST) * V + V <= n:    # the whole step inside the row
+                for g in range(G):
+                    fload(x, row, base + (tid + T * g) * V, vals, g * V)
+            else:
+                for g in range(G):
+                    gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
             step_max = vals[0]
             for u in range(1, U):
                 step_max = mx(step_max, vals[u])
@@ -635,12 +814,20 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
         total = row_sum(s, scratch)
         kk = constant(total)
         for base in range(0, n, STEP):
-            for g in range(G):
-                gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
-            for u in range(U):
-                vals[u] = finish(vals[u], big_m, kk)
-            for g in range(G):
-                gstore(out, row, base + (tid + T * g) * V, n, vals, g * V)
+            if base + (tid + LAST) * V + V <= n:
+                for g in range(G):
+                    fload(x, row, base + (tid + T * g) * V, vals, g * V)
+                for u in range(U):
+                    vals[u] = finish(vals[u], big_m, kk)
+                for g in range(G):
+                    fstore(out, row, base + (tid + T * g) * V, vals, g * V)
+            else:
+                for g in range(G):
+                    gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
+                for u in range(U):
+                    vals[u] = finish(vals[u], big_m, kk)
+                for g in range(G):
+                    gstore(out, row, base + (tid + T * g) * V, n, vals, g * V)
 
     return kernel
 
@@ -663,7 +850,7 @@ def launch_plan(x2, out2, kind: str, log: bool, p: Plan | None = None):
     (rows, n); ``out2`` may be ``x2`` itself (in place). 16-byte vector kernels when both
     views allow them (:func:`vector_width`), else the scalar ones."""
     rows, n = x2.shape
-    p = p or plan(n)
+    p = p or plan(n, itemsize=x2.dtype.itemsize)
     kern = kernel_for(p, kind, log, vector_width(kind, x2, out2))
     blocks = -(-rows // p.warps) if p.path == "warp" else rows
     return LaunchPlan(kern, (x2, out2), blocks, p.threads), (x2, out2)
@@ -672,7 +859,7 @@ def launch_plan(x2, out2, kind: str, log: bool, p: Plan | None = None):
 def launch(x2, out2, kind: str, log: bool, stream=0, p: Plan | None = None) -> Plan:
     """Run the kernel for 2-D kernel views ``x2``, ``out2`` (rows, n) on ``stream``.
     ``out2`` may be ``x2`` itself (in place). Returns the plan used."""
-    p = p or plan(x2.shape[1])
+    p = p or plan(x2.shape[1], itemsize=x2.dtype.itemsize)
     lp, args = launch_plan(x2, out2, kind, log, p)
     lp.launch(stream, args)
     return p
@@ -919,14 +1106,19 @@ def compile_plans():
     items = []
     for kind in ("float32", "float16"):
         for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 32769):
-            p = plan(n, simulator=False)
+            p = plan(n, simulator=False, itemsize=_ITEMSIZE[kind])
             items.append((f"softmax_{kind}_n{n}_{p.path}_{p.warps}w_x{p.per_thread}", p, kind,
                           False))
     for n in (1024, 16384, 32768, 32769):
-        p = plan(n, simulator=False)
+        p = plan(n, simulator=False, itemsize=2)
         items.append((f"softmax_bfloat16_n{n}_{p.path}", p, "bfloat16", False))
+        items.append((f"log_softmax_float16_n{n}_{p.path}", p, "float16", True))
+        p = plan(n, simulator=False)
         items.append((f"log_softmax_float32_n{n}_{p.path}", p, "float32", True))
     return items
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def compile_reports(only=None, layouts=("A",)):
@@ -951,9 +1143,11 @@ def compile_reports(only=None, layouts=("A",)):
             entry = {"name": f"{name}:{layout}", "layout": layout, "path": p.path,
                      "warps": p.warps, "per_thread": p.per_thread, "threads": p.threads,
                      "kind": kind, "log": log}
+            bounds = launch_bounds(p, kind, natural_width(kind), log)
+            entry["launch_bounds"] = bounds
             try:
                 rep = compile_kernel(name, kernel_for(p, kind, log).py_func,
-                                     argtypes(kind, layout), (9, 0), launch_bounds=p.threads)
+                                     argtypes(kind, layout), (9, 0), launch_bounds=bounds)
             except Exception as e:  # noqa: BLE001  (reported per kernel)
                 entry["error"] = f"{type(e).__name__}: {e}"
             else:
@@ -969,12 +1163,23 @@ def compile_reports(only=None, layouts=("A",)):
 
 
 #: One kernel of each path, for the quick check in the test suite.
-ONE_PER_PATH = ("softmax_float16_n1024_warp_4w_x32", "softmax_float32_n16384_block_32w_x16",
+ONE_PER_PATH = ("softmax_float16_n1024_warp_4w_x32", "softmax_float32_n16384_block_16w_x32",
                 "softmax_bfloat16_n32769_online")
+
+#: The kernels of the long 16-bit rows of issue 6 (16384×4096, 4096×32768, the 16384-column
+#: sweep point), float16 and bfloat16, softmax and log_softmax.
+LONG_16_BIT = ("softmax_float16_n4096_block_4w_x32", "softmax_float16_n16384_block_16w_x32",
+               "softmax_float16_n32768_block_16w_x64", "softmax_bfloat16_n16384_block",
+               "softmax_bfloat16_n32768_block", "log_softmax_float16_n16384_block",
+               "log_softmax_float16_n32768_block")
 
 
 def compile_reports_one_per_path():
     return compile_reports(ONE_PER_PATH, layouts=("A", "C"))
+
+
+def compile_reports_long_16_bit():
+    return compile_reports(LONG_16_BIT, layouts=("A",))
 
 
 __all__ = ["MEDIUM_MAX", "SHORT_MAX", "Plan", "log_softmax", "plan", "softmax"]
