@@ -16,8 +16,9 @@ path       rows                    how
                                    lane holds ``bucket/32`` values in registers (bucket = the
                                    next power of two ≥ max(n, 32)); warp shuffles only.
 ``block``  ``n <= MEDIUM_MAX``     one block per row; each thread holds ``per_thread`` values in
-                                   registers; block reductions through a few words of shared
-                                   memory. One read, one write.
+                                   registers (64 bytes: 16 float32 / 32 16-bit values; long
+                                   rows 512 threads, two blocks per SM); block reductions
+                                   through a few words of shared memory. One read, one write.
 ``online`` longer                  one block per row; pass 1 keeps a running max and running sum
                                    per thread (rescaled when the max grows), the block combines
                                    them; pass 2 reads the row again and writes it. Two reads.
@@ -43,6 +44,9 @@ Numerics (float32 inside, whatever the dtype in and out):
 * A NaN anywhere in a row makes the whole row NaN (max propagates NaN,
   :mod:`tilepy.tile.reduce`); a row that is all -inf gives NaN (``-inf - -inf``), and a +inf
   gives NaN for its row — as PyTorch does.
+* With 16-byte accesses the warp and block kernels keep 16-bit rows as loaded, two values
+  per uint32 register, and widen them where needed (softmax computes the exponential again
+  for the output: same instruction, same argument, same result).
 * 16-bit data travel as uint16 bits (:func:`tilepy.arrays.kernel_view`); float16 is widened
   with ``cvt.f32.f16``, bfloat16 by a 16-bit shift, and the result is rounded to nearest even
   with ``cvt.rn.{f16,bf16}x2.f32``.
