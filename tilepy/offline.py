@@ -241,12 +241,14 @@ def inspect_targets() -> dict:
     out["gemm"] = gemm
 
     def softmax(dtype):
-        from .ops.softmax import argtypes, kernel_for, plan
+        from .arrays import ITEMSIZE
+        from .ops.softmax import argtypes, kernel_for, launch_bounds, natural_width, plan
 
         dtype = dtype or "float32"
-        p = plan(4096, simulator=False)
+        p = plan(4096, simulator=False, itemsize=ITEMSIZE[dtype])   # what the op runs
         kern = kernel_for(p, dtype, False)
-        return kern.py_func, argtypes(dtype), {"launch_bounds": p.threads}
+        return kern.py_func, argtypes(dtype), {
+            "launch_bounds": launch_bounds(p, dtype, natural_width(dtype))}
 
     def attention(dtype):
         from .ops.attention_kernel import AttentionConfig, argtypes, attention_kernel
