@@ -25,7 +25,13 @@ def candidates(dtype):
             ("ws 128x256 s4 persistent", WsConfig(dtype=dtype, persistent=True)),
             ("cp.async 128x256 s4 overlap", WgmmaConfig(128, 256, 4, dtype, overlap=True)),
             ("cp.async 256x128 s4 overlap", WgmmaConfig(256, 128, 4, dtype, overlap=True)),
-            ("ws 128x192 s5", WsConfig(128, 192, 5, dtype))]
+            ("ws 128x192 s5", WsConfig(128, 192, 5, dtype)),
+            # the shared-memory-staged epilogue (16-byte row stores); persistent needs its own
+            # staging buffer, so 3 stages — the s3 persistent row without it is the baseline
+            ("ws 128x256 s4 smem-epilogue", WsConfig(dtype=dtype, smem_epilogue=True)),
+            ("ws 128x256 s3 persistent", WsConfig(stages=3, dtype=dtype, persistent=True)),
+            ("ws 128x256 s3 persistent smem-epilogue",
+             WsConfig(stages=3, dtype=dtype, persistent=True, smem_epilogue=True))]
 
 
 def main():

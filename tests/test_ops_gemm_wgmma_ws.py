@@ -101,6 +101,79 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     check(out, ref, "float16")
 
 
+def padded_out(shape, np_dtype, pad=4):
+    """NaN-poisoned output whose rows are 16-byte multiples (the vector stores' case)."""
+    *lead, rows, cols = shape
+    width = -(-(cols + pad) // 8) * 8
+    return np.full((*lead, rows, width), np.nan, np_dtype)[..., :cols]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,shape,persistent,out_kind,out_rows16", [
+    ("float16", "row", SMALL, False, "same", True),
+    ("bfloat16", "col", TWO, False, "same", True),
+    ("float16", "col", SMALL, True, "float32", True),
+    ("bfloat16", "row", {"block_m": 128, "block_n": 64, "consumers": 1}, True, "same", False),
+    ("float16", "row", TWO, True, "float32", False)],
+    ids=["f16-row-64x64", "bf16-col-128x128", "f16-col-64x64-persistent-f32out",
+         "bf16-row-128x64-persistent-misaligned-rows", "f16-row-128x128-persistent-f32out"])
+def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persistent, out_kind,
+                                  out_rows16):
+    """smem_epilogue=True at M, N, K = 70, 100, 258 with bias, GELU and beta·c: the staged tile,
+    the named barriers and the 16-byte stores against float64 NumPy, outputs poisoned with NaN.
+    Cases: one and two consumers, one consumer of 128 rows (two m64 accumulators), 16-bit and
+    float32 out (two staging passes), the stage buffers reused (not persistent) and a buffer of
+    its own (persistent: the producer runs ahead into the next tile), output rows 16-byte
+    aligned (vector stores except at the right edge) or not (16-bit out of 100 columns: rows of
+    200 bytes, odd rows fall back to element stores)."""
+    from tilepy.ptx import vector as V
+
+    vec = {"n": 0}
+    for name in ("st_global_v4_b32", "st_global_v4_f32"):
+        orig = getattr(V, name)
+
+        def counted(*args, _orig=orig):
+            vec["n"] += 1
+            return _orig(*args)
+        monkeypatch.setattr(V, name, counted)
+
+    rng = np.random.default_rng()
+    m, n, k = 70, 100, 258
+    a = padded(rng, (m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    odt = np.float32 if out_kind == "float32" else NP[dtype]
+    out = padded_out((m, n), odt) if out_rows16 else np.full((m, n), np.nan, odt)
+    c = rng.standard_normal((m, n)).astype(odt)
+    bias = rng.standard_normal(n).astype(np.float32)
+    cfg = WsConfig(stages=2, dtype=dtype, persistent=persistent, smem_epilogue=True, **shape)
+    run(cfg, a, b, out, b_layout, bias=bias, c=c, alpha=0.5, beta=-0.75, activation="gelu",
+        sms=3)
+    pre = 0.5 * matmul64(a, b) - 0.75 * c.astype(np.float64) + bias
+    ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    check(out, ref, dtype)
+    per_row = 16 // np.dtype(odt).itemsize
+    full_vectors_per_row = n // per_row
+    if out_rows16 or (n * np.dtype(odt).itemsize) % 16 == 0:
+        assert vec["n"] == m * full_vectors_per_row, vec
+    else:
+        assert 0 < vec["n"] < m * full_vectors_per_row, vec
+
+
+def test_smem_epilogue_config():
+    """Not persistent: the staging reuses the stage buffers (no extra shared memory).
+    Persistent: a buffer of its own, which does not fit beside 4 stages of 128×256."""
+    cfg = WsConfig(smem_epilogue=True)
+    assert cfg.smem_bytes == WsConfig().smem_bytes and cfg.epilogue_offset == 0
+    assert cfg.epilogue_bytes == 2 * 64 * (32 * 16 + 32)
+    assert "smem epilogue" in cfg.describe() and "smem epilogue" not in WsConfig().describe()
+    with pytest.raises(ValueError, match="own 69632 B staging buffer.*fewer stages"):
+        WsConfig(persistent=True, smem_epilogue=True)
+    p = WsConfig(stages=3, persistent=True, smem_epilogue=True)
+    assert p.smem_bytes == 3 * 48 * 1024 + 69632 + 48 and p.barrier_offset == 3 * 48 * 1024 + 69632
+    assert "own buffer" in p.describe()
+    WsConfig(256, 128, stages=3, persistent=True, smem_epilogue=True)
+
+
 @pytest.mark.sim
 def test_bound_plan_reencodes_tensor_maps_for_new_pointers():
     """A launch plan bound to operands (as tilepy.gemm's plan cache does) called with other
@@ -171,8 +244,13 @@ def reports():
 def test_compiles_for_sm90a_without_spills(reports):
     with_regs = {k: v for k, v in reports.items() if not k.endswith("_noreg")}
     assert set(with_regs) == {"gemm_ws_128x256_brow", "gemm_ws_128x256_bcol",
-                              "gemm_ws_256x128_brow", "gemm_ws_128x256_brow_persistent"}
+                              "gemm_ws_256x128_brow", "gemm_ws_128x256_brow_persistent",
+                              "gemm_ws_128x256_brow_smemepi", "gemm_ws_128x256_bcol_smemepi_f32out",
+                              "gemm_ws_256x128_brow_smemepi",
+                              "gemm_ws_128x256_brow_persistent_smemepi"}
     for name, rep in with_regs.items():
+        if "smemepi" in name:
+            continue           # test_smem_epilogue_compiles_without_spills
         assert rep["arch"].startswith("sm_90a")
         c = rep["counts"]
         assert c["wgmma.mma_async"] >= 4 and c["cp.async.bulk.tensor"] >= 2, (name, c)
@@ -192,6 +270,38 @@ def test_compiles_for_sm90a_without_spills(reports):
                 "wgmma.wait_group.sync.aligned"} <= ops, (name, ops)
         n = 128 if name.startswith("gemm_ws_256x128") else 256
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" in ops
+
+
+# bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
+# stages (not persistent), and two per staging pass (float32 out: two passes)
+SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
+                     "gemm_ws_256x128_brow_smemepi": 4,
+                     "gemm_ws_128x256_brow_persistent_smemepi": 3}
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name", sorted(SMEM_EPI_BARRIERS))
+def test_smem_epilogue_compiles_without_spills(reports, name):
+    """The staged epilogue: no spills or local memory, registers within the 168 a 384-thread
+    launch allows (setmaxnreg then gives consumers 232), named barriers, 16-byte shared loads
+    and global stores (and element stores for the edges)."""
+    rep = reports[name]
+    assert "error" not in rep, rep.get("error")
+    assert rep["arch"].startswith("sm_90a")
+    c = rep["counts"]
+    assert c["wgmma.mma_async"] >= 4 and c["ld.local"] == 0 and c["st.local"] == 0, c
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
+    assert rep["registers"] <= 168, rep["registers"]
+    assert "C7510" not in rep["ptxas_log"] and "C7511" not in rep["ptxas_log"]
+    assert c["bar.sync"] == SMEM_EPI_BARRIERS[name], c
+    ops = set(rep["ops"])
+    wide = name.endswith("f32out")
+    want = ({"ld.shared.v4.f32", "st.global.v4.f32", "st.shared.v2.f32", "st.global.f32"}
+            if wide else {"ld.shared.v4.b32", "st.global.v4.b32", "st.shared.b32",
+                          "st.global.u16"})
+    assert want <= ops, (name, ops)
+    assert {"setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32"} <= ops
+    print(f"{name}: {rep['registers']} registers, 0 spills, {c['bar.sync']} bar.sync")
 
 
 # ---- hardware ----------------------------------------------------------------------------------
@@ -229,10 +339,15 @@ GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 20
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("cfg_kw", [{}, {"block_m": 256, "block_n": 128},
-                                    {"persistent": True}],
-                         ids=["128x256", "256x128", "persistent"])
+@pytest.mark.parametrize("cfg_kw", [
+    {}, {"block_m": 256, "block_n": 128}, {"persistent": True},
+    {"smem_epilogue": True}, {"block_m": 256, "block_n": 128, "smem_epilogue": True},
+    {"persistent": True, "stages": 3, "smem_epilogue": True}],
+    ids=["128x256", "256x128", "persistent", "128x256-smem-epilogue", "256x128-smem-epilogue",
+         "persistent-s3-smem-epilogue"])
 def test_gpu_against_torch(dtype, cfg_kw):
+    """The shared-memory epilogue cases meet odd N (edge element stores) and 70 × 100, whose
+    200-byte output rows are only 8-byte aligned (element stores on odd rows)."""
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")

@@ -21,8 +21,9 @@ def two_warpgroups(counts, seen):
     """256 threads: each warpgroup counts its arrivals in its own shared counter, syncs on its
     own barrier (ids 1 and 2, 128 threads), then reads the counter — which must hold all 128
     arrivals of this round. Then warpgroup 0 publishes a value and signals warpgroup 1 with
-    bar.arrive on id 3 (256 threads: 128 arrive, 128 wait), which must see it. Three rounds
-    reuse the barriers (generations)."""
+    bar.arrive on id 3 (256 threads: 128 arrive, 128 wait), which must see it, and answers on
+    id 4 the same way before the next round overwrites it. Three rounds reuse the barriers
+    (generations)."""
     tid = cuda.threadIdx.x
     wg = tid // 128
     box = cuda.shared.array(4, np.int32)
@@ -40,9 +41,11 @@ def two_warpgroups(counts, seen):
                 box[2] = 1000 + rnd
             B.bar_sync(1, 128)              # thread 0's store before the group's arrive
             B.bar_arrive(3, 256)
+            B.bar_sync(4, 256)              # warpgroup 1 has read it: next round may write
         else:
             B.bar_sync(3, 256)
             seen[rnd, tid, 1] = box[2]
+            B.bar_arrive(4, 256)
     counts[tid] = box[wg]
 
 

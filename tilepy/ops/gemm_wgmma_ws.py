@@ -56,6 +56,7 @@ from numba import cuda, types
 
 from ..launch import SIMULATOR as _LAUNCH_SIM
 from ..launch import BoundPlan, LaunchPlan, pointer
+from ..ptx import barrier as BAR
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
@@ -63,7 +64,7 @@ from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
-from ..tile.epilogue import store_accumulators
+from ..tile.epilogue import staged_bytes, store_accumulators, store_accumulators_smem
 from ..tile.smem import allow_dynamic_shared
 from ..tune.kcache import cached_jit
 
@@ -74,6 +75,8 @@ SMS = 132         # H200; the persistent grid's default when the device is not a
 MAP_CACHE = 64    # tensor-map pairs a plan keeps (per operand pointer pair)
 _MAP_B = np.uint64(128)
 _REG_FILE = 65536
+BAR_CONSUMERS = 1  # named barrier of all consumer threads (smem epilogue)
+BAR_WG0 = 2        # named barrier of consumer warpgroup i: BAR_WG0 + i
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,14 @@ class WsConfig:
     ``consumers`` warpgroups (1 or 2) of ``block_m / consumers`` rows each (64 or 128),
     ``persistent`` grid, and the ``setmaxnreg`` register limits of the producer and of each
     consumer (``producer_regs=0``: leave the limits alone).
+
+    ``smem_epilogue``: store the results through shared memory
+    (:func:`tilepy.tile.epilogue.store_accumulators_smem`: 16-byte vector stores of whole rows)
+    instead of straight from the registers. Without ``persistent`` the consumers reuse the
+    stage buffers (after a named barrier among them: every consumer's last wgmma has read its
+    stage; the producer has nothing left to load); with it the producer is already loading
+    the next tile, so the staging gets a buffer of its own (:attr:`epilogue_bytes`), which
+    must fit beside the stages (128×256: at most 3 stages).
     """
 
     block_m: int = 128
@@ -94,6 +105,7 @@ class WsConfig:
     persistent: bool = False
     producer_regs: int = 40
     consumer_regs: int = 232
+    smem_epilogue: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -113,7 +125,14 @@ class WsConfig:
         need(isinstance(self.stages, int) and self.stages >= 2, "stages must be >= 2")
         limit = SMEM_LIMIT[(9, 0)]
         need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
-             f"{limit} B of sm_90 by {self.smem_bytes - limit} B")
+             f"{limit} B of sm_90 by {self.smem_bytes - limit} B"
+             + (f" (the persistent smem epilogue needs its own {self.epilogue_bytes} B "
+                "staging buffer beside the stages: use fewer stages)"
+                if self.smem_epilogue and self.persistent else ""))
+        if self.smem_epilogue and not self.persistent:
+            need(self.epilogue_bytes <= self.stages * self.stage_bytes,
+                 f"the smem epilogue's {self.epilogue_bytes} B of staging do not fit in the "
+                 f"{self.stages * self.stage_bytes} B of stage buffers it reuses")
         if self.producer_regs or self.consumer_regs:
             for r in (self.producer_regs, self.consumer_regs):
                 need(24 <= r <= 256 and r % 8 == 0,
@@ -139,8 +158,27 @@ class WsConfig:
         return 16 * self.stages  # a "full" and an "empty" mbarrier per stage
 
     @property
+    def epilogue_bytes(self) -> int:
+        """Shared-memory staging of the smem epilogue (0 without it): one buffer per consumer
+        warpgroup, sized for every output kind."""
+        if not self.smem_epilogue:
+            return 0
+        return self.consumers * staged_bytes(self.rows_per_consumer // 64, self.block_n // 8)
+
+    @property
+    def epilogue_offset(self) -> int:
+        """Byte offset of the staging: the stage buffers themselves (reused) without
+        ``persistent``, else a buffer after them."""
+        return self.stages * self.stage_bytes if self.persistent else 0
+
+    @property
+    def barrier_offset(self) -> int:
+        """Byte offset of the mbarriers: after the stages (and a persistent staging buffer)."""
+        return self.stages * self.stage_bytes + (self.epilogue_bytes if self.persistent else 0)
+
+    @property
     def smem_bytes(self) -> int:
-        return self.stages * self.stage_bytes + self.barrier_bytes
+        return self.barrier_offset + self.barrier_bytes
 
     @property
     def setmaxnreg(self) -> bool:
@@ -154,7 +192,10 @@ class WsConfig:
                 f"{self.smem_bytes // 1024} KB smem"
                 + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
                    if self.setmaxnreg else "")
-                + (", persistent" if self.persistent else ""))
+                + (", persistent" if self.persistent else "")
+                + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
+                   + (" own buffer)" if self.persistent else " in the stages)")
+                   if self.smem_epilogue else ""))
 
 
 def _jit(cfg: WsConfig):
@@ -177,7 +218,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     NJ = BN // 64
     A_BYTES = BM * BK * 2
     STAGE_BYTES = cfg.stage_bytes
-    BAR0 = ST * STAGE_BYTES // 2   # uint16 index of the first mbarrier (after the stages)
+    BAR0 = cfg.barrier_offset // 2  # uint16 index of the first mbarrier (after the stages)
     ARRIVALS = 4 * NC              # lane 0 of every consumer warp frees a stage
     SETREG = cfg.setmaxnreg
     PREG, CREG = cfg.producer_regs, cfg.consumer_regs
@@ -185,6 +226,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     mma = W.wgmma(BN, ab, trans_b=b_row_major)
     LBO_B, SBO_B, STEP_B = (8192, 1024, 2048) if b_row_major else (16, 1024, 32)
     store = store_accumulators(1, NI, out_kind, activation, has_bias, has_c)
+    EPI = cfg.smem_epilogue
+    EPI_SHARED = EPI and not cfg.persistent   # staging in the stage buffers
+    EPI_OFF = cfg.epilogue_offset
+    EPI_WG = cfg.epilogue_bytes // NC         # staging bytes per consumer warpgroup
+    CONSUMERS = NC * WARPGROUP
+    store_smem = store_accumulators_smem(MW, NI, out_kind, activation, has_bias, has_c)
     align = None if SIMULATOR else 1024
     f32 = types.float32
 
@@ -292,6 +339,13 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
             o = out[z]
             cz = c[min(z, c.shape[0] - 1)]
+            if EPI:
+                if EPI_SHARED:
+                    # every consumer's wgmmas have read their stages before any is overwritten
+                    BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+                store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0, m, n,
+                           alpha, bias, cz, beta, tid % WARPGROUP, BAR_WG0 + cw)
+                continue
             row0 = bm0 + cw * CM + warp * 16
             for j in range(NI):
                 for q in range(4):
@@ -511,25 +565,35 @@ def argtypes(out_kind: str):
 
 def compile_reports():
     """Offline sm_90a reports: 128×256 (2 consumers × 64 rows) both B layouts, 256×128
-    (2 consumers × 128 rows), the persistent variant, and 128×256 without setmaxnreg."""
+    (2 consumers × 128 rows), the persistent variant, 128×256 without setmaxnreg, and the
+    shared-memory epilogue (``smem_epilogue``: 128×256 f16 and float32 out, 256×128, persistent
+    with 3 stages)."""
     from ..offline import compile_kernel
 
     out = []
-    for name, cfg, b_row in (
-            ("ws_128x256_brow", WsConfig(), True),
-            ("ws_128x256_bcol", WsConfig(), False),
-            ("ws_256x128_brow", WsConfig(256, 128), True),
-            ("ws_128x256_brow_persistent", WsConfig(persistent=True), True),
-            ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True)):
-        kern = wgmma_ws_gemm_kernel(cfg, b_row, "float16")
-        rep = compile_kernel(f"gemm_{name}", kern.py_func, argtypes("float16"), (9, 0, "a"),
+    smem = WsConfig(smem_epilogue=True)
+    for name, cfg, b_row, kind in (
+            ("ws_128x256_brow", WsConfig(), True, "float16"),
+            ("ws_128x256_bcol", WsConfig(), False, "float16"),
+            ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
+            ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
+            ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
+             "float16"),
+            ("ws_128x256_brow_smemepi", smem, True, "float16"),
+            ("ws_128x256_bcol_smemepi_f32out", smem, False, "float32"),
+            ("ws_256x128_brow_smemepi", WsConfig(256, 128, smem_epilogue=True), True, "float16"),
+            ("ws_128x256_brow_persistent_smemepi",
+             WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16")):
+        kern = wgmma_ws_gemm_kernel(cfg, b_row, kind)
+        rep = compile_kernel(f"gemm_{name}", kern.py_func, argtypes(kind), (9, 0, "a"),
                              launch_bounds=(cfg.threads, 1))
         d = dict(rep.__dict__)
         d["config"] = cfg.describe()
         d["ops"] = sorted({ln.split()[0].rstrip(";") for ln in
                            (x.strip() for x in rep.ptx.splitlines())
                            if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
-                                             "fence."))})
+                                             "fence.", "bar.", "st.global", "ld.shared",
+                                             "st.shared"))})
         d.pop("ptx")
         out.append(d)
     return out

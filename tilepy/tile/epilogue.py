@@ -8,6 +8,12 @@ a 2-D float32 array, or a uint16 array holding float16 / bfloat16 bits (bfloat16
 dtype; 16-bit results are converted with ``cvt.rn.{f16,bf16}x2.f32``); ``c`` is an array of
 the same kind as ``out`` (read only with ``has_c``), ``bias`` float32 (read only with
 ``has_bias``). Stores go straight from registers (each lane writes pairs of adjacent columns).
+
+``store_accumulators_smem(...)`` is the same epilogue for one wgmma warpgroup's accumulators,
+staged through shared memory: the results are written to a padded shared tile, the warpgroup
+syncs on a named barrier, and each thread stores 16-byte vectors of consecutive columns (whole
+32-byte sectors per row instead of 8 rows × 16 bytes per warp store); element stores at the
+right / bottom edge and where the output's rows are not 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -18,7 +24,15 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
+from ..ptx import barrier as BAR
+from ..ptx import vector as VEC
+from ..ptx.address import global_addr
+from ..ptx.math import (
+    cvt_bf16x2_f32,
+    cvt_f16x2_f32,
+    unpack_bf16x2_f32,
+    unpack_f16x2_f32,
+)
 
 ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu")
 OUT_KINDS = ("float32", "float16", "bfloat16")
@@ -61,11 +75,12 @@ def activation_fn(name):
 
 
 @functools.cache
-def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bias=False,
-                       has_c=False):
+def _pair_io(out_kind: str):
+    """``(get_pair, put_pair, pack)`` for an output kind: read / write two adjacent elements
+    of a 2-D array (the second only when its column is below ``n``), and the packing of two
+    float32 into one uint32 of 16-bit bits (None for float32)."""
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
-    act = activation_fn(activation)
     if out_kind == "float16":
         pack, unpack = cvt_f16x2_f32, unpack_f16x2_f32
     elif out_kind == "bfloat16":
@@ -99,6 +114,48 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
             if c + 1 < n:
                 out[r, c + 1] = word >> 16
 
+    return get_pair, put_pair, pack
+
+
+@functools.cache
+def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool):
+    """``(load_bias, finish)``: ``load_bias(bias, c, n) -> (b0, b1)`` (zeros without a bias;
+    ``c < n``), and ``finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta) -> (v0, v1)``, the
+    epilogue of two adjacent accumulators at (r, c), (r, c + 1) before the cast:
+    ``act(alpha · a + b + beta · c_in[r, c])`` (``c_in`` read only with ``has_c``; r < m,
+    c < n)."""
+    act = activation_fn(activation)
+    get_pair = _pair_io(out_kind)[0]
+
+    @cuda.jit(device=True, inline="always")
+    def load_bias(bias, c, n):
+        b0 = _ZERO
+        b1 = _ZERO
+        if has_bias:
+            b0 = bias[c]
+            if c + 1 < n:
+                b1 = bias[c + 1]
+        return b0, b1
+
+    @cuda.jit(device=True, inline="always")
+    def finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta):
+        v0 = alpha * a0 + b0
+        v1 = alpha * a1 + b1
+        if has_c:
+            c0, c1 = get_pair(c_in, r, c, n)
+            v0 += beta * c0
+            v1 += beta * c1
+        return act(v0), act(v1)
+
+    return load_bias, finish
+
+
+@functools.cache
+def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bias=False,
+                       has_c=False):
+    put_pair = _pair_io(out_kind)[1]
+    load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
+
     @cuda.jit(device=True, inline="always")
     def store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane):
         g = lane // 4
@@ -107,23 +164,176 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
             for j in range(ni):
                 c = col0 + j * 8 + 2 * t
                 if c < n:
-                    b0 = _ZERO
-                    b1 = _ZERO
-                    if has_bias:
-                        b0 = bias[c]
-                        if c + 1 < n:
-                            b1 = bias[c + 1]
+                    b0, b1 = load_bias(bias, c, n)
                     for h in range(2):
                         r = row0 + i * 16 + g + 8 * h
                         if r < m:
-                            v0 = alpha * acc[i, j, 2 * h] + b0
-                            v1 = alpha * acc[i, j, 2 * h + 1] + b1
-                            if has_c:
-                                c0, c1 = get_pair(c_in, r, c, n)
-                                v0 += beta * c0
-                                v1 += beta * c1
-                            v0 = act(v0)
-                            v1 = act(v1)
+                            v0, v1 = finish(acc[i, j, 2 * h], acc[i, j, 2 * h + 1], b0, b1,
+                                            r, c, n, alpha, c_in, beta)
                             put_pair(out, r, c, n, v0, v1)
+
+    return store
+
+
+# ---- the shared-memory-staged epilogue of a wgmma warpgroup ------------------------------------
+
+_U15 = np.uint64(15)
+_U0 = np.uint64(0)
+STAGED_THREADS = 128   # a warpgroup
+
+
+def _staging_geometry(ni: int, out_kind: str):
+    """(passes, n8 blocks per pass, bytes per element, row pitch in bytes) of the staged tile.
+
+    16-bit outputs stage all ``ni·8`` columns at once, rows padded by 16 bytes (a row's pitch is
+    4 banks off a multiple of 128 bytes: the 8 rows × 4 lanes of one 4-byte fragment store hit
+    32 different banks). float32 stages half the columns per pass (the same bytes per row),
+    rows padded by 32 bytes (8 banks: the 8-byte stores of a half-warp hit 32 banks)."""
+    if out_kind not in OUT_KINDS:
+        raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
+    if ni % 8:
+        raise ValueError(f"the staged epilogue needs ni (n8 blocks) a multiple of 8, got {ni}")
+    if out_kind == "float32":
+        return 2, ni // 2, 4, ni * 16 + 32
+    return 1, ni, 2, ni * 16 + 16
+
+
+def staged_bytes(mw: int, ni: int) -> int:
+    """Shared-memory bytes :func:`store_accumulators_smem` stages through for one warpgroup of
+    ``mw`` m64 accumulators × ``ni`` n8 blocks, for every output kind (16-byte multiple)."""
+    return 64 * mw * max(_staging_geometry(ni, k)[3] for k in OUT_KINDS)
+
+
+@functools.cache
+def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, has_bias=False,
+                            has_c=False):
+    """The epilogue of one warpgroup's wgmma accumulators, staged through shared memory.
+
+    Returns ``store(acc0, acc1, stage, out, row0, col0, m, n, alpha, bias, c_in, beta, thread,
+    bar)``, called by all 128 threads of a warpgroup. ``acc0`` (and, with ``mw == 2``,
+    ``acc1``: rows 64 … 127; ignored otherwise) is an ``m64n{8·ni}`` wgmma accumulator, flat:
+    ``acc[4j + q]`` is register q of n8 block j of the mma.sync C fragment of the thread's warp
+    (rows 16·warp … +15; see :mod:`tilepy.ptx.wgmma_layout`). The result tile is
+    ``out[row0 : row0 + 64·mw, col0 : col0 + 8·ni]``, elements outside (m, n) skipped, with the
+    same math as :func:`store_accumulators` (its helpers).
+
+    ``stage`` is the uint32 shared address of :func:`staged_bytes` bytes (16-byte aligned) that
+    only this warpgroup uses during the call; ``thread`` the caller's index in the warpgroup
+    (0 … 127); ``bar`` a named barrier id (1 … 15) reserved for this warpgroup's 128 threads.
+
+    Per pass: a named barrier (the buffer's readers of the previous pass or call are done), each
+    thread writes its fragments' results, cast, to the padded shared tile (4-byte stores of
+    16-bit pairs, 8-byte stores of float32 pairs), a named barrier, then each thread copies
+    16-byte vectors of consecutive columns (8 halves / 4 floats), consecutive threads along a
+    row, to global memory — whole 32-byte sectors per row. A vector that reaches past ``n``, or
+    whose global address is not 16-byte aligned (row stride or base pointer), is written
+    element by element. 16-bit outputs take one pass; float32 two (half the columns each).
+    """
+    passes, jp, eb, pitch = _staging_geometry(ni, out_kind)
+    wide = out_kind == "float32"
+    rows = 64 * mw
+    per = 16 // eb                  # elements per 16-byte vector
+    vpr = jp * 8 // per             # vectors per staged row
+    iters = rows * vpr // STAGED_THREADS
+    two = mw == 2
+    pack = _pair_io(out_kind)[2]
+    load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
+
+    def make_write(j0):
+        @cuda.jit(device=True, inline="always")
+        def write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t):
+            for jj in range(jp):
+                j = j0 + jj
+                c = col0 + j * 8 + 2 * t
+                b0 = _ZERO
+                b1 = _ZERO
+                if c < n:
+                    b0, b1 = load_bias(bias, c, n)
+                for h in range(2):
+                    rl = r_base + g + 8 * h
+                    r = row0 + rl
+                    v0 = _ZERO
+                    v1 = _ZERO
+                    if r < m and c < n:
+                        v0, v1 = finish(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], b0, b1,
+                                        r, c, n, alpha, c_in, beta)
+                    addr = stage + rl * pitch + (jj * 8 + 2 * t) * eb
+                    if wide:
+                        VEC.st_shared_v2_f32(addr, v0, v1)
+                    else:
+                        VEC.st_shared_b32(addr, pack(v0, v1))
+
+        return write
+
+    @cuda.jit(device=True, inline="always")
+    def put_word(out, r, e, n, w):
+        if wide:
+            if e < n:
+                out[r, e] = w
+        else:
+            if e < n:
+                out[r, e] = w & 0xFFFF
+            if e + 1 < n:
+                out[r, e + 1] = w >> 16
+
+    def make_copy(c_off):
+        step = 1 if wide else 2     # columns per 4-byte word
+
+        @cuda.jit(device=True, inline="always")
+        def copy(stage, out, row0, col0, m, n, thread, vec_ok):
+            for it in range(iters):
+                idx = it * STAGED_THREADS + thread
+                rl = idx // vpr
+                v = idx - rl * vpr
+                r = row0 + rl
+                c = col0 + c_off + v * per
+                if r < m and c < n:
+                    addr = stage + rl * pitch + v * 16
+                    if wide:
+                        w0, w1, w2, w3 = VEC.ld_shared_v4_f32(addr)
+                    else:
+                        w0, w1, w2, w3 = VEC.ld_shared_v4_b32(addr)
+                    whole = vec_ok and c + per <= n
+                    ga = _U0
+                    if whole:
+                        ga = global_addr(out, (r, c))
+                        whole = (ga & _U15) == _U0
+                    if whole:
+                        if wide:
+                            VEC.st_global_v4_f32(ga, w0, w1, w2, w3)
+                        else:
+                            VEC.st_global_v4_b32(ga, w0, w1, w2, w3)
+                    else:
+                        put_word(out, r, c, n, w0)
+                        put_word(out, r, c + step, n, w1)
+                        put_word(out, r, c + 2 * step, n, w2)
+                        put_word(out, r, c + 3 * step, n, w3)
+
+        return copy
+
+    write0, copy0 = make_write(0), make_copy(0)
+    write1, copy1 = make_write(jp), make_copy(jp * 8)
+
+    @cuda.jit(device=True, inline="always")
+    def store(acc0, acc1, stage, out, row0, col0, m, n, alpha, bias, c_in, beta, thread, bar):
+        warp = thread // 32
+        lane = thread % 32
+        g = lane // 4
+        t = lane % 4
+        vec_ok = out.strides[1] == eb
+        BAR.bar_sync(bar, STAGED_THREADS)
+        write0(acc0, warp * 16, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t)
+        if two:
+            write0(acc1, 64 + warp * 16, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t)
+        BAR.bar_sync(bar, STAGED_THREADS)
+        copy0(stage, out, row0, col0, m, n, thread, vec_ok)
+        if passes == 2:
+            BAR.bar_sync(bar, STAGED_THREADS)
+            write1(acc0, warp * 16, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t)
+            if two:
+                write1(acc1, 64 + warp * 16, stage, row0, col0, m, n, alpha, bias, c_in, beta,
+                       g, t)
+            BAR.bar_sync(bar, STAGED_THREADS)
+            copy1(stage, out, row0, col0, m, n, thread, vec_ok)
 
     return store
