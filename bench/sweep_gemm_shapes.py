@@ -56,9 +56,11 @@ def main():
         b = torch.randn(k, n, device="cuda", dtype=tdt)
         out = torch.empty(m, n, device="cuda", dtype=tdt)
         flop = 2 * m * n * k
-        peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)
         ref = torch.matmul(a.float(), b.float())
         for name, cfg in candidates(args.dtype):
+            # the peer timed next to every candidate: over a sweep the GPU's clocks drift by
+            # ~10% (bench/NOTES.md, 2026-11-30), and a ratio must not carry that
+            peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)
             try:
                 out.fill_(float("nan"))
                 tilepy.gemm(a, b, out=out, config=cfg)
