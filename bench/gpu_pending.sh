@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The GPU checks still pending after 2026-11-29 (bench/NOTES.md), in priority order, each in
+# The GPU checks still pending after 2026-11-30 (bench/NOTES.md), in priority order, each in
 # its own process with its own time limit (a CUDA_ERROR_ILLEGAL_* poisons the process that hit
-# it, and an mbarrier deadlock hangs it). Two parts, each one device call of under 10 minutes:
-#   PART=tests bench/gpu_pending.sh OUTDIR   the correctness checks (steps 1, 2 and 4)
-#   PART=sweeps bench/gpu_pending.sh OUTDIR  the two Hopper sweeps (step 3)
-# (default: both, for a machine without the per-call limit). tilepy on PYTHONPATH.
+# it, and an mbarrier or named-barrier deadlock hangs it). Parts, each one device call of
+# under 10 minutes (the machine idles back after 30 s, so run them back to back):
+#   PART=tests   bench/gpu_pending.sh OUTDIR  correctness of this session's unmeasured code
+#   PART=sweeps  bench/gpu_pending.sh OUTDIR  the Hopper GEMM and attention config sweeps
+#   PART=softmax bench/gpu_pending.sh OUTDIR  the softmax / gemm_softmax benchmark suite
+#   PART=host    bench/gpu_pending.sh OUTDIR  host µs per call and the first call, cold/warm
+# (default: all four, for a machine without the per-call limit). tilepy on PYTHONPATH.
+# Then copy OUTDIR/*.json to bench/results/<gpu>/<date>_<name>.json and run
+# `python bench/plot.py && python bench/report.py`.
 set -uo pipefail
 OUT=${1:?usage: bench/gpu_pending.sh OUTDIR}
 mkdir -p "$OUT"
@@ -22,28 +27,37 @@ step() {  # step NAME SECONDS CMD...
         "$OUT/$name.log" | tail -n 1)")")
 }
 
-PART=${PART:-tests sweeps}
+gpu_tests() {  # gpu_tests NAME SECONDS FILES...
+    local name=$1 secs=$2
+    shift 2
+    step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
+}
+
+PART=${PART:-tests sweeps softmax host}
 if [[ " $PART " == *" tests "* ]]; then
-    # 1. the Hopper PTX tests that never ran (they followed a crash), one per process
-    for k in phases hand_over specialised 3d_load tma_fed; do
-        step "ptx_tma_$k" 45 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-            tests/test_ptx_mbarrier_tma.py -k "$k"
-    done
-    # 2. the warp-specialised GEMM and the wgmma attention kernel
-    step ops_gemm_wgmma_ws 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_ops_gemm_wgmma_ws.py
-    step ops_attention_wgmma 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-        tests/test_ops_attention_wgmma.py
-    # 4. gemm_softmax at full size and the custom-kernel guide against cuBLAS
-    step ops_gemm_softmax 120 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu \
-        tests/test_ops_gemm_softmax.py tests/test_docs.py
+    # the staged GEMM epilogue and the TMA kernel (odd shapes, both B layouts, persistent)
+    gpu_tests ops_gemm_wgmma_ws 150 tests/test_ops_gemm_wgmma_ws.py
+    # the overlapped Hopper attention (opt-in) beside the default one
+    gpu_tests ops_attention_wgmma 120 tests/test_ops_attention_wgmma.py
+    # the 16-bit softmax rewrite at full size against torch
+    gpu_tests ops_softmax 120 tests/test_ops_softmax.py
+    # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
+    gpu_tests ops_gemm 120 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
+        tests/test_tune_spaces.py tests/test_tune_attention.py
 fi
 if [[ " $PART " == *" sweeps "* ]]; then
-    # 3. the Hopper kernels' configs against cuBLAS / SDPA FA2
-    step sweep_gemm_wgmma 280 "$PY" bench/sweep_gemm_wgmma.py \
-        --json "$OUT/sweep_gemm_wgmma.json"
-    step sweep_attention 250 "$PY" bench/sweep_attention.py --quick ${SWEEP_ATTN_ARGS:-} \
+    step sweep_gemm_shapes 330 "$PY" bench/sweep_gemm_shapes.py \
+        --json "$OUT/sweep_gemm_shapes.json"
+    step sweep_attention 240 "$PY" bench/sweep_attention.py --kernels wgmma \
         --json "$OUT/sweep_attention.json"
+fi
+if [[ " $PART " == *" softmax "* ]]; then
+    step bench_softmax 540 "$PY" -m pytest -q bench -p no:cacheprovider -k softmax \
+        --benchmark-json="$OUT/bench_softmax.json" --benchmark-columns=median,rounds
+fi
+if [[ " $PART " == *" host "* ]]; then
+    step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
+    step first_call 300 "$PY" bench/first_call.py --json "$OUT/first_call.json"
 fi
 
 echo "== pending GPU checks =="
@@ -51,5 +65,8 @@ printf '%s\n' "${summary[@]}"
 for f in "$OUT"/sweep_*.log; do
     [ -e "$f" ] || continue
     echo "-- ${f##*/}"
-    grep -aE "TFLOPS|check|FAILED|Error" "$f" | tail -n 20
+    grep -aE "TFLOPS|best|FAILED|Error" "$f" | tail -n 24
 done
+if [ -e "$OUT/bench_softmax.json" ]; then
+    "$PY" bench/summary.py "$OUT"
+fi
