@@ -112,7 +112,8 @@ def build() -> str:
             elif "rows" in data and all("block_m" in r for r in data["rows"]):
                 att_rows += [(f.name, f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
                               + (" causal" if r["causal"] else ""),
-                              f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp",
+                              f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
+                              + (", overlap" if r.get("overlap") else ""),
                               fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
             elif "rows" in data and all("cold" in r and "warm" in r for r in data["rows"]):
                 first_rows += [(f.name, r["label"], which, fmt(r[which].get("import_s")),
