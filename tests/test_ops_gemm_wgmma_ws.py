@@ -237,13 +237,17 @@ def test_tensor_map_layouts():
 def reports():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    return run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports")
+    reps = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports")
+    reps.update(run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_epilogues"))
+    return reps
 
 
 @pytest.mark.compile
 def test_compiles_for_sm90a_without_spills(reports):
     with_regs = {k: v for k, v in reports.items() if not k.endswith("_noreg")}
     assert set(with_regs) == {"gemm_ws_128x256_brow", "gemm_ws_128x256_bcol",
+                              "gemm_ws_128x256_brow_bias_gelu",
+                              "gemm_ws_128x256_brow_smemepi_bias_gelu",
                               "gemm_ws_256x128_brow", "gemm_ws_128x256_brow_persistent",
                               "gemm_ws_128x256_brow_smemepi", "gemm_ws_128x256_bcol_smemepi_f32out",
                               "gemm_ws_256x128_brow_smemepi",
@@ -275,6 +279,7 @@ def test_compiles_for_sm90a_without_spills(reports):
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
 # stages (not persistent), and two per staging pass (float32 out: two passes)
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
+                     "gemm_ws_128x256_brow_smemepi_bias_gelu": 4,
                      "gemm_ws_256x128_brow_smemepi": 4,
                      "gemm_ws_128x256_brow_persistent_smemepi": 3}
 

@@ -563,28 +563,41 @@ def argtypes(out_kind: str):
             types.uint8[::1])
 
 
-def compile_reports():
-    """Offline sm_90a reports: 128×256 (2 consumers × 64 rows) both B layouts, 256×128
-    (2 consumers × 128 rows), the persistent variant, 128×256 without setmaxnreg, and the
-    shared-memory epilogue (``smem_epilogue``: 128×256 f16 and float32 out, 256×128, persistent
-    with 3 stages)."""
-    from ..offline import compile_kernel
-
-    out = []
+def _report_kernels():
+    """(name, config, B row-major, output kind, activation, has_bias) of the offline reports,
+    in two groups: the main-loop variants, and the epilogues."""
     smem = WsConfig(smem_epilogue=True)
-    for name, cfg, b_row, kind in (
-            ("ws_128x256_brow", WsConfig(), True, "float16"),
+    main = (("ws_128x256_brow", WsConfig(), True, "float16"),
             ("ws_128x256_bcol", WsConfig(), False, "float16"),
             ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
             ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
             ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
-             "float16"),
-            ("ws_128x256_brow_smemepi", smem, True, "float16"),
-            ("ws_128x256_bcol_smemepi_f32out", smem, False, "float32"),
-            ("ws_256x128_brow_smemepi", WsConfig(256, 128, smem_epilogue=True), True, "float16"),
-            ("ws_128x256_brow_persistent_smemepi",
-             WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16")):
-        kern = wgmma_ws_gemm_kernel(cfg, b_row, kind)
+             "float16"))
+    epilogues = (
+        # a bias and an activation made the epilogue big enough that LLVM stopped unrolling it
+        # and the accumulators went to local memory (512-byte stack; fixed 2026-11-30)
+        ("ws_128x256_brow_bias_gelu", WsConfig(), True, "float16", "gelu", True),
+        ("ws_128x256_brow_smemepi_bias_gelu", smem, True, "float16", "gelu", True),
+        ("ws_128x256_brow_smemepi", smem, True, "float16"),
+        ("ws_128x256_bcol_smemepi_f32out", smem, False, "float32"),
+        ("ws_256x128_brow_smemepi", WsConfig(256, 128, smem_epilogue=True), True, "float16"),
+        ("ws_128x256_brow_persistent_smemepi",
+         WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16"))
+    return {"main": main, "epilogues": epilogues}
+
+
+def compile_reports(group: str = "main"):
+    """Offline sm_90a reports. ``group="main"``: 128×256 (2 consumers × 64 rows) both B
+    layouts, 256×128 (2 consumers × 128 rows), the persistent variant, 128×256 without
+    setmaxnreg; ``"epilogues"``: bias + GELU (register and staged epilogues) and the
+    shared-memory epilogue (``smem_epilogue``: 128×256 f16 and float32 out, 256×128,
+    persistent with 3 stages). Each kernel takes ~1 minute of NVVM on one CPU core (most of
+    it Numba's IR-level inlining), hence two groups, one subprocess each."""
+    from ..offline import compile_kernel
+
+    out = []
+    for name, cfg, b_row, kind, *epi in _report_kernels()[group]:
+        kern = wgmma_ws_gemm_kernel(cfg, b_row, kind, *epi)
         rep = compile_kernel(f"gemm_{name}", kern.py_func, argtypes(kind), (9, 0, "a"),
                              launch_bounds=(cfg.threads, 1))
         d = dict(rep.__dict__)
@@ -597,3 +610,8 @@ def compile_reports():
         d.pop("ptx")
         out.append(d)
     return out
+
+
+def compile_reports_epilogues():
+    """:func:`compile_reports` of the epilogue group (a target for ``run_in_subprocess``)."""
+    return compile_reports("epilogues")

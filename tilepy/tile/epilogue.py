@@ -157,22 +157,55 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
 
     @cuda.jit(device=True, inline="always")
-    def store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane):
-        g = lane // 4
-        t = lane % 4
-        for i in range(mi):
-            for j in range(ni):
-                c = col0 + j * 8 + 2 * t
-                if c < n:
-                    b0, b1 = load_bias(bias, c, n)
-                    for h in range(2):
-                        r = row0 + i * 16 + g + 8 * h
-                        if r < m:
-                            v0, v1 = finish(acc[i, j, 2 * h], acc[i, j, 2 * h + 1], b0, b1,
-                                            r, c, n, alpha, c_in, beta)
-                            put_pair(out, r, c, n, v0, v1)
+    def store_n8(a0, a1, a2, a3, out, r, c, m, n, alpha, bias, c_in, beta):
+        """One n8 block of a lane: columns (c, c + 1) of rows r and r + 8."""
+        if c < n:
+            b0, b1 = load_bias(bias, c, n)
+            if r < m:
+                v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
+                put_pair(out, r, c, n, v0, v1)
+            if r + 8 < m:
+                v0, v1 = finish(a2, a3, b0, b1, r + 8, c, n, alpha, c_in, beta)
+                put_pair(out, r + 8, c, n, v0, v1)
 
-    return store
+    if _plain(activation, has_bias, has_c):
+        @cuda.jit(device=True, inline="always")
+        def store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane):
+            r0 = row0 + lane // 4
+            c0 = col0 + 2 * (lane % 4)
+            for i in range(mi):
+                for j in range(ni):
+                    store_n8(acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3], out,
+                             r0 + 16 * i, c0 + 8 * j, m, n, alpha, bias, c_in, beta)
+
+        return store
+    return _written_out(
+        "store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane)",
+        ["r0 = row0 + lane // 4", "c0 = col0 + 2 * (lane % 4)"] +
+        [f"store_n8(acc[{i}, {j}, 0], acc[{i}, {j}, 1], acc[{i}, {j}, 2], acc[{i}, {j}, 3], "
+         f"out, r0 + {16 * i}, c0 + {8 * j}, m, n, alpha, bias, c_in, beta)"
+         for i in range(mi) for j in range(ni)],
+        {"store_n8": store_n8}, f"store_accumulators {mi}x{ni}")
+
+
+def _plain(activation, has_bias: bool, has_c: bool) -> bool:
+    """Whether an epilogue is small enough to stay a loop. With a bias, ``c`` or an
+    activation, the loop body over the (mi × ni) n8 blocks is large enough that LLVM stops
+    unrolling it, and the accumulators, indexed by loop counters, then live in local memory
+    (the TMA GEMM with bias + GELU: a 512-byte stack frame, 33 st.local, offline sm_90a,
+    2026-11-30), so those epilogues are written out with constant indices
+    (:func:`_written_out`). A plain epilogue unrolls by itself, and writing it out made ptxas
+    spill 28 bytes in the staged epilogue at the 168-register bound, so it stays a loop."""
+    return activation is None and not has_bias and not has_c
+
+
+def _written_out(signature: str, body: list, namespace: dict, name: str):
+    """An inlined device function ``def <signature>:`` with the given body lines, made from
+    source: the epilogues write their per-fragment calls out with constant accumulator
+    indices instead of looping (see :func:`store_accumulators`)."""
+    src = "\n".join([f"def {signature}:"] + ["    " + line for line in body])
+    exec(compile(src, f"<{name}>", "exec"), namespace)
+    return cuda.jit(device=True, inline="always")(namespace[signature.split("(")[0]])
 
 
 # ---- the shared-memory-staged epilogue of a wgmma warpgroup ------------------------------------
@@ -239,31 +272,64 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
     pack = _pair_io(out_kind)[2]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
 
-    def make_write(j0):
-        @cuda.jit(device=True, inline="always")
-        def write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t):
-            for jj in range(jp):
-                j = j0 + jj
-                c = col0 + j * 8 + 2 * t
-                b0 = _ZERO
-                b1 = _ZERO
-                if c < n:
-                    b0, b1 = load_bias(bias, c, n)
-                for h in range(2):
-                    rl = r_base + g + 8 * h
-                    r = row0 + rl
-                    v0 = _ZERO
-                    v1 = _ZERO
-                    if r < m and c < n:
-                        v0, v1 = finish(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], b0, b1,
-                                        r, c, n, alpha, c_in, beta)
-                    addr = stage + rl * pitch + (jj * 8 + 2 * t) * eb
-                    if wide:
-                        VEC.st_shared_v2_f32(addr, v0, v1)
-                    else:
-                        VEC.st_shared_b32(addr, pack(v0, v1))
+    @cuda.jit(device=True, inline="always")
+    def write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, t):
+        r = row0 + rl
+        v0 = _ZERO
+        v1 = _ZERO
+        if r < m and c < n:
+            v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
+        addr = stage + rl * pitch + (jj * 8 + 2 * t) * eb
+        if wide:
+            VEC.st_shared_v2_f32(addr, v0, v1)
+        else:
+            VEC.st_shared_b32(addr, pack(v0, v1))
 
-        return write
+    @cuda.jit(device=True, inline="always")
+    def write_n8(a0, a1, a2, a3, jj, c, rl, stage, row0, m, n, alpha, bias, c_in, beta, t):
+        b0 = _ZERO
+        b1 = _ZERO
+        if c < n:
+            b0, b1 = load_bias(bias, c, n)
+        write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, t)
+        write_pair(a2, a3, b0, b1, rl + 8, c, jj, stage, row0, m, n, alpha, c_in, beta, t)
+
+    def make_write(j0):
+        if _plain(activation, has_bias, has_c):
+            # the loop as first written: it unrolls, and ptxas spilled 28 bytes of the
+            # 168-register bound with it restructured through write_n8
+            @cuda.jit(device=True, inline="always")
+            def write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t):
+                for jj in range(jp):
+                    j = j0 + jj
+                    c = col0 + j * 8 + 2 * t
+                    b0 = _ZERO
+                    b1 = _ZERO
+                    if c < n:
+                        b0, b1 = load_bias(bias, c, n)
+                    for h in range(2):
+                        rl = r_base + g + 8 * h
+                        r = row0 + rl
+                        v0 = _ZERO
+                        v1 = _ZERO
+                        if r < m and c < n:
+                            v0, v1 = finish(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1], b0, b1,
+                                            r, c, n, alpha, c_in, beta)
+                        addr = stage + rl * pitch + (jj * 8 + 2 * t) * eb
+                        if wide:
+                            VEC.st_shared_v2_f32(addr, v0, v1)
+                        else:
+                            VEC.st_shared_b32(addr, pack(v0, v1))
+
+            return write
+        # written out with constant accumulator indices (see _plain)
+        return _written_out(
+            "write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t)",
+            ["rl = r_base + g", "c0 = col0 + 2 * t"] +
+            [f"write_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], "
+             f"{j - j0}, c0 + {8 * j}, rl, stage, row0, m, n, alpha, bias, c_in, beta, t)"
+             for j in range(j0, j0 + jp)],
+            {"write_n8": write_n8}, f"store_accumulators_smem write {j0}")
 
     @cuda.jit(device=True, inline="always")
     def put_word(out, r, e, n, w):
