@@ -204,7 +204,7 @@ def _written_out(signature: str, body: list, namespace: dict, name: str):
     source: the epilogues write their per-fragment calls out with constant accumulator
     indices instead of looping (see :func:`store_accumulators`)."""
     src = "\n".join([f"def {signature}:"] + ["    " + line for line in body])
-    exec(compile(src, f"<{name}>", "exec"), namespace)
+    exec(compile(src, f"<{name}>", "exec"), namespace)  # noqa: S102 - our own generated source
     return cuda.jit(device=True, inline="always")(namespace[signature.split("(")[0]])
 
 
