@@ -11,6 +11,10 @@ __version__ = "0.1.0"
 
 _env.check_versions()
 SIMULATOR: bool = _env.choose_target()
+if SIMULATOR:
+    from . import _simpatch
+
+    _simpatch.install()
 
 from . import ptx  # noqa: E402
 from .ops.attention import flash_attention  # noqa: E402

@@ -1,0 +1,88 @@
+"""The simulator fix of tilepy._simpatch: every thread of a block gets the same static shared
+array, even when many threads reach ``cuda.shared.array`` at once."""
+
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tilepy
+
+pytestmark = pytest.mark.sim
+
+if not tilepy.SIMULATOR:
+    pytest.skip("the patch is for the CUDA simulator", allow_module_level=True)
+
+from numba import cuda  # noqa: E402
+from numba.cuda.simulator.kernelapi import FakeCUDAShared  # noqa: E402
+
+
+def _allocate(shared, out, i, start):
+    start.wait()
+    out[i] = shared.array((16, 16), np.float32)
+
+
+def test_patch_is_installed():
+    assert getattr(FakeCUDAShared.array, "_tilepy_atomic", False)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_threads_racing_to_allocate_share_one_array(attempt, monkeypatch):
+    # a slow np.empty widens the window between "not there yet" and "stored": unpatched, the
+    # threads then nearly always end up with several arrays
+    real_empty = np.empty
+
+    def slow_empty(*args, **kwargs):
+        time.sleep(1e-3)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(np, "empty", slow_empty)
+    n = 64
+    shared = FakeCUDAShared(0)
+    out = [None] * n
+    start = threading.Barrier(n)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=_allocate, args=(shared, out, i, start))
+                   for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert len({id(a) for a in out}) == 1
+    assert len(shared._allocations) == 1
+
+
+def test_call_sites_still_decide_identity_and_dynamic_memory_is_unchanged():
+    shared = FakeCUDAShared(64)
+    a = shared.array((4,), np.int32)
+    b = shared.array((4,), np.int32)       # another line: another array
+    assert a is not b
+    d = shared.array(0, np.dtype(np.float32))  # dynamic shared memory: the whole 64-byte buffer
+    assert d.shape == (16,)
+
+
+@cuda.jit
+def _block_sum(x, out):
+    tile = cuda.shared.array(256, np.float32)
+    t = cuda.threadIdx.x
+    tile[t] = x[t]
+    cuda.syncthreads()
+    if t == 0:
+        s = np.float32(0)
+        for i in range(256):
+            s += tile[i]
+        out[0] = s
+
+
+def test_a_block_reads_what_its_threads_wrote():
+    x = np.arange(256, dtype=np.float32)
+    for _ in range(5):
+        out = np.full(1, np.nan, np.float32)
+        _block_sum[1, 256](x, out)
+        assert out[0] == x.sum()
