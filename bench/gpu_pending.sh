@@ -43,7 +43,7 @@ if [[ " $PART " == *" tests "* ]]; then
     gpu_tests ops_softmax 120 tests/test_ops_softmax.py
     # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
     gpu_tests ops_gemm 120 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
-        tests/test_tune_spaces.py tests/test_tune_attention.py
+        tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py
 fi
 if [[ " $PART " == *" sweeps "* ]]; then
     step sweep_gemm_shapes 330 "$PY" bench/sweep_gemm_shapes.py \
@@ -58,14 +58,17 @@ fi
 if [[ " $PART " == *" host "* ]]; then
     step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
     step first_call 300 "$PY" bench/first_call.py --json "$OUT/first_call.json"
+    # the softmax plans at the shape the built-in plan is weakest (float16 rows of 32768)
+    step tune_softmax 120 env TILEPY_CACHE_DIR="$OUT/tune_cache" "$PY" -m tilepy tune softmax \
+        --shape 4096 32768 --dtype float16 --json "$OUT/tune_softmax.json"
 fi
 
 echo "== pending GPU checks =="
 printf '%s\n' "${summary[@]}"
-for f in "$OUT"/sweep_*.log; do
+for f in "$OUT"/sweep_*.log "$OUT"/tune_*.log; do
     [ -e "$f" ] || continue
     echo "-- ${f##*/}"
-    grep -aE "TFLOPS|best|FAILED|Error" "$f" | tail -n 24
+    grep -aE "TFLOPS|GB/s|best|FAILED|Error" "$f" | tail -n 24
 done
 if [ -e "$OUT/bench_softmax.json" ]; then
     "$PY" bench/summary.py "$OUT"

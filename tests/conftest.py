@@ -53,14 +53,16 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture
 def isolated_tuning(tmp_path, monkeypatch):
     """A fresh tuning cache directory, tuning on, quiet, and no remembered choices (GEMM or
-    attention) before or after the test."""
-    from tilepy.tune import attention_space, spaces
+    attention or softmax) before or after the test."""
+    from tilepy.tune import attention_space, softmax_space, spaces
 
     monkeypatch.setenv("TILEPY_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TILEPY_VERBOSE", "0")
     monkeypatch.delenv("TILEPY_AUTOTUNE", raising=False)
-    spaces.forget_choices()
-    attention_space.forget_choices()
+    forgets = (spaces.forget_choices, attention_space.forget_choices,
+               softmax_space.forget_choices)
+    for forget in forgets:
+        forget()
     yield tmp_path
-    spaces.forget_choices()
-    attention_space.forget_choices()
+    for forget in forgets:
+        forget()

@@ -53,7 +53,10 @@ def test_inspect_reports_the_gemm_kernel_offline():
 
 @pytest.mark.parametrize("argv,message", [
     (["tune"], "the following arguments are required: op"),
-    (["tune", "softmax", "--shape", "1", "2", "3"], "invalid choice: 'softmax'"),
+    (["tune", "relu", "--shape", "1", "2", "3"], "invalid choice: 'relu'"),
+    (["tune", "softmax", "--shape", "1", "2", "3"], "softmax takes ROWS N, got 3 values"),
+    (["tune", "gemm", "--shape", "64", "64", "64", "--dtype", "float32"],
+     "gemm tunes float16 or bfloat16"),
     (["tune", "gemm"], "the following arguments are required: --shape"),
     (["tune", "gemm", "--shape", "64", "64"], "--shape: gemm takes M N K, got 2 values"),
     (["tune", "attention", "--shape", "1", "8", "64"], "attention takes B H S D or B H SQ SK D"),
@@ -61,7 +64,7 @@ def test_inspect_reports_the_gemm_kernel_offline():
     (["tune", "gemm", "--shape", "64", "0", "64"], "expected a positive integer, got 0"),
     (["tune", "gemm", "--shape", "64", "x", "64"], "expected a positive integer, got 'x'"),
     (["tune", "gemm", "--shape", "64", "64", "64", "--batch", "-1"], "positive integer"),
-    (["tune", "gemm", "--shape", "64", "64", "64", "--dtype", "float32"], "invalid choice"),
+    (["tune", "gemm", "--shape", "64", "64", "64", "--dtype", "float64"], "invalid choice"),
 ])
 def test_tune_arguments_are_checked(argv, message, capsys):
     from tilepy.__main__ import main

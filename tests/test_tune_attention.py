@@ -11,6 +11,7 @@ from tilepy.ops.attention_kernel import AttentionConfig
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 from tilepy.testing.timing import preset_timer
 from tilepy.tune import attention_space as ats
+from tilepy.tune.cache import TuneCache
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +50,7 @@ def test_choices_round_trip_and_reject_what_no_longer_fits():
 
 def _store(cfg, b, h, sq, sk, d, dtype, causal):
     gpu = ats.current_gpu_name()
-    ats.TuneCache(ats.OP).put(ats.attention_key(b, h, sq, sk, d, dtype, causal, gpu),
+    TuneCache(ats.OP).put(ats.attention_key(b, h, sq, sk, d, dtype, causal, gpu),
                               {"index": 1, "config": "x", "ms": 1.0,
                                "fields": ats.config_fields(cfg)})
 

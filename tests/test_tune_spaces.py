@@ -11,6 +11,7 @@ from tilepy.ops.gemm import choose_config
 from tilepy.testing.timing import preset_timer
 from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from tilepy.tune import spaces
+from tilepy.tune.cache import TuneCache
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +56,7 @@ TUNED = GemmConfig(BlockTile(128, 256, 64), WarpLayout(2, 4), Pipeline(3))
 
 def _store(m, n, k, batch, dtype, fields):
     gpu = spaces.current_gpu_name()
-    spaces.TuneCache("gemm").put(spaces.gemm_key(m, n, k, batch, dtype, gpu),
+    TuneCache("gemm").put(spaces.gemm_key(m, n, k, batch, dtype, gpu),
                                  {"index": 1, "config": "x", "ms": 1.0, "fields": fields})
 
 

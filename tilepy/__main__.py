@@ -22,15 +22,17 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--ptx", action="store_true", help="print the PTX too")
     t = sub.add_parser("tune", help="time an op's candidate configs on this GPU and remember the "
                        "fastest for later calls (needs a GPU)")
-    t.add_argument("op", choices=["gemm", "attention"], help="the op to tune")
+    t.add_argument("op", choices=["gemm", "attention", "softmax"], help="the op to tune")
     t.add_argument("--shape", nargs="+", type=_positive, required=True,
                    help="gemm: M N K, a (M x K) @ (K x N) problem; attention: B H S D "
-                        "(batch, query heads, sequence length, head_dim) or B H SQ SK D")
+                        "(batch, query heads, sequence length, head_dim) or B H SQ SK D; "
+                        "softmax: ROWS N (rows of N values; also serves log_softmax)")
     t.add_argument("--causal", action="store_true", help="attention: causal masking")
     t.add_argument("--heads-kv", type=_positive, default=None,
                    help="attention: key/value heads (GQA; default: the query heads)")
     t.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    t.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    t.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16",
+                   help="float32: softmax only")
     t.add_argument("--repeat", type=_positive, default=20,
                    help="timed runs per candidate (median; default 20)")
     t.add_argument("--json", metavar="FILE", help="also write the result rows as JSON")
@@ -166,14 +168,21 @@ def cmd_tune(args) -> int:
               "(no GPU found, or NUMBA_ENABLE_CUDASIM=1), where timings mean nothing",
               file=sys.stderr)
         return 1
-    from .tune import attention_space, spaces
+    from .tune import attention_space, softmax_space, spaces
+    from .tune.cache import TuneCache
 
-    if args.op == "gemm":
+    if args.op == "softmax":
+        rows, n = args.shape
+        result = softmax_space.tune_softmax(rows, n, args.dtype, repeat=args.repeat,
+                                            table=False)
+        what = f"softmax {rows}x{n}"
+        cache = TuneCache(softmax_space.OP)
+    elif args.op == "gemm":
         m, n, k = args.shape
         result = spaces.tune_gemm(m, n, k, args.dtype, args.batch, repeat=args.repeat,
                                   table=False)
         what = f"gemm {m}x{n}x{k} batch {args.batch}"
-        cache = spaces.TuneCache(spaces.OP)
+        cache = TuneCache(spaces.OP)
     else:
         b, h, sq, *rest = args.shape
         sk, d = (rest[0], rest[1]) if len(rest) == 2 else (sq, rest[0])
@@ -182,7 +191,7 @@ def cmd_tune(args) -> int:
         what = (f"attention B{b} H{h}" + (f" Hkv{args.heads_kv}" if args.heads_kv else "")
                 + f" S{sq}" + (f"/{sk}" if sk != sq else "") + f" D{d}"
                 + (" causal" if args.causal else ""))
-        cache = spaces.TuneCache(attention_space.OP)
+        cache = TuneCache(attention_space.OP)
     print(f"tilepy {tilepy.__version__} tune {what} {args.dtype} on {result.key.split('|')[3]}")
     print(result.table)
     for what, why in result.rejected:
@@ -203,11 +212,14 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "tune":
-        wanted = {"gemm": (3,), "attention": (4, 5)}[args.op]
+        wanted = {"gemm": (3,), "attention": (4, 5), "softmax": (2,)}[args.op]
         if len(args.shape) not in wanted:
             parser.error(f"--shape: {args.op} takes "
-                         + ("M N K" if args.op == "gemm" else "B H S D or B H SQ SK D")
+                         + {"gemm": "M N K", "attention": "B H S D or B H SQ SK D",
+                            "softmax": "ROWS N"}[args.op]
                          + f", got {len(args.shape)} values")
+        if args.dtype == "float32" and args.op != "softmax":
+            parser.error(f"--dtype float32: {args.op} tunes float16 or bfloat16")
     if args.command == "info":
         return cmd_info()
     if args.command == "demo":

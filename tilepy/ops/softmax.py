@@ -80,10 +80,16 @@ from numba import cuda
 from .. import arrays
 from ..arrays import describe
 from ..launch import LaunchPlan, PlanCache
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, unpack_bf16x2_f32, \
-    unpack_f16x2_f32
+from ..ptx.math import (
+    cvt_bf16x2_f32,
+    cvt_f16x2_f32,
+    ex2_approx,
+    unpack_bf16x2_f32,
+    unpack_f16x2_f32,
+)
 from ..tile.reduce import block_row_reduce, combine, warp_reduce
 from ..tune.kcache import cached_jit
+from ..tune.softmax_space import tuned_softmax_plan
 
 # ---- thresholds and configs (module level, so that tests can force a path) ----------------
 
@@ -130,6 +136,47 @@ class Plan:
     @property
     def threads(self) -> int:
         return self.warps * WARP
+
+    def describe(self) -> str:
+        what = "values per thread per step" if self.path == "online" else "values per thread"
+        return f"{self.path} {self.warps} warps x {self.per_thread} {what}"
+
+
+#: Most bytes of row a thread of the warp or block path keeps in registers (the heuristic's
+#: largest: float32 rows of 32768 at 1024 threads, 16-bit rows of 32768 at 512 threads).
+MAX_BYTES_PER_THREAD = 128
+#: Most values per thread and step of the online path.
+MAX_ONLINE_UNROLL = 32
+
+
+def check_plan(p, n: int, itemsize: int = 4, *, simulator: bool | None = None) -> None:
+    """Raise ``ValueError`` (``TypeError`` for a non-Plan) saying which constraint ``p`` breaks
+    for rows of ``n`` values of ``itemsize`` bytes; return None when it can run them. The
+    register limit is a GPU's (the simulator, whose blocks are kept small, has none)."""
+    if not isinstance(p, Plan):
+        raise TypeError(f"config must be a tilepy.ops.softmax.Plan, got {type(p).__name__}")
+    if p.path not in PATHS:
+        raise ValueError(f"plan path must be one of {PATHS}, got {p.path!r}")
+    if not isinstance(p.warps, int) or not 1 <= p.warps <= MEDIUM_MAX_THREADS // WARP:
+        raise ValueError(f"plan warps must be an int in 1 … {MEDIUM_MAX_THREADS // WARP} "
+                         f"(at most {MEDIUM_MAX_THREADS} threads per block), got {p.warps!r}")
+    if not isinstance(p.per_thread, int) or p.per_thread < 1:
+        raise ValueError(f"plan per_thread must be a positive int, got {p.per_thread!r}")
+    if p.path == "online":
+        if p.per_thread > MAX_ONLINE_UNROLL:
+            raise ValueError(f"an online plan takes at most {MAX_ONLINE_UNROLL} values per "
+                             f"thread per step, got {p.per_thread}")
+        return
+    cover = p.per_thread * (WARP if p.path == "warp" else p.threads)
+    if cover < n:
+        raise ValueError(f"{p.describe()} covers rows of {cover} values, {n - cover} short of "
+                         f"n = {n}")
+    held = p.per_thread * int(itemsize)
+    sim = arrays.SIMULATOR if simulator is None else simulator
+    if held > MAX_BYTES_PER_THREAD and not sim:
+        raise ValueError(f"{p.describe()} keeps {held} bytes per thread in registers, "
+                         f"{held - MAX_BYTES_PER_THREAD} over the {MAX_BYTES_PER_THREAD} that "
+                         "fit without spilling")
 
 
 def _pow2_at_least(n: int) -> int:
@@ -871,7 +918,7 @@ def launch(x2, out2, kind: str, log: bool, stream=0, p: Plan | None = None) -> P
 
 # ---- host wrapper ---------------------------------------------------------------------------
 
-def softmax(x, axis=-1, *, out=None):
+def softmax(x, axis=-1, *, out=None, config=None):
     """``exp(x - max) / sum(exp(x - max))`` along ``axis``, like ``torch.softmax(x, axis)``.
 
     * ``x``: a CuPy array, PyTorch tensor or Numba device array (a NumPy array in the CUDA
@@ -885,16 +932,20 @@ def softmax(x, axis=-1, *, out=None):
     * A row that contains NaN or +inf, or is all -inf, comes out NaN. Zero-size inputs give
       an empty result. Computed on the inputs' device and the caller's current stream; every
       user error is raised before anything is launched.
+    * ``config``: a :class:`Plan` (kernel path, warps, values per thread) to run instead of
+      the choice persisted by ``python -m tilepy tune softmax`` for this shape, or else the
+      built-in :func:`plan`; ``ValueError`` when it cannot run rows of this length
+      (:func:`check_plan`).
     """
-    return _softmax(x, axis, out, log=False)
+    return _softmax(x, axis, out, False, config)
 
 
-def log_softmax(x, axis=-1, *, out=None):
+def log_softmax(x, axis=-1, *, out=None, config=None):
     """``(x - max) - log(sum(exp(x - max)))`` along ``axis``, like ``torch.log_softmax``.
 
     Same arguments, layouts, dtypes and rules as :func:`softmax`.
     """
-    return _softmax(x, axis, out, log=True)
+    return _softmax(x, axis, out, True, config)
 
 
 def _normalize_axis(axis, ndim: int) -> int:
@@ -942,22 +993,22 @@ def _overlaps_itself(op) -> bool:
 _PLANS = PlanCache()
 
 
-def _softmax(x, axis, out, log: bool):
+def _softmax(x, axis, out, log: bool, config=None):
     """Reuse the launch plan of an earlier call with the same signature (kinds, dtypes,
     shapes, strides, device, alignment, axis), else validate, launch and remember."""
     fx, px = arrays.fingerprint(x)
     fo, po = arrays.fingerprint(out)
-    cached, key = _PLANS.lookup((fx, fo, axis, log))
+    cached, key = _PLANS.lookup((fx, fo, axis, log, config))
     if cached is not None:
         bound, stream, alloc = cached
         if out is None:
             out, po = alloc()
         bound(stream(), (px, po))
         return out
-    return _checked_softmax(x, axis, out, log, key)
+    return _checked_softmax(x, axis, out, log, key, config)
 
 
-def _checked_softmax(x, axis, out, log: bool, key):
+def _checked_softmax(x, axis, out, log: bool, key, config=None):
     X = describe(x, "x")
     ax = _normalize_axis(axis, X.ndim)
     Out = describe(out, "out") if out is not None else None
@@ -970,14 +1021,21 @@ def _checked_softmax(x, axis, out, log: bool, key):
             raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
                              "array whose elements are distinct")
     device = arrays.same_device(X, Out)
+    n = X.shape[ax] if X.ndim else 1
+    itemsize = _ITEMSIZE[X.dtype]
+    if config is not None:
+        check_plan(config, n, itemsize)
     caller_out = out is not None
     if out is None:
         out = arrays.empty(X, X.shape, X.dtype)
         Out = describe(out, "out")
     if any(s == 0 for s in X.shape):
         return out
+    # the caller's plan, else one persisted by `python -m tilepy tune softmax`, else plan()
+    p = config or tuned_softmax_plan(int(np.prod(X.shape, dtype=np.int64)) // n, n, X.dtype,
+                                     device) or plan(n, itemsize=itemsize)
     with arrays.on_device(device):
-        bound = _run(X, Out, ax, log)
+        bound = _run(X, Out, ax, log, p)
     if bound is not None:
         alloc = None if caller_out else arrays.allocator(X, X.shape, X.dtype)
         _PLANS.put(key, (bound, arrays.stream_getter(X), alloc))
@@ -991,7 +1049,7 @@ def _moved_layout(op, ax: int):
     return _rows_layout(_moved_shape(op.shape, ax), _moved_shape(op.strides, ax))
 
 
-def _run(X, Out, ax: int, log: bool):
+def _run(X, Out, ax: int, log: bool, p: Plan):
     """Launch; return the plan bound to (x, out) when both are read in place (a later call
     with the same signature can reuse it), else None."""
     stream = arrays.stream_of(X)
@@ -1011,7 +1069,7 @@ def _run(X, Out, ax: int, log: bool):
     else:
         result = describe(arrays.empty(X, _moved_shape(X.shape, ax), X.dtype), "out")
         out2 = _view2d(result, *_rows_layout(result.shape, result.strides))
-    lp, args = launch_plan(x2, out2, X.dtype, log)
+    lp, args = launch_plan(x2, out2, X.dtype, log, p)
     lp.launch(arrays.stream_handle(X), args)
     if result is not None:
         _assign(_moved(Out, ax), result.raw, Out.family, stream)

@@ -4,6 +4,9 @@
 * :mod:`tilepy.tune.cache` — the tuning choices as JSON under the tilepy cache directory;
 * :mod:`tilepy.tune.spaces` — the GEMM config space, ``pick_gemm_config`` (what an op call
   runs) and ``tune_gemm`` (ahead-of-time tuning, ``python -m tilepy tune gemm``);
+* :mod:`tilepy.tune.attention_space`, :mod:`tilepy.tune.softmax_space` — the same for
+  ``tilepy.flash_attention`` and for ``tilepy.softmax`` / ``log_softmax`` (``python -m tilepy
+  tune attention|softmax``);
 * :mod:`tilepy.tune.kcache` — ``cached_jit``: generated kernels cached on disk across processes.
 """
 

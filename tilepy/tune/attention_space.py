@@ -22,8 +22,8 @@ import math
 import time
 
 from .autotune import _enabled, autotune, current_gpu_name, describe_config
-from .cache import TuneCache, make_key
-from .spaces import TuneResult, _device_cc, _module, _synchronize, _version
+from .cache import StoredChoices, make_key
+from .spaces import TuneResult, _device_cc, _module, _synchronize, _version, conclude
 
 OP = "attention"
 
@@ -105,9 +105,7 @@ def config_from_fields(fields, dtype: str, head_dim: int):
     return cfg if cfg.head_dim == head_dim else None
 
 
-_entries: dict = {}   # gpu name -> the attention tuning file's entries, read once per process
-_choices: dict = {}   # problem -> config or None
-MAX_CHOICES = 4096
+_stored = StoredChoices(OP)
 
 
 def tuned_attention_config(batch, heads, seq_q, seq_k, head_dim, dtype, causal, device=None):
@@ -115,29 +113,16 @@ def tuned_attention_config(batch, heads, seq_q, seq_k, head_dim, dtype, causal, 
     ``device``: the CUDA device id of the operands (None: the current one)."""
     if not _enabled():
         return None
-    key = (batch, heads, seq_q, seq_k, head_dim, dtype, bool(causal), device)
-    try:
-        return _choices[key]
-    except KeyError:
-        pass
-    if len(_choices) >= MAX_CHOICES:
-        _choices.clear()
-    gpu = current_gpu_name(device)
-    entries = _entries.get(gpu)
-    if entries is None:
-        entries = _entries[gpu] = TuneCache(OP).entries()
-    entry = entries.get(attention_key(batch, heads, seq_q, seq_k, head_dim, dtype, causal, gpu))
-    choice = None
-    if isinstance(entry, dict):
-        choice = config_from_fields(entry.get("fields"), dtype, head_dim)
-    _choices[key] = choice
-    return choice
+    return _stored.lookup(
+        (batch, heads, seq_q, seq_k, head_dim, dtype, bool(causal), device),
+        lambda: current_gpu_name(device),
+        lambda gpu: attention_key(batch, heads, seq_q, seq_k, head_dim, dtype, causal, gpu),
+        lambda entry: config_from_fields(entry.get("fields"), dtype, head_dim))
 
 
 def forget_choices() -> None:
     """Drop this process's memory of the tuning file (after it changed)."""
-    _entries.clear()
-    _choices.clear()
+    _stored.forget()
 
 
 def attention_inputs(batch, heads, seq_q, seq_k, head_dim, dtype="float16", heads_kv=None,
@@ -262,20 +247,9 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
                      key=lambda *args: (_problem(batch, heads, seq_q, seq_k, head_dim),
                                         dtype + ("-causal" if causal else "")),
                      cache_directory=cache_directory, flops=lambda *args: flop, table=table)
-    best = tuned.tune(q, k, v, out)
-    rows = tuned.last_report
-    for r in rows:
-        if r["config"] in first_call:
-            r["first_call_s"] = first_call[r["config"]]
-    winner = candidates[best["index"]]
-    entry = dict(best, fields=config_fields(winner),
-                 shape=[batch, heads, seq_q, seq_k, head_dim, bool(causal)],
-                 tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
-    saved = tuned.cache.put(key, entry) if save else False
-    forget_choices()
-    att._PLANS.clear()   # launch plans made before tuning hold the old configs
-    return TuneResult(winner, rows, key, saved, rejected, op=OP)
-
+    return conclude(tuned, (q, k, v, out), candidates, first_call, key, config_fields,
+                    [batch, heads, seq_q, seq_k, head_dim, bool(causal)], save, rejected, OP,
+                    (forget_choices, att._PLANS.clear))
 
 __all__ = ["MMA_SYNC_SHAPES", "WGMMA_SHAPES", "attention_inputs", "attention_key",
            "attention_space", "config_fields", "config_from_fields", "forget_choices",

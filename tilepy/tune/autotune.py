@@ -10,7 +10,8 @@ tuned(a, b)            # first call for a key: times the candidates; later calls
 Candidates that raise (e.g. fail to compile) or whose output fails ``reference(config, *args)``
 are skipped and reported, not fatal. Timing uses CUDA events (median of ``repeat`` after
 ``warmup``; wall clock in the simulator) unless a ``timer(fn, warmup, repeat) -> ms`` is given
-(tests use a fake one). ``TILEPY_AUTOTUNE=0``
+(tests use a fake one); ``flops(*args)`` / ``nbytes(*args)`` add TFLOPS / GB/s columns to
+the table. ``TILEPY_AUTOTUNE=0``
 never tunes: the first config (the heuristic choice) is used. ``TILEPY_VERBOSE=0`` silences the
 progress line and the result table.
 """
@@ -63,7 +64,7 @@ def _default_timer(fn, warmup, repeat):
 
 class Tuned:
     def __init__(self, launch, configs, key, op, prune, reference, warmup, repeat, timer,
-                 gpu_name, cache_directory, flops, table=True):
+                 gpu_name, cache_directory, flops, table=True, nbytes=None):
         self.launch = launch
         self.configs = list(configs)
         if not self.configs:
@@ -77,6 +78,7 @@ class Tuned:
         self.gpu_name = gpu_name
         self.cache = TuneCache(op, cache_directory)
         self.flops = flops
+        self.nbytes = nbytes
         self.table = table
         self.memory: dict = {}
         self.last_report: list = []
@@ -126,6 +128,8 @@ class Tuned:
                     row["ms"] = ms
                     if self.flops is not None:
                         row["tflops"] = self.flops(*args) / ms / 1e9
+                    if self.nbytes is not None:
+                        row["gbps"] = self.nbytes(*args) / ms / 1e6
             except Exception as e:  # noqa: BLE001 - a failing candidate is reported, not fatal
                 row["skipped"] = f"{type(e).__name__}: {str(e)[:120]}"
             rows.append(row)
@@ -151,6 +155,8 @@ def format_report(op, rows, best) -> str:
         mark = "*" if best is not None and r["index"] == best["index"] else " "
         if "ms" in r:
             extra = f"  {r['tflops']:.0f} TFLOPS" if "tflops" in r else ""
+            if "gbps" in r:
+                extra += f"  {r['gbps']:.0f} GB/s"
             if "first_call_s" in r:
                 extra += f"  (first call {r['first_call_s']:.1f} s)"
             lines.append(f" {mark} {r['ms']:9.4f} ms{extra}  {r['config']}")
@@ -175,7 +181,7 @@ def current_gpu_name(device=None) -> str:
 
 def autotune(launch, configs, *, key, op, prune=None, reference=None, warmup=3, repeat=20,
              timer=None, gpu_name=None, cache_directory=None, flops=None,
-             table=True) -> Tuned:
+             table=True, nbytes=None) -> Tuned:
     """Wrap ``launch(config, *args)`` so each call runs the best config for its key.
 
     ``key(*args) -> (shape tuple, dtype str)`` decides which calls share a choice (shapes are
@@ -186,4 +192,4 @@ def autotune(launch, configs, *, key, op, prune=None, reference=None, warmup=3, 
     if gpu_name is None:
         gpu_name = current_gpu_name
     return Tuned(launch, configs, key, op, prune, reference, warmup, repeat, timer, gpu_name,
-                 cache_directory, flops, table)
+                 cache_directory, flops, table, nbytes)

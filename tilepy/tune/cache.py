@@ -132,3 +132,37 @@ class TuneCache:
             _warn_once(self.directory, f"tilepy: tuning cache directory {self.directory} is "
                        f"not writable ({e}); tuning results will not be saved")
             return False
+
+
+class StoredChoices:
+    """One op's persisted tuning choices as op calls ask for them: each GPU's file is read once
+    per process and each problem's answer is remembered (at most ``limit`` answers; then the
+    memory starts afresh). ``forget()`` after the file changed."""
+
+    def __init__(self, op: str, limit: int = 4096):
+        self.op, self.limit = op, limit
+        self._entries: dict = {}   # gpu name -> the op's file, as read
+        self._answers: dict = {}   # problem -> config or None
+
+    def lookup(self, problem, gpu_name, key_of, rebuild):
+        """The config for ``problem`` (hashable): ``gpu_name()`` names the GPU, ``key_of(gpu)``
+        gives the tuning-file key, ``rebuild(entry)`` turns a stored dict into a config or
+        None (malformed, no longer valid)."""
+        try:
+            return self._answers[problem]
+        except KeyError:
+            pass
+        if len(self._answers) >= self.limit:
+            self._answers.clear()
+        gpu = gpu_name()
+        entries = self._entries.get(gpu)
+        if entries is None:
+            entries = self._entries[gpu] = TuneCache(self.op).entries()
+        entry = entries.get(key_of(gpu))
+        answer = rebuild(entry) if isinstance(entry, dict) else None
+        self._answers[problem] = answer
+        return answer
+
+    def forget(self) -> None:
+        self._entries.clear()
+        self._answers.clear()

@@ -30,7 +30,7 @@ from .autotune import (
     describe_config,
     format_report,
 )
-from .cache import TuneCache, make_key
+from .cache import StoredChoices, make_key
 
 OP = "gemm"
 
@@ -129,9 +129,7 @@ def _misfit(cfg: GemmConfig, m, n, k) -> str | None:
 
 # ---- the choice an op call uses --------------------------------------------------------------
 
-_entries: dict = {}   # gpu name -> the gemm tuning file's entries, read once per process
-_choices: dict = {}   # (m, n, k, batch, dtype, device) -> GemmConfig or None (= heuristic)
-MAX_CHOICES = 4096
+_stored = StoredChoices(OP)
 
 
 def _version() -> str:
@@ -194,32 +192,18 @@ def tuned_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, like: Gemm
     a GemmConfig), or None: no choice, or ``TILEPY_AUTOTUNE=0``."""
     if not _enabled():
         return None
-    heuristic = like
-    key = (m, n, k, batch, dtype, device)
-    try:
-        choice = _choices[key]
-    except KeyError:
-        if len(_choices) >= MAX_CHOICES:
-            _choices.clear()
-        choice = _choices[key] = _stored_choice(m, n, k, batch, dtype, heuristic, device)
-    return choice
 
+    def rebuild(entry):
+        fields = entry.get("fields")
+        return config_from_fields(fields, like) if isinstance(fields, dict) else None
 
-def _stored_choice(m, n, k, batch, dtype, heuristic, device):
-    gpu = current_gpu_name(device)
-    entries = _entries.get(gpu)
-    if entries is None:
-        entries = _entries[gpu] = TuneCache(OP).entries()
-    entry = entries.get(gemm_key(m, n, k, batch, dtype, gpu))
-    if not isinstance(entry, dict) or not isinstance(entry.get("fields"), dict):
-        return None
-    return config_from_fields(entry["fields"], heuristic)
+    return _stored.lookup((m, n, k, batch, dtype, device), lambda: current_gpu_name(device),
+                          lambda gpu: gemm_key(m, n, k, batch, dtype, gpu), rebuild)
 
 
 def forget_choices() -> None:
     """Drop this process's memory of the tuning file (after it changed)."""
-    _entries.clear()
-    _choices.clear()
+    _stored.forget()
 
 
 # ---- ahead-of-time tuning --------------------------------------------------------------------
@@ -380,21 +364,32 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                      reference=same_as_heuristic, warmup=warmup, repeat=repeat, timer=timer,
                      gpu_name=lambda: gpu, cache_directory=cache_directory,
                      flops=lambda *args: 2.0 * m * n * k * batch, table=table)
-    best = tuned.tune(a, b, out)
+    from ..ops import gemm as _gemm_op
+
+    return conclude(tuned, (a, b, out), candidates, first_call,
+                    gemm_key(m, n, k, batch, dtype, gpu), config_fields, [m, n, k, batch],
+                    save, rejected, OP, (forget_choices, _gemm_op._PLANS.clear))
+
+
+def conclude(tuned, args, candidates, first_call, key, fields_of, shape, save, rejected, op,
+             forget) -> TuneResult:
+    """The end every ``tune_*`` shares: time the candidates (``tuned.tune(*args)``), add each
+    first call's seconds to its row, persist the winner under ``key`` (``fields_of(config)``
+    and the problem's ``shape``) unless ``save`` is false, call each of ``forget`` (the op's
+    remembered choices and its launch plans, made with the old configs), and return the
+    :class:`TuneResult`."""
+    best = tuned.tune(*args)
     rows = tuned.last_report
     for r in rows:
         if r["config"] in first_call:
             r["first_call_s"] = first_call[r["config"]]
     winner = candidates[best["index"]]
-    key = gemm_key(m, n, k, batch, dtype, gpu)
-    entry = dict(best, fields=config_fields(winner), shape=[m, n, k, batch],
+    entry = dict(best, fields=fields_of(winner), shape=list(shape),
                  tuned_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
     saved = tuned.cache.put(key, entry) if save else False
-    forget_choices()
-    from ..ops import gemm as _gemm_op
-
-    _gemm_op._PLANS.clear()  # launch plans made before tuning hold the old configs
-    return TuneResult(winner, rows, key, saved, rejected)
+    for f in forget:
+        f()
+    return TuneResult(winner, rows, key, saved, rejected, op=op)
 
 
 def _synchronize() -> None:
