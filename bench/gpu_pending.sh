@@ -43,7 +43,8 @@ if [[ " $PART " == *" tests "* ]]; then
     gpu_tests ops_softmax 120 tests/test_ops_softmax.py
     # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
     gpu_tests ops_gemm 120 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
-        tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py
+        tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py \
+        tests/test_tune_kcache.py tests/test_docs.py
 fi
 if [[ " $PART " == *" sweeps "* ]]; then
     step sweep_gemm_shapes 330 "$PY" bench/sweep_gemm_shapes.py \

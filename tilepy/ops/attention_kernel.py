@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
@@ -201,13 +202,13 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
         # is the same in every pass, and the shared offset of pass p is sh0 plus a constant.
         const_swz = per_pass % 8 == 0 or not swizzle
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def setup(src, row_stride, tid):
             r0 = tid // chunks
             c = tid % chunks
             return src + r0 * row_stride + c * 16, (r0 * chunks + swz(r0, c)) * 16, r0, c
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def issue(tile_addr, src_shift, src0, sh0, r0, c, row_stride, rows_left):
             src = src0 + src_shift
             for p in range(passes):
@@ -224,11 +225,11 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
         passes = -(-total // threads)
         exact = total % threads == 0
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def setup(src, row_stride, tid):
             return src, 0, tid, 0
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def issue(tile_addr, src_shift, src0, unused0, tid, unused1, row_stride, rows_left):
             src = src0 + src_shift
             for p in range(passes):
@@ -252,7 +253,7 @@ def key_blocks(block_m: int, block_n: int, causal: bool):
     rows sees (blocks ending after it need the mask). Shared by the attention kernels."""
     BM, BN, CAUSAL = block_m, block_n, bool(causal)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def bounds(sq, sk):
         shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
         if CAUSAL:
@@ -275,7 +276,7 @@ def row_limits(mi: int, causal: bool):
     ``mi × 2`` rows sees (rows ``rows0 + 16 i + g + 8 h``) and the online softmax's start."""
     CAUSAL = bool(causal)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def init(limit, row_max, row_sum, rows0, g, sq, sk):
         for i in range(mi):
             for hh in range(2):
@@ -294,7 +295,7 @@ def mask_scores(mi: int, ns: int):
     """``mask(s, limit, key0)``: set the S fragment entries of keys past each row's limit to
     -inf (``key0``: the key of column 0 of this lane in the block, ``kb·BN + 2t``)."""
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def mask(s, limit, key0):
         for i in range(mi):
             for hh in range(2):
@@ -316,7 +317,7 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     HAS_LSE = bool(has_lse)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
         for i in range(mi):
             for hh in range(2):

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from ..inline import inline_device
 from ..ptx import global_addr, shared_addr
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR, pick
@@ -138,7 +139,7 @@ def _copy_rows(rows: int, d: int, threads: int):
     per_thread = rows * chunks // threads
     sub_bytes = rows * 128
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue(tile, src, row_stride, rows_left, tid):
         for p in range(per_thread):
             q = tid + p * threads
@@ -216,7 +217,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_s(s, q_rows, k_addr):
         """S = Q · Kᵀ: the k16 wgmmas (not committed)."""
         for kk in range(KD):
@@ -226,14 +227,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                                      16, 1024, 128)
             mma_s(s, da, db, 0 if kk == 0 else 1)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_o(acc_o, p, v_addr):
         """O += P · V, P from registers: the k16 wgmmas (not committed)."""
         for st in range(KN):
             dv = W.matrix_descriptor(v_addr + st * 2048, BN * 128, 1024, 128)
             mma_o(acc_o, p[4 * st], p[4 * st + 1], p[4 * st + 2], p[4 * st + 3], dv, 1)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2):
         """Key block ``kb``'s scores (retired S accumulators) → p in ``s3``; alpha."""
         for j in range(NS):
@@ -243,12 +244,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             mask(s3, limit, kb * BN + 2 * t)
         update(s3, row_max, row_sum, alpha, scale_log2)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def rescale(acc_o, alpha):
         for i in range(NACC_O):
             acc_o[i] = acc_o[i] * alpha[0, (i // 2) % 2]
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def to_p(p, s3):
         """p rounded to 16 bits: the A registers of the P·V wgmmas."""
         for st in range(KN):
@@ -257,7 +258,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
             p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def main_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
                   q_rows, sk, n_kb, all_see, t, tid, scale_log2):
         """One wgmma batch at a time: S, wait, softmax, P·V, wait."""
@@ -292,7 +293,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             W.wgmma_wait_group(0)
             W.wgmma_fence_operand(acc_o, NACC_O)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def overlap_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
                      q_rows, sk, n_kb, all_see, t, tid, scale_log2):
         """FlashAttention-3's intra-warpgroup pipeline: in step kb, S(kb+1) = Q·K(kb+1)ᵀ and

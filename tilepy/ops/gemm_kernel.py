@@ -31,6 +31,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
@@ -73,14 +74,14 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     mma = warp_mma(MI, NI, cfg.dtype)
     store = store_accumulators(MI, NI, out_kind, activation, has_bias, has_c)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_tile(plan_a, plan_b, base, slot, kt, k, kstep_b):
         a_addr = base + slot * STAGE_BYTES
         k_left = k - kt * BK
         copy_a(plan_a, a_addr, kt, k_left, BK * 2)
         copy_b(plan_b, a_addr + A_BYTES, kt, k_left, kstep_b)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def gemm_block(a, b, out, c, bias, alpha, beta):
         m = a.shape[0]
         k = a.shape[1]

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from ..inline import inline_device
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
@@ -185,7 +186,7 @@ def _kernel_jit(threads: int):
 @functools.cache
 def _shared_views():
     """The dynamic shared buffer as float32 and as uint32 (all dynamic arrays alias)."""
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def views():
         return cuda.shared.array(0, types.float32), cuda.shared.array(0, types.uint32)
     return views
@@ -234,13 +235,13 @@ def tile_copy(rows: int, cols: int, threads: int, swizzle: bool = True):
     else:
         flips = None
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def setup(tid):
         r0 = tid // chunks
         c = tid % chunks
         return r0, c, r0 * row_bytes + swz(r0, c) * 16
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue(tile_addr, src, r0, c, sh0, row_stride, rows_left, cols_left):
         col_bytes = max(0, min(16, (cols_left - c * 8) * 2))
         for p in range(passes):
@@ -269,7 +270,7 @@ def softmax_tile(mi: int, ni: int, wn: int):
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=False)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def update(acc, row_max, row_sum, old, c, cols_left, t):
         masked = cols_left < wn
         if masked:
@@ -347,7 +348,7 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
     else:
         pack, unpack = cvt_bf16x2_f32, unpack_bf16x2_f32
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue(cp, base, slot, j, kt, m_left, k, n, sa, sb, live):
         """Copies of (N tile j, k-step kt) into pipeline slot ``slot`` (all zero-fill unless
         ``live``). ``cp`` holds this thread's (source of A, source of B, r0 / chunk / shared
@@ -366,28 +367,28 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
     # Column pairs of one row of out (``orow = out[r]``): a uint32 word each with out_pairs
     # (N even), else two uint16 elements, the second one only if ``col + 1 < n``.
     if out_pairs:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def put_pair(orow, col, n, word):
             orow[_u(col >> 1)] = word
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def get_pair(orow, col, n):
             return orow[_u(col >> 1)]
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def put_pair(orow, col, n, word):
             orow[_u(col)] = word & 0xFFFF
             if col + 1 < n:
                 orow[_u(col) + _ONE_U] = word >> 16
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def get_pair(orow, col, n):
             word = np.uint32(orow[_u(col)])
             if col + 1 < n:
                 word = word | (np.uint32(orow[_u(col) + _ONE_U]) << np.uint32(16))
             return word
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def copy_out(u32, out, row0, m, n, col0, warp, lane):
         """park="global": the staged tile (unnormalised) to ``out[row0:, col0:]``, one warp
         per row, lane q taking columns 2q, 2q+1 (coalesced)."""
@@ -401,7 +402,7 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
                     if 2 * q < BN and col < n:
                         put_pair(orow, col, n, u32[_u(SEGS + rl * STAGED_WORDS + q)])
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def finish_segment(u32, orow, fac, pw, col, n, lane, tail):
         """Rescale one segment (WN columns from ``col``) of a row by ``fac`` and store it: lane
         l takes the column pairs l, l + 32, ... (``pw``: the segment's first parked word, for

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx import wgmma as W
@@ -111,7 +112,7 @@ def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
     B_PASSES_K = BK // RP            # row-major B: k rows per thread
     B_PASSES_N = cfg.block_n // RP   # column-major B: n rows per thread
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue_a(stage, dst0, a_src, sa_row, rows_left, kt, k_left):
         nb = max(0, min(16, k_left * 2))
         for i in range(A_PASSES):
@@ -120,7 +121,7 @@ def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
                            nb if i * RP < rows_left else 0)
 
     if b_row_major:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def issue_b(stage, dst0, b_src, sb_row, nbytes_j, kt, krows_left):
             for i in range(B_PASSES_K):
                 ok = i * RP < krows_left
@@ -129,7 +130,7 @@ def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
                                    b_src + (kt * BK + i * RP) * sb_row + j * 128,
                                    nbytes_j[j] if ok else 0)
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def issue_b(stage, dst0, b_src, sb_row, nbytes_j, kt, k_left):
             nb = max(0, min(16, k_left * 2))
             for i in range(B_PASSES_N):
@@ -164,7 +165,7 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def gemm_block(A, B, O, C, bias, alpha, beta):
         m = A.shape[0]
         kdim = A.shape[1]

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from ..inline import inline_device
 from ..launch import SIMULATOR as _LAUNCH_SIM
 from ..launch import BoundPlan, LaunchPlan, pointer
 from ..ptx import barrier as BAR
@@ -235,7 +236,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     align = None if SIMULATOR else 1024
     f32 = types.float32
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def tile_origin(w, tiles_m, tiles_n):
         """(batch, first row, first column) of work item w, grouped order within a batch."""
         tiles = tiles_m * tiles_n
@@ -248,7 +249,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         tn = (pid % width) // rows
         return z, tm * BM, tn * BN
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def produce(smem, base, maps, za, zb, m_tiles, n_tiles, total, ktiles, w0, step):
         bars = shared_addr(smem, BAR0)
         ta = T.tensor_map_address(maps)
@@ -288,7 +289,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     s = 0
                     ph ^= 1
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def consume(smem, base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total,
                 ktiles, w0, step):
         m = a.shape[1]

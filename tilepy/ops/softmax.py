@@ -79,6 +79,7 @@ from numba import cuda
 
 from .. import arrays
 from ..arrays import describe
+from ..inline import inline_device
 from ..launch import LaunchPlan, PlanCache
 from ..ptx.math import (
     cvt_bf16x2_f32,
@@ -216,23 +217,23 @@ def _element_io(kind: str):
     """``load(x, r, c) -> float32`` and ``store(out, r, c, v)`` for a 2-D array of ``kind``
     (float32 values, or uint16 bits of float16 / bfloat16)."""
     if kind == "float32":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def load(x, r, c):
             return x[r, c]
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def store(out, r, c, v):
             out[r, c] = v
     elif kind in ("float16", "bfloat16"):
         unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
         pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def load(x, r, c):
             lo, _ = unpack(np.uint32(x[r, c]))
             return lo
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def store(out, r, c, v):
             out[r, c] = pack(v, v) & 0xFFFF
     else:
@@ -245,11 +246,11 @@ def _finish(log: bool):
     """``f(v, m, k) -> float32``: the output of input value ``v`` given the row max ``m`` and
     ``k`` = 1/sum (softmax) or log(sum) (log_softmax)."""
     if log:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(v, m, k):
             return (v - m) - k
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(v, m, k):
             return ex2_approx((v - m) * _LOG2E) * k
     return f
@@ -262,7 +263,7 @@ def _exp_and_sum(K: int, log: bool):
     then only scales it: one ex2 per element); log_softmax keeps the inputs."""
     keep = bool(log)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def sum_exp(vals, m):
         s = _ZERO
         for k in range(K):
@@ -280,11 +281,11 @@ def _from_registers(log: bool):
     """``f(r, m, k) -> float32``: the output from what :func:`_exp_and_sum` left in a
     register: ``r · (1/sum)`` for softmax, ``(r - m) - log(sum)`` for log_softmax."""
     if log:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(r, m, k):
             return (r - m) - k
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(r, m, k):
             return r * k
     return f
@@ -294,11 +295,11 @@ def _from_registers(log: bool):
 def _row_constant(log: bool):
     """``g(s) -> float32``: 1/s for softmax, log(s) for log_softmax."""
     if log:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def g(s):
             return np.float32(math.log(s))
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def g(s):
             return _ONE / s
     return g
@@ -440,23 +441,23 @@ def _group_io(kind: str, V: int):
     for the one before (one 16-byte load in flight per thread; see :func:`_register_row`)."""
     load, store = _element_io(kind)
     if V == 1:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def gload(x, r, c0, n, vals, b):
             v = _NEG_INF
             if c0 < n:
                 v = load(x, r, c0)
             vals[b] = v
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def gstore(out, r, c0, n, vals, b):
             if c0 < n:
                 store(out, r, c0, vals[b])
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def fload(x, r, c0, vals, b):
             vals[b] = load(x, r, c0)
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def fstore(out, r, c0, vals, b):
             store(out, r, c0, vals[b])
 
@@ -465,7 +466,7 @@ def _group_io(kind: str, V: int):
     if kind == "float32":
         assert V == 4
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def vec_load(x, r, c0, vals, b):
             a0, a1, a2, a3 = vload(x, r, c0)
             vals[b] = a0
@@ -473,7 +474,7 @@ def _group_io(kind: str, V: int):
             vals[b + 2] = a2
             vals[b + 3] = a3
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def vec_store(out, r, c0, vals, b):
             vstore(out, r, c0, vals[b], vals[b + 1], vals[b + 2], vals[b + 3])
     else:
@@ -481,7 +482,7 @@ def _group_io(kind: str, V: int):
         unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
         pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def vec_load(x, r, c0, vals, b):
             w0, w1, w2, w3 = vload(x, r, c0)
             lo, hi = unpack(w0)
@@ -497,12 +498,12 @@ def _group_io(kind: str, V: int):
             vals[b + 6] = lo
             vals[b + 7] = hi
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def vec_store(out, r, c0, vals, b):
             vstore(out, r, c0, pack(vals[b], vals[b + 1]), pack(vals[b + 2], vals[b + 3]),
                    pack(vals[b + 4], vals[b + 5]), pack(vals[b + 6], vals[b + 7]))
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def gload(x, r, c0, n, vals, b):
         if c0 + V <= n:
             vec_load(x, r, c0, vals, b)
@@ -513,7 +514,7 @@ def _group_io(kind: str, V: int):
                     v = load(x, r, c0 + i)
                 vals[b + i] = v
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def gstore(out, r, c0, n, vals, b):
         if c0 + V <= n:
             vec_store(out, r, c0, vals, b)
@@ -609,7 +610,7 @@ def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
 
     LAST = stride * (G - 1)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def load(x, row, first, n, vals):
         if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
             for g in range(G):
@@ -622,7 +623,7 @@ def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
             m = mx(m, vals[k])
         return m
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def write(out, row, first, n, vals, m, s):
         kk = constant(s)
         for k in range(K):
@@ -666,14 +667,14 @@ def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
     SIXTEEN = np.uint32(16)
     LOW = np.uint32(0xFFFF)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def bits(x, r, c, n):
         b = NEG
         if c < n:
             b = np.uint32(x[r, c])
         return b
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def load(x, row, first, n, words):
         if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
             for g in range(G):
@@ -703,7 +704,7 @@ def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
             m = mx(mx(m, lo), hi)
         return m
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def sum_exp(words, m):
         s = _ZERO
         for j in range(KW):
@@ -712,17 +713,17 @@ def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
             s += ex2_approx((hi - m) * _LOG2E)
         return s
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def result(w, m, kk):
         lo, hi = unpack(w)
         return pack(finish(lo, m, kk), finish(hi, m, kk))
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def store_group(out, row, c0, words, b, m, kk):
         vstore(out, row, c0, result(words[b], m, kk), result(words[b + 1], m, kk),
                result(words[b + 2], m, kk), result(words[b + 3], m, kk))
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def write(out, row, first, n, words, m, s):
         # group by group (a group's words die as soon as it is stored: fewer live registers)
         kk = constant(s)

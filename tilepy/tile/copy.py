@@ -1,6 +1,7 @@
 """Tile copies: global → shared with cp.async, shared → registers with ldmatrix.
 
-Generators, each cached on its arguments and returning an ``inline="always"`` device function:
+Generators, each cached on its arguments and returning a device function inlined into its
+callers (:func:`tilepy.inline.inline_device`):
 
 * :func:`copy_global_to_shared` — one block copies a (rows × cols) 16-bit tile of a 2-D global
   array into a (swizzled) shared tile with 16-byte ``cp.async.cg``; rows and columns outside
@@ -19,8 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda
-
+from ..inline import inline_device
 from ..ptx import global_addr
 from ..ptx.cp_async import cp_async_cg_16
 from ..ptx.ldmatrix import ldmatrix_x4, ldmatrix_x4_trans
@@ -34,11 +34,11 @@ def swizzle_fn(chunks_per_row: int, enabled: bool = True):
     modulo = min(chunks_per_row, layout.BANK_GROUPS)
 
     if enabled:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def swz(row, chunk):
             return chunk ^ ((row // rows_per_line) % modulo)
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def swz(row, chunk):
             return chunk
     return swz
@@ -74,7 +74,7 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
     swz = swizzle_fn(chunks, swizzle)
     BIG = 1 << 30
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def setup(plan, g, row0, col0, nrows, ncols, tid):
         base = global_addr(g, (0, 0))
         stride = g.strides[0]
@@ -93,7 +93,7 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
                 plan[2, p] = c * 8 if grow < nrows else BIG
                 plan[3, p] = 16
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def issue(plan, tile_addr, kt, k_left, kstep):
         for p in range(per_thread):
             if k_along_rows:
@@ -110,11 +110,11 @@ def _mask_fn(chunks: int, enabled: bool):
     modulo = min(chunks, layout.BANK_GROUPS)
 
     if enabled:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def mask(row):
             return (row // rows_per_line) % modulo
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def mask(row):
             return 0
     return mask
@@ -139,12 +139,12 @@ def load_a_fragments(mi: int, tile_cols: int, swizzle: bool = True):
     mask = _mask_fn(chunks, swizzle)
     row_step = 16 * chunks * 16
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def setup(row0, lane):
         r = row0 + lane % 16
         return r * chunks * 16, (lane // 16) ^ mask(r)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def load(frag, buf, tile_addr, kk, offset, xor):
         addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
         for i in range(mi):
@@ -177,13 +177,13 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
     step16 = 16 * chunks * 16  # bytes of 16 tile rows
 
     if k_major:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def setup(col0, lane):
             q = lane // 8
             krow = (q % 2) * 8 + lane % 8
             return krow * chunks * 16, col0 // 8 + q // 2, mask(krow)
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def load(frag, buf, tile_addr, kk, offset, chunk0, xor):
             addr = tile_addr + offset + kk * step16
             for jj in range(pairs):
@@ -193,13 +193,13 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
                 frag[buf, 2 * jj + 1, 0] = b2
                 frag[buf, 2 * jj + 1, 1] = b3
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def setup(col0, lane):
             q = lane // 8
             n = col0 + (q // 2) * 8 + lane % 8
             return n * chunks * 16, (q % 2) ^ mask(n), 0
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def load(frag, buf, tile_addr, kk, offset, xor, unused):
             addr = tile_addr + offset + (((2 * kk) ^ xor) << 4)
             for jj in range(pairs):

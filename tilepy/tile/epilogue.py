@@ -22,8 +22,8 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda
 
+from ..inline import inline_device
 from ..ptx import barrier as BAR
 from ..ptx import vector as VEC
 from ..ptx.address import global_addr
@@ -50,23 +50,23 @@ _GELU_C = np.float32(0.044715)
 def activation_fn(name):
     """Device function float32 -> float32 for an activation name (None: identity)."""
     if name is None:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def act(v):
             return v
     elif name == "relu":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def act(v):
             return v if v > _ZERO else v * _ZERO  # keeps NaN
     elif name == "gelu":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def act(v):
             return _HALF * v * (_ONE + math.erf(v * _SQRT_HALF))
     elif name == "gelu_tanh":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def act(v):
             return _HALF * v * (_ONE + math.tanh(_SQRT_2_OVER_PI * (v + _GELU_C * v * v * v)))
     elif name == "silu":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def act(v):
             return v / (_ONE + math.exp(-v))
     else:
@@ -89,25 +89,25 @@ def _pair_io(out_kind: str):
         pack = unpack = None
 
     if pack is None:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def put_pair(out, r, c, n, v0, v1):
             out[r, c] = v0
             if c + 1 < n:
                 out[r, c + 1] = v1
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def get_pair(src, r, c, n):
             v1 = src[r, c + 1] if c + 1 < n else _ZERO
             return src[r, c], v1
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def get_pair(src, r, c, n):
             word = np.uint32(src[r, c])
             if c + 1 < n:
                 word = word | (np.uint32(src[r, c + 1]) << np.uint32(16))
             return unpack(word)
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def put_pair(out, r, c, n, v0, v1):
             word = pack(v0, v1)
             out[r, c] = word & 0xFFFF
@@ -127,7 +127,7 @@ def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool):
     act = activation_fn(activation)
     get_pair = _pair_io(out_kind)[0]
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def load_bias(bias, c, n):
         b0 = _ZERO
         b1 = _ZERO
@@ -137,7 +137,7 @@ def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool):
                 b1 = bias[c + 1]
         return b0, b1
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta):
         v0 = alpha * a0 + b0
         v1 = alpha * a1 + b1
@@ -156,7 +156,7 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
     put_pair = _pair_io(out_kind)[1]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def store_n8(a0, a1, a2, a3, out, r, c, m, n, alpha, bias, c_in, beta):
         """One n8 block of a lane: columns (c, c + 1) of rows r and r + 8."""
         if c < n:
@@ -169,7 +169,7 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
                 put_pair(out, r + 8, c, n, v0, v1)
 
     if _plain(activation, has_bias, has_c):
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane):
             r0 = row0 + lane // 4
             c0 = col0 + 2 * (lane % 4)
@@ -205,7 +205,7 @@ def _written_out(signature: str, body: list, namespace: dict, name: str):
     indices instead of looping (see :func:`store_accumulators`)."""
     src = "\n".join([f"def {signature}:"] + ["    " + line for line in body])
     exec(compile(src, f"<{name}>", "exec"), namespace)  # noqa: S102 - our own generated source
-    return cuda.jit(device=True, inline="always")(namespace[signature.split("(")[0]])
+    return inline_device(namespace[signature.split("(")[0]])
 
 
 # ---- the shared-memory-staged epilogue of a wgmma warpgroup ------------------------------------
@@ -272,7 +272,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
     pack = _pair_io(out_kind)[2]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, t):
         r = row0 + rl
         v0 = _ZERO
@@ -285,7 +285,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
         else:
             VEC.st_shared_b32(addr, pack(v0, v1))
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def write_n8(a0, a1, a2, a3, jj, c, rl, stage, row0, m, n, alpha, bias, c_in, beta, t):
         b0 = _ZERO
         b1 = _ZERO
@@ -298,7 +298,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
         if _plain(activation, has_bias, has_c):
             # the loop as first written: it unrolls, and ptxas spilled 28 bytes of the
             # 168-register bound with it restructured through write_n8
-            @cuda.jit(device=True, inline="always")
+            @inline_device
             def write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t):
                 for jj in range(jp):
                     j = j0 + jj
@@ -331,7 +331,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
              for j in range(j0, j0 + jp)],
             {"write_n8": write_n8}, f"store_accumulators_smem write {j0}")
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def put_word(out, r, e, n, w):
         if wide:
             if e < n:
@@ -345,7 +345,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
     def make_copy(c_off):
         step = 1 if wide else 2     # columns per 4-byte word
 
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def copy(stage, out, row0, col0, m, n, thread, vec_ok):
             for it in range(iters):
                 idx = it * STAGED_THREADS + thread
@@ -380,7 +380,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
     write0, copy0 = make_write(0), make_copy(0)
     write1, copy1 = make_write(jp), make_copy(jp * 8)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def store(acc0, acc1, stage, out, row0, col0, m, n, alpha, bias, c_in, beta, thread, bar):
         warp = thread // 32
         lane = thread % 32

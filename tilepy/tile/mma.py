@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda
-
+from ..inline import inline_device
 from ..ptx.mma import mma_m16n8k16_bf16_f32, mma_m16n8k16_f16_f32
 
 _MMA = {"float16": mma_m16n8k16_f16_f32, "bfloat16": mma_m16n8k16_bf16_f32}
@@ -25,7 +24,7 @@ def warp_mma(mi: int, ni: int, dtype: str = "float16"):
     except KeyError:
         raise ValueError(f"warp_mma: dtype must be one of {sorted(_MMA)}, got {dtype!r}") from None
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def run(acc, a_frag, b_frag, buf):
         for i in range(mi):
             for j in range(ni):

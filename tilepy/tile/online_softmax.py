@@ -39,6 +39,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..ptx.math import ex2_approx
 from .reduce import _check_count, fragment_row_reduce, quad_row_reduce
 
@@ -72,7 +73,7 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True):
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def update(scores, row_max, row_sum, out_acc_scale, scale_log2):
         c = np.float32(scale_log2)
         for i in range(mi):
@@ -115,7 +116,7 @@ def online_softmax_finalize(mi: int, ni: int, quad_sum: bool = True):
     across = quad_row_reduce("sum")
     quad_sum = bool(quad_sum)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def finalize(acc_o, row_sum):
         for i in range(mi):
             for h in range(2):

@@ -2,7 +2,7 @@
 and over the rows of an mma accumulator fragment.
 
 Every function here is a generator, cached on its arguments, that returns a
-``@cuda.jit(device=True, inline="always")`` function whose sizes are closure constants.
+``@inline_device`` function whose sizes are closure constants.
 
 =======================================  ==========================================  ==========
 generator                                device function                             who calls
@@ -34,6 +34,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..ptx.shuffle import shfl_xor
 
 WARP = 32
@@ -59,13 +60,13 @@ def combine(op: str):
     """``f(a, b)``: ``a + b`` for "sum"; for "max" the larger, NaN if either is NaN."""
     _check_op("combine", op)
     if op == "max":
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(a, b):
             # Ordered comparisons are false with a NaN: a NaN ``a`` is kept by ``a != a``, a NaN
             # ``b`` is returned because ``a > b`` fails.
             return a if (a > b or a != a) else b
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def f(a, b):
             return a + b
     return f
@@ -82,7 +83,7 @@ def quad_row_reduce(op: str):
     _check_op("quad_row_reduce", op)
     f = combine(op)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def reduce(v):
         v = f(v, shfl_xor(v, 1))
         return f(v, shfl_xor(v, 2))
@@ -99,7 +100,7 @@ def warp_reduce(op: str):
     _check_op("warp_reduce", op)
     f = combine(op)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def reduce(v):
         v = f(v, shfl_xor(v, 16))
         v = f(v, shfl_xor(v, 8))
@@ -134,12 +135,12 @@ def block_row_reduce(op: str, warps: int):
     in_warp = warp_reduce(op)
 
     if warps == 1:
-        @cuda.jit(device=True, inline="always")
+        @inline_device
         def reduce(v, scratch):
             return in_warp(v)
         return reduce
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def reduce(v, scratch):
         tid = cuda.threadIdx.x
         v = in_warp(v)
@@ -188,7 +189,7 @@ def fragment_row_reduce(op: str, mi: int, ni: int, *, accumulate: bool = False,
     accumulate = bool(accumulate)
     quad = bool(quad)
 
-    @cuda.jit(device=True, inline="always")
+    @inline_device
     def reduce(acc, rows):
         for i in range(mi):
             for h in range(2):

@@ -15,6 +15,7 @@ import functools
 
 from numba import cuda, types
 
+from ..inline import inline_device
 from ..ptx.asm import SIMULATOR
 
 STATIC_LIMIT = 48 * 1024
@@ -23,11 +24,11 @@ STATIC_LIMIT = 48 * 1024
 @functools.cache
 def dynamic_shared():
     if SIMULATOR:
-        @cuda.jit(device=True, inline="always")
+        @inline_device(ir=True)   # returns the array it makes
         def buffer():
             return cuda.shared.array(0, types.uint16)
     else:
-        @cuda.jit(device=True, inline="always")
+        @inline_device(ir=True)   # returns the array it makes
         def buffer():
             return cuda.shared.array(0, types.uint16, alignment=128)
     return buffer
