@@ -42,7 +42,7 @@ if [[ " $PART " == *" tests "* ]]; then
     # the 16-bit softmax rewrite at full size against torch
     gpu_tests ops_softmax 120 tests/test_ops_softmax.py
     # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
-    gpu_tests ops_gemm 120 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
+    gpu_tests ops_gemm 240 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
         tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py \
         tests/test_tune_kcache.py tests/test_docs.py
 fi
