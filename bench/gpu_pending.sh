@@ -7,7 +7,9 @@
 #   PART=sweeps  bench/gpu_pending.sh OUTDIR  the Hopper GEMM and attention config sweeps
 #   PART=softmax bench/gpu_pending.sh OUTDIR  the softmax / gemm_softmax benchmark suite
 #   PART=host    bench/gpu_pending.sh OUTDIR  host µs per call and the first call, cold/warm
-# (default: all four, for a machine without the per-call limit). tilepy on PYTHONPATH.
+#   PART=gemm    bench/gpu_pending.sh OUTDIR  the fused bias + GELU GEMM (epilogue fixed in
+#                                             session 3) and the 512³ GEMM against their peers
+# (default: all five, for a machine without the per-call limit). tilepy on PYTHONPATH.
 # Then copy OUTDIR/*.json to bench/results/<gpu>/<date>_<name>.json and run
 # `python bench/plot.py && python bench/report.py`.
 set -uo pipefail
@@ -33,7 +35,7 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
     step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
 }
 
-PART=${PART:-tests sweeps softmax host}
+PART=${PART:-tests sweeps softmax host gemm}
 if [[ " $PART " == *" tests "* ]]; then
     # the staged GEMM epilogue and the TMA kernel (odd shapes, both B layouts, persistent)
     gpu_tests ops_gemm_wgmma_ws 150 tests/test_ops_gemm_wgmma_ws.py
@@ -64,6 +66,12 @@ if [[ " $PART " == *" host "* ]]; then
         --shape 4096 32768 --dtype float16 --json "$OUT/tune_softmax.json"
 fi
 
+if [[ " $PART " == *" gemm "* ]]; then
+    step bench_gemm_epilogue 300 "$PY" -m pytest -q bench -p no:cacheprovider \
+        -k "bias_gelu or op_small" --benchmark-json="$OUT/bench_gemm_epilogue.json" \
+        --benchmark-columns=median,rounds
+fi
+
 echo "== pending GPU checks =="
 printf '%s\n' "${summary[@]}"
 for f in "$OUT"/sweep_*.log "$OUT"/tune_*.log; do
@@ -71,6 +79,6 @@ for f in "$OUT"/sweep_*.log "$OUT"/tune_*.log; do
     echo "-- ${f##*/}"
     grep -aE "TFLOPS|GB/s|best|FAILED|Error" "$f" | tail -n 24
 done
-if [ -e "$OUT/bench_softmax.json" ]; then
+if [ -e "$OUT/bench_softmax.json" ] || [ -e "$OUT/bench_gemm_epilogue.json" ]; then
     "$PY" bench/summary.py "$OUT"
 fi
