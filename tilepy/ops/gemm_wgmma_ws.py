@@ -592,8 +592,8 @@ def compile_reports(group: str = "main"):
     layouts, 256×128 (2 consumers × 128 rows), the persistent variant, 128×256 without
     setmaxnreg; ``"epilogues"``: bias + GELU (register and staged epilogues) and the
     shared-memory epilogue (``smem_epilogue``: 128×256 f16 and float32 out, 256×128,
-    persistent with 3 stages). Each kernel takes ~1 minute of NVVM on one CPU core (most of
-    it Numba's IR-level inlining), hence two groups, one subprocess each."""
+    persistent with 3 stages). Each kernel takes 2–6 s on one CPU core (it took ~1 minute
+    with Numba's IR-level inlining, hence the two groups, one subprocess each)."""
     from ..offline import compile_kernel
 
     out = []
