@@ -315,7 +315,35 @@ def inspect_targets() -> dict:
         cfg = WgmmaConfig(256, 128, 4, dtype)
         return wgmma_gemm_kernel(cfg, True, dtype).py_func, argtypes(dtype)
 
-    out["gemm_wgmma"] = gemm_wgmma  # the sm_90 default (256x128, 4 stages); needs --cc 90a
+    def gemm_ws(dtype, epilogue=False):
+        from .ops.gemm_wgmma_ws import WsConfig, argtypes, wgmma_ws_gemm_kernel
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("the TMA gemm kernel takes float16 or bfloat16")
+        cfg = WsConfig(dtype=dtype)
+        kern = wgmma_ws_gemm_kernel(cfg, True, dtype, "gelu" if epilogue else None, epilogue,
+                                    False)
+        return kern.py_func, argtypes(dtype), {"launch_bounds": (cfg.threads, 1)}
+
+    def attention_wgmma(dtype):
+        from .ops.attention import HOPPER_BLOCK
+        from .ops.attention_kernel import argtypes
+        from .ops.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_kernel
+
+        dtype = dtype or "float16"
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError("flash attention takes float16 or bfloat16")
+        cfg = WgmmaAttentionConfig(128, *HOPPER_BLOCK, dtype)
+        return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes(),
+                {"launch_bounds": cfg.threads})
+
+    # the sm_90 defaults of tilepy.gemm (the TMA kernel, 128x256; with bias + GELU: its
+    # slowest compile) and tilepy.flash_attention (head_dim 128); need --cc 90a
+    out["gemm_ws"] = gemm_ws
+    out["gemm_ws_bias_gelu"] = lambda dtype: gemm_ws(dtype, True)
+    out["attention_wgmma"] = attention_wgmma
+    out["gemm_wgmma"] = gemm_wgmma  # the cp.async sm_90 kernel (256x128, 4 stages); --cc 90a
     out["gemm_softmax"] = gemm_softmax  # the on-chip kernel for rows of 1024
     out["softmax"] = softmax      # the block-per-row kernel for rows of 4096
     out["attention"] = attention  # head_dim 128, not causal
