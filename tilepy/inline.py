@@ -16,9 +16,13 @@ loops over them unroll. Numba offers two ways:
 (whose jit takes no ``forceinline``; it runs the Python function). ``TILEPY_IR_INLINE=1`` (read
 at import) switches back to Numba's IR inlining, for comparison.
 
-A device function that is not IR-inlined is compiled for the *current* device's compute
-capability; :func:`tilepy.offline.compile_kernel` supplies a stand-in device when there is no
-GPU, so offline compile checks keep working.
+A device function that is not IR-inlined is compiled when its caller is typed, for the
+*current device's* compute capability, which needs a CUDA driver. So that kernels built from
+tilepy's pieces still compile offline (``cuda.compile_ptx``, ``tilepy.offline``) where there
+is no driver, importing this module (outside the simulator) wraps Numba-CUDA's
+``get_current_device`` lookup: when it fails for want of a driver or device while a kernel is
+being compiled, it answers with a stand-in device of the compute capability that kernel is
+compiled for. With a GPU, and outside a compile, nothing changes.
 """
 
 from __future__ import annotations
@@ -44,3 +48,47 @@ def inline_device(fn=None, *, ir: bool = False):
     if IR_INLINE or ir:
         return cuda.jit(device=True, inline="always")(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
+
+
+class _StandInDevice:
+    """What Numba-CUDA's device-function compile asks of the current device: its compute
+    capability (here: that of the kernel being compiled)."""
+
+    def __init__(self, cc):
+        self.compute_capability = tuple(cc)[:2]
+
+
+def _with_stand_in(real):
+    from numba.cuda.cudadrv.error import CudaSupportError
+
+    from .ptx.asm import current_cc
+
+    def get_current_device():
+        try:
+            return real()
+        except CudaSupportError:
+            cc = current_cc()   # the kernel being compiled, if any
+            if cc is None:
+                raise
+            return _StandInDevice(cc)
+
+    get_current_device._tilepy_stand_in = True
+    return get_current_device
+
+
+def install_stand_in_device() -> bool:
+    """Install the fallback described in the module docstring (idempotent); False in the
+    simulator or when Numba-CUDA's internals moved."""
+    if config.ENABLE_CUDASIM:
+        return False
+    try:
+        from numba.cuda import dispatcher
+        current = dispatcher.get_current_device
+    except (ImportError, AttributeError):
+        return False
+    if not getattr(current, "_tilepy_stand_in", False):
+        dispatcher.get_current_device = _with_stand_in(current)
+    return True
+
+
+install_stand_in_device()

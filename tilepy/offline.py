@@ -7,7 +7,6 @@ on (``NUMBA_ENABLE_CUDASIM=1``, e.g. a test run on a machine without GPU), use
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -119,33 +118,6 @@ def ptxas(ptx: str, arch: str) -> str:
     return proc.stderr + proc.stdout
 
 
-class _StandInDevice:
-    def __init__(self, cc):
-        self.compute_capability = tuple(cc)[:2]
-
-
-@contextlib.contextmanager
-def stand_in_device(cc):
-    """Where there is no GPU: for the ``with`` block, Numba-CUDA's dispatchers see a device of
-    compute capability ``cc``. A device function that is not IR-inlined
-    (:func:`tilepy.inline.inline_device`) is compiled for the current device's compute
-    capability, which needs a driver; with this the offline checks compile it for the kernel's
-    target instead. With a GPU present this does nothing."""
-    from . import _env
-
-    if _env.gpu_count() > 0:
-        yield
-        return
-    from numba.cuda import dispatcher
-
-    real = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: _StandInDevice(cc)
-    try:
-        yield
-    finally:
-        dispatcher.get_current_device = real
-
-
 def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **options) -> Report:
     """compile_ptx(pyfunc, argtypes) for ``cc`` and, if ``assemble``, run ptxas -v on it."""
     from numba import config
@@ -155,8 +127,7 @@ def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **option
                            "the simulator (NUMBA_ENABLE_CUDASIM=1): use run_in_subprocess")
     from numba import cuda
 
-    with stand_in_device(cc):
-        ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=tuple(cc), **options)
+    ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=tuple(cc), **options)
     arch = "sm_%d%d%s" % (cc[0], cc[1], cc[2] if len(cc) > 2 else "")
     rep = Report(name=name, arch=arch, counts=count_instructions(ptx), ptx=ptx)
     if assemble:
