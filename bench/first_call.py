@@ -1,6 +1,6 @@
 """The first call of each op in a fresh process: with an empty tilepy cache, then a warm one.
 
-    python bench/first_call.py [--json FILE] [--ops gemm,softmax,attention] [--cache-dir DIR]
+    python bench/first_call.py [--json FILE] [--ops gemm,gemm_tma,...] [--cache-dir DIR]
 
 For each op, two child processes share one ``TILEPY_CACHE_DIR`` (a new empty directory unless
 ``--cache-dir``): the first compiles (cold), the second should load the compiled kernels from
@@ -11,6 +11,8 @@ children makes Numba report every kernel it saves to or loads from the disk cach
 counts them. Needs a GPU.
 
     gemm       tilepy.gemm            1024 x 1024 x 1024  float16
+    gemm_tma   tilepy.gemm            4096 x 4096 x 4096  float16 (sm_90: the TMA kernel)
+    gemm_bias_gelu  the same with bias + GELU (the slowest kernel to compile)
     softmax    tilepy.softmax         4096 x 4096         float16
     attention  tilepy.flash_attention 1 x 8 x 1024 x 64   float16
 """
@@ -31,6 +33,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = {
     "gemm": ("tilepy.gemm 1024x1024x1024 fp16", [(1024, 1024), (1024, 1024)],
              "tilepy.gemm(*xs)"),
+    # the sm_90 TMA kernel (128x256 tiles), plain and with its slowest-compiling epilogue
+    "gemm_tma": ("tilepy.gemm 4096x4096x4096 fp16", [(4096, 4096), (4096, 4096)],
+                 "tilepy.gemm(*xs)"),
+    "gemm_bias_gelu": ("tilepy.gemm 4096^3 fp16 + bias + gelu",
+                       [(4096, 4096), (4096, 4096), (4096,)],
+                       "tilepy.gemm(xs[0], xs[1], bias=xs[2], activation='gelu')"),
     "softmax": ("tilepy.softmax 4096x4096 fp16", [(4096, 4096)], "tilepy.softmax(*xs)"),
     "attention": ("tilepy.flash_attention 1x8x1024x64 fp16", [(1, 8, 1024, 64)] * 3,
                   "tilepy.flash_attention(*xs)"),
@@ -138,7 +146,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
-    p.add_argument("--ops", default="gemm,softmax,attention",
+    p.add_argument("--ops", default="gemm,gemm_tma,gemm_bias_gelu,softmax,attention",
                    help="comma-separated subset of " + ", ".join(OPS))
     p.add_argument("--cache-dir", help="use (and keep) this cache directory; it should be "
                    "empty for the cold row to mean anything")

@@ -3,13 +3,16 @@
 # its own process with its own time limit (a CUDA_ERROR_ILLEGAL_* poisons the process that hit
 # it, and an mbarrier or named-barrier deadlock hangs it). Parts, each one device call of
 # under 10 minutes (the machine idles back after 30 s, so run them back to back):
-#   PART=tests   bench/gpu_pending.sh OUTDIR  correctness of this session's unmeasured code
+#   PART=tests   bench/gpu_pending.sh OUTDIR  correctness: the TMA GEMM, the Hopper attention
+#   PART=tests2  bench/gpu_pending.sh OUTDIR  correctness: softmax, the op defaults, tuning,
+#                                             the kernel disk cache, the guide kernel
 #   PART=sweeps  bench/gpu_pending.sh OUTDIR  the Hopper GEMM and attention config sweeps
 #   PART=softmax bench/gpu_pending.sh OUTDIR  the softmax / gemm_softmax benchmark suite
 #   PART=host    bench/gpu_pending.sh OUTDIR  host µs per call and the first call, cold/warm
 #   PART=gemm    bench/gpu_pending.sh OUTDIR  the fused bias + GELU GEMM (epilogue fixed in
-#                                             session 3) and the 512³ GEMM against their peers
-# (default: all five, for a machine without the per-call limit). tilepy on PYTHONPATH.
+#                                             session 3) and the 512³ GEMM against their peers;
+#                                             the softmax tuner at float16 4096 x 32768
+# (default: all six, for a machine without the per-call limit). tilepy on PYTHONPATH.
 # Then copy OUTDIR/*.json to bench/results/<gpu>/<date>_<name>.json and run
 # `python bench/plot.py && python bench/report.py`.
 set -uo pipefail
@@ -35,12 +38,14 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
     step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
 }
 
-PART=${PART:-tests sweeps softmax host gemm}
+PART=${PART:-tests tests2 sweeps softmax host gemm}
 if [[ " $PART " == *" tests "* ]]; then
     # the staged GEMM epilogue and the TMA kernel (odd shapes, both B layouts, persistent)
-    gpu_tests ops_gemm_wgmma_ws 150 tests/test_ops_gemm_wgmma_ws.py
+    gpu_tests ops_gemm_wgmma_ws 250 tests/test_ops_gemm_wgmma_ws.py
     # the overlapped Hopper attention (opt-in) beside the default one
-    gpu_tests ops_attention_wgmma 120 tests/test_ops_attention_wgmma.py
+    gpu_tests ops_attention_wgmma 200 tests/test_ops_attention_wgmma.py
+fi
+if [[ " $PART " == *" tests2 "* ]]; then
     # the 16-bit softmax rewrite at full size against torch
     gpu_tests ops_softmax 120 tests/test_ops_softmax.py
     # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
@@ -60,16 +65,16 @@ if [[ " $PART " == *" softmax "* ]]; then
 fi
 if [[ " $PART " == *" host "* ]]; then
     step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
-    step first_call 300 "$PY" bench/first_call.py --json "$OUT/first_call.json"
-    # the softmax plans at the shape the built-in plan is weakest (float16 rows of 32768)
-    step tune_softmax 120 env TILEPY_CACHE_DIR="$OUT/tune_cache" "$PY" -m tilepy tune softmax \
-        --shape 4096 32768 --dtype float16 --json "$OUT/tune_softmax.json"
+    step first_call 400 "$PY" bench/first_call.py --json "$OUT/first_call.json"
 fi
 
 if [[ " $PART " == *" gemm "* ]]; then
     step bench_gemm_epilogue 300 "$PY" -m pytest -q bench -p no:cacheprovider \
         -k "bias_gelu or op_small" --benchmark-json="$OUT/bench_gemm_epilogue.json" \
         --benchmark-columns=median,rounds
+    # the softmax plans at the shape the built-in plan is weakest (float16 rows of 32768)
+    step tune_softmax 120 env TILEPY_CACHE_DIR="$OUT/tune_cache" "$PY" -m tilepy tune softmax \
+        --shape 4096 32768 --dtype float16 --json "$OUT/tune_softmax.json"
 fi
 
 echo "== pending GPU checks =="
