@@ -1023,7 +1023,7 @@ def _checked_softmax(x, axis, out, log: bool, key, config=None):
                              "array whose elements are distinct")
     device = arrays.same_device(X, Out)
     n = X.shape[ax] if X.ndim else 1
-    itemsize = _ITEMSIZE[X.dtype]
+    itemsize = arrays.ITEMSIZE[X.dtype]
     if config is not None:
         check_plan(config, n, itemsize)
     caller_out = out is not None
@@ -1169,7 +1169,7 @@ def compile_plans():
     items = []
     for kind in ("float32", "float16"):
         for n in (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 32769):
-            p = plan(n, simulator=False, itemsize=_ITEMSIZE[kind])
+            p = plan(n, simulator=False, itemsize=arrays.ITEMSIZE[kind])
             items.append((f"softmax_{kind}_n{n}_{p.path}_{p.warps}w_x{p.per_thread}", p, kind,
                           False))
     for n in (1024, 16384, 32768, 32769):
@@ -1179,9 +1179,6 @@ def compile_plans():
         p = plan(n, simulator=False)
         items.append((f"log_softmax_float32_n{n}_{p.path}", p, "float32", True))
     return items
-
-
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def compile_reports(only=None, layouts=("A",)):

@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 
-from .autotune import _enabled, autotune, current_gpu_name, describe_config
+from .autotune import _enabled, autotune, current_gpu_name
 from .cache import StoredChoices, make_key
-from .spaces import TuneResult, _device_cc, _module, _synchronize, _version, conclude
+from .spaces import (
+    TuneResult,
+    _device_cc,
+    _module,
+    _synchronize,
+    _version,
+    conclude,
+    timing_first_calls,
+)
 
 OP = "attention"
 
@@ -214,16 +221,9 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
 
     q, k, v, out, to_host = attention_inputs(batch, heads, seq_q, seq_k, head_dim, dtype,
                                              heads_kv)
-    first_call = {}
-
-    def launch(cfg, q, k, v, out):
-        desc = describe_config(cfg)
-        t = time.perf_counter()
-        tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
-        if desc not in first_call:   # the first call compiles (or loads from the disk cache)
-            _synchronize()
-            first_call[desc] = time.perf_counter() - t
-        return out
+    launch, first_call = timing_first_calls(
+        lambda cfg, q, k, v, out: tilepy.flash_attention(q, k, v, causal=causal, config=cfg,
+                                                         out=out))
 
     launch(default, q, k, v, out)
     _synchronize()
@@ -250,6 +250,7 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
     return conclude(tuned, (q, k, v, out), candidates, first_call, key, config_fields,
                     [batch, heads, seq_q, seq_k, head_dim, bool(causal)], save, rejected, OP,
                     (forget_choices, att._PLANS.clear))
+
 
 __all__ = ["MMA_SYNC_SHAPES", "WGMMA_SHAPES", "attention_inputs", "attention_key",
            "attention_space", "config_fields", "config_from_fields", "forget_choices",

@@ -20,15 +20,20 @@ two reads), warps per block, and values per thread.
 
 from __future__ import annotations
 
-import time
-
+from ..arrays import ITEMSIZE
 from .autotune import _enabled, autotune, current_gpu_name
 from .cache import StoredChoices, make_key
-from .spaces import TuneResult, _module, _synchronize, _version, conclude
+from .spaces import (
+    TuneResult,
+    _module,
+    _synchronize,
+    _version,
+    conclude,
+    timing_first_calls,
+)
 
 OP = "softmax"
 DTYPES = ("float32", "float16", "bfloat16")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: Relative error allowed against float64 (and between two plans' outputs), per dtype.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
@@ -54,6 +59,7 @@ def softmax_space(n: int, dtype: str = "float32", *, simulator: bool | None = No
         SHORT_MAX,
         VECTOR_BYTES,
         Plan,
+        _pow2_at_least,
         check_plan,
         plan,
     )
@@ -64,7 +70,7 @@ def softmax_space(n: int, dtype: str = "float32", *, simulator: bool | None = No
         raise ValueError(f"n must be a positive int, got {n!r}")
     sim = arrays.SIMULATOR if simulator is None else simulator
     size = ITEMSIZE[dtype]
-    bucket = 1 << max(0, n - 1).bit_length()
+    bucket = _pow2_at_least(n)
     tries = [plan(n, simulator=sim, itemsize=size)]
     if n <= SHORT_MAX:
         per_lane = max(32, bucket) // 32
@@ -200,16 +206,7 @@ def tune_softmax(rows: int, n: int, dtype: str = "float32", configs=None, *, log
     op = tilepy.log_softmax if log else tilepy.softmax
 
     x, out, to_host = softmax_inputs(rows, n, dtype)
-    first_call = {}
-
-    def launch(p, x, out):
-        desc = p.describe()
-        t = time.perf_counter()
-        op(x, out=out, config=p)
-        if desc not in first_call:   # the first call compiles (or loads from the disk cache)
-            _synchronize()
-            first_call[desc] = time.perf_counter() - t
-        return out
+    launch, first_call = timing_first_calls(lambda p, x, out: op(x, out=out, config=p))
 
     launch(default, x, out)
     _synchronize()
@@ -235,6 +232,7 @@ def tune_softmax(rows: int, n: int, dtype: str = "float32", configs=None, *, log
                      nbytes=lambda *args: 2.0 * rows * n * ITEMSIZE[dtype], table=table)
     return conclude(tuned, (x, out), candidates, first_call, key, plan_fields, [rows, n],
                     save, rejected, OP, (forget_choices, sm._PLANS.clear))
+
 
 __all__ = ["BLOCK_PATH_THREADS", "ONLINE_PATH", "WARP_PATH_WARPS", "forget_choices",
            "plan_fields", "plan_from_fields", "softmax_inputs", "softmax_key", "softmax_space",

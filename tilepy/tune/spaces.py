@@ -333,10 +333,10 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                             f"{dtype}, got {c!r}")
 
     a, b, out, to_host = gemm_inputs(m, n, k, dtype, batch)
-    t0 = time.perf_counter()
-    ref = tilepy.gemm(a, b, config=heuristic)
+    launch, first_call = timing_first_calls(
+        lambda cfg, a, b, out: tilepy.gemm(a, b, config=cfg, out=out))
+    ref = launch(heuristic, a, b, None)   # its own output: `out` is the candidates'
     _synchronize()
-    first_call = {describe_config(heuristic): time.perf_counter() - t0}
     error = _check_against_float64(a, b, ref, to_host)
     limit = 2e-2 if dtype == "float16" else 4e-2
     if error > limit:
@@ -344,16 +344,6 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                            f"(relative) against a float64 product: not tuning a broken kernel")
     ref_host = to_host(ref)
     scale = max(float(abs(ref_host).max()), 1e-30)
-
-    def launch(cfg, a, b, out):
-        desc = describe_config(cfg)
-        if desc not in first_call:  # the first call compiles (or loads from the disk cache)
-            t = time.perf_counter()
-            tilepy.gemm(a, b, config=cfg, out=out)
-            _synchronize()
-            first_call[desc] = time.perf_counter() - t
-            return out
-        return tilepy.gemm(a, b, config=cfg, out=out)
 
     def same_as_heuristic(cfg, a, b, out):
         _synchronize()
@@ -369,6 +359,25 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
     return conclude(tuned, (a, b, out), candidates, first_call,
                     gemm_key(m, n, k, batch, dtype, gpu), config_fields, [m, n, k, batch],
                     save, rejected, OP, (forget_choices, _gemm_op._PLANS.clear))
+
+
+def timing_first_calls(run):
+    """``(launch, first_call)``: ``launch(config, *args)`` returns ``run(config, *args)``; the
+    first call for each config (it compiles, or loads from the disk cache) is synchronised and
+    its seconds kept in ``first_call[describe_config(config)]``, which :func:`conclude` adds to
+    that config's row."""
+    first_call = {}
+
+    def launch(cfg, *args):
+        desc = describe_config(cfg)
+        t = time.perf_counter()
+        result = run(cfg, *args)
+        if desc not in first_call:
+            _synchronize()
+            first_call[desc] = time.perf_counter() - t
+        return result
+
+    return launch, first_call
 
 
 def conclude(tuned, args, candidates, first_call, key, fields_of, shape, save, rejected, op,
