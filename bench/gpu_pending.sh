@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# The GPU checks still pending after 2026-11-30 (bench/NOTES.md), in priority order, each in
-# its own process with its own time limit (a CUDA_ERROR_ILLEGAL_* poisons the process that hit
-# it, and an mbarrier or named-barrier deadlock hangs it). Parts, each one device call of
-# under 10 minutes (the machine idles back after 30 s, so run them back to back):
-#   PART=tests   bench/gpu_pending.sh OUTDIR  correctness: the TMA GEMM, the Hopper attention
-#   PART=tests2  bench/gpu_pending.sh OUTDIR  correctness: softmax, the op defaults, tuning,
-#                                             the kernel disk cache, the guide kernel
-#   PART=sweeps  bench/gpu_pending.sh OUTDIR  the Hopper GEMM and attention config sweeps
-#   PART=softmax bench/gpu_pending.sh OUTDIR  the softmax / gemm_softmax benchmark suite
-#   PART=host    bench/gpu_pending.sh OUTDIR  host µs per call and the first call, cold/warm
-#   PART=gemm    bench/gpu_pending.sh OUTDIR  the fused bias + GELU GEMM (epilogue fixed in
-#                                             session 3) and the 512³ GEMM against their peers;
-#                                             the softmax tuner at float16 4096 x 32768
-# (default: all six, for a machine without the per-call limit). tilepy on PYTHONPATH.
+# The GPU checks still pending (bench/NOTES.md), in priority order, each in its own process
+# with its own time limit (a CUDA_ERROR_ILLEGAL_* poisons the process that hit it, and an
+# mbarrier or named-barrier deadlock hangs it). Parts, each one device call of under 10 minutes
+# (the machine idles back after 30 s, so run them back to back):
+#   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
+#                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
+#   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
+#                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
+#   PART=softmax the softmax / gemm_softmax benchmark suite
+#   PART=hattn   correctness of the Hopper attention (the overlapped variant too), its config
+#                sweep, then the fused bias + GELU GEMM and the 512^3 GEMM against their peers
+#   PART=tests2  correctness: softmax at full size, the op defaults, tuning, the kernel disk
+#                cache, the guide kernel
+#   PART=host    host us per call and the first call, cold/warm
+#   PART=tune    the softmax tuner at float16 4096 x 32768
+# (default: all, for a machine without the per-call limit). tilepy on PYTHONPATH.
 # Then copy OUTDIR/*.json to bench/results/<gpu>/<date>_<name>.json and run
 # `python bench/plot.py && python bench/report.py`.
 set -uo pipefail
@@ -38,40 +40,43 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
     step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
 }
 
-PART=${PART:-tests tests2 sweeps softmax host gemm}
-if [[ " $PART " == *" tests "* ]]; then
-    # the staged GEMM epilogue and the TMA kernel (odd shapes, both B layouts, persistent)
-    gpu_tests ops_gemm_wgmma_ws 250 tests/test_ops_gemm_wgmma_ws.py
-    # the overlapped Hopper attention (opt-in) beside the default one
-    gpu_tests ops_attention_wgmma 200 tests/test_ops_attention_wgmma.py
+PART=${PART:-s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s5 "* ]]; then
+    step probe_epilogue 120 "$PY" bench/probe_epilogue.py --json "$OUT/probe_epilogue.json"
+    step sweep_attention_grid 200 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
+        --json "$OUT/sweep_attention_grid.json"
+    step bench_gemm_op 240 "$PY" -m pytest -q bench -p no:cacheprovider \
+        -k "gemm_op or bias_gelu" --benchmark-json="$OUT/bench_gemm_op.json" \
+        --benchmark-columns=median,rounds
 fi
-if [[ " $PART " == *" tests2 "* ]]; then
-    # the 16-bit softmax rewrite at full size against torch
-    gpu_tests ops_softmax 120 tests/test_ops_softmax.py
-    # the op-level defaults, batch strides, the per-call bias conversion, tuning on the GPU
-    gpu_tests ops_gemm 240 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
-        tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py \
-        tests/test_tune_kcache.py tests/test_docs.py
-fi
-if [[ " $PART " == *" sweeps "* ]]; then
+if [[ " $PART " == *" hgemm "* ]]; then
+    gpu_tests ops_gemm_wgmma_ws 200 tests/test_ops_gemm_wgmma_ws.py
     step sweep_gemm_shapes 330 "$PY" bench/sweep_gemm_shapes.py \
         --json "$OUT/sweep_gemm_shapes.json"
-    step sweep_attention 240 "$PY" bench/sweep_attention.py --kernels wgmma \
-        --json "$OUT/sweep_attention.json"
 fi
 if [[ " $PART " == *" softmax "* ]]; then
     step bench_softmax 540 "$PY" -m pytest -q bench -p no:cacheprovider -k softmax \
         --benchmark-json="$OUT/bench_softmax.json" --benchmark-columns=median,rounds
 fi
+if [[ " $PART " == *" hattn "* ]]; then
+    gpu_tests ops_attention_wgmma 150 tests/test_ops_attention_wgmma.py
+    step sweep_attention 200 "$PY" bench/sweep_attention.py --kernels wgmma \
+        --json "$OUT/sweep_attention.json"
+    step bench_gemm_epilogue 190 "$PY" -m pytest -q bench -p no:cacheprovider \
+        -k "bias_gelu or op_small" --benchmark-json="$OUT/bench_gemm_epilogue.json" \
+        --benchmark-columns=median,rounds
+fi
+if [[ " $PART " == *" tests2 "* ]]; then
+    gpu_tests ops_softmax 120 tests/test_ops_softmax.py
+    gpu_tests ops_gemm 240 tests/test_ops_gemm.py tests/test_ops_gemm_wgmma.py \
+        tests/test_tune_spaces.py tests/test_tune_attention.py tests/test_tune_softmax.py \
+        tests/test_tune_kcache.py tests/test_docs.py
+fi
 if [[ " $PART " == *" host "* ]]; then
     step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
     step first_call 400 "$PY" bench/first_call.py --json "$OUT/first_call.json"
 fi
-
-if [[ " $PART " == *" gemm "* ]]; then
-    step bench_gemm_epilogue 300 "$PY" -m pytest -q bench -p no:cacheprovider \
-        -k "bias_gelu or op_small" --benchmark-json="$OUT/bench_gemm_epilogue.json" \
-        --benchmark-columns=median,rounds
+if [[ " $PART " == *" tune "* ]]; then
     # the softmax plans at the shape the built-in plan is weakest (float16 rows of 32768)
     step tune_softmax 120 env TILEPY_CACHE_DIR="$OUT/tune_cache" "$PY" -m tilepy tune softmax \
         --shape 4096 32768 --dtype float16 --json "$OUT/tune_softmax.json"
@@ -79,11 +84,11 @@ fi
 
 echo "== pending GPU checks =="
 printf '%s\n' "${summary[@]}"
-for f in "$OUT"/sweep_*.log "$OUT"/tune_*.log; do
+for f in "$OUT"/probe_*.log "$OUT"/sweep_*.log "$OUT"/tune_*.log; do
     [ -e "$f" ] || continue
     echo "-- ${f##*/}"
     grep -aE "TFLOPS|GB/s|best|FAILED|Error" "$f" | tail -n 24
 done
-if [ -e "$OUT/bench_softmax.json" ] || [ -e "$OUT/bench_gemm_epilogue.json" ]; then
+if ls "$OUT"/bench_*.json >/dev/null 2>&1; then
     "$PY" bench/summary.py "$OUT"
 fi

@@ -2,7 +2,11 @@
 """Time tilepy.flash_attention over a set of kernel configs beside PyTorch SDPA's
 FlashAttention-2 backend (one GPU run).
 
-    python bench/sweep_attention.py [--json FILE] [--quick]
+    python bench/sweep_attention.py [--json FILE] [--quick | --grid] [--kernels wgmma]
+
+``--grid``: the benchmark shapes of issue 7 (B4 H32 S1024…8192 D128, B8 H16 S2048 D64),
+causal and not, the Hopper configs only and of those the ones that were ever best (which
+default ``choose_config`` should take per shape).
 
 Prints one line per (shape, causal, config): TFLOPS and the ratio to SDPA FA2 timed in the
 same run; the best config per head_dim is what ``tilepy.ops.attention.choose_config`` should
@@ -52,6 +56,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true", help="one shape per head_dim, not causal")
+    p.add_argument("--grid", action="store_true",
+                   help="every benchmark shape, the competitive Hopper configs only")
     p.add_argument("--kernels", default="mma_sync,wgmma",
                    help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
@@ -62,6 +68,8 @@ def main():
     from tilepy.testing.timing import time_cuda
 
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
+    if args.grid:
+        shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     time_cuda(lambda: torch.matmul(warm, warm), warmup=50, repeat=5)  # clocks up first
@@ -77,7 +85,10 @@ def main():
                         q, k, v, is_causal=causal)
 
             want = fa2()
-            for cfg in configs(d, "float16", args.kernels.split(",")):
+            cfgs = configs(d, "float16", args.kernels.split(","))
+            if args.grid:
+                cfgs = [c for c in cfgs if c.block_m == 128 and getattr(c, "warp_rows", 64) == 64]
+            for cfg in cfgs:
                 # the peer timed next to every config: clocks drift over a sweep (NOTES.md)
                 peer_ms = time_cuda(fa2, warmup=2, repeat=10)
                 wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows

@@ -221,6 +221,28 @@ def test_gpu_random_shapes_against_cublas(dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_call_with_a_converted_bias_does_not_wait_for_queued_work():
+    """A float16 bias is copied to float32 on every call; that call must still only enqueue
+    (Numba's array import used to synchronise the caller's stream, which cost the fused
+    bias + GELU GEMM ~100 us of GPU idle time per call)."""
+    torch = pytest.importorskip("torch")
+    a = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    b = torch.randn(512, 512, device="cuda", dtype=torch.float16)
+    bias = torch.randn(512, device="cuda", dtype=torch.float16)
+    out = torch.empty(512, 512, device="cuda", dtype=torch.float16)
+    tilepy.gemm(a, b, bias=bias, activation="gelu", out=out)   # the plan
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)          # ~0.1 s of GPU spin queued ahead of the call
+    tilepy.gemm(a, b, bias=bias, activation="gelu", out=out)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "the call waited for the GPU"
+    ref = torch.nn.functional.gelu(a.double() @ b.double() + bias.double())
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 2e-3, err
+
+
+@pytest.mark.gpu
 def test_gpu_cupy_batched_transposed():
     cupy = pytest.importorskip("cupy")
     a = cupy.random.standard_normal((4, 1000, 520), dtype=cupy.float32).astype(cupy.float16)

@@ -180,17 +180,29 @@ def raw_view(op: Operand):
     bits = ITEMSIZE[op.dtype] == 2
     if op.family == "numpy" or isinstance(x, np.ndarray):
         return x.view(np.uint16) if bits else x
-    from numba import cuda
-
     if op.family == "torch":
         import torch
 
         if bits:
             x = x.view(torch.int16)
-        return cuda.as_cuda_array(x).view(np.uint16) if bits else cuda.as_cuda_array(x)
+        return import_device_array(x).view(np.uint16) if bits else import_device_array(x)
     if op.family == "cupy":
-        return cuda.as_cuda_array(x.view(np.uint16) if bits else x)
+        return import_device_array(x.view(np.uint16) if bits else x)
     return x.view(np.uint16) if bits else x
+
+
+def import_device_array(x):
+    """A Numba device array over ``x``'s memory (CUDA array interface), without synchronising.
+
+    Numba's default (``sync=True``) waits for the stream the producer names in the interface —
+    for PyTorch and CuPy the caller's current stream, which is where tilepy enqueues its own
+    work, so stream order already covers it. Waiting cost every call that imports an array
+    (a per-call float32 copy of a float16 bias, say) the whole of the work queued before it:
+    the fused bias + GELU GEMM ran at 0.70x of unfused torch with a float16 bias against 0.95x
+    with a float32 one (bench/NOTES.md, 2026-11-30 session 5)."""
+    from numba import cuda
+
+    return cuda.as_cuda_array(x, sync=False)
 
 
 def empty(like: Operand, shape, dtype: str):

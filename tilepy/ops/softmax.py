@@ -1110,7 +1110,7 @@ def _moved(op, ax: int):
         return cupy.moveaxis(x, ax, -1)
     if op.family == "numpy":
         return np.moveaxis(x, ax, -1)
-    d = cuda.as_cuda_array(x)
+    d = x  # a Numba device array already
     order = [i for i in range(d.ndim) if i != ax] + [ax]
     return arrays.restride(d, tuple(d.shape[i] for i in order),
                             tuple(d.strides[i] for i in order))
