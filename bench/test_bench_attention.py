@@ -49,11 +49,11 @@ def sdpa_timing(torch, backend, q, k, v, causal):
         return gpu_time(torch, lambda: sdpa(q, k, v, is_causal=causal, **kw))
 
 
-def config_of(d, dtype):
+def config_of(d, dtype, causal=False):
     try:
         from tilepy.ops.attention import choose_config
 
-        return choose_config(d, dtype).describe()
+        return choose_config(d, dtype, causal).describe()
     except Exception:  # noqa: BLE001 — a description, never a reason to fail
         return "?"
 
@@ -97,7 +97,7 @@ def test_flash_attention(benchmark, record, torch, gpu_name, case, causal):
     record_throughput(record, work=4 * b * hq * s * s * d / (2 if causal else 1),
                       unit="TFLOPS", timings=timings, main=FA2, notes=notes, gpu=gpu_name,
                       shape=f"B={b} Hq={hq} Hkv={hkv} S={s} D={d}", dtype=dtype,
-                      causal=causal, config=config_of(d, dtype), max_abs_err=err,
+                      causal=causal, config=config_of(d, dtype, causal), max_abs_err=err,
                       table="Attention forward",
                       case=f"B{b} H{hq}{gqa} S{s} D{d} {mask} {dtype}",
                       figure=figure, x=s, xlabel="sequence length")

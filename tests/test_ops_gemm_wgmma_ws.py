@@ -128,12 +128,13 @@ def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persisten
     200 bytes, odd rows fall back to element stores)."""
     from tilepy.ptx import vector as V
 
-    vec = {"n": 0}
-    for name in ("st_global_v4_b32", "st_global_v4_f32"):
+    vec = {"n": 0, "bias": 0}
+    for name, what in (("st_global_v4_b32", "n"), ("st_global_v4_f32", "n"),
+                       ("ld_shared_v2_f32", "bias")):
         orig = getattr(V, name)
 
-        def counted(*args, _orig=orig):
-            vec["n"] += 1
+        def counted(*args, _orig=orig, _what=what):
+            vec[_what] += 1
             return _orig(*args)
         monkeypatch.setattr(V, name, counted)
 
@@ -151,6 +152,9 @@ def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persisten
     pre = 0.5 * matmul64(a, b) - 0.75 * c.astype(np.float64) + bias
     ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
     check(out, ref, dtype)
+    # not persistent: the bias columns come from shared memory (the producer's idle warps
+    # put them there), one pair per accumulator pair's n8 block
+    assert (vec["bias"] > 0) == (not persistent), vec
     per_row = 16 // np.dtype(odt).itemsize
     full_vectors_per_row = n // per_row
     if out_rows16 or (n * np.dtype(odt).itemsize) % 16 == 0:
@@ -163,12 +167,17 @@ def test_smem_epilogue_config():
     """Not persistent: the staging reuses the stage buffers (no extra shared memory).
     Persistent: a buffer of its own, which does not fit beside 4 stages of 128×256."""
     cfg = WsConfig(smem_epilogue=True)
-    assert cfg.smem_bytes == WsConfig().smem_bytes and cfg.epilogue_offset == 0
+    # ... but a place for the tile's bias columns and their mbarrier after the mbarriers
+    base = WsConfig()
+    assert cfg.bias_in_smem and not base.bias_in_smem and cfg.epilogue_offset == 0
+    assert cfg.bias_offset >= base.smem_bytes and cfg.bias_offset % 16 == 0
+    assert cfg.smem_bytes == cfg.bias_offset + 4 * 256 <= base.smem_bytes + 1024 + 24
     assert cfg.epilogue_bytes == 2 * 64 * (32 * 16 + 32)
     assert "smem epilogue" in cfg.describe() and "smem epilogue" not in WsConfig().describe()
     with pytest.raises(ValueError, match="own 69632 B staging buffer.*fewer stages"):
         WsConfig(persistent=True, smem_epilogue=True)
     p = WsConfig(stages=3, persistent=True, smem_epilogue=True)
+    assert not p.bias_in_smem
     assert p.smem_bytes == 3 * 48 * 1024 + 69632 + 48 and p.barrier_offset == 3 * 48 * 1024 + 69632
     assert "own buffer" in p.describe()
     WsConfig(256, 128, stages=3, persistent=True, smem_epilogue=True)

@@ -125,6 +125,25 @@ def test_vector_moves_round_trip():
     assert (out32 == want).all()
 
 
+def pair_moves(out):
+    tid = cuda.threadIdx.x
+    sm = cuda.shared.array(64, np.float32)
+    base = shared_addr(sm, 0)
+    V.st_shared_v2_f32(base + 8 * tid, np.float32(tid), np.float32(0.5) - tid)
+    cuda.syncthreads()
+    x, y = V.ld_shared_v2_f32(base + 8 * (31 - tid))   # another thread's pair
+    out[tid, 0] = x
+    out[tid, 1] = y
+
+
+@pytest.mark.sim
+def test_shared_float_pairs_round_trip():
+    out = np.full((32, 2), np.nan, np.float32)
+    cuda.jit(pair_moves)[1, 32](out)
+    src = 31 - np.arange(32, dtype=np.float32)
+    assert (out[:, 0] == src).all() and (out[:, 1] == 0.5 - src).all()
+
+
 def misaligned(out):
     sm = cuda.shared.array(16, np.uint32)
     V.ld_shared_v4_b32(shared_addr(sm, 1))
@@ -158,6 +177,10 @@ def compile_report():
     out.append({"name": "vector", "ptx_lines": [
         ln.strip() for ln in rep.ptx.splitlines()
         if ln.strip().startswith(("ld.shared", "st.shared", "st.global"))]})
+    rep = compile_kernel("pair_moves", pair_moves, (types.Array(types.float32, 2, "C"),),
+                         (9, 0, "a"))
+    out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
+                             if ln.strip().startswith("ld.shared")]
     return out
 
 
@@ -171,6 +194,6 @@ def test_compiles_to_bar_sync_and_bar_arrive():
     assert sum(ln.startswith("bar.arrive") for ln in bars) >= 1, bars
     assert rep["barrier"]["spill_stores"] == 0
     vec = " ".join(rep["vector"]["ptx_lines"])
-    for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v4.b32", "ld.shared.v4.f32",
-               "st.global.v4.b32", "st.global.v4.f32"):
+    for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v2.f32", "ld.shared.v4.b32",
+               "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32"):
         assert op in vec, (op, vec)

@@ -298,14 +298,15 @@ def inspect_targets() -> dict:
         return kern.py_func, argtypes(dtype), {"launch_bounds": (cfg.threads, 1)}
 
     def attention_wgmma(dtype):
-        from .ops.attention import HOPPER_BLOCK
+        from .ops.attention import HOPPER_CHOICE
         from .ops.attention_kernel import argtypes
         from .ops.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_kernel
 
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):
             raise ValueError("flash attention takes float16 or bfloat16")
-        cfg = WgmmaAttentionConfig(128, *HOPPER_BLOCK, dtype)
+        bm, bn, overlap = HOPPER_CHOICE[(128, False)]
+        cfg = WgmmaAttentionConfig(128, bm, bn, dtype, overlap=overlap)
         return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes(),
                 {"launch_bounds": cfg.threads})
 

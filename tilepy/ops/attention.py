@@ -36,20 +36,25 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 
 # Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has, 128 query rows
-# (two warpgroups) × 64 keys: 1.07× SDPA FA2 at B4 H32 S4096 D128 and 1.04× at B8 H16 S2048
-# D64, non-causal fp16, against 0.85× / 0.92× for the mma.sync kernel
-# (2026-11-30_s3_sweep_attention_wgmma.json). TILEPY_HOPPER=0 keeps the mma.sync kernel.
-HOPPER_BLOCK = (128, 64)
+# (two warpgroups); per (head_dim, causal): (block_m, block_n, overlap). Chosen on absolute
+# TFLOPS over issue 7's shapes, one run (2026-11-30_s5_sweep_attention_grid.json, fp16):
+# d128 non-causal 128x128 (274 / 354 / 401 / 422 TFLOPS at S1024 … 8192, against 253 / 315 /
+# 349 / 365 for 128x64); d128 causal 128x64 with the softmax overlapped with P·V (180 / 266 /
+# 339 / 364, against 166 / 261 / 322 / 366 for 128x128); d64 128x64 without overlap (273,
+# causal 218; the overlapped variants lose ~20% there). TILEPY_HOPPER=0 keeps mma.sync.
+HOPPER_CHOICE = {(128, False): (128, 128, False), (128, True): (128, 64, True),
+                 (64, False): (128, 64, False), (64, True): (128, 64, False)}
 
 
-def choose_config(head_dim: int, dtype: str):
-    """The built-in config for a head dimension and dtype on the current device: the wgmma
-    kernel's on a compute capability 9.0 GPU for head_dim 64 and 128, else the mma.sync
-    kernel's (simulator: a small one)."""
+def choose_config(head_dim: int, dtype: str, causal: bool = False):
+    """The built-in config for a head dimension, dtype and masking on the current device: the
+    wgmma kernel's on a compute capability 9.0 GPU for head_dim 64 and 128
+    (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one)."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
     if head_dim in aw.HEAD_DIMS and _hopper():
-        return aw.WgmmaAttentionConfig(head_dim, *HOPPER_BLOCK, dtype)
+        bm, bn, overlap = HOPPER_CHOICE[(head_dim, bool(causal))]
+        return aw.WgmmaAttentionConfig(head_dim, bm, bn, dtype, overlap=overlap)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
 
@@ -176,7 +181,7 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
         # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
         # else the built-in one
         cfg = config or tuned_attention_config(bq, hq, sq, sk, d, dtype, causal, device) or \
-            choose_config(d, dtype)
+            choose_config(d, dtype, causal)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),

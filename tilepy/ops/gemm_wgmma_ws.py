@@ -61,6 +61,7 @@ from ..ptx import barrier as BAR
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
+from ..ptx import vector as VEC
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..tile import tma as host_tma
@@ -178,7 +179,24 @@ class WsConfig:
         return self.stages * self.stage_bytes + (self.epilogue_bytes if self.persistent else 0)
 
     @property
+    def bias_in_smem(self) -> bool:
+        """Whether a kernel with a bias has the consumers put their tile's bias columns in
+        shared memory as the tile starts (the loads' latency hidden by the pipeline filling
+        up) instead of reading them from global memory in the epilogue: the smem epilogue of
+        a non-persistent grid, whose barrier of all consumers before the epilogue publishes
+        them."""
+        return self.smem_epilogue and not self.persistent
+
+    @property
+    def bias_offset(self) -> int:
+        """Byte offset of the bias columns (:attr:`bias_in_smem`): after the mbarriers,
+        16-byte aligned."""
+        return -(-(self.barrier_offset + self.barrier_bytes) // 16) * 16
+
+    @property
     def smem_bytes(self) -> int:
+        if self.bias_in_smem:
+            return self.bias_offset + 4 * self.block_n
         return self.barrier_offset + self.barrier_bytes
 
     @property
@@ -232,7 +250,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     EPI_OFF = cfg.epilogue_offset
     EPI_WG = cfg.epilogue_bytes // NC         # staging bytes per consumer warpgroup
     CONSUMERS = NC * WARPGROUP
-    store_smem = store_accumulators_smem(MW, NI, out_kind, activation, has_bias, has_c)
+    BIAS_SMEM = has_bias and cfg.bias_in_smem
+    BIAS_OFF = cfg.bias_offset
+    store_smem = store_accumulators_smem(MW, NI, out_kind, activation, has_bias, has_c,
+                                         bias_in_smem=BIAS_SMEM)
     align = None if SIMULATOR else 1024
     f32 = types.float32
 
@@ -310,6 +331,14 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if MW == 2:
                 for i in range(NACC1):
                     acc1[i] = f32(0)
+            if BIAS_SMEM:
+                # the tile's bias columns (zeros past n) for the epilogue, published by its
+                # barrier of all consumers
+                for i in range(2 * (tid - WARPGROUP), BN, 2 * CONSUMERS):
+                    col = bn0 + i
+                    b0 = bias[col] if col < n else f32(0)
+                    b1 = bias[col + 1] if col + 1 < n else f32(0)
+                    VEC.st_shared_v2_f32(base + BIAS_OFF + 4 * i, b0, b1)
             prev = 0
             for kt in range(ktiles):
                 MB.mbarrier_wait_parity(bars + 8 * s, ph)
@@ -344,8 +373,13 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if EPI_SHARED:
                     # every consumer's wgmmas have read their stages before any is overwritten
                     BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
-                store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0, m, n,
-                           alpha, bias, cz, beta, tid % WARPGROUP, BAR_WG0 + cw)
+                if BIAS_SMEM:
+                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0,
+                               m, n, alpha, base + BIAS_OFF, cz, beta,
+                               tid % WARPGROUP, BAR_WG0 + cw)
+                else:
+                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0,
+                               m, n, alpha, bias, cz, beta, tid % WARPGROUP, BAR_WG0 + cw)
                 continue
             row0 = bm0 + cw * CM + warp * 16
             for j in range(NI):
@@ -388,6 +422,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if tid == 0:
                 produce(smem, base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total,
                         ktiles, w0, step)
+
         else:
             if SETREG:
                 W.setmaxnreg_inc(CREG)

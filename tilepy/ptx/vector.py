@@ -6,6 +6,7 @@ Per thread (no warp exchange); addresses are byte addresses from
 
 * ``st_shared_b32(addr, w)`` — 4 bytes (``st.shared.b32``);
 * ``st_shared_v2_f32(addr, x, y)`` — 8 bytes, x first (``st.shared.v2.f32``);
+* ``ld_shared_v2_f32(addr) -> (x, y)`` — 8 bytes as two float32 (``ld.shared.v2.f32``);
 * ``ld_shared_v4_b32(addr) -> (w0, w1, w2, w3)`` — 16 bytes as four uint32, lowest address
   first (``ld.shared.v4.b32``); ``ld_shared_v4_f32`` the same as float32;
 * ``st_global_v4_b32(gaddr, w0, w1, w2, w3)`` / ``st_global_v4_f32(gaddr, x0, …, x3)`` — 16
@@ -39,6 +40,11 @@ def _st_shared_b32_twin(addr, w):
 def _st_shared_v2_f32_twin(addr, x, y):
     addr = _check("shared", "st_shared_v2_f32", addr, 8)
     address.write_bytes(addr, np.array([x, y], np.float32).tobytes())
+
+
+def _ld_shared_v2_f32_twin(addr):
+    addr = _check("shared", "ld_shared_v2_f32", addr, 8)
+    return tuple(np.frombuffer(address.read_bytes(addr, 8), np.float32).copy())
 
 
 def _ld_shared_v4_b32_twin(addr):
@@ -75,6 +81,12 @@ st_shared_v2_f32 = instruction(
     doc="``st_shared_v2_f32(addr, x, y)``: store two float32 at shared address addr (8-byte "
         "aligned), x at addr.")
 
+ld_shared_v2_f32 = instruction(
+    "ld_shared_v2_f32", "ld.shared.v2.f32 {$0, $1}, [$2];",
+    outs=("f32", "f32"), ins=("u32",), **_MEM, twin=_ld_shared_v2_f32_twin,
+    doc="``ld_shared_v2_f32(addr) -> (x, y)``: load 8 bytes from shared address addr (8-byte "
+        "aligned) as two float32, x at addr.")
+
 ld_shared_v4_b32 = instruction(
     "ld_shared_v4_b32", "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];",
     outs=("u32", "u32", "u32", "u32"), ins=("u32",), **_MEM, twin=_ld_shared_v4_b32_twin,
@@ -99,5 +111,5 @@ st_global_v4_f32 = instruction(
     doc="``st_global_v4_f32(gaddr, x0, x1, x2, x3)``: store four float32 at global address "
         "gaddr (16-byte aligned), x0 first.")
 
-__all__ = ["ld_shared_v4_b32", "ld_shared_v4_f32", "st_global_v4_b32", "st_global_v4_f32",
-           "st_shared_b32", "st_shared_v2_f32"]
+__all__ = ["ld_shared_v2_f32", "ld_shared_v4_b32", "ld_shared_v4_f32", "st_global_v4_b32",
+           "st_global_v4_f32", "st_shared_b32", "st_shared_v2_f32"]

@@ -208,7 +208,7 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be float16 or bfloat16, got {dtype!r}")
-    default = att.choose_config(head_dim, dtype)
+    default = att.choose_config(head_dim, dtype, causal)
     rejected = []
     if configs is None:
         configs, rejected = attention_space(head_dim, dtype, with_rejected=True)
