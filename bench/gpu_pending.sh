@@ -5,6 +5,8 @@
 # (the machine idles back after 30 s, so run them back to back):
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
+#   PART=s5b     after the session-5 epilogue work: the TMA GEMM and op GPU tests, the epilogue
+#                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
 #                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
 #   PART=softmax the softmax / gemm_softmax benchmark suite
@@ -48,6 +50,16 @@ if [[ " $PART " == *" s5 "* ]]; then
     step bench_gemm_op 240 "$PY" -m pytest -q bench -p no:cacheprovider \
         -k "gemm_op or bias_gelu" --benchmark-json="$OUT/bench_gemm_op.json" \
         --benchmark-columns=median,rounds
+fi
+if [[ " $PART " == *" s5b "* ]]; then
+    gpu_tests gemm_tests 200 tests/test_ops_gemm_wgmma_ws.py tests/test_ops_gemm.py \
+        tests/test_ops_attention_wgmma.py
+    step probe_epilogue 100 "$PY" bench/probe_epilogue.py --json "$OUT/probe_epilogue.json"
+    step bench_gemm_op 120 "$PY" -m pytest -q bench -p no:cacheprovider \
+        -k "gemm_op or bias_gelu" --benchmark-json="$OUT/bench_gemm_op.json" \
+        --benchmark-columns=median,rounds
+    step bench_attention 200 "$PY" -m pytest -q bench -p no:cacheprovider -k attention \
+        --benchmark-json="$OUT/bench_attention.json" --benchmark-columns=median,rounds
 fi
 if [[ " $PART " == *" hgemm "* ]]; then
     gpu_tests ops_gemm_wgmma_ws 200 tests/test_ops_gemm_wgmma_ws.py
