@@ -148,8 +148,7 @@ class _Cached:
             out, ptrs[4] = self.alloc()
         keep = None
         if self.convert_bias:
-            keep = _bias_view(describe(bias, "bias"))
-            ptrs[2] = pointer(keep)
+            keep, ptrs[2] = _converted_bias(bias)
         self.bound(self.stream(), ptrs, (alpha, beta))
         del keep    # stream-ordered allocators: freeing after the launch is enqueued is safe
         return out
@@ -294,6 +293,22 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
     if not reusable:
         return None, convert_bias
     return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources), convert_bias
+
+
+def _converted_bias(bias):
+    """(a float32 copy of ``bias``, its device pointer) for a cached plan's call: the
+    framework's own conversion, no Numba array (importing one costs ~50 us of host time)."""
+    mod = type(bias).__module__.split(".")[0]
+    if mod == "torch":
+        import torch
+
+        x = bias.to(torch.float32).contiguous()
+        return x, x.data_ptr()
+    if mod == "cupy":
+        x = bias.astype("float32", order="C")
+        return x, x.data.ptr
+    keep = _bias_view(describe(bias, "bias"))
+    return keep, pointer(keep)
 
 
 def _bias_view(Bias):
