@@ -81,7 +81,7 @@ def build() -> str:
         items = results_data.entries(gpu_dir)
         parts += suite_tables(items) + plot_links(gpu_dir.name, items)
         bench_rows, sweep_rows, demo_rows, host_rows = [], [], [], []
-        att_rows, first_rows = [], []
+        att_rows, first_rows, probe_rows = [], [], []
         for b in results_data.legacy(items):
             e = b.info
             thr = e.get("tflops") or e.get("gbps")
@@ -115,6 +115,18 @@ def build() -> str:
                               f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
                               + (", overlap" if r.get("overlap") else ""),
                               fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
+            elif "rows" in data and all("shape" in r and "config" in r for r in data["rows"]):
+                # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
+                sweep_rows += [(f.name, "×".join(map(str, r["shape"])) + f" {r['dtype']}",
+                                r["config"], fmt(r["tflops"]), fmt(r["peer_tflops"]),
+                                fmt(r["ratio"], "×")) for r in data["rows"]]
+            elif "rows" in data and all("variant" in r for r in data["rows"]):
+                # bench/probe_epilogue.py: the fused epilogue's pieces (failed rows: "error")
+                probe_rows += [(f.name, f"{r['variant']}", fmt(r.get("ms", 0) * 1e3)
+                                if "ms" in r else "-", fmt(r.get("tflops")),
+                                fmt(r["peer_ms"] * 1e3) if "peer_ms" in r else "-",
+                                fmt(r.get("ratio"), "×") if "ratio" in r else
+                                r.get("error", "-")) for r in data["rows"]]
             elif "rows" in data and all("cold" in r and "warm" in r for r in data["rows"]):
                 first_rows += [(f.name, r["label"], which, fmt(r[which].get("import_s")),
                                 fmt(r[which].get("first_call_s")))
@@ -130,9 +142,14 @@ def build() -> str:
                       ""]
         if sweep_rows:
             parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`, "
-                      "`bench/sweep_gemm_wgmma.py`)", "",
+                      "`bench/sweep_gemm_wgmma.py`, `bench/sweep_gemm_shapes.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "cuBLAS TFLOPS", "ratio"),
                             sweep_rows), ""]
+        if probe_rows:
+            parts += ["### Fused GEMM epilogue, piece by piece (`bench/probe_epilogue.py`, "
+                      "4096³ float16, TMA kernel)", "",
+                      table(("file", "variant", "µs", "TFLOPS", "unfused torch µs",
+                             "ratio to unfused torch"), probe_rows), ""]
         if att_rows:
             parts += ["### Attention kernel configurations (`bench/sweep_attention.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2"),
