@@ -31,13 +31,25 @@ def candidates(dtype):
             ("ws 128x256 s4 smem-epilogue", WsConfig(dtype=dtype, smem_epilogue=True)),
             ("ws 128x256 s3 persistent", WsConfig(stages=3, dtype=dtype, persistent=True)),
             ("ws 128x256 s3 persistent smem-epilogue",
-             WsConfig(stages=3, dtype=dtype, persistent=True, smem_epilogue=True))]
+             WsConfig(stages=3, dtype=dtype, persistent=True, smem_epilogue=True)),
+            # ping-pong: each consumer its own 128 x 128 tiles, main loops taking turns
+            ("pingpong 128x128 s5",
+             WsConfig(128, 128, 5, dtype, persistent=True, pingpong=True)),
+            ("pingpong 128x128 s4 smem-epilogue",
+             WsConfig(128, 128, 4, dtype, persistent=True, pingpong=True, smem_epilogue=True))]
+
+
+#: --quick: the square shapes, the default against the ping-pong configs
+QUICK = ("ws 128x256 s4 smem-epilogue", "pingpong 128x128 s5",
+         "pingpong 128x128 s4 smem-epilogue")
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--dtype", default="float16")
+    p.add_argument("--quick", action="store_true",
+                   help="4096^3 and 8192^3, the default and the ping-pong configs only")
     args = p.parse_args()
     import torch
 
@@ -51,13 +63,16 @@ def main():
     x = torch.randn(8192, 8192, device="cuda", dtype=tdt)
     time_cuda(lambda: torch.matmul(x, x), warmup=50, repeat=5)
     del x
-    for m, n, k in SHAPES:
+    shapes = SHAPES[:2] if args.quick else SHAPES
+    for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda", dtype=tdt)
         b = torch.randn(k, n, device="cuda", dtype=tdt)
         out = torch.empty(m, n, device="cuda", dtype=tdt)
         flop = 2 * m * n * k
         ref = torch.matmul(a.float(), b.float())
         for name, cfg in candidates(args.dtype):
+            if args.quick and name not in QUICK:
+                continue
             # the peer timed next to every candidate: over a sweep the GPU's clocks drift by
             # ~10% (bench/NOTES.md, 2026-11-30), and a ratio must not carry that
             peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)

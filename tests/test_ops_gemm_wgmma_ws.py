@@ -101,6 +101,47 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     check(out, ref, "float16")
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("smem_epilogue,b_layout,sms,block_m", [
+    (True, "row", 1, 64), (False, "col", 2, 64), (True, "col", 3, 128)],
+    ids=["staged-row-1-block", "register-col-2-blocks", "staged-col-3-blocks-128rows"])
+def test_pingpong_consumers_take_turns(smem_epilogue, b_layout, sms, block_m):
+    """pingpong=True: each consumer warpgroup computes whole tiles, the two alternating over a
+    block's tiles (2 × 2 × 2 tiles of 64 × 64, or 1 × 2 × 2 of 128 × 64, through 1–3 persistent
+    blocks, so a consumer's tiles are not consecutive in the stage ring and one consumer may
+    get one tile more); batched A, bias, c and GELU; 5 k steps through 3 stages: the ring wraps
+    mid-tile and the other consumer's stages lie in between."""
+    rng = np.random.default_rng()
+    z, m, n, k = 2, 70, 100, 300
+    a = padded(rng, (z, m, k), "float16")
+    b = padded(rng, (k, n), "float16") if b_layout == "row" else \
+        padded(rng, (n, k), "float16").T
+    bias = rng.standard_normal(n).astype(np.float32)
+    c = rng.standard_normal((z, m, n)).astype(np.float16)
+    out = padded_out((z, m, n), np.float16)
+    cfg = WsConfig(block_m, 64, 3, "float16", persistent=True, pingpong=True,
+                   smem_epilogue=smem_epilogue)
+    assert cfg.rows_per_consumer == block_m and "ping-pong" in cfg.describe()
+    plan, _ = run(cfg, a, b, out, b_layout, bias=bias, c=c, alpha=0.5, beta=-0.75,
+                  activation="gelu", sms=sms)
+    assert plan.grid == (sms, 1, 1)
+    pre = 0.5 * matmul64(a, b) - 0.75 * c.astype(np.float64) + bias
+    ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    check(out, ref, "float16")
+
+
+def test_pingpong_config():
+    with pytest.raises(ValueError, match="pingpong needs persistent"):
+        WsConfig(128, 128, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong: block_m"):
+        WsConfig(256, 128, persistent=True, pingpong=True)
+    cfg = WsConfig(128, 128, 4, persistent=True, pingpong=True, smem_epilogue=True)
+    assert cfg.stage_bytes == 32 * 1024 and cfg.epilogue_offset == 4 * 32 * 1024
+    assert cfg.smem_bytes <= 227 * 1024
+    with pytest.raises(ValueError, match="accumulators exceed"):
+        WsConfig(128, 256, 3, persistent=True, pingpong=True)
+
+
 def padded_out(shape, np_dtype, pad=4):
     """NaN-poisoned output whose rows are 16-byte multiples (the vector stores' case)."""
     *lead, rows, cols = shape
@@ -260,7 +301,9 @@ def test_compiles_for_sm90a_without_spills(reports):
                               "gemm_ws_256x128_brow", "gemm_ws_128x256_brow_persistent",
                               "gemm_ws_128x256_brow_smemepi", "gemm_ws_128x256_bcol_smemepi_f32out",
                               "gemm_ws_256x128_brow_smemepi",
-                              "gemm_ws_128x256_brow_persistent_smemepi"}
+                              "gemm_ws_128x256_brow_persistent_smemepi",
+                              "gemm_ws_128x128_brow_pingpong", "gemm_ws_128x128_bcol_pingpong",
+                              "gemm_ws_128x128_brow_pingpong_smemepi"}
     for name, rep in with_regs.items():
         if "smemepi" in name:
             continue           # test_smem_epilogue_compiles_without_spills
@@ -281,7 +324,7 @@ def test_compiles_for_sm90a_without_spills(reports):
                 "fence.proxy.tensormap::generic.acquire.gpu",
                 "setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32",
                 "wgmma.wait_group.sync.aligned"} <= ops, (name, ops)
-        n = 128 if name.startswith("gemm_ws_256x128") else 256
+        n = 128 if name.startswith(("gemm_ws_256x128", "gemm_ws_128x128")) else 256
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" in ops
 
 
@@ -290,7 +333,8 @@ def test_compiles_for_sm90a_without_spills(reports):
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
                      "gemm_ws_128x256_brow_smemepi_bias_gelu": 4,
                      "gemm_ws_256x128_brow_smemepi": 4,
-                     "gemm_ws_128x256_brow_persistent_smemepi": 3}
+                     "gemm_ws_128x256_brow_persistent_smemepi": 3,
+                     "gemm_ws_128x128_brow_pingpong_smemepi": 3}
 
 
 @pytest.mark.compile
@@ -356,9 +400,11 @@ GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 20
 @pytest.mark.parametrize("cfg_kw", [
     {}, {"block_m": 256, "block_n": 128}, {"persistent": True},
     {"smem_epilogue": True}, {"block_m": 256, "block_n": 128, "smem_epilogue": True},
-    {"persistent": True, "stages": 3, "smem_epilogue": True}],
+    {"persistent": True, "stages": 3, "smem_epilogue": True},
+    {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True},
+    {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True, "smem_epilogue": True}],
     ids=["128x256", "256x128", "persistent", "128x256-smem-epilogue", "256x128-smem-epilogue",
-         "persistent-s3-smem-epilogue"])
+         "persistent-s3-smem-epilogue", "pingpong-128x128", "pingpong-128x128-smem-epilogue"])
 def test_gpu_against_torch(dtype, cfg_kw):
     """The shared-memory epilogue cases meet odd N (edge element stores) and 70 × 100, whose
     200-byte output rows are only 8-byte aligned (element stores on odd rows)."""

@@ -97,6 +97,13 @@ class WsConfig:
     stage; the producer has nothing left to load); with it the producer is already loading
     the next tile, so the staging gets a buffer of its own (:attr:`epilogue_bytes`), which
     must fit beside the stages (128×256: at most 3 stages).
+
+    ``pingpong`` (with ``persistent`` and two consumers): each consumer warpgroup computes
+    whole ``block_m`` × ``block_n`` tiles (64 or 128 rows), the two taking a block's tiles in
+    turn. The producer loads the tiles' stages in order, so a consumer's next tile is loaded
+    only as the other one's main loop ends: the main loops alternate, and each consumer's
+    epilogue runs under the other one's MMAs (CUTLASS's "ping-pong" schedule) instead of
+    stalling the tensor cores. The staging of ``smem_epilogue`` is a buffer per consumer.
     """
 
     block_m: int = 128
@@ -108,6 +115,7 @@ class WsConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     smem_epilogue: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -117,8 +125,13 @@ class WsConfig:
 
         need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
         need(self.consumers in (1, 2), "consumers must be 1 or 2")
+        if self.pingpong:
+            need(self.consumers == 2 and self.persistent,
+                 "pingpong needs persistent=True and two consumer warpgroups")
+            need(self.block_m in (64, 128), "pingpong: block_m (rows of a consumer's own "
+                 "tile) must be 64 or 128")
         need(self.block_m in (64, 128, 256) and self.block_m % self.consumers == 0
-             and self.block_m // self.consumers in (64, 128),
+             and self.block_m // self.consumers in (64, 128) or self.pingpong,
              "block_m / consumers (rows per consumer warpgroup) must be 64 or 128")
         need(self.block_n in (64, 128, 192, 256), "block_n must be 64, 128, 192 or 256")
         need(self.rows_per_consumer // 64 * self.block_n <= 256,
@@ -145,7 +158,7 @@ class WsConfig:
 
     @property
     def rows_per_consumer(self) -> int:
-        return self.block_m // self.consumers
+        return self.block_m if self.pingpong else self.block_m // self.consumers
 
     @property
     def threads(self) -> int:
@@ -157,7 +170,8 @@ class WsConfig:
 
     @property
     def barrier_bytes(self) -> int:
-        return 16 * self.stages  # a "full" and an "empty" mbarrier per stage
+        # a "full" and an "empty" mbarrier per stage; ping-pong: the consumers' turn barrier
+        return 16 * self.stages + (8 if self.pingpong else 0)
 
     @property
     def epilogue_bytes(self) -> int:
@@ -212,6 +226,7 @@ class WsConfig:
                 + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
                    if self.setmaxnreg else "")
                 + (", persistent" if self.persistent else "")
+                + (", ping-pong" if self.pingpong else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -238,7 +253,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     A_BYTES = BM * BK * 2
     STAGE_BYTES = cfg.stage_bytes
     BAR0 = cfg.barrier_offset // 2  # uint16 index of the first mbarrier (after the stages)
-    ARRIVALS = 4 * NC              # lane 0 of every consumer warp frees a stage
+    PP = cfg.pingpong
+    # lane 0 of every warp of the stage's consumers frees it (ping-pong: one warpgroup's)
+    ARRIVALS = 4 * (1 if PP else NC)
+    ROW_OFF = 0 if PP else CM      # a consumer's first row in the tile
+    TURN = 2 * ST                  # ping-pong: its phase j completes when the main loop of
+    #                                the block's tile j has passed its last "full" wait
     SETREG = cfg.setmaxnreg
     PREG, CREG = cfg.producer_regs, cfg.consumer_regs
     ab = "f16" if cfg.dtype == "float16" else "bf16"
@@ -324,8 +344,22 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         acc3 = cuda.local.array((1, NI, 4), f32)
         s = 0
         ph = 0
-        for w in range(w0, total, step):
+        first = w0 + cw * step if PP else w0
+        stride = 2 * step if PP else step
+        for w in range(first, total, stride):
             z, bm0, bn0 = tile_origin(w, m_tiles, n_tiles)
+            if PP:
+                # the stages of the block's earlier tiles, the other consumer's included
+                j = (w - w0) // step
+                done = j * ktiles
+                s = done % ST
+                ph = (done // ST) % 2
+                # Wait until the other consumer has passed every "full" wait of tile j − 1:
+                # a parity wait cannot tell round r of a stage from round r − 2, so a stage
+                # may be waited on only once its previous round is complete. This also makes
+                # the two main loops take turns (each epilogue runs under the other's MMAs).
+                if j > 0:
+                    MB.mbarrier_wait_parity(bars + 8 * TURN, (j - 1) % 2)
             for i in range(NACC):
                 acc0[i] = f32(0)
             if MW == 2:
@@ -343,7 +377,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             for kt in range(ktiles):
                 MB.mbarrier_wait_parity(bars + 8 * s, ph)
                 stage = base + s * STAGE_BYTES
-                da = W.matrix_descriptor(stage + cw * (CM * 128), 16, 1024, 128)
+                da = W.matrix_descriptor(stage + cw * (ROW_OFF * 128), 16, 1024, 128)
                 db = W.matrix_descriptor(stage + A_BYTES, LBO_B, SBO_B, 128)
                 W.wgmma_fence()
                 for kk in range(BK // 16):
@@ -360,6 +394,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if s == ST:
                     s = 0
                     ph ^= 1
+            if PP and lane == 0:
+                MB.mbarrier_arrive(bars + 8 * TURN)   # every warp is past its last wait
             W.wgmma_wait_group(0)
             W.wgmma_fence_operand(acc0, NACC)
             if MW == 2:
@@ -374,14 +410,14 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     # every consumer's wgmmas have read their stages before any is overwritten
                     BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
                 if BIAS_SMEM:
-                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0,
+                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF, bn0,
                                m, n, alpha, base + BIAS_OFF, cz, beta,
                                tid % WARPGROUP, BAR_WG0 + cw)
                 else:
-                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * CM, bn0,
+                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF, bn0,
                                m, n, alpha, bias, cz, beta, tid % WARPGROUP, BAR_WG0 + cw)
                 continue
-            row0 = bm0 + cw * CM + warp * 16
+            row0 = bm0 + cw * ROW_OFF + warp * 16
             for j in range(NI):
                 for q in range(4):
                     acc3[0, j, q] = acc0[4 * j + q]
@@ -414,6 +450,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             for s in range(ST):
                 MB.mbarrier_init(bars + 8 * s, 1)                 # full: the producer's expect_tx
                 MB.mbarrier_init(bars + 8 * (ST + s), ARRIVALS)   # empty: every consumer warp
+            if PP:
+                MB.mbarrier_init(bars + 8 * TURN, 4)              # a consumer's four warps
             MB.fence_mbarrier_init()
         cuda.syncthreads()
         if wg == 0:
@@ -599,6 +637,11 @@ def argtypes(out_kind: str):
             types.uint8[::1])
 
 
+#: The ping-pong schedule's config in the reports (and the sweeps): 128 × 128 per consumer
+#: warpgroup (two m64n128 accumulators), 5 stages of 32 KB.
+PINGPONG = WsConfig(128, 128, 5, persistent=True, pingpong=True)
+
+
 def _report_kernels():
     """(name, config, B row-major, output kind, activation, has_bias) of the offline reports,
     in two groups: the main-loop variants, and the epilogues."""
@@ -608,7 +651,9 @@ def _report_kernels():
             ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
             ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
             ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
-             "float16"))
+             "float16"),
+            ("ws_128x128_brow_pingpong", PINGPONG, True, "float16"),
+            ("ws_128x128_bcol_pingpong", PINGPONG, False, "float16"))
     epilogues = (
         # a bias and an activation made the epilogue big enough that LLVM stopped unrolling it
         # and the accumulators went to local memory (512-byte stack; fixed 2026-11-30)
@@ -618,7 +663,10 @@ def _report_kernels():
         ("ws_128x256_bcol_smemepi_f32out", smem, False, "float32"),
         ("ws_256x128_brow_smemepi", WsConfig(256, 128, smem_epilogue=True), True, "float16"),
         ("ws_128x256_brow_persistent_smemepi",
-         WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16"))
+         WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16"),
+        ("ws_128x128_brow_pingpong_smemepi",
+         WsConfig(128, 128, 4, persistent=True, pingpong=True, smem_epilogue=True), True,
+         "float16"))
     return {"main": main, "epilogues": epilogues}
 
 
