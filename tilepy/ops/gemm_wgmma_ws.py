@@ -104,6 +104,9 @@ class WsConfig:
     only as the other one's main loop ends: the main loops alternate, and each consumer's
     epilogue runs under the other one's MMAs (CUTLASS's "ping-pong" schedule) instead of
     stalling the tensor cores. The staging of ``smem_epilogue`` is a buffer per consumer.
+    Correct on the H200 but not faster than the default there (128 × 128 tiles: 594–655
+    TFLOPS against 611–704 at 4096³ / 8192³, ``2026-11-30_s5d_sweep_gemm_pingpong.json``), so
+    opt-in.
     """
 
     block_m: int = 128
