@@ -18,6 +18,7 @@ from tilepy import arrays
 from tilepy.ops import gemm_softmax as gs
 from tilepy.ops import gemm_softmax_kernel as gsk
 from tilepy.ops.gemm_softmax_kernel import GemmSoftmaxConfig
+from tilepy.ops.gemm_wgmma_ws import WsConfig
 from tilepy.ptx import global_addr, shared_addr
 from tilepy.ptx.cp_async import cp_async_wait_all
 from tilepy.tile import layout
@@ -89,6 +90,38 @@ def test_shapes(dtype, m, n, k, scale):
     out = poisoned((m, n), dtype)
     assert tilepy.gemm_softmax(a, b, scale=scale, out=out) is out
     check(out, reference(a, b, scale), dtype)
+
+
+# the TMA + wgmma kernel's softmax mode (config=WsConfig): its smallest chunk (64 columns),
+# 2 stages; each case runs 384 simulated threads, so few and small
+TMA_SIM = {"block_m": 128, "block_n": 64, "stages": 2, "persistent": True,
+           "smem_epilogue": True}
+
+
+@pytest.mark.parametrize("dtype,m,n,k,scale,b_col", [
+    ("float16", 100, 300, 72, -0.5, False),   # 5 chunks, the last one partial; 2 k steps
+    ("bfloat16", 140, 70, 40, 2.0, True),     # two row blocks; column-major b; K < 64
+], ids=["f16-5-chunks-negative-scale", "bf16-2-row-blocks-col-major-b"])
+def test_tma_softmax_mode(dtype, m, n, k, scale, b_col):
+    rng = np.random.default_rng()
+    a = rand(rng, (m, k), dtype)
+    b = rand(rng, (n, k), dtype).T if b_col else rand(rng, (k, n), dtype)
+    out = poisoned((m, n), dtype)
+    cfg = WsConfig(dtype=dtype, **TMA_SIM)
+    assert tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg) is out
+    check(out, reference(a, b, scale), dtype)
+
+
+def test_tma_softmax_mode_errors():
+    a = np.zeros((8, 16), np.float16)
+    b = np.zeros((16, 8), np.float16)
+    with pytest.raises(ValueError, match="config is for bfloat16"):
+        tilepy.gemm_softmax(a, b, config=WsConfig(dtype="bfloat16", **TMA_SIM))
+    with pytest.raises(ValueError, match="softmax mode needs"):
+        tilepy.gemm_softmax(a, b, config=WsConfig(128, 64, 2, "float16"))
+    with pytest.raises(ValueError, match="at most 1024 columns"):
+        tilepy.gemm_softmax(a, np.zeros((16, 1030), np.float16),
+                            config=WsConfig(**TMA_SIM))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -204,8 +237,12 @@ def test_gpu_config_choice(monkeypatch):
     cfg = gs.choose_config(4096, "float16")
     assert cfg.park == "smem" and cfg.gemm.block.m == 16 and cfg.fits(4096)
     assert gs.choose_config(6000, "float16").park == "global"
-    assert {c.park for c in gs.candidates(1024, "float16")} == {"smem", "global"}
-    assert all(c.fits(1024) for c in gs.candidates(1024, "bfloat16"))
+    cands = gs.candidates(1024, "float16")
+    assert {c.park for c in cands if isinstance(c, GemmSoftmaxConfig)} == {"smem", "global"}
+    assert any(isinstance(c, WsConfig) for c in cands)          # the TMA softmax mode, timed
+    assert not any(isinstance(c, WsConfig) for c in gs.candidates(5000, "float16"))
+    assert all(c.fits(1024) for c in gs.candidates(1024, "bfloat16")
+               if isinstance(c, GemmSoftmaxConfig))
 
 
 @pytest.mark.parametrize("rows,cols,threads", [(32, 256, 128), (64, 32, 128), (16, 64, 128)])
@@ -350,6 +387,24 @@ def test_gpu_full_size_against_torch(m, n, k, dtype):
     out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
     assert tilepy.gemm_softmax(a, b, scale=scale, out=out) is out
     gpu_check(out, a, b, scale, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,b_col", [(16384, 1024, 1024, False), (16384, 4096, 1024, False),
+                                         (4096, 1000, 520, True), (333, 1300, 1000, False),
+                                         (7, 1, 9, False)])
+def test_gpu_tma_softmax_mode_against_torch(m, n, k, b_col, dtype):
+    """config=WsConfig: the TMA + wgmma kernel's softmax mode (sm_90), full size."""
+    torch, a, b = _torch_inputs(m, n, k, dtype)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    if b_col:
+        b = b.t().contiguous().t()
+    cfg = WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
+    assert tilepy.gemm_softmax(a, b, scale=1 / 32, out=out, config=cfg) is out
+    gpu_check(out, a, b, 1 / 32, dtype)
 
 
 @pytest.mark.gpu

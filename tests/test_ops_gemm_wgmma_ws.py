@@ -303,7 +303,8 @@ def test_compiles_for_sm90a_without_spills(reports):
                               "gemm_ws_256x128_brow_smemepi",
                               "gemm_ws_128x256_brow_persistent_smemepi",
                               "gemm_ws_128x128_brow_pingpong", "gemm_ws_128x128_bcol_pingpong",
-                              "gemm_ws_128x128_brow_pingpong_smemepi"}
+                              "gemm_ws_128x128_brow_pingpong_smemepi",
+                              "gemm_ws_128x256_brow_smemepi_softmax"}
     for name, rep in with_regs.items():
         if "smemepi" in name:
             continue           # test_smem_epilogue_compiles_without_spills
@@ -334,7 +335,9 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_128x256_brow_smemepi_bias_gelu": 4,
                      "gemm_ws_256x128_brow_smemepi": 4,
                      "gemm_ws_128x256_brow_persistent_smemepi": 3,
-                     "gemm_ws_128x128_brow_pingpong_smemepi": 3}
+                     "gemm_ws_128x128_brow_pingpong_smemepi": 3,
+                     # + one per chunk (the quads' max) and two at the end (sum, rescale)
+                     "gemm_ws_128x256_brow_smemepi_softmax": 6}
 
 
 @pytest.mark.compile

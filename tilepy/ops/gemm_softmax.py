@@ -28,7 +28,9 @@ from .. import arrays
 from ..arrays import describe, kernel_view
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from . import gemm_softmax_kernel as gsk
+from . import gemm_wgmma_ws as ws
 from .gemm_softmax_kernel import GemmSoftmaxConfig
+from .gemm_wgmma_ws import WsConfig
 
 #: Rows longer than this never take the on-chip path, even where a config would fit.
 ON_CHIP_MAX_N = 1 << 30
@@ -110,7 +112,11 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
       row-major data), are first copied into an aligned buffer.
     * ``out``: (M, N) of the input dtype, any strides; must not overlap ``a`` or ``b``.
     * ``config``: a :class:`tilepy.ops.gemm_softmax_kernel.GemmSoftmaxConfig` to override the
-      built-in choice (its dtype must match; it must fit in shared memory for this N).
+      built-in choice (its dtype must match; it must fit in shared memory for this N), or a
+      :class:`tilepy.ops.gemm_wgmma_ws.WsConfig` (persistent, ``smem_epilogue``, 128 rows in
+      two consumers) for the TMA + wgmma kernel's softmax mode (compute capability 9.0; N up
+      to 16 × ``block_n``; see :func:`tilepy.ops.gemm_wgmma_ws.wgmma_ws_gemm_kernel`) — not
+      yet measured on a GPU, so not the built-in choice.
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Errors are raised before anything is launched.
@@ -139,10 +145,13 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
         if Out.dtype != dtype:
             raise ValueError(f"out must have dtype {dtype}, got {Out.dtype}")
     device = arrays.same_device(A, B, Out)
-    if config is not None:
+    if isinstance(config, WsConfig):
+        _check_ws_config(config, dtype, n)
+    elif config is not None:
         if not isinstance(config, GemmSoftmaxConfig):
             raise TypeError(f"config must be a tilepy.ops.gemm_softmax_kernel."
-                            f"GemmSoftmaxConfig, got {type(config).__name__}")
+                            f"GemmSoftmaxConfig or a tilepy.ops.gemm_wgmma_ws.WsConfig, got "
+                            f"{type(config).__name__}")
         if config.gemm.dtype != dtype:
             raise ValueError(f"config is for {config.gemm.dtype}, inputs are {dtype}")
         if not config.fits(max(n, 1)):
@@ -172,6 +181,14 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
         elif not _row_major_aligned(B):
             B = describe(arrays.copy_aligned(B), "b")
         b_view = kernel_view(B, swap_last=not b_k_major)  # column-major: (N, K) row-major
+        if isinstance(cfg, WsConfig):
+            kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True)
+            out_v = kernel_view(Out, 3)
+            plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
+                B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,
+                0.0, stream=arrays.stream_handle(A))
+            plan.launch(arrays.stream_handle(A), args)
+            return
         if cfg.park == "global":
             seg_max = kernel_view(describe(arrays.empty(
                 A, (gsk.grid(cfg, m) * cfg.gemm.block.m, cfg.segments(n)), "float32"), "seg"))
@@ -180,6 +197,24 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
         out_v, pairs = _out_view(Out, n)
         kern = gsk.gemm_softmax_kernel(cfg, b_k_major, pairs)
         gsk.launch(kern, cfg, kernel_view(A), b_view, out_v, seg_max, scale, n, stream)
+
+
+def _check_ws_config(cfg, dtype: str, n: int):
+    """A WsConfig for the TMA kernel's softmax mode: refused before launch if it cannot run."""
+    if cfg.dtype != dtype:
+        raise ValueError(f"config is for {cfg.dtype}, inputs are {dtype}")
+    try:
+        ws._check_softmax(cfg, dtype, None, False, False)
+    except ValueError as e:
+        raise ValueError(f"config: {e}") from None
+    if n > ws.SOFTMAX_CHUNKS * cfg.block_n:
+        raise ValueError(f"config: the TMA softmax mode takes rows of at most "
+                         f"{ws.SOFTMAX_CHUNKS * cfg.block_n} columns, got {n}")
+    if not arrays.SIMULATOR:
+        from .gemm import _is_hopper
+
+        if not _is_hopper():
+            raise ValueError("config: a WsConfig needs a compute capability 9.0 GPU")
 
 
 def _out_view(Out, n: int):
@@ -207,6 +242,8 @@ def candidates(n: int, dtype: str) -> list:
     out = [c for c in out if c.fits(n)]
     for base in (_GLOBAL_GPU, *_GLOBAL_ALTERNATIVES):
         out.append(GemmSoftmaxConfig(_with_dtype(base, dtype), "global"))
+    if n <= ws.SOFTMAX_CHUNKS * 256:
+        out.append(WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True))
     return out
 
 
@@ -253,9 +290,12 @@ def main(argv=None) -> int:
 
         t = time_cuda(fused, repeat=args.repeat)
         err = float((out.float() - want).abs().max())
-        g = cfg.gemm
-        name = (f"{cfg.park:6s} {g.block.m}x{g.block.n}x{g.block.k} {g.warps.m}x{g.warps.n} warps "
-                f"{g.pipeline.stages} st, {cfg.smem_bytes(n) // 1024} KB")
+        if isinstance(cfg, WsConfig):
+            name = f"tma    {cfg.describe()}"[:62]
+        else:
+            g = cfg.gemm
+            name = (f"{cfg.park:6s} {g.block.m}x{g.block.n}x{g.block.k} {g.warps.m}x"
+                    f"{g.warps.n} warps {g.pipeline.stages} st, {cfg.smem_bytes(n) // 1024} KB")
         print(f"{name:62s} {t * 1e3:9.1f} us {flops / t / 1e9:7.0f} TFLOPS {t_ref / t:5.2f}x "
               f"max err {err:.2e}")
     return 0

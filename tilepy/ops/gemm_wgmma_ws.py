@@ -64,9 +64,15 @@ from ..ptx import tma as T
 from ..ptx import vector as VEC
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
+from ..ptx.math import ex2_approx
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
-from ..tile.epilogue import staged_bytes, store_accumulators, store_accumulators_smem
+from ..tile.epilogue import (
+    _pair_io,
+    staged_bytes,
+    store_accumulators,
+    store_accumulators_smem,
+)
 from ..tile.smem import allow_dynamic_shared
 from ..tune.kcache import cached_jit
 
@@ -241,11 +247,53 @@ def _jit(cfg: WsConfig):
     return cached_jit(launch_bounds=(cfg.threads, 1))
 
 
+#: softmax mode: at most this many chunks of ``block_n`` columns per row (N ≤ 16 · block_n)
+SOFTMAX_CHUNKS = 16
+#: softmax mode: the parked values are ``p · 2**15`` (p ≤ 1), which keeps float16 out of its
+#: subnormals; the rescale divides it out
+SOFTMAX_PARK = 32768.0
+
+
+def softmax_stats_bytes(cfg: WsConfig) -> int:
+    """Shared memory the softmax mode adds after :attr:`WsConfig.smem_bytes`: per consumer
+    warpgroup, each row's running max after every chunk and its final max and sum."""
+    return cfg.consumers * (SOFTMAX_CHUNKS * 4 * 8 * 8 + 32 * 16 + 128 * 8)
+
+
+def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
+    if not (cfg.persistent and cfg.smem_epilogue and not cfg.pingpong and cfg.consumers == 2
+            and cfg.rows_per_consumer == 64):
+        raise ValueError("softmax mode needs WsConfig(128, block_n, persistent=True, "
+                         f"smem_epilogue=True) with two consumers of 64 rows, got {cfg}")
+    if out_kind not in ("float16", "bfloat16") or activation or has_bias or has_c:
+        raise ValueError("softmax mode: 16-bit output, no activation, bias or c")
+    if cfg.smem_bytes + softmax_stats_bytes(cfg) > SMEM_LIMIT[(9, 0)]:
+        raise ValueError(f"softmax mode: {cfg.smem_bytes} + {softmax_stats_bytes(cfg)} B of "
+                         "shared memory do not fit; use fewer stages")
+
+
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
-                         has_bias: bool = False, has_c: bool = False):
+                         has_bias: bool = False, has_c: bool = False, softmax: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` (see the module docstring);
-    launch it through :func:`plan`."""
+    launch it through :func:`plan`.
+
+    ``softmax=True``: ``out = softmax(alpha · a @ b, axis=-1)`` instead (one matrix, no batch;
+    ``c``, ``bias`` and ``beta`` unused). A block owns 128 rows and walks their N in chunks of
+    ``block_n`` columns through the same pipeline (a persistent loop over the chunks, so the
+    producer streams on across them); after each chunk the consumers run the online softmax
+    on their accumulators in registers (running row max and sum, ``p = exp(s − running
+    max)``, as :func:`tilepy.tile.online_softmax.online_softmax_update` does), park
+    ``p · 2**15`` in ``out`` through the staged epilogue and note each row's running max. After
+    the last chunk each consumer rescales its 64 rows in place (still in L2) by
+    ``exp(m_chunk − m_row) / sum``. The four lanes holding a row combine their partial max
+    and sum through shared memory and the warpgroup's named barrier, not shuffles: the
+    simulator's shuffles need every live thread of the block, and the producer is meanwhile
+    waiting on an mbarrier. Launch through :func:`plan` (grid: one block per 128 rows;
+    N ≤ :data:`SOFTMAX_CHUNKS` · block_n).
+    """
+    if softmax:
+        _check_softmax(cfg, out_kind, activation, has_bias, has_c)
     BM, BN, ST, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     CM = cfg.rows_per_consumer
     MW = CM // 64                  # m64 wgmmas per k16 step per consumer
@@ -279,10 +327,23 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                                          bias_in_smem=BIAS_SMEM)
     align = None if SIMULATOR else 1024
     f32 = types.float32
+    SOFTMAX = softmax
+    STATS_OFF = cfg.smem_bytes                      # softmax: per-chunk row maxima, then
+    STATS_WG = SOFTMAX_CHUNKS * 4 * 8 * 8           # each warpgroup's final max and sum
+    FINAL_OFF = STATS_OFF + NC * STATS_WG
+    RED_OFF = FINAL_OFF + NC * 512                  # the quads' partial row results
+    get_pair, put_pair = _pair_io(out_kind)[:2]
+    NEG_INF = np.float32(-np.inf)
+    LOG2E = np.float32(1.4426950408889634)
+    PARK = np.float32(SOFTMAX_PARK)
+    UNPARK = np.float32(1.0 / SOFTMAX_PARK)
 
     @inline_device
     def tile_origin(w, tiles_m, tiles_n):
-        """(batch, first row, first column) of work item w, grouped order within a batch."""
+        """(batch, first row, first column) of work item w, grouped order within a batch
+        (softmax mode: the chunks of a block's rows, in order)."""
+        if SOFTMAX:
+            return 0, (w // tiles_n) * BM, (w % tiles_n) * BN
         tiles = tiles_m * tiles_n
         z = w // tiles
         pid = w - z * tiles
@@ -345,6 +406,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         acc0 = cuda.local.array(NACC, f32)
         acc1 = cuda.local.array(NACC1, f32)
         acc3 = cuda.local.array((1, NI, 4), f32)
+        rmax = cuda.local.array((1, 2), f32)
+        rsum = cuda.local.array((1, 2), f32)
+        if SOFTMAX:
+            for h in range(2):
+                rmax[0, h] = NEG_INF
+                rsum[0, h] = f32(0)
         s = 0
         ph = 0
         first = w0 + cw * step if PP else w0
@@ -408,6 +475,26 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
             o = out[z]
             cz = c[min(z, c.shape[0] - 1)]
+            if SOFTMAX:
+                # this chunk's scores, scaled (any sign of alpha), -inf past column n
+                col = bn0 + 2 * (lane % 4)
+                for jj in range(NI):
+                    for q in range(4):
+                        v = acc0[4 * jj + q] * alpha
+                        if col + 8 * jj + q % 2 >= n:
+                            v = NEG_INF
+                        acc3[0, jj, q] = v
+                chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * 1024, warp, lane, cw)
+                for jj in range(NI):
+                    for q in range(4):
+                        acc0[4 * jj + q] = acc3[0, jj, q] * PARK
+                store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF,
+                           bn0, m, n, f32(1), bias, cz, f32(0), tid % WARPGROUP, BAR_WG0 + cw)
+                if lane % 4 == 0:   # the rows' running max after this chunk
+                    VEC.st_shared_v2_f32(base + STATS_OFF + cw * STATS_WG
+                                         + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
+                                         rmax[0, 0], rmax[0, 1])
+                continue
             if EPI:
                 if EPI_SHARED:
                     # every consumer's wgmmas have read their stages before any is overwritten
@@ -430,6 +517,84 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     for q in range(4):
                         acc3[0, j, q] = acc1[4 * j + q]
                 store(acc3, o, row0 + 64, bn0, m, n, alpha, bias, cz, beta, lane)
+        if SOFTMAX:
+            finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
+
+    @inline_device
+    def quad_combine(red, warp, lane, cw, x0, x1, take_max):
+        """(x0, x1) — a lane's partial result for its rows g and g + 8 — combined over the
+        four lanes of its quad (max or sum), through shared memory."""
+        q = (warp * 8 + lane // 4) * 4
+        VEC.st_shared_v2_f32(red + (q + lane % 4) * 8, x0, x1)
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        a0, a1, b0, b1 = VEC.ld_shared_v4_f32(red + q * 8)
+        c0, c1, d0, d1 = VEC.ld_shared_v4_f32(red + q * 8 + 16)
+        if take_max:
+            return max(max(a0, b0), max(c0, d0)), max(max(a1, b1), max(c1, d1))
+        return (a0 + b0) + (c0 + d0), (a1 + b1) + (c1 + d1)
+
+    @inline_device
+    def chunk_softmax(sc, rmax, rsum, red, warp, lane, cw):
+        """The online-softmax step of one chunk on its (1, NI, 4) scores: the running max
+        and the lane's partial running sum of its two rows; ``sc`` becomes
+        ``p = exp(s − running max)``."""
+        mx0 = NEG_INF
+        mx1 = NEG_INF
+        for jj in range(NI):
+            mx0 = max(mx0, max(sc[0, jj, 0], sc[0, jj, 1]))
+            mx1 = max(mx1, max(sc[0, jj, 2], sc[0, jj, 3]))
+        mx0, mx1 = quad_combine(red, warp, lane, cw, mx0, mx1, True)
+        for h in range(2):
+            m_old = rmax[0, h]
+            m_new = max(m_old, mx1 if h else mx0)
+            if m_new == NEG_INF:      # nothing finite yet: keep p = 0, no inf − inf
+                ms = f32(0)
+                scale_old = f32(1)
+            else:
+                ms = m_new * LOG2E
+                scale_old = ex2_approx(m_old * LOG2E - ms)
+            acc = rsum[0, h] * scale_old
+            for jj in range(NI):
+                p0 = ex2_approx(sc[0, jj, 2 * h] * LOG2E - ms)
+                p1 = ex2_approx(sc[0, jj, 2 * h + 1] * LOG2E - ms)
+                sc[0, jj, 2 * h] = p0
+                sc[0, jj, 2 * h + 1] = p1
+                acc += p0 + p1
+            rsum[0, h] = acc
+            rmax[0, h] = m_new
+
+    @inline_device
+    def finish_softmax(base, o, m, n, w0, cw, warp, lane, rmax, rsum):
+        """Softmax mode, after the last chunk: the consumer's 64 rows of ``o`` hold
+        ``p · 2**15`` per chunk; multiply each by ``exp(m_chunk − m_row) / (sum · 2**15)``."""
+        l0, l1 = quad_combine(base + RED_OFF + cw * 1024, warp, lane, cw, rsum[0, 0],
+                              rsum[0, 1], False)
+        fin = base + FINAL_OFF + cw * 512
+        if lane % 4 == 0:
+            g = warp * 8 + lane // 4
+            VEC.st_shared_v2_f32(fin + g * 16, rmax[0, 0], rmax[0, 1])
+            VEC.st_shared_v2_f32(fin + g * 16 + 8, l0, l1)
+        # every thread's parked stores (global) and statistics (shared) are done
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        t = cuda.threadIdx.x % WARPGROUP
+        row_base = (cuda.blockIdx.x) * BM + cw * 64
+        pairs = (n + 1) // 2
+        stats = base + STATS_OFF + cw * STATS_WG
+        for rl in range(64):
+            r = row_base + rl
+            if r < m:
+                g = (rl // 16) * 8 + rl % 8
+                h = (rl % 16) // 8
+                mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
+                l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
+                mf = mf1 if h else mf0
+                inv = UNPARK / (l1 if h else l0)
+                for cp in range(t, pairs, WARPGROUP):
+                    cc = 2 * cp
+                    mj0, mj1 = VEC.ld_shared_v2_f32(stats + ((cc // BN) * 32 + g) * 8)
+                    fac = ex2_approx(((mj1 if h else mj0) - mf) * LOG2E) * inv
+                    v0, v1 = get_pair(o, r, cc, n)
+                    put_pair(o, r, cc, n, v0 * fac, v1 * fac)
 
     @_jit(cfg)
     def kernel(a, b, out, c, bias, alpha, beta, maps):
@@ -442,6 +607,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         ktiles = (kdim + BK - 1) // BK
         w0 = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
         step = cuda.gridDim.x * cuda.gridDim.y
+        if SOFTMAX:   # block x: the chunks w0 … w0 + n_tiles - 1 of rows 128·x …
+            w0 = cuda.blockIdx.x * n_tiles
+            step = 1
+            total = w0 + n_tiles
 
         smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
             cuda.shared.array(0, types.uint16)
@@ -472,6 +641,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
     kernel.config = cfg
     kernel.b_row_major = b_row_major
+    kernel.softmax = softmax
     return kernel
 
 
@@ -626,10 +796,18 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
 
     maps = cuda.to_device(encoder(pointer(a), pointer(b)), stream=_maps_stream(stream))
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
-    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
-             sms if sms is not None else (_sm_count() if cfg.persistent else None))
-    return TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder), args
+    smem = cfg.smem_bytes + (softmax_stats_bytes(cfg) if kernel.softmax else 0)
+    allow_dynamic_shared(kernel, args, smem)
+    if kernel.softmax:
+        if out.shape[0] != 1 or a.shape[0] != 1 or b.shape[0] != 1:
+            raise ValueError("softmax mode computes one matrix (no batch)")
+        if -(-out.shape[2] // cfg.block_n) > SOFTMAX_CHUNKS:
+            raise ValueError(f"softmax mode: at most {SOFTMAX_CHUNKS * cfg.block_n} columns")
+        g = (-(-a.shape[1] // cfg.block_m), 1)
+    else:
+        g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
+                 sms if sms is not None else (_sm_count() if cfg.persistent else None))
+    return TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder), args
 
 
 def argtypes(out_kind: str):
@@ -669,7 +847,11 @@ def _report_kernels():
          WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16"),
         ("ws_128x128_brow_pingpong_smemepi",
          WsConfig(128, 128, 4, persistent=True, pingpong=True, smem_epilogue=True), True,
-         "float16"))
+         "float16"),
+        # gemm_softmax's TMA mode: online softmax per 256-column chunk, rows rescaled at the end
+        ("ws_128x256_brow_smemepi_softmax",
+         WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16", None,
+         False, False, True))
     return {"main": main, "epilogues": epilogues}
 
 
