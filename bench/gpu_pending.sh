@@ -7,6 +7,8 @@
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
 #   PART=s5b     after the session-5 epilogue work: the TMA GEMM and op GPU tests, the epilogue
 #                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
+#   PART=s6      gemm_softmax's TMA softmax mode (session 5, never run on a GPU): its GPU
+#                tests, then the fused-vs-unfused benchmark for both kernels
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
 #                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
 #   PART=softmax the softmax / gemm_softmax benchmark suite
@@ -42,7 +44,7 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
     step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
 }
 
-PART=${PART:-s5 hgemm softmax hattn tests2 host tune}
+PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s5 "* ]]; then
     step probe_epilogue 120 "$PY" bench/probe_epilogue.py --json "$OUT/probe_epilogue.json"
     step sweep_attention_grid 200 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
@@ -61,6 +63,12 @@ if [[ " $PART " == *" s5b "* ]]; then
         --benchmark-columns=median,rounds
     step bench_attention 90 "$PY" -m pytest -q bench -p no:cacheprovider -k attention \
         --benchmark-json="$OUT/bench_attention.json" --benchmark-columns=median,rounds
+fi
+if [[ " $PART " == *" s6 "* ]]; then
+    gpu_tests gemm_softmax_tma 200 tests/test_ops_gemm_softmax.py -k tma_softmax_mode
+    step bench_gemm_softmax 200 "$PY" -m pytest -q bench -p no:cacheprovider \
+        -k gemm_softmax --benchmark-json="$OUT/bench_gemm_softmax.json" \
+        --benchmark-columns=median,rounds
 fi
 if [[ " $PART " == *" hgemm "* ]]; then
     gpu_tests ops_gemm_wgmma_ws 200 tests/test_ops_gemm_wgmma_ws.py

@@ -102,20 +102,29 @@ def test_log_softmax(benchmark, record, torch, gpu_name):
     benchmark.pedantic(run, rounds=3, iterations=1)
 
 
+@pytest.mark.parametrize("kernel", ["builtin", "tma"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [1024, 4096])
-def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype):
+def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype, kernel):
     """Issue 6: one fused launch against tilepy.gemm followed by tilepy.softmax (the main
-    peer; the goal is a ratio >= 1.3 at N=1024) and against torch.matmul + torch.softmax."""
+    peer; the goal is a ratio >= 1.3 at N=1024) and against torch.matmul + torch.softmax.
+    ``kernel="tma"``: the TMA + wgmma kernel's softmax mode (``config=WsConfig``, sm_90)."""
     import tilepy
 
+    cfg = None
+    if kernel == "tma":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the TMA softmax mode needs compute capability 9.0")
+        from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+        cfg = WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True)
     m, k, scale = 16384, 1024, 0.05
     tdt = getattr(torch, dtype)
     a = torch.randn(m, k, device="cuda", dtype=tdt)
     b = torch.randn(k, n, device="cuda", dtype=tdt)
     out, tmp = torch.empty(m, n, device="cuda", dtype=tdt), torch.empty(m, n, device="cuda",
                                                                          dtype=tdt)
-    tilepy.gemm_softmax(a, b, scale=scale, out=out)
+    tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg)
     want = torch.softmax(scale * (a.float() @ b.float()), -1)
     err = max_abs_err(out, want)
     assert err < 2e-2, err
@@ -125,12 +134,12 @@ def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype):
         tilepy.softmax(tmp, out=tmp)
 
     timings = {"tilepy": gpu_time(torch, lambda: tilepy.gemm_softmax(a, b, scale=scale,
-                                                                     out=out)),
+                                                                     out=out, config=cfg)),
                "tilepy gemm + softmax": gpu_time(torch, unfused),
                TORCH: gpu_time(torch, lambda: torch.softmax(scale * torch.matmul(a, b), -1))}
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings,
                       main="tilepy gemm + softmax", gpu=gpu_name, shape=f"{m}x{n}x{k}",
                       dtype=dtype, max_abs_err=err, table="Fused GEMM + softmax",
-                      case=f"{m}×{n}×{k} {dtype}")
-    benchmark.pedantic(lambda: (tilepy.gemm_softmax(a, b, scale=scale, out=out),
+                      case=f"{m}×{n}×{k} {dtype}" + (" (TMA softmax mode)" if cfg else ""))
+    benchmark.pedantic(lambda: (tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg),
                                 torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -144,6 +144,20 @@ def test_shared_float_pairs_round_trip():
     assert (out[:, 0] == src).all() and (out[:, 1] == 0.5 - src).all()
 
 
+def global_vector_copy(src, dst):
+    tid = cuda.threadIdx.x
+    w0, w1, w2, w3 = V.ld_global_v4_b32(global_addr(src, 4 * tid))
+    V.st_global_v4_b32(global_addr(dst, 4 * (7 - tid)), w3, w2, w1, w0)
+
+
+@pytest.mark.sim
+def test_global_vector_load_round_trip():
+    src = np.arange(32, dtype=np.uint32) * np.uint32(3)
+    dst = np.zeros(32, np.uint32)
+    cuda.jit(global_vector_copy)[1, 8](src, dst)
+    assert (dst == src[::-1]).all()
+
+
 def misaligned(out):
     sm = cuda.shared.array(16, np.uint32)
     V.ld_shared_v4_b32(shared_addr(sm, 1))
@@ -181,6 +195,10 @@ def compile_report():
                          (9, 0, "a"))
     out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
                              if ln.strip().startswith("ld.shared")]
+    rep = compile_kernel("global_vector_copy", global_vector_copy, (u32[::1], u32[::1]),
+                         (9, 0, "a"))
+    out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
+                             if ln.strip().startswith("ld.global")]
     return out
 
 
@@ -195,5 +213,5 @@ def test_compiles_to_bar_sync_and_bar_arrive():
     assert rep["barrier"]["spill_stores"] == 0
     vec = " ".join(rep["vector"]["ptx_lines"])
     for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v2.f32", "ld.shared.v4.b32",
-               "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32"):
+               "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32", "ld.global.v4.b32"):
         assert op in vec, (op, vec)

@@ -63,8 +63,9 @@ from ..ptx import shared_addr
 from ..ptx import tma as T
 from ..ptx import vector as VEC
 from ..ptx import wgmma as W
+from ..ptx.address import global_addr
 from ..ptx.asm import SIMULATOR
-from ..ptx.math import ex2_approx
+from ..ptx.math import ex2_approx, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import (
@@ -332,7 +333,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     STATS_WG = SOFTMAX_CHUNKS * 4 * 8 * 8           # each warpgroup's final max and sum
     FINAL_OFF = STATS_OFF + NC * STATS_WG
     RED_OFF = FINAL_OFF + NC * 512                  # the quads' partial row results
-    get_pair, put_pair = _pair_io(out_kind)[:2]
+    get_pair, put_pair, pack2 = _pair_io(out_kind)
+    unpack2 = unpack_bf16x2_f32 if out_kind == "bfloat16" else unpack_f16x2_f32
     NEG_INF = np.float32(-np.inf)
     LOG2E = np.float32(1.4426950408889634)
     PARK = np.float32(SOFTMAX_PARK)
@@ -564,6 +566,22 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             rmax[0, h] = m_new
 
     @inline_device
+    def row_factor(stats, fin, rl, chunk):
+        """exp(m_chunk − m_row) / (sum · 2**15) for local row rl and a chunk."""
+        g = (rl // 16) * 8 + rl % 8
+        mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
+        l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
+        mj0, mj1 = VEC.ld_shared_v2_f32(stats + (chunk * 32 + g) * 8)
+        if (rl % 16) // 8:
+            return ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1)
+        return ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0)
+
+    @inline_device
+    def scale_word(w, f):
+        x0, x1 = unpack2(w)
+        return pack2(x0 * f, x1 * f)
+
+    @inline_device
     def finish_softmax(base, o, m, n, w0, cw, warp, lane, rmax, rsum):
         """Softmax mode, after the last chunk: the consumer's 64 rows of ``o`` hold
         ``p · 2**15`` per chunk; multiply each by ``exp(m_chunk − m_row) / (sum · 2**15)``."""
@@ -580,6 +598,31 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         row_base = (cuda.blockIdx.x) * BM + cw * 64
         pairs = (n + 1) // 2
         stats = base + STATS_OFF + cw * STATS_WG
+        if n % 8 == 0 and o.strides[0] % 16 == 0 and (global_addr(o, (0, 0)) & 15) == 0:
+            # 16-byte vectors of a column (8 values of one chunk) down the 64 rows, 8 loads
+            # in flight per thread before their results are used (the rows sit in L2)
+            words = cuda.local.array((8, 4), types.uint32)
+            for v in range(t, n // 8, WARPGROUP):
+                cc = v * 8
+                chunk = cc // BN
+                for r8 in range(0, 64, 8):
+                    for i in range(8):
+                        if row_base + r8 + i < m:
+                            w0, w1, w2, w3 = VEC.ld_global_v4_b32(
+                                global_addr(o, (row_base + r8 + i, cc)))
+                            words[i, 0] = w0
+                            words[i, 1] = w1
+                            words[i, 2] = w2
+                            words[i, 3] = w3
+                    for i in range(8):
+                        if row_base + r8 + i < m:
+                            f = row_factor(stats, fin, r8 + i, chunk)
+                            VEC.st_global_v4_b32(global_addr(o, (row_base + r8 + i, cc)),
+                                                 scale_word(words[i, 0], f),
+                                                 scale_word(words[i, 1], f),
+                                                 scale_word(words[i, 2], f),
+                                                 scale_word(words[i, 3], f))
+            return
         for rl in range(64):
             r = row_base + rl
             if r < m:

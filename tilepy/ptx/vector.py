@@ -9,6 +9,8 @@ Per thread (no warp exchange); addresses are byte addresses from
 * ``ld_shared_v2_f32(addr) -> (x, y)`` — 8 bytes as two float32 (``ld.shared.v2.f32``);
 * ``ld_shared_v4_b32(addr) -> (w0, w1, w2, w3)`` — 16 bytes as four uint32, lowest address
   first (``ld.shared.v4.b32``); ``ld_shared_v4_f32`` the same as float32;
+* ``ld_global_v4_b32(gaddr) -> (w0, w1, w2, w3)`` — 16 bytes from global memory
+  (``ld.global.v4.b32``);
 * ``st_global_v4_b32(gaddr, w0, w1, w2, w3)`` / ``st_global_v4_f32(gaddr, x0, …, x3)`` — 16
   bytes to global memory (``st.global.v4``).
 
@@ -57,6 +59,11 @@ def _ld_shared_v4_f32_twin(addr):
     return tuple(np.frombuffer(address.read_bytes(addr, 16), np.float32).copy())
 
 
+def _ld_global_v4_b32_twin(gaddr):
+    gaddr = _check("global", "ld_global_v4_b32", gaddr, 16)
+    return tuple(np.frombuffer(address.read_bytes(gaddr, 16), np.uint32).copy())
+
+
 def _st_global_v4_b32_twin(gaddr, w0, w1, w2, w3):
     gaddr = _check("global", "st_global_v4_b32", gaddr, 16)
     words = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32)
@@ -99,6 +106,12 @@ ld_shared_v4_f32 = instruction(
     doc="``ld_shared_v4_f32(addr) -> (x0, x1, x2, x3)``: load four float32 from shared address "
         "addr (16-byte aligned).")
 
+ld_global_v4_b32 = instruction(
+    "ld_global_v4_b32", "ld.global.v4.b32 {$0, $1, $2, $3}, [$4];",
+    outs=("u32", "u32", "u32", "u32"), ins=("u64",), **_MEM, twin=_ld_global_v4_b32_twin,
+    doc="``ld_global_v4_b32(gaddr) -> (w0, w1, w2, w3)``: load 16 bytes from global address "
+        "gaddr (16-byte aligned) as four uint32, w0 at gaddr.")
+
 st_global_v4_b32 = instruction(
     "st_global_v4_b32", "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
     ins=("u64", "u32", "u32", "u32", "u32"), **_MEM, twin=_st_global_v4_b32_twin,
@@ -111,5 +124,6 @@ st_global_v4_f32 = instruction(
     doc="``st_global_v4_f32(gaddr, x0, x1, x2, x3)``: store four float32 at global address "
         "gaddr (16-byte aligned), x0 first.")
 
-__all__ = ["ld_shared_v2_f32", "ld_shared_v4_b32", "ld_shared_v4_f32", "st_global_v4_b32",
+__all__ = ["ld_global_v4_b32", "ld_shared_v2_f32", "ld_shared_v4_b32", "ld_shared_v4_f32",
+           "st_global_v4_b32",
            "st_global_v4_f32", "st_shared_b32", "st_shared_v2_f32"]
