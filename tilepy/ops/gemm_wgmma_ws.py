@@ -598,7 +598,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         row_base = (cuda.blockIdx.x) * BM + cw * 64
         pairs = (n + 1) // 2
         stats = base + STATS_OFF + cw * STATS_WG
-        if n % 8 == 0 and o.strides[0] % 16 == 0 and (global_addr(o, (0, 0)) & 15) == 0:
+        if n % 8 == 0 and o.strides[1] == 2 and o.strides[0] % 16 == 0 and \
+                (global_addr(o, (0, 0)) & 15) == 0:
             # 16-byte vectors of a column (8 values of one chunk) down the 64 rows, 8 loads
             # in flight per thread before their results are used (the rows sit in L2)
             words = cuda.local.array((8, 4), types.uint32)
