@@ -44,31 +44,30 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
     step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
 }
 
+bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selected by -k K
+    local name=$1 secs=$2
+    step "$name" "$secs" "$PY" -m pytest -q bench -p no:cacheprovider -k "$3" \
+        --benchmark-json="$OUT/$name.json" --benchmark-columns=median,rounds
+}
+
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s5 "* ]]; then
     step probe_epilogue 120 "$PY" bench/probe_epilogue.py --json "$OUT/probe_epilogue.json"
     step sweep_attention_grid 200 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
         --json "$OUT/sweep_attention_grid.json"
-    step bench_gemm_op 240 "$PY" -m pytest -q bench -p no:cacheprovider \
-        -k "gemm_op or bias_gelu" --benchmark-json="$OUT/bench_gemm_op.json" \
-        --benchmark-columns=median,rounds
+    bench_suite bench_gemm_op 240 "gemm_op or bias_gelu"
 fi
 if [[ " $PART " == *" s5b "* ]]; then
     # the TMA GEMM tests alone take ~180 s on the H200
     gpu_tests gemm_ws_tests 230 tests/test_ops_gemm_wgmma_ws.py
     gpu_tests gemm_op_tests 120 tests/test_ops_gemm.py tests/test_ops_attention_wgmma.py
     step probe_epilogue 80 "$PY" bench/probe_epilogue.py --json "$OUT/probe_epilogue.json"
-    step bench_gemm_op 70 "$PY" -m pytest -q bench -p no:cacheprovider \
-        -k "gemm_op or bias_gelu" --benchmark-json="$OUT/bench_gemm_op.json" \
-        --benchmark-columns=median,rounds
-    step bench_attention 90 "$PY" -m pytest -q bench -p no:cacheprovider -k attention \
-        --benchmark-json="$OUT/bench_attention.json" --benchmark-columns=median,rounds
+    bench_suite bench_gemm_op 70 "gemm_op or bias_gelu"
+    bench_suite bench_attention 90 "attention"
 fi
 if [[ " $PART " == *" s6 "* ]]; then
     gpu_tests gemm_softmax_tma 200 tests/test_ops_gemm_softmax.py -k tma_softmax_mode
-    step bench_gemm_softmax 200 "$PY" -m pytest -q bench -p no:cacheprovider \
-        -k gemm_softmax --benchmark-json="$OUT/bench_gemm_softmax.json" \
-        --benchmark-columns=median,rounds
+    bench_suite bench_gemm_softmax 200 "gemm_softmax"
 fi
 if [[ " $PART " == *" hgemm "* ]]; then
     gpu_tests ops_gemm_wgmma_ws 200 tests/test_ops_gemm_wgmma_ws.py
@@ -76,16 +75,13 @@ if [[ " $PART " == *" hgemm "* ]]; then
         --json "$OUT/sweep_gemm_shapes.json"
 fi
 if [[ " $PART " == *" softmax "* ]]; then
-    step bench_softmax 540 "$PY" -m pytest -q bench -p no:cacheprovider -k softmax \
-        --benchmark-json="$OUT/bench_softmax.json" --benchmark-columns=median,rounds
+    bench_suite bench_softmax 540 "softmax"
 fi
 if [[ " $PART " == *" hattn "* ]]; then
     gpu_tests ops_attention_wgmma 150 tests/test_ops_attention_wgmma.py
     step sweep_attention 200 "$PY" bench/sweep_attention.py --kernels wgmma \
         --json "$OUT/sweep_attention.json"
-    step bench_gemm_epilogue 190 "$PY" -m pytest -q bench -p no:cacheprovider \
-        -k "bias_gelu or op_small" --benchmark-json="$OUT/bench_gemm_epilogue.json" \
-        --benchmark-columns=median,rounds
+    bench_suite bench_gemm_epilogue 190 "bias_gelu or op_small"
 fi
 if [[ " $PART " == *" tests2 "* ]]; then
     gpu_tests ops_softmax 120 tests/test_ops_softmax.py

@@ -180,15 +180,16 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             b_k_major = False
         elif not _row_major_aligned(B):
             B = describe(arrays.copy_aligned(B), "b")
-        b_view = kernel_view(B, swap_last=not b_k_major)  # column-major: (N, K) row-major
         if isinstance(cfg, WsConfig):
             kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True)
             out_v = kernel_view(Out, 3)
+            handle = arrays.stream_handle(A)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,
-                0.0, stream=arrays.stream_handle(A))
-            plan.launch(arrays.stream_handle(A), args)
+                0.0, stream=handle)
+            plan.launch(handle, args)
             return
+        b_view = kernel_view(B, swap_last=not b_k_major)  # column-major: (N, K) row-major
         if cfg.park == "global":
             seg_max = kernel_view(describe(arrays.empty(
                 A, (gsk.grid(cfg, m) * cfg.gemm.block.m, cfg.segments(n)), "float32"), "seg"))

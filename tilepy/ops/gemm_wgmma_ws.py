@@ -253,12 +253,17 @@ SOFTMAX_CHUNKS = 16
 #: softmax mode: the parked values are ``p · 2**15`` (p ≤ 1), which keeps float16 out of its
 #: subnormals; the rescale divides it out
 SOFTMAX_PARK = 32768.0
+# softmax mode, shared bytes per consumer warpgroup (64 rows: 32 pairs of rows g, g + 8):
+_STATS_WG = SOFTMAX_CHUNKS * 32 * 8   # each row pair's running max after every chunk
+_FINAL_WG = 32 * 16                   # each row pair's final max and sum
+_RED_WG = 128 * 8                     # every thread's partial result for its row pair
 
 
 def softmax_stats_bytes(cfg: WsConfig) -> int:
     """Shared memory the softmax mode adds after :attr:`WsConfig.smem_bytes`: per consumer
-    warpgroup, each row's running max after every chunk and its final max and sum."""
-    return cfg.consumers * (SOFTMAX_CHUNKS * 4 * 8 * 8 + 32 * 16 + 128 * 8)
+    warpgroup, each row's running max after every chunk, its final max and sum, and the
+    quads' partial results."""
+    return cfg.consumers * (_STATS_WG + _FINAL_WG + _RED_WG)
 
 
 def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
@@ -329,16 +334,25 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     align = None if SIMULATOR else 1024
     f32 = types.float32
     SOFTMAX = softmax
-    STATS_OFF = cfg.smem_bytes                      # softmax: per-chunk row maxima, then
-    STATS_WG = SOFTMAX_CHUNKS * 4 * 8 * 8           # each warpgroup's final max and sum
-    FINAL_OFF = STATS_OFF + NC * STATS_WG
-    RED_OFF = FINAL_OFF + NC * 512                  # the quads' partial row results
+    STATS_OFF = cfg.smem_bytes          # softmax mode: see softmax_stats_bytes
+    FINAL_OFF = STATS_OFF + NC * _STATS_WG
+    RED_OFF = FINAL_OFF + NC * _FINAL_WG
     get_pair, put_pair, pack2 = _pair_io(out_kind)
     unpack2 = unpack_bf16x2_f32 if out_kind == "bfloat16" else unpack_f16x2_f32
     NEG_INF = np.float32(-np.inf)
     LOG2E = np.float32(1.4426950408889634)
     PARK = np.float32(SOFTMAX_PARK)
     UNPARK = np.float32(1.0 / SOFTMAX_PARK)
+
+    if BIAS_SMEM:
+        @inline_device
+        def epilogue_bias(base, bias):
+            """What the staged epilogue reads the bias from: its columns in shared memory."""
+            return base + BIAS_OFF
+    else:
+        @inline_device
+        def epilogue_bias(base, bias):
+            return bias
 
     @inline_device
     def tile_origin(w, tiles_m, tiles_n):
@@ -486,14 +500,14 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                         if col + 8 * jj + q % 2 >= n:
                             v = NEG_INF
                         acc3[0, jj, q] = v
-                chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * 1024, warp, lane, cw)
+                chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane, cw)
                 for jj in range(NI):
                     for q in range(4):
                         acc0[4 * jj + q] = acc3[0, jj, q] * PARK
                 store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF,
                            bn0, m, n, f32(1), bias, cz, f32(0), tid % WARPGROUP, BAR_WG0 + cw)
                 if lane % 4 == 0:   # the rows' running max after this chunk
-                    VEC.st_shared_v2_f32(base + STATS_OFF + cw * STATS_WG
+                    VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
                                          + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
                                          rmax[0, 0], rmax[0, 1])
                 continue
@@ -501,13 +515,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if EPI_SHARED:
                     # every consumer's wgmmas have read their stages before any is overwritten
                     BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
-                if BIAS_SMEM:
-                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF, bn0,
-                               m, n, alpha, base + BIAS_OFF, cz, beta,
-                               tid % WARPGROUP, BAR_WG0 + cw)
-                else:
-                    store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF, bn0,
-                               m, n, alpha, bias, cz, beta, tid % WARPGROUP, BAR_WG0 + cw)
+                store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF, bn0,
+                           m, n, alpha, epilogue_bias(base, bias), cz, beta, tid % WARPGROUP,
+                           BAR_WG0 + cw)
                 continue
             row0 = bm0 + cw * ROW_OFF + warp * 16
             for j in range(NI):
@@ -585,9 +595,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     def finish_softmax(base, o, m, n, w0, cw, warp, lane, rmax, rsum):
         """Softmax mode, after the last chunk: the consumer's 64 rows of ``o`` hold
         ``p · 2**15`` per chunk; multiply each by ``exp(m_chunk − m_row) / (sum · 2**15)``."""
-        l0, l1 = quad_combine(base + RED_OFF + cw * 1024, warp, lane, cw, rsum[0, 0],
+        l0, l1 = quad_combine(base + RED_OFF + cw * _RED_WG, warp, lane, cw, rsum[0, 0],
                               rsum[0, 1], False)
-        fin = base + FINAL_OFF + cw * 512
+        fin = base + FINAL_OFF + cw * _FINAL_WG
         if lane % 4 == 0:
             g = warp * 8 + lane // 4
             VEC.st_shared_v2_f32(fin + g * 16, rmax[0, 0], rmax[0, 1])
@@ -597,7 +607,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         t = cuda.threadIdx.x % WARPGROUP
         row_base = (cuda.blockIdx.x) * BM + cw * 64
         pairs = (n + 1) // 2
-        stats = base + STATS_OFF + cw * STATS_WG
+        stats = base + STATS_OFF + cw * _STATS_WG
         if n % 8 == 0 and o.strides[1] == 2 and o.strides[0] % 16 == 0 and \
                 (global_addr(o, (0, 0)) & 15) == 0:
             # 16-byte vectors of a column (8 values of one chunk) down the 64 rows, 8 loads
@@ -627,16 +637,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         for rl in range(64):
             r = row_base + rl
             if r < m:
-                g = (rl // 16) * 8 + rl % 8
-                h = (rl % 16) // 8
-                mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
-                l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
-                mf = mf1 if h else mf0
-                inv = UNPARK / (l1 if h else l0)
                 for cp in range(t, pairs, WARPGROUP):
                     cc = 2 * cp
-                    mj0, mj1 = VEC.ld_shared_v2_f32(stats + ((cc // BN) * 32 + g) * 8)
-                    fac = ex2_approx(((mj1 if h else mj0) - mf) * LOG2E) * inv
+                    fac = row_factor(stats, fin, rl, cc // BN)
                     v0, v1 = get_pair(o, r, cc, n)
                     put_pair(o, r, cc, n, v0 * fac, v1 * fac)
 
@@ -676,7 +679,6 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if tid == 0:
                 produce(smem, base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total,
                         ktiles, w0, step)
-
         else:
             if SETREG:
                 W.setmaxnreg_inc(CREG)
