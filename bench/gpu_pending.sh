@@ -7,8 +7,8 @@
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
 #   PART=s5b     after the session-5 epilogue work: the TMA GEMM and op GPU tests, the epilogue
 #                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
-#   PART=s6      gemm_softmax's TMA softmax mode (session 5, never run on a GPU): its GPU
-#                tests, then the fused-vs-unfused benchmark for both kernels
+#   PART=s6      gemm_softmax's TMA softmax mode: its GPU tests, the probe of where its time
+#                goes (both output paths), then the fused-vs-unfused benchmark
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
 #                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
 #   PART=softmax the softmax / gemm_softmax benchmark suite
@@ -67,6 +67,8 @@ if [[ " $PART " == *" s5b "* ]]; then
 fi
 if [[ " $PART " == *" s6 "* ]]; then
     gpu_tests gemm_softmax_tma 200 tests/test_ops_gemm_softmax.py -k tma_softmax_mode
+    step probe_gemm_softmax 150 "$PY" bench/probe_gemm_softmax.py \
+        --json "$OUT/probe_gemm_softmax.json"
     bench_suite bench_gemm_softmax 200 "gemm_softmax"
 fi
 if [[ " $PART " == *" hgemm "* ]]; then

@@ -101,18 +101,20 @@ TMA_SIM = {"block_m": 128, "block_n": 64, "stages": 2, "persistent": True,
 @pytest.mark.parametrize("dtype,m,n,k,scale,b_col", [
     ("float16", 100, 300, 72, -0.5, False),   # 5 chunks, the last one partial; 2 k steps
     ("bfloat16", 140, 70, 40, 2.0, True),     # two row blocks; column-major b; K < 64
-    ("float16", 70, 256, 64, 1.0, False),     # N a multiple of 8: the 16-byte rescale
-], ids=["f16-5-chunks-negative-scale", "bf16-2-row-blocks-col-major-b", "f16-vector-rescale"])
+    ("float16", 70, 256, 64, 1.0, False),     # 16-byte rows: the output through TMA
+    ("bfloat16", 130, 200, 24, 0.7, False),   # TMA out: 2 row blocks, last chunk partial
+], ids=["f16-5-chunks-negative-scale", "bf16-2-row-blocks-col-major-b", "f16-tma-out",
+        "bf16-tma-out-partial"])
 def test_tma_softmax_mode(monkeypatch, dtype, m, n, k, scale, b_col):
-    from tilepy.ptx import vector as V
+    from tilepy.ptx import tma as T
 
-    loads = {"n": 0}
-    orig = V.ld_global_v4_b32
+    stores = {"n": 0}
+    orig = T.tma_store_2d
 
     def counted(*args):
-        loads["n"] += 1
+        stores["n"] += 1
         return orig(*args)
-    monkeypatch.setattr(V, "ld_global_v4_b32", counted)
+    monkeypatch.setattr(T, "tma_store_2d", counted)
     rng = np.random.default_rng()
     a = rand(rng, (m, k), dtype)
     b = rand(rng, (n, k), dtype).T if b_col else rand(rng, (k, n), dtype)
@@ -120,8 +122,10 @@ def test_tma_softmax_mode(monkeypatch, dtype, m, n, k, scale, b_col):
     cfg = WsConfig(dtype=dtype, **TMA_SIM)
     assert tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg) is out
     check(out, reference(a, b, scale), dtype)
-    # the rescale reads 16-byte vectors when N % 8 == 0 (rows 16-byte aligned), else pairs
-    assert loads["n"] == (m * n // 8 if n % 8 == 0 else 0), loads
+    # rows of 16-byte multiples go out through TMA stores (one 64 × 64 box per warpgroup and
+    # chunk, each chunk but the last again after its rescale), others through the threads
+    blocks, chunks = -(-m // 128), -(-n // 64)
+    assert stores["n"] == (blocks * 2 * (2 * chunks - 1) if (2 * n) % 16 == 0 else 0), stores
 
 
 def test_tma_softmax_mode_strided_out():

@@ -158,6 +158,30 @@ def test_global_vector_load_round_trip():
     assert (dst == src[::-1]).all()
 
 
+def wide_shared_moves(src, out, scalars):
+    """16-byte shared stores of another thread's words, and a float32 read of each word."""
+    tid = cuda.threadIdx.x
+    sm = cuda.shared.array(32, np.uint32)
+    base = shared_addr(sm, 0)
+    j = 4 * (7 - tid)
+    V.st_shared_v4_b32(base + 16 * tid, src[j], src[j + 1], src[j + 2], src[j + 3])
+    cuda.syncthreads()
+    for q in range(4):
+        out[4 * tid + q] = sm[4 * tid + q]
+        scalars[4 * tid + q] = V.ld_shared_f32(base + 4 * (31 - 4 * tid - q))
+
+
+@pytest.mark.sim
+def test_wide_shared_store_and_scalar_load():
+    src = np.random.default_rng().integers(0, 2 ** 32, 32, dtype=np.uint32)
+    out = np.zeros(32, np.uint32)
+    scalars = np.full(32, np.nan, np.float32)
+    cuda.jit(wide_shared_moves)[1, 8](src, out, scalars)
+    want = src.reshape(8, 4)[::-1].reshape(-1)
+    assert (out == want).all()
+    np.testing.assert_array_equal(scalars.view(np.uint32), want[::-1])
+
+
 def misaligned(out):
     sm = cuda.shared.array(16, np.uint32)
     V.ld_shared_v4_b32(shared_addr(sm, 1))
@@ -199,6 +223,10 @@ def compile_report():
                          (9, 0, "a"))
     out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
                              if ln.strip().startswith("ld.global")]
+    rep = compile_kernel("wide_shared_moves", wide_shared_moves,
+                         (u32[::1], u32[::1], types.float32[::1]), (9, 0, "a"))
+    out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
+                             if ln.strip().startswith(("ld.shared", "st.shared"))]
     return out
 
 
@@ -213,5 +241,6 @@ def test_compiles_to_bar_sync_and_bar_arrive():
     assert rep["barrier"]["spill_stores"] == 0
     vec = " ".join(rep["vector"]["ptx_lines"])
     for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v2.f32", "ld.shared.v4.b32",
-               "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32", "ld.global.v4.b32"):
+               "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32", "ld.global.v4.b32",
+               "st.shared.v4.b32", "ld.shared.f32"):
         assert op in vec, (op, vec)

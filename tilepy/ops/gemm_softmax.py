@@ -181,8 +181,14 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
         elif not _row_major_aligned(B):
             B = describe(arrays.copy_aligned(B), "b")
         if isinstance(cfg, WsConfig):
-            kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True)
             out_v = kernel_view(Out, 3)
+            try:    # the output's own tensor map (TMA stores) when TMA can describe it
+                ws.out_layout(out_v)
+                tma_out = True
+            except ValueError:
+                tma_out = False
+            kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
+                                           tma_out=tma_out)
             handle = arrays.stream_handle(A)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,

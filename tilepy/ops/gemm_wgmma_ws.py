@@ -63,7 +63,6 @@ from ..ptx import shared_addr
 from ..ptx import tma as T
 from ..ptx import vector as VEC
 from ..ptx import wgmma as W
-from ..ptx.address import global_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.math import ex2_approx, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile import tma as host_tma
@@ -83,6 +82,7 @@ GROUP_M = 8       # block rows walked together (L2 reuse of B panels)
 SMS = 132         # H200; the persistent grid's default when the device is not asked
 MAP_CACHE = 64    # tensor-map pairs a plan keeps (per operand pointer pair)
 _MAP_B = np.uint64(128)
+_MAP_OUT = np.uint64(256)  # softmax mode with tma_out: the output's map after A's and B's
 _REG_FILE = 65536
 BAR_CONSUMERS = 1  # named barrier of all consumer threads (smem epilogue)
 BAR_WG0 = 2        # named barrier of consumer warpgroup i: BAR_WG0 + i
@@ -257,13 +257,15 @@ SOFTMAX_PARK = 32768.0
 _STATS_WG = SOFTMAX_CHUNKS * 32 * 8   # each row pair's running max after every chunk
 _FINAL_WG = 32 * 16                   # each row pair's final max and sum
 _RED_WG = 128 * 8                     # every thread's partial result for its row pair
+_FBAR_WG = 2 * 8                      # tma_out: the final rescale's two load mbarriers
 
 
 def softmax_stats_bytes(cfg: WsConfig) -> int:
     """Shared memory the softmax mode adds after :attr:`WsConfig.smem_bytes`: per consumer
-    warpgroup, each row's running max after every chunk, its final max and sum, and the
-    quads' partial results."""
-    return cfg.consumers * (_STATS_WG + _FINAL_WG + _RED_WG)
+    warpgroup, each row's running max after every chunk (with ``tma_out``, overwritten by the
+    chunk's rescale factor at the end), its final max and sum, the quads' partial results,
+    and two mbarriers."""
+    return cfg.consumers * (_STATS_WG + _FINAL_WG + _RED_WG + _FBAR_WG)
 
 
 def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
@@ -280,7 +282,8 @@ def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
 
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
-                         has_bias: bool = False, has_c: bool = False, softmax: bool = False):
+                         has_bias: bool = False, has_c: bool = False, softmax: bool = False,
+                         tma_out: bool = False, probe: int = 0):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` (see the module docstring);
     launch it through :func:`plan`.
 
@@ -297,7 +300,23 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     simulator's shuffles need every live thread of the block, and the producer is meanwhile
     waiting on an mbarrier. Launch through :func:`plan` (grid: one block per 128 rows;
     N ≤ :data:`SOFTMAX_CHUNKS` · block_n).
+
+    ``tma_out`` (softmax mode; ``out`` must suit a tensor map: unit column stride, 16-byte
+    rows and base, which :func:`plan` checks): the parked chunks leave through TMA stores from
+    128-byte-swizzled staging (boxes of 64 rows × 64 columns) that run on while the next
+    chunk's main loop does, instead of 16-byte stores by every thread; the last chunk is
+    stored final (``p / sum``, its running max is the row's) and never rescaled; and the
+    rescale streams each earlier chunk through the freed stage buffers: TMA load (two in
+    flight per warpgroup), multiply by a per-(row, chunk) factor computed once into shared
+    memory, TMA store. Measured on the H200 without it (``bench/probe_gemm_softmax.py``,
+    16384 × 1024 × 1024): the parked stores cost 14 µs and the rescale 22 µs of 88.
+
+    ``probe`` (softmax mode, for measuring only: the results are wrong): a bit mask of pieces
+    left out — 1 the online softmax of each chunk (the scaled scores are parked as they are),
+    2 the final rescale, 4 each chunk's parked store (``bench/probe_gemm_softmax.py``).
     """
+    if (probe or tma_out) and not softmax:
+        raise ValueError("probe and tma_out: softmax mode only")
     if softmax:
         _check_softmax(cfg, out_kind, activation, has_bias, has_c)
     BM, BN, ST, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
@@ -334,9 +353,18 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     align = None if SIMULATOR else 1024
     f32 = types.float32
     SOFTMAX = softmax
+    PROBE = probe
+    TMA_OUT = tma_out
     STATS_OFF = cfg.smem_bytes          # softmax mode: see softmax_stats_bytes
     FINAL_OFF = STATS_OFF + NC * _STATS_WG
     RED_OFF = FINAL_OFF + NC * _FINAL_WG
+    FBAR_OFF = RED_OFF + NC * _RED_WG
+    NB = BN // 64                       # tma_out: boxes of 64 rows × 64 columns per chunk
+    CT = 64 * BN * 2                    # tma_out: bytes of a warpgroup's chunk (64 rows)
+    if tma_out and (EPI_OFF % 1024 or EPI_WG % 1024 or EPI_WG < CT
+                    or 2 * NC * CT > ST * STAGE_BYTES):
+        raise ValueError(f"tma_out: {cfg} leaves no room for the swizzled staging and the "
+                         "rescale's buffers")
     get_pair, put_pair, pack2 = _pair_io(out_kind)
     unpack2 = unpack_bf16x2_f32 if out_kind == "bfloat16" else unpack_f16x2_f32
     NEG_INF = np.float32(-np.inf)
@@ -412,7 +440,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
     @inline_device
     def consume(smem, base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total,
-                ktiles, w0, step):
+                ktiles, w0, step, maps):
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
         bars = shared_addr(smem, BAR0)
@@ -428,6 +456,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             for h in range(2):
                 rmax[0, h] = NEG_INF
                 rsum[0, h] = f32(0)
+        omap = T.tensor_map_address(maps) + _MAP_OUT
+        if TMA_OUT and tid % WARPGROUP == 0:
+            T.fence_proxy_tensormap_acquire(omap)
         s = 0
         ph = 0
         first = w0 + cw * step if PP else w0
@@ -500,10 +531,23 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                         if col + 8 * jj + q % 2 >= n:
                             v = NEG_INF
                         acc3[0, jj, q] = v
-                chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane, cw)
+                if not PROBE & 1:
+                    chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane,
+                                  cw)
+                if TMA_OUT:
+                    last = w - w0 == n_tiles - 1
+                    park_tma(acc3, base, omap, bm0 + cw * ROW_OFF, bn0, n, last, cw, warp, lane,
+                             rmax, rsum)
+                    if lane % 4 == 0 and not last:   # the rows' running max after this chunk
+                        VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
+                                             + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
+                                             rmax[0, 0], rmax[0, 1])
+                    continue
                 for jj in range(NI):
                     for q in range(4):
                         acc0[4 * jj + q] = acc3[0, jj, q] * PARK
+                if PROBE & 4:
+                    continue
                 store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF,
                            bn0, m, n, f32(1), bias, cz, f32(0), tid % WARPGROUP, BAR_WG0 + cw)
                 if lane % 4 == 0:   # the rows' running max after this chunk
@@ -529,7 +573,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     for q in range(4):
                         acc3[0, j, q] = acc1[4 * j + q]
                 store(acc3, o, row0 + 64, bn0, m, n, alpha, bias, cz, beta, lane)
-        if SOFTMAX:
+        if TMA_OUT:
+            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n,
+                       0 if PROBE & 2 else n_tiles - 1, cw)
+        elif SOFTMAX and not PROBE & 2:
             finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
 
     @inline_device
@@ -576,6 +623,108 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             rmax[0, h] = m_new
 
     @inline_device
+    def park_tma(sc, base, omap, row0, col0, n, last, cw, warp, lane, rmax, rsum):
+        """tma_out: a chunk's ``p · 2**15`` (the last chunk's ``p / sum``, final) into the
+        warpgroup's 128-byte-swizzled staging, stored by one thread with TMA; the last chunk
+        also leaves each row pair's final max and sum for :func:`finish_tma`."""
+        tw = cuda.threadIdx.x % WARPGROUP
+        if tw == 0:
+            T.bulk_wait_group_read(0)   # the previous chunk's store has read the staging
+        # ... for every thread, and every lane is past its quad's last reads of red
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        f0 = PARK
+        f1 = PARK
+        if last:
+            l0, l1 = quad_combine(base + RED_OFF + cw * _RED_WG, warp, lane, cw, rsum[0, 0],
+                                  rsum[0, 1], False)
+            f0 = f32(1) / l0
+            f1 = f32(1) / l1
+            if lane % 4 == 0:
+                fin = base + FINAL_OFF + cw * _FINAL_WG + (warp * 8 + lane // 4) * 16
+                VEC.st_shared_v2_f32(fin, rmax[0, 0], rmax[0, 1])
+                VEC.st_shared_v2_f32(fin + 8, l0, l1)
+        if PROBE & 4:
+            return
+        stg = base + EPI_OFF + cw * EPI_WG
+        sw = (lane // 4) * 16          # the swizzle: row % 8 is lane // 4 for both rows
+        for jj in range(NI):
+            for h in range(2):
+                rl = warp * 16 + lane // 4 + 8 * h
+                f = f1 if h else f0
+                VEC.st_shared_b32(stg + (jj // 8) * 8192 + rl * 128 + (((jj % 8) * 16) ^ sw)
+                                  + 4 * (lane % 4),
+                                  pack2(sc[0, jj, 2 * h] * f, sc[0, jj, 2 * h + 1] * f))
+        W.fence_proxy_async_shared()
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        if tw == 0:
+            for bx in range(NB):
+                if col0 + 64 * bx < n:
+                    T.tma_store_2d(omap, stg + bx * 8192, col0 + 64 * bx, row0)
+            T.bulk_commit_group()
+
+    @inline_device
+    def load_chunk(bar, buf, omap, chunk, row0, n):
+        """tma_out: the parked chunk's boxes (those inside n) into buf, completing on bar."""
+        boxes = 0
+        for bx in range(NB):
+            if chunk * BN + 64 * bx < n:
+                boxes += 1
+        MB.mbarrier_arrive_expect_tx(bar, boxes * 8192)
+        for bx in range(NB):
+            if chunk * BN + 64 * bx < n:
+                T.tma_load_2d(buf + bx * 8192, omap, bar, chunk * BN + 64 * bx, row0)
+
+    @inline_device
+    def finish_tma(base, omap, row0, n, nfin, cw):
+        """tma_out, after the last chunk: multiply chunks 0 … nfin − 1 of the warpgroup's 64
+        rows by ``exp(m_chunk − m_row) / (sum · 2**15)``, each chunk through shared memory:
+        TMA load into a freed stage buffer (two in flight), scale, TMA store."""
+        tw = cuda.threadIdx.x % WARPGROUP
+        stats = base + STATS_OFF + cw * _STATS_WG
+        fin = base + FINAL_OFF + cw * _FINAL_WG
+        # each (chunk, row pair)'s running max → its factor, in place (fin and the running
+        # maxima were written before the last chunk's staging barrier)
+        for e in range(tw, nfin * 32, WARPGROUP):
+            g = e % 32
+            mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
+            l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
+            mj0, mj1 = VEC.ld_shared_v2_f32(stats + e * 8)
+            VEC.st_shared_v2_f32(stats + e * 8, ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0),
+                                 ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1))
+        # every consumer's main loop is over (the stage buffers are free), the factors are in
+        BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+        fb = base + FBAR_OFF + cw * _FBAR_WG
+        buf0 = base + 2 * cw * CT
+        if tw == 0:
+            T.bulk_wait_group(0)        # the parked chunks are in global memory
+            for ch in range(min(2, nfin)):
+                load_chunk(fb + 8 * ch, buf0 + ch * CT, omap, ch, row0, n)
+        for ch in range(nfin):
+            bsel = ch % 2
+            buf = buf0 + bsel * CT
+            MB.mbarrier_wait_parity(fb + 8 * bsel, (ch // 2) % 2)
+            for i in range(CT // (16 * WARPGROUP)):
+                off = (tw + WARPGROUP * i) * 16
+                rl = (off % 8192) // 128
+                f = VEC.ld_shared_f32(stats + (ch * 32 + (rl // 16) * 8 + rl % 8) * 8
+                                      + 4 * ((rl % 16) // 8))
+                w0, w1, w2, w3 = VEC.ld_shared_v4_b32(buf + off)
+                VEC.st_shared_v4_b32(buf + off, scale_word(w0, f), scale_word(w1, f),
+                                     scale_word(w2, f), scale_word(w3, f))
+            W.fence_proxy_async_shared()
+            BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+            if tw == 0:
+                for bx in range(NB):
+                    if ch * BN + 64 * bx < n:
+                        T.tma_store_2d(omap, buf + bx * 8192, ch * BN + 64 * bx, row0)
+                T.bulk_commit_group()
+                if ch + 2 < nfin:
+                    T.bulk_wait_group_read(0)
+                    load_chunk(fb + 8 * bsel, buf, omap, ch + 2, row0, n)
+        if tw == 0:
+            T.bulk_wait_group(0)        # no store still reads shared memory at exit
+
+    @inline_device
     def row_factor(stats, fin, rl, chunk):
         """exp(m_chunk − m_row) / (sum · 2**15) for local row rl and a chunk."""
         g = (rl // 16) * 8 + rl % 8
@@ -608,32 +757,6 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         row_base = (cuda.blockIdx.x) * BM + cw * 64
         pairs = (n + 1) // 2
         stats = base + STATS_OFF + cw * _STATS_WG
-        if n % 8 == 0 and o.strides[1] == 2 and o.strides[0] % 16 == 0 and \
-                (global_addr(o, (0, 0)) & 15) == 0:
-            # 16-byte vectors of a column (8 values of one chunk) down the 64 rows, 8 loads
-            # in flight per thread before their results are used (the rows sit in L2)
-            words = cuda.local.array((8, 4), types.uint32)
-            for v in range(t, n // 8, WARPGROUP):
-                cc = v * 8
-                chunk = cc // BN
-                for r8 in range(0, 64, 8):
-                    for i in range(8):
-                        if row_base + r8 + i < m:
-                            w0, w1, w2, w3 = VEC.ld_global_v4_b32(
-                                global_addr(o, (row_base + r8 + i, cc)))
-                            words[i, 0] = w0
-                            words[i, 1] = w1
-                            words[i, 2] = w2
-                            words[i, 3] = w3
-                    for i in range(8):
-                        if row_base + r8 + i < m:
-                            f = row_factor(stats, fin, r8 + i, chunk)
-                            VEC.st_global_v4_b32(global_addr(o, (row_base + r8 + i, cc)),
-                                                 scale_word(words[i, 0], f),
-                                                 scale_word(words[i, 1], f),
-                                                 scale_word(words[i, 2], f),
-                                                 scale_word(words[i, 3], f))
-            return
         for rl in range(64):
             r = row_base + rl
             if r < m:
@@ -671,6 +794,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 MB.mbarrier_init(bars + 8 * (ST + s), ARRIVALS)   # empty: every consumer warp
             if PP:
                 MB.mbarrier_init(bars + 8 * TURN, 4)              # a consumer's four warps
+            if TMA_OUT:
+                for i in range(2 * NC):                           # the rescale's loads
+                    MB.mbarrier_init(base + FBAR_OFF + 8 * i, 1)
             MB.fence_mbarrier_init()
         cuda.syncthreads()
         if wg == 0:
@@ -683,11 +809,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if SETREG:
                 W.setmaxnreg_inc(CREG)
             consume(smem, base, a, b, out, c, bias, alpha, beta, wg - 1, m_tiles, n_tiles,
-                    total, ktiles, w0, step)
+                    total, ktiles, w0, step, maps)
 
     kernel.config = cfg
     kernel.b_row_major = b_row_major
     kernel.softmax = softmax
+    kernel.tma_out = tma_out
     return kernel
 
 
@@ -734,6 +861,17 @@ def layouts(cfg: WsConfig, b_row_major: bool, a, b):
     return a_layout, b_layout
 
 
+def out_layout(out):
+    """(shape, strides, box) of the tensor map of a 3-D uint16 output view that the softmax
+    mode's ``tma_out`` stores through (boxes of 64 rows × 64 columns); ValueError if TMA
+    cannot describe it."""
+    shape, strides, box = _map_layout(out, 64)
+    if len(shape) != 2 or any(s % 16 or s <= 0 for s in strides[:-1]) or pointer(out) % 16:
+        raise ValueError(f"out: one matrix with 16-byte-aligned rows and start needed for "
+                         f"TMA stores, got byte strides {strides}")
+    return shape, strides, box
+
+
 def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
     """Whether TMA can describe the 3-D kernel views ``a`` and ``b`` as they are (16-byte rows
     and batches, contiguous last dimension): the op's test before choosing this kernel."""
@@ -759,17 +897,19 @@ class TmaLaunchPlan(LaunchPlan):
     of the call's (a, b) pointers up in a small cache, encoding and copying them (on the launch
     stream) on a miss."""
 
-    def __init__(self, kernel, args, grid, block, smem, encoder):
+    def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1)):
         super().__init__(kernel, args, grid, block, smem)
         self._encoder = encoder
+        self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
         self._maps = collections.OrderedDict()
         self._maps_lock = threading.Lock()
-        self._maps[(pointer(args[0]), pointer(args[1]))] = args[7]
+        self._maps[tuple(pointer(args[i]) for i in self._map_args)] = args[7]
         self.maps_encoded = 1
 
-    def maps_for(self, a_ptr: int, b_ptr: int, stream=0):
-        """The device array of the tensor maps of operands at these pointers."""
-        key = (int(a_ptr), int(b_ptr))
+    def maps_for(self, *ptrs, stream=0):
+        """The device array of the tensor maps of operands at these pointers (a, b, and out
+        for a kernel whose output is TMA-stored)."""
+        key = tuple(int(p) for p in ptrs)
         with self._maps_lock:
             dev = self._maps.get(key)
             if dev is not None:
@@ -785,7 +925,8 @@ class TmaLaunchPlan(LaunchPlan):
         return dev
 
     def launch(self, stream, args):
-        args = list(args[:7]) + [self.maps_for(pointer(args[0]), pointer(args[1]), stream)]
+        args = list(args[:7]) + [self.maps_for(*(pointer(args[i]) for i in self._map_args),
+                                               stream=stream)]
         super().launch(stream, args)
 
     def bind(self, sources):
@@ -801,7 +942,7 @@ class TmaLaunchPlan(LaunchPlan):
 class _TmaBoundPlan(BoundPlan):
     def __call__(self, stream, ptrs, scalars=()):
         arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
-        maps = self.plan.maps_for(arg_ptrs[0], arg_ptrs[1], stream)
+        maps = self.plan.maps_for(*(arg_ptrs[i] for i in self.plan._map_args), stream=stream)
         arg_ptrs[-1] = pointer(maps)
         self.plan._go(stream, arg_ptrs, scalars)
 
@@ -836,11 +977,22 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     Raises ValueError for operands whose strides TMA cannot describe."""
     b_row_major = kernel.b_row_major
     a_layout, b_layout = layouts(cfg, b_row_major, a, b)
+    tma_out = getattr(kernel, "tma_out", False)
+    map_args = (0, 1, 2) if tma_out else (0, 1)
+    if tma_out:
+        o_layout = out_layout(out)
 
-    def encoder(a_ptr, b_ptr):
-        return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
+        def encoder(a_ptr, b_ptr, o_ptr):
+            om = host_tma.encode_tiled(o_ptr, cfg.dtype, *o_layout, swizzle=128)
+            return np.concatenate([encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr,
+                                               b_layout), om.data])
+    else:
+        def encoder(a_ptr, b_ptr):
+            return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
 
-    maps = cuda.to_device(encoder(pointer(a), pointer(b)), stream=_maps_stream(stream))
+    ops = (a, b, out)
+    maps = cuda.to_device(encoder(*(pointer(ops[i]) for i in map_args)),
+                          stream=_maps_stream(stream))
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
     smem = cfg.smem_bytes + (softmax_stats_bytes(cfg) if kernel.softmax else 0)
     allow_dynamic_shared(kernel, args, smem)
@@ -853,7 +1005,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (_sm_count() if cfg.persistent else None))
-    return TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder), args
+    return TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args), args
 
 
 def argtypes(out_kind: str):
@@ -897,7 +1049,11 @@ def _report_kernels():
         # gemm_softmax's TMA mode: online softmax per 256-column chunk, rows rescaled at the end
         ("ws_128x256_brow_smemepi_softmax",
          WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16", None,
-         False, False, True))
+         False, False, True),
+        # ... with the output's tensor map: TMA-stored chunks, the rescale through shared memory
+        ("ws_128x256_brow_smemepi_softmax_tmaout",
+         WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16", None,
+         False, False, True, True))
     return {"main": main, "epilogues": epilogues}
 
 

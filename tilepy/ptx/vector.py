@@ -6,9 +6,11 @@ Per thread (no warp exchange); addresses are byte addresses from
 
 * ``st_shared_b32(addr, w)`` — 4 bytes (``st.shared.b32``);
 * ``st_shared_v2_f32(addr, x, y)`` — 8 bytes, x first (``st.shared.v2.f32``);
+* ``ld_shared_f32(addr) -> x`` — 4 bytes as a float32 (``ld.shared.f32``);
 * ``ld_shared_v2_f32(addr) -> (x, y)`` — 8 bytes as two float32 (``ld.shared.v2.f32``);
 * ``ld_shared_v4_b32(addr) -> (w0, w1, w2, w3)`` — 16 bytes as four uint32, lowest address
   first (``ld.shared.v4.b32``); ``ld_shared_v4_f32`` the same as float32;
+* ``st_shared_v4_b32(addr, w0, w1, w2, w3)`` — 16 bytes, w0 first (``st.shared.v4.b32``);
 * ``ld_global_v4_b32(gaddr) -> (w0, w1, w2, w3)`` — 16 bytes from global memory
   (``ld.global.v4.b32``);
 * ``st_global_v4_b32(gaddr, w0, w1, w2, w3)`` / ``st_global_v4_f32(gaddr, x0, …, x3)`` — 16
@@ -42,6 +44,17 @@ def _st_shared_b32_twin(addr, w):
 def _st_shared_v2_f32_twin(addr, x, y):
     addr = _check("shared", "st_shared_v2_f32", addr, 8)
     address.write_bytes(addr, np.array([x, y], np.float32).tobytes())
+
+
+def _ld_shared_f32_twin(addr):
+    addr = _check("shared", "ld_shared_f32", addr, 4)
+    return np.frombuffer(address.read_bytes(addr, 4), np.float32)[0]
+
+
+def _st_shared_v4_b32_twin(addr, w0, w1, w2, w3):
+    addr = _check("shared", "st_shared_v4_b32", addr, 16)
+    words = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32)
+    address.write_bytes(addr, words.tobytes())
 
 
 def _ld_shared_v2_f32_twin(addr):
@@ -88,6 +101,18 @@ st_shared_v2_f32 = instruction(
     doc="``st_shared_v2_f32(addr, x, y)``: store two float32 at shared address addr (8-byte "
         "aligned), x at addr.")
 
+ld_shared_f32 = instruction(
+    "ld_shared_f32", "ld.shared.f32 $0, [$1];", outs=("f32",), ins=("u32",), **_MEM,
+    twin=_ld_shared_f32_twin,
+    doc="``ld_shared_f32(addr) -> x``: load a float32 from shared address addr (4-byte "
+        "aligned).")
+
+st_shared_v4_b32 = instruction(
+    "st_shared_v4_b32", "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",
+    ins=("u32", "u32", "u32", "u32", "u32"), **_MEM, twin=_st_shared_v4_b32_twin,
+    doc="``st_shared_v4_b32(addr, w0, w1, w2, w3)``: store 16 bytes at shared address addr "
+        "(16-byte aligned), w0 first.")
+
 ld_shared_v2_f32 = instruction(
     "ld_shared_v2_f32", "ld.shared.v2.f32 {$0, $1}, [$2];",
     outs=("f32", "f32"), ins=("u32",), **_MEM, twin=_ld_shared_v2_f32_twin,
@@ -124,6 +149,6 @@ st_global_v4_f32 = instruction(
     doc="``st_global_v4_f32(gaddr, x0, x1, x2, x3)``: store four float32 at global address "
         "gaddr (16-byte aligned), x0 first.")
 
-__all__ = ["ld_global_v4_b32", "ld_shared_v2_f32", "ld_shared_v4_b32", "ld_shared_v4_f32",
-           "st_global_v4_b32",
-           "st_global_v4_f32", "st_shared_b32", "st_shared_v2_f32"]
+__all__ = ["ld_global_v4_b32", "ld_shared_f32", "ld_shared_v2_f32", "ld_shared_v4_b32",
+           "ld_shared_v4_f32", "st_global_v4_b32", "st_global_v4_f32", "st_shared_b32",
+           "st_shared_v2_f32", "st_shared_v4_b32"]
