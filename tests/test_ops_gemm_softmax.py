@@ -109,12 +109,12 @@ def test_tma_softmax_mode(monkeypatch, dtype, m, n, k, scale, b_col):
     from tilepy.ptx import tma as T
 
     stores = {"n": 0}
-    orig = T.tma_store_2d
+    orig = T.tma_store_2d_hint
 
     def counted(*args):
         stores["n"] += 1
         return orig(*args)
-    monkeypatch.setattr(T, "tma_store_2d", counted)
+    monkeypatch.setattr(T, "tma_store_2d_hint", counted)
     rng = np.random.default_rng()
     a = rand(rng, (m, k), dtype)
     b = rand(rng, (n, k), dtype).T if b_col else rand(rng, (k, n), dtype)

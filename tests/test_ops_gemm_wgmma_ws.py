@@ -366,7 +366,9 @@ def test_smem_epilogue_compiles_without_spills(reports, name):
                           "st.global.u16"})
     if name.endswith("tmaout"):   # no stores by the threads: TMA, swizzled staging
         want = {"st.shared.b32", "ld.shared.v4.b32", "st.shared.v4.b32",
-                "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group",
+                "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint",
+                "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                ".L2::cache_hint",
                 "cp.async.bulk.wait_group.read", "cp.async.bulk.wait_group"}
         assert not {op for op in ops if op.startswith("st.global")}, ops
     assert want <= ops, (name, ops)

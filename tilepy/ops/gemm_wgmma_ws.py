@@ -457,6 +457,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 rmax[0, h] = NEG_INF
                 rsum[0, h] = f32(0)
         omap = T.tensor_map_address(maps) + _MAP_OUT
+        keep = T.l2_evict_last_policy() if TMA_OUT else np.uint64(0)
+        drop = T.l2_evict_first_policy() if TMA_OUT else np.uint64(0)
         if TMA_OUT and tid % WARPGROUP == 0:
             T.fence_proxy_tensormap_acquire(omap)
         s = 0
@@ -537,7 +539,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if TMA_OUT:
                     last = w - w0 == n_tiles - 1
                     park_tma(acc3, base, omap, bm0 + cw * ROW_OFF, bn0, n, last, cw, warp, lane,
-                             rmax, rsum)
+                             rmax, rsum, keep, drop)
                     if lane % 4 == 0 and not last:   # the rows' running max after this chunk
                         VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
                                              + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
@@ -575,7 +577,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 store(acc3, o, row0 + 64, bn0, m, n, alpha, bias, cz, beta, lane)
         if TMA_OUT:
             finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n,
-                       0 if PROBE & 2 else n_tiles - 1, cw)
+                       0 if PROBE & 2 else n_tiles - 1, cw, drop)
         elif SOFTMAX and not PROBE & 2:
             finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
 
@@ -623,7 +625,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             rmax[0, h] = m_new
 
     @inline_device
-    def park_tma(sc, base, omap, row0, col0, n, last, cw, warp, lane, rmax, rsum):
+    def park_tma(sc, base, omap, row0, col0, n, last, cw, warp, lane, rmax, rsum, keep, drop):
         """tma_out: a chunk's ``p · 2**15`` (the last chunk's ``p / sum``, final) into the
         warpgroup's 128-byte-swizzled staging, stored by one thread with TMA; the last chunk
         also leaves each row pair's final max and sum for :func:`finish_tma`."""
@@ -657,13 +659,15 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         W.fence_proxy_async_shared()
         BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
         if tw == 0:
+            # parked chunks are read back at the end: kept in L2 before the operands' lines
+            policy = drop if last else keep
             for bx in range(NB):
                 if col0 + 64 * bx < n:
-                    T.tma_store_2d(omap, stg + bx * 8192, col0 + 64 * bx, row0)
+                    T.tma_store_2d_hint(omap, stg + bx * 8192, col0 + 64 * bx, row0, policy)
             T.bulk_commit_group()
 
     @inline_device
-    def load_chunk(bar, buf, omap, chunk, row0, n):
+    def load_chunk(bar, buf, omap, chunk, row0, n, drop):
         """tma_out: the parked chunk's boxes (those inside n) into buf, completing on bar."""
         boxes = 0
         for bx in range(NB):
@@ -672,10 +676,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         MB.mbarrier_arrive_expect_tx(bar, boxes * 8192)
         for bx in range(NB):
             if chunk * BN + 64 * bx < n:
-                T.tma_load_2d(buf + bx * 8192, omap, bar, chunk * BN + 64 * bx, row0)
+                T.tma_load_2d_hint(buf + bx * 8192, omap, bar, chunk * BN + 64 * bx, row0, drop)
 
     @inline_device
-    def finish_tma(base, omap, row0, n, nfin, cw):
+    def finish_tma(base, omap, row0, n, nfin, cw, drop):
         """tma_out, after the last chunk: multiply chunks 0 … nfin − 1 of the warpgroup's 64
         rows by ``exp(m_chunk − m_row) / (sum · 2**15)``, each chunk through shared memory:
         TMA load into a freed stage buffer (two in flight), scale, TMA store."""
@@ -698,7 +702,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         if tw == 0:
             T.bulk_wait_group(0)        # the parked chunks are in global memory
             for ch in range(min(2, nfin)):
-                load_chunk(fb + 8 * ch, buf0 + ch * CT, omap, ch, row0, n)
+                load_chunk(fb + 8 * ch, buf0 + ch * CT, omap, ch, row0, n, drop)
         for ch in range(nfin):
             bsel = ch % 2
             buf = buf0 + bsel * CT
@@ -716,11 +720,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if tw == 0:
                 for bx in range(NB):
                     if ch * BN + 64 * bx < n:
-                        T.tma_store_2d(omap, buf + bx * 8192, ch * BN + 64 * bx, row0)
+                        T.tma_store_2d_hint(omap, buf + bx * 8192, ch * BN + 64 * bx, row0,
+                                            drop)
                 T.bulk_commit_group()
                 if ch + 2 < nfin:
                     T.bulk_wait_group_read(0)
-                    load_chunk(fb + 8 * bsel, buf, omap, ch + 2, row0, n)
+                    load_chunk(fb + 8 * bsel, buf, omap, ch + 2, row0, n, drop)
         if tw == 0:
             T.bulk_wait_group(0)        # no store still reads shared memory at exit
 

@@ -23,6 +23,10 @@ still count, so a phase always expects the full box size.
   calls :func:`tilepy.ptx.wgmma.fence_proxy_async_shared`, then a barrier. The issuing thread
   tracks completion with ``bulk_commit_group()``, ``bulk_wait_group_read(N)`` (``src`` may be
   reused) and ``bulk_wait_group(N)`` (the writes are done); N a compile-time literal.
+* ``tma_load_2d_hint(dst, tmap, bar, x, y, policy)`` / ``tma_store_2d_hint(tmap, src, x, y,
+  policy)`` — the same copies under an L2 cache policy (``.L2::cache_hint``) made by
+  ``l2_evict_last_policy()`` (lines kept: read again soon) or ``l2_evict_first_policy()``
+  (lines given up first: not read again) — ``createpolicy.fractional``, a uint64.
 * ``fence_proxy_tensormap_acquire(tmap)`` — once per kernel (per thread that issues TMA),
   before the first copy through a tensor map that was written to global memory by an ordinary
   (generic-proxy) copy: Numba cannot pass a ``__grid_constant__`` kernel parameter, so tilepy
@@ -252,6 +256,52 @@ tma_store_3d = instruction(
     side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_store_3d_twin,
     doc="``tma_store_3d(tmap, src, x, y, z)``: as tma_store_2d for a 3-D tensor map. sm_90+.")
 
+
+# ---- L2 cache hints ------------------------------------------------------------------------------
+# The simulator has no L2: the policies are placeholders there and the hinted copies are the
+# plain ones.
+
+def _policy_twin():
+    return np.uint64(0)
+
+
+def _load_2d_hint_twin(dst, tmap, bar, x, y, policy):
+    _load_2d_twin(dst, tmap, bar, x, y)
+
+
+def _store_2d_hint_twin(tmap, src, x, y, policy):
+    _store_2d_twin(tmap, src, x, y)
+
+
+l2_evict_last_policy = instruction(
+    "l2_evict_last_policy", "createpolicy.fractional.L2::evict_last.b64 $0, 1.0;",
+    outs=("u64",), min_cc=(8, 0), twin=_policy_twin,
+    doc="``l2_evict_last_policy() -> policy``: a uint64 L2 cache policy (createpolicy) under "
+        "which the lines a hinted copy touches are evicted last — data read again soon. "
+        "sm_80+.")
+
+l2_evict_first_policy = instruction(
+    "l2_evict_first_policy", "createpolicy.fractional.L2::evict_first.b64 $0, 1.0;",
+    outs=("u64",), min_cc=(8, 0), twin=_policy_twin,
+    doc="``l2_evict_first_policy() -> policy``: as l2_evict_last_policy, evicted first — data "
+        "not read again. sm_80+.")
+
+tma_load_2d_hint = instruction(
+    "tma_load_2d_hint", _COPY.replace("::bytes ", "::bytes.L2::cache_hint ").replace(
+        "[$2];", "[$2], $5;").format(d=2, coords="$3, $4"),
+    ins=("u32", "u64", "u32", "i32", "i32", "u64"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_2d_hint_twin,
+    doc="``tma_load_2d_hint(dst, tmap, bar, x, y, policy)``: tma_load_2d under an L2 cache "
+        "policy (l2_evict_last_policy …). sm_90+.")
+
+tma_store_2d_hint = instruction(
+    "tma_store_2d_hint", _STORE.replace("bulk_group ", "bulk_group.L2::cache_hint ").replace(
+        "[$1];", "[$1], $4;").format(d=2, coords="$2, $3"),
+    ins=("u64", "u32", "i32", "i32", "u64"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_store_2d_hint_twin,
+    doc="``tma_store_2d_hint(tmap, src, x, y, policy)``: tma_store_2d under an L2 cache policy. "
+        "sm_90+.")
+
 bulk_commit_group = instruction(
     "bulk_commit_group", "cp.async.bulk.commit_group;", side_effect=True, clobber_memory=True,
     min_cc=_SM90, twin=_bulk_commit_twin,
@@ -352,13 +402,17 @@ __all__ = [
     "bulk_wait_group",
     "bulk_wait_group_read",
     "fence_proxy_tensormap_acquire",
+    "l2_evict_first_policy",
+    "l2_evict_last_policy",
     "prefetch_tensormap",
     "sim_decode",
     "sim_encode",
     "tensor_map_address",
     "tma_load_2d",
+    "tma_load_2d_hint",
     "tma_load_3d",
     "tma_store_2d",
+    "tma_store_2d_hint",
     "tma_store_3d",
 ]
 
