@@ -339,9 +339,10 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_128x128_brow_pingpong_smemepi": 3,
                      # + one per chunk (the quads' max) and two at the end (sum, rescale)
                      "gemm_ws_128x256_brow_smemepi_softmax": 6,
-                     # per chunk: the quads' max, the staging's two; at the end: the quads'
-                     # sum, the consumers' barrier before the rescale, one per rescaled chunk
-                     "gemm_ws_128x256_brow_smemepi_softmax_tmaout": 7}
+                     # per chunk: the quads' max, the staging's two; the last chunk: the
+                     # consumers' barrier (stages free), the quads' sum; the rescale: the
+                     # factors', one per rescaled chunk
+                     "gemm_ws_128x256_brow_smemepi_softmax_tmaout": 8}
 
 
 @pytest.mark.compile

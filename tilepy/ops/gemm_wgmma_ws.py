@@ -524,6 +524,11 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
             o = out[z]
             cz = c[min(z, c.shape[0] - 1)]
+            if TMA_OUT and w - w0 == n_tiles - 1:
+                # after the last main loop the stage buffers are free: the rescale's first
+                # loads run under this chunk's softmax
+                prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n,
+                                0 if PROBE & 2 else n_tiles - 1, cw, drop)
             if SOFTMAX:
                 # this chunk's scores, scaled (any sign of alpha), -inf past column n
                 col = bn0 + 2 * (lane % 4)
@@ -679,10 +684,22 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 T.tma_load_2d_hint(buf + bx * 8192, omap, bar, chunk * BN + 64 * bx, row0, drop)
 
     @inline_device
+    def prefetch_finish(base, omap, row0, n, nfin, cw, drop):
+        """tma_out, after the last chunk's main loop: once every consumer's wgmmas are done
+        (the stage buffers are free), load the first two parked chunks for finish_tma."""
+        BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+        if cuda.threadIdx.x % WARPGROUP == 0:
+            T.bulk_wait_group(0)        # the parked chunks are in global memory
+            for ch in range(min(2, nfin)):
+                load_chunk(base + FBAR_OFF + cw * _FBAR_WG + 8 * ch, base + (2 * cw + ch) * CT,
+                           omap, ch, row0, n, drop)
+
+    @inline_device
     def finish_tma(base, omap, row0, n, nfin, cw, drop):
         """tma_out, after the last chunk: multiply chunks 0 … nfin − 1 of the warpgroup's 64
         rows by ``exp(m_chunk − m_row) / (sum · 2**15)``, each chunk through shared memory:
-        TMA load into a freed stage buffer (two in flight), scale, TMA store."""
+        TMA load into a freed stage buffer (two in flight, the first two issued by
+        prefetch_finish), scale, TMA store."""
         tw = cuda.threadIdx.x % WARPGROUP
         stats = base + STATS_OFF + cw * _STATS_WG
         fin = base + FINAL_OFF + cw * _FINAL_WG
@@ -695,14 +712,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             mj0, mj1 = VEC.ld_shared_v2_f32(stats + e * 8)
             VEC.st_shared_v2_f32(stats + e * 8, ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0),
                                  ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1))
-        # every consumer's main loop is over (the stage buffers are free), the factors are in
-        BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)   # the warpgroup's factors are in
         fb = base + FBAR_OFF + cw * _FBAR_WG
         buf0 = base + 2 * cw * CT
-        if tw == 0:
-            T.bulk_wait_group(0)        # the parked chunks are in global memory
-            for ch in range(min(2, nfin)):
-                load_chunk(fb + 8 * ch, buf0 + ch * CT, omap, ch, row0, n, drop)
         for ch in range(nfin):
             bsel = ch % 2
             buf = buf0 + bsel * CT
@@ -727,7 +739,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     T.bulk_wait_group_read(0)
                     load_chunk(fb + 8 * bsel, buf, omap, ch + 2, row0, n, drop)
         if tw == 0:
-            T.bulk_wait_group(0)        # no store still reads shared memory at exit
+            T.bulk_wait_group_read(0)   # no store still reads shared memory at exit
 
     @inline_device
     def row_factor(stats, fin, rl, chunk):
