@@ -7,8 +7,8 @@
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
 #   PART=s5b     after the session-5 epilogue work: the TMA GEMM and op GPU tests, the epilogue
 #                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
-#   PART=s6      gemm_softmax's TMA softmax mode: its GPU tests, the probe of where its time
-#                goes (both output paths), then the fused-vs-unfused benchmark
+#   PART=s6      gemm_softmax (the TMA softmax mode now the sm_90 default): its GPU tests, the
+#                probe of where the TMA kernel's time goes, the fused-vs-unfused benchmark
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
 #                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
 #   PART=softmax the softmax / gemm_softmax benchmark suite
@@ -66,8 +66,8 @@ if [[ " $PART " == *" s5b "* ]]; then
     bench_suite bench_attention 90 "attention"
 fi
 if [[ " $PART " == *" s6 "* ]]; then
-    gpu_tests gemm_softmax_tma 200 tests/test_ops_gemm_softmax.py -k tma_softmax_mode
-    step probe_gemm_softmax 150 "$PY" bench/probe_gemm_softmax.py \
+    gpu_tests gemm_softmax 240 tests/test_ops_gemm_softmax.py
+    step probe_gemm_softmax 150 "$PY" bench/probe_gemm_softmax.py --n 1024 \
         --json "$OUT/probe_gemm_softmax.json"
     bench_suite bench_gemm_softmax 200 "gemm_softmax"
 fi

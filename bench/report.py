@@ -122,8 +122,10 @@ def build() -> str:
                                 fmt(r["ratio"], "×")) for r in data["rows"]]
             elif "rows" in data and all("variant" in r for r in data["rows"]):
                 # bench/probe_epilogue.py: the fused epilogue's pieces (failed rows: "error")
-                probe_rows += [(f.name, f"{r['variant']}", fmt(r.get("ms", 0) * 1e3)
-                                if "ms" in r else "-", fmt(r.get("tflops")),
+                # (bench/probe_gemm_softmax.py: microseconds, per N)
+                probe_rows += [(f.name, (f"N={r['n']} " if "n" in r else "") + r["variant"],
+                                fmt(r["ms"] * 1e3) if "ms" in r else fmt(r.get("us")),
+                                fmt(r.get("tflops")),
                                 fmt(r["peer_ms"] * 1e3) if "peer_ms" in r else "-",
                                 fmt(r.get("ratio"), "×") if "ratio" in r else
                                 r.get("error", "-")) for r in data["rows"]]

@@ -102,22 +102,18 @@ def test_log_softmax(benchmark, record, torch, gpu_name):
     benchmark.pedantic(run, rounds=3, iterations=1)
 
 
-@pytest.mark.parametrize("kernel", ["builtin", "tma"])
+@pytest.mark.parametrize("kernel", ["builtin", "mma_sync"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [1024, 4096])
 def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype, kernel):
     """Issue 6: one fused launch against tilepy.gemm followed by tilepy.softmax (the main
     peer; the goal is a ratio >= 1.3 at N=1024) and against torch.matmul + torch.softmax.
-    ``kernel="tma"``: the TMA + wgmma kernel's softmax mode (``config=WsConfig``, sm_90)."""
+    ``kernel="builtin"``: the built-in choice (on sm_90 the TMA + wgmma kernel's softmax
+    mode); ``"mma_sync"``: the mma.sync kernel that is the choice elsewhere."""
     import tilepy
+    from tilepy.ops import gemm_softmax as gs
 
-    cfg = None
-    if kernel == "tma":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the TMA softmax mode needs compute capability 9.0")
-        from tilepy.ops.gemm_wgmma_ws import WsConfig
-
-        cfg = WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True)
+    cfg = gs.choose_config(n, dtype, hopper=False) if kernel == "mma_sync" else None
     m, k, scale = 16384, 1024, 0.05
     tdt = getattr(torch, dtype)
     a = torch.randn(m, k, device="cuda", dtype=tdt)
@@ -140,6 +136,6 @@ def test_gemm_softmax_vs_unfused(benchmark, record, torch, gpu_name, n, dtype, k
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings,
                       main="tilepy gemm + softmax", gpu=gpu_name, shape=f"{m}x{n}x{k}",
                       dtype=dtype, max_abs_err=err, table="Fused GEMM + softmax",
-                      case=f"{m}×{n}×{k} {dtype}" + (" (TMA softmax mode)" if cfg else ""))
+                      case=f"{m}×{n}×{k} {dtype}" + (" (mma.sync kernel)" if cfg else ""))
     benchmark.pedantic(lambda: (tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg),
                                 torch.cuda.synchronize()), rounds=3, iterations=1)

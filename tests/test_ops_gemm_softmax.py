@@ -9,6 +9,8 @@ config (32-row blocks of two warps, 32-column N tiles, k-steps of 16), so a few 
 already cross several N tiles and k-steps.
 """
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda, types
@@ -250,6 +252,15 @@ def test_empty_and_k_zero():
 
 def test_gpu_config_choice(monkeypatch):
     monkeypatch.setattr(arrays, "SIMULATOR", False)   # what choose_config(n, dtype) sees
+    # on sm_90: the TMA + wgmma kernel where its output can be TMA-stored, up to 16 chunks
+    for n in (1, 1000, 4096):
+        cfg = gs.choose_config(n, "bfloat16", hopper=True)
+        assert isinstance(cfg, WsConfig) and cfg.dtype == "bfloat16"
+        assert (cfg.block_m, cfg.block_n, cfg.stages) == gs.HOPPER_CONFIG
+    assert isinstance(gs.choose_config(4097, "float16", hopper=True), GemmSoftmaxConfig)
+    assert isinstance(gs.choose_config(1000, "float16", hopper=True, tma_out=False),
+                      GemmSoftmaxConfig)
+    monkeypatch.setattr(gs, "choose_config", functools.partial(gs.choose_config, hopper=False))
     limit = 227 * 1024
     for n in (1, 256, 1000, 1024):
         cfg = gs.choose_config(n, "float16")
@@ -438,7 +449,7 @@ def test_gpu_tma_softmax_mode_against_torch(m, n, k, b_col, dtype):
 @pytest.mark.gpu
 def test_gpu_both_parks_and_column_major_b_give_the_same_bits():
     torch, a, b = _torch_inputs(4096, 1024, 1024, "float16", seed=1)
-    cfg = gs.choose_config(1024, "float16")
+    cfg = gs.choose_config(1024, "float16", hopper=False)
     assert cfg.park == "smem"
     on_chip = tilepy.gemm_softmax(a, b, scale=0.05)
     gpu_check(on_chip, a, b, 0.05, "float16")

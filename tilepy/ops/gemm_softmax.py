@@ -56,10 +56,33 @@ _GLOBAL_ALTERNATIVES = (GemmConfig(BlockTile(128, 128, 32), WarpLayout(2, 4), Pi
 SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(1, 2), Pipeline(2))
 
 
-def choose_config(n: int, dtype: str, *, simulator: bool | None = None) -> GemmSoftmaxConfig:
-    """The built-in choice for rows of ``n`` columns: on chip where allowed and it fits
-    (``simulator``: the choice for the CUDA simulator; default: this process's target)."""
-    if arrays.SIMULATOR if simulator is None else simulator:
+#: The built-in choice on compute capability 9.0: the TMA + wgmma kernel's softmax mode with
+#: TMA-stored output (1.02-1.07x tilepy.gemm + tilepy.softmax and 1.9-3.1x the mma.sync
+#: kernel at 16384 x {1024, 4096} x 1024, bench/NOTES.md, 2026-11-30 session 6).
+HOPPER_CONFIG = (128, 256, 3)
+
+
+def choose_config(n: int, dtype: str, *, simulator: bool | None = None,
+                  hopper: bool | None = None, tma_out: bool = True):
+    """The built-in choice for rows of ``n`` columns (``simulator``: the choice for the CUDA
+    simulator; ``hopper``: for a compute capability 9.0 GPU; defaults: this process's target
+    and device, ``TILEPY_HOPPER=0`` turning the Hopper kernels off).
+
+    On sm_90, rows of at most 4096 columns whose output TMA can store (``tma_out``: unit column
+    stride, 16-byte rows and start) take the TMA + wgmma kernel's softmax mode (a
+    :class:`~tilepy.ops.gemm_wgmma_ws.WsConfig`); everything else the mma.sync kernel, its rows
+    on chip where allowed and they fit (a :class:`GemmSoftmaxConfig`)."""
+    sim = arrays.SIMULATOR if simulator is None else simulator
+    if hopper is None:
+        import os
+
+        from .gemm import _is_hopper
+
+        hopper = not sim and os.environ.get("TILEPY_HOPPER", "1") != "0" and _is_hopper()
+    bm, bn, st = HOPPER_CONFIG
+    if hopper and tma_out and n <= ws.SOFTMAX_CHUNKS * bn:
+        return WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True)
+    if sim:
         candidates, fallback = (SIMULATOR_CONFIG,), SIMULATOR_CONFIG
     else:
         candidates = tuple(c for c in _ON_CHIP_GPU if c.block.m >= ON_CHIP_MIN_BLOCK_M)
@@ -115,8 +138,12 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
       built-in choice (its dtype must match; it must fit in shared memory for this N), or a
       :class:`tilepy.ops.gemm_wgmma_ws.WsConfig` (persistent, ``smem_epilogue``, 128 rows in
       two consumers) for the TMA + wgmma kernel's softmax mode (compute capability 9.0; N up
-      to 16 × ``block_n``; see :func:`tilepy.ops.gemm_wgmma_ws.wgmma_ws_gemm_kernel`) — not
-      yet measured on a GPU, so not the built-in choice.
+      to 16 × ``block_n``; see :func:`tilepy.ops.gemm_wgmma_ws.wgmma_ws_gemm_kernel`).
+    * The built-in choice (:func:`choose_config`): on a compute capability 9.0 GPU, rows of up
+      to 4096 columns whose ``out`` TMA can store (unit column stride, rows and start 16-byte
+      aligned — a fresh result when N is a multiple of 8) take that TMA + wgmma kernel: it
+      parks each 256-column chunk's exponentials in ``out``, stores the last one final and
+      rescales the others at the end through shared memory. Otherwise the mma.sync kernel.
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Errors are raised before anything is launched.
@@ -162,7 +189,7 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
         Out = describe(out, "out")
     if m == 0 or n == 0:
         return out
-    cfg = config or choose_config(n, dtype)
+    cfg = config or choose_config(n, dtype, tma_out=_row_major_aligned(Out))
     _run(A, B, Out, cfg, m, n, k, scale, device)
     return out
 
@@ -182,13 +209,9 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             B = describe(arrays.copy_aligned(B), "b")
         if isinstance(cfg, WsConfig):
             out_v = kernel_view(Out, 3)
-            try:    # the output's own tensor map (TMA stores) when TMA can describe it
-                ws.out_layout(out_v)
-                tma_out = True
-            except ValueError:
-                tma_out = False
+            # the output's own tensor map (TMA stores) when TMA can describe it
             kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
-                                           tma_out=tma_out)
+                                           tma_out=_row_major_aligned(Out))
             handle = arrays.stream_handle(A)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,
