@@ -9,6 +9,8 @@
 #                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
 #   PART=s6      gemm_softmax (the TMA softmax mode now the sm_90 default): its GPU tests, the
 #                probe of where the TMA kernel's time goes, the fused-vs-unfused benchmark
+#   PART=s6g     the TMA-store GEMM epilogue: its GPU tests, then the quick sweep (4096^3,
+#                8192^3) against the default
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
 #                Hopper GEMM config sweep over the benchmark shapes (staged epilogue included)
 #   PART=softmax the softmax / gemm_softmax benchmark suite
@@ -70,6 +72,12 @@ if [[ " $PART " == *" s6 "* ]]; then
     step probe_gemm_softmax 150 "$PY" bench/probe_gemm_softmax.py --n 1024 \
         --json "$OUT/probe_gemm_softmax.json"
     bench_suite bench_gemm_softmax 200 "gemm_softmax"
+fi
+if [[ " $PART " == *" s6g "* ]]; then
+    gpu_tests gemm_tma_store 150 tests/test_ops_gemm_wgmma_ws.py -k tma_store \
+        tests/test_ops_gemm_softmax.py::test_gpu_both_parks_and_column_major_b_give_the_same_bits
+    step sweep_gemm_quick 240 "$PY" bench/sweep_gemm_shapes.py --quick \
+        --json "$OUT/sweep_gemm_quick.json"
 fi
 if [[ " $PART " == *" hgemm "* ]]; then
     gpu_tests ops_gemm_wgmma_ws 200 tests/test_ops_gemm_wgmma_ws.py

@@ -36,12 +36,17 @@ def candidates(dtype):
             ("pingpong 128x128 s5",
              WsConfig(128, 128, 5, dtype, persistent=True, pingpong=True)),
             ("pingpong 128x128 s4 smem-epilogue",
-             WsConfig(128, 128, 4, dtype, persistent=True, pingpong=True, smem_epilogue=True))]
+             WsConfig(128, 128, 4, dtype, persistent=True, pingpong=True, smem_epilogue=True)),
+            # the TMA-store epilogue: swizzled staging, stores draining under the next tile
+            ("ws 128x256 s3 persistent tma-store",
+             WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True, tma_store=True)),
+            ("ws 128x192 s4 persistent tma-store",
+             WsConfig(128, 192, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True))]
 
 
-#: --quick: the square shapes, the default against the ping-pong configs
-QUICK = ("ws 128x256 s4 smem-epilogue", "pingpong 128x128 s5",
-         "pingpong 128x128 s4 smem-epilogue")
+#: --quick: the square shapes, the default against the TMA-store epilogue configs
+QUICK = ("ws 128x256 s4 smem-epilogue", "ws 128x256 s3 persistent smem-epilogue",
+         "ws 128x256 s3 persistent tma-store", "ws 128x192 s4 persistent tma-store")
 
 
 def main():
@@ -49,7 +54,7 @@ def main():
     p.add_argument("--json")
     p.add_argument("--dtype", default="float16")
     p.add_argument("--quick", action="store_true",
-                   help="4096^3 and 8192^3, the default and the ping-pong configs only")
+                   help="4096^3 and 8192^3, the default and the TMA-store configs only")
     args = p.parse_args()
     import torch
 

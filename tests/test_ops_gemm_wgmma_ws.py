@@ -5,6 +5,7 @@ on the GPU at full size against torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -204,6 +205,63 @@ def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persisten
         assert 0 < vec["n"] < m * full_vectors_per_row, vec
 
 
+TMA_STORE = dict(TWO, stages=2, persistent=True, smem_epilogue=True, tma_store=True)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,batch,epilogue", [
+    ("float16", "row", 1, True), ("bfloat16", "col", 2, False)],
+    ids=["f16-row-bias-gelu-c", "bf16-col-batched-plain"])
+def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue):
+    """tma_store=True: the finished tile goes through the 128-byte-swizzled staging and TMA
+    stores (2-D map for one matrix, 3-D for a batch), rows past M and columns past N dropped
+    by the copy; every output element against float64 NumPy, out poisoned with NaN, rows
+    16-byte multiples but not contiguous."""
+    from tilepy.ptx import tma as T
+
+    stores = {"n": 0}
+    for name in ("tma_store_2d", "tma_store_3d"):
+        orig = getattr(T, name)
+
+        def counted(*args, _orig=orig):
+            stores["n"] += 1
+            return _orig(*args)
+        monkeypatch.setattr(T, name, counted)
+    rng = np.random.default_rng()
+    m, n, k = 70, 120, 136
+    lead = (batch,) if batch > 1 else ()
+    a = padded(rng, (*lead, m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    out = padded_out((*lead, m, n), NP[dtype])
+    kw, ref = {}, matmul64(a, b)
+    if epilogue:
+        c = rng.standard_normal((m, n)).astype(NP[dtype])
+        bias = rng.standard_normal(n).astype(np.float32)
+        kw = dict(bias=bias, c=c, alpha=0.5, beta=-0.75, activation="gelu")
+        pre = 0.5 * ref - 0.75 * c.astype(np.float64) + bias
+        ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    run(WsConfig(dtype=dtype, **TMA_STORE), a, b, out, b_layout, sms=3, **kw)
+    check(out, ref, dtype)
+    # one 64 × 64 box per consumer and tile column of 64 inside N
+    assert stores["n"] == batch * -(-m // 128) * 2 * -(-n // 128) * 2, stores
+
+
+def test_tma_store_config():
+    cfg = WsConfig(128, 256, 3, persistent=True, smem_epilogue=True, tma_store=True)
+    assert "TMA-store" in cfg.describe() and cfg.smem_bytes <= 227 * 1024
+    for bad in ({"persistent": False}, {"smem_epilogue": False},
+                {"block_m": 64, "consumers": 1}):
+        kw = dict(block_m=128, block_n=256, stages=3, persistent=True, smem_epilogue=True,
+                  tma_store=True)
+        kw.update(bad)
+        with pytest.raises(ValueError, match="tma_store needs"):
+            WsConfig(**kw)
+    with pytest.raises(ValueError, match="16-bit outputs"):
+        ws.wgmma_ws_gemm_kernel(cfg, True, "float32")
+    with pytest.raises(ValueError, match="16-byte-aligned rows"):
+        ws.out_layout(kernel_view(describe(np.zeros((8, 12), np.float16), "out"), 3))
+
+
 def test_smem_epilogue_config():
     """Not persistent: the staging reuses the stage buffers (no extra shared memory).
     Persistent: a buffer of its own, which does not fit beside 4 stages of 128×256."""
@@ -305,9 +363,11 @@ def test_compiles_for_sm90a_without_spills(reports):
                               "gemm_ws_128x128_brow_pingpong", "gemm_ws_128x128_bcol_pingpong",
                               "gemm_ws_128x128_brow_pingpong_smemepi",
                               "gemm_ws_128x256_brow_smemepi_softmax",
+                              "gemm_ws_128x256_brow_persistent_tmastore",
+                              "gemm_ws_128x256_brow_persistent_tmastore_bias_gelu",
                               "gemm_ws_128x256_brow_smemepi_softmax_tmaout"}
     for name, rep in with_regs.items():
-        if "smemepi" in name:
+        if "smemepi" in name or "tmastore" in name:
             continue           # test_smem_epilogue_compiles_without_spills
         assert rep["arch"].startswith("sm_90a")
         c = rep["counts"]
@@ -339,6 +399,9 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_128x128_brow_pingpong_smemepi": 3,
                      # + one per chunk (the quads' max) and two at the end (sum, rescale)
                      "gemm_ws_128x256_brow_smemepi_softmax": 6,
+                     # the TMA-store epilogue: two per tile (staging free, staging written)
+                     "gemm_ws_128x256_brow_persistent_tmastore": 3,
+                     "gemm_ws_128x256_brow_persistent_tmastore_bias_gelu": 3,
                      # per chunk: the quads' max, the staging's two; the last chunk: the
                      # consumers' barrier (stages free), the quads' sum; the rescale: the
                      # factors', one per rescaled chunk
@@ -365,6 +428,11 @@ def test_smem_epilogue_compiles_without_spills(reports, name):
     want = ({"ld.shared.v4.f32", "st.global.v4.f32", "st.shared.v2.f32", "st.global.f32"}
             if wide else {"ld.shared.v4.b32", "st.global.v4.b32", "st.shared.b32",
                           "st.global.u16"})
+    if "tmastore" in name:        # no stores by the threads: TMA, swizzled staging
+        want = {"st.shared.b32", "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group",
+                "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group",
+                "cp.async.bulk.wait_group.read"}
+        assert not {op for op in ops if op.startswith("st.global")}, ops
     if name.endswith("tmaout"):   # no stores by the threads: TMA, swizzled staging
         want = {"st.shared.b32", "ld.shared.v4.b32", "st.shared.v4.b32",
                 "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint",
@@ -398,6 +466,33 @@ def _gpu_run(torch, cfg, a, b, b_col, bias=None):
     plan.launch(0, args)
     torch.cuda.synchronize()
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_tma_store_epilogue(dtype):
+    """tma_store=True at full size and at edges (rows of 16-byte multiples: what TMA stores),
+    plain and with a bias, against torch in float32 (bias + GELU + beta·c: the simulator)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    tdt = getattr(torch, dtype)
+    cfg = dataclasses.replace(ws.TMA_STORE, dtype=dtype)
+    for (m, n, k), b_col in [((4096, 4096, 4096), False), ((4096, 4096, 4096), True),
+                             ((3000, 2056, 1000), False), ((2500, 4000, 776), True),
+                             ((70, 104, 258), False)]:
+        a = _padded(torch, m, k, tdt)
+        b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
+        ref = a.float() @ b.float()
+        got = _gpu_run(torch, cfg, a, b, b_col)
+        assert not bool(torch.isnan(got).any())
+        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= TOL[dtype], (m, n, k, b_col, err)
+        bias = torch.randn(n, device="cuda", dtype=torch.float32)
+        got = _gpu_run(torch, cfg, a, b, b_col, bias=bias)
+        want = ref + bias
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        assert err <= TOL[dtype], ("bias", m, n, k, b_col, err)
 
 
 def _padded(torch, rows, cols, dt):

@@ -68,7 +68,9 @@ from ..ptx.math import ex2_approx, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import (
+    SWIZZLED_BOX_BYTES,
     _pair_io,
+    stage_accumulators_swizzled,
     staged_bytes,
     store_accumulators,
     store_accumulators_smem,
@@ -114,6 +116,12 @@ class WsConfig:
     Correct on the H200 but not faster than the default there (128 × 128 tiles: 594–655
     TFLOPS against 611–704 at 4096³ / 8192³, ``2026-11-30_s5d_sweep_gemm_pingpong.json``), so
     opt-in.
+
+    ``tma_store`` (with ``persistent``, ``smem_epilogue`` and two consumers of 64 rows; 16-bit
+    outputs whose rows TMA can store): the staging is 128-byte swizzled (boxes of 64 rows ×
+    64 columns, :func:`tilepy.tile.epilogue.stage_accumulators_swizzled`) and one thread per
+    consumer stores it with TMA, which drains while the consumer's next main loop runs
+    instead of every thread copying it out first.
     """
 
     block_m: int = 128
@@ -126,6 +134,7 @@ class WsConfig:
     consumer_regs: int = 232
     smem_epilogue: bool = False
     pingpong: bool = False
+    tma_store: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -154,6 +163,11 @@ class WsConfig:
              + (f" (the persistent smem epilogue needs its own {self.epilogue_bytes} B "
                 "staging buffer beside the stages: use fewer stages)"
                 if self.smem_epilogue and self.persistent else ""))
+        if self.tma_store:
+            need(self.persistent and self.smem_epilogue and not self.pingpong
+                 and self.consumers == 2 and self.rows_per_consumer == 64,
+                 "tma_store needs persistent=True, smem_epilogue=True and two consumers of 64 "
+                 "rows (no ping-pong)")
         if self.smem_epilogue and not self.persistent:
             need(self.epilogue_bytes <= self.stages * self.stage_bytes,
                  f"the smem epilogue's {self.epilogue_bytes} B of staging do not fit in the "
@@ -237,6 +251,7 @@ class WsConfig:
                    if self.setmaxnreg else "")
                 + (", persistent" if self.persistent else "")
                 + (", ping-pong" if self.pingpong else "")
+                + (", TMA-store epilogue" if self.tma_store else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -359,12 +374,24 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     FINAL_OFF = STATS_OFF + NC * _STATS_WG
     RED_OFF = FINAL_OFF + NC * _FINAL_WG
     FBAR_OFF = RED_OFF + NC * _RED_WG
-    NB = BN // 64                       # tma_out: boxes of 64 rows × 64 columns per chunk
-    CT = 64 * BN * 2                    # tma_out: bytes of a warpgroup's chunk (64 rows)
+    NB = BN // 64                       # TMA stores: boxes of 64 rows × 64 columns per tile
+    CT = 64 * BN * 2                    # TMA stores: bytes of a warpgroup's 64-row tile
+    TMA_EPI = cfg.tma_store and not softmax
     if tma_out and (EPI_OFF % 1024 or EPI_WG % 1024 or EPI_WG < CT
                     or 2 * NC * CT > ST * STAGE_BYTES):
         raise ValueError(f"tma_out: {cfg} leaves no room for the swizzled staging and the "
                          "rescale's buffers")
+    if TMA_EPI:
+        if out_kind not in ("float16", "bfloat16") or BN % 64:
+            raise ValueError(f"tma_store: 16-bit outputs and whole 64-column boxes, got "
+                             f"{out_kind} and block_n {BN}")
+        if EPI_OFF % 1024 or EPI_WG % 1024 or EPI_WG < CT:
+            raise ValueError(f"tma_store: {cfg} leaves no 1024-byte-aligned swizzled staging")
+        stage_tma = stage_accumulators_swizzled(NI, out_kind, activation, has_bias, has_c)
+    else:
+        @inline_device
+        def stage_tma(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
+            """(no TMA-store epilogue in this kernel)"""
     get_pair, put_pair, pack2 = _pair_io(out_kind)
     unpack2 = unpack_bf16x2_f32 if out_kind == "bfloat16" else unpack_f16x2_f32
     NEG_INF = np.float32(-np.inf)
@@ -459,7 +486,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         omap = T.tensor_map_address(maps) + _MAP_OUT
         keep = T.l2_evict_last_policy() if TMA_OUT else np.uint64(0)
         drop = T.l2_evict_first_policy() if TMA_OUT else np.uint64(0)
-        if TMA_OUT and tid % WARPGROUP == 0:
+        if (TMA_OUT or TMA_EPI) and tid % WARPGROUP == 0:
             T.fence_proxy_tensormap_acquire(omap)
         s = 0
         ph = 0
@@ -562,6 +589,27 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                                          + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
                                          rmax[0, 0], rmax[0, 1])
                 continue
+            if TMA_EPI:
+                tw = tid % WARPGROUP
+                stg = base + EPI_OFF + cw * EPI_WG
+                if tw == 0:
+                    T.bulk_wait_group_read(0)   # the previous tile's store has read stg
+                BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+                row0 = bm0 + cw * ROW_OFF
+                stage_tma(acc0, stg, row0, bn0, m, n, alpha, bias, cz, beta, tw)
+                W.fence_proxy_async_shared()
+                BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+                if tw == 0:
+                    for bx in range(NB):
+                        if bn0 + 64 * bx < n:
+                            if out.shape[0] == 1:
+                                T.tma_store_2d(omap, stg + bx * SWIZZLED_BOX_BYTES,
+                                               bn0 + 64 * bx, row0)
+                            else:
+                                T.tma_store_3d(omap, stg + bx * SWIZZLED_BOX_BYTES,
+                                               bn0 + 64 * bx, row0, z)
+                    T.bulk_commit_group()
+                continue
             if EPI:
                 if EPI_SHARED:
                     # every consumer's wgmmas have read their stages before any is overwritten
@@ -580,6 +628,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     for q in range(4):
                         acc3[0, j, q] = acc1[4 * j + q]
                 store(acc3, o, row0 + 64, bn0, m, n, alpha, bias, cz, beta, lane)
+        if TMA_EPI and tid % WARPGROUP == 0:
+            T.bulk_wait_group_read(0)   # no store still reads shared memory at exit
         if TMA_OUT:
             finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n,
                        0 if PROBE & 2 else n_tiles - 1, cw, drop)
@@ -831,7 +881,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     kernel.config = cfg
     kernel.b_row_major = b_row_major
     kernel.softmax = softmax
-    kernel.tma_out = tma_out
+    kernel.tma_out = tma_out or TMA_EPI   # the maps end with the output's
     return kernel
 
 
@@ -879,13 +929,15 @@ def layouts(cfg: WsConfig, b_row_major: bool, a, b):
 
 
 def out_layout(out):
-    """(shape, strides, box) of the tensor map of a 3-D uint16 output view that the softmax
-    mode's ``tma_out`` stores through (boxes of 64 rows × 64 columns); ValueError if TMA
-    cannot describe it."""
+    """(shape, strides, box) of the tensor map of a 3-D uint16 output view that TMA stores go
+    through (the softmax mode's ``tma_out``, :attr:`WsConfig.tma_store`; boxes of 64 rows × 64
+    columns); ValueError if TMA cannot describe it."""
+    if out.dtype.itemsize != 2:
+        raise ValueError(f"out: TMA stores take 16-bit outputs, got {out.dtype}")
     shape, strides, box = _map_layout(out, 64)
-    if len(shape) != 2 or any(s % 16 or s <= 0 for s in strides[:-1]) or pointer(out) % 16:
-        raise ValueError(f"out: one matrix with 16-byte-aligned rows and start needed for "
-                         f"TMA stores, got byte strides {strides}")
+    if any(s % 16 or s <= 0 for s in strides[:-1]) or pointer(out) % 16:
+        raise ValueError(f"out: 16-byte-aligned rows (and batches) and start needed for TMA "
+                         f"stores, got byte strides {strides}")
     return shape, strides, box
 
 
@@ -1033,6 +1085,9 @@ def argtypes(out_kind: str):
             types.uint8[::1])
 
 
+#: The TMA-store epilogue's config in the reports and sweeps: persistent 128 × 256, 3 stages.
+TMA_STORE = WsConfig(128, 256, 3, persistent=True, smem_epilogue=True, tma_store=True)
+
 #: The ping-pong schedule's config in the reports (and the sweeps): 128 × 128 per consumer
 #: warpgroup (two m64n128 accumulators), 5 stages of 32 KB.
 PINGPONG = WsConfig(128, 128, 5, persistent=True, pingpong=True)
@@ -1063,6 +1118,10 @@ def _report_kernels():
         ("ws_128x128_brow_pingpong_smemepi",
          WsConfig(128, 128, 4, persistent=True, pingpong=True, smem_epilogue=True), True,
          "float16"),
+        # the TMA-store epilogue (swizzled staging, stores drain under the next main loop)
+        ("ws_128x256_brow_persistent_tmastore", TMA_STORE, True, "float16"),
+        ("ws_128x256_brow_persistent_tmastore_bias_gelu", TMA_STORE, True, "float16", "gelu",
+         True),
         # gemm_softmax's TMA mode: online softmax per 256-column chunk, rows rescaled at the end
         ("ws_128x256_brow_smemepi_softmax",
          WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16", None,

@@ -453,3 +453,80 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
             copy1(stage, out, row0, col0, m, n, thread, vec_ok)
 
     return store
+
+
+# ---- the epilogue staged for TMA stores --------------------------------------------------------
+
+#: bytes of one box of the swizzled staging: 64 rows × 64 16-bit columns (128-byte rows)
+SWIZZLED_BOX_BYTES = 8192
+
+
+@functools.cache
+def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bias=False,
+                                has_c=False):
+    """One warpgroup's m64n{8·ni} wgmma accumulator, finished (``act(alpha · acc + bias +
+    beta · c)``, the math of :func:`store_accumulators`) and cast to 16 bits, into shared
+    memory laid out as TMA stores read it with the 128-byte swizzle.
+
+    Returns ``write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)``, called by
+    all 128 threads of the warpgroup (``thread`` 0 … 127). ``acc`` is flat as in
+    :func:`store_accumulators_smem`; the tile is ``out[row0 : row0 + 64, col0 : col0 + 8·ni]``.
+    ``stage`` (uint32 shared address, 1024-byte aligned) receives ``ni / 8`` boxes of 64 rows ×
+    64 columns, box ``b`` (columns ``64·b …``) at ``stage + 8192·b``, row ``r`` of a box at
+    ``+ 128·r`` with its 16-byte granules permuted by ``granule ^ (r % 8)`` — what
+    ``cp.async.bulk.tensor`` stores from under a map with the 128-byte swizzle and a
+    64 × 64 box. Elements outside (m, n) are written as zeros (a TMA store drops them); ``c``
+    and the bias are read only inside. Each lane's 4-byte stores of a fragment row land in
+    different banks (the swizzle spreads the 8 rows of a quad column over 8 granules).
+
+    The caller brackets it: the previous TMA store from ``stage`` has read it
+    (``bulk_wait_group_read``) and a barrier before; ``fence_proxy_async_shared`` and a barrier
+    after, then one thread issues the stores. 16-bit outputs only.
+    """
+    if out_kind not in ("float16", "bfloat16"):
+        raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
+    if ni % 8:
+        raise ValueError(f"ni (n8 blocks) must be a multiple of 8 (whole boxes), got {ni}")
+    pack = _pair_io(out_kind)[2]
+    load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
+
+    @inline_device
+    def write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t):
+        r = row0 + rl
+        v0 = _ZERO
+        v1 = _ZERO
+        if r < m and c < n:
+            v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
+        VEC.st_shared_b32(stage + (jj // 8) * SWIZZLED_BOX_BYTES + rl * 128
+                          + (((jj % 8) ^ g) * 16) + 4 * t, pack(v0, v1))
+
+    @inline_device
+    def write_n8(a0, a1, a2, a3, jj, c, rl, stage, row0, m, n, alpha, bias, c_in, beta, g, t):
+        b0 = _ZERO
+        b1 = _ZERO
+        if c < n:
+            b0, b1 = load_bias(bias, c, n)
+        write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t)
+        write_pair(a2, a3, b0, b1, rl + 8, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t)
+
+    if _plain(activation, has_bias, has_c):
+        @inline_device
+        def write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
+            lane = thread % 32
+            g = lane // 4
+            t = lane % 4
+            rl = (thread // 32) * 16 + g
+            for jj in range(ni):
+                write_n8(acc[4 * jj], acc[4 * jj + 1], acc[4 * jj + 2], acc[4 * jj + 3], jj,
+                         col0 + 8 * jj + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta,
+                         g, t)
+
+        return write
+    # written out with constant accumulator indices (see _plain)
+    return _written_out(
+        "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)",
+        ["lane = thread % 32", "g = lane // 4", "t = lane % 4", "rl = (thread // 32) * 16 + g"]
+        + [f"write_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], {j}, "
+           f"col0 + {8 * j} + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta, g, t)"
+           for j in range(ni)],
+        {"write_n8": write_n8}, "stage_accumulators_swizzled write")
