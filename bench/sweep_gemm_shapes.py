@@ -2,7 +2,8 @@
 LLM projections), beside torch.matmul in the same run: which config ``gemm.hopper_config``
 should pick for which shape.
 
-    python bench/sweep_gemm_shapes.py [--json FILE] [--dtype float16]
+    python bench/sweep_gemm_shapes.py [--json FILE] [--dtype float16] [--quick]
+        [--configs NAME,NAME]
 
 Each config's result is checked against torch once per shape before it is timed; a config that
 fails is recorded and the sweep goes on (one that kills the CUDA context ends it).
@@ -40,13 +41,15 @@ def candidates(dtype):
             # the TMA-store epilogue: swizzled staging, stores draining under the next tile
             ("ws 128x256 s3 persistent tma-store",
              WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True, tma_store=True)),
+            # ... staging 128 columns a pass (the tile in two), which leaves room for 4 stages
+            ("ws 128x256 s4 persistent tma-store",
+             WsConfig(128, 256, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True)),
             ("ws 128x192 s4 persistent tma-store",
              WsConfig(128, 192, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True))]
 
 
 #: --quick: the square shapes, the default against the TMA-store epilogue configs
-QUICK = ("ws 128x256 s4 smem-epilogue", "ws 128x256 s3 persistent smem-epilogue",
-         "ws 128x256 s3 persistent tma-store", "ws 128x192 s4 persistent tma-store")
+QUICK = ("ws 128x256 s4 smem-epilogue", "ws 128x256 s4 persistent tma-store")
 
 
 def main():
@@ -55,7 +58,10 @@ def main():
     p.add_argument("--dtype", default="float16")
     p.add_argument("--quick", action="store_true",
                    help="4096^3 and 8192^3, the default and the TMA-store configs only")
+    p.add_argument("--configs", help="comma-separated candidate names to time (default: all, "
+                   "or the --quick ones)")
     args = p.parse_args()
+    only = set(args.configs.split(",")) if args.configs else set(QUICK) if args.quick else None
     import torch
 
     import tilepy
@@ -76,7 +82,7 @@ def main():
         flop = 2 * m * n * k
         ref = torch.matmul(a.float(), b.float())
         for name, cfg in candidates(args.dtype):
-            if args.quick and name not in QUICK:
+            if only is not None and name not in only:
                 continue
             # the peer timed next to every candidate: over a sweep the GPU's clocks drift by
             # ~10% (bench/NOTES.md, 2026-11-30), and a ratio must not carry that

@@ -209,14 +209,14 @@ TMA_STORE = dict(TWO, stages=2, persistent=True, smem_epilogue=True, tma_store=T
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("dtype,b_layout,batch,epilogue", [
-    ("float16", "row", 1, True), ("bfloat16", "col", 2, False)],
-    ids=["f16-row-bias-gelu-c", "bf16-col-batched-plain"])
-def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue):
+@pytest.mark.parametrize("dtype,b_layout,batch,epilogue,block_n,n", [
+    ("float16", "row", 1, True, 128, 120), ("bfloat16", "col", 2, False, 256, 200)],
+    ids=["f16-row-bias-gelu-c", "bf16-col-batched-plain-two-passes"])
+def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue, block_n, n):
     """tma_store=True: the finished tile goes through the 128-byte-swizzled staging and TMA
-    stores (2-D map for one matrix, 3-D for a batch), rows past M and columns past N dropped
-    by the copy; every output element against float64 NumPy, out poisoned with NaN, rows
-    16-byte multiples but not contiguous."""
+    stores (2-D map for one matrix, 3-D for a batch; a 256-column tile in two passes of 128),
+    rows past M and columns past N dropped by the copy; every output element against float64
+    NumPy, out poisoned with NaN, rows 16-byte multiples but not contiguous."""
     from tilepy.ptx import tma as T
 
     stores = {"n": 0}
@@ -228,7 +228,7 @@ def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue):
             return _orig(*args)
         monkeypatch.setattr(T, name, counted)
     rng = np.random.default_rng()
-    m, n, k = 70, 120, 136
+    m, k = 70, 136
     lead = (batch,) if batch > 1 else ()
     a = padded(rng, (*lead, m, k), dtype)
     b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
@@ -240,18 +240,20 @@ def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue):
         kw = dict(bias=bias, c=c, alpha=0.5, beta=-0.75, activation="gelu")
         pre = 0.5 * ref - 0.75 * c.astype(np.float64) + bias
         ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
-    run(WsConfig(dtype=dtype, **TMA_STORE), a, b, out, b_layout, sms=3, **kw)
+    run(WsConfig(dtype=dtype, **dict(TMA_STORE, block_n=block_n)), a, b, out, b_layout, sms=3,
+        **kw)
     check(out, ref, dtype)
-    # one 64 × 64 box per consumer and tile column of 64 inside N
-    assert stores["n"] == batch * -(-m // 128) * 2 * -(-n // 128) * 2, stores
+    # one 64 × 64 box per consumer and 64 columns that start inside N
+    assert stores["n"] == batch * -(-m // 128) * 2 * -(-n // 64), stores
 
 
 def test_tma_store_config():
-    cfg = WsConfig(128, 256, 3, persistent=True, smem_epilogue=True, tma_store=True)
+    cfg = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True)
     assert "TMA-store" in cfg.describe() and cfg.smem_bytes <= 227 * 1024
+    assert cfg.epilogue_bytes == 2 * 64 * 128 * 2          # 128 columns a pass: 4 stages fit
     for bad in ({"persistent": False}, {"smem_epilogue": False},
                 {"block_m": 64, "consumers": 1}):
-        kw = dict(block_m=128, block_n=256, stages=3, persistent=True, smem_epilogue=True,
+        kw = dict(block_m=128, block_n=256, stages=4, persistent=True, smem_epilogue=True,
                   tma_store=True)
         kw.update(bad)
         with pytest.raises(ValueError, match="tma_store needs"):
@@ -399,9 +401,10 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_128x128_brow_pingpong_smemepi": 3,
                      # + one per chunk (the quads' max) and two at the end (sum, rescale)
                      "gemm_ws_128x256_brow_smemepi_softmax": 6,
-                     # the TMA-store epilogue: two per tile (staging free, staging written)
-                     "gemm_ws_128x256_brow_persistent_tmastore": 3,
-                     "gemm_ws_128x256_brow_persistent_tmastore_bias_gelu": 3,
+                     # the TMA-store epilogue: two per pass (staging free, staging written),
+                     # two passes of 128 columns
+                     "gemm_ws_128x256_brow_persistent_tmastore": 5,
+                     "gemm_ws_128x256_brow_persistent_tmastore_bias_gelu": 5,
                      # per chunk: the quads' max, the staging's two; the last chunk: the
                      # consumers' barrier (stages free), the quads' sum; the rescale: the
                      # factors', one per rescaled chunk

@@ -86,6 +86,7 @@ MAP_CACHE = 64    # tensor-map pairs a plan keeps (per operand pointer pair)
 _MAP_B = np.uint64(128)
 _MAP_OUT = np.uint64(256)  # softmax mode with tma_out: the output's map after A's and B's
 _REG_FILE = 65536
+TMA_PASS_COLUMNS = 128  # tma_store: columns staged per pass (two 64 × 64 boxes)
 BAR_CONSUMERS = 1  # named barrier of all consumer threads (smem epilogue)
 BAR_WG0 = 2        # named barrier of consumer warpgroup i: BAR_WG0 + i
 
@@ -121,7 +122,8 @@ class WsConfig:
     outputs whose rows TMA can store): the staging is 128-byte swizzled (boxes of 64 rows ×
     64 columns, :func:`tilepy.tile.epilogue.stage_accumulators_swizzled`) and one thread per
     consumer stores it with TMA, which drains while the consumer's next main loop runs
-    instead of every thread copying it out first.
+    instead of every thread copying it out first. The staging holds 128 columns per consumer
+    (16 KB), a wider tile goes in two passes, so 128 × 256 keeps 4 stages.
     """
 
     block_m: int = 128
@@ -203,6 +205,8 @@ class WsConfig:
         warpgroup, sized for every output kind."""
         if not self.smem_epilogue:
             return 0
+        if self.tma_store:   # the swizzled staging of up to 128 columns, the tile in passes
+            return self.consumers * 64 * min(self.block_n, TMA_PASS_COLUMNS) * 2
         return self.consumers * staged_bytes(self.rows_per_consumer // 64, self.block_n // 8)
 
     @property
@@ -285,7 +289,7 @@ def softmax_stats_bytes(cfg: WsConfig) -> int:
 
 def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
     if not (cfg.persistent and cfg.smem_epilogue and not cfg.pingpong and cfg.consumers == 2
-            and cfg.rows_per_consumer == 64):
+            and cfg.rows_per_consumer == 64 and not cfg.tma_store):
         raise ValueError("softmax mode needs WsConfig(128, block_n, persistent=True, "
                          f"smem_epilogue=True) with two consumers of 64 rows, got {cfg}")
     if out_kind not in ("float16", "bfloat16") or activation or has_bias or has_c:
@@ -381,17 +385,46 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     or 2 * NC * CT > ST * STAGE_BYTES):
         raise ValueError(f"tma_out: {cfg} leaves no room for the swizzled staging and the "
                          "rescale's buffers")
+    PASS_NI = min(NI, TMA_PASS_COLUMNS // 8)      # tma_store: n8 blocks per staging pass
     if TMA_EPI:
         if out_kind not in ("float16", "bfloat16") or BN % 64:
             raise ValueError(f"tma_store: 16-bit outputs and whole 64-column boxes, got "
                              f"{out_kind} and block_n {BN}")
-        if EPI_OFF % 1024 or EPI_WG % 1024 or EPI_WG < CT:
+        if EPI_OFF % 1024 or EPI_WG % 1024 or EPI_WG < 64 * PASS_NI * 16:
             raise ValueError(f"tma_store: {cfg} leaves no 1024-byte-aligned swizzled staging")
-        stage_tma = stage_accumulators_swizzled(NI, out_kind, activation, has_bias, has_c)
+        stage_tma0 = stage_accumulators_swizzled(NI, out_kind, activation, has_bias, has_c,
+                                                 0, PASS_NI)
+        stage_tma1 = stage_accumulators_swizzled(NI, out_kind, activation, has_bias, has_c,
+                                                 PASS_NI) if NI > PASS_NI else stage_tma0
     else:
         @inline_device
-        def stage_tma(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
+        def stage_tma0(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
             """(no TMA-store epilogue in this kernel)"""
+        stage_tma1 = stage_tma0
+
+    @inline_device
+    def tma_store_pass(acc, stg, omap, z, row0, col0, m, n, alpha, bias, c_in, beta, tw, cw,
+                       part, batched):
+        """tma_store: one staging pass of a consumer's tile — columns ``col0 + 128·part …`` —
+        swizzled into ``stg`` and stored by thread 0 with TMA (2-D map, or 3-D ``batched``)."""
+        if tw == 0:
+            T.bulk_wait_group_read(0)   # the previous pass's store has read stg
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        if part == 0:
+            stage_tma0(acc, stg, row0, col0, m, n, alpha, bias, c_in, beta, tw)
+        else:
+            stage_tma1(acc, stg, row0, col0, m, n, alpha, bias, c_in, beta, tw)
+        W.fence_proxy_async_shared()
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
+        if tw == 0:
+            for bx in range(PASS_NI // 8):
+                x = col0 + 8 * PASS_NI * part + 64 * bx
+                if x < n and 8 * PASS_NI * part + 64 * bx < BN:
+                    if batched:
+                        T.tma_store_3d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0, z)
+                    else:
+                        T.tma_store_2d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0)
+            T.bulk_commit_group()
     get_pair, put_pair, pack2 = _pair_io(out_kind)
     unpack2 = unpack_bf16x2_f32 if out_kind == "bfloat16" else unpack_f16x2_f32
     NEG_INF = np.float32(-np.inf)
@@ -592,23 +625,13 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if TMA_EPI:
                 tw = tid % WARPGROUP
                 stg = base + EPI_OFF + cw * EPI_WG
-                if tw == 0:
-                    T.bulk_wait_group_read(0)   # the previous tile's store has read stg
-                BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
                 row0 = bm0 + cw * ROW_OFF
-                stage_tma(acc0, stg, row0, bn0, m, n, alpha, bias, cz, beta, tw)
-                W.fence_proxy_async_shared()
-                BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
-                if tw == 0:
-                    for bx in range(NB):
-                        if bn0 + 64 * bx < n:
-                            if out.shape[0] == 1:
-                                T.tma_store_2d(omap, stg + bx * SWIZZLED_BOX_BYTES,
-                                               bn0 + 64 * bx, row0)
-                            else:
-                                T.tma_store_3d(omap, stg + bx * SWIZZLED_BOX_BYTES,
-                                               bn0 + 64 * bx, row0, z)
-                    T.bulk_commit_group()
+                batched = out.shape[0] != 1
+                tma_store_pass(acc0, stg, omap, z, row0, bn0, m, n, alpha, bias, cz, beta, tw,
+                               cw, 0, batched)
+                if NI > PASS_NI:
+                    tma_store_pass(acc0, stg, omap, z, row0, bn0, m, n, alpha, bias, cz, beta,
+                                   tw, cw, 1, batched)
                 continue
             if EPI:
                 if EPI_SHARED:
@@ -1086,7 +1109,7 @@ def argtypes(out_kind: str):
 
 
 #: The TMA-store epilogue's config in the reports and sweeps: persistent 128 × 256, 3 stages.
-TMA_STORE = WsConfig(128, 256, 3, persistent=True, smem_epilogue=True, tma_store=True)
+TMA_STORE = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True)
 
 #: The ping-pong schedule's config in the reports (and the sweeps): 128 × 128 per consumer
 #: warpgroup (two m64n128 accumulators), 5 stages of 32 KB.

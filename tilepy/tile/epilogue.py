@@ -463,7 +463,7 @@ SWIZZLED_BOX_BYTES = 8192
 
 @functools.cache
 def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bias=False,
-                                has_c=False):
+                                has_c=False, first: int = 0, count: int | None = None):
     """One warpgroup's m64n{8·ni} wgmma accumulator, finished (``act(alpha · acc + bias +
     beta · c)``, the math of :func:`store_accumulators`) and cast to 16 bits, into shared
     memory laid out as TMA stores read it with the 128-byte swizzle.
@@ -479,6 +479,10 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     and the bias are read only inside. Each lane's 4-byte stores of a fragment row land in
     different banks (the swizzle spreads the 8 rows of a quad column over 8 granules).
 
+    ``first``, ``count``: only n8 blocks ``first … first + count − 1`` (default: all from
+    ``first``; ``first`` a multiple of 8), staged from ``stage`` on as boxes ``0, 1, …`` — one
+    pass of a tile staged in parts.
+
     The caller brackets it: the previous TMA store from ``stage`` has read it
     (``bulk_wait_group_read``) and a barrier before; ``fence_proxy_async_shared`` and a barrier
     after, then one thread issues the stores. 16-bit outputs only.
@@ -487,6 +491,10 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
         raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
     if ni % 8:
         raise ValueError(f"ni (n8 blocks) must be a multiple of 8 (whole boxes), got {ni}")
+    count = ni - first if count is None else count
+    if first % 8 or count % 8 or count <= 0 or first + count > ni:
+        raise ValueError(f"first {first} and count {count}: whole boxes of 8 n8 blocks "
+                         f"within {ni}")
     pack = _pair_io(out_kind)[2]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
 
@@ -516,9 +524,10 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
             g = lane // 4
             t = lane % 4
             rl = (thread // 32) * 16 + g
-            for jj in range(ni):
-                write_n8(acc[4 * jj], acc[4 * jj + 1], acc[4 * jj + 2], acc[4 * jj + 3], jj,
-                         col0 + 8 * jj + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta,
+            for jj in range(count):
+                j = first + jj
+                write_n8(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], jj,
+                         col0 + 8 * j + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta,
                          g, t)
 
         return write
@@ -526,7 +535,7 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     return _written_out(
         "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)",
         ["lane = thread % 32", "g = lane // 4", "t = lane % 4", "rl = (thread // 32) * 16 + g"]
-        + [f"write_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], {j}, "
-           f"col0 + {8 * j} + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta, g, t)"
-           for j in range(ni)],
+        + [f"write_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], "
+           f"{j - first}, col0 + {8 * j} + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, "
+           "beta, g, t)" for j in range(first, first + count)],
         {"write_n8": write_n8}, "stage_accumulators_swizzled write")
