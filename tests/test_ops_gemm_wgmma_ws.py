@@ -247,6 +247,25 @@ def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue, block
     assert stores["n"] == batch * -(-m // 128) * 2 * -(-n // 64), stores
 
 
+@pytest.mark.sim
+def test_tma_store_through_the_op():
+    """tilepy.gemm with a tma_store config: the op encodes the output's tensor map; an out
+    TMA cannot store (rows of 100 halves: 200 bytes) or a float32 out is refused before
+    launch for a config the caller gave."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((40, 72)).astype(np.float16)
+    b = rng.standard_normal((72, 64)).astype(np.float16)
+    cfg = WsConfig(**TMA_STORE)
+    out = np.full((40, 64), np.nan, np.float16)
+    assert tilepy.gemm(a, b, out=out, config=cfg) is out
+    check(out, matmul64(a, b), "float16")
+    b100 = rng.standard_normal((72, 100)).astype(np.float16)
+    with pytest.raises(ValueError, match="tma_store needs a 16-bit out"):
+        tilepy.gemm(a, b100, config=cfg)
+    with pytest.raises(ValueError, match="tma_store needs a 16-bit out"):
+        tilepy.gemm(a, b, out_dtype="float32", config=cfg)
+
+
 def test_tma_store_config():
     cfg = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True)
     assert "TMA-store" in cfg.describe() and cfg.smem_bytes <= 227 * 1024

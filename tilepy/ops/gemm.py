@@ -278,6 +278,12 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 hopper_config(m, n, batch, dtype) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
+            if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not _tma_storable(out_v):
+                if config is not None:
+                    raise ValueError("config: tma_store needs a 16-bit out whose rows TMA can "
+                                     "store (unit column stride, rows and start 16-byte "
+                                     f"aligned); got {out_dtype} with strides {Out.strides}")
+                cfg = hopper_config(m, n, batch, dtype) or mma_cfg   # a tuned choice's
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
                     cfg, layout_b == "row", a_view, b_view):
                 cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)
@@ -293,6 +299,15 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
     if not reusable:
         return None, convert_bias
     return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources), convert_bias
+
+
+def _tma_storable(out_v) -> bool:
+    """Whether TMA stores can write the kernel view of ``out`` (WsConfig.tma_store)."""
+    try:
+        ws.out_layout(out_v)
+    except ValueError:
+        return False
+    return True
 
 
 def _converted_bias(bias):

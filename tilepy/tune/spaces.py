@@ -51,6 +51,7 @@ HOPPER_CANDIDATES = (
     ("wgmma_ws", {"smem_epilogue": True}),
     ("wgmma_ws", {"stages": 3, "persistent": True, "smem_epilogue": True}),
     ("wgmma_ws", {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True}),
+    ("wgmma_ws", {"persistent": True, "smem_epilogue": True, "tma_store": True}),
     ("wgmma_ws", {}), ("wgmma_ws", {"block_m": 256, "block_n": 128}),
     ("wgmma_ws", {"persistent": True}), ("wgmma_ws", {"block_n": 192, "stages": 5}),
     ("wgmma", {"block_m": 128, "block_n": 256, "stages": 4, "overlap": True}),
