@@ -276,14 +276,14 @@ SOFTMAX_PARK = 32768.0
 _STATS_WG = SOFTMAX_CHUNKS * 32 * 8   # each row pair's running max after every chunk
 _FINAL_WG = 32 * 16                   # each row pair's final max and sum
 _RED_WG = 128 * 8                     # every thread's partial result for its row pair
-_FBAR_WG = 2 * 8                      # tma_out: the final rescale's two load mbarriers
+_FBAR_WG = 3 * 8                      # tma_out: the final rescale's three load mbarriers
 
 
 def softmax_stats_bytes(cfg: WsConfig) -> int:
     """Shared memory the softmax mode adds after :attr:`WsConfig.smem_bytes`: per consumer
     warpgroup, each row's running max after every chunk (with ``tma_out``, overwritten by the
     chunk's rescale factor at the end), its final max and sum, the quads' partial results,
-    and two mbarriers."""
+    and three mbarriers."""
     return cfg.consumers * (_STATS_WG + _FINAL_WG + _RED_WG + _FBAR_WG)
 
 
@@ -324,11 +324,13 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     rows and base, which :func:`plan` checks): the parked chunks leave through TMA stores from
     128-byte-swizzled staging (boxes of 64 rows × 64 columns) that run on while the next
     chunk's main loop does, instead of 16-byte stores by every thread; the last chunk is
-    stored final (``p / sum``, its running max is the row's) and never rescaled; and the
-    rescale streams each earlier chunk through the freed stage buffers: TMA load (two in
-    flight per warpgroup), multiply by a per-(row, chunk) factor computed once into shared
-    memory, TMA store. Measured on the H200 without it (``bench/probe_gemm_softmax.py``,
-    16384 × 1024 × 1024): the parked stores cost 14 µs and the rescale 22 µs of 88.
+    stored final (``p / sum``: its running max is the row's) and never rescaled; and the
+    rescale streams each earlier chunk through shared memory — TMA load into one of three
+    buffers per warpgroup (two freed stage buffers, loaded as soon as the last main loop is
+    over, and the staging), multiply by a per-(row, chunk) factor computed once into shared
+    memory, TMA store. L2 hints: parked chunks evict-last, final stores evict-first.
+    ``bench/probe_gemm_softmax.py`` (H200, 16384 × 1024 × 1024): without ``tma_out`` the
+    parked stores cost 14 µs and the rescale 22 µs of 88; with it 5 and 13 of 80.
 
     ``probe`` (softmax mode, for measuring only: the results are wrong): a bit mask of pieces
     left out — 1 the online softmax of each chunk (the scaled scores are parked as they are),
@@ -771,8 +773,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     def finish_tma(base, omap, row0, n, nfin, cw, drop):
         """tma_out, after the last chunk: multiply chunks 0 … nfin − 1 of the warpgroup's 64
         rows by ``exp(m_chunk − m_row) / (sum · 2**15)``, each chunk through shared memory:
-        TMA load into a freed stage buffer (two in flight, the first two issued by
-        prefetch_finish), scale, TMA store."""
+        TMA load into one of three buffers (two freed stage buffers, whose first loads
+        prefetch_finish issued, and the staging once the last chunk's store has read it),
+        scale, TMA store."""
         tw = cuda.threadIdx.x % WARPGROUP
         stats = base + STATS_OFF + cw * _STATS_WG
         fin = base + FINAL_OFF + cw * _FINAL_WG
@@ -785,13 +788,17 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             mj0, mj1 = VEC.ld_shared_v2_f32(stats + e * 8)
             VEC.st_shared_v2_f32(stats + e * 8, ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0),
                                  ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1))
-        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)   # the warpgroup's factors are in
         fb = base + FBAR_OFF + cw * _FBAR_WG
         buf0 = base + 2 * cw * CT
+        stg = base + EPI_OFF + cw * EPI_WG
+        if tw == 0 and nfin > 2:
+            T.bulk_wait_group_read(0)   # the last chunk's store has read the staging
+            load_chunk(fb + 16, stg, omap, 2, row0, n, drop)
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)   # the warpgroup's factors are in
         for ch in range(nfin):
-            bsel = ch % 2
-            buf = buf0 + bsel * CT
-            MB.mbarrier_wait_parity(fb + 8 * bsel, (ch // 2) % 2)
+            bsel = ch % 3
+            buf = stg if bsel == 2 else buf0 + bsel * CT
+            MB.mbarrier_wait_parity(fb + 8 * bsel, (ch // 3) % 2)
             for i in range(CT // (16 * WARPGROUP)):
                 off = (tw + WARPGROUP * i) * 16
                 rl = (off % 8192) // 128
@@ -808,9 +815,9 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                         T.tma_store_2d_hint(omap, buf + bx * 8192, ch * BN + 64 * bx, row0,
                                             drop)
                 T.bulk_commit_group()
-                if ch + 2 < nfin:
+                if ch + 3 < nfin:
                     T.bulk_wait_group_read(0)
-                    load_chunk(fb + 8 * bsel, buf, omap, ch + 2, row0, n, drop)
+                    load_chunk(fb + 8 * bsel, buf, omap, ch + 3, row0, n, drop)
         if tw == 0:
             T.bulk_wait_group_read(0)   # no store still reads shared memory at exit
 
@@ -885,7 +892,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if PP:
                 MB.mbarrier_init(bars + 8 * TURN, 4)              # a consumer's four warps
             if TMA_OUT:
-                for i in range(2 * NC):                           # the rescale's loads
+                for i in range(3 * NC):                           # the rescale's loads
                     MB.mbarrier_init(base + FBAR_OFF + 8 * i, 1)
             MB.fence_mbarrier_init()
         cuda.syncthreads()
