@@ -28,6 +28,8 @@ def main():
     p.add_argument("--m", type=int, default=16384)
     p.add_argument("--k", type=int, default=1024)
     p.add_argument("--config", default="128,256,3", help="block_m,block_n,stages")
+    p.add_argument("--overlap-stages", default="4,5",
+                   help="stage counts of the 128-column overlap kernel to time beside it")
     p.add_argument("--json")
     args = p.parse_args()
     import torch
@@ -56,20 +58,25 @@ def main():
         handle = arrays.stream_handle(A)
         out_v = kernel_view(O, 3)
 
-        def launcher(mask, tma_out):
-            kern = ws.wgmma_ws_gemm_kernel(cfg, True, "float16", softmax=True, tma_out=tma_out,
-                                           probe=mask)
-            plan, kargs = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(B, 3), out_v, out_v,
+        def launcher(mask, tma_out, c=cfg, overlap=False):
+            kern = ws.wgmma_ws_gemm_kernel(c, True, "float16", softmax=True, tma_out=tma_out,
+                                           overlap=overlap, probe=mask)
+            plan, kargs = ws.plan(kern, c, kernel_view(A, 3), kernel_view(B, 3), out_v, out_v,
                                   arrays.placeholder(1), scale, 0.0, stream=handle)
             return lambda: plan.launch(handle, kargs)
 
-        for tma_out in (False, True):
+        overlaps = [ws.WsConfig(128, 128, int(st), "float16", persistent=True,
+                                smem_epilogue=True) for st in args.overlap_stages.split(",") if st]
+
+        checks = [launcher(0, t) for t in (False, True)]
+        checks += [launcher(0, True, c, True) for c in overlaps]
+        for i, run in enumerate(checks):
             out.fill_(float("nan"))
-            launcher(0, tma_out)()
+            run()
             torch.cuda.synchronize()
             err = (out.float() - want).abs().max().item()
             if not err < 2e-3:
-                raise SystemExit(f"N={n} tma_out={tma_out}: wrong, max abs error {err}")
+                raise SystemExit(f"N={n} kernel {i}: wrong, max abs error {err}")
 
         def unfused():
             tilepy.gemm(a, b, alpha=scale, out=tmp)
@@ -81,6 +88,8 @@ def main():
         timed = [(name, fn) for name, fn in peers.items()]
         timed += [(f"fused{' tma_out' if t else ''}: {name}", launcher(mask, t))
                   for t in (False, True) for name, mask in VARIANTS]
+        timed += [(f"fused overlap 128x128 s{c.stages}: {name}", launcher(mask, True, c, True))
+                  for c in overlaps for name, mask in VARIANTS[:2]]
         for name, fn in timed:
             ms = time_cuda(fn, warmup=5, repeat=15, inner=10)
             row = {"n": n, "variant": name, "us": round(ms * 1e3, 2),

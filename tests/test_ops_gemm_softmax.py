@@ -130,6 +130,28 @@ def test_tma_softmax_mode(monkeypatch, dtype, m, n, k, scale, b_col):
     assert stores["n"] == (blocks * 2 * (2 * chunks - 1) if (2 * n) % 16 == 0 else 0), stores
 
 
+@pytest.mark.parametrize("dtype,k", [("float16", 136), ("bfloat16", 40)],
+                         ids=["f16-overlap", "bf16-k-too-short-to-overlap"])
+def test_tma_softmax_mode_overlap(monkeypatch, dtype, k):
+    """128-column chunks with TMA out: two accumulators per consumer, each chunk's softmax
+    under the next chunk's first k-steps (K of 3 k-steps with 3 stages); with K of one k-step
+    the plain chunk loop. 3 chunks, the last partial; 2 row blocks."""
+    from tilepy.ops import gemm_wgmma_ws as ws
+
+    made = []
+    real = ws.wgmma_ws_gemm_kernel
+    monkeypatch.setattr(ws, "wgmma_ws_gemm_kernel",
+                        lambda *a, **kw: made.append(kw.get("overlap")) or real(*a, **kw))
+    rng = np.random.default_rng()
+    m, n = 130, 264
+    a, b = rand(rng, (m, k), dtype), rand(rng, (k, n), dtype)
+    out = poisoned((m, n), dtype)
+    cfg = WsConfig(128, 128, 3, dtype, persistent=True, smem_epilogue=True)
+    tilepy.gemm_softmax(a, b, scale=0.6, out=out, config=cfg)
+    check(out, reference(a, b, 0.6), dtype)
+    assert made == [k >= 128]
+
+
 def test_tma_softmax_mode_strided_out():
     """out with a column stride of 2 elements (a view of every other column): staged stores
     and the rescale go element by element, no 16-byte vectors."""
@@ -441,6 +463,23 @@ def test_gpu_tma_softmax_mode_against_torch(m, n, k, b_col, dtype):
     if b_col:
         b = b.t().contiguous().t()
     cfg = WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
+    assert tilepy.gemm_softmax(a, b, scale=1 / 32, out=out, config=cfg) is out
+    gpu_check(out, a, b, 1 / 32, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m,n,k,b_col", [(16384, 1024, 1024, False), (16384, 2048, 1024, False),
+                                         (4096, 1000, 520, True), (333, 1304, 1000, False)])
+def test_gpu_tma_softmax_mode_overlap_against_torch(m, n, k, b_col, dtype):
+    """config=WsConfig(128, 128, 4, ...): the overlapped 128-column softmax mode, full size."""
+    torch, a, b = _torch_inputs(m, n, k, dtype)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    if b_col:
+        b = b.t().contiguous().t()
+    cfg = WsConfig(128, 128, 4, dtype, persistent=True, smem_epilogue=True)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=a.dtype)
     assert tilepy.gemm_softmax(a, b, scale=1 / 32, out=out, config=cfg) is out
     gpu_check(out, a, b, 1 / 32, dtype)

@@ -209,9 +209,13 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             B = describe(arrays.copy_aligned(B), "b")
         if isinstance(cfg, WsConfig):
             out_v = kernel_view(Out, 3)
-            # the output's own tensor map (TMA stores) when TMA can describe it
+            # the output's own tensor map (TMA stores) when TMA can describe it; 128-column
+            # chunks overlap each chunk's softmax with the next one's MMAs where K allows
+            tma_out = _row_major_aligned(Out)
+            overlap = (tma_out and cfg.block_n == 128 and cfg.stages >= 3
+                       and -(-k // 64) >= cfg.stages - 1)
             kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
-                                           tma_out=_row_major_aligned(Out))
+                                           tma_out=tma_out, overlap=overlap)
             handle = arrays.stream_handle(A)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,

@@ -302,7 +302,7 @@ def _check_softmax(cfg: WsConfig, out_kind, activation, has_bias, has_c):
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
                          has_bias: bool = False, has_c: bool = False, softmax: bool = False,
-                         tma_out: bool = False, probe: int = 0):
+                         tma_out: bool = False, overlap: bool = False, probe: int = 0):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` (see the module docstring);
     launch it through :func:`plan`.
 
@@ -332,12 +332,21 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     ``bench/probe_gemm_softmax.py`` (H200, 16384 × 1024 × 1024): without ``tma_out`` the
     parked stores cost 14 µs and the rescale 22 µs of 88; with it 5 and 13 of 80.
 
+    ``overlap`` (softmax mode with ``tma_out``; block_n 128, at least 3 stages, and K of at
+    least ``stages − 1`` k-steps, which :func:`plan` checks): each
+    consumer keeps two accumulators and, FlashAttention-3 style, issues the first
+    ``stages − 1`` k-steps of chunk j + 1 into one before it runs chunk j's softmax and park
+    on the other, so the tensor cores work through the epilogue instead of waiting for it;
+    the rest of chunk j + 1 follows as usual.
+
     ``probe`` (softmax mode, for measuring only: the results are wrong): a bit mask of pieces
     left out — 1 the online softmax of each chunk (the scaled scores are parked as they are),
     2 the final rescale, 4 each chunk's parked store (``bench/probe_gemm_softmax.py``).
     """
     if (probe or tma_out) and not softmax:
         raise ValueError("probe and tma_out: softmax mode only")
+    if overlap and not (tma_out and cfg.block_n == 128 and cfg.stages >= 3):
+        raise ValueError("overlap: softmax mode with tma_out, block_n 128 and >= 3 stages")
     if softmax:
         _check_softmax(cfg, out_kind, activation, has_bias, has_c)
     BM, BN, ST, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
@@ -376,6 +385,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     SOFTMAX = softmax
     PROBE = probe
     TMA_OUT = tma_out
+    OVERLAP = overlap
+    PRE = cfg.stages - 1                # overlap: k-steps of the next chunk issued ahead
     STATS_OFF = cfg.smem_bytes          # softmax mode: see softmax_stats_bytes
     FINAL_OFF = STATS_OFF + NC * _STATS_WG
     RED_OFF = FINAL_OFF + NC * _FINAL_WG
@@ -592,29 +603,14 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n,
                                 0 if PROBE & 2 else n_tiles - 1, cw, drop)
             if SOFTMAX:
-                # this chunk's scores, scaled (any sign of alpha), -inf past column n
-                col = bn0 + 2 * (lane % 4)
-                for jj in range(NI):
-                    for q in range(4):
-                        v = acc0[4 * jj + q] * alpha
-                        if col + 8 * jj + q % 2 >= n:
-                            v = NEG_INF
-                        acc3[0, jj, q] = v
-                if not PROBE & 1:
-                    chunk_softmax(acc3, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane,
-                                  cw)
+                scores_softmax(acc0, bn0, n, alpha, rmax, rsum, base, warp, lane, cw)
                 if TMA_OUT:
-                    last = w - w0 == n_tiles - 1
-                    park_tma(acc3, base, omap, bm0 + cw * ROW_OFF, bn0, n, last, cw, warp, lane,
-                             rmax, rsum, keep, drop)
-                    if lane % 4 == 0 and not last:   # the rows' running max after this chunk
-                        VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
-                                             + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
-                                             rmax[0, 0], rmax[0, 1])
+                    park_tma_chunk(acc0, base, omap, bm0 + cw * ROW_OFF, w - w0, n_tiles, n,
+                                   cw, warp, lane, rmax, rsum, keep, drop)
                     continue
                 for jj in range(NI):
                     for q in range(4):
-                        acc0[4 * jj + q] = acc3[0, jj, q] * PARK
+                        acc0[4 * jj + q] *= PARK
                 if PROBE & 4:
                     continue
                 store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, o, bm0 + cw * ROW_OFF,
@@ -676,14 +672,14 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
     @inline_device
     def chunk_softmax(sc, rmax, rsum, red, warp, lane, cw):
-        """The online-softmax step of one chunk on its (1, NI, 4) scores: the running max
-        and the lane's partial running sum of its two rows; ``sc`` becomes
-        ``p = exp(s − running max)``."""
+        """The online-softmax step of one chunk on its scores (a flat m64n{BN} accumulator:
+        ``sc[4·jj + q]``): the running max and the lane's partial running sum of its two
+        rows; ``sc`` becomes ``p = exp(s − running max)``."""
         mx0 = NEG_INF
         mx1 = NEG_INF
         for jj in range(NI):
-            mx0 = max(mx0, max(sc[0, jj, 0], sc[0, jj, 1]))
-            mx1 = max(mx1, max(sc[0, jj, 2], sc[0, jj, 3]))
+            mx0 = max(mx0, max(sc[4 * jj], sc[4 * jj + 1]))
+            mx1 = max(mx1, max(sc[4 * jj + 2], sc[4 * jj + 3]))
         mx0, mx1 = quad_combine(red, warp, lane, cw, mx0, mx1, True)
         for h in range(2):
             m_old = rmax[0, h]
@@ -696,10 +692,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 scale_old = ex2_approx(m_old * LOG2E - ms)
             acc = rsum[0, h] * scale_old
             for jj in range(NI):
-                p0 = ex2_approx(sc[0, jj, 2 * h] * LOG2E - ms)
-                p1 = ex2_approx(sc[0, jj, 2 * h + 1] * LOG2E - ms)
-                sc[0, jj, 2 * h] = p0
-                sc[0, jj, 2 * h + 1] = p1
+                p0 = ex2_approx(sc[4 * jj + 2 * h] * LOG2E - ms)
+                p1 = ex2_approx(sc[4 * jj + 2 * h + 1] * LOG2E - ms)
+                sc[4 * jj + 2 * h] = p0
+                sc[4 * jj + 2 * h + 1] = p1
                 acc += p0 + p1
             rsum[0, h] = acc
             rmax[0, h] = m_new
@@ -735,7 +731,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 f = f1 if h else f0
                 VEC.st_shared_b32(stg + (jj // 8) * 8192 + rl * 128 + (((jj % 8) * 16) ^ sw)
                                   + 4 * (lane % 4),
-                                  pack2(sc[0, jj, 2 * h] * f, sc[0, jj, 2 * h + 1] * f))
+                                  pack2(sc[4 * jj + 2 * h] * f, sc[4 * jj + 2 * h + 1] * f))
         W.fence_proxy_async_shared()
         BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
         if tw == 0:
@@ -745,6 +741,153 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if col0 + 64 * bx < n:
                     T.tma_store_2d_hint(omap, stg + bx * 8192, col0 + 64 * bx, row0, policy)
             T.bulk_commit_group()
+
+    # ---- overlap: two accumulators, the next chunk's first k-steps under this chunk's epilogue
+
+    @inline_device
+    def issue_kstep(acc, base, bars, s, ph, cw, first):
+        """Wait for stage s (parity ph) and issue its k-step's wgmmas into acc, one group;
+        ``first``: the chunk's first k-step, whose first wgmma ignores acc (scale-d 0) — no
+        instruction but a wgmma may write an accumulator while others are in flight, or
+        ptxas serialises every wgmma of the kernel (C7515)."""
+        MB.mbarrier_wait_parity(bars + 8 * s, ph)
+        stage = base + s * STAGE_BYTES
+        da = W.matrix_descriptor(stage + cw * (ROW_OFF * 128), 16, 1024, 128)
+        db = W.matrix_descriptor(stage + A_BYTES, LBO_B, SBO_B, 128)
+        W.wgmma_fence()
+        for kk in range(BK // 16):
+            mma(acc, W.descriptor_advance(da, kk * 32), W.descriptor_advance(db, kk * STEP_B),
+                0 if first and kk == 0 else 1)
+        W.wgmma_commit_group()
+        s += 1
+        if s == ST:
+            s = 0
+            ph ^= 1
+        return s, ph
+
+    @inline_device
+    def release_stages(bars, r, pending, keep_n, lane):
+        """Free the oldest issued stages (in order, from r) until keep_n stay pending."""
+        while pending > keep_n:
+            if lane == 0:
+                MB.mbarrier_arrive(bars + 8 * (ST + r))
+            r += 1
+            if r == ST:
+                r = 0
+            pending -= 1
+        return r, pending
+
+    @inline_device
+    def overlap_step(cur, nxt, j, n_tiles, ktiles, base, bars, s, ph, r, pending, omap, row0,
+                     n, alpha, rmax, rsum, cw, warp, lane, keep, drop):
+        """Chunk j (not the last) on ``cur``, whose last k-step is the newest group still
+        pending: its epilogue under the first k-steps of chunk j + 1 into ``nxt``, then the
+        rest of chunk j + 1. Every path leaves the same wgmma state (only ``nxt`` in flight),
+        which is what lets ptxas keep the wgmmas asynchronous."""
+        for kt in range(PRE):                      # (K >= PRE k-steps: plan() checks)
+            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, kt == 0)
+        W.wgmma_wait_group(PRE)                    # chunk j's last group is done
+        r, pending = release_stages(bars, r, pending + PRE, PRE, lane)
+        W.wgmma_fence_operand(cur, NACC)
+        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
+        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
+                       drop)
+        for kt in range(PRE, ktiles):
+            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, False)
+            W.wgmma_wait_group(1)
+            r, pending = release_stages(bars, r, pending + 1, 1, lane)
+        return s, ph, r, pending
+
+    @inline_device
+    def overlap_last(cur, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax, rsum,
+                     cw, warp, lane, keep, drop):
+        """The last chunk on ``cur``: wait for it, start the rescale's loads, its epilogue."""
+        W.wgmma_wait_group(0)
+        r, pending = release_stages(bars, r, pending, 0, lane)
+        W.wgmma_fence_operand(cur, NACC)
+        prefetch_finish(base, omap, row0, n, 0 if PROBE & 2 else n_tiles - 1, cw, drop)
+        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
+        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
+                       drop)
+
+    @inline_device
+    def consume_overlap(smem, base, a, b, out, alpha, cw, n_tiles, ktiles, w0, maps):
+        """The softmax mode's consumer with ``overlap``: chunks alternate between two
+        accumulators (overlap_step), then the rescale (finish_tma)."""
+        n = b.shape[2] if b_row_major else b.shape[1]
+        bars = shared_addr(smem, BAR0)
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        accx = cuda.local.array(NACC, f32)
+        accy = cuda.local.array(NACC, f32)
+        rmax = cuda.local.array((1, 2), f32)
+        rsum = cuda.local.array((1, 2), f32)
+        for h in range(2):
+            rmax[0, h] = NEG_INF
+            rsum[0, h] = f32(0)
+        omap = T.tensor_map_address(maps) + _MAP_OUT
+        keep = T.l2_evict_last_policy()
+        drop = T.l2_evict_first_policy()
+        if tid % WARPGROUP == 0:
+            T.fence_proxy_tensormap_acquire(omap)
+        row0 = w0 // n_tiles * BM + cw * ROW_OFF
+        s = 0
+        ph = 0
+        r = 0
+        pending = 0
+        for kt in range(ktiles):                   # chunk 0, as the plain main loop
+            s, ph = issue_kstep(accx, base, bars, s, ph, cw, kt == 0)
+            W.wgmma_wait_group(1)
+            r, pending = release_stages(bars, r, pending + 1, 1, lane)
+        # chunk pairs (x then y) while both have a successor; then the tail, x's last or
+        # x's step and y's last (fixed accumulators per position: no runtime choice of one)
+        j = 0
+        while j + 2 < n_tiles:
+            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
+                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
+                                             warp, lane, keep, drop)
+            s, ph, r, pending = overlap_step(accy, accx, j + 1, n_tiles, ktiles, base, bars, s,
+                                             ph, r, pending, omap, row0, n, alpha, rmax, rsum,
+                                             cw, warp, lane, keep, drop)
+            j += 2
+        if j + 2 == n_tiles:
+            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
+                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
+                                             warp, lane, keep, drop)
+            overlap_last(accy, j + 1, n_tiles, base, bars, r, pending, omap, row0, n, alpha,
+                         rmax, rsum, cw, warp, lane, keep, drop)
+        else:
+            overlap_last(accx, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax,
+                         rsum, cw, warp, lane, keep, drop)
+        finish_tma(base, omap, row0, n, 0 if PROBE & 2 else n_tiles - 1, cw, drop)
+
+    @inline_device
+    def scores_softmax(acc, col0, n, alpha, rmax, rsum, base, warp, lane, cw):
+        """A chunk's accumulator (columns col0 …) in place: scaled by alpha (any sign), −inf
+        past column n, then the online-softmax step (chunk_softmax)."""
+        col = col0 + 2 * (lane % 4)
+        for jj in range(NI):
+            for q in range(4):
+                v = acc[4 * jj + q] * alpha
+                if col + 8 * jj + q % 2 >= n:
+                    v = NEG_INF
+                acc[4 * jj + q] = v
+        if not PROBE & 1:
+            chunk_softmax(acc, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane, cw)
+
+    @inline_device
+    def park_tma_chunk(acc, base, omap, row0, chunk, n_tiles, n, cw, warp, lane, rmax, rsum,
+                       keep, drop):
+        """tma_out: park_tma of chunk ``chunk``, then (all but the last) the rows' running max
+        after it, for the rescale's factors."""
+        last = chunk == n_tiles - 1
+        park_tma(acc, base, omap, row0, chunk * BN, n, last, cw, warp, lane, rmax, rsum, keep,
+                 drop)
+        if lane % 4 == 0 and not last:
+            VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
+                                 + ((chunk * 4 + warp) * 8 + lane // 4) * 8,
+                                 rmax[0, 0], rmax[0, 1])
 
     @inline_device
     def load_chunk(bar, buf, omap, chunk, row0, n, drop):
@@ -905,13 +1048,17 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         else:
             if SETREG:
                 W.setmaxnreg_inc(CREG)
-            consume(smem, base, a, b, out, c, bias, alpha, beta, wg - 1, m_tiles, n_tiles,
-                    total, ktiles, w0, step, maps)
+            if OVERLAP:
+                consume_overlap(smem, base, a, b, out, alpha, wg - 1, n_tiles, ktiles, w0, maps)
+            else:
+                consume(smem, base, a, b, out, c, bias, alpha, beta, wg - 1, m_tiles, n_tiles,
+                        total, ktiles, w0, step, maps)
 
     kernel.config = cfg
     kernel.b_row_major = b_row_major
     kernel.softmax = softmax
     kernel.tma_out = tma_out or TMA_EPI   # the maps end with the output's
+    kernel.overlap = overlap
     return kernel
 
 
@@ -1100,6 +1247,9 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
             raise ValueError("softmax mode computes one matrix (no batch)")
         if -(-out.shape[2] // cfg.block_n) > SOFTMAX_CHUNKS:
             raise ValueError(f"softmax mode: at most {SOFTMAX_CHUNKS * cfg.block_n} columns")
+        if getattr(kernel, "overlap", False) and -(-a.shape[2] // BK) < cfg.stages - 1:
+            raise ValueError(f"softmax overlap: K of at least {(cfg.stages - 1) * BK} (the "
+                             f"k-steps issued ahead), got {a.shape[2]}")
         g = (-(-a.shape[1] // cfg.block_m), 1)
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
@@ -1159,7 +1309,11 @@ def _report_kernels():
         # ... with the output's tensor map: TMA-stored chunks, the rescale through shared memory
         ("ws_128x256_brow_smemepi_softmax_tmaout",
          WsConfig(stages=3, persistent=True, smem_epilogue=True), True, "float16", None,
-         False, False, True, True))
+         False, False, True, True),
+        # ... 128-column chunks, each one's softmax under the next one's first k-steps
+        ("ws_128x128_brow_smemepi_softmax_overlap",
+         WsConfig(128, 128, 4, persistent=True, smem_epilogue=True), True, "float16", None,
+         False, False, True, True, True))
     return {"main": main, "epilogues": epilogues}
 
 
