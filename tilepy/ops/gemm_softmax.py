@@ -189,13 +189,14 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
         Out = describe(out, "out")
     if m == 0 or n == 0:
         return out
-    cfg = config or choose_config(n, dtype, tma_out=_row_major_aligned(Out))
-    _run(A, B, Out, cfg, m, n, k, scale, device)
+    _run(A, B, Out, config, m, n, k, scale, device)
     return out
 
 
 def _run(A, B, Out, cfg, m, n, k, scale, device):
     with arrays.on_device(device):
+        # the built-in choice asks the inputs' device (compute capability 9.0 or not)
+        cfg = cfg or choose_config(n, A.dtype, tma_out=_row_major_aligned(Out))
         stream = arrays.stream_of(A)
         if k == 0:  # a @ b is zeros: run on K = 8 zeros (uniform rows)
             A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
