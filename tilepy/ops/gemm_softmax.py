@@ -214,7 +214,7 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             # chunks overlap each chunk's softmax with the next one's MMAs where K allows
             tma_out = _row_major_aligned(Out)
             overlap = (tma_out and cfg.block_n == 128 and cfg.stages >= 3
-                       and -(-k // 64) >= cfg.stages - 1)
+                       and -(-k // ws.BK) >= cfg.stages - 1)
             kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
                                            tma_out=tma_out, overlap=overlap)
             handle = arrays.stream_handle(A)

@@ -1221,9 +1221,17 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     a plan never waits for the GPU (a synchronous copy here made every unplanned call, e.g.
     with a bias that needs a float32 copy, wait for all earlier work).
     Raises ValueError for operands whose strides TMA cannot describe."""
+    if kernel.softmax:   # refused before any map is encoded or copied
+        if out.shape[0] != 1 or a.shape[0] != 1 or b.shape[0] != 1:
+            raise ValueError("softmax mode computes one matrix (no batch)")
+        if -(-out.shape[2] // cfg.block_n) > SOFTMAX_CHUNKS:
+            raise ValueError(f"softmax mode: at most {SOFTMAX_CHUNKS * cfg.block_n} columns")
+        if kernel.overlap and -(-a.shape[2] // BK) < cfg.stages - 1:
+            raise ValueError(f"softmax overlap: K of at least {(cfg.stages - 1) * BK} (the "
+                             f"k-steps issued ahead), got {a.shape[2]}")
     b_row_major = kernel.b_row_major
     a_layout, b_layout = layouts(cfg, b_row_major, a, b)
-    tma_out = getattr(kernel, "tma_out", False)
+    tma_out = kernel.tma_out
     map_args = (0, 1, 2) if tma_out else (0, 1)
     if tma_out:
         o_layout = out_layout(out)
@@ -1243,13 +1251,6 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     smem = cfg.smem_bytes + (softmax_stats_bytes(cfg) if kernel.softmax else 0)
     allow_dynamic_shared(kernel, args, smem)
     if kernel.softmax:
-        if out.shape[0] != 1 or a.shape[0] != 1 or b.shape[0] != 1:
-            raise ValueError("softmax mode computes one matrix (no batch)")
-        if -(-out.shape[2] // cfg.block_n) > SOFTMAX_CHUNKS:
-            raise ValueError(f"softmax mode: at most {SOFTMAX_CHUNKS * cfg.block_n} columns")
-        if getattr(kernel, "overlap", False) and -(-a.shape[2] // BK) < cfg.stages - 1:
-            raise ValueError(f"softmax overlap: K of at least {(cfg.stages - 1) * BK} (the "
-                             f"k-steps issued ahead), got {a.shape[2]}")
         g = (-(-a.shape[1] // cfg.block_m), 1)
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
