@@ -419,8 +419,9 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_256x128_brow_smemepi": 4,
                      "gemm_ws_128x256_brow_persistent_smemepi": 3,
                      "gemm_ws_128x128_brow_pingpong_smemepi": 3,
-                     # + one per chunk (the quads' max) and two at the end (sum, rescale)
-                     "gemm_ws_128x256_brow_smemepi_softmax": 6,
+                     # + one per chunk (the quads' max) and three at the end (sum, the
+                     # statistics, the rescale factors)
+                     "gemm_ws_128x256_brow_smemepi_softmax": 7,
                      # the TMA-store epilogue: two per pass (staging free, staging written),
                      # two passes of 128 columns
                      "gemm_ws_128x256_brow_persistent_tmastore": 5,

@@ -921,16 +921,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         scale, TMA store."""
         tw = cuda.threadIdx.x % WARPGROUP
         stats = base + STATS_OFF + cw * _STATS_WG
-        fin = base + FINAL_OFF + cw * _FINAL_WG
-        # each (chunk, row pair)'s running max → its factor, in place (fin and the running
-        # maxima were written before the last chunk's staging barrier)
-        for e in range(tw, nfin * 32, WARPGROUP):
-            g = e % 32
-            mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
-            l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
-            mj0, mj1 = VEC.ld_shared_v2_f32(stats + e * 8)
-            VEC.st_shared_v2_f32(stats + e * 8, ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0),
-                                 ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1))
+        # fin and the running maxima were written before the last chunk's staging barrier
+        chunk_factors(stats, base + FINAL_OFF + cw * _FINAL_WG, nfin, tw)
         fb = base + FBAR_OFF + cw * _FBAR_WG
         buf0 = base + 2 * cw * CT
         stg = base + EPI_OFF + cw * EPI_WG
@@ -944,9 +936,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             MB.mbarrier_wait_parity(fb + 8 * bsel, (ch // 3) % 2)
             for i in range(CT // (16 * WARPGROUP)):
                 off = (tw + WARPGROUP * i) * 16
-                rl = (off % 8192) // 128
-                f = VEC.ld_shared_f32(stats + (ch * 32 + (rl // 16) * 8 + rl % 8) * 8
-                                      + 4 * ((rl % 16) // 8))
+                f = chunk_factor(stats, ch, (off % 8192) // 128)
                 w0, w1, w2, w3 = VEC.ld_shared_v4_b32(buf + off)
                 VEC.st_shared_v4_b32(buf + off, scale_word(w0, f), scale_word(w1, f),
                                      scale_word(w2, f), scale_word(w3, f))
@@ -965,15 +955,23 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             T.bulk_wait_group_read(0)   # no store still reads shared memory at exit
 
     @inline_device
-    def row_factor(stats, fin, rl, chunk):
-        """exp(m_chunk − m_row) / (sum · 2**15) for local row rl and a chunk."""
-        g = (rl // 16) * 8 + rl % 8
-        mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
-        l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
-        mj0, mj1 = VEC.ld_shared_v2_f32(stats + (chunk * 32 + g) * 8)
-        if (rl % 16) // 8:
-            return ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1)
-        return ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0)
+    def chunk_factors(stats, fin, nchunks, tw):
+        """The rescale's factors, computed once: each (chunk < nchunks, row pair g)'s running
+        max in ``stats`` becomes ``exp(m_chunk − m_row) / (sum · 2**15)`` in place (``fin``:
+        the pairs' final max and sum); the caller's barrier publishes them."""
+        for e in range(tw, nchunks * 32, WARPGROUP):
+            g = e % 32
+            mf0, mf1 = VEC.ld_shared_v2_f32(fin + g * 16)
+            l0, l1 = VEC.ld_shared_v2_f32(fin + g * 16 + 8)
+            mj0, mj1 = VEC.ld_shared_v2_f32(stats + e * 8)
+            VEC.st_shared_v2_f32(stats + e * 8, ex2_approx((mj0 - mf0) * LOG2E) * (UNPARK / l0),
+                                 ex2_approx((mj1 - mf1) * LOG2E) * (UNPARK / l1))
+
+    @inline_device
+    def chunk_factor(stats, chunk, rl):
+        """The factor (chunk_factors) of local row rl (0 … 63) in a chunk."""
+        return VEC.ld_shared_f32(stats + (chunk * 32 + (rl // 16) * 8 + rl % 8) * 8
+                                 + 4 * ((rl % 16) // 8))
 
     @inline_device
     def scale_word(w, f):
@@ -994,15 +992,17 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         # every thread's parked stores (global) and statistics (shared) are done
         BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
         t = cuda.threadIdx.x % WARPGROUP
+        stats = base + STATS_OFF + cw * _STATS_WG
+        chunk_factors(stats, fin, (n + BN - 1) // BN, t)
+        BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
         row_base = (cuda.blockIdx.x) * BM + cw * 64
         pairs = (n + 1) // 2
-        stats = base + STATS_OFF + cw * _STATS_WG
         for rl in range(64):
             r = row_base + rl
             if r < m:
                 for cp in range(t, pairs, WARPGROUP):
                     cc = 2 * cp
-                    fac = row_factor(stats, fin, rl, cc // BN)
+                    fac = chunk_factor(stats, cc // BN, rl)
                     v0, v1 = get_pair(o, r, cc, n)
                     put_pair(o, r, cc, n, v0 * fac, v1 * fac)
 
