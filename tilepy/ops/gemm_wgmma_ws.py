@@ -74,6 +74,7 @@ from ..tile.epilogue import (
     staged_bytes,
     store_accumulators,
     store_accumulators_smem,
+    swizzled_pair_offset,
 )
 from ..tile.smem import allow_dynamic_shared
 from ..tune.kcache import cached_jit
@@ -724,13 +725,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         if PROBE & 4:
             return
         stg = base + EPI_OFF + cw * EPI_WG
-        sw = (lane // 4) * 16          # the swizzle: row % 8 is lane // 4 for both rows
+        g = lane // 4                  # row % 8 of both of the lane's rows: their swizzle
         for jj in range(NI):
             for h in range(2):
-                rl = warp * 16 + lane // 4 + 8 * h
                 f = f1 if h else f0
-                VEC.st_shared_b32(stg + (jj // 8) * 8192 + rl * 128 + (((jj % 8) * 16) ^ sw)
-                                  + 4 * (lane % 4),
+                VEC.st_shared_b32(stg + swizzled_pair_offset(jj, warp * 16 + g + 8 * h, g,
+                                                             lane % 4),
                                   pack2(sc[4 * jj + 2 * h] * f, sc[4 * jj + 2 * h + 1] * f))
         W.fence_proxy_async_shared()
         BAR.bar_sync(BAR_WG0 + cw, WARPGROUP)
@@ -739,7 +739,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             policy = drop if last else keep
             for bx in range(NB):
                 if col0 + 64 * bx < n:
-                    T.tma_store_2d_hint(omap, stg + bx * 8192, col0 + 64 * bx, row0, policy)
+                    T.tma_store_2d_hint(omap, stg + bx * SWIZZLED_BOX_BYTES, col0 + 64 * bx,
+                                        row0, policy)
             T.bulk_commit_group()
 
     # ---- overlap: two accumulators, the next chunk's first k-steps under this chunk's epilogue
@@ -896,10 +897,11 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         for bx in range(NB):
             if chunk * BN + 64 * bx < n:
                 boxes += 1
-        MB.mbarrier_arrive_expect_tx(bar, boxes * 8192)
+        MB.mbarrier_arrive_expect_tx(bar, boxes * SWIZZLED_BOX_BYTES)
         for bx in range(NB):
             if chunk * BN + 64 * bx < n:
-                T.tma_load_2d_hint(buf + bx * 8192, omap, bar, chunk * BN + 64 * bx, row0, drop)
+                T.tma_load_2d_hint(buf + bx * SWIZZLED_BOX_BYTES, omap, bar, chunk * BN + 64 * bx,
+                                   row0, drop)
 
     @inline_device
     def prefetch_finish(base, omap, row0, n, nfin, cw, drop):
@@ -936,7 +938,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             MB.mbarrier_wait_parity(fb + 8 * bsel, (ch // 3) % 2)
             for i in range(CT // (16 * WARPGROUP)):
                 off = (tw + WARPGROUP * i) * 16
-                f = chunk_factor(stats, ch, (off % 8192) // 128)
+                f = chunk_factor(stats, ch, (off % SWIZZLED_BOX_BYTES) // 128)
                 w0, w1, w2, w3 = VEC.ld_shared_v4_b32(buf + off)
                 VEC.st_shared_v4_b32(buf + off, scale_word(w0, f), scale_word(w1, f),
                                      scale_word(w2, f), scale_word(w3, f))
@@ -945,8 +947,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if tw == 0:
                 for bx in range(NB):
                     if ch * BN + 64 * bx < n:
-                        T.tma_store_2d_hint(omap, buf + bx * 8192, ch * BN + 64 * bx, row0,
-                                            drop)
+                        T.tma_store_2d_hint(omap, buf + bx * SWIZZLED_BOX_BYTES,
+                                            ch * BN + 64 * bx, row0, drop)
                 T.bulk_commit_group()
                 if ch + 3 < nfin:
                     T.bulk_wait_group_read(0)

@@ -461,6 +461,14 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
 SWIZZLED_BOX_BYTES = 8192
 
 
+@inline_device
+def swizzled_pair_offset(jj, rl, g, t):
+    """Byte offset, in the swizzled staging of :func:`stage_accumulators_swizzled`, of the
+    16-bit column pair ``t`` (0 … 3) of n8 block ``jj`` in local row ``rl``; ``g`` is
+    ``rl % 8`` (a fragment's ``lane // 4``), the row's swizzle."""
+    return (jj // 8) * SWIZZLED_BOX_BYTES + rl * 128 + (((jj % 8) ^ g) * 16) + 4 * t
+
+
 @functools.cache
 def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bias=False,
                                 has_c=False, first: int = 0, count: int | None = None):
@@ -505,8 +513,7 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
         v1 = _ZERO
         if r < m and c < n:
             v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
-        VEC.st_shared_b32(stage + (jj // 8) * SWIZZLED_BOX_BYTES + rl * 128
-                          + (((jj % 8) ^ g) * 16) + 4 * t, pack(v0, v1))
+        VEC.st_shared_b32(stage + swizzled_pair_offset(jj, rl, g, t), pack(v0, v1))
 
     @inline_device
     def write_n8(a0, a1, a2, a3, jj, c, rl, stage, row0, m, n, alpha, bias, c_in, beta, g, t):
