@@ -41,12 +41,16 @@ def configs(d, dtype, kernels=("mma_sync", "wgmma")):
     # overlap=True: the softmax of key block j+1 beside the P·V wgmmas of block j (FA3's
     # intra-warpgroup pipelining); it fits without spills only where OVERLAP_FITS says
     # (d128 x 128-key blocks spill), so it is timed at 128 x 64 and, for d64, 128 x 128
-    wg = [(128, 128, False), (128, 64, False), (64, 128, False), (128, 64, True)]
+    # (block_m, block_n, overlap, persistent); persistent: one block per SM slot walking the
+    # tiles, the next tile's Q, K and V loaded during the last key block
+    wg = [(128, 128, False, False), (128, 64, False, False), (64, 128, False, False),
+          (128, 64, True, False), (128, 128, True, False), (128, 128, False, True)]
     if d <= 64:
-        wg.append((128, 128, True))
-    for bm, bn, overlap in wg if "wgmma" in kernels else []:
+        wg.append((128, 64, False, True))
+    for bm, bn, overlap, persistent in wg if "wgmma" in kernels else []:
         try:
-            out.append(WgmmaAttentionConfig(d, bm, bn, dtype, overlap=overlap))
+            out.append(WgmmaAttentionConfig(d, bm, bn, dtype, overlap=overlap,
+                                            persistent=persistent))
         except ValueError as e:
             print("skip wgmma", (d, bm, bn, overlap), e, file=sys.stderr)
     return out
@@ -93,9 +97,10 @@ def main():
                 peer_ms = time_cuda(fa2, warmup=2, repeat=10)
                 wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows
                 over = getattr(cfg, "overlap", False)
+                pers = getattr(cfg, "persistent", False)
                 tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
                       f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "") + \
-                      (" overlap" if over else "")
+                      (" overlap" if over else "") + (" persistent" if pers else "")
                 try:
                     out = torch.empty_like(q)
                     tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
@@ -108,7 +113,7 @@ def main():
                     continue
                 row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
                            block_n=cfg.block_n, warp_rows=wr, kernel=type(cfg).__name__,
-                           overlap=over,
+                           overlap=over, persistent=pers,
                            ms=ms,
                            tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
                            ratio=peer_ms / ms, max_abs_err=err)

@@ -9,7 +9,12 @@ from test_ops_attention import NP, check, check_lse, rand, reference
 
 import tilepy
 from tilepy.offline import find_ptxas, run_in_subprocess
-from tilepy.ops.attention_wgmma import OVERLAP_REPORTS, WgmmaAttentionConfig
+from tilepy.ops.attention_wgmma import (
+    OVERLAP_REPORTS,
+    PERSISTENT_REPORTS,
+    WgmmaAttentionConfig,
+    tile_order,
+)
 
 
 def run(rng, b, hq, hk, sq, sk, d, causal, layout, dtype, cfg):
@@ -60,12 +65,63 @@ def test_overlap_config():
     assert cfg.smem_bytes == WgmmaAttentionConfig(128, 128, 64).smem_bytes + 16
     assert WgmmaAttentionConfig(64).overlap is False
     assert "overlapped" not in WgmmaAttentionConfig(64).describe()
-    with pytest.raises(ValueError, match="overlap needs .* spills"):
-        WgmmaAttentionConfig(128, 128, 128, overlap=True)
+    WgmmaAttentionConfig(128, 128, 128, overlap=True)   # fits since the copies were reshaped
     with pytest.raises(ValueError, match="overlap must be a bool"):
         WgmmaAttentionConfig(64, 128, 64, overlap=1)
     for d, bn in ((64, 64), (64, 128), (128, 64)):
         WgmmaAttentionConfig(d, 128, bn, "bfloat16", overlap=True)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,bn,overlap", [
+    (1, 2, 1, 130, 70, False, "bhsd", "float16", 64, False),    # 6 tiles over 4 blocks
+    (1, 3, 1, 100, 9, True, "bhsd", "bfloat16", 64, False),     # tiles that see no key
+    (1, 3, 1, 150, 60, True, "bhsd", "float16", 64, True),      # overlap, no-key tiles
+    (1, 2, 2, 130, 140, True, "bshd", "float16", 64, True),     # overlap, bshd, 3 key blocks
+    (1, 5, 1, 70, 130, False, "bhsd", "bfloat16", 128, True),   # GQA, 128-key blocks
+])
+def test_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bn, overlap):
+    """The persistent kernel: the simulator's 4 SM slots walk several tiles each, loading the
+    next tile's Q, K and V during the last key block (and skipping tiles that see no key)."""
+    run(np.random.default_rng(), b, hq, hk, sq, sk, 64, causal, layout, dtype,
+        WgmmaAttentionConfig(64, 64, bn, dtype, overlap=overlap, persistent=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,heads,n_qb,sk", [(1, 3, 5, 16384), (2, 3, 4, 100),
+                                                 (3, 1, 1, 40000)])
+def test_tile_order(batch, heads, n_qb, sk, causal):
+    """The persistent tile order is a permutation of (batch, head, query block); causal:
+    within each L2 group of heads the query blocks go from the heaviest (last) down, and the
+    group holds as many heads as fit L2_GROUP_BYTES (2 at head_dim 128 and 16 K keys)."""
+    from tilepy.ops.attention_wgmma import L2_GROUP_BYTES
+
+    at = tile_order(128, 128, causal)
+    order = [at(t, n_qb, heads, batch, sk) for t in range(batch * heads * n_qb)]
+    assert sorted(order) == [(b, h, q) for b in range(batch) for h in range(heads)
+                             for q in range(n_qb)]
+    if not causal:
+        assert order[:n_qb] == [(0, 0, q) for q in range(n_qb)]
+        return
+    per = max(1, L2_GROUP_BYTES // (4 * 128 * sk))
+    bh = [b * heads + h for b, h, _ in order]
+    for i in range(1, len(order)):
+        if bh[i] // per == bh[i - 1] // per:     # same group: query blocks never go up
+            assert order[i][2] <= order[i - 1][2]
+        else:                                   # groups in order, each from the heaviest
+            assert bh[i] // per == bh[i - 1] // per + 1 and order[i][2] == n_qb - 1
+
+
+def test_persistent_config():
+    cfg = WgmmaAttentionConfig(128, persistent=True)
+    assert cfg.smem_bytes == WgmmaAttentionConfig(128).smem_bytes + cfg.q_bytes
+    assert "persistent" in cfg.describe() and "persistent" not in WgmmaAttentionConfig(
+        128).describe()
+    with pytest.raises(ValueError, match="persistent with overlap .* spills"):
+        WgmmaAttentionConfig(128, 128, 64, overlap=True, persistent=True)
+    with pytest.raises(ValueError, match="persistent must be a bool"):
+        WgmmaAttentionConfig(64, persistent=1)
+    WgmmaAttentionConfig(64, 128, 128, overlap=True, persistent=True)
 
 
 def test_config_validation():
@@ -84,18 +140,18 @@ def test_compiles_for_sm90a_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
-    assert len(reps) == 3 + len(OVERLAP_REPORTS)
+    assert len(reps) == 3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS)
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         assert rep["counts"]["wgmma.mma_async"] >= 12 and rep["counts"]["ld.local"] == 0
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
         assert rep["registers"] <= 255
-        if "overlap" in name:
+        if "overlap" in name or "persistent" in name:
             # no serialised wgmmas, no waits injected by ptxas
             assert rep["ptxas_wgmma_notes"] == [], rep["ptxas_wgmma_notes"]
             # the softmax (block_n / 2 + 2 ex2 per thread, the row-max shuffles) sits between
             # wait_group(1) and wait_group(0) in the machine code: it overlaps the P·V wgmmas
-            if "ex2_in_flight" in rep:
+            if "ex2_in_flight" in rep and "overlap" in name:
                 bn = int(name.split("x")[1].split("_")[0])
                 assert rep["ex2_in_flight"] == [bn // 2 + 2], rep["ex2_in_flight"]
                 assert rep["shfl_in_flight"][0] >= 4
@@ -109,20 +165,30 @@ def test_gpu_against_sdpa(d, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,bn,causal", [(64, 64, False), (64, 128, True), (128, 64, False),
-                                         (128, 64, True)])
+                                         (128, 64, True), (128, 128, False), (128, 128, True)])
 def test_gpu_overlap_against_sdpa(d, bn, causal):
     gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=True))
 
 
-def gpu_against_sdpa(d, causal, cfg):
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,bn,overlap,causal", [(128, 128, False, False),
+                                                 (128, 128, False, True),
+                                                 (64, 64, False, True), (64, 128, True, False)])
+def test_gpu_persistent_against_sdpa(d, bn, overlap, causal):
+    # 4 x 32 heads x 8 query blocks: several tiles for each of the ~132 blocks
+    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=overlap,
+                                                     persistent=True), b=4, hk=16)
+
+
+def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
     torch = pytest.importorskip("torch")
     from tilepy.ops.gemm import _is_hopper
 
     if not _is_hopper():
         pytest.skip("not a compute capability 9.0 GPU")
-    q = torch.randn(2, 8, 1000, d, device="cuda", dtype=torch.float16)
-    k = torch.randn(2, 4, 1100, d, device="cuda", dtype=torch.float16)
-    v = torch.randn(2, 4, 1100, d, device="cuda", dtype=torch.float16)
+    q = torch.randn(b, 2 * hk, 1000, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hk, 1100, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hk, 1100, d, device="cuda", dtype=torch.float16)
     got = tilepy.flash_attention(q, k, v, causal=causal, config=cfg)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     if causal:   # bottom-right alignment, as tilepy documents

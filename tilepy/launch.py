@@ -36,6 +36,23 @@ from ._env import choose_target
 
 SIMULATOR = choose_target()
 
+#: The simulator's stand-in SM count for persistent grids: small, so that a test's few tiles
+#: still give each block several of them.
+SIM_SMS = 4
+
+
+def sm_count(default: int) -> int:
+    """The current device's multiprocessor count (persistent grids); :data:`SIM_SMS` in the
+    simulator, ``default`` where the device does not say."""
+    if SIMULATOR:
+        return SIM_SMS
+    from numba import cuda
+
+    try:
+        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+    except Exception:  # noqa: BLE001 - no device attribute: the caller's default
+        return default
+
 
 def pointer(view) -> int:
     """Device address of a Numba device array (host address of the simulator's stand-in)."""

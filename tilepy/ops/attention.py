@@ -37,12 +37,17 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 # Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has, 128 query rows
 # (two warpgroups); per (head_dim, causal): (block_m, block_n, overlap). Chosen on absolute
-# TFLOPS over issue 7's shapes, one run (2026-11-30_s5_sweep_attention_grid.json, fp16):
-# d128 non-causal 128x128 (274 / 354 / 401 / 422 TFLOPS at S1024 … 8192, against 253 / 315 /
-# 349 / 365 for 128x64); d128 causal 128x64 with the softmax overlapped with P·V (180 / 266 /
-# 339 / 364, against 166 / 261 / 322 / 366 for 128x128); d64 128x64 without overlap (273,
-# causal 218; the overlapped variants lose ~20% there). TILEPY_HOPPER=0 keeps mma.sync.
-HOPPER_CHOICE = {(128, False): (128, 128, False), (128, True): (128, 64, True),
+# TFLOPS over issue 7's shapes, one run (2026-11-30_s7a_sweep_attention_grid.json, fp16):
+# d128 128x128 with the softmax overlapped with P·V (it fits in 216-218 registers since the
+# K/V copies address one column per thread), causal or not: 288 / 367 / 409 / 422 TFLOPS at
+# S1024 … 8192 (causal 183 / 284 / 359 / 388), against 263 / 326 / 357 / 372 for 128x128
+# without overlap and 257 / 338 / 381 / 398 for 128x64 with it; d64 128x64 without overlap
+# (273, causal 217; with overlap 276 / 218, the same within the noise; 128-key blocks lose
+# 10-15%: one block per SM instead of two). The persistent variant (opt-in,
+# WgmmaAttentionConfig(..., persistent=True)) wins 5-8% over the grid kernel without overlap
+# at S >= 2048 but loses causal; with overlap it spills at d128. TILEPY_HOPPER=0 keeps
+# mma.sync.
+HOPPER_CHOICE = {(128, False): (128, 128, True), (128, True): (128, 128, True),
                  (64, False): (128, 64, False), (64, True): (128, 64, False)}
 
 
@@ -248,7 +253,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
-        plan, args = fa.plan(kern, cfg, *views, o_v, lse_v, scale)  # either kernel's config
+        plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
         plan.launch(arrays.stream_handle(Q), args)
     if not reusable:
         return None

@@ -247,25 +247,40 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
 # ---- the kernel ----------------------------------------------------------------------------------
 
 @functools.cache
-def key_blocks(block_m: int, block_n: int, causal: bool):
-    """``bounds(sq, sk) -> (row0, n_kb, all_see)`` for this block: its first query row (causal:
-    heavier blocks first), how many key blocks it visits, and the last key every one of its
-    rows sees (blocks ending after it need the mask). Shared by the attention kernels."""
+def block_bounds(block_m: int, block_n: int, causal: bool):
+    """``bounds(qb, sq, sk) -> (row0, n_kb, all_see)`` for query block ``qb``: its first query
+    row, how many key blocks it visits, and the last key every one of its rows sees (blocks
+    ending after it need the mask)."""
     BM, BN, CAUSAL = block_m, block_n, bool(causal)
 
     @inline_device
-    def bounds(sq, sk):
-        shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
+    def bounds(qb, sq, sk):
+        row0 = qb * BM
         if CAUSAL:
-            row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+            shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
             last = min(sk, min(row0 + BM, sq) + shift) - 1
             n_kb = last // BN + 1 if last >= 0 else 0
             all_see = min(sk, row0 + shift + 1) - 1
         else:
-            row0 = cuda.blockIdx.x * BM
             n_kb = (sk + BN - 1) // BN
             all_see = sk - 1
         return row0, n_kb, all_see
+
+    return bounds
+
+
+@functools.cache
+def key_blocks(block_m: int, block_n: int, causal: bool):
+    """``bounds(sq, sk) -> (row0, n_kb, all_see)`` for this block (:func:`block_bounds` of its
+    query block; causal: heavier blocks first). Shared by the attention kernels."""
+    at = block_bounds(block_m, block_n, causal)
+    CAUSAL = bool(causal)
+
+    @inline_device
+    def bounds(sq, sk):
+        if CAUSAL:
+            return at(cuda.gridDim.x - 1 - cuda.blockIdx.x, sq, sk)
+        return at(cuda.blockIdx.x, sq, sk)
 
     return bounds
 

@@ -57,6 +57,7 @@ from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tune.kcache import cached_jit
 from .attention_kernel import (
     DTYPES,
+    block_bounds,
     key_blocks,
     mask_scores,
     row_limits,
@@ -66,10 +67,14 @@ from .attention_kernel import (
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
 #: (head_dim, block_n) whose overlap kernel compiles for sm_90a without spills (offline ptxas).
-OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 64)})
+OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 64), (128, 128)})
 OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32) registers "
-               "are live together: 254-255 registers, and the causal kernel spills 16 B "
-               "(offline sm_90a compile, 2026-11-30)")
+               "are live together; it fits (216-218 registers) since the copies address one "
+               "column per thread (offline sm_90a compile, 2026-11-30)")
+#: (head_dim, block_n) whose persistent overlap kernel compiles without spills: at head_dim 128
+#: the tile loop's extra live values push it past 255 registers (128 x 64 causal spills 20 B,
+#: 128 x 128 100 B; offline sm_90a compile, 2026-11-30).
+PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128)})
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 
@@ -86,23 +91,29 @@ class WgmmaAttentionConfig:
     block_n: int = 128
     dtype: str = "float16"
     overlap: bool = False
+    persistent: bool = False
 
     def __post_init__(self):
         def need(ok, what):
             if not ok:
                 raise ValueError(f"WgmmaAttentionConfig({self.head_dim}, {self.block_m}, "
-                                 f"{self.block_n}, {self.dtype!r}, overlap={self.overlap!r}): "
-                                 f"{what}")
+                                 f"{self.block_n}, {self.dtype!r}, overlap={self.overlap!r}, "
+                                 f"persistent={self.persistent!r}): {what}")
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}")
         need(self.block_m in (64, 128), "block_m must be 64 or 128")
         need(self.block_n in (64, 128), "block_n must be 64 or 128")
         need(isinstance(self.overlap, bool), "overlap must be a bool")
+        need(isinstance(self.persistent, bool), "persistent must be a bool")
         if self.overlap:
             need((self.head_dim, self.block_n) in OVERLAP_FITS,
                  f"overlap needs (head_dim, block_n) in {sorted(OVERLAP_FITS)}: "
                  f"{OVERLAP_WHY}")
+        if self.overlap and self.persistent:
+            need((self.head_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
+                 f"persistent with overlap needs (head_dim, block_n) in "
+                 f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 it spills")
         limit = SMEM_LIMIT[(9, 0)]
         need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
              f"{limit} B of sm_90")
@@ -122,32 +133,52 @@ class WgmmaAttentionConfig:
     @property
     def smem_bytes(self) -> int:
         # Q, then two stages of K and V; overlap: a 16-byte scratch word (wait_after_store)
-        return self.q_bytes + 4 * self.tile_bytes + (16 if self.overlap else 0)
+        # persistent: a second Q buffer, which the next tile's Q is loaded into
+        q = self.q_bytes * (2 if self.persistent else 1)
+        return q + 4 * self.tile_bytes + (16 if self.overlap else 0)
+
+    @property
+    def kv_offset(self) -> int:
+        """Byte offset of the K/V stages (after the Q buffer or buffers)."""
+        return self.q_bytes * (2 if self.persistent else 1)
+
+    @property
+    def scratch_offset(self) -> int:
+        """Byte offset of the overlap kernel's scratch word (after the K/V stages)."""
+        return self.kv_offset + 4 * self.tile_bytes
 
     def describe(self) -> str:
         return (f"wgmma attention d{self.head_dim} {self.block_m}x{self.block_n}, "
                 f"{self.block_m // 64} warpgroups, {self.smem_bytes // 1024} KB smem"
-                + (", softmax overlapped with P·V" if self.overlap else ""))
+                + (", softmax overlapped with P·V" if self.overlap else "")
+                + (", persistent (next tile's Q, K, V loaded during the last key block)"
+                   if self.persistent else ""))
 
 
 @functools.cache
 def _copy_rows(rows: int, d: int, threads: int):
     """``issue(tile, src, row_stride, rows_left, tid)``: one thread's cp.async copies of a
     (rows × d) tile into 64-column sub-tiles of ``rows × 128`` bytes, 128-byte swizzled;
-    rows at or past ``rows_left`` are zero-filled."""
+    rows at or past ``rows_left`` are zero-filled. Thread ``tid`` copies 16-byte chunk
+    ``tid % chunks`` of rows ``tid // chunks + p · (threads / chunks)``: one column and one
+    swizzle phase per thread (the row step is a multiple of 8), so its shared offsets are one
+    base plus constants and its global ones a base plus multiples of the row stride."""
     chunks = d // 8                       # 16-byte chunks per row
-    per_thread = rows * chunks // threads
+    step = threads // chunks              # rows per pass (a multiple of 8)
+    passes = rows // step
     sub_bytes = rows * 128
+    assert threads % chunks == 0 and step % 8 == 0 and rows % step == 0
 
     @inline_device
     def issue(tile, src, row_stride, rows_left, tid):
-        for p in range(per_thread):
-            q = tid + p * threads
-            r = q // chunks
-            c = q % chunks
-            dst = (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-            cp_async_cg_16(tile + dst, src + r * row_stride + c * 16,
-                           16 if r < rows_left else 0)
+        c = tid % chunks
+        r = tid // chunks
+        dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+        a = src + r * row_stride + c * 16
+        left = rows_left - r
+        for p in range(passes):
+            cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
+                           16 if p * step < left else 0)
 
     return issue
 
@@ -188,6 +219,39 @@ def _make_wait_after_store():
 wait_after_store = pick(None if SIMULATOR else _make_wait_after_store(), _wait_after_store_twin)
 
 
+#: Causal persistent order: heads are taken in groups whose K and V together fit in this many
+#: bytes of L2, and inside a group the heaviest query blocks (the last, which see the most
+#: keys) of every head first (longest-processing-time first, as FlashAttention-3 schedules).
+L2_GROUP_BYTES = 16 << 20
+
+
+@functools.cache
+def tile_order(block_m: int, head_dim: int, causal: bool):
+    """``at(tile, n_qb, heads, batch, sk) -> (b, h, qb)``: the persistent kernel's tile
+    ``tile``. Not causal: query blocks fastest, then heads, then batch (the blocks running
+    together share a head's K and V). Causal: :data:`L2_GROUP_BYTES` groups of (batch, head),
+    in each the query blocks from the heaviest down, the group's heads fastest."""
+    CAUSAL = bool(causal)
+    KV_ROW = 4 * head_dim                  # bytes of K and V per key
+
+    @inline_device
+    def at(tile, n_qb, heads, batch, sk):
+        if CAUSAL:
+            total = heads * batch
+            per = min(max(1, L2_GROUP_BYTES // (KV_ROW * max(sk, 1))), total)
+            first = (tile // (per * n_qb)) * per
+            members = min(per, total - first)
+            r = tile - first * n_qb
+            qb = n_qb - 1 - r // members
+            bh = first + r % members
+        else:
+            bh = tile // n_qb
+            qb = tile % n_qb
+        return bh // heads, bh % heads, qb
+
+    return at
+
+
 @functools.cache
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False):
@@ -201,7 +265,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     P_REGS = 4 * KN       # P as the A registers of the P·V wgmmas
     Q_BYTES, TILE = cfg.q_bytes, cfg.tile_bytes
     STAGE = 2 * TILE
-    SCRATCH = Q_BYTES + 2 * STAGE
+    SCRATCH = cfg.scratch_offset
+    KV = cfg.kv_offset
     ab = "f16" if cfg.dtype == "float16" else "bf16"
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
     mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
@@ -262,7 +327,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     def main_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
                   q_rows, sk, n_kb, all_see, t, tid, scale_log2):
         """One wgmma batch at a time: S, wait, softmax, P·V, wait."""
-        kv_base = base + Q_BYTES
+        kv_base = base + KV
         copy_kv(kv_base, k0, ks, sk, tid)
         copy_kv(kv_base + TILE, v0, vs, sk, tid)
         cp_async_commit_group()
@@ -301,7 +366,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         wait_group(1) (S retired) while P·V is still in flight; O is rescaled after
         wait_group(0). Ring (two stages, stage = block % 2): step kb reads K(kb+1) and
         V(kb), and loads V(kb+1) and K(kb+2) into the slots that step kb-1 retired."""
-        kv_base = base + Q_BYTES
+        kv_base = base + KV
         copy_kv(kv_base, k0, ks, sk, tid)                 # K(0)
         cp_async_commit_group()
         copy_kv(kv_base + TILE, v0, vs, sk, tid)          # V(0)
@@ -354,6 +419,209 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     loop = overlap_loop if cfg.overlap else main_loop
 
+    # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
+    # Key block j of a tile lives in stage (st0 + j) % 2, st0 counting on across tiles; the
+    # tile's Q in buffer qbuf. ``pre``: the next tile's Q and first K/V block are loaded
+    # during this tile's last key block, into the other Q buffer and the stage after it.
+
+    @inline_device
+    def compute_block(acc_o, s, s3, p, limit, row_max, row_sum, alpha, q_rows, k_addr, kb,
+                      all_see, t, scale_log2):
+        """S, wait, softmax, P·V, wait: one key block (stage at ``k_addr``)."""
+        W.wgmma_fence()
+        issue_s(s, q_rows, k_addr)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(s, NACC_S)
+        softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2)
+        rescale(acc_o, alpha)
+        to_p(p, s3)
+        W.wgmma_fence()
+        issue_o(acc_o, p, k_addr + TILE)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc_o, NACC_O)
+
+    @inline_device
+    def persistent_main(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+                        vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
+                        nq_buf, nq_src, qs, nq_left, nk0, nv0):
+        q_rows = qbuf + wg * (64 * 128)
+        for kb in range(n_kb):
+            cur = (st0 + kb) % 2
+            cp_async_wait_group(0)
+            W.fence_proxy_async_shared()
+            cuda.syncthreads()
+            nxt = kv_base + (1 - cur) * STAGE
+            if kb + 1 < n_kb:
+                left = sk - (kb + 1) * BN
+                copy_kv(nxt, k0 + (kb + 1) * BN * ks, ks, left, tid)
+                copy_kv(nxt + TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
+            elif pre:
+                copy_q(nq_buf, nq_src, qs, nq_left, tid)
+                copy_kv(nxt, nk0, ks, sk, tid)
+                copy_kv(nxt + TILE, nv0, vs, sk, tid)
+            cp_async_commit_group()
+            compute_block(acc_o, s, s3, p, limit, row_max, row_sum, alpha, q_rows,
+                          kv_base + cur * STAGE, kb, all_see, t, scale_log2)
+
+    @inline_device
+    def persistent_overlap(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks,
+                           v0, vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
+                           nq_buf, nq_src, qs, nq_left, nk0, nv0):
+        """:func:`overlap_loop`'s pipeline with the stages counted from st0. Entry: Q and
+        K(0) retired or in the older group, V(0) in the newest. The next tile's Q and K(0)
+        go out with V(n-1) (in the tail when n_kb is 1), its V(0) in the tail."""
+        q_rows = qbuf + wg * (64 * 128)
+        cp_async_wait_group(1)                            # Q, K(0)
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        if n_kb > 1:                                      # K(1)
+            copy_kv(kv_base + ((st0 + 1) % 2) * STAGE, k0 + BN * ks, ks, sk - BN, tid)
+        cp_async_commit_group()
+        W.wgmma_fence()
+        issue_s(s, q_rows, kv_base + st0 * STAGE)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(s, NACC_S)
+        softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
+        to_p(p, s3)                                       # O is 0: no rescale
+        for kb in range(n_kb - 1):
+            cur = (st0 + kb) % 2
+            nxt = kv_base + (1 - cur) * STAGE
+            cp_async_wait_group(0)                        # V(kb), K(kb+1)
+            W.fence_proxy_async_shared()
+            cuda.syncthreads()
+            left = sk - (kb + 1) * BN
+            copy_kv(nxt + TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
+            if kb + 2 < n_kb:
+                copy_kv(kv_base + cur * STAGE, k0 + (kb + 2) * BN * ks, ks, left - BN, tid)
+            elif pre:                                     # the next tile's Q and K(0)
+                copy_q(nq_buf, nq_src, qs, nq_left, tid)
+                copy_kv(kv_base + cur * STAGE, nk0, ks, sk, tid)
+            cp_async_commit_group()
+
+            W.wgmma_fence()
+            issue_s(s, q_rows, nxt)
+            W.wgmma_commit_group()
+            issue_o(acc_o, p, kv_base + cur * STAGE + TILE)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
+            W.wgmma_fence_operand(s, NACC_S)
+            softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
+            wait_after_store(kv_base - KV + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_fence_operand(acc_o, NACC_O)
+            rescale(acc_o, alpha)
+            to_p(p, s3)
+        last = (st0 + n_kb - 1) % 2
+        after = kv_base + (1 - last) * STAGE              # the next tile's first stage
+        cp_async_wait_group(0)                            # V(n_kb - 1)
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        if pre:
+            if n_kb == 1:
+                copy_q(nq_buf, nq_src, qs, nq_left, tid)
+                copy_kv(after, nk0, ks, sk, tid)
+                cp_async_commit_group()
+            copy_kv(after + TILE, nv0, vs, sk, tid)
+            cp_async_commit_group()
+        W.wgmma_fence()
+        issue_o(acc_o, p, kv_base + last * STAGE + TILE)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc_o, NACC_O)
+
+    ploop = persistent_overlap if cfg.overlap else persistent_main
+    OVERLAP = bool(cfg.overlap)
+    tile_at = tile_order(BM, D, causal)
+    block_at = block_bounds(BM, BN, causal)
+
+    @cached_jit
+    def pkernel(q, k, v, o, lse, scale, scale_log2):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        heads = q.shape[1]
+        group = heads // k.shape[1]
+        n_qb = (sq + BM - 1) // BM
+        n_tiles = n_qb * heads * q.shape[0]
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        g = lane // 4
+        t = lane % 4
+        wrow = wg * 64 + warp * 16      # this warp's first row in the block
+
+        acc_o = cuda.local.array(NACC_O, f32)
+        s = cuda.local.array(NACC_S, f32)
+        s3 = cuda.local.array((1, NS, 4), f32)
+        o3 = cuda.local.array((1, NO, 4), f32)
+        p = cuda.local.array(P_REGS, types.uint32)
+        row_max = cuda.local.array((1, 2), f32)
+        row_sum = cuda.local.array((1, 2), f32)
+        alpha = cuda.local.array((1, 2), f32)
+        limit = cuda.local.array((1, 2), i64)
+        smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
+            cuda.shared.array(0, types.uint16)
+        base = shared_addr(smem, 0)
+        kv_base = base + KV
+        qs = i64(q.strides[2])
+        ks = i64(k.strides[2])
+        vs = i64(v.strides[2])
+
+        tile = cuda.blockIdx.x
+        st0 = 0           # the stage of this tile's first key block
+        qi = 0            # the Q buffer of this tile
+        pending = False   # this tile's Q and first K/V block already loaded (in flight)
+        while tile < n_tiles:
+            b, h, qb = tile_at(tile, n_qb, heads, q.shape[0], sk)
+            row0, n_kb, all_see = block_at(qb, sq, sk)
+            hk = h // group
+            init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+            for i in range(NACC_O):
+                acc_o[i] = _ZERO
+            nxt_tile = tile + cuda.gridDim.x
+            if n_kb > 0:
+                qbuf = base + qi * Q_BYTES
+                k0 = i64(global_addr(k, (b, hk, 0, 0)))
+                v0 = i64(global_addr(v, (b, hk, 0, 0)))
+                if not pending:
+                    cuda.syncthreads()      # every warpgroup is done with the buffers
+                    copy_q(qbuf, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0, tid)
+                    copy_kv(kv_base + st0 * STAGE, k0, ks, sk, tid)
+                    if OVERLAP:             # V(0) in a group of its own (see the loop)
+                        cp_async_commit_group()
+                    copy_kv(kv_base + st0 * STAGE + TILE, v0, vs, sk, tid)
+                    cp_async_commit_group()
+                pre = False
+                nq_src = i64(0)
+                nk0 = i64(0)
+                nv0 = i64(0)
+                nq_left = 0
+                if nxt_tile < n_tiles:
+                    nb, nh, nqb = tile_at(nxt_tile, n_qb, heads, q.shape[0], sk)
+                    nrow0, nn_kb, _ = block_at(nqb, sq, sk)
+                    if nn_kb > 0:
+                        pre = True
+                        nq_src = i64(global_addr(q, (nb, nh, nrow0, 0)))
+                        nk0 = i64(global_addr(k, (nb, nh // group, 0, 0)))
+                        nv0 = i64(global_addr(v, (nb, nh // group, 0, 0)))
+                        nq_left = sq - nrow0
+                ploop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+                      vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
+                      base + (1 - qi) * Q_BYTES, nq_src, qs, nq_left, nk0, nv0)
+                st0 = (st0 + n_kb) % 2
+                pending = pre
+                if pre:
+                    qi = 1 - qi
+            for j in range(NO):
+                for e in range(4):
+                    o3[0, j, e] = acc_o[4 * j + e]
+            finalize(o3, row_sum)
+            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+            tile = nxt_tile
+
+
     @cached_jit
     def kernel(q, k, v, o, lse, scale, scale_log2):
         sq = q.shape[2]
@@ -403,7 +671,47 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         finalize(o3, row_sum)
         store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
-    return kernel
+    return pkernel if cfg.persistent else kernel
+
+
+#: The H200's SM count: the persistent grid's size when the device does not say.
+SMS = 132
+#: Shared memory of one SM and what the hardware keeps of it per block (sm_90).
+SM_SMEM, BLOCK_SMEM_RESERVED = 228 * 1024, 1024
+
+
+def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
+    """How many blocks of the compiled kernel fit on one SM: by registers (allocated per
+    thread in multiples of 8, 64 K per SM), shared memory and threads (2048). 1 in the
+    simulator."""
+    if SIMULATOR:
+        return 1
+    sig = tuple(kernel.typeof_pyval(a) for a in args)
+    overload = kernel.overloads.get(sig) or kernel.compile(sig)
+    regs = -(-int(overload.regs_per_thread) // 8) * 8
+    by_regs = 65536 // (max(regs, 8) * cfg.threads)
+    by_smem = SM_SMEM // (cfg.smem_bytes + BLOCK_SMEM_RESERVED)
+    return max(1, min(by_regs, by_smem, 2048 // cfg.threads))
+
+
+def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
+         sms: int | None = None):
+    """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`; a persistent
+    config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the
+    device's SM count)."""
+    from ..launch import LaunchPlan, sm_count
+    from ..tile.smem import allow_dynamic_shared
+    from .attention_kernel import LOG2E
+    from .attention_kernel import plan as grid_plan
+
+    if not cfg.persistent:
+        return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
+    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
+    slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
+    return LaunchPlan(kernel, args, (max(1, min(tiles, slots)), 1, 1), cfg.threads,
+                      cfg.smem_bytes), args
 
 
 def softmax_overlap(cubin_path: str) -> dict:
@@ -477,12 +785,18 @@ def _overlap_entry(name, cfg, causal, has_lse):
 
 #: The overlap kernels of :func:`compile_reports`: (head_dim, block_n, dtype, causal with LSE).
 OVERLAP_REPORTS = ((64, 64, "float16", False), (64, 128, "float16", True),
-                   (128, 64, "float16", False), (128, 64, "bfloat16", True))
+                   (128, 64, "float16", False), (128, 64, "bfloat16", True),
+                   (128, 128, "float16", False), (128, 128, "bfloat16", True))
+#: The persistent kernels of :func:`compile_reports`: (head_dim, block_n, overlap, causal with
+#: LSE).
+PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, False, True),
+                      (64, 64, False, True), (64, 64, True, False))
 
 
 def compile_reports():
-    """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), and of
-    the overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`softmax_overlap`)."""
+    """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
+    overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`softmax_overlap`) and of the
+    persistent ones (:data:`PERSISTENT_REPORTS`)."""
     from ..offline import report_entry
     from .attention_kernel import argtypes
 
@@ -497,6 +811,11 @@ def compile_reports():
     for d, bn, dtype, causal in OVERLAP_REPORTS:
         cfg = WgmmaAttentionConfig(d, 128, bn, dtype, overlap=True)
         name = (f"attention_wgmma_overlap_d{d}_{cfg.block_m}x{bn}_{dtype}"
+                f"{'_causal_lse' if causal else ''}")
+        out.append(_overlap_entry(name, cfg, causal, causal))
+    for d, bn, overlap, causal in PERSISTENT_REPORTS:
+        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=overlap, persistent=True)
+        name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out

@@ -55,7 +55,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
-from ..launch import SIMULATOR as _LAUNCH_SIM
+from ..launch import sm_count
 from ..launch import BoundPlan, LaunchPlan, pointer
 from ..ptx import barrier as BAR
 from ..ptx import mbarrier as MB
@@ -1202,15 +1202,6 @@ def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None):
     return (max(1, min(sms or SMS, tiles * batch)), 1)
 
 
-def _sm_count() -> int:
-    if _LAUNCH_SIM:
-        return 4
-    try:
-        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
-    except Exception:  # noqa: BLE001 - no device attribute: the H200's count
-        return SMS
-
-
 def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
          sms: int | None = None, stream=0):
     """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_ws_gemm_kernel`), the
@@ -1256,7 +1247,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
         g = (-(-a.shape[1] // cfg.block_m), 1)
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
-                 sms if sms is not None else (_sm_count() if cfg.persistent else None))
+                 sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
     return TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args), args
 
 
