@@ -172,7 +172,7 @@ def test_gpu_overlap_against_sdpa(d, bn, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,bn,overlap,causal", [(128, 128, False, False),
-                                                 (128, 128, False, True),
+                                                 (128, 128, True, True), (128, 128, True, False),
                                                  (64, 64, False, True), (64, 128, True, False)])
 def test_gpu_persistent_against_sdpa(d, bn, overlap, causal):
     # 4 x 32 heads x 8 query blocks: several tiles for each of the ~132 blocks

@@ -53,6 +53,7 @@ from ..ptx.asm import SIMULATOR, pick
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.config import SMEM_LIMIT
+from ..tile.epilogue import staged_bytes, store_accumulators_smem
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tune.kcache import cached_jit
 from .attention_kernel import (
@@ -72,11 +73,13 @@ OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32
                "are live together; it fits (216-218 registers) since the copies address one "
                "column per thread (offline sm_90a compile, 2026-11-30)")
 #: (head_dim, block_n) whose persistent overlap kernel compiles without spills: at head_dim 128
-#: the tile loop's extra live values push it past 255 registers (128 x 64 causal spills 20 B,
-#: 128 x 128 100 B; offline sm_90a compile, 2026-11-30).
-PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128)})
+#: with 64-key blocks the tile loop's extra live values push it past 255 registers (spills 20 B;
+#: 128 x 128 fits in 225-238 since O is staged through shared memory; offline sm_90a compile,
+#: 2026-11-30).
+PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 128)})
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
 
 
 @dataclass(frozen=True)
@@ -113,7 +116,8 @@ class WgmmaAttentionConfig:
         if self.overlap and self.persistent:
             need((self.head_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
                  f"persistent with overlap needs (head_dim, block_n) in "
-                 f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 it spills")
+                 f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 with 64-key blocks it "
+                 f"spills")
         limit = SMEM_LIMIT[(9, 0)]
         need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
              f"{limit} B of sm_90")
@@ -419,6 +423,37 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     loop = overlap_loop if cfg.overlap else main_loop
 
+    # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
+    # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
+    # of the stage the tile's last key block used, after a block barrier (the other warpgroup
+    # may still read that block's K and V); a persistent kernel's next tile loads into the
+    # other stage. Where two staged halves do not fit in one stage (head_dim 64 with 64-key
+    # blocks: 2 × 9216 B > 16 KB; a grid kernel may use both stages), 16-bit stores from the
+    # fragments as before.
+    STAGED = staged_bytes(1, NO)
+    ROOM = STAGE if cfg.persistent else 2 * STAGE
+    STAGE_O = 2 * STAGED <= ROOM
+    store_o = store_accumulators_smem(1, NO, cfg.dtype)
+    store_lse = store_rows(1, 0, cfg.dtype, has_lse)
+
+    @inline_device
+    def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
+                 wg, free_stage):
+        for j in range(NO):
+            for e in range(4):
+                o3[0, j, e] = acc_o[4 * j + e]
+        finalize(o3, row_sum)
+        if STAGE_O:
+            for j in range(NO):
+                for e in range(4):
+                    acc_o[4 * j + e] = o3[0, j, e]
+            cuda.syncthreads()          # the last block's K and V are read by every warpgroup
+            store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
+                    _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
+            store_lse(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
+        else:
+            store(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
+
     # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
     # Key block j of a tile lives in stage (st0 + j) % 2, st0 counting on across tiles; the
     # tile's Q in buffer qbuf. ``pre``: the next tile's Q and first K/V block are loaded
@@ -614,11 +649,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 pending = pre
                 if pre:
                     qi = 1 - qi
-            for j in range(NO):
-                for e in range(4):
-                    o3[0, j, e] = acc_o[4 * j + e]
-            finalize(o3, row_sum)
-            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+            # the stage of the last key block (free once every warpgroup is done with it;
+            # st0 has moved on to the next tile's first); any stage when nothing was visited
+            epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
+                     g, t, tid, wg, kv_base + (1 - st0) * STAGE)
             tile = nxt_tile
 
 
@@ -664,12 +698,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
             loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, i64(k.strides[2]),
                  v0, i64(v.strides[2]), q_rows, sk, n_kb, all_see, t, tid, scale_log2)
-
-        for j in range(NO):
-            for e in range(4):
-                o3[0, j, e] = acc_o[4 * j + e]
-        finalize(o3, row_sum)
-        store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+            epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
+                     g, t, tid, wg, base + KV)
+        else:
+            for j in range(NO):
+                for e in range(4):
+                    o3[0, j, e] = acc_o[4 * j + e]
+            finalize(o3, row_sum)
+            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
     return pkernel if cfg.persistent else kernel
 
@@ -789,7 +825,7 @@ OVERLAP_REPORTS = ((64, 64, "float16", False), (64, 128, "float16", True),
                    (128, 128, "float16", False), (128, 128, "bfloat16", True))
 #: The persistent kernels of :func:`compile_reports`: (head_dim, block_n, overlap, causal with
 #: LSE).
-PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, False, True),
+PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
                       (64, 64, False, True), (64, 64, True, False))
 
 
