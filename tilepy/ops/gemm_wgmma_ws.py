@@ -55,8 +55,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
-from ..launch import sm_count
-from ..launch import BoundPlan, LaunchPlan, pointer
+from ..launch import BoundPlan, LaunchPlan, pointer, sm_count
 from ..ptx import barrier as BAR
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
