@@ -4,7 +4,7 @@
 # mbarrier or named-barrier deadlock hangs it). Parts, each one device call of under 10 minutes
 # (the machine idles back after 30 s, so run them back to back):
 #   PART=s7      Hopper attention: GPU tests (persistent and 128 x 128 overlapped configs too),
-#                gemm_softmax's GPU tests, the attention config grid over issue 7's shapes
+#                the attention config grid over issue 7's shapes
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
@@ -58,9 +58,8 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s7 "* ]]; then
     # the Hopper attention: persistent and 128 x 128 overlapped configs (tests, then the
-    # issue-7 grid), and the gemm_softmax review mends of session 6 (GPU tests)
+    # issue-7 grid)
     gpu_tests ops_attention_wgmma 170 tests/test_ops_attention_wgmma.py
-    gpu_tests gemm_softmax_tests 80 tests/test_ops_gemm_softmax.py
     step sweep_attention_grid 300 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
         --json "$OUT/sweep_attention_grid.json"
 fi
