@@ -81,7 +81,7 @@ def build() -> str:
         items = results_data.entries(gpu_dir)
         parts += suite_tables(items) + plot_links(gpu_dir.name, items)
         bench_rows, sweep_rows, demo_rows, host_rows = [], [], [], []
-        att_rows, first_rows, probe_rows = [], [], []
+        att_rows, first_rows, probe_rows, clock_rows = [], [], [], []
         for b in results_data.legacy(items):
             e = b.info
             thr = e.get("tflops") or e.get("gbps")
@@ -113,7 +113,8 @@ def build() -> str:
                 att_rows += [(f.name, f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
                               + (" causal" if r["causal"] else ""),
                               f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
-                              + (", overlap" if r.get("overlap") else ""),
+                              + (", overlap" if r.get("overlap") else "")
+                              + (", persistent" if r.get("persistent") else ""),
                               fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
             elif "rows" in data and all("shape" in r and "config" in r for r in data["rows"]):
                 # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
@@ -133,6 +134,12 @@ def build() -> str:
                 first_rows += [(f.name, r["label"], which, fmt(r[which].get("import_s")),
                                 fmt(r[which].get("first_call_s")))
                                for r in data["rows"] for which in ("cold", "warm")]
+            elif "rows" in data and all("sm_clock_mhz_median" in r for r in data["rows"]):
+                # bench/probe_clocks.py: back to back for seconds, nvidia-smi sampling
+                clock_rows += [(f.name, r["case"], fmt(r["tflops"]),
+                                fmt(r["sm_clock_mhz_median"]), fmt(r["sm_clock_mhz_min"]),
+                                fmt(r["power_w_median"]),
+                                " ".join(r["throttle_reasons"]) or "-") for r in data["rows"]]
             elif "rows" in data and "gpu" in data:
                 for r in data["rows"]:
                     demo_rows.append((f.name, r["what"], r.get("size", ""),
@@ -152,6 +159,11 @@ def build() -> str:
                       "4096³ float16, TMA kernel)", "",
                       table(("file", "variant", "µs", "TFLOPS", "unfused torch µs",
                              "ratio to unfused torch"), probe_rows), ""]
+        if clock_rows:
+            parts += ["### Sustained clocks and power (`bench/probe_clocks.py`: each case back "
+                      "to back for seconds; throttle 0x4 is the software power cap)", "",
+                      table(("file", "case", "TFLOPS", "SM MHz (median)", "SM MHz (min)",
+                             "power W (median)", "throttle reasons"), clock_rows), ""]
         if att_rows:
             parts += ["### Attention kernel configurations (`bench/sweep_attention.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2"),
