@@ -3,6 +3,8 @@ WgmmaAttentionConfig(...))``: simulator runs against float64 (the wgmma twins re
 swizzled shared tiles the descriptors address), the sm_90a compile, and on the GPU full size
 against SDPA."""
 
+import re
+
 import numpy as np
 import pytest
 from test_ops_attention import NP, check, check_lse, rand, reference
@@ -143,7 +145,12 @@ def test_compiles_for_sm90a_without_spills():
     assert len(reps) == 3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS)
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
-        assert rep["counts"]["wgmma.mma_async"] >= 12 and rep["counts"]["ld.local"] == 0
+        # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
+        d = int(re.search(r"_d(\d+)", name).group(1))
+        m = re.search(r"_128x(\d+)", name)
+        bn = int(m.group(1)) if m else 128
+        assert rep["counts"]["wgmma.mma_async"] >= d // 16 + bn // 16, name
+        assert rep["counts"]["ld.local"] == 0
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
         assert rep["registers"] <= 255
         if "overlap" in name or "persistent" in name:
