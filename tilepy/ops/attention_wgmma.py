@@ -35,7 +35,14 @@ of the row sums to a scratch word (:data:`wait_after_store`); ptxas leaves the P
 the in-flight rs-form wgmma reads alone by itself (else it would inject a wait and say so,
 C7517 — the compile test refuses any C75xx note). :func:`softmax_overlap` checks the machine
 code: the softmax's ex2 and shuffles sit between the two waits. It fits without spills for
-(head_dim, block_n) in :data:`OVERLAP_FITS`. No ping-pong between warpgroups, no TMA.
+(head_dim, block_n) in :data:`OVERLAP_FITS`.
+
+The epilogue stages each warpgroup's O rows in the stage of the last key block and writes
+them with 16-byte stores (:func:`tilepy.tile.epilogue.store_accumulators_smem`).
+``persistent=True`` launches one block per SM slot that walks the tiles (:func:`tile_order`),
+loading the next tile's Q (into a second Q buffer) and first K/V block during the current
+tile's last key block; the grid kernel runs the same key-block loops with nothing to load
+ahead. No ping-pong between warpgroups, no TMA.
 """
 
 from __future__ import annotations
@@ -327,102 +334,6 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
             p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
 
-    @inline_device
-    def main_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
-                  q_rows, sk, n_kb, all_see, t, tid, scale_log2):
-        """One wgmma batch at a time: S, wait, softmax, P·V, wait."""
-        kv_base = base + KV
-        copy_kv(kv_base, k0, ks, sk, tid)
-        copy_kv(kv_base + TILE, v0, vs, sk, tid)
-        cp_async_commit_group()
-        for kb in range(n_kb):
-            cp_async_wait_group(0)
-            W.fence_proxy_async_shared()
-            cuda.syncthreads()
-            if kb + 1 < n_kb:
-                nxt = kv_base + ((kb + 1) % 2) * STAGE
-                left = sk - (kb + 1) * BN
-                copy_kv(nxt, k0 + (kb + 1) * BN * ks, ks, left, tid)
-                copy_kv(nxt + TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
-            cp_async_commit_group()
-            k_addr = kv_base + (kb % 2) * STAGE
-
-            W.wgmma_fence()
-            issue_s(s, q_rows, k_addr)
-            W.wgmma_commit_group()
-            W.wgmma_wait_group(0)
-            W.wgmma_fence_operand(s, NACC_S)
-            softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2)
-            rescale(acc_o, alpha)
-            to_p(p, s3)
-
-            W.wgmma_fence()
-            issue_o(acc_o, p, k_addr + TILE)
-            W.wgmma_commit_group()
-            W.wgmma_wait_group(0)
-            W.wgmma_fence_operand(acc_o, NACC_O)
-
-    @inline_device
-    def overlap_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
-                     q_rows, sk, n_kb, all_see, t, tid, scale_log2):
-        """FlashAttention-3's intra-warpgroup pipeline: in step kb, S(kb+1) = Q·K(kb+1)ᵀ and
-        O += P(kb)·V(kb) are issued as two groups; the softmax of kb+1 runs after
-        wait_group(1) (S retired) while P·V is still in flight; O is rescaled after
-        wait_group(0). Ring (two stages, stage = block % 2): step kb reads K(kb+1) and
-        V(kb), and loads V(kb+1) and K(kb+2) into the slots that step kb-1 retired."""
-        kv_base = base + KV
-        copy_kv(kv_base, k0, ks, sk, tid)                 # K(0)
-        cp_async_commit_group()
-        copy_kv(kv_base + TILE, v0, vs, sk, tid)          # V(0)
-        cp_async_commit_group()
-        cp_async_wait_group(1)
-        W.fence_proxy_async_shared()
-        cuda.syncthreads()
-        if n_kb > 1:                                      # K(1)
-            copy_kv(kv_base + STAGE, k0 + BN * ks, ks, sk - BN, tid)
-        cp_async_commit_group()
-        W.wgmma_fence()
-        issue_s(s, q_rows, kv_base)
-        W.wgmma_commit_group()
-        W.wgmma_wait_group(0)
-        W.wgmma_fence_operand(s, NACC_S)
-        softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
-        to_p(p, s3)                                       # O is 0: no rescale
-        for kb in range(n_kb - 1):
-            cp_async_wait_group(0)                        # V(kb), K(kb+1)
-            W.fence_proxy_async_shared()
-            cuda.syncthreads()
-            left = sk - (kb + 1) * BN
-            copy_kv(kv_base + ((kb + 1) % 2) * STAGE + TILE, v0 + (kb + 1) * BN * vs, vs,
-                    left, tid)
-            if kb + 2 < n_kb:
-                copy_kv(kv_base + (kb % 2) * STAGE, k0 + (kb + 2) * BN * ks, ks,
-                        left - BN, tid)
-            cp_async_commit_group()
-
-            W.wgmma_fence()
-            issue_s(s, q_rows, kv_base + ((kb + 1) % 2) * STAGE)
-            W.wgmma_commit_group()
-            issue_o(acc_o, p, kv_base + (kb % 2) * STAGE + TILE)
-            W.wgmma_commit_group()
-            W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
-            W.wgmma_fence_operand(s, NACC_S)
-            softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
-            wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
-            W.wgmma_fence_operand(acc_o, NACC_O)
-            rescale(acc_o, alpha)
-            to_p(p, s3)
-        cp_async_wait_group(0)                            # V(n_kb - 1)
-        W.fence_proxy_async_shared()
-        cuda.syncthreads()
-        W.wgmma_fence()
-        issue_o(acc_o, p, kv_base + ((n_kb - 1) % 2) * STAGE + TILE)
-        W.wgmma_commit_group()
-        W.wgmma_wait_group(0)
-        W.wgmma_fence_operand(acc_o, NACC_O)
-
-    loop = overlap_loop if cfg.overlap else main_loop
-
     # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
     # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
     # of the stage the tile's last key block used, after a block barrier (the other warpgroup
@@ -478,7 +389,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_fence_operand(acc_o, NACC_O)
 
     @inline_device
-    def persistent_main(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+    def block_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
                         vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
                         nq_buf, nq_src, qs, nq_left, nk0, nv0):
         q_rows = qbuf + wg * (64 * 128)
@@ -501,10 +412,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                           kv_base + cur * STAGE, kb, all_see, t, scale_log2)
 
     @inline_device
-    def persistent_overlap(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks,
+    def overlap_block_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks,
                            v0, vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
                            nq_buf, nq_src, qs, nq_left, nk0, nv0):
-        """:func:`overlap_loop`'s pipeline with the stages counted from st0. Entry: Q and
+        """FlashAttention-3's intra-warpgroup pipeline (see the module docstring), stages counted
+        from st0. Entry: Q and
         K(0) retired or in the older group, V(0) in the newest. The next tile's Q and K(0)
         go out with V(n-1) (in the tail when n_kb is 1), its V(0) in the tail."""
         q_rows = qbuf + wg * (64 * 128)
@@ -566,8 +478,19 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
 
-    ploop = persistent_overlap if cfg.overlap else persistent_main
+    loop = overlap_block_loop if cfg.overlap else block_loop
     OVERLAP = bool(cfg.overlap)
+
+    @inline_device
+    def load_first(qbuf, q_src, qs, q_left, stage, k0, ks, v0, vs, sk, tid):
+        """A tile's Q and first K/V block, as the loops expect them: one group (V(0) in a
+        group of its own for the overlap loop)."""
+        copy_q(qbuf, q_src, qs, q_left, tid)
+        copy_kv(stage, k0, ks, sk, tid)
+        if OVERLAP:
+            cp_async_commit_group()
+        copy_kv(stage + TILE, v0, vs, sk, tid)
+        cp_async_commit_group()
     tile_at = tile_order(BM, D, causal)
     block_at = block_bounds(BM, BN, causal)
 
@@ -622,12 +545,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 v0 = i64(global_addr(v, (b, hk, 0, 0)))
                 if not pending:
                     cuda.syncthreads()      # every warpgroup is done with the buffers
-                    copy_q(qbuf, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0, tid)
-                    copy_kv(kv_base + st0 * STAGE, k0, ks, sk, tid)
-                    if OVERLAP:             # V(0) in a group of its own (see the loop)
-                        cp_async_commit_group()
-                    copy_kv(kv_base + st0 * STAGE + TILE, v0, vs, sk, tid)
-                    cp_async_commit_group()
+                    load_first(qbuf, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0,
+                               kv_base + st0 * STAGE, k0, ks, v0, vs, sk, tid)
                 pre = False
                 nq_src = i64(0)
                 nk0 = i64(0)
@@ -642,9 +561,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                         nk0 = i64(global_addr(k, (nb, nh // group, 0, 0)))
                         nv0 = i64(global_addr(v, (nb, nh // group, 0, 0)))
                         nq_left = sq - nrow0
-                ploop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
-                      vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
-                      base + (1 - qi) * Q_BYTES, nq_src, qs, nq_left, nk0, nv0)
+                loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+                     vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
+                     base + (1 - qi) * Q_BYTES, nq_src, qs, nq_left, nk0, nv0)
                 st0 = (st0 + n_kb) % 2
                 pending = pre
                 if pre:
@@ -690,14 +609,16 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 cuda.shared.array(0, types.uint16)
             base = shared_addr(smem, 0)
             qs = i64(q.strides[2])
-            q0 = i64(global_addr(q, (b, h, row0, 0)))
+            ks = i64(k.strides[2])
+            vs = i64(v.strides[2])
             k0 = i64(global_addr(k, (b, hk, 0, 0)))
             v0 = i64(global_addr(v, (b, hk, 0, 0)))
-            copy_q(base, q0, qs, sq - row0, tid)
-            cp_async_commit_group()
-            q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
-            loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, i64(k.strides[2]),
-                 v0, i64(v.strides[2]), q_rows, sk, n_kb, all_see, t, tid, scale_log2)
+            load_first(base, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0, base + KV,
+                       k0, ks, v0, vs, sk, tid)
+            zero = i64(0)     # the persistent kernel's next-tile arguments: nothing to load
+            loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base + KV, k0, ks, v0, vs,
+                 base, sk, n_kb, all_see, t, tid, wg, scale_log2, 0, False, base, zero, qs, 0,
+                 zero, zero)
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
                      g, t, tid, wg, base + KV)
         else:
