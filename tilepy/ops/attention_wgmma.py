@@ -41,8 +41,9 @@ The epilogue stages each warpgroup's O rows in the stage of the last key block a
 them with 16-byte stores (:func:`tilepy.tile.epilogue.store_accumulators_smem`).
 ``persistent=True`` launches one block per SM slot that walks the tiles (:func:`tile_order`),
 loading the next tile's Q (into a second Q buffer) and first K/V block during the current
-tile's last key block; the grid kernel runs the same key-block loops with nothing to load
-ahead. No ping-pong between warpgroups, no TMA.
+tile's last key block, with loops of its own (the grid kernel running the persistent loops
+with nothing to load ahead measured 3-5% slower on the H200, session 7). No ping-pong between
+warpgroups, no TMA.
 """
 
 from __future__ import annotations
@@ -334,6 +335,102 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
             p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
 
+    @inline_device
+    def main_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
+                  q_rows, sk, n_kb, all_see, t, tid, scale_log2):
+        """One wgmma batch at a time: S, wait, softmax, P·V, wait."""
+        kv_base = base + KV
+        copy_kv(kv_base, k0, ks, sk, tid)
+        copy_kv(kv_base + TILE, v0, vs, sk, tid)
+        cp_async_commit_group()
+        for kb in range(n_kb):
+            cp_async_wait_group(0)
+            W.fence_proxy_async_shared()
+            cuda.syncthreads()
+            if kb + 1 < n_kb:
+                nxt = kv_base + ((kb + 1) % 2) * STAGE
+                left = sk - (kb + 1) * BN
+                copy_kv(nxt, k0 + (kb + 1) * BN * ks, ks, left, tid)
+                copy_kv(nxt + TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
+            cp_async_commit_group()
+            k_addr = kv_base + (kb % 2) * STAGE
+
+            W.wgmma_fence()
+            issue_s(s, q_rows, k_addr)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(0)
+            W.wgmma_fence_operand(s, NACC_S)
+            softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2)
+            rescale(acc_o, alpha)
+            to_p(p, s3)
+
+            W.wgmma_fence()
+            issue_o(acc_o, p, k_addr + TILE)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(0)
+            W.wgmma_fence_operand(acc_o, NACC_O)
+
+    @inline_device
+    def overlap_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
+                     q_rows, sk, n_kb, all_see, t, tid, scale_log2):
+        """FlashAttention-3's intra-warpgroup pipeline: in step kb, S(kb+1) = Q·K(kb+1)ᵀ and
+        O += P(kb)·V(kb) are issued as two groups; the softmax of kb+1 runs after
+        wait_group(1) (S retired) while P·V is still in flight; O is rescaled after
+        wait_group(0). Ring (two stages, stage = block % 2): step kb reads K(kb+1) and
+        V(kb), and loads V(kb+1) and K(kb+2) into the slots that step kb-1 retired."""
+        kv_base = base + KV
+        copy_kv(kv_base, k0, ks, sk, tid)                 # K(0)
+        cp_async_commit_group()
+        copy_kv(kv_base + TILE, v0, vs, sk, tid)          # V(0)
+        cp_async_commit_group()
+        cp_async_wait_group(1)
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        if n_kb > 1:                                      # K(1)
+            copy_kv(kv_base + STAGE, k0 + BN * ks, ks, sk - BN, tid)
+        cp_async_commit_group()
+        W.wgmma_fence()
+        issue_s(s, q_rows, kv_base)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(s, NACC_S)
+        softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
+        to_p(p, s3)                                       # O is 0: no rescale
+        for kb in range(n_kb - 1):
+            cp_async_wait_group(0)                        # V(kb), K(kb+1)
+            W.fence_proxy_async_shared()
+            cuda.syncthreads()
+            left = sk - (kb + 1) * BN
+            copy_kv(kv_base + ((kb + 1) % 2) * STAGE + TILE, v0 + (kb + 1) * BN * vs, vs,
+                    left, tid)
+            if kb + 2 < n_kb:
+                copy_kv(kv_base + (kb % 2) * STAGE, k0 + (kb + 2) * BN * ks, ks,
+                        left - BN, tid)
+            cp_async_commit_group()
+
+            W.wgmma_fence()
+            issue_s(s, q_rows, kv_base + ((kb + 1) % 2) * STAGE)
+            W.wgmma_commit_group()
+            issue_o(acc_o, p, kv_base + (kb % 2) * STAGE + TILE)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
+            W.wgmma_fence_operand(s, NACC_S)
+            softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
+            wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_fence_operand(acc_o, NACC_O)
+            rescale(acc_o, alpha)
+            to_p(p, s3)
+        cp_async_wait_group(0)                            # V(n_kb - 1)
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        W.wgmma_fence()
+        issue_o(acc_o, p, kv_base + ((n_kb - 1) % 2) * STAGE + TILE)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc_o, NACC_O)
+
+    loop = overlap_loop if cfg.overlap else main_loop
+
     # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
     # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
     # of the stage the tile's last key block used, after a block barrier (the other warpgroup
@@ -366,6 +463,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             store(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
 
     # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
+    # These loops mirror main_loop / overlap_loop with stages counted from st0 and the next
+    # tile's loads folded in. Running the grid kernel through them (st0 = 0, nothing ahead)
+    # was measured 3-5% slower than main_loop / overlap_loop at d128 128x128 overlap (H200,
+    # interleaved A/B in one process, session 7), so the grid kernel keeps its own.
     # Key block j of a tile lives in stage (st0 + j) % 2, st0 counting on across tiles; the
     # tile's Q in buffer qbuf. ``pre``: the next tile's Q and first K/V block are loaded
     # during this tile's last key block, into the other Q buffer and the stage after it.
@@ -389,7 +490,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_fence_operand(acc_o, NACC_O)
 
     @inline_device
-    def block_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+    def persistent_main(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
                         vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
                         nq_buf, nq_src, qs, nq_left, nk0, nv0):
         q_rows = qbuf + wg * (64 * 128)
@@ -412,11 +513,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                           kv_base + cur * STAGE, kb, all_see, t, scale_log2)
 
     @inline_device
-    def overlap_block_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks,
+    def persistent_overlap(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks,
                            v0, vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
                            nq_buf, nq_src, qs, nq_left, nk0, nv0):
-        """FlashAttention-3's intra-warpgroup pipeline (see the module docstring), stages counted
-        from st0. Entry: Q and
+        """:func:`overlap_loop`'s pipeline with the stages counted from st0. Entry: Q and
         K(0) retired or in the older group, V(0) in the newest. The next tile's Q and K(0)
         go out with V(n-1) (in the tail when n_kb is 1), its V(0) in the tail."""
         q_rows = qbuf + wg * (64 * 128)
@@ -478,19 +578,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
 
-    loop = overlap_block_loop if cfg.overlap else block_loop
+    ploop = persistent_overlap if cfg.overlap else persistent_main
     OVERLAP = bool(cfg.overlap)
-
-    @inline_device
-    def load_first(qbuf, q_src, qs, q_left, stage, k0, ks, v0, vs, sk, tid):
-        """A tile's Q and first K/V block, as the loops expect them: one group (V(0) in a
-        group of its own for the overlap loop)."""
-        copy_q(qbuf, q_src, qs, q_left, tid)
-        copy_kv(stage, k0, ks, sk, tid)
-        if OVERLAP:
-            cp_async_commit_group()
-        copy_kv(stage + TILE, v0, vs, sk, tid)
-        cp_async_commit_group()
     tile_at = tile_order(BM, D, causal)
     block_at = block_bounds(BM, BN, causal)
 
@@ -545,8 +634,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 v0 = i64(global_addr(v, (b, hk, 0, 0)))
                 if not pending:
                     cuda.syncthreads()      # every warpgroup is done with the buffers
-                    load_first(qbuf, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0,
-                               kv_base + st0 * STAGE, k0, ks, v0, vs, sk, tid)
+                    copy_q(qbuf, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0, tid)
+                    copy_kv(kv_base + st0 * STAGE, k0, ks, sk, tid)
+                    if OVERLAP:             # V(0) in a group of its own (see the loop)
+                        cp_async_commit_group()
+                    copy_kv(kv_base + st0 * STAGE + TILE, v0, vs, sk, tid)
+                    cp_async_commit_group()
                 pre = False
                 nq_src = i64(0)
                 nk0 = i64(0)
@@ -561,9 +654,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                         nk0 = i64(global_addr(k, (nb, nh // group, 0, 0)))
                         nv0 = i64(global_addr(v, (nb, nh // group, 0, 0)))
                         nq_left = sq - nrow0
-                loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
-                     vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
-                     base + (1 - qi) * Q_BYTES, nq_src, qs, nq_left, nk0, nv0)
+                ploop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
+                      vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
+                      base + (1 - qi) * Q_BYTES, nq_src, qs, nq_left, nk0, nv0)
                 st0 = (st0 + n_kb) % 2
                 pending = pre
                 if pre:
@@ -609,16 +702,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 cuda.shared.array(0, types.uint16)
             base = shared_addr(smem, 0)
             qs = i64(q.strides[2])
-            ks = i64(k.strides[2])
-            vs = i64(v.strides[2])
+            q0 = i64(global_addr(q, (b, h, row0, 0)))
             k0 = i64(global_addr(k, (b, hk, 0, 0)))
             v0 = i64(global_addr(v, (b, hk, 0, 0)))
-            load_first(base, i64(global_addr(q, (b, h, row0, 0))), qs, sq - row0, base + KV,
-                       k0, ks, v0, vs, sk, tid)
-            zero = i64(0)     # the persistent kernel's next-tile arguments: nothing to load
-            loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base + KV, k0, ks, v0, vs,
-                 base, sk, n_kb, all_see, t, tid, wg, scale_log2, 0, False, base, zero, qs, 0,
-                 zero, zero)
+            copy_q(base, q0, qs, sq - row0, tid)
+            cp_async_commit_group()
+            q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
+            loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, i64(k.strides[2]),
+                 v0, i64(v.strides[2]), q_rows, sk, n_kb, all_see, t, tid, scale_log2)
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
                      g, t, tid, wg, base + KV)
         else:
