@@ -5,6 +5,7 @@
 # (the machine idles back after 30 s, so run them back to back):
 #   PART=s7      Hopper attention: GPU tests (persistent and 128 x 128 overlapped configs too),
 #                the attention config grid over issue 7's shapes
+#   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
 #                config grid over issue 7's shapes, the GEMM op benchmarks (issue 5's table)
@@ -62,6 +63,14 @@ if [[ " $PART " == *" s7 "* ]]; then
     gpu_tests ops_attention_wgmma 170 tests/test_ops_attention_wgmma.py
     step sweep_attention_grid 300 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
         --json "$OUT/sweep_attention_grid.json"
+fi
+if [[ " $PART " == *" s7t "* ]]; then
+    # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in
+    # config against its TMA twin over issue 7's shapes
+    gpu_tests tma_tests 150 tests/test_ops_attention_wgmma.py tests/test_ptx_mbarrier_tma.py \
+        -k "tma_against or tma_4d"
+    step sweep_attention_tma 200 "$PY" bench/sweep_attention.py --tma-ab --kernels wgmma \
+        --json "$OUT/sweep_attention_tma.json"
 fi
 if [[ " $PART " == *" s7b "* ]]; then
     # after the s7 grid: the attention benchmarks with the new d128 default, gemm_softmax's

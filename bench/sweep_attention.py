@@ -64,6 +64,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="one shape per head_dim, not causal")
     p.add_argument("--grid", action="store_true",
                    help="every benchmark shape, the competitive Hopper configs only")
+    p.add_argument("--tma-ab", action="store_true",
+                   help="the --grid shapes, only the built-in Hopper config and its TMA twin")
     p.add_argument("--kernels", default="mma_sync,wgmma",
                    help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
@@ -74,7 +76,7 @@ def main():
     from tilepy.testing.timing import time_cuda
 
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
-    if args.grid:
+    if args.grid or args.tma_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -92,7 +94,16 @@ def main():
 
             want = fa2()
             cfgs = configs(d, "float16", args.kernels.split(","))
-            if args.grid:
+            if args.tma_ab:
+                import dataclasses
+
+                from tilepy.ops.attention import choose_config
+
+                base = dataclasses.replace(choose_config(d, "float16", causal), overlap=True)
+                cfgs = [choose_config(d, "float16", causal), base,
+                        dataclasses.replace(base, tma=True)]
+                cfgs = list(dict.fromkeys(cfgs))      # the built-in one may be `base`
+            elif args.grid:
                 # d128 64-key blocks lost to 128-key ones everywhere in s7a's grid
                 cfgs = [c for c in cfgs if c.block_m == 128 and getattr(c, "warp_rows", 64) == 64
                         and not (c.head_dim == 128 and c.block_n == 64)]
@@ -102,9 +113,11 @@ def main():
                 wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows
                 over = getattr(cfg, "overlap", False)
                 pers = getattr(cfg, "persistent", False)
+                tma = getattr(cfg, "tma", False)
                 tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
                       f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "") + \
-                      (" overlap" if over else "") + (" persistent" if pers else "")
+                      (" overlap" if over else "") + (" persistent" if pers else "") + \
+                      (" tma" if tma else "")
                 try:
                     out = torch.empty_like(q)
                     tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
@@ -117,7 +130,7 @@ def main():
                     continue
                 row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
                            block_n=cfg.block_n, warp_rows=wr, kernel=type(cfg).__name__,
-                           overlap=over, persistent=pers,
+                           overlap=over, persistent=pers, tma=tma,
                            ms=ms,
                            tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
                            ratio=peer_ms / ms, max_abs_err=err)

@@ -14,6 +14,7 @@ from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ops.attention_wgmma import (
     OVERLAP_REPORTS,
     PERSISTENT_REPORTS,
+    TMA_REPORTS,
     WgmmaAttentionConfig,
     tile_order,
 )
@@ -114,6 +115,33 @@ def test_tile_order(batch, heads, n_qb, sk, causal):
             assert bh[i] // per == bh[i - 1] // per + 1 and order[i][2] == n_qb - 1
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,d,bn", [
+    (1, 1, 1, 1, 1, False, "bhsd", "float16", 64, 64),          # one key, one block
+    (1, 2, 1, 65, 200, True, "bshd", "bfloat16", 64, 64),       # GQA, bshd (4-D maps), 4 blocks
+    (1, 1, 1, 70, 9, True, "bhsd", "float16", 64, 64),          # rows that see no key
+    (1, 2, 1, 40, 130, False, "bhsd", "float16", 128, 64),      # d128: two boxes per tile
+    (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128),       # 128-key blocks, ragged end
+])
+def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
+    """The TMA-fed kernel: thread 0 loads Q, K and V through 4-D tensor maps into the swizzled
+    slots, the warpgroups wait on mbarriers (no block barrier per key block)."""
+    run(np.random.default_rng(), b, hq, hk, sq, sk, d, causal, layout, dtype,
+        WgmmaAttentionConfig(d, 64, bn, dtype, overlap=True, tma=True))
+
+
+def test_tma_config():
+    cfg = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True)
+    assert "TMA" in cfg.describe()
+    assert cfg.smem_bytes == WgmmaAttentionConfig(128, 128, 128, overlap=True).smem_bytes + 72
+    with pytest.raises(ValueError, match="tma needs overlap=True and persistent=False"):
+        WgmmaAttentionConfig(128, 128, 128, tma=True)
+    with pytest.raises(ValueError, match="tma needs overlap=True and persistent=False"):
+        WgmmaAttentionConfig(64, 128, 64, overlap=True, persistent=True, tma=True)
+    with pytest.raises(ValueError, match="tma must be a bool"):
+        WgmmaAttentionConfig(64, overlap=True, tma="yes")
+
+
 def test_persistent_config():
     cfg = WgmmaAttentionConfig(128, persistent=True)
     assert cfg.smem_bytes == WgmmaAttentionConfig(128).smem_bytes + cfg.q_bytes
@@ -142,7 +170,7 @@ def test_compiles_for_sm90a_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
-    assert len(reps) == 3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS)
+    assert len(reps) == 3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
@@ -153,12 +181,15 @@ def test_compiles_for_sm90a_without_spills():
         assert rep["counts"]["ld.local"] == 0
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
         assert rep["registers"] <= 255
-        if "overlap" in name or "persistent" in name:
+        if "tma" in name:      # the loads are TMA's: no cp.async left
+            assert rep["counts"]["cp.async.bulk.tensor"] >= d // 64 * 3
+            assert rep["counts"]["cp.async"] == 0
+        if "overlap" in name or "persistent" in name or "tma" in name:
             # no serialised wgmmas, no waits injected by ptxas
             assert rep["ptxas_wgmma_notes"] == [], rep["ptxas_wgmma_notes"]
             # the softmax (block_n / 2 + 2 ex2 per thread, the row-max shuffles) sits between
             # wait_group(1) and wait_group(0) in the machine code: it overlaps the P·V wgmmas
-            if "ex2_in_flight" in rep and "overlap" in name:
+            if "ex2_in_flight" in rep and ("overlap" in name or "tma" in name):
                 bn = int(name.split("x")[1].split("_")[0])
                 assert rep["ex2_in_flight"] == [bn // 2 + 2], rep["ex2_in_flight"]
                 assert rep["shfl_in_flight"][0] >= 4
@@ -185,6 +216,13 @@ def test_gpu_persistent_against_sdpa(d, bn, overlap, causal):
     # 4 x 32 heads x 8 query blocks: several tiles for each of the ~132 blocks
     gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=overlap,
                                                      persistent=True), b=4, hk=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,bn,causal", [(128, 128, False), (128, 128, True), (64, 64, False),
+                                         (64, 64, True)])
+def test_gpu_tma_against_sdpa(d, bn, causal):
+    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True))
 
 
 def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):

@@ -256,9 +256,12 @@ def make_load_kernel(rank, box_words, nloads):
                 B.mbarrier_arrive_expect_tx(bar, box_words * 2)
                 if rank == 2:
                     T.tma_load_2d(shared_addr(smem, 0), tm, bar, coords[i, 0], coords[i, 1])
-                else:
+                elif rank == 3:
                     T.tma_load_3d(shared_addr(smem, 0), tm, bar, coords[i, 0], coords[i, 1],
                                   coords[i, 2])
+                else:
+                    T.tma_load_4d(shared_addr(smem, 0), tm, bar, coords[i, 0], coords[i, 1],
+                                  coords[i, 2], coords[i, 3])
             B.mbarrier_wait_parity(bar, i & 1)
             for j in range(tid, box_words, cuda.blockDim.x):
                 out[i, j] = smem[j]
@@ -329,6 +332,25 @@ def _check_3d():
 @pytest.mark.sim
 def test_tma_3d_load():
     _check_3d()
+
+
+def _check_4d():
+    """An attention operand's (batch, head, seq, head_dim) view in the bshd layout (seq and
+    head swapped in memory, so the four strides are not those of a contiguous array): boxes of
+    one (batch, head), 16 rows × 64 columns, one hanging past the last row."""
+    rng, seed = fresh_rng()
+    mem = (rng.standard_normal((2, 40, 3, 64)) * 4).astype(np.float16)   # (b, s, h, d)
+    view = mem.transpose(0, 2, 1, 3)                                     # (b, h, s, d)
+    coords = [(0, 8, 1, 0), (0, 32, 2, 1)]
+    out = run_loads(mem, view.shape, view.strides, (1, 1, 16, 64), 128, coords)
+    for i, (x, y, z, w) in enumerate(coords):
+        want = expected_box(view, (w, z, y, x), (1, 1, 16, 64), 128)
+        np.testing.assert_array_equal(out[i], want, err_msg=f"seed {seed}")
+
+
+@pytest.mark.sim
+def test_tma_4d_load():
+    _check_4d()
 
 
 def _bad_tma_kernel(case):
@@ -619,6 +641,7 @@ def compile_reports():
             ("tma_wgmma", make_gemm_kernel(2), (u8[:], u8[:], i32, i32, types.float32[:, :])),
             ("tma_2d", make_load_kernel(2, 4096, 3), (u8[:], i32[:, :], types.uint16[:, :])),
             ("tma_3d", make_load_kernel(3, 2048, 2), (u8[:], i32[:, :], types.uint16[:, :])),
+            ("tma_4d", make_load_kernel(4, 1024, 2), (u8[:], i32[:, :], types.uint16[:, :])),
             ("tma_store_2d", make_store_kernel(2, 4096), (u8[:], types.uint16[:], i32[:])),
             ("specialised", make_specialised_kernel(4), (u8[:], u8[:], types.float32[:, :]))):
         rep = compile_kernel(name, kernel.py_func, sig, (9, 0, "a"))
@@ -664,11 +687,14 @@ def test_sm90a_compile_of_the_tma_loads_and_stores(compiled):
         in compiled["tma_2d"]["ops"]
     assert "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
         in compiled["tma_3d"]["ops"]
+    assert "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
+        in compiled["tma_4d"]["ops"]
     assert {"cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group",
             "cp.async.bulk.commit_group", "cp.async.bulk.wait_group.read",
             "cp.async.bulk.wait_group", "fence.proxy.async.shared::cta"} <= \
         set(compiled["tma_store_2d"]["ops"]), compiled["tma_store_2d"]["ops"]
-    for rep in (compiled["tma_2d"], compiled["tma_3d"], compiled["tma_store_2d"]):
+    for rep in (compiled["tma_2d"], compiled["tma_3d"], compiled["tma_4d"],
+                compiled["tma_store_2d"]):
         assert rep["spill"] == 0 and rep["registers"] <= 64, rep["log"]
 
 
@@ -696,6 +722,11 @@ def test_gpu_warp_specialised_producer_and_consumer_warpgroups(k):
 @pytest.mark.gpu
 def test_gpu_tma_3d_load():
     _check_3d()
+
+
+@pytest.mark.gpu
+def test_gpu_tma_4d_load():
+    _check_4d()
 
 
 @pytest.mark.gpu

@@ -56,10 +56,13 @@ from numba import cuda, types
 
 from ..inline import inline_device
 from ..ptx import global_addr, shared_addr
+from ..ptx import mbarrier as MB
+from ..ptx import tma as T
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR, pick
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.tma import MAP_BYTES
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import staged_bytes, store_accumulators_smem
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
@@ -85,6 +88,8 @@ OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32
 #: 128 x 128 fits in 225-238 since O is staged through shared memory; offline sm_90a compile,
 #: 2026-11-30).
 PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 128)})
+#: mbarriers of the TMA kernel: Q's, then per stage K full, V full, K empty, V empty (2 stages).
+TMA_BARRIERS = 9
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -103,13 +108,14 @@ class WgmmaAttentionConfig:
     dtype: str = "float16"
     overlap: bool = False
     persistent: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         def need(ok, what):
             if not ok:
                 raise ValueError(f"WgmmaAttentionConfig({self.head_dim}, {self.block_m}, "
                                  f"{self.block_n}, {self.dtype!r}, overlap={self.overlap!r}, "
-                                 f"persistent={self.persistent!r}): {what}")
+                                 f"persistent={self.persistent!r}, tma={self.tma!r}): {what}")
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}")
@@ -117,6 +123,11 @@ class WgmmaAttentionConfig:
         need(self.block_n in (64, 128), "block_n must be 64 or 128")
         need(isinstance(self.overlap, bool), "overlap must be a bool")
         need(isinstance(self.persistent, bool), "persistent must be a bool")
+        need(isinstance(self.tma, bool), "tma must be a bool")
+        if self.tma:
+            need(self.overlap and not self.persistent,
+                 "tma needs overlap=True and persistent=False (the TMA loads feed the "
+                 "overlapped loop of the grid kernel)")
         if self.overlap:
             need((self.head_dim, self.block_n) in OVERLAP_FITS,
                  f"overlap needs (head_dim, block_n) in {sorted(OVERLAP_FITS)}: "
@@ -147,7 +158,8 @@ class WgmmaAttentionConfig:
         # Q, then two stages of K and V; overlap: a 16-byte scratch word (wait_after_store)
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
-        return q + 4 * self.tile_bytes + (16 if self.overlap else 0)
+        return (q + 4 * self.tile_bytes + (16 if self.overlap else 0)
+                + (TMA_BARRIERS * 8 if self.tma else 0))
 
     @property
     def kv_offset(self) -> int:
@@ -164,7 +176,9 @@ class WgmmaAttentionConfig:
                 f"{self.block_m // 64} warpgroups, {self.smem_bytes // 1024} KB smem"
                 + (", softmax overlapped with P·V" if self.overlap else "")
                 + (", persistent (next tile's Q, K, V loaded during the last key block)"
-                   if self.persistent else ""))
+                   if self.persistent else "")
+                + (", K/V/Q by TMA (mbarrier ring, no block barrier per key block)"
+                   if self.tma else ""))
 
 
 @functools.cache
@@ -719,6 +733,148 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             finalize(o3, row_sum)
             store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
 
+    # ---- TMA: thread 0 loads Q, K and V with TMA into the same swizzled layout ------------
+    # mbarriers (after the scratch word): Q full; per stage st: K full, V full (the producer's
+    # expect_tx), K empty, V empty (every consumer thread arrives once the wgmmas that read
+    # the slot have retired). Key block j's K and V live in slot j % 2, use j // 2: consumers
+    # wait for full phase (j // 2) & 1; thread 0 reloads a slot once phase ((j - 2) // 2) & 1
+    # of its empty barrier has completed. Loads as in overlap_loop: Q, K(0), V(0), K(1) up
+    # front; step kb loads V(kb+1) and K(kb+2). No block barrier per key block: a warpgroup
+    # only waits for data, and thread 0 for the other warpgroup to be done with a slot.
+    BARS = SCRATCH + 16
+    KV_BOXES = D // 64                 # 64-column boxes (128-byte rows) per tile
+    Q_BOX = BM * 128
+    KV_BOX = BN * 128
+    CONSUMERS = THREADS
+
+    @inline_device
+    def load_kv(dst, tm, bar, row, hk, b):
+        MB.mbarrier_arrive_expect_tx(bar, TILE)
+        for c in range(KV_BOXES):
+            T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
+
+    @inline_device
+    def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
+                 hk, row0, q_rows, n_kb, all_see, t, tid, scale_log2):
+        kv_base = base + KV
+        bars = base + BARS
+        if tid == 0:
+            MB.mbarrier_arrive_expect_tx(bars, Q_BYTES)
+            for c in range(KV_BOXES):
+                T.tma_load_4d(base + c * Q_BOX, tq, bars, c * 64, row0, h, b)
+            load_kv(kv_base, tk, bars + 8, 0, hk, b)                     # K(0)
+            load_kv(kv_base + TILE, tv, bars + 16, 0, hk, b)             # V(0)
+            if n_kb > 1:
+                load_kv(kv_base + STAGE, tk, bars + 8 + 32, BN, hk, b)   # K(1)
+        MB.mbarrier_wait_parity(bars, 0)
+        MB.mbarrier_wait_parity(bars + 8, 0)
+        W.wgmma_fence()
+        issue_s(s, q_rows, kv_base)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(s, NACC_S)
+        MB.mbarrier_arrive(bars + 24)                                    # K(0) read
+        softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
+        to_p(p, s3)                                       # O is 0: no rescale
+        for kb in range(n_kb - 1):
+            cur = kb % 2
+            nxt = 1 - cur
+            if tid == 0:
+                if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
+                    MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) // 2) & 1)
+                load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, (kb + 1) * BN,
+                        hk, b)
+                if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
+                    MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb // 2) & 1)
+                    load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, (kb + 2) * BN,
+                            hk, b)
+            MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((kb + 1) // 2) & 1)   # K(kb+1)
+            MB.mbarrier_wait_parity(bars + 32 * cur + 16, (kb // 2) & 1)        # V(kb)
+            W.wgmma_fence()
+            issue_s(s, q_rows, kv_base + nxt * STAGE)
+            W.wgmma_commit_group()
+            issue_o(acc_o, p, kv_base + cur * STAGE + TILE)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
+            W.wgmma_fence_operand(s, NACC_S)
+            MB.mbarrier_arrive(bars + 32 * nxt + 24)      # K(kb+1) read
+            softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
+            wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_fence_operand(acc_o, NACC_O)
+            MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
+            rescale(acc_o, alpha)
+            to_p(p, s3)
+        last = (n_kb - 1) % 2
+        MB.mbarrier_wait_parity(bars + 32 * last + 16, ((n_kb - 1) // 2) & 1)
+        W.wgmma_fence()
+        issue_o(acc_o, p, kv_base + last * STAGE + TILE)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc_o, NACC_O)
+
+    @cached_jit
+    def tkernel(q, k, v, o, lse, scale, scale_log2, maps):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        hk = h // (q.shape[1] // k.shape[1])
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        g = lane // 4
+        t = lane % 4
+        row0, n_kb, all_see = bounds(sq, sk)
+        wrow = wg * 64 + warp * 16      # this warp's first row in the block
+
+        acc_o = cuda.local.array(NACC_O, f32)
+        s = cuda.local.array(NACC_S, f32)
+        s3 = cuda.local.array((1, NS, 4), f32)
+        o3 = cuda.local.array((1, NO, 4), f32)
+        p = cuda.local.array(P_REGS, types.uint32)
+        row_max = cuda.local.array((1, 2), f32)
+        row_sum = cuda.local.array((1, 2), f32)
+        alpha = cuda.local.array((1, 2), f32)
+        limit = cuda.local.array((1, 2), i64)
+        init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+        for i in range(NACC_O):
+            acc_o[i] = _ZERO
+
+        if n_kb > 0:
+            smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
+                cuda.shared.array(0, types.uint16)
+            base = shared_addr(smem, 0)
+            tq = T.tensor_map_address(maps)
+            tk = tq + MAP_BYTES
+            tv = tk + MAP_BYTES
+            if tid == 0:
+                bars = base + BARS
+                MB.mbarrier_init(bars, 1)
+                for st in range(2):
+                    MB.mbarrier_init(bars + 32 * st + 8, 1)            # K full
+                    MB.mbarrier_init(bars + 32 * st + 16, 1)           # V full
+                    MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)   # K empty
+                    MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)   # V empty
+                MB.fence_mbarrier_init()
+                T.fence_proxy_tensormap_acquire(tq)
+                T.fence_proxy_tensormap_acquire(tk)
+                T.fence_proxy_tensormap_acquire(tv)
+            cuda.syncthreads()
+            q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
+            tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
+                     hk, row0, q_rows, n_kb, all_see, t, tid, scale_log2)
+            epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
+                     g, t, tid, wg, base + KV)
+        else:
+            for j in range(NO):
+                for e in range(4):
+                    o3[0, j, e] = acc_o[4 * j + e]
+            finalize(o3, row_sum)
+            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+
+    if cfg.tma:
+        return tkernel
     return pkernel if cfg.persistent else kernel
 
 
@@ -752,6 +908,8 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     from .attention_kernel import LOG2E
     from .attention_kernel import plan as grid_plan
 
+    if cfg.tma:
+        return _tma_plan(kernel, cfg, q, k, v, o, lse, scale)
     if not cfg.persistent:
         return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
@@ -760,6 +918,33 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
     return LaunchPlan(kernel, args, (max(1, min(tiles, slots)), 1, 1), cfg.threads,
                       cfg.smem_bytes), args
+
+
+def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float):
+    """The TMA kernel's plan: the grid kernel's launch plus the tensor maps of q, k and v
+    (4-D, (batch, head, seq, head_dim) with the views' strides, 64-column boxes of block_m /
+    block_n rows, 128-byte swizzle), re-encoded by the plan for other pointers."""
+    from ..launch import pointer
+    from ..tile import tma as host_tma
+    from ..tile.smem import allow_dynamic_shared
+    from .attention_kernel import LOG2E, grid
+    from .gemm_wgmma_ws import TmaLaunchPlan, _maps_stream
+
+    layouts = [(tuple(x.shape), tuple(x.strides), rows)
+               for x, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+
+    def encoder(q_ptr, k_ptr, v_ptr):
+        return np.concatenate([
+            host_tma.encode_tiled(ptr, cfg.dtype, shape, strides, (1, 1, rows, 64),
+                                  swizzle=128).data
+            for ptr, (shape, strides, rows) in zip((q_ptr, k_ptr, v_ptr), layouts)])
+
+    maps = cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)), stream=_maps_stream(0))
+    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), maps)
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
+    return TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder,
+                         (0, 1, 2)), args
 
 
 def softmax_overlap(cubin_path: str) -> dict:
@@ -808,8 +993,9 @@ def _overlap_entry(name, cfg, causal, has_lse):
              "smem_bytes": cfg.smem_bytes}
     t0 = time.perf_counter()
     try:
+        sig = argtypes() + ((types.uint8[::1],) if cfg.tma else ())   # + the tensor maps
         rep = compile_kernel(name, wgmma_attention_kernel(cfg, causal, has_lse).py_func,
-                             argtypes(), (9, 0, "a"), assemble=False, launch_bounds=cfg.threads)
+                             sig, (9, 0, "a"), assemble=False, launch_bounds=cfg.threads)
         with tempfile.TemporaryDirectory() as tmp:
             src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
             with open(src, "w") as f:
@@ -841,10 +1027,14 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
                       (64, 64, False, True), (64, 64, True, False))
 
 
+#: The TMA kernels of :func:`compile_reports`: (head_dim, block_n, causal with LSE).
+TMA_REPORTS = ((128, 128, False), (64, 64, True))
+
+
 def compile_reports():
     """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`softmax_overlap`) and of the
-    persistent ones (:data:`PERSISTENT_REPORTS`)."""
+    persistent ones (:data:`PERSISTENT_REPORTS`) and the TMA ones (:data:`TMA_REPORTS`)."""
     from ..offline import report_entry
     from .attention_kernel import argtypes
 
@@ -865,5 +1055,9 @@ def compile_reports():
         cfg = WgmmaAttentionConfig(d, 128, bn, overlap=overlap, persistent=True)
         name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
+        out.append(_overlap_entry(name, cfg, causal, causal))
+    for d, bn, causal in TMA_REPORTS:
+        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True)
+        name = f"attention_wgmma_tma_d{d}_128x{bn}{'_causal_lse' if causal else ''}"
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out

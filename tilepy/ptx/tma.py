@@ -7,7 +7,8 @@ fastest, with the map's swizzle applied to the shared addresses), and completes 
 on an mbarrier (:mod:`tilepy.ptx.mbarrier`). Elements outside the tensor read as zeros and
 still count, so a phase always expects the full box size.
 
-* ``tma_load_2d(dst, tmap, bar, x, y)`` / ``tma_load_3d(dst, tmap, bar, x, y, z)`` —
+* ``tma_load_2d(dst, tmap, bar, x, y)`` / ``tma_load_3d(dst, tmap, bar, x, y, z)`` /
+  ``tma_load_4d(dst, tmap, bar, x, y, z, w)`` —
   ``dst``: uint32 shared address (128-byte aligned; a swizzled box must start where the swizzle
   pattern repeats, i.e. at a multiple of 8 × the swizzle size of a 1024-byte-aligned buffer);
   ``tmap``: uint64 generic address of the 128-byte tensor map in global memory
@@ -205,6 +206,10 @@ def _load_3d_twin(dst, tmap, bar, x, y, z):
     _load("tma_load_3d", dst, tmap, bar, (int(x), int(y), int(z)))
 
 
+def _load_4d_twin(dst, tmap, bar, x, y, z, w):
+    _load("tma_load_4d", dst, tmap, bar, (int(x), int(y), int(z), int(w)))
+
+
 def _store_2d_twin(tmap, src, x, y):
     _store("tma_store_2d", tmap, src, (int(x), int(y)))
 
@@ -236,6 +241,13 @@ tma_load_3d = instruction(
     side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_3d_twin,
     doc="``tma_load_3d(dst, tmap, bar, x, y, z)``: as tma_load_2d for a 3-D tensor map (x "
         "innermost). sm_90+.")
+
+tma_load_4d = instruction(
+    "tma_load_4d", _COPY.format(d=4, coords="$3, $4, $5, $6"),
+    ins=("u32", "u64", "u32", "i32", "i32", "i32", "i32"),
+    side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_load_4d_twin,
+    doc="``tma_load_4d(dst, tmap, bar, x, y, z, w)``: as tma_load_2d for a 4-D tensor map (x "
+        "innermost; e.g. (head_dim, seq, head, batch) of an attention operand). sm_90+.")
 
 _STORE = ("cp.async.bulk.tensor.{d}d.global.shared::cta.tile.bulk_group "
           "[$0, {{{coords}}}], [$1];")
@@ -392,7 +404,7 @@ tensor_map_address = pick(None if SIMULATOR else _make_tensor_map_address(),
 try:
     tensor_map_address.__doc__ = (
         "``tensor_map_address(arr) -> uint64``: the generic address of arr[0], the device array "
-        "(uint8[128]) holding a tensor map; what tma_load_2d/3d and the fences take.")
+        "(uint8[128]) holding a tensor map; what tma_load_2d/3d/4d and the fences take.")
 except AttributeError:  # pragma: no cover
     pass
 
@@ -411,6 +423,7 @@ __all__ = [
     "tma_load_2d",
     "tma_load_2d_hint",
     "tma_load_3d",
+    "tma_load_4d",
     "tma_store_2d",
     "tma_store_2d_hint",
     "tma_store_3d",
