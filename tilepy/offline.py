@@ -305,9 +305,12 @@ def inspect_targets() -> dict:
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):
             raise ValueError("flash attention takes float16 or bfloat16")
-        bm, bn, overlap = HOPPER_CHOICE[(128, False)]
-        cfg = WgmmaAttentionConfig(128, bm, bn, dtype, overlap=overlap)
-        return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes(),
+        from numba import types
+
+        bm, bn, overlap, tma = HOPPER_CHOICE[(128, False)]
+        cfg = WgmmaAttentionConfig(128, bm, bn, dtype, overlap=overlap, tma=tma)
+        maps = (types.uint8[::1],) if tma else ()     # the TMA kernel's tensor maps
+        return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes() + maps,
                 {"launch_bounds": cfg.threads})
 
     # the sm_90 defaults of tilepy.gemm (the TMA kernel, 128x256; with bias + GELU: its

@@ -36,19 +36,20 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 
 # Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has, 128 query rows
-# (two warpgroups); per (head_dim, causal): (block_m, block_n, overlap). Chosen on absolute
-# TFLOPS over issue 7's shapes, one run (2026-11-30_s7a_sweep_attention_grid.json, fp16):
-# d128 128x128 with the softmax overlapped with P·V (it fits in 216-218 registers since the
-# K/V copies address one column per thread), causal or not: 288 / 367 / 409 / 422 TFLOPS at
-# S1024 … 8192 (causal 183 / 284 / 359 / 388), against 263 / 326 / 357 / 372 for 128x128
-# without overlap and 257 / 338 / 381 / 398 for 128x64 with it; d64 128x64 without overlap
-# (273, causal 217; with overlap 276 / 218, the same within the noise; 128-key blocks lose
-# 10-15%: one block per SM instead of two). The persistent variant (opt-in,
-# WgmmaAttentionConfig(..., persistent=True)) wins 5-8% over the grid kernel without overlap
-# at S >= 2048 but loses causal; with overlap it spills at d128. TILEPY_HOPPER=0 keeps
-# mma.sync.
-HOPPER_CHOICE = {(128, False): (128, 128, True), (128, True): (128, 128, True),
-                 (64, False): (128, 64, False), (64, True): (128, 64, False)}
+# (two warpgroups); per (head_dim, causal): (block_m, block_n, overlap, tma). Chosen on
+# absolute TFLOPS over issue 7's shapes, fp16:
+# * 2026-11-30_s7a/s7c_sweep_attention_grid.json: d128 128x128 with the softmax overlapped with
+#   P·V (it fits in 216-218 registers since the K/V copies address one column per thread) beat
+#   128x128 without it by 9-15% and 128x64 with it; d64 128x64 (two blocks per SM; 128-key
+#   blocks lose 10-15%). The persistent variant (opt-in) wins a few percent without masking at
+#   some lengths and loses causal.
+# * 2026-11-30_s7f_sweep_attention_tma.json: the same configs fed by TMA (thread 0 loads into
+#   mbarrier-guarded slots, no block barrier per key block): d128 +8-22% (S4096 413 -> 506
+#   TFLOPS, causal 373 -> 451), d64 with overlap 290 -> 305 (causal 182 -> 232, against 213 for
+#   the cp.async kernel without overlap).
+# TILEPY_HOPPER=0 keeps mma.sync.
+HOPPER_CHOICE = {(128, False): (128, 128, True, True), (128, True): (128, 128, True, True),
+                 (64, False): (128, 64, True, True), (64, True): (128, 64, True, True)}
 
 
 def choose_config(head_dim: int, dtype: str, causal: bool = False):
@@ -58,8 +59,8 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False):
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
     if head_dim in aw.HEAD_DIMS and _hopper():
-        bm, bn, overlap = HOPPER_CHOICE[(head_dim, bool(causal))]
-        return aw.WgmmaAttentionConfig(head_dim, bm, bn, dtype, overlap=overlap)
+        bm, bn, overlap, tma = HOPPER_CHOICE[(head_dim, bool(causal))]
+        return aw.WgmmaAttentionConfig(head_dim, bm, bn, dtype, overlap=overlap, tma=tma)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
 

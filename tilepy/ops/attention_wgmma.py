@@ -930,7 +930,16 @@ def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float):
     from .attention_kernel import LOG2E, grid
     from .gemm_wgmma_ws import TmaLaunchPlan, _maps_stream
 
-    layouts = [(tuple(x.shape), tuple(x.strides), rows)
+    def strides_of(x):
+        """The view's byte strides, those of length-1 axes (never stepped along, and free to
+        be anything in the view) replaced by a multiple of 16 that TMA accepts."""
+        st = list(x.strides)
+        for i in range(len(st) - 2, -1, -1):
+            if x.shape[i] == 1:
+                st[i] = -(-st[i + 1] * x.shape[i + 1] // 16) * 16
+        return tuple(st)
+
+    layouts = [(tuple(x.shape), strides_of(x), rows)
                for x, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
 
     def encoder(q_ptr, k_ptr, v_ptr):
