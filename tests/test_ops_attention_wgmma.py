@@ -244,3 +244,24 @@ def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
     else:
         want = torch.nn.functional.scaled_dot_product_attention(q, kk, vv)
     assert (got.float() - want.float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.sim
+def test_tma_default_falls_back_when_maps_cannot_be_encoded(monkeypatch):
+    """A built-in TMA config whose tensor maps the encoder refuses runs without TMA (same
+    result); a TMA config the caller gave raises instead."""
+    from tilepy.ops import attention as A
+    from tilepy.tile import tma as host_tma
+
+    def refuse(*args, **kwargs):
+        raise ValueError("strides: refused for the test")
+
+    cfg = WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True)
+    monkeypatch.setattr(host_tma, "encode_tiled", refuse)
+    monkeypatch.setattr(A, "choose_config", lambda d, dtype, causal=False: cfg)
+    rng = np.random.default_rng()
+    q, k, v = (rand(rng, (1, 1, 40, 64), "float16") for _ in range(3))
+    out = tilepy.flash_attention(q, k, v, causal=True)
+    check(out, reference(q, k, v, True, None, "bhsd")[0], v, "float16")
+    with pytest.raises(ValueError, match="refused for the test"):
+        tilepy.flash_attention(q, k, v, causal=True, config=cfg)

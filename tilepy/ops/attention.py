@@ -6,6 +6,7 @@ Validation and layout handling on the host, then one launch of the mma.sync kern
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -188,7 +189,8 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
         # else the built-in one
         cfg = config or tuned_attention_config(bq, hq, sq, sk, d, dtype, causal, device) or \
             choose_config(d, dtype, causal)
-        bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device)
+        bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
+                     fallback=config is None)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, Q.shape, dtype),
@@ -235,9 +237,11 @@ def _kernel_view(op, layout: str):
     return view
 
 
-def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
+def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
     """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
-    later call with the same signature can reuse it), else None."""
+    later call with the same signature can reuse it), else None. ``fallback`` (a config the
+    caller did not give): a TMA config whose tensor maps cannot be encoded for these views
+    runs as the same config without TMA (cp.async loads) instead of failing."""
     with arrays.on_device(device):
         views, reusable = [], True
         for op in (Q, K, V):
@@ -254,7 +258,14 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
-        plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
+        try:
+            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
+        except (ValueError, RuntimeError):
+            if not (fallback and getattr(cfg, "tma", False)):
+                raise
+            cfg = dataclasses.replace(cfg, tma=False)
+            kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
+            plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale)
         plan.launch(arrays.stream_handle(Q), args)
     if not reusable:
         return None
