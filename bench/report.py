@@ -114,7 +114,8 @@ def build() -> str:
                               + (" causal" if r["causal"] else ""),
                               f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
                               + (", overlap" if r.get("overlap") else "")
-                              + (", persistent" if r.get("persistent") else ""),
+                              + (", persistent" if r.get("persistent") else "")
+                              + (", TMA" if r.get("tma") else ""),
                               fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
             elif "rows" in data and all("shape" in r and "config" in r for r in data["rows"]):
                 # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
