@@ -42,8 +42,14 @@ them with 16-byte stores (:func:`tilepy.tile.epilogue.store_accumulators_smem`).
 ``persistent=True`` launches one block per SM slot that walks the tiles (:func:`tile_order`),
 loading the next tile's Q (into a second Q buffer) and first K/V block during the current
 tile's last key block, with loops of its own (the grid kernel running the persistent loops
-with nothing to load ahead measured 3-5% slower on the H200, session 7). No ping-pong between
-warpgroups, no TMA.
+with nothing to load ahead measured 3-5% slower on the H200, session 7).
+
+``tma=True`` (with ``overlap``; the Hopper default of :mod:`tilepy.ops.attention`): thread 0
+loads Q, K and V with TMA (4-D tensor maps over (batch, head, seq, head_dim), 64-column boxes,
+128-byte swizzle: the same slots) and the warpgroups synchronise through mbarriers — per slot
+a full barrier (the copy's bytes) and an empty one (every thread arrives once its wgmmas have
+read the slot) — instead of a block barrier per key block, so the two warpgroups drift and
+one's softmax runs beside the other's wgmmas. No producer warpgroup, no setmaxnreg.
 """
 
 from __future__ import annotations
@@ -476,6 +482,15 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         else:
             store(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
 
+    @inline_device
+    def no_keys(acc_o, o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
+        """A block that visits no key block: zeros, LSE -inf, from the fragments."""
+        for j in range(NO):
+            for e in range(4):
+                o3[0, j, e] = acc_o[4 * j + e]
+        finalize(o3, row_sum)
+        store(o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)
+
     # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
     # These loops mirror main_loop / overlap_loop with stages counted from st0 and the next
     # tile's loads folded in. Running the grid kernel through them (st0 = 0, nothing ahead)
@@ -727,11 +742,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
                      g, t, tid, wg, base + KV)
         else:
-            for j in range(NO):
-                for e in range(4):
-                    o3[0, j, e] = acc_o[4 * j + e]
-            finalize(o3, row_sum)
-            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+            no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
+                    t)
 
     # ---- TMA: thread 0 loads Q, K and V with TMA into the same swizzled layout ------------
     # mbarriers (after the scratch word): Q full; per stage st: K full, V full (the producer's
@@ -867,11 +879,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
                      g, t, tid, wg, base + KV)
         else:
-            for j in range(NO):
-                for e in range(4):
-                    o3[0, j, e] = acc_o[4 * j + e]
-            finalize(o3, row_sum)
-            store(o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+            no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
+                    t)
 
     if cfg.tma:
         return tkernel
