@@ -258,15 +258,17 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
+        stream = arrays.stream_handle(Q)
+        extra = {"stream": stream} if gen is aw else {}   # where TMA maps are copied
         try:
-            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale)
+            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, **extra)
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise
             cfg = dataclasses.replace(cfg, tma=False)
             kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
-            plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale)
-        plan.launch(arrays.stream_handle(Q), args)
+            plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
+        plan.launch(stream, args)
     if not reusable:
         return None
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),

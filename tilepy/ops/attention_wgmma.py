@@ -908,17 +908,18 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
-         sms: int | None = None):
+         sms: int | None = None, stream=0):
     """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`; a persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the
-    device's SM count)."""
+    device's SM count); a TMA config's tensor maps are copied to the device on ``stream``
+    (the launch stream, as the TMA GEMM does)."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_kernel import LOG2E
     from .attention_kernel import plan as grid_plan
 
     if cfg.tma:
-        return _tma_plan(kernel, cfg, q, k, v, o, lse, scale)
+        return _tma_plan(kernel, cfg, q, k, v, o, lse, scale, stream)
     if not cfg.persistent:
         return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
@@ -929,7 +930,7 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
                       cfg.smem_bytes), args
 
 
-def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float):
+def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, stream=0):
     """The TMA kernel's plan: the grid kernel's launch plus the tensor maps of q, k and v
     (4-D, (batch, head, seq, head_dim) with the views' strides, 64-column boxes of block_m /
     block_n rows, 128-byte swizzle), re-encoded by the plan for other pointers."""
@@ -957,7 +958,8 @@ def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float):
                                   swizzle=128).data
             for ptr, (shape, strides, rows) in zip((q_ptr, k_ptr, v_ptr), layouts)])
 
-    maps = cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)), stream=_maps_stream(0))
+    maps = cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
+                          stream=_maps_stream(stream))
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), maps)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
