@@ -5,6 +5,8 @@
 # (the machine idles back after 30 s, so run them back to back):
 #   PART=s7      Hopper attention: GPU tests (persistent and 128 x 128 overlapped configs too),
 #                the attention config grid over issue 7's shapes
+#   PART=s8      what session 7 left: the attention op's GPU tests on the TMA default, the
+#                clocks/power probe with it
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -63,6 +65,12 @@ if [[ " $PART " == *" s7 "* ]]; then
     gpu_tests ops_attention_wgmma 170 tests/test_ops_attention_wgmma.py
     step sweep_attention_grid 300 "$PY" bench/sweep_attention.py --grid --kernels wgmma \
         --json "$OUT/sweep_attention_grid.json"
+fi
+if [[ " $PART " == *" s8 "* ]]; then
+    # session 7 left these for the TMA attention default: the op's GPU tests (odd lengths,
+    # layouts, LSE, caller streams, repeated calls), then clocks and power with it
+    gpu_tests attention_op_tests 240 tests/test_ops_attention.py tests/test_ops_attention_wgmma.py
+    step probe_clocks 60 "$PY" bench/probe_clocks.py --seconds 3 --json "$OUT/probe_clocks.json"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in
