@@ -258,10 +258,9 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
-        stream = arrays.stream_handle(Q)
-        extra = {"stream": stream} if gen is aw else {}   # where TMA maps are copied
+        stream = arrays.stream_handle(Q)   # also where a TMA plan copies its maps
         try:
-            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, **extra)
+            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise

@@ -528,10 +528,17 @@ def grid(cfg: AttentionConfig, seq_q: int, heads_q: int, batch: int):
     return (-(-seq_q // cfg.block_m), heads_q, batch)
 
 
-def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float):
+def kernel_args(q, k, v, o, lse, scale: float) -> tuple:
+    """The attention kernels' arguments: the views, then the scale and the scale · log2(e)
+    the softmax's exp2 takes (the wgmma kernels' TMA variant adds its tensor maps)."""
+    return (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
+
+
+def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, *, stream=0):
     """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views: the config's grid,
-    block and dynamic shared memory (allowed above 48 KB)."""
-    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
+    block and dynamic shared memory (allowed above 48 KB). ``stream``: accepted so that every
+    attention kernel's plan takes the same call (this one copies nothing to the device)."""
+    args = kernel_args(q, k, v, o, lse, scale)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args

@@ -899,9 +899,9 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
     simulator."""
     if SIMULATOR:
         return 1
-    sig = tuple(kernel.typeof_pyval(a) for a in args)
-    overload = kernel.overloads.get(sig) or kernel.compile(sig)
-    regs = -(-int(overload.regs_per_thread) // 8) * 8
+    from ..tile.smem import compiled_overload
+
+    regs = -(-int(compiled_overload(kernel, args).regs_per_thread) // 8) * 8
     by_regs = 65536 // (max(regs, 8) * cfg.threads)
     by_smem = SM_SMEM // (cfg.smem_bytes + BLOCK_SMEM_RESERVED)
     return max(1, min(by_regs, by_smem, 2048 // cfg.threads))
@@ -909,36 +909,40 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
          sms: int | None = None, stream=0):
-    """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`; a persistent
-    config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the
-    device's SM count); a TMA config's tensor maps are copied to the device on ``stream``
-    (the launch stream, as the TMA GEMM does)."""
-    from ..launch import LaunchPlan, sm_count
+    """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`. A persistent
+    config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
+    SM count). A TMA config's arguments end with the tensor maps of q, k and v, copied to the
+    device on ``stream`` (the launch stream, as the TMA GEMM does); its plan re-encodes them
+    for other pointers."""
+    from ..launch import LaunchPlan, pointer, sm_count
     from ..tile.smem import allow_dynamic_shared
-    from .attention_kernel import LOG2E
+    from .attention_kernel import grid, kernel_args
     from .attention_kernel import plan as grid_plan
 
-    if cfg.tma:
-        return _tma_plan(kernel, cfg, q, k, v, o, lse, scale, stream)
-    if not cfg.persistent:
+    if not (cfg.persistent or cfg.tma):
         return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
-    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
+    args = kernel_args(q, k, v, o, lse, scale)
+    if cfg.tma:
+        from .gemm_wgmma_ws import TmaLaunchPlan, _maps_stream
+
+        encoder = _tma_encoder(cfg, q, k, v)
+        args += (cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
+                                stream=_maps_stream(stream)),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    if cfg.tma:
+        return TmaLaunchPlan(kernel, args, grid(cfg, q.shape[2], q.shape[1], q.shape[0]),
+                             cfg.threads, cfg.smem_bytes, encoder, (0, 1, 2)), args
     tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
     slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
     return LaunchPlan(kernel, args, (max(1, min(tiles, slots)), 1, 1), cfg.threads,
                       cfg.smem_bytes), args
 
 
-def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, stream=0):
-    """The TMA kernel's plan: the grid kernel's launch plus the tensor maps of q, k and v
-    (4-D, (batch, head, seq, head_dim) with the views' strides, 64-column boxes of block_m /
-    block_n rows, 128-byte swizzle), re-encoded by the plan for other pointers."""
-    from ..launch import pointer
+def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
+    """``encoder(q_ptr, k_ptr, v_ptr)``: the three tensor maps (uint8, 3 × 128) of the TMA
+    kernel for views shaped and strided as q, k and v: 4-D (batch, head, seq, head_dim),
+    64-column boxes of block_m (q) or block_n (k, v) rows, 128-byte swizzle."""
     from ..tile import tma as host_tma
-    from ..tile.smem import allow_dynamic_shared
-    from .attention_kernel import LOG2E, grid
-    from .gemm_wgmma_ws import TmaLaunchPlan, _maps_stream
 
     def strides_of(x):
         """The view's byte strides, those of length-1 axes (never stepped along, and free to
@@ -958,13 +962,7 @@ def _tma_plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, 
                                   swizzle=128).data
             for ptr, (shape, strides, rows) in zip((q_ptr, k_ptr, v_ptr), layouts)])
 
-    maps = cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
-                          stream=_maps_stream(stream))
-    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), maps)
-    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
-    return TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder,
-                         (0, 1, 2)), args
+    return encoder
 
 
 def softmax_overlap(cubin_path: str) -> dict:

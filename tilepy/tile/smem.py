@@ -37,12 +37,18 @@ def dynamic_shared():
 _raised: dict = {}
 
 
+def compiled_overload(kernel, args):
+    """The compiled overload of a Numba-CUDA ``kernel`` for ``args`` (compiled if needed):
+    what its registers, attributes and function handle are read from."""
+    sig = tuple(kernel.typeof_pyval(a) for a in args)
+    return kernel.overloads.get(sig) or kernel.compile(sig)
+
+
 def allow_dynamic_shared(kernel, args, nbytes: int) -> None:
     """Compile ``kernel`` for ``args`` (if needed) and let it use ``nbytes`` of dynamic smem."""
     if SIMULATOR or nbytes <= STATIC_LIMIT:
         return
-    sig = tuple(kernel.typeof_pyval(a) for a in args)
-    overload = kernel.overloads.get(sig) or kernel.compile(sig)
+    overload = compiled_overload(kernel, args)
     dev = cuda.get_current_device()
     key = (id(overload), dev.id)
     if _raised.get(key, 0) >= nbytes:
