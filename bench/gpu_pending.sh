@@ -7,6 +7,8 @@
 #                the attention config grid over issue 7's shapes
 #   PART=s8      what session 7 left: the attention op's GPU tests on the TMA default, the
 #                clocks/power probe with it
+#   PART=s8s     the TMA attention kernel's schedules: the GPU tests of ping-pong and the producer
+#                warpgroup, then the A/B of the four schedules over issue 7's shapes
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -71,6 +73,11 @@ if [[ " $PART " == *" s8 "* ]]; then
     # layouts, LSE, caller streams, repeated calls), then clocks and power with it
     gpu_tests attention_op_tests 240 tests/test_ops_attention.py tests/test_ops_attention_wgmma.py
     step probe_clocks 60 "$PY" bench/probe_clocks.py --seconds 3 --json "$OUT/probe_clocks.json"
+fi
+if [[ " $PART " == *" s8s "* ]]; then
+    gpu_tests schedule_tests 150 tests/test_ops_attention_wgmma.py -k "tma"
+    step sweep_attention_schedules 400 "$PY" bench/sweep_attention.py --schedule-ab \
+        --kernels wgmma --json "$OUT/sweep_attention_schedules.json"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

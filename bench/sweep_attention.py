@@ -66,6 +66,9 @@ def main():
                    help="every benchmark shape, the competitive Hopper configs only")
     p.add_argument("--tma-ab", action="store_true",
                    help="the --grid shapes, only the built-in Hopper config and its TMA twin")
+    p.add_argument("--schedule-ab", action="store_true",
+                   help="the --grid shapes, the built-in TMA config with and without ping-pong "
+                        "and a producer warpgroup")
     p.add_argument("--kernels", default="mma_sync,wgmma",
                    help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
@@ -76,7 +79,7 @@ def main():
     from tilepy.testing.timing import time_cuda
 
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
-    if args.grid or args.tma_ab:
+    if args.grid or args.tma_ab or args.schedule_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
@@ -103,6 +106,17 @@ def main():
                 cfgs = [choose_config(d, "float16", causal), base,
                         dataclasses.replace(base, tma=True)]
                 cfgs = list(dict.fromkeys(cfgs))      # the built-in one may be `base`
+            elif args.schedule_ab:
+                import dataclasses
+
+                from tilepy.ops.attention import choose_config
+
+                base = dataclasses.replace(choose_config(d, "float16", causal), overlap=True,
+                                           tma=True, pingpong=False, producer=False)
+                cfgs = list(dict.fromkeys(
+                    [choose_config(d, "float16", causal)]
+                    + [dataclasses.replace(base, pingpong=pp, producer=pr)
+                       for pp in (False, True) for pr in (False, True)]))
             elif args.grid:
                 # d128 64-key blocks lost to 128-key ones everywhere in s7a's grid
                 cfgs = [c for c in cfgs if c.block_m == 128 and getattr(c, "warp_rows", 64) == 64
@@ -114,10 +128,13 @@ def main():
                 over = getattr(cfg, "overlap", False)
                 pers = getattr(cfg, "persistent", False)
                 tma = getattr(cfg, "tma", False)
+                pingpong = getattr(cfg, "pingpong", False)
+                producer = getattr(cfg, "producer", False)
                 tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
                       f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "") + \
                       (" overlap" if over else "") + (" persistent" if pers else "") + \
-                      (" tma" if tma else "")
+                      (" tma" if tma else "") + (" pingpong" if pingpong else "") + \
+                      (" producer" if producer else "")
                 try:
                     out = torch.empty_like(q)
                     tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
@@ -130,7 +147,8 @@ def main():
                     continue
                 row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
                            block_n=cfg.block_n, warp_rows=wr, kernel=type(cfg).__name__,
-                           overlap=over, persistent=pers, tma=tma,
+                           overlap=over, persistent=pers, tma=tma, pingpong=pingpong,
+                           producer=producer,
                            ms=ms,
                            tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
                            ratio=peer_ms / ms, max_abs_err=err)

@@ -130,6 +130,22 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
         WgmmaAttentionConfig(d, 64, bn, dtype, overlap=True, tma=True))
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,d,bn,bm,pingpong,producer", [
+    (1, 2, 1, 130, 200, True, "bshd", "bfloat16", 64, 64, 128, True, True),  # GQA, 4 blocks
+    (1, 1, 1, 150, 60, True, "bhsd", "float16", 64, 64, 128, True, False),   # no-key block
+    (1, 1, 1, 40, 70, False, "bhsd", "float16", 64, 64, 128, True, False),   # one turn each
+    (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128, 64, False, True),   # producer alone
+])
+def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn, bm,
+                                       pingpong, producer):
+    """The TMA kernel's schedules: the two consumer warpgroups taking turns to issue their
+    wgmmas (pingpong), the loads from a producer warpgroup of their own (producer)."""
+    run(np.random.default_rng(), b, hq, hk, sq, sk, d, causal, layout, dtype,
+        WgmmaAttentionConfig(d, bm, bn, dtype, overlap=True, tma=True, pingpong=pingpong,
+                             producer=producer))
+
+
 def test_tma_config():
     cfg = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True)
     assert "TMA" in cfg.describe()
@@ -140,6 +156,16 @@ def test_tma_config():
         WgmmaAttentionConfig(64, 128, 64, overlap=True, persistent=True, tma=True)
     with pytest.raises(ValueError, match="tma must be a bool"):
         WgmmaAttentionConfig(64, overlap=True, tma="yes")
+    with pytest.raises(ValueError, match="pingpong and producer need tma=True"):
+        WgmmaAttentionConfig(128, 128, 128, overlap=True, producer=True)
+    with pytest.raises(ValueError, match="pingpong needs block_m=128"):
+        WgmmaAttentionConfig(64, 64, 64, overlap=True, tma=True, pingpong=True)
+    with pytest.raises(ValueError, match="producer must be a bool"):
+        WgmmaAttentionConfig(64, overlap=True, tma=True, producer=1)
+    both = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True, pingpong=True,
+                                producer=True)
+    assert (both.threads, both.consumers, cfg.threads) == (384, 256, 256)
+    assert "ping-pong" in both.describe() and "producer warpgroup" in both.describe()
 
 
 def test_persistent_config():
@@ -179,8 +205,20 @@ def test_compiles_for_sm90a_without_spills():
         bn = int(m.group(1)) if m else 128
         assert rep["counts"]["wgmma.mma_async"] >= d // 16 + bn // 16, name
         assert rep["counts"]["ld.local"] == 0
-        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
+        if "producer" in name:
+            # 384 threads: ptxas allocates 168 registers at entry, setmaxnreg moves them to the
+            # consumers (224). A few values computed before the warpgroups part ways are
+            # spilled there and reloaded once per block (entry and epilogue, not in the key
+            # loop: SASS of 2026-11-30, 32 B of stores)
+            assert rep["registers"] == 168
+            assert rep["spill_stores"] <= 64 and rep["local_bytes"] == 0, rep
+            assert rep["counts"]["setmaxnreg"] == 2
+        else:
+            assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
+            assert rep["local_bytes"] == 0
         assert rep["registers"] <= 255
+        if "pingpong" in name:   # the turn passed on, and warpgroup 1's first pass
+            assert rep["counts"]["bar.arrive"] >= 2 and rep["counts"]["bar.sync"] >= 2
         if "tma" in name:      # the loads are TMA's: no cp.async left
             assert rep["counts"]["cp.async.bulk.tensor"] >= d // 64 * 3
             assert rep["counts"]["cp.async"] == 0
@@ -223,6 +261,15 @@ def test_gpu_persistent_against_sdpa(d, bn, overlap, causal):
                                          (64, 64, True)])
 def test_gpu_tma_against_sdpa(d, bn, causal):
     gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,bn,causal,pingpong,producer", [
+    (128, 128, True, True, False), (128, 128, False, False, True), (128, 128, True, True, True),
+    (64, 64, False, True, True), (64, 64, True, True, True)])
+def test_gpu_tma_schedules_against_sdpa(d, bn, causal, pingpong, producer):
+    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True,
+                                                     pingpong=pingpong, producer=producer))
 
 
 def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):

@@ -32,6 +32,8 @@ COUNTED = {
     "cp.async.wait": r"^\s*cp\.async\.wait_(group|all)",
     "shfl": r"^\s*shfl\.sync",
     "bar.sync": r"^\s*bar(rier)?\.sync",
+    "bar.arrive": r"^\s*bar(rier)?\.arrive",
+    "setmaxnreg": r"^\s*setmaxnreg\.",
     "ld.local": r"^\s*ld\.local",
     "st.local": r"^\s*st\.local",
 }

@@ -61,6 +61,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
+from ..ptx import barrier as BAR
 from ..ptx import global_addr, shared_addr
 from ..ptx import mbarrier as MB
 from ..ptx import tma as T
@@ -96,6 +97,13 @@ OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32
 PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 128)})
 #: mbarriers of the TMA kernel: Q's, then per stage K full, V full, K empty, V empty (2 stages).
 TMA_BARRIERS = 9
+#: setmaxnreg of the TMA kernel's producer warpgroup and of its consumers (384 threads: the
+#: launch allows 168 each; 128 × 40 + 256 × 232 = 64,512 of the SM's 65,536)
+PRODUCER_REGS, CONSUMER_REGS = 56, 224
+#: Named barriers (1 and 2 are store_accumulators_smem's, one per warpgroup): the ping-pong
+#: turn of consumer warpgroup i is BAR_TURN + i; BAR_CONSUMERS syncs the consumers alone
+#: where a producer warpgroup does not take part (the epilogue)
+BAR_TURN, BAR_CONSUMERS = 3, 5
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -115,13 +123,17 @@ class WgmmaAttentionConfig:
     overlap: bool = False
     persistent: bool = False
     tma: bool = False
+    pingpong: bool = False
+    producer: bool = False
 
     def __post_init__(self):
         def need(ok, what):
             if not ok:
                 raise ValueError(f"WgmmaAttentionConfig({self.head_dim}, {self.block_m}, "
                                  f"{self.block_n}, {self.dtype!r}, overlap={self.overlap!r}, "
-                                 f"persistent={self.persistent!r}, tma={self.tma!r}): {what}")
+                                 f"persistent={self.persistent!r}, tma={self.tma!r}, "
+                                 f"pingpong={self.pingpong!r}, producer={self.producer!r}): "
+                                 f"{what}")
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}")
@@ -130,6 +142,12 @@ class WgmmaAttentionConfig:
         need(isinstance(self.overlap, bool), "overlap must be a bool")
         need(isinstance(self.persistent, bool), "persistent must be a bool")
         need(isinstance(self.tma, bool), "tma must be a bool")
+        need(isinstance(self.pingpong, bool), "pingpong must be a bool")
+        need(isinstance(self.producer, bool), "producer must be a bool")
+        need(self.tma or not (self.pingpong or self.producer),
+             "pingpong and producer need tma=True (they schedule the TMA-fed kernel)")
+        need(self.block_m == 128 or not self.pingpong,
+             "pingpong needs block_m=128 (it alternates two consumer warpgroups)")
         if self.tma:
             need(self.overlap and not self.persistent,
                  "tma needs overlap=True and persistent=False (the TMA loads feed the "
@@ -149,6 +167,11 @@ class WgmmaAttentionConfig:
 
     @property
     def threads(self) -> int:
+        return self.consumers + (WARPGROUP if self.producer else 0)
+
+    @property
+    def consumers(self) -> int:
+        """Threads that compute: one warpgroup per 64 query rows (the producer's excluded)."""
         return WARPGROUP * (self.block_m // 64)
 
     @property
@@ -184,7 +207,11 @@ class WgmmaAttentionConfig:
                 + (", persistent (next tile's Q, K, V loaded during the last key block)"
                    if self.persistent else "")
                 + (", K/V/Q by TMA (mbarrier ring, no block barrier per key block)"
-                   if self.tma else ""))
+                   if self.tma else "")
+                + (", wgmma issue alternating between the warpgroups (ping-pong)"
+                   if self.pingpong else "")
+                + (f", a producer warpgroup (setmaxnreg {PRODUCER_REGS}/{CONSUMER_REGS})"
+                   if self.producer else ""))
 
 
 @functools.cache
@@ -289,6 +316,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     THREADS = cfg.threads
+    CONSUMERS = cfg.consumers   # the computing threads (THREADS less a producer warpgroup)
+    PRODUCER, PINGPONG = cfg.producer, cfg.pingpong
     KD = D // 16          # k16 steps of Q·Kᵀ
     KN = BN // 16         # k16 steps of P·V
     NS = BN // 8          # n8 tiles of S per warp
@@ -303,8 +332,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
     mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
-    copy_q = _copy_rows(BM, D, THREADS)
-    copy_kv = _copy_rows(BN, D, THREADS)
+    copy_q = _copy_rows(BM, D, CONSUMERS)
+    copy_kv = _copy_rows(BN, D, CONSUMERS)
     update = online_softmax_update(1, NS)
     finalize = online_softmax_finalize(1, NO)
     bounds = key_blocks(BM, BN, causal)
@@ -465,6 +494,15 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     store_lse = store_rows(1, 0, cfg.dtype, has_lse)
 
     @inline_device
+    def consumers_sync():
+        """A barrier of the computing threads: syncthreads, or, with a producer warpgroup
+        (which never reaches the epilogue), a named barrier of the consumers."""
+        if PRODUCER:
+            BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+        else:
+            cuda.syncthreads()
+
+    @inline_device
     def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
                  wg, free_stage):
         for j in range(NO):
@@ -475,7 +513,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             for j in range(NO):
                 for e in range(4):
                     acc_o[4 * j + e] = o3[0, j, e]
-            cuda.syncthreads()          # the last block's K and V are read by every warpgroup
+            consumers_sync()            # the last block's K and V are read by every warpgroup
             store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
                     _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
             store_lse(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
@@ -749,15 +787,23 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     # mbarriers (after the scratch word): Q full; per stage st: K full, V full (the producer's
     # expect_tx), K empty, V empty (every consumer thread arrives once the wgmmas that read
     # the slot have retired). Key block j's K and V live in slot j % 2, use j // 2: consumers
-    # wait for full phase (j // 2) & 1; thread 0 reloads a slot once phase ((j - 2) // 2) & 1
-    # of its empty barrier has completed. Loads as in overlap_loop: Q, K(0), V(0), K(1) up
-    # front; step kb loads V(kb+1) and K(kb+2). No block barrier per key block: a warpgroup
-    # only waits for data, and thread 0 for the other warpgroup to be done with a slot.
+    # wait for full phase (j // 2) & 1; the producer reloads a slot once phase
+    # ((j - 2) // 2) & 1 of its empty barrier has completed. Loads as in overlap_loop: Q, K(0),
+    # V(0), K(1) up front; step kb loads V(kb+1) and K(kb+2). No block barrier per key block:
+    # a warpgroup only waits for data, and the producer for the consumers to be done with a
+    # slot. The producer is thread 0 of the first consumer warpgroup, or with ``producer`` a
+    # warpgroup of its own (the last; setmaxnreg moves its registers to the consumers) whose
+    # first thread issues every load while the rest of it idles.
+    # ``pingpong``: each consumer warpgroup issues a step's wgmmas in its turn (named barrier
+    # BAR_TURN + wg, passed on to the other warpgroup once they are issued), so the two
+    # warpgroups' wgmma batches alternate on the tensor cores and one's softmax runs beside
+    # the other's wgmmas (FlashAttention-3's inter-warpgroup ping-pong). Warpgroup 1 gives
+    # warpgroup 0 the first turn and does not pass on its last: n_kb turns each, balanced.
     BARS = SCRATCH + 16
     KV_BOXES = D // 64                 # 64-column boxes (128-byte rows) per tile
     Q_BOX = BM * 128
     KV_BOX = BN * 128
-    CONSUMERS = THREADS
+    CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
 
     @inline_device
     def load_kv(dst, tm, bar, row, hk, b):
@@ -766,23 +812,58 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
 
     @inline_device
-    def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                 hk, row0, q_rows, n_kb, all_see, t, tid, scale_log2):
+    def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb):
+        """Q, K(0), V(0) and K(1): the loads before the first step."""
         kv_base = base + KV
         bars = base + BARS
-        if tid == 0:
-            MB.mbarrier_arrive_expect_tx(bars, Q_BYTES)
-            for c in range(KV_BOXES):
-                T.tma_load_4d(base + c * Q_BOX, tq, bars, c * 64, row0, h, b)
-            load_kv(kv_base, tk, bars + 8, 0, hk, b)                     # K(0)
-            load_kv(kv_base + TILE, tv, bars + 16, 0, hk, b)             # V(0)
-            if n_kb > 1:
-                load_kv(kv_base + STAGE, tk, bars + 8 + 32, BN, hk, b)   # K(1)
+        MB.mbarrier_arrive_expect_tx(bars, Q_BYTES)
+        for c in range(KV_BOXES):
+            T.tma_load_4d(base + c * Q_BOX, tq, bars, c * 64, row0, h, b)
+        load_kv(kv_base, tk, bars + 8, 0, hk, b)                     # K(0)
+        load_kv(kv_base + TILE, tv, bars + 16, 0, hk, b)             # V(0)
+        if n_kb > 1:
+            load_kv(kv_base + STAGE, tk, bars + 8 + 32, BN, hk, b)   # K(1)
+
+    @inline_device
+    def produce_step(base, tk, tv, b, hk, kb, n_kb):
+        """Step kb's loads: V(kb+1) and K(kb+2), each once its slot is released."""
+        kv_base = base + KV
+        bars = base + BARS
+        cur = kb % 2
+        nxt = 1 - cur
+        if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
+            MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) // 2) & 1)
+        load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, (kb + 1) * BN, hk, b)
+        if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
+            MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb // 2) & 1)
+            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, (kb + 2) * BN, hk, b)
+
+    @inline_device
+    def take_turn(wg):
+        if PINGPONG:
+            BAR.bar_sync(BAR_TURN + wg, CONSUMERS)
+
+    @inline_device
+    def pass_turn(wg, last):
+        if PINGPONG and not (wg == 1 and last):
+            BAR.bar_arrive(BAR_TURN + 1 - wg, CONSUMERS)
+
+    @inline_device
+    def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
+                 hk, row0, q_rows, n_kb, all_see, t, tid, wg, scale_log2):
+        kv_base = base + KV
+        bars = base + BARS
+        if not PRODUCER and tid == 0:
+            produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
+        if PINGPONG and wg == 1:
+            BAR.bar_arrive(BAR_TURN, CONSUMERS)                          # warpgroup 0 first
         MB.mbarrier_wait_parity(bars, 0)
         MB.mbarrier_wait_parity(bars + 8, 0)
+        take_turn(wg)
         W.wgmma_fence()
         issue_s(s, q_rows, kv_base)
         W.wgmma_commit_group()
+        pass_turn(wg, n_kb == 1)
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(s, NACC_S)
         MB.mbarrier_arrive(bars + 24)                                    # K(0) read
@@ -791,22 +872,17 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         for kb in range(n_kb - 1):
             cur = kb % 2
             nxt = 1 - cur
-            if tid == 0:
-                if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
-                    MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) // 2) & 1)
-                load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, (kb + 1) * BN,
-                        hk, b)
-                if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
-                    MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb // 2) & 1)
-                    load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, (kb + 2) * BN,
-                            hk, b)
+            if not PRODUCER and tid == 0:
+                produce_step(base, tk, tv, b, hk, kb, n_kb)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((kb + 1) // 2) & 1)   # K(kb+1)
             MB.mbarrier_wait_parity(bars + 32 * cur + 16, (kb // 2) & 1)        # V(kb)
+            take_turn(wg)
             W.wgmma_fence()
             issue_s(s, q_rows, kv_base + nxt * STAGE)
             W.wgmma_commit_group()
             issue_o(acc_o, p, kv_base + cur * STAGE + TILE)
             W.wgmma_commit_group()
+            pass_turn(wg, kb == n_kb - 2)
             W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
             W.wgmma_fence_operand(s, NACC_S)
             MB.mbarrier_arrive(bars + 32 * nxt + 24)      # K(kb+1) read
@@ -824,7 +900,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
 
-    @cached_jit
+    tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
+
+    @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps):
         sq = q.shape[2]
         sk = k.shape[2]
@@ -849,9 +927,6 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
         limit = cuda.local.array((1, 2), i64)
-        init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
-        for i in range(NACC_O):
-            acc_o[i] = _ZERO
 
         if n_kb > 0:
             smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
@@ -873,12 +948,27 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 T.fence_proxy_tensormap_acquire(tk)
                 T.fence_proxy_tensormap_acquire(tv)
             cuda.syncthreads()
-            q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
-            tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                     hk, row0, q_rows, n_kb, all_see, t, tid, scale_log2)
-            epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
-                     g, t, tid, wg, base + KV)
-        else:
+            if PRODUCER and wg == CWG:
+                W.setmaxnreg_dec(PRODUCER_REGS)
+                if tid == CONSUMERS:
+                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
+                    for kb in range(n_kb - 1):
+                        produce_step(base, tk, tv, b, hk, kb, n_kb)
+            else:
+                if PRODUCER:
+                    W.setmaxnreg_inc(CONSUMER_REGS)
+                init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+                for i in range(NACC_O):
+                    acc_o[i] = _ZERO
+                q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
+                tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
+                         h, hk, row0, q_rows, n_kb, all_see, t, tid, wg, scale_log2)
+                epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
+                         scale, g, t, tid, wg, base + KV)
+        elif wg < CWG:
+            init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+            for i in range(NACC_O):
+                acc_o[i] = _ZERO
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
@@ -1013,7 +1103,8 @@ def _overlap_entry(name, cfg, causal, has_lse):
     try:
         sig = argtypes() + ((types.uint8[::1],) if cfg.tma else ())   # + the tensor maps
         rep = compile_kernel(name, wgmma_attention_kernel(cfg, causal, has_lse).py_func,
-                             sig, (9, 0, "a"), assemble=False, launch_bounds=cfg.threads)
+                             sig, (9, 0, "a"), assemble=False,
+                             launch_bounds=(cfg.threads, 1) if cfg.producer else cfg.threads)
         with tempfile.TemporaryDirectory() as tmp:
             src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
             with open(src, "w") as f:
@@ -1045,8 +1136,11 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
                       (64, 64, False, True), (64, 64, True, False))
 
 
-#: The TMA kernels of :func:`compile_reports`: (head_dim, block_n, causal with LSE).
-TMA_REPORTS = ((128, 128, False), (64, 64, True))
+#: The TMA kernels of :func:`compile_reports`: (head_dim, block_n, causal with LSE, pingpong,
+#: producer).
+TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
+               (128, 128, True, True, False), (128, 128, False, False, True),
+               (128, 128, True, True, True), (64, 64, False, True, True))
 
 
 def compile_reports():
@@ -1074,8 +1168,11 @@ def compile_reports():
         name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
-    for d, bn, causal in TMA_REPORTS:
-        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True)
-        name = f"attention_wgmma_tma_d{d}_128x{bn}{'_causal_lse' if causal else ''}"
+    for d, bn, causal, pingpong, producer in TMA_REPORTS:
+        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=pingpong,
+                                   producer=producer)
+        name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
+                f"{'_producer' if producer else ''}_d{d}_128x{bn}"
+                f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out

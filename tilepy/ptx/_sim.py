@@ -8,7 +8,9 @@ shared/numba-cuda-notes.md), and each lane reads the warp's 32 values back.
 
 Contract (stated in the docs): every thread of the block that is still running reaches each
 warp-collective call, in the same order — as tile kernels do. A kernel in which one warp
-shuffles while another waits elsewhere does not simulate faithfully.
+shuffles while another waits elsewhere does not simulate faithfully, unless it is
+warp-specialised: after ``setmaxnreg`` (:func:`set_warp_specialised`) a thread's collectives
+meet at a barrier of its own warp instead.
 
 The scratch is double-buffered by a per-thread parity bit, so one barrier per exchange
 suffices: a lane can only overwrite buffer ``p`` again after the *next* exchange's barrier,
@@ -65,15 +67,37 @@ def _scratch(t):
 
 
 def warp_exchange(value):
-    """All 32 lanes' ``value`` (a list indexed by lane), for the calling thread's warp."""
+    """All 32 lanes' ``value`` (a list indexed by lane), for the calling thread's warp.
+
+    The lanes meet at the block's ``syncthreads``, or, once the thread is warp-specialised
+    (:func:`set_warp_specialised`), at a barrier of its own warp."""
     t = this_thread()
     scratch = _scratch(t)
     parity = getattr(t, "_tilepy_parity", 0)
     t._tilepy_parity = parity ^ 1
     row = scratch[parity][t.thread_id // WARP]
     row[t.thread_id % WARP] = value
-    t.syncthreads()
+    if getattr(t, "_tilepy_per_warp", False):
+        block_state("warp_barriers", _warp_barriers, t)[t.thread_id // WARP].wait(
+            t, "warp collective")
+    else:
+        t.syncthreads()
     return list(row)
+
+
+def set_warp_specialised() -> None:
+    """From now on the calling thread's warp collectives meet at a barrier of its own warp,
+    not at the block's syncthreads (which would wait for warps that never reach them: a
+    producer warpgroup polling an mbarrier while consumers shuffle). ``setmaxnreg``'s twins
+    call it: every warpgroup of a warp-specialised kernel executes setmaxnreg at the same
+    point, before its first collective, so all threads switch together. Dearer per
+    exchange (shared/numba-cuda-notes.md), which is why it is not the default."""
+    this_thread()._tilepy_per_warp = True
+
+
+def _warp_barriers(m):
+    n = int(np.prod(m._block_dim))
+    return [_GroupBarrier(WARP, "warp") for _ in range((n + WARP - 1) // WARP)]
 
 
 def warp_collective(value, model):
@@ -184,8 +208,9 @@ def check_abort(t, what: str) -> None:
 class _GroupBarrier:
     """A reusable barrier for ``n`` simulated threads that gives up when the block aborts."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, group: str = "warpgroup"):
         self.n = n
+        self.group = group
         self.count = 0
         self.generation = 0
         self.cond = threading.Condition()
@@ -207,9 +232,9 @@ class _GroupBarrier:
                 check_abort(t, what)
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"{what}: only {self.count} of the {self.n} threads of the warpgroup "
-                        f"arrived within {WAIT_TIMEOUT:.0f} s; every thread of a warpgroup "
-                        "must make each .sync.aligned warpgroup call")
+                        f"{what}: only {self.count} of the {self.n} threads of the "
+                        f"{self.group} arrived within {WAIT_TIMEOUT:.0f} s; every thread of a "
+                        f"{self.group} must make each .sync.aligned {self.group} call")
 
 
 def _warpgroup_barriers(m):

@@ -412,6 +412,7 @@ def _setmaxnreg_twin(kind):
         if not (24 <= n <= 256 and n % 8 == 0):
             raise ValueError(f"setmaxnreg_{kind}: {n} registers; it must be a multiple of 8 in "
                              "24 … 256")
+        _sim.set_warp_specialised()   # a warp-specialised kernel: per-warp collectives
     twin.__name__ = f"setmaxnreg_{kind}_twin"
     return twin
 
