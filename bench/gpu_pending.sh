@@ -9,6 +9,8 @@
 #                clocks/power probe with it
 #   PART=s8s     the TMA attention kernel's schedules: the GPU tests of ping-pong and the producer
 #                warpgroup, then the A/B of the four schedules over issue 7's shapes
+#   PART=s8d     after the d128 default became ping-pong + producer: the op's GPU tests, the
+#                attention benchmarks, the d64 schedules with 64- and 128-key blocks
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -78,6 +80,12 @@ if [[ " $PART " == *" s8s "* ]]; then
     gpu_tests schedule_tests 150 tests/test_ops_attention_wgmma.py -k "tma"
     step sweep_attention_schedules 400 "$PY" bench/sweep_attention.py --schedule-ab \
         --kernels wgmma --json "$OUT/sweep_attention_schedules.json"
+fi
+if [[ " $PART " == *" s8d "* ]]; then
+    gpu_tests attention_op_tests 200 tests/test_ops_attention.py
+    bench_suite bench_attention 200 "attention"
+    step sweep_attention_d64 150 "$PY" bench/sweep_attention.py --schedule-ab --head-dim 64 \
+        --kernels wgmma --json "$OUT/sweep_attention_d64.json"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

@@ -69,6 +69,7 @@ def main():
     p.add_argument("--schedule-ab", action="store_true",
                    help="the --grid shapes, the built-in TMA config with and without ping-pong "
                         "and a producer warpgroup")
+    p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--kernels", default="mma_sync,wgmma",
                    help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
@@ -81,6 +82,8 @@ def main():
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
     if args.grid or args.tma_ab or args.schedule_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
+    if args.head_dim:
+        shapes = [sh for sh in shapes if sh[3] == args.head_dim]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     time_cuda(lambda: torch.matmul(warm, warm), warmup=50, repeat=5)  # clocks up first
@@ -113,9 +116,11 @@ def main():
 
                 base = dataclasses.replace(choose_config(d, "float16", causal), overlap=True,
                                            tma=True, pingpong=False, producer=False)
+                # d64 also with 128-key blocks (FlashAttention-3's d64 tile is 192 x 128)
                 cfgs = list(dict.fromkeys(
                     [choose_config(d, "float16", causal)]
-                    + [dataclasses.replace(base, pingpong=pp, producer=pr)
+                    + [dataclasses.replace(base, block_n=bn, pingpong=pp, producer=pr)
+                       for bn in ((64, 128) if d == 64 else (base.block_n,))
                        for pp in (False, True) for pr in (False, True)]))
             elif args.grid:
                 # d128 64-key blocks lost to 128-key ones everywhere in s7a's grid

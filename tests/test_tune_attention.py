@@ -26,6 +26,10 @@ def test_space_per_head_dim_and_device():
     assert {type(c) for c in h100} == {WgmmaAttentionConfig, AttentionConfig}
     assert all(c.dtype == "bfloat16" and c.head_dim == 128 for c in h100)
     assert not any(getattr(c, "warp_rows", 16) == 32 for c in h100)   # spills at d > 64
+    from tilepy.ops.attention import HOPPER_CHOICE
+
+    for causal in (False, True):   # the built-in configs are candidates too
+        assert WgmmaAttentionConfig(128, dtype="bfloat16", **HOPPER_CHOICE[(128, causal)]) in h100
     a100 = ats.attention_space(64, "float16", (8, 0))
     assert all(isinstance(c, AttentionConfig) for c in a100)
     assert any(c.warp_rows == 32 for c in a100)
@@ -37,6 +41,8 @@ def test_space_per_head_dim_and_device():
 
 def test_choices_round_trip_and_reject_what_no_longer_fits():
     for cfg in (WgmmaAttentionConfig(128, 128, 64, "float16"),
+                WgmmaAttentionConfig(128, 128, 128, "float16", overlap=True, tma=True,
+                                     pingpong=True, producer=True),
                 AttentionConfig(64, 128, 64, 32, "float16", (9, 0))):
         fields = json.loads(json.dumps(ats.config_fields(cfg)))
         assert ats.config_from_fields(fields, "float16", cfg.head_dim) == cfg

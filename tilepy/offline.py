@@ -300,20 +300,19 @@ def inspect_targets() -> dict:
         return kern.py_func, argtypes(dtype), {"launch_bounds": (cfg.threads, 1)}
 
     def attention_wgmma(dtype):
-        from .ops.attention import HOPPER_CHOICE
+        from .ops.attention import hopper_config
         from .ops.attention_kernel import argtypes
-        from .ops.attention_wgmma import WgmmaAttentionConfig, wgmma_attention_kernel
+        from .ops.attention_wgmma import wgmma_attention_kernel
 
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):
             raise ValueError("flash attention takes float16 or bfloat16")
         from numba import types
 
-        bm, bn, overlap, tma = HOPPER_CHOICE[(128, False)]
-        cfg = WgmmaAttentionConfig(128, bm, bn, dtype, overlap=overlap, tma=tma)
-        maps = (types.uint8[::1],) if tma else ()     # the TMA kernel's tensor maps
+        cfg = hopper_config(128, dtype)
+        maps = (types.uint8[::1],) if cfg.tma else ()     # the TMA kernel's tensor maps
         return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes() + maps,
-                {"launch_bounds": cfg.threads})
+                {"launch_bounds": (cfg.threads, 1) if cfg.producer else cfg.threads})
 
     # the sm_90 defaults of tilepy.gemm (the TMA kernel, 128x256; with bias + GELU: its
     # slowest compile) and tilepy.flash_attention (head_dim 128); need --cc 90a

@@ -37,7 +37,7 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 
 # Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has, 128 query rows
-# (two warpgroups); per (head_dim, causal): (block_m, block_n, overlap, tma). Chosen on
+# (two warpgroups); per (head_dim, causal): the config's fields. Chosen on
 # absolute TFLOPS over issue 7's shapes, fp16:
 # * 2026-11-30_s7a/s7c_sweep_attention_grid.json: d128 128x128 with the softmax overlapped with
 #   P·V (it fits in 216-218 registers since the K/V copies address one column per thread) beat
@@ -48,9 +48,21 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 #   mbarrier-guarded slots, no block barrier per key block): d128 +8-22% (S4096 413 -> 506
 #   TFLOPS, causal 373 -> 451), d64 with overlap 290 -> 305 (causal 182 -> 232, against 213 for
 #   the cp.async kernel without overlap).
-# TILEPY_HOPPER=0 keeps mma.sync.
-HOPPER_CHOICE = {(128, False): (128, 128, True, True), (128, True): (128, 128, True, True),
-                 (64, False): (128, 64, True, True), (64, True): (128, 64, True, True)}
+# * 2026-11-30_s8b_sweep_attention_schedules.json: at d128 the two consumer warpgroups taking
+#   turns to issue their wgmmas (pingpong) with the loads in a producer warpgroup of their own
+#   (producer, setmaxnreg 56/224) beat the thread-0 TMA kernel by 9-14% (S4096 519 -> 570
+#   TFLOPS, causal 443 -> 491), except S1024 causal (253 -> 243); pingpong alone lost 5-10%.
+#   At d64 both lost (308 -> 249-289 TFLOPS): d64 stays on the thread-0 TMA kernel.
+# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.
+_D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
+_D64 = dict(block_m=128, block_n=64, overlap=True, tma=True)
+HOPPER_CHOICE = {(128, False): _D128, (128, True): _D128, (64, False): _D64, (64, True): _D64}
+
+
+def hopper_config(head_dim: int, dtype: str, causal: bool = False):
+    """The wgmma kernel's built-in config (:data:`HOPPER_CHOICE`) for head_dim 64 or 128."""
+    return aw.WgmmaAttentionConfig(head_dim, dtype=dtype,
+                                   **HOPPER_CHOICE[(head_dim, bool(causal))])
 
 
 def choose_config(head_dim: int, dtype: str, causal: bool = False):
@@ -60,8 +72,7 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False):
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
     if head_dim in aw.HEAD_DIMS and _hopper():
-        bm, bn, overlap, tma = HOPPER_CHOICE[(head_dim, bool(causal))]
-        return aw.WgmmaAttentionConfig(head_dim, bm, bn, dtype, overlap=overlap, tma=tma)
+        return hopper_config(head_dim, dtype, causal)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
 
@@ -264,7 +275,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise
-            cfg = dataclasses.replace(cfg, tma=False)
+            cfg = dataclasses.replace(cfg, tma=False, pingpong=False, producer=False)
             kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
             plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
         plan.launch(stream, args)

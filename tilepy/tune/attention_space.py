@@ -39,8 +39,9 @@ OP = "attention"
 MMA_SYNC_SHAPES = ((128, 64, 16), (128, 128, 16), (64, 64, 16), (128, 32, 16), (192, 64, 16))
 MMA_SYNC_SHAPES_D64 = ((64, 128, 16), (128, 64, 32), (256, 64, 32))
 #: (block_m, block_n) of the wgmma kernel (sm_90; head_dim 64 and 128), each without and with
-#: the softmax overlapped with P·V, on a grid and persistent, with cp.async or TMA loads (where
-#: those are valid and compile without spilling).
+#: the softmax overlapped with P·V, on a grid and persistent, with cp.async or TMA loads, the
+#: TMA ones with and without ping-pong and a producer warpgroup (where those are valid and
+#: compile without spilling).
 WGMMA_SHAPES = ((128, 64), (128, 128))
 
 
@@ -66,6 +67,10 @@ def attention_space(head_dim: int, dtype: str = "float16", cc=None, *,
                              "overlap": overlap, "persistent": persistent, "tma": tma})
                   for bm, bn in WGMMA_SHAPES for overlap in (False, True)
                   for persistent in (False, True) for tma in (False, True)]
+        tries += [("wgmma", {"head_dim": head_dim, "block_m": 128, "block_n": bn,
+                             "dtype": dtype, "overlap": True, "tma": True, "pingpong": pp,
+                             "producer": pr})
+                  for bn in (64, 128) for pp, pr in ((True, False), (False, True), (True, True))]
     shapes = MMA_SYNC_SHAPES + (MMA_SYNC_SHAPES_D64 if head_dim <= 64 else ())
     tries += [("mma_sync", {"head_dim": head_dim, "block_m": bm, "block_n": bn, "warp_rows": wr,
                                 "dtype": dtype, "cc": cc[:2]}) for bm, bn, wr in shapes]
