@@ -52,11 +52,14 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 #   turns to issue their wgmmas (pingpong) with the loads in a producer warpgroup of their own
 #   (producer, setmaxnreg 56/224) beat the thread-0 TMA kernel by 9-14% (S4096 519 -> 570
 #   TFLOPS, causal 443 -> 491), except S1024 causal (253 -> 243); pingpong alone lost 5-10%.
-#   At d64 both lost (308 -> 249-289 TFLOPS): d64 stays on the thread-0 TMA kernel.
-# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.
-_D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
-_D64 = dict(block_m=128, block_n=64, overlap=True, tma=True)
-HOPPER_CHOICE = {(128, False): _D128, (128, True): _D128, (64, False): _D64, (64, True): _D64}
+#   At d64 with 64-key blocks both lost (308 -> 249-289 TFLOPS).
+# * 2026-11-30_s8c_sweep_attention_d64.json: at d64, 128-key blocks with ping-pong and the
+#   producer warpgroup beat the thread-0 TMA kernel at 64-key blocks by 7% (306 -> 326
+#   TFLOPS) and causal by 4% (244 -> 254); 128-key blocks without both lost.
+# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments (the same
+# schedule at both head dims: 128 x 128 tiles, TMA, ping-pong, producer warpgroup).
+_SCHEDULE = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
+HOPPER_CHOICE = {(d, causal): _SCHEDULE for d in (64, 128) for causal in (False, True)}
 
 
 def hopper_config(head_dim: int, dtype: str, causal: bool = False):

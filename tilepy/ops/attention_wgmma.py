@@ -1140,7 +1140,7 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
 #: producer).
 TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
                (128, 128, True, True, False), (128, 128, False, False, True),
-               (128, 128, True, True, True), (64, 64, False, True, True))
+               (128, 128, True, True, True), (64, 128, False, True, True))
 
 
 def compile_reports():
