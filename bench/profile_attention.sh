@@ -3,7 +3,8 @@
 # target shape): speed of light, pipe utilisation, warp stall reasons. Clocks left alone
 # (--clock-control none, as the device notes ask). Usage: bench/profile_attention.sh OUTDIR
 set -uo pipefail
-OUT=${1:?usage: bench/profile_attention.sh OUTDIR}
+OUT=${1:?usage: bench/profile_attention.sh OUTDIR [profile_attention.py args]}
+shift
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
