@@ -11,6 +11,9 @@
 #                warpgroup, then the A/B of the four schedules over issue 7's shapes
 #   PART=s8d     after the d128 default became ping-pong + producer: the op's GPU tests, the
 #                attention benchmarks, the d64 schedules with 64- and 128-key blocks
+#   PART=s8e     after max.NaN.f32 in the fragment reductions and deferred row sums: the GPU tests
+#                of fmax_nan, the reductions and the Hopper attention, the attention
+#                benchmarks, the clocks probe
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -86,6 +89,12 @@ if [[ " $PART " == *" s8d "* ]]; then
     bench_suite bench_attention 200 "attention"
     step sweep_attention_d64 150 "$PY" bench/sweep_attention.py --schedule-ab --head-dim 64 \
         --kernels wgmma --json "$OUT/sweep_attention_d64.json"
+fi
+if [[ " $PART " == *" s8e "* ]]; then
+    gpu_tests reduce_attention_tests 200 tests/test_ptx_math.py tests/test_tile_reduce.py \
+        tests/test_tile_online_softmax.py tests/test_ops_attention_wgmma.py
+    bench_suite bench_attention 150 "attention"
+    step probe_clocks 60 "$PY" bench/probe_clocks.py --seconds 3 --json "$OUT/probe_clocks.json"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tilepy.ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, cvt_tf32, ex2_approx, pack_f16x2,
-                             rcp_approx, unpack_bf16x2_f32, unpack_f16x2, unpack_f16x2_f32)
+from tilepy.ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, cvt_tf32, ex2_approx, fmax_nan,
+                             pack_f16x2, rcp_approx, unpack_bf16x2_f32, unpack_f16x2,
+                             unpack_f16x2_f32)
 
 NTHREADS = 64  # two warps; the kernels stride over the data
 
@@ -165,6 +166,38 @@ def k_ex2(x, out):
 def k_rcp(x, out):
     for j in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
         out[j] = rcp_approx(x[j])
+
+
+@cuda.jit
+def k_fmax(a, b, out):
+    for j in range(cuda.threadIdx.x, a.shape[0], cuda.blockDim.x):
+        out[j] = fmax_nan(a[j], b[j])
+
+
+def fmax_inputs(seed=0, n=600):
+    """Pairs of float32: the special values against each other (both orders), then random
+    bit patterns (NaNs with payloads, subnormals, infinities among them)."""
+    sp = SPECIAL_BITS.view(np.float32)
+    a, b = np.meshgrid(sp, sp)
+    rng = np.random.default_rng(seed)
+    ra, rb = (rng.integers(0, 2 ** 32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+              for _ in range(2))
+    return (np.concatenate([a.ravel(), ra, ra]).astype(np.float32),
+            np.concatenate([b.ravel(), rb, ra[::-1]]).astype(np.float32))
+
+
+def ref_fmax_bits(a, b):
+    """max.NaN.f32: canonical NaN if either is NaN, +0 above -0, else the larger."""
+    if np.isnan(a) or np.isnan(b):
+        return F32_NAN
+    if a == b == 0:
+        return 0 if not (np.signbit(a) and np.signbit(b)) else 0x80000000
+    return int(bits32(np.float32(max(a, b)))[0])
+
+
+def check_fmax(a, b, out):
+    assert_bits_equal(bits32(out), [ref_fmax_bits(x, y) for x, y in zip(a, b)], bits32(a),
+                      "fmax_nan vs reference")
 
 
 @cuda.jit
@@ -392,6 +425,28 @@ def test_unpack_twins_on_every_f16_pattern():
         assert bits32(hi) == ref_unpack_f16_f32_bits(int(w) >> 16), hex(w)
         a, b = unpack_f16x2.twin(w)
         assert type(a) is np.float16 and int(pack_f16x2.twin(a, b)) == int(w)
+
+
+def test_fmax_nan_twin_against_the_reference():
+    a, b = fmax_inputs()
+    check_fmax(a, b, np.array([fmax_nan.twin(x, y) for x, y in zip(a, b)], np.float32))
+    assert fmax_nan.spec.min_cc == (8, 0) and fmax_nan.spec.template.startswith("max.NaN.f32")
+
+
+@pytest.mark.sim
+def test_sim_fmax_nan():
+    a, b = fmax_inputs(seed=1)
+    out = np.zeros(len(a), np.float32)
+    k_fmax[1, NTHREADS](a, b, out)
+    check_fmax(a, b, out)
+
+
+@pytest.mark.gpu
+def test_gpu_fmax_nan_matches_the_twin():
+    a, b = fmax_inputs(seed=3, n=20000)
+    out = np.zeros(len(a), np.float32)
+    k_fmax[1, NTHREADS](a, b, out)
+    check_fmax(a, b, out)
 
 
 def test_twins_return_the_declared_types():

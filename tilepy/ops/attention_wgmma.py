@@ -334,8 +334,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     copy_q = _copy_rows(BM, D, CONSUMERS)
     copy_kv = _copy_rows(BN, D, CONSUMERS)
-    update = online_softmax_update(1, NS)
-    finalize = online_softmax_finalize(1, NO)
+    update = online_softmax_update(1, NS, quad_sum=False)   # row sums: quad-reduced at the end
+    finalize = online_softmax_finalize(1, NO, quad_sum=False)
     bounds = key_blocks(BM, BN, causal)
     init_rows = row_limits(1, causal)
     mask = mask_scores(1, NS)

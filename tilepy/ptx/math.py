@@ -110,6 +110,15 @@ def _ex2_twin(x):
     return _ftz(r)
 
 
+def _fmax_nan_twin(a, b):
+    a, b = _f32(a, "fmax_nan"), _f32(b, "fmax_nan")
+    if np.isnan(a) or np.isnan(b):
+        return np.array([CANONICAL_NAN["f32"]], np.uint32).view(np.float32)[0]
+    if a == b:   # +0 is larger than -0
+        return a if not np.signbit(a) else b
+    return a if a > b else b
+
+
 def _rcp_twin(x):
     x = _ftz(_f32(x, "rcp_approx"))
     if np.isnan(x):
@@ -172,6 +181,14 @@ ex2_approx = instruction(
 Maximum relative error 2**-22 (about 2 ulp) over the whole range (PTX ISA). Subnormal x counts
 as 0 (result 1.0); results below 2**-126 are flushed to +0; ex2(-inf) = +0, ex2(+inf) = +inf,
 NaN → NaN. The simulator twin returns the correctly rounded value.""")
+
+fmax_nan = instruction(
+    "fmax_nan", "max.NaN.f32 $0, $1, $2;", outs=("f32",), ins=("f32", "f32"), min_cc=(8, 0),
+    twin=_fmax_nan_twin, doc="""fmax_nan(a: float32, b: float32) -> float32  (max.NaN.f32)
+
+The larger of a and b, the canonical NaN 0x7fffffff if either is NaN; +0 is larger than -0. One FMNMX
+instruction, where ``a if (a > b or a != a) else b`` compiles to two compares and a select.
+Compute capability 8.0+.""")
 
 rcp_approx = instruction(
     "rcp_approx", "rcp.approx.ftz.f32 $0, $1;", outs=("f32",), ins=("f32",),

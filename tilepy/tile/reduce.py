@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda
 
 from ..inline import inline_device
+from ..ptx.math import fmax_nan
 from ..ptx.shuffle import shfl_xor
 
 WARP = 32
@@ -56,9 +57,13 @@ def _check_count(who: str, name: str, value, hi: int | None = None) -> None:
 
 
 @functools.cache
-def combine(op: str):
-    """``f(a, b)``: ``a + b`` for "sum"; for "max" the larger, NaN if either is NaN."""
+def combine(op: str, fast: bool = False):
+    """``f(a, b)``: ``a + b`` for "sum"; for "max" the larger, NaN if either is NaN.
+    ``fast``: max as one ``max.NaN.f32`` (compute capability 8.0+, the mma fragments'
+    reductions) instead of compares and a select (any device)."""
     _check_op("combine", op)
+    if op == "max" and fast:
+        return fmax_nan
     if op == "max":
         @inline_device
         def f(a, b):
@@ -81,7 +86,7 @@ def quad_row_reduce(op: str):
     ``shfl.sync.bfly`` (masks 1, 2); every lane of the quad gets the result.
     """
     _check_op("quad_row_reduce", op)
-    f = combine(op)
+    f = combine(op, fast=True)   # mma fragments: compute capability 8.0+
 
     @inline_device
     def reduce(v):
@@ -179,24 +184,36 @@ def fragment_row_reduce(op: str, mi: int, ni: int, *, accumulate: bool = False,
       :func:`quad_row_reduce` — e.g. a running sum whose quad reduction is deferred to the
       end, as FlashAttention-2 does.
 
-    Costs ``mi * 2 * 2`` shuffles (none with ``quad=False``).
+    Costs ``mi * 2 * 2`` shuffles (none with ``quad=False``). A max is exact in any order, so
+    it runs as two chains over the pairs of n8 tiles (half the dependent steps; one
+    ``max.NaN.f32`` each, compute capability 8.0+); a sum adds left to right.
     """
     _check_op("fragment_row_reduce", op)
     _check_count("fragment_row_reduce", "mi", mi)
     _check_count("fragment_row_reduce", "ni", ni)
-    f = combine(op)
+    f = combine(op, fast=True)
     across = quad_row_reduce(op)
     accumulate = bool(accumulate)
     quad = bool(quad)
+    TWO_CHAINS = op == "max" and ni > 1
 
     @inline_device
     def reduce(acc, rows):
         for i in range(mi):
             for h in range(2):
                 v = f(acc[i, 0, 2 * h], acc[i, 0, 2 * h + 1])
-                for j in range(1, ni):
-                    v = f(v, acc[i, j, 2 * h])
-                    v = f(v, acc[i, j, 2 * h + 1])
+                if TWO_CHAINS:
+                    w = f(acc[i, 1, 2 * h], acc[i, 1, 2 * h + 1])
+                    for j in range(2, ni):
+                        if j % 2 == 0:
+                            v = f(v, f(acc[i, j, 2 * h], acc[i, j, 2 * h + 1]))
+                        else:
+                            w = f(w, f(acc[i, j, 2 * h], acc[i, j, 2 * h + 1]))
+                    v = f(v, w)
+                else:
+                    for j in range(1, ni):
+                        v = f(v, acc[i, j, 2 * h])
+                        v = f(v, acc[i, j, 2 * h + 1])
                 if quad:
                     v = across(v)
                 if accumulate:
