@@ -14,6 +14,7 @@
 #   PART=s8e     after max.NaN.f32 in the fragment reductions and deferred row sums: the GPU tests
 #                of fmax_nan, the reductions and the Hopper attention, the attention
 #                benchmarks, the clocks probe
+#   PART=s8f     three consumer warpgroups (block_m 192): the GPU schedule tests, the d64 A/B
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -95,6 +96,11 @@ if [[ " $PART " == *" s8e "* ]]; then
         tests/test_tile_online_softmax.py tests/test_ops_attention_wgmma.py
     bench_suite bench_attention 150 "attention"
     step probe_clocks 60 "$PY" bench/probe_clocks.py --seconds 3 --json "$OUT/probe_clocks.json"
+fi
+if [[ " $PART " == *" s8f "* ]]; then
+    gpu_tests schedule_tests 150 tests/test_ops_attention_wgmma.py -k "schedules"
+    step sweep_attention_d64 200 "$PY" bench/sweep_attention.py --schedule-ab --head-dim 64 \
+        --block-m 192 --kernels wgmma --json "$OUT/sweep_attention_d64.json"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

@@ -70,6 +70,8 @@ def main():
                    help="the --grid shapes, the built-in TMA config with and without ping-pong "
                         "and a producer warpgroup")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
+    p.add_argument("--block-m", type=int,
+                   help="--schedule-ab: the built-in config and only those of this block_m")
     p.add_argument("--kernels", default="mma_sync,wgmma",
                    help="comma-separated: which kernels' configs to time (mma_sync, wgmma)")
     args = p.parse_args()
@@ -119,9 +121,16 @@ def main():
                 # d64 also with 128-key blocks (FlashAttention-3's d64 tile is 192 x 128)
                 cfgs = list(dict.fromkeys(
                     [choose_config(d, "float16", causal)]
-                    + [dataclasses.replace(base, block_n=bn, pingpong=pp, producer=pr)
+                    + [dataclasses.replace(base, block_m=128, block_n=bn, pingpong=pp,
+                                           producer=pr)
                        for bn in ((64, 128) if d == 64 else (base.block_n,))
-                       for pp in (False, True) for pr in (False, True)]))
+                       for pp in (False, True) for pr in (False, True)]
+                    # three consumer warpgroups (FlashAttention-3's d64 tile is 192 x 128)
+                    + [dataclasses.replace(base, block_m=192, block_n=bn, pingpong=pp,
+                                           producer=True)
+                       for bn in ((64, 128) if d == 64 else ()) for pp in (False, True)]))
+                if args.block_m:
+                    cfgs = cfgs[:1] + [c for c in cfgs[1:] if c.block_m == args.block_m]
             elif args.grid:
                 # d128 64-key blocks lost to 128-key ones everywhere in s7a's grid
                 cfgs = [c for c in cfgs if c.block_m == 128 and getattr(c, "warp_rows", 64) == 64

@@ -135,7 +135,9 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
     (1, 2, 1, 130, 200, True, "bshd", "bfloat16", 64, 64, 128, True, True),  # GQA, 4 blocks
     (1, 1, 1, 150, 60, True, "bhsd", "float16", 64, 64, 128, True, False),   # no-key block
     (1, 1, 1, 40, 70, False, "bhsd", "float16", 64, 64, 128, True, False),   # one turn each
-    (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128, 64, False, True),   # producer alone
+    (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128, 128, False, True),  # producer alone
+    (1, 2, 1, 200, 330, True, "bhsd", "float16", 64, 128, 192, True, True),   # 3 consumers
+    (1, 1, 1, 70, 9, False, "bshd", "bfloat16", 64, 64, 192, False, True),   # 3, no-key rows
 ])
 def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn, bm,
                                        pingpong, producer):
@@ -158,8 +160,16 @@ def test_tma_config():
         WgmmaAttentionConfig(64, overlap=True, tma="yes")
     with pytest.raises(ValueError, match="pingpong and producer need tma=True"):
         WgmmaAttentionConfig(128, 128, 128, overlap=True, producer=True)
-    with pytest.raises(ValueError, match="pingpong needs block_m=128"):
+    with pytest.raises(ValueError, match="pingpong needs block_m of 128 or 192"):
         WgmmaAttentionConfig(64, 64, 64, overlap=True, tma=True, pingpong=True)
+    with pytest.raises(ValueError, match="block_m=192 needs producer=True"):
+        WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, pingpong=True)
+    with pytest.raises(ValueError, match="block_m must be 64, 128 or 192"):
+        WgmmaAttentionConfig(64, 256, 128, overlap=True, tma=True, producer=True)
+    three = WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, pingpong=True,
+                                 producer=True)
+    assert (three.threads, three.consumers, three.registers) == (512, 384, (32, 160))
+    assert sum(n * r for n, r in zip((128, 384), three.registers)) <= 65536
     with pytest.raises(ValueError, match="producer must be a bool"):
         WgmmaAttentionConfig(64, overlap=True, tma=True, producer=1)
     both = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True, pingpong=True,
@@ -201,7 +211,7 @@ def test_compiles_for_sm90a_without_spills():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
         d = int(re.search(r"_d(\d+)", name).group(1))
-        m = re.search(r"_128x(\d+)", name)
+        m = re.search(r"_(?:128|192)x(\d+)", name)
         bn = int(m.group(1)) if m else 128
         assert rep["counts"]["wgmma.mma_async"] >= d // 16 + bn // 16, name
         assert rep["counts"]["ld.local"] == 0
@@ -264,11 +274,13 @@ def test_gpu_tma_against_sdpa(d, bn, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,bn,causal,pingpong,producer", [
-    (128, 128, True, True, False), (128, 128, False, False, True), (128, 128, True, True, True),
-    (64, 64, False, True, True), (64, 64, True, True, True)])
-def test_gpu_tma_schedules_against_sdpa(d, bn, causal, pingpong, producer):
-    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True,
+@pytest.mark.parametrize("d,bm,bn,causal,pingpong,producer", [
+    (128, 128, 128, True, True, False), (128, 128, 128, False, False, True),
+    (128, 128, 128, True, True, True), (64, 128, 64, False, True, True),
+    (64, 128, 128, True, True, True), (64, 192, 128, False, True, True),
+    (64, 192, 128, True, False, True), (64, 192, 64, True, True, True)])
+def test_gpu_tma_schedules_against_sdpa(d, bm, bn, causal, pingpong, producer):
+    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True,
                                                      pingpong=pingpong, producer=producer))
 
 

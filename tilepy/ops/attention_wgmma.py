@@ -49,7 +49,11 @@ loads Q, K and V with TMA (4-D tensor maps over (batch, head, seq, head_dim), 64
 128-byte swizzle: the same slots) and the warpgroups synchronise through mbarriers — per slot
 a full barrier (the copy's bytes) and an empty one (every thread arrives once its wgmmas have
 read the slot) — instead of a block barrier per key block, so the two warpgroups drift and
-one's softmax runs beside the other's wgmmas. No producer warpgroup, no setmaxnreg.
+one's softmax runs beside the other's wgmmas. ``producer=True`` moves the loads to a
+warpgroup of their own (setmaxnreg gives its registers to the consumers); ``pingpong=True``
+makes the consumer warpgroups take turns issuing their wgmmas (named barriers), so one's
+softmax runs while the others' wgmmas do (FlashAttention-3's inter-warpgroup schedule). With
+both, ``block_m=192`` runs three consumer warpgroups (FlashAttention-3's head_dim-64 tile).
 """
 
 from __future__ import annotations
@@ -97,13 +101,15 @@ OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32
 PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 128)})
 #: mbarriers of the TMA kernel: Q's, then per stage K full, V full, K empty, V empty (2 stages).
 TMA_BARRIERS = 9
-#: setmaxnreg of the TMA kernel's producer warpgroup and of its consumers (384 threads: the
-#: launch allows 168 each; 128 × 40 + 256 × 232 = 64,512 of the SM's 65,536)
-PRODUCER_REGS, CONSUMER_REGS = 56, 224
-#: Named barriers (1 and 2 are store_accumulators_smem's, one per warpgroup): the ping-pong
+#: setmaxnreg (producer, each consumer) of the TMA kernel with a producer warpgroup, by block
+#: threads: 384 (two consumers) launch with 168 registers each, 128 × 56 + 256 × 224 = 64,512;
+#: 512 (three) with 128, 128 × 32 + 384 × 160 = 65,536. The producer spills below 56 at 384
+#: threads (one thread issues the loads; sm_90a compile of 2026-11-30).
+REGISTER_SPLIT = {384: (56, 224), 512: (32, 160)}
+#: Named barriers (1 … 3 are store_accumulators_smem's, one per warpgroup): the ping-pong
 #: turn of consumer warpgroup i is BAR_TURN + i; BAR_CONSUMERS syncs the consumers alone
 #: where a producer warpgroup does not take part (the epilogue)
-BAR_TURN, BAR_CONSUMERS = 3, 5
+BAR_TURN, BAR_CONSUMERS = 4, 7
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -111,7 +117,8 @@ _ONE = np.float32(1.0)
 
 @dataclass(frozen=True)
 class WgmmaAttentionConfig:
-    """``block_m`` query rows (64 or 128: one warpgroup per 64), ``block_n`` keys per step
+    """``block_m`` query rows (64, 128, or with ``producer`` 192: one warpgroup per 64),
+    ``block_n`` keys per step
     (64 or 128), ``head_dim`` (64 or 128), ``dtype``; ``overlap``: pipeline the softmax of
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`)."""
@@ -137,7 +144,12 @@ class WgmmaAttentionConfig:
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}")
-        need(self.block_m in (64, 128), "block_m must be 64 or 128")
+        need(self.block_m in (64, 128, 192), "block_m must be 64, 128 or 192")
+        need(self.block_m >= 128 or not self.producer,
+             "producer needs block_m of 128 or 192 (two or three consumer warpgroups)")
+        need(self.block_m != 192 or self.producer,
+             "block_m=192 needs producer=True (three consumer warpgroups and a producer: "
+             "setmaxnreg shares the registers)")
         need(self.block_n in (64, 128), "block_n must be 64 or 128")
         need(isinstance(self.overlap, bool), "overlap must be a bool")
         need(isinstance(self.persistent, bool), "persistent must be a bool")
@@ -146,8 +158,8 @@ class WgmmaAttentionConfig:
         need(isinstance(self.producer, bool), "producer must be a bool")
         need(self.tma or not (self.pingpong or self.producer),
              "pingpong and producer need tma=True (they schedule the TMA-fed kernel)")
-        need(self.block_m == 128 or not self.pingpong,
-             "pingpong needs block_m=128 (it alternates two consumer warpgroups)")
+        need(self.block_m >= 128 or not self.pingpong,
+             "pingpong needs block_m of 128 or 192 (it alternates consumer warpgroups)")
         if self.tma:
             need(self.overlap and not self.persistent,
                  "tma needs overlap=True and persistent=False (the TMA loads feed the "
@@ -168,6 +180,12 @@ class WgmmaAttentionConfig:
     @property
     def threads(self) -> int:
         return self.consumers + (WARPGROUP if self.producer else 0)
+
+    @property
+    def registers(self) -> tuple[int, int]:
+        """setmaxnreg of the producer warpgroup and of each consumer (``producer`` only): the
+        launch allows 65,536 / threads each (168 at 384 threads, 128 at 512)."""
+        return REGISTER_SPLIT[self.threads]
 
     @property
     def consumers(self) -> int:
@@ -210,7 +228,7 @@ class WgmmaAttentionConfig:
                    if self.tma else "")
                 + (", wgmma issue alternating between the warpgroups (ping-pong)"
                    if self.pingpong else "")
-                + (f", a producer warpgroup (setmaxnreg {PRODUCER_REGS}/{CONSUMER_REGS})"
+                + (", a producer warpgroup (setmaxnreg {}/{})".format(*self.registers)
                    if self.producer else ""))
 
 
@@ -332,8 +350,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
     mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
-    copy_q = _copy_rows(BM, D, CONSUMERS)
-    copy_kv = _copy_rows(BN, D, CONSUMERS)
+    # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
+    copy_q = None if cfg.tma else _copy_rows(BM, D, CONSUMERS)
+    copy_kv = None if cfg.tma else _copy_rows(BN, D, CONSUMERS)
     update = online_softmax_update(1, NS, quad_sum=False)   # row sums: quad-reduced at the end
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     bounds = key_blocks(BM, BN, causal)
@@ -489,7 +508,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     # fragments as before.
     STAGED = staged_bytes(1, NO)
     ROOM = STAGE if cfg.persistent else 2 * STAGE
-    STAGE_O = 2 * STAGED <= ROOM
+    STAGE_O = (BM // 64) * STAGED <= ROOM
     store_o = store_accumulators_smem(1, NO, cfg.dtype)
     store_lse = store_rows(1, 0, cfg.dtype, has_lse)
 
@@ -795,15 +814,17 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     # warpgroup of its own (the last; setmaxnreg moves its registers to the consumers) whose
     # first thread issues every load while the rest of it idles.
     # ``pingpong``: each consumer warpgroup issues a step's wgmmas in its turn (named barrier
-    # BAR_TURN + wg, passed on to the other warpgroup once they are issued), so the two
-    # warpgroups' wgmma batches alternate on the tensor cores and one's softmax runs beside
-    # the other's wgmmas (FlashAttention-3's inter-warpgroup ping-pong). Warpgroup 1 gives
-    # warpgroup 0 the first turn and does not pass on its last: n_kb turns each, balanced.
+    # BAR_TURN + wg, passed on to the next warpgroup once they are issued), so the consumer
+    # warpgroups' wgmma batches take turns on the tensor cores and one's softmax runs beside
+    # the others' wgmmas (FlashAttention-3's inter-warpgroup ping-pong). The last warpgroup
+    # gives warpgroup 0 the first turn and does not pass on its last: n_kb turns each, and
+    # every turn barrier completes with 256 threads (its owner and the one before it).
     BARS = SCRATCH + 16
     KV_BOXES = D // 64                 # 64-column boxes (128-byte rows) per tile
     Q_BOX = BM * 128
     KV_BOX = BN * 128
     CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
+    PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
     @inline_device
     def load_kv(dst, tm, bar, row, hk, b):
@@ -841,12 +862,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @inline_device
     def take_turn(wg):
         if PINGPONG:
-            BAR.bar_sync(BAR_TURN + wg, CONSUMERS)
+            BAR.bar_sync(BAR_TURN + wg, 2 * WARPGROUP)
 
     @inline_device
     def pass_turn(wg, last):
-        if PINGPONG and not (wg == 1 and last):
-            BAR.bar_arrive(BAR_TURN + 1 - wg, CONSUMERS)
+        if PINGPONG and not (wg == CWG - 1 and last):
+            BAR.bar_arrive(BAR_TURN + (wg + 1) % CWG, 2 * WARPGROUP)
 
     @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
@@ -855,8 +876,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         bars = base + BARS
         if not PRODUCER and tid == 0:
             produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
-        if PINGPONG and wg == 1:
-            BAR.bar_arrive(BAR_TURN, CONSUMERS)                          # warpgroup 0 first
+        if PINGPONG and wg == CWG - 1:
+            BAR.bar_arrive(BAR_TURN, 2 * WARPGROUP)                      # warpgroup 0 first
         MB.mbarrier_wait_parity(bars, 0)
         MB.mbarrier_wait_parity(bars + 8, 0)
         take_turn(wg)
@@ -949,14 +970,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 T.fence_proxy_tensormap_acquire(tv)
             cuda.syncthreads()
             if PRODUCER and wg == CWG:
-                W.setmaxnreg_dec(PRODUCER_REGS)
+                W.setmaxnreg_dec(PREGS)
                 if tid == CONSUMERS:
                     produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
                     for kb in range(n_kb - 1):
                         produce_step(base, tk, tv, b, hk, kb, n_kb)
             else:
                 if PRODUCER:
-                    W.setmaxnreg_inc(CONSUMER_REGS)
+                    W.setmaxnreg_inc(CREGS)
                 init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 for i in range(NACC_O):
                     acc_o[i] = _ZERO
@@ -1137,10 +1158,11 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
 
 
 #: The TMA kernels of :func:`compile_reports`: (head_dim, block_n, causal with LSE, pingpong,
-#: producer).
+#: producer[, block_m: default 128]).
 TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
                (128, 128, True, True, False), (128, 128, False, False, True),
-               (128, 128, True, True, True), (64, 128, False, True, True))
+               (128, 128, True, True, True), (64, 128, False, True, True),
+               (64, 128, True, True, True, 192))
 
 
 def compile_reports():
@@ -1168,11 +1190,11 @@ def compile_reports():
         name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
-    for d, bn, causal, pingpong, producer in TMA_REPORTS:
-        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=pingpong,
-                                   producer=producer)
+    for d, bn, causal, pingpong, producer, *bm in TMA_REPORTS:
+        cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
+                                   pingpong=pingpong, producer=producer)
         name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
-                f"{'_producer' if producer else ''}_d{d}_128x{bn}"
+                f"{'_producer' if producer else ''}_d{d}_{cfg.block_m}x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out
