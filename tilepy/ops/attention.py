@@ -56,10 +56,14 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 # * 2026-11-30_s8c_sweep_attention_d64.json: at d64, 128-key blocks with ping-pong and the
 #   producer warpgroup beat the thread-0 TMA kernel at 64-key blocks by 7% (306 -> 326
 #   TFLOPS) and causal by 4% (244 -> 254); 128-key blocks without both lost.
-# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments (the same
-# schedule at both head dims: 128 x 128 tiles, TMA, ping-pong, producer warpgroup).
-_SCHEDULE = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
-HOPPER_CHOICE = {(d, causal): _SCHEDULE for d in (64, 128) for causal in (False, True)}
+# * 2026-11-30_s8f_sweep_attention_d64.json (after max.NaN.f32 in the row max): at d64, three
+#   consumer warpgroups (192 x 128, producer, no ping-pong; FlashAttention-3's d64 tile) beat
+#   128 x 128 with ping-pong by 14% (351 -> 398 TFLOPS) and causal by 3% (259 -> 268); with
+#   ping-pong 371 / 266, with 64-key blocks 346-349 / 255-256.
+# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.
+_D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
+_D64 = dict(block_m=192, block_n=128, overlap=True, tma=True, producer=True)
+HOPPER_CHOICE = {(128, False): _D128, (128, True): _D128, (64, False): _D64, (64, True): _D64}
 
 
 def hopper_config(head_dim: int, dtype: str, causal: bool = False):
