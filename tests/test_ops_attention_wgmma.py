@@ -315,8 +315,9 @@ def test_tma_default_falls_back_when_maps_cannot_be_encoded(monkeypatch):
     def refuse(*args, **kwargs):
         raise ValueError("strides: refused for the test")
 
-    # the d128 built-in's schedule (a producer warpgroup): the fallback drops it with TMA
-    cfg = WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True, producer=True)
+    # the d64 built-in's schedule (three consumer warpgroups and a producer): the fallback
+    # runs the cp.async kernel with two
+    cfg = WgmmaAttentionConfig(64, 192, 64, "float16", overlap=True, tma=True, producer=True)
     monkeypatch.setattr(host_tma, "encode_tiled", refuse)
     monkeypatch.setattr(A, "choose_config", lambda d, dtype, causal=False: cfg)
     rng = np.random.default_rng()

@@ -28,8 +28,10 @@ def test_space_per_head_dim_and_device():
     assert not any(getattr(c, "warp_rows", 16) == 32 for c in h100)   # spills at d > 64
     from tilepy.ops.attention import HOPPER_CHOICE
 
+    d64 = ats.attention_space(64, "bfloat16", (9, 0))
     for causal in (False, True):   # the built-in configs are candidates too
         assert WgmmaAttentionConfig(128, dtype="bfloat16", **HOPPER_CHOICE[(128, causal)]) in h100
+        assert WgmmaAttentionConfig(64, dtype="bfloat16", **HOPPER_CHOICE[(64, causal)]) in d64
     a100 = ats.attention_space(64, "float16", (8, 0))
     assert all(isinstance(c, AttentionConfig) for c in a100)
     assert any(c.warp_rows == 32 for c in a100)

@@ -282,7 +282,9 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise
-            cfg = dataclasses.replace(cfg, tma=False, pingpong=False, producer=False)
+            # the cp.async kernel: no producer warpgroup, so at most two consumer warpgroups
+            cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
+                                      pingpong=False, producer=False)
             kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
             plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
         plan.launch(stream, args)
