@@ -164,6 +164,8 @@ def test_tma_config():
         WgmmaAttentionConfig(64, 64, 64, overlap=True, tma=True, pingpong=True)
     with pytest.raises(ValueError, match="block_m=192 needs producer=True"):
         WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, pingpong=True)
+    with pytest.raises(ValueError, match="block_m=192 needs head_dim 64"):
+        WgmmaAttentionConfig(128, 192, 128, overlap=True, tma=True, producer=True)
     with pytest.raises(ValueError, match="block_m must be 64, 128 or 192"):
         WgmmaAttentionConfig(64, 256, 128, overlap=True, tma=True, producer=True)
     three = WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, pingpong=True,

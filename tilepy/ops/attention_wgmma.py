@@ -147,6 +147,9 @@ class WgmmaAttentionConfig:
         need(self.block_m in (64, 128, 192), "block_m must be 64, 128 or 192")
         need(self.block_m >= 128 or not self.producer,
              "producer needs block_m of 128 or 192 (two or three consumer warpgroups)")
+        need(self.block_m != 192 or self.head_dim == 64,
+             "block_m=192 needs head_dim 64 (at 512 threads a consumer gets 160 registers; "
+             "head_dim 128 needs about 220)")
         need(self.block_m != 192 or self.producer,
              "block_m=192 needs producer=True (three consumer warpgroups and a producer: "
              "setmaxnreg shares the registers)")
