@@ -16,6 +16,8 @@
 #                benchmarks, the clocks probe
 #   PART=s8f     three consumer warpgroups (block_m 192): the GPU schedule tests, the d64 A/B
 #   PART=s8g     the d64 default at 192 x 128: the op's GPU tests, the attention benchmarks
+#   PART=s8h     after the 32-bit causal mask compares: the Hopper schedules' GPU tests, the
+#                attention benchmarks (the session's final table)
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -106,6 +108,10 @@ fi
 if [[ " $PART " == *" s8g "* ]]; then
     gpu_tests attention_op_tests 200 tests/test_ops_attention.py tests/test_tune_attention.py
     bench_suite bench_attention 150 "attention"
+fi
+if [[ " $PART " == *" s8h "* ]]; then
+    gpu_tests schedule_tests 80 tests/test_ops_attention_wgmma.py -k "schedules or tma_against"
+    bench_suite bench_attention 130 "attention"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

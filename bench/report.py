@@ -115,7 +115,9 @@ def build() -> str:
                               f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
                               + (", overlap" if r.get("overlap") else "")
                               + (", persistent" if r.get("persistent") else "")
-                              + (", TMA" if r.get("tma") else ""),
+                              + (", TMA" if r.get("tma") else "")
+                              + (", ping-pong" if r.get("pingpong") else "")
+                              + (", producer warpgroup" if r.get("producer") else ""),
                               fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
             elif "rows" in data and all("shape" in r and "config" in r for r in data["rows"]):
                 # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
@@ -169,6 +171,13 @@ def build() -> str:
             parts += ["### Attention kernel configurations (`bench/sweep_attention.py`)", "",
                       table(("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2"),
                             att_rows), ""]
+        ncu_rows = [row for f in sorted(gpu_dir.glob("*_ncu_*raw.csv")) for row in ncu_table(f)]
+        if ncu_rows:
+            parts += ["### Nsight Compute (`bench/profile_attention.sh`: one launch each; pipe "
+                      "figures are % of peak over active cycles)", "",
+                      table(("file", "kernel", "grid × block", "µs", "instructions (M)",
+                             "tensor pipe %", "XU (MUFU) %", "ALU %", "FMA %", "uniform %",
+                             "cycles per issue"), ncu_rows), ""]
         if first_rows:
             parts += ["### First call in a fresh process (`bench/first_call.py`)", "",
                       table(("file", "call", "kernel cache", "import s", "first call s"),
@@ -180,6 +189,39 @@ def build() -> str:
             parts += ["### `python -m tilepy demo`", "",
                       table(("file", "what", "size", "tilepy", "peer", "ratio"), demo_rows), ""]
     return "\n".join(parts)
+
+
+def ncu_table(path) -> list:
+    """Rows of an ``ncu --page raw --csv`` export (bench/profile_attention.sh)."""
+    import csv
+
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) < 3:
+        return []
+    col = {h: i for i, h in enumerate(rows[0])}
+
+    def get(r, name, scale=1.0):
+        i = col.get(name)
+        try:
+            return fmt(float(r[i].replace(",", "")) * scale) if i is not None else "-"
+        except ValueError:
+            return r[i]
+
+    out = []
+    for r in rows[2:]:
+        name = r[col["Kernel Name"]]
+        who = "tilepy" if name.startswith("tilepy") else name.split("_kernel")[0][:60]
+        out.append((path.name, who, f"{r[col['Grid Size']]} × {r[col['Block Size']]}",
+                    get(r, "gpu__time_duration.sum", 1e3),
+                    get(r, "smsp__inst_executed.sum", 1e-6),
+                    get(r, "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+                    get(r, "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),
+                    get(r, "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active"),
+                    get(r, "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active"),
+                    get(r, "sm__inst_executed_pipe_uniform.avg.pct_of_peak_sustained_active"),
+                    get(r, "smsp__average_warp_latency_per_inst_issued.ratio")))
+    return out
 
 
 def main(argv) -> int:

@@ -218,11 +218,11 @@ def test_compiles_for_sm90a_without_spills():
         assert rep["counts"]["wgmma.mma_async"] >= d // 16 + bn // 16, name
         assert rep["counts"]["ld.local"] == 0
         if "producer" in name:
-            # 384 threads: ptxas allocates 168 registers at entry, setmaxnreg moves them to the
-            # consumers (224). A few values computed before the warpgroups part ways are
-            # spilled there and reloaded once per block (entry and epilogue, not in the key
-            # loop: SASS of 2026-11-30, 32 B of stores)
-            assert rep["registers"] == 168
+            # 384 (512) threads: ptxas allocates 168 (128) registers at entry, setmaxnreg moves
+            # them to the consumers (224, 160). A few values computed before the warpgroups
+            # part ways are spilled there and reloaded once per block (entry and epilogue,
+            # not in the key loop: SASS of 2026-11-30, 32 B of stores)
+            assert rep["registers"] == (128 if "_192x" in name else 168)
             assert rep["spill_stores"] <= 64 and rep["local_bytes"] == 0, rep
             assert rep["counts"]["setmaxnreg"] == 2
         else:

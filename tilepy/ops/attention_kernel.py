@@ -308,17 +308,22 @@ def row_limits(mi: int, causal: bool):
 @functools.cache
 def mask_scores(mi: int, ns: int):
     """``mask(s, limit, key0)``: set the S fragment entries of keys past each row's limit to
-    -inf (``key0``: the key of column 0 of this lane in the block, ``kb·BN + 2t``)."""
+    -inf (``key0``: the key of column 0 of this lane in the block, ``kb·BN + 2t``).
+
+    The per-entry compares are 32-bit (the relative column, clamped to the block, fits): one
+    ISETP each where 64-bit ones took two."""
+    lo, hi = np.int64(-1), np.int64(8 * ns)
 
     @inline_device
     def mask(s, limit, key0):
         for i in range(mi):
             for hh in range(2):
-                rel = limit[i, hh] - key0  # last visible column, relative
+                # last visible column, relative; -1 masks all, 8·ns none
+                rel = np.int32(min(max(limit[i, hh] - key0, lo), hi))
                 for j in range(ns):
-                    if 8 * j > rel:
+                    if np.int32(8 * j) > rel:
                         s[i, j, 2 * hh] = _NEG_INF
-                    if 8 * j + 1 > rel:
+                    if np.int32(8 * j + 1) > rel:
                         s[i, j, 2 * hh + 1] = _NEG_INF
 
     return mask
