@@ -134,15 +134,17 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
 @pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,d,bn,bm,pingpong,producer", [
     (1, 2, 1, 130, 200, True, "bshd", "bfloat16", 64, 64, 128, True, True),  # GQA, 4 blocks
     (1, 1, 1, 150, 60, True, "bhsd", "float16", 64, 64, 128, True, False),   # no-key block
-    (1, 1, 1, 40, 70, False, "bhsd", "float16", 64, 64, 128, True, False),   # one turn each
+    (1, 1, 1, 40, 60, False, "bhsd", "float16", 64, 64, 128, True, False),   # one turn each
     (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128, 128, False, True),  # producer alone
     (1, 2, 1, 200, 330, True, "bhsd", "float16", 64, 128, 192, True, True),   # 3 consumers
     (1, 1, 1, 70, 9, False, "bshd", "bfloat16", 64, 64, 192, False, True),   # 3, no-key rows
+    (1, 1, 1, 40, 100, False, "bhsd", "float16", 64, 128, 192, True, True),  # 3, one turn each
 ])
 def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn, bm,
                                        pingpong, producer):
-    """The TMA kernel's schedules: the two consumer warpgroups taking turns to issue their
-    wgmmas (pingpong), the loads from a producer warpgroup of their own (producer)."""
+    """The TMA kernel's schedules: the consumer warpgroups (two, or three at block_m 192)
+    taking turns to issue their wgmmas (pingpong), the loads from a producer warpgroup of
+    their own (producer)."""
     run(np.random.default_rng(), b, hq, hk, sq, sk, d, causal, layout, dtype,
         WgmmaAttentionConfig(d, bm, bn, dtype, overlap=True, tma=True, pingpong=pingpong,
                              producer=producer))
@@ -177,6 +179,7 @@ def test_tma_config():
     both = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True, pingpong=True,
                                 producer=True)
     assert (both.threads, both.consumers, cfg.threads) == (384, 256, 256)
+    assert both.registers == (56, 224) and cfg.registers is None
     assert "ping-pong" in both.describe() and "producer warpgroup" in both.describe()
 
 

@@ -13,9 +13,18 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from tilepy.ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, cvt_tf32, ex2_approx, fmax_nan,
-                             pack_f16x2, rcp_approx, unpack_bf16x2_f32, unpack_f16x2,
-                             unpack_f16x2_f32)
+from tilepy.ptx.math import (
+    cvt_bf16x2_f32,
+    cvt_f16x2_f32,
+    cvt_tf32,
+    ex2_approx,
+    fmax_nan,
+    pack_f16x2,
+    rcp_approx,
+    unpack_bf16x2_f32,
+    unpack_f16x2,
+    unpack_f16x2_f32,
+)
 
 NTHREADS = 64  # two warps; the kernels stride over the data
 

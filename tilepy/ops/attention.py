@@ -36,8 +36,9 @@ GPU_CONFIGS = {64: (128, 64, 32), 128: (64, 64, 16)}
 SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 
-# Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has, 128 query rows
-# (two warpgroups); per (head_dim, causal): the config's fields. Chosen on
+# Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has; per (head_dim,
+# causal): the config's fields (query rows: 128 = two consumer warpgroups at head_dim 128, 192
+# = three at 64). Chosen on
 # absolute TFLOPS over issue 7's shapes, fp16:
 # * 2026-11-30_s7a/s7c_sweep_attention_grid.json: d128 128x128 with the softmax overlapped with
 #   P·V (it fits in 216-218 registers since the K/V copies address one column per thread) beat

@@ -5,7 +5,8 @@ Same contract as :func:`tilepy.ops.attention_kernel.attention_kernel` —
 index, bottom-right causal alignment, keys past ``Sk`` masked, rows that see no key → 0 and
 LSE -inf — so the op wrapper can run either by the type of its config.
 
-One block: ``block_m / 64`` warpgroups, each owning 64 query rows. Per key block of
+One block: ``block_m / 64`` warpgroups, each owning 64 query rows (plus, with ``producer``, a
+warpgroup that only loads). Per key block of
 ``block_n`` keys:
 
 1. K and V tiles (block_n × D) arrive by 16-byte cp.async in a two-stage ring, in the
@@ -53,7 +54,8 @@ one's softmax runs beside the other's wgmmas. ``producer=True`` moves the loads 
 warpgroup of their own (setmaxnreg gives its registers to the consumers); ``pingpong=True``
 makes the consumer warpgroups take turns issuing their wgmmas (named barriers), so one's
 softmax runs while the others' wgmmas do (FlashAttention-3's inter-warpgroup schedule). With
-both, ``block_m=192`` runs three consumer warpgroups (FlashAttention-3's head_dim-64 tile).
+``producer``, ``block_m=192`` (head_dim 64) runs three consumer warpgroups
+(FlashAttention-3's head_dim-64 tile), with or without ping-pong.
 """
 
 from __future__ import annotations
@@ -185,10 +187,11 @@ class WgmmaAttentionConfig:
         return self.consumers + (WARPGROUP if self.producer else 0)
 
     @property
-    def registers(self) -> tuple[int, int]:
-        """setmaxnreg of the producer warpgroup and of each consumer (``producer`` only): the
-        launch allows 65,536 / threads each (168 at 384 threads, 128 at 512)."""
-        return REGISTER_SPLIT[self.threads]
+    def registers(self) -> tuple[int, int] | None:
+        """setmaxnreg of the producer warpgroup and of each consumer (None without
+        ``producer``): the launch allows 65,536 / threads each (168 at 384 threads, 128 at
+        512)."""
+        return REGISTER_SPLIT[self.threads] if self.producer else None
 
     @property
     def consumers(self) -> int:
@@ -504,11 +507,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
     # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
-    # of the stage the tile's last key block used, after a block barrier (the other warpgroup
-    # may still read that block's K and V); a persistent kernel's next tile loads into the
-    # other stage. Where two staged halves do not fit in one stage (head_dim 64 with 64-key
-    # blocks: 2 × 9216 B > 16 KB; a grid kernel may use both stages), 16-bit stores from the
-    # fragments as before.
+    # of the stage the tile's last key block used, after a barrier of the consumer threads
+    # (the other warpgroups may still read that block's K and V); a persistent kernel's next
+    # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a
+    # persistent kernel has one stage: 16 KB at head_dim 64 with 64-key blocks; a grid kernel
+    # may use both stages), 16-bit stores from the fragments as before.
     STAGED = staged_bytes(1, NO)
     ROOM = STAGE if cfg.persistent else 2 * STAGE
     STAGE_O = (BM // 64) * STAGED <= ROOM
@@ -805,7 +808,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
-    # ---- TMA: thread 0 loads Q, K and V with TMA into the same swizzled layout ------------
+    # ---- TMA: one thread loads Q, K and V with TMA into the same swizzled layout ----------
     # mbarriers (after the scratch word): Q full; per stage st: K full, V full (the producer's
     # expect_tx), K empty, V empty (every consumer thread arrives once the wgmmas that read
     # the slot have retired). Key block j's K and V live in slot j % 2, use j // 2: consumers
@@ -837,9 +840,13 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @inline_device
     def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb):
-        """Q, K(0), V(0) and K(1): the loads before the first step."""
+        """Q, K(0), V(0) and K(1): the loads before the first step. The tensor maps are
+        fenced first by the thread that issues the loads (as :mod:`tilepy.ptx.tma` asks)."""
         kv_base = base + KV
         bars = base + BARS
+        T.fence_proxy_tensormap_acquire(tq)
+        T.fence_proxy_tensormap_acquire(tk)
+        T.fence_proxy_tensormap_acquire(tv)
         MB.mbarrier_arrive_expect_tx(bars, Q_BYTES)
         for c in range(KV_BOXES):
             T.tma_load_4d(base + c * Q_BOX, tq, bars, c * 64, row0, h, b)
@@ -968,9 +975,6 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                     MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)   # K empty
                     MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)   # V empty
                 MB.fence_mbarrier_init()
-                T.fence_proxy_tensormap_acquire(tq)
-                T.fence_proxy_tensormap_acquire(tk)
-                T.fence_proxy_tensormap_acquire(tv)
             cuda.syncthreads()
             if PRODUCER and wg == CWG:
                 W.setmaxnreg_dec(PREGS)

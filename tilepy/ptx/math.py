@@ -186,8 +186,9 @@ fmax_nan = instruction(
     "fmax_nan", "max.NaN.f32 $0, $1, $2;", outs=("f32",), ins=("f32", "f32"), min_cc=(8, 0),
     twin=_fmax_nan_twin, doc="""fmax_nan(a: float32, b: float32) -> float32  (max.NaN.f32)
 
-The larger of a and b, the canonical NaN 0x7fffffff if either is NaN; +0 is larger than -0. One FMNMX
-instruction, where ``a if (a > b or a != a) else b`` compiles to two compares and a select.
+The larger of a and b, the canonical NaN 0x7fffffff if either is NaN; +0 is larger than -0.
+One FMNMX instruction, where ``a if (a > b or a != a) else b`` compiles to two compares and a
+select.
 Compute capability 8.0+.""")
 
 rcp_approx = instruction(
