@@ -56,11 +56,17 @@ def test_inspect_reports_the_hopper_defaults_offline():
     # the TMA GEMM with bias + GELU was the slowest kernel to compile (~100 s with Numba's
     # IR inlining); with LLVM-level inlining it takes seconds
     for name, ops in (("gemm_ws_bias_gelu", ("wgmma.mma_async=", "cp.async.bulk.tensor=")),
-                      ("attention_wgmma", ("wgmma.mma_async=",))):
+                      ("attention_wgmma", ("wgmma.mma_async=", "setmaxnreg=2"))):
         res = run("inspect", name, "--cc", "90a")
         assert res.returncode == 0, res.stderr
         assert all(op in res.stdout for op in ops), res.stdout
-        assert "spill(st/ld)=0/0" in res.stdout and "stack=0B" in res.stdout
+        if name == "attention_wgmma":
+            # its producer warpgroup: a few values live across setmaxnreg are spilled once
+            # per block (tests/test_ops_attention_wgmma.py checks the same, ≤ 64 B)
+            st, ld = map(int, res.stdout.split("spill(st/ld)=")[1].split()[0].split("/"))
+            assert st <= 64 and ld <= 96, res.stdout
+        else:
+            assert "spill(st/ld)=0/0" in res.stdout and "stack=0B" in res.stdout
         seconds = float(res.stdout.split("cold compile (NVVM + ptxas)")[1].split()[0])
         assert seconds < 60, res.stdout
 

@@ -103,6 +103,8 @@ def test_identities_and_argument_errors():
         fragment_row_reduce("max", 1, 0)
     with pytest.raises(ValueError, match="fragment_row_reduce: mi"):
         fragment_row_reduce("sum", 1.5, 2)
+    with pytest.raises(ValueError, match="chains must be 1 or 2"):
+        fragment_row_reduce("max", 1, 2, chains=3)
     assert fragment_row_reduce("max", 2, 4) is fragment_row_reduce("max", 2, 4)  # cached
 
 
@@ -202,11 +204,13 @@ def test_block_row_reduce(target, warps):
 # ---- accumulator fragments ---------------------------------------------------------------------
 
 @functools.cache
-def fragment_kernel(mi, ni):
-    """out[0] max rows, [1] sum rows, [2] max accumulated into ``init``, [3] sum, quad=False."""
-    row_max = fragment_row_reduce("max", mi, ni)
+def fragment_kernel(mi, ni, chains=1, fast=True):
+    """out[0] max rows, [1] sum rows, [2] max accumulated into ``init``, [3] sum, quad=False;
+    the max with ``chains`` dependent chains, as max.NaN.f32 (``fast``) or compare + select."""
+    row_max = fragment_row_reduce("max", mi, ni, chains=chains, fast=fast)
     row_sum = fragment_row_reduce("sum", mi, ni)
-    row_max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
+    row_max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=chains,
+                                       fast=fast)
     lane_sum = fragment_row_reduce("sum", mi, ni, quad=False)
 
     @cuda.jit
@@ -252,8 +256,8 @@ def lane_rows(per_row, mi):
     return np.asarray(per_row)[row_index(mi)]
 
 
-def run_fragment(mi, ni, tile, init):
-    (_, _, out) = launch(fragment_kernel(mi, ni), 32, tile, init,
+def run_fragment(mi, ni, tile, init, chains=1, fast=True):
+    (_, _, out) = launch(fragment_kernel(mi, ni, chains, fast), 32, tile, init,
                          np.full((4, 32, mi, 2), 7.0, np.float32))
     return out
 
@@ -288,10 +292,11 @@ def test_fragment_rows_random(target, mi, ni):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the 3e38 row
 @pytest.mark.parametrize("target", TARGETS)
-def test_fragment_rows_nan_inf_and_large(target):
-    mi, ni = 2, 2
+@pytest.mark.parametrize("chains,fast", [(1, True), (2, True), (1, False)])
+def test_fragment_rows_nan_inf_and_large(target, chains, fast):
+    mi, ni = 2, 3
     rng = np.random.default_rng(3)
-    tile = (rng.standard_normal((32, 16)) * 1e4).astype(np.float32)
+    tile = (rng.standard_normal((32, 8 * ni)) * 1e4).astype(np.float32)
     tile[0, 0] = np.nan  # lane 0's first value (the chain's start)
     tile[1, 11] = np.nan  # lane 5, second n8 tile, odd column
     tile[9, 6] = np.nan  # lane 7, row g + 8
@@ -301,7 +306,7 @@ def test_fragment_rows_nan_inf_and_large(target):
     init = np.zeros(32, np.float32)
     init[20] = -np.inf
     init[21] = np.nan
-    out = run_fragment(mi, ni, tile, init)
+    out = run_fragment(mi, ni, tile, init, chains, fast)
     check_fragment(mi, ni, tile, init, out)
     by_row = {0: (0, 0, 0), 1: (4, 0, 0), 9: (4, 0, 1), 20: (16, 1, 0), 27: (12, 1, 1)}
     lane, i, h = by_row[0]
@@ -310,5 +315,5 @@ def test_fragment_rows_nan_inf_and_large(target):
     assert (out[0, lane:lane + 4, i, h] == -np.inf).all()
     assert (out[2, lane:lane + 4, i, h] == -np.inf).all()
     assert np.isnan(out[2, 20:24, 1, 0]).all()  # row 21: NaN in the running value wins
-    assert (out[1, 24:28, 1, 1] == np.inf).all()  # row 30: 16 × 3e38 overflows
+    assert (out[1, 24:28, 1, 1] == np.inf).all()  # row 30: 24 × 3e38 overflows
     assert np.isfinite(out[0, 24:28, 1, 1]).all()

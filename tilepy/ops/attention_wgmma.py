@@ -359,7 +359,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
     copy_q = None if cfg.tma else _copy_rows(BM, D, CONSUMERS)
     copy_kv = None if cfg.tma else _copy_rows(BN, D, CONSUMERS)
-    update = online_softmax_update(1, NS, quad_sum=False)   # row sums: quad-reduced at the end
+    # row sums quad-reduced at the end; the row max in two chains (registers to spare)
+    update = online_softmax_update(1, NS, quad_sum=False, max_chains=2)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     bounds = key_blocks(BM, BN, causal)
     init_rows = row_limits(1, causal)

@@ -267,7 +267,8 @@ def softmax_tile(mi: int, ni: int, wn: int):
     part in the max and their ``p`` is 0. A row segment with nothing unmasked yet keeps max -inf,
     sum 0. ``old`` is (mi, 2) scratch.
     """
-    max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
+    # compare-and-select max: with max.NaN.f32 the smem f16 kernel spills (reduce.py)
+    max_into = fragment_row_reduce("max", mi, ni, accumulate=True, fast=False)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=False)
 
     @inline_device

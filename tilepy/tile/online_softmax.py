@@ -49,7 +49,7 @@ _ONE = np.float32(1.0)
 
 
 @functools.cache
-def online_softmax_update(mi: int, ni: int, quad_sum: bool = True):
+def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: int = 1):
     """``update(scores, row_max, row_sum, out_acc_scale, scale_log2)`` for one key block; one warp.
 
     * ``scores``: (mi, ni, 4) float32 fragment of S for this key block (``mi*16`` rows,
@@ -70,7 +70,7 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True):
     """
     _check_count("online_softmax_update", "mi", mi)
     _check_count("online_softmax_update", "ni", ni)
-    max_into = fragment_row_reduce("max", mi, ni, accumulate=True)
+    max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=max_chains)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
 
     @inline_device

@@ -78,7 +78,7 @@ def combine(op: str, fast: bool = False):
 
 
 @functools.cache
-def quad_row_reduce(op: str):
+def quad_row_reduce(op: str, fast: bool = True):
     """``reduce(v) -> float32``: ``op`` over the 4 lanes ``4g … 4g+3`` of each quad; one warp.
 
     In the m16n8 accumulator layout the four lanes of quad ``g`` hold the columns of the same
@@ -86,7 +86,7 @@ def quad_row_reduce(op: str):
     ``shfl.sync.bfly`` (masks 1, 2); every lane of the quad gets the result.
     """
     _check_op("quad_row_reduce", op)
-    f = combine(op, fast=True)   # mma fragments: compute capability 8.0+
+    f = combine(op, fast=fast)   # fast: mma fragments, compute capability 8.0+
 
     @inline_device
     def reduce(v):
@@ -163,7 +163,7 @@ def block_row_reduce(op: str, warps: int):
 
 @functools.cache
 def fragment_row_reduce(op: str, mi: int, ni: int, *, accumulate: bool = False,
-                        quad: bool = True):
+                        quad: bool = True, chains: int = 1, fast: bool = True):
     """``reduce(acc, rows)``: per-row ``op`` of an accumulator fragment; one warp.
 
     ``acc`` is a (mi, ni, 4) float32 local array in the m16n8 accumulator layout of
@@ -184,18 +184,26 @@ def fragment_row_reduce(op: str, mi: int, ni: int, *, accumulate: bool = False,
       :func:`quad_row_reduce` — e.g. a running sum whose quad reduction is deferred to the
       end, as FlashAttention-2 does.
 
-    Costs ``mi * 2 * 2`` shuffles (none with ``quad=False``). A max is exact in any order, so
-    it runs as two chains over the pairs of n8 tiles (half the dependent steps; one
-    ``max.NaN.f32`` each, compute capability 8.0+); a sum adds left to right.
+    * ``chains=2`` (max only): two dependent chains over the pairs of n8 tiles instead of one
+      (half the dependent steps, a max being exact in any order), for kernels with registers
+      to spare (the Hopper attention kernel); the extra live values made the GEMM-softmax
+      kernel spill. A sum always adds left to right.
+
+    Costs ``mi * 2 * 2`` shuffles (none with ``quad=False``). Each max is one ``max.NaN.f32``
+    (compute capability 8.0+: the mma fragments' devices), or with ``fast=False`` compares and
+    a select (:func:`combine`), which compiles differently: the GEMM-softmax kernel keeps it
+    (with max.NaN.f32 its 238 registers became 255 and a spill, sm_90 ptxas of 2026-11-30).
     """
+    if chains not in (1, 2):
+        raise ValueError(f"fragment_row_reduce: chains must be 1 or 2, got {chains!r}")
     _check_op("fragment_row_reduce", op)
     _check_count("fragment_row_reduce", "mi", mi)
     _check_count("fragment_row_reduce", "ni", ni)
-    f = combine(op, fast=True)
-    across = quad_row_reduce(op)
+    f = combine(op, fast=fast)
+    across = quad_row_reduce(op, fast)
     accumulate = bool(accumulate)
     quad = bool(quad)
-    TWO_CHAINS = op == "max" and ni > 1
+    TWO_CHAINS = op == "max" and ni > 1 and chains == 2
 
     @inline_device
     def reduce(acc, rows):
