@@ -83,6 +83,7 @@ from ..tune.kcache import cached_jit
 from .attention_kernel import (
     DTYPES,
     block_bounds,
+    block_coords,
     key_blocks,
     mask_scores,
     row_limits,
@@ -368,6 +369,24 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     store = store_rows(1, NO, cfg.dtype, has_lse)
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
+
+    @inline_device
+    def thread_rows(tid):
+        """``(wg, g, t, wrow)``: the thread's warpgroup, its row g and column pair t in the
+        accumulator layout, and its warp's first row in the block."""
+        wg = tid // WARPGROUP
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        g = lane // 4
+        t = lane % 4
+        return wg, g, t, wg * 64 + warp * 16
+
+    @inline_device
+    def start_rows(acc_o, limit, row_max, row_sum, rows0, g, sq, sk):
+        """A tile's start: its rows' key limits and softmax state, O zeroed."""
+        init_rows(limit, row_max, row_sum, rows0, g, sq, sk)
+        for i in range(NACC_O):
+            acc_o[i] = _ZERO
 
     @inline_device
     def issue_s(s, q_rows, k_addr):
@@ -685,12 +704,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         n_qb = (sq + BM - 1) // BM
         n_tiles = n_qb * heads * q.shape[0]
         tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP
-        lane = tid % 32
-        warp = (tid % WARPGROUP) // 32
-        g = lane // 4
-        t = lane % 4
-        wrow = wg * 64 + warp * 16      # this warp's first row in the block
+        wg, g, t, wrow = thread_rows(tid)
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -717,9 +731,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             b, h, qb = tile_at(tile, n_qb, heads, q.shape[0], sk)
             row0, n_kb, all_see = block_at(qb, sq, sk)
             hk = h // group
-            init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
-            for i in range(NACC_O):
-                acc_o[i] = _ZERO
+            start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             nxt_tile = tile + cuda.gridDim.x
             if n_kb > 0:
                 qbuf = base + qi * Q_BYTES
@@ -763,19 +775,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @cached_jit
     def kernel(q, k, v, o, lse, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        h = cuda.blockIdx.y
-        hk = h // (q.shape[1] // k.shape[1])
+        sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP
-        lane = tid % 32
-        warp = (tid % WARPGROUP) // 32
-        g = lane // 4
-        t = lane % 4
+        wg, g, t, wrow = thread_rows(tid)
         row0, n_kb, all_see = bounds(sq, sk)
-        wrow = wg * 64 + warp * 16      # this warp's first row in the block
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -786,9 +789,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
         limit = cuda.local.array((1, 2), i64)
-        init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
-        for i in range(NACC_O):
-            acc_o[i] = _ZERO
+        start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
 
         if n_kb > 0:
             smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
@@ -936,19 +937,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        h = cuda.blockIdx.y
-        hk = h // (q.shape[1] // k.shape[1])
+        sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP
-        lane = tid % 32
-        warp = (tid % WARPGROUP) // 32
-        g = lane // 4
-        t = lane % 4
+        wg, g, t, wrow = thread_rows(tid)
         row0, n_kb, all_see = bounds(sq, sk)
-        wrow = wg * 64 + warp * 16      # this warp's first row in the block
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -986,18 +978,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             else:
                 if PRODUCER:
                     W.setmaxnreg_inc(CREGS)
-                init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
-                for i in range(NACC_O):
-                    acc_o[i] = _ZERO
+                start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
                          h, hk, row0, q_rows, n_kb, all_see, t, tid, wg, scale_log2)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
                          scale, g, t, tid, wg, base + KV)
         elif wg < CWG:
-            init_rows(limit, row_max, row_sum, row0 + wrow, g, sq, sk)
-            for i in range(NACC_O):
-                acc_o[i] = _ZERO
+            start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
