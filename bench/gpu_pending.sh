@@ -18,6 +18,14 @@
 #   PART=s8g     the d64 default at 192 x 128: the op's GPU tests, the attention benchmarks
 #   PART=s8h     after the 32-bit causal mask compares: the Hopper schedules' GPU tests, the
 #                attention benchmarks (the session's final table)
+#   PART=s9      after the session-9 changes (one wgmma descriptor per operand advanced by 32-bit
+#                adds, the warpgroup index warp-uniform, causal per-warpgroup key bounds): the
+#                GPU tests of wgmma, TMA, the Hopper attention and GEMM, the attention benchmarks
+#   PART=s9l     lazy rescaling in the Hopper attention: its GPU tests and the online softmax's,
+#                the attention benchmarks
+#   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
+#                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s9g     the GEMM benchmarks (descriptor_advance changed under the Hopper GEMM kernels)
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
 #   PART=s5      the epilogue probe (where the fused bias + GELU time goes), the attention
@@ -112,6 +120,26 @@ fi
 if [[ " $PART " == *" s8h "* ]]; then
     gpu_tests schedule_tests 80 tests/test_ops_attention_wgmma.py -k "schedules or tma_against"
     bench_suite bench_attention 130 "attention"
+fi
+if [[ " $PART " == *" s9 "* ]]; then
+    gpu_tests wgmma_tests 250 tests/test_ptx_wgmma.py tests/test_ptx_mbarrier_tma.py \
+        tests/test_ops_attention_wgmma.py tests/test_ops_gemm_wgmma.py \
+        tests/test_ops_gemm_wgmma_ws.py
+    bench_suite bench_attention 130 "attention"
+fi
+if [[ " $PART " == *" s9l "* ]]; then
+    gpu_tests attention_tests 200 tests/test_ops_attention_wgmma.py \
+        tests/test_tile_online_softmax.py tests/test_ops_attention.py
+    bench_suite bench_attention 130 "attention"
+fi
+if [[ " $PART " == *" s9t "* ]]; then
+    gpu_tests attention_wgmma_tests 150 tests/test_ops_attention_wgmma.py
+    gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
+    gpu_tests attention_op_tests 180 tests/test_ops_attention.py
+    gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s9g "* ]]; then
+    bench_suite bench_gemm 240 "gemm_op or kernel_vs_cublas"
 fi
 if [[ " $PART " == *" s7t "* ]]; then
     # the TMA-fed attention kernel: its GPU tests (and the 4-D TMA load), then the built-in

@@ -139,6 +139,10 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
     (1, 2, 1, 200, 330, True, "bhsd", "float16", 64, 128, 192, True, True),   # 3 consumers
     (1, 1, 1, 70, 9, False, "bshd", "bfloat16", 64, 64, 192, False, True),   # 3, no-key rows
     (1, 1, 1, 40, 100, False, "bhsd", "float16", 64, 128, 192, True, True),  # 3, one turn each
+    # causal: a warpgroup stops at its own last key block and releases the rest (drain)
+    (1, 1, 1, 192, 192, True, "bhsd", "float16", 64, 64, 192, False, True),  # 1, 2, 3 blocks
+    (1, 1, 1, 128, 128, True, "bshd", "bfloat16", 64, 64, 128, False, False),  # thread 0 loads
+    (1, 1, 1, 150, 200, True, "bhsd", "float16", 64, 64, 128, True, False),  # + turns
 ])
 def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn, bm,
                                        pingpong, producer):

@@ -34,10 +34,10 @@ C_HEAD64 = np.float32(LOG2E / 8.0)  # softmax scale 1/sqrt(64), in log2 units
 
 
 @functools.cache
-def stream_kernel(mi, ni, nb, quad_sum):
+def stream_kernel(mi, ni, nb, quad_sum, threshold=None):
     """kernel(S, scale_log2[1], out, stats): out = finalized softmax of S (mi·16 × nb·ni·8);
     stats[kb, (m, l, alpha), lane, i, h] after block kb, stats[nb, 1] = l after finalize."""
-    update = online_softmax_update(mi, ni, quad_sum)
+    update = online_softmax_update(mi, ni, quad_sum, rescale_threshold=threshold)
     finalize = online_softmax_finalize(mi, nb * ni, quad_sum)
     no = nb * ni
     neg_inf = np.float32(-np.inf)
@@ -89,8 +89,8 @@ def stream_kernel(mi, ni, nb, quad_sum):
     return k
 
 
-def run_stream(s, c, mi, ni, nb, quad_sum):
-    kern = stream_kernel(mi, ni, nb, quad_sum)
+def run_stream(s, c, mi, ni, nb, quad_sum, threshold=None):
+    kern = stream_kernel(mi, ni, nb, quad_sum, threshold)
     args = [s, np.array([c], np.float32), np.full(s.shape, 7.0, np.float32),
             np.full((nb + 1, 3, 32, mi, 2), 7.0, np.float32)]
     dev = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
@@ -295,3 +295,64 @@ def test_update_2x8_compiles_to_registers_only(reports, quad_sum):
     assert rep["registers"] <= 168, rep["registers"]
     print(f"online_softmax 2x8 {'quad' if quad_sum else 'deferred'} sum: "
           f"{rep['registers']} registers, {rep['ex2']} ex2, {c['shfl']} shfl")
+
+
+# ---- lazy rescaling -----------------------------------------------------------------------------
+
+def lazy_steps(s, c, nb, threshold):
+    """[(max in use, l, alpha, moved)] after each block under lazy rescaling, the decisions
+    taken in float32 as the kernel takes them (float64 sums)."""
+    c32 = np.float32(c)
+    n = s.shape[1] // nb
+    m = np.full(s.shape[0], -np.inf, np.float32)
+    steps = []
+    with np.errstate(invalid="ignore"):
+        for kb in range(nb):
+            cand = np.maximum(m, s[:, kb * n:(kb + 1) * n].max(axis=1))
+            moved = (cand - m) * c32 > np.float32(threshold)
+            alpha = np.where(moved, np.exp2((m.astype(np.float64) - cand) * float(c32)), 1.0)
+            m = np.where(moved, cand, m)
+            seen = s[:, :(kb + 1) * n].astype(np.float64)
+            lsum = np.where(m == -np.inf, 0.0,
+                            np.exp2((seen - m[:, None].astype(np.float64)) * float(c32)).sum(1))
+            steps.append((m.copy(), lsum, np.where(m == -np.inf, 1.0, alpha), moved))
+    return steps
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("quad_sum", [True, False], ids=["quad_sum", "deferred_sum"])
+def test_lazy_rescaling_equals_full_softmax(target, quad_sum):
+    """rescale_threshold=8: a row's max moves only when a block raises it by more than 2**8 in
+    p; alpha is exactly 1 otherwise, p stays below 256, and the finalized result is the full
+    softmax all the same (masked rows as before)."""
+    mi, ni, nb, threshold = 1, 2, 4, 8.0
+    s = masked_scores(mi, ni, nb, seed=13) * np.float32(4 / 3)
+    n = 8 * ni
+    s[2, 2 * n:] += 30      # grows by less than the threshold (30·c ≈ 5.4): the max stays
+    s[3, 3 * n:] += 80      # grows past it (80·c ≈ 14.4): moved, alpha < 1
+    s[6, n:] += 60          # moved in block 1, then stays
+    out, stats = run_stream(s, C_HEAD64, mi, ni, nb, quad_sum, threshold)
+    soft, _ = reference(s, C_HEAD64, nb)
+    rtol = tolerance(s, C_HEAD64, nb, ni) + 8 * U   # p up to 2**8: a few more ulp in the sum
+    assert_close(out, soft, rtol, "softmax")
+    assert not np.isnan(out).any() and not np.isnan(stats).any()
+    steps = lazy_steps(s, C_HEAD64, nb, threshold)
+    for kb, (m, lsum, alpha, moved) in enumerate(steps):
+        got_m, got_l, got_a = stats[kb]
+        assert (got_m == lane_rows(m, mi)).all(), f"max in use after block {kb}"
+        if not quad_sum:
+            got_l = np.repeat(got_l.reshape(8, 4, mi, 2).sum(axis=1, dtype=np.float64), 4, 0)
+        assert_close(got_l, lane_rows(lsum, mi), rtol, f"row sum after block {kb}")
+        stay = lane_rows(~moved, mi)
+        assert (got_a[stay] == 1).all(), f"alpha not exactly 1 where the max stayed ({kb})"
+        assert_close(got_a, lane_rows(alpha, mi), rtol, f"alpha after block {kb}")
+    moved = np.array([st[3] for st in steps])
+    assert moved[2:, 2].sum() == 0 and moved[3, 3] and moved[1, 6] and not moved[2:, 6].any()
+    assert stats[:nb, 2].max() == 1 and (stats[1:nb, 2] < 1).any()
+
+
+def test_lazy_threshold_is_checked():
+    with pytest.raises(ValueError, match="rescale_threshold must be in"):
+        online_softmax_update(1, 2, rescale_threshold=0)
+    with pytest.raises(ValueError, match="rescale_threshold must be in"):
+        online_softmax_update(1, 2, rescale_threshold=17)

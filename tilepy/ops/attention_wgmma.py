@@ -75,6 +75,7 @@ from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR, pick
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.shuffle import shfl_idx
 from ..ptx.tma import MAP_BYTES
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import staged_bytes, store_accumulators_smem
@@ -360,8 +361,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
     copy_q = None if cfg.tma else _copy_rows(BM, D, CONSUMERS)
     copy_kv = None if cfg.tma else _copy_rows(BN, D, CONSUMERS)
-    # row sums quad-reduced at the end; the row max in two chains (registers to spare)
-    update = online_softmax_update(1, NS, quad_sum=False, max_chains=2)
+    # row sums quad-reduced at the end; the row max in two chains (registers to spare); lazy
+    # rescaling: a row's max moves only when a block raises it by more than 2**8, so O is
+    # rescaled on few blocks (the rest skip rescale's NACC_O multiplies)
+    update = online_softmax_update(1, NS, quad_sum=False, max_chains=2,
+                                   rescale_threshold=RESCALE_THRESHOLD)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     bounds = key_blocks(BM, BN, causal)
     init_rows = row_limits(1, causal)
@@ -373,8 +377,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @inline_device
     def thread_rows(tid):
         """``(wg, g, t, wrow)``: the thread's warpgroup, its row g and column pair t in the
-        accumulator layout, and its warp's first row in the block."""
-        wg = tid // WARPGROUP
+        accumulator layout, and its warp's first row in the block. The warpgroup is read
+        from lane 0 so that ptxas knows it is warp-uniform: what derives from it (the Q
+        operand's wgmma descriptors) then lives in uniform registers."""
+        wg = i64(shfl_idx(np.int32(tid // WARPGROUP), 0))
         lane = tid % 32
         warp = (tid % WARPGROUP) // 32
         g = lane // 4
@@ -390,19 +396,21 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @inline_device
     def issue_s(s, q_rows, k_addr):
-        """S = Q · Kᵀ: the k16 wgmmas (not committed)."""
+        """S = Q · Kᵀ: the k16 wgmmas (not committed). One descriptor per operand, advanced
+        per k16 step (one add each, where encoding each step's took four)."""
+        dq = W.matrix_descriptor(q_rows, 16, 1024, 128)
+        dk = W.matrix_descriptor(k_addr, 16, 1024, 128)
         for kk in range(KD):
-            da = W.matrix_descriptor(q_rows + (kk // 4) * (BM * 128) + (kk % 4) * 32,
-                                     16, 1024, 128)
-            db = W.matrix_descriptor(k_addr + (kk // 4) * (BN * 128) + (kk % 4) * 32,
-                                     16, 1024, 128)
+            da = W.descriptor_advance(dq, (kk // 4) * (BM * 128) + (kk % 4) * 32)
+            db = W.descriptor_advance(dk, (kk // 4) * (BN * 128) + (kk % 4) * 32)
             mma_s(s, da, db, 0 if kk == 0 else 1)
 
     @inline_device
     def issue_o(acc_o, p, v_addr):
         """O += P · V, P from registers: the k16 wgmmas (not committed)."""
+        dv0 = W.matrix_descriptor(v_addr, BN * 128, 1024, 128)
         for st in range(KN):
-            dv = W.matrix_descriptor(v_addr + st * 2048, BN * 128, 1024, 128)
+            dv = W.descriptor_advance(dv0, st * 2048)
             mma_o(acc_o, p[4 * st], p[4 * st + 1], p[4 * st + 2], p[4 * st + 3], dv, 1)
 
     @inline_device
@@ -417,8 +425,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @inline_device
     def rescale(acc_o, alpha):
-        for i in range(NACC_O):
-            acc_o[i] = acc_o[i] * alpha[0, (i // 2) % 2]
+        """O's rows times alpha; skipped where both of the thread's rows keep their max
+        (alpha exactly 1, see RESCALE_THRESHOLD)."""
+        if alpha[0, 0] != _ONE or alpha[0, 1] != _ONE:
+            for i in range(NACC_O):
+                acc_o[i] = acc_o[i] * alpha[0, (i // 2) % 2]
 
     @inline_device
     def to_p(p, s3):
@@ -832,6 +843,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     Q_BOX = BM * 128
     KV_BOX = BN * 128
     CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
+    # causal, several consumer warpgroups: each one's own key blocks and mask (see drain)
+    WG_BOUNDS = bool(causal) and CWG > 1
+    wg_bounds = block_bounds(64, BN, causal)
     PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
     @inline_device
@@ -862,13 +876,13 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         """Step kb's loads: V(kb+1) and K(kb+2), each once its slot is released."""
         kv_base = base + KV
         bars = base + BARS
-        cur = kb % 2
+        cur = kb & 1
         nxt = 1 - cur
         if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
-            MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) // 2) & 1)
+            MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) >> 1) & 1)
         load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, (kb + 1) * BN, hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
-            MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb // 2) & 1)
+            MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
             load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, (kb + 2) * BN, hk, b)
 
     @inline_device
@@ -882,8 +896,32 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             BAR.bar_arrive(BAR_TURN + (wg + 1) % CWG, 2 * WARPGROUP)
 
     @inline_device
+    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb):
+        """Causal: the key blocks past this warpgroup's last key (``n_wg`` … ``n_kb - 1``,
+        fully masked for its rows) are not computed. Their slots are still released, each
+        once its load has landed (so no release runs ahead of the other warpgroups' releases
+        of the block two back), and ping-pong turns and a thread-0 producer's loads go on."""
+        bars = base + BARS
+        if n_wg < n_kb:
+            last = (n_wg - 1) & 1                          # V(n_wg - 1), read by the last P·V
+            MB.mbarrier_arrive(bars + 32 * last + 32)
+        for kb in range(n_wg, n_kb):
+            st = kb & 1
+            if not PRODUCER and tid == 0:
+                produce_step(base, tk, tv, b, hk, kb - 1, n_kb)
+            take_turn(wg)
+            pass_turn(wg, kb == n_kb - 1)
+            MB.mbarrier_wait_parity(bars + 32 * st + 8, (kb >> 1) & 1)     # K(kb) landed
+            MB.mbarrier_arrive(bars + 32 * st + 24)
+            MB.mbarrier_wait_parity(bars + 32 * st + 16, (kb >> 1) & 1)    # V(kb) landed
+            MB.mbarrier_arrive(bars + 32 * st + 32)
+
+    @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                 hk, row0, q_rows, n_kb, all_see, t, tid, wg, scale_log2):
+                 hk, row0, q_rows, n_kb, n_wg, all_see, t, tid, wg, scale_log2):
+        """The consumer warpgroup's key blocks 0 … ``n_wg - 1`` (``n_wg`` ≤ ``n_kb``, the
+        tile's count: less for a causal warpgroup whose rows end before the tile's last key
+        block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``."""
         kv_base = base + KV
         bars = base + BARS
         if not PRODUCER and tid == 0:
@@ -902,13 +940,13 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         MB.mbarrier_arrive(bars + 24)                                    # K(0) read
         softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
         to_p(p, s3)                                       # O is 0: no rescale
-        for kb in range(n_kb - 1):
-            cur = kb % 2
+        for kb in range(n_wg - 1):
+            cur = kb & 1
             nxt = 1 - cur
             if not PRODUCER and tid == 0:
                 produce_step(base, tk, tv, b, hk, kb, n_kb)
-            MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((kb + 1) // 2) & 1)   # K(kb+1)
-            MB.mbarrier_wait_parity(bars + 32 * cur + 16, (kb // 2) & 1)        # V(kb)
+            MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((kb + 1) >> 1) & 1)  # K(kb+1)
+            MB.mbarrier_wait_parity(bars + 32 * cur + 16, (kb >> 1) & 1)         # V(kb)
             take_turn(wg)
             W.wgmma_fence()
             issue_s(s, q_rows, kv_base + nxt * STAGE)
@@ -925,13 +963,15 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
             rescale(acc_o, alpha)
             to_p(p, s3)
-        last = (n_kb - 1) % 2
-        MB.mbarrier_wait_parity(bars + 32 * last + 16, ((n_kb - 1) // 2) & 1)
+        last = (n_wg - 1) & 1
+        MB.mbarrier_wait_parity(bars + 32 * last + 16, ((n_wg - 1) >> 1) & 1)
         W.wgmma_fence()
         issue_o(acc_o, p, kv_base + last * STAGE + TILE)
         W.wgmma_commit_group()
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
+        if WG_BOUNDS:
+            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb)
 
     tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
 
@@ -980,8 +1020,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                     W.setmaxnreg_inc(CREGS)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
+                n_wg, see = n_kb, all_see
+                if WG_BOUNDS:   # this warpgroup's own last key block and unmasked keys
+                    _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
+                    n_wg = max(n_wg, 1)   # a row that sees no key: masked, as in a 1-WG tile
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
-                         h, hk, row0, q_rows, n_kb, all_see, t, tid, wg, scale_log2)
+                         h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg, scale_log2)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
                          scale, g, t, tid, wg, base + KV)
         elif wg < CWG:
@@ -993,6 +1037,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         return tkernel
     return pkernel if cfg.persistent else kernel
 
+
+#: Lazy rescaling (log2 units): a row's running max is replaced only when a key block raises
+#: it by more than this, so ``p = exp2(s·c - m·c)`` stays below 2**8 (exact in float16 and
+#: bfloat16 P, no float32 overflow) and O is rescaled on few blocks.
+RESCALE_THRESHOLD = 8.0
 
 #: The H200's SM count: the persistent grid's size when the device does not say.
 SMS = 132

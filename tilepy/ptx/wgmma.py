@@ -22,7 +22,8 @@ The pieces, in the order a kernel uses them:
   shared address ``addr`` (:func:`tilepy.ptx.address.shared_addr`); ``lbo`` / ``sbo`` in bytes,
   ``swizzle`` a compile-time literal in bytes (0, 32, 64, 128). Base offset 0.
   ``descriptor_advance(desc, nbytes)`` moves its start address (the k16 steps inside a swizzle
-  atom are +32 bytes). :func:`encode_descriptor` / :func:`decode_descriptor` are the same
+  atom are +32 bytes; a 32-bit add on the low word, so the result stays inside shared memory's
+  256 KB window). :func:`encode_descriptor` / :func:`decode_descriptor` are the same
   encoding in plain Python.
 * ``wgmma_fence()`` — before the first wgmma, and whenever the accumulator (or A-fragment)
   registers were touched by other instructions since the last wgmma.
@@ -444,7 +445,9 @@ def _descriptor_twin(addr, lbo, sbo, swizzle_bytes):
 
 
 def _advance_twin(desc, nbytes):
-    return (int(desc) + (int(nbytes) >> 4)) & (2**64 - 1)
+    desc = int(desc)
+    lo = ((desc & 0xFFFFFFFF) + (int(nbytes) >> 4)) & 0xFFFFFFFF   # the low word alone
+    return (desc & ~0xFFFFFFFF & (2**64 - 1)) | lo
 
 
 def _fence_operand_twin(acc, count):
@@ -483,9 +486,16 @@ def _make_descriptor_intrinsics():
         _check_ints("descriptor_advance", ("desc", "nbytes"), desc, nbytes)
 
         def lower(context, builder, sig, args):
+            # the start address is the low word's low 14 bits: a 32-bit add on that word, the
+            # words paired by mov.b64 (a register pair, no instruction), which LLVM cannot
+            # widen back into a 64-bit add with carry (three instructions per step)
+            i32 = ir.IntType(32)
             d = context.cast(builder, args[0], sig.args[0], types.uint64)
             b = context.cast(builder, args[1], sig.args[1], types.int64)
-            return builder.add(d, builder.ashr(b, i64(4)))
+            lo = builder.add(builder.trunc(d, i32), builder.trunc(builder.ashr(b, i64(4)), i32))
+            hi = builder.trunc(builder.lshr(d, i64(32)), i32)
+            return call_asm(builder, "mov.b64 $0, {$1, $2};", "=l,r,r", ("u64",),
+                            ("u32", "u32"), [lo, hi])[0]
 
         return types.uint64(desc, nbytes), lower
 

@@ -49,7 +49,8 @@ _ONE = np.float32(1.0)
 
 
 @functools.cache
-def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: int = 1):
+def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: int = 1,
+                          rescale_threshold: float | None = None):
     """``update(scores, row_max, row_sum, out_acc_scale, scale_log2)`` for one key block; one warp.
 
     * ``scores``: (mi, ni, 4) float32 fragment of S for this key block (``mi*16`` rows,
@@ -65,11 +66,23 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
       is fully masked).
     * ``scale_log2``: float32 > 0 (softmax scale · log2(e)).
 
+    * ``rescale_threshold`` (lazy rescaling, log2 units, e.g. 8): a row keeps its old max
+      unless the block's raises it by more than this (``(m_new - m_old)·c > threshold``), so
+      ``alpha`` is exactly 1 on most blocks and the caller can skip rescaling its output rows
+      (``p`` then stays below ``2**threshold``; the sum and output are divided by the same
+      stale max's sum at the end, so the result is the same softmax). ``row_max`` is the max
+      in use, which the LSE and later blocks take as it is.
+
     Shuffles: ``mi*4`` for the max, ``mi*4`` more for the sum with ``quad_sum``. ex2:
     ``mi * (ni*4 + 2)``.
     """
     _check_count("online_softmax_update", "mi", mi)
     _check_count("online_softmax_update", "ni", ni)
+    LAZY = rescale_threshold is not None
+    if LAZY and not (0 < float(rescale_threshold) <= 16):
+        raise ValueError("online_softmax_update: rescale_threshold must be in (0, 16] (log2 "
+                         f"units: p stays below 2**threshold); got {rescale_threshold!r}")
+    THRESHOLD = np.float32(rescale_threshold if LAZY else 0)
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=max_chains)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
 
@@ -83,7 +96,19 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
         for i in range(mi):
             for h in range(2):
                 m_new = row_max[i, h]
-                if m_new == _NEG_INF:
+                if LAZY:
+                    # selects, no branch: the max in use stays unless it grows past the
+                    # threshold (a NaN max too: that row's p are NaN all the same)
+                    m_old = out_acc_scale[i, h]
+                    alpha = ex2_approx((m_old - m_new) * c)
+                    if not ((m_new - m_old) * c > THRESHOLD):
+                        m_new = m_old
+                        alpha = _ONE
+                    row_max[i, h] = m_new
+                    if m_new == _NEG_INF:
+                        alpha = _ONE
+                    m_scaled = m_new * c if m_new != _NEG_INF else _ZERO
+                elif m_new == _NEG_INF:
                     # Nothing unmasked yet: exp2(-inf - -inf) would be NaN.
                     alpha = _ONE
                     m_scaled = _ZERO
