@@ -227,8 +227,9 @@ def test_compiles_for_sm90a_without_spills():
         if "producer" in name:
             # 384 (512) threads: ptxas allocates 168 (128) registers at entry, setmaxnreg moves
             # them to the consumers (224, 160). A few values computed before the warpgroups
-            # part ways are spilled there and reloaded once per block (entry and epilogue,
-            # not in the key loop: SASS of 2026-11-30, 32 B of stores)
+            # part ways may be spilled there and reloaded once per block (entry and epilogue,
+            # not in the key loop): 20-32 B in session 8, 0-8 B (causal + LSE) since the
+            # warpgroup index is warp-uniform (session 9)
             assert rep["registers"] == (128 if "_192x" in name else 168)
             assert rep["spill_stores"] <= 64 and rep["local_bytes"] == 0, rep
             assert rep["counts"]["setmaxnreg"] == 2
