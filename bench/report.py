@@ -208,12 +208,18 @@ def ncu_table(path) -> list:
         except ValueError:
             return r[i]
 
+    # ncu picks the duration's unit per export (row 1 holds the units): scale it to µs
+    to_us = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3,
+             "msecond": 1e3, "s": 1e6, "second": 1e6}
+    unit = rows[1][col["gpu__time_duration.sum"]] if "gpu__time_duration.sum" in col else "ms"
+    if unit not in to_us:
+        raise ValueError(f"{path.name}: unknown unit {unit!r} of gpu__time_duration.sum")
     out = []
     for r in rows[2:]:
         name = r[col["Kernel Name"]]
         who = "tilepy" if name.startswith("tilepy") else name.split("_kernel")[0][:60]
         out.append((path.name, who, f"{r[col['Grid Size']]} × {r[col['Block Size']]}",
-                    get(r, "gpu__time_duration.sum", 1e3),
+                    get(r, "gpu__time_duration.sum", to_us[unit]),
                     get(r, "smsp__inst_executed.sum", 1e-6),
                     get(r, "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
                     get(r, "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active"),

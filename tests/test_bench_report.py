@@ -134,6 +134,23 @@ def test_report_build_and_check(tmp_path, monkeypatch):
         (docs / "performance.md").read_text()
 
 
+@pytest.mark.parametrize("unit,value", [("ms", "0.316160"), ("us", "316.160000"),
+                                        ("ns", "316160")])
+def test_ncu_table_reads_the_duration_unit(tmp_path, unit, value):
+    """ncu's raw CSV export picks the duration's unit per file (row 1): the table is in µs."""
+    head = ["Kernel Name", "Grid Size", "Block Size", "gpu__time_duration.sum",
+            "smsp__inst_executed.sum"]
+    f = tmp_path / "x_ncu_attention_raw.csv"
+    f.write_text("\n".join([",".join(f'"{h}"' for h in head),
+                             f'"","","","{unit}","inst"',
+                             f'"tilepy::k","(1, 1, 1)","(128, 1, 1)","{value}","2,000,000"']))
+    (row,) = report.ncu_table(f)
+    assert row[1] == "tilepy" and row[3] == report.fmt(316.16) and row[4] == report.fmt(2.0)
+    f.write_text(f.read_text().replace(f'"{unit}"', '"minute"'))
+    with pytest.raises(ValueError, match="unknown unit"):
+        report.ncu_table(f)
+
+
 def test_plots(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib not installed (the bench extra)")
     results = tmp_path / "results"
