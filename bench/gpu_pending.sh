@@ -25,6 +25,8 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s10     the persistent TMA attention kernel (opt-in, session 9, not yet on a GPU): its
+#                GPU tests, then the A/B against the built-in configs over issue 7's shapes
 #   PART=s9g     the GEMM benchmarks (descriptor_advance changed under the Hopper GEMM kernels)
 #   PART=s7t     the TMA-fed attention kernel: GPU tests, then A/B against the built-in config
 #   PART=s7b     the attention benchmarks (new d128 default), gemm_softmax's GPU tests
@@ -137,6 +139,11 @@ if [[ " $PART " == *" s9t "* ]]; then
     gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
     gpu_tests attention_op_tests 180 tests/test_ops_attention.py
     gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s10 "* ]]; then
+    gpu_tests persistent_tma_tests 200 tests/test_ops_attention_wgmma.py -k "tma_persistent"
+    step sweep_attention_persistent 300 "$PY" bench/sweep_attention.py --persistent-ab \
+        --json "$OUT/sweep_attention_persistent.json"
 fi
 if [[ " $PART " == *" s9g "* ]]; then
     bench_suite bench_gemm 240 "gemm_op or kernel_vs_cublas"

@@ -69,6 +69,9 @@ def main():
     p.add_argument("--schedule-ab", action="store_true",
                    help="the --grid shapes, the built-in TMA config with and without ping-pong "
                         "and a producer warpgroup")
+    p.add_argument("--persistent-ab", action="store_true",
+                   help="the --grid shapes, the built-in TMA config and its persistent twin "
+                        "(needs its producer warpgroup)")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--block-m", type=int,
                    help="--schedule-ab: the built-in config and only those of this block_m")
@@ -82,7 +85,7 @@ def main():
     from tilepy.testing.timing import time_cuda
 
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
-    if args.grid or args.tma_ab or args.schedule_ab:
+    if args.grid or args.tma_ab or args.schedule_ab or args.persistent_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
     if args.head_dim:
         shapes = [sh for sh in shapes if sh[3] == args.head_dim]
@@ -111,6 +114,13 @@ def main():
                 cfgs = [choose_config(d, "float16", causal), base,
                         dataclasses.replace(base, tma=True)]
                 cfgs = list(dict.fromkeys(cfgs))      # the built-in one may be `base`
+            elif args.persistent_ab:
+                import dataclasses
+
+                from tilepy.ops.attention import choose_config
+
+                base = choose_config(d, "float16", causal)
+                cfgs = [base, dataclasses.replace(base, persistent=True)]
             elif args.schedule_ab:
                 import dataclasses
 

@@ -14,6 +14,7 @@ from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ops.attention_wgmma import (
     OVERLAP_REPORTS,
     PERSISTENT_REPORTS,
+    PERSISTENT_TMA_REPORTS,
     TMA_REPORTS,
     WgmmaAttentionConfig,
     tile_order,
@@ -154,14 +155,37 @@ def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype,
                              producer=producer))
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,bn,bm,pingpong", [
+    (1, 3, 1, 300, 300, True, "bhsd", "float16", 64, 128, True),     # 9 tiles on 4 blocks
+    (1, 3, 1, 200, 330, False, "bshd", "bfloat16", 128, 192, False),  # 3 consumers, GQA
+    (1, 2, 1, 300, 60, True, "bhsd", "float16", 64, 128, True),      # tiles that see no key
+])
+def test_tma_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bn, bm,
+                                        pingpong):
+    """The persistent TMA kernel: the simulator's 4 SM slots walk several tiles each; the
+    producer warpgroup runs ahead through the same tiles (two Q buffers, the K/V ring counted
+    on across tiles), the consumers hold a tile's last K/V slot until its O is stored."""
+    run(np.random.default_rng(), b, hq, hk, sq, sk, 64, causal, layout, dtype,
+        WgmmaAttentionConfig(64, bm, bn, dtype, overlap=True, tma=True, pingpong=pingpong,
+                             producer=True, persistent=True))
+
+
 def test_tma_config():
     cfg = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True)
     assert "TMA" in cfg.describe()
     assert cfg.smem_bytes == WgmmaAttentionConfig(128, 128, 128, overlap=True).smem_bytes + 72
-    with pytest.raises(ValueError, match="tma needs overlap=True and persistent=False"):
+    with pytest.raises(ValueError, match="tma needs overlap=True"):
         WgmmaAttentionConfig(128, 128, 128, tma=True)
-    with pytest.raises(ValueError, match="tma needs overlap=True and persistent=False"):
+    with pytest.raises(ValueError, match="persistent with tma needs producer=True"):
         WgmmaAttentionConfig(64, 128, 64, overlap=True, persistent=True, tma=True)
+    walk = WgmmaAttentionConfig(128, 128, 128, overlap=True, persistent=True, tma=True,
+                                pingpong=True, producer=True)
+    # a second Q buffer and three more mbarriers (Q full of buffer 1, Q empty of both)
+    assert walk.smem_bytes == (WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True,
+                                                    producer=True).smem_bytes + 128 * 128 * 2
+                               + 3 * 8)
+    assert walk.smem_bytes <= 227 * 1024 and "persistent" in walk.describe()
     with pytest.raises(ValueError, match="tma must be a bool"):
         WgmmaAttentionConfig(64, overlap=True, tma="yes")
     with pytest.raises(ValueError, match="pingpong and producer need tma=True"):
@@ -215,7 +239,8 @@ def test_compiles_for_sm90a_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
-    assert len(reps) == 3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
+    assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
+                         + len(PERSISTENT_TMA_REPORTS))
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
@@ -232,6 +257,13 @@ def test_compiles_for_sm90a_without_spills():
             # warpgroup index is warp-uniform (session 9)
             assert rep["registers"] == (128 if "_192x" in name else 168)
             assert rep["spill_stores"] <= 64 and rep["local_bytes"] == 0, rep
+            assert rep["counts"]["setmaxnreg"] == 2
+        elif "tma_persistent" in name:
+            # the tile loop's state (tile, ring and Q-buffer counters, shapes) is spilled and
+            # reloaded once per tile, not in the key loop (SASS of 2026-11-30, session 9:
+            # 120-208 B of stores, none between the key loop's wgmmas)
+            assert rep["registers"] == (128 if "_192x" in name else 168)
+            assert rep["spill_stores"] <= 256 and rep["local_bytes"] == 0, rep
             assert rep["counts"]["setmaxnreg"] == 2
         else:
             assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
@@ -292,6 +324,16 @@ def test_gpu_tma_against_sdpa(d, bn, causal):
 def test_gpu_tma_schedules_against_sdpa(d, bm, bn, causal, pingpong, producer):
     gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True,
                                                      pingpong=pingpong, producer=producer))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,bm,causal,pingpong", [
+    (128, 128, False, True), (128, 128, True, True), (64, 192, False, False),
+    (64, 192, True, False)])
+def test_gpu_tma_persistent_against_sdpa(d, bm, causal, pingpong):
+    gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True,
+                                                     pingpong=pingpong, producer=True,
+                                                     persistent=True))
 
 
 def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):

@@ -285,7 +285,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
                 raise
             # the cp.async kernel: no producer warpgroup, so at most two consumer warpgroups
             cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
-                                      pingpong=False, producer=False)
+                                      pingpong=False, producer=False, persistent=False)
             kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
             plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
         plan.launch(stream, args)

@@ -55,7 +55,17 @@ warpgroup of their own (setmaxnreg gives its registers to the consumers); ``ping
 makes the consumer warpgroups take turns issuing their wgmmas (named barriers), so one's
 softmax runs while the others' wgmmas do (FlashAttention-3's inter-warpgroup schedule). With
 ``producer``, ``block_m=192`` (head_dim 64) runs three consumer warpgroups
-(FlashAttention-3's head_dim-64 tile), with or without ping-pong.
+(FlashAttention-3's head_dim-64 tile), with or without ping-pong. ``tma=True,
+producer=True, persistent=True`` (opt-in, session 9; simulator- and compile-tested, not yet
+measured on a GPU) is the persistent TMA kernel: the producer runs ahead through the same
+tiles as the consumers (two Q buffers, the K/V ring counted on across tiles), so a tile's
+first loads are in flight under the previous tile, and the consumers keep a tile's last K/V
+stage until its O is staged there and stored.
+
+Causal with several consumer warpgroups: each warpgroup computes only up to its own last key
+block (and masks only its own diagonal block), then releases the later blocks' slots as they
+land. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's max grows
+by more than 2**8 in p.
 """
 
 from __future__ import annotations
@@ -168,9 +178,11 @@ class WgmmaAttentionConfig:
         need(self.block_m >= 128 or not self.pingpong,
              "pingpong needs block_m of 128 or 192 (it alternates consumer warpgroups)")
         if self.tma:
-            need(self.overlap and not self.persistent,
-                 "tma needs overlap=True and persistent=False (the TMA loads feed the "
-                 "overlapped loop of the grid kernel)")
+            need(self.overlap, "tma needs overlap=True (the TMA loads feed the overlapped "
+                 "loop)")
+            need(self.producer or not self.persistent,
+                 "persistent with tma needs producer=True (its warpgroup walks the tiles "
+                 "ahead of the consumers)")
         if self.overlap:
             need((self.head_dim, self.block_n) in OVERLAP_FITS,
                  f"overlap needs (head_dim, block_n) in {sorted(OVERLAP_FITS)}: "
@@ -214,7 +226,13 @@ class WgmmaAttentionConfig:
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
         return (q + 4 * self.tile_bytes + (16 if self.overlap else 0)
-                + (TMA_BARRIERS * 8 if self.tma else 0))
+                + (self.tma_barriers * 8 if self.tma else 0))
+
+    @property
+    def tma_barriers(self) -> int:
+        """mbarriers of the TMA kernel: Q full, four per K/V stage; persistent: a second Q
+        full and the two Q buffers' empty barriers."""
+        return TMA_BARRIERS + (3 if self.persistent else 0)
 
     @property
     def kv_offset(self) -> int:
@@ -230,8 +248,8 @@ class WgmmaAttentionConfig:
         return (f"wgmma attention d{self.head_dim} {self.block_m}x{self.block_n}, "
                 f"{self.block_m // 64} warpgroups, {self.smem_bytes // 1024} KB smem"
                 + (", softmax overlapped with P·V" if self.overlap else "")
-                + (", persistent (next tile's Q, K, V loaded during the last key block)"
-                   if self.persistent else "")
+                + (", persistent (next tile's Q, K, V loaded ahead)" if self.persistent
+                   else "")
                 + (", K/V/Q by TMA (mbarrier ring, no block barrier per key block)"
                    if self.tma else "")
                 + (", wgmma issue alternating between the warpgroups (ping-pong)"
@@ -843,6 +861,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     Q_BOX = BM * 128
     KV_BOX = BN * 128
     CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
+    PERSIST = bool(cfg.persistent)     # the persistent TMA kernel (producer warpgroup)
+    QF1, QE0 = 72, 80                  # persistent: Q buffer 1's full, buffers' empty barriers
     # causal, several consumer warpgroups: each one's own key blocks and mask (see drain)
     WG_BOUNDS = bool(causal) and CWG > 1
     wg_bounds = block_bounds(64, BN, causal)
@@ -896,57 +916,70 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             BAR.bar_arrive(BAR_TURN + (wg + 1) % CWG, 2 * WARPGROUP)
 
     @inline_device
-    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb):
+    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0):
         """Causal: the key blocks past this warpgroup's last key (``n_wg`` … ``n_kb - 1``,
         fully masked for its rows) are not computed. Their slots are still released, each
         once its load has landed (so no release runs ahead of the other warpgroups' releases
-        of the block two back), and ping-pong turns and a thread-0 producer's loads go on."""
+        of the block two back), and ping-pong turns and a thread-0 producer's loads go on.
+        Persistent: the tile's last block is released after the epilogue, as its stage holds
+        O (see pkernel's TMA loop)."""
         bars = base + BARS
         if n_wg < n_kb:
-            last = (n_wg - 1) & 1                          # V(n_wg - 1), read by the last P·V
+            last = (g0 + n_wg - 1) & 1                    # V(n_wg - 1), read by the last P·V
             MB.mbarrier_arrive(bars + 32 * last + 32)
         for kb in range(n_wg, n_kb):
-            st = kb & 1
+            gk = g0 + kb
+            st = gk & 1
             if not PRODUCER and tid == 0:
                 produce_step(base, tk, tv, b, hk, kb - 1, n_kb)
             take_turn(wg)
             pass_turn(wg, kb == n_kb - 1)
-            MB.mbarrier_wait_parity(bars + 32 * st + 8, (kb >> 1) & 1)     # K(kb) landed
-            MB.mbarrier_arrive(bars + 32 * st + 24)
-            MB.mbarrier_wait_parity(bars + 32 * st + 16, (kb >> 1) & 1)    # V(kb) landed
-            MB.mbarrier_arrive(bars + 32 * st + 32)
+            hold = PERSIST and kb == n_kb - 1
+            MB.mbarrier_wait_parity(bars + 32 * st + 8, (gk >> 1) & 1)     # K(kb) landed
+            if not hold:
+                MB.mbarrier_arrive(bars + 32 * st + 24)
+            MB.mbarrier_wait_parity(bars + 32 * st + 16, (gk >> 1) & 1)    # V(kb) landed
+            if not hold:
+                MB.mbarrier_arrive(bars + 32 * st + 32)
 
     @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                 hk, row0, q_rows, n_kb, n_wg, all_see, t, tid, wg, scale_log2):
+                 hk, row0, q_rows, n_kb, n_wg, all_see, t, tid, wg, scale_log2, g0, q_bar,
+                 q_phase):
         """The consumer warpgroup's key blocks 0 … ``n_wg - 1`` (``n_wg`` ≤ ``n_kb``, the
         tile's count: less for a causal warpgroup whose rows end before the tile's last key
-        block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``."""
+        block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``. Key block kb
+        is the ring's block ``g0 + kb`` (slot ``& 1``, use ``>> 1``; g0 = 0 in the grid
+        kernel); Q is complete at phase ``q_phase`` of ``q_bar``. Persistent: the tile's last
+        K slot is not released here (its stage holds O in the epilogue)."""
         kv_base = base + KV
         bars = base + BARS
         if not PRODUCER and tid == 0:
             produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
         if PINGPONG and wg == CWG - 1:
             BAR.bar_arrive(BAR_TURN, 2 * WARPGROUP)                      # warpgroup 0 first
-        MB.mbarrier_wait_parity(bars, 0)
-        MB.mbarrier_wait_parity(bars + 8, 0)
+        s0 = g0 & 1
+        MB.mbarrier_wait_parity(q_bar, q_phase)
+        MB.mbarrier_wait_parity(bars + 32 * s0 + 8, (g0 >> 1) & 1)
         take_turn(wg)
         W.wgmma_fence()
-        issue_s(s, q_rows, kv_base)
+        issue_s(s, q_rows, kv_base + s0 * STAGE)
         W.wgmma_commit_group()
         pass_turn(wg, n_kb == 1)
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(s, NACC_S)
-        MB.mbarrier_arrive(bars + 24)                                    # K(0) read
+        if not (PERSIST and n_kb == 1):
+            MB.mbarrier_arrive(bars + 32 * s0 + 24)                      # K(0) read
         softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
         to_p(p, s3)                                       # O is 0: no rescale
         for kb in range(n_wg - 1):
-            cur = kb & 1
+            gk = g0 + kb
+            cur = gk & 1
             nxt = 1 - cur
             if not PRODUCER and tid == 0:
                 produce_step(base, tk, tv, b, hk, kb, n_kb)
-            MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((kb + 1) >> 1) & 1)  # K(kb+1)
-            MB.mbarrier_wait_parity(bars + 32 * cur + 16, (kb >> 1) & 1)         # V(kb)
+            MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((gk + 1) >> 1) & 1)  # K(kb+1)
+            MB.mbarrier_wait_parity(bars + 32 * cur + 16, (gk >> 1) & 1)         # V(kb)
             take_turn(wg)
             W.wgmma_fence()
             issue_s(s, q_rows, kv_base + nxt * STAGE)
@@ -956,22 +989,23 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             pass_turn(wg, kb == n_kb - 2)
             W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
             W.wgmma_fence_operand(s, NACC_S)
-            MB.mbarrier_arrive(bars + 32 * nxt + 24)      # K(kb+1) read
+            if not (PERSIST and kb + 2 == n_kb):
+                MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
             softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
             wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
             rescale(acc_o, alpha)
             to_p(p, s3)
-        last = (n_wg - 1) & 1
-        MB.mbarrier_wait_parity(bars + 32 * last + 16, ((n_wg - 1) >> 1) & 1)
+        last = (g0 + n_wg - 1) & 1
+        MB.mbarrier_wait_parity(bars + 32 * last + 16, ((g0 + n_wg - 1) >> 1) & 1)
         W.wgmma_fence()
         issue_o(acc_o, p, kv_base + last * STAGE + TILE)
         W.wgmma_commit_group()
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
         if WG_BOUNDS:
-            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb)
+            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0)
 
     tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
 
@@ -1025,7 +1059,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                     _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
                     n_wg = max(n_wg, 1)   # a row that sees no key: masked, as in a 1-WG tile
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
-                         h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg, scale_log2)
+                         h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg, scale_log2, 0,
+                         base + BARS, 0)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
                          scale, g, t, tid, wg, base + KV)
         elif wg < CWG:
@@ -1033,8 +1068,136 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
+    # ---- persistent TMA: one block per SM slot walks the tiles (tile_order) ----------------
+    # The producer thread runs ahead through the same tile sequence: tile j's Q into buffer
+    # j & 1 (full QF(j & 1); reloaded once the consumers release the buffer, QE), then its key
+    # blocks in ring order K(G), V(G), K(G+1), … with G counting on across tiles, each into
+    # slot G & 1 once the slot's previous use (G - 2) is released. So the next tile's Q and
+    # first blocks load while the current tile computes. The consumers release Q after a
+    # tile's last wgmma and its last key block's slots after the epilogue, which stages O in
+    # that block's stage. Tiles that see no key load nothing.
+
+    @inline_device
+    def q_full(bars, qi):
+        return bars + (QF1 if qi else 0)
+
+    @inline_device
+    def produce_tiles(base, tq, tk, tv, sq, sk, n_qb, heads, batch, group, n_tiles):
+        kv_base = base + KV
+        bars = base + BARS
+        T.fence_proxy_tensormap_acquire(tq)
+        T.fence_proxy_tensormap_acquire(tk)
+        T.fence_proxy_tensormap_acquire(tv)
+        j = 0
+        gk = 0
+        tile = cuda.blockIdx.x
+        while tile < n_tiles:
+            b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
+            row0, n_kb, _ = block_at(qb, sq, sk)
+            if n_kb > 0:
+                hk = h // group
+                qi = j & 1
+                if j >= 2:        # buffer qi's previous tile (j - 2) released
+                    MB.mbarrier_wait_parity(bars + QE0 + 8 * qi, ((j >> 1) - 1) & 1)
+                qf = q_full(bars, qi)
+                MB.mbarrier_arrive_expect_tx(qf, Q_BYTES)
+                for c in range(KV_BOXES):
+                    T.tma_load_4d(base + qi * Q_BYTES + c * Q_BOX, tq, qf, c * 64, row0, h, b)
+                for kb in range(n_kb):
+                    st = gk & 1
+                    if gk >= 2:   # the slot's previous use, gk - 2, released
+                        MB.mbarrier_wait_parity(bars + 32 * st + 24, ((gk >> 1) - 1) & 1)
+                    load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, kb * BN, hk, b)
+                    if gk >= 2:
+                        MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
+                    load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, kb * BN,
+                            hk, b)
+                    gk += 1
+                j += 1
+            tile += cuda.gridDim.x
+
+    @tjit
+    def tpkernel(q, k, v, o, lse, scale, scale_log2, maps):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        heads = q.shape[1]
+        batch = q.shape[0]
+        group = heads // k.shape[1]
+        n_qb = (sq + BM - 1) // BM
+        n_tiles = n_qb * heads * batch
+        tid = cuda.threadIdx.x
+        wg, g, t, wrow = thread_rows(tid)
+
+        acc_o = cuda.local.array(NACC_O, f32)
+        s = cuda.local.array(NACC_S, f32)
+        s3 = cuda.local.array((1, NS, 4), f32)
+        o3 = cuda.local.array((1, NO, 4), f32)
+        p = cuda.local.array(P_REGS, types.uint32)
+        row_max = cuda.local.array((1, 2), f32)
+        row_sum = cuda.local.array((1, 2), f32)
+        alpha = cuda.local.array((1, 2), f32)
+        limit = cuda.local.array((1, 2), i64)
+
+        smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
+            cuda.shared.array(0, types.uint16)
+        base = shared_addr(smem, 0)
+        kv_base = base + KV
+        bars = base + BARS
+        tq = T.tensor_map_address(maps)
+        tk = tq + MAP_BYTES
+        tv = tk + MAP_BYTES
+        if tid == 0:
+            MB.mbarrier_init(bars, 1)                                  # Q full, buffer 0
+            MB.mbarrier_init(bars + QF1, 1)                            # Q full, buffer 1
+            MB.mbarrier_init(bars + QE0, CONSUMERS)                    # Q empty, buffer 0
+            MB.mbarrier_init(bars + QE0 + 8, CONSUMERS)                # Q empty, buffer 1
+            for st in range(2):
+                MB.mbarrier_init(bars + 32 * st + 8, 1)                # K full
+                MB.mbarrier_init(bars + 32 * st + 16, 1)               # V full
+                MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)       # K empty
+                MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)       # V empty
+            MB.fence_mbarrier_init()
+        cuda.syncthreads()
+        if wg == CWG:
+            W.setmaxnreg_dec(PREGS)
+            if tid == CONSUMERS:
+                produce_tiles(base, tq, tk, tv, sq, sk, n_qb, heads, batch, group, n_tiles)
+        else:
+            W.setmaxnreg_inc(CREGS)
+            j = 0
+            gk = 0
+            tile = cuda.blockIdx.x
+            while tile < n_tiles:
+                b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
+                row0, n_kb, all_see = block_at(qb, sq, sk)
+                hk = h // group
+                start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+                if n_kb > 0:
+                    qi = j & 1
+                    n_wg, see = n_kb, all_see
+                    if WG_BOUNDS:
+                        _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
+                        n_wg = max(n_wg, 1)
+                    q_rows = base + qi * Q_BYTES + wg * (64 * 128)
+                    tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
+                             tv, b, h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg,
+                             scale_log2, gk, q_full(bars, qi), (j >> 1) & 1)
+                    MB.mbarrier_arrive(bars + QE0 + 8 * qi)              # Q read
+                    last = (gk + n_kb - 1) & 1
+                    epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
+                             scale, g, t, tid, wg, kv_base + last * STAGE)
+                    W.fence_proxy_async_shared()   # O's smem traffic before the TMA reloads
+                    MB.mbarrier_arrive(bars + 32 * last + 24)             # the last K, V
+                    MB.mbarrier_arrive(bars + 32 * last + 32)
+                    gk += n_kb
+                    j += 1
+                else:
+                    no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq,
+                            scale, g, t)
+                tile += cuda.gridDim.x
+
     if cfg.tma:
-        return tkernel
+        return tpkernel if cfg.persistent else tkernel
     return pkernel if cfg.persistent else kernel
 
 
@@ -1085,13 +1248,16 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
         args += (cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
                                 stream=_maps_stream(stream)),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    if cfg.persistent:
+        tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
+        slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
+        blocks = (max(1, min(tiles, slots)), 1, 1)
+    else:
+        blocks = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     if cfg.tma:
-        return TmaLaunchPlan(kernel, args, grid(cfg, q.shape[2], q.shape[1], q.shape[0]),
-                             cfg.threads, cfg.smem_bytes, encoder, (0, 1, 2)), args
-    tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
-    slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
-    return LaunchPlan(kernel, args, (max(1, min(tiles, slots)), 1, 1), cfg.threads,
-                      cfg.smem_bytes), args
+        return TmaLaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
+                             (0, 1, 2)), args
+    return LaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes), args
 
 
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
@@ -1208,6 +1374,9 @@ TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
                (128, 128, True, True, False), (128, 128, False, False, True),
                (128, 128, True, True, True), (64, 128, False, True, True),
                (64, 128, True, True, True, 192))
+#: The persistent TMA kernels of :func:`compile_reports` (producer warpgroup, 128-key blocks):
+#: (head_dim, causal with LSE, pingpong, block_m).
+PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
 
 
 def compile_reports():
@@ -1241,5 +1410,11 @@ def compile_reports():
         name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
                 f"{'_producer' if producer else ''}_d{d}_{cfg.block_m}x{bn}"
                 f"{'_causal_lse' if causal else ''}")
+        out.append(_overlap_entry(name, cfg, causal, causal))
+    for d, causal, pingpong, bm in PERSISTENT_TMA_REPORTS:
+        cfg = WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True, pingpong=pingpong,
+                                   producer=True, persistent=True)
+        name = (f"attention_wgmma_tma_persistent{'_pingpong' if pingpong else ''}_d{d}_"
+                f"{bm}x128{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out
