@@ -724,14 +724,19 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     tile_at = tile_order(BM, D, causal)
     block_at = block_bounds(BM, BN, causal)
 
+    @inline_device
+    def tile_space(q, k):
+        """``(sq, sk, heads, batch, group, n_qb, n_tiles)``: the persistent kernels' tiles
+        (query blocks × heads × batch) and the GQA group size."""
+        sq = q.shape[2]
+        heads = q.shape[1]
+        n_qb = (sq + BM - 1) // BM
+        return (sq, k.shape[2], heads, q.shape[0], heads // k.shape[1], n_qb,
+                n_qb * heads * q.shape[0])
+
     @cached_jit
     def pkernel(q, k, v, o, lse, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        heads = q.shape[1]
-        group = heads // k.shape[1]
-        n_qb = (sq + BM - 1) // BM
-        n_tiles = n_qb * heads * q.shape[0]
+        sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
 
@@ -757,7 +762,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         qi = 0            # the Q buffer of this tile
         pending = False   # this tile's Q and first K/V block already loaded (in flight)
         while tile < n_tiles:
-            b, h, qb = tile_at(tile, n_qb, heads, q.shape[0], sk)
+            b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
             row0, n_kb, all_see = block_at(qb, sq, sk)
             hk = h // group
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
@@ -780,7 +785,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 nv0 = i64(0)
                 nq_left = 0
                 if nxt_tile < n_tiles:
-                    nb, nh, nqb = tile_at(nxt_tile, n_qb, heads, q.shape[0], sk)
+                    nb, nh, nqb = tile_at(nxt_tile, n_qb, heads, batch, sk)
                     nrow0, nn_kb, _ = block_at(nqb, sq, sk)
                     if nn_kb > 0:
                         pre = True
@@ -1118,13 +1123,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @tjit
     def tpkernel(q, k, v, o, lse, scale, scale_log2, maps):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        heads = q.shape[1]
-        batch = q.shape[0]
-        group = heads // k.shape[1]
-        n_qb = (sq + BM - 1) // BM
-        n_tiles = n_qb * heads * batch
+        sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
 
