@@ -1201,8 +1201,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
 
 #: Lazy rescaling (log2 units): a row's running max is replaced only when a key block raises
-#: it by more than this, so ``p = exp2(s·c - m·c)`` stays below 2**8 (exact in float16 and
-#: bfloat16 P, no float32 overflow) and O is rescaled on few blocks.
+#: it by more than this, so ``p = exp2(s·c - m·c)`` is at most about 2**8 (in range for float16
+#: and bfloat16 P, no float32 overflow) and O is rescaled on few blocks.
 RESCALE_THRESHOLD = 8.0
 
 #: The H200's SM count: the persistent grid's size when the device does not say.

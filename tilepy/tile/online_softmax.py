@@ -69,7 +69,8 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
     * ``rescale_threshold`` (lazy rescaling, log2 units, e.g. 8): a row keeps its old max
       unless the block's raises it by more than this (``(m_new - m_old)·c > threshold``), so
       ``alpha`` is exactly 1 on most blocks and the caller can skip rescaling its output rows
-      (``p`` then stays below ``2**threshold``; the sum and output are divided by the same
+      (``p`` is then at most ``2**threshold`` up to rounding, so at most 15 for float16 P;
+      the sum and output are divided by the same
       stale max's sum at the end, so the result is the same softmax). ``row_max`` is the max
       in use, which the LSE and later blocks take as it is.
 
@@ -79,9 +80,10 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
     _check_count("online_softmax_update", "mi", mi)
     _check_count("online_softmax_update", "ni", ni)
     LAZY = rescale_threshold is not None
-    if LAZY and not (0 < float(rescale_threshold) <= 16):
-        raise ValueError("online_softmax_update: rescale_threshold must be in (0, 16] (log2 "
-                         f"units: p stays below 2**threshold); got {rescale_threshold!r}")
+    if LAZY and not (0 < float(rescale_threshold) <= 15):
+        raise ValueError("online_softmax_update: rescale_threshold must be in (0, 15] (log2 "
+                         "units: p is at most about 2**threshold, which float16 must hold); "
+                         f"got {rescale_threshold!r}")
     THRESHOLD = np.float32(rescale_threshold if LAZY else 0)
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=max_chains)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
