@@ -729,14 +729,32 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         """``(sq, sk, heads, batch, group, n_qb, n_tiles)``: the persistent kernels' tiles
         (query blocks × heads × batch) and the GQA group size."""
         sq = q.shape[2]
+        sk = k.shape[2]
         heads = q.shape[1]
+        batch = q.shape[0]
+        group = heads // k.shape[1]
         n_qb = (sq + BM - 1) // BM
-        return (sq, k.shape[2], heads, q.shape[0], heads // k.shape[1], n_qb,
-                n_qb * heads * q.shape[0])
+        return sq, sk, heads, batch, group, n_qb, n_qb * heads * batch
+
+    @inline_device
+    def tile_coords(tile, n_qb, heads, batch, group, sq, sk):
+        """``(b, h, hk, row0, n_kb, all_see)`` of persistent tile ``tile``: its batch, query
+        head, K/V head (GQA), first query row and key blocks (:func:`block_bounds`)."""
+        b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
+        row0, n_kb, all_see = block_at(qb, sq, sk)
+        return b, h, h // group, row0, n_kb, all_see
 
     @cached_jit
     def pkernel(q, k, v, o, lse, scale, scale_log2):
-        sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
+        # tile_space written out: through it ptxas gives this kernel 2-15 more registers
+        # (offline sm_90a, session 9); the persistent TMA kernel takes it (fewer spills there)
+        sq = q.shape[2]
+        sk = k.shape[2]
+        heads = q.shape[1]
+        batch = q.shape[0]
+        group = heads // k.shape[1]
+        n_qb = (sq + BM - 1) // BM
+        n_tiles = n_qb * heads * batch
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
 
@@ -762,9 +780,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         qi = 0            # the Q buffer of this tile
         pending = False   # this tile's Q and first K/V block already loaded (in flight)
         while tile < n_tiles:
-            b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-            row0, n_kb, all_see = block_at(qb, sq, sk)
-            hk = h // group
+            b, h, hk, row0, n_kb, all_see = tile_coords(tile, n_qb, heads, batch, group, sq,
+                                                        sk)
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             nxt_tile = tile + cuda.gridDim.x
             if n_kb > 0:
@@ -785,13 +802,13 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 nv0 = i64(0)
                 nq_left = 0
                 if nxt_tile < n_tiles:
-                    nb, nh, nqb = tile_at(nxt_tile, n_qb, heads, batch, sk)
-                    nrow0, nn_kb, _ = block_at(nqb, sq, sk)
+                    nb, nh, nhk, nrow0, nn_kb, _ = tile_coords(nxt_tile, n_qb, heads, batch,
+                                                               group, sq, sk)
                     if nn_kb > 0:
                         pre = True
                         nq_src = i64(global_addr(q, (nb, nh, nrow0, 0)))
-                        nk0 = i64(global_addr(k, (nb, nh // group, 0, 0)))
-                        nv0 = i64(global_addr(v, (nb, nh // group, 0, 0)))
+                        nk0 = i64(global_addr(k, (nb, nhk, 0, 0)))
+                        nv0 = i64(global_addr(v, (nb, nhk, 0, 0)))
                         nq_left = sq - nrow0
                 ploop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, kv_base, k0, ks, v0,
                       vs, qbuf, sk, n_kb, all_see, t, tid, wg, scale_log2, st0, pre,
@@ -880,6 +897,31 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
 
     @inline_device
+    def load_q(dst, tq, bar, row0, h, b):
+        MB.mbarrier_arrive_expect_tx(bar, Q_BYTES)
+        for c in range(KV_BOXES):
+            T.tma_load_4d(dst + c * Q_BOX, tq, bar, c * 64, row0, h, b)
+
+    @inline_device
+    def init_ring(bars):
+        """Q full (buffer 0) and the K/V ring's barriers; the caller fences the init."""
+        MB.mbarrier_init(bars, 1)
+        for st in range(2):
+            MB.mbarrier_init(bars + 32 * st + 8, 1)            # K full
+            MB.mbarrier_init(bars + 32 * st + 16, 1)           # V full
+            MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)   # K empty
+            MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)   # V empty
+
+    @inline_device
+    def warpgroup_span(row0, wg, n_kb, all_see, sq, sk):
+        """``(n_wg, see)``: the key blocks this warpgroup computes and the last key all its
+        rows see; causal with several consumer warpgroups, its own (see drain)."""
+        if WG_BOUNDS:
+            _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
+            return max(n_wg, 1), see   # a row that sees no key: masked, as in a 1-WG tile
+        return n_kb, all_see
+
+    @inline_device
     def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb):
         """Q, K(0), V(0) and K(1): the loads before the first step. The tensor maps are
         fenced first by the thread that issues the loads (as :mod:`tilepy.ptx.tma` asks)."""
@@ -888,9 +930,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         T.fence_proxy_tensormap_acquire(tq)
         T.fence_proxy_tensormap_acquire(tk)
         T.fence_proxy_tensormap_acquire(tv)
-        MB.mbarrier_arrive_expect_tx(bars, Q_BYTES)
-        for c in range(KV_BOXES):
-            T.tma_load_4d(base + c * Q_BOX, tq, bars, c * 64, row0, h, b)
+        load_q(base, tq, bars, row0, h, b)
         load_kv(kv_base, tk, bars + 8, 0, hk, b)                     # K(0)
         load_kv(kv_base + TILE, tv, bars + 16, 0, hk, b)             # V(0)
         if n_kb > 1:
@@ -927,7 +967,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         once its load has landed (so no release runs ahead of the other warpgroups' releases
         of the block two back), and ping-pong turns and a thread-0 producer's loads go on.
         Persistent: the tile's last block is released after the epilogue, as its stage holds
-        O (see pkernel's TMA loop)."""
+        O (see tpkernel)."""
         bars = base + BARS
         if n_wg < n_kb:
             last = (g0 + n_wg - 1) & 1                    # V(n_wg - 1), read by the last P·V
@@ -1039,13 +1079,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             tk = tq + MAP_BYTES
             tv = tk + MAP_BYTES
             if tid == 0:
-                bars = base + BARS
-                MB.mbarrier_init(bars, 1)
-                for st in range(2):
-                    MB.mbarrier_init(bars + 32 * st + 8, 1)            # K full
-                    MB.mbarrier_init(bars + 32 * st + 16, 1)           # V full
-                    MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)   # K empty
-                    MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)   # V empty
+                init_ring(base + BARS)
                 MB.fence_mbarrier_init()
             cuda.syncthreads()
             if PRODUCER and wg == CWG:
@@ -1059,10 +1093,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                     W.setmaxnreg_inc(CREGS)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
-                n_wg, see = n_kb, all_see
-                if WG_BOUNDS:   # this warpgroup's own last key block and unmasked keys
-                    _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
-                    n_wg = max(n_wg, 1)   # a row that sees no key: masked, as in a 1-WG tile
+                n_wg, see = warpgroup_span(row0, wg, n_kb, all_see, sq, sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
                          h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg, scale_log2, 0,
                          base + BARS, 0)
@@ -1097,17 +1128,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         gk = 0
         tile = cuda.blockIdx.x
         while tile < n_tiles:
-            b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-            row0, n_kb, _ = block_at(qb, sq, sk)
+            b, h, hk, row0, n_kb, _ = tile_coords(tile, n_qb, heads, batch, group, sq, sk)
             if n_kb > 0:
-                hk = h // group
                 qi = j & 1
                 if j >= 2:        # buffer qi's previous tile (j - 2) released
                     MB.mbarrier_wait_parity(bars + QE0 + 8 * qi, ((j >> 1) - 1) & 1)
-                qf = q_full(bars, qi)
-                MB.mbarrier_arrive_expect_tx(qf, Q_BYTES)
-                for c in range(KV_BOXES):
-                    T.tma_load_4d(base + qi * Q_BYTES + c * Q_BOX, tq, qf, c * 64, row0, h, b)
+                load_q(base + qi * Q_BYTES, tq, q_full(bars, qi), row0, h, b)
                 for kb in range(n_kb):
                     st = gk & 1
                     if gk >= 2:   # the slot's previous use, gk - 2, released
@@ -1146,15 +1172,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         tk = tq + MAP_BYTES
         tv = tk + MAP_BYTES
         if tid == 0:
-            MB.mbarrier_init(bars, 1)                                  # Q full, buffer 0
+            init_ring(bars)
             MB.mbarrier_init(bars + QF1, 1)                            # Q full, buffer 1
             MB.mbarrier_init(bars + QE0, CONSUMERS)                    # Q empty, buffer 0
             MB.mbarrier_init(bars + QE0 + 8, CONSUMERS)                # Q empty, buffer 1
-            for st in range(2):
-                MB.mbarrier_init(bars + 32 * st + 8, 1)                # K full
-                MB.mbarrier_init(bars + 32 * st + 16, 1)               # V full
-                MB.mbarrier_init(bars + 32 * st + 24, CONSUMERS)       # K empty
-                MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)       # V empty
             MB.fence_mbarrier_init()
         cuda.syncthreads()
         if wg == CWG:
@@ -1167,16 +1188,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             gk = 0
             tile = cuda.blockIdx.x
             while tile < n_tiles:
-                b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-                row0, n_kb, all_see = block_at(qb, sq, sk)
-                hk = h // group
+                b, h, hk, row0, n_kb, all_see = tile_coords(tile, n_qb, heads, batch, group,
+                                                            sq, sk)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 if n_kb > 0:
                     qi = j & 1
-                    n_wg, see = n_kb, all_see
-                    if WG_BOUNDS:
-                        _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
-                        n_wg = max(n_wg, 1)
+                    n_wg, see = warpgroup_span(row0, wg, n_kb, all_see, sq, sk)
                     q_rows = base + qi * Q_BYTES + wg * (64 * 128)
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
                              tv, b, h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg,
