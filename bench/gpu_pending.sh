@@ -25,6 +25,8 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s10b    the persistent TMA kernel with run-time tile tickets: its GPU tests, the A/B
+#                in rounds
 #   PART=s10     the persistent TMA attention kernel (opt-in, session 9, not yet on a GPU): its
 #                GPU tests, then the A/B against the built-in configs over issue 7's shapes
 #   PART=s9g     the GEMM benchmarks (descriptor_advance changed under the Hopper GEMM kernels)
@@ -139,6 +141,13 @@ if [[ " $PART " == *" s9t "* ]]; then
     gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
     gpu_tests attention_op_tests 180 tests/test_ops_attention.py
     gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s10b "* ]]; then
+    # the persistent TMA kernel with tiles handed out at run time (a global ticket counter):
+    # its GPU tests, then the A/B in rounds (medians of 3, A and B in turn)
+    gpu_tests persistent_tma_tests 200 tests/test_ops_attention_wgmma.py -k "tma_persistent"
+    step sweep_attention_persistent 400 "$PY" bench/sweep_attention.py --persistent-ab \
+        --rounds 3 --json "$OUT/sweep_attention_persistent.json"
 fi
 if [[ " $PART " == *" s10 "* ]]; then
     gpu_tests persistent_tma_tests 200 tests/test_ops_attention_wgmma.py -k "tma_persistent"

@@ -15,6 +15,7 @@ pick. Each tilepy result is checked against SDPA once before timing.
 
 import argparse
 import json
+import statistics
 import sys
 
 
@@ -58,6 +59,17 @@ def configs(d, dtype, kernels=("mma_sync", "wgmma")):
     return out
 
 
+#: The config switches a row records (False where a config type lacks one).
+FLAGS = ("overlap", "persistent", "tma", "pingpong", "producer")
+
+
+def tag_of(cfg, b, h, s, d, causal) -> str:
+    wr = getattr(cfg, "warp_rows", 64)   # the wgmma kernel: a warpgroup per 64 rows
+    return (f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} bn={cfg.block_n} wr={wr}"
+            + (" wgmma" if wr == 64 else "")
+            + "".join(f" {f}" for f in FLAGS if getattr(cfg, f, False)))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -72,6 +84,10 @@ def main():
     p.add_argument("--persistent-ab", action="store_true",
                    help="the --grid shapes, the built-in TMA config and its persistent twin "
                         "(needs its producer warpgroup)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the configs of a shape this many times, in turn (A, B, A, B, "
+                        "…), and report each one's median: an A/B less at the mercy of clock "
+                        "drift")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--block-m", type=int,
                    help="--schedule-ab: the built-in config and only those of this block_m")
@@ -145,40 +161,44 @@ def main():
                 # d128 64-key blocks lost to 128-key ones everywhere in s7a's grid
                 cfgs = [c for c in cfgs if c.block_m == 128 and getattr(c, "warp_rows", 64) == 64
                         and not (c.head_dim == 128 and c.block_n == 64)]
+            runs = {}                                  # config -> [(ms, peer_ms)]
+            errs = {}
+            for _ in range(max(1, args.rounds)):
+                for cfg in cfgs:
+                    if cfg in errs and errs[cfg] is None:
+                        continue                       # failed in an earlier round
+                    # the peer timed next to every config: clocks drift over a sweep (NOTES.md)
+                    peer_ms = time_cuda(fa2, warmup=2, repeat=10)
+                    try:
+                        out = torch.empty_like(q)
+                        tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
+                        torch.cuda.synchronize()
+                        errs[cfg] = (out.float() - want.float()).abs().max().item()
+                        ms = time_cuda(lambda: tilepy.flash_attention(
+                            q, k, v, causal=causal, config=cfg, out=out), warmup=2, repeat=10)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"{tag_of(cfg, b, h, s, d, causal)}: FAILED "
+                              f"{type(e).__name__}: {e}", flush=True)
+                        errs[cfg] = None
+                        continue
+                    runs.setdefault(cfg, []).append((ms, peer_ms))
             for cfg in cfgs:
-                # the peer timed next to every config: clocks drift over a sweep (NOTES.md)
-                peer_ms = time_cuda(fa2, warmup=2, repeat=10)
-                wr = getattr(cfg, "warp_rows", 64)  # the wgmma kernel: a warpgroup per 64 rows
-                over = getattr(cfg, "overlap", False)
-                pers = getattr(cfg, "persistent", False)
-                tma = getattr(cfg, "tma", False)
-                pingpong = getattr(cfg, "pingpong", False)
-                producer = getattr(cfg, "producer", False)
-                tag = f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} " \
-                      f"bn={cfg.block_n} wr={wr}" + (" wgmma" if wr == 64 else "") + \
-                      (" overlap" if over else "") + (" persistent" if pers else "") + \
-                      (" tma" if tma else "") + (" pingpong" if pingpong else "") + \
-                      (" producer" if producer else "")
-                try:
-                    out = torch.empty_like(q)
-                    tilepy.flash_attention(q, k, v, causal=causal, config=cfg, out=out)
-                    torch.cuda.synchronize()
-                    err = (out.float() - want.float()).abs().max().item()
-                    ms = time_cuda(lambda: tilepy.flash_attention(
-                        q, k, v, causal=causal, config=cfg, out=out), warmup=2, repeat=10)
-                except Exception as e:  # noqa: BLE001
-                    print(f"{tag}: FAILED {type(e).__name__}: {e}", flush=True)
+                if cfg not in runs:
                     continue
+                ms = statistics.median(m for m, _ in runs[cfg])
+                peer_ms = statistics.median(pm for _, pm in runs[cfg])
                 row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
-                           block_n=cfg.block_n, warp_rows=wr, kernel=type(cfg).__name__,
-                           overlap=over, persistent=pers, tma=tma, pingpong=pingpong,
-                           producer=producer,
-                           ms=ms,
+                           block_n=cfg.block_n, warp_rows=getattr(cfg, "warp_rows", 64),
+                           kernel=type(cfg).__name__,
+                           **{f: getattr(cfg, f, False) for f in FLAGS},
+                           ms=ms, runs_ms=[m for m, _ in runs[cfg]],
                            tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
-                           ratio=peer_ms / ms, max_abs_err=err)
+                           ratio=peer_ms / ms, max_abs_err=errs[cfg])
                 rows.append(row)
-                print(f"{tag}: {row['tflops']:6.1f} TFLOPS  {row['ratio']:.3f}x FA2 "
-                      f"(err {err:.1e})", flush=True)
+                spread = (f" (rounds {min(row['runs_ms']) * 1e3:.0f}-"
+                          f"{max(row['runs_ms']) * 1e3:.0f} us)" if len(runs[cfg]) > 1 else "")
+                print(f"{tag_of(cfg, b, h, s, d, causal)}: {row['tflops']:6.1f} TFLOPS  "
+                      f"{row['ratio']:.3f}x FA2 (err {errs[cfg]:.1e}){spread}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

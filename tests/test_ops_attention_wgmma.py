@@ -171,6 +171,29 @@ def test_tma_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype
                              producer=True, persistent=True))
 
 
+@pytest.mark.sim
+def test_tma_persistent_tile_counter():
+    """The persistent TMA kernel's tiles come from a global ticket counter that the last block
+    out sets back to zero: a second call through the cached plan (6 tiles on 4 blocks again)
+    is right, the counter is 0 after each, and another stream gets a counter of its own."""
+    from tilepy.ops import attention as at
+    from tilepy.ops import attention_wgmma as aw
+
+    at._PLANS.clear()
+    cfg = WgmmaAttentionConfig(64, 128, 64, "float16", overlap=True, tma=True, producer=True,
+                               persistent=True)
+    rng = np.random.default_rng()
+    for _ in range(2):
+        run(rng, 1, 3, 1, 200, 200, 64, True, "bhsd", "float16", cfg)
+        (entry,) = at._PLANS.values()
+        plan = entry[0].plan
+        assert isinstance(plan, aw.ScheduledTmaPlan) and plan.grid[0] == 4
+        np.testing.assert_array_equal(plan.counter_for(0).copy_to_host(), [0, 0])
+    other = 0x5EED   # a raw stream handle (the simulator's streams have none)
+    assert plan.counter_for(other) is not plan.counter_for(0)
+    assert plan.counter_for(other) is plan.counter_for(other)
+
+
 def test_tma_config():
     cfg = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True)
     assert "TMA" in cfg.describe()
@@ -181,10 +204,11 @@ def test_tma_config():
         WgmmaAttentionConfig(64, 128, 64, overlap=True, persistent=True, tma=True)
     walk = WgmmaAttentionConfig(128, 128, 128, overlap=True, persistent=True, tma=True,
                                 pingpong=True, producer=True)
-    # a second Q buffer and three more mbarriers (Q full of buffer 1, Q empty of both)
+    # a second Q buffer, three more mbarriers (Q full of buffer 1, Q empty of both) and the
+    # two buffers' tile numbers
     assert walk.smem_bytes == (WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True,
                                                     producer=True).smem_bytes + 128 * 128 * 2
-                               + 3 * 8)
+                               + 3 * 8 + 2 * 4)
     assert walk.smem_bytes <= 227 * 1024 and "persistent" in walk.describe()
     with pytest.raises(ValueError, match="tma must be a bool"):
         WgmmaAttentionConfig(64, overlap=True, tma="yes")

@@ -301,17 +301,13 @@ def inspect_targets() -> dict:
 
     def attention_wgmma(dtype):
         from .ops.attention import hopper_config
-        from .ops.attention_kernel import argtypes
-        from .ops.attention_wgmma import wgmma_attention_kernel
+        from .ops.attention_wgmma import kernel_argtypes, wgmma_attention_kernel
 
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):
             raise ValueError("flash attention takes float16 or bfloat16")
-        from numba import types
-
         cfg = hopper_config(128, dtype)
-        maps = (types.uint8[::1],) if cfg.tma else ()     # the TMA kernel's tensor maps
-        return (wgmma_attention_kernel(cfg, False, False).py_func, argtypes() + maps,
+        return (wgmma_attention_kernel(cfg, False, False).py_func, kernel_argtypes(cfg),
                 {"launch_bounds": (cfg.threads, 1) if cfg.producer else cfg.threads})
 
     # the sm_90 defaults of tilepy.gemm (the TMA kernel, 128x256; with bias + GELU: its

@@ -61,10 +61,16 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 #   consumer warpgroups (192 x 128, producer, no ping-pong; FlashAttention-3's d64 tile) beat
 #   128 x 128 with ping-pong by 14% (351 -> 398 TFLOPS) and causal by 3% (259 -> 268); with
 #   ping-pong 371 / 266, with 64-key blocks 346-349 / 255-256.
+# * 2026-11-30_s10b_sweep_attention_persistent.json (medians of 3 rounds, A and B in turn):
+#   the persistent TMA kernel, its tiles handed out by a global ticket counter, beat the grid
+#   kernel causal at d128 by 5-6% at S1024-4096 (S4096 550 -> 577 TFLOPS) and tied at S8192,
+#   and at d64 by 5% (418 -> 437) and tied causal (305 -> 307); at d128 without a mask it won
+#   2-3% at S1024-2048 but lost 1% at S4096 and 12% at S8192 (the grid kernel stays there).
 # TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.
 _D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
-_D64 = dict(block_m=192, block_n=128, overlap=True, tma=True, producer=True)
-HOPPER_CHOICE = {(128, False): _D128, (128, True): _D128, (64, False): _D64, (64, True): _D64}
+_D64 = dict(block_m=192, block_n=128, overlap=True, tma=True, producer=True, persistent=True)
+HOPPER_CHOICE = {(128, False): _D128, (128, True): dict(_D128, persistent=True),
+                 (64, False): _D64, (64, True): _D64}
 
 
 def hopper_config(head_dim: int, dtype: str, causal: bool = False):

@@ -56,11 +56,15 @@ makes the consumer warpgroups take turns issuing their wgmmas (named barriers), 
 softmax runs while the others' wgmmas do (FlashAttention-3's inter-warpgroup schedule). With
 ``producer``, ``block_m=192`` (head_dim 64) runs three consumer warpgroups
 (FlashAttention-3's head_dim-64 tile), with or without ping-pong. ``tma=True,
-producer=True, persistent=True`` (opt-in, session 9; simulator- and compile-tested, not yet
-measured on a GPU) is the persistent TMA kernel: the producer runs ahead through the same
-tiles as the consumers (two Q buffers, the K/V ring counted on across tiles), so a tile's
-first loads are in flight under the previous tile, and the consumers keep a tile's last K/V
-stage until its O is staged there and stored.
+producer=True, persistent=True`` is the persistent TMA kernel (the Hopper default at head_dim
+64 and causal at 128): one block per SM slot; each block's first tile is its index, the next
+ones tickets the producer draws from a global counter (an int32[2] argument after the tensor
+maps, one per stream in :class:`ScheduledTmaPlan`, zeroed again by the last block out), so
+causal tiles of unequal work balance as with the hardware's block scheduler. The producer
+passes each tile's number to the consumers with its Q (two Q buffers), runs ahead through the
+K/V ring counted on across tiles, so a tile's first loads are in flight under the previous
+tile, and the consumers keep a tile's last K/V stage until its O is staged there and
+stored.
 
 Causal with several consumer warpgroups: each warpgroup computes only up to its own last key
 block (and masks only its own diagonal block), then releases the later blocks' slots as they
@@ -71,12 +75,14 @@ by more than 2**8 in p.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
+from ..launch import _stream_handle, pointer
 from ..ptx import barrier as BAR
 from ..ptx import global_addr, shared_addr
 from ..ptx import mbarrier as MB
@@ -100,6 +106,7 @@ from .attention_kernel import (
     row_limits,
     store_rows,
 )
+from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan, _maps_stream
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -225,8 +232,9 @@ class WgmmaAttentionConfig:
         # Q, then two stages of K and V; overlap: a 16-byte scratch word (wait_after_store)
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
+        # persistent TMA: after the barriers, the two Q buffers' tile numbers (int32 each)
         return (q + 4 * self.tile_bytes + (16 if self.overlap else 0)
-                + (self.tma_barriers * 8 if self.tma else 0))
+                + (self.tma_barriers * 8 + (8 if self.persistent else 0) if self.tma else 0))
 
     @property
     def tma_barriers(self) -> int:
@@ -1104,21 +1112,29 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
-    # ---- persistent TMA: one block per SM slot walks the tiles (tile_order) ----------------
-    # The producer thread runs ahead through the same tile sequence: tile j's Q into buffer
-    # j & 1 (full QF(j & 1); reloaded once the consumers release the buffer, QE), then its key
-    # blocks in ring order K(G), V(G), K(G+1), … with G counting on across tiles, each into
-    # slot G & 1 once the slot's previous use (G - 2) is released. So the next tile's Q and
-    # first blocks load while the current tile computes. The consumers release Q after a
-    # tile's last wgmma and its last key block's slots after the epilogue, which stages O in
-    # that block's stage. Tiles that see no key load nothing.
+    # ---- persistent TMA: one block per SM slot takes tiles until none is left ------------
+    # Tiles are handed out at run time: each block's first is its block index, every further
+    # one a ticket from the global counter ``sched[0]`` (+ the grid size), drawn by the
+    # producer thread (FlashAttention-3's dynamic scheduler: causal tiles differ in work, and
+    # a static stride left blocks up to 1.37x the mean tile load at S1024, 1.15x at the d64
+    # shape; see bench/NOTES.md). The producer writes tile j's number into slot j & 1 (TILE_NO)
+    # before its Q load (or a plain arrive on Q full when the tile has no key, or no tile is
+    # left), so the consumers learn the tile from Q full (QF(j & 1)); they release the buffer
+    # (QE) once Q and the number are read. The tile's key blocks follow in ring order K(G),
+    # V(G), K(G+1), … with G counting on across tiles, each into slot G & 1 once the slot's
+    # previous use (G - 2) is released: the next tile's Q and first blocks load while the
+    # current tile computes. The consumers release a tile's last key block's slots after the
+    # epilogue, which stages O in that block's stage. The producer of the last block to run
+    # out of tiles sets the counter back to zero for the next launch.
+    TILE_NO = (BARS + 8 * cfg.tma_barriers) // 4      # int32 index of the tile-number slots
 
     @inline_device
     def q_full(bars, qi):
         return bars + (QF1 if qi else 0)
 
     @inline_device
-    def produce_tiles(base, tq, tk, tv, sq, sk, n_qb, heads, batch, group, n_tiles):
+    def produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch, group,
+                      n_tiles):
         kv_base = base + KV
         bars = base + BARS
         T.fence_proxy_tensormap_acquire(tq)
@@ -1127,28 +1143,40 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         j = 0
         gk = 0
         tile = cuda.blockIdx.x
-        while tile < n_tiles:
+        while True:
+            qi = j & 1
+            if j >= 2:            # buffer qi's previous tile (j - 2) released
+                MB.mbarrier_wait_parity(bars + QE0 + 8 * qi, ((j >> 1) - 1) & 1)
+            tiles[TILE_NO + qi] = tile
+            if tile >= n_tiles:
+                MB.mbarrier_arrive(q_full(bars, qi))         # no tile left
+                break
+            nxt = cuda.atomic.add(sched, 0, 1) + cuda.gridDim.x
             b, h, hk, row0, n_kb, _ = tile_coords(tile, n_qb, heads, batch, group, sq, sk)
             if n_kb > 0:
-                qi = j & 1
-                if j >= 2:        # buffer qi's previous tile (j - 2) released
-                    MB.mbarrier_wait_parity(bars + QE0 + 8 * qi, ((j >> 1) - 1) & 1)
                 load_q(base + qi * Q_BYTES, tq, q_full(bars, qi), row0, h, b)
-                for kb in range(n_kb):
-                    st = gk & 1
-                    if gk >= 2:   # the slot's previous use, gk - 2, released
-                        MB.mbarrier_wait_parity(bars + 32 * st + 24, ((gk >> 1) - 1) & 1)
-                    load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, kb * BN, hk, b)
-                    if gk >= 2:
-                        MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
-                    load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, kb * BN,
-                            hk, b)
-                    gk += 1
-                j += 1
-            tile += cuda.gridDim.x
+            else:
+                MB.mbarrier_arrive(q_full(bars, qi))
+            for kb in range(n_kb):
+                st = gk & 1
+                if gk >= 2:       # the slot's previous use, gk - 2, released
+                    MB.mbarrier_wait_parity(bars + 32 * st + 24, ((gk >> 1) - 1) & 1)
+                load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, kb * BN, hk, b)
+                if gk >= 2:
+                    MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
+                load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, kb * BN, hk, b)
+                gk += 1
+            j += 1
+            tile = nxt
+        # every block draws until it gets no tile, then counts itself out; the last one out
+        # (all tickets drawn) zeroes the counter for the next launch in this stream
+        cuda.threadfence()
+        if cuda.atomic.add(sched, 1, 1) == cuda.gridDim.x - 1:
+            sched[0] = 0
+            sched[1] = 0
 
     @tjit
-    def tpkernel(q, k, v, o, lse, scale, scale_log2, maps):
+    def tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched):
         sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
@@ -1165,6 +1193,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
         smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
             cuda.shared.array(0, types.uint16)
+        tiles = cuda.shared.array(0, types.int32)     # the same bytes: the tile numbers
         base = shared_addr(smem, 0)
         kv_base = base + KV
         bars = base + BARS
@@ -1181,18 +1210,22 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         if wg == CWG:
             W.setmaxnreg_dec(PREGS)
             if tid == CONSUMERS:
-                produce_tiles(base, tq, tk, tv, sq, sk, n_qb, heads, batch, group, n_tiles)
+                produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch,
+                              group, n_tiles)
         else:
             W.setmaxnreg_inc(CREGS)
             j = 0
             gk = 0
-            tile = cuda.blockIdx.x
-            while tile < n_tiles:
+            while True:
+                qi = j & 1
+                MB.mbarrier_wait_parity(q_full(bars, qi), (j >> 1) & 1)
+                tile = int(tiles[TILE_NO + qi])    # (a NumPy int32 in the simulator)
+                if tile >= n_tiles:
+                    break
                 b, h, hk, row0, n_kb, all_see = tile_coords(tile, n_qb, heads, batch, group,
                                                             sq, sk)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 if n_kb > 0:
-                    qi = j & 1
                     n_wg, see = warpgroup_span(row0, wg, n_kb, all_see, sq, sk)
                     q_rows = base + qi * Q_BYTES + wg * (64 * 128)
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
@@ -1206,11 +1239,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                     MB.mbarrier_arrive(bars + 32 * last + 24)             # the last K, V
                     MB.mbarrier_arrive(bars + 32 * last + 32)
                     gk += n_kb
-                    j += 1
                 else:
+                    MB.mbarrier_arrive(bars + QE0 + 8 * qi)              # the number read
                     no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq,
                             scale, g, t)
-                tile += cuda.gridDim.x
+                j += 1
 
     if cfg.tma:
         return tpkernel if cfg.persistent else tkernel
@@ -1249,7 +1282,7 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     SM count). A TMA config's arguments end with the tensor maps of q, k and v, copied to the
     device on ``stream`` (the launch stream, as the TMA GEMM does); its plan re-encodes them
     for other pointers."""
-    from ..launch import LaunchPlan, pointer, sm_count
+    from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_kernel import grid, kernel_args
     from .attention_kernel import plan as grid_plan
@@ -1258,11 +1291,11 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
         return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
     args = kernel_args(q, k, v, o, lse, scale)
     if cfg.tma:
-        from .gemm_wgmma_ws import TmaLaunchPlan, _maps_stream
-
         encoder = _tma_encoder(cfg, q, k, v)
         args += (cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
                                 stream=_maps_stream(stream)),)
+        if cfg.persistent:
+            args += (_tile_counter(stream),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     if cfg.persistent:
         tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
@@ -1271,9 +1304,55 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     else:
         blocks = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     if cfg.tma:
-        return TmaLaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
-                             (0, 1, 2)), args
+        kind = ScheduledTmaPlan if cfg.persistent else TmaLaunchPlan
+        return kind(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
+                    (0, 1, 2)), args
     return LaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes), args
+
+
+def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
+    """Numba argument types of the config's kernel (offline compilation): the attention
+    kernels' (:func:`tilepy.ops.attention_kernel.argtypes`), then with TMA the tensor maps
+    and, persistent, the tile counter."""
+    from .attention_kernel import argtypes
+
+    return (argtypes() + ((types.uint8[::1],) if cfg.tma else ())
+            + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()))
+
+
+def _tile_counter(stream):
+    """A zeroed int32[2] on the device (copied on ``stream``): the persistent TMA kernel's
+    tile tickets and finished blocks, which its last block out sets back to zero."""
+    return cuda.to_device(np.zeros(2, np.int32), stream=_maps_stream(stream))
+
+
+class ScheduledTmaPlan(TmaLaunchPlan):
+    """The persistent TMA kernel's plan: its argument after the tensor maps is the tile
+    counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
+    share one; launches in two streams would take each other's tiles, so each stream handle
+    has its own."""
+
+    def __init__(self, kernel, args, *rest):
+        super().__init__(kernel, args, *rest)
+        self._counter_array = [i for i, *_ in self._arrays].index(MAPS_ARG + 1)
+        self._counters = {}
+        self._counters_lock = threading.Lock()
+        self._built_counter = args[MAPS_ARG + 1]
+
+    def counter_for(self, stream):
+        """The tile counter of launches in ``stream``."""
+        key = _stream_handle(stream)
+        with self._counters_lock:
+            dev = self._counters.get(key)
+            if dev is None:
+                dev = self._built_counter if not self._counters else _tile_counter(stream)
+                self._counters[key] = dev
+        return dev
+
+    def _go(self, stream, ptrs, scalars):
+        ptrs = list(ptrs)
+        ptrs[self._counter_array] = pointer(self.counter_for(stream))
+        super()._go(stream, ptrs, scalars)
 
 
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
@@ -1343,13 +1422,12 @@ def _overlap_entry(name, cfg, causal, has_lse):
     import time
 
     from ..offline import compile_kernel, find_ptxas, parse_ptxas
-    from .attention_kernel import argtypes
 
     entry = {"name": name, "threads": cfg.threads, "config": cfg.describe(),
              "smem_bytes": cfg.smem_bytes}
     t0 = time.perf_counter()
     try:
-        sig = argtypes() + ((types.uint8[::1],) if cfg.tma else ())   # + the tensor maps
+        sig = kernel_argtypes(cfg)
         rep = compile_kernel(name, wgmma_attention_kernel(cfg, causal, has_lse).py_func,
                              sig, (9, 0, "a"), assemble=False,
                              launch_bounds=(cfg.threads, 1) if cfg.producer else cfg.threads)

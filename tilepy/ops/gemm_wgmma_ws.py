@@ -1137,6 +1137,11 @@ def _maps_stream(stream):
     return stream
 
 
+#: The tensor maps' place in a TMA plan's arguments (after a … beta, or q … scale·log2e);
+#: arguments after it are passed as given.
+MAPS_ARG = 7
+
+
 class TmaLaunchPlan(LaunchPlan):
     """A :class:`~tilepy.launch.LaunchPlan` of the warp-specialised kernel whose last argument
     (the tensor maps) follows the pointers of ``a`` and ``b``: :meth:`launch` and bound plans
@@ -1150,8 +1155,10 @@ class TmaLaunchPlan(LaunchPlan):
         self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
         self._maps = collections.OrderedDict()
         self._maps_lock = threading.Lock()
-        self._maps[tuple(pointer(args[i]) for i in self._map_args)] = args[7]
+        self._maps[tuple(pointer(args[i]) for i in self._map_args)] = args[MAPS_ARG]
         self.maps_encoded = 1
+        # the maps' index among the array arguments (bound plans' pointers)
+        self._maps_array = [i for i, *_ in self._arrays].index(MAPS_ARG)
 
     def maps_for(self, *ptrs, stream=0):
         """The device array of the tensor maps of operands at these pointers (a, b, and out
@@ -1172,15 +1179,17 @@ class TmaLaunchPlan(LaunchPlan):
         return dev
 
     def launch(self, stream, args):
-        args = list(args[:7]) + [self.maps_for(*(pointer(args[i]) for i in self._map_args),
-                                               stream=stream)]
+        args = list(args)
+        args[MAPS_ARG] = self.maps_for(*(pointer(args[i]) for i in self._map_args),
+                                       stream=stream)
         super().launch(stream, args)
 
     def bind(self, sources):
-        """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps (the last array)."""
+        """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps and any array
+        after them (those the plan supplies itself)."""
         sources = list(sources)
-        if len(sources) == len(self._arrays) - 1:
-            sources.append(None)
+        if len(sources) == self._maps_array:
+            sources += [None] * (len(self._arrays) - self._maps_array)
         if len(sources) != len(self._arrays):
             raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
         return _TmaBoundPlan(self, sources)
@@ -1190,7 +1199,7 @@ class _TmaBoundPlan(BoundPlan):
     def __call__(self, stream, ptrs, scalars=()):
         arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
         maps = self.plan.maps_for(*(arg_ptrs[i] for i in self.plan._map_args), stream=stream)
-        arg_ptrs[-1] = pointer(maps)
+        arg_ptrs[self.plan._maps_array] = pointer(maps)
         self.plan._go(stream, arg_ptrs, scalars)
 
 

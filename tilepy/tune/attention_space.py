@@ -67,14 +67,16 @@ def attention_space(head_dim: int, dtype: str = "float16", cc=None, *,
                              "overlap": overlap, "persistent": persistent, "tma": tma})
                   for bm, bn in WGMMA_SHAPES for overlap in (False, True)
                   for persistent in (False, True) for tma in (False, True)]
+        # with a producer warpgroup also persistent (tiles handed out at run time)
         tries += [("wgmma", {"head_dim": head_dim, "block_m": 128, "block_n": bn,
                              "dtype": dtype, "overlap": True, "tma": True, "pingpong": pp,
-                             "producer": pr})
-                  for bn in (64, 128) for pp, pr in ((True, False), (False, True), (True, True))]
+                             "producer": pr, "persistent": ps})
+                  for bn in (64, 128) for pp, pr in ((True, False), (False, True), (True, True))
+                  for ps in ((False, True) if pr else (False,))]
         tries += [("wgmma", {"head_dim": head_dim, "block_m": 192, "block_n": bn,
                              "dtype": dtype, "overlap": True, "tma": True, "pingpong": pp,
-                             "producer": True})     # three consumer warpgroups (fit at d64)
-                  for bn in (64, 128) for pp in (False, True)]
+                             "producer": True, "persistent": ps})  # three consumer warpgroups
+                  for bn in (64, 128) for pp in (False, True) for ps in (False, True)]
     shapes = MMA_SYNC_SHAPES + (MMA_SYNC_SHAPES_D64 if head_dim <= 64 else ())
     tries += [("mma_sync", {"head_dim": head_dim, "block_m": bm, "block_n": bn, "warp_rows": wr,
                                 "dtype": dtype, "cc": cc[:2]}) for bm, bn, wr in shapes]
