@@ -25,6 +25,7 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s10d    causal: the built-in configs against persistent TMA variants
 #   PART=s10b    the persistent TMA kernel with run-time tile tickets: its GPU tests, the A/B
 #                in rounds
 #   PART=s10     the persistent TMA attention kernel (opt-in, session 9, not yet on a GPU): its
@@ -141,6 +142,11 @@ if [[ " $PART " == *" s9t "* ]]; then
     gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
     gpu_tests attention_op_tests 180 tests/test_ops_attention.py
     gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s10d "* ]]; then
+    # causal: the built-in configs against persistent TMA variants (ping-pong, d64 tiles)
+    step sweep_attention_variants 420 "$PY" bench/sweep_attention.py --variants-ab \
+        --causal-only --rounds 3 --json "$OUT/sweep_attention_variants.json"
 fi
 if [[ " $PART " == *" s10b "* ]]; then
     # the persistent TMA kernel with tiles handed out at run time (a global ticket counter):

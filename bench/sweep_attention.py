@@ -88,6 +88,11 @@ def main():
                    help="time the configs of a shape this many times, in turn (A, B, A, B, "
                         "…), and report each one's median: an A/B less at the mercy of clock "
                         "drift")
+    p.add_argument("--variants-ab", action="store_true",
+                   help="the --grid shapes, the built-in config against persistent TMA "
+                        "variants (ping-pong on and off; at head_dim 64 also 128-row and "
+                        "64-key tiles)")
+    p.add_argument("--causal-only", action="store_true", help="only the causal cases")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--block-m", type=int,
                    help="--schedule-ab: the built-in config and only those of this block_m")
@@ -101,7 +106,7 @@ def main():
     from tilepy.testing.timing import time_cuda
 
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
-    if args.grid or args.tma_ab or args.schedule_ab or args.persistent_ab:
+    if args.grid or args.tma_ab or args.schedule_ab or args.persistent_ab or args.variants_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
     if args.head_dim:
         shapes = [sh for sh in shapes if sh[3] == args.head_dim]
@@ -111,7 +116,8 @@ def main():
     for b, h, s, d in shapes:
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
                    for _ in range(3))
-        for causal in ((False,) if args.quick else (False, True)):
+        for causal in ((False,) if args.quick else (True,) if args.causal_only
+                       else (False, True)):
             flop = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
 
             def fa2():
@@ -137,6 +143,18 @@ def main():
 
                 base = choose_config(d, "float16", causal)
                 cfgs = [base, dataclasses.replace(base, persistent=True)]
+            elif args.variants_ab:
+                import dataclasses
+
+                from tilepy.ops.attention import choose_config
+
+                base = dataclasses.replace(choose_config(d, "float16", causal), overlap=True,
+                                           tma=True, producer=True, persistent=True)
+                shapes_mn = ((128, 128), (192, 128), (192, 64)) if d == 64 else ((128, 128),)
+                cfgs = list(dict.fromkeys(
+                    [choose_config(d, "float16", causal)]
+                    + [dataclasses.replace(base, block_m=bm, block_n=bn, pingpong=pp)
+                       for bm, bn in shapes_mn for pp in (False, True)]))
             elif args.schedule_ab:
                 import dataclasses
 
