@@ -25,6 +25,8 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s10f    after the review mend: persistent TMA attention GPU tests, GEMM op GPU tests
+#   PART=s10g    the TMA GEMM and gemm_softmax GPU tests (TmaLaunchPlan changed)
 #   PART=s10d    causal: the built-in configs against persistent TMA variants
 #   PART=s10b    the persistent TMA kernel with run-time tile tickets: its GPU tests, the A/B
 #                in rounds
@@ -142,6 +144,16 @@ if [[ " $PART " == *" s9t "* ]]; then
     gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
     gpu_tests attention_op_tests 180 tests/test_ops_attention.py
     gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s10f "* ]]; then
+    # after the review mend: the persistent TMA attention GPU tests (two streams at once
+    # too), then the GEMM op tests (TmaLaunchPlan now keeps arguments after the maps)
+    gpu_tests persistent_tma_tests 200 tests/test_ops_attention_wgmma.py -k "tma_persistent"
+    gpu_tests gemm_op_tests 280 tests/test_ops_gemm.py
+fi
+if [[ " $PART " == *" s10g "* ]]; then
+    gpu_tests gemm_ws_tests 280 tests/test_ops_gemm_wgmma_ws.py
+    gpu_tests gemm_softmax_tests 240 tests/test_ops_gemm_softmax.py
 fi
 if [[ " $PART " == *" s10d "* ]]; then
     # causal: the built-in configs against persistent TMA variants (ping-pong, d64 tiles)

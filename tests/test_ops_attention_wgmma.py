@@ -192,6 +192,14 @@ def test_tma_persistent_tile_counter():
     other = 0x5EED   # a raw stream handle (the simulator's streams have none)
     assert plan.counter_for(other) is not plan.counter_for(0)
     assert plan.counter_for(other) is plan.counter_for(other)
+    # the per-thread default stream (handle 2) is another stream in each host thread
+    import threading
+
+    theirs = []
+    worker = threading.Thread(target=lambda: theirs.append(plan.counter_for(2)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not plan.counter_for(2) and plan.counter_for(2) is plan.counter_for(2)
 
 
 def test_tma_config():
@@ -358,6 +366,34 @@ def test_gpu_tma_persistent_against_sdpa(d, bm, causal, pingpong):
     gpu_against_sdpa(d, causal, WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True,
                                                      pingpong=pingpong, producer=True,
                                                      persistent=True))
+
+
+@pytest.mark.gpu
+def test_gpu_tma_persistent_concurrent_streams():
+    """The persistent TMA kernel on two streams at once, several launches each through the
+    cached plan: each stream's tile counter is its own, so no launch loses tiles to the other
+    (a lost tile leaves its NaN-poisoned rows in the output)."""
+    torch = pytest.importorskip("torch")
+    from tilepy.ops.gemm import _is_hopper
+
+    if not _is_hopper():
+        pytest.skip("not a compute capability 9.0 GPU")
+    cfg = WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, producer=True,
+                               persistent=True)
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda", dtype=torch.float16)
+               for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.cuda.synchronize()
+    outs = [[torch.full_like(q, float("nan")) for _ in range(4)] for _ in streams]
+    for i in range(4):
+        for s, out in zip(streams, outs):
+            with torch.cuda.stream(s):
+                tilepy.flash_attention(q, k, v, causal=True, config=cfg, out=out[i])
+    torch.cuda.synchronize()
+    for out in outs:
+        for got in out:
+            assert (got.float() - want.float()).abs().max().item() < 1e-2   # NaN fails
 
 
 def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):

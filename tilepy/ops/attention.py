@@ -63,7 +63,7 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 #   ping-pong 371 / 266, with 64-key blocks 346-349 / 255-256.
 # * 2026-11-30_s10b_sweep_attention_persistent.json (medians of 3 rounds, A and B in turn):
 #   the persistent TMA kernel, its tiles handed out by a global ticket counter, beat the grid
-#   kernel causal at d128 by 5-6% at S1024-4096 (S4096 550 -> 577 TFLOPS) and tied at S8192,
+#   kernel causal at d128 by about 5% at S1024-4096 (S4096 550 -> 577 TFLOPS) and tied at S8192,
 #   and at d64 by 5% (418 -> 437) and tied causal (305 -> 307); at d128 without a mask it won
 #   2-3% at S1024-2048 but lost 1% at S4096 and 12% at S8192 (the grid kernel stays there).
 # TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.

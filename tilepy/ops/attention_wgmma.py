@@ -1172,6 +1172,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         # (all tickets drawn) zeroes the counter for the next launch in this stream
         cuda.threadfence()
         if cuda.atomic.add(sched, 1, 1) == cuda.gridDim.x - 1:
+            cuda.threadfence()        # every other block's last draw before the reset
             sched[0] = 0
             sched[1] = 0
 
@@ -1280,8 +1281,9 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`. A persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
     SM count). A TMA config's arguments end with the tensor maps of q, k and v, copied to the
-    device on ``stream`` (the launch stream, as the TMA GEMM does); its plan re-encodes them
-    for other pointers."""
+    device on ``stream`` (the launch stream, as the TMA GEMM does; its plan re-encodes them
+    for other pointers), and a persistent one's then with its tile counter
+    (:class:`ScheduledTmaPlan`)."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_kernel import grid, kernel_args
@@ -1326,11 +1328,15 @@ def _tile_counter(stream):
     return cuda.to_device(np.zeros(2, np.int32), stream=_maps_stream(stream))
 
 
+#: CUDA's per-thread default stream handle: a different stream in each host thread.
+PER_THREAD_STREAM = 2
+
+
 class ScheduledTmaPlan(TmaLaunchPlan):
     """The persistent TMA kernel's plan: its argument after the tensor maps is the tile
     counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
-    share one; launches in two streams would take each other's tiles, so each stream handle
-    has its own."""
+    share one; launches in two streams would take each other's tiles, so each stream has its
+    own (the per-thread default stream: one per host thread), allocated on the plan's GPU."""
 
     def __init__(self, kernel, args, *rest):
         super().__init__(kernel, args, *rest)
@@ -1338,14 +1344,23 @@ class ScheduledTmaPlan(TmaLaunchPlan):
         self._counters = {}
         self._counters_lock = threading.Lock()
         self._built_counter = args[MAPS_ARG + 1]
+        self._device = None if SIMULATOR else cuda.get_current_device().id
 
     def counter_for(self, stream):
         """The tile counter of launches in ``stream``."""
+        from ..arrays import on_device
+
         key = _stream_handle(stream)
+        if key == PER_THREAD_STREAM:
+            key = (key, threading.get_ident())
         with self._counters_lock:
             dev = self._counters.get(key)
             if dev is None:
-                dev = self._built_counter if not self._counters else _tile_counter(stream)
+                if self._counters:
+                    with on_device(self._device):
+                        dev = _tile_counter(stream)
+                else:
+                    dev = self._built_counter   # built for the plan's first launch
                 self._counters[key] = dev
         return dev
 

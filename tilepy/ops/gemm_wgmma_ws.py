@@ -1143,11 +1143,12 @@ MAPS_ARG = 7
 
 
 class TmaLaunchPlan(LaunchPlan):
-    """A :class:`~tilepy.launch.LaunchPlan` of the warp-specialised kernel whose last argument
-    (the tensor maps) follows the pointers of ``a`` and ``b``: :meth:`launch` and bound plans
-    (:meth:`bind`, with sources for the seven arguments ``a … beta``' arrays only) look the maps
-    of the call's (a, b) pointers up in a small cache, encoding and copying them (on the launch
-    stream) on a miss."""
+    """A :class:`~tilepy.launch.LaunchPlan` of a TMA kernel whose argument :data:`MAPS_ARG`
+    (the tensor maps) follows the pointers of ``a`` and ``b`` (or q, k, v): :meth:`launch` and
+    bound plans (:meth:`bind`, with sources for the arrays before the maps only) look the maps
+    of the call's pointers up in a small cache, encoding and copying them (on the launch
+    stream) on a miss. Arguments after the maps are passed as given (see the attention
+    kernel's ScheduledTmaPlan)."""
 
     def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1)):
         super().__init__(kernel, args, grid, block, smem)
