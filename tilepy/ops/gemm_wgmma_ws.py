@@ -41,7 +41,8 @@ LaunchPlan`) re-encodes them when a bound plan is called with other pointers, ke
 :data:`MAP_CACHE` pairs (a map is a pure function of pointer, shape and strides, and a plan's
 shapes and strides are fixed, so a cached map is never stale).
 
-Not yet run on a GPU (bench/NOTES.md says what to check first).
+The sm_90 default of :func:`tilepy.gemm` (``gemm.hopper_config``); GPU-tested and measured
+on the H200 since session 3 (bench/NOTES.md, the GEMM tables of docs/performance.md).
 """
 
 from __future__ import annotations
