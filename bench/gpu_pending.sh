@@ -25,6 +25,7 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s10h    the next tile's Q published early: GPU tests, persistent A/B, attention bench
 #   PART=s10f    after the review mend: persistent TMA attention GPU tests, GEMM op GPU tests
 #   PART=s10g    the TMA GEMM and gemm_softmax GPU tests (TmaLaunchPlan changed)
 #   PART=s10d    causal: the built-in configs against persistent TMA variants
@@ -144,6 +145,14 @@ if [[ " $PART " == *" s9t "* ]]; then
     gpu_tests online_softmax_tests 40 tests/test_tile_online_softmax.py
     gpu_tests attention_op_tests 180 tests/test_ops_attention.py
     gpu_tests gemm_ws_tests 170 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s10h "* ]]; then
+    # the next tile's Q published early in the producer: GPU tests, A/B against the grid
+    # kernel (compare the ratios with s10b), the attention benchmarks
+    gpu_tests persistent_tma_tests 200 tests/test_ops_attention_wgmma.py -k "tma_persistent"
+    step sweep_attention_persistent 300 "$PY" bench/sweep_attention.py --persistent-ab \
+        --rounds 3 --json "$OUT/sweep_attention_persistent.json"
+    bench_suite bench_attention 150 "attention"
 fi
 if [[ " $PART " == *" s10f "* ]]; then
     # after the review mend: the persistent TMA attention GPU tests (two streams at once

@@ -141,8 +141,10 @@ def main():
 
                 from tilepy.ops.attention import choose_config
 
+                # the built-in config's grid and persistent forms, whichever is the default
                 base = choose_config(d, "float16", causal)
-                cfgs = [base, dataclasses.replace(base, persistent=True)]
+                cfgs = [dataclasses.replace(base, persistent=False),
+                        dataclasses.replace(base, persistent=True)]
             elif args.variants_ab:
                 import dataclasses
 
