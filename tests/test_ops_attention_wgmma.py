@@ -4,6 +4,7 @@ swizzled shared tiles the descriptors address), the sm_90a compile, and on the G
 against SDPA."""
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -193,8 +194,6 @@ def test_tma_persistent_tile_counter():
     assert plan.counter_for(other) is not plan.counter_for(0)
     assert plan.counter_for(other) is plan.counter_for(other)
     # the per-thread default stream (handle 2) is another stream in each host thread
-    import threading
-
     theirs = []
     worker = threading.Thread(target=lambda: theirs.append(plan.counter_for(2)))
     worker.start()

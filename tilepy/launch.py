@@ -175,6 +175,11 @@ class LaunchPlan:
 
     # ---- public ---------------------------------------------------------------------------
 
+    def array_index(self, position: int) -> int:
+        """Where argument ``position`` (an array) sits among the array arguments: its index
+        in the pointer lists of :meth:`_go` and of bound plans."""
+        return [i for i, *_ in self._arrays].index(position)
+
     def launch(self, stream, args):
         """Launch with a full argument list shaped like the one the plan was built from."""
         ptrs = [pointer(args[i]) for i, *_ in self._arrays]

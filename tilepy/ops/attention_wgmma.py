@@ -1340,7 +1340,7 @@ class ScheduledTmaPlan(TmaLaunchPlan):
 
     def __init__(self, kernel, args, *rest):
         super().__init__(kernel, args, *rest)
-        self._counter_array = [i for i, *_ in self._arrays].index(MAPS_ARG + 1)
+        self._counter_array = self.array_index(MAPS_ARG + 1)
         self._counters = {}
         self._counters_lock = threading.Lock()
         self._built_counter = args[MAPS_ARG + 1]

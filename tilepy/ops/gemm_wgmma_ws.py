@@ -1160,7 +1160,7 @@ class TmaLaunchPlan(LaunchPlan):
         self._maps[tuple(pointer(args[i]) for i in self._map_args)] = args[MAPS_ARG]
         self.maps_encoded = 1
         # the maps' index among the array arguments (bound plans' pointers)
-        self._maps_array = [i for i, *_ in self._arrays].index(MAPS_ARG)
+        self._maps_array = self.array_index(MAPS_ARG)
 
     def maps_for(self, *ptrs, stream=0):
         """The device array of the tensor maps of operands at these pointers (a, b, and out
