@@ -25,6 +25,8 @@
 #                the attention benchmarks
 #   PART=s9t     the session-9 GPU tests, one process per file: the Hopper attention kernel, the
 #                online softmax, the attention op, the warp-specialised TMA GEMM
+#   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
+#                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s10h    the next tile's Q published early: GPU tests, persistent A/B, attention bench
 #   PART=s10f    after the review mend: persistent TMA attention GPU tests, GEMM op GPU tests
 #   PART=s10g    the TMA GEMM and gemm_softmax GPU tests (TmaLaunchPlan changed)
@@ -153,6 +155,14 @@ if [[ " $PART " == *" s10h "* ]]; then
     step sweep_attention_persistent 300 "$PY" bench/sweep_attention.py --persistent-ab \
         --rounds 3 --json "$OUT/sweep_attention_persistent.json"
     bench_suite bench_attention 150 "attention"
+fi
+if [[ " $PART " == *" s11a "* ]]; then
+    # clusters of two sharing B by TMA multicast (GEMM): the cluster PTX test, the TMA GEMM's
+    # cluster and batch GPU tests, then the A/B against the one-block configs (medians of 3)
+    gpu_tests cluster_ptx_tests 90 tests/test_ptx_cluster.py
+    gpu_tests gemm_ws_cluster_tests 300 tests/test_ops_gemm_wgmma_ws.py -k "cluster or batched"
+    step sweep_gemm_cluster 200 "$PY" bench/sweep_gemm_shapes.py --cluster --quick --rounds 3 \
+        --json "$OUT/sweep_gemm_cluster.json"
 fi
 if [[ " $PART " == *" s10f "* ]]; then
     # after the review mend: the persistent TMA attention GPU tests (two streams at once

@@ -2,16 +2,21 @@
 LLM projections), beside torch.matmul in the same run: which config ``gemm.hopper_config``
 should pick for which shape.
 
-    python bench/sweep_gemm_shapes.py [--json FILE] [--dtype float16] [--quick]
-        [--configs NAME,NAME]
+    python bench/sweep_gemm_shapes.py [--json FILE] [--dtype float16] [--quick] [--cluster]
+        [--configs NAME,NAME] [--rounds N]
 
 Each config's result is checked against torch once per shape before it is timed; a config that
 fails is recorded and the sweep goes on (one that kills the CUDA context ends it).
+``--rounds N`` times every (shape, config) N times, the configs in turn within each round, and
+reports medians (one-shot timings drift by several percent under the power cap).
+``--cluster``: the clusters-of-two configs against their one-block twins (same registers).
 """
 # ruff: noqa: B023  (closures are timed inside the iteration that makes them)
 
 import argparse
 import json
+
+import numpy as np
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
     (m, n, k) for m in (4096, 16384)
@@ -45,11 +50,28 @@ def candidates(dtype):
             ("ws 128x256 s4 persistent tma-store",
              WsConfig(128, 256, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True)),
             ("ws 128x192 s4 persistent tma-store",
-             WsConfig(128, 192, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True))]
+             WsConfig(128, 192, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True)),
+            # clusters of two sharing B by TMA multicast, and their one-block twins with the
+            # same register split (the producer needs 56 with clusters)
+            ("ws 128x256 s4 smem-epilogue regs56",
+             WsConfig(dtype=dtype, smem_epilogue=True, producer_regs=56, consumer_regs=224)),
+            ("ws 128x256 s4 smem-epilogue cluster2",
+             WsConfig(dtype=dtype, smem_epilogue=True, cluster=2, producer_regs=56,
+                      consumer_regs=224)),
+            ("ws 128x256 s4 persistent tma-store cluster2",
+             WsConfig(128, 256, 4, dtype, persistent=True, smem_epilogue=True, tma_store=True,
+                      cluster=2, producer_regs=56, consumer_regs=224)),
+            ("ws 256x128 s4 cluster2",
+             WsConfig(256, 128, 4, dtype, cluster=2, producer_regs=56, consumer_regs=224))]
 
 
 #: --quick: the square shapes, the default against the TMA-store epilogue configs
 QUICK = ("ws 128x256 s4 smem-epilogue", "ws 128x256 s4 persistent tma-store")
+
+#: --cluster: clusters of two against the configs they extend
+CLUSTER = ("ws 128x256 s4 smem-epilogue", "ws 128x256 s4 smem-epilogue regs56",
+           "ws 128x256 s4 smem-epilogue cluster2", "ws 128x256 s4 persistent tma-store",
+           "ws 128x256 s4 persistent tma-store cluster2", "ws 256x128 s4 cluster2")
 
 
 def main():
@@ -58,10 +80,15 @@ def main():
     p.add_argument("--dtype", default="float16")
     p.add_argument("--quick", action="store_true",
                    help="4096^3 and 8192^3, the default and the TMA-store configs only")
+    p.add_argument("--cluster", action="store_true",
+                   help="the clusters-of-two configs and the ones they extend")
     p.add_argument("--configs", help="comma-separated candidate names to time (default: all, "
-                   "or the --quick ones)")
+                   "or the --quick / --cluster ones)")
+    p.add_argument("--rounds", type=int, default=1, help="timings per (shape, config), "
+                   "interleaved; medians reported")
     args = p.parse_args()
-    only = set(args.configs.split(",")) if args.configs else set(QUICK) if args.quick else None
+    only = (set(args.configs.split(",")) if args.configs else set(CLUSTER) if args.cluster
+            else set(QUICK) if args.quick else None)
     import torch
 
     import tilepy
@@ -81,34 +108,48 @@ def main():
         out = torch.empty(m, n, device="cuda", dtype=tdt)
         flop = 2 * m * n * k
         ref = torch.matmul(a.float(), b.float())
+        timings = {}   # config name -> ([ms], [peer ms], rel. error)
+        failed = set()
+        for rnd in range(args.rounds):
+            for name, cfg in candidates(args.dtype):
+                if only is not None and name not in only or name in failed:
+                    continue
+                # the peer timed next to every candidate: over a sweep the GPU's clocks drift
+                # by ~10% (bench/NOTES.md, 2026-11-30), and a ratio must not carry that
+                peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)
+                try:
+                    if rnd == 0:
+                        out.fill_(float("nan"))
+                        tilepy.gemm(a, b, out=out, config=cfg)
+                        torch.cuda.synchronize()
+                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                        if not err < 2e-2:
+                            raise AssertionError(f"relative error {err}")
+                        timings[name] = ([], [], err)
+                    ms = time_cuda(lambda: tilepy.gemm(a, b, out=out, config=cfg), warmup=3,
+                                   repeat=10)
+                except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
+                    errors.append({"shape": [m, n, k], "config": name, "error": repr(e)})
+                    print(f"{m}x{n}x{k} {name}: FAILED {e!r}", flush=True)
+                    failed.add(name)
+                    if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
+                        raise SystemExit(1) from e
+                    continue
+                timings[name][0].append(ms)
+                timings[name][1].append(peer_ms)
         for name, cfg in candidates(args.dtype):
-            if only is not None and name not in only:
+            if name not in timings or name in failed:
                 continue
-            # the peer timed next to every candidate: over a sweep the GPU's clocks drift by
-            # ~10% (bench/NOTES.md, 2026-11-30), and a ratio must not carry that
-            peer_ms = time_cuda(lambda: torch.matmul(a, b, out=out), warmup=3, repeat=10)
-            try:
-                out.fill_(float("nan"))
-                tilepy.gemm(a, b, out=out, config=cfg)
-                torch.cuda.synchronize()
-                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                if not err < 2e-2:
-                    raise AssertionError(f"relative error {err}")
-                ms = time_cuda(lambda: tilepy.gemm(a, b, out=out, config=cfg), warmup=3,
-                               repeat=10)
-            except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
-                errors.append({"shape": [m, n, k], "config": name, "error": repr(e)})
-                print(f"{m}x{n}x{k} {name}: FAILED {e!r}", flush=True)
-                if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
-                    break
-                continue
+            mss, peers, err = timings[name]
+            ms, peer_ms = float(np.median(mss)), float(np.median(peers))
             row = {"shape": [m, n, k], "dtype": args.dtype, "config": name,
                    "describe": cfg.describe(), "tflops": flop / ms / 1e9, "ms": ms,
                    "peer": "torch.matmul (cuBLAS)", "peer_tflops": flop / peer_ms / 1e9,
-                   "ratio": peer_ms / ms, "rel_err": err}
+                   "ratio": peer_ms / ms, "rel_err": err, "rounds": len(mss),
+                   "ms_rounds": mss, "peer_ms_rounds": peers}
             rows.append(row)
             print(f"{m}x{n}x{k} {name}: {row['tflops']:.1f} TFLOPS {row['ratio']:.3f}x cuBLAS "
-                  f"({row['peer_tflops']:.1f})", flush=True)
+                  f"({row['peer_tflops']:.1f}), median of {len(mss)}", flush=True)
         del a, b, out, ref
     if args.json:
         with open(args.json, "w") as f:

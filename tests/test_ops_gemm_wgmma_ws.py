@@ -25,6 +25,8 @@ TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
 # two-consumer shape of the GPU configs at its smallest (384 threads).
 SMALL = {"block_m": 64, "block_n": 64, "consumers": 1}
 TWO = {"block_m": 128, "block_n": 128, "consumers": 2}
+# clusters of two (B multicast): the registers the producer needs (see ws.CLUSTER)
+CLUSTER_KW = {"cluster": 2, "smem_epilogue": True, "producer_regs": 56, "consumer_regs": 224}
 
 
 def padded(rng, shape, dtype, pad=6):
@@ -343,6 +345,42 @@ def test_config_validation():
     assert ws.grid(WsConfig(persistent=True), 100, 100, 1, 132) == (1, 1)
 
 
+def test_cluster_config_grid_and_simulator_refusal():
+    """cluster=2: validation, grids that count whole clusters (the persistent grid also capped
+    by the clusters the device runs at once), column-major B's boxes halved (each block loads
+    half of the stage's B rows), and a clear refusal in the simulator, which runs a grid's
+    blocks one after another (two blocks that wait for each other cannot run there)."""
+    with pytest.raises(ValueError, match="cluster must be 1 or 2"):
+        WsConfig(cluster=4)
+    with pytest.raises(ValueError, match="does not take pingpong"):
+        WsConfig(128, 128, 5, persistent=True, pingpong=True, cluster=2)
+    with pytest.raises(ValueError, match="softmax mode does not take cluster"):
+        ws.wgmma_ws_gemm_kernel(dataclasses.replace(ws.CLUSTER, persistent=True, stages=3),
+                                True, "float16", softmax=True)
+    cfg = ws.CLUSTER
+    assert "clusters of 2" in cfg.describe()
+    assert ws.grid(cfg, 4096, 4096) == (16 * 32, 1)          # 8 row pairs x 16 columns x 2
+    assert ws.grid(cfg, 1100, 700, 3) == (2 * 5 * 3, 3)      # 9 row blocks: 5 pairs
+    assert ws.grid(cfg, 70, 100) == (2, 1)
+    pcfg = ws.CLUSTER_TMA_STORE
+    assert ws.grid(pcfg, 4096, 4096, 1, 132) == (132, 1)
+    assert ws.grid(pcfg, 4096, 4096, 1, 133) == (132, 1)     # whole clusters only
+    assert ws.grid(pcfg, 4096, 4096, 1, 132, clusters=60) == (120, 1)
+    assert ws.grid(pcfg, 300, 300, 1, 132) == (8, 1)   # 2 x 2 cluster tiles: 4 clusters
+    b = np.zeros((1, 520, 200), np.uint16)
+    _, lb = ws.layouts(cfg, False, np.zeros((1, 300, 200), np.uint16), b)
+    assert lb[2] == (128, 64)
+    _, lb = ws.layouts(WsConfig(), False, np.zeros((1, 300, 200), np.uint16), b)
+    assert lb[2] == (256, 64)
+    if arrays.SIMULATOR:
+        rng = np.random.default_rng()
+        a = rng.standard_normal((200, 64)).astype(np.float16)
+        bm = rng.standard_normal((64, 256)).astype(np.float16)
+        out = np.zeros((200, 256), np.float16)
+        with pytest.raises(NotImplementedError, match="simulator runs the blocks"):
+            run(ws.CLUSTER, a, bm, out, "row")
+
+
 def test_tensor_map_layouts():
     """2-D maps for one matrix, 3-D (batch outermost, box depth 1) for a batch; B row-major in
     64 × 64 boxes (MN-major atoms), B column-major in block_n × 64 boxes."""
@@ -473,6 +511,41 @@ def test_smem_epilogue_compiles_without_spills(reports, name):
     print(f"{name}: {rep['registers']} registers, 0 spills, {c['bar.sync']} bar.sync")
 
 
+@pytest.fixture(scope="module")
+def cluster_reports():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    return run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_cluster")
+
+
+@pytest.mark.compile
+def test_cluster_kernels_compile_with_multicast_and_without_spills(cluster_reports):
+    """Clusters of two: B arrives by multicast (no plain B load: A's loads are the only plain
+    2-D/3-D ones), stages are freed on both blocks' barriers (mapa + a cluster-scope arrive),
+    the cluster barrier after the inits and before exit, no spills at the 56 / 224 register
+    split (40 / 232 spilled 48 bytes in the producer)."""
+    assert set(cluster_reports) == {"gemm_ws_128x256_brow_smemepi_cluster2",
+                                    "gemm_ws_128x256_bcol_smemepi_cluster2",
+                                    "gemm_ws_128x256_brow_persistent_tmastore_cluster2"}
+    for name, rep in cluster_reports.items():
+        assert "error" not in rep, rep.get("error")
+        assert rep["arch"].startswith("sm_90a")
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
+        assert rep["registers"] <= 168
+        assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+        ops = set(rep["ops"])
+        mc = ".multicast::cluster"
+        load = "cp.async.bulk.tensor.{}d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        assert {load.format(2) + mc, load.format(3) + mc, load.format(2), load.format(3),
+                "mapa.shared::cluster.u32",
+                "mbarrier.arrive.release.cluster.shared::cluster.b64",
+                "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire",
+                "setmaxnreg.dec.sync.aligned.u32", "setmaxnreg.inc.sync.aligned.u32"} <= ops, ops
+        assert "mbarrier.arrive.shared::cta.b64" not in ops   # every release is cluster-wide
+        c = rep["counts"]
+        assert c["ld.local"] == 0 and c["st.local"] == 0, c
+
+
 # ---- hardware ----------------------------------------------------------------------------------
 
 def _torch_views(torch, cuda, *ts):
@@ -530,7 +603,8 @@ def _padded(torch, rows, cols, dt):
 
 
 GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 2056, 1000), False),
-             ((2500, 4000, 776), True), ((70, 100, 258), False), ((70, 100, 258), True)]
+             ((2500, 4000, 776), True), ((70, 100, 258), False), ((70, 100, 258), True),
+             ((1100, 700, 300), True)]   # 9 row blocks: a cluster pair's second block idle
 
 
 @pytest.mark.gpu
@@ -540,9 +614,15 @@ GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 20
     {"smem_epilogue": True}, {"block_m": 256, "block_n": 128, "smem_epilogue": True},
     {"persistent": True, "stages": 3, "smem_epilogue": True},
     {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True},
-    {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True, "smem_epilogue": True}],
+    {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True, "smem_epilogue": True},
+    dict(CLUSTER_KW), dict(CLUSTER_KW, smem_epilogue=False),
+    dict(CLUSTER_KW, persistent=True, stages=3),
+    dict(CLUSTER_KW, persistent=True, tma_store=True),
+    dict(CLUSTER_KW, block_m=256, block_n=128, smem_epilogue=False)],
     ids=["128x256", "256x128", "persistent", "128x256-smem-epilogue", "256x128-smem-epilogue",
-         "persistent-s3-smem-epilogue", "pingpong-128x128", "pingpong-128x128-smem-epilogue"])
+         "persistent-s3-smem-epilogue", "pingpong-128x128", "pingpong-128x128-smem-epilogue",
+         "cluster2-smem-epilogue", "cluster2", "cluster2-persistent-s3-smem-epilogue",
+         "cluster2-persistent-tma-store", "cluster2-256x128"])
 def test_gpu_against_torch(dtype, cfg_kw):
     """The shared-memory epilogue cases meet odd N (edge element stores) and 70 × 100, whose
     200-byte output rows are only 8-byte aligned (element stores on odd rows)."""
@@ -552,6 +632,8 @@ def test_gpu_against_torch(dtype, cfg_kw):
     tdt = getattr(torch, dtype)
     cfg = WsConfig(dtype=dtype, **cfg_kw)
     for (m, n, k), b_col in GPU_CASES:
+        if cfg.tma_store and n * 2 % 16:
+            continue   # TMA stores need 16-byte output rows (test_gpu_tma_store_epilogue)
         a = _padded(torch, m, k, tdt)
         b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
         bias = torch.randn(n, device="cuda")
@@ -562,15 +644,24 @@ def test_gpu_against_torch(dtype, cfg_kw):
 
 
 @pytest.mark.gpu
-def test_gpu_batched_3d_tensor_maps():
+@pytest.mark.parametrize("cfg", [WsConfig(), ws.CLUSTER, ws.CLUSTER_TMA_STORE],
+                         ids=["plain", "cluster2", "cluster2-persistent-tma-store"])
+@pytest.mark.parametrize("b_col", [False, True], ids=["b-row", "b-col"])
+def test_gpu_batched_3d_tensor_maps(cfg, b_col):
+    """3-D maps (a batch), and with clusters the multicast 3-D loads; B broadcast over A's
+    batch too (a 2-D B map beside a 3-D A map)."""
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
     a = torch.randn(3, 1000, 520, device="cuda", dtype=torch.float16)
-    b = torch.randn(3, 520, 1064, device="cuda", dtype=torch.float16)
-    got = _gpu_run(torch, WsConfig(), a, b, False)
-    ref = a.double() @ b.double()
-    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < TOL["float16"]
+    for b in (torch.randn(3, 520, 1064, device="cuda", dtype=torch.float16),
+              torch.randn(520, 1064, device="cuda", dtype=torch.float16)):
+        if b_col:
+            b = b.transpose(-1, -2).contiguous().transpose(-1, -2)
+        got = _gpu_run(torch, cfg, a, b, b_col)
+        ref = a.double() @ b.double()
+        assert not bool(torch.isnan(got).any())
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < TOL["float16"]
 
 
 @pytest.mark.sim

@@ -64,15 +64,26 @@ def pointer(view) -> int:
 
 class LaunchPlan:
     """``dispatcher`` compiled for ``args`` (Numba device arrays and NumPy scalars), launched
-    on ``grid`` × ``block`` with ``smem`` bytes of dynamic shared memory.
+    on ``grid`` × ``block`` with ``smem`` bytes of dynamic shared memory; ``cluster`` > 1:
+    in thread-block clusters of that many blocks along x (``cuLaunchKernelEx``; the real GPU
+    only, see :mod:`tilepy.ptx.cluster`).
 
     ``plan.launch(stream, args)`` launches with a full argument list (of the same types,
     shapes and strides); a :meth:`bind`-ed plan launches from operand pointers and scalars.
     """
 
-    def __init__(self, dispatcher, args, grid, block, smem: int = 0):
+    def __init__(self, dispatcher, args, grid, block, smem: int = 0, cluster: int = 1):
         self.grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
         self.grid += (1,) * (3 - len(self.grid))
+        self.cluster = int(cluster)
+        if self.cluster < 1 or self.grid[0] % self.cluster:
+            raise ValueError(f"a cluster of {self.cluster} blocks must divide the grid's x "
+                             f"dimension ({self.grid[0]})")
+        if self.cluster > 1 and SIMULATOR:
+            raise NotImplementedError(
+                f"clusters of {self.cluster} blocks: Numba's CUDA simulator runs the blocks of "
+                "a grid one after another, so blocks that wait for each other cannot run there "
+                "(tilepy.ptx.cluster)")
         self.block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
         self.block += (1,) * (3 - len(self.block))
         self.smem = int(smem)
@@ -113,6 +124,8 @@ class LaunchPlan:
         self._func = func
         self._launch_fn = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
+        if self.cluster > 1:
+            self._build_cluster_config(driver)
         slots = []
         self._ptr_slots = []     # per array argument, the ctypes slot holding its data pointer
         self._scalar_slots = []  # per scalar argument, its ctypes slot
@@ -138,6 +151,32 @@ class LaunchPlan:
         self._params = (ctypes.c_void_p * len(slots))(*[ctypes.addressof(s) for s in slots])
         self._params_addr = ctypes.addressof(self._params)
 
+    def _build_cluster_config(self, driver):
+        """A ``cuLaunchKernelEx`` configuration with the cluster-dimension attribute (blocks
+        ``cluster·i … cluster·i + cluster − 1`` of the grid's x dimension form cluster i)."""
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = \
+            self.cluster, 1, 1
+        cfg = driver.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
+        cfg.sharedMemBytes = self.smem
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        self._cluster_cfg = cfg
+        self._driver = driver
+
+    def max_active_clusters(self) -> int:
+        """How many clusters of this plan the device can run at once (``cuOccupancyMaxActive
+        Clusters``; a persistent grid of more would run its last clusters after the others).
+        Real GPU and ``cluster > 1`` only."""
+        driver = self._driver
+        err, n = driver.cuOccupancyMaxActiveClusters(self._func, self._cluster_cfg)
+        if err != self._success:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: {err!r}")
+        return int(n)
+
     def parameter_values(self) -> list:
         """The values in the parameter buffer, in order (for checking against Numba's own
         argument packing)."""
@@ -149,13 +188,20 @@ class LaunchPlan:
                 slot.value = p
             for slot, v in zip(self._scalar_slots, scalars):
                 slot.value = v
-            gx, gy, gz = self.grid
-            bx, by, bz = self.block
-            (err,) = self._launch_fn(self._func, gx, gy, gz, bx, by, bz, self.smem, stream,
-                                     self._params_addr, 0)
+            if self.cluster > 1:
+                self._cluster_cfg.hStream = stream
+                (err,) = self._driver.cuLaunchKernelEx(self._cluster_cfg, self._func,
+                                                       self._params_addr, 0)
+            else:
+                gx, gy, gz = self.grid
+                bx, by, bz = self.block
+                (err,) = self._launch_fn(self._func, gx, gy, gz, bx, by, bz, self.smem, stream,
+                                         self._params_addr, 0)
         if err != self._success:
             raise RuntimeError(f"cuLaunchKernel failed: {err!r} (grid {self.grid}, block "
-                               f"{self.block}, {self.smem} B of dynamic shared memory)")
+                               f"{self.block}, {self.smem} B of dynamic shared memory"
+                               + (f", clusters of {self.cluster}" if self.cluster > 1 else "")
+                               + ")")
 
     # ---- the simulator: rebuild the arrays from pointers -----------------------------------
 

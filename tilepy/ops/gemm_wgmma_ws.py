@@ -58,6 +58,7 @@ from numba import cuda, types
 from ..inline import inline_device
 from ..launch import BoundPlan, LaunchPlan, pointer, sm_count
 from ..ptx import barrier as BAR
+from ..ptx import cluster as CLU
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
@@ -125,6 +126,15 @@ class WsConfig:
     consumer stores it with TMA, which drains while the consumer's next main loop runs
     instead of every thread copying it out first. The staging holds 128 columns per consumer
     (16 KB), a wider tile goes in two passes, so 128 × 256 keeps 4 stages.
+
+    ``cluster=2`` (not with ``pingpong``, nor the softmax mode): blocks run in clusters of two
+    (:mod:`tilepy.ptx.cluster`) that compute the tiles of two neighbouring row blocks in the
+    same columns, so they share B: each block's producer loads its own A box and half of the
+    stage's B boxes, multicast into both blocks' shared memory, and a stage is free again only
+    when the consumers of both blocks have released it (each consumer warp arrives on the
+    stage's "empty" barrier in both blocks). Each SM then reads 32 KB per k-step from L2
+    instead of 48 (128 × 256), as cuBLAS's Hopper kernels do with their 2-block clusters.
+    The real GPU only: the simulator cannot run a cluster of two.
     """
 
     block_m: int = 128
@@ -138,6 +148,7 @@ class WsConfig:
     smem_epilogue: bool = False
     pingpong: bool = False
     tma_store: bool = False
+    cluster: int = 1
 
     def __post_init__(self):
         def need(ok, what):
@@ -146,6 +157,8 @@ class WsConfig:
                                  f"{self.dtype!r}, consumers={self.consumers}): {what}")
 
         need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
+        need(self.cluster in (1, 2), "cluster must be 1 or 2")
+        need(self.cluster == 1 or not self.pingpong, "cluster=2 does not take pingpong")
         need(self.consumers in (1, 2), "consumers must be 1 or 2")
         if self.pingpong:
             need(self.consumers == 2 and self.persistent,
@@ -257,6 +270,7 @@ class WsConfig:
                 + (", persistent" if self.persistent else "")
                 + (", ping-pong" if self.pingpong else "")
                 + (", TMA-store epilogue" if self.tma_store else "")
+                + (f", clusters of {self.cluster} (B multicast)" if self.cluster > 1 else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -350,7 +364,11 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         raise ValueError("overlap: softmax mode with tma_out, block_n 128 and >= 3 stages")
     if softmax:
         _check_softmax(cfg, out_kind, activation, has_bias, has_c)
+        if cfg.cluster > 1:
+            raise ValueError("the softmax mode does not take cluster=2")
     BM, BN, ST, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
+    CL = cfg.cluster               # blocks per cluster: rows BM·(CL·i + rank) of one column block
+    CL_MASK = (1 << CL) - 1        # multicast to every block of the cluster
     CM = cfg.rows_per_consumer
     MW = CM // 64                  # m64 wgmmas per k16 step per consumer
     NACC = BN // 2
@@ -361,8 +379,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     STAGE_BYTES = cfg.stage_bytes
     BAR0 = cfg.barrier_offset // 2  # uint16 index of the first mbarrier (after the stages)
     PP = cfg.pingpong
-    # lane 0 of every warp of the stage's consumers frees it (ping-pong: one warpgroup's)
-    ARRIVALS = 4 * (1 if PP else NC)
+    # lane 0 of every warp of the stage's consumers frees it (ping-pong: one warpgroup's);
+    # with a cluster, the consumers of every block of it (the stage holds B from all of them)
+    ARRIVALS = 4 * (1 if PP else NC) * CL
+    NJ_CL = NJ // CL               # row-major B: the 64-column boxes each block of a cluster loads
+    B_CL = BN * BK * 2 // CL       # column-major B: bytes of each block's share of the rows
+    GROUP = max(1, GROUP_M // CL)  # cluster row blocks walked together: GROUP_M · BM rows
     ROW_OFF = 0 if PP else CM      # a consumer's first row in the tile
     TURN = 2 * ST                  # ping-pong: its phase j completes when the main loop of
     #                                the block's tile j has passed its last "full" wait
@@ -459,18 +481,33 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     @inline_device
     def tile_origin(w, tiles_m, tiles_n):
         """(batch, first row, first column) of work item w, grouped order within a batch
-        (softmax mode: the chunks of a block's rows, in order)."""
+        (softmax mode: the chunks of a block's rows, in order). With clusters, ``tiles_m``
+        counts blocks of CL·BM rows, a work item is a cluster's, and the block of rank r
+        (blockIdx.x mod CL: clusters are CL blocks along x) takes its rows BM·r …"""
         if SOFTMAX:
             return 0, (w // tiles_n) * BM, (w % tiles_n) * BN
         tiles = tiles_m * tiles_n
         z = w // tiles
         pid = w - z * tiles
-        width = GROUP_M * tiles_n
-        first = (pid // width) * GROUP_M
-        rows = min(tiles_m - first, GROUP_M)
+        width = GROUP * tiles_n
+        first = (pid // width) * GROUP
+        rows = min(tiles_m - first, GROUP)
         tm = first + (pid % width) % rows
         tn = (pid % width) // rows
-        return z, tm * BM, tn * BN
+        if CL == 1:
+            return z, tm * BM, tn * BN
+        return z, (tm * CL + cuda.blockIdx.x % CL) * BM, tn * BN
+
+    @inline_device
+    def release(bar, lane):
+        """Lane 0 of a consumer warp frees a stage: arrives on its "empty" barrier — with a
+        cluster, lane r on the barrier of the cluster's block r (the stage's B came from all
+        of them, so each producer waits for every block's consumers)."""
+        if CL == 1:
+            if lane == 0:
+                MB.mbarrier_arrive(bar)
+        elif lane < CL:
+            CLU.mbarrier_arrive_cluster(CLU.mapa_shared(bar, lane))
 
     @inline_device
     def produce(smem, base, maps, za, zb, m_tiles, n_tiles, total, ktiles, w0, step):
@@ -479,6 +516,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         tb = ta + _MAP_B
         T.fence_proxy_tensormap_acquire(ta)
         T.fence_proxy_tensormap_acquire(tb)
+        rank = CLU.cluster_ctarank() if CL > 1 else np.uint32(0)
         s = 0
         ph = 0
         for w in range(w0, total, step):
@@ -495,7 +533,24 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     T.tma_load_2d(stage, ta, full, k0, bm0)
                 else:
                     T.tma_load_3d(stage, ta, full, k0, bm0, z_a)
-                if b_row_major:
+                if CL > 1:
+                    # this block's share of B, into every block of the cluster
+                    if b_row_major:
+                        for jj in range(NJ_CL):
+                            j = rank * NJ_CL + jj
+                            if zb == 1:
+                                CLU.tma_load_2d_multicast(stage + A_BYTES + j * 8192, tb, full,
+                                                          bn0 + j * 64, k0, CL_MASK)
+                            else:
+                                CLU.tma_load_3d_multicast(stage + A_BYTES + j * 8192, tb, full,
+                                                          bn0 + j * 64, k0, z_b, CL_MASK)
+                    elif zb == 1:
+                        CLU.tma_load_2d_multicast(stage + A_BYTES + rank * B_CL, tb, full, k0,
+                                                  bn0 + rank * (BN // CL), CL_MASK)
+                    else:
+                        CLU.tma_load_3d_multicast(stage + A_BYTES + rank * B_CL, tb, full, k0,
+                                                  bn0 + rank * (BN // CL), z_b, CL_MASK)
+                elif b_row_major:
                     for j in range(NJ):
                         if zb == 1:
                             T.tma_load_2d(stage + A_BYTES + j * 8192, tb, full, bn0 + j * 64, k0)
@@ -580,8 +635,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                         mma(acc1, W.descriptor_advance(da, 64 * 128 + kk * 32), dbk, 1)
                 W.wgmma_commit_group()
                 W.wgmma_wait_group(1)
-                if kt > 0 and lane == 0:
-                    MB.mbarrier_arrive(bars + 8 * (ST + prev))
+                if kt > 0:
+                    release(bars + 8 * (ST + prev), lane)
                 prev = s
                 s += 1
                 if s == ST:
@@ -593,8 +648,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             W.wgmma_fence_operand(acc0, NACC)
             if MW == 2:
                 W.wgmma_fence_operand(acc1, NACC1)
-            if lane == 0:
-                MB.mbarrier_arrive(bars + 8 * (ST + prev))
+            release(bars + 8 * (ST + prev), lane)
 
             o = out[z]
             cz = c[min(z, c.shape[0] - 1)]
@@ -1013,12 +1067,16 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         m = a.shape[1]
         kdim = a.shape[2]
         n = b.shape[2] if b_row_major else b.shape[1]
-        m_tiles = (m + BM - 1) // BM
+        m_tiles = (m + BM * CL - 1) // (BM * CL)   # (blocks of a cluster's rows)
         n_tiles = (n + BN - 1) // BN
         total = m_tiles * n_tiles * out.shape[0]
         ktiles = (kdim + BK - 1) // BK
-        w0 = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
-        step = cuda.gridDim.x * cuda.gridDim.y
+        if CL > 1:   # work items are the clusters'
+            w0 = cuda.blockIdx.x // CL + cuda.blockIdx.y * (cuda.gridDim.x // CL)
+            step = (cuda.gridDim.x // CL) * cuda.gridDim.y
+        else:
+            w0 = cuda.blockIdx.x + cuda.blockIdx.y * cuda.gridDim.x
+            step = cuda.gridDim.x * cuda.gridDim.y
         if SOFTMAX:   # block x: the chunks w0 … w0 + n_tiles - 1 of rows 128·x …
             w0 = cuda.blockIdx.x * n_tiles
             step = 1
@@ -1040,7 +1098,11 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 for i in range(3 * NC):                           # the rescale's loads
                     MB.mbarrier_init(base + FBAR_OFF + 8 * i, 1)
             MB.fence_mbarrier_init()
-        cuda.syncthreads()
+        if CL > 1:   # every block's barriers exist before any block signals them
+            CLU.cluster_arrive()
+            CLU.cluster_wait()
+        else:
+            cuda.syncthreads()
         if wg == 0:
             if SETREG:
                 W.setmaxnreg_dec(PREG)
@@ -1055,6 +1117,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             else:
                 consume(smem, base, a, b, out, c, bias, alpha, beta, wg - 1, m_tiles, n_tiles,
                         total, ktiles, w0, step, maps)
+        if CL > 1:
+            # no block leaves while another of its cluster may still arrive on its barriers
+            CLU.cluster_arrive()
+            CLU.cluster_wait()
 
     kernel.config = cfg
     kernel.b_row_major = b_row_major
@@ -1098,7 +1164,8 @@ def layouts(cfg: WsConfig, b_row_major: bool, a, b):
     raises ValueError for operands TMA cannot describe (the op then has to copy them)."""
     a_layout = _map_layout(a, cfg.block_m)
     # row-major B: boxes of 64 k rows × 64 n (MN-major atoms); column-major: block_n × 64 k
-    b_layout = _map_layout(b, BK if b_row_major else cfg.block_n)
+    # (with a cluster, each block loads its share of the block_n rows)
+    b_layout = _map_layout(b, BK if b_row_major else cfg.block_n // cfg.cluster)
     for name, (shape, strides, _) in (("a", a_layout), ("b", b_layout)):
         for s in strides[:-1]:
             if s % 16 or s <= 0:
@@ -1151,8 +1218,9 @@ class TmaLaunchPlan(LaunchPlan):
     stream) on a miss. Arguments after the maps are passed as given (see the attention
     kernel's ScheduledTmaPlan)."""
 
-    def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1)):
-        super().__init__(kernel, args, grid, block, smem)
+    def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1),
+                 cluster: int = 1):
+        super().__init__(kernel, args, grid, block, smem, cluster)
         self._encoder = encoder
         self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
         self._maps = collections.OrderedDict()
@@ -1205,11 +1273,19 @@ class _TmaBoundPlan(BoundPlan):
         self.plan._go(stream, arg_ptrs, scalars)
 
 
-def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None):
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
+         clusters: int | None = None):
+    """The launch grid: a block per tile (x) and batch (y), or a persistent grid of ``sms``
+    blocks (at most one per tile). With clusters, x counts whole clusters' blocks, and a
+    persistent grid is at most ``clusters`` clusters (those the device runs at once)."""
+    cl = cfg.cluster
+    tiles = -(-m // (cfg.block_m * cl)) * -(-n // cfg.block_n)   # per cluster
     if not cfg.persistent:
-        return (tiles, batch)
-    return (max(1, min(sms or SMS, tiles * batch)), 1)
+        return (tiles * cl, batch)
+    n_cl = min((sms or SMS) // cl, tiles * batch)
+    if clusters is not None:
+        n_cl = min(n_cl, clusters)
+    return (max(1, n_cl) * cl, 1)
 
 
 def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
@@ -1258,7 +1334,16 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
-    return TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args), args
+    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, cfg.cluster)
+    if cfg.persistent and cfg.cluster > 1:
+        # a persistent grid of more clusters than run at once would leave the last ones for
+        # a second wave (SMs per GPC need not be even)
+        fit = grid(cfg, a.shape[1], out.shape[2], out.shape[0], g[0],
+                   p.max_active_clusters())
+        if fit != g:
+            p = TmaLaunchPlan(kernel, args, fit, cfg.threads, smem, encoder, map_args,
+                              cfg.cluster)
+    return p, args
 
 
 def argtypes(out_kind: str):
@@ -1271,6 +1356,16 @@ def argtypes(out_kind: str):
 
 #: The TMA-store epilogue's config in the reports and sweeps: persistent 128 × 256, 3 stages.
 TMA_STORE = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True)
+
+#: Clusters of two sharing B (TMA multicast), the staged epilogue of the default: the producer
+#: needs 56 registers (at 40 it spills 48 bytes: the multicast's shares of B and the cluster
+#: rank are live across its loop), so consumers get 224 (no spills either).
+CLUSTER = WsConfig(128, 256, 4, smem_epilogue=True, cluster=2, producer_regs=56,
+                   consumer_regs=224)
+
+#: ... with the persistent TMA-store epilogue.
+CLUSTER_TMA_STORE = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True,
+                             cluster=2, producer_regs=56, consumer_regs=224)
 
 #: The ping-pong schedule's config in the reports (and the sweeps): 128 × 128 per consumer
 #: warpgroup (two m64n128 accumulators), 5 stages of 32 KB.
@@ -1318,7 +1413,11 @@ def _report_kernels():
         ("ws_128x128_brow_smemepi_softmax_overlap",
          WsConfig(128, 128, 4, persistent=True, smem_epilogue=True), True, "float16", None,
          False, False, True, True, True))
-    return {"main": main, "epilogues": epilogues}
+    cluster = (("ws_128x256_brow_smemepi_cluster2", CLUSTER, True, "float16"),
+               ("ws_128x256_bcol_smemepi_cluster2", CLUSTER, False, "float16"),
+               ("ws_128x256_brow_persistent_tmastore_cluster2", CLUSTER_TMA_STORE, True,
+                "float16"))
+    return {"main": main, "epilogues": epilogues, "cluster": cluster}
 
 
 def compile_reports(group: str = "main"):
@@ -1341,7 +1440,7 @@ def compile_reports(group: str = "main"):
                            (x.strip() for x in rep.ptx.splitlines())
                            if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
                                              "fence.", "bar.", "st.global", "ld.shared",
-                                             "st.shared"))})
+                                             "st.shared", "barrier.cluster", "mapa."))})
         d.pop("ptx")
         out.append(d)
     return out
@@ -1350,3 +1449,8 @@ def compile_reports(group: str = "main"):
 def compile_reports_epilogues():
     """:func:`compile_reports` of the epilogue group (a target for ``run_in_subprocess``)."""
     return compile_reports("epilogues")
+
+
+def compile_reports_cluster():
+    """:func:`compile_reports` of the cluster group (clusters of two, B multicast)."""
+    return compile_reports("cluster")

@@ -20,6 +20,7 @@ kind     Numba type  constraint  accepts at the call site
 ``u32``  uint32      ``r``       any integer (cast)
 ``i32``  int32       ``r``       any integer (cast)
 ``u64``  uint64      ``l``       any integer (cast)
+``u16``  uint16      ``h``       any integer (cast)
 ``f32``  float32     ``f``       any float (cast)
 ``f16``  float16     ``h``       float16 only
 =======  ==========  ==========  ============================================
@@ -37,7 +38,7 @@ SIMULATOR: bool = bool(_numba_config.ENABLE_CUDASIM)
 #: The offline checks compile a probe kernel for each entry.
 REGISTRY: dict = {}
 
-_KINDS = ("u32", "i32", "u64", "f32", "f16")
+_KINDS = ("u32", "i32", "u64", "f32", "f16", "u16")
 
 
 def _numba_type(kind):
@@ -49,6 +50,7 @@ def _numba_type(kind):
         "u64": types.uint64,
         "f32": types.float32,
         "f16": types.float16,
+        "u16": types.uint16,
     }[kind]
 
 
@@ -61,17 +63,18 @@ def _llvm_type(kind):
         "u64": ir.IntType(64),
         "f32": ir.FloatType(),
         "f16": ir.IntType(16),  # Numba lowers float16 to i16
+        "u16": ir.IntType(16),
     }[kind]
 
 
-_CONSTRAINT = {"u32": "r", "i32": "r", "u64": "l", "f32": "f", "f16": "h"}
+_CONSTRAINT = {"u32": "r", "i32": "r", "u64": "l", "f32": "f", "f16": "h", "u16": "h"}
 
 
 def accepts(kind, ty) -> bool:
     """Whether a Numba type may be passed where the instruction wants ``kind``."""
     from numba import types
 
-    if kind in ("u32", "i32", "u64"):
+    if kind in ("u32", "i32", "u64", "u16"):
         return isinstance(ty, (types.Integer, types.Boolean))
     if kind == "f32":
         return isinstance(ty, types.Float) and ty.bitwidth >= 32

@@ -23,9 +23,9 @@ EXTRA: dict = {}
 ARCH_SPECIFIC: set = set()
 
 _MODULES = ("mma", "ldmatrix", "cp_async", "shuffle", "math", "address", "wgmma", "mbarrier",
-            "tma")
+            "tma", "cluster")
 
-_ARRAYS = ("u32", "i32", "u64", "f32", "f16")
+_ARRAYS = ("u32", "i32", "u64", "f32", "f16", "u16")
 
 
 def load_all():
@@ -51,14 +51,14 @@ def _argtypes():
     from numba import types
 
     return (types.uint32[:], types.int32[:], types.uint64[:], types.float32[:],
-            types.float16[:])
+            types.float16[:], types.uint16[:])
 
 
 def make_probe(name, spec):
-    """A kernel(u32s, i32s, u64s, f32s, f16s) that calls instruction ``name`` once."""
+    """A kernel(u32s, i32s, u64s, f32s, f16s, u16s) that calls instruction ``name`` once."""
     fn, _ = asm.REGISTRY[name]
     args = [f"{k}s[{i}]" for i, k in enumerate(spec.ins)]
-    lines = [f"def probe_{name}(u32s, i32s, u64s, f32s, f16s):"]
+    lines = [f"def probe_{name}({', '.join(k + 's' for k in _ARRAYS)}):"]
     call = f"fn({', '.join(args)})"
     if not spec.outs:
         lines.append(f"    {call}")
