@@ -27,6 +27,9 @@
 #                online softmax, the attention op, the warp-specialised TMA GEMM
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
+#   PART=s11d    the TMA-store epilogue staged with stmatrix: its GPU tests, the shapes sweep
+#   PART=s11c    Nsight Compute of the GEMM configs and cuBLAS at 4096^3, then the default, the
+#                TMA-store epilogue and both with clusters over every shape (rounds of 3)
 #   PART=s10h    the next tile's Q published early: GPU tests, persistent A/B, attention bench
 #   PART=s10f    after the review mend: persistent TMA attention GPU tests, GEMM op GPU tests
 #   PART=s10g    the TMA GEMM and gemm_softmax GPU tests (TmaLaunchPlan changed)
@@ -163,6 +166,25 @@ if [[ " $PART " == *" s11a "* ]]; then
     gpu_tests gemm_ws_cluster_tests 300 tests/test_ops_gemm_wgmma_ws.py -k "cluster or batched"
     step sweep_gemm_cluster 200 "$PY" bench/sweep_gemm_shapes.py --cluster --quick --rounds 3 \
         --json "$OUT/sweep_gemm_cluster.json"
+fi
+if [[ " $PART " == *" s11d "* ]]; then
+    # the TMA-store epilogue staged with stmatrix: its GPU tests (with clusters too), then the
+    # default, the TMA-store epilogue and it with clusters over every shape (rounds of 3)
+    gpu_tests gemm_ws_tma_store_tests 300 tests/test_ops_gemm_wgmma_ws.py -k "tma_store"
+    step sweep_gemm_shapes 280 "$PY" bench/sweep_gemm_shapes.py --rounds 3 --configs \
+        "ws 128x256 s4 smem-epilogue,ws 128x256 s4 persistent tma-store,ws 128x256 s4 persistent tma-store cluster2" \
+        --json "$OUT/sweep_gemm_shapes.json"
+fi
+if [[ " $PART " == *" s11c "* ]]; then
+    # where the GEMM's time goes against cuBLAS at 4096^3 (Nsight Compute: the default, the
+    # persistent TMA-store epilogue, the same with clusters), then those configs over every
+    # benchmark shape in rounds (medians of 3, peer re-timed beside each)
+    PROFILE=gemm_ws step profile_gemm_ws 300 bash bench/profile_attention.sh "$OUT"
+    gzip -f "$OUT/ncu_gemm_ws_raw.csv" 2>/dev/null
+    rm -f "$OUT/ncu_gemm_ws.ncu-rep"
+    step sweep_gemm_shapes 280 "$PY" bench/sweep_gemm_shapes.py --rounds 3 --configs \
+        "ws 128x256 s4 smem-epilogue,ws 128x256 s4 persistent tma-store,ws 128x256 s4 persistent tma-store cluster2,ws 128x256 s4 smem-epilogue cluster2" \
+        --json "$OUT/sweep_gemm_shapes.json"
 fi
 if [[ " $PART " == *" s10f "* ]]; then
     # after the review mend: the persistent TMA attention GPU tests (two streams at once

@@ -1440,7 +1440,8 @@ def compile_reports(group: str = "main"):
                            (x.strip() for x in rep.ptx.splitlines())
                            if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
                                              "fence.", "bar.", "st.global", "ld.shared",
-                                             "st.shared", "barrier.cluster", "mapa."))})
+                                             "st.shared", "barrier.cluster", "mapa.",
+                                             "stmatrix"))})
         d.pop("ptx")
         out.append(d)
     return out

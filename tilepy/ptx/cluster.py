@@ -9,9 +9,13 @@ at the same time on SMs of one GPC, and each block can address the others' share
 * ``mapa_shared(addr, rank) -> uint32`` — the ``shared::cluster`` address of the byte at
   ``shared::cta`` address ``addr`` in the shared memory of the cluster's block ``rank``
   (``mapa``). With ``rank`` = the caller's own rank it is the caller's own byte.
-* ``mbarrier_arrive_cluster(addr)`` — one arrival (release, cluster scope) on the mbarrier at
-  ``shared::cluster`` address ``addr`` (:func:`mapa_shared` of a barrier): how a consumer in one
-  block frees a stage that a producer in another block waits on.
+* ``mbarrier_arrive_cluster(addr)`` — one arrival on the mbarrier at ``shared::cluster``
+  address ``addr`` (:func:`mapa_shared` of a barrier): how a consumer in one block frees a stage
+  that a producer in another block waits on. The default semantics (release at CTA scope), as
+  CUTLASS's cluster barriers use: ``.release.cluster`` puts a ``MEMBAR.ALL.GPU`` before every
+  arrival in the SASS, which made a GEMM whose consumers free each stage this way 30% slower
+  on the H200 (bench/NOTES.md, 2026-12-01). What the consumer read was read by wgmma, whose
+  completion ``wgmma.wait_group`` already established.
 * ``cluster_arrive()`` / ``cluster_wait()`` — the cluster barrier (``barrier.cluster.arrive``
   with release, ``barrier.cluster.wait`` with acquire): every thread of every block of the
   cluster arrives, and a wait returns once they all have. Used after the mbarrier inits (no
@@ -95,11 +99,11 @@ mapa_shared = instruction(
 
 mbarrier_arrive_cluster = instruction(
     "mbarrier_arrive_cluster",
-    "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", ins=("u32",),
+    "mbarrier.arrive.shared::cluster.b64 _, [$0];", ins=("u32",),
     side_effect=True, clobber_memory=True, min_cc=_SM90, twin=_arrive_cluster_twin,
-    doc="``mbarrier_arrive_cluster(addr)``: one arrival (release, cluster scope) on the mbarrier "
-        "at shared::cluster address addr (mapa_shared of a barrier, possibly another block's). "
-        "sm_90+.")
+    doc="``mbarrier_arrive_cluster(addr)``: one arrival (release at CTA scope, the default) on "
+        "the mbarrier at shared::cluster address addr (mapa_shared of a barrier, possibly "
+        "another block's). sm_90+.")
 
 cluster_arrive = instruction(
     "cluster_arrive", "barrier.cluster.arrive.release;", side_effect=True, clobber_memory=True,

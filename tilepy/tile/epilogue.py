@@ -27,6 +27,7 @@ from ..inline import inline_device
 from ..ptx import barrier as BAR
 from ..ptx import vector as VEC
 from ..ptx.address import global_addr
+from ..ptx.ldmatrix import stmatrix_x4
 from ..ptx.math import (
     cvt_bf16x2_f32,
     cvt_f16x2_f32,
@@ -483,9 +484,13 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     64 columns, box ``b`` (columns ``64·b …``) at ``stage + 8192·b``, row ``r`` of a box at
     ``+ 128·r`` with its 16-byte granules permuted by ``granule ^ (r % 8)`` — what
     ``cp.async.bulk.tensor`` stores from under a map with the 128-byte swizzle and a
-    64 × 64 box. Elements outside (m, n) are written as zeros (a TMA store drops them); ``c``
-    and the bias are read only inside. Each lane's 4-byte stores of a fragment row land in
-    different banks (the swizzle spreads the 8 rows of a quad column over 8 granules).
+    64 × 64 box. Elements outside (m, n) are not finished (a TMA store drops them); ``c``
+    and the bias are read only inside. Each warp writes two n8 blocks of its 16 rows per
+    ``stmatrix.x4`` (the accumulator's n8 block is the mma fragment layout stmatrix takes):
+    16 instructions for 256 columns where 4-byte stores took 64, and each 16-byte row lands
+    in its own granule (the swizzle spreads a matrix's 8 rows over 8 granules: no bank
+    conflicts). cuBLAS's epilogue does the same (STSM, Nsight Compute, bench/NOTES.md
+    2026-12-01).
 
     ``first``, ``count``: only n8 blocks ``first … first + count − 1`` (default: all from
     ``first``; ``first`` a multiple of 8), staged from ``stage`` on as boxes ``0, 1, …`` — one
@@ -505,44 +510,71 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
                          f"within {ni}")
     pack = _pair_io(out_kind)[2]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
+    plain = _plain(activation, has_bias, has_c)
 
     @inline_device
-    def write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t):
-        r = row0 + rl
+    def pair_value(a0, a1, b0, b1, r, c, m, n, alpha, c_in, beta):
+        """The packed 16-bit pair of accumulators (a0, a1) at (r, c): finished where it lies
+        inside (m, n), zeros outside (a TMA store drops them; c_in is read only inside). A
+        plain epilogue (alpha · acc) needs no test: outside, TMA's zero-filled operands made
+        the accumulators zero, and the store drops them anyway."""
+        if plain:
+            return pack(alpha * a0, alpha * a1)
         v0 = _ZERO
         v1 = _ZERO
         if r < m and c < n:
             v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
-        VEC.st_shared_b32(stage + swizzled_pair_offset(jj, rl, g, t), pack(v0, v1))
+        return pack(v0, v1)
 
     @inline_device
-    def write_n8(a0, a1, a2, a3, jj, c, rl, stage, row0, m, n, alpha, bias, c_in, beta, g, t):
+    def n8_values(a0, a1, a2, a3, c, r, m, n, alpha, bias, c_in, beta):
+        """The packed rows r and r + 8 of one n8 block (columns c, c + 1 of this lane)."""
         b0 = _ZERO
         b1 = _ZERO
-        if c < n:
+        if has_bias and c < n:
             b0, b1 = load_bias(bias, c, n)
-        write_pair(a0, a1, b0, b1, rl, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t)
-        write_pair(a2, a3, b0, b1, rl + 8, c, jj, stage, row0, m, n, alpha, c_in, beta, g, t)
+        return (pair_value(a0, a1, b0, b1, r, c, m, n, alpha, c_in, beta),
+                pair_value(a2, a3, b0, b1, r + 8, c, m, n, alpha, c_in, beta))
 
-    if _plain(activation, has_bias, has_c):
-        @inline_device
-        def write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
-            lane = thread % 32
-            g = lane // 4
-            t = lane % 4
-            rl = (thread // 32) * 16 + g
-            for jj in range(count):
-                j = first + jj
-                write_n8(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3], jj,
-                         col0 + 8 * j + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, beta,
-                         g, t)
+    @inline_device
+    def write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread):
+        lane = thread % 32
+        g = lane // 4
+        t = lane % 4
+        r = row0 + (thread // 32) * 16 + g
+        # the row this lane addresses: matrix q = lane // 8 (bit 0: rows 8–15, bit 1: the
+        # second n8 block), row lane % 8 of it, whose 128-byte swizzle is lane % 8
+        q = lane // 8
+        rs = lane % 8
+        row_off = ((thread // 32) * 16 + rs + 8 * (q % 2)) * 128
+        second = q // 2
+        for jj in range(0, count, 2):
+            j = first + jj
+            blk = jj + second
+            addr = (blk // 8) * SWIZZLED_BOX_BYTES + row_off + (((blk % 8) ^ rs) * 16)
+            r0, r1 = n8_values(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3],
+                               col0 + 8 * j + 2 * t, r, m, n, alpha, bias, c_in, beta)
+            r2, r3 = n8_values(acc[4 * j + 4], acc[4 * j + 5], acc[4 * j + 6], acc[4 * j + 7],
+                               col0 + 8 * j + 8 + 2 * t, r, m, n, alpha, bias, c_in, beta)
+            stmatrix_x4(stage + addr, r0, r1, r2, r3)
 
+    if plain:
         return write
     # written out with constant accumulator indices (see _plain)
+    body = ["lane = thread % 32", "g = lane // 4", "t = lane % 4",
+            "r = row0 + (thread // 32) * 16 + g", "q = lane // 8", "rs = lane % 8",
+            "row_off = ((thread // 32) * 16 + rs + 8 * (q % 2)) * 128", "second = q // 2"]
+    for jj in range(0, count, 2):
+        j = first + jj
+        body += [f"blk = {jj} + second",
+                 f"addr = (blk // 8) * {SWIZZLED_BOX_BYTES} + row_off + (((blk % 8) ^ rs) * 16)",
+                 f"r0, r1 = n8_values(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], "
+                 f"acc[{4 * j + 3}], col0 + {8 * j} + 2 * t, r, m, n, alpha, bias, c_in, beta)",
+                 f"r2, r3 = n8_values(acc[{4 * j + 4}], acc[{4 * j + 5}], acc[{4 * j + 6}], "
+                 f"acc[{4 * j + 7}], col0 + {8 * j + 8} + 2 * t, r, m, n, alpha, bias, c_in, "
+                 "beta)",
+                 "stmatrix_x4(stage + addr, r0, r1, r2, r3)"]
     return _written_out(
-        "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)",
-        ["lane = thread % 32", "g = lane // 4", "t = lane % 4", "rl = (thread // 32) * 16 + g"]
-        + [f"write_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], "
-           f"{j - first}, col0 + {8 * j} + 2 * t, rl, stage, row0, m, n, alpha, bias, c_in, "
-           "beta, g, t)" for j in range(first, first + count)],
-        {"write_n8": write_n8}, "stage_accumulators_swizzled write")
+        "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)", body,
+        {"n8_values": n8_values, "stmatrix_x4": stmatrix_x4},
+        "stage_accumulators_swizzled write")
