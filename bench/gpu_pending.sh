@@ -27,6 +27,8 @@
 #                online softmax, the attention op, the warp-specialised TMA GEMM
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
+#   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s11f    the GEMM benchmarks (op, kernel, fused bias + GELU)
 #   PART=s11d    the TMA-store epilogue staged with stmatrix: its GPU tests, the shapes sweep
 #   PART=s11c    Nsight Compute of the GEMM configs and cuBLAS at 4096^3, then the default, the
 #                TMA-store epilogue and both with clusters over every shape (rounds of 3)
@@ -166,6 +168,19 @@ if [[ " $PART " == *" s11a "* ]]; then
     gpu_tests gemm_ws_cluster_tests 300 tests/test_ops_gemm_wgmma_ws.py -k "cluster or batched"
     step sweep_gemm_cluster 200 "$PY" bench/sweep_gemm_shapes.py --cluster --quick --rounds 3 \
         --json "$OUT/sweep_gemm_cluster.json"
+fi
+if [[ " $PART " == *" s11e "* ]]; then
+    # after the default became the persistent TMA-store epilogue: the op's GPU tests, the
+    # cluster PTX test, the TMA GEMM's cluster GPU tests (stmatrix staging with clusters too)
+    gpu_tests cluster_ptx_tests 60 tests/test_ptx_cluster.py
+    gpu_tests gemm_op_tests 280 tests/test_ops_gemm.py \
+        tests/test_ops_gemm_wgmma.py::test_gpu_default_path_against_cublas \
+        tests/test_ops_gemm_wgmma.py::test_gpu_batch_strides_not_16_byte_multiples
+    gpu_tests gemm_ws_cluster_tests 240 tests/test_ops_gemm_wgmma_ws.py -k "cluster"
+fi
+if [[ " $PART " == *" s11f "* ]]; then
+    # the GEMM benchmarks of the final code (op, kernel, fused bias + GELU)
+    bench_suite bench_gemm 300 "gemm_op or kernel_vs_cublas or bias_gelu"
 fi
 if [[ " $PART " == *" s11d "* ]]; then
     # the TMA-store epilogue staged with stmatrix: its GPU tests (with clusters too), then the

@@ -48,9 +48,11 @@ def _is_hopper() -> bool:
     return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
 
-def hopper_config(m: int, n: int, batch: int, dtype: str):
+def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True):
     """The wgmma kernel's config on a compute capability 9.0 GPU for a problem big enough to
-    fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``)."""
+    fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``).
+    ``tma_store=False``: an output TMA cannot store (float32, rows not 16-byte aligned) —
+    the staged epilogue of 16-byte stores instead of the TMA-store one."""
     import os
 
     if arrays.SIMULATOR or dtype == "float32" or os.environ.get("TILEPY_HOPPER", "1") == "0":
@@ -62,8 +64,13 @@ def hopper_config(m: int, n: int, batch: int, dtype: str):
         # every 128-row tile empty), and enough tiles for every SM
         if m >= bm and n >= bn and -(-m // bm) * -(-n // bn) * batch >= SMS:
             if (bm, bn, st) == HOPPER_WS:
-                # the staged epilogue: 0.91-1.00x cuBLAS against 0.71-0.92x for the register
-                # one over the benchmark shapes (bench/NOTES.md, 2026-11-30 session 5)
+                # persistent, the TMA-store epilogue (staged with stmatrix): mean 0.966-0.973x
+                # cuBLAS over the ten benchmark shapes against 0.934-0.935x for the staged
+                # epilogue of 16-byte stores, which was 0.91-1.00x against 0.71-0.92x for the
+                # register one (bench/NOTES.md, 2026-12-01 session 11, 2026-11-30 session 5)
+                if tma_store:
+                    return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
+                                       tma_store=True)
                 return ws.WsConfig(bm, bn, st, dtype, smem_epilogue=True)
             return hw.WgmmaConfig(bm, bn, st, dtype)
     return None
@@ -283,7 +290,7 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                     raise ValueError("config: tma_store needs a 16-bit out whose rows TMA can "
                                      "store (unit column stride, rows and start 16-byte "
                                      f"aligned); got {out_dtype} with strides {Out.strides}")
-                cfg = hopper_config(m, n, batch, dtype) or mma_cfg   # a tuned choice's
+                cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
                     cfg, layout_b == "row", a_view, b_view):
                 cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)

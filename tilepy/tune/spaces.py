@@ -48,10 +48,15 @@ GEMM_STAGES = (3, 4)
 #: config) — the warp-specialised TMA kernel (``gemm_wgmma_ws.WsConfig``) and the cp.async one
 #: (``gemm_wgmma.WgmmaConfig``), the configs bench/sweep_gemm_wgmma.py found worth timing.
 HOPPER_CANDIDATES = (
+    ("wgmma_ws", {"persistent": True, "smem_epilogue": True, "tma_store": True}),
     ("wgmma_ws", {"smem_epilogue": True}),
+    # clusters of two sharing B (TMA multicast; 56 / 224 registers: no producer spills)
+    ("wgmma_ws", {"persistent": True, "smem_epilogue": True, "tma_store": True, "cluster": 2,
+                  "producer_regs": 56, "consumer_regs": 224}),
+    ("wgmma_ws", {"smem_epilogue": True, "cluster": 2, "producer_regs": 56,
+                  "consumer_regs": 224}),
     ("wgmma_ws", {"stages": 3, "persistent": True, "smem_epilogue": True}),
     ("wgmma_ws", {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True}),
-    ("wgmma_ws", {"persistent": True, "smem_epilogue": True, "tma_store": True}),
     ("wgmma_ws", {}), ("wgmma_ws", {"block_m": 256, "block_n": 128}),
     ("wgmma_ws", {"persistent": True}), ("wgmma_ws", {"block_n": 192, "stages": 5}),
     ("wgmma", {"block_m": 128, "block_n": 256, "stages": 4, "overlap": True}),
