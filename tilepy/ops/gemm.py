@@ -51,8 +51,10 @@ def _is_hopper() -> bool:
 def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True):
     """The wgmma kernel's config on a compute capability 9.0 GPU for a problem big enough to
     fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``).
-    ``tma_store=False``: an output TMA cannot store (float32, rows not 16-byte aligned) —
-    the staged epilogue of 16-byte stores instead of the TMA-store one."""
+    ``tma_store=False``: the staged epilogue of 16-byte stores instead of the TMA-store one —
+    for an output TMA cannot store (float32, rows not 16-byte aligned), and for epilogues with
+    a bias, ``c`` or an activation (the staged epilogue keeps the tile's bias columns in
+    shared memory; the TMA-store epilogue was slower there)."""
     import os
 
     if arrays.SIMULATOR or dtype == "float32" or os.environ.get("TILEPY_HOPPER", "1") == "0":
@@ -281,8 +283,12 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             # the caller's config, else a tuned choice persisted by `python -m tilepy tune
             # gemm` (any kernel), else the Hopper default, else the mma.sync heuristic
             mma_cfg = choose_config(m, n, k, batch, dtype)
+            # the TMA-store epilogue for a plain product; with a bias, c or an activation the
+            # staged one (bias columns in shared memory): the fused bias + GELU benchmark ran
+            # at 565 TFLOPS on the TMA-store epilogue against 604 (bench/NOTES.md, session 11)
+            plain = Bias is None and C is None and activation is None
             cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \
-                hopper_config(m, n, batch, dtype) or mma_cfg
+                hopper_config(m, n, batch, dtype, tma_store=plain) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
             if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not _tma_storable(out_v):
