@@ -28,6 +28,7 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s11g    issue 10's tables from one run: the attention and GEMM benchmarks
 #   PART=s11f    the GEMM benchmarks (op, kernel, fused bias + GELU)
 #   PART=s11d    the TMA-store epilogue staged with stmatrix: its GPU tests, the shapes sweep
 #   PART=s11c    Nsight Compute of the GEMM configs and cuBLAS at 4096^3, then the default, the
@@ -177,6 +178,10 @@ if [[ " $PART " == *" s11e "* ]]; then
         tests/test_ops_gemm_wgmma.py::test_gpu_default_path_against_cublas \
         tests/test_ops_gemm_wgmma.py::test_gpu_batch_strides_not_16_byte_multiples
     gpu_tests gemm_ws_cluster_tests 240 tests/test_ops_gemm_wgmma_ws.py -k "cluster"
+fi
+if [[ " $PART " == *" s11g "* ]]; then
+    # issue 10's tables from one run of the final code: attention and GEMM benchmarks
+    bench_suite bench_final 420 "attention or gemm_op or kernel_vs_cublas or bias_gelu"
 fi
 if [[ " $PART " == *" s11f "* ]]; then
     # the GEMM benchmarks of the final code (op, kernel, fused bias + GELU)
