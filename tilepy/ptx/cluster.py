@@ -38,6 +38,8 @@ Kernels with clusters of two are checked by offline compiles and on the GPU.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _sim, mbarrier, tma
 from .asm import instruction
 
@@ -46,8 +48,6 @@ _SM90 = (9, 0)
 
 def _rank_twin():
     _sim.this_thread()
-    import numpy as np
-
     return np.uint32(0)
 
 
