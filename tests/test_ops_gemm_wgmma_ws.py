@@ -25,6 +25,8 @@ TOL = {"float16": 2e-3, "bfloat16": 1.6e-2}
 # two-consumer shape of the GPU configs at its smallest (384 threads).
 SMALL = {"block_m": 64, "block_n": 64, "consumers": 1}
 TWO = {"block_m": 128, "block_n": 128, "consumers": 2}
+# the smallest cluster-of-two config: B's 64-column boxes split between the two blocks
+SMALL_CLUSTER = {"block_m": 64, "block_n": 128, "consumers": 1}
 # clusters of two (B multicast): the registers the producer needs (see ws.CLUSTER)
 CLUSTER_KW = {"cluster": 2, "smem_epilogue": True, "producer_regs": 56, "consumer_regs": 224}
 
@@ -345,13 +347,14 @@ def test_config_validation():
     assert ws.grid(WsConfig(persistent=True), 100, 100, 1, 132) == (1, 1)
 
 
-def test_cluster_config_grid_and_simulator_refusal():
+def test_cluster_config_and_grid():
     """cluster=2: validation, grids that count whole clusters (the persistent grid also capped
     by the clusters the device runs at once), column-major B's boxes halved (each block loads
-    half of the stage's B rows), and a clear refusal in the simulator, which runs a grid's
-    blocks one after another (two blocks that wait for each other cannot run there)."""
+    half of the stage's B rows)."""
     with pytest.raises(ValueError, match="cluster must be 1 or 2"):
         WsConfig(cluster=4)
+    with pytest.raises(ValueError, match="block_n must be a multiple of 128"):
+        WsConfig(block_n=192, cluster=2)
     with pytest.raises(ValueError, match="does not take pingpong"):
         WsConfig(128, 128, 5, persistent=True, pingpong=True, cluster=2)
     with pytest.raises(ValueError, match="softmax mode does not take cluster"):
@@ -372,13 +375,32 @@ def test_cluster_config_grid_and_simulator_refusal():
     assert lb[2] == (128, 64)
     _, lb = ws.layouts(WsConfig(), False, np.zeros((1, 300, 200), np.uint16), b)
     assert lb[2] == (256, 64)
-    if arrays.SIMULATOR:
-        rng = np.random.default_rng()
-        a = rng.standard_normal((200, 64)).astype(np.float16)
-        bm = rng.standard_normal((64, 256)).astype(np.float16)
-        out = np.zeros((200, 256), np.float16)
-        with pytest.raises(NotImplementedError, match="simulator runs the blocks"):
-            run(ws.CLUSTER, a, bm, out, "row")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,shape,batch,extra", [
+    ("float16", "row", SMALL_CLUSTER, 1, {}),
+    ("bfloat16", "col", SMALL_CLUSTER, 2, {"persistent": True}),
+    ("float16", "col", TWO, 1, {"persistent": True, "smem_epilogue": True,
+                                "tma_store": True})],
+    ids=["f16-row", "bf16-col-batched-persistent", "f16-col-persistent-tma-store"])
+def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
+    """Clusters of two in the simulator (their blocks run at the same time there): each block
+    loads half of every stage's B by multicast into both, stages are freed on both blocks'
+    barriers. Three row blocks (the second cluster's rank 1 has no rows), partial tiles on
+    every edge, five k steps through two stages, out poisoned with NaN; the persistent grid
+    of 4 blocks (two clusters) walks several cluster tiles."""
+    rng = np.random.default_rng()
+    rows = shape["block_m"]
+    m, n, k = 2 * rows + rows // 2 + 3, 100, 258
+    lead = (batch,) if batch > 1 else ()
+    a = padded(rng, (*lead, m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    out = padded_out((*lead, m, n), NP[dtype])
+    cfg = WsConfig(stages=2, dtype=dtype, cluster=2, **shape, **extra)
+    plan, _ = run(cfg, a, b, out, b_layout, sms=4)
+    assert plan.cluster == 2 and plan.grid[0] % 2 == 0
+    check(out, matmul64(a, b), dtype)
 
 
 def test_tensor_map_layouts():

@@ -1,7 +1,8 @@
-"""Thread-block clusters (tilepy.ptx.cluster): the twins' cluster of one in the simulator, a real
-cluster of two on the GPU (rank, remote arrivals, multicast into both blocks), launched through
-tilepy.launch.LaunchPlan(cluster=2). The offline compile of each instruction is in
-test_compile.py (one probe per intrinsic)."""
+"""Thread-block clusters (tilepy.ptx.cluster): a cluster of two (rank, remote arrivals, multicast
+into both blocks, the cluster barrier) launched through tilepy.launch.LaunchPlan(cluster=2), in
+the simulator (whose blocks of a cluster run at the same time, tilepy.ptx._simcluster) and on
+the GPU; the twins' cluster of one in a plain launch. The offline compile of each instruction
+is in test_compile.py (one probe per intrinsic)."""
 
 from __future__ import annotations
 
@@ -76,19 +77,24 @@ def make_kernel(nblocks, mask, remote_rank):
     return kernel
 
 
-def _run(nblocks, mask, remote_rank, box_rows):
+def _run(nblocks, mask, remote_rank, box_rows, clusters=1):
     rng = np.random.default_rng()
     keep, ptr, t = _tensor(rng)
     tm = host.encode_tiled(ptr, np.float16, (40, 48), (96, 2), (box_rows, COLS), 0)
-    out = np.zeros((nblocks, WORDS), np.uint16)
-    ranks = np.full(nblocks, 99, np.uint32)
+    grid = nblocks * clusters
+    out = np.zeros((grid, WORDS), np.uint16)
+    ranks = np.full(grid, 99, np.uint32)
     kern = make_kernel(nblocks, mask, remote_rank)
     if SIMULATOR:
-        kern[nblocks, 64](tm.to_device(), out, ranks)
+        args = (tm.to_device(), out, ranks)
+        if nblocks == 1:
+            kern[grid, 64](*args)
+        else:
+            LaunchPlan(kern, args, (grid,), (64,), 0, cluster=nblocks).launch(0, args)
     else:
         d_out, d_ranks = cuda.to_device(out), cuda.to_device(ranks)
         args = (tm.to_device(), d_out, d_ranks)
-        LaunchPlan(kern, args, (nblocks,), (64,), 0, cluster=nblocks).launch(0, args)
+        LaunchPlan(kern, args, (grid,), (64,), 0, cluster=nblocks).launch(0, args)
         cuda.synchronize()
         out, ranks = d_out.copy_to_host(), d_ranks.copy_to_host()
     del keep
@@ -106,8 +112,8 @@ def test_twins_are_a_cluster_of_one():
 
 
 @cuda.jit
-def _second_block_kernel(tmap, case):
-    """Every thread asks for a second block (no barrier: each raises on its own)."""
+def _bad_rank_kernel(tmap, case):
+    """Every thread names a block outside its cluster (no barrier: each raises on its own)."""
     smem = cuda.shared.array(WORDS, uint16)
     bars = cuda.shared.array(1, uint64)
     if case[0] == 0:
@@ -118,35 +124,33 @@ def _second_block_kernel(tmap, case):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("case,match", [(0, "mask 0x3"), (1, "to rank 1")])
-def test_twins_refuse_a_second_block(case, match):
+@pytest.mark.parametrize("case,match", [(0, "mask 0x3"), (1, "rank 1 in a cluster of one")])
+def test_twins_refuse_blocks_outside_the_cluster(case, match):
     if not SIMULATOR:
         pytest.skip("the simulator's refusal")
     tm = host.encode_tiled(np.zeros(64, np.uint8).ctypes.data, np.float16, (40, 48), (96, 2),
                            (ROWS, COLS), 0)
-    with pytest.raises(NotImplementedError, match=match):
-        _second_block_kernel[1, 32](tm.to_device(), np.array([case], np.int32))
+    with pytest.raises(ValueError, match=match):
+        _bad_rank_kernel[1, 32](tm.to_device(), np.array([case], np.int32))
 
 
-@pytest.mark.sim
-def test_launch_plan_refuses_clusters_in_the_simulator():
-    if not SIMULATOR:
-        pytest.skip("the simulator's refusal")
+def test_launch_plan_needs_whole_clusters():
     kern = make_kernel(2, 3, 1)
     args = (np.zeros(128, np.uint8), np.zeros((2, WORDS), np.uint16), np.zeros(2, np.uint32))
-    with pytest.raises(NotImplementedError, match="one after another"):
-        LaunchPlan(kern, args, (2,), (64,), 0, cluster=2)
+    if not SIMULATOR:
+        args = tuple(cuda.to_device(a) for a in args)
     with pytest.raises(ValueError, match="must divide"):
         LaunchPlan(kern, args, (3,), (64,), 0, cluster=2)
 
 
-@pytest.mark.gpu
-def test_gpu_cluster_of_two_multicasts_and_arrives_remotely():
-    """Two blocks, one cluster: each loads half of the box's rows into both (mask 3), and each
-    block's barrier completes only with the other block's remote arrival."""
-    if tuple(cuda.get_current_device().compute_capability) < (9, 0):
+@pytest.mark.parametrize("clusters", [1, 3])   # the simulator's twins and the GPU alike
+def test_cluster_of_two_multicasts_and_arrives_remotely(clusters):
+    """Two blocks per cluster: each loads half of the box's rows into both (mask 3), and each
+    block's barrier completes only with the other block's remote arrival. Several clusters:
+    each its own pair of blocks."""
+    if not SIMULATOR and tuple(cuda.get_current_device().compute_capability) < (9, 0):
         pytest.skip("clusters need compute capability 9.0")
-    out, ranks, want = _run(2, 3, 1, ROWS // 2)
-    np.testing.assert_array_equal(out[0], want)
-    np.testing.assert_array_equal(out[1], want)
-    assert list(ranks) == [0, 1]
+    out, ranks, want = _run(2, 3, 1, ROWS // 2, clusters)
+    for blk in range(2 * clusters):
+        np.testing.assert_array_equal(out[blk], want)
+    assert list(ranks) == [0, 1] * clusters

@@ -65,8 +65,8 @@ def pointer(view) -> int:
 class LaunchPlan:
     """``dispatcher`` compiled for ``args`` (Numba device arrays and NumPy scalars), launched
     on ``grid`` × ``block`` with ``smem`` bytes of dynamic shared memory; ``cluster`` > 1:
-    in thread-block clusters of that many blocks along x (``cuLaunchKernelEx``; the real GPU
-    only, see :mod:`tilepy.ptx.cluster`).
+    in thread-block clusters of that many blocks along x (``cuLaunchKernelEx``; in the
+    simulator the blocks of a cluster run at the same time, see :mod:`tilepy.ptx.cluster`).
 
     ``plan.launch(stream, args)`` launches with a full argument list (of the same types,
     shapes and strides); a :meth:`bind`-ed plan launches from operand pointers and scalars.
@@ -79,11 +79,6 @@ class LaunchPlan:
         if self.cluster < 1 or self.grid[0] % self.cluster:
             raise ValueError(f"a cluster of {self.cluster} blocks must divide the grid's x "
                              f"dimension ({self.grid[0]})")
-        if self.cluster > 1 and SIMULATOR:
-            raise NotImplementedError(
-                f"clusters of {self.cluster} blocks: Numba's CUDA simulator runs the blocks of "
-                "a grid one after another, so blocks that wait for each other cannot run there "
-                "(tilepy.ptx.cluster)")
         self.block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
         self.block += (1,) * (3 - len(self.block))
         self.smem = int(smem)
@@ -170,7 +165,9 @@ class LaunchPlan:
     def max_active_clusters(self) -> int:
         """How many clusters of this plan the device can run at once (``cuOccupancyMaxActive
         Clusters``; a persistent grid of more would run its last clusters after the others).
-        Real GPU and ``cluster > 1`` only."""
+        ``cluster > 1`` only; in the simulator :data:`SIM_SMS` // cluster."""
+        if SIMULATOR:
+            return max(1, SIM_SMS // self.cluster)
         driver = self._driver
         err, n = driver.cuOccupancyMaxActiveClusters(self._func, self._cluster_cfg)
         if err != self._success:
@@ -217,7 +214,13 @@ class LaunchPlan:
                                                strides=strides))
         for (i, t), v in zip(self._scalars, scalars):
             args[i] = t(v)
-        self._configured(*args)
+        if self.cluster > 1:   # the blocks of a cluster at the same time (tilepy.ptx.cluster)
+            from .ptx._simcluster import clusters
+
+            with clusters(self.cluster, self.grid, self.block):
+                self._configured(*args)
+        else:
+            self._configured(*args)
 
     # ---- public ---------------------------------------------------------------------------
 

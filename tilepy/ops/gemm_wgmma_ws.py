@@ -159,6 +159,9 @@ class WsConfig:
         need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
         need(self.cluster in (1, 2), "cluster must be 1 or 2")
         need(self.cluster == 1 or not self.pingpong, "cluster=2 does not take pingpong")
+        need(self.block_n % (64 * self.cluster) == 0, f"cluster={self.cluster}: block_n must "
+             f"be a multiple of {64 * self.cluster} (each block loads an equal share of B's "
+             "64-column boxes)")
         need(self.consumers in (1, 2), "consumers must be 1 or 2")
         if self.pingpong:
             need(self.consumers == 2 and self.persistent,
@@ -516,7 +519,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         tb = ta + _MAP_B
         T.fence_proxy_tensormap_acquire(ta)
         T.fence_proxy_tensormap_acquire(tb)
-        rank = CLU.cluster_ctarank() if CL > 1 else np.uint32(0)
+        rank = int(CLU.cluster_ctarank()) if CL > 1 else 0
         s = 0
         ph = 0
         for w in range(w0, total, step):

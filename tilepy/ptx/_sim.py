@@ -203,6 +203,9 @@ def check_abort(t, what: str) -> None:
     """Raise if the simulator aborted the block (another thread raised)."""
     if getattr(t, "abort", False):
         raise RuntimeError(f"{what}: the block was aborted (another thread raised)")
+    cluster = getattr(getattr(t, "_manager", None), "_tilepy_cluster", None)
+    if cluster is not None and cluster["failed"]:
+        raise RuntimeError(f"{what}: another block of the cluster raised")
 
 
 class _GroupBarrier:

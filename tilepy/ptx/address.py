@@ -30,11 +30,12 @@ from .asm import SIMULATOR, pick
 _extent_lock = threading.Lock()
 
 
-def _block_extents() -> dict:
-    """{"shared": {start: end}, "global": {...}} of the calling simulated thread's block."""
+def _block_extents(t=None) -> dict:
+    """{"shared": {start: end}, "global": {...}} of the calling simulated thread's block (of
+    ``t``'s: another block of a cluster, :func:`tilepy.ptx._simcluster.owner`)."""
     from ._sim import block_state
 
-    return block_state("extents", lambda m: {"shared": {}, "global": {}})
+    return block_state("extents", lambda m: {"shared": {}, "global": {}}, t)
 
 
 def _ndarray(a) -> np.ndarray:
@@ -66,9 +67,10 @@ def _element_address(space: str, a, idx) -> int:
     return base + offset
 
 
-def check_range(space: str, who: str, addr: int, nbytes: int, align: int) -> None:
-    """Raise if [addr, addr+nbytes) is not inside one array named by ``space``_addr, or misaligned."""
-    extents = _block_extents()[space]
+def check_range(space: str, who: str, addr: int, nbytes: int, align: int, t=None) -> None:
+    """Raise if [addr, addr+nbytes) is not inside one array named by ``space``_addr, or misaligned
+    (the arrays of ``t``'s block: default the caller's)."""
+    extents = _block_extents(t)[space]
     with _extent_lock:
         ranges = list(extents.items())
     for lo, hi in ranges:

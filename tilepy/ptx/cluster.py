@@ -28,34 +28,34 @@ at the same time on SMs of one GPC, and each block can address the others' share
   the bytes on the mbarrier at offset ``bar`` of each (``.multicast::cluster``). Each
   destination's barrier must expect the bytes (its own producer's ``arrive_expect_tx``).
 
-Simulator: Numba's simulator runs the blocks of a grid one after another, so a cluster of more
-than one block cannot run there. The twins model a cluster of one: rank 0, ``mapa_shared`` to
-rank 0 is the address itself, a remote arrival is an arrival, a multicast with mask 1 is the
-plain load, and the barrier is the block's ``syncthreads`` (at ``cluster_wait``; every thread
-must call ``cluster_arrive`` then ``cluster_wait``). Anything that needs a second block raises.
-Kernels with clusters of two are checked by offline compiles and on the GPU.
+Simulator: :func:`tilepy.launch.LaunchPlan` with ``cluster > 1`` runs the blocks of each
+cluster at the same time, each with its own shared memory (:mod:`tilepy.ptx._simcluster`;
+Numba's simulator alone runs a grid's blocks one after another, in one shared memory). The
+twins then act across the blocks: ``mapa_shared`` gives the address of the same byte in the
+other block's array, a remote arrival or a multicast's bytes land in the owning block's
+mbarrier state (waking its waiters), and the cluster barrier counts every thread of the
+cluster. A kernel launched without a cluster is a cluster of one: rank 0, ``mapa_shared`` to
+rank 0 is the address itself, a multicast to mask 1 is the plain load, and the barrier is the
+block's ``syncthreads`` (at ``cluster_wait``; every thread must call ``cluster_arrive`` then
+``cluster_wait``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _sim, mbarrier, tma
+from . import _simcluster, mbarrier, tma
 from .asm import instruction
 
 _SM90 = (9, 0)
 
 
 def _rank_twin():
-    _sim.this_thread()
-    return np.uint32(0)
+    return np.uint32(_simcluster.rank())
 
 
 def _mapa_twin(addr, rank):
-    if int(rank) != 0:
-        raise NotImplementedError(f"mapa_shared to rank {int(rank)}: the simulator runs "
-                                  "clusters of one block only")
-    return addr
+    return _simcluster.peer_address(int(addr), int(rank), "mapa_shared")
 
 
 def _arrive_cluster_twin(addr):
@@ -63,27 +63,34 @@ def _arrive_cluster_twin(addr):
 
 
 def _cluster_arrive_twin():
-    _sim.this_thread()
+    _simcluster.barrier_arrive()
 
 
 def _cluster_wait_twin():
-    _sim.this_thread().syncthreads()
+    _simcluster.barrier_wait()
 
 
-def _check_mask(who, mask):
-    if int(mask) != 1:
-        raise NotImplementedError(f"{who} with mask {int(mask):#x}: the simulator runs "
-                                  "clusters of one block only (mask 1)")
+def _ranks(who, mask):
+    mask = int(mask)
+    cl = _simcluster.cluster_of()
+    size = 1 if cl is None else len(cl["managers"])
+    if not 0 < mask < (1 << size):
+        raise ValueError(f"{who}: mask {mask:#x} names blocks outside the cluster of {size}")
+    return [r for r in range(size) if mask >> r & 1]
+
+
+def _multicast(who, dst, tmap, bar, coords, mask):
+    for r in _ranks(who, mask):
+        tma._load(who, _simcluster.peer_address(int(dst), r, who), tmap,
+                  _simcluster.peer_address(int(bar), r, who), coords)
 
 
 def _load_2d_mc_twin(dst, tmap, bar, x, y, mask):
-    _check_mask("tma_load_2d_multicast", mask)
-    tma._load("tma_load_2d_multicast", dst, tmap, bar, (int(x), int(y)))
+    _multicast("tma_load_2d_multicast", dst, tmap, bar, (int(x), int(y)), mask)
 
 
 def _load_3d_mc_twin(dst, tmap, bar, x, y, z, mask):
-    _check_mask("tma_load_3d_multicast", mask)
-    tma._load("tma_load_3d_multicast", dst, tmap, bar, (int(x), int(y), int(z)))
+    _multicast("tma_load_3d_multicast", dst, tmap, bar, (int(x), int(y), int(z)), mask)
 
 
 cluster_ctarank = instruction(

@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from . import _sim, address
+from . import _sim, _simcluster, address
 from .asm import SIMULATOR, call_asm, instruction, pick, require_cc
 
 _TX_LIMIT = 2**20 - 1
@@ -57,8 +57,9 @@ class _Barrier:
                 f"pending, tx-count {self.tx})")
 
 
-def _block():
-    return _sim.block_state("mbarriers", lambda m: {"cond": threading.Condition(), "bars": {}})
+def _block(t=None):
+    return _sim.block_state("mbarriers", lambda m: {"cond": threading.Condition(), "bars": {}},
+                            t)
 
 
 def _get(state, addr, who):
@@ -76,9 +77,9 @@ def _advance(state, bar):
         state["cond"].notify_all()
 
 
-def _check_addr(who, addr):
+def _check_addr(who, addr, t=None):
     addr = int(addr)
-    address.check_range("shared", who, addr, 8, 8)
+    address.check_range("shared", who, addr, 8, 8, t)
     return addr
 
 
@@ -100,8 +101,11 @@ def _init_twin(bar, count):
 
 
 def _arrive(who, bar, tx):
-    addr = _check_addr(who, bar)
-    state = _block()
+    # a barrier of another block of the cluster (a remote arrival, tilepy.ptx.cluster) lives
+    # in that block's state
+    owner = _simcluster.owner(int(bar))
+    addr = _check_addr(who, bar, owner)
+    state = _block(owner)
     with state["cond"]:
         b = _get(state, addr, who)
         if b.pending == 0:
@@ -129,8 +133,9 @@ def _expect_tx_twin(bar, nbytes):
 
 def complete_tx(bar, nbytes, who="complete_tx"):
     """Simulator: ``nbytes`` of transactions on the barrier at ``bar`` completed (TMA twins)."""
-    addr = _check_addr(who, bar)
-    state = _block()
+    owner = _simcluster.owner(int(bar))
+    addr = _check_addr(who, bar, owner)
+    state = _block(owner)
     with state["cond"]:
         b = _get(state, addr, who)
         b.tx -= int(nbytes)

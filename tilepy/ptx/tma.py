@@ -55,7 +55,7 @@ import struct
 
 import numpy as np
 
-from . import _sim, address, mbarrier
+from . import _sim, _simcluster, address, mbarrier
 from .asm import SIMULATOR, call_asm, instruction, pick, require_cc
 from .wgmma_layout import swizzle as _swizzle
 
@@ -115,7 +115,7 @@ class _Box:
     address, and whether it is inside the tensor) and in shared memory (swizzled byte offsets
     from the start of the shared array). Elements in box order, innermost dimension fastest."""
 
-    def __init__(self, who, tmap, smem_addr, coords, what):
+    def __init__(self, who, tmap, smem_addr, coords, what, t=None):
         m = _read_map(tmap, who)
         if m["rank"] != len(coords):
             raise ValueError(f"{who}: the tensor map has rank {m['rank']}, the copy is "
@@ -130,7 +130,7 @@ class _Box:
                                       "the swizzle size")
         self.nbytes = _box_bytes(m)
         smem_addr = int(smem_addr)
-        address.check_range("shared", f"{who} {what}", smem_addr, self.nbytes, 128)
+        address.check_range("shared", f"{who} {what}", smem_addr, self.nbytes, 128, t)
         self.esize = esize
         shape = tuple(reversed(m["box"]))
         idx = np.indices(shape).reshape(len(shape), -1)[::-1]  # row i: dimension i (innermost 0)
@@ -139,7 +139,7 @@ class _Box:
         self.global_off = (g * np.array(m["strides"], np.int64)[:, None]).sum(axis=0)
         extent = sum((d - 1) * s for d, s in zip(m["dims"], m["strides"])) + esize
         self.tensor = np.ctypeslib.as_array((ctypes.c_uint8 * extent).from_address(m["address"]))
-        lo = _array_start(smem_addr)
+        lo = _array_start(smem_addr, t)
         rel = smem_addr - lo + np.arange(idx.shape[1], dtype=np.int64) * esize
         self.smem_off = _swizzle(rel, swz) if swz else rel
         size = int(self.smem_off.max()) + esize
@@ -152,7 +152,8 @@ class _Box:
 
 
 def _load(who, dst, tmap, bar, coords):
-    box = _Box(who, tmap, dst, coords, "destination")
+    # the destination may be another block's of the cluster (a multicast, tilepy.ptx.cluster)
+    box = _Box(who, tmap, dst, coords, "destination", _simcluster.owner(int(dst)))
     elems = np.zeros((box.inside.size, box.esize), np.uint8)
     elems[box.inside] = box.tensor[box.bytes_of(box.global_off, box.inside)]
     box.smem[box.bytes_of(box.smem_off)] = elems
@@ -189,8 +190,8 @@ def _bulk_wait_twin(n):
     st[1] = min(st[1], n)
 
 
-def _array_start(addr):
-    extents = address._block_extents()["shared"]
+def _array_start(addr, t=None):
+    extents = address._block_extents(t)["shared"]
     with address._extent_lock:
         for lo, hi in extents.items():
             if lo <= addr < hi:
