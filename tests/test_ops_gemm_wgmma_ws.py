@@ -379,17 +379,18 @@ def test_cluster_config_and_grid():
 
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,b_layout,shape,batch,extra", [
-    ("float16", "row", SMALL_CLUSTER, 1, {}),
+    ("float16", "row", SMALL_CLUSTER, 2, {}),
     ("bfloat16", "col", SMALL_CLUSTER, 2, {"persistent": True}),
     ("float16", "col", TWO, 1, {"persistent": True, "smem_epilogue": True,
                                 "tma_store": True})],
-    ids=["f16-row", "bf16-col-batched-persistent", "f16-col-persistent-tma-store"])
+    ids=["f16-row-batched", "bf16-col-batched-persistent", "f16-col-persistent-tma-store"])
 def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     """Clusters of two in the simulator (their blocks run at the same time there): each block
     loads half of every stage's B by multicast into both, stages are freed on both blocks'
     barriers. Three row blocks (the second cluster's rank 1 has no rows), partial tiles on
     every edge, five k steps through two stages, out poisoned with NaN; the persistent grid
-    of 4 blocks (two clusters) walks several cluster tiles."""
+    of 4 blocks (two clusters) walks several cluster tiles; a batch on the grid's y (the
+    simulator reaches every y before the next x: clusters start whole)."""
     rng = np.random.default_rng()
     rows = shape["block_m"]
     m, n, k = 2 * rows + rows // 2 + 3, 100, 258

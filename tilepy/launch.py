@@ -166,6 +166,8 @@ class LaunchPlan:
         """How many clusters of this plan the device can run at once (``cuOccupancyMaxActive
         Clusters``; a persistent grid of more would run its last clusters after the others).
         ``cluster > 1`` only; in the simulator :data:`SIM_SMS` // cluster."""
+        if self.cluster < 2:
+            raise ValueError("max_active_clusters: this plan launches no clusters")
         if SIMULATOR:
             return max(1, SIM_SMS // self.cluster)
         driver = self._driver
@@ -195,7 +197,8 @@ class LaunchPlan:
                 (err,) = self._launch_fn(self._func, gx, gy, gz, bx, by, bz, self.smem, stream,
                                          self._params_addr, 0)
         if err != self._success:
-            raise RuntimeError(f"cuLaunchKernel failed: {err!r} (grid {self.grid}, block "
+            call = "cuLaunchKernelEx" if self.cluster > 1 else "cuLaunchKernel"
+            raise RuntimeError(f"{call} failed: {err!r} (grid {self.grid}, block "
                                f"{self.block}, {self.smem} B of dynamic shared memory"
                                + (f", clusters of {self.cluster}" if self.cluster > 1 else "")
                                + ")")

@@ -291,6 +291,11 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 hopper_config(m, n, batch, dtype, tma_store=plain) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
+            if config is None and isinstance(cfg, ws.WsConfig) and cfg.tma_store and \
+                    not plain:
+                # a tuned choice is timed on plain products; a fused epilogue keeps the
+                # staged one (the TMA-store epilogue was slower there)
+                cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
             if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not _tma_storable(out_v):
                 if config is not None:
                     raise ValueError("config: tma_store needs a 16-bit out whose rows TMA can "

@@ -134,7 +134,8 @@ class WsConfig:
     when the consumers of both blocks have released it (each consumer warp arrives on the
     stage's "empty" barrier in both blocks). Each SM then reads 32 KB per k-step from L2
     instead of 48 (128 × 256), as cuBLAS's Hopper kernels do with their 2-block clusters.
-    The real GPU only: the simulator cannot run a cluster of two.
+    ``block_n`` a multiple of 128. In the simulator the blocks of a cluster run at the same
+    time (:mod:`tilepy.ptx._simcluster`).
     """
 
     block_m: int = 128
@@ -1341,8 +1342,12 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     if cfg.persistent and cfg.cluster > 1:
         # a persistent grid of more clusters than run at once would leave the last ones for
         # a second wave (SMs per GPC need not be even)
-        fit = grid(cfg, a.shape[1], out.shape[2], out.shape[0], g[0],
-                   p.max_active_clusters())
+        fits = p.max_active_clusters()
+        if fits < 1:
+            raise ValueError(f"{cfg.describe()}: the device cannot run a cluster of "
+                             f"{cfg.cluster} of these blocks at once (cuOccupancyMaxActive"
+                             "Clusters is 0); use cluster=1")
+        fit = grid(cfg, a.shape[1], out.shape[2], out.shape[0], g[0], fits)
         if fit != g:
             p = TmaLaunchPlan(kernel, args, fit, cfg.threads, smem, encoder, map_args,
                               cfg.cluster)

@@ -6,10 +6,11 @@ The simulator runs a grid's blocks one after another (``FakeCUDAKernel.__call__`
 cluster barrier, a stage freed by the other block's consumers), so they must run at the same
 time, each in its own shared memory. :func:`clusters` does that for the duration of one launch:
 
-* it swaps the simulator's ``BlockManager`` for one whose ``run`` starts the block in a thread
-  of its own and returns, except for the last block of a cluster to start, which waits for the
-  whole cluster (and raises the first error of any of its blocks); blocks ``c·i … c·i + c − 1``
-  of the grid's x dimension (same y, z) form cluster i, as on the GPU;
+* it swaps the simulator's ``BlockManager`` for one whose ``run`` only notes the block, until
+  the last block of its cluster arrives: then it runs the cluster's blocks at the same time,
+  each in a thread of its own, waits for all of them and raises the first error of any;
+  blocks ``c·i … c·i + c − 1`` of the grid's x dimension (same y, z) form cluster i, as on
+  the GPU;
 * it gives each block its own ``cuda.shared`` (static arrays by call site, and the dynamic
   array), keyed by the block's manager;
 * each manager carries ``_tilepy_cluster``: the cluster's managers by rank, the cluster
@@ -115,13 +116,6 @@ def owner(addr: int, t=None):
     return t
 
 
-def check_failed(t, what: str) -> None:
-    """Raise if another block of the caller's cluster raised."""
-    cl = cluster_of(t)
-    if cl is not None and cl["failed"]:
-        raise RuntimeError(f"{what}: another block of the cluster raised")
-
-
 # ---- the cluster barrier ----------------------------------------------------------------------
 
 def barrier_arrive() -> None:
@@ -207,7 +201,7 @@ def clusters(size: int, grid, block):
     grid = tuple(grid) + (1,) * (3 - len(grid))
     threads = int(np.prod(block)) * size
     states = {}
-    pending = {}   # cluster key -> [(manager, python thread)]
+    pending = {}   # cluster key -> the threads of its blocks seen so far (not started)
     original = K.BlockManager
 
     class ClusterBlockManager(original):
@@ -227,19 +221,22 @@ def clusters(size: int, grid, block):
             def go():
                 try:
                     original.run(self, grid_point, *args)
-                except BaseException as e:  # noqa: BLE001 - re-raised by the last block
+                except BaseException as e:  # noqa: BLE001 - re-raised below
                     with state["cond"]:
                         state["errors"].append(e)   # in the order they happened
                         state["failed"] = True
 
-            th = threading.Thread(target=go, daemon=True)
+            # The simulator reaches a grid's blocks z, y first, x last: a cluster's blocks
+            # are started together once all of them are known, and run to the end before
+            # the next cluster starts (no block waits on a cluster that is not running).
             members = pending.setdefault(key, [])
-            members.append((self, th))
-            th.start()
+            members.append(threading.Thread(target=go, daemon=True))
             if len(members) == size:
-                for _, th_ in members:
-                    th_.join()
                 del pending[key]
+                for th in members:
+                    th.start()
+                for th in members:
+                    th.join()
                 if state["errors"]:   # the first to fail: the others failed because of it
                     raise state["errors"][0]
 
