@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from numba import cuda, uint16, uint64
+from test_ptx_mbarrier_tma import device_tensor
 
 from tilepy.launch import LaunchPlan
 from tilepy.ptx import cluster as C
@@ -26,14 +27,7 @@ ALIGN = None if SIMULATOR else 128
 def _tensor(rng):
     """(keep-alive, pointer, host copy) of a 40 × 48 float16 tensor (as uint16 words)."""
     t = rng.integers(0, 2**16, (40, 48), dtype=np.uint16)
-    if SIMULATOR:
-        raw = np.zeros(t.nbytes + 256, np.uint8)
-        off = (-raw.ctypes.data) % 256
-        a = raw[off:off + t.nbytes].view(np.uint16).reshape(t.shape)
-        a[...] = t
-        return a, a.ctypes.data, t
-    d = cuda.to_device(t)
-    return d, d.device_ctypes_pointer.value, t
+    return (*device_tensor(t), t)
 
 
 def make_kernel(nblocks, mask, remote_rank):

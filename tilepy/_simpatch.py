@@ -31,6 +31,25 @@ import threading
 _lock = threading.Lock()
 
 
+def static_array(allocations: dict, caller, shape, dtype):
+    """The static shared array made at ``caller``'s line (a frame), created under the lock if
+    ``allocations`` (a ``FakeCUDAShared``'s, keyed by file name and line) has none yet."""
+    key = (caller.f_code.co_filename, caller.f_lineno)
+    res = allocations.get(key)
+    if res is None:
+        with _lock:
+            res = allocations.get(key)
+            if res is None:
+                import numpy as np
+                from numba.core import types
+                from numba.np import numpy_support
+
+                if isinstance(dtype, types.Type):
+                    dtype = numpy_support.as_dtype(dtype)
+                res = allocations[key] = np.empty(shape, dtype)
+    return res
+
+
 def install() -> bool:
     """Make the simulator's static shared-array creation atomic; True if the patch is on."""
     try:
@@ -43,25 +62,11 @@ def install() -> bool:
         return False
     if getattr(original, "_tilepy_atomic", False):
         return True
-    import numpy as np
-    from numba.core import types
-    from numba.np import numpy_support
 
     def array(self, shape, dtype, alignment=None):
         if alignment is not None or shape == 0:
             return original(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        allocations = self._allocations
-        res = allocations.get(key)
-        if res is None:
-            with _lock:
-                res = allocations.get(key)
-                if res is None:
-                    if isinstance(dtype, types.Type):
-                        dtype = numpy_support.as_dtype(dtype)
-                    res = allocations[key] = np.empty(shape, dtype)
-        return res
+        return static_array(self._allocations, sys._getframe(1), shape, dtype)
 
     array._tilepy_atomic = True
     array.__doc__ = original.__doc__

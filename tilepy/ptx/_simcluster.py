@@ -31,7 +31,9 @@ import time
 
 import numpy as np
 
-from . import _sim
+from .. import _simpatch
+from .._simpatch import static_array
+from . import _sim, address
 
 
 class _Stand:
@@ -56,7 +58,7 @@ def _arrays(manager):
     shared = getattr(manager, "_tilepy_shared", None)
     if shared is None:
         return []
-    with _lock:
+    with _simpatch._lock:   # the lock static arrays are created under
         out = list(shared._allocations.items())
     return out + [(None, shared._dynshared)]
 
@@ -90,8 +92,6 @@ def peer_address(addr: int, r: int, who: str) -> int:
         if k == key:
             # the peer's array exists whether or not its own threads took its address yet:
             # name it for the peer's range checks (a multicast may land before they do)
-            from . import address
-
             lo = arr.ctypes.data
             extents = address._block_extents(_Stand(peer))["shared"]
             with address._extent_lock:
@@ -175,20 +175,9 @@ class _PerBlockShared:
                     shared = m._tilepy_shared = self._make()
         if shape == 0 or alignment is not None:
             return shared.array(shape, dtype, alignment)
-        # a static array by the kernel's call site, as the simulator keys them (the
-        # simulator's own lookup would see this line as the call site of every array)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        with _lock:
-            res = shared._allocations.get(key)
-            if res is None:
-                from numba.core import types
-                from numba.np import numpy_support
-
-                if isinstance(dtype, types.Type):
-                    dtype = numpy_support.as_dtype(dtype)
-                res = shared._allocations[key] = np.empty(shape, dtype)
-        return res
+        # a static array by the kernel's call site, as the simulator keys them (its own
+        # lookup would see this line as the call site of every array)
+        return static_array(shared._allocations, sys._getframe(1), shape, dtype)
 
 
 @contextlib.contextmanager
