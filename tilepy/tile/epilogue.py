@@ -546,12 +546,11 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
         # second n8 block), row lane % 8 of it, whose 128-byte swizzle is lane % 8
         q = lane // 8
         rs = lane % 8
-        row_off = ((thread // 32) * 16 + rs + 8 * (q % 2)) * 128
+        rl = (thread // 32) * 16 + rs + 8 * (q % 2)
         second = q // 2
         for jj in range(0, count, 2):
             j = first + jj
-            blk = jj + second
-            addr = (blk // 8) * SWIZZLED_BOX_BYTES + row_off + (((blk % 8) ^ rs) * 16)
+            addr = swizzled_pair_offset(jj + second, rl, rs, 0)
             r0, r1 = n8_values(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3],
                                col0 + 8 * j + 2 * t, r, m, n, alpha, bias, c_in, beta)
             r2, r3 = n8_values(acc[4 * j + 4], acc[4 * j + 5], acc[4 * j + 6], acc[4 * j + 7],
@@ -563,11 +562,10 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     # written out with constant accumulator indices (see _plain)
     body = ["lane = thread % 32", "g = lane // 4", "t = lane % 4",
             "r = row0 + (thread // 32) * 16 + g", "q = lane // 8", "rs = lane % 8",
-            "row_off = ((thread // 32) * 16 + rs + 8 * (q % 2)) * 128", "second = q // 2"]
+            "rl = (thread // 32) * 16 + rs + 8 * (q % 2)", "second = q // 2"]
     for jj in range(0, count, 2):
         j = first + jj
-        body += [f"blk = {jj} + second",
-                 f"addr = (blk // 8) * {SWIZZLED_BOX_BYTES} + row_off + (((blk % 8) ^ rs) * 16)",
+        body += [f"addr = swizzled_pair_offset({jj} + second, rl, rs, 0)",
                  f"r0, r1 = n8_values(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], "
                  f"acc[{4 * j + 3}], col0 + {8 * j} + 2 * t, r, m, n, alpha, bias, c_in, beta)",
                  f"r2, r3 = n8_values(acc[{4 * j + 4}], acc[{4 * j + 5}], acc[{4 * j + 6}], "
@@ -576,5 +574,6 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
                  "stmatrix_x4(stage + addr, r0, r1, r2, r3)"]
     return _written_out(
         "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)", body,
-        {"n8_values": n8_values, "stmatrix_x4": stmatrix_x4},
+        {"n8_values": n8_values, "stmatrix_x4": stmatrix_x4,
+         "swizzled_pair_offset": swizzled_pair_offset},
         "stage_accumulators_swizzled write")
