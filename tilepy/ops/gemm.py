@@ -287,21 +287,20 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             # staged one (bias columns in shared memory): the fused bias + GELU benchmark ran
             # at 565 TFLOPS on the TMA-store epilogue against 604 (bench/NOTES.md, session 11)
             plain = Bias is None and C is None and activation is None
+            storable = _tma_storable(out_v)
             cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \
-                hopper_config(m, n, batch, dtype, tma_store=plain) or mma_cfg
+                hopper_config(m, n, batch, dtype, tma_store=plain and storable) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
-            if config is None and isinstance(cfg, ws.WsConfig) and cfg.tma_store and \
-                    not plain:
-                # a tuned choice is timed on plain products; a fused epilogue keeps the
-                # staged one (the TMA-store epilogue was slower there)
-                cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
-            if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not _tma_storable(out_v):
-                if config is not None:
+            if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not (plain and storable):
+                if config is None:
+                    # a tuned choice (timed on plain products) for a fused epilogue, or an out
+                    # TMA cannot store: the staged epilogue instead
+                    cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
+                elif not storable:
                     raise ValueError("config: tma_store needs a 16-bit out whose rows TMA can "
                                      "store (unit column stride, rows and start 16-byte "
                                      f"aligned); got {out_dtype} with strides {Out.strides}")
-                cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
                     cfg, layout_b == "row", a_view, b_view):
                 cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)
