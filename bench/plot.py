@@ -5,8 +5,12 @@
 
 One PNG per figure the suites recorded (``figure`` / ``x`` in ``extra_info``, see
 ``bench/results_data.py``): GEMM TFLOPS against size, softmax GB/s against row length,
-attention TFLOPS against sequence length. The points of a figure all come from one result
-file (the newest that has it). A figure with a single point is not drawn (its table has it).
+attention TFLOPS against sequence length. Each point is the implementation's effective
+throughput: the slower of its GPU-only and as-called time (``bench/results_data.py``);
+a point whose as-called time exceeds 1.1× its GPU-only time (host-bound as called) gets a
+black cross; the legend says which time the figure uses (older files: GPU-only only). The
+points of a figure all come from one result file (the newest that has it). A figure with a
+single point is not drawn (its table has it).
 Needs matplotlib (``pip install -e '.[bench]'``); then run ``python bench/report.py`` so that
 docs/performance.md links the new plots.
 """
@@ -36,11 +40,20 @@ def require_matplotlib():
     return plt
 
 
+def legend_title(fig: results_data.Figure) -> str:
+    """What the points are: each implementation's slower time, or (older files) GPU only."""
+    if fig.as_called:
+        return "slower of GPU-only and as-called time"
+    return "GPU-only time (no as-called figures in this file)"
+
+
 def draw(plt, fig: results_data.Figure, gpu: str, path: pathlib.Path) -> None:
     numeric = all(isinstance(x, (int, float)) for x in fig.xs)
     positions = fig.xs if numeric else list(range(len(fig.xs)))
     f, ax = plt.subplots(figsize=(7, 4.2))
+    bound_pts = []
     for impl, values in fig.series.items():
+        flags = fig.host_bound.get(impl, [False] * len(values))
         pts = [(p, v) for p, v in zip(positions, values) if v is not None]
         if not pts:
             continue
@@ -48,6 +61,11 @@ def draw(plt, fig: results_data.Figure, gpu: str, path: pathlib.Path) -> None:
         if impl.startswith("copy"):
             style = {"linestyle": "--", "color": "grey"}
         ax.plot(*zip(*pts), marker="o", label=impl, **style)
+        bound_pts += [(p, v) for p, v, b in zip(positions, values, flags) if b and v is not None]
+    if bound_pts:
+        bound = f"{results_data.HOST_BOUND:.2f}".rstrip("0").rstrip(".")
+        ax.scatter(*zip(*bound_pts), marker="x", color="black", s=60, zorder=4,
+                   label=f"host-bound as called (> {bound}× GPU-only time)")
     if numeric:
         ax.set_xscale("log", base=2)
         ax.set_xticks(fig.xs)
@@ -57,11 +75,11 @@ def draw(plt, fig: results_data.Figure, gpu: str, path: pathlib.Path) -> None:
         ax.set_xticks(positions)
         ax.set_xticklabels([str(x) for x in fig.xs], rotation=15)
     ax.set_xlabel(fig.xlabel)
-    ax.set_ylabel(fig.unit)
+    ax.set_ylabel(f"{fig.unit} (slower time)" if fig.as_called else fig.unit)
     ax.set_ylim(bottom=0)
     ax.set_title(f"{fig.name.replace('_', ' ')} — {gpu.replace('_', ' ')}", fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, title=legend_title(fig), title_fontsize=7)
     f.text(0.99, 0.01, fig.file, ha="right", va="bottom", fontsize=6, color="grey")
     f.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

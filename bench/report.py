@@ -36,27 +36,71 @@ def fmt(v, unit=""):
     return f"{v:.2f}{unit}" if abs(v) < 10 else f"{v:.0f}{unit}"
 
 
+HOST_MARK = "†"
+
+
+def effective_note(marked: bool, gpu_only_files, all_old: bool, legacy: bool = False) -> str:
+    """The footnote under a table: which time its throughputs and ratios use, what
+    ``HOST_MARK`` means (when a row has it) and which rows have no as-called figures (the
+    files ``gpu_only_files``; ``all_old``: no row has them)."""
+    bound = f"{results_data.HOST_BOUND:.2f}".rstrip("0").rstrip(".")
+    before = "recorded before `bench/measure.py` timed calls as called"
+    if all_old:
+        return (f"No row of this table has as-called figures ({before}): throughputs and "
+                "ratios are of GPU-only time (events around calls behind a GPU spin, so they "
+                "hold GPU work only), never marked host-bound. Rows recorded since use each "
+                "implementation's slower time, GPU only or as called.")
+    if legacy:
+        text = ("Where a row has as-called figures, its throughputs and ratio use each "
+                "implementation's slower time: the one recorded, or as called (back-to-back "
+                "calls with nothing in front, host cost included).")
+    else:
+        text = ("Throughputs and ratios use each implementation's slower time "
+                "(`bench/measure.py`): GPU only (events around calls behind a GPU spin, so "
+                "they hold GPU work only) or as called (back-to-back calls with nothing in "
+                "front, host cost included).")
+    if marked:
+        text += (f" {HOST_MARK} host-bound as called: this implementation's as-called time is "
+                 f"more than {bound}× its {'recorded' if legacy else 'GPU-only'} time (the CPU "
+                 "cost of a call exceeds its GPU work), so the figure shown is the as-called "
+                 "one.")
+    if gpu_only_files:
+        then = "as recorded then" if legacy else "GPU-only time only"
+        text += (f" Older rows lack as-called figures ({before}; files "
+                 f"{', '.join(gpu_only_files)}): {then}, never marked.")
+    return text
+
+
 def suite_tables(items) -> list:
     """Markdown for every table the suites named: a row per case, a column per
-    implementation's throughput, then tilepy's ratio to each peer (peer_ms / ms)."""
+    implementation's effective throughput (its slower time, GPU only or as called; marked
+    ``HOST_MARK`` where host-bound as called), then tilepy's ratio to each peer (peer_ms /
+    ms of the effective times), then a footnote that says so."""
     parts = []
     for t in results_data.tables(items).values():
         head = ["file", "case"] + [f"{i} ({t.unit})" for i in t.impls]
         head += [f"ratio to {p}" for p in t.peers]
         if t.host:
             head += [f"host µs/call {i}" for i in t.impls]
-        rows = []
+        rows, marked = [], False
         for e in t.rows:
-            impls = e.info.get("impls", {})
+            impls = results_data.effective(e.info)
+            bound = results_data.host_bound(e.info)
             ratios = e.info.get("ratios", {})
             host = e.info.get("host_us_all", {})
             row = [e.file, e.info.get("case", e.name)]
-            row += [fmt(impls.get(i)) for i in t.impls]
+            for i in t.impls:
+                mark = HOST_MARK if bound.get(i) else ""
+                marked = marked or bool(mark)
+                row.append(fmt(impls.get(i)) + mark)
             row += [fmt(ratios.get(p), "×") for p in t.peers]
             if t.host:
                 row += [fmt(host.get(i)) for i in t.impls]
             rows.append(row)
-        parts += [f"### {t.title}", "", table(head, rows), ""]
+        parts += [f"### {t.title}", "", table(head, rows), "",
+                  effective_note(marked, t.gpu_only_files,
+                                 not any(results_data.has_as_called(e.info) for e in t.rows)),
+                  ""]
     return parts
 
 
@@ -82,12 +126,20 @@ def build() -> str:
         parts += suite_tables(items) + plot_links(gpu_dir.name, items)
         bench_rows, sweep_rows, demo_rows, host_rows = [], [], [], []
         att_rows, first_rows, probe_rows, clock_rows = [], [], [], []
+        legacy_marked, legacy_called, legacy_old = False, False, []
         for b in results_data.legacy(items):
             e = b.info
-            thr = e.get("tflops") or e.get("gbps")
             unit = " TFLOPS" if "tflops" in e else " GB/s"
-            bench_rows.append((b.file, b.name, fmt(thr, unit), e.get("peer", "-"),
-                               fmt(e.get("peer_tflops") or e.get("peer_gbps"), unit)
+            thr, bound = results_data.legacy_effective(e)
+            peer_thr, peer_bound = results_data.legacy_effective(e, "peer_")
+            legacy_marked = legacy_marked or bound or (peer_bound and bool(e.get("peer")))
+            if results_data.has_as_called(e):
+                legacy_called = True
+            elif b.file not in legacy_old:
+                legacy_old.append(b.file)
+            bench_rows.append((b.file, b.name, fmt(thr, unit) + (HOST_MARK if bound else ""),
+                               e.get("peer", "-"),
+                               fmt(peer_thr, unit) + (HOST_MARK if peer_bound else "")
                                if e.get("peer") else "-", fmt(e.get("ratio"), "×")))
         for f in sorted(gpu_dir.glob("*.json")):
             data = results_data.load(f)
@@ -152,6 +204,8 @@ def build() -> str:
             parts += ["### Earlier benchmarks (pytest-benchmark, before per-peer tables)", "",
                       table(("file", "benchmark", "tilepy", "peer", "peer", "ratio"), bench_rows),
                       ""]
+            if legacy_called:  # rows of this kind recorded since: say which time they use
+                parts += [effective_note(legacy_marked, legacy_old, False, True), ""]
         if sweep_rows:
             parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`, "
                       "`bench/sweep_gemm_wgmma.py`, `bench/sweep_gemm_shapes.py`)", "",

@@ -2,9 +2,16 @@
 
 A result file is pytest-benchmark JSON (``--benchmark-json``). The suites record in each
 benchmark's ``extra_info`` (``bench/measure.py``): ``unit``, ``impls`` {implementation:
-throughput}, ``ratios`` {peer: peer_ms / ms}, ``host_us_all``, and where the result belongs:
-``table`` + ``case`` (a row of a table) and optionally ``figure`` + ``x`` + ``xlabel`` (a
-point of a plot). Older results without ``table`` are listed as they were (``legacy``).
+GPU-only throughput}, ``impls_as_called`` {implementation: throughput as called},
+``ratios`` {peer: peer_ms / ms of each one's slower time}, ``host_us_all``, and where the
+result belongs: ``table`` + ``case`` (a row of a table) and optionally ``figure`` + ``x`` +
+``xlabel`` (a point of a plot). Older results without ``table`` are listed as they were
+(``legacy``).
+
+Tables and plots show each implementation's *effective* throughput (:func:`effective`): the
+lower of its GPU-only and as-called throughput, i.e. its slower time; ``ratios`` are already
+recorded that way. Files from before the as-called timing have no ``impls_as_called``: their
+effective throughput is the GPU-only one (:func:`has_as_called` tells them apart).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import dataclass, field
+
+HOST_BOUND = 1.10  # bench/measure.py's HOST_BOUND: as called > 1.1 × GPU only
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,7 @@ class Table:
     peers: list = field(default_factory=list)  # implementations that have a ratio
     host: bool = False  # rows carry host µs per call worth showing
     rows: list = field(default_factory=list)  # Entry
+    gpu_only_files: list = field(default_factory=list)  # files of rows without as-called figures
 
 
 @dataclass
@@ -40,7 +50,9 @@ class Figure:
     xlabel: str
     file: str  # the result file the points come from (the newest that has this figure)
     xs: list = field(default_factory=list)
-    series: dict = field(default_factory=dict)  # implementation → [throughput or None per x]
+    series: dict = field(default_factory=dict)  # implementation → [effective throughput or None]
+    host_bound: dict = field(default_factory=dict)  # implementation → [host-bound as called?]
+    as_called: bool = False  # the points carry as-called figures (else GPU-only time only)
 
 
 def load(path: pathlib.Path):
@@ -60,6 +72,44 @@ def entries(gpu_dir: pathlib.Path) -> list:
             out += [Entry(path.name, b["name"], b.get("extra_info", {}))
                     for b in data["benchmarks"]]
     return out
+
+
+def has_as_called(info: dict) -> bool:
+    """The entry recorded as-called figures (files from before that timing did not)."""
+    return "impls_as_called" in info or "ms_as_called" in info
+
+
+def effective(info: dict) -> dict:
+    """{implementation: effective throughput or None}: the lower of the GPU-only (``impls``)
+    and the as-called (``impls_as_called``) throughput, i.e. the slower time; the GPU-only
+    one where no as-called figure was recorded."""
+    called = info.get("impls_as_called", {})
+    out = {}
+    for impl, gpu in info.get("impls", {}).items():
+        ac = called.get(impl)
+        out[impl] = gpu if ac is None or gpu is None else min(gpu, ac)
+    return out
+
+
+def host_bound(info: dict) -> dict:
+    """{implementation: True where its as-called time exceeds ``HOST_BOUND`` × its GPU-only
+    time} (from the throughputs: time ratio = inverse throughput ratio); only
+    implementations with both figures."""
+    called = info.get("impls_as_called", {})
+    return {impl: gpu > HOST_BOUND * called[impl]
+            for impl, gpu in info.get("impls", {}).items()
+            if gpu is not None and called.get(impl) is not None}
+
+
+def legacy_effective(info: dict, prefix: str = ""):
+    """(effective throughput, host-bound?) of a result without ``table`` (the ``tflops`` /
+    ``gbps`` figure, or with ``prefix="peer_"`` its peer's): the lower of it and its
+    ``..._as_called`` twin where that was recorded."""
+    key = "tflops" if "tflops" in info else "gbps"
+    gpu, ac = info.get(prefix + key), info.get(f"{prefix}{key}_as_called")
+    if gpu is None or ac is None:
+        return gpu, False
+    return min(gpu, ac), gpu > HOST_BOUND * ac
 
 
 def legacy(items) -> list:
@@ -85,6 +135,8 @@ def tables(items) -> dict:
         _add_unique(t.peers, e.info.get("ratios", {}))
         t.host = t.host or bool(e.info.get("flushed_l2"))
         t.rows.append(e)
+        if not has_as_called(e.info):
+            _add_unique(t.gpu_only_files, [e.file])
     return out
 
 
@@ -103,16 +155,23 @@ def figures(items) -> dict:
         f = out.setdefault(name, Figure(name, e.info.get("unit", ""), e.info.get("xlabel", ""),
                                         e.file))
         f.xs.append(e.info["x"])
+        f.as_called = f.as_called or has_as_called(e.info)
+        eff, bound = effective(e.info), host_bound(e.info)
         for impl in e.info.get("impls", {}):
             f.series.setdefault(impl, [])
+            f.host_bound.setdefault(impl, [])
         for impl, values in f.series.items():
             values.extend([None] * (len(f.xs) - 1 - len(values)))
-            values.append(e.info.get("impls", {}).get(impl))
+            values.append(eff.get(impl))
+            flags = f.host_bound[impl]
+            flags.extend([False] * (len(f.xs) - 1 - len(flags)))
+            flags.append(bound.get(impl, False))
     for f in out.values():
         if all(isinstance(x, (int, float)) for x in f.xs):  # numeric sizes: ascending
             order = sorted(range(len(f.xs)), key=lambda i: f.xs[i])
             f.xs = [f.xs[i] for i in order]
             f.series = {k: [v[i] for i in order] for k, v in f.series.items()}
+            f.host_bound = {k: [v[i] for i in order] for k, v in f.host_bound.items()}
     return out
 
 

@@ -3,10 +3,11 @@
 and a Triton fused attention forward, same run.
 
 Throughput is ``4·B·H·Sq·Sk·D`` FLOP (two matmuls), halved for causal attention, per second
-of GPU time (``bench/measure.py``: CUDA events, the CPU cost of each call kept out of the
-events and recorded as ``host_us``). tilepy and Triton write into a preallocated ``out``; SDPA
-allocates its result (from PyTorch's cache). The SDPA backend is pinned with
-``torch.nn.attention.sdpa_kernel`` around the whole timing. The main peer is SDPA's
+(``bench/measure.py``): of GPU time (CUDA events, the CPU cost of each call kept out of the
+events and recorded as ``host_us``) and of the time as called (back-to-back calls, host cost
+included); ratios use each implementation's slower one. tilepy and Triton write into a
+preallocated ``out``; SDPA allocates its result (from PyTorch's cache). The SDPA backend is
+pinned with ``torch.nn.attention.sdpa_kernel`` around the whole timing. The main peer is SDPA's
 FlashAttention-2 backend (``ratio``); cuDNN and Triton are in ``ratios``. A peer that refuses
 a case is left out and says why in ``peer_errors``.
 

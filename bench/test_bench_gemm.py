@@ -14,7 +14,9 @@
   tile library adds to Numba.
 
 The main peer of every op result is cuBLAS through ``torch.matmul`` (``ratio``); ``ratios``
-holds the others. Every implementation writes into a preallocated output where it can. Each
+holds the others. Every implementation is timed GPU only and as called (``bench/measure.py``);
+ratios use each one's slower time, so a wrapper whose host cost exceeds its kernel's time
+shows in them. Every implementation writes into a preallocated output where it can. Each
 tilepy result is checked once against PyTorch (max relative error) before it is timed.
 Select parts with ``-k``: ``-k kernel``, ``-k square``, ``-k llm``, ``-k small``, ``-k gelu``,
 ``-k simt``.
@@ -116,7 +118,7 @@ def test_gemm_kernel_vs_cublas(benchmark, record, torch, gpu_name, n, dtype):
     assert err < TOLERANCE, err
 
     def ours():
-        launch(kern, cfg, *args)  # the GPU time is what counts here (host cost kept out)
+        launch(kern, cfg, *args)  # GPU-only time and, as called, the host cost of launch()
 
     peer_out = torch.empty_like(out)
     timings = {"tilepy": gpu_time(torch, ours),

@@ -3,10 +3,15 @@ loop written in CUDA C++ (WMMA API, compiled by NVRTC through CuPy) in the same 
 
 The anchor (shared/anchors.md) is 540 TFLOPS for such a loop on the H200; issue 3 asks for at
 least 90% of it, measured beside a repeat of that ceiling measurement.
+
+Each loop is timed with ``time_cuda`` (``ms``, ``tflops``) and as called, back to back with
+nothing in front (``bench/measure.py``: ``ms_as_called``, ``tflops_as_called``); ``ratio`` is
+of each one's slower time (``ratio_gpu``: of the ``time_cuda`` times).
 """
 
 import numpy as np
 import pytest
+from measure import as_called_calls, as_called_ms
 
 ITERS = 4096
 BLOCKS_PER_SM = 8
@@ -47,11 +52,27 @@ def cuda_include_options():
     return (f"-I{inc}",) if os.path.exists(os.path.join(inc, "crt", "mma.h")) else ()
 
 
+def timed(run, flop, sync):
+    """{tflops, ms, ms_as_called, tflops_as_called} of ``run``: ``time_cuda`` and as
+    called (``bench/measure.py``)."""
+    from tilepy.testing.timing import time_cuda
+
+    ms = time_cuda(run, repeat=10)
+    called = as_called_ms(run, as_called_calls(ms, 0.0), sync=sync)
+    return {"tflops": flop / ms / 1e9, "ms": ms, "ms_as_called": called,
+            "tflops_as_called": flop / called / 1e9}
+
+
+def effective_ms(t):
+    """The slower of the two times (what ``ratio`` compares)."""
+    return max(t["ms"], t["ms_as_called"])
+
+
 @pytest.fixture(scope="module")
 def wmma_peer():
-    """(TFLOPS, ms) of the CUDA C++ WMMA loop; each wmma 16x16x16 = two m16n8k16 mma."""
+    """(timed figures, run) of the CUDA C++ WMMA loop; each wmma 16x16x16 = two m16n8k16
+    mma."""
     cupy = pytest.importorskip("cupy")
-    from tilepy.testing.timing import time_cuda
 
     # CHAINS/2 wmma fragments of 16x16 = CHAINS m16n8k16 accumulators: same work per warp.
     chains = CHAINS // 2
@@ -62,32 +83,30 @@ def wmma_peer():
     a = (cupy.random.standard_normal(256, dtype=cupy.float32) * 0.01).astype(cupy.float16)
     out = cupy.empty(blocks * threads, cupy.float32)
     run = lambda: kernel((blocks,), (threads,), (a, out, np.int64(ITERS)))  # noqa: E731
-    ms = time_cuda(run, repeat=10)
     flop = 2 * 16 * 16 * 16 * chains * ITERS * blocks * WARPS
-    return flop / ms / 1e9, ms, run
+    return timed(run, flop, cupy.cuda.Device().synchronize), run
 
 
 def test_mma_sync_register_loop_tilepy(benchmark, record, wmma_peer, gpu_name):
     from numba import cuda
 
     from tilepy.testing.peak import mma_peak_setup
-    from tilepy.testing.timing import time_cuda
 
     run, flop = mma_peak_setup(ITERS, BLOCKS_PER_SM, WARPS, CHAINS)
-    ms = time_cuda(run, repeat=10)
-    tflops = flop / ms / 1e9
-    peer_tflops = wmma_peer[0]
-    record(gpu=gpu_name, tflops=tflops, ms=ms, peer="CUDA C++ wmma loop (NVRTC)",
-           peer_tflops=peer_tflops, ratio=tflops / peer_tflops,
-           anchor_tflops=540.0, fraction_of_anchor=tflops / 540.0)
+    ours = timed(run, flop, cuda.synchronize)
+    peer = wmma_peer[0]
+    record(gpu=gpu_name, **ours, peer="CUDA C++ wmma loop (NVRTC)",
+           peer_tflops=peer["tflops"], peer_tflops_as_called=peer["tflops_as_called"],
+           ratio=effective_ms(peer) / effective_ms(ours), ratio_gpu=peer["ms"] / ours["ms"],
+           anchor_tflops=540.0, fraction_of_anchor=ours["tflops"] / 540.0)
     benchmark.pedantic(lambda: (run(), cuda.synchronize()), rounds=5, iterations=1)
 
 
 def test_mma_sync_register_loop_cuda_cpp_peer(benchmark, record, wmma_peer, gpu_name):
     import cupy
 
-    tflops, ms, run = wmma_peer
-    record(gpu=gpu_name, tflops=tflops, ms=ms, anchor_tflops=540.0,
-           fraction_of_anchor=tflops / 540.0)
+    figures, run = wmma_peer
+    record(gpu=gpu_name, **figures, anchor_tflops=540.0,
+           fraction_of_anchor=figures["tflops"] / 540.0)
     benchmark.pedantic(lambda: (run(), cupy.cuda.Device().synchronize()), rounds=5,
                        iterations=1)
