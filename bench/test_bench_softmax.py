@@ -11,7 +11,13 @@ Shapes of issue 6: 16384×4096, 32768×1024, 4096×32768 in float32 and float16;
 of Triton's tutorial (4096 rows, 256 … 32768 columns); ``log_softmax`` at 16384×4096 float32;
 ``tilepy.gemm_softmax`` against ``tilepy.gemm`` + ``tilepy.softmax`` and against PyTorch
 (matmul + softmax) at M=16384, K=1024, N ∈ {1024, 4096}.
-Select parts with ``-k``: ``-k shapes``, ``-k sweep``, ``-k log``, ``-k gemm_softmax``.
+
+The backward (``tilepy.ops.softmax_backward``: ``softmax_backward`` / ``log_softmax_backward``)
+against ``torch._softmax_backward_data`` / ``torch._log_softmax_backward_data`` at the same
+shapes, sweep and log case: GB/s of reading ``dy`` and ``y`` and writing ``dx``; its ceiling
+is an elementwise ``torch.add(dy, y, out=...)``, which moves the same bytes.
+Select parts with ``-k``: ``-k shapes``, ``-k sweep``, ``-k log``, ``-k gemm_softmax``,
+``-k backward`` (``-k "not backward"`` for the forward only).
 """
 
 import pytest
@@ -30,12 +36,25 @@ DTYPES = ["float32", "float16"]
 SWEEP = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 TORCH = "torch"
 COPY = "copy (ceiling)"
+ADD = "add (ceiling)"
 
 
 def tolerance(dtype, log):
     """Max abs error: softmax values are ≤ 1; log-softmax values are about -log(n)."""
     base = 1e-5 if dtype == "float32" else 2e-3
     return base * (20 if log else 1)
+
+
+def backward_plan_of(cols, dtype):
+    """tilepy's backward kernel choice for rows of ``cols`` values, described (or '?')."""
+    try:
+        from tilepy.arrays import ITEMSIZE
+        from tilepy.ops.softmax_backward import plan
+
+        p = plan(cols, itemsize=ITEMSIZE[dtype])
+        return f"{p.path}, {p.threads} threads, {p.per_thread} per thread"
+    except Exception:  # noqa: BLE001 — a description, never a reason to fail
+        return "?"
 
 
 def plan_of(cols):
@@ -99,6 +118,60 @@ def test_softmax_row_sweep(benchmark, record, torch, gpu_name, cols, dtype):
 def test_log_softmax(benchmark, record, torch, gpu_name):
     run = softmax_case(torch, record, gpu_name, 16384, 4096, "float32", log=True,
                        table="Log-softmax", case="16384×4096 float32")
+    benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+def backward_case(torch, record, gpu_name, rows, cols, dtype, log=False, **info):
+    """The backward: check tilepy against PyTorch's backward (float32, of the same inputs)
+    once, time tilepy / torch / an elementwise add of dy and y (the same bytes: two reads, one
+    write), record; return the tilepy call for benchmark.pedantic. ``y`` is the forward's
+    output (``torch.softmax`` / ``torch.log_softmax``), ``dy`` random."""
+    from tilepy.ops.softmax_backward import log_softmax_backward, softmax_backward
+
+    ours_fn = log_softmax_backward if log else softmax_backward
+    torch_fn = torch._log_softmax_backward_data if log else torch._softmax_backward_data
+    tdt = getattr(torch, dtype)
+    x = torch.randn(rows, cols, device="cuda", dtype=tdt)
+    y = (torch.log_softmax if log else torch.softmax)(x, -1)
+    dy = torch.randn(rows, cols, device="cuda", dtype=tdt)
+    out = torch.empty_like(dy)
+    flush = fits_in_l2(torch, dy, y, out)
+    ours_fn(dy, y, out=out)  # compile
+    want = torch_fn(dy.float(), y.float(), -1, torch.float32)
+    err = max_abs_err(out, want)
+    assert err < tolerance(dtype, log), err
+
+    ceiling = torch.empty_like(dy)
+    timings = {"tilepy": gpu_time(torch, lambda: ours_fn(dy, y, out=out), flush=flush),
+               TORCH: gpu_time(torch, lambda: torch_fn(dy, y, -1, tdt), flush=flush),
+               ADD: gpu_time(torch, lambda: torch.add(dy, y, out=ceiling), flush=flush)}
+    record_throughput(record, work=3 * dy.numel() * dy.element_size(), unit="GB/s",
+                      timings=timings, main=TORCH, gpu=gpu_name, shape=f"{rows}x{cols}",
+                      dtype=dtype, plan=backward_plan_of(cols, dtype), max_abs_err=err, **info)
+    return lambda: (ours_fn(dy, y, out=out), torch.cuda.synchronize())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_softmax_backward_shapes(benchmark, record, torch, gpu_name, shape, dtype):
+    run = backward_case(torch, record, gpu_name, *shape, dtype, table="Softmax backward",
+                        case=f"{shape[0]}×{shape[1]} {dtype}")
+    benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", SWEEP)
+def test_softmax_backward_row_sweep(benchmark, record, torch, gpu_name, cols, dtype):
+    run = backward_case(torch, record, gpu_name, 4096, cols, dtype,
+                        table="Softmax backward: 4096 rows, row-length sweep",
+                        case=f"{cols} {dtype}", figure=f"softmax_backward_sweep_{dtype}",
+                        x=cols, xlabel="row length (4096 rows)")
+    benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+def test_log_softmax_backward(benchmark, record, torch, gpu_name):
+    run = backward_case(torch, record, gpu_name, 16384, 4096, "float32", log=True,
+                        table="Log-softmax backward", case="16384×4096 float32")
     benchmark.pedantic(run, rounds=3, iterations=1)
 
 

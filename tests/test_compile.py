@@ -87,3 +87,39 @@ def test_float32_simt_gemm_compiles_without_local_memory():
     rep = run_in_subprocess("tilepy.ops.gemm_simt:compile_reports")["gemm_simt"]
     assert rep["counts"]["mma"] == 0 and rep["counts"]["bar.sync"] >= 2
     assert rep["stack_frame"] == 0 and rep["spill_stores"] == 0 and rep["local_bytes"] == 0
+
+
+@pytest.fixture(scope="session")
+def softmax_backward_reports():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    return run_in_subprocess("tilepy.ops.softmax_backward:compile_reports")
+
+
+def _softmax_backward_kernels():
+    from tilepy.ops import softmax_backward
+
+    return [name for name, *_ in softmax_backward.compile_plans()]
+
+
+@pytest.mark.parametrize("name", _softmax_backward_kernels())
+def test_softmax_backward_kernel_compiles_without_spills(softmax_backward_reports, name):
+    """Every warp / block bucket and the two-pass kernel of softmax_backward and
+    log_softmax_backward (the GPU plans, 16-byte and scalar accesses): no spills, no local
+    memory, within the register file at its launch bounds (64 registers for two 512-thread
+    blocks per SM), dy and y loaded 16 bytes at a time where the views allow it."""
+    rep = softmax_backward_reports[f"{name}:A"]
+    assert "error" not in rep, rep.get("error")
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert rep["stack_frame"] == 0 and rep["local_bytes"] == 0
+    assert rep["counts"]["ld.local"] == 0 and rep["counts"]["st.local"] == 0
+    assert rep["maxntid"]
+    assert rep["registers"] * rep["threads"] <= 65536, rep["registers"]
+    if rep["launch_bounds"] == [512, 2]:
+        assert rep["registers"] <= 64, rep["registers"]
+    assert rep["counts"]["shfl"] >= 5                      # the warp's part of the row sum
+    assert (rep["ex2"] > 0) == rep["log"]                  # exp(y): log_softmax's only
+    if rep["vec"] > 1:
+        assert rep["vector_loads"] >= 2, rep["vector_loads"]
+    else:
+        assert rep["vector_loads"] == 0

@@ -27,10 +27,10 @@ path       rows                    how
 Memory access: when the data pointers and row strides of ``x`` and ``out`` are multiples of 16
 bytes (:func:`vector_width`, decided on the host; the launch-plan key holds the pointers'
 alignment), every kernel moves 16 bytes per lane and access (``ld/st.global.v4``: 4 float32 or
-8 16-bit values, :func:`vload` / :func:`vstore`), thread ``t`` owning the groups ``t, t + T, …``
-so that a warp covers 512 contiguous bytes; the row's last partial group is read and written
-one element at a time. Otherwise (a misaligned base or row stride, rows shorter than a vector)
-the same kernels are built with one element per access.
+8 16-bit values), thread ``t`` owning the groups ``t, t + T, …`` so that a warp covers 512
+contiguous bytes; the row's last partial group is read and written one element at a time
+(the loads and stores: :mod:`tilepy.tile.rows`). Otherwise (a misaligned base or row stride,
+rows shorter than a vector) the same kernels are built with one element per access.
 
 All sizes inside a kernel are closure constants (elements per thread, warps, unroll), so the
 value loops unroll and the values stay in registers; kernels are cached per
@@ -89,6 +89,14 @@ from ..ptx.math import (
     unpack_f16x2_f32,
 )
 from ..tile.reduce import block_row_reduce, combine, warp_reduce
+from ..tile.rows import (  # noqa: F401  (natural_width, vector_width: part of this op's API)
+    VECTOR_BYTES,
+    natural_width,
+    packs_registers,
+    register_row,
+    register_row_writer,
+    vector_width,
+)
 from ..tune.kcache import cached_jit
 from ..tune.softmax_space import tuned_softmax_plan
 
@@ -196,49 +204,29 @@ def plan(n: int, *, simulator: bool | None = None, itemsize: int = 4) -> Plan:
         bucket = max(WARP, _pow2_at_least(n))
         return Plan("warp", SHORT_WARPS, bucket // WARP)
     if n <= MEDIUM_MAX:
-        bucket = _pow2_at_least(n)
-        per = max(1, MEDIUM_BYTES_PER_THREAD // int(itemsize))
-        if sim:
-            threads = min(SIM_MEDIUM_MAX_THREADS, max(WARP, bucket // per))
-        else:
-            threads = max(WARP, bucket // per)
-            if threads > MEDIUM_WIDE_THREADS:
-                threads = MEDIUM_WIDE_THREADS if bucket // MEDIUM_WIDE_THREADS <= 2 * per \
-                    else MEDIUM_MAX_THREADS
-        return Plan("block", threads // WARP, bucket // threads)
+        return block_plan(n, itemsize=itemsize, simulator=sim)
     warps, unroll = SIM_ONLINE if sim else ONLINE
     return Plan("online", warps, unroll)
 
 
-# ---- element load / store (float32 in registers, the dtype in memory) ---------------------
-
-@functools.cache
-def _element_io(kind: str):
-    """``load(x, r, c) -> float32`` and ``store(out, r, c, v)`` for a 2-D array of ``kind``
-    (float32 values, or uint16 bits of float16 / bfloat16)."""
-    if kind == "float32":
-        @inline_device
-        def load(x, r, c):
-            return x[r, c]
-
-        @inline_device
-        def store(out, r, c, v):
-            out[r, c] = v
-    elif kind in ("float16", "bfloat16"):
-        unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
-        pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
-
-        @inline_device
-        def load(x, r, c):
-            lo, _ = unpack(np.uint32(x[r, c]))
-            return lo
-
-        @inline_device
-        def store(out, r, c, v):
-            out[r, c] = pack(v, v) & 0xFFFF
+def block_plan(n: int, *, itemsize: int = 4, simulator: bool | None = None) -> Plan:
+    """The block path's plan for rows of ``n`` values, a thread holding ``itemsize`` bytes per
+    value (the dtype's size here; an op that holds more per value says so): threads for
+    :data:`MEDIUM_BYTES_PER_THREAD` bytes each, up to MEDIUM_WIDE_THREADS (two blocks per SM),
+    then twice the bytes per thread, then MEDIUM_MAX_THREADS threads (in the simulator at
+    most SIM_MEDIUM_MAX_THREADS). The row (rounded up to a power of two) is covered; whether
+    the registers suffice is :func:`check_plan`'s question."""
+    sim = arrays.SIMULATOR if simulator is None else simulator
+    bucket = _pow2_at_least(n)
+    per = max(1, MEDIUM_BYTES_PER_THREAD // int(itemsize))
+    if sim:
+        threads = min(SIM_MEDIUM_MAX_THREADS, max(WARP, bucket // per))
     else:
-        raise ValueError(f"kind must be float32, float16 or bfloat16, got {kind!r}")
-    return load, store
+        threads = max(WARP, bucket // per)
+        if threads > MEDIUM_WIDE_THREADS:
+            threads = MEDIUM_WIDE_THREADS if bucket // MEDIUM_WIDE_THREADS <= 2 * per \
+                else MEDIUM_MAX_THREADS
+    return Plan("block", threads // WARP, bucket // threads)
 
 
 @functools.cache
@@ -305,254 +293,6 @@ def _row_constant(log: bool):
     return g
 
 
-# ---- 16-byte vector access (one ld/st.global.v4 per lane) -----------------------------------
-
-#: Bytes one lane moves per vector access.
-VECTOR_BYTES = 16
-
-
-def natural_width(kind: str) -> int:
-    """Elements per 16-byte vector access for ``kind`` (4 float32, 8 16-bit values)."""
-    return VECTOR_BYTES // (4 if kind == "float32" else 2)
-
-
-def _sim_ndarray(a) -> np.ndarray:
-    inner = getattr(a, "_item", a)   # FakeWithinKernelCUDAArray -> FakeCUDAArray
-    return getattr(inner, "_ary", inner)
-
-
-def _sim_vector_slice(a, r, c):
-    arr = _sim_ndarray(a)
-    r, c = int(r), int(c)
-    nel = VECTOR_BYTES // arr.itemsize
-    if not (0 <= r < arr.shape[0] and 0 <= c and c + nel <= arr.shape[1]):
-        raise IndexError(f"vector access at ({r}, {c}) out of bounds for shape {arr.shape}")
-    if arr.strides[1] != arr.itemsize:
-        raise ValueError("vector access needs a unit element stride")
-    seg = arr[r, c:c + nel]
-    if seg.ctypes.data % VECTOR_BYTES:
-        raise ValueError(f"vector access at ({r}, {c}) is {seg.ctypes.data % VECTOR_BYTES} "
-                         "bytes off the 16-byte alignment ld.global.v4 needs")
-    return seg
-
-
-def _vload_twin(a, r, c):
-    seg = _sim_vector_slice(a, r, c)
-    if seg.dtype == np.float32:
-        return tuple(np.float32(v) for v in seg)
-    return tuple(np.uint32(v) for v in seg.view(np.uint32))
-
-
-def _vstore_twin(a, r, c, w0, w1, w2, w3):
-    seg = _sim_vector_slice(a, r, c)
-    if seg.dtype == np.float32:
-        seg[:] = np.array([w0, w1, w2, w3], np.float32)
-    else:
-        seg.view(np.uint32)[:] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)],
-                                          np.uint32)
-
-
-def _make_vector_intrinsics():
-    """``vload(a, r, c)`` / ``vstore(a, r, c, w0, w1, w2, w3)``: the 16 bytes at ``a[r, c]`` of
-    a 2-D float32 or uint16 array as one ``ld.global.v4`` / ``st.global.v4``: four float32
-    (float32 arrays) or four uint32 words each holding two 16-bit values, ``lo`` = the lower
-    column (uint16 arrays). The address is ``data + r·strides[0] + c·itemsize`` (a unit element
-    stride is assumed) and must be 16-byte aligned: the caller checks the base pointer and row
-    stride on the host. LLVM IR, not inline PTX: the loads stay visible to the optimiser."""
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.core.errors import TypingError
-    from numba.core.extending import intrinsic
-
-    def element(name, arr):
-        if not (isinstance(arr, types.Array) and arr.ndim == 2
-                and arr.dtype in (types.float32, types.uint16)):
-            raise TypingError(f"{name}: expected a 2-D float32 or uint16 array, got {arr}")
-        return types.float32 if arr.dtype == types.float32 else types.uint32
-
-    def address(context, builder, aryty, ary_val, r, rty, c, cty, lanety):
-        ary = context.make_array(aryty)(context, builder, ary_val)
-        i64 = ir.IntType(64)
-        r = context.cast(builder, r, rty, types.intp)
-        c = context.cast(builder, c, cty, types.intp)
-        s0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
-        off = builder.add(builder.mul(r, s0),
-                          builder.mul(c, ir.Constant(i64, aryty.dtype.bitwidth // 8)))
-        i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
-        p = builder.gep(i8p, [off])
-        g = builder.addrspacecast(p, ir.IntType(8).as_pointer(1))
-        return builder.bitcast(g, ir.VectorType(lanety, 4).as_pointer(1))
-
-    @intrinsic
-    def vload(typingctx, arr, r, c):
-        el = element("vload", arr)
-
-        def codegen(context, builder, sig, args):
-            lanety = context.get_value_type(el)
-            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                          args[2], sig.args[2], lanety)
-            vec = builder.load(ptr, align=VECTOR_BYTES)
-            parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i))
-                     for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return types.UniTuple(el, 4)(arr, r, c), codegen
-
-    @intrinsic
-    def vstore(typingctx, arr, r, c, w0, w1, w2, w3):
-        el = element("vstore", arr)
-
-        def codegen(context, builder, sig, args):
-            lanety = context.get_value_type(el)
-            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                          args[2], sig.args[2], lanety)
-            vec = ir.Constant(ir.VectorType(lanety, 4), ir.Undefined)
-            for i in range(4):
-                v = context.cast(builder, args[3 + i], sig.args[3 + i], el)
-                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), i))
-            builder.store(vec, ptr, align=VECTOR_BYTES)
-            return context.get_dummy_value()
-
-        return types.none(arr, r, c, w0, w1, w2, w3), codegen
-
-    return vload, vstore
-
-
-if arrays.SIMULATOR:
-    vload, vstore = _vload_twin, _vstore_twin
-else:
-    vload, vstore = _make_vector_intrinsics()
-
-
-@functools.cache
-def _group_io(kind: str, V: int):
-    """``gload(x, r, c0, n, vals, b)``: ``vals[b … b+V-1]`` = columns ``c0 … c0+V-1`` of row
-    ``r`` as float32 (-inf past ``n``); ``gstore(out, r, c0, n, vals, b)``: the reverse, only
-    columns below ``n``. ``V == 1``: one scalar access. Otherwise one 16-byte vector access when
-    the group lies wholly inside the row, else (the row's tail) scalar accesses; ``c0`` must be
-    a multiple of ``V`` and rows 16-byte aligned (:func:`vector_width`).
-
-    Returns ``(gload, gstore, fload, fstore)``: ``fload`` / ``fstore`` are the same accesses
-    for a group known to lie wholly inside the row (no test, no tail code). A caller that
-    knows all of a thread's groups are inside the row uses them in straight-line code, so
-    that ptxas issues every load before the first use of any: with ``gload`` per group, the
-    unpacking of a 16-bit vector sits inside its group's branch, which made each load wait
-    for the one before (one 16-byte load in flight per thread; see :func:`_register_row`)."""
-    load, store = _element_io(kind)
-    if V == 1:
-        @inline_device
-        def gload(x, r, c0, n, vals, b):
-            v = _NEG_INF
-            if c0 < n:
-                v = load(x, r, c0)
-            vals[b] = v
-
-        @inline_device
-        def gstore(out, r, c0, n, vals, b):
-            if c0 < n:
-                store(out, r, c0, vals[b])
-
-        @inline_device
-        def fload(x, r, c0, vals, b):
-            vals[b] = load(x, r, c0)
-
-        @inline_device
-        def fstore(out, r, c0, vals, b):
-            store(out, r, c0, vals[b])
-
-        return gload, gstore, fload, fstore
-
-    if kind == "float32":
-        assert V == 4
-
-        @inline_device
-        def vec_load(x, r, c0, vals, b):
-            a0, a1, a2, a3 = vload(x, r, c0)
-            vals[b] = a0
-            vals[b + 1] = a1
-            vals[b + 2] = a2
-            vals[b + 3] = a3
-
-        @inline_device
-        def vec_store(out, r, c0, vals, b):
-            vstore(out, r, c0, vals[b], vals[b + 1], vals[b + 2], vals[b + 3])
-    else:
-        assert V == 8
-        unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
-        pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
-
-        @inline_device
-        def vec_load(x, r, c0, vals, b):
-            w0, w1, w2, w3 = vload(x, r, c0)
-            lo, hi = unpack(w0)
-            vals[b] = lo
-            vals[b + 1] = hi
-            lo, hi = unpack(w1)
-            vals[b + 2] = lo
-            vals[b + 3] = hi
-            lo, hi = unpack(w2)
-            vals[b + 4] = lo
-            vals[b + 5] = hi
-            lo, hi = unpack(w3)
-            vals[b + 6] = lo
-            vals[b + 7] = hi
-
-        @inline_device
-        def vec_store(out, r, c0, vals, b):
-            vstore(out, r, c0, pack(vals[b], vals[b + 1]), pack(vals[b + 2], vals[b + 3]),
-                   pack(vals[b + 4], vals[b + 5]), pack(vals[b + 6], vals[b + 7]))
-
-    @inline_device
-    def gload(x, r, c0, n, vals, b):
-        if c0 + V <= n:
-            vec_load(x, r, c0, vals, b)
-        else:
-            for i in range(V):
-                v = _NEG_INF
-                if c0 + i < n:
-                    v = load(x, r, c0 + i)
-                vals[b + i] = v
-
-    @inline_device
-    def gstore(out, r, c0, n, vals, b):
-        if c0 + V <= n:
-            vec_store(out, r, c0, vals, b)
-        else:
-            for i in range(V):
-                if c0 + i < n:
-                    store(out, r, c0 + i, vals[b + i])
-
-    return gload, gstore, vec_load, vec_store
-
-
-def _pointer_of(view) -> int:
-    if isinstance(view, np.ndarray):
-        return view.ctypes.data
-    inner = getattr(view, "_ary", None)     # the simulator's FakeCUDAArray
-    if isinstance(inner, np.ndarray):
-        return inner.ctypes.data
-    return int(view.device_ctypes_pointer.value or 0)
-
-
-def vector_width(kind: str, *views) -> int:
-    """Elements per access the kernels may use on the 2-D kernel views ``views`` (rows, n):
-    :func:`natural_width` when every view's data pointer and row stride are multiples of 16
-    bytes, its element stride is the item size and rows hold at least one vector; else 1 (the
-    scalar kernels)."""
-    V = natural_width(kind)
-    for v in views:
-        rows, n = v.shape
-        item = v.dtype.itemsize
-        if n < V or (n > 1 and v.strides[1] != item):
-            return 1
-        if rows > 1 and v.strides[0] % VECTOR_BYTES:
-            return 1
-        if _pointer_of(v) % VECTOR_BYTES:
-            return 1
-    return V
-
-
 # ---- kernels --------------------------------------------------------------------------------
 
 def _kernel_jit(bounds):
@@ -577,47 +317,29 @@ def launch_bounds(p: Plan, kind: str, vec: int, log: bool = False):
     return p.threads
 
 
-def _groups(per_thread: int, V: int) -> int:
-    """Vector groups of ``V`` a thread holds to cover at least ``per_thread`` values."""
-    return max(1, -(-int(per_thread) // int(V)))
-
-
-def packs_registers(kind: str, vec: int) -> bool:
-    """True when the register kernels keep a 16-bit row as it came from memory, two values
-    per uint32 register (:func:`_packed_register_row`): 16-bit data with 16-byte accesses."""
-    return kind in ("float16", "bfloat16") and int(vec) == VECTOR_BYTES // 2
-
-
 @functools.cache
 def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
     """``(slots, dtype, load, sum_exp, write)`` for a row held in registers, ``K`` values per
-    thread in groups of ``vec`` (group ``g`` of the thread whose first group is ``first`` is
-    group ``first + stride·g`` of the row). The kernel holds them in ``cuda.local.array(slots,
-    dtype)``: K float32 values, or (:func:`packs_registers`) K/2 uint32 words of two 16-bit
-    values. ``load(x, row, first, n, vals)`` fills ``vals`` and returns the thread's max;
+    thread in groups of ``vec`` (:func:`tilepy.tile.rows.register_row`: group ``g`` of the
+    thread whose first group is ``first`` is group ``first + stride·g`` of the row; columns
+    past the row read as -inf). The kernel holds them in ``cuda.local.array(slots, dtype)``:
+    K float32 values, or (:func:`packs_registers`) K/2 uint32 words of two 16-bit values.
+    ``load(x, row, first, n, vals)`` fills ``vals`` and returns the thread's max;
     ``sum_exp(vals, m)`` its part of the row sum; ``write(out, row, first, n, vals, m, s)``
     turns the values into the result and stores them. Shared by the warp-per-row and
     block-per-row kernels, which differ only in how they reduce."""
     if packs_registers(kind, vec):
         return _packed_register_row(kind, log, per_thread, stride)
-    V = int(vec)
-    G = _groups(per_thread, V)
-    K = G * V
-    gload, gstore, fload, fstore = _group_io(kind, V)
+    regs = register_row(kind, per_thread, vec, stride, -np.inf)
+    K = regs.values
+    load_row, store_row = regs.load, regs.store
     mx = combine("max")
     finish = _from_registers(log)
     constant = _row_constant(log)
 
-    LAST = stride * (G - 1)
-
     @inline_device
     def load(x, row, first, n, vals):
-        if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
-            for g in range(G):
-                fload(x, row, (first + stride * g) * V, vals, g * V)
-        else:
-            for g in range(G):
-                gload(x, row, (first + stride * g) * V, n, vals, g * V)
+        load_row(x, row, 0, first, n, vals)
         m = vals[0]
         for k in range(1, K):
             m = mx(m, vals[k])
@@ -628,18 +350,9 @@ def _register_row(kind: str, log: bool, per_thread: int, vec: int, stride: int):
         kk = constant(s)
         for k in range(K):
             vals[k] = finish(vals[k], m, kk)
-        if (first + LAST) * V + V <= n:
-            for g in range(G):
-                fstore(out, row, (first + stride * g) * V, vals, g * V)
-        else:
-            for g in range(G):
-                gstore(out, row, (first + stride * g) * V, n, vals, g * V)
+        store_row(out, row, 0, first, n, vals)
 
     return K, np.float32, load, _exp_and_sum(K, log), write
-
-
-#: Bits of -inf (the value of columns past the row) in float16 / bfloat16.
-_NEG_INF_BITS = {"float16": 0xFC00, "bfloat16": 0xFF80}
 
 
 @functools.cache
@@ -652,51 +365,18 @@ def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
     argument, so the same result). With the registers halved a thread can hold as many bytes
     as a float32 one (64 values in the 64 registers of a 1024-thread or 2-blocks-of-512 launch).
     Columns past ``n`` load as -inf bits and are never stored."""
-    V = VECTOR_BYTES // 2
-    H = V // 2                       # words per group
-    G = _groups(per_thread, V)
-    K = G * V
-    KW = K // 2
-    LAST = stride * (G - 1)
+    regs = register_row(kind, per_thread, VECTOR_BYTES // 2, stride, -np.inf, packed=True)
+    KW = regs.slots
+    load_row = regs.load
     unpack = unpack_f16x2_f32 if kind == "float16" else unpack_bf16x2_f32
     pack = cvt_f16x2_f32 if kind == "float16" else cvt_bf16x2_f32
     mx = combine("max")
     finish = _finish(log)
     constant = _row_constant(log)
-    NEG = np.uint32(_NEG_INF_BITS[kind])
-    SIXTEEN = np.uint32(16)
-    LOW = np.uint32(0xFFFF)
-
-    @inline_device
-    def bits(x, r, c, n):
-        b = NEG
-        if c < n:
-            b = np.uint32(x[r, c])
-        return b
 
     @inline_device
     def load(x, row, first, n, words):
-        if (first + LAST) * V + V <= n:     # every group inside the row: all loads at once
-            for g in range(G):
-                w0, w1, w2, w3 = vload(x, row, (first + stride * g) * V)
-                words[g * H] = w0
-                words[g * H + 1] = w1
-                words[g * H + 2] = w2
-                words[g * H + 3] = w3
-        else:
-            for g in range(G):
-                c0 = (first + stride * g) * V
-                if c0 + V <= n:
-                    w0, w1, w2, w3 = vload(x, row, c0)
-                    words[g * H] = w0
-                    words[g * H + 1] = w1
-                    words[g * H + 2] = w2
-                    words[g * H + 3] = w3
-                else:
-                    for i in range(H):
-                        c = c0 + 2 * i
-                        words[g * H + i] = bits(x, row, c, n) | (bits(x, row, c + 1, n)
-                                                                  << SIXTEEN)
+        load_row(x, row, 0, first, n, words)
         m, hi = unpack(words[0])
         m = mx(m, hi)
         for j in range(1, KW):
@@ -719,30 +399,16 @@ def _packed_register_row(kind: str, log: bool, per_thread: int, stride: int):
         return pack(finish(lo, m, kk), finish(hi, m, kk))
 
     @inline_device
-    def store_group(out, row, c0, words, b, m, kk):
-        vstore(out, row, c0, result(words[b], m, kk), result(words[b + 1], m, kk),
-               result(words[b + 2], m, kk), result(words[b + 3], m, kk))
+    def result_of(w, _, m, kk):
+        return result(w, m, kk)
+
+    # group by group (a group's words die as soon as it is stored: fewer live registers)
+    write_row = register_row_writer(kind, per_thread, VECTOR_BYTES // 2, stride, True,
+                                    result_of).write
 
     @inline_device
     def write(out, row, first, n, words, m, s):
-        # group by group (a group's words die as soon as it is stored: fewer live registers)
-        kk = constant(s)
-        if (first + LAST) * V + V <= n:
-            for g in range(G):
-                store_group(out, row, (first + stride * g) * V, words, g * H, m, kk)
-        else:
-            for g in range(G):
-                c0 = (first + stride * g) * V
-                if c0 + V <= n:
-                    store_group(out, row, c0, words, g * H, m, kk)
-                else:
-                    for i in range(H):
-                        c = c0 + 2 * i
-                        if c < n:
-                            w = result(words[g * H + i], m, kk)
-                            out[row, c] = w & LOW
-                            if c + 1 < n:
-                                out[row, c + 1] = w >> SIXTEEN
+        write_row(out, row, 0, first, n, words, words, m, constant(s))
 
     return KW, np.uint32, load, sum_exp, write
 
@@ -822,14 +488,15 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
     whole row is -inf, which gives NaN as it should. Pass 2 reads the row again and writes it.
     """
     V = int(vec)
-    G = _groups(unroll, V)
-    U = G * V
-    gload, gstore, fload, fstore = _group_io(kind, V)
-    mx = combine("max")
     W = int(warps)
     T = W * WARP
+    regs = register_row(kind, unroll, V, T, -np.inf)
+    U = regs.values
+    load_row, inside = regs.load, regs.inside
+    load_inside, load_edge = regs.load_inside, regs.load_edge
+    store_inside, store_edge = regs.store_inside, regs.store_edge
+    mx = combine("max")
     STEP = T * U
-    LAST = T * (G - 1)
     row_max = block_row_reduce("max", W)
     row_sum = block_row_reduce("sum", W)
     finish = _finish(log)
@@ -845,12 +512,7 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
         m = _NEG_INF
         s = _ZERO
         for base in range(0, n, STEP):
-            if base + (tid + LAST) * V + V <= n:    # the whole step inside the row
-                for g in range(G):
-                    fload(x, row, base + (tid + T * g) * V, vals, g * V)
-            else:
-                for g in range(G):
-                    gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
+            load_row(x, row, base, tid, n, vals)
             step_max = vals[0]
             for u in range(1, U):
                 step_max = mx(step_max, vals[u])
@@ -866,20 +528,16 @@ def online_row_kernel(kind: str, log: bool, unroll: int, warps: int, vec: int = 
         total = row_sum(s, scratch)
         kk = constant(total)
         for base in range(0, n, STEP):
-            if base + (tid + LAST) * V + V <= n:
-                for g in range(G):
-                    fload(x, row, base + (tid + T * g) * V, vals, g * V)
+            if inside(base, tid, n):
+                load_inside(x, row, base, tid, vals)
                 for u in range(U):
                     vals[u] = finish(vals[u], big_m, kk)
-                for g in range(G):
-                    fstore(out, row, base + (tid + T * g) * V, vals, g * V)
+                store_inside(out, row, base, tid, vals)
             else:
-                for g in range(G):
-                    gload(x, row, base + (tid + T * g) * V, n, vals, g * V)
+                load_edge(x, row, base, tid, n, vals)
                 for u in range(U):
                     vals[u] = finish(vals[u], big_m, kk)
-                for g in range(G):
-                    gstore(out, row, base + (tid + T * g) * V, n, vals, g * V)
+                store_edge(out, row, base, tid, n, vals)
 
     return kernel
 
@@ -949,12 +607,14 @@ def log_softmax(x, axis=-1, *, out=None, config=None):
     return _softmax(x, axis, out, True, config)
 
 
-def _normalize_axis(axis, ndim: int) -> int:
+def normalize_axis(axis, ndim: int, name: str = "x") -> int:
+    """``axis`` of an array ``name`` of ``ndim`` dimensions as an index in ``[0, ndim)`` (0 for
+    a 0-d array, which takes -1 and 0); ``TypeError`` / ``ValueError`` when it is not one."""
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"axis must be an integer, got {type(axis).__name__} {axis!r}")
     top = max(ndim, 1)
     if not -top <= axis < top:
-        raise ValueError(f"axis {int(axis)} is out of range for x with {ndim} dimension"
+        raise ValueError(f"axis {int(axis)} is out of range for {name} with {ndim} dimension"
                          f"{'' if ndim == 1 else 's'} (expected {-top} … {top - 1})")
     return int(axis) % top
 
@@ -980,8 +640,9 @@ def _rows_layout(shape, strides):
     return rows, n, row_stride
 
 
-def _overlaps_itself(op) -> bool:
-    """True when two elements of ``op`` may share memory (zero or interleaved strides)."""
+def overlaps_itself(op) -> bool:
+    """True when two elements of the operand ``op`` may share memory (zero or interleaved
+    strides)."""
     dims = sorted((abs(st), s) for s, st in zip(op.shape, op.strides) if s > 1)
     extent = 1
     for st, s in dims:
@@ -1009,23 +670,38 @@ def _softmax(x, axis, out, log: bool, config=None):
     return _checked_softmax(x, axis, out, log, key, config)
 
 
-def _checked_softmax(x, axis, out, log: bool, key, config=None):
+def output_spec(x, axis=-1, *, out=None, config=None):
+    """``(shape, dtype name)`` of ``softmax`` / ``log_softmax``'s result, after every check
+    they make before launching (the same errors); reads only metadata, so it also takes
+    PyTorch fake tensors (the registered operators' meta functions)."""
+    X = _check(x, axis, out, config)[0]
+    return X.shape, X.dtype
+
+
+def _check(x, axis, out, config):
+    """Validate softmax's arguments: ``(x, axis, out (or None), device, n)`` as operands and
+    the normalised axis."""
     X = describe(x, "x")
-    ax = _normalize_axis(axis, X.ndim)
+    ax = normalize_axis(axis, X.ndim)
     Out = describe(out, "out") if out is not None else None
     if Out is not None:
         if Out.shape != X.shape:
             raise ValueError(f"out must have shape {X.shape} (that of x), got {Out.shape}")
         if Out.dtype != X.dtype:
             raise ValueError(f"out must have dtype {X.dtype} (that of x), got {Out.dtype}")
-        if Out.shape and min(Out.shape) > 0 and _overlaps_itself(Out):
+        if Out.shape and min(Out.shape) > 0 and overlaps_itself(Out):
             raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
                              "array whose elements are distinct")
     device = arrays.same_device(X, Out)
     n = X.shape[ax] if X.ndim else 1
-    itemsize = arrays.ITEMSIZE[X.dtype]
     if config is not None:
-        check_plan(config, n, itemsize)
+        check_plan(config, n, arrays.ITEMSIZE[X.dtype])
+    return X, ax, Out, device, n
+
+
+def _checked_softmax(x, axis, out, log: bool, key, config=None):
+    X, ax, Out, device, n = _check(x, axis, out, config)
+    itemsize = arrays.ITEMSIZE[X.dtype]
     caller_out = out is not None
     if out is None:
         out = arrays.empty(X, X.shape, X.dtype)
@@ -1053,30 +729,53 @@ def _moved_layout(op, ax: int):
 def _run(X, Out, ax: int, log: bool, p: Plan):
     """Launch; return the plan bound to (x, out) when both are read in place (a later call
     with the same signature can reuse it), else None."""
-    stream = arrays.stream_of(X)
-    in_rows = _moved_layout(X, ax)
+    return run_rows((X,), Out, ax,
+                    lambda views, out2: launch_plan(views[0], out2, X.dtype, log, p)[0])
+
+
+def run_rows(inputs, Out, ax: int, make_plan):
+    """Run a row kernel along axis ``ax`` of the operands ``inputs`` (one shape and dtype,
+    validated) into the operand ``Out`` (the same shape and dtype), on the first input's
+    device stream; for the ops whose kernels take ``(*inputs, out)`` as 2-D kernel views
+    (rows, n) and may write ``out`` over any of the inputs (every element is read before it
+    is written, by the thread that writes it).
+
+    ``make_plan(views, out2) -> LaunchPlan`` builds the launch for the views (the plan is
+    launched here with ``(*views, out2)``). Each input is read in place when its axis ``ax``
+    has unit stride and the other axes collapse into one row stride, else through a
+    contiguous copy with the axis last (:func:`_contiguous_moved`); ``Out`` likewise is
+    written in place, else the kernel writes into the first input's copy (or, with none, a
+    new buffer) and that is copied into ``Out``. Returns the plan bound to ``(*inputs,
+    Out)`` when nothing was copied (a later call with the same signature can reuse it),
+    else None."""
+    first = inputs[0]
+    stream = arrays.stream_of(first)
+    views, copies = [], []
+    for op in inputs:
+        rows = _moved_layout(op, ax)
+        if rows is not None:
+            views.append(_view2d(op, *rows))
+        else:
+            tmp = describe(_contiguous_moved(op, ax, stream), op.name)
+            views.append(_view2d(tmp, *_rows_layout(tmp.shape, tmp.strides)))
+            copies.append((tmp, views[-1]))
     out_rows = _moved_layout(Out, ax)
-    tmp = None
-    if in_rows is not None:
-        x2 = _view2d(X, *in_rows)
-    else:
-        tmp = describe(_contiguous_moved(X, ax, stream), "x")
-        x2 = _view2d(tmp, *_rows_layout(tmp.shape, tmp.strides))
     if out_rows is not None:
         out2 = _view2d(Out, *out_rows)
         result = None
-    elif tmp is not None:
-        out2, result = x2, tmp          # in place in the copy
+    elif copies:
+        result, out2 = copies[0]        # in place in a copy
     else:
-        result = describe(arrays.empty(X, _moved_shape(X.shape, ax), X.dtype), "out")
+        result = describe(arrays.empty(first, _moved_shape(first.shape, ax), first.dtype),
+                          "out")
         out2 = _view2d(result, *_rows_layout(result.shape, result.strides))
-    lp, args = launch_plan(x2, out2, X.dtype, log, p)
-    lp.launch(arrays.stream_handle(X), args)
+    lp = make_plan(views, out2)
+    lp.launch(arrays.stream_handle(first), (*views, out2))
     if result is not None:
         _assign(_moved(Out, ax), result.raw, Out.family, stream)
-    if tmp is not None or result is not None:
+    if copies or result is not None:
         return None
-    return lp.bind([(0, X.byte_pointer()), (1, Out.byte_pointer())])
+    return lp.bind([(i, op.byte_pointer()) for i, op in enumerate((*inputs, Out))])
 
 
 
