@@ -36,6 +36,9 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the pieces of one tilepy.gemm call (front, cache lookup, "
+                        "allocation, the launch through cuda.bindings and through ctypes)")
     args = p.parse_args(argv)
 
     import torch
@@ -74,6 +77,11 @@ def main(argv=None):
     add("tilepy.softmax 64x256 f16 (torch)", lambda: tilepy.softmax(x))
     add("tilepy.flash_attention 1x2x64x64 f16 (torch)", lambda: tilepy.flash_attention(q, q, q))
 
+    add("tilepy.gemm_softmax 64x64x64 f16 (torch)", lambda: tilepy.gemm_softmax(a, b))
+    add("tilepy.log_softmax 64x256 f16 (torch)", lambda: tilepy.log_softmax(x))
+    if args.breakdown:
+        breakdown(add, torch, tilepy, a, b, out)
+
     if args.profile:
         import cProfile
         import pstats
@@ -88,6 +96,79 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+def breakdown(add, torch, tilepy, a, b, out):
+    """The pieces of a repeated ``tilepy.gemm(a, b)`` on PyTorch tensors, each timed alone."""
+    import ctypes
+
+    from tilepy import arrays
+    from tilepy.ops import gemm as gemm_op
+
+    import tilepy.integrations.pytorch as front
+
+    add("  api.gemm (tilepy.gemm)", lambda: tilepy.api.gemm(a, b))
+    add("  integrations.pytorch.gemm", lambda: front.gemm(a, b, None, None, 1.0, 0.0, None,
+                                                           None, None, None, False))
+    print("    _direct:", front._direct(a, b, None, None, None), "is_compiling:",
+          torch.compiler.is_compiling(), "dispatch modes:", front._dispatch_modes(),
+          "function modes:", front._function_modes(), "functorch:", front._functorch())
+    add("  integrations.pytorch._direct(a, b, 3 x None)",
+        lambda: front._direct(a, b, None, None, None))
+    add("  torch.compiler.is_compiling()", torch.compiler.is_compiling)
+    add("  ops.gemm.gemm (no PyTorch front)", lambda: gemm_op.gemm(a, b))
+    add("  ops.gemm.gemm (no PyTorch front) again", lambda: gemm_op.gemm(a, b))
+    add("  tilepy.gemm again", lambda: tilepy.gemm(a, b))
+    add("  arrays.fingerprint(a)", lambda: arrays.fingerprint(a))
+    add("  torch.empty(64, 64) f16", lambda: torch.empty(64, 64, dtype=torch.float16,
+                                                           device="cuda"))
+    key = next(k for k, v in gemm_op._PLANS._entries.items()
+               if k[0] is not None and k[0][2] == a.shape)
+    entry = gemm_op._PLANS._entries[key]
+    ptrs = [a.data_ptr(), b.data_ptr(), 0, 0, out.data_ptr()]
+    stream = entry.stream
+    add("  bound plan launch (out given)", lambda: entry.bound(stream(), list(ptrs), (1.0, 0.0)))
+    plan = entry.bound.plan
+    if getattr(plan, "_func", None) is None:
+        return
+    from cuda.bindings import driver
+
+    gx, gy, gz = plan.grid
+    bx, by, bz = plan.block
+    h = stream()
+    add("  cuLaunchKernel (cuda.bindings), prebuilt", lambda: driver.cuLaunchKernel(
+        plan._func, gx, gy, gz, bx, by, bz, plan.smem, h, plan._params_addr, 0))
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int
+    f = int(plan._func)
+    add("  cuLaunchKernel (ctypes), prebuilt", lambda: fn(
+        f, gx, gy, gz, bx, by, bz, plan.smem, h, plan._params_addr, None))
+    # the same parameters as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER): one copy in the
+    # driver instead of one per field
+    offset, placed = 0, []
+    for slot in plan._slots:
+        size = ctypes.sizeof(slot)
+        offset = -(-offset // size) * size
+        placed.append((offset, slot))
+        offset += size
+    buf = (ctypes.c_char * max(offset, 8))()
+    for off, slot in placed:
+        ctypes.memmove(ctypes.addressof(buf) + off, ctypes.addressof(slot), ctypes.sizeof(slot))
+    size = ctypes.c_size_t(offset)
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(buf), 2, ctypes.addressof(size), 0)
+    add("  cuLaunchKernel (ctypes), one parameter buffer", lambda: fn(
+        f, gx, gy, gz, bx, by, bz, plan.smem, h, None, extra))
+    add("  cuLaunchKernel (cuda.bindings), one parameter buffer", lambda: driver.cuLaunchKernel(
+        plan._func, gx, gy, gz, bx, by, bz, plan.smem, h, 0, ctypes.addressof(extra)))
+    print("    parameters:", len(plan._slots), "fields,", offset, "bytes")
+    out.zero_()
+    torch.cuda.synchronize()
+    err = fn(f, gx, gy, gz, bx, by, bz, plan.smem, h, None, extra)
+    torch.cuda.synchronize()
+    print("    one-buffer launch:", err, "result right:",
+          torch.allclose(out.float(), a.float() @ b.float(), atol=0.1, rtol=0.01))
 
 
 if __name__ == "__main__":

@@ -42,3 +42,187 @@ def test_imported_device_arrays_do_not_wait_for_the_producers_stream(monkeypatch
     arrays.raw_view(op)
     arrays.raw_view(arrays.Operand("x", "cupy", "float32", (4,), (1,), 0, Raw()))
     assert seen == [False, False]
+
+
+# ---- grids past CUDA's y / z limit: chunked launches (tilepy.launch.GridSplit) -------------
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from tilepy import launch  # noqa: E402
+from tilepy.launch import GridSplit, LaunchPlan, grid_chunks  # noqa: E402
+
+
+def _probe_kernel():
+    @cuda.jit
+    def probe(a, out):
+        """One thread per block (1, y, z): the a element of query head y of batch z (GQA:
+        head y // (heads / heads_kv)), and what the block sees of its launch."""
+        y = cuda.blockIdx.y
+        z = cuda.blockIdx.z
+        g = out.shape[1] // a.shape[1]
+        out[z, y, 0] = a[min(z, a.shape[0] - 1), y // g]
+        out[z, y, 1] = cuda.gridDim.y
+        out[z, y, 2] = cuda.gridDim.z
+        out[z, y, 3] = out.shape[1]
+
+    return probe
+
+
+_PROBE_SPLIT = (GridSplit(1, 1, 1), GridSplit(2, 0, 0), GridSplit(2, 1, 0))
+
+
+def _probe_plan(a, out, group):
+    z, h = out.shape[:2]
+    split = (GridSplit(1, 0, 1, group=group),) + _PROBE_SPLIT
+    return LaunchPlan(_probe_kernel(), (a, out), (1, h, z), 1, split=split)
+
+
+def _probe_arrays(z, za, heads, group, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((za, heads // group))
+    return a, cuda.to_device(a), cuda.to_device(np.full((z, heads, 4), np.nan))
+
+
+def _check_probe(a, out, limit, group):
+    z, heads = out.shape[:2]
+    want = a[np.minimum(np.arange(z), a.shape[0] - 1)][:, np.arange(heads) // group]
+    np.testing.assert_array_equal(out[..., 0], want)
+    assert out[..., 1].max() <= limit and out[..., 2].max() <= limit, "a launch past the limit"
+    assert out[..., 3].max() <= limit
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("heads,group,z,za,limit", [
+    (7, 1, 5, 5, 3),     # y and z both past the limit, ragged last chunks
+    (6, 3, 4, 1, 4),     # GQA, chunks of whole groups (3 heads); a broadcast over the batch
+    (6, 3, 2, 2, 2),     # a group larger than the limit: chunks inside one group
+    (6, 6, 3, 3, 4),     # one K/V head (extent 1): it stays put
+])
+def test_a_grid_past_the_limit_launches_in_chunks(monkeypatch, heads, group, z, za, limit):
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    a, a_dev, out = _probe_arrays(z, za, heads, group)
+    plan = _probe_plan(a_dev, out, group)
+    assert plan.chunks is not None and all(max(g[1:]) <= limit for g, _ in plan.chunks)
+    plan.launch(0, (a_dev, out))
+    _check_probe(a, out.copy_to_host(), limit, group)
+
+
+@pytest.mark.sim
+def test_a_bound_plan_launches_its_chunks_on_each_calls_pointers(monkeypatch):
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 2)
+    _, a0, out0 = _probe_arrays(3, 3, 4, 2)
+    bound = _probe_plan(a0, out0, 2).bind([(0, launch.pointer(a0)), (1, launch.pointer(out0))])
+    for seed in (1, 2):
+        a, a_dev, out = _probe_arrays(3, 3, 4, 2, seed)
+        bound(0, [launch.pointer(a_dev), launch.pointer(out)])
+        _check_probe(a, out.copy_to_host(), 2, 2)
+
+
+@pytest.mark.sim
+def test_rows_per_block_are_chunked_by_rows(monkeypatch):
+    """``per_block``: a block per 2 rows of 9, the limit 2: launches of rows 0-3, 4-7, 8."""
+    @cuda.jit
+    def double(x, out):
+        row = cuda.blockIdx.y * 2 + cuda.threadIdx.x
+        if row < x.shape[0]:
+            out[row, 0] = 2 * x[row]
+            out[row, 1] = cuda.gridDim.y
+            out[row, 2] = x.shape[0]
+
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 2)
+    x = np.arange(9.0)
+    x_dev, out = cuda.to_device(x), cuda.to_device(np.full((9, 3), np.nan))
+    plan = LaunchPlan(double, (x_dev, out), (1, 5), 2,
+                      split=(GridSplit(1, 0, 0, per_block=2), GridSplit(1, 1, 0, per_block=2)))
+    assert [g for g, _ in plan.chunks] == [(1, 2, 1), (1, 2, 1), (1, 1, 1)]
+    plan.launch(0, (x_dev, out))
+    got = out.copy_to_host()
+    np.testing.assert_array_equal(got[:, 0], 2 * x)
+    np.testing.assert_array_equal(got[:, 1], [2] * 8 + [1])
+    np.testing.assert_array_equal(got[:, 2], [4] * 8 + [1])
+
+
+def test_chunks_shift_pointers_and_cut_shapes():
+    """What a chunked launch changes per array (the driver's parameter buffer and the
+    simulator's rebuilt arrays alike): byte offsets along the split axes and the chunk's
+    extents; the broadcast array (extent 1) is left alone."""
+    a = cuda.to_device(np.zeros((1, 3)))            # broadcast over z; heads_kv 3, group 2
+    out = cuda.to_device(np.zeros((5, 6, 4)))
+    saved = launch.MAX_GRID_YZ
+    try:
+        launch.MAX_GRID_YZ = 4
+        plan = _probe_plan(a, out, 2)
+    finally:
+        launch.MAX_GRID_YZ = saved
+    row = 6 * 4 * 8
+    assert plan.chunks == [
+        ((1, 4, 4), [(0, 0, (1, 2)), (1, 0, (4, 4, 4))]),
+        ((1, 2, 4), [(0, 16, (1, 1)), (1, 4 * 32, (4, 2, 4))]),
+        ((1, 4, 1), [(0, 0, (1, 2)), (1, 4 * row, (1, 4, 4))]),
+        ((1, 2, 1), [(0, 16, (1, 1)), (1, 4 * row + 4 * 32, (1, 2, 4))])]
+    # on the GPU the kernel takes layout "A" for arrays whose chunks are not contiguous
+    # (out's chunks of 4 batches × 4 heads of 6); a's chunks are
+    assert plan.chunk_layouts() == {0: {"C"}, 1: {"A", "C"}}
+    assert _probe_plan(a, out, 2).chunks is None     # within the real limit: one launch
+
+
+def test_array_layout():
+    from tilepy.launch import array_layout
+
+    assert array_layout((4, 6, 4), (192, 32, 8), 8) == "C"
+    assert array_layout((4, 2, 4), (192, 32, 8), 8) == "A"     # 2 of 6 rows per batch
+    assert array_layout((1, 2, 4), (192, 32, 8), 8) == "C"     # extent 1: stride ignored
+    assert array_layout((3, 5), (8, 24), 8) == "F"
+    assert array_layout((3, 0), (8, 24), 8) == "C"
+
+
+def test_grid_chunks():
+    assert grid_chunks(5, 5) == [(0, 5)]
+    assert grid_chunks(7, 3) == [(0, 3), (3, 3), (6, 1)]
+    assert grid_chunks(12, 5, 3) == [(0, 3), (3, 3), (6, 3), (9, 3)]    # whole groups of 3
+    assert grid_chunks(12, 7, 3) == [(0, 6), (6, 6)]
+    assert grid_chunks(10, 2, 5) == [(0, 2), (2, 2), (4, 1), (5, 2), (7, 2), (9, 1)]
+
+
+def test_a_grid_past_a_limit_without_a_split_is_refused(monkeypatch):
+    x = cuda.to_device(np.zeros(4))
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 3)
+    with pytest.raises(ValueError, match="grid z of 4 blocks exceeds .* no GridSplit"):
+        LaunchPlan(_probe_kernel(), (x, x), (1, 2, 4), 1, split=(GridSplit(1, 0, 0),))
+    monkeypatch.setattr(launch, "MAX_GRID_X", 8)
+    with pytest.raises(ValueError, match="grid x of 9 blocks"):
+        LaunchPlan(_probe_kernel(), (x, x), (9, 1, 1), 1)
+    with pytest.raises(ValueError, match="GridSplit.dim"):
+        GridSplit(0, 0, 0)
+    with pytest.raises(ValueError, match="no axis 1"):
+        LaunchPlan(_probe_kernel(), (x, x), (1, 4, 1), 1, split=(GridSplit(1, 0, 1),))
+
+
+@pytest.mark.sim
+def test_plans_of_one_kernel_keep_their_own_grids():
+    """The simulator's ``kernel[grid, …]`` configures the kernel object itself: a plan built
+    after another of the same kernel must not change the grid the first one launches."""
+    @cuda.jit
+    def mark(out):
+        out[cuda.blockIdx.x] = cuda.gridDim.x
+
+    a, b = cuda.to_device(np.zeros(3)), cuda.to_device(np.zeros(1))
+    first = LaunchPlan(mark, (a,), 3, 1)
+    LaunchPlan(mark, (b,), 1, 1).launch(0, (b,))
+    first.launch(0, (a,))
+    np.testing.assert_array_equal(a.copy_to_host(), [3, 3, 3])
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_launches_and_the_parameter_buffer_after_them(monkeypatch):
+    """On the GPU (the driver's parameter buffer): chunks along y and z, GQA groups, and the
+    buffer back as built after the launches."""
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 3)
+    a, a_dev, out = _probe_arrays(5, 5, 12, 2)
+    plan = _probe_plan(a_dev, out, 2)
+    before = plan.parameter_values()
+    plan.launch(0, (a_dev, out))
+    _check_probe(a, out.copy_to_host(), 3, 2)
+    assert plan.parameter_values() == before

@@ -198,6 +198,72 @@ def test_empty_sizes():
     assert not np.any(f64(out)) and np.all(np.isneginf(lse))
 
 
+
+# ---- heads and batches past the grid's y / z limit (tilepy.launch.MAX_GRID_YZ, lowered) ----
+
+@pytest.fixture
+def plans_cleared():
+    """No attention launch plan built under another grid limit before or after the test."""
+    from tilepy.ops import attention as at
+
+    at._PLANS.clear()
+    yield at._PLANS
+    at._PLANS.clear()
+
+
+@sim
+@pytest.mark.parametrize("b,hq,hk,layout,causal,limit", [
+    (5, 2, 2, "bhsd", True, 3),    # batch (grid z) past the limit
+    (1, 7, 7, "bshd", False, 3),   # heads (grid y) past the limit
+    (1, 6, 2, "bhsd", True, 4),    # GQA: chunks of whole groups (3 query heads per K/V head)
+    (1, 6, 1, "bshd", True, 4),    # one K/V head for all (it stays put)
+    (3, 6, 2, "bhsd", True, 2),    # a group (3) larger than the limit, and the batch past it
+], ids=lambda x: str(x))
+def test_heads_and_batches_past_the_grid_limit(monkeypatch, plans_cleared, b, hq, hk, layout,
+                                               causal, limit):
+    """The grid kernel's heads (y) and batches (z) launch in chunks of at most ``limit``
+    blocks, the views shifted to each chunk's first head / batch (K/V by head // group);
+    twice, the second call through the bound plan with new data."""
+    from tilepy import launch
+
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    rng = np.random.default_rng()
+    sq, sk, d = 9, 12, 16
+    shape_q, shape_kv = (b, hq, sq, d), (b, hk, sk, d)
+    if layout == "bshd":
+        shape_q, shape_kv = (b, sq, hq, d), (b, sk, hk, d)
+    for _ in range(2):
+        run_case(shape_q, shape_kv, "float16", causal, layout=layout, rng=rng)
+    (entry,) = plans_cleared.values()
+    chunks = entry[0].plan.chunks
+    assert chunks is not None and all(max(g[1:]) <= limit for g, _ in chunks)
+
+
+@sim
+def test_tma_grid_configs_past_the_limit_run_one_dimensional(monkeypatch, plans_cleared):
+    """The TMA grid kernel's tensor maps describe whole tensors, so its grid is not chunked:
+    past the limit a config with a producer warpgroup runs persistent (one-dimensional grid),
+    one without as the cp.async grid kernel of its tile (chunked); within it, as given."""
+    from tilepy import launch
+    from tilepy.ops import attention as at
+    from tilepy.ops import attention_wgmma as aw
+
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 1)
+    producer = aw.WgmmaAttentionConfig(64, 128, 64, overlap=True, tma=True, producer=True)
+    thread0 = aw.WgmmaAttentionConfig(64, 64, 64, overlap=True, tma=True)
+    assert at._grid_safe(producer, 1, 1) is producer
+    assert at._grid_safe(producer, 1, 2) == aw.WgmmaAttentionConfig(
+        64, 128, 64, overlap=True, tma=True, producer=True, persistent=True)
+    assert at._grid_safe(thread0, 2, 1) == aw.WgmmaAttentionConfig(64, 64, 64, overlap=True)
+    rng = np.random.default_rng()
+    run_case((1, 2, 16, 64), (1, 1, 16, 64), "float16", True, rng=rng, config=thread0)
+    (entry,) = plans_cleared.values()
+    assert entry[0].plan.chunks is not None
+    plans_cleared.clear()
+    run_case((1, 2, 16, 64), (1, 1, 16, 64), "float16", False, rng=rng, config=producer)
+    (entry,) = plans_cleared.values()
+    assert isinstance(entry[0].plan, aw.ScheduledTmaPlan) and entry[0].plan.grid[1:] == (1, 1)
+
 @sim
 def test_errors_are_raised_before_launch():
     h = np.ones((1, 2, 8, 16), np.float16)
@@ -378,10 +444,12 @@ def test_gpu_cupy_and_caller_stream():
     check(cupy.asnumpy(got), want, cupy.asnumpy(v), "float16")
 
 
-def test_exported_from_the_ops_module():
+def test_exported_through_the_public_front():
+    """``tilepy.flash_attention`` is the front of tilepy.api (PyTorch tensors to the
+    registered operator, every other kind to this op), with the op's docstring."""
     assert callable(flash_attention)
-    if hasattr(tilepy, "flash_attention"):
-        assert tilepy.flash_attention is flash_attention
+    assert tilepy.flash_attention is tilepy.api.flash_attention
+    assert tilepy.flash_attention.__doc__ == flash_attention.__doc__
 
 
 @pytest.mark.gpu
@@ -401,3 +469,37 @@ def test_gpu_repeated_calls_on_the_callers_stream():
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         assert (got.float() - want.float()).abs().max().item() < 1e-2
     assert len(at._PLANS) == 1
+
+
+@gpu
+def test_gpu_heads_and_batches_past_the_grid_limit():
+    """70,000 batches (grid z) or heads (grid y; CUDA's limit is 65,535), seq 16, head_dim 64:
+    the built-in config, the mma.sync grid kernel (chunked launches) and, on sm_90, a
+    non-persistent TMA config (run persistent) and the cp.async wgmma grid kernel; GQA with
+    two K/V heads (and two batches: chunks of heads that are not contiguous); against float64
+    torch."""
+    torch = pytest.importorskip("torch")
+    from tilepy.ops import attention as at
+    from tilepy.ops import attention_wgmma as aw
+
+    configs = [None, AttentionConfig(64, 128, 64, 32, "float16")]
+    if at._hopper():
+        configs += [aw.WgmmaAttentionConfig(64, 128, 128, overlap=True, tma=True,
+                                            pingpong=True, producer=True),
+                    aw.WgmmaAttentionConfig(64, 128, 64, overlap=True)]
+    # (2, 70000, 2): head chunks of a contiguous q are not contiguous (layout "A" kernels)
+    for b, hq, hk in ((70_000, 1, 1), (1, 70_000, 70_000), (2, 70_000, 2)):
+        q = torch.randn(b, hq, 16, 64, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, hk, 16, 64, device="cuda", dtype=torch.float16)
+                for _ in range(2))
+        want, want_lse = _torch_reference(torch, q, k, v, True)
+        for cfg in configs:
+            got, lse = flash_attention(q, k, v, causal=True, return_lse=True, config=cfg)
+            err = (got.double() - want).abs().max().item()
+            assert err <= TOL["float16"] * v.abs().max().item(), (b, hq, hk, cfg, err)
+            assert (lse.double() - want_lse).abs().max().item() <= 1e-4 * (
+                1 + want_lse.abs().max().item()), (b, hq, hk, cfg)
+        bshd = flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                               causal=True, layout="bshd")
+        err = (bshd.transpose(1, 2).double() - want).abs().max().item()
+        assert err <= TOL["float16"] * v.abs().max().item(), (b, hq, hk, "bshd", err)

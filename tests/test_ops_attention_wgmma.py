@@ -201,6 +201,56 @@ def test_tma_persistent_tile_counter():
     assert theirs[0] is not plan.counter_for(2) and plan.counter_for(2) is plan.counter_for(2)
 
 
+@pytest.mark.sim
+def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
+    """The persistent TMA kernel through tilepy.flash_attention, three calls with new q, k, v
+    and out (6 tiles on the simulator's 4 blocks): one plan; the maps of each call's pointers
+    written by the map writer into 64-byte-aligned buffers from the caller's allocator (NumPy
+    here); the stream's tile counter zeroed once and reused. The third call runs "during a
+    capture" (stream_capturing patched to say so): its maps and a tile counter of its own are
+    made, zeroed and kept, not cached, and the stream's counter is not touched."""
+    from tilepy.ops import attention as at
+    from tilepy.ops import attention_wgmma as aw
+    from tilepy.tile import device_write
+
+    at._PLANS.clear()
+    cfg = WgmmaAttentionConfig(64, 128, 64, "float16", overlap=True, tma=True, producer=True,
+                               persistent=True)
+    rng = np.random.default_rng()
+    keep = []
+
+    def call():
+        q = rand(rng, (1, 3, 129, 64), "float16")
+        k, v = rand(rng, (1, 1, 64, 64), "float16"), rand(rng, (1, 1, 64, 64), "float16")
+        out = np.full(q.shape, np.nan, np.float16)
+        keep.append((q, k, v, out))   # alive: the next call's arrays are new allocations
+        assert tilepy.flash_attention(q, k, v, out=out, config=cfg) is out
+        check(out, reference(q, k, v, False, None, "bhsd")[0], v, "float16")
+
+    call()
+    (entry,) = at._PLANS.values()
+    plan = entry[0].plan
+    assert isinstance(plan, aw.ScheduledTmaPlan) and plan.grid[0] == 4
+    counter = plan.counter_for(0)
+    call()
+    assert len(at._PLANS) == 1 and plan.maps_encoded == 2 and len(plan._maps) == 2
+    for buf in plan._maps.values():
+        assert buf.ptr % 64 == 0 and isinstance(buf.owner, np.ndarray)
+    assert plan.counter_for(0) is counter and len(plan._counters) == 1
+    np.testing.assert_array_equal(counter.copy_to_host(), [0, 0])
+    counter._ary[:] = 7   # a capture must not use (or zero) the stream's counter
+    monkeypatch.setattr(device_write, "stream_capturing", lambda stream: True)
+    call()
+    assert len(at._PLANS) == 1 and plan.maps_encoded == 3 and len(plan._maps) == 2
+    kept = list(plan._kept.values())
+    assert len(kept) == 2                    # the maps and a counter, both new
+    maps, cbuf = kept
+    assert maps.ptr % 64 == 0 and maps not in plan._maps.values()
+    np.testing.assert_array_equal(cbuf.view((2,), np.int32).copy_to_host(), [0, 0])
+    assert cbuf.ptr != counter._ary.ctypes.data and len(plan._counters) == 1
+    np.testing.assert_array_equal(counter.copy_to_host(), [7, 7])
+
+
 def test_tma_config():
     cfg = WgmmaAttentionConfig(128, 128, 128, overlap=True, tma=True)
     assert "TMA" in cfg.describe()

@@ -200,6 +200,101 @@ def test_views_with_other_alignment_do_not_share_a_plan():
     check(tilepy.gemm(a_off, b), f64(a_off) @ f64(b), "float16")
 
 
+# ---- batches past the grid's y limit (tilepy.launch.MAX_GRID_YZ, lowered here) -----------
+
+@pytest.fixture
+def grid_limit(monkeypatch):
+    """CUDA's grid y / z limit lowered to 3, and no launch plan built under another limit
+    before or after the test."""
+    from tilepy import launch
+    from tilepy.ops import gemm as g
+
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", 3)
+    g._PLANS.clear()
+    yield 3
+    g._PLANS.clear()
+
+
+def _launched_chunks(limit):
+    """The chunks of the one cached plan (each at most ``limit`` blocks along y and z)."""
+    from tilepy.ops import gemm as g
+
+    (entry,) = g._PLANS.values()
+    plan = entry.bound.plan
+    assert plan.chunks is not None and len(plan.chunks) > 1
+    assert all(max(grid[1:]) <= limit for grid, _ in plan.chunks)
+    return plan.chunks
+
+
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_a_batch_past_the_grid_limit_launches_in_chunks(grid_limit, b_layout):
+    """7 matrices on 3-block launches: a batched a times a broadcast 2-D b (row-major, or a
+    column-major view read in place) with bias, a batched c and relu; then a broadcast 2-D a
+    and c times a batched b; each twice (the second call through the bound plan, new data)."""
+    rng = np.random.default_rng()
+    z, m, n, k = 7, 9, 24, 16
+
+    def operand_b(shape):
+        if b_layout == "row":
+            return rand(rng, shape, "float16")
+        return np.swapaxes(rand(rng, shape[:-2] + shape[:-3:-1], "float16"), -1, -2)
+
+    for _ in range(2):
+        a, b = rand(rng, (z, m, k), "float16"), operand_b((k, n))
+        bias = rng.standard_normal(n).astype(np.float32)
+        c = rand(rng, (z, m, n), "float16")
+        got = tilepy.gemm(a, b, bias=bias, c=c, beta=0.5, activation="relu")
+        check(got, np.maximum(f64(a) @ f64(b) + 0.5 * f64(c) + bias, 0), "float16")
+    _launched_chunks(grid_limit)
+    from tilepy.ops import gemm as g
+
+    g._PLANS.clear()
+    for _ in range(2):
+        a, b = rand(rng, (m, k), "float16"), operand_b((z, k, n))
+        c = rand(rng, (m, n), "float16")
+        out = np.full((z, m, n), np.nan, np.float16)
+        assert tilepy.gemm(a, b, c=c, beta=-1.0, out=out) is out
+        check(out, f64(a) @ f64(b) - f64(c), "float16")
+    _launched_chunks(grid_limit)
+
+
+def test_float32_batches_and_row_tiles_past_the_grid_limit(grid_limit):
+    """The float32 kernel: the batch on grid z and the 16-row tiles on grid y, both past the
+    limit (3 matrices of 33 rows: 3 row tiles, the limit at 2), c broadcast; twice (the
+    second call through the bound plan)."""
+    from tilepy import launch
+
+    launch.MAX_GRID_YZ = 2   # restored by the fixture's monkeypatch
+    rng = np.random.default_rng()
+    b, c = rand(rng, (8, 16), "float32"), rand(rng, (33, 16), "float32")
+    for _ in range(2):
+        a = rand(rng, (3, 33, 8), "float32")
+        check(tilepy.gemm(a, b, c=c, beta=2.0), f64(a) @ f64(b) + 2 * f64(c), "float32")
+    assert len(_launched_chunks(2)) == 2 * 2    # z: 2 + 1 matrices; y: 2 + 1 row tiles
+
+
+def test_a_tma_grid_config_past_the_limit_runs_one_dimensional(grid_limit):
+    """The TMA kernel's grid cannot be chunked (tensor maps of the whole batch): past the limit
+    a non-persistent WsConfig runs its persistent variant, or where that does not fit, the
+    cp.async wgmma kernel of its tile; within the limit it stays as it is."""
+    from tilepy.ops import gemm as g
+    from tilepy.ops import gemm_wgmma as hw
+    from tilepy.ops import gemm_wgmma_ws as ws
+
+    cfg = ws.WsConfig(64, 64, 2, consumers=1)
+    assert g._grid_safe(cfg, 3) is cfg
+    assert g._grid_safe(cfg, 4) == ws.WsConfig(64, 64, 2, consumers=1, persistent=True)
+    staged = ws.WsConfig(128, 256, 4, smem_epilogue=True)   # persistent: no room to stage
+    assert g._grid_safe(staged, 4) == hw.WgmmaConfig(128, 256, 4)
+    persistent = ws.WsConfig(64, 64, 2, consumers=1, persistent=True)
+    assert g._grid_safe(persistent, 10**6) is persistent
+    rng = np.random.default_rng()
+    a, b = rand(rng, (4, 16, 16), "float16"), rand(rng, (16, 16), "float16")
+    check(tilepy.gemm(a, b, config=cfg), f64(a) @ f64(b), "float16")
+    (entry,) = g._PLANS.values()
+    assert entry.bound.plan.grid == (4, 1, 1)     # persistent: the simulator's 4 SMs
+
+
 # ---- GPU: full size against float64 / cuBLAS --------------------------------------------
 
 @pytest.mark.gpu
@@ -290,6 +385,37 @@ def test_gpu_plan_cache_matches_numba_and_follows_new_data():
     for t, v in zip(overload.argument_types, args):
         overload._prepare_args(t, v, 0, [], packed)
     assert plan.parameter_values() == [getattr(v, "value", v) for v in packed]
+
+
+@pytest.mark.gpu
+def test_gpu_batch_past_the_grid_limit():
+    """70,000 matrices (CUDA's grid y limit is 65,535): the mma.sync kernel (and on sm_90 the
+    Hopper default) with bias, c and a broadcast b, and the float32 kernel, batch and 16-row
+    tiles both past the limit; against float64 torch."""
+    torch = pytest.importorskip("torch")
+    z = 70_000
+    a = torch.randn(z, 16, 32, device="cuda", dtype=torch.float16)
+    b = torch.randn(32, 24, device="cuda", dtype=torch.float16)
+    bias = torch.randn(24, device="cuda")
+    c = torch.randn(z, 16, 24, device="cuda", dtype=torch.float16)
+    got = tilepy.gemm(a, b, bias=bias, c=c, beta=0.5)
+    ref = a.double() @ b.double() + 0.5 * c.double() + bias.double()
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    bt = torch.randn(z, 24, 32, device="cuda", dtype=torch.float16)
+    got = tilepy.gemm(a, bt.transpose(1, 2))     # column-major b, batched
+    ref = a.double() @ bt.double().transpose(1, 2)
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    x = torch.randn(z, 20, 8, device="cuda")
+    y = torch.randn(8, 12, device="cuda")
+    got = tilepy.gemm(x, y)
+    ref = x.double() @ y.double()
+    assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # 70,001 row tiles on grid y; with two matrices the row chunks are not contiguous
+    for tall in (torch.randn(16 * z + 5, 8, device="cuda"),
+                 torch.randn(2, 16 * z + 5, 8, device="cuda")):
+        got = tilepy.gemm(tall, y)
+        ref = tall.double() @ y.double()
+        assert ((got.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 def test_matrix_layout_needs_16_byte_aligned_batches():

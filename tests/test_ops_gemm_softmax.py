@@ -70,6 +70,15 @@ def bits(x):
     return np.asarray(x).view(np.uint16)
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """Every test starts with no cached launch plans (a plan cached by an earlier test with
+    the same signature would skip the kernel choices some tests watch)."""
+    gs._PLANS.clear()
+    yield
+    gs._PLANS.clear()
+
+
 @pytest.fixture
 def global_park(monkeypatch):
     """Make every N take the long-row path (unnormalised rows through global memory)."""
@@ -174,6 +183,122 @@ def test_tma_softmax_mode_errors():
     with pytest.raises(ValueError, match="at most 1024 columns"):
         tilepy.gemm_softmax(a, np.zeros((16, 1030), np.float16),
                             config=WsConfig(**TMA_SIM))
+
+
+# ---- launch plans reused per call signature ----------------------------------------------------
+
+@pytest.fixture
+def plans_built(monkeypatch):
+    """The names of the launch-plan classes built from here on (the op's plans; the tensor-map
+    writer kernel's own plans are left out)."""
+    from tilepy import launch
+    from tilepy.tile import device_write
+
+    built = []
+    real = launch.LaunchPlan.__init__
+
+    def init(self, dispatcher, *args, **kwargs):
+        if dispatcher is not device_write._write_words:
+            built.append(type(self).__name__)
+        real(self, dispatcher, *args, **kwargs)
+
+    monkeypatch.setattr(launch.LaunchPlan, "__init__", init)
+    return built
+
+
+@pytest.mark.parametrize("park", ["smem", "global"])
+def test_cached_plan_mma_sync(monkeypatch, plans_built, park):
+    """The mma.sync kernel: a second call with new arrays (new contents, new allocations) and
+    a new scale of the same signature reuses the plan (a fresh result allocated per call and,
+    park="global", a fresh float32 scratch per call); a caller's out or another shape is
+    another signature."""
+    if park == "global":
+        monkeypatch.setattr(gs, "ON_CHIP_MAX_N", 0)
+    rng = np.random.default_rng()
+    m, n, k = 37, 40, 24
+    keep = []
+
+    def call(scale, rows=m, out=None):
+        a, b = rand(rng, (rows, k), "float16"), rand(rng, (k, n), "float16")
+        keep.append((a, b))    # alive: the next call's arrays are new allocations
+        got = tilepy.gemm_softmax(a, b, scale=scale, out=out)
+        check(got, reference(a, b, scale), "float16")
+        return got
+
+    first = call(0.5)
+    assert gs.choose_config(n, "float16").park == park
+    assert plans_built == ["LaunchPlan"] and len(gs._PLANS) == 1
+    (entry,) = gs._PLANS.values()
+    assert (entry.alloc_seg is not None) == (park == "global")
+    if park == "global":
+        scratch = []
+        real = entry.alloc_seg
+        entry.alloc_seg = lambda: scratch.append(1) or real()
+    second = call(-0.8)
+    assert plans_built == ["LaunchPlan"] and second is not first
+    if park == "global":
+        assert scratch == [1]
+    call(0.3, out=poisoned((m, n), "float16"))            # the caller's out: a new signature
+    call(1.7, out=poisoned((m, n), "float16"))            # ... and its second call
+    assert plans_built == ["LaunchPlan"] * 2 and len(gs._PLANS) == 2
+    call(0.5, rows=m + 1)                                  # another shape
+    assert plans_built == ["LaunchPlan"] * 3 and len(gs._PLANS) == 3
+    with pytest.raises(TypeError, match="scale must be a float"):   # checked on a hit too
+        tilepy.gemm_softmax(*keep[1], scale="1")
+    with pytest.raises(ValueError, match="scale must be finite"):
+        tilepy.gemm_softmax(*keep[1], scale=float("nan"))
+
+
+def test_inputs_that_needed_a_copy_are_not_cached(plans_built):
+    """b with rows of 66 bytes (an aligned copy), and K = 0 (zeros): every call builds its
+    launch afresh, and nothing is cached."""
+    rng = np.random.default_rng()
+    for _ in range(2):
+        a, b = rand(rng, (9, 16), "float16"), rand(rng, (16, 33), "float16")
+        check(tilepy.gemm_softmax(a, b, scale=0.4), reference(a, b, 0.4), "float16")
+    tilepy.gemm_softmax(np.ones((4, 0), np.float16), np.ones((0, 8), np.float16))
+    assert plans_built == ["LaunchPlan"] * 3 and len(gs._PLANS) == 0
+
+
+def test_cached_plan_tma_softmax_mode(plans_built):
+    """The TMA + wgmma softmax mode (config=WsConfig), 144-byte rows: TMA-stored out, so the
+    maps describe a, b and out. A second call with new arrays reuses the plan (its maps for
+    the new pointers written by the map writer into buffers from the caller's allocator,
+    64-byte aligned); the caller's out is another signature, whose repeated pointers reuse
+    their maps; another shape misses."""
+    rng = np.random.default_rng()
+    cfg = WsConfig(dtype="float16", **TMA_SIM)
+    m, n, k = 70, 72, 40
+    keep = []   # every array stays alive: a later call's arrays are new allocations
+
+    def call(scale, out=None, a=None, b=None, rows=m):
+        if a is None:
+            a, b = rand(rng, (rows, k), "float16"), rand(rng, (k, n), "float16")
+        got = tilepy.gemm_softmax(a, b, scale=scale, out=out, config=cfg)
+        keep.append((a, b, got))
+        check(got, reference(a, b, scale), "float16")
+        return got
+
+    call(0.6)
+    assert plans_built == ["TmaLaunchPlan"] and len(gs._PLANS) == 1
+    (entry,) = gs._PLANS.values()
+    plan = entry.bound.plan
+    assert plan.maps_encoded == 1
+    call(-1.3)                                       # new a, b and a fresh out: new maps
+    assert plans_built == ["TmaLaunchPlan"] and plan.maps_encoded == 2
+    assert len(plan._maps) == 2
+    for buf in plan._maps.values():
+        assert buf.ptr % 64 == 0 and isinstance(buf.owner, np.ndarray)
+    out = poisoned((m, n), "float16")
+    call(0.9, out=out)                               # the caller's out: another signature
+    assert plans_built == ["TmaLaunchPlan"] * 2 and len(gs._PLANS) == 2
+    (_, entry2) = gs._PLANS.values()
+    a, b, _ = keep[-1]
+    out[:] = np.nan
+    call(0.2, out=out, a=a, b=b)                     # the same pointers: the same maps
+    assert entry2.bound.plan.maps_encoded == 1 and plans_built == ["TmaLaunchPlan"] * 2
+    call(0.6, rows=m + 60)                           # another shape
+    assert plans_built == ["TmaLaunchPlan"] * 3 and len(gs._PLANS) == 3
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -351,6 +476,7 @@ def test_errors_are_raised_before_launch(monkeypatch):
         raise AssertionError("launched")
 
     monkeypatch.setattr(gsk, "launch", no_launch)
+    monkeypatch.setattr(gs, "_run", no_launch)   # where gemm_softmax builds and launches
     a, b = np.ones((4, 8), np.float16), np.ones((8, 16), np.float16)
     with pytest.raises(ValueError, match=r"\(4, 8\).*\(9, 16\)"):
         tilepy.gemm_softmax(a, np.ones((9, 16), np.float16))

@@ -330,6 +330,61 @@ def test_bound_plan_reencodes_tensor_maps_for_new_pointers():
     assert plan.maps_encoded == before + 1
 
 
+@pytest.mark.sim
+def test_tensor_maps_through_the_allocator_and_the_map_writer(monkeypatch):
+    """Maps come from the plan's allocation callback (here 16 bytes off a 64-byte boundary:
+    aligned inside a larger allocation) and are written by the map writer on the launch
+    stream: the first launch and a bound call with new pointers give the bits a fresh plan
+    gives. During a capture (stream_capturing patched to say so) new pointers get maps that
+    are not cached but kept, and cached maps a capture uses are kept too."""
+    from tilepy.tile import device_write
+
+    requests = []
+
+    def alloc(nbytes):
+        requests.append(nbytes)
+        base = np.zeros(nbytes + 128, np.uint8)
+        view = base[-base.ctypes.data % 64 + 16:][:nbytes]
+        return view, view.ctypes.data
+
+    rng = np.random.default_rng()
+    m, n, k = 40, 64, 72
+    cfg = WsConfig(stages=2, **SMALL)
+    arrays_ = [(padded(rng, (m, k), "float16"), padded(rng, (k, n), "float16"),
+                np.full((m, n), np.nan, np.float16)) for _ in range(3)]
+    a1, b1, out1 = arrays_[0]
+    va, vb, vo, vc = views(a1, b1, out1, "row")
+    kern = ws.wgmma_ws_gemm_kernel(cfg, True, "float16")
+    plan, args = ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1), 1.0, 0.0,
+                         alloc=alloc)
+    plan.launch(0, args)
+    check(out1, matmul64(a1, b1), "float16")
+    assert requests == [256, 256 + 63]
+    bound = plan.bind([(0, a1.ctypes.data), (1, b1.ctypes.data), (2, out1.ctypes.data),
+                       (2, out1.ctypes.data), None])
+
+    def call(i):
+        a, b, out = arrays_[i]
+        bound(0, [a.ctypes.data, b.ctypes.data, out.ctypes.data], (1.0, 0.0))
+        check(out, matmul64(a, b), "float16")
+
+    call(1)
+    assert plan.maps_encoded == 2 and len(plan._maps) == 2
+    assert all(buf.ptr % 64 == 0 for buf in plan._maps.values())
+    a2, b2, out2 = arrays_[1]
+    fresh = np.full((m, n), np.nan, np.float16)
+    run(cfg, a2, b2, fresh, "row")
+    assert np.array_equal(fresh.view(np.uint16), out2.view(np.uint16))
+    monkeypatch.setattr(device_write, "stream_capturing", lambda stream: True)
+    call(2)                                   # new pointers during a capture
+    assert plan.maps_encoded == 3 and len(plan._maps) == 2 and len(plan._kept) == 1
+    (kept,) = plan._kept.values()
+    assert kept.ptr % 64 == 0 and kept not in plan._maps.values()
+    call(1)                                   # cached maps used by a capture: kept too
+    assert plan.maps_encoded == 3 and len(plan._kept) == 2
+    assert plan._maps[(a2.ctypes.data, b2.ctypes.data)] in plan._kept.values()
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="rows per consumer warpgroup"):
         WsConfig(block_m=64, consumers=2)

@@ -5,6 +5,8 @@ present and Numba has not been imported yet — turns on Numba's CUDA simulator,
 PTX intrinsic runs as its Python twin. ``tilepy.SIMULATOR`` says which one this process uses.
 """
 
+import sys as _sys
+
 from . import _env
 
 __version__ = "0.1.0"
@@ -17,10 +19,11 @@ if SIMULATOR:
     _simpatch.install()
 
 from . import ptx  # noqa: E402
-from .ops.attention import flash_attention  # noqa: E402
-from .ops.gemm import gemm  # noqa: E402
-from .ops.gemm_softmax import gemm_softmax  # noqa: E402
-from .ops.softmax import log_softmax, softmax  # noqa: E402
+from .api import (flash_attention, gemm, gemm_softmax, log_softmax,  # noqa: E402
+                  log_softmax_backward, softmax, softmax_backward)
+
+if "torch" in _sys.modules:   # PyTorch in use: its operators (torch.ops.tilepy.*) now
+    from .integrations import pytorch as _pytorch  # noqa: E402,F401
 
 __all__ = ["SIMULATOR", "__version__", "flash_attention", "gemm", "gemm_softmax", "log_softmax",
-           "ptx", "softmax"]
+           "log_softmax_backward", "ptx", "softmax", "softmax_backward"]

@@ -2,6 +2,9 @@
 simulator, NumPy). All validation of user arrays lives here and in the op wrappers, before any
 launch; nothing below ``tilepy.ops`` knows about CuPy or PyTorch.
 
+In the CUDA simulator, PyTorch CPU tensors stand for CUDA tensors (as NumPy arrays stand for
+device arrays): kernels work on their memory in place, results are CPU tensors.
+
 An :class:`Operand` records what a user passed: its family, logical dtype (``float16``,
 ``bfloat16`` or ``float32``), shape, element strides and device. :func:`kernel_view` turns it
 into what kernels take — a Numba device array (a NumPy array in the simulator) of ``uint16``
@@ -10,6 +13,7 @@ bits for 16-bit types, ``float32`` otherwise — without copying.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,8 +187,12 @@ def raw_view(op: Operand):
     if op.family == "torch":
         import torch
 
+        x = x.detach()   # the array interface refuses tensors that require grad
         if bits:
             x = x.view(torch.int16)
+        if SIMULATOR:   # a CPU tensor: the simulator's kernels work on its memory directly
+            x = x.numpy()
+            return x.view(np.uint16) if bits else x
         return import_device_array(x).view(np.uint16) if bits else import_device_array(x)
     if op.family == "cupy":
         return import_device_array(x.view(np.uint16) if bits else x)
@@ -398,7 +406,8 @@ def stream_getter(op: Operand):
 
 def allocator(like: Operand, shape, dtype: str):
     """A function of no arguments returning ``(array, data pointer)``: a new array like
-    :func:`empty` would make (``like``'s family and device)."""
+    :func:`empty` would make (``like``'s family and device). It holds no reference to
+    ``like``'s array (launch plans keep allocators as long as they live)."""
     shape = tuple(shape)
     if like.family == "torch":
         import torch
@@ -411,8 +420,52 @@ def allocator(like: Operand, shape, dtype: str):
 
         return torch_alloc
 
+    light = dataclasses.replace(like, raw=None)   # empty() reads family and device only
+
     def alloc():
-        y = empty(like, shape, dtype)
+        y = empty(light, shape, dtype)
         return y, fingerprint(y)[1]
 
     return alloc
+
+
+def byte_allocator(like: Operand):
+    """A function ``alloc(nbytes) -> (array, data pointer)`` making a new uint8 array of
+    ``nbytes`` of ``like``'s family and device through that family's own allocator (PyTorch's
+    caching allocator, CuPy's memory pool — inside a CUDA-graph capture, the graph's pool). What
+    launch plans allocate their tensor maps and tile counters with
+    (:mod:`tilepy.tile.device_write`); it holds no reference to ``like``'s array."""
+    fam, dev = like.family, like.device
+    if fam == "torch":
+        import torch
+
+        where = like.raw.device
+
+        def torch_bytes(nbytes):
+            y = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
+            return y, y.data_ptr()
+
+        return torch_bytes
+    if fam == "cupy":
+        import cupy
+
+        def cupy_bytes(nbytes):
+            with cupy.cuda.Device(dev):
+                y = cupy.empty(int(nbytes), dtype=np.uint8)
+            return y, y.data.ptr
+
+        return cupy_bytes
+    if fam == "numba" and not SIMULATOR:
+        from numba import cuda
+
+        def numba_bytes(nbytes):
+            y = cuda.device_array(int(nbytes), dtype=np.uint8)
+            return y, int(y.device_ctypes_pointer.value or 0)
+
+        return numba_bytes
+
+    def host_bytes(nbytes):   # the simulator: host memory stands for device memory
+        y = np.empty(int(nbytes), dtype=np.uint8)
+        return y, y.ctypes.data
+
+    return host_bytes

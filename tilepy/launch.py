@@ -21,6 +21,18 @@ array argument from its pointer (a host address in the simulator), shape and str
 launches through the simulator's dispatcher — so the ops' plan caches, pointer bookkeeping
 included, are exercised by the CPU test suite too.
 
+Grid limits: CUDA launches at most :data:`MAX_GRID_X` blocks along x and :data:`MAX_GRID_YZ`
+along y and z. A plan whose grid y or z is larger launches in chunks along that dimension, each
+at most :data:`MAX_GRID_YZ` blocks, when the kernel's plan states which array arguments those
+blocks index (:class:`GridSplit`): per chunk the data pointers of those arrays are advanced to
+the chunk's first element and their shapes cut to the chunk's extent, so the kernel, reading
+its batch or head from ``blockIdx``, sees a smaller problem of the same kind (in the
+simulator the rebuilt arrays cover exactly the chunk's memory). Arrays of extent 1 along such
+an axis (broadcast: the kernels read ``min(i, extent - 1)``) stay as they are. A grid past a
+limit along a dimension without a split is refused when the plan is built (``ValueError``),
+before anything is launched. Kernels that take coordinates from tensor maps (TMA) cannot be
+split by pointers: their ops pick a kernel with a one-dimensional grid instead.
+
 This module knows Numba and the CUDA driver bindings, not CuPy or PyTorch: pointers and stream
 handles arrive as integers.
 """
@@ -28,13 +40,22 @@ handles arrive as integers.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from ._env import choose_target
 
 SIMULATOR = choose_target()
+
+#: CUDA's largest grid along y and z (a launch past it fails with CUDA_ERROR_INVALID_VALUE): a
+#: plan launches a larger grid along y or z in chunks of at most this many blocks
+#: (:class:`GridSplit`). Read when a plan is built, so tests may lower it (monkeypatch).
+MAX_GRID_YZ = 65535
+#: CUDA's largest grid along x; a plan past it is refused when built.
+MAX_GRID_X = 2**31 - 1
 
 #: The simulator's stand-in SM count for persistent grids: small, so that a test's few tiles
 #: still give each block several of them.
@@ -54,6 +75,74 @@ def sm_count(default: int) -> int:
         return default
 
 
+@dataclass(frozen=True)
+class GridSplit:
+    """How a kernel's blocks along grid dimension ``dim`` (1: y, 2: z) index array argument
+    ``arg`` (its position among the kernel's arguments): block ``i`` reads elements
+    ``i · per_block // group …`` of axis ``axis`` — ``per_block`` elements per block (e.g. a
+    block per 16 rows), or ``group`` blocks per element (grouped-query attention: ``group``
+    query heads share one key/value head, which the kernel finds as ``h // (heads_q //
+    heads_kv)`` from the shapes it is given).
+
+    A plan whose grid along ``dim`` exceeds :data:`MAX_GRID_YZ` launches chunks of block
+    indices ``[s, s + c)``: each chunk starts at a multiple of ``group`` and spans whole groups
+    (or, for a group larger than the limit, lies inside one group, and the array's chunk is
+    that one element), and the array's chunk is its elements ``s · per_block // group …
+    ⌈(s + c) · per_block / group⌉ - 1`` (cut at the array's extent). An array of extent 1
+    along ``axis`` is broadcast and stays as it is."""
+
+    dim: int
+    arg: int
+    axis: int
+    per_block: int = 1
+    group: int = 1
+
+    def __post_init__(self):
+        if self.dim not in (1, 2):
+            raise ValueError(f"GridSplit.dim must be 1 (y) or 2 (z), got {self.dim}")
+        for name in ("per_block", "group"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"GridSplit.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def grid_chunks(blocks: int, limit: int, align: int = 1):
+    """``[(start, count)]`` covering block indices ``0 … blocks - 1`` in order, each ``count``
+    at most ``limit``; with ``align`` > 1 no chunk crosses a multiple of ``align`` unless it
+    starts at one and spans whole multiples of it (``align`` ≤ ``limit``: chunks of
+    ``limit - limit % align``; else pieces of ``limit`` inside each run of ``align``)."""
+    if blocks <= limit:
+        return [(0, blocks)]
+    if align <= limit:
+        size = limit - limit % align
+        return [(s, min(size, blocks - s)) for s in range(0, blocks, size)]
+    out = []
+    for g0 in range(0, blocks, align):
+        end = min(g0 + align, blocks)
+        out += [(s, min(limit, end - s)) for s in range(g0, end, limit)]
+    return out
+
+
+def array_layout(shape, strides, itemsize: int) -> str:
+    """"C" or "F" for an array of this shape and byte strides that is contiguous in that
+    order (axes of extent 1 ignored, as NumPy and Numba do; "C" first), else "A"."""
+    if 0 in shape:
+        return "C"
+
+    def contiguous(pairs):
+        step = itemsize
+        for n, s in pairs:
+            if n != 1:
+                if s != step:
+                    return False
+                step *= n
+        return True
+
+    pairs = list(zip(shape, strides))
+    if contiguous(reversed(pairs)):
+        return "C"
+    return "F" if contiguous(pairs) else "A"
+
+
 def pointer(view) -> int:
     """Device address of a Numba device array (host address of the simulator's stand-in)."""
     if SIMULATOR:
@@ -70,9 +159,16 @@ class LaunchPlan:
 
     ``plan.launch(stream, args)`` launches with a full argument list (of the same types,
     shapes and strides); a :meth:`bind`-ed plan launches from operand pointers and scalars.
+
+    ``split``: :class:`GridSplit` entries saying which array arguments the blocks along grid y
+    and z index; a grid past :data:`MAX_GRID_YZ` along y or z then launches in chunks (the
+    module docstring), and without an entry for that dimension the plan is refused
+    (``ValueError``), as is a grid x past :data:`MAX_GRID_X`. ``chunks`` is None for a single
+    launch, else the launches: ``(grid, [(array index, byte offset, shape), …])``.
     """
 
-    def __init__(self, dispatcher, args, grid, block, smem: int = 0, cluster: int = 1):
+    def __init__(self, dispatcher, args, grid, block, smem: int = 0, cluster: int = 1,
+                 split=()):
         self.grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
         self.grid += (1,) * (3 - len(self.grid))
         self.cluster = int(cluster)
@@ -94,12 +190,73 @@ class LaunchPlan:
             else:
                 raise TypeError(f"argument {i}: a launch plan takes device arrays and NumPy "
                                 f"scalars, got {type(a).__name__}")
+        self.split = tuple(split)
+        self.chunks = self._plan_chunks()
         self._lock = threading.Lock()
         if SIMULATOR:
-            self._configured = dispatcher[self.grid, self.block, 0, self.smem]
             self._templates = list(args)
         else:
             self._build_driver_params(dispatcher, args)
+
+    def _plan_chunks(self):
+        """None when the grid fits in one launch, else the chunked launches (see the class
+        docstring); ValueError for a grid past a limit that the plan cannot split."""
+        if self.grid[0] > MAX_GRID_X:
+            raise ValueError(f"grid x of {self.grid[0]} blocks exceeds CUDA's limit of "
+                             f"{MAX_GRID_X}")
+        over = [d for d in (1, 2) if self.grid[d] > MAX_GRID_YZ]
+        if not over:
+            return None
+        positions = [i for i, *_ in self._arrays]
+        per_dim = {}
+        for d in over:
+            if not any(sp.dim == d for sp in self.split):
+                raise ValueError(f"grid {'yz'[d - 1]} of {self.grid[d]} blocks exceeds CUDA's "
+                                 f"limit of {MAX_GRID_YZ} and the plan states no GridSplit for "
+                                 f"it (grid {self.grid})")
+            specs = []   # (array index, split) of the arrays that move with the chunks
+            for sp in self.split:
+                if sp.dim != d:
+                    continue
+                if sp.arg not in positions:
+                    raise ValueError(f"GridSplit: argument {sp.arg} is not an array argument")
+                j = positions.index(sp.arg)
+                shape = self._arrays[j][1]
+                if not 0 <= sp.axis < len(shape):
+                    raise ValueError(f"GridSplit: argument {sp.arg} has no axis {sp.axis} "
+                                     f"(shape {shape})")
+                if shape[sp.axis] != 1:    # extent 1: broadcast, stays put
+                    specs.append((j, sp))
+            align = math.lcm(1, *(sp.group for _, sp in specs))
+            per_dim[d] = (grid_chunks(self.grid[d], MAX_GRID_YZ, align), specs)
+        ys, y_specs = per_dim.get(1, ([(0, self.grid[1])], []))
+        zs, z_specs = per_dim.get(2, ([(0, self.grid[2])], []))
+        chunks = []
+        for z0, zc in zs:
+            for y0, yc in ys:
+                patch = {}   # array index -> [byte offset, shape]
+                for (j, sp), (s, c) in ([(e, (y0, yc)) for e in y_specs]
+                                        + [(e, (z0, zc)) for e in z_specs]):
+                    _, shape, strides, _, _ = self._arrays[j]
+                    entry = patch.setdefault(j, [0, list(shape)])
+                    lo = s * sp.per_block // sp.group
+                    hi = min(shape[sp.axis], -(-(s + c) * sp.per_block // sp.group))
+                    entry[0] += lo * strides[sp.axis]
+                    entry[1][sp.axis] = hi - lo
+                chunks.append(((self.grid[0], yc, zc),
+                               [(j, off, tuple(shape)) for j, (off, shape) in patch.items()]))
+        return chunks
+
+    def chunk_layouts(self) -> dict:
+        """Per array argument that the chunks cut (its index among the array arguments), the
+        layouts ("C", "F" or "A", as Numba types arrays) of its chunks; empty without
+        chunks."""
+        out = {}
+        for _, patch in self.chunks or ():
+            for j, _, shape in patch:
+                _, _, strides, dtype, _ = self._arrays[j]
+                out.setdefault(j, set()).add(array_layout(shape, strides, dtype.itemsize))
+        return out
 
     # ---- the real GPU: a parameter buffer in Numba's layout ------------------------------
 
@@ -107,12 +264,31 @@ class LaunchPlan:
         from cuda.bindings import driver
         from numba import types
 
-        sig = tuple(dispatcher.typeof_pyval(a) for a in args)
+        sig = [dispatcher.typeof_pyval(a) for a in args]
+        # a chunk of a contiguous array cut along an inner axis is not contiguous: a kernel
+        # compiled for layout "C" would index it from its shape, so it takes layout "A"
+        # (the same parameter fields, indexed by the strides)
+        restrided = False
+        for j, layouts in self.chunk_layouts().items():
+            i = self._arrays[j][0]
+            if sig[i].layout != "A" and layouts != {sig[i].layout}:
+                sig[i] = sig[i].copy(layout="A")
+                restrided = True
+        sig = tuple(sig)
         kernel = dispatcher.overloads.get(sig) or dispatcher.compile(sig)
         if getattr(kernel, "debug", False):
             raise NotImplementedError("launch plans do not support kernels compiled with "
                                       "debug=True (their error codes are read back per launch)")
         handle = kernel._codelibrary.get_cufunc().handle
+        if restrided and self.smem > 48 * 1024:   # the op allowed it for the other overload
+            from numba import cuda
+
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            (err,) = driver.cuKernelSetAttribute(attr, self.smem, handle,
+                                                 cuda.get_current_device().id)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"could not allow {self.smem} B of dynamic shared memory: "
+                                   f"{err!r}")
         err, func = driver.cuKernelGetFunction(handle)
         if err != driver.CUresult.CUDA_SUCCESS:   # an older Numba: already a CUfunction
             func = handle
@@ -123,6 +299,7 @@ class LaunchPlan:
             self._build_cluster_config(driver)
         slots = []
         self._ptr_slots = []     # per array argument, the ctypes slot holding its data pointer
+        self._array_slots = []   # per array argument, all its slots (nitems, shape: chunks)
         self._scalar_slots = []  # per scalar argument, its ctypes slot
         for ty, a in zip(sig, args):
             if isinstance(ty, types.Array):
@@ -130,6 +307,7 @@ class LaunchPlan:
                           *map(int, a.shape), *map(int, a.strides)]
                 cs = [ctypes.c_int64(v) for v in fields]
                 self._ptr_slots.append(cs[4])
+                self._array_slots.append(cs)
                 slots += cs
             elif ty == types.float32:
                 slots.append(ctypes.c_float(float(a)))
@@ -187,43 +365,94 @@ class LaunchPlan:
                 slot.value = p
             for slot, v in zip(self._scalar_slots, scalars):
                 slot.value = v
-            if self.cluster > 1:
-                self._cluster_cfg.hStream = stream
-                (err,) = self._driver.cuLaunchKernelEx(self._cluster_cfg, self._func,
-                                                       self._params_addr, 0)
-            else:
-                gx, gy, gz = self.grid
-                bx, by, bz = self.block
-                (err,) = self._launch_fn(self._func, gx, gy, gz, bx, by, bz, self.smem, stream,
-                                         self._params_addr, 0)
+            if self.chunks is None:
+                self._launch_grid(stream, self.grid)
+                return
+            try:
+                for grid, patch in self.chunks:
+                    for j, offset, shape in patch:
+                        cs = self._array_slots[j]
+                        cs[4].value = ptrs[j] + offset
+                        cs[2].value = math.prod(shape)
+                        for d, n in enumerate(shape):
+                            cs[5 + d].value = n
+                    self._launch_grid(stream, grid)
+            finally:   # the shapes as built (parameter_values), the pointers of this call
+                self._restore_patched(ptrs)
+
+    def _restore_patched(self, ptrs):
+        for j in sorted({j for _, patch in self.chunks for j, _, _ in patch}):
+            shape = self._arrays[j][1]
+            cs = self._array_slots[j]
+            cs[4].value = ptrs[j]
+            cs[2].value = math.prod(shape)
+            for d, n in enumerate(shape):
+                cs[5 + d].value = n
+
+    def _launch_grid(self, stream: int, grid):
+        """One launch of the parameter buffer as it stands on ``grid`` (the lock held)."""
+        if self.cluster > 1:
+            cfg = self._cluster_cfg
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.hStream = stream
+            (err,) = self._driver.cuLaunchKernelEx(cfg, self._func, self._params_addr, 0)
+        else:
+            gx, gy, gz = grid
+            bx, by, bz = self.block
+            (err,) = self._launch_fn(self._func, gx, gy, gz, bx, by, bz, self.smem, stream,
+                                     self._params_addr, 0)
         if err != self._success:
             call = "cuLaunchKernelEx" if self.cluster > 1 else "cuLaunchKernel"
-            raise RuntimeError(f"{call} failed: {err!r} (grid {self.grid}, block "
-                               f"{self.block}, {self.smem} B of dynamic shared memory"
+            raise RuntimeError(f"{call} failed: {err!r} (grid {grid}"
+                               + (f", a chunk of {self.grid}" if grid != self.grid else "")
+                               + f", block {self.block}, {self.smem} B of dynamic shared "
+                               "memory"
                                + (f", clusters of {self.cluster}" if self.cluster > 1 else "")
                                + ")")
 
     # ---- the simulator: rebuild the arrays from pointers -----------------------------------
 
     def _launch_sim(self, ptrs, scalars):
+        args = list(self._templates)
+        for (i, t), v in zip(self._scalars, scalars):
+            args[i] = t(v)
+        if self.chunks is None:
+            self._sim_arrays(args, ptrs, ())
+            self._sim_run(self.grid, args)
+            return
+        for grid, patch in self.chunks:
+            self._sim_arrays(args, ptrs, patch)
+            self._sim_run(grid, args)
+
+    def _sim_arrays(self, args, ptrs, patch):
+        """The array arguments rebuilt from pointers into ``args``: as built, or with a
+        chunk's ``patch`` (byte offsets and shapes), covering exactly their memory."""
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-        args = list(self._templates)
-        for (i, shape, strides, dtype, _), p in zip(self._arrays, ptrs):
+        changed = {j: (offset, shape) for j, offset, shape in patch}
+        for j, ((i, shape, strides, dtype, _), p) in enumerate(zip(self._arrays, ptrs)):
+            if j in changed:
+                offset, shape = changed[j]
+                p += offset
             lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0 and n > 0)
             hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0 and n > 0)
             buf = (ctypes.c_char * (hi - lo + dtype.itemsize)).from_address(p + lo)
             args[i] = FakeCUDAArray(np.ndarray(shape, dtype, buffer=buf, offset=-lo,
                                                strides=strides))
-        for (i, t), v in zip(self._scalars, scalars):
-            args[i] = t(v)
-        if self.cluster > 1:   # the blocks of a cluster at the same time (tilepy.ptx.cluster)
-            from .ptx._simcluster import clusters
 
-            with clusters(self.cluster, self.grid, self.block):
-                self._configured(*args)
-        else:
-            self._configured(*args)
+    def _sim_run(self, grid, args):
+        # the simulator's kernel[...] configures the kernel object itself (it returns it):
+        # configure and run under one lock, or another plan of the same kernel (or another
+        # chunk) could change the grid in between
+        with _SIM_LAUNCH:
+            configured = self.dispatcher[grid, self.block, 0, self.smem]
+            if self.cluster > 1:   # the blocks of a cluster at the same time (ptx.cluster)
+                from .ptx._simcluster import clusters
+
+                with clusters(self.cluster, grid, self.block):
+                    configured(*args)
+            else:
+                configured(*args)
 
     # ---- public ---------------------------------------------------------------------------
 
@@ -250,6 +479,10 @@ class LaunchPlan:
         if len(sources) != len(self._arrays):
             raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
         return BoundPlan(self, sources)
+
+
+#: Simulator launches: configuring a simulated kernel and running it is one step.
+_SIM_LAUNCH = threading.RLock()
 
 
 class BoundPlan:

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tune.attention_space import tuned_attention_config
@@ -148,7 +148,18 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
 _PLANS = PlanCache()
 
 
-def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
+def output_spec(q, k, v, *, causal=False, scale=None, out=None, layout="bhsd", config=None):
+    """``(out shape, lse shape, dtype name)`` of ``flash_attention``'s results (the LSE is
+    float32), after every check it makes before launching (the same errors); reads only
+    metadata, so it also takes PyTorch fake tensors (the registered operator's meta
+    function)."""
+    Q, dtype, (bq, hq, sq, _, _), *_ = _check(q, k, v, causal, scale, out, layout, config)
+    return Q.shape, (bq, hq, sq), dtype
+
+
+def _check(q, k, v, causal, scale, out, layout, config):
+    """Validate flash_attention's arguments: ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
+    head_dim), (K, V, Out), scale as a float, device)``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q = describe(q, "q", allow_float32=False)
@@ -203,7 +214,12 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
+    return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
 
+
+def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
+    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = _check(
+        q, k, v, causal, scale, out, layout, config)
     caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
@@ -280,12 +296,17 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
             lse_v, lse_src = _kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
         else:
             lse_v, lse_src = arrays.placeholder(3), None
+        # a TMA grid kernel cannot launch more heads or batches than the grid's y / z limit
+        # in chunks: its persistent variant, else the cp.async grid kernel (see _grid_safe)
+        batch, heads = _bhsd(Q.shape, layout)[:2]
+        cfg = _grid_safe(cfg, batch, heads)
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
         stream = arrays.stream_handle(Q)   # also where a TMA plan copies its maps
+        extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
         try:
-            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
+            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, **extra)
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise
@@ -299,6 +320,30 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         return None
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
                       (3, Out.byte_pointer()), lse_src])
+
+
+def _grid_safe(cfg, batch: int, heads: int):
+    """``cfg``, unless it is a non-persistent TMA :class:`~tilepy.ops.attention_wgmma.
+    WgmmaAttentionConfig` and ``heads`` (grid y) or ``batch`` (grid z) exceeds the grid's
+    limit (:data:`tilepy.launch.MAX_GRID_YZ`).
+
+    The rule (the caller's config included): the TMA kernel's tensor maps describe the whole
+    (batch, head, seq, head_dim) tensors and its blocks take their batch and head from
+    ``blockIdx``, so its grid cannot be launched in chunks of pointer-shifted views as the
+    cp.async kernels' grids are; past the limit it runs as its persistent variant (a
+    one-dimensional grid, the same results), or where that config is invalid (no producer
+    warpgroup, a (head_dim, block_n) the persistent overlap kernel does not fit) as the same
+    tile without TMA (cp.async loads, at most two consumer warpgroups), whose grid launches
+    in chunks."""
+    limit = launch.MAX_GRID_YZ
+    if not (isinstance(cfg, aw.WgmmaAttentionConfig) and cfg.tma and not cfg.persistent
+            and max(batch, heads) > limit):
+        return cfg
+    try:
+        return dataclasses.replace(cfg, persistent=True)
+    except ValueError:
+        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
+                                   pingpong=False, producer=False)
 
 
 __all__ = ["choose_config", "flash_attention"]

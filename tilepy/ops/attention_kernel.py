@@ -60,7 +60,7 @@ import numpy as np
 from numba import cuda
 
 from ..inline import inline_device
-from ..launch import LaunchPlan
+from ..launch import GridSplit, LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
@@ -547,6 +547,17 @@ def grid(cfg: AttentionConfig, seq_q: int, heads_q: int, batch: int):
     return (-(-seq_q // cfg.block_m), heads_q, batch)
 
 
+def grid_split(q, k) -> tuple:
+    """How a grid kernel's blocks index q, k, v, o and lse (arguments 0-4): query heads along
+    grid y (k and v by the K/V head, ``group = heads_q // heads_kv`` query heads to one),
+    batch along grid z — so that more heads or batches than the grid's y / z limit launch in
+    chunks (:class:`tilepy.launch.GridSplit`)."""
+    group = q.shape[1] // max(k.shape[1], 1)
+    heads = tuple(GridSplit(1, arg, 1, group=group if arg in (1, 2) else 1)
+                  for arg in range(5))
+    return heads + tuple(GridSplit(2, arg, 0) for arg in range(5))
+
+
 def kernel_args(q, k, v, o, lse, scale: float) -> tuple:
     """The attention kernels' arguments: the views, then the scale and the scale · log2(e)
     the softmax's exp2 takes (the wgmma kernels' TMA variant adds its tensor maps)."""
@@ -555,12 +566,14 @@ def kernel_args(q, k, v, o, lse, scale: float) -> tuple:
 
 def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, *, stream=0):
     """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views: the config's grid,
-    block and dynamic shared memory (allowed above 48 KB). ``stream``: accepted so that every
+    block and dynamic shared memory (allowed above 48 KB); more heads or batches than the
+    grid's y / z limit launch in chunks (:func:`grid_split`). ``stream``: accepted so that every
     attention kernel's plan takes the same call (this one copies nothing to the device)."""
     args = kernel_args(q, k, v, o, lse, scale)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
-    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes,
+                      split=grid_split(q, k)), args
 
 
 def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0):

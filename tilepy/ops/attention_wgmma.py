@@ -93,9 +93,12 @@ from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.shuffle import shfl_idx
 from ..ptx.tma import MAP_BYTES
+from ..tile import device_write
 from ..tile.config import SMEM_LIMIT
+from ..tile.device_write import DeviceBuffer
 from ..tile.epilogue import staged_bytes, store_accumulators_smem
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
+from ..tile.tma import MAP_ALIGN
 from ..tune.kcache import cached_jit
 from .attention_kernel import (
     DTYPES,
@@ -106,7 +109,7 @@ from .attention_kernel import (
     row_limits,
     store_rows,
 )
-from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan, _maps_stream
+from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -1277,13 +1280,16 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
-         sms: int | None = None, stream=0):
+         sms: int | None = None, stream=0, alloc=None):
     """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`. A persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
-    SM count). A TMA config's arguments end with the tensor maps of q, k and v, copied to the
-    device on ``stream`` (the launch stream, as the TMA GEMM does; its plan re-encodes them
-    for other pointers), and a persistent one's then with its tile counter
-    (:class:`ScheduledTmaPlan`)."""
+    SM count). A TMA config's arguments end with the tensor maps of q, k and v, and a
+    persistent one's then with its tile counter (:class:`ScheduledTmaPlan`): buffers from
+    ``alloc(nbytes) -> (owner, pointer)`` (default a Numba device array; the op passes
+    :func:`tilepy.arrays.byte_allocator`), the maps encoded here and both written by the
+    plan's first launch on its stream (as the TMA GEMM's :class:`~tilepy.ops.gemm_wgmma_ws.
+    TmaLaunchPlan`, which also makes the maps of other pointers). ``stream``: accepted for
+    the callers' sake (nothing is enqueued here)."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_kernel import grid, kernel_args
@@ -1294,10 +1300,14 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     args = kernel_args(q, k, v, o, lse, scale)
     if cfg.tma:
         encoder = _tma_encoder(cfg, q, k, v)
-        args += (cuda.to_device(encoder(pointer(q), pointer(k), pointer(v)),
-                                stream=_maps_stream(stream)),)
+        raw = encoder(pointer(q), pointer(k), pointer(v))
+        maps = device_write.allocate(alloc, raw.size, MAP_ALIGN)
+        args += (maps.view((raw.size,), np.uint8),)
+        extra = {"alloc": alloc, "initial": (maps, raw)}
         if cfg.persistent:
-            args += (_tile_counter(stream),)
+            counter = device_write.allocate(alloc, COUNTER_BYTES)
+            args += (counter.view((2,), np.int32),)
+            extra["counter"] = counter
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     if cfg.persistent:
         tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
@@ -1308,7 +1318,7 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     if cfg.tma:
         kind = ScheduledTmaPlan if cfg.persistent else TmaLaunchPlan
         return kind(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
-                    (0, 1, 2)), args
+                    (0, 1, 2), **extra), args
     return LaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes), args
 
 
@@ -1322,10 +1332,17 @@ def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
             + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()))
 
 
-def _tile_counter(stream):
-    """A zeroed int32[2] on the device (copied on ``stream``): the persistent TMA kernel's
-    tile tickets and finished blocks, which its last block out sets back to zero."""
-    return cuda.to_device(np.zeros(2, np.int32), stream=_maps_stream(stream))
+#: The tile counter: int32[2] (tickets drawn, blocks finished).
+COUNTER_BYTES = 8
+
+
+def _tile_counter(alloc, stream):
+    """``(DeviceBuffer, int32[2] view)``: a tile counter from ``alloc``, zeroed by a writer
+    launch on ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile
+    tickets and finished blocks, which its last block out sets back to zero."""
+    buf = device_write.allocate(alloc, COUNTER_BYTES)
+    device_write.zero(stream, buf.ptr, COUNTER_BYTES)
+    return buf, buf.view((2,), np.int32)
 
 
 #: CUDA's per-thread default stream handle: a different stream in each host thread.
@@ -1336,38 +1353,61 @@ class ScheduledTmaPlan(TmaLaunchPlan):
     """The persistent TMA kernel's plan: its argument after the tensor maps is the tile
     counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
     share one; launches in two streams would take each other's tiles, so each stream has its
-    own (the per-thread default stream: one per host thread), allocated on the plan's GPU."""
+    own (the per-thread default stream: one per host thread), from the plan's allocation
+    callback, zeroed on that stream before its first launch. ``counter``: the
+    :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view of (not yet
+    zeroed: it becomes the first stream's); without it ``args``' counter must be zeroed.
 
-    def __init__(self, kernel, args, *rest):
-        super().__init__(kernel, args, *rest)
+    A launch during a CUDA-graph capture gets a counter of its own, zeroed in the graph just
+    before it and kept for the plan's lifetime: the graph's launches then share no counter
+    with launches outside it or with other graphs (which may run at the same time)."""
+
+    def __init__(self, kernel, args, *rest, counter=None, **kw):
+        super().__init__(kernel, args, *rest, **kw)
         self._counter_array = self.array_index(MAPS_ARG + 1)
-        self._counters = {}
+        self._counters = {}   # stream key -> (DeviceBuffer, int32[2] view)
         self._counters_lock = threading.Lock()
-        self._built_counter = args[MAPS_ARG + 1]
-        self._device = None if SIMULATOR else cuda.get_current_device().id
+        held = args[MAPS_ARG + 1]
+        # the first stream's counter, and whether it still has to be zeroed
+        self._built_counter = (counter or DeviceBuffer(held, pointer(held), COUNTER_BYTES),
+                               held)
+        self._built_zeroed = counter is None
 
     def counter_for(self, stream):
-        """The tile counter of launches in ``stream``."""
+        """The tile counter (int32[2] device array) of launches in ``stream``, made and
+        zeroed on that stream the first time it is seen."""
+        return self._counter(_stream_handle(stream), False)[1]
+
+    def _counter(self, handle: int, capturing: bool):
         from ..arrays import on_device
 
-        key = _stream_handle(stream)
+        if capturing:
+            with on_device(self._device):
+                entry = _tile_counter(self._alloc, handle)
+            with self._maps_lock:
+                self._kept[entry[0].ptr] = entry[0]
+            return entry
+        key = handle
         if key == PER_THREAD_STREAM:
             key = (key, threading.get_ident())
         with self._counters_lock:
-            dev = self._counters.get(key)
-            if dev is None:
-                if self._counters:
-                    with on_device(self._device):
-                        dev = _tile_counter(stream)
-                else:
-                    dev = self._built_counter   # built for the plan's first launch
-                self._counters[key] = dev
-        return dev
+            entry = self._counters.get(key)
+            if entry is not None:
+                return entry
+            built, self._built_counter = self._built_counter, None
+        with on_device(self._device):
+            if built is None:
+                entry = _tile_counter(self._alloc, handle)
+            else:
+                entry = built
+                if not self._built_zeroed:
+                    device_write.zero(handle, entry[0].ptr, COUNTER_BYTES)
+        with self._counters_lock:
+            entry = self._counters.setdefault(key, entry)
+        return entry
 
-    def _go(self, stream, ptrs, scalars):
-        ptrs = list(ptrs)
-        ptrs[self._counter_array] = pointer(self.counter_for(stream))
-        super()._go(stream, ptrs, scalars)
+    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
+        ptrs[self._counter_array] = self._counter(stream, capturing)[0].ptr
 
 
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):

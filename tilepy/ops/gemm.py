@@ -7,9 +7,11 @@ Validation and layout handling on the host, then one launch of the mma.sync kern
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from .. import arrays
+from .. import arrays, launch
 from ..arrays import describe, kernel_view
 from ..launch import PlanCache, pointer
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
@@ -166,7 +168,18 @@ class _Cached:
 _PLANS = PlanCache()
 
 
-def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32, key):
+def output_spec(a, b, *, bias=None, activation=None, beta=0.0, c=None, out=None,
+                out_dtype=None, config=None, allow_tf32=False):
+    """``(shape, dtype name)`` of ``gemm``'s result for these arguments, after every check
+    ``gemm`` makes before launching (the same errors); reads only shapes, strides, dtypes and
+    devices, so it also takes PyTorch fake tensors (the registered operator's meta function)."""
+    checked = _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32)
+    return checked[-1], checked[1]
+
+
+def _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32):
+    """Validate ``gemm``'s arguments; ``(dtype, out_dtype, (m, n, k, batch), operands (a, b,
+    bias, c, out; None where absent), device, out_shape)``."""
     A = describe(a, "a")
     B = describe(b, "b")
     if A.dtype != B.dtype:
@@ -227,6 +240,12 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
         if isinstance(config, (hw.WgmmaConfig, ws.WsConfig)) and not (arrays.SIMULATOR or
                                                                        _is_hopper()):
             raise ValueError("a WgmmaConfig needs a compute capability 9.0 GPU (wgmma)")
+    return dtype, out_dtype, (m, n, k, batch), (A, B, Bias, C, Out), device, out_shape
+
+
+def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32, key):
+    dtype, out_dtype, (m, n, k, batch), (A, B, Bias, C, Out), device, out_shape = _check(
+        a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32)
     caller_out = out is not None
     if out is None:
         out = arrays.empty(A, out_shape, out_dtype)
@@ -304,18 +323,44 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
                     cfg, layout_b == "row", a_view, b_view):
                 cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)
+            # a TMA grid kernel cannot launch a batch past the grid's y limit in chunks: its
+            # persistent variant, else the cp.async wgmma kernel (see _grid_safe)
+            cfg = _grid_safe(cfg, batch)
             gen = hw if isinstance(cfg, hw.WgmmaConfig) else \
                 ws if isinstance(cfg, ws.WsConfig) else tc
             kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                     tc: tc.gemm_kernel}[gen](
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
-            extra = {"stream": stream} if gen is ws else {}
+            extra = {"stream": stream, "alloc": arrays.byte_allocator(A)} if gen is ws else {}
             plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
                                   **extra)
         plan.launch(stream, args)
     if not reusable:
         return None, convert_bias
     return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources), convert_bias
+
+
+def _grid_safe(cfg, batch: int):
+    """``cfg``, unless it is a non-persistent :class:`~tilepy.ops.gemm_wgmma_ws.WsConfig` and
+    ``batch`` exceeds the grid's y limit (:data:`tilepy.launch.MAX_GRID_YZ`).
+
+    The rule (the caller's config included): the TMA kernel's tensor maps describe the whole
+    batch and its blocks take their matrix from ``blockIdx``, so its grid cannot be launched in
+    chunks of pointer-shifted operands as the other kernels' are; a batch past the limit runs
+    its persistent variant instead (a one-dimensional grid, the same results), or where that
+    config is invalid (the persistent staging does not fit beside the stages) the cp.async
+    wgmma kernel of the same tile (else :data:`HOPPER_LARGE`), whose batch launches in
+    chunks."""
+    if not isinstance(cfg, ws.WsConfig) or cfg.persistent or batch <= launch.MAX_GRID_YZ:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, persistent=True)
+    except ValueError:
+        pass
+    try:
+        return hw.WgmmaConfig(cfg.block_m, cfg.block_n, cfg.stages, cfg.dtype)
+    except ValueError:
+        return hw.WgmmaConfig(*HOPPER_LARGE, cfg.dtype)
 
 
 def _tma_storable(out_v) -> bool:

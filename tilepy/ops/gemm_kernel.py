@@ -32,7 +32,7 @@ import numpy as np
 from numba import cuda
 
 from ..inline import inline_device
-from ..launch import LaunchPlan
+from ..launch import GridSplit, LaunchPlan
 from ..ptx import shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..tile.config import GemmConfig
@@ -167,10 +167,17 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     return batched_kernel(gemm_block)
 
 
+#: How :func:`batched_kernel`'s blocks along grid y index its arguments: a, b, out and c by
+#: their batch axis (a batch of one broadcasts), so a batch past the grid's y limit launches
+#: in chunks of matrices (:class:`tilepy.launch.GridSplit`).
+BATCH_SPLIT = tuple(GridSplit(1, arg, 0) for arg in range(4))
+
+
 def batched_kernel(gemm_block):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta)`` over 3-D operands: batch ``z =
     blockIdx.y`` runs ``gemm_block`` on matrix ``z`` of each (a batch of one broadcasts).
-    Shared by the mma.sync and wgmma GEMMs; ``kernel.gemm_block`` is the block function."""
+    Shared by the mma.sync and wgmma GEMMs; ``kernel.gemm_block`` is the block function.
+    Its plans split the batch with :data:`BATCH_SPLIT`."""
 
     @cached_jit
     def kernel(a, b, out, c, bias, alpha, beta):
@@ -190,11 +197,12 @@ def grid(cfg: GemmConfig, m: int, n: int, batch: int = 1):
 
 def plan(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0):
     """``(launch plan, arguments)`` for 3-D operands: the config's grid, block and dynamic
-    shared memory (allowed above 48 KB), the kernel compiled for these argument types."""
+    shared memory (allowed above 48 KB), the kernel compiled for these argument types; a
+    batch past the grid's y limit launches in chunks (:data:`BATCH_SPLIT`)."""
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])
-    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, split=BATCH_SPLIT), args
 
 
 def launch(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, stream=0):

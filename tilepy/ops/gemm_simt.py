@@ -13,7 +13,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..launch import LaunchPlan
+from ..launch import GridSplit, LaunchPlan
 from ..tile.epilogue import activation_fn
 from ..tune.kcache import cached_jit
 
@@ -59,12 +59,20 @@ def simt_gemm_kernel(activation=None, has_bias=False, has_c=False):
     return kernel
 
 
+#: How the kernel's blocks index its arguments along grid y (T rows of a, out and c each) and
+#: z (the batch of a, b, out and c), so that more than the grid's y or z limit of row tiles or
+#: matrices launch in chunks (:class:`tilepy.launch.GridSplit`).
+SPLIT = (tuple(GridSplit(1, arg, 1, per_block=T) for arg in (0, 2, 3))
+         + tuple(GridSplit(2, arg, 0) for arg in range(4)))
+
+
 def plan(kernel, a, b, out, c, bias, alpha=1.0, beta=0.0):
-    """``(launch plan, arguments)`` for 3-D float32 operands."""
+    """``(launch plan, arguments)`` for 3-D float32 operands: grid (column tiles, row tiles,
+    batch), chunked past the grid's y / z limits (:data:`SPLIT`)."""
     z, m, n = out.shape
     grid = ((n + T - 1) // T, (m + T - 1) // T, z)
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
-    return LaunchPlan(kernel, args, grid, (T, T)), args
+    return LaunchPlan(kernel, args, grid, (T, T), split=SPLIT), args
 
 
 def launch(kernel, a, b, out, c, bias, alpha, beta, stream=0):

@@ -26,7 +26,9 @@ import numpy as np
 
 from .. import arrays
 from ..arrays import describe, kernel_view
+from ..launch import LaunchPlan, PlanCache
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
+from ..tile.smem import allow_dynamic_shared
 from . import gemm_softmax_kernel as gsk
 from . import gemm_wgmma_ws as ws
 from .gemm_softmax_kernel import GemmSoftmaxConfig
@@ -147,7 +149,73 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Errors are raised before anything is launched.
+    * A call whose arrays have the same kinds, dtypes, shapes, strides, device and alignment,
+      and the same ``config``, as an earlier call reuses that call's launch plan
+      (:mod:`tilepy.launch`): only the pointers and ``scale`` change (and, with a fresh
+      result or ``park="global"``, arrays are allocated through the caller's framework).
+      Calls whose inputs needed an aligned copy build their launch afresh.
     """
+    fa, pa = arrays.fingerprint(a)
+    fb, pb = arrays.fingerprint(b)
+    fo, po = arrays.fingerprint(out)
+    cached, key = _PLANS.lookup((fa, fb, fo, config, ON_CHIP_MAX_N, ON_CHIP_MIN_BLOCK_M))
+    if cached is not None:
+        done = cached(out, pa, pb, po, _checked_scale(scale))
+        if done is not None:
+            return done
+        key = None   # a fresh out aligned unlike the plan's: launch afresh, cache nothing
+    return _gemm_softmax(a, b, scale, out, config, key)
+
+
+def _checked_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not hasattr(
+            scale, "__float__"):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return scale
+
+
+class _Cached:
+    """A launch plan bound to gemm_softmax's operands (a, b, out, seg_max) and what a call
+    needs besides: the stream getter, an allocator of ``out`` when the caller passes none (and
+    the 16-byte alignment the plan was built for), an allocator of the float32 ``seg_max``
+    scratch (``park="global"``; one per call, so calls on different streams share none), and
+    the kernel's scalars as a function of ``scale``."""
+
+    def __init__(self, bound, stream, alloc_out, out_align, alloc_seg, scalars):
+        self.bound, self.stream = bound, stream
+        self.alloc_out, self.out_align = alloc_out, out_align
+        self.alloc_seg, self.scalars = alloc_seg, scalars
+
+    def __call__(self, out, pa, pb, po, scale):
+        """The result, or None when a fresh ``out`` is not aligned as the plan needs."""
+        if out is None:
+            out, po = self.alloc_out()
+            if po % 16 != self.out_align:
+                return None
+        seg, ps = self.alloc_seg() if self.alloc_seg is not None else (None, 0)
+        self.bound(self.stream(), [pa, pb, po, ps], self.scalars(scale))
+        del seg     # stream-ordered allocators: freeing after the launch is enqueued is safe
+        return out
+
+
+_PLANS = PlanCache()
+
+
+def output_spec(a, b, *, scale=1.0, out=None, config=None):
+    """``(shape, dtype name)`` of ``gemm_softmax``'s result for these arguments, after every
+    check ``gemm_softmax`` makes before launching (the same errors); reads only shapes,
+    strides, dtypes and devices, so it also takes PyTorch fake tensors (the registered
+    operator's meta function)."""
+    _, _, _, dtype, (m, n, _), _, _ = _check(a, b, scale, out, config)
+    return (m, n), dtype
+
+
+def _check(a, b, scale, out, config):
+    """Validate ``gemm_softmax``'s arguments: ``(A, B, Out or None, dtype, (m, n, k), scale as
+    a float, device)``."""
     A = describe(a, "a", allow_float32=False)
     B = describe(b, "b", allow_float32=False)
     if A.dtype != B.dtype:
@@ -159,12 +227,7 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
     k2, n = B.shape
     if k != k2:
         raise ValueError(f"inner dimensions differ: a {A.shape} @ b {B.shape} ({k} != {k2})")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) and not hasattr(
-            scale, "__float__"):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
+    scale = _checked_scale(scale)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
     if Out is not None:
         if Out.shape != (m, n):
@@ -184,30 +247,59 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
         if not config.fits(max(n, 1)):
             raise ValueError(f"config needs {config.smem_bytes(n)} B of shared memory at "
                              f"N={n}, more than a block may use: {config.describe()}")
+    return A, B, Out, dtype, (m, n, k), scale, device
+
+
+def _gemm_softmax(a, b, scale, out, config, key):
+    A, B, Out, dtype, (m, n, k), scale, device = _check(a, b, scale, out, config)
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(A, (m, n), dtype)
         Out = describe(out, "out")
     if m == 0 or n == 0:
         return out
-    _run(A, B, Out, config, m, n, k, scale, device)
+    cached = _run(A, B, Out, config, m, n, k, scale, device)
+    if cached is not None:
+        bound, alloc_seg, scalars = cached
+        alloc_out = None if caller_out else arrays.allocator(A, (m, n), dtype)
+        _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc_out,
+                                Out.byte_pointer() % 16, alloc_seg, scalars))
     return out
 
 
+def _mma_scalars(scale: float):
+    """The mma.sync kernel's scalars: the sign of ``scale`` and |scale| · log2(e)."""
+    return (np.float32(-1.0 if scale < 0 else 1.0), np.float32(abs(scale) * gsk.LOG2E))
+
+
+def _tma_scalars(scale: float):
+    """The TMA kernel's scalars (alpha, beta): ``scale`` and 0."""
+    return (np.float32(scale), np.float32(0.0))
+
+
 def _run(A, B, Out, cfg, m, n, k, scale, device):
+    """Launch; return ``(the plan bound to (a, b, out, seg_max), the seg_max allocator or None,
+    the scalars of a scale)`` for later calls of this signature, or None when an input needed
+    a copy (an aligned one, or zeros for K = 0)."""
     with arrays.on_device(device):
         # the built-in choice asks the inputs' device (compute capability 9.0 or not)
         cfg = cfg or choose_config(n, A.dtype, tma_out=_row_major_aligned(Out))
-        stream = arrays.stream_of(A)
+        stream = arrays.stream_handle(A)
+        a_ptr, b_ptr, o_ptr = A.byte_pointer(), B.byte_pointer(), Out.byte_pointer()
+        reusable = True
         if k == 0:  # a @ b is zeros: run on K = 8 zeros (uniform rows)
             A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
             B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+            reusable = False
         if not _row_major_aligned(A):
             A = describe(arrays.copy_aligned(A), "a")
+            reusable = False
         b_k_major = True
         if _col_major_aligned(B) and not _row_major_aligned(B):
             b_k_major = False
         elif not _row_major_aligned(B):
             B = describe(arrays.copy_aligned(B), "b")
+            reusable = False
         if isinstance(cfg, WsConfig):
             out_v = kernel_view(Out, 3)
             # the output's own tensor map (TMA stores) when TMA can describe it; 128-column
@@ -217,21 +309,34 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
                        and -(-k // ws.BK) >= cfg.stages - 1)
             kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
                                            tma_out=tma_out, overlap=overlap)
-            handle = arrays.stream_handle(A)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
-                B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1), scale,
-                0.0, stream=handle)
-            plan.launch(handle, args)
-            return
+                B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1),
+                *_tma_scalars(scale), stream=stream, alloc=arrays.byte_allocator(A))
+            plan.launch(stream, args)
+            if not reusable:
+                return None
+            # a, b, out, c (= out), bias (a placeholder); the plan supplies the maps
+            return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), (2, o_ptr), None]), None,
+                    _tma_scalars)
         b_view = kernel_view(B, swap_last=not b_k_major)  # column-major: (N, K) row-major
+        alloc_seg, seg_src = None, None
         if cfg.park == "global":
-            seg_max = kernel_view(describe(arrays.empty(
-                A, (gsk.grid(cfg, m) * cfg.gemm.block.m, cfg.segments(n)), "float32"), "seg"))
+            alloc_seg = arrays.allocator(
+                A, (gsk.grid(cfg, m) * cfg.gemm.block.m, cfg.segments(n)), "float32")
+            seg, seg_ptr = alloc_seg()
+            seg_max, seg_src = kernel_view(describe(seg, "seg")), (3, seg_ptr)
         else:
             seg_max = arrays.placeholder(2)
         out_v, pairs = _out_view(Out, n)
         kern = gsk.gemm_softmax_kernel(cfg, b_k_major, pairs)
-        gsk.launch(kern, cfg, kernel_view(A), b_view, out_v, seg_max, scale, n, stream)
+        args = (kernel_view(A), b_view, out_v, seg_max, *_mma_scalars(scale))
+        nbytes = cfg.smem_bytes(n)
+        allow_dynamic_shared(kern, args, nbytes)
+        plan = LaunchPlan(kern, args, gsk.grid(cfg, m), cfg.threads, nbytes)
+        plan.launch(stream, args)
+    if not reusable:
+        return None
+    return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), seg_src]), alloc_seg, _mma_scalars)
 
 
 def _check_ws_config(cfg, dtype: str, n: int):
@@ -336,7 +441,7 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["choose_config", "gemm_softmax"]
+__all__ = ["choose_config", "gemm_softmax", "output_spec"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,7 +43,7 @@ from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import store_accumulators
 from ..tile.smem import allow_dynamic_shared
-from .gemm_kernel import batched_kernel
+from .gemm_kernel import BATCH_SPLIT, batched_kernel
 
 BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit data
 WARPGROUP = 128
@@ -258,11 +258,12 @@ def grid(cfg: WgmmaConfig, m: int, n: int, batch: int = 1):
 
 
 def plan(kernel, cfg: WgmmaConfig, a, b, out, c, bias, alpha=1.0, beta=0.0):
-    """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_gemm_kernel`)."""
+    """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_gemm_kernel`); a batch
+    past the grid's y limit launches in chunks (:data:`tilepy.ops.gemm_kernel.BATCH_SPLIT`)."""
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])
-    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, split=BATCH_SPLIT), args
 
 
 def argtypes(out_kind: str):

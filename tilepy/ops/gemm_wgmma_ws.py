@@ -38,8 +38,10 @@ the grid is (tiles, batch) and each block computes one tile — the same code, o
 
 Tensor maps hold the operand pointers: :class:`TmaLaunchPlan` (a :class:`tilepy.launch.
 LaunchPlan`) re-encodes them when a bound plan is called with other pointers, keeping the last
-:data:`MAP_CACHE` pairs (a map is a pure function of pointer, shape and strides, and a plan's
-shapes and strides are fixed, so a cached map is never stale).
+:data:`MAP_CACHE` sets (a map is a pure function of pointer, shape and strides, and a plan's
+shapes and strides are fixed, so a cached map is never stale). Map buffers come from the op's
+allocation callback and are written by a kernel launch on the launch stream, so launches can
+be captured into CUDA graphs (:mod:`tilepy.tile.device_write`).
 
 The sm_90 default of :func:`tilepy.gemm` (``gemm.hopper_config``); GPU-tested and measured
 on the H200 since session 3 (bench/NOTES.md, the GEMM tables of docs/performance.md).
@@ -56,7 +58,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
-from ..launch import BoundPlan, LaunchPlan, pointer, sm_count
+from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer, sm_count
 from ..ptx import barrier as BAR
 from ..ptx import cluster as CLU
 from ..ptx import mbarrier as MB
@@ -66,6 +68,7 @@ from ..ptx import vector as VEC
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..ptx.math import ex2_approx, unpack_bf16x2_f32, unpack_f16x2_f32
+from ..tile import device_write
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import (
@@ -1201,14 +1204,6 @@ def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
     return pointer(a) % 16 == 0 and pointer(b) % 16 == 0
 
 
-def _maps_stream(stream):
-    if SIMULATOR or stream is None:
-        return 0
-    if isinstance(stream, int):
-        return cuda.external_stream(stream) if stream else cuda.default_stream()
-    return stream
-
-
 #: The tensor maps' place in a TMA plan's arguments (after a … beta, or q … scale·log2e);
 #: arguments after it are passed as given.
 MAPS_ARG = 7
@@ -1216,47 +1211,102 @@ MAPS_ARG = 7
 
 class TmaLaunchPlan(LaunchPlan):
     """A :class:`~tilepy.launch.LaunchPlan` of a TMA kernel whose argument :data:`MAPS_ARG`
-    (the tensor maps) follows the pointers of ``a`` and ``b`` (or q, k, v): :meth:`launch` and
-    bound plans (:meth:`bind`, with sources for the arrays before the maps only) look the maps
-    of the call's pointers up in a small cache, encoding and copying them (on the launch
-    stream) on a miss. Arguments after the maps are passed as given (see the attention
-    kernel's ScheduledTmaPlan)."""
+    (the tensor maps) follows the pointers of the arguments ``map_args`` (a and b, or q, k and
+    v, plus out where the output is TMA-stored). Every launch — :meth:`launch` and bound plans
+    (:meth:`bind`, with sources for the arrays before the maps only) — takes the maps of its
+    pointers from :meth:`maps_for`: a small cache (:data:`MAP_CACHE` entries, least recently
+    used dropped), filled on a miss by encoding the maps on the host and writing them into a
+    buffer from ``alloc`` with a kernel launch on the launch stream
+    (:func:`tilepy.tile.tma.maps_to_device`). Arguments after the maps are passed as given
+    (see the attention kernel's ScheduledTmaPlan).
+
+    ``alloc(nbytes) -> (owner, pointer)``: where map buffers come from (the op passes
+    :func:`tilepy.arrays.byte_allocator` of its inputs: the caller's allocator; default a
+    Numba device array). ``initial``: ``(DeviceBuffer, bytes)`` of the maps of ``args``'
+    pointers, encoded but not yet written (what :func:`plan` makes; ``args[MAPS_ARG]`` is a
+    view of that buffer); without it ``args[MAPS_ARG]`` must already hold those maps.
+
+    CUDA-graph capture: during a capture of the launch stream nothing is allocated outside
+    ``alloc``, nothing is copied or synchronised, and only kernels are enqueued on that
+    stream. A map buffer made during a capture is written only when the graph runs, so it is
+    not cached; it and every cached buffer a capture used are kept for the plan's lifetime
+    (the graph reads them at each replay; the cache may drop its entries later).
+    """
 
     def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1),
-                 cluster: int = 1):
+                 cluster: int = 1, *, alloc=None, initial=None):
         super().__init__(kernel, args, grid, block, smem, cluster)
         self._encoder = encoder
+        self._alloc = alloc
         self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
-        self._maps = collections.OrderedDict()
+        self._map_arrays = tuple(self.array_index(i) for i in self._map_args)
+        self._maps = collections.OrderedDict()   # pointers -> DeviceBuffer of their maps
+        self._kept = {}   # buffer address -> DeviceBuffer a captured graph may read
         self._maps_lock = threading.Lock()
-        self._maps[tuple(pointer(args[i]) for i in self._map_args)] = args[MAPS_ARG]
+        self._device = None if SIMULATOR else cuda.get_current_device().id
+        key = tuple(pointer(args[i]) for i in self._map_args)
+        if initial is None:
+            held = args[MAPS_ARG]
+            self._maps[key] = _held_buffer(held)
+            self._pending = None
+        else:
+            self._pending = (key, *initial)
         self.maps_encoded = 1
         # the maps' index among the array arguments (bound plans' pointers)
         self._maps_array = self.array_index(MAPS_ARG)
 
     def maps_for(self, *ptrs, stream=0):
-        """The device array of the tensor maps of operands at these pointers (a, b, and out
-        for a kernel whose output is TMA-stored)."""
-        key = tuple(int(p) for p in ptrs)
-        with self._maps_lock:
-            dev = self._maps.get(key)
-            if dev is not None:
-                self._maps.move_to_end(key)
-                return dev
-        raw = self._encoder(*key)
-        dev = cuda.to_device(raw, stream=_maps_stream(stream))
-        with self._maps_lock:
-            self._maps[key] = dev
-            self.maps_encoded += 1
-            while len(self._maps) > MAP_CACHE:
-                self._maps.popitem(last=False)
-        return dev
+        """A device array (uint8) holding the tensor maps of operands at these pointers (a, b,
+        and out for a kernel whose output is TMA-stored), written on ``stream`` on a miss."""
+        buf = self._maps_buffer(tuple(int(p) for p in ptrs), _stream_handle(stream),
+                                device_write.stream_capturing(stream))
+        return buf.view((buf.nbytes,), np.uint8)
 
-    def launch(self, stream, args):
-        args = list(args)
-        args[MAPS_ARG] = self.maps_for(*(pointer(args[i]) for i in self._map_args),
-                                       stream=stream)
-        super().launch(stream, args)
+    def _maps_buffer(self, key, stream: int, capturing: bool):
+        with self._maps_lock:
+            buf = self._maps.get(key)
+            if buf is not None:
+                self._maps.move_to_end(key)
+                if capturing:
+                    self._kept[buf.ptr] = buf
+                return buf
+            pending = self._pending
+            if pending is not None and pending[0] == key:
+                self._pending = None
+            else:
+                pending = None
+        from ..arrays import on_device
+
+        with on_device(self._device):
+            if pending is not None:   # encoded when the plan was built
+                _, buf, raw = pending
+                device_write.write(stream, buf.ptr, raw)
+            else:
+                raw = self._encoder(*key)
+                buf = host_tma.maps_to_device(raw, stream, self._alloc)
+        with self._maps_lock:
+            if pending is None:
+                self.maps_encoded += 1
+            if capturing:
+                self._kept[buf.ptr] = buf
+            else:
+                self._maps[key] = buf
+                while len(self._maps) > MAP_CACHE:
+                    self._maps.popitem(last=False)
+        return buf
+
+    def _go(self, stream, ptrs, scalars):
+        """Launch with the array pointers ``ptrs`` (the maps' slot is filled in here)."""
+        handle = _stream_handle(stream)
+        capturing = device_write.stream_capturing(handle)
+        ptrs = list(ptrs)
+        ptrs[self._maps_array] = self._maps_buffer(
+            tuple(ptrs[i] for i in self._map_arrays), handle, capturing).ptr
+        self._fill(ptrs, handle, capturing)
+        super()._go(handle, ptrs, scalars)
+
+    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
+        """Set the pointers of plan-supplied arrays after the maps (none here)."""
 
     def bind(self, sources):
         """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps and any array
@@ -1266,15 +1316,13 @@ class TmaLaunchPlan(LaunchPlan):
             sources += [None] * (len(self._arrays) - self._maps_array)
         if len(sources) != len(self._arrays):
             raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
-        return _TmaBoundPlan(self, sources)
+        return BoundPlan(self, sources)
 
 
-class _TmaBoundPlan(BoundPlan):
-    def __call__(self, stream, ptrs, scalars=()):
-        arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
-        maps = self.plan.maps_for(*(arg_ptrs[i] for i in self.plan._map_args), stream=stream)
-        arg_ptrs[self.plan._maps_array] = pointer(maps)
-        self.plan._go(stream, arg_ptrs, scalars)
+def _held_buffer(array):
+    """A :class:`~tilepy.tile.device_write.DeviceBuffer` over a device array that already
+    holds tensor maps (kept alive by the buffer)."""
+    return device_write.DeviceBuffer(array, pointer(array), array.size * array.dtype.itemsize)
 
 
 def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
@@ -1293,16 +1341,18 @@ def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
 
 
 def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
-         sms: int | None = None, stream=0):
+         sms: int | None = None, stream=0, alloc=None):
     """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_ws_gemm_kernel`), the
     same call as :func:`tilepy.ops.gemm_wgmma.plan`.
 
-    The arguments end with the tensor maps of ``a`` and ``b`` (encoded here, for the B layout
-    the kernel was generated for); the plan (:class:`TmaLaunchPlan`) re-encodes them for other
-    pointers. ``sms``: the persistent grid's block count (default: the device's SMs).
-    ``stream``: where the maps are copied to the device — the launch stream, so that building
-    a plan never waits for the GPU (a synchronous copy here made every unplanned call, e.g.
-    with a bias that needs a float32 copy, wait for all earlier work).
+    The arguments end with the tensor maps of ``a`` and ``b`` (and ``out`` where TMA stores
+    it): encoded here, for the B layout the kernel was generated for, into a buffer from
+    ``alloc(nbytes) -> (owner, pointer)`` (default a Numba device array; ops pass
+    :func:`tilepy.arrays.byte_allocator`), and written by the plan's first launch on its
+    stream (:class:`TmaLaunchPlan`, which also makes the maps of other pointers) — so building
+    a plan neither waits for the GPU nor copies from host memory, and may run during a
+    CUDA-graph capture. ``sms``: the persistent grid's block count (default: the device's
+    SMs). ``stream``: accepted for the callers' sake (nothing is enqueued here).
     Raises ValueError for operands whose strides TMA cannot describe."""
     if kernel.softmax:   # refused before any map is encoded or copied
         if out.shape[0] != 1 or a.shape[0] != 1 or b.shape[0] != 1:
@@ -1328,9 +1378,10 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
             return encode_maps(cfg, b_row_major, a_ptr, a_layout, b_ptr, b_layout)
 
     ops = (a, b, out)
-    maps = cuda.to_device(encoder(*(pointer(ops[i]) for i in map_args)),
-                          stream=_maps_stream(stream))
-    args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta), maps)
+    raw = encoder(*(pointer(ops[i]) for i in map_args))
+    buf = device_write.allocate(alloc, raw.size, host_tma.MAP_ALIGN)
+    args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta),
+            buf.view((raw.size,), np.uint8))
     smem = cfg.smem_bytes + (softmax_stats_bytes(cfg) if kernel.softmax else 0)
     allow_dynamic_shared(kernel, args, smem)
     if kernel.softmax:
@@ -1338,7 +1389,8 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
-    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, cfg.cluster)
+    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, cfg.cluster,
+                      alloc=alloc, initial=(buf, raw))
     if cfg.persistent and cfg.cluster > 1:
         # a persistent grid of more clusters than run at once would leave the last ones for
         # a second wave (SMs per GPC need not be even)
@@ -1350,7 +1402,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
         fit = grid(cfg, a.shape[1], out.shape[2], out.shape[0], g[0], fits)
         if fit != g:
             p = TmaLaunchPlan(kernel, args, fit, cfg.threads, smem, encoder, map_args,
-                              cfg.cluster)
+                              cfg.cluster, alloc=alloc, initial=(buf, raw))
     return p, args
 
 

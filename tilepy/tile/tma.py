@@ -9,6 +9,11 @@ tilepy-private format that the twins read under the CUDA simulator — and retur
 mark a kernel parameter ``__grid_constant__``; the kernel fences the global copy with
 ``fence_proxy_tensormap_acquire`` before its first TMA).
 
+Maps in device memory: :func:`maps_to_device` (and :meth:`TensorMap.to_device`) put encoded
+maps into a buffer from an allocation callback, :data:`MAP_ALIGN`-byte aligned, written by a
+kernel launch on the given stream (:mod:`tilepy.tile.device_write`) — no pageable copy and no
+allocation outside the callback, so it may run while the stream is captured into a CUDA graph.
+
 Everything here is in NumPy order, outermost dimension first — ``shape`` (rows, cols),
 ``strides`` in bytes, ``box`` (box_rows, box_cols) — and knows nothing of CuPy or PyTorch: give
 it a device pointer (an int), a dtype name, a shape and strides. The device-side coordinates
@@ -32,6 +37,8 @@ from ..ptx import tma as _ptx_tma
 from ..ptx.asm import SIMULATOR
 
 SWIZZLES = (0, 32, 64, 128)
+#: Alignment (bytes) of a tensor map in global memory that TMA instructions read.
+MAP_ALIGN = 64
 
 #: dtype name -> (CUtensorMapDataType member, element bytes)
 DTYPES = {
@@ -160,12 +167,28 @@ class TensorMap:
     spec: TensorMapSpec
     data: np.ndarray
 
-    def to_device(self, stream=0):
-        """A Numba device array (uint8[128], 256-byte aligned) holding the map, for a kernel
-        argument; the kernel takes ``global_addr(arr, 0)`` of it."""
-        from numba import cuda
+    def to_device(self, stream=0, alloc=None):
+        """A Numba device array (uint8[128], :data:`MAP_ALIGN`-byte aligned) holding the map,
+        for a kernel argument (the kernel takes ``global_addr(arr, 0)`` of it): allocated with
+        ``alloc`` and written on ``stream`` as :func:`maps_to_device` does."""
+        return maps_to_device(self.data, stream, alloc).view((_ptx_tma.MAP_BYTES,), np.uint8)
 
-        return cuda.to_device(self.data, stream=stream)
+
+def maps_to_device(raw, stream=0, alloc=None):
+    """A :class:`tilepy.tile.device_write.DeviceBuffer` holding the encoded maps ``raw``
+    (uint8, a multiple of 128 bytes: maps back to back) at a :data:`MAP_ALIGN`-byte aligned
+    address: memory from ``alloc(nbytes) -> (owner, pointer)`` (default: a Numba device
+    array), bytes written by writer-kernel launches enqueued on ``stream`` — so a kernel
+    launched after it on the same stream reads them. Capturable (see the module docstring)."""
+    from . import device_write
+
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.size % _ptx_tma.MAP_BYTES:
+        raise ValueError(f"maps_to_device: {raw.size} bytes is not a whole number of "
+                         f"{_ptx_tma.MAP_BYTES}-byte tensor maps")
+    buf = device_write.allocate(alloc, raw.size, MAP_ALIGN)
+    device_write.write(stream, buf.ptr, raw)
+    return buf
 
 
 def _driver_encode(spec: TensorMapSpec) -> bytes:
@@ -205,10 +228,12 @@ def encode_tiled(address: int, dtype, shape, strides, box, swizzle: int = 128) -
 
 __all__ = [
     "DTYPES",
+    "MAP_ALIGN",
     "SWIZZLES",
     "TensorMap",
     "TensorMapSpec",
     "dtype_name",
     "encode_tiled",
+    "maps_to_device",
     "tensor_map_spec",
 ]

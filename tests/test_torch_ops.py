@@ -1,0 +1,272 @@
+"""tilepy's ops as PyTorch operators (``torch.ops.tilepy.*``), in the simulator on PyTorch CPU
+tensors: registration, ``torch.library.opcheck`` (schema, fake tensors, autograd
+registration, AOT dispatch), gradients against float64 autograd of a PyTorch reference,
+``torch.compile(fullgraph=True)`` of inference and of a training step, and errors. The same
+operators run CUDA tensors on a GPU (tests/test_torch_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tilepy
+import tilepy.integrations.pytorch  # noqa: F401  (registers torch.ops.tilepy.* now)
+
+pytestmark = pytest.mark.sim
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float32: 2e-5}
+ACT = {None: lambda z: z, "relu": F.relu, "gelu": F.gelu,
+       "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"), "silu": F.silu}
+
+
+def rand(*shape, dtype=torch.float16, grad=False):
+    return torch.randn(*shape, dtype=torch.float64).to(dtype).requires_grad_(grad)
+
+
+def close(got, ref, dtype, what=""):
+    got = got.detach().double()
+    assert got.shape == ref.shape, what
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    scale = max(ref.abs().max().item(), 1e-6)
+    err = (got - ref).abs().max().item() / scale
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]}"
+
+
+def check_grads(fn, ref_fn, inputs, dtype):
+    """``fn``'s gradients in every input that requires grad against float64 autograd of
+    ``ref_fn``, for a fresh random output gradient."""
+    out = fn(*inputs)
+    dy = torch.randn(out.shape, dtype=torch.float64)
+    (out.float() * dy.float()).sum().backward()
+    ref_in = [x.detach().double().requires_grad_(x.requires_grad) for x in inputs]
+    (ref_fn(*ref_in) * dy).sum().backward()
+    for i, (x, r) in enumerate(zip(inputs, ref_in)):
+        if x.requires_grad:
+            assert x.grad is not None and x.grad.dtype == x.dtype, f"input {i}"
+            close(x.grad, r.grad, dtype, f"gradient of input {i}")
+
+
+def test_every_op_is_registered_and_import_does_not_load_torch():
+    for name in ("gemm", "gemm_out", "softmax", "log_softmax", "softmax_out",
+                 "log_softmax_out", "softmax_backward", "log_softmax_backward",
+                 "gemm_softmax", "gemm_softmax_out", "flash_attention", "flash_attention_out"):
+        assert hasattr(torch.ops.tilepy, name), name
+    code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- gemm -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", [
+    # (a shape, b shape, dtype, activation, bias, c shape, alpha, beta, out_dtype)
+    ((19, 24), (24, 12), torch.float16, "gelu", True, None, 0.5, 0.0, None),
+    ((3, 19, 24), (24, 12), torch.float16, "relu", False, (19, 12), 1.0, -1.5, None),
+    ((19, 24), (2, 24, 12), torch.bfloat16, "silu", True, None, 1.0, 0.0, None),
+    ((2, 19, 24), (1, 24, 12), torch.float16, None, False, (2, 19, 12), 2.0, 0.5,
+     torch.float32),
+    ((13, 20), (20, 9), torch.float32, "gelu_tanh", True, (13, 9), 1.0, 1.0, None),
+])
+def test_gemm_gradients_against_float64(case):
+    sa, sb, dtype, act, has_bias, sc, alpha, beta, out_dtype = case
+    cdt = out_dtype or dtype
+    inputs = [rand(*sa, dtype=dtype, grad=True), rand(*sb, dtype=dtype, grad=True),
+              rand(sb[-1], dtype=dtype, grad=True) if has_bias else None,
+              rand(*sc, dtype=cdt, grad=True) if sc else None]
+    present = [x for x in inputs if x is not None]
+
+    def fn(*xs):
+        it = iter(xs)
+        a, b = next(it), next(it)
+        bias = next(it) if has_bias else None
+        c = next(it) if sc else None
+        return tilepy.gemm(a, b, bias=bias, c=c, activation=act, alpha=alpha, beta=beta,
+                           out_dtype=out_dtype)
+
+    def ref(*xs):
+        it = iter(xs)
+        a, b = next(it), next(it)
+        z = alpha * (a @ b)
+        if has_bias:
+            z = z + next(it)
+        if sc:
+            z = z + beta * next(it)
+        return ACT[act](z)
+
+    y = fn(*present)
+    assert y.grad_fn is not None and "tilepy" in type(y.grad_fn).__name__
+    check_grads(fn, ref, present, dtype)
+
+
+def test_gemm_eager_without_grad_matches_the_operator():
+    a, b = rand(17, 24), rand(24, 8)
+    direct = tilepy.gemm(a, b, activation="relu")
+    assert direct.grad_fn is None
+    via_op = torch.ops.tilepy.gemm(a, b, None, None, "relu", 1.0, 0.0, None, False)
+    assert torch.equal(direct, via_op)
+    out = torch.full((17, 8), float("nan"), dtype=torch.float16)
+    assert tilepy.gemm(a, b, activation="relu", out=out) is out
+    assert torch.equal(out, direct)
+
+
+def test_opcheck_gemm():
+    a, b = rand(19, 24, grad=True), rand(24, 16, grad=True)
+    bias, c = rand(16, grad=True), rand(19, 16)
+    torch.library.opcheck(torch.ops.tilepy.gemm.default,
+                          (a, b, bias, c, "gelu", 0.5, 1.0, None, False))
+    out = torch.empty(19, 16, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.tilepy.gemm_out.default,
+                          (a.detach(), b.detach(), None, None, None, 1.0, 0.0, False, out))
+
+
+# ---- softmax and log_softmax ----------------------------------------------------------------
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("shape,axis,dtype", [((5, 37), -1, torch.float32),
+                                              ((3, 9, 4), 1, torch.float16),
+                                              ((4, 70), 1, torch.bfloat16)])
+def test_softmax_gradients_against_float64(log, shape, axis, dtype):
+    fn = tilepy.log_softmax if log else tilepy.softmax
+    ref = torch.log_softmax if log else torch.softmax
+    x = rand(*shape, dtype=dtype, grad=True)
+    check_grads(lambda t: fn(t, axis), lambda t: ref(t, axis), [x], dtype)
+
+
+def test_softmax_backward_ops_match_float64():
+    y = torch.softmax(rand(6, 33, dtype=torch.float32), -1)
+    dy = rand(6, 33, dtype=torch.float32)
+    ref = y.double() * (dy.double() - (dy.double() * y.double()).sum(-1, keepdim=True))
+    close(tilepy.softmax_backward(dy, y, -1), ref, torch.float32)
+    ly = torch.log_softmax(rand(6, 33, dtype=torch.float32), -1)
+    ref = dy.double() - ly.double().exp() * dy.double().sum(-1, keepdim=True)
+    close(tilepy.log_softmax_backward(dy, ly, -1), ref, torch.float32)
+
+
+def test_opcheck_softmax_family():
+    x = rand(4, 37, dtype=torch.float32, grad=True)
+    for op in (torch.ops.tilepy.softmax, torch.ops.tilepy.log_softmax):
+        torch.library.opcheck(op.default, (x, 1))
+    torch.library.opcheck(torch.ops.tilepy.softmax_out.default,
+                          (x.detach(), -1, torch.empty(4, 37)))
+    y, dy = torch.softmax(x.detach(), -1), rand(4, 37, dtype=torch.float32)
+    for op in (torch.ops.tilepy.softmax_backward, torch.ops.tilepy.log_softmax_backward):
+        torch.library.opcheck(op.default, (dy, y, -1))
+
+
+# ---- gemm_softmax -----------------------------------------------------------------------------
+
+def test_gemm_softmax_gradients_and_opcheck():
+    a, b = rand(19, 24, grad=True), rand(24, 40, grad=True)
+    check_grads(lambda x, w: tilepy.gemm_softmax(x, w, scale=0.3),
+                lambda x, w: torch.softmax(0.3 * (x @ w), -1), [a, b], torch.float16)
+    torch.library.opcheck(torch.ops.tilepy.gemm_softmax.default,
+                          (a.detach().requires_grad_(), b.detach(), 0.3))
+
+
+# ---- flash_attention ------------------------------------------------------------------------
+
+def _attention_reference(q, k, v, causal, scale):
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = scale * q @ k.mT
+    if causal:
+        sq, sk = s.shape[-2:]
+        keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.nan_to_num(torch.softmax(s, -1)) @ v
+
+
+def test_flash_attention_operator_and_missing_backward():
+    q, k, v = rand(1, 4, 19, 64), rand(1, 2, 23, 64), rand(1, 2, 23, 64)
+    out, lse = torch.ops.tilepy.flash_attention(q, k, v, True, None, True, "bhsd")
+    close(out, _attention_reference(q, k, v, True, 1 / 8), torch.float16)
+    assert lse.shape == (1, 4, 19) and lse.dtype == torch.float32
+    torch.library.opcheck(torch.ops.tilepy.flash_attention.default,
+                          (q, k, v, False, 0.2, False, "bhsd"))
+    qg = q.clone().requires_grad_()
+    o = tilepy.flash_attention(qg, k, v, causal=True)
+    assert o.grad_fn is not None
+    with pytest.raises(NotImplementedError, match="no backward pass yet"):
+        o.float().sum().backward()
+
+
+# ---- torch.compile ------------------------------------------------------------------------
+
+def _counting_backend():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend("aot_eager")
+
+
+def test_compile_fullgraph_inference_has_one_graph():
+    torch._dynamo.reset()
+    x, w1, b1, w2 = rand(19, 24), rand(24, 32), rand(32), rand(32, 16)
+    q, k, v = rand(1, 2, 19, 64), rand(1, 2, 19, 64), rand(1, 2, 19, 64)
+
+    def model(x, w1, b1, w2, q, k, v):
+        h = tilepy.gemm(x, w1, bias=b1, activation="gelu")
+        s = tilepy.log_softmax(tilepy.gemm(h, w2, out_dtype=torch.float32), -1)
+        o = tilepy.flash_attention(q, k, v, causal=True)
+        return s, o
+
+    backend = _counting_backend()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    got, want = compiled(x, w1, b1, w2, q, k, v), model(x, w1, b1, w2, q, k, v)
+    assert backend.frame_count == 1
+    targets = {str(n.target) for n in backend.graphs[0].graph.nodes}
+    assert {"tilepy.gemm.default", "tilepy.log_softmax.default",
+            "tilepy.flash_attention.default"} <= targets
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_compile_fullgraph_training_step_matches_eager_gradients():
+    torch._dynamo.reset()
+    x = rand(19, 24)
+    w1, b1, w2 = rand(24, 32, grad=True), rand(32, grad=True), rand(32, 16, grad=True)
+
+    def loss(x, w1, b1, w2):
+        h = tilepy.gemm(x, w1, bias=b1, activation="silu")
+        return tilepy.softmax(tilepy.gemm(h, w2).float(), -1)[:, 0].sum()
+
+    loss(x, w1, b1, w2).backward()
+    eager = [p.grad.clone() for p in (w1, b1, w2)]
+    for p in (w1, b1, w2):
+        p.grad = None
+    compiled = torch.compile(loss, fullgraph=True, backend=_counting_backend())
+    compiled(x, w1, b1, w2).backward()
+    for p, g in zip((w1, b1, w2), eager):
+        assert torch.equal(p.grad, g)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def test_errors_name_the_argument_in_eager_and_compiled_calls():
+    a, b = rand(8, 16), rand(16, 8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="a and b must have the same dtype"):
+        tilepy.gemm(a, b)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="a and b must have the same dtype"):
+        torch.compile(lambda x, y: tilepy.gemm(x, y), fullgraph=True, backend="aot_eager")(a, b)
+    with pytest.raises(ValueError, match="head_dim 40 is not supported"):
+        tilepy.flash_attention(rand(1, 1, 8, 40, grad=True), rand(1, 1, 8, 40),
+                               rand(1, 1, 8, 40))
+    aw = rand(8, 16, grad=True)
+    with pytest.raises(TypeError, match="out= does not differentiate"):
+        tilepy.gemm(aw, rand(16, 8), out=torch.empty(8, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="dy requires grad"):
+        tilepy.softmax_backward(rand(4, 8, dtype=torch.float32, grad=True),
+                                rand(4, 8, dtype=torch.float32), -1)
+    with pytest.raises(TypeError, match="x requires grad, but an explicit config= runs"):
+        tilepy.softmax(rand(4, 8, dtype=torch.float32, grad=True), -1,
+                       config=tilepy.ops.softmax.plan(8))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        tilepy.flash_attention(rand(1, 1, 8, 64, grad=True), rand(1, 1, 8, 64),
+                               rand(1, 1, 8, 64), scale="x")
+    assert math.isfinite(tilepy.softmax(rand(4, 8, dtype=torch.float32), -1,
+                                        config=tilepy.ops.softmax.plan(8)).sum().item())

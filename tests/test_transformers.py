@@ -1,0 +1,70 @@
+"""tilepy as a Hugging Face transformers attention implementation, in the simulator: a small
+random-weight Llama with grouped-query attention, its logits against SDPA's, a
+``torch.compile``d forward, and the SDPA fallback (with one warning) for a padding mask. The
+GPU version runs at a larger size (tests/test_torch_gpu.py)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tilepy.integrations.transformers as tilepy_transformers
+import tilepy.ops.attention as attention_op
+
+pytestmark = pytest.mark.sim
+
+
+def small_llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, initializer_range=0.3)
+    return LlamaForCausalLM(cfg).to(torch.float16).eval()
+
+
+def rel_err(got, ref):
+    got, ref = got.double(), ref.double()
+    assert not torch.isnan(got).any()
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_llama_logits_match_sdpa_eager_and_compiled(monkeypatch):
+    name = tilepy_transformers.register()
+    model = small_llama()
+    ids = torch.randint(0, 64, (2, 13))
+    calls = []
+    real = attention_op.flash_attention
+    monkeypatch.setattr(attention_op, "flash_attention",
+                        lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, use_cache=False).logits
+        model.set_attn_implementation(name)
+        got = model(ids, use_cache=False).logits
+        assert calls == [(2, 4, 13, 32)] * 2   # both layers, K/V not repeated (GQA 4/2)
+        assert rel_err(got, ref) < 2e-2
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        assert rel_err(compiled(ids, use_cache=False).logits, ref) < 2e-2
+
+
+def test_padding_mask_falls_back_to_sdpa_with_one_warning():
+    name = tilepy_transformers.register()
+    model = small_llama()
+    ids = torch.randint(0, 64, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    tilepy_transformers._WARNED.clear()
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation(name)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = model(ids, attention_mask=mask, use_cache=False).logits
+    messages = [str(w.message) for w in seen if "tilepy attention" in str(w.message)]
+    assert len(messages) == 1 and "padding" in messages[0]
+    assert rel_err(got[1], ref[1]) < 2e-2 and rel_err(got[0, 3:], ref[0, 3:]) < 2e-2

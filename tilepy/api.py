@@ -1,0 +1,96 @@
+"""The public ops, one front for every array kind.
+
+PyTorch tensors go through the operators registered in the ``tilepy`` namespace
+(:mod:`tilepy.integrations.pytorch`: ``torch.ops.tilepy.*``, with fake implementations and
+autograd formulas), so ``torch.compile`` traces them and ``loss.backward()`` differentiates
+them; CuPy arrays, Numba device arrays (and NumPy arrays in the simulator) go straight to
+the ops in :mod:`tilepy.ops`. Nothing here imports PyTorch: the PyTorch side is loaded the
+first time a tensor arrives, so ``import tilepy`` costs the same with or without it.
+
+The kind is read from the first array argument's type (``torch.Tensor`` and its subclasses
+live in modules named ``torch…``); mixing kinds is an error raised by the op.
+"""
+
+from __future__ import annotations
+
+from .ops import attention as _attention
+from .ops import gemm as _gemm
+from .ops import gemm_softmax as _gemm_softmax
+from .ops import softmax as _softmax
+from .ops import softmax_backward as _softmax_backward
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+#: tilepy.integrations.pytorch once it is loaded (it sets this itself)
+_front = None
+
+
+def _pytorch():
+    from .integrations import pytorch
+
+    return pytorch
+
+
+def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=None,
+         out_dtype=None, config=None, allow_tf32=False):
+    if _is_torch(a):
+        return (_front or _pytorch()).gemm(a, b, bias, activation, alpha, beta, c, out,
+                                           out_dtype, config, allow_tf32)
+    return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta, c=c,
+                      out=out, out_dtype=out_dtype, config=config, allow_tf32=allow_tf32)
+
+
+def softmax(x, axis=-1, *, out=None, config=None):
+    if _is_torch(x):
+        return (_front or _pytorch()).softmax(x, axis, out, config, log=False)
+    return _softmax.softmax(x, axis, out=out, config=config)
+
+
+def log_softmax(x, axis=-1, *, out=None, config=None):
+    if _is_torch(x):
+        return (_front or _pytorch()).softmax(x, axis, out, config, log=True)
+    return _softmax.log_softmax(x, axis, out=out, config=config)
+
+
+def softmax_backward(dy, y, axis=-1, *, out=None, config=None):
+    if _is_torch(dy):
+        return (_front or _pytorch()).softmax_backward(dy, y, axis, out, config, log=False)
+    return _softmax_backward.softmax_backward(dy, y, axis, out=out, config=config)
+
+
+def log_softmax_backward(dy, y, axis=-1, *, out=None, config=None):
+    if _is_torch(dy):
+        return (_front or _pytorch()).softmax_backward(dy, y, axis, out, config, log=True)
+    return _softmax_backward.log_softmax_backward(dy, y, axis, out=out, config=config)
+
+
+def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
+    if _is_torch(a):
+        return (_front or _pytorch()).gemm_softmax(a, b, scale, out, config)
+    return _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out, config=config)
+
+
+def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,
+                    layout="bhsd", config=None):
+    if _is_torch(q):
+        return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, return_lse,
+                                                      out, layout, config)
+    return _attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                      return_lse=return_lse, out=out, layout=layout,
+                                      config=config)
+
+
+for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
+                  (log_softmax, _softmax.log_softmax),
+                  (softmax_backward, _softmax_backward.softmax_backward),
+                  (log_softmax_backward, _softmax_backward.log_softmax_backward),
+                  (gemm_softmax, _gemm_softmax.gemm_softmax),
+                  (flash_attention, _attention.flash_attention)):
+    _api.__doc__ = _op.__doc__
+del _api, _op
+
+__all__ = ["flash_attention", "gemm", "gemm_softmax", "log_softmax", "log_softmax_backward",
+           "softmax", "softmax_backward"]

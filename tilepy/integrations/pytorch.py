@@ -1,0 +1,500 @@
+"""tilepy's ops as PyTorch operators: ``torch.ops.tilepy.*``.
+
+Each public op is a ``torch.library`` operator in the ``tilepy`` namespace with
+
+* a CUDA (and, in the CUDA simulator, CPU) implementation that runs the tilepy op on the
+  tensors' memory, on the caller's current stream;
+* a fake (meta) implementation that runs the op's own argument checks on metadata alone and
+  returns an empty result of the right shape, dtype, strides and device — so
+  ``torch.compile(fullgraph=True)`` traces a model that calls tilepy with no graph break, and
+  a bad argument raises the same error under compilation as in eager mode;
+* an autograd formula: ``gemm`` in ``a``, ``b``, ``bias`` and ``c`` (through its fused
+  activation; the backward products run on ``tilepy.gemm`` itself, transposes as views),
+  ``softmax`` / ``log_softmax`` through tilepy's backward kernels, ``gemm_softmax`` by both.
+  ``flash_attention``'s backward is not implemented yet: its formula raises
+  ``NotImplementedError`` (never a silently missing gradient).
+
+``tilepy.gemm(a, b)`` on tensors calls the operator only when PyTorch needs to see it:
+under compilation, when a gradient is wanted, under a dispatch / function mode or functorch
+transform, or for tensor subclasses. A plain eager call (the common inference case) goes to
+the op directly, which costs a few microseconds less than the dispatcher.
+
+The ``out=`` forms are operators of their own (``gemm_out``, ``softmax_out``, …) that mutate
+``out``; like PyTorch's ``out=`` functions they do not differentiate (a ``TypeError`` when a
+gradient would be needed). ``config=`` (an explicit kernel config) is an eager-only tuning
+knob: it runs the op directly, outside ``torch.compile`` graphs and autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import api
+from ..ops import attention as _attention
+from ..ops import gemm as _gemm
+from ..ops import gemm_softmax as _gemm_softmax
+from ..ops import softmax as _softmax
+from ..ops import softmax_backward as _softmax_backward
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+_lib = torch.library.Library("tilepy", "DEF")
+
+_SCHEMAS = {
+    "gemm": "gemm(Tensor a, Tensor b, Tensor? bias, Tensor? c, str? activation, float alpha, "
+            "float beta, ScalarType? out_dtype, bool allow_tf32) -> Tensor",
+    "gemm_out": "gemm_out(Tensor a, Tensor b, Tensor? bias, Tensor? c, str? activation, "
+                "float alpha, float beta, bool allow_tf32, Tensor(a!) out) -> ()",
+    "softmax": "softmax(Tensor x, int axis) -> Tensor",
+    "softmax_out": "softmax_out(Tensor x, int axis, Tensor(a!) out) -> ()",
+    "log_softmax": "log_softmax(Tensor x, int axis) -> Tensor",
+    "log_softmax_out": "log_softmax_out(Tensor x, int axis, Tensor(a!) out) -> ()",
+    "softmax_backward": "softmax_backward(Tensor dy, Tensor y, int axis) -> Tensor",
+    "log_softmax_backward": "log_softmax_backward(Tensor dy, Tensor y, int axis) -> Tensor",
+    "gemm_softmax": "gemm_softmax(Tensor a, Tensor b, float scale) -> Tensor",
+    "gemm_softmax_out": "gemm_softmax_out(Tensor a, Tensor b, float scale, Tensor(a!) out) "
+                        "-> ()",
+    "flash_attention": "flash_attention(Tensor q, Tensor k, Tensor v, bool causal, "
+                       "float? scale, bool return_lse, str layout) -> (Tensor, Tensor)",
+    "flash_attention_out": "flash_attention_out(Tensor q, Tensor k, Tensor v, bool causal, "
+                           "float? scale, bool return_lse, str layout, Tensor(a!) out) "
+                           "-> Tensor",
+}
+
+
+def _register(name, impl, fake):
+    """Define ``tilepy::name``, implement it for CUDA (and CPU, where the simulator runs
+    kernels on CPU tensors and where a real GPU's op gives its 'move it to the GPU' error),
+    and give it its fake implementation."""
+    _lib.define(_SCHEMAS[name])
+    _lib.impl(name, impl, "CUDA")
+    _lib.impl(name, impl, "CPU")
+    torch.library.register_fake(f"tilepy::{name}", fake, lib=_lib)
+    return getattr(torch.ops.tilepy, name).default
+
+
+# ---- when the dispatcher can be skipped -----------------------------------------------------
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_functorch = torch._C._are_functorch_transforms_active
+
+
+def _direct(*tensors) -> bool:
+    """True when nothing in PyTorch needs to see this call (eager, no mode, no transform,
+    plain tensors, no gradient wanted): the op may run without the dispatcher."""
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch():
+        return False
+    grad = _grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def _wants_grad(*tensors) -> bool:
+    return _grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _no_grad_for(op: str, why: str, **tensors) -> None:
+    """``TypeError`` naming the first of ``tensors`` that would need a gradient ``op`` does
+    not give (``why``)."""
+    if _grad_enabled():
+        for name, t in tensors.items():
+            if t is not None and t.requires_grad:
+                raise TypeError(f"{op}: {name} requires grad, but {why}; detach it or run "
+                                "under torch.no_grad()")
+
+
+def _eager_only(fn, *args, **kwargs):
+    """An explicit ``config``: the op itself, outside compiled graphs."""
+    return fn(*args, **kwargs)
+
+
+_EAGER_ONLY = []   # _eager_only under torch.compiler.disable (made on first use: the
+                   # decorator imports torch._dynamo, a second of import time)
+
+
+def _configured(op: str, fn, tensors: dict, **kwargs):
+    _no_grad_for(op, "an explicit config= runs the op outside autograd (leave config unset "
+                 "to differentiate)", **tensors)
+    if not _EAGER_ONLY:
+        _EAGER_ONLY.append(torch.compiler.disable(_eager_only))
+    return _EAGER_ONLY[0](fn, **tensors, **kwargs)
+
+
+# ---- gemm -----------------------------------------------------------------------------------
+
+def _gemm_impl(a, b, bias, c, activation, alpha, beta, out_dtype, allow_tf32):
+    return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta, c=c,
+                      out_dtype=out_dtype, allow_tf32=allow_tf32)
+
+
+def _gemm_fake(a, b, bias, c, activation, alpha, beta, out_dtype, allow_tf32):
+    shape, dtype = _gemm.output_spec(a, b, bias=bias, activation=activation, beta=beta, c=c,
+                                     out_dtype=out_dtype, allow_tf32=allow_tf32)
+    return a.new_empty(shape, dtype=_DTYPES[dtype])
+
+
+def _gemm_out_impl(a, b, bias, c, activation, alpha, beta, allow_tf32, out):
+    _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta, c=c, out=out,
+               out_dtype=out.dtype, allow_tf32=allow_tf32)
+
+
+def _gemm_out_fake(a, b, bias, c, activation, alpha, beta, allow_tf32, out):
+    _gemm.output_spec(a, b, bias=bias, activation=activation, beta=beta, c=c, out=out,
+                      out_dtype=out.dtype, allow_tf32=allow_tf32)
+
+
+_gemm_op = _register("gemm", _gemm_impl, _gemm_fake)
+_gemm_out_op = _register("gemm_out", _gemm_out_impl, _gemm_out_fake)
+
+
+def gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32):
+    """``tilepy.gemm`` on PyTorch tensors (see :func:`tilepy.ops.gemm.gemm`)."""
+    if beta == 0:
+        c = None            # not read (BLAS): no gradient either
+    if config is not None:
+        return _configured("gemm", _gemm.gemm, dict(a=a, b=b, bias=bias, c=c, out=out),
+                           activation=activation, alpha=alpha, beta=beta,
+                           out_dtype=out_dtype, config=config, allow_tf32=allow_tf32)
+    if _direct(a, b, bias, c, out):
+        return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta,
+                          c=c, out=out, out_dtype=out_dtype, allow_tf32=allow_tf32)
+    alpha, beta = float(alpha), float(beta)
+    if out is not None:
+        _no_out_grad("gemm", out, a=a, b=b, bias=bias, c=c)
+        _gemm_out_op(a, b, bias, c, activation, alpha, beta, allow_tf32, out)
+        return out
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        from ..arrays import dtype_name
+
+        out_dtype = _DTYPES.get(dtype_name(out_dtype), out_dtype)
+    return _gemm_op(a, b, bias, c, activation, alpha, beta, out_dtype, allow_tf32)
+
+
+def _no_out_grad(op: str, out, **tensors) -> None:
+    if _wants_grad(out, *tensors.values()):
+        raise TypeError(f"{op}: out= does not differentiate (as PyTorch's out= functions do "
+                        "not); leave out unset, or run under torch.no_grad()")
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, bias, c, activation, alpha, beta, _, _ = inputs
+    ctx.activation, ctx.alpha, ctx.beta = activation, alpha, beta
+    ctx.save_for_backward(a, b, bias, c, output if activation == "relu" else None)
+
+
+def _sum_to(x, shape, dtype):
+    """``x`` summed (in float32) over the leading axes that ``shape`` broadcasts, as
+    ``dtype``."""
+    if tuple(x.shape) != tuple(shape):
+        x = x.float()
+        while x.dim() > len(shape):
+            x = x.sum(0)
+        if x.dim() and x.shape[0] != shape[0]:
+            x = x.sum(0, keepdim=True)
+    return x.to(dtype)
+
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+def _activation_grad(activation, z):
+    """d act(z) / dz, float32."""
+    if activation == "gelu":
+        return 0.5 * (1.0 + torch.erf(z * math.sqrt(0.5))) + z * torch.exp(-0.5 * z * z) / \
+            math.sqrt(2.0 * math.pi)
+    if activation == "gelu_tanh":
+        t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_C * z * z * z))
+        return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+            1.0 + 3.0 * _GELU_C * z * z)
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1.0 + z * (1.0 - s))
+    raise ValueError(f"no derivative for activation {activation!r}")
+
+
+def _gemm_backward(ctx, dy):
+    a, b, bias, c, y = ctx.saved_tensors
+    act, alpha, beta = ctx.activation, ctx.alpha, ctx.beta
+    need_a, need_b, need_bias, need_c = ctx.needs_input_grad[:4]
+    if act is None:
+        dz = dy
+    elif act == "relu":
+        dz = dy * (y > 0)
+    else:   # the pre-activation again: one more product, instead of keeping it
+        z = api.gemm(a, b, bias=bias, alpha=alpha, out_dtype=torch.float32)
+        if c is not None:
+            z = z + beta * c.float()
+        dz = dy.float() * _activation_grad(act, z)
+    g = dz.to(a.dtype)
+    da = db = dbias = dc = None
+    if need_a:
+        if a.dim() == 3 or g.dim() == 2 or b.dim() == 2:
+            da = api.gemm(g, b.mT, alpha=alpha, out_dtype=torch.float32 if
+                          g.dim() == 3 and a.shape[0] != g.shape[0] else None)
+        else:   # a 2-D broadcast over b's batch: the sum over the batch
+            da = api.gemm(g, b.mT, alpha=alpha, out_dtype=torch.float32)
+        da = _sum_to(da, a.shape, a.dtype)
+    if need_b:
+        if b.dim() == 2 and g.dim() == 3:   # b broadcast over a's batch: one product
+            k, n = b.shape
+            db = api.gemm(a.reshape(-1, k).mT, g.reshape(-1, n), alpha=alpha)
+        else:
+            db = api.gemm(a.mT, g, alpha=alpha, out_dtype=torch.float32 if
+                          b.dim() == 3 and b.shape[0] != g.shape[0] else None)
+        db = _sum_to(db, b.shape, b.dtype)
+    if need_bias:
+        dbias = dz.float().sum(tuple(range(dz.dim() - 1))).to(bias.dtype)
+    if need_c:
+        dc = _sum_to(beta * dz.float(), c.shape, c.dtype)
+    return da, db, dbias, dc, None, None, None, None, None
+
+
+torch.library.register_autograd("tilepy::gemm", _gemm_backward, setup_context=_gemm_setup,
+                                lib=_lib)
+
+
+# ---- softmax, log_softmax and their backward ------------------------------------------------
+
+def _softmax_fake(x, axis):
+    shape, dtype = _softmax.output_spec(x, axis)
+    return x.new_empty(shape)
+
+
+def _softmax_out_fake(x, axis, out):
+    _softmax.output_spec(x, axis, out=out)
+
+
+_softmax_ops = {
+    False: _register("softmax", lambda x, axis: _softmax.softmax(x, axis), _softmax_fake),
+    True: _register("log_softmax", lambda x, axis: _softmax.log_softmax(x, axis),
+                    _softmax_fake),
+}
+
+
+def _softmax_out_impl(x, axis, out):
+    _softmax.softmax(x, axis, out=out)
+
+
+def _log_softmax_out_impl(x, axis, out):
+    _softmax.log_softmax(x, axis, out=out)
+
+
+_softmax_out_ops = {False: _register("softmax_out", _softmax_out_impl, _softmax_out_fake),
+                    True: _register("log_softmax_out", _log_softmax_out_impl,
+                                    _softmax_out_fake)}
+
+
+def _backward_fake(dy, y, axis):
+    shape, dtype = _softmax_backward.output_spec(dy, y, axis)
+    return dy.new_empty(shape)
+
+
+_backward_ops = {
+    False: _register("softmax_backward",
+                     lambda dy, y, axis: _softmax_backward.softmax_backward(dy, y, axis),
+                     _backward_fake),
+    True: _register("log_softmax_backward",
+                    lambda dy, y, axis: _softmax_backward.log_softmax_backward(dy, y, axis),
+                    _backward_fake),
+}
+
+
+def softmax(x, axis, out, config, log: bool):
+    """``tilepy.softmax`` / ``log_softmax`` on PyTorch tensors."""
+    fn = _softmax.log_softmax if log else _softmax.softmax
+    name = "log_softmax" if log else "softmax"
+    if config is not None:
+        return _configured(name, fn, dict(x=x, out=out), axis=axis, config=config)
+    if _direct(x, out):
+        return fn(x, axis, out=out)
+    if out is not None:
+        _no_out_grad(name, out, x=x)
+        _softmax_out_ops[log](x, axis, out)
+        return out
+    return _softmax_ops[log](x, axis)
+
+
+def softmax_backward(dy, y, axis, out, config, log: bool):
+    """``tilepy.softmax_backward`` / ``log_softmax_backward`` on PyTorch tensors (not
+    differentiable themselves: no double backward)."""
+    name = "log_softmax_backward" if log else "softmax_backward"
+    fn = _softmax_backward.log_softmax_backward if log else _softmax_backward.softmax_backward
+    if config is not None:
+        return _configured(name, fn, dict(dy=dy, y=y, out=out), axis=axis, config=config)
+    why = "tilepy's backward ops are not differentiable (no double backward)"
+    if _direct(dy, y, out) or out is not None:
+        _no_grad_for(name, why, dy=dy, y=y, out=out)
+        return fn(dy, y, axis, out=out)
+    _no_grad_for(name, why, dy=dy, y=y)
+    return _backward_ops[log](dy, y, axis)
+
+
+def _softmax_setup(ctx, inputs, output):
+    ctx.axis = inputs[1]
+    ctx.save_for_backward(output)
+
+
+def _softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return api.softmax_backward(dy, y, ctx.axis), None
+
+
+def _log_softmax_grad(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return api.log_softmax_backward(dy, y, ctx.axis), None
+
+
+torch.library.register_autograd("tilepy::softmax", _softmax_grad, setup_context=_softmax_setup,
+                                lib=_lib)
+torch.library.register_autograd("tilepy::log_softmax", _log_softmax_grad,
+                                setup_context=_softmax_setup, lib=_lib)
+
+
+# ---- gemm_softmax -----------------------------------------------------------------------------
+
+def _gemm_softmax_fake(a, b, scale):
+    shape, dtype = _gemm_softmax.output_spec(a, b, scale=scale)
+    return a.new_empty(shape)
+
+
+def _gemm_softmax_out_fake(a, b, scale, out):
+    _gemm_softmax.output_spec(a, b, scale=scale, out=out)
+
+
+_gemm_softmax_op = _register(
+    "gemm_softmax", lambda a, b, scale: _gemm_softmax.gemm_softmax(a, b, scale=scale),
+    _gemm_softmax_fake)
+
+
+def _gemm_softmax_out_impl(a, b, scale, out):
+    _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out)
+
+
+_gemm_softmax_out_op = _register("gemm_softmax_out", _gemm_softmax_out_impl,
+                                 _gemm_softmax_out_fake)
+
+
+def gemm_softmax(a, b, scale, out, config):
+    """``tilepy.gemm_softmax`` on PyTorch tensors."""
+    if config is not None:
+        return _configured("gemm_softmax", _gemm_softmax.gemm_softmax, dict(a=a, b=b, out=out),
+                           scale=scale, config=config)
+    if _direct(a, b, out):
+        return _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out)
+    scale = _float_arg("gemm_softmax", "scale", scale)
+    if out is not None:
+        _no_out_grad("gemm_softmax", out, a=a, b=b)
+        _gemm_softmax_out_op(a, b, scale, out)
+        return out
+    return _gemm_softmax_op(a, b, scale)
+
+
+def _gemm_softmax_setup(ctx, inputs, output):
+    a, b, scale = inputs
+    ctx.scale = scale
+    ctx.save_for_backward(a, b, output)
+
+
+def _gemm_softmax_grad(ctx, dy):
+    a, b, y = ctx.saved_tensors
+    ds = api.softmax_backward(dy, y, -1)
+    need_a, need_b = ctx.needs_input_grad[:2]
+    da = api.gemm(ds, b.mT, alpha=ctx.scale) if need_a else None
+    db = api.gemm(a.mT, ds, alpha=ctx.scale) if need_b else None
+    return da, db, None
+
+
+torch.library.register_autograd("tilepy::gemm_softmax", _gemm_softmax_grad,
+                                setup_context=_gemm_softmax_setup, lib=_lib)
+
+
+# ---- flash_attention ------------------------------------------------------------------------
+
+def _no_lse(q):
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+def _attention_impl(q, k, v, causal, scale, return_lse, layout):
+    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                     return_lse=return_lse, layout=layout)
+    return res if return_lse else (res, _no_lse(q))
+
+
+def _attention_fake(q, k, v, causal, scale, return_lse, layout):
+    shape, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale,
+                                                 layout=layout)
+    return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
+                                else _no_lse(q))
+
+
+def _attention_out_impl(q, k, v, causal, scale, return_lse, layout, out):
+    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                     return_lse=return_lse, out=out, layout=layout)
+    return res[1] if return_lse else _no_lse(q)
+
+
+def _attention_out_fake(q, k, v, causal, scale, return_lse, layout, out):
+    _, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale, out=out,
+                                             layout=layout)
+    return q.new_empty(lse_shape, dtype=torch.float32) if return_lse else _no_lse(q)
+
+
+_attention_op = _register("flash_attention", _attention_impl, _attention_fake)
+_attention_out_op = _register("flash_attention_out", _attention_out_impl, _attention_out_fake)
+
+
+def flash_attention(q, k, v, causal, scale, return_lse, out, layout, config):
+    """``tilepy.flash_attention`` on PyTorch tensors."""
+    if config is not None:
+        return _configured("flash_attention", _attention.flash_attention,
+                           dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
+                           return_lse=return_lse, layout=layout, config=config)
+    if _direct(q, k, v, out):
+        return _attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                          return_lse=return_lse, out=out, layout=layout)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if scale is not None:
+        scale = _float_arg("flash_attention", "scale", scale)
+    if out is not None:
+        _no_out_grad("flash_attention", out, q=q, k=k, v=v)
+        lse = _attention_out_op(q, k, v, causal, scale, return_lse, layout, out)
+        return (out, lse) if return_lse else out
+    res, lse = _attention_op(q, k, v, causal, scale, True if _wants_grad(q, k, v) else
+                             return_lse, layout)
+    return (res, lse) if return_lse else res
+
+
+def _float_arg(op: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _attention_setup(ctx, inputs, output):
+    pass
+
+
+def _attention_grad(ctx, dout, dlse):
+    raise NotImplementedError(
+        "tilepy.flash_attention has no backward pass yet, so it cannot be differentiated; "
+        "compute attention under torch.no_grad(), or use "
+        "torch.nn.functional.scaled_dot_product_attention where gradients are needed")
+
+
+torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
+                                setup_context=_attention_setup, lib=_lib)
+
+
+api._front = __import__(__name__, fromlist=["_"])   # the fronts' shortcut to this module
+
+__all__ = ["flash_attention", "gemm", "gemm_softmax", "softmax", "softmax_backward"]
