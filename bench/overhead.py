@@ -163,6 +163,10 @@ def breakdown(add, torch, tilepy, a, b, out):
     add("  cuLaunchKernel (cuda.bindings), one parameter buffer", lambda: driver.cuLaunchKernel(
         plan._func, gx, gy, gz, bx, by, bz, plan.smem, h, 0, ctypes.addressof(extra)))
     print("    parameters:", len(plan._slots), "fields,", offset, "bytes")
+    from tilepy.tile import device_write
+
+    add("  device_write.stream_capturing (per TMA launch)",
+        lambda: device_write.stream_capturing(h))
     out.zero_()
     torch.cuda.synchronize()
     err = fn(f, gx, gy, gz, bx, by, bz, plan.smem, h, None, extra)

@@ -51,7 +51,7 @@ import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from tilepy import launch  # noqa: E402
-from tilepy.launch import GridSplit, LaunchPlan, grid_chunks  # noqa: E402
+from tilepy.launch import GridSplit, LaunchPlan, grid_chunks, pointer  # noqa: E402
 
 
 def _probe_kernel():
@@ -226,3 +226,32 @@ def test_gpu_chunked_launches_and_the_parameter_buffer_after_them(monkeypatch):
     plan.launch(0, (a_dev, out))
     _check_probe(a, out.copy_to_host(), 3, 2)
     assert plan.parameter_values() == before
+
+
+@cuda.jit
+def _mixed_arguments(x, s, y, n, z, t):
+    """Scalars between arrays: their slots in the one parameter buffer are padded to the next
+    8-byte field (float32 s, int32 n, float64 t)."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        y[i] = x[i] * s + n
+        z[i] = x[i] + t
+
+
+@pytest.mark.gpu
+def test_gpu_parameter_buffer_with_scalars_between_arrays():
+    x = np.arange(10, dtype=np.float32)
+    xd, yd, zd = cuda.to_device(x), cuda.device_array(10, np.float32), \
+        cuda.device_array(10, np.float64)
+    args = (xd, np.float32(2.5), yd, np.int32(7), zd, np.float64(0.25))
+    plan = LaunchPlan(_mixed_arguments, args, 1, 32)
+    plan.launch(0, args)
+    np.testing.assert_array_equal(yd.copy_to_host(), x * 2.5 + 7)
+    np.testing.assert_array_equal(zd.copy_to_host(), x + 0.25)
+    bound = plan.bind([(0, pointer(xd)), (1, pointer(yd)), (2, pointer(zd))])
+    x2 = cuda.to_device(-x)
+    y2, z2 = cuda.device_array(10, np.float32), cuda.device_array(10, np.float64)
+    bound(0, [pointer(x2), pointer(y2), pointer(z2)], (np.float32(-1.0), np.int32(3),
+                                                      np.float64(4.0)))
+    np.testing.assert_array_equal(y2.copy_to_host(), x + 3)
+    np.testing.assert_array_equal(z2.copy_to_host(), -x + 4.0)

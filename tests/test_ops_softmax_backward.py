@@ -433,3 +433,27 @@ def test_pytorch_tensors():
             want = fn(dy.float(), y.float(), -1, torch.float32)
             err = (got.float() - want).abs().max().item()
             assert err <= tol * (1 + want.abs().max().item()), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,n,dtype", [(1000, 100, "float32"), (16384, 1000, "float16"),
+                                          (2000, 8193, "bfloat16"), (64, 40000, "float32"),
+                                          (256, 32768, "bfloat16")])
+def test_gpu_full_size_against_float64(rows, n, dtype):
+    """Every path at full size on the GPU (warp, block, two-pass; an odd row length) against
+    float64 formulas, with ``out`` poisoned beforehand."""
+    torch = pytest.importorskip("torch")
+    tdt = getattr(torch, dtype)
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}[dtype]
+    x = 4 * torch.randn(rows, n, device="cuda")
+    for log in (False, True):
+        y = (torch.log_softmax if log else torch.softmax)(x, -1).to(tdt)
+        dy = torch.randn(rows, n, device="cuda").to(tdt)
+        out = torch.full_like(dy, float("nan"))
+        OPS["log_softmax" if log else "softmax"](dy, y, out=out)
+        yd, dyd = y.double(), dy.double()
+        want = dyd - yd.exp() * dyd.sum(-1, keepdim=True) if log else \
+            yd * (dyd - (dyd * yd).sum(-1, keepdim=True))
+        assert not torch.isnan(out).any()
+        err = ((out.double() - want).abs().max() / want.abs().max()).item()
+        assert err <= tol, (log, err)
