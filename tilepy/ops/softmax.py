@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -890,8 +891,6 @@ def compile_reports(only=None, layouts=("A",)):
     "tilepy.ops.softmax:compile_reports")`` (all, ~20 s), or
     ``"tilepy.ops.softmax:compile_reports_one_per_path"`` (three kernels, both layouts).
     """
-    import re
-
     from ..offline import compile_kernel
 
     out = []
@@ -910,15 +909,20 @@ def compile_reports(only=None, layouts=("A",)):
             except Exception as e:  # noqa: BLE001  (reported per kernel)
                 entry["error"] = f"{type(e).__name__}: {e}"
             else:
-                entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
-                             spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
-                             local_bytes=rep.local_bytes, shared_bytes=rep.shared_bytes,
-                             counts=rep.counts,
-                             ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.M)),
-                             maxntid=bool(re.search(r"\.maxntid\s+%d," % p.threads,
-                                                    rep.ptx)))
+                entry.update(report_fields(rep, p.threads))
             out.append(entry)
     return out
+
+
+def report_fields(rep, threads: int) -> dict:
+    """What the offline checks of a row kernel read from its compile report ``rep``
+    (:func:`tilepy.offline.compile_kernel`): registers, spills, memory, instruction counts,
+    the ``ex2.approx`` count, and whether ``.maxntid`` is the block's ``threads``."""
+    return dict(registers=rep.registers, spill_stores=rep.spill_stores,
+                spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
+                local_bytes=rep.local_bytes, shared_bytes=rep.shared_bytes, counts=rep.counts,
+                ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.M)),
+                maxntid=bool(re.search(r"\.maxntid\s+%d," % threads, rep.ptx)))
 
 
 #: One kernel of each path, for the quick check in the test suite.

@@ -517,15 +517,9 @@ def compile_reports(only=None, layouts=("A",)):
             except Exception as e:  # noqa: BLE001  (reported per kernel)
                 entry["error"] = f"{type(e).__name__}: {e}"
             else:
-                entry.update(registers=rep.registers, spill_stores=rep.spill_stores,
-                             spill_loads=rep.spill_loads, stack_frame=rep.stack_frame,
-                             local_bytes=rep.local_bytes, shared_bytes=rep.shared_bytes,
-                             counts=rep.counts,
-                             ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.M)),
+                entry.update(_forward.report_fields(rep, p.threads),
                              vector_loads=len(re.findall(r"^\s*ld\.global(\.\w+)*\.v4",
-                                                         rep.ptx, re.M)),
-                             maxntid=bool(re.search(r"\.maxntid\s+%d," % p.threads,
-                                                    rep.ptx)))
+                                                         rep.ptx, re.M)))
             out.append(entry)
     return out
 
