@@ -382,7 +382,7 @@ def test_tensor_maps_through_the_allocator_and_the_map_writer(monkeypatch):
     assert kept.ptr % 64 == 0 and kept not in plan._maps.values()
     call(1)                                   # cached maps used by a capture: kept too
     assert plan.maps_encoded == 3 and len(plan._kept) == 2
-    assert plan._maps[(a2.ctypes.data, b2.ctypes.data)] in plan._kept.values()
+    assert plan._maps[(0, (a2.ctypes.data, b2.ctypes.data))] in plan._kept.values()
 
 
 def test_config_validation():

@@ -54,7 +54,8 @@ def check_grads(fn, ref_fn, inputs, dtype):
 def test_every_op_is_registered_and_import_does_not_load_torch():
     for name in ("gemm", "gemm_out", "softmax", "log_softmax", "softmax_out",
                  "log_softmax_out", "softmax_backward", "log_softmax_backward",
-                 "gemm_softmax", "gemm_softmax_out", "flash_attention", "flash_attention_out"):
+                 "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
+                 "gemm_softmax_out", "flash_attention", "flash_attention_out"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -155,6 +156,21 @@ def test_opcheck_softmax_family():
     y, dy = torch.softmax(x.detach(), -1), rand(4, 37, dtype=torch.float32)
     for op in (torch.ops.tilepy.softmax_backward, torch.ops.tilepy.log_softmax_backward):
         torch.library.opcheck(op.default, (dy, y, -1))
+    torch.library.opcheck(torch.ops.tilepy.softmax_backward_out.default,
+                          (dy, y, -1, torch.empty(4, 37)))
+
+
+def test_out_written_directly_advances_its_version():
+    """An eager out= call writes ``out`` as an in-place op would: autograd sees the write."""
+    x, out = rand(4, 37, dtype=torch.float32), torch.empty(4, 37)
+    v = out._version
+    assert tilepy.softmax(x, -1, out=out) is out and out._version == v + 1
+    w = rand(4, 37, dtype=torch.float32, grad=True)
+    saved = torch.empty(4, 37)
+    y = w * saved                         # autograd saves `saved` for w's gradient
+    tilepy.softmax(x, -1, out=saved)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 # ---- gemm_softmax -----------------------------------------------------------------------------

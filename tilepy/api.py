@@ -5,7 +5,8 @@ PyTorch tensors go through the operators registered in the ``tilepy`` namespace
 autograd formulas), so ``torch.compile`` traces them and ``loss.backward()`` differentiates
 them; CuPy arrays, Numba device arrays (and NumPy arrays in the simulator) go straight to
 the ops in :mod:`tilepy.ops`. Nothing here imports PyTorch: the PyTorch side is loaded the
-first time a tensor arrives, so ``import tilepy`` costs the same with or without it.
+first time a tensor arrives (or by ``import tilepy`` when PyTorch is already imported), so
+``import tilepy`` never imports PyTorch itself.
 
 The kind is read from the first array argument's type (``torch.Tensor`` and its subclasses
 live in modules named ``torch…``); mixing kinds is an error raised by the op.

@@ -53,6 +53,10 @@ _SCHEMAS = {
     "log_softmax_out": "log_softmax_out(Tensor x, int axis, Tensor(a!) out) -> ()",
     "softmax_backward": "softmax_backward(Tensor dy, Tensor y, int axis) -> Tensor",
     "log_softmax_backward": "log_softmax_backward(Tensor dy, Tensor y, int axis) -> Tensor",
+    "softmax_backward_out": "softmax_backward_out(Tensor dy, Tensor y, int axis, "
+                            "Tensor(a!) out) -> ()",
+    "log_softmax_backward_out": "log_softmax_backward_out(Tensor dy, Tensor y, int axis, "
+                                "Tensor(a!) out) -> ()",
     "gemm_softmax": "gemm_softmax(Tensor a, Tensor b, float scale) -> Tensor",
     "gemm_softmax_out": "gemm_softmax_out(Tensor a, Tensor b, float scale, Tensor(a!) out) "
                         "-> ()",
@@ -79,6 +83,7 @@ def _register(name, impl, fake):
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _is_compiling = torch.compiler.is_compiling
+_jit_tracing = torch._C._get_tracing_state
 _grad_enabled = torch.is_grad_enabled
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
@@ -88,13 +93,25 @@ _functorch = torch._C._are_functorch_transforms_active
 def _direct(*tensors) -> bool:
     """True when nothing in PyTorch needs to see this call (eager, no mode, no transform,
     plain tensors, no gradient wanted): the op may run without the dispatcher."""
-    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch():
+    if _is_compiling() or _dispatch_modes() or _function_modes() or _functorch() or \
+            _jit_tracing() is not None:
         return False
     grad = _grad_enabled()
     for t in tensors:
         if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
             return False
     return True
+
+
+_bump = torch.autograd.graph.increment_version
+
+
+def _written(out):
+    """``out`` after a direct call wrote it: its version counter advanced, as an in-place
+    PyTorch op would (autograd then refuses a saved tensor that was overwritten)."""
+    if out is not None and not out.is_inference():
+        _bump(out)
+    return out
 
 
 def _wants_grad(*tensors) -> bool:
@@ -164,8 +181,12 @@ def gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_t
                            activation=activation, alpha=alpha, beta=beta,
                            out_dtype=out_dtype, config=config, allow_tf32=allow_tf32)
     if _direct(a, b, bias, c, out):
-        return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta,
-                          c=c, out=out, out_dtype=out_dtype, allow_tf32=allow_tf32)
+        if out is None:
+            return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta,
+                              c=c, out_dtype=out_dtype, allow_tf32=allow_tf32)
+        return _written(_gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha,
+                                   beta=beta, c=c, out=out, out_dtype=out_dtype,
+                                   allow_tf32=allow_tf32))
     alpha, beta = float(alpha), float(beta)
     if out is not None:
         _no_out_grad("gemm", out, a=a, b=b, bias=bias, c=c)
@@ -308,6 +329,24 @@ _backward_ops = {
 }
 
 
+def _backward_out_fake(dy, y, axis, out):
+    _softmax_backward.output_spec(dy, y, axis, out=out)
+
+
+def _softmax_backward_out_impl(dy, y, axis, out):
+    _softmax_backward.softmax_backward(dy, y, axis, out=out)
+
+
+def _log_softmax_backward_out_impl(dy, y, axis, out):
+    _softmax_backward.log_softmax_backward(dy, y, axis, out=out)
+
+
+_backward_out_ops = {
+    False: _register("softmax_backward_out", _softmax_backward_out_impl, _backward_out_fake),
+    True: _register("log_softmax_backward_out", _log_softmax_backward_out_impl,
+                    _backward_out_fake)}
+
+
 def softmax(x, axis, out, config, log: bool):
     """``tilepy.softmax`` / ``log_softmax`` on PyTorch tensors."""
     fn = _softmax.log_softmax if log else _softmax.softmax
@@ -315,7 +354,7 @@ def softmax(x, axis, out, config, log: bool):
     if config is not None:
         return _configured(name, fn, dict(x=x, out=out), axis=axis, config=config)
     if _direct(x, out):
-        return fn(x, axis, out=out)
+        return fn(x, axis) if out is None else _written(fn(x, axis, out=out))
     if out is not None:
         _no_out_grad(name, out, x=x)
         _softmax_out_ops[log](x, axis, out)
@@ -331,10 +370,12 @@ def softmax_backward(dy, y, axis, out, config, log: bool):
     if config is not None:
         return _configured(name, fn, dict(dy=dy, y=y, out=out), axis=axis, config=config)
     why = "tilepy's backward ops are not differentiable (no double backward)"
-    if _direct(dy, y, out) or out is not None:
-        _no_grad_for(name, why, dy=dy, y=y, out=out)
-        return fn(dy, y, axis, out=out)
-    _no_grad_for(name, why, dy=dy, y=y)
+    _no_grad_for(name, why, dy=dy, y=y, out=out)
+    if _direct(dy, y, out):
+        return fn(dy, y, axis) if out is None else _written(fn(dy, y, axis, out=out))
+    if out is not None:
+        _backward_out_ops[log](dy, y, axis, out)
+        return out
     return _backward_ops[log](dy, y, axis)
 
 
@@ -389,7 +430,8 @@ def gemm_softmax(a, b, scale, out, config):
         return _configured("gemm_softmax", _gemm_softmax.gemm_softmax, dict(a=a, b=b, out=out),
                            scale=scale, config=config)
     if _direct(a, b, out):
-        return _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out)
+        res = _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out)
+        return res if out is None else _written(res)
     scale = _float_arg("gemm_softmax", "scale", scale)
     if out is not None:
         _no_out_grad("gemm_softmax", out, a=a, b=b)
@@ -459,8 +501,10 @@ def flash_attention(q, k, v, causal, scale, return_lse, out, layout, config):
                            dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
                            return_lse=return_lse, layout=layout, config=config)
     if _direct(q, k, v, out):
-        return _attention.flash_attention(q, k, v, causal=causal, scale=scale,
-                                          return_lse=return_lse, out=out, layout=layout)
+        res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                         return_lse=return_lse, out=out, layout=layout)
+        _written(out)
+        return res
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is not None:

@@ -303,7 +303,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
             cfg, causal, lse is not None)
-        stream = arrays.stream_handle(Q)   # also where a TMA plan copies its maps
+        stream = arrays.stream_handle(Q)
         extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
         try:
             plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, **extra)

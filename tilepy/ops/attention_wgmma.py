@@ -109,7 +109,7 @@ from .attention_kernel import (
     row_limits,
     store_rows,
 )
-from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan
+from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan, stream_key
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -1345,8 +1345,6 @@ def _tile_counter(alloc, stream):
     return buf, buf.view((2,), np.int32)
 
 
-#: CUDA's per-thread default stream handle: a different stream in each host thread.
-PER_THREAD_STREAM = 2
 
 
 class ScheduledTmaPlan(TmaLaunchPlan):
@@ -1385,11 +1383,9 @@ class ScheduledTmaPlan(TmaLaunchPlan):
             with on_device(self._device):
                 entry = _tile_counter(self._alloc, handle)
             with self._maps_lock:
-                self._kept[entry[0].ptr] = entry[0]
+                self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
             return entry
-        key = handle
-        if key == PER_THREAD_STREAM:
-            key = (key, threading.get_ident())
+        key = stream_key(handle)
         with self._counters_lock:
             entry = self._counters.get(key)
             if entry is not None:

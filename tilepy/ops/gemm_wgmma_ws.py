@@ -87,7 +87,7 @@ BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit dat
 WARPGROUP = 128
 GROUP_M = 8       # block rows walked together (L2 reuse of B panels)
 SMS = 132         # H200; the persistent grid's default when the device is not asked
-MAP_CACHE = 64    # tensor-map pairs a plan keeps (per operand pointer pair)
+MAP_CACHE = 64    # tensor-map buffers a plan keeps (per stream and operand pointers)
 _MAP_B = np.uint64(128)
 _MAP_OUT = np.uint64(256)  # softmax mode with tma_out: the output's map after A's and B's
 _REG_FILE = 65536
@@ -1204,6 +1204,17 @@ def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
     return pointer(a) % 16 == 0 and pointer(b) % 16 == 0
 
 
+#: CUDA's per-thread default stream handle: a different stream in each host thread.
+PER_THREAD_STREAM = 2
+_ANY_STREAM = None   # the stream key of maps a plan was handed already written
+
+
+def stream_key(handle: int):
+    """What identifies a stream for per-stream state (tensor maps, tile counters): its handle,
+    and for the per-thread default stream the host thread too."""
+    return (handle, threading.get_ident()) if handle == PER_THREAD_STREAM else handle
+
+
 #: The tensor maps' place in a TMA plan's arguments (after a … beta, or q … scale·log2e);
 #: arguments after it are passed as given.
 MAPS_ARG = 7
@@ -1229,8 +1240,12 @@ class TmaLaunchPlan(LaunchPlan):
     CUDA-graph capture: during a capture of the launch stream nothing is allocated outside
     ``alloc``, nothing is copied or synchronised, and only kernels are enqueued on that
     stream. A map buffer made during a capture is written only when the graph runs, so it is
-    not cached; it and every cached buffer a capture used are kept for the plan's lifetime
-    (the graph reads them at each replay; the cache may drop its entries later).
+    not cached; it and every cached buffer a capture used are kept for the life of the
+    process (:data:`tilepy.tile.device_write.GRAPH_BUFFERS`: the graph reads them at each
+    replay, after the cache, or the plan itself, may have dropped them).
+
+    Maps are cached per stream (:func:`stream_key`) and pointers: a buffer is written and
+    read on one stream only.
     """
 
     def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1),
@@ -1240,14 +1255,15 @@ class TmaLaunchPlan(LaunchPlan):
         self._alloc = alloc
         self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
         self._map_arrays = tuple(self.array_index(i) for i in self._map_args)
-        self._maps = collections.OrderedDict()   # pointers -> DeviceBuffer of their maps
-        self._kept = {}   # buffer address -> DeviceBuffer a captured graph may read
+        # (stream key, pointers) -> DeviceBuffer of their maps
+        self._maps = collections.OrderedDict()
+        self._kept = {}   # buffer address -> DeviceBuffer a captured graph of this plan read
         self._maps_lock = threading.Lock()
         self._device = None if SIMULATOR else cuda.get_current_device().id
         key = tuple(pointer(args[i]) for i in self._map_args)
-        if initial is None:
+        if initial is None:   # maps the caller wrote: usable on any stream
             held = args[MAPS_ARG]
-            self._maps[key] = _held_buffer(held)
+            self._maps[(_ANY_STREAM, key)] = _held_buffer(held)
             self._pending = None
         else:
             self._pending = (key, *initial)
@@ -1263,12 +1279,18 @@ class TmaLaunchPlan(LaunchPlan):
         return buf.view((buf.nbytes,), np.uint8)
 
     def _maps_buffer(self, key, stream: int, capturing: bool):
+        # per stream: a buffer is allocated, written and read on one stream, so a launch on
+        # another stream never reads maps whose writer kernel has not run yet, and the
+        # caching allocator never recycles a buffer another stream still reads
+        ckey = (stream_key(stream), key)
         with self._maps_lock:
-            buf = self._maps.get(key)
-            if buf is not None:
-                self._maps.move_to_end(key)
+            hit = ckey if ckey in self._maps else (_ANY_STREAM, key) \
+                if (_ANY_STREAM, key) in self._maps else None
+            if hit is not None:
+                buf = self._maps[hit]
+                self._maps.move_to_end(hit)
                 if capturing:
-                    self._kept[buf.ptr] = buf
+                    self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
                 return buf
             pending = self._pending
             if pending is not None and pending[0] == key:
@@ -1288,9 +1310,9 @@ class TmaLaunchPlan(LaunchPlan):
             if pending is None:
                 self.maps_encoded += 1
             if capturing:
-                self._kept[buf.ptr] = buf
+                self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
             else:
-                self._maps[key] = buf
+                self._maps[ckey] = buf
                 while len(self._maps) > MAP_CACHE:
                     self._maps.popitem(last=False)
         return buf

@@ -186,6 +186,20 @@ def zero(stream, ptr: int, nbytes: int) -> None:
     write(stream, ptr, bytes(int(nbytes)))
 
 
+#: Buffers that captured CUDA graphs may read (tensor maps, tile counters), by address: kept
+#: for the life of the process. A graph holds no reference to them, and freeing one — when a
+#: plan is dropped from its op's cache — would let a later allocation (the graph's own pool
+#: included) reuse memory a replay still reads. A few hundred bytes per captured launch.
+GRAPH_BUFFERS: dict = {}
+
+
+def keep_for_graphs(buf):
+    """Keep ``buf`` (a :class:`DeviceBuffer`) alive for the process (:data:`GRAPH_BUFFERS`);
+    returns it."""
+    GRAPH_BUFFERS[buf.ptr] = buf
+    return buf
+
+
 def stream_capturing(stream) -> bool:
     """Whether ``stream`` (a raw handle or a Numba stream) is being captured into a CUDA graph
     (``cuStreamIsCapturing``; an invalidated capture counts, and so does a query the driver
