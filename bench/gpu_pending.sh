@@ -28,6 +28,10 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s12f    after session 12's review mend (tensor maps per stream, graph buffers kept for
+#                the process): the capture, torch and TMA GPU tests, one process per file
+#   PART=s12g    the benchmarks with as-called figures: softmax (forward, backward, gemm_softmax),
+#                then GEMM and attention in calls of their own (BENCH_K narrows)
 #   PART=s11g    issue 10's tables from one run: the attention and GEMM benchmarks
 #   PART=s11f    the GEMM benchmarks (op, kernel, fused bias + GELU)
 #   PART=s11d    the TMA-store epilogue staged with stmatrix: its GPU tests, the shapes sweep
@@ -178,6 +182,14 @@ if [[ " $PART " == *" s11e "* ]]; then
         tests/test_ops_gemm_wgmma.py::test_gpu_default_path_against_cublas \
         tests/test_ops_gemm_wgmma.py::test_gpu_batch_strides_not_16_byte_multiples
     gpu_tests gemm_ws_cluster_tests 240 tests/test_ops_gemm_wgmma_ws.py -k "cluster"
+fi
+if [[ " $PART " == *" s12f "* ]]; then
+    gpu_tests graphs_torch 200 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py
+    gpu_tests attention_wgmma 240 tests/test_ops_attention_wgmma.py
+    gpu_tests gemm_ws 240 tests/test_ops_gemm_wgmma_ws.py
+fi
+if [[ " $PART " == *" s12g "* ]]; then
+    bench_suite bench_softmax 500 "${BENCH_K:-softmax}"
 fi
 if [[ " $PART " == *" s11g "* ]]; then
     # issue 10's tables from one run of the final code: attention and GEMM benchmarks
