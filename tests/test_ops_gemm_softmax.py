@@ -475,7 +475,7 @@ def test_errors_are_raised_before_launch(monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(gsk, "launch", no_launch)
+    monkeypatch.setattr(gsk, "plan", no_launch)
     monkeypatch.setattr(gs, "_run", no_launch)   # where gemm_softmax builds and launches
     a, b = np.ones((4, 8), np.float16), np.ones((8, 16), np.float16)
     with pytest.raises(ValueError, match=r"\(4, 8\).*\(9, 16\)"):

@@ -26,9 +26,8 @@ import numpy as np
 
 from .. import arrays
 from ..arrays import describe, kernel_view
-from ..launch import LaunchPlan, PlanCache
+from ..launch import PlanCache
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
-from ..tile.smem import allow_dynamic_shared
 from . import gemm_softmax_kernel as gsk
 from . import gemm_wgmma_ws as ws
 from .gemm_softmax_kernel import GemmSoftmaxConfig
@@ -267,11 +266,6 @@ def _gemm_softmax(a, b, scale, out, config, key):
     return out
 
 
-def _mma_scalars(scale: float):
-    """The mma.sync kernel's scalars: the sign of ``scale`` and |scale| · log2(e)."""
-    return (np.float32(-1.0 if scale < 0 else 1.0), np.float32(abs(scale) * gsk.LOG2E))
-
-
 def _tma_scalars(scale: float):
     """The TMA kernel's scalars (alpha, beta): ``scale`` and 0."""
     return (np.float32(scale), np.float32(0.0))
@@ -329,14 +323,11 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             seg_max = arrays.placeholder(2)
         out_v, pairs = _out_view(Out, n)
         kern = gsk.gemm_softmax_kernel(cfg, b_k_major, pairs)
-        args = (kernel_view(A), b_view, out_v, seg_max, *_mma_scalars(scale))
-        nbytes = cfg.smem_bytes(n)
-        allow_dynamic_shared(kern, args, nbytes)
-        plan = LaunchPlan(kern, args, gsk.grid(cfg, m), cfg.threads, nbytes)
+        plan, args = gsk.plan(kern, cfg, kernel_view(A), b_view, out_v, seg_max, scale, n)
         plan.launch(stream, args)
     if not reusable:
         return None
-    return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), seg_src]), alloc_seg, _mma_scalars)
+    return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), seg_src]), alloc_seg, gsk.scalars)
 
 
 def _check_ws_config(cfg, dtype: str, n: int):

@@ -70,6 +70,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
+from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
@@ -622,14 +623,18 @@ def grid(cfg: GemmSoftmaxConfig, m: int) -> int:
     return -(-m // cfg.gemm.block.m)
 
 
-def launch(kernel, cfg: GemmSoftmaxConfig, a, b, out, seg_max, scale: float, n: int, stream=0):
-    """Launch on 2-D kernel views (``n`` = N): :func:`grid` blocks, the config's threads and
-    shared memory."""
-    args = (a, b, out, seg_max, np.float32(-1.0 if scale < 0 else 1.0),
-            np.float32(abs(scale) * LOG2E))
+def scalars(scale: float) -> tuple:
+    """The kernel's scalar arguments for ``scale``: its sign and |scale| · log2(e)."""
+    return (np.float32(-1.0 if scale < 0 else 1.0), np.float32(abs(scale) * LOG2E))
+
+
+def plan(kernel, cfg: GemmSoftmaxConfig, a, b, out, seg_max, scale: float, n: int):
+    """``(launch plan, arguments)`` on 2-D kernel views (``n`` = N): :func:`grid` blocks, the
+    config's threads and dynamic shared memory (allowed above 48 KB)."""
+    args = (a, b, out, seg_max, *scalars(scale))
     nbytes = cfg.smem_bytes(n)
     allow_dynamic_shared(kernel, args, nbytes)
-    kernel[grid(cfg, a.shape[0]), cfg.threads, stream, nbytes](*args)
+    return LaunchPlan(kernel, args, grid(cfg, a.shape[0]), cfg.threads, nbytes), args
 
 
 def argtypes(layout: str = "C", out_pairs: bool = False):
