@@ -14,6 +14,7 @@ bits for 16-bit types, ``float32`` otherwise — without copying.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -404,29 +405,35 @@ def stream_getter(op: Operand):
     return cupy_stream
 
 
-def allocator(like: Operand, shape, dtype: str):
-    """A function of no arguments returning ``(array, data pointer)``: a new array like
-    :func:`empty` would make (``like``'s family and device). It holds no reference to
-    ``like``'s array (launch plans keep allocators as long as they live)."""
-    shape = tuple(shape)
+def _maker(like: Operand, dtype: str):
+    """``make(shape) -> (array, data pointer)``: a new array of ``dtype`` like :func:`empty`
+    would make (``like``'s family and device, through that family's own allocator). It holds
+    no reference to ``like``'s array (launch plans keep these as long as they live)."""
     if like.family == "torch":
         import torch
 
         tdt, dev = getattr(torch, dtype), like.raw.device
 
-        def torch_alloc():
+        def torch_make(shape):
             y = torch.empty(shape, dtype=tdt, device=dev)
             return y, y.data_ptr()
 
-        return torch_alloc
+        return torch_make
 
     light = dataclasses.replace(like, raw=None)   # empty() reads family and device only
 
-    def alloc():
+    def make(shape):
         y = empty(light, shape, dtype)
         return y, fingerprint(y)[1]
 
-    return alloc
+    return make
+
+
+def allocator(like: Operand, shape, dtype: str):
+    """A function of no arguments returning ``(array, data pointer)``: a new array like
+    :func:`empty` would make (``like``'s family and device). It holds no reference to
+    ``like``'s array (launch plans keep allocators as long as they live)."""
+    return functools.partial(_maker(like, dtype), tuple(shape))
 
 
 def byte_allocator(like: Operand):
@@ -435,37 +442,5 @@ def byte_allocator(like: Operand):
     caching allocator, CuPy's memory pool — inside a CUDA-graph capture, the graph's pool). What
     launch plans allocate their tensor maps and tile counters with
     (:mod:`tilepy.tile.device_write`); it holds no reference to ``like``'s array."""
-    fam, dev = like.family, like.device
-    if fam == "torch":
-        import torch
-
-        where = like.raw.device
-
-        def torch_bytes(nbytes):
-            y = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
-            return y, y.data_ptr()
-
-        return torch_bytes
-    if fam == "cupy":
-        import cupy
-
-        def cupy_bytes(nbytes):
-            with cupy.cuda.Device(dev):
-                y = cupy.empty(int(nbytes), dtype=np.uint8)
-            return y, y.data.ptr
-
-        return cupy_bytes
-    if fam == "numba" and not SIMULATOR:
-        from numba import cuda
-
-        def numba_bytes(nbytes):
-            y = cuda.device_array(int(nbytes), dtype=np.uint8)
-            return y, int(y.device_ctypes_pointer.value or 0)
-
-        return numba_bytes
-
-    def host_bytes(nbytes):   # the simulator: host memory stands for device memory
-        y = np.empty(int(nbytes), dtype=np.uint8)
-        return y, y.ctypes.data
-
-    return host_bytes
+    make = _maker(like, "uint8")
+    return lambda nbytes: make((int(nbytes),))

@@ -27,6 +27,7 @@ knob: it runs the op directly, outside ``torch.compile`` graphs and autograd.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -106,12 +107,13 @@ def _direct(*tensors) -> bool:
 _bump = torch.autograd.graph.increment_version
 
 
-def _written(out):
-    """``out`` after a direct call wrote it: its version counter advanced, as an in-place
-    PyTorch op would (autograd then refuses a saved tensor that was overwritten)."""
+def _written(result, out):
+    """``result`` of a direct call; a caller's ``out`` it wrote has its version counter
+    advanced, as an in-place PyTorch op would (autograd then refuses a saved tensor that was
+    overwritten)."""
     if out is not None and not out.is_inference():
         _bump(out)
-    return out
+    return result
 
 
 def _wants_grad(*tensors) -> bool:
@@ -128,21 +130,17 @@ def _no_grad_for(op: str, why: str, **tensors) -> None:
                                 "under torch.no_grad()")
 
 
-def _eager_only(fn, *args, **kwargs):
-    """An explicit ``config``: the op itself, outside compiled graphs."""
-    return fn(*args, **kwargs)
-
-
-_EAGER_ONLY = []   # _eager_only under torch.compiler.disable (made on first use: the
-                   # decorator imports torch._dynamo, a second of import time)
+@functools.cache
+def _eager_only():
+    """A caller of its first argument outside compiled graphs (an explicit ``config``), made
+    on first use: ``torch.compiler.disable`` imports torch._dynamo, a second of import time."""
+    return torch.compiler.disable(lambda fn, *args, **kwargs: fn(*args, **kwargs))
 
 
 def _configured(op: str, fn, tensors: dict, **kwargs):
     _no_grad_for(op, "an explicit config= runs the op outside autograd (leave config unset "
                  "to differentiate)", **tensors)
-    if not _EAGER_ONLY:
-        _EAGER_ONLY.append(torch.compiler.disable(_eager_only))
-    return _EAGER_ONLY[0](fn, **tensors, **kwargs)
+    return _eager_only()(fn, **tensors, **kwargs)
 
 
 # ---- gemm -----------------------------------------------------------------------------------
@@ -181,12 +179,9 @@ def gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_t
                            activation=activation, alpha=alpha, beta=beta,
                            out_dtype=out_dtype, config=config, allow_tf32=allow_tf32)
     if _direct(a, b, bias, c, out):
-        if out is None:
-            return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta,
-                              c=c, out_dtype=out_dtype, allow_tf32=allow_tf32)
         return _written(_gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha,
                                    beta=beta, c=c, out=out, out_dtype=out_dtype,
-                                   allow_tf32=allow_tf32))
+                                   allow_tf32=allow_tf32), out)
     alpha, beta = float(alpha), float(beta)
     if out is not None:
         _no_out_grad("gemm", out, a=a, b=b, bias=bias, c=c)
@@ -257,12 +252,9 @@ def _gemm_backward(ctx, dy):
         dz = dy.float() * _activation_grad(act, z)
     g = dz.to(a.dtype)
     da = db = dbias = dc = None
-    if need_a:
-        if a.dim() == 3 or g.dim() == 2 or b.dim() == 2:
-            da = api.gemm(g, b.mT, alpha=alpha, out_dtype=torch.float32 if
-                          g.dim() == 3 and a.shape[0] != g.shape[0] else None)
-        else:   # a 2-D broadcast over b's batch: the sum over the batch
-            da = api.gemm(g, b.mT, alpha=alpha, out_dtype=torch.float32)
+    if need_a:   # a broadcast over the batch: products in float32, summed by _sum_to
+        summed = g.dim() == 3 and (a.dim() == 2 or a.shape[0] != g.shape[0])
+        da = api.gemm(g, b.mT, alpha=alpha, out_dtype=torch.float32 if summed else None)
         da = _sum_to(da, a.shape, a.dtype)
     if need_b:
         if b.dim() == 2 and g.dim() == 3:   # b broadcast over a's batch: one product
@@ -354,7 +346,7 @@ def softmax(x, axis, out, config, log: bool):
     if config is not None:
         return _configured(name, fn, dict(x=x, out=out), axis=axis, config=config)
     if _direct(x, out):
-        return fn(x, axis) if out is None else _written(fn(x, axis, out=out))
+        return _written(fn(x, axis, out=out), out)
     if out is not None:
         _no_out_grad(name, out, x=x)
         _softmax_out_ops[log](x, axis, out)
@@ -372,7 +364,7 @@ def softmax_backward(dy, y, axis, out, config, log: bool):
     why = "tilepy's backward ops are not differentiable (no double backward)"
     _no_grad_for(name, why, dy=dy, y=y, out=out)
     if _direct(dy, y, out):
-        return fn(dy, y, axis) if out is None else _written(fn(dy, y, axis, out=out))
+        return _written(fn(dy, y, axis, out=out), out)
     if out is not None:
         _backward_out_ops[log](dy, y, axis, out)
         return out
@@ -430,8 +422,7 @@ def gemm_softmax(a, b, scale, out, config):
         return _configured("gemm_softmax", _gemm_softmax.gemm_softmax, dict(a=a, b=b, out=out),
                            scale=scale, config=config)
     if _direct(a, b, out):
-        res = _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out)
-        return res if out is None else _written(res)
+        return _written(_gemm_softmax.gemm_softmax(a, b, scale=scale, out=out), out)
     scale = _float_arg("gemm_softmax", "scale", scale)
     if out is not None:
         _no_out_grad("gemm_softmax", out, a=a, b=b)
@@ -501,10 +492,9 @@ def flash_attention(q, k, v, causal, scale, return_lse, out, layout, config):
                            dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
                            return_lse=return_lse, layout=layout, config=config)
     if _direct(q, k, v, out):
-        res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
-                                         return_lse=return_lse, out=out, layout=layout)
-        _written(out)
-        return res
+        return _written(_attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                                   return_lse=return_lse, out=out,
+                                                   layout=layout), out)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is not None:
