@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import tilepy
+from tilepy import launch
 from tilepy.ops.attention import flash_attention
 from tilepy.ops.attention_kernel import HEAD_DIMS, AttentionConfig
 
@@ -483,7 +484,7 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
     from tilepy.ops import attention_wgmma as aw
 
     configs = [None, AttentionConfig(64, 128, 64, 32, "float16")]
-    if at._hopper():
+    if launch.is_hopper():
         configs += [aw.WgmmaAttentionConfig(64, 128, 128, overlap=True, tma=True,
                                             pingpong=True, producer=True),
                     aw.WgmmaAttentionConfig(64, 128, 64, overlap=True)]

@@ -423,9 +423,9 @@ def test_gpu_tma_persistent_concurrent_streams():
     cached plan: each stream's tile counter is its own, so no launch loses tiles to the other
     (a lost tile leaves its NaN-poisoned rows in the output)."""
     torch = pytest.importorskip("torch")
-    from tilepy.ops.gemm import _is_hopper
+    from tilepy.launch import compute_capability
 
-    if not _is_hopper():
+    if compute_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
     cfg = WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, producer=True,
                                persistent=True)
@@ -447,9 +447,9 @@ def test_gpu_tma_persistent_concurrent_streams():
 
 def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
     torch = pytest.importorskip("torch")
-    from tilepy.ops.gemm import _is_hopper
+    from tilepy.launch import compute_capability
 
-    if not _is_hopper():
+    if compute_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
     q = torch.randn(b, 2 * hk, 1000, d, device="cuda", dtype=torch.float16)
     k = torch.randn(b, hk, 1100, d, device="cuda", dtype=torch.float16)

@@ -75,6 +75,23 @@ def sm_count(default: int) -> int:
         return default
 
 
+def compute_capability() -> tuple[int, int]:
+    """The current device's compute capability as (major, minor); (0, 0) in the simulator."""
+    if SIMULATOR:
+        return (0, 0)
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability)
+
+
+def is_hopper() -> bool:
+    """Whether the current device is compute capability 9.0 (the sm_90a kernels' target) and
+    ``TILEPY_HOPPER=0`` does not turn them off."""
+    import os
+
+    return os.environ.get("TILEPY_HOPPER", "1") != "0" and compute_capability() == (9, 0)
+
+
 @dataclass(frozen=True)
 class GridSplit:
     """How a kernel's blocks along grid dimension ``dim`` (1: y, 2: z) index array argument

@@ -85,17 +85,9 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False):
     (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one)."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
-    if head_dim in aw.HEAD_DIMS and _hopper():
+    if head_dim in aw.HEAD_DIMS and launch.is_hopper():
         return hopper_config(head_dim, dtype, causal)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
-
-
-def _hopper() -> bool:
-    import os
-
-    from .gemm import _is_hopper
-
-    return os.environ.get("TILEPY_HOPPER", "1") != "0" and _is_hopper()
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,

@@ -75,14 +75,13 @@ by more than 2**8 in p.
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
-from ..launch import _stream_handle, pointer
+from ..launch import pointer
 from ..ptx import barrier as BAR
 from ..ptx import global_addr, shared_addr
 from ..ptx import mbarrier as MB
@@ -95,7 +94,7 @@ from ..ptx.shuffle import shfl_idx
 from ..ptx.tma import MAP_BYTES
 from ..tile import device_write
 from ..tile.config import SMEM_LIMIT
-from ..tile.device_write import DeviceBuffer
+from ..tile.tma_plan import COUNTER_BYTES, ScheduledTmaPlan, TmaLaunchPlan
 from ..tile.epilogue import staged_bytes, store_accumulators_smem
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.tma import MAP_ALIGN
@@ -109,7 +108,6 @@ from .attention_kernel import (
     row_limits,
     store_rows,
 )
-from .gemm_wgmma_ws import MAPS_ARG, TmaLaunchPlan, stream_key
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -1287,7 +1285,7 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     persistent one's then with its tile counter (:class:`ScheduledTmaPlan`): buffers from
     ``alloc(nbytes) -> (owner, pointer)`` (default a Numba device array; the op passes
     :func:`tilepy.arrays.byte_allocator`), the maps encoded here and both written by the
-    plan's first launch on its stream (as the TMA GEMM's :class:`~tilepy.ops.gemm_wgmma_ws.
+    plan's first launch on its stream (as the TMA GEMM's :class:`~tilepy.tile.tma_plan.
     TmaLaunchPlan`, which also makes the maps of other pointers). ``stream``: accepted for
     the callers' sake (nothing is enqueued here)."""
     from ..launch import LaunchPlan, sm_count
@@ -1318,8 +1316,12 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     if cfg.tma:
         kind = ScheduledTmaPlan if cfg.persistent else TmaLaunchPlan
         return kind(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
-                    (0, 1, 2), **extra), args
+                    (0, 1, 2), MAPS_ARG, **extra), args
     return LaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes), args
+
+
+#: The tensor maps' place in the TMA kernels' arguments (after q … scale·log2e).
+MAPS_ARG = 7
 
 
 def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
@@ -1333,79 +1335,6 @@ def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
 
 
 #: The tile counter: int32[2] (tickets drawn, blocks finished).
-COUNTER_BYTES = 8
-
-
-def _tile_counter(alloc, stream):
-    """``(DeviceBuffer, int32[2] view)``: a tile counter from ``alloc``, zeroed by a writer
-    launch on ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile
-    tickets and finished blocks, which its last block out sets back to zero."""
-    buf = device_write.allocate(alloc, COUNTER_BYTES)
-    device_write.zero(stream, buf.ptr, COUNTER_BYTES)
-    return buf, buf.view((2,), np.int32)
-
-
-
-
-class ScheduledTmaPlan(TmaLaunchPlan):
-    """The persistent TMA kernel's plan: its argument after the tensor maps is the tile
-    counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
-    share one; launches in two streams would take each other's tiles, so each stream has its
-    own (the per-thread default stream: one per host thread), from the plan's allocation
-    callback, zeroed on that stream before its first launch. ``counter``: the
-    :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view of (not yet
-    zeroed: it becomes the first stream's); without it ``args``' counter must be zeroed.
-
-    A launch during a CUDA-graph capture gets a counter of its own, zeroed in the graph just
-    before it and kept for the plan's lifetime: the graph's launches then share no counter
-    with launches outside it or with other graphs (which may run at the same time)."""
-
-    def __init__(self, kernel, args, *rest, counter=None, **kw):
-        super().__init__(kernel, args, *rest, **kw)
-        self._counter_array = self.array_index(MAPS_ARG + 1)
-        self._counters = {}   # stream key -> (DeviceBuffer, int32[2] view)
-        self._counters_lock = threading.Lock()
-        held = args[MAPS_ARG + 1]
-        # the first stream's counter, and whether it still has to be zeroed
-        self._built_counter = (counter or DeviceBuffer(held, pointer(held), COUNTER_BYTES),
-                               held)
-        self._built_zeroed = counter is None
-
-    def counter_for(self, stream):
-        """The tile counter (int32[2] device array) of launches in ``stream``, made and
-        zeroed on that stream the first time it is seen."""
-        return self._counter(_stream_handle(stream), False)[1]
-
-    def _counter(self, handle: int, capturing: bool):
-        from ..arrays import on_device
-
-        if capturing:
-            with on_device(self._device):
-                entry = _tile_counter(self._alloc, handle)
-            with self._maps_lock:
-                self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
-            return entry
-        key = stream_key(handle)
-        with self._counters_lock:
-            entry = self._counters.get(key)
-            if entry is not None:
-                return entry
-            built, self._built_counter = self._built_counter, None
-        with on_device(self._device):
-            if built is None:
-                entry = _tile_counter(self._alloc, handle)
-            else:
-                entry = built
-                if not self._built_zeroed:
-                    device_write.zero(handle, entry[0].ptr, COUNTER_BYTES)
-        with self._counters_lock:
-            entry = self._counters.setdefault(key, entry)
-        return entry
-
-    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
-        ptrs[self._counter_array] = self._counter(stream, capturing)[0].ptr
-
-
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
     """``encoder(q_ptr, k_ptr, v_ptr)``: the three tensor maps (uint8, 3 × 128) of the TMA
     kernel for views shaped and strided as q, k and v: 4-D (batch, head, seq, head_dim),

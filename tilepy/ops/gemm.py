@@ -44,12 +44,6 @@ HOPPER_LARGE = (256, 128, 4)
 HOPPER_MEDIUM = (128, 128, 4)
 
 
-def _is_hopper() -> bool:
-    from numba import cuda
-
-    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
-
-
 def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True):
     """The wgmma kernel's config on a compute capability 9.0 GPU for a problem big enough to
     fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``).
@@ -57,11 +51,7 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
     for an output TMA cannot store (float32, rows not 16-byte aligned), and for epilogues with
     a bias, ``c`` or an activation (the staged epilogue keeps the tile's bias columns in
     shared memory; the TMA-store epilogue was slower there)."""
-    import os
-
-    if arrays.SIMULATOR or dtype == "float32" or os.environ.get("TILEPY_HOPPER", "1") == "0":
-        return None
-    if not _is_hopper():
+    if arrays.SIMULATOR or dtype == "float32" or not launch.is_hopper():
         return None
     for bm, bn, st in (HOPPER_WS, HOPPER_LARGE, HOPPER_MEDIUM):
         # at least one whole tile each way (a batch of small matrices would leave most of
@@ -237,8 +227,8 @@ def _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32):
                             f"{type(config).__name__}")
         if dtype != "float32" and config.dtype != dtype:
             raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
-        if isinstance(config, (hw.WgmmaConfig, ws.WsConfig)) and not (arrays.SIMULATOR or
-                                                                       _is_hopper()):
+        if isinstance(config, (hw.WgmmaConfig, ws.WsConfig)) and not (
+                arrays.SIMULATOR or launch.compute_capability() == (9, 0)):
             raise ValueError("a WgmmaConfig needs a compute capability 9.0 GPU (wgmma)")
     return dtype, out_dtype, (m, n, k, batch), (A, B, Bias, C, Out), device, out_shape
 

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, launch
 from ..arrays import describe, kernel_view
 from ..launch import PlanCache
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
@@ -75,11 +75,7 @@ def choose_config(n: int, dtype: str, *, simulator: bool | None = None,
     on chip where allowed and they fit (a :class:`GemmSoftmaxConfig`)."""
     sim = arrays.SIMULATOR if simulator is None else simulator
     if hopper is None:
-        import os
-
-        from .gemm import _is_hopper
-
-        hopper = not sim and os.environ.get("TILEPY_HOPPER", "1") != "0" and _is_hopper()
+        hopper = not sim and launch.is_hopper()
     bm, bn, st = HOPPER_CONFIG
     if hopper and tma_out and n <= ws.SOFTMAX_CHUNKS * bn:
         return WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True)
@@ -342,9 +338,7 @@ def _check_ws_config(cfg, dtype: str, n: int):
         raise ValueError(f"config: the TMA softmax mode takes rows of at most "
                          f"{ws.SOFTMAX_CHUNKS * cfg.block_n} columns, got {n}")
     if not arrays.SIMULATOR:
-        from .gemm import _is_hopper
-
-        if not _is_hopper():
+        if launch.compute_capability() != (9, 0):
             raise ValueError("config: a WsConfig needs a compute capability 9.0 GPU")
 
 

@@ -49,16 +49,14 @@ on the H200 since session 3 (bench/NOTES.md, the GEMM tables of docs/performance
 
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, types
 
 from ..inline import inline_device
-from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer, sm_count
+from ..launch import pointer, sm_count
 from ..ptx import barrier as BAR
 from ..ptx import cluster as CLU
 from ..ptx import mbarrier as MB
@@ -81,13 +79,13 @@ from ..tile.epilogue import (
     swizzled_pair_offset,
 )
 from ..tile.smem import allow_dynamic_shared
+from ..tile.tma_plan import TmaLaunchPlan
 from ..tune.kcache import cached_jit
 
 BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit data
 WARPGROUP = 128
 GROUP_M = 8       # block rows walked together (L2 reuse of B panels)
 SMS = 132         # H200; the persistent grid's default when the device is not asked
-MAP_CACHE = 64    # tensor-map buffers a plan keeps (per stream and operand pointers)
 _MAP_B = np.uint64(128)
 _MAP_OUT = np.uint64(256)  # softmax mode with tma_out: the output's map after A's and B's
 _REG_FILE = 65536
@@ -1204,149 +1202,6 @@ def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
     return pointer(a) % 16 == 0 and pointer(b) % 16 == 0
 
 
-#: CUDA's per-thread default stream handle: a different stream in each host thread.
-PER_THREAD_STREAM = 2
-_ANY_STREAM = None   # the stream key of maps a plan was handed already written
-
-
-def stream_key(handle: int):
-    """What identifies a stream for per-stream state (tensor maps, tile counters): its handle,
-    and for the per-thread default stream the host thread too."""
-    return (handle, threading.get_ident()) if handle == PER_THREAD_STREAM else handle
-
-
-#: The tensor maps' place in a TMA plan's arguments (after a … beta, or q … scale·log2e);
-#: arguments after it are passed as given.
-MAPS_ARG = 7
-
-
-class TmaLaunchPlan(LaunchPlan):
-    """A :class:`~tilepy.launch.LaunchPlan` of a TMA kernel whose argument :data:`MAPS_ARG`
-    (the tensor maps) follows the pointers of the arguments ``map_args`` (a and b, or q, k and
-    v, plus out where the output is TMA-stored). Every launch — :meth:`launch` and bound plans
-    (:meth:`bind`, with sources for the arrays before the maps only) — takes the maps of its
-    pointers from :meth:`maps_for`: a small cache (:data:`MAP_CACHE` entries, least recently
-    used dropped), filled on a miss by encoding the maps on the host and writing them into a
-    buffer from ``alloc`` with a kernel launch on the launch stream
-    (:func:`tilepy.tile.tma.maps_to_device`). Arguments after the maps are passed as given
-    (see the attention kernel's ScheduledTmaPlan).
-
-    ``alloc(nbytes) -> (owner, pointer)``: where map buffers come from (the op passes
-    :func:`tilepy.arrays.byte_allocator` of its inputs: the caller's allocator; default a
-    Numba device array). ``initial``: ``(DeviceBuffer, bytes)`` of the maps of ``args``'
-    pointers, encoded but not yet written (what :func:`plan` makes; ``args[MAPS_ARG]`` is a
-    view of that buffer); without it ``args[MAPS_ARG]`` must already hold those maps.
-
-    CUDA-graph capture: during a capture of the launch stream nothing is allocated outside
-    ``alloc``, nothing is copied or synchronised, and only kernels are enqueued on that
-    stream. A map buffer made during a capture is written only when the graph runs, so it is
-    not cached; it and every cached buffer a capture used are kept for the life of the
-    process (:data:`tilepy.tile.device_write.GRAPH_BUFFERS`: the graph reads them at each
-    replay, after the cache, or the plan itself, may have dropped them).
-
-    Maps are cached per stream (:func:`stream_key`) and pointers: a buffer is written and
-    read on one stream only.
-    """
-
-    def __init__(self, kernel, args, grid, block, smem, encoder, map_args=(0, 1),
-                 cluster: int = 1, *, alloc=None, initial=None):
-        super().__init__(kernel, args, grid, block, smem, cluster)
-        self._encoder = encoder
-        self._alloc = alloc
-        self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
-        self._map_arrays = tuple(self.array_index(i) for i in self._map_args)
-        # (stream key, pointers) -> DeviceBuffer of their maps
-        self._maps = collections.OrderedDict()
-        self._kept = {}   # buffer address -> DeviceBuffer a captured graph of this plan read
-        self._maps_lock = threading.Lock()
-        self._device = None if SIMULATOR else cuda.get_current_device().id
-        key = tuple(pointer(args[i]) for i in self._map_args)
-        if initial is None:   # maps the caller wrote: usable on any stream
-            held = args[MAPS_ARG]
-            self._maps[(_ANY_STREAM, key)] = _held_buffer(held)
-            self._pending = None
-        else:
-            self._pending = (key, *initial)
-        self.maps_encoded = 1
-        # the maps' index among the array arguments (bound plans' pointers)
-        self._maps_array = self.array_index(MAPS_ARG)
-
-    def maps_for(self, *ptrs, stream=0):
-        """A device array (uint8) holding the tensor maps of operands at these pointers (a, b,
-        and out for a kernel whose output is TMA-stored), written on ``stream`` on a miss."""
-        buf = self._maps_buffer(tuple(int(p) for p in ptrs), _stream_handle(stream),
-                                device_write.stream_capturing(stream))
-        return buf.view((buf.nbytes,), np.uint8)
-
-    def _maps_buffer(self, key, stream: int, capturing: bool):
-        # per stream: a buffer is allocated, written and read on one stream, so a launch on
-        # another stream never reads maps whose writer kernel has not run yet, and the
-        # caching allocator never recycles a buffer another stream still reads
-        ckey = (stream_key(stream), key)
-        with self._maps_lock:
-            hit = ckey if ckey in self._maps else (_ANY_STREAM, key) \
-                if (_ANY_STREAM, key) in self._maps else None
-            if hit is not None:
-                buf = self._maps[hit]
-                self._maps.move_to_end(hit)
-                if capturing:
-                    self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
-                return buf
-            pending = self._pending
-            if pending is not None and pending[0] == key:
-                self._pending = None
-            else:
-                pending = None
-        from ..arrays import on_device
-
-        with on_device(self._device):
-            if pending is not None:   # encoded when the plan was built
-                _, buf, raw = pending
-                device_write.write(stream, buf.ptr, raw)
-            else:
-                raw = self._encoder(*key)
-                buf = host_tma.maps_to_device(raw, stream, self._alloc)
-        with self._maps_lock:
-            if pending is None:
-                self.maps_encoded += 1
-            if capturing:
-                self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
-            else:
-                self._maps[ckey] = buf
-                while len(self._maps) > MAP_CACHE:
-                    self._maps.popitem(last=False)
-        return buf
-
-    def _go(self, stream, ptrs, scalars):
-        """Launch with the array pointers ``ptrs`` (the maps' slot is filled in here)."""
-        handle = _stream_handle(stream)
-        capturing = device_write.stream_capturing(handle)
-        ptrs = list(ptrs)
-        ptrs[self._maps_array] = self._maps_buffer(
-            tuple(ptrs[i] for i in self._map_arrays), handle, capturing).ptr
-        self._fill(ptrs, handle, capturing)
-        super()._go(handle, ptrs, scalars)
-
-    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
-        """Set the pointers of plan-supplied arrays after the maps (none here)."""
-
-    def bind(self, sources):
-        """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps and any array
-        after them (those the plan supplies itself)."""
-        sources = list(sources)
-        if len(sources) == self._maps_array:
-            sources += [None] * (len(self._arrays) - self._maps_array)
-        if len(sources) != len(self._arrays):
-            raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
-        return BoundPlan(self, sources)
-
-
-def _held_buffer(array):
-    """A :class:`~tilepy.tile.device_write.DeviceBuffer` over a device array that already
-    holds tensor maps (kept alive by the buffer)."""
-    return device_write.DeviceBuffer(array, pointer(array), array.size * array.dtype.itemsize)
-
-
 def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
          clusters: int | None = None):
     """The launch grid: a block per tile (x) and batch (y), or a persistent grid of ``sms``
@@ -1411,8 +1266,8 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
-    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, cfg.cluster,
-                      alloc=alloc, initial=(buf, raw))
+    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG,
+                      cfg.cluster, alloc=alloc, initial=(buf, raw))
     if cfg.persistent and cfg.cluster > 1:
         # a persistent grid of more clusters than run at once would leave the last ones for
         # a second wave (SMs per GPC need not be even)
@@ -1424,8 +1279,12 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
         fit = grid(cfg, a.shape[1], out.shape[2], out.shape[0], g[0], fits)
         if fit != g:
             p = TmaLaunchPlan(kernel, args, fit, cfg.threads, smem, encoder, map_args,
-                              cfg.cluster, alloc=alloc, initial=(buf, raw))
+                              MAPS_ARG, cfg.cluster, alloc=alloc, initial=(buf, raw))
     return p, args
+
+
+#: The tensor maps' place in the kernel's arguments (after a … beta).
+MAPS_ARG = 7
 
 
 def argtypes(out_kind: str):

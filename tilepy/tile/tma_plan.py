@@ -1,0 +1,237 @@
+"""Launch plans of TMA kernels: tensor maps per stream and operand pointers, written on the
+launch stream, capture-safe; and the tile-ticket counter of dynamically scheduled persistent
+kernels.
+
+A TMA kernel takes its tensor maps as one device-buffer argument (``maps_arg``); the maps hold
+the operands' pointers, so a plan re-encodes them when a bound plan is called with other
+pointers (:meth:`TmaLaunchPlan.maps_for`). Host side only: the device side of TMA is
+:mod:`tilepy.ptx.tma`, the encoding :mod:`tilepy.tile.tma`.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import numpy as np
+from numba import cuda
+
+from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer
+from ..ptx.asm import SIMULATOR
+from . import device_write
+from . import tma as host_tma
+from .device_write import DeviceBuffer
+
+MAP_CACHE = 64    # tensor-map buffers a plan keeps (per stream and operand pointers)
+
+
+#: CUDA's per-thread default stream handle: a different stream in each host thread.
+PER_THREAD_STREAM = 2
+_ANY_STREAM = None   # the stream key of maps a plan was handed already written
+
+
+def stream_key(handle: int):
+    """What identifies a stream for per-stream state (tensor maps, tile counters): its handle,
+    and for the per-thread default stream the host thread too."""
+    return (handle, threading.get_ident()) if handle == PER_THREAD_STREAM else handle
+
+
+class TmaLaunchPlan(LaunchPlan):
+    """A :class:`~tilepy.launch.LaunchPlan` of a TMA kernel whose argument ``maps_arg`` (a
+    device buffer of tensor maps, 128 bytes each) follows the pointers of the arguments
+    ``map_args`` (say a and b, or q, k and v, plus out where the output is TMA-stored):
+    ``encoder(*pointers) -> uint8 bytes`` makes the maps of those pointers. Every launch — :meth:`launch` and bound plans
+    (:meth:`bind`, with sources for the arrays before the maps only) — takes the maps of its
+    pointers from :meth:`maps_for`: a small cache (:data:`MAP_CACHE` entries, least recently
+    used dropped), filled on a miss by encoding the maps on the host and writing them into a
+    buffer from ``alloc`` with a kernel launch on the launch stream
+    (:func:`tilepy.tile.tma.maps_to_device`). Arguments after the maps are passed as given
+    (see the attention kernel's ScheduledTmaPlan).
+
+    ``alloc(nbytes) -> (owner, pointer)``: where map buffers come from (the op passes
+    :func:`tilepy.arrays.byte_allocator` of its inputs: the caller's allocator; default a
+    Numba device array). ``initial``: ``(DeviceBuffer, bytes)`` of the maps of ``args``'
+    pointers, encoded but not yet written (``args[maps_arg]`` is a view of that buffer);
+    without it ``args[maps_arg]`` must already hold those maps.
+
+    CUDA-graph capture: during a capture of the launch stream nothing is allocated outside
+    ``alloc``, nothing is copied or synchronised, and only kernels are enqueued on that
+    stream. A map buffer made during a capture is written only when the graph runs, so it is
+    not cached; it and every cached buffer a capture used are kept for the life of the
+    process (:data:`tilepy.tile.device_write.GRAPH_BUFFERS`: the graph reads them at each
+    replay, after the cache, or the plan itself, may have dropped them).
+
+    Maps are cached per stream (:func:`stream_key`) and pointers: a buffer is written and
+    read on one stream only.
+    """
+
+    def __init__(self, kernel, args, grid, block, smem, encoder, map_args, maps_arg: int,
+                 cluster: int = 1, *, alloc=None, initial=None):
+        super().__init__(kernel, args, grid, block, smem, cluster)
+        self._encoder = encoder
+        self._alloc = alloc
+        self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])
+        self._map_arrays = tuple(self.array_index(i) for i in self._map_args)
+        # (stream key, pointers) -> DeviceBuffer of their maps
+        self._maps = collections.OrderedDict()
+        self._kept = {}   # buffer address -> DeviceBuffer a captured graph of this plan read
+        self._maps_lock = threading.Lock()
+        self._device = None if SIMULATOR else cuda.get_current_device().id
+        key = tuple(pointer(args[i]) for i in self._map_args)
+        if initial is None:   # maps the caller wrote: usable on any stream
+            held = args[maps_arg]
+            self._maps[(_ANY_STREAM, key)] = _held_buffer(held)
+            self._pending = None
+        else:
+            self._pending = (key, *initial)
+        self.maps_encoded = 1
+        # the maps' index among the array arguments (bound plans' pointers)
+        self.maps_arg = maps_arg
+        self._maps_array = self.array_index(maps_arg)
+
+    def maps_for(self, *ptrs, stream=0):
+        """A device array (uint8) holding the tensor maps of operands at these pointers (a, b,
+        and out for a kernel whose output is TMA-stored), written on ``stream`` on a miss."""
+        buf = self._maps_buffer(tuple(int(p) for p in ptrs), _stream_handle(stream),
+                                device_write.stream_capturing(stream))
+        return buf.view((buf.nbytes,), np.uint8)
+
+    def _maps_buffer(self, key, stream: int, capturing: bool):
+        # per stream: a buffer is allocated, written and read on one stream, so a launch on
+        # another stream never reads maps whose writer kernel has not run yet, and the
+        # caching allocator never recycles a buffer another stream still reads
+        ckey = (stream_key(stream), key)
+        with self._maps_lock:
+            hit = ckey if ckey in self._maps else (_ANY_STREAM, key) \
+                if (_ANY_STREAM, key) in self._maps else None
+            if hit is not None:
+                buf = self._maps[hit]
+                self._maps.move_to_end(hit)
+                if capturing:
+                    self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
+                return buf
+            pending = self._pending
+            if pending is not None and pending[0] == key:
+                self._pending = None
+            else:
+                pending = None
+        from ..arrays import on_device
+
+        with on_device(self._device):
+            if pending is not None:   # encoded when the plan was built
+                _, buf, raw = pending
+                device_write.write(stream, buf.ptr, raw)
+            else:
+                raw = self._encoder(*key)
+                buf = host_tma.maps_to_device(raw, stream, self._alloc)
+        with self._maps_lock:
+            if pending is None:
+                self.maps_encoded += 1
+            if capturing:
+                self._kept[buf.ptr] = device_write.keep_for_graphs(buf)
+            else:
+                self._maps[ckey] = buf
+                while len(self._maps) > MAP_CACHE:
+                    self._maps.popitem(last=False)
+        return buf
+
+    def _go(self, stream, ptrs, scalars):
+        """Launch with the array pointers ``ptrs`` (the maps' slot is filled in here)."""
+        handle = _stream_handle(stream)
+        capturing = device_write.stream_capturing(handle)
+        ptrs = list(ptrs)
+        ptrs[self._maps_array] = self._maps_buffer(
+            tuple(ptrs[i] for i in self._map_arrays), handle, capturing).ptr
+        self._fill(ptrs, handle, capturing)
+        super()._go(handle, ptrs, scalars)
+
+    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
+        """Set the pointers of plan-supplied arrays after the maps (none here)."""
+
+    def bind(self, sources):
+        """As :meth:`LaunchPlan.bind`; ``sources`` may leave out the maps and any array
+        after them (those the plan supplies itself)."""
+        sources = list(sources)
+        if len(sources) == self._maps_array:
+            sources += [None] * (len(self._arrays) - self._maps_array)
+        if len(sources) != len(self._arrays):
+            raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
+        return BoundPlan(self, sources)
+
+
+def _held_buffer(array):
+    """A :class:`~tilepy.tile.device_write.DeviceBuffer` over a device array that already
+    holds tensor maps (kept alive by the buffer)."""
+    return device_write.DeviceBuffer(array, pointer(array), array.size * array.dtype.itemsize)
+
+
+COUNTER_BYTES = 8
+
+
+def _tile_counter(alloc, stream):
+    """``(DeviceBuffer, int32[2] view)``: a tile counter from ``alloc``, zeroed by a writer
+    launch on ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile
+    tickets and finished blocks, which its last block out sets back to zero."""
+    buf = device_write.allocate(alloc, COUNTER_BYTES)
+    device_write.zero(stream, buf.ptr, COUNTER_BYTES)
+    return buf, buf.view((2,), np.int32)
+
+
+class ScheduledTmaPlan(TmaLaunchPlan):
+    """The plan of a persistent TMA kernel that draws its tiles from a ticket counter
+    (:func:`tilepy.tile.schedule.ticket_scheduler`): its argument after the tensor maps is
+    the counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
+    share one; launches in two streams would take each other's tiles, so each stream has its
+    own (the per-thread default stream: one per host thread), from the plan's allocation
+    callback, zeroed on that stream before its first launch. ``counter``: the
+    :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view of (not yet
+    zeroed: it becomes the first stream's); without it ``args``' counter must be zeroed.
+
+    A launch during a CUDA-graph capture gets a counter of its own, zeroed in the graph just
+    before it and kept for the plan's lifetime: the graph's launches then share no counter
+    with launches outside it or with other graphs (which may run at the same time)."""
+
+    def __init__(self, kernel, args, *rest, counter=None, **kw):
+        super().__init__(kernel, args, *rest, **kw)
+        self._counter_array = self.array_index(self.maps_arg + 1)
+        self._counters = {}   # stream key -> (DeviceBuffer, int32[2] view)
+        self._counters_lock = threading.Lock()
+        held = args[self.maps_arg + 1]
+        # the first stream's counter, and whether it still has to be zeroed
+        self._built_counter = (counter or DeviceBuffer(held, pointer(held), COUNTER_BYTES),
+                               held)
+        self._built_zeroed = counter is None
+
+    def counter_for(self, stream):
+        """The tile counter (int32[2] device array) of launches in ``stream``, made and
+        zeroed on that stream the first time it is seen."""
+        return self._counter(_stream_handle(stream), False)[1]
+
+    def _counter(self, handle: int, capturing: bool):
+        from ..arrays import on_device
+
+        if capturing:
+            with on_device(self._device):
+                entry = _tile_counter(self._alloc, handle)
+            with self._maps_lock:
+                self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
+            return entry
+        key = stream_key(handle)
+        with self._counters_lock:
+            entry = self._counters.get(key)
+            if entry is not None:
+                return entry
+            built, self._built_counter = self._built_counter, None
+        with on_device(self._device):
+            if built is None:
+                entry = _tile_counter(self._alloc, handle)
+            else:
+                entry = built
+                if not self._built_zeroed:
+                    device_write.zero(handle, entry[0].ptr, COUNTER_BYTES)
+        with self._counters_lock:
+            entry = self._counters.setdefault(key, entry)
+        return entry
+
+    def _fill(self, ptrs, stream: int, capturing: bool) -> None:
+        ptrs[self._counter_array] = self._counter(stream, capturing)[0].ptr
