@@ -87,7 +87,7 @@ r = eval(expr)
 sync()
 t3 = time.perf_counter()
 from numba import cuda
-from tilepy.tune import kcache
+from tilepy import kcache
 name = cuda.get_current_device().name
 print("FIRST_CALL " + json.dumps({
     "tilepy": tilepy.__version__, "gpu": name.decode() if isinstance(name, bytes) else name,

@@ -28,6 +28,14 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s13a    the GEMM rebuilt from the Hopper tile pieces: its GPU tests and gemm_softmax's,
+#                then the A/B against the old tree (.ab/old: `git archive COMMIT tilepy | tar -x
+#                -C .ab/old`) for GEMM and gemm_softmax, rounds of 3 (bench/ab_commits.py)
+#   PART=s13c    what s13a's time limits cut: the cluster and 3-D-map GEMM GPU tests, the last
+#                gemm_softmax ones; the capture / torch / launch GPU tests; the Hopper guide's
+#                GPU test and benchmark
+#   PART=s13b    the capture / torch / launch GPU tests (session 12's review mend, not yet run
+#                on a GPU), the Hopper attention's GPU tests, the attention A/B
 #   PART=s12f    after session 12's review mend (tensor maps per stream, graph buffers kept for
 #                the process): the capture, torch and TMA GPU tests, one process per file
 #   PART=s12g    the benchmarks with as-called figures: softmax (forward, backward, gemm_softmax),
@@ -182,6 +190,25 @@ if [[ " $PART " == *" s11e "* ]]; then
         tests/test_ops_gemm_wgmma.py::test_gpu_default_path_against_cublas \
         tests/test_ops_gemm_wgmma.py::test_gpu_batch_strides_not_16_byte_multiples
     gpu_tests gemm_ws_cluster_tests 240 tests/test_ops_gemm_wgmma_ws.py -k "cluster"
+fi
+if [[ " $PART " == *" s13a "* ]]; then
+    gpu_tests gemm_ws 240 tests/test_ops_gemm_wgmma_ws.py
+    gpu_tests gemm_softmax 120 tests/test_ops_gemm_softmax.py
+    step ab_gemm 230 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 3 \
+        --suites gemm,gemm_softmax --json "$OUT/ab_gemm.json"
+fi
+if [[ " $PART " == *" s13c "* ]]; then
+    gpu_tests gemm_ws_rest 170 tests/test_ops_gemm_wgmma_ws.py -k "cluster2 or batched_3d"
+    gpu_tests gemm_softmax_rest 50 tests/test_ops_gemm_softmax.py -k "stream_and_cupy or same_bits"
+    gpu_tests graphs_torch 190 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py
+    gpu_tests guide_hopper 50 tests/test_guide_hopper.py
+    bench_suite bench_guide_hopper 50 "guide"
+fi
+if [[ " $PART " == *" s13b "* ]]; then
+    gpu_tests graphs_torch 200 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py
+    gpu_tests attention_wgmma 200 tests/test_ops_attention_wgmma.py
+    step ab_attention 180 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 2 \
+        --suites attention --json "$OUT/ab_attention.json"
 fi
 if [[ " $PART " == *" s12f "* ]]; then
     gpu_tests graphs_torch 200 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py

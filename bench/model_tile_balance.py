@@ -2,7 +2,7 @@
 the key blocks it computes (causal: those up to its diagonal), one block per SM slot. Prints,
 per shape, the busiest block's load over the mean for three ways of handing tiles out:
 
-* ``static``: block i takes tiles i, i + grid, … of :func:`tile_order`'s sequence (session 9);
+* ``static``: block i takes tiles i, i + grid, … of :func:`tilepy.tile.schedule.heavy_first`'s sequence (session 9);
 * ``pairs``: heavy and light query blocks of a head paired, pairs handed out statically;
 * ``dynamic``: each block takes the next tile when it is free (the ticket counter, and the
   hardware's block scheduler for a grid kernel) — list scheduling.
@@ -15,7 +15,7 @@ import argparse
 import heapq
 import math
 
-from tilepy.ops.attention_wgmma import L2_GROUP_BYTES
+from tilepy.tile.schedule import L2_GROUP_BYTES
 
 SHAPES = ((4, 32, 1024, 128, 128), (4, 32, 2048, 128, 128), (4, 32, 4096, 128, 128),
           (4, 32, 8192, 128, 128), (8, 16, 2048, 64, 192))

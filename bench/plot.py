@@ -9,10 +9,11 @@ attention TFLOPS against sequence length. Each point is the implementation's eff
 throughput: the slower of its GPU-only and as-called time (``bench/results_data.py``);
 a point whose as-called time exceeds 1.1× its GPU-only time (host-bound as called) gets a
 black cross; the legend says which time the figure uses (older files: GPU-only only). The
-points of a figure all come from one result file (the newest that has it). A figure with a
-single point is not drawn (its table has it).
+points of a figure all come from one result file, the newest that has it (files ordered by
+``report.run_key``: date, then session), named in the plot's corner. A figure with a single
+point is not drawn (its table has it).
 Needs matplotlib (``pip install -e '.[bench]'``); then run ``python bench/report.py`` so that
-docs/performance.md links the new plots.
+docs/performance.md shows the new plots, each under its table.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+import report
 import results_data
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -92,7 +94,8 @@ def plot_all(results: pathlib.Path, out: pathlib.Path) -> list:
     plt = require_matplotlib()
     written = []
     for gpu_dir in sorted(p for p in results.iterdir() if p.is_dir()):
-        for fig in results_data.figures(results_data.entries(gpu_dir)).values():
+        items = sorted(results_data.entries(gpu_dir), key=lambda e: report.run_key(e.file))
+        for fig in results_data.figures(items).values():
             if len(fig.xs) < 2:
                 continue
             path = results_data.plot_path(out, gpu_dir.name, fig.name)

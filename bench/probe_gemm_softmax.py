@@ -1,5 +1,5 @@
 """Where the TMA gemm_softmax kernel's time goes: the softmax mode with pieces left out
-(``wgmma_ws_gemm_kernel(..., probe=mask)``: 1 the per-chunk online softmax, 2 the final
+(``gemm_softmax_wgmma_kernel(..., probe=mask)``: 1 the per-chunk online softmax, 2 the final
 rescale, 4 the per-chunk parked store), beside ``tilepy.gemm`` and ``tilepy.softmax`` alone and
 the unfused pair, all in one process, float16, M = 16384, K = 1024; for both ways the kernel
 writes ``out`` (``tma_out``: TMA stores from swizzled staging, the rescale through shared
@@ -37,6 +37,7 @@ def main():
     import tilepy
     from tilepy import arrays
     from tilepy.arrays import describe, kernel_view
+    from tilepy.ops import gemm_softmax_wgmma as gsw
     from tilepy.ops import gemm_wgmma_ws as ws
     from tilepy.testing.timing import time_cuda
 
@@ -59,8 +60,8 @@ def main():
         out_v = kernel_view(O, 3)
 
         def launcher(mask, tma_out, c=cfg, overlap=False):
-            kern = ws.wgmma_ws_gemm_kernel(c, True, "float16", softmax=True, tma_out=tma_out,
-                                           overlap=overlap, probe=mask)
+            kern = gsw.gemm_softmax_wgmma_kernel(c, True, "float16", tma_out=tma_out,
+                                                 overlap=overlap, probe=mask)
             plan, kargs = ws.plan(kern, c, kernel_view(A, 3), kernel_view(B, 3), out_v, out_v,
                                   arrays.placeholder(1), scale, 0.0, stream=handle)
             return lambda: plan.launch(handle, kargs)

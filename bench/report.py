@@ -5,13 +5,20 @@
 
 Reads pytest-benchmark JSON (``extra_info``: one table per ``table`` with every
 implementation's throughput and tilepy's ratio to each peer, ``bench/results_data.py``), the
-config sweeps of ``bench/sweep_gemm.py`` and the JSON of ``python -m tilepy demo --json``;
-links the plots of ``bench/plot.py`` that exist under docs/img/ (run plot.py first).
+JSON of the sweeps and probes (``bench/sweep_*.py``, ``bench/probe_*.py``, ``bench/overhead.py``,
+``bench/first_call.py``), ``ncu`` CSV exports and ``python -m tilepy demo --json``.
+
+The page shows the latest result of each case (:func:`run_key` orders the files by when they
+were measured; :func:`latest`, :func:`latest_rows`), the rows of the latest run first, with
+the plots of ``bench/plot.py`` that exist under docs/img/ (run plot.py first) under their
+table. Earlier results stay in bench/results/ and bench/NOTES.md, which the page links.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -22,6 +29,51 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 TARGET = ROOT / "docs" / "performance.md"
 IMG = ROOT / "docs" / "img"
+
+
+_RUN = re.compile(r"(\d{4}-\d{2}-\d{2})_(?:s(\d+)([a-z]*)(\d*)_)?")
+
+
+def run_key(name: str) -> tuple:
+    """Sort key of a result file's name, oldest first: its date, then its session and part
+    (``2026-12-01_s11g_...``: session 11, part g; ``s11f0`` after ``s11f``; a name without
+    one sorts before the day's sessions), then the name. Plain name order would put
+    ``s10c`` before ``s3``."""
+    m = _RUN.match(name)
+    if m is None:
+        return ("", 0, "", -1, name)
+    part = int(m.group(4)) if m.group(4) else -1
+    return (m.group(1), int(m.group(2) or 0), m.group(3), part, name)
+
+
+def case_key(e) -> tuple:
+    """What a suite entry measures: its table and case (an entry without a table: its
+    benchmark's name)."""
+    return (e.info.get("table"), e.info.get("case", e.name))
+
+
+def latest(items) -> list:
+    """The entries of each case's latest file (:func:`case_key`, :func:`run_key`), the latest
+    run first; a file's entries keep their order."""
+    newest = {}
+    for e in items:
+        k = case_key(e)
+        if k not in newest or run_key(e.file) > run_key(newest[k]):
+            newest[k] = e.file
+    kept = [e for e in items if newest[case_key(e)] == e.file]
+    return sorted(kept, key=lambda e: run_key(e.file), reverse=True)  # stable: file order kept
+
+
+def latest_rows(rows) -> list:
+    """``(file, case, row)`` triples → the rows of each case's latest file, the latest run
+    first (a file's rows in their order)."""
+    newest = {}
+    for file, case, _ in rows:
+        if case not in newest or run_key(file) > run_key(newest[case]):
+            newest[case] = file
+    kept = [(file, row) for file, case, row in rows if newest[case] == file]
+    kept.sort(key=lambda fr: run_key(fr[0]), reverse=True)
+    return [row for _, row in kept]
 
 
 def table(head, rows):
@@ -71,13 +123,19 @@ def effective_note(marked: bool, gpu_only_files, all_old: bool, legacy: bool = F
     return text
 
 
-def suite_tables(items) -> list:
-    """Markdown for every table the suites named: a row per case, a column per
-    implementation's effective throughput (its slower time, GPU only or as called; marked
-    ``HOST_MARK`` where host-bound as called), then tilepy's ratio to each peer (peer_ms /
-    ms of the effective times), then a footnote that says so."""
+def suite_tables(items, gpu: str | None = None) -> list:
+    """Markdown for every table the suites named, in the order the tables were first
+    measured: a row per case, from the case's latest file (:func:`latest`; the latest run
+    first), a column per implementation's effective throughput (its slower time, GPU only or
+    as called; marked ``HOST_MARK`` where host-bound as called), then tilepy's ratio to each
+    peer (peer_ms / ms of the effective times), then a footnote that says so; with ``gpu``,
+    then the plots of the table's figures that exist (:func:`plot_links`)."""
+    items = sorted(items, key=lambda e: run_key(e.file))
+    order = list(results_data.tables(items))
+    shown = results_data.tables(latest(items))
     parts = []
-    for t in results_data.tables(items).values():
+    for title in order:
+        t = shown[title]
         head = ["file", "case"] + [f"{i} ({t.unit})" for i in t.impls]
         head += [f"ratio to {p}" for p in t.peers]
         if t.host:
@@ -97,151 +155,199 @@ def suite_tables(items) -> list:
             if t.host:
                 row += [fmt(host.get(i)) for i in t.impls]
             rows.append(row)
-        parts += [f"### {t.title}", "", table(head, rows), "",
+        parts += [f"### {title}", "", table(head, rows), "",
                   effective_note(marked, t.gpu_only_files,
                                  not any(results_data.has_as_called(e.info) for e in t.rows)),
                   ""]
+        if gpu is not None:
+            parts += plot_links(gpu, items, title)
     return parts
 
 
-def plot_links(gpu: str, items) -> list:
-    """Links to the PNGs of bench/plot.py that exist for this GPU's figures."""
+def plot_links(gpu: str, items, title: str) -> list:
+    """Links to the PNGs of bench/plot.py that exist for the figures of table ``title``
+    (a figure belongs to the table of its first point in the file its points come from)."""
     links = []
-    for name in results_data.figures(items):
+    for name, fig in results_data.figures(items).items():
+        owner = next(e.info.get("table") for e in items
+                     if e.file == fig.file and e.info.get("figure") == name)
         path = results_data.plot_path(IMG, gpu, name)
-        if path.exists():
+        if owner == title and path.exists():
             links.append(f"![{name}]({path.relative_to(TARGET.parent).as_posix()})")
-    return ["### Plots (`bench/plot.py`)", "", *links, ""] if links else []
+    if not links:
+        return []
+    return ["Plots (`bench/plot.py`; each from the newest file with that figure, named in "
+            "its corner):", "", *links, ""]
+
+
+def _link(path: pathlib.Path) -> str:
+    """``path`` relative to the page, as a Markdown link target."""
+    return pathlib.Path(os.path.relpath(path, TARGET.parent)).as_posix()
+
+
+def tool_sections(gpu_dir: pathlib.Path) -> list:
+    """Markdown for the results that are not suite tables: the older pytest-benchmark entries
+    without a table, and the JSON of the sweeps, probes, host-cost, first-call and demo runs
+    and the ``ncu`` exports, one table each, from each case's latest file
+    (:func:`latest_rows`). A sweep's or probe's case is a problem: all the configs or variants
+    its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
+    the whole file; any other row is a case of its own."""
+    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "clock", "att", "ncu",
+                            "first", "host", "demo")}
+    items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
+    shown = latest(results_data.legacy(items))
+    legacy_marked, legacy_called, legacy_old = False, False, []
+    for b in shown:
+        e = b.info
+        unit = " TFLOPS" if "tflops" in e else " GB/s"
+        thr, bound = results_data.legacy_effective(e)
+        peer_thr, peer_bound = results_data.legacy_effective(e, "peer_")
+        legacy_marked = legacy_marked or bound or (peer_bound and bool(e.get("peer")))
+        if results_data.has_as_called(e):
+            legacy_called = True
+        elif b.file not in legacy_old:
+            legacy_old.append(b.file)
+        rows["bench"].append((b.file, b.name, (
+            b.file, b.name, fmt(thr, unit) + (HOST_MARK if bound else ""), e.get("peer", "-"),
+            fmt(peer_thr, unit) + (HOST_MARK if peer_bound else "") if e.get("peer") else "-",
+            fmt(e.get("ratio"), "×"))))
+    for f in sorted(gpu_dir.glob("*.json"), key=lambda f: run_key(f.name)):
+        data = results_data.load(f)
+        if not isinstance(data, dict) or "benchmarks" in data or "rows" not in data:
+            continue
+        add = []  # (section, case, row)
+        if "peer_tflops" in data:                            # bench/sweep_gemm.py
+            for r in data["rows"]:
+                if "tflops" in r:
+                    extra = ""
+                    if "group_m" in r:
+                        extra = f" (group_m {r['group_m']}, double buffer {r['double_buffer']})"
+                    problem = f"{data['n']}³ {data['dtype']}"
+                    add.append(("sweep", ("sweep_gemm", problem),
+                                (problem, r["config"] + extra, fmt(r["tflops"]),
+                                 fmt(data["peer_tflops"]), fmt(r["ratio"], "×"))))
+        elif all("us_per_call" in r for r in data["rows"]):   # bench/overhead.py
+            add = [("host", (r["name"], bool(r.get("peer"))),
+                    (r["name"], "peer" if r.get("peer") else "tilepy", fmt(r["us_per_call"])))
+                   for r in data["rows"]]
+        elif "checks" in data:                                # bench/sweep_gemm_wgmma.py
+            add = [("sweep", ("sweep_gemm_wgmma", f"{r['n']}³ float16"),
+                    (f"{r['n']}³ float16", r["config"], fmt(r["tflops"]),
+                     fmt(r["peer_tflops"]), fmt(r["ratio"], "×"))) for r in data["rows"]]
+        elif all("block_m" in r for r in data["rows"]):       # bench/sweep_attention.py
+            for r in data["rows"]:
+                problem = (f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
+                           + (" causal" if r["causal"] else ""))
+                config = (f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
+                          + (", overlap" if r.get("overlap") else "")
+                          + (", persistent" if r.get("persistent") else "")
+                          + (", TMA" if r.get("tma") else "")
+                          + (", ping-pong" if r.get("pingpong") else "")
+                          + (", producer warpgroup" if r.get("producer") else ""))
+                add.append(("att", problem,
+                            (problem, config, fmt(r["tflops"]), fmt(r["ratio"], "×"))))
+        elif all("shape" in r and "config" in r for r in data["rows"]):
+            # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
+            for r in data["rows"]:
+                problem = "×".join(map(str, r["shape"])) + f" {r['dtype']}"
+                add.append(("sweep", ("sweep_gemm_shapes", problem),
+                            (problem, r["config"], fmt(r["tflops"]), fmt(r["peer_tflops"]),
+                             fmt(r["ratio"], "×"))))
+        elif all("variant" in r for r in data["rows"]) and "m" in data:
+            # bench/probe_gemm_softmax.py: microseconds per variant, per N
+            for r in data["rows"]:
+                problem = f"{data['m']}×{r['n']}×{data['k']}"
+                add.append(("gs_probe", problem,
+                            (problem, r["variant"], fmt(r.get("us")), fmt(r.get("tflops")))))
+        elif all("variant" in r for r in data["rows"]):
+            # bench/probe_epilogue.py: the fused epilogue's pieces (failed rows: "error")
+            for r in data["rows"]:
+                variant = (f"N={r['n']} " if "n" in r else "") + r["variant"]
+                add.append(("probe", r.get("n"), (
+                    variant, fmt(r["ms"] * 1e3) if "ms" in r else fmt(r.get("us")),
+                    fmt(r.get("tflops")), fmt(r["peer_ms"] * 1e3) if "peer_ms" in r else "-",
+                    fmt(r.get("ratio"), "×") if "ratio" in r else r.get("error", "-"))))
+        elif all("cold" in r and "warm" in r for r in data["rows"]):  # bench/first_call.py
+            add = [("first", (r["label"], which),
+                    (r["label"], which, fmt(r[which].get("import_s")),
+                     fmt(r[which].get("first_call_s"))))
+                   for r in data["rows"] for which in ("cold", "warm")]
+        elif all("sm_clock_mhz_median" in r for r in data["rows"]):
+            # bench/probe_clocks.py: back to back for seconds, nvidia-smi sampling
+            add = [("clock", r["case"],
+                    (r["case"], fmt(r["tflops"]), fmt(r["sm_clock_mhz_median"]),
+                     fmt(r["sm_clock_mhz_min"]), fmt(r["power_w_median"]),
+                     " ".join(r["throttle_reasons"]) or "-")) for r in data["rows"]]
+        elif "gpu" in data:                                   # python -m tilepy demo --json
+            add = [("demo", (r["what"], r.get("size", "")),
+                    (r["what"], r.get("size", ""), r.get("throughput") or "-",
+                     r.get("peer") or "-", fmt(r.get("ratio"), "×"))) for r in data["rows"]]
+        for section, case, row in add:
+            rows[section].append((f.name, case, (f.name, *row)))
+    for f in sorted(gpu_dir.glob("*_ncu_*raw.csv"), key=lambda f: run_key(f.name)):
+        # one profile per file: a case is the file's subject and the row's place in it
+        subject = _RUN.sub("", f.name, count=1)
+        rows["ncu"] += [(f.name, (subject, i), row) for i, row in enumerate(ncu_table(f))]
+    rows = {k: latest_rows(v) for k, v in rows.items()}
+
+    parts = []
+    if rows["bench"]:
+        parts += ["### Earlier benchmarks (pytest-benchmark, before per-peer tables)", "",
+                  table(("file", "benchmark", "tilepy", "peer", "peer", "ratio"), rows["bench"]),
+                  ""]
+        if legacy_called:  # rows of this kind recorded since: say which time they use
+            parts += [effective_note(legacy_marked, legacy_old, False, True), ""]
+    sections = [
+        ("sweep", "GEMM kernel configurations (`bench/sweep_gemm.py`, "
+                  "`bench/sweep_gemm_wgmma.py`, `bench/sweep_gemm_shapes.py`)",
+         ("file", "problem", "config", "TFLOPS", "cuBLAS TFLOPS", "ratio")),
+        ("probe", "Fused GEMM epilogue, piece by piece (`bench/probe_epilogue.py`, 4096³ "
+                  "float16, TMA kernel)",
+         ("file", "variant", "µs", "TFLOPS", "unfused torch µs", "ratio to unfused torch")),
+        ("gs_probe", "Fused GEMM + softmax, piece by piece (`bench/probe_gemm_softmax.py`, "
+                     "float16)",
+         ("file", "M×N×K", "variant", "µs", "TFLOPS equivalent (2·M·N·K / µs)")),
+        ("clock", "Sustained clocks and power (`bench/probe_clocks.py`: each case back to "
+                  "back for seconds; throttle 0x4 is the software power cap)",
+         ("file", "case", "TFLOPS", "SM MHz (median)", "SM MHz (min)", "power W (median)",
+          "throttle reasons")),
+        ("att", "Attention kernel configurations (`bench/sweep_attention.py`)",
+         ("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2")),
+        ("ncu", "Nsight Compute (`bench/profile_attention.sh`: one launch each; pipe figures "
+                "are % of peak over active cycles)",
+         ("file", "kernel", "grid × block", "µs", "instructions (M)", "tensor pipe %",
+          "XU (MUFU) %", "ALU %", "FMA %", "uniform %", "cycles per issue")),
+        ("first", "First call in a fresh process (`bench/first_call.py`)",
+         ("file", "call", "kernel cache", "import s", "first call s")),
+        ("host", "Host cost of one call (`bench/overhead.py`)",
+         ("file", "call", "who", "µs per call")),
+        ("demo", "`python -m tilepy demo`",
+         ("file", "what", "size", "tilepy", "peer", "ratio")),
+    ]
+    for key, title, head in sections:
+        if rows[key]:
+            parts += [f"### {title}", "", table(head, rows[key]), ""]
+    return parts
 
 
 def build() -> str:
+    notes = ROOT / "bench" / "NOTES.md"
     parts = ["# Performance", "",
              ("Generated by `python bench/report.py` from the files in `bench/results/`; do not "
-              "edit. Ratios compare with the peer measured in the same run (run-to-run spread "
-              "on the H200 is about 10%). The log of what was tried and why is "
-              "`bench/NOTES.md`."), ""]
+              "edit. Each table shows the latest result of each case, the rows of the latest "
+              "run first; the file column names the run it comes from. Ratios compare with the "
+              "peer measured in the same run (run-to-run spread on the H200 is about 10%), so "
+              "compare rows of different runs through their ratios only."), "",
+             (f"History: every earlier result stays in [`bench/results/`]({_link(RESULTS)}/), "
+              f"and [`bench/NOTES.md`]({_link(notes)}) records, run by run, what was changed, "
+              "what was expected and what was measured."), ""]
     for gpu_dir in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
-        parts += [f"## {gpu_dir.name.replace('_', ' ')}", ""]
+        files = [f for f in gpu_dir.iterdir() if f.is_file()]
+        parts += [f"## {gpu_dir.name.replace('_', ' ')}", "",
+                  (f"All {len(files)} result files of this GPU: "
+                   f"[`bench/results/{gpu_dir.name}/`]({_link(gpu_dir)}/)."), ""]
         items = results_data.entries(gpu_dir)
-        parts += suite_tables(items) + plot_links(gpu_dir.name, items)
-        bench_rows, sweep_rows, demo_rows, host_rows = [], [], [], []
-        att_rows, first_rows, probe_rows, clock_rows = [], [], [], []
-        legacy_marked, legacy_called, legacy_old = False, False, []
-        for b in results_data.legacy(items):
-            e = b.info
-            unit = " TFLOPS" if "tflops" in e else " GB/s"
-            thr, bound = results_data.legacy_effective(e)
-            peer_thr, peer_bound = results_data.legacy_effective(e, "peer_")
-            legacy_marked = legacy_marked or bound or (peer_bound and bool(e.get("peer")))
-            if results_data.has_as_called(e):
-                legacy_called = True
-            elif b.file not in legacy_old:
-                legacy_old.append(b.file)
-            bench_rows.append((b.file, b.name, fmt(thr, unit) + (HOST_MARK if bound else ""),
-                               e.get("peer", "-"),
-                               fmt(peer_thr, unit) + (HOST_MARK if peer_bound else "")
-                               if e.get("peer") else "-", fmt(e.get("ratio"), "×")))
-        for f in sorted(gpu_dir.glob("*.json")):
-            data = results_data.load(f)
-            if not isinstance(data, dict) or "benchmarks" in data:
-                continue
-            if "rows" in data and "peer_tflops" in data:
-                for r in data["rows"]:
-                    if "tflops" in r:
-                        extra = ""
-                        if "group_m" in r:
-                            extra = f" (group_m {r['group_m']}, double buffer {r['double_buffer']})"
-                        sweep_rows.append((f.name, f"{data['n']}³ {data['dtype']}",
-                                           r["config"] + extra, fmt(r["tflops"]),
-                                           fmt(data["peer_tflops"]), fmt(r["ratio"], "×")))
-            elif "rows" in data and all("us_per_call" in r for r in data["rows"]):
-                host_rows += [(f.name, r["name"], "peer" if r.get("peer") else "tilepy",
-                               fmt(r["us_per_call"])) for r in data["rows"]]
-            elif "rows" in data and "checks" in data:       # bench/sweep_gemm_wgmma.py
-                sweep_rows += [(f.name, f"{r['n']}³ float16", r["config"], fmt(r["tflops"]),
-                                fmt(r["peer_tflops"]), fmt(r["ratio"], "×"))
-                               for r in data["rows"]]
-            elif "rows" in data and all("block_m" in r for r in data["rows"]):
-                att_rows += [(f.name, f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
-                              + (" causal" if r["causal"] else ""),
-                              f"{r['block_m']}×{r['block_n']}, {r['warp_rows']} rows/warp"
-                              + (", overlap" if r.get("overlap") else "")
-                              + (", persistent" if r.get("persistent") else "")
-                              + (", TMA" if r.get("tma") else "")
-                              + (", ping-pong" if r.get("pingpong") else "")
-                              + (", producer warpgroup" if r.get("producer") else ""),
-                              fmt(r["tflops"]), fmt(r["ratio"], "×")) for r in data["rows"]]
-            elif "rows" in data and all("shape" in r and "config" in r for r in data["rows"]):
-                # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
-                sweep_rows += [(f.name, "×".join(map(str, r["shape"])) + f" {r['dtype']}",
-                                r["config"], fmt(r["tflops"]), fmt(r["peer_tflops"]),
-                                fmt(r["ratio"], "×")) for r in data["rows"]]
-            elif "rows" in data and all("variant" in r for r in data["rows"]):
-                # bench/probe_epilogue.py: the fused epilogue's pieces (failed rows: "error")
-                # (bench/probe_gemm_softmax.py: microseconds, per N)
-                probe_rows += [(f.name, (f"N={r['n']} " if "n" in r else "") + r["variant"],
-                                fmt(r["ms"] * 1e3) if "ms" in r else fmt(r.get("us")),
-                                fmt(r.get("tflops")),
-                                fmt(r["peer_ms"] * 1e3) if "peer_ms" in r else "-",
-                                fmt(r.get("ratio"), "×") if "ratio" in r else
-                                r.get("error", "-")) for r in data["rows"]]
-            elif "rows" in data and all("cold" in r and "warm" in r for r in data["rows"]):
-                first_rows += [(f.name, r["label"], which, fmt(r[which].get("import_s")),
-                                fmt(r[which].get("first_call_s")))
-                               for r in data["rows"] for which in ("cold", "warm")]
-            elif "rows" in data and all("sm_clock_mhz_median" in r for r in data["rows"]):
-                # bench/probe_clocks.py: back to back for seconds, nvidia-smi sampling
-                clock_rows += [(f.name, r["case"], fmt(r["tflops"]),
-                                fmt(r["sm_clock_mhz_median"]), fmt(r["sm_clock_mhz_min"]),
-                                fmt(r["power_w_median"]),
-                                " ".join(r["throttle_reasons"]) or "-") for r in data["rows"]]
-            elif "rows" in data and "gpu" in data:
-                for r in data["rows"]:
-                    demo_rows.append((f.name, r["what"], r.get("size", ""),
-                                      r.get("throughput") or "-", r.get("peer") or "-",
-                                      fmt(r.get("ratio"), "×")))
-        if bench_rows:
-            parts += ["### Earlier benchmarks (pytest-benchmark, before per-peer tables)", "",
-                      table(("file", "benchmark", "tilepy", "peer", "peer", "ratio"), bench_rows),
-                      ""]
-            if legacy_called:  # rows of this kind recorded since: say which time they use
-                parts += [effective_note(legacy_marked, legacy_old, False, True), ""]
-        if sweep_rows:
-            parts += ["### GEMM kernel configurations (`bench/sweep_gemm.py`, "
-                      "`bench/sweep_gemm_wgmma.py`, `bench/sweep_gemm_shapes.py`)", "",
-                      table(("file", "problem", "config", "TFLOPS", "cuBLAS TFLOPS", "ratio"),
-                            sweep_rows), ""]
-        if probe_rows:
-            parts += ["### Fused GEMM epilogue, piece by piece (`bench/probe_epilogue.py`, "
-                      "4096³ float16, TMA kernel)", "",
-                      table(("file", "variant", "µs", "TFLOPS", "unfused torch µs",
-                             "ratio to unfused torch"), probe_rows), ""]
-        if clock_rows:
-            parts += ["### Sustained clocks and power (`bench/probe_clocks.py`: each case back "
-                      "to back for seconds; throttle 0x4 is the software power cap)", "",
-                      table(("file", "case", "TFLOPS", "SM MHz (median)", "SM MHz (min)",
-                             "power W (median)", "throttle reasons"), clock_rows), ""]
-        if att_rows:
-            parts += ["### Attention kernel configurations (`bench/sweep_attention.py`)", "",
-                      table(("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2"),
-                            att_rows), ""]
-        ncu_rows = [row for f in sorted(gpu_dir.glob("*_ncu_*raw.csv")) for row in ncu_table(f)]
-        if ncu_rows:
-            parts += ["### Nsight Compute (`bench/profile_attention.sh`: one launch each; pipe "
-                      "figures are % of peak over active cycles)", "",
-                      table(("file", "kernel", "grid × block", "µs", "instructions (M)",
-                             "tensor pipe %", "XU (MUFU) %", "ALU %", "FMA %", "uniform %",
-                             "cycles per issue"), ncu_rows), ""]
-        if first_rows:
-            parts += ["### First call in a fresh process (`bench/first_call.py`)", "",
-                      table(("file", "call", "kernel cache", "import s", "first call s"),
-                            first_rows), ""]
-        if host_rows:
-            parts += ["### Host cost of one call (`bench/overhead.py`)", "",
-                      table(("file", "call", "who", "µs per call"), host_rows), ""]
-        if demo_rows:
-            parts += ["### `python -m tilepy demo`", "",
-                      table(("file", "what", "size", "tilepy", "peer", "ratio"), demo_rows), ""]
+        parts += suite_tables(items, gpu_dir.name) + tool_sections(gpu_dir)
     return "\n".join(parts)
 
 

@@ -38,11 +38,6 @@ def candidates(dtype):
             ("ws 128x256 s3 persistent", WsConfig(stages=3, dtype=dtype, persistent=True)),
             ("ws 128x256 s3 persistent smem-epilogue",
              WsConfig(stages=3, dtype=dtype, persistent=True, smem_epilogue=True)),
-            # ping-pong: each consumer its own 128 x 128 tiles, main loops taking turns
-            ("pingpong 128x128 s5",
-             WsConfig(128, 128, 5, dtype, persistent=True, pingpong=True)),
-            ("pingpong 128x128 s4 smem-epilogue",
-             WsConfig(128, 128, 4, dtype, persistent=True, pingpong=True, smem_epilogue=True)),
             # the TMA-store epilogue: swizzled staging, stores draining under the next tile
             ("ws 128x256 s3 persistent tma-store",
              WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True, tma_store=True)),

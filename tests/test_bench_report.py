@@ -2,7 +2,7 @@
 read back into tables (bench/results_data.py, bench/report.py) and plots (bench/plot.py), and
 the timing loop's logic against a fake CUDA (L2 flush, host cost kept out of the events, the
 back-to-back as-called runs). Result files of both forms: with as-called figures and from
-before them."""
+before them. The page shows each case's latest result, the latest run first."""
 
 from __future__ import annotations
 
@@ -101,6 +101,7 @@ def write_results(root: pathlib.Path, old=True) -> pathlib.Path:
         write_file(gpu_dir, OLD_FILE, [
             ("test_gemm_op_square[4096-float16]", old_entry(4096, 0.4, 0.2)),
             ("test_gemm_op_square[8192-float16]", old_entry(8192, 3.0, 1.5)),
+            ("test_gemm_op_square[1024-float16]", old_entry(1024, 0.01, 0.005)),  # old only
             ("test_old_attention", {**old_entry(1024, 0.5, 0.6), "table": "Attention (old)",
                                     "figure": "attention_old", "case": "old"}),
             ("test_old_attention2", {**old_entry(2048, 1.5, 2.0), "table": "Attention (old)",
@@ -188,7 +189,7 @@ def test_tables_and_figures(tmp_path):
     gemm = tabs["GEMM: square"]
     assert gemm.impls == ["tilepy", "cuBLAS (torch)", "cuBLAS (CuPy)", "Triton"]
     assert gemm.peers == ["cuBLAS (torch)", "cuBLAS (CuPy)", "Triton"] and not gemm.host
-    assert gemm.gpu_only_files == [OLD_FILE] and len(gemm.rows) == 5
+    assert gemm.gpu_only_files == [OLD_FILE] and len(gemm.rows) == 6
     assert tabs["Softmax sweep"].host  # flushed runs show host µs per call
     assert tabs["Softmax sweep"].impls == ["tilepy", "torch", "copy (ceiling)", "Triton"]
     assert tabs["Softmax sweep"].gpu_only_files == []
@@ -222,9 +223,12 @@ def test_tables_and_figures(tmp_path):
     assert "### GEMM: square" in md and "### Softmax sweep" in md
     assert "| file | case | tilepy (TFLOPS) | cuBLAS (torch) (TFLOPS) |" in md
     assert "ratio to cuBLAS (torch) | ratio to cuBLAS (CuPy) | ratio to Triton |" in md
-    row = next(line for line in md.splitlines() if "| 4096³ float16 |" in line
-               and "2026-01-01_bench" in line)
+    (row,) = [line for line in md.splitlines() if "| 4096³ float16 |" in line]
+    assert "2026-01-01_bench" in row  # the latest result of the case; the older one left out
     assert "| 0.50× | - | 0.62× |" in row  # 0.2 / 0.4; CuPy missing; 0.25 / 0.4
+    cases = [line.split(" | ")[1] for line in md.splitlines()
+             if line.startswith("| 20") and "float16" in line]
+    assert cases == ["4096³ float16", "8192³ float16", "512³ float16", "1024³ float16"]
     assert report.HOST_MARK not in row
     row = next(line for line in md.splitlines() if "| 512³ float16 |" in line)
     assert f"| {report.fmt(tf)}{report.HOST_MARK} | {report.fmt(tf / 0.1)} | - |" in row
@@ -257,6 +261,61 @@ def test_old_files_only_change_by_the_footnote(tmp_path):
                                     [OLD_FILE, "8192³ float16", "367", "733", "0.50×"]])]
     assert md[3] == "" and md[4].startswith("No row of this table has as-called figures")
     assert "GPU-only time" in md[4] and md[5:] == [""]
+
+
+def test_run_key_orders_files_by_when_they_were_measured():
+    names = ["2026-11-30_s10c_bench.json", "2026-11-29_sweep_run1.json",
+             "2026-12-01_s11f0_bench.json", "2026-11-30_s3_bench.json",
+             "2026-11-29_s2_bench.json", "2026-12-01_s11f_bench.json", "notes.txt"]
+    assert sorted(names, key=report.run_key) == [
+        "notes.txt", "2026-11-29_sweep_run1.json", "2026-11-29_s2_bench.json",
+        "2026-11-30_s3_bench.json", "2026-11-30_s10c_bench.json", "2026-12-01_s11f_bench.json",
+        "2026-12-01_s11f0_bench.json"]
+
+
+def test_latest_keeps_each_cases_newest_file_latest_run_first():
+    e = results_data.Entry
+    items = [e("2026-11-30_s10a_x.json", "a", {"table": "T", "case": "1"}),
+             e("2026-11-30_s3_x.json", "a", {"table": "T", "case": "1"}),
+             e("2026-11-30_s3_x.json", "b", {"table": "T", "case": "2"}),
+             e("2026-11-30_s3_x.json", "c", {"table": "U", "case": "1"}),
+             e("2026-11-30_s3_x.json", "d", {}),
+             e("2026-11-30_s10a_x.json", "d", {})]
+    assert [(x.file[11:15], x.name) for x in report.latest(items)] == [
+        ("s10a", "a"), ("s10a", "d"), ("s3_x", "b"), ("s3_x", "c")]
+    rows = [("2026-11-30_s3_x.json", "p", 1), ("2026-11-30_s3_x.json", "p", 2),
+            ("2026-11-30_s3_x.json", "q", 3), ("2026-11-30_s10a_x.json", "p", 4)]
+    assert report.latest_rows(rows) == [4, 3]  # p's older run left out whole
+
+
+def test_tool_sections_show_each_problems_latest_run(tmp_path):
+    """A sweep's rows of one problem all come from the latest run that measured it (the
+    configs' ratios hold within a run); a problem only an older run measured keeps its rows."""
+    gpu_dir = tmp_path / GPU
+    gpu_dir.mkdir()
+
+    def sweep(name, rows):
+        (gpu_dir / name).write_text(json.dumps({"gpu": GPU, "rows": [
+            {"shape": shape, "dtype": "float16", "config": config, "tflops": tf,
+             "peer_tflops": 700.0, "ratio": tf / 700.0} for shape, config, tf in rows]}))
+
+    sweep("2026-11-30_s3_sweep_gemm_shapes.json", [([4096] * 3, "old A", 500.0),
+                                                   ([4096] * 3, "old B", 510.0),
+                                                   ([8192] * 3, "old A", 600.0)])
+    sweep("2026-11-30_s10b_sweep_gemm_shapes.json", [([4096] * 3, "new A", 650.0)])
+    (gpu_dir / "2026-11-30_s3_overhead.json").write_text(json.dumps({"gpu": GPU, "rows": [
+        {"name": "tilepy.gemm", "us_per_call": 20.0}, {"name": "torch.mm", "us_per_call": 9.0,
+                                                       "peer": True}]}))
+    (gpu_dir / "2026-11-30_s10b_overhead.json").write_text(json.dumps({"gpu": GPU, "rows": [
+        {"name": "tilepy.gemm", "us_per_call": 12.0}]}))
+    lines = "\n".join(report.tool_sections(gpu_dir)).splitlines()
+    sweep_rows = [line for line in lines if line.startswith("| 2026") and "_sweep_" in line]
+    assert [row.split(" | ")[2] for row in sweep_rows] == ["new A", "old A"]
+    assert "s10b" in sweep_rows[0] and "4096×4096×4096" in sweep_rows[0]
+    assert "s3" in sweep_rows[1] and "8192×8192×8192" in sweep_rows[1]
+    host = [line for line in lines if "_overhead" in line]
+    assert host == ["| 2026-11-30_s10b_overhead.json | tilepy.gemm | tilepy | 12 |",
+                    "| 2026-11-30_s3_overhead.json | torch.mm | peer | 9.00 |"]
 
 
 def test_legacy_rows_with_as_called_figures(tmp_path, monkeypatch):
@@ -297,14 +356,20 @@ def test_report_build_and_check(tmp_path, monkeypatch):
     assert "Where a row has" not in text  # no legacy row has as-called figures: no note
     assert f"{report.HOST_MARK} host-bound as called" in text
     assert "Older rows lack as-called figures" in text
-    assert "### Plots" not in text  # no PNGs yet
+    assert "Plots (`bench/plot.py`" not in text  # no PNGs yet
+    assert "[`bench/NOTES.md`](" in text and "[`bench/results/FAKE_GPU/`](" in text
+    old_rows = [line.split(" | ")[1] for line in text.splitlines()
+                if line.startswith(f"| {OLD_FILE} |")]
+    assert old_rows == ["1024³ float16", "old", "old 2"]  # cases no later run measured
     png = results_data.plot_path(docs / "img", GPU, "gemm_square_float16")
     png.parent.mkdir(parents=True)
     png.write_bytes(b"")
     assert report.main(["--check"]) == 1  # a new plot makes the page stale
     report.main([])
-    assert "![gemm_square_float16](img/FAKE_GPU/gemm_square_float16.png)" in \
-        (docs / "performance.md").read_text()
+    text = (docs / "performance.md").read_text()
+    link = "![gemm_square_float16](img/FAKE_GPU/gemm_square_float16.png)"
+    assert link in text  # under its table, before the next one
+    assert text.index("### GEMM: square") < text.index(link) < text.index("### Attention (old)")
 
 
 @pytest.mark.parametrize("unit,value", [("ms", "0.316160"), ("us", "316.160000"),

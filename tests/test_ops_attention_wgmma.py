@@ -18,7 +18,6 @@ from tilepy.ops.attention_wgmma import (
     PERSISTENT_TMA_REPORTS,
     TMA_REPORTS,
     WgmmaAttentionConfig,
-    tile_order,
 )
 
 
@@ -90,31 +89,6 @@ def test_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bn
     next tile's Q, K and V during the last key block (and skipping tiles that see no key)."""
     run(np.random.default_rng(), b, hq, hk, sq, sk, 64, causal, layout, dtype,
         WgmmaAttentionConfig(64, 64, bn, dtype, overlap=overlap, persistent=True))
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("batch,heads,n_qb,sk", [(1, 3, 5, 16384), (2, 3, 4, 100),
-                                                 (3, 1, 1, 40000)])
-def test_tile_order(batch, heads, n_qb, sk, causal):
-    """The persistent tile order is a permutation of (batch, head, query block); causal:
-    within each L2 group of heads the query blocks go from the heaviest (last) down, and the
-    group holds as many heads as fit L2_GROUP_BYTES (2 at head_dim 128 and 16 K keys)."""
-    from tilepy.ops.attention_wgmma import L2_GROUP_BYTES
-
-    at = tile_order(128, 128, causal)
-    order = [at(t, n_qb, heads, batch, sk) for t in range(batch * heads * n_qb)]
-    assert sorted(order) == [(b, h, q) for b in range(batch) for h in range(heads)
-                             for q in range(n_qb)]
-    if not causal:
-        assert order[:n_qb] == [(0, 0, q) for q in range(n_qb)]
-        return
-    per = max(1, L2_GROUP_BYTES // (4 * 128 * sk))
-    bh = [b * heads + h for b, h, _ in order]
-    for i in range(1, len(order)):
-        if bh[i] // per == bh[i - 1] // per:     # same group: query blocks never go up
-            assert order[i][2] <= order[i - 1][2]
-        else:                                   # groups in order, each from the heaviest
-            assert bh[i] // per == bh[i - 1] // per + 1 and order[i][2] == n_qb - 1
 
 
 @pytest.mark.sim

@@ -145,11 +145,11 @@ def test_tma_softmax_mode_overlap(monkeypatch, dtype, k):
     """128-column chunks with TMA out: two accumulators per consumer, each chunk's softmax
     under the next chunk's first k-steps (K of 3 k-steps with 3 stages); with K of one k-step
     the plain chunk loop. 3 chunks, the last partial; 2 row blocks."""
-    from tilepy.ops import gemm_wgmma_ws as ws
+    from tilepy.ops import gemm_softmax_wgmma as gsw
 
     made = []
-    real = ws.wgmma_ws_gemm_kernel
-    monkeypatch.setattr(ws, "wgmma_ws_gemm_kernel",
+    real = gsw.gemm_softmax_wgmma_kernel
+    monkeypatch.setattr(gsw, "gemm_softmax_wgmma_kernel",
                         lambda *a, **kw: made.append(kw.get("overlap")) or real(*a, **kw))
     rng = np.random.default_rng()
     m, n = 130, 264

@@ -16,6 +16,7 @@ from tilepy import arrays
 from tilepy.arrays import describe, kernel_view
 from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ops import gemm_wgmma_ws as ws
+from tilepy.ops.gemm_softmax_wgmma import gemm_softmax_wgmma_kernel
 from tilepy.ops.gemm_wgmma_ws import WsConfig
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -104,47 +105,6 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     pre = 2.0 * matmul64(a, b) + 0.5 * c + bias
     ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
     check(out, ref, "float16")
-
-
-@pytest.mark.sim
-@pytest.mark.parametrize("smem_epilogue,b_layout,sms,block_m", [
-    (True, "row", 1, 64), (False, "col", 2, 64), (True, "col", 3, 128)],
-    ids=["staged-row-1-block", "register-col-2-blocks", "staged-col-3-blocks-128rows"])
-def test_pingpong_consumers_take_turns(smem_epilogue, b_layout, sms, block_m):
-    """pingpong=True: each consumer warpgroup computes whole tiles, the two alternating over a
-    block's tiles (2 × 2 × 2 tiles of 64 × 64, or 1 × 2 × 2 of 128 × 64, through 1–3 persistent
-    blocks, so a consumer's tiles are not consecutive in the stage ring and one consumer may
-    get one tile more); batched A, bias, c and GELU; 5 k steps through 3 stages: the ring wraps
-    mid-tile and the other consumer's stages lie in between."""
-    rng = np.random.default_rng()
-    z, m, n, k = 2, 70, 100, 300
-    a = padded(rng, (z, m, k), "float16")
-    b = padded(rng, (k, n), "float16") if b_layout == "row" else \
-        padded(rng, (n, k), "float16").T
-    bias = rng.standard_normal(n).astype(np.float32)
-    c = rng.standard_normal((z, m, n)).astype(np.float16)
-    out = padded_out((z, m, n), np.float16)
-    cfg = WsConfig(block_m, 64, 3, "float16", persistent=True, pingpong=True,
-                   smem_epilogue=smem_epilogue)
-    assert cfg.rows_per_consumer == block_m and "ping-pong" in cfg.describe()
-    plan, _ = run(cfg, a, b, out, b_layout, bias=bias, c=c, alpha=0.5, beta=-0.75,
-                  activation="gelu", sms=sms)
-    assert plan.grid == (sms, 1, 1)
-    pre = 0.5 * matmul64(a, b) - 0.75 * c.astype(np.float64) + bias
-    ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
-    check(out, ref, "float16")
-
-
-def test_pingpong_config():
-    with pytest.raises(ValueError, match="pingpong needs persistent"):
-        WsConfig(128, 128, pingpong=True)
-    with pytest.raises(ValueError, match="pingpong: block_m"):
-        WsConfig(256, 128, persistent=True, pingpong=True)
-    cfg = WsConfig(128, 128, 4, persistent=True, pingpong=True, smem_epilogue=True)
-    assert cfg.stage_bytes == 32 * 1024 and cfg.epilogue_offset == 4 * 32 * 1024
-    assert cfg.smem_bytes <= 227 * 1024
-    with pytest.raises(ValueError, match="accumulators exceed"):
-        WsConfig(128, 256, 3, persistent=True, pingpong=True)
 
 
 def padded_out(shape, np_dtype, pad=4):
@@ -293,16 +253,18 @@ def test_smem_epilogue_config():
     cfg = WsConfig(smem_epilogue=True)
     # ... but a place for the tile's bias columns and their mbarrier after the mbarriers
     base = WsConfig()
-    assert cfg.bias_in_smem and not base.bias_in_smem and cfg.epilogue_offset == 0
-    assert cfg.bias_offset >= base.smem_bytes and cfg.bias_offset % 16 == 0
-    assert cfg.smem_bytes == cfg.bias_offset + 4 * 256 <= base.smem_bytes + 1024 + 24
+    bias = cfg.layout.offset("bias")
+    assert cfg.bias_in_smem and not base.bias_in_smem and cfg.layout.offset("staging") == 0
+    assert bias >= base.smem_bytes and bias % 16 == 0
+    assert cfg.smem_bytes == bias + 4 * 256 <= base.smem_bytes + 1024 + 24
     assert cfg.epilogue_bytes == 2 * 64 * (32 * 16 + 32)
     assert "smem epilogue" in cfg.describe() and "smem epilogue" not in WsConfig().describe()
     with pytest.raises(ValueError, match="own 69632 B staging buffer.*fewer stages"):
         WsConfig(persistent=True, smem_epilogue=True)
     p = WsConfig(stages=3, persistent=True, smem_epilogue=True)
     assert not p.bias_in_smem
-    assert p.smem_bytes == 3 * 48 * 1024 + 69632 + 48 and p.barrier_offset == 3 * 48 * 1024 + 69632
+    assert p.smem_bytes == 3 * 48 * 1024 + 69632 + 48
+    assert p.layout.offset("barriers") == 3 * 48 * 1024 + 69632
     assert "own buffer" in p.describe()
     WsConfig(256, 128, stages=3, persistent=True, smem_epilogue=True)
 
@@ -410,11 +372,9 @@ def test_cluster_config_and_grid():
         WsConfig(cluster=4)
     with pytest.raises(ValueError, match="block_n must be a multiple of 128"):
         WsConfig(block_n=192, cluster=2)
-    with pytest.raises(ValueError, match="does not take pingpong"):
-        WsConfig(128, 128, 5, persistent=True, pingpong=True, cluster=2)
-    with pytest.raises(ValueError, match="softmax mode does not take cluster"):
-        ws.wgmma_ws_gemm_kernel(dataclasses.replace(ws.CLUSTER, persistent=True, stages=3),
-                                True, "float16", softmax=True)
+    with pytest.raises(ValueError, match="softmax mode needs"):
+        gemm_softmax_wgmma_kernel(dataclasses.replace(ws.CLUSTER, persistent=True, stages=3),
+                                  True, "float16")
     cfg = ws.CLUSTER
     assert "clusters of 2" in cfg.describe()
     assert ws.grid(cfg, 4096, 4096) == (16 * 32, 1)          # 8 row pairs x 16 columns x 2
@@ -484,6 +444,7 @@ def reports():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports")
     reps.update(run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_epilogues"))
+    reps.update(run_in_subprocess("tilepy.ops.gemm_softmax_wgmma:compile_reports"))
     return reps
 
 
@@ -497,8 +458,6 @@ def test_compiles_for_sm90a_without_spills(reports):
                               "gemm_ws_128x256_brow_smemepi", "gemm_ws_128x256_bcol_smemepi_f32out",
                               "gemm_ws_256x128_brow_smemepi",
                               "gemm_ws_128x256_brow_persistent_smemepi",
-                              "gemm_ws_128x128_brow_pingpong", "gemm_ws_128x128_bcol_pingpong",
-                              "gemm_ws_128x128_brow_pingpong_smemepi",
                               "gemm_ws_128x256_brow_smemepi_softmax",
                               "gemm_ws_128x128_brow_smemepi_softmax_overlap",
                               "gemm_ws_128x256_brow_persistent_tmastore",
@@ -534,7 +493,6 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
                      "gemm_ws_128x256_brow_smemepi_bias_gelu": 4,
                      "gemm_ws_256x128_brow_smemepi": 4,
                      "gemm_ws_128x256_brow_persistent_smemepi": 3,
-                     "gemm_ws_128x128_brow_pingpong_smemepi": 3,
                      # + one per chunk (the quads' max) and three at the end (sum, the
                      # statistics, the rescale factors)
                      "gemm_ws_128x256_brow_smemepi_softmax": 7,
@@ -692,14 +650,12 @@ GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 20
     {}, {"block_m": 256, "block_n": 128}, {"persistent": True},
     {"smem_epilogue": True}, {"block_m": 256, "block_n": 128, "smem_epilogue": True},
     {"persistent": True, "stages": 3, "smem_epilogue": True},
-    {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True},
-    {"block_n": 128, "stages": 4, "persistent": True, "pingpong": True, "smem_epilogue": True},
     dict(CLUSTER_KW), dict(CLUSTER_KW, smem_epilogue=False),
     dict(CLUSTER_KW, persistent=True, stages=3),
     dict(CLUSTER_KW, persistent=True, tma_store=True),
     dict(CLUSTER_KW, block_m=256, block_n=128, smem_epilogue=False)],
     ids=["128x256", "256x128", "persistent", "128x256-smem-epilogue", "256x128-smem-epilogue",
-         "persistent-s3-smem-epilogue", "pingpong-128x128", "pingpong-128x128-smem-epilogue",
+         "persistent-s3-smem-epilogue",
          "cluster2-smem-epilogue", "cluster2", "cluster2-persistent-s3-smem-epilogue",
          "cluster2-persistent-tma-store", "cluster2-256x128"])
 def test_gpu_against_torch(dtype, cfg_kw):

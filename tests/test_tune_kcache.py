@@ -1,4 +1,4 @@
-"""The compiled-kernel disk cache (:mod:`tilepy.tune.kcache`).
+"""The compiled-kernel disk cache (:mod:`tilepy.kcache`; ``tilepy.tune.kcache`` re-exports it).
 
 * In this process (simulator or not): the directory (cache dir, tilepy version, source hash),
   the source hash's invalidation rules, the per-file subdirectories, clearing old builds, the
@@ -20,7 +20,7 @@ import textwrap
 import pytest
 
 import tilepy
-from tilepy.tune import kcache
+from tilepy import kcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -306,7 +306,7 @@ def test_a_users_kernel_is_stale_when_its_file_changes(tmp_path):
     mod = tmp_path / "mod"
     mod.mkdir()
     source = textwrap.dedent("""
-        from tilepy.tune.kcache import cached_jit
+        from tilepy.tune.kcache import cached_jit   # the former name still works
 
         @cached_jit(max_registers=64)
         def kernel(a, b, out, c, bias, alpha, beta):

@@ -87,7 +87,7 @@ def cmd_info() -> int:
     from numba.core import config
 
     rows.append(("numba cache", config.CACHE_DIR or "next to each source file (__pycache__)"))
-    from .tune import cache, kcache
+    from . import cache, kcache
 
     rows.append(("tilepy cache", cache.cache_dir()))
     kernels = kcache.kernel_cache_dir() if kcache.enabled() else "off (TILEPY_KERNEL_CACHE=0)"
@@ -168,8 +168,8 @@ def cmd_tune(args) -> int:
               "(no GPU found, or NUMBA_ENABLE_CUDASIM=1), where timings mean nothing",
               file=sys.stderr)
         return 1
+    from .cache import TuneCache
     from .tune import attention_space, softmax_space, spaces
-    from .tune.cache import TuneCache
 
     if args.op == "softmax":
         rows, n = args.shape

@@ -63,7 +63,7 @@ def choose_target() -> bool:
         os.environ[SIM_ENV] = "1" if requested else "0"
     if requested:
         # Each simulated thread is a Python thread; a short switch interval makes the
-        # simulator's barriers 5-10x cheaper (measured in shared/numba-cuda-notes.md).
+        # simulator's barriers much cheaper (shared/numba-cuda-notes.md).
         sys.setswitchinterval(1e-4)
     return requested
 

@@ -206,9 +206,9 @@ def import_device_array(x):
     Numba's default (``sync=True``) waits for the stream the producer names in the interface —
     for PyTorch and CuPy the caller's current stream, which is where tilepy enqueues its own
     work, so stream order already covers it. Waiting cost every call that imports an array
-    (a per-call float32 copy of a float16 bias, say) the whole of the work queued before it:
-    the fused bias + GELU GEMM ran at 0.70x of unfused torch with a float16 bias against 0.95x
-    with a float32 one (bench/NOTES.md, 2026-11-30 session 5)."""
+    (a per-call float32 copy of a float16 bias, say) the whole of the work queued before it,
+    and left the GPU idle while the host built the next call (bench/NOTES.md: fused bias +
+    GELU, a float16 bias)."""
     from numba import cuda
 
     return cuda.as_cuda_array(x, sync=False)

@@ -5,12 +5,12 @@ whose sizes are closure constants; it must be inlined, so that fragments stay in
 loops over them unroll. Numba offers two ways:
 
 * ``cuda.jit(device=True, inline="always")`` inlines at the level of Numba's IR: every call
-  site receives a deep copy of the callee's IR, typed again. The TMA GEMM with a bias + GELU
-  epilogue has hundreds of such call sites and took ~100 s to compile (offline, sm_90a).
+  site receives a deep copy of the callee's IR, typed again. A kernel with hundreds of such
+  call sites (the TMA GEMM with a bias + GELU epilogue) spends most of its compile time there.
 * ``cuda.jit(device=True, forceinline=True)`` compiles the callee once and marks it
-  ``alwaysinline`` for NVVM, which inlines it in LLVM. The same kernel: 6.3 s, and the same PTX
-  (7053 instructions, the same multiset), 168 registers, no spills, no local memory
-  (bench/NOTES.md, 2026-11-30).
+  ``alwaysinline`` for NVVM, which inlines it in LLVM: the same kernel compiles an order of
+  magnitude faster, to the same PTX with the same registers (bench/NOTES.md: compile time,
+  LLVM-level inlining).
 
 ``inline_device`` is the second, and a plain ``cuda.jit(device=True)`` in the CUDA simulator
 (whose jit takes no ``forceinline``; it runs the Python function). ``TILEPY_IR_INLINE=1`` (read
@@ -48,6 +48,20 @@ def inline_device(fn=None, *, ir: bool = False):
     if IR_INLINE or ir:
         return cuda.jit(device=True, inline="always")(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
+
+
+def device_namespace(name: str, **members):
+    """A module object holding a piece's device functions and constants, so that kernels call
+    them as attributes (``ring.wait(bars, s, ph)``, ``ring.STAGES``): Numba resolves an
+    attribute of a module at compile time, as it does ``math.exp``, so the call is a direct
+    call of that device function and a constant a closure constant. (A plain object or a
+    named tuple of device functions is not typable inside a kernel.)"""
+    import types
+
+    ns = types.ModuleType(name)
+    for key, value in members.items():
+        setattr(ns, key, value)
+    return ns
 
 
 class _StandInDevice:

@@ -1,10 +1,11 @@
 """Launch plans: a compiled kernel with its grid, block, shared memory and a prebuilt parameter
 buffer, launched with only the data pointers and scalars rewritten per call.
 
-Numba's dispatcher costs 30–90 µs of host time per launch (typing every argument, building
-ctypes values, going through ``cuda.core``); a GEMM of 512³ runs in less than that. An op that
-has seen a call with the same shapes, strides, dtypes and flags before needs none of that work:
-it keeps a :class:`LaunchPlan` for the call's signature and launches through the driver's
+Numba's dispatcher costs more host time per launch (typing every argument, building ctypes
+values, going through ``cuda.core``) than a GEMM of 512³ takes on the GPU
+(shared/numba-cuda-notes.md: launch cost; bench/NOTES.md: launch plans). An op that has
+seen a call with the same shapes, strides, dtypes and flags before needs none of that work: it
+keeps a :class:`LaunchPlan` for the call's signature and launches through the driver's
 ``cuLaunchKernel`` with a parameter buffer laid out as Numba lays out the kernel's arguments
 (per array: meminfo, parent, nitems, itemsize, data, shape…, strides…; scalars as their C
 types). Per call only the data pointers (the caller's arrays may be new allocations) and the
@@ -339,8 +340,9 @@ class LaunchPlan:
                 raise NotImplementedError(f"launch plans do not take arguments of type {ty}")
         # One buffer laid out as the kernel's parameters (each at a multiple of its size),
         # passed whole (CU_LAUNCH_PARAM_BUFFER_POINTER): the driver copies it in one piece
-        # instead of one copy per field, about 0.5 us less per launch on the H200's host
-        # (bench/overhead.py --breakdown). The slots are views into it.
+        # instead of one copy per field, which costs less host time per launch
+        # (bench/overhead.py --breakdown; bench/NOTES.md: host cost per repeated call). The
+        # slots are views into it.
         offsets, size = [], 0
         for slot in slots:
             width = ctypes.sizeof(slot)

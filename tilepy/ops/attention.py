@@ -14,7 +14,7 @@ import numpy as np
 from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
-from ..tune.attention_space import tuned_attention_config
+from .attention_tuned import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
 from .attention_kernel import HEAD_DIMS, AttentionConfig

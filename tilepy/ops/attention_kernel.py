@@ -34,7 +34,8 @@ One block computes BM = ``cfg.block_m`` query rows of one (batch, head); warp ``
    copy overlaps the whole of iteration ``kb``. Keys past Sk are zero-filled.
 3. S = Q·Kᵀ (mma m16n8k16, f32 accumulate; K fragments by ldmatrix.x4 from the K tile).
    Keys >= Sk and (causal) keys above the diagonal are set to -inf, only in the blocks that
-   have any (a block-uniform test); blocks wholly above the diagonal are never visited.
+   have any (a block-uniform test; :func:`tilepy.tile.attention.mask_scores`); blocks wholly
+   above the diagonal are never visited.
 4. :func:`tilepy.tile.online_softmax.online_softmax_update` on the S fragments (exp2 with the
    scale folded in); the O accumulator rows are rescaled by its alpha.
 5. P is rounded to f16/bf16 in registers: the accumulator tiles 2·kk and 2·kk+1 of S (keys
@@ -53,31 +54,28 @@ the warp-collective instructions — and their simulator twins — require.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
-from ..inline import inline_device
 from ..launch import GridSplit, LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
-from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..tile import layout
-from ..tile.config import SMEM_LIMIT
-from ..tile.copy import load_a_fragments, load_b_fragments, swizzle_fn
+from ..tile.attention import mask_scores, store_rows
+from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.copy import copy_rows_to_shared, load_a_fragments, load_b_fragments
 from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
-from ..tune.kcache import cached_jit
+from ..kcache import cached_jit
 
 #: Head dimensions the kernel supports: multiples of 16 (mma k16 steps over D for Q·Kᵀ and
 #: pairs of n8 tiles for P·V) up to 128 (Q's fragments stay in registers next to O's
 #: accumulators: D/4 + D/2 registers per thread for 16 rows a warp).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
-DTYPES = ("float16", "bfloat16")
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
@@ -164,211 +162,7 @@ class AttentionConfig:
                 f"smem, swizzle={'on' if self.swizzle else 'off'}")
 
 
-# ---- global -> shared copy of a tile of rows ---------------------------------------------------
-
-@functools.cache
-def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True):
-    """``(setup, issue)``: a block copies ``rows × cols`` 16-bit elements (a tile of whole rows
-    of a matrix with unit column stride) into a (swizzled) shared tile with 16-byte cp.async.
-
-    * ``setup(src, row_stride, tid) -> plan`` (a 4-tuple) once per block; ``src`` the global
-      byte address (int64) of the first row of the first tile, ``row_stride`` in bytes.
-    * ``issue(tile_addr, src_shift, *plan, row_stride, rows_left)`` copies the tile whose first
-      row is ``src_shift`` bytes after ``src`` (whole tiles, to stream along the rows): tile
-      rows ``>= rows_left`` are zero-filled (cp.async src-size 0), nothing is read there.
-
-    When the threads split evenly over the 16-byte chunks of a row (``threads % (cols/8) ==
-    0``), thread ``tid`` always copies chunk ``tid % (cols/8)`` of rows ``tid // (cols/8) +
-    p·R`` (``R`` rows per pass): the plan is its source and shared offsets, and each pass adds
-    constants. Otherwise (head dims 48, 80, 96, 112) a pass divides ``tid + p·threads`` by the
-    (constant) chunks per row.
-
-    Issue only; commit and wait are the caller's. Same swizzle as
-    :func:`tilepy.tile.copy.load_a_fragments` / ``load_b_fragments`` of ``cols``.
-    """
-    chunks = cols // 8
-    if cols % 8:
-        raise ValueError(f"copy_rows_to_shared: rows of {cols} elements are not whole 16-byte "
-                         "chunks")
-    layout.check_swizzle(chunks, swizzle)
-    row_bytes = chunks * 16
-    swz = swizzle_fn(chunks, swizzle)
-
-    if threads % chunks == 0:
-        per_pass = threads // chunks
-        passes = -(-rows // per_pass)
-        exact = rows % per_pass == 0
-        # The swizzle XOR depends on the row mod 8 only: with a multiple of 8 rows per pass it
-        # is the same in every pass, and the shared offset of pass p is sh0 plus a constant.
-        const_swz = per_pass % 8 == 0 or not swizzle
-
-        @inline_device
-        def setup(src, row_stride, tid):
-            r0 = tid // chunks
-            c = tid % chunks
-            return src + r0 * row_stride + c * 16, (r0 * chunks + swz(r0, c)) * 16, r0, c
-
-        @inline_device
-        def issue(tile_addr, src_shift, src0, sh0, r0, c, row_stride, rows_left):
-            src = src0 + src_shift
-            for p in range(passes):
-                r = r0 + p * per_pass
-                if exact or r < rows:
-                    nbytes = 16 if r < rows_left else 0
-                    if const_swz:
-                        sh = sh0 + p * per_pass * row_bytes
-                    else:
-                        sh = (r * chunks + swz(r, c)) * 16
-                    cp_async_cg_16(tile_addr + sh, src + p * per_pass * row_stride, nbytes)
-    else:
-        total = rows * chunks
-        passes = -(-total // threads)
-        exact = total % threads == 0
-
-        @inline_device
-        def setup(src, row_stride, tid):
-            return src, 0, tid, 0
-
-        @inline_device
-        def issue(tile_addr, src_shift, src0, unused0, tid, unused1, row_stride, rows_left):
-            src = src0 + src_shift
-            for p in range(passes):
-                idx = tid + p * threads
-                if exact or idx < total:
-                    r = idx // chunks
-                    c = idx % chunks
-                    nbytes = 16 if r < rows_left else 0
-                    cp_async_cg_16(tile_addr + (r * chunks + swz(r, c)) * 16,
-                                   src + r * row_stride + c * 16, nbytes)
-
-    return setup, issue
-
-
 # ---- the kernel ----------------------------------------------------------------------------------
-
-@functools.cache
-def block_bounds(block_m: int, block_n: int, causal: bool):
-    """``bounds(qb, sq, sk) -> (row0, n_kb, all_see)`` for query block ``qb``: its first query
-    row, how many key blocks it visits, and the last key every one of its rows sees (blocks
-    ending after it need the mask)."""
-    BM, BN, CAUSAL = block_m, block_n, bool(causal)
-
-    @inline_device
-    def bounds(qb, sq, sk):
-        row0 = qb * BM
-        if CAUSAL:
-            shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
-            last = min(sk, min(row0 + BM, sq) + shift) - 1
-            n_kb = last // BN + 1 if last >= 0 else 0
-            all_see = min(sk, row0 + shift + 1) - 1
-        else:
-            n_kb = (sk + BN - 1) // BN
-            all_see = sk - 1
-        return row0, n_kb, all_see
-
-    return bounds
-
-
-@inline_device
-def block_coords(q, k):
-    """``(sq, sk, b, h, hk)`` of a grid kernel's block: the sequence lengths, its batch and
-    query head (grid z and y), and the K/V head that query head reads (GQA). The wgmma grid
-    and TMA kernels' (the mma.sync kernel writes it out, see there)."""
-    sq = q.shape[2]
-    sk = k.shape[2]
-    b = cuda.blockIdx.z
-    h = cuda.blockIdx.y
-    return sq, sk, b, h, h // (q.shape[1] // k.shape[1])
-
-
-@functools.cache
-def key_blocks(block_m: int, block_n: int, causal: bool):
-    """``bounds(sq, sk) -> (row0, n_kb, all_see)`` for this block (:func:`block_bounds` of its
-    query block; causal: heavier blocks first). Shared by the attention kernels."""
-    at = block_bounds(block_m, block_n, causal)
-    CAUSAL = bool(causal)
-
-    @inline_device
-    def bounds(sq, sk):
-        if CAUSAL:
-            return at(cuda.gridDim.x - 1 - cuda.blockIdx.x, sq, sk)
-        return at(cuda.blockIdx.x, sq, sk)
-
-    return bounds
-
-
-@functools.cache
-def row_limits(mi: int, causal: bool):
-    """``init(limit, row_max, row_sum, rows0, g, sq, sk)``: the last key each of this lane's
-    ``mi × 2`` rows sees (rows ``rows0 + 16 i + g + 8 h``) and the online softmax's start."""
-    CAUSAL = bool(causal)
-
-    @inline_device
-    def init(limit, row_max, row_sum, rows0, g, sq, sk):
-        for i in range(mi):
-            for hh in range(2):
-                row_max[i, hh] = _NEG_INF
-                row_sum[i, hh] = _ZERO
-                if CAUSAL:
-                    limit[i, hh] = min(sk, rows0 + 16 * i + g + 8 * hh + sk - sq + 1) - 1
-                else:
-                    limit[i, hh] = sk - 1
-
-    return init
-
-
-@functools.cache
-def mask_scores(mi: int, ns: int):
-    """``mask(s, limit, key0)``: set the S fragment entries of keys past each row's limit to
-    -inf (``key0``: the key of column 0 of this lane in the block, ``kb·BN + 2t``).
-
-    The per-entry compares are 32-bit (the relative column, clamped to the block, fits): one
-    ISETP each where 64-bit ones took two."""
-    lo, hi = np.int64(-1), np.int64(8 * ns)
-
-    @inline_device
-    def mask(s, limit, key0):
-        for i in range(mi):
-            for hh in range(2):
-                # last visible column, relative; -1 masks all, 8·ns none
-                rel = np.int32(min(max(limit[i, hh] - key0, lo), hi))
-                for j in range(ns):
-                    if np.int32(8 * j) > rel:
-                        s[i, j, 2 * hh] = _NEG_INF
-                    if np.int32(8 * j + 1) > rel:
-                        s[i, j, 2 * hh + 1] = _NEG_INF
-
-    return mask
-
-
-@functools.cache
-def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
-    """``store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)``: the finalized
-    O fragment (mi, no, 4) rounded to 16 bits into ``o2`` (rows past ``sq`` skipped), and lane
-    0 of each quad writes the row's natural-log LSE (-inf for a row that saw no key)."""
-    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
-    HAS_LSE = bool(has_lse)
-
-    @inline_device
-    def store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
-        for i in range(mi):
-            for hh in range(2):
-                r = rows0 + 16 * i + g + 8 * hh
-                if r < sq:
-                    for j in range(no):
-                        c = 8 * j + 2 * t
-                        word = pack(acc[i, j, 2 * hh], acc[i, j, 2 * hh + 1])
-                        o2[r, c] = word & 0xFFFF
-                        o2[r, c + 1] = word >> 16
-                    if HAS_LSE and t == 0:
-                        total = row_sum[i, hh]
-                        if total > _ZERO:
-                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
-                        else:
-                            lse[b, h, r] = _NEG_INF
-
-    return store
-
 
 def _kernel_jit(threads: int):
     if SIMULATOR:
@@ -429,8 +223,9 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
 
         # Key blocks this query block visits, and the last key every one of its rows sees
         # (blocks ending after it need the mask). Written out here rather than through
-        # key_blocks / row_limits (which the wgmma kernel uses): with those, ptxas allocates
-        # 128 registers and spills 16 B at head_dim 64, causal with LSE (offline, sm_90).
+        # tilepy.tile.attention's key_blocks / row_limits (which the wgmma kernel uses): with
+        # those, ptxas allocates 128 registers and spills 16 B at head_dim 64, causal with LSE
+        # (offline, sm_90).
         if CAUSAL:
             last = min(sk, min(row0 + BM, sq) + shift) - 1
             n_kb = last // BN + 1 if last >= 0 else 0

@@ -15,8 +15,10 @@ warpgroup that only loads). Per key block of
 2. S = Q·Kᵀ: ``D / 16`` wgmmas m64n{block_n}k16, Q (A, K-major) and K (B, K-major) from
    shared memory; the first with scale-d 0, so S needs no zeroing.
 3. Masking and the online softmax run on the S accumulators, whose per-warp layout is the
-   mma.sync C layout of a 16 × block_n strip (:mod:`tilepy.ptx.wgmma_layout`), with the same
-   generators as the mma.sync kernel (:mod:`tilepy.tile.online_softmax`).
+   mma.sync C layout of a 16 × block_n strip (:mod:`tilepy.ptx.wgmma_layout`; viewed as a
+   fragment by :func:`tilepy.tile.online_softmax.accumulator_fragment`), with the same
+   generators as the mma.sync kernel (:mod:`tilepy.tile.attention`,
+   :mod:`tilepy.tile.online_softmax`).
 4. P is rounded to 16 bits in registers and is directly the A operand of the register form
    of wgmma (the S accumulators of keys 16s … 16s+15 are the four A registers of k16 step
    s), so O += P·V is ``block_n / 16`` wgmmas m64n{D}k16 with V (B, MN-major) from shared
@@ -32,15 +34,16 @@ issued); the extra live registers are P's (block_n / 4). The two-stage cp.async 
 step j reads K(j+1) and V(j) and refills V(j+1) and K(j+2) into the slots step j-1 retired,
 after the block barrier. From the sm_90a SASS: a bare ``wait_group 0`` after the softmax is
 hoisted above it by ptxas's scheduler (no overlap left), so it is issued together with a store
-of the row sums to a scratch word (:data:`wait_after_store`); ptxas leaves the P registers that
-the in-flight rs-form wgmma reads alone by itself (else it would inject a wait and say so,
-C7517 — the compile test refuses any C75xx note). :func:`softmax_overlap` checks the machine
-code: the softmax's ex2 and shuffles sit between the two waits. It fits without spills for
-(head_dim, block_n) in :data:`OVERLAP_FITS`.
+of the row sums to a scratch word (:data:`tilepy.ptx.wgmma.wgmma_wait_after_store`); ptxas
+leaves the P registers that the in-flight rs-form wgmma reads alone by itself (else it would
+inject a wait and say so, C7517 — the compile test refuses any C75xx note).
+:func:`softmax_overlap` checks the machine code: the softmax's ex2 and shuffles sit between
+the two waits. It fits without spills for (head_dim, block_n) in :data:`OVERLAP_FITS`.
 
 The epilogue stages each warpgroup's O rows in the stage of the last key block and writes
 them with 16-byte stores (:func:`tilepy.tile.epilogue.store_accumulators_smem`).
-``persistent=True`` launches one block per SM slot that walks the tiles (:func:`tile_order`),
+``persistent=True`` launches one block per SM slot that walks the tiles
+(:func:`tilepy.tile.schedule.heavy_first`),
 loading the next tile's Q (into a second Q buffer) and first K/V block during the current
 tile's last key block, with loops of its own (the grid kernel running the persistent loops
 with nothing to load ahead measured 3-5% slower on the H200, session 7).
@@ -87,27 +90,33 @@ from ..ptx import global_addr, shared_addr
 from ..ptx import mbarrier as MB
 from ..ptx import tma as T
 from ..ptx import wgmma as W
-from ..ptx.asm import SIMULATOR, pick
-from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
+from ..ptx.asm import SIMULATOR
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.shuffle import shfl_idx
 from ..ptx.tma import MAP_BYTES
 from ..tile import device_write
-from ..tile.config import SMEM_LIMIT
-from ..tile.tma_plan import COUNTER_BYTES, ScheduledTmaPlan, TmaLaunchPlan
-from ..tile.epilogue import staged_bytes, store_accumulators_smem
-from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
-from ..tile.tma import MAP_ALIGN
-from ..tune.kcache import cached_jit
-from .attention_kernel import (
-    DTYPES,
+from ..tile.attention import (
     block_bounds,
     block_coords,
     key_blocks,
-    mask_scores,
+    limits_shape,
+    mask_key_block,
     row_limits,
     store_rows,
 )
+from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.copy import copy_rows_to_shared_128b
+from ..tile.schedule import heavy_first
+from ..tile.tma_plan import COUNTER_BYTES, ScheduledTmaPlan, TmaLaunchPlan
+from ..tile.epilogue import staged_bytes, store_accumulators_smem
+from ..tile.online_softmax import (
+    accumulator_fragment,
+    online_softmax_finalize,
+    online_softmax_update,
+)
+from ..tile.tma import MAP_ALIGN
+from ..kcache import cached_jit
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
@@ -230,7 +239,7 @@ class WgmmaAttentionConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Q, then two stages of K and V; overlap: a 16-byte scratch word (wait_after_store)
+        # Q, then two stages of K and V; overlap: a 16-byte scratch word (wgmma_wait_after_store)
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
         # persistent TMA: after the barriers, the two Q buffers' tile numbers (int32 each)
@@ -268,103 +277,6 @@ class WgmmaAttentionConfig:
 
 
 @functools.cache
-def _copy_rows(rows: int, d: int, threads: int):
-    """``issue(tile, src, row_stride, rows_left, tid)``: one thread's cp.async copies of a
-    (rows × d) tile into 64-column sub-tiles of ``rows × 128`` bytes, 128-byte swizzled;
-    rows at or past ``rows_left`` are zero-filled. Thread ``tid`` copies 16-byte chunk
-    ``tid % chunks`` of rows ``tid // chunks + p · (threads / chunks)``: one column and one
-    swizzle phase per thread (the row step is a multiple of 8), so its shared offsets are one
-    base plus constants and its global ones a base plus multiples of the row stride."""
-    chunks = d // 8                       # 16-byte chunks per row
-    step = threads // chunks              # rows per pass (a multiple of 8)
-    passes = rows // step
-    sub_bytes = rows * 128
-    assert threads % chunks == 0 and step % 8 == 0 and rows % step == 0
-
-    @inline_device
-    def issue(tile, src, row_stride, rows_left, tid):
-        c = tid % chunks
-        r = tid // chunks
-        dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-        a = src + r * row_stride + c * 16
-        left = rows_left - r
-        for p in range(passes):
-            cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
-                           16 if p * step < left else 0)
-
-    return issue
-
-
-def _wait_after_store_twin(addr, x, y):
-    W.wgmma_wait_group(0)
-
-
-def _make_wait_after_store():
-    from numba.core.extending import intrinsic
-
-    from ..ptx.asm import call_asm
-    from ..ptx.wgmma import require_sm90a
-
-    @intrinsic
-    def wait_after_store(typingctx, addr, x, y):
-        def lower(context, builder, sig, args):
-            require_sm90a("wait_after_store")
-            ops = [context.cast(builder, args[0], sig.args[0], types.uint32)] + [
-                context.cast(builder, v, t, types.float32) for v, t in zip(args[1:], sig.args[1:])]
-            call_asm(builder, "st.shared.v2.f32 [$0], {$1, $2};\n"
-                     "wgmma.wait_group.sync.aligned 0;", "r,f,f,~{memory}", (),
-                     ("u32", "f32", "f32"), ops, side_effect=True, convergent=True)
-            return context.get_dummy_value()
-
-        return types.void(addr, x, y), lower
-
-    return wait_after_store
-
-
-#: ``wait_after_store(addr, x, y)``: ``st.shared.v2.f32 [addr], {x, y}`` then
-#: ``wgmma.wait_group 0``. With a bare ``wgmma_wait_group(0)`` after the softmax, ptxas's
-#: scheduler hoists the wait (an instruction with no operands) to the top of the softmax's
-#: basic block, so the softmax runs after the P·V wgmmas instead of beside them (seen in the
-#: sm_90a SASS). The store of two values that end the softmax (the row sums) to a scratch word
-#: anchors it: the wait is not moved above the store, and the store not above its operands.
-#: Every thread writes the same 8 bytes, which nobody reads.
-wait_after_store = pick(None if SIMULATOR else _make_wait_after_store(), _wait_after_store_twin)
-
-
-#: Causal persistent order: heads are taken in groups whose K and V together fit in this many
-#: bytes of L2, and inside a group the heaviest query blocks (the last, which see the most
-#: keys) of every head first (longest-processing-time first, as FlashAttention-3 schedules).
-L2_GROUP_BYTES = 16 << 20
-
-
-@functools.cache
-def tile_order(block_m: int, head_dim: int, causal: bool):
-    """``at(tile, n_qb, heads, batch, sk) -> (b, h, qb)``: the persistent kernel's tile
-    ``tile``. Not causal: query blocks fastest, then heads, then batch (the blocks running
-    together share a head's K and V). Causal: :data:`L2_GROUP_BYTES` groups of (batch, head),
-    in each the query blocks from the heaviest down, the group's heads fastest."""
-    CAUSAL = bool(causal)
-    KV_ROW = 4 * head_dim                  # bytes of K and V per key
-
-    @inline_device
-    def at(tile, n_qb, heads, batch, sk):
-        if CAUSAL:
-            total = heads * batch
-            per = min(max(1, L2_GROUP_BYTES // (KV_ROW * max(sk, 1))), total)
-            first = (tile // (per * n_qb)) * per
-            members = min(per, total - first)
-            r = tile - first * n_qb
-            qb = n_qb - 1 - r // members
-            bh = first + r % members
-        else:
-            bh = tile // n_qb
-            qb = tile % n_qb
-        return bh // heads, bh % heads, qb
-
-    return at
-
-
-@functools.cache
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
@@ -386,17 +298,21 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
-    copy_q = None if cfg.tma else _copy_rows(BM, D, CONSUMERS)
-    copy_kv = None if cfg.tma else _copy_rows(BN, D, CONSUMERS)
+    copy_q = None if cfg.tma else copy_rows_to_shared_128b(BM, D, CONSUMERS)
+    copy_kv = None if cfg.tma else copy_rows_to_shared_128b(BN, D, CONSUMERS)
     # row sums quad-reduced at the end; the row max in two chains (registers to spare); lazy
     # rescaling: a row's max moves only when a block raises it by more than 2**8, so O is
     # rescaled on few blocks (the rest skip rescale's NACC_O multiplies)
     update = online_softmax_update(1, NS, quad_sum=False, max_chains=2,
                                    rescale_threshold=RESCALE_THRESHOLD)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
+    # no window yet: key blocks 0 … n_kb - 1 (kb_first and all_first are 0)
     bounds = key_blocks(BM, BN, causal)
     init_rows = row_limits(1, causal)
-    mask = mask_scores(1, NS)
+    LIMITS = limits_shape(1, causal)
+    mask = mask_key_block(1, NS, BN)
+    to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
+    o_fragment, o_accumulators = accumulator_fragment(D)   # O as the (1, NO, 4) fragment
     store = store_rows(1, NO, cfg.dtype, has_lse)
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
@@ -443,11 +359,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @inline_device
     def softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2):
         """Key block ``kb``'s scores (retired S accumulators) → p in ``s3``; alpha."""
-        for j in range(NS):
-            for e in range(4):
-                s3[0, j, e] = s[4 * j + e]
-        if (kb + 1) * BN - 1 > all_see:
-            mask(s3, limit, kb * BN + 2 * t)
+        to_fragment(s3, s)
+        mask(s3, limit, kb, t, 0, all_see)
         update(s3, row_max, row_sum, alpha, scale_log2)
 
     @inline_device
@@ -548,7 +461,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
             W.wgmma_fence_operand(s, NACC_S)
             softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
-            wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             rescale(acc_o, alpha)
             to_p(p, s3)
@@ -588,14 +501,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @inline_device
     def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
                  wg, free_stage):
-        for j in range(NO):
-            for e in range(4):
-                o3[0, j, e] = acc_o[4 * j + e]
+        o_fragment(o3, acc_o)
         finalize(o3, row_sum)
         if STAGE_O:
-            for j in range(NO):
-                for e in range(4):
-                    acc_o[4 * j + e] = o3[0, j, e]
+            o_accumulators(acc_o, o3)
             consumers_sync()            # the last block's K and V are read by every warpgroup
             store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
                     _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
@@ -606,9 +515,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @inline_device
     def no_keys(acc_o, o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
         """A block that visits no key block: zeros, LSE -inf, from the fragments."""
-        for j in range(NO):
-            for e in range(4):
-                o3[0, j, e] = acc_o[4 * j + e]
+        o_fragment(o3, acc_o)
         finalize(o3, row_sum)
         store(o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)
 
@@ -706,7 +613,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             W.wgmma_wait_group(1)                         # S(kb+1) retired, P·V in flight
             W.wgmma_fence_operand(s, NACC_S)
             softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
-            wait_after_store(kv_base - KV + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_wait_after_store(kv_base - KV + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             rescale(acc_o, alpha)
             to_p(p, s3)
@@ -730,7 +637,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     ploop = persistent_overlap if cfg.overlap else persistent_main
     OVERLAP = bool(cfg.overlap)
-    tile_at = tile_order(BM, D, causal)
+    tile_at = heavy_first(D, causal).at
     block_at = block_bounds(BM, BN, causal)
 
     @inline_device
@@ -750,7 +657,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         """``(b, h, hk, row0, n_kb, all_see)`` of persistent tile ``tile``: its batch, query
         head, K/V head (GQA), first query row and key blocks (:func:`block_bounds`)."""
         b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-        row0, n_kb, all_see = block_at(qb, sq, sk)
+        row0, _, n_kb, _, all_see = block_at(qb, sq, sk)
         return b, h, h // group, row0, n_kb, all_see
 
     @cached_jit
@@ -775,7 +682,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_max = cuda.local.array((1, 2), f32)
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
-        limit = cuda.local.array((1, 2), i64)
+        limit = cuda.local.array(LIMITS, i64)
         smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
             cuda.shared.array(0, types.uint16)
         base = shared_addr(smem, 0)
@@ -838,7 +745,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
-        row0, n_kb, all_see = bounds(sq, sk)
+        row0, _, n_kb, _, all_see = bounds(sq, sk)
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -848,7 +755,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_max = cuda.local.array((1, 2), f32)
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
-        limit = cuda.local.array((1, 2), i64)
+        limit = cuda.local.array(LIMITS, i64)
         start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
 
         if n_kb > 0:
@@ -926,7 +833,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         """``(n_wg, see)``: the key blocks this warpgroup computes and the last key all its
         rows see; causal with several consumer warpgroups, its own (see drain)."""
         if WG_BOUNDS:
-            _, n_wg, see = wg_bounds(row0 // 64 + wg, sq, sk)
+            _, _, n_wg, _, see = wg_bounds(row0 // 64 + wg, sq, sk)
             return max(n_wg, 1), see   # a row that sees no key: masked, as in a 1-WG tile
         return n_kb, all_see
 
@@ -1046,7 +953,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             if not (PERSIST and kb + 2 == n_kb):
                 MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
             softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
-            wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
+            W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
             rescale(acc_o, alpha)
@@ -1068,7 +975,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
-        row0, n_kb, all_see = bounds(sq, sk)
+        row0, _, n_kb, _, all_see = bounds(sq, sk)
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -1078,7 +985,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_max = cuda.local.array((1, 2), f32)
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
-        limit = cuda.local.array((1, 2), i64)
+        limit = cuda.local.array(LIMITS, i64)
 
         if n_kb > 0:
             smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
@@ -1191,7 +1098,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         row_max = cuda.local.array((1, 2), f32)
         row_sum = cuda.local.array((1, 2), f32)
         alpha = cuda.local.array((1, 2), f32)
-        limit = cuda.local.array((1, 2), i64)
+        limit = cuda.local.array(LIMITS, i64)
 
         smem = cuda.shared.array(0, types.uint16, alignment=align) if align else \
             cuda.shared.array(0, types.uint16)
@@ -1334,7 +1241,6 @@ def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
             + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()))
 
 
-#: The tile counter: int32[2] (tickets drawn, blocks finished).
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
     """``encoder(q_ptr, k_ptr, v_ptr)``: the three tensor maps (uint8, 3 × 128) of the TMA
     kernel for views shaped and strided as q, k and v: 4-D (batch, head, seq, head_dim),

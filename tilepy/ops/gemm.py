@@ -16,7 +16,7 @@ from ..arrays import describe, kernel_view
 from ..launch import PlanCache, pointer
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
-from ..tune.spaces import tuned_gemm_config
+from .gemm_tuned import tuned_gemm_config
 from . import gemm_kernel as tc
 from . import gemm_simt as simt
 from . import gemm_wgmma as hw

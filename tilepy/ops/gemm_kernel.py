@@ -40,7 +40,7 @@ from ..tile.copy import copy_global_to_shared, load_a_fragments, load_b_fragment
 from ..tile.epilogue import store_accumulators
 from ..tile.mma import warp_mma
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
-from ..tune.kcache import cached_jit
+from ..kcache import cached_jit
 
 
 @functools.cache

@@ -15,7 +15,7 @@ from numba import cuda
 
 from ..launch import GridSplit, LaunchPlan
 from ..tile.epilogue import activation_fn
-from ..tune.kcache import cached_jit
+from ..kcache import cached_jit
 
 T = 16
 

@@ -29,6 +29,7 @@ from ..arrays import describe, kernel_view
 from ..launch import PlanCache
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from . import gemm_softmax_kernel as gsk
+from . import gemm_softmax_wgmma as gsw
 from . import gemm_wgmma_ws as ws
 from .gemm_softmax_kernel import GemmSoftmaxConfig
 from .gemm_wgmma_ws import WsConfig
@@ -77,7 +78,7 @@ def choose_config(n: int, dtype: str, *, simulator: bool | None = None,
     if hopper is None:
         hopper = not sim and launch.is_hopper()
     bm, bn, st = HOPPER_CONFIG
-    if hopper and tma_out and n <= ws.SOFTMAX_CHUNKS * bn:
+    if hopper and tma_out and n <= gsw.SOFTMAX_CHUNKS * bn:
         return WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True)
     if sim:
         candidates, fallback = (SIMULATOR_CONFIG,), SIMULATOR_CONFIG
@@ -297,8 +298,8 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
             tma_out = _row_major_aligned(Out)
             overlap = (tma_out and cfg.block_n == 128 and cfg.stages >= 3
                        and -(-k // ws.BK) >= cfg.stages - 1)
-            kern = ws.wgmma_ws_gemm_kernel(cfg, b_k_major, B.dtype, softmax=True,
-                                           tma_out=tma_out, overlap=overlap)
+            kern = gsw.gemm_softmax_wgmma_kernel(cfg, b_k_major, B.dtype, tma_out=tma_out,
+                                                 overlap=overlap)
             plan, args = ws.plan(kern, cfg, kernel_view(A, 3), kernel_view(
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1),
                 *_tma_scalars(scale), stream=stream, alloc=arrays.byte_allocator(A))
@@ -331,12 +332,12 @@ def _check_ws_config(cfg, dtype: str, n: int):
     if cfg.dtype != dtype:
         raise ValueError(f"config is for {cfg.dtype}, inputs are {dtype}")
     try:
-        ws._check_softmax(cfg, dtype, None, False, False)
+        gsw.check_softmax_config(cfg, dtype)
     except ValueError as e:
         raise ValueError(f"config: {e}") from None
-    if n > ws.SOFTMAX_CHUNKS * cfg.block_n:
+    if n > gsw.SOFTMAX_CHUNKS * cfg.block_n:
         raise ValueError(f"config: the TMA softmax mode takes rows of at most "
-                         f"{ws.SOFTMAX_CHUNKS * cfg.block_n} columns, got {n}")
+                         f"{gsw.SOFTMAX_CHUNKS * cfg.block_n} columns, got {n}")
     if not arrays.SIMULATOR:
         if launch.compute_capability() != (9, 0):
             raise ValueError("config: a WsConfig needs a compute capability 9.0 GPU")
@@ -367,7 +368,7 @@ def candidates(n: int, dtype: str) -> list:
     out = [c for c in out if c.fits(n)]
     for base in (_GLOBAL_GPU, *_GLOBAL_ALTERNATIVES):
         out.append(GemmSoftmaxConfig(_with_dtype(base, dtype), "global"))
-    if n <= ws.SOFTMAX_CHUNKS * 256:
+    if n <= gsw.SOFTMAX_CHUNKS * 256:
         out.append(WsConfig(128, 256, 3, dtype, persistent=True, smem_epilogue=True))
     return out
 

@@ -73,7 +73,7 @@ from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
-from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import (
     cvt_bf16x2_f32,
     cvt_f16x2_f32,
@@ -81,9 +81,13 @@ from ..ptx.math import (
     unpack_bf16x2_f32,
     unpack_f16x2_f32,
 )
-from ..tile import layout
 from ..tile.config import SMEM_LIMIT, GemmConfig
-from ..tile.copy import load_a_fragments, load_b_fragments, swizzle_fn
+from ..tile.copy import (
+    copy_tile_splits as copy_plan_ok,
+    copy_tile_to_shared as tile_copy,
+    load_a_fragments,
+    load_b_fragments,
+)
 from ..tile.mma import warp_mma
 from ..tile.reduce import combine, fragment_row_reduce, quad_row_reduce
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
@@ -191,70 +195,6 @@ def _shared_views():
     def views():
         return cuda.shared.array(0, types.float32), cuda.shared.array(0, types.uint32)
     return views
-
-
-def copy_plan_ok(rows: int, cols: int, threads: int) -> bool:
-    """Whether :func:`tile_copy` can copy a ``rows × cols`` tile with ``threads`` threads."""
-    chunks = cols // 8
-    return cols % 8 == 0 and threads % chunks == 0 and rows % (threads // chunks) == 0
-
-
-@functools.cache
-def tile_copy(rows: int, cols: int, threads: int, swizzle: bool = True):
-    """``(setup, issue)``: a block copies a ``rows × cols`` tile of 16-bit elements into a
-    (swizzled) shared tile with 16-byte cp.async, predicated on both a row and a column bound.
-
-    Thread ``tid`` always copies logical chunk ``c = tid % (cols/8)`` of rows ``r0 + p·R``
-    (``r0 = tid // (cols/8)``, ``R = threads / (cols/8)`` rows per pass), so what it keeps
-    across the main loop is a handful of integers — not a table per chunk — and each pass adds
-    compile-time constants (the swizzle of row ``r0 + p·R`` differs from row ``r0``'s by a
-    constant XOR, as the swizzle repeats every 8 rows and ``r0 < R``).
-
-    * ``setup(tid) -> (r0, c, sh0)``: this thread's first row, chunk and shared byte offset.
-    * ``issue(tile_addr, src, r0, c, sh0, row_stride, rows_left, cols_left)``: ``src`` is the
-      global byte address of this thread's first chunk (row ``r0``, chunk ``c``) of the tile
-      to copy; rows ``>= rows_left`` and columns ``>= cols_left`` (tile-relative) are
-      zero-filled through cp.async's src-size, and nothing is read there.
-
-    Issue only; commit and wait are the caller's. The shared tile matches
-    :func:`tilepy.tile.copy.load_a_fragments` / ``load_b_fragments`` of ``cols`` columns.
-    """
-    if not copy_plan_ok(rows, cols, threads):
-        raise ValueError(f"tile_copy: a {rows}x{cols} tile does not split into whole passes of "
-                         f"{threads} threads over its 16-byte chunks")
-    chunks = cols // 8
-    layout.check_swizzle(chunks, swizzle)
-    per_pass = threads // chunks
-    passes = rows // per_pass
-    row_bytes = chunks * 16
-    swz = swizzle_fn(chunks, swizzle)
-    # XOR on the physical chunk of pass p relative to pass 0 (see the docstring).
-    if not swizzle or per_pass % 8 == 0:
-        flips = (0,) * passes
-    elif 8 % per_pass == 0 and chunks >= 8:
-        flips = tuple((p * per_pass) % 8 for p in range(passes))
-    else:
-        flips = None
-
-    @inline_device
-    def setup(tid):
-        r0 = tid // chunks
-        c = tid % chunks
-        return r0, c, r0 * row_bytes + swz(r0, c) * 16
-
-    @inline_device
-    def issue(tile_addr, src, r0, c, sh0, row_stride, rows_left, cols_left):
-        col_bytes = max(0, min(16, (cols_left - c * 8) * 2))
-        for p in range(passes):
-            r = r0 + p * per_pass
-            nbytes = col_bytes if r < rows_left else 0
-            if flips is None:
-                sh = r * row_bytes + swz(r, c) * 16
-            else:
-                sh = (sh0 ^ (flips[p] * 16)) + p * per_pass * row_bytes
-            cp_async_cg_16(tile_addr + sh, src + p * per_pass * row_stride, nbytes)
-
-    return setup, issue
 
 
 @functools.cache

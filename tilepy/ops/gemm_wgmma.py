@@ -39,8 +39,9 @@ from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
-from ..ptx.cp_async import cp_async_cg_16, cp_async_commit_group, cp_async_wait_group
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..tile.config import SMEM_LIMIT
+from ..tile.copy import copy_k_major_to_shared_128b, copy_mn_major_to_shared_128b
 from ..tile.epilogue import store_accumulators
 from ..tile.smem import allow_dynamic_shared
 from .gemm_kernel import BATCH_SPLIT, batched_kernel
@@ -103,41 +104,15 @@ class WgmmaConfig:
 
 
 def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
-    """(issue_a, issue_b) device functions: one thread's cp.async copies of one stage."""
-    T = cfg.threads
-    RP = T // 8                      # rows per pass: 8 threads cover one 128-byte row
-    A_PASSES = cfg.block_m // RP
-    A_BYTES = cfg.block_m * BK * 2
-    NJ = cfg.block_n // 64
-    B_PASSES_K = BK // RP            # row-major B: k rows per thread
-    B_PASSES_N = cfg.block_n // RP   # column-major B: n rows per thread
-
-    @inline_device
-    def issue_a(stage, dst0, a_src, sa_row, rows_left, kt, k_left):
-        nb = max(0, min(16, k_left * 2))
-        for i in range(A_PASSES):
-            cp_async_cg_16(stage + dst0 + i * RP * 128,
-                           a_src + i * RP * sa_row + kt * (BK * 2),
-                           nb if i * RP < rows_left else 0)
-
+    """(issue_a, issue_b) device functions: one thread's cp.async copies of one stage
+    (:mod:`tilepy.tile.copy`): A as a K-major slab of block_m rows; B row-major as an MN-major
+    slab of BK k rows, column-major as a K-major slab of block_n rows (issued at the stage's
+    B part, A_BYTES on)."""
+    issue_a = copy_k_major_to_shared_128b(cfg.block_m, cfg.threads)
     if b_row_major:
-        @inline_device
-        def issue_b(stage, dst0, b_src, sb_row, nbytes_j, kt, krows_left):
-            for i in range(B_PASSES_K):
-                ok = i * RP < krows_left
-                for j in range(NJ):
-                    cp_async_cg_16(stage + A_BYTES + j * 8192 + dst0 + i * RP * 128,
-                                   b_src + (kt * BK + i * RP) * sb_row + j * 128,
-                                   nbytes_j[j] if ok else 0)
+        issue_b = copy_mn_major_to_shared_128b(BK, cfg.block_n, cfg.threads)
     else:
-        @inline_device
-        def issue_b(stage, dst0, b_src, sb_row, nbytes_j, kt, k_left):
-            nb = max(0, min(16, k_left * 2))
-            for i in range(B_PASSES_N):
-                cp_async_cg_16(stage + A_BYTES + dst0 + i * RP * 128,
-                               b_src + i * RP * sb_row + kt * (BK * 2),
-                               nb if i * RP < nbytes_j[0] else 0)
-
+        issue_b = copy_k_major_to_shared_128b(cfg.block_n, cfg.threads)
     return issue_a, issue_b
 
 
@@ -212,9 +187,10 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
                 stage = base + s * STAGE_BYTES
                 issue_a(stage, dst0, a_src, sa_row, rows_left, s, kdim - s * BK - ch * 8)
                 if b_row_major:
-                    issue_b(stage, dst0, b_src, sb_row, nbytes_j, s, kdim - s * BK - r)
+                    issue_b(stage + A_BYTES, dst0, b_src, sb_row, nbytes_j, s, kdim - s * BK - r)
                 else:
-                    issue_b(stage, dst0, b_src, sb_row, nbytes_j, s, kdim - s * BK - ch * 8)
+                    issue_b(stage + A_BYTES, dst0, b_src, sb_row, nbytes_j[0], s,
+                            kdim - s * BK - ch * 8)
             cp_async_commit_group()
 
         for kt in range(ktiles):
@@ -226,9 +202,10 @@ def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activa
                 stage = base + (nxt % ST) * STAGE_BYTES
                 issue_a(stage, dst0, a_src, sa_row, rows_left, nxt, kdim - nxt * BK - ch * 8)
                 if b_row_major:
-                    issue_b(stage, dst0, b_src, sb_row, nbytes_j, nxt, kdim - nxt * BK - r)
+                    issue_b(stage + A_BYTES, dst0, b_src, sb_row, nbytes_j, nxt,
+                            kdim - nxt * BK - r)
                 else:
-                    issue_b(stage, dst0, b_src, sb_row, nbytes_j, nxt,
+                    issue_b(stage + A_BYTES, dst0, b_src, sb_row, nbytes_j[0], nxt,
                             kdim - nxt * BK - ch * 8)
             cp_async_commit_group()
             stage = base + (kt % ST) * STAGE_BYTES

@@ -98,8 +98,8 @@ from ..tile.rows import (  # noqa: F401  (natural_width, vector_width: part of t
     register_row_writer,
     vector_width,
 )
-from ..tune.kcache import cached_jit
-from ..tune.softmax_space import tuned_softmax_plan
+from ..cache import StoredChoices, autotune_enabled, current_gpu_name, make_key, tilepy_version
+from ..kcache import cached_jit
 
 # ---- thresholds and configs (module level, so that tests can force a path) ----------------
 
@@ -228,6 +228,53 @@ def block_plan(n: int, *, itemsize: int = 4, simulator: bool | None = None) -> P
             threads = MEDIUM_WIDE_THREADS if bucket // MEDIUM_WIDE_THREADS <= 2 * per \
                 else MEDIUM_MAX_THREADS
     return Plan("block", threads // WARP, bucket // threads)
+
+
+# ---- the plan a tuning run persisted ----------------------------------------------------------
+# ``python -m tilepy tune softmax`` (tilepy.tune.softmax_space) writes the winner under
+# softmax_key as plan_fields; the ops read it back here (one choice serves both ops).
+
+TUNED_OP = "softmax"
+_stored = StoredChoices(TUNED_OP)
+
+
+def softmax_key(rows: int, n: int, dtype: str, gpu: str) -> str:
+    """The tuning-cache key of a softmax problem (rows and n bucketed to powers of two)."""
+    return make_key(TUNED_OP, (rows, n), dtype, gpu, tilepy_version())
+
+
+def plan_fields(p) -> dict:
+    """What a persisted choice stores to rebuild plan ``p``."""
+    return {"path": p.path, "warps": p.warps, "per_thread": p.per_thread}
+
+
+def plan_from_fields(fields, n: int, dtype: str):
+    """The plan a persisted choice names, or None when it is malformed or cannot run rows of
+    ``n`` values of ``dtype`` (:func:`check_plan`)."""
+    if not isinstance(fields, dict):
+        return None
+    try:
+        p = Plan(str(fields["path"]), fields["warps"], fields["per_thread"])
+        check_plan(p, n, arrays.ITEMSIZE[dtype])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return p
+
+
+def tuned_softmax_plan(rows: int, n: int, dtype: str, device=None):
+    """The persisted tuned plan for ``rows`` rows of ``n`` values of ``dtype``, or None (none
+    stored, or ``TILEPY_AUTOTUNE=0``). ``device``: the operands' CUDA device id (None: the
+    current one). Never tunes."""
+    if not autotune_enabled():
+        return None
+    return _stored.lookup((rows, n, dtype, device), lambda: current_gpu_name(device),
+                          lambda gpu: softmax_key(rows, n, dtype, gpu),
+                          lambda entry: plan_from_fields(entry.get("fields"), n, dtype))
+
+
+def forget_choices() -> None:
+    """Drop this process's memory of the tuning file (after it changed)."""
+    _stored.forget()
 
 
 @functools.cache
@@ -929,8 +976,8 @@ def report_fields(rep, threads: int) -> dict:
 ONE_PER_PATH = ("softmax_float16_n1024_warp_4w_x32", "softmax_float32_n16384_block_16w_x32",
                 "softmax_bfloat16_n32769_online")
 
-#: The kernels of the long 16-bit rows of issue 6 (16384×4096, 4096×32768, the 16384-column
-#: sweep point), float16 and bfloat16, softmax and log_softmax.
+#: The kernels of the benchmarks' long 16-bit rows (16384×4096, 4096×32768, the 16384-column
+#: point of the row-length sweep), float16 and bfloat16, softmax and log_softmax.
 LONG_16_BIT = ("softmax_float16_n4096_block_4w_x32", "softmax_float16_n16384_block_16w_x32",
                "softmax_float16_n32768_block_16w_x64", "softmax_bfloat16_n16384_block",
                "softmax_bfloat16_n32768_block", "log_softmax_float16_n16384_block",

@@ -78,7 +78,7 @@ from ..tile.rows import (
     slot_function,
     vector_width,
 )
-from ..tune.kcache import cached_jit
+from ..kcache import cached_jit
 from . import softmax as _forward
 from .softmax import Plan, block_plan, check_plan, normalize_axis, overlaps_itself, run_rows
 

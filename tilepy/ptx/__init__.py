@@ -12,10 +12,18 @@ the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). M
 * :mod:`~tilepy.ptx.fragments` — which lane holds which element of an mma operand
 * :mod:`~tilepy.ptx.wgmma` — warpgroup MMA (sm_90a): ``wgmma.mma_async`` m64nNk16, fences,
   groups, matrix descriptors and their swizzles, ``setmaxnreg``
+* :mod:`~tilepy.ptx.wgmma_layout` — the layouts wgmma reads (descriptors, swizzles, register
+  maps) and a NumPy model of one warpgroup MMA, in plain Python
 * :mod:`~tilepy.ptx.mbarrier` — shared-memory barriers with transaction counts
-* :mod:`~tilepy.ptx.tma` — TMA tensor loads (host side: :mod:`tilepy.tile.tma`)
+* :mod:`~tilepy.ptx.tma` — TMA tensor loads and stores, bulk groups, L2 cache hints, the
+  tensor-map fences (host side: :mod:`tilepy.tile.tma`)
+* :mod:`~tilepy.ptx.cluster` — thread-block clusters (sm_90): rank, ``mapa``, remote mbarrier
+  arrivals, the cluster barrier, multicast TMA loads
 * :mod:`~tilepy.ptx.barrier` — named CTA barriers (``bar.sync`` / ``bar.arrive`` id, count)
 * :mod:`~tilepy.ptx.vector` — 4/8/16-byte shared and global vector moves
+* :mod:`~tilepy.ptx.global_vector` — 16-byte global loads / stores at ``a[r, c]`` (LLVM vector
+  accesses, not inline PTX)
+* :mod:`~tilepy.ptx.probes` — each intrinsic alone in a tiny kernel, for offline compile checks
 """
 
 from . import address, asm, barrier, fragments, mbarrier, mma, tma, vector, wgmma  # noqa: F401

@@ -117,4 +117,13 @@ bar_arrive = instruction(
     doc="``bar_arrive(id, count)``: arrive on named barrier id without waiting (a producer's "
         "signal to threads waiting in bar_sync(id, count); count counts both sides).")
 
-__all__ = ["NAMED_BARRIERS", "bar_arrive", "bar_sync"]
+def mark_warp_specialised() -> None:
+    """Simulator only: the calling thread's warp collectives meet per warp from now on (what
+    ``setmaxnreg``'s twins do) — for a warp-specialised kernel that shifts no registers,
+    whose roles must still not meet at the block's ``syncthreads``. Call it from every thread
+    at its role's entry (:func:`tilepy.tile.roles.warpgroup_roles` does); nothing on the GPU
+    needs it."""
+    _sim.set_warp_specialised()
+
+
+__all__ = ["NAMED_BARRIERS", "bar_arrive", "bar_sync", "mark_warp_specialised"]

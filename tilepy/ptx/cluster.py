@@ -12,10 +12,10 @@ at the same time on SMs of one GPC, and each block can address the others' share
 * ``mbarrier_arrive_cluster(addr)`` — one arrival on the mbarrier at ``shared::cluster``
   address ``addr`` (:func:`mapa_shared` of a barrier): how a consumer in one block frees a stage
   that a producer in another block waits on. The default semantics (release at CTA scope), as
-  CUTLASS's cluster barriers use: ``.release.cluster`` puts a ``MEMBAR.ALL.GPU`` before every
-  arrival in the SASS, which made a GEMM whose consumers free each stage this way 30% slower
-  on the H200 (bench/NOTES.md, 2026-12-01). What the consumer read was read by wgmma, whose
-  completion ``wgmma.wait_group`` already established.
+  CUTLASS's cluster barriers use: ``.release.cluster`` puts a ``MEMBAR.ALL.GPU`` (a GPU-wide
+  fence) before every arrival in the SASS, which made a GEMM whose consumers free each stage
+  this way markedly slower (bench/NOTES.md: clusters of two sharing B). What the consumer
+  read was read by wgmma, whose completion ``wgmma.wait_group`` already established.
 * ``cluster_arrive()`` / ``cluster_wait()`` — the cluster barrier (``barrier.cluster.arrive``
   with release, ``barrier.cluster.wait`` with acquire): every thread of every block of the
   cluster arrives, and a wait returns once they all have. Used after the mbarrier inits (no

@@ -1,6 +1,6 @@
 """Tensor Memory Accelerator (TMA), device side: boxes of a tensor, global ↔ shared (sm_90).
 
-One thread issues ``cp.async.bulk.tensor.{2,3}d.shared::cluster.global.tile.mbarrier::complete_tx
+One thread issues ``cp.async.bulk.tensor.{2,3,4}d.shared::cluster.global.tile.mbarrier::complete_tx
 ::bytes``: the copy engine reads the box of the tensor that a *tensor map* describes, starting at
 the given element coordinates, writes it densely into shared memory (innermost dimension
 fastest, with the map's swizzle applied to the shared addresses), and completes the box's bytes

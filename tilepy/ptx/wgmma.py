@@ -34,7 +34,9 @@ The pieces, in the order a kernel uses them:
   the ``wgmma_fence()``, like the accumulators).
   :func:`wgmma` builds any other variant (N = 8 … 256 in steps of 8, MN-major operands).
 * ``wgmma_commit_group()`` / ``wgmma_wait_group(N)`` — close the batch; wait until at most N
-  batches are pending (N a compile-time literal).
+  batches are pending (N a compile-time literal). ``wgmma_wait_after_store(addr, x, y)`` is
+  ``wait_group 0`` behind a shared store of ``x``, ``y`` that keeps ptxas from hoisting it
+  above the work meant to overlap the wgmmas in flight.
 * ``wgmma_fence_operand(acc, count)`` — an empty asm statement tying ``acc[0:count]`` to this
   point of the program, so that the compiler cannot move their uses across the wait (CUTLASS's
   ``warpgroup_fence_operand``); call it after ``wgmma_wait_group`` and before reading ``acc``.
@@ -440,6 +442,54 @@ fence_proxy_async_shared = instruction(
         "wgmma / TMA follows. sm_90+.")
 
 
+def _wait_after_store_twin(addr, x, y):
+    """The store (checked: 8 bytes inside a shared array whose address the block took, 8-byte
+    aligned), then ``wgmma_wait_group(0)``."""
+    addr = int(addr)
+    address.check_range("shared", "wgmma_wait_after_store", addr, 8, 8)
+    address.write_bytes(addr, np.array([x, y], np.float32).tobytes())
+    _wait_group_twin(0)
+
+
+def _make_wait_after_store():
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def wgmma_wait_after_store(typingctx, addr, x, y):
+        _check_ints("wgmma_wait_after_store", ("addr",), addr)
+        for what, t in (("x", x), ("y", y)):
+            if not isinstance(t, types.Float):
+                raise TypingError(f"tilepy.ptx: wgmma_wait_after_store: {what} must be a float, "
+                                  f"got {t}")
+
+        def lower(context, builder, sig, args):
+            require_sm90a("wgmma_wait_after_store")
+            ops = [context.cast(builder, args[0], sig.args[0], types.uint32)] + [
+                context.cast(builder, v, t, types.float32) for v, t in zip(args[1:], sig.args[1:])]
+            call_asm(builder, "st.shared.v2.f32 [$0], {$1, $2};\n"
+                     "wgmma.wait_group.sync.aligned 0;", "r,f,f,~{memory}", (),
+                     ("u32", "f32", "f32"), ops, side_effect=True, convergent=True)
+            return context.get_dummy_value()
+
+        return types.void(addr, x, y), lower
+
+    return wgmma_wait_after_store
+
+
+#: ``wgmma_wait_after_store(addr, x, y)``: ``st.shared.v2.f32 [addr], {x, y}`` then
+#: ``wgmma.wait_group 0``, in one asm statement; every thread of the warpgroup (``.aligned``).
+#: ``addr`` a shared address (uint32, 8-byte aligned) of 8 scratch bytes, ``x`` / ``y``
+#: float32. A bare ``wgmma_wait_group(0)`` has no operands, and ptxas's scheduler may hoist it
+#: to the top of its basic block — above work meant to overlap the wgmmas in flight (seen in
+#: the sm_90a SASS of the attention kernel's softmax). Storing values that the overlapped work
+#: produces anchors the wait: it is not moved above the store, nor the store above its
+#: operands. The stored bytes need no reader. sm_90a.
+wgmma_wait_after_store = pick(None if SIMULATOR else _make_wait_after_store(),
+                              _wait_after_store_twin)
+
+
 def _descriptor_twin(addr, lbo, sbo, swizzle_bytes):
     return encode_descriptor(window_address(int(addr)), int(lbo), int(sbo), int(swizzle_bytes))
 
@@ -600,6 +650,7 @@ __all__ = [
     "wgmma_m64n256k16_f32_bf16_rs",
     "wgmma_m64n256k16_f32_f16",
     "wgmma_m64n256k16_f32_f16_rs",
+    "wgmma_wait_after_store",
     "wgmma_wait_group",
 ]
 
@@ -653,6 +704,8 @@ def _register_probes():
                                "wgmma.commit_group.sync.aligned"),
         "wgmma_wait_group": (["wgmma_wait_group(1)", "u32s[0] = u32s[1]"],
                              "wgmma.wait_group.sync.aligned"),
+        "wgmma_wait_after_store": (["wgmma_wait_after_store(u32s[0], f32s[0], f32s[1])",
+                                    "u32s[0] = u32s[1]"], "st.shared.v2.f32"),
         "setmaxnreg_inc": (["setmaxnreg_inc(232)", "u32s[0] = u32s[1]"],
                            "setmaxnreg.inc.sync.aligned.u32"),
         "setmaxnreg_dec": (["setmaxnreg_dec(40)", "u32s[0] = u32s[1]"],

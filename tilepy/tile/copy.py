@@ -8,12 +8,23 @@ callers (:func:`tilepy.inline.inline_device`):
   the matrix are zero-filled through cp.async's src-size operand, so edge tiles need no other
   predication. Needs 16-byte aligned rows (leading dimension a multiple of 8 elements and an
   aligned base); the op wrappers check that and take another path otherwise.
+* :func:`copy_rows_to_shared` (whole rows, bounded by a row count; any thread count) and
+  :func:`copy_tile_to_shared` (bounded in rows and columns; whole passes,
+  :func:`copy_tile_splits`) — the same tiles as :func:`copy_global_to_shared`, with a
+  handful of integers per thread instead of a table per chunk (mma.sync kernels).
+* :func:`copy_rows_to_shared_128b`, :func:`copy_k_major_to_shared_128b`,
+  :func:`copy_mn_major_to_shared_128b` — tiles in the 128-byte-swizzled canonical layouts
+  that wgmma reads (:mod:`tilepy.ptx.wgmma_layout`): K-major rows of 64-column sub-tiles, a
+  64-wide K slab, and an MN-major slab of K rows.
 * :func:`load_a_fragments` / :func:`load_b_fragments` — one warp loads its mma.sync operand
   fragments for one k16 step from a shared tile with ``ldmatrix.x4`` (``.trans`` for a B tile
   stored k-major).
 
 Shared tiles are addressed by their 32-bit shared address (``tilepy.ptx.shared_addr``) plus
-byte offsets from :mod:`tilepy.tile.layout`'s swizzle.
+byte offsets from :mod:`tilepy.tile.layout`'s swizzle (or the 128-byte one of wgmma). The
+cp.async copiers issue only: commit and wait (:mod:`tilepy.ptx.cp_async`) are the caller's,
+which is what makes multi-stage pipelines. Global addresses are int64 byte addresses
+(``tilepy.ptx.global_addr``), rows 16-byte aligned.
 """
 
 from __future__ import annotations
@@ -103,6 +114,262 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
             cp_async_cg_16(tile_addr + plan[1, p], plan[0, p] + kt * kstep, nbytes)
 
     return setup, issue
+
+
+@functools.cache
+def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True):
+    """``(setup, issue)``: a block copies ``rows × cols`` 16-bit elements (a tile of whole rows
+    of a matrix with unit column stride) into a (swizzled) shared tile with 16-byte cp.async.
+
+    * ``setup(src, row_stride, tid) -> plan`` (a 4-tuple) once per block; ``src`` the global
+      byte address (int64) of the first row of the first tile, ``row_stride`` in bytes.
+    * ``issue(tile_addr, src_shift, *plan, row_stride, rows_left)`` copies the tile whose first
+      row is ``src_shift`` bytes after ``src`` (whole tiles, to stream along the rows): tile
+      rows ``>= rows_left`` are zero-filled (cp.async src-size 0), nothing is read there.
+
+    When the threads split evenly over the 16-byte chunks of a row (``threads % (cols/8) ==
+    0``), thread ``tid`` always copies chunk ``tid % (cols/8)`` of rows ``tid // (cols/8) +
+    p·R`` (``R`` rows per pass): the plan is its source and shared offsets, and each pass adds
+    constants. Otherwise (e.g. 48, 80, 96, 112 columns over 128 threads) a pass divides
+    ``tid + p·threads`` by the (constant) chunks per row.
+
+    Every thread of the block calls both. Same swizzle as :func:`load_a_fragments` /
+    :func:`load_b_fragments` of ``cols``.
+    """
+    chunks = cols // 8
+    if cols % 8:
+        raise ValueError(f"copy_rows_to_shared: rows of {cols} elements are not whole 16-byte "
+                         "chunks")
+    layout.check_swizzle(chunks, swizzle)
+    row_bytes = chunks * 16
+    swz = swizzle_fn(chunks, swizzle)
+
+    if threads % chunks == 0:
+        per_pass = threads // chunks
+        passes = -(-rows // per_pass)
+        exact = rows % per_pass == 0
+        # The swizzle XOR depends on the row mod 8 only: with a multiple of 8 rows per pass it
+        # is the same in every pass, and the shared offset of pass p is sh0 plus a constant.
+        const_swz = per_pass % 8 == 0 or not swizzle
+
+        @inline_device
+        def setup(src, row_stride, tid):
+            r0 = tid // chunks
+            c = tid % chunks
+            return src + r0 * row_stride + c * 16, (r0 * chunks + swz(r0, c)) * 16, r0, c
+
+        @inline_device
+        def issue(tile_addr, src_shift, src0, sh0, r0, c, row_stride, rows_left):
+            src = src0 + src_shift
+            for p in range(passes):
+                r = r0 + p * per_pass
+                if exact or r < rows:
+                    nbytes = 16 if r < rows_left else 0
+                    if const_swz:
+                        sh = sh0 + p * per_pass * row_bytes
+                    else:
+                        sh = (r * chunks + swz(r, c)) * 16
+                    cp_async_cg_16(tile_addr + sh, src + p * per_pass * row_stride, nbytes)
+    else:
+        total = rows * chunks
+        passes = -(-total // threads)
+        exact = total % threads == 0
+
+        @inline_device
+        def setup(src, row_stride, tid):
+            return src, 0, tid, 0
+
+        @inline_device
+        def issue(tile_addr, src_shift, src0, unused0, tid, unused1, row_stride, rows_left):
+            src = src0 + src_shift
+            for p in range(passes):
+                idx = tid + p * threads
+                if exact or idx < total:
+                    r = idx // chunks
+                    c = idx % chunks
+                    nbytes = 16 if r < rows_left else 0
+                    cp_async_cg_16(tile_addr + (r * chunks + swz(r, c)) * 16,
+                                   src + r * row_stride + c * 16, nbytes)
+
+    return setup, issue
+
+
+def copy_tile_splits(rows: int, cols: int, threads: int) -> bool:
+    """Whether :func:`copy_tile_to_shared` can copy a ``rows × cols`` tile with ``threads``
+    threads: whole 16-byte chunks per row, the threads an even split of a row's chunks, and
+    the rows whole passes of them."""
+    chunks = cols // 8
+    return cols % 8 == 0 and threads % chunks == 0 and rows % (threads // chunks) == 0
+
+
+@functools.cache
+def copy_tile_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True):
+    """``(setup, issue)``: a block copies a ``rows × cols`` tile of 16-bit elements into a
+    (swizzled) shared tile with 16-byte cp.async, predicated on both a row and a column bound.
+
+    Thread ``tid`` always copies logical chunk ``c = tid % (cols/8)`` of rows ``r0 + p·R``
+    (``r0 = tid // (cols/8)``, ``R = threads / (cols/8)`` rows per pass), so what it keeps
+    across the main loop is a handful of integers — not a table per chunk — and each pass adds
+    compile-time constants (the swizzle of row ``r0 + p·R`` differs from row ``r0``'s by a
+    constant XOR, as the swizzle repeats every 8 rows and ``r0 < R``).
+
+    * ``setup(tid) -> (r0, c, sh0)``: this thread's first row, chunk and shared byte offset.
+    * ``issue(tile_addr, src, r0, c, sh0, row_stride, rows_left, cols_left)``: ``src`` is the
+      global byte address of this thread's first chunk (row ``r0``, chunk ``c``) of the tile
+      to copy; rows ``>= rows_left`` and columns ``>= cols_left`` (tile-relative) are
+      zero-filled through cp.async's src-size, and nothing is read there.
+
+    Every thread of the block calls both; the rows must be whole passes
+    (:func:`copy_tile_splits`, else ``ValueError``). The shared tile matches
+    :func:`load_a_fragments` / :func:`load_b_fragments` of ``cols`` columns.
+    """
+    if not copy_tile_splits(rows, cols, threads):
+        raise ValueError(f"copy_tile_to_shared: a {rows}x{cols} tile does not split into whole "
+                         f"passes of {threads} threads over its 16-byte chunks")
+    chunks = cols // 8
+    layout.check_swizzle(chunks, swizzle)
+    per_pass = threads // chunks
+    passes = rows // per_pass
+    row_bytes = chunks * 16
+    swz = swizzle_fn(chunks, swizzle)
+    # XOR on the physical chunk of pass p relative to pass 0 (see the docstring).
+    if not swizzle or per_pass % 8 == 0:
+        flips = (0,) * passes
+    elif 8 % per_pass == 0 and chunks >= 8:
+        flips = tuple((p * per_pass) % 8 for p in range(passes))
+    else:
+        flips = None
+
+    @inline_device
+    def setup(tid):
+        r0 = tid // chunks
+        c = tid % chunks
+        return r0, c, r0 * row_bytes + swz(r0, c) * 16
+
+    @inline_device
+    def issue(tile_addr, src, r0, c, sh0, row_stride, rows_left, cols_left):
+        col_bytes = max(0, min(16, (cols_left - c * 8) * 2))
+        for p in range(passes):
+            r = r0 + p * per_pass
+            nbytes = col_bytes if r < rows_left else 0
+            if flips is None:
+                sh = r * row_bytes + swz(r, c) * 16
+            else:
+                sh = (sh0 ^ (flips[p] * 16)) + p * per_pass * row_bytes
+            cp_async_cg_16(tile_addr + sh, src + p * per_pass * row_stride, nbytes)
+
+    return setup, issue
+
+
+# ---- the 128-byte-swizzled layouts wgmma reads ------------------------------------------------
+# A row of 128 bytes (64 16-bit elements) per 8-row atom line; chunk c of row r lands at byte
+# r·128 + ((c ^ r % 8)·16) of its atom column (tilepy.ptx.wgmma_layout.swizzle, the pattern TMA
+# writes). Each thread copies one 16-byte column (chunk) of rows 8 or more apart, so its swizzle
+# phase is the same in every pass and its offsets are one base plus constants.
+
+
+@functools.cache
+def copy_rows_to_shared_128b(rows: int, cols: int, threads: int):
+    """``issue(tile, src, row_stride, rows_left, tid)``: one thread's cp.async copies of a
+    (rows × cols) 16-bit tile into 64-column sub-tiles of ``rows × 128`` bytes (sub-tile ``c //
+    8`` at ``tile + (c // 8)·rows·128``), 128-byte swizzled — the K-major operand layout of
+    wgmma for K = cols (Q, K), and the MN-major one for N = cols (V); rows at or past
+    ``rows_left`` are zero-filled. ``src``: int64 global byte address of the tile's row 0,
+    ``row_stride`` in bytes; ``tile``: its shared address, 1024-byte aligned.
+
+    Thread ``tid`` copies 16-byte chunk ``tid % chunks`` of rows ``tid // chunks + p ·
+    (threads / chunks)`` (``chunks = cols / 8``): one column and one swizzle phase per thread
+    (the row step is a multiple of 8), so its shared offsets are one base plus constants and
+    its global ones a base plus multiples of the row stride. Every one of the ``threads``
+    threads calls it; ``threads / chunks`` must be a multiple of 8 dividing ``rows``."""
+    chunks = cols // 8                    # 16-byte chunks per row
+    step = threads // chunks              # rows per pass (a multiple of 8)
+    passes = rows // step
+    sub_bytes = rows * 128
+    if not (cols % 64 == 0 and threads % chunks == 0 and step % 8 == 0 and rows % step == 0):
+        raise ValueError(f"copy_rows_to_shared_128b: a {rows}x{cols} tile (64-column sub-tiles) "
+                         f"does not split into passes of {threads} threads with rows a multiple "
+                         "of 8 apart")
+
+    @inline_device
+    def issue(tile, src, row_stride, rows_left, tid):
+        c = tid % chunks
+        r = tid // chunks
+        dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+        a = src + r * row_stride + c * 16
+        left = rows_left - r
+        for p in range(passes):
+            cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
+                           16 if p * step < left else 0)
+
+    return issue
+
+
+@functools.cache
+def copy_k_major_to_shared_128b(rows: int, threads: int):
+    """``issue(dst, dst0, src, row_stride, rows_left, kt, k_left)``: one thread's cp.async
+    copies of K step ``kt`` of a (rows × 64) K-major slab — one 128-byte row per m (or n) row,
+    128-byte swizzled (wgmma's K-major operand: descriptor SBO 1024, +32 bytes per k16 step).
+
+    Thread ``tid`` copies chunk ``ch = tid % 8`` of rows ``r = tid // 8`` + multiples of
+    ``threads / 8``; the caller holds its offsets: ``dst0 = r·128 + ((ch ^ r % 8)·16)`` (bytes
+    into the slab at shared address ``dst``), ``src`` the int64 global byte address of its
+    chunk at K step 0, ``row_stride`` in bytes. Zero-filled: rows at or past ``rows_left``
+    (counted from row ``r``) and, of the chunk, the elements past ``k_left`` (counted from the
+    chunk's first column of step ``kt``). Every one of the ``threads`` threads calls it;
+    ``rows`` a multiple of ``threads / 8``."""
+    RP = threads // 8                # rows per pass: 8 threads cover one 128-byte row
+    if threads % 8 or rows % RP:
+        raise ValueError(f"copy_k_major_to_shared_128b: {rows} rows are not whole passes of "
+                         f"{threads} threads (8 per row)")
+    PASSES = rows // RP
+    K_BYTES = 128                    # one step of K: 64 16-bit elements
+
+    @inline_device
+    def issue(dst, dst0, src, row_stride, rows_left, kt, k_left):
+        nb = max(0, min(16, k_left * 2))
+        for i in range(PASSES):
+            cp_async_cg_16(dst + dst0 + i * RP * 128,
+                           src + i * RP * row_stride + kt * K_BYTES,
+                           nb if i * RP < rows_left else 0)
+
+    return issue
+
+
+@functools.cache
+def copy_mn_major_to_shared_128b(k_rows: int, cols: int, threads: int):
+    """``issue(dst, dst0, src, row_stride, nbytes_j, kt, krows_left)``: one thread's cp.async
+    copies of K step ``kt`` (``k_rows`` rows of K) of a row-major (K, N) matrix's ``cols``
+    columns, as wgmma's MN-major operand with the 128-byte swizzle: ``cols / 64`` atom columns
+    of 64 n × ``k_rows`` k, ``k_rows·128`` bytes apart (descriptor LBO), 8-k atoms 1024 bytes
+    apart (SBO); +2048 bytes per k16 step.
+
+    Thread ``tid`` copies chunk ``ch = tid % 8`` (of every atom column) of k rows ``r = tid //
+    8`` + multiples of ``threads / 8``; the caller holds ``dst0 = r·128 + ((ch ^ r % 8)·16)``,
+    ``src`` (int64 global byte address of its chunk of atom column 0 at K step 0), and
+    ``nbytes_j`` (int32 local array of ``cols / 64``: the bytes of its chunk in atom column
+    ``j`` inside the matrix, 0 … 16). Rows at or past ``krows_left`` (counted from row ``r``)
+    are zero-filled. Every one of the ``threads`` threads calls it; ``k_rows`` a multiple of
+    ``threads / 8``."""
+    RP = threads // 8
+    if threads % 8 or k_rows % RP or cols % 64:
+        raise ValueError(f"copy_mn_major_to_shared_128b: {k_rows} k rows x {cols} columns are "
+                         f"not whole passes of {threads} threads (8 per row, 64-column atoms)")
+    PASSES = k_rows // RP
+    NJ = cols // 64
+    SUB = k_rows * 128               # bytes of one atom column
+    K_ROWS = k_rows
+
+    @inline_device
+    def issue(dst, dst0, src, row_stride, nbytes_j, kt, krows_left):
+        for i in range(PASSES):
+            ok = i * RP < krows_left
+            for j in range(NJ):
+                cp_async_cg_16(dst + j * SUB + dst0 + i * RP * 128,
+                               src + (kt * K_ROWS + i * RP) * row_stride + j * 128,
+                               nbytes_j[j] if ok else 0)
+
+    return issue
 
 
 def _mask_fn(chunks: int, enabled: bool):

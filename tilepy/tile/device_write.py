@@ -35,6 +35,7 @@ import threading
 import numpy as np
 from numba import cuda
 
+from ..kcache import enable_disk_cache
 from ..launch import LaunchPlan, _stream_handle
 from ..ptx.asm import SIMULATOR
 
@@ -151,10 +152,7 @@ def _writer(nwords: int, ptr: int):
         with _WRITERS_LOCK:
             bound = _WRITERS.get(key)
             if bound is None:
-                if not _WRITERS:
-                    # first use: tilepy's kernel disk cache (imported here: tune imports ops)
-                    from ..tune.kcache import enable_disk_cache
-
+                if not _WRITERS:   # first use: tilepy's kernel disk cache
                     enable_disk_cache(_write_words)
                 dst = DeviceBuffer(None, ptr, 8 * nwords).view((nwords,), np.uint64)
                 args = (dst,) + (np.uint64(0),) * WORDS

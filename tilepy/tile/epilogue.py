@@ -14,6 +14,11 @@ staged through shared memory: the results are written to a padded shared tile, t
 syncs on a named barrier, and each thread stores 16-byte vectors of consecutive columns (whole
 32-byte sectors per row instead of 8 rows × 16 bytes per warp store); element stores at the
 right / bottom edge and where the output's rows are not 16-byte aligned.
+
+``stage_accumulators_swizzled(...)`` finishes a warpgroup's accumulators with the same math
+into 16-bit values in shared memory laid out as a TMA store with the 128-byte swizzle reads
+them (``stmatrix.x4``); the caller issues the stores. The activations are
+:data:`ACTIVATIONS` (:func:`activation_fn`; ``"gelu"`` is the erf form, :func:`gelu_erf`).
 """
 
 from __future__ import annotations
@@ -231,10 +236,10 @@ def _plain(activation, has_bias: bool, has_c: bool) -> bool:
     """Whether an epilogue is small enough to stay a loop. With a bias, ``c`` or an
     activation, the loop body over the (mi × ni) n8 blocks is large enough that LLVM stops
     unrolling it, and the accumulators, indexed by loop counters, then live in local memory
-    (the TMA GEMM with bias + GELU: a 512-byte stack frame, 33 st.local, offline sm_90a,
-    2026-11-30), so those epilogues are written out with constant indices
+    (the TMA GEMM with bias + GELU, offline sm_90a; bench/NOTES.md: epilogue accumulators in
+    local memory), so those epilogues are written out with constant indices
     (:func:`_written_out`). A plain epilogue unrolls by itself, and writing it out made ptxas
-    spill 28 bytes in the staged epilogue at the 168-register bound, so it stays a loop."""
+    spill in the staged epilogue at the 168-register bound, so it stays a loop."""
     return activation is None and not has_bias and not has_c
 
 
@@ -344,8 +349,8 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
 
     def make_write(j0):
         if _plain(activation, has_bias, has_c):
-            # the loop as first written: it unrolls, and ptxas spilled 28 bytes of the
-            # 168-register bound with it restructured through write_n8
+            # a plain loop: it unrolls by itself, and restructured through write_n8 it made
+            # ptxas spill at the 168-register bound
             @inline_device
             def write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t):
                 for jj in range(jp):
@@ -489,8 +494,8 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     ``stmatrix.x4`` (the accumulator's n8 block is the mma fragment layout stmatrix takes):
     16 instructions for 256 columns where 4-byte stores took 64, and each 16-byte row lands
     in its own granule (the swizzle spreads a matrix's 8 rows over 8 granules: no bank
-    conflicts). cuBLAS's epilogue does the same (STSM, Nsight Compute, bench/NOTES.md
-    2026-12-01).
+    conflicts). cuBLAS's epilogue does the same (STSM in Nsight Compute; bench/NOTES.md:
+    Nsight Compute against cuBLAS).
 
     ``first``, ``count``: only n8 blocks ``first … first + count − 1`` (default: all from
     ``first``; ``first`` a multiple of 8), staged from ``stage`` on as boxes ``0, 1, …`` — one

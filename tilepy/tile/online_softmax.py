@@ -20,7 +20,9 @@ Layouts: ``scores`` (mi, ni, 4) and ``acc_o`` (mi, nd, 4) float32 local arrays i
 accumulator layout (:mod:`tilepy.ptx.fragments`; lane ``4g + t`` holds rows ``g`` in
 ``[..., 0:2]`` and ``g + 8`` in ``[..., 2:4]`` of each m16 tile); the row statistics are
 (mi, 2) float32 local arrays, ``[i, h]`` for row ``16 i + g + 8 h`` of the warp tile, equal on
-the 4 lanes of a quad. Who calls: one warp, all 32 lanes together (quad shuffles).
+the 4 lanes of a quad. Who calls: one warp, all 32 lanes together (quad shuffles). A wgmma
+kernel's flat accumulators are viewed in this layout with :func:`accumulator_fragment` (mi = 1:
+each warp's 16-row strip of the warpgroup's 64 rows).
 
 Fully masked rows (every score so far -inf) stay clean, as in FlashAttention: ``m`` stays
 -inf, ``alpha`` is 1, ``p`` is 0, ``l`` is 0, and the finalized row is 0 — no NaN. A NaN
@@ -159,6 +161,44 @@ def online_softmax_finalize(mi: int, ni: int, quad_sum: bool = True):
     return finalize
 
 
+# ---- wgmma accumulators as fragments -------------------------------------------------------
+
+@functools.cache
+def accumulator_fragment(n: int):
+    """``(to_fragment, to_accumulators)``: one thread's m64nN wgmma accumulators (``acc``, a
+    flat float32 local array of ``n // 2``) as the (1, n / 8, 4) m16n8 fragment that
+    :func:`online_softmax_update`, :func:`online_softmax_finalize` and the attention pieces
+    (:mod:`tilepy.tile.attention`) take, and back.
+
+    Per warp, a wgmma accumulator is the mma.sync C layout of the warp's 16 × n strip
+    (:func:`tilepy.ptx.wgmma_layout.accumulator_position`: ``acc[4 j + e]`` holds row
+    ``16 w + g + 8 (e // 2)``, column ``8 j + 2 t + e % 2``), so ``frag[0, j, e] = acc[4 j +
+    e]`` and the strip's rows are the fragment's rows ``g`` and ``g + 8``. Both copies are
+    register renames (no instructions once inlined); each thread of a warpgroup for itself.
+
+    * ``to_fragment(frag, acc)``: ``frag[0, j, e] = acc[4 j + e]``;
+    * ``to_accumulators(acc, frag)``: the reverse.
+    """
+    if n % 8 or n <= 0:
+        raise ValueError(f"accumulator_fragment: n={n!r} is not a positive multiple of 8 "
+                         "(the wgmma N)")
+    NT = n // 8
+
+    @inline_device
+    def to_fragment(frag, acc):
+        for j in range(NT):
+            for e in range(4):
+                frag[0, j, e] = acc[4 * j + e]
+
+    @inline_device
+    def to_accumulators(acc, frag):
+        for j in range(NT):
+            for e in range(4):
+                acc[4 * j + e] = frag[0, j, e]
+
+    return to_fragment, to_accumulators
+
+
 # ---- offline compile check ----------------------------------------------------------------
 
 def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True):
@@ -236,4 +276,4 @@ def compile_reports():
     return out
 
 
-__all__ = ["online_softmax_finalize", "online_softmax_update"]
+__all__ = ["accumulator_fragment", "online_softmax_finalize", "online_softmax_update"]

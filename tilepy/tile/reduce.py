@@ -192,7 +192,8 @@ def fragment_row_reduce(op: str, mi: int, ni: int, *, accumulate: bool = False,
     Costs ``mi * 2 * 2`` shuffles (none with ``quad=False``). Each max is one ``max.NaN.f32``
     (compute capability 8.0+: the mma fragments' devices), or with ``fast=False`` compares and
     a select (:func:`combine`), which compiles differently: the GEMM-softmax kernel keeps it
-    (with max.NaN.f32 its 238 registers became 255 and a spill, sm_90 ptxas of 2026-11-30).
+    (with max.NaN.f32 it reaches the 255-register limit and spills, offline sm_90;
+    bench/NOTES.md: CI mend, max.NaN.f32 in its row max).
     """
     if chains not in (1, 2):
         raise ValueError(f"fragment_row_reduce: chains must be 1 or 2, got {chains!r}")

@@ -13,6 +13,7 @@ generator / function                              gives
 ================================================  ========================================
 ``vload(a, r, c)`` / ``vstore(a, r, c, …)``       the 16 bytes at ``a[r, c]``: one
                                                   ``ld/st.global.v4``
+                                                  (:mod:`tilepy.ptx.global_vector`)
 ``element_io(kind)``                              ``load(x, r, c)``, ``store(out, r, c, v)``
 ``group_io(kind, V, fill)``                       ``V`` columns: one vector access inside
                                                   the row, scalar ones at its end
@@ -40,16 +41,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._env import choose_target
 from ..inline import inline_device
+from ..ptx.global_vector import VECTOR_BYTES  # bytes one thread moves per vector access
+from ..ptx.global_vector import ld_global_v4 as vload
+from ..ptx.global_vector import st_global_v4 as vstore
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
 
-SIMULATOR = choose_target()
-
 KINDS = ("float32", "float16", "bfloat16")
-
-#: Bytes one thread moves per vector access.
-VECTOR_BYTES = 16
 
 
 def natural_width(kind: str) -> int:
@@ -118,117 +116,6 @@ def element_io(kind: str):
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return load, store
-
-
-# ---- 16-byte vector access (one ld/st.global.v4 per thread) ---------------------------------
-
-def _sim_ndarray(a) -> np.ndarray:
-    inner = getattr(a, "_item", a)   # FakeWithinKernelCUDAArray -> FakeCUDAArray
-    return getattr(inner, "_ary", inner)
-
-
-def _sim_vector_slice(a, r, c):
-    arr = _sim_ndarray(a)
-    r, c = int(r), int(c)
-    nel = VECTOR_BYTES // arr.itemsize
-    if not (0 <= r < arr.shape[0] and 0 <= c and c + nel <= arr.shape[1]):
-        raise IndexError(f"vector access at ({r}, {c}) out of bounds for shape {arr.shape}")
-    if arr.strides[1] != arr.itemsize:
-        raise ValueError("vector access needs a unit element stride")
-    seg = arr[r, c:c + nel]
-    if seg.ctypes.data % VECTOR_BYTES:
-        raise ValueError(f"vector access at ({r}, {c}) is {seg.ctypes.data % VECTOR_BYTES} "
-                         "bytes off the 16-byte alignment ld.global.v4 needs")
-    return seg
-
-
-def _vload_twin(a, r, c):
-    seg = _sim_vector_slice(a, r, c)
-    if seg.dtype == np.float32:
-        return tuple(np.float32(v) for v in seg)
-    return tuple(np.uint32(v) for v in seg.view(np.uint32))
-
-
-def _vstore_twin(a, r, c, w0, w1, w2, w3):
-    seg = _sim_vector_slice(a, r, c)
-    if seg.dtype == np.float32:
-        seg[:] = np.array([w0, w1, w2, w3], np.float32)
-    else:
-        seg.view(np.uint32)[:] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)],
-                                          np.uint32)
-
-
-def _make_vector_intrinsics():
-    """``vload(a, r, c)`` / ``vstore(a, r, c, w0, w1, w2, w3)``: the 16 bytes at ``a[r, c]`` of
-    a 2-D float32 or uint16 array as one ``ld.global.v4`` / ``st.global.v4``: four float32
-    (float32 arrays) or four uint32 words each holding two 16-bit values, ``lo`` = the lower
-    column (uint16 arrays). The address is ``data + r·strides[0] + c·itemsize`` (a unit element
-    stride is assumed) and must be 16-byte aligned: the caller checks the base pointer and row
-    stride on the host. LLVM IR, not inline PTX: the loads stay visible to the optimiser."""
-    from llvmlite import ir
-    from numba import types
-    from numba.core import cgutils
-    from numba.core.errors import TypingError
-    from numba.core.extending import intrinsic
-
-    def element(name, arr):
-        if not (isinstance(arr, types.Array) and arr.ndim == 2
-                and arr.dtype in (types.float32, types.uint16)):
-            raise TypingError(f"{name}: expected a 2-D float32 or uint16 array, got {arr}")
-        return types.float32 if arr.dtype == types.float32 else types.uint32
-
-    def address(context, builder, aryty, ary_val, r, rty, c, cty, lanety):
-        ary = context.make_array(aryty)(context, builder, ary_val)
-        i64 = ir.IntType(64)
-        r = context.cast(builder, r, rty, types.intp)
-        c = context.cast(builder, c, cty, types.intp)
-        s0 = cgutils.unpack_tuple(builder, ary.strides, 2)[0]
-        off = builder.add(builder.mul(r, s0),
-                          builder.mul(c, ir.Constant(i64, aryty.dtype.bitwidth // 8)))
-        i8p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
-        p = builder.gep(i8p, [off])
-        g = builder.addrspacecast(p, ir.IntType(8).as_pointer(1))
-        return builder.bitcast(g, ir.VectorType(lanety, 4).as_pointer(1))
-
-    @intrinsic
-    def vload(typingctx, arr, r, c):
-        el = element("vload", arr)
-
-        def codegen(context, builder, sig, args):
-            lanety = context.get_value_type(el)
-            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                          args[2], sig.args[2], lanety)
-            vec = builder.load(ptr, align=VECTOR_BYTES)
-            parts = [builder.extract_element(vec, ir.Constant(ir.IntType(32), i))
-                     for i in range(4)]
-            return context.make_tuple(builder, sig.return_type, parts)
-
-        return types.UniTuple(el, 4)(arr, r, c), codegen
-
-    @intrinsic
-    def vstore(typingctx, arr, r, c, w0, w1, w2, w3):
-        el = element("vstore", arr)
-
-        def codegen(context, builder, sig, args):
-            lanety = context.get_value_type(el)
-            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
-                          args[2], sig.args[2], lanety)
-            vec = ir.Constant(ir.VectorType(lanety, 4), ir.Undefined)
-            for i in range(4):
-                v = context.cast(builder, args[3 + i], sig.args[3 + i], el)
-                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), i))
-            builder.store(vec, ptr, align=VECTOR_BYTES)
-            return context.get_dummy_value()
-
-        return types.none(arr, r, c, w0, w1, w2, w3), codegen
-
-    return vload, vstore
-
-
-if SIMULATOR:
-    vload, vstore = _vload_twin, _vstore_twin
-else:
-    vload, vstore = _make_vector_intrinsics()
 
 
 # ---- groups of columns ------------------------------------------------------------------------

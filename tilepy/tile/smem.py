@@ -1,8 +1,9 @@
 """Shared memory for tile kernels: the dynamic buffer, and permission to use more than 48 KB.
 
 * :func:`dynamic_shared` — a device function returning the block's dynamic shared buffer as
-  uint16 elements, 128-byte aligned on the GPU (cp.async / ldmatrix want 16; TMA and the
-  128-byte swizzle want more). The simulator rejects ``alignment=``, so it is left out there.
+  uint16 elements, 128-byte aligned on the GPU by default (cp.async / ldmatrix want 16; TMA
+  and the 128-byte swizzle want 1024). The simulator rejects ``alignment=``, so it is left
+  out there.
 * :func:`allow_dynamic_shared` — a kernel may use more than 48 KB of dynamic shared memory only
   after ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` is raised on its compiled code.
   Numba has no public API for this (upstream issue); this is the one place that reaches into
@@ -22,7 +23,11 @@ STATIC_LIMIT = 48 * 1024
 
 
 @functools.cache
-def dynamic_shared():
+def dynamic_shared(align: int = 128):
+    """A device function returning the block's dynamic shared buffer as uint16 elements,
+    ``align``-byte aligned on the GPU (1024 for 128-byte-swizzled TMA / wgmma tiles: a
+    :class:`~tilepy.tile.smem_layout.SmemLayout`'s ``align``). The simulator takes no
+    alignment (its buffers are treated as 1024-byte aligned by the twins)."""
     if SIMULATOR:
         @inline_device(ir=True)   # returns the array it makes
         def buffer():
@@ -30,7 +35,7 @@ def dynamic_shared():
     else:
         @inline_device(ir=True)   # returns the array it makes
         def buffer():
-            return cuda.shared.array(0, types.uint16, alignment=128)
+            return cuda.shared.array(0, types.uint16, alignment=align)
     return buffer
 
 

@@ -1,6 +1,7 @@
 """Tensor maps for TMA, host side: describe a tensor in device memory and the box a copy moves.
 
-A *tensor map* (``CUtensorMap``, 128 bytes) is what ``tilepy.ptx.tma.tma_load_2d/3d`` read: the
+A *tensor map* (``CUtensorMap``, 128 bytes) is what the copies of :mod:`tilepy.ptx.tma` read
+(``tma_load_2d/3d/4d``, the stores, the multicast loads of :mod:`tilepy.ptx.cluster`): the
 tensor's device address, element type, shape, byte strides, the box one copy moves into shared
 memory, and the swizzle it is written with. :func:`encode_tiled` validates the description and
 encodes it — with ``cuTensorMapEncodeTiled`` from ``cuda.bindings.driver`` on a GPU, in a

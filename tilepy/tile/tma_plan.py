@@ -40,8 +40,9 @@ class TmaLaunchPlan(LaunchPlan):
     """A :class:`~tilepy.launch.LaunchPlan` of a TMA kernel whose argument ``maps_arg`` (a
     device buffer of tensor maps, 128 bytes each) follows the pointers of the arguments
     ``map_args`` (say a and b, or q, k and v, plus out where the output is TMA-stored):
-    ``encoder(*pointers) -> uint8 bytes`` makes the maps of those pointers. Every launch — :meth:`launch` and bound plans
-    (:meth:`bind`, with sources for the arrays before the maps only) — takes the maps of its
+    ``encoder(*pointers) -> uint8 bytes`` makes the maps of those pointers. Every launch —
+    :meth:`launch` and bound plans (:meth:`bind`, with sources for the arrays before the maps
+    only) — takes the maps of its
     pointers from :meth:`maps_for`: a small cache (:data:`MAP_CACHE` entries, least recently
     used dropped), filled on a miss by encoding the maps on the host and writing them into a
     buffer from ``alloc`` with a kernel launch on the launch stream
@@ -165,6 +166,7 @@ def _held_buffer(array):
     return device_write.DeviceBuffer(array, pointer(array), array.size * array.dtype.itemsize)
 
 
+#: The tile counter: int32[2] (tickets drawn, blocks finished).
 COUNTER_BYTES = 8
 
 

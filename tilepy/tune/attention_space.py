@@ -9,7 +9,8 @@ counterpart of :mod:`tilepy.tune.spaces` for ``tilepy.flash_attention``.
 * :func:`tuned_attention_config` — the persisted choice for a problem (batch × heads, query
   and key lengths, head_dim — bucketed to powers of two — causal or not, dtype, GPU, tilepy
   version), or None. ``tilepy.flash_attention`` asks it before its built-in choice; it never
-  tunes.
+  tunes. It belongs to the op (:mod:`tilepy.ops.attention_tuned`, with the key and the stored
+  fields); this module re-exports it.
 * :func:`tune_attention` — times every candidate (``python -m tilepy tune attention`` calls
   it), checks each output against the default config's, which is itself checked against a
   float64 reference on a few heads, persists the winner and returns it with the table.
@@ -17,25 +18,24 @@ counterpart of :mod:`tilepy.tune.spaces` for ``tilepy.flash_attention``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
-from .autotune import _enabled, autotune, current_gpu_name
-from .cache import StoredChoices, make_key
-from .spaces import (
-    TuneResult,
-    _device_cc,
-    _module,
-    _synchronize,
-    _version,
-    conclude,
-    timing_first_calls,
+from ..ops import attention as att
+from ..ops.attention_tuned import (
+    KINDS,
+    OP,
+    attention_key,
+    config_fields,
+    config_from_fields,
+    forget_choices,
+    problem,
+    tuned_attention_config,
 )
-
-OP = "attention"
+from .autotune import autotune, current_gpu_name
+from .spaces import TuneResult, _device_cc, _module, _synchronize, conclude, timing_first_calls
 
 #: (block_m, block_n, warp_rows) of the mma.sync kernel worth timing (bench/sweep_attention.py;
-#: warp_rows 32 spills at head_dim > 64, offline compile 2026-11-29).
+#: warp_rows 32 spills at head_dim > 64 in the offline compile).
 MMA_SYNC_SHAPES = ((128, 64, 16), (128, 128, 16), (64, 64, 16), (128, 32, 16), (192, 64, 16))
 MMA_SYNC_SHAPES_D64 = ((64, 128, 16), (128, 64, 32), (256, 64, 32))
 #: (block_m, block_n) of the wgmma kernel (sm_90; head_dim 64 and 128), each without and with
@@ -43,13 +43,6 @@ MMA_SYNC_SHAPES_D64 = ((64, 128, 16), (128, 64, 32), (256, 64, 32))
 #: TMA ones with and without ping-pong and a producer warpgroup (where those are valid and
 #: compile without spilling).
 WGMMA_SHAPES = ((128, 64), (128, 128))
-
-
-def _classes():
-    from ..ops.attention_kernel import AttentionConfig
-    from ..ops.attention_wgmma import WgmmaAttentionConfig
-
-    return {"mma_sync": AttentionConfig, "wgmma": WgmmaAttentionConfig}
 
 
 def attention_space(head_dim: int, dtype: str = "float16", cc=None, *,
@@ -60,7 +53,6 @@ def attention_space(head_dim: int, dtype: str = "float16", cc=None, *,
     cc = tuple(cc) if cc is not None else _device_cc()
     if hopper is None:
         hopper = cc[:2] == (9, 0)
-    classes = _classes()
     tries = []
     if hopper and cc[:2] == (9, 0):
         tries += [("wgmma", {"head_dim": head_dim, "block_m": bm, "block_n": bn, "dtype": dtype,
@@ -83,66 +75,10 @@ def attention_space(head_dim: int, dtype: str = "float16", cc=None, *,
     kept, rejected = [], []
     for kind, kw in tries:
         try:
-            kept.append(classes[kind](**kw))
+            kept.append(KINDS[kind](**kw))
         except ValueError as e:
             rejected.append((f"{kind} {kw}", str(e)))
     return (kept, rejected) if with_rejected else kept
-
-
-def _problem(batch, heads, seq_q, seq_k, head_dim):
-    return (batch * heads, seq_q, seq_k, head_dim)
-
-
-def attention_key(batch, heads, seq_q, seq_k, head_dim, dtype, causal, gpu) -> str:
-    """The tuning-cache key of an attention problem (sizes bucketed to powers of two)."""
-    return make_key(OP, _problem(batch, heads, seq_q, seq_k, head_dim),
-                    dtype + ("-causal" if causal else ""), gpu, _version())
-
-
-def config_fields(cfg) -> dict:
-    """What a persisted choice stores to rebuild ``cfg`` (its kernel and fields, dtype aside)."""
-    for kind, cls in _classes().items():
-        if isinstance(cfg, cls):
-            return {"kind": kind, **{f.name: list(v) if isinstance(v, tuple) else v
-                                     for f in dataclasses.fields(cls)
-                                     if f.name != "dtype" for v in [getattr(cfg, f.name)]}}
-    raise TypeError(f"not an attention config: {cfg!r}")
-
-
-def config_from_fields(fields, dtype: str, head_dim: int):
-    """The config a persisted choice names, or None when it is malformed, no longer valid, or
-    for another head_dim."""
-    if not isinstance(fields, dict):
-        return None
-    cls = _classes().get(fields.get("kind"))
-    if cls is None:
-        return None
-    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k != "kind"}
-    try:
-        cfg = cls(**kw, dtype=dtype)
-    except (TypeError, ValueError):
-        return None
-    return cfg if cfg.head_dim == head_dim else None
-
-
-_stored = StoredChoices(OP)
-
-
-def tuned_attention_config(batch, heads, seq_q, seq_k, head_dim, dtype, causal, device=None):
-    """The persisted tuned choice for this problem, or None (none, or ``TILEPY_AUTOTUNE=0``).
-    ``device``: the CUDA device id of the operands (None: the current one)."""
-    if not _enabled():
-        return None
-    return _stored.lookup(
-        (batch, heads, seq_q, seq_k, head_dim, dtype, bool(causal), device),
-        lambda: current_gpu_name(device),
-        lambda gpu: attention_key(batch, heads, seq_q, seq_k, head_dim, dtype, causal, gpu),
-        lambda entry: config_from_fields(entry.get("fields"), dtype, head_dim))
-
-
-def forget_choices() -> None:
-    """Drop this process's memory of the tuning file (after it changed)."""
-    _stored.forget()
 
 
 def attention_inputs(batch, heads, seq_q, seq_k, head_dim, dtype="float16", heads_kv=None,
@@ -212,8 +148,6 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
     """
     import tilepy
 
-    from ..ops import attention as att
-
     seq_k = seq_q if seq_k is None else seq_k
     for name, val in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k),
                       ("head_dim", head_dim)):
@@ -226,7 +160,7 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
     if configs is None:
         configs, rejected = attention_space(head_dim, dtype, with_rejected=True)
     candidates = [default] + [c for c in configs if c != default]
-    kinds = tuple(_classes().values())
+    kinds = tuple(KINDS.values())
     for c in candidates:
         if not isinstance(c, kinds) or c.dtype != dtype or c.head_dim != head_dim:
             raise TypeError(f"configs must be AttentionConfig or WgmmaAttentionConfig for "
@@ -257,7 +191,7 @@ def tune_attention(batch: int, heads: int, seq_q: int, seq_k: int | None = None,
     key = attention_key(batch, heads, seq_q, seq_k, head_dim, dtype, causal, gpu)
     tuned = autotune(launch, candidates, op=OP, reference=same_as_default, warmup=warmup,
                      repeat=repeat, timer=timer, gpu_name=lambda: gpu,
-                     key=lambda *args: (_problem(batch, heads, seq_q, seq_k, head_dim),
+                     key=lambda *args: (problem(batch, heads, seq_q, seq_k, head_dim),
                                         dtype + ("-causal" if causal else "")),
                      cache_directory=cache_directory, flops=lambda *args: flop, table=table)
     return conclude(tuned, (q, k, v, out), candidates, first_call, key, config_fields,

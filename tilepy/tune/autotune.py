@@ -23,11 +23,8 @@ import os
 import sys
 from dataclasses import asdict, is_dataclass
 
-from .cache import TuneCache, make_key
-
-
-def _enabled() -> bool:
-    return os.environ.get("TILEPY_AUTOTUNE", "1").strip() not in ("0", "false", "no")
+from ..cache import TuneCache, current_gpu_name, make_key
+from ..cache import autotune_enabled as _enabled
 
 
 def _verbose() -> bool:
@@ -163,20 +160,6 @@ def format_report(op, rows, best) -> str:
         else:
             lines.append(f"   {'skipped':>12}  {r['config']}  ({r['skipped']})")
     return "\n".join(lines)
-
-
-def current_gpu_name(device=None) -> str:
-    """The name of CUDA device ``device`` (default: the current one); "simulator" in the
-    CUDA simulator. Part of every tuning-cache key."""
-    from numba import config, cuda
-
-    if config.ENABLE_CUDASIM:
-        return "simulator"
-    dev = cuda.get_current_device()
-    if device is not None and device != dev.id:
-        dev = next((d for d in cuda.list_devices() if d.id == device), dev)
-    name = dev.name
-    return name.decode() if isinstance(name, bytes) else name
 
 
 def autotune(launch, configs, *, key, op, prune=None, reference=None, warmup=3, repeat=20,

@@ -11,7 +11,8 @@ two reads), warps per block, and values per thread.
   :func:`~tilepy.ops.softmax.check_plan` before anything compiles.
 * :func:`tuned_softmax_plan` — the persisted choice for (rows, n — bucketed to powers of two
   —, dtype, GPU, tilepy version), or None. The ops ask it before their built-in plan; it
-  never tunes.
+  never tunes. It belongs to the op (:mod:`tilepy.ops.softmax`, with the key and the stored
+  fields); this module re-exports it.
 * :func:`tune_softmax` — times every candidate (``python -m tilepy tune softmax``), checks
   each output against the built-in plan's, which is itself checked against a float64 softmax
   on a sample of rows, persists the winner and returns it with the table (GB/s counts one
@@ -20,19 +21,20 @@ two reads), warps per block, and values per thread.
 
 from __future__ import annotations
 
+from .. import arrays
 from ..arrays import ITEMSIZE
-from .autotune import _enabled, autotune, current_gpu_name
-from .cache import StoredChoices, make_key
-from .spaces import (
-    TuneResult,
-    _module,
-    _synchronize,
-    _version,
-    conclude,
-    timing_first_calls,
+from ..ops import softmax as sm
+from ..ops.softmax import (
+    TUNED_OP as OP,
+    forget_choices,
+    plan_fields,
+    plan_from_fields,
+    softmax_key,
+    tuned_softmax_plan,
 )
+from .autotune import autotune, current_gpu_name
+from .spaces import TuneResult, _module, _synchronize, conclude, timing_first_calls
 
-OP = "softmax"
 DTYPES = ("float32", "float16", "bfloat16")
 #: Relative error allowed against float64 (and between two plans' outputs), per dtype.
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
@@ -53,7 +55,6 @@ def softmax_space(n: int, dtype: str = "float32", *, simulator: bool | None = No
                   with_rejected: bool = False):
     """Candidate plans for rows of ``n`` values of ``dtype``, the built-in plan first.
     ``with_rejected=True`` returns ``(plans, [(what, why), …])``."""
-    from .. import arrays
     from ..ops.softmax import (
         MEDIUM_MAX,
         SHORT_MAX,
@@ -93,50 +94,6 @@ def softmax_space(n: int, dtype: str = "float32", *, simulator: bool | None = No
             continue
         kept.append(p)
     return (kept, rejected) if with_rejected else kept
-
-
-def softmax_key(rows: int, n: int, dtype: str, gpu: str) -> str:
-    """The tuning-cache key of a softmax problem (rows and n bucketed to powers of two)."""
-    return make_key(OP, (rows, n), dtype, gpu, _version())
-
-
-def plan_fields(p) -> dict:
-    """What a persisted choice stores to rebuild plan ``p``."""
-    return {"path": p.path, "warps": p.warps, "per_thread": p.per_thread}
-
-
-def plan_from_fields(fields, n: int, dtype: str):
-    """The plan a persisted choice names, or None when it is malformed or cannot run rows of
-    ``n`` values of ``dtype`` (:func:`~tilepy.ops.softmax.check_plan`)."""
-    from ..ops.softmax import Plan, check_plan
-
-    if not isinstance(fields, dict):
-        return None
-    try:
-        p = Plan(str(fields["path"]), fields["warps"], fields["per_thread"])
-        check_plan(p, n, ITEMSIZE[dtype])
-    except (KeyError, TypeError, ValueError):
-        return None
-    return p
-
-
-_stored = StoredChoices(OP)
-
-
-def tuned_softmax_plan(rows: int, n: int, dtype: str, device=None):
-    """The persisted tuned plan for ``rows`` rows of ``n`` values of ``dtype``, or None (none
-    stored, or ``TILEPY_AUTOTUNE=0``). ``device``: the operands' CUDA device id (None: the
-    current one)."""
-    if not _enabled():
-        return None
-    return _stored.lookup((rows, n, dtype, device), lambda: current_gpu_name(device),
-                          lambda gpu: softmax_key(rows, n, dtype, gpu),
-                          lambda entry: plan_from_fields(entry.get("fields"), n, dtype))
-
-
-def forget_choices() -> None:
-    """Drop this process's memory of the tuning file (after it changed)."""
-    _stored.forget()
 
 
 def softmax_inputs(rows: int, n: int, dtype: str = "float32", seed: int = 0):
@@ -188,8 +145,6 @@ def tune_softmax(rows: int, n: int, dtype: str = "float32", configs=None, *, log
     :class:`~tilepy.tune.spaces.TuneResult`.
     """
     import tilepy
-
-    from ..ops import softmax as sm
 
     for name, val in (("rows", rows), ("n", n)):
         if not isinstance(val, int) or val < 1:

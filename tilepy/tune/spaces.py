@@ -8,7 +8,8 @@
   choice persisted by an earlier :func:`tune_gemm` for this (shape bucket, dtype, GPU, tilepy
   version), else the built-in heuristic. It never tunes: one candidate compiles for seconds,
   which no ordinary call should pay unasked. After its first look-up for a shape it costs a
-  dictionary lookup.
+  dictionary lookup. The look-up itself (:func:`tuned_gemm_config`, the key and the stored
+  fields) belongs to the op, :mod:`tilepy.ops.gemm_tuned`; this module re-exports it.
 * :func:`tune_gemm` — times every candidate on real inputs (``python -m tilepy tune gemm``
   calls it), checks each result against the heuristic config's, persists the winner and
   returns it with the table.
@@ -22,17 +23,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
-from .autotune import (
-    _enabled,
-    autotune,
-    current_gpu_name,
-    describe_config,
-    format_report,
+from ..ops import gemm as _gemm_op
+from ..ops.gemm_tuned import (
+    HOPPER_KINDS,
+    OP,
+    config_fields,
+    config_from_fields,
+    forget_choices,
+    gemm_key,
+    tuned_gemm_config,
 )
-from .cache import StoredChoices, make_key
-
-OP = "gemm"
+from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
+from .autotune import autotune, current_gpu_name, describe_config, format_report
 
 #: (block m, n, k), (warps along m, n): the tile shapes worth timing on sm_80 / sm_90 — warp
 #: tiles of 32×32 to 64×64 (bench/NOTES.md: 64×64 warp tiles win at large sizes), BK 32 or 64.
@@ -46,7 +48,8 @@ GEMM_TILES = (
 GEMM_STAGES = (3, 4)
 #: Hopper (sm_90) candidates, tried before the mma.sync ones: (kernel, keyword arguments of its
 #: config) — the warp-specialised TMA kernel (``gemm_wgmma_ws.WsConfig``) and the cp.async one
-#: (``gemm_wgmma.WgmmaConfig``), the configs bench/sweep_gemm_wgmma.py found worth timing.
+#: (``gemm_wgmma.WgmmaConfig``), the configs bench/sweep_gemm_wgmma.py and
+#: bench/sweep_gemm_shapes.py found worth timing.
 HOPPER_CANDIDATES = (
     ("wgmma_ws", {"persistent": True, "smem_epilogue": True, "tma_store": True}),
     ("wgmma_ws", {"smem_epilogue": True}),
@@ -56,7 +59,6 @@ HOPPER_CANDIDATES = (
     ("wgmma_ws", {"smem_epilogue": True, "cluster": 2, "producer_regs": 56,
                   "consumer_regs": 224}),
     ("wgmma_ws", {"stages": 3, "persistent": True, "smem_epilogue": True}),
-    ("wgmma_ws", {"block_n": 128, "stages": 5, "persistent": True, "pingpong": True}),
     ("wgmma_ws", {}), ("wgmma_ws", {"block_m": 256, "block_n": 128}),
     ("wgmma_ws", {"persistent": True}), ("wgmma_ws", {"block_n": 192, "stages": 5}),
     ("wgmma", {"block_m": 128, "block_n": 256, "stages": 4, "overlap": True}),
@@ -65,20 +67,12 @@ HOPPER_CANDIDATES = (
 )
 
 
-def _hopper_classes():
-    from ..ops.gemm_wgmma import WgmmaConfig
-    from ..ops.gemm_wgmma_ws import WsConfig
-
-    return {"wgmma_ws": WsConfig, "wgmma": WgmmaConfig}
-
-
 def hopper_space(dtype: str = "float16", m=None, n=None):
     """The Hopper candidates for ``dtype`` (compute capability 9.0 only), without tiles far
     larger than an (m, n) output."""
-    classes = _hopper_classes()
     out = []
     for kind, kw in HOPPER_CANDIDATES:
-        cfg = classes[kind](dtype=dtype, **kw)
+        cfg = HOPPER_KINDS[kind](dtype=dtype, **kw)
         if (m is None or cfg.block_m <= max(64, 2 * m)) and \
                 (n is None or cfg.block_n <= max(64, 2 * n)):
             out.append(cfg)
@@ -136,56 +130,7 @@ def _misfit(cfg: GemmConfig, m, n, k) -> str | None:
     return None
 
 
-# ---- the choice an op call uses --------------------------------------------------------------
-
-_stored = StoredChoices(OP)
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__
-
-
-def gemm_key(m, n, k, batch, dtype, gpu) -> str:
-    """The tuning-cache key of a GEMM problem (shapes bucketed to powers of two)."""
-    return make_key(OP, (m, n, k, batch), dtype, gpu, _version())
-
-
-def config_fields(cfg) -> dict:
-    """What a persisted choice stores to rebuild ``cfg``: a GemmConfig's tile, warps, stages
-    and swizzle, or a Hopper config's kernel (``kind``) and fields (its dtype aside)."""
-    for kind, cls in _hopper_classes().items():
-        if isinstance(cfg, cls):
-            import dataclasses
-
-            return {"kind": kind, **{f.name: getattr(cfg, f.name)
-                                     for f in dataclasses.fields(cls) if f.name != "dtype"}}
-    return {"block": [cfg.block.m, cfg.block.n, cfg.block.k],
-            "warps": [cfg.warps.m, cfg.warps.n], "stages": cfg.pipeline.stages,
-            "swizzle": cfg.swizzle}
-
-
-def config_from_fields(fields: dict, like: GemmConfig):
-    """The config a persisted choice names (dtype and cc of ``like``); None if the entry is
-    malformed or no longer valid (a Hopper config off a compute capability 9.0 device, too)."""
-    kind = fields.get("kind", "mma_sync")
-    if kind != "mma_sync":
-        cls = _hopper_classes().get(kind)
-        if cls is None or tuple(like.cc)[:2] != (9, 0):
-            return None
-        try:
-            return cls(**{k: v for k, v in fields.items() if k != "kind"}, dtype=like.dtype)
-        except (TypeError, ValueError):
-            return None
-    try:
-        return GemmConfig(BlockTile(*map(int, fields["block"])),
-                          WarpLayout(*map(int, fields["warps"])),
-                          Pipeline(int(fields["stages"])), like.dtype,
-                          bool(fields.get("swizzle", True)), like.cc)
-    except (KeyError, TypeError, ValueError):
-        return None
-
+# ---- the choice an op call uses (the look-up: tilepy.ops.gemm_tuned) -------------------------
 
 def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic,
                      device=None):
@@ -193,26 +138,6 @@ def pick_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, heuristic,
     ``heuristic``. Never tunes. ``device``: the CUDA device id of the operands (None: current)."""
     choice = tuned_gemm_config(m, n, k, batch, dtype, heuristic, device)
     return heuristic if choice is None else choice
-
-
-def tuned_gemm_config(m: int, n: int, k: int, batch: int, dtype: str, like: GemmConfig,
-                      device=None):
-    """The persisted tuned choice for this problem (dtype and compute capability of ``like``,
-    a GemmConfig), or None: no choice, or ``TILEPY_AUTOTUNE=0``."""
-    if not _enabled():
-        return None
-
-    def rebuild(entry):
-        fields = entry.get("fields")
-        return config_from_fields(fields, like) if isinstance(fields, dict) else None
-
-    return _stored.lookup((m, n, k, batch, dtype, device), lambda: current_gpu_name(device),
-                          lambda gpu: gemm_key(m, n, k, batch, dtype, gpu), rebuild)
-
-
-def forget_choices() -> None:
-    """Drop this process's memory of the tuning file (after it changed)."""
-    _stored.forget()
 
 
 # ---- ahead-of-time tuning --------------------------------------------------------------------
@@ -319,23 +244,21 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
     """
     import tilepy
 
-    from ..ops.gemm import choose_config, hopper_config
-
     for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if dtype not in ("float16", "bfloat16"):
         raise ValueError(f"dtype must be float16 or bfloat16 (the tensor-core path), got "
                          f"{dtype!r}")
-    mma_heuristic = choose_config(m, n, k, batch, dtype)
+    mma_heuristic = _gemm_op.choose_config(m, n, k, batch, dtype)
     # the reference is what the op runs untuned: the Hopper default where it applies
-    heuristic = hopper_config(m, n, batch, dtype) or mma_heuristic
+    heuristic = _gemm_op.hopper_config(m, n, batch, dtype) or mma_heuristic
     rejected = []
     if configs is None:
         configs, rejected = gemm_space(dtype, mma_heuristic.cc, m, n, k, with_rejected=True,
                                        hopper=heuristic is not mma_heuristic)
     candidates = [heuristic] + [c for c in configs if c != heuristic]
-    kinds = (GemmConfig, *_hopper_classes().values())
+    kinds = (GemmConfig, *HOPPER_KINDS.values())
     for c in candidates:
         if not isinstance(c, kinds) or c.dtype != dtype:
             raise TypeError(f"configs must be GemmConfig, WgmmaConfig or WsConfig for "
@@ -363,8 +286,6 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                      reference=same_as_heuristic, warmup=warmup, repeat=repeat, timer=timer,
                      gpu_name=lambda: gpu, cache_directory=cache_directory,
                      flops=lambda *args: 2.0 * m * n * k * batch, table=table)
-    from ..ops import gemm as _gemm_op
-
     return conclude(tuned, (a, b, out), candidates, first_call,
                     gemm_key(m, n, k, batch, dtype, gpu), config_fields, [m, n, k, batch],
                     save, rejected, OP, (forget_choices, _gemm_op._PLANS.clear))

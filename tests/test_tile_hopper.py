@@ -1,0 +1,339 @@
+"""The Hopper tile pieces: the shared-memory carve-out, named-barrier allocation and roles on the
+CPU; a warp-specialised kernel composed from the stage ring, TMA tile loads and the warpgroup
+MMA (both B layouts, A from shared memory or registers) against NumPy in the simulator; the
+schedulers' orders; and the same kernel's sm_90a compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda, float32, types, uint16
+
+from tilepy.offline import find_ptxas, run_in_subprocess
+from tilepy.ptx import mbarrier as MB
+from tilepy.ptx import tma as T
+from tilepy.ptx.address import shared_addr
+from tilepy.ptx.asm import SIMULATOR
+from tilepy.ptx.wgmma_layout import a_fragment_position, accumulator_position
+from tilepy.tile import tma as host
+from tilepy.tile.pipeline import tma_pipeline
+from tilepy.tile.roles import NamedBarriers, warpgroup_roles
+from tilepy.tile.schedule import L2_GROUP_BYTES, grouped_raster, heavy_first, ticket_scheduler
+from tilepy.tile.smem_layout import SmemLayout
+from tilepy.tile.tma_copy import tma_tile
+from tilepy.tile.warpgroup_mma import SmemOperand, warpgroup_mma
+
+ALIGN = None if SIMULATOR else 1024
+BK = 64
+
+
+# ---- CPU: layouts, barriers, roles -------------------------------------------------------------
+
+def test_smem_layout_places_aligned_regions_and_overlays():
+    lay = SmemLayout.of(("stages", 3 * 40960, 1024), ("staging", 16384, 1024, "stages"),
+                        ("bars", 48, 8), ("bias", 1024), ("empty", 0, 1024))
+    assert lay.offset("stages") == 0 and lay.offset("staging") == 0
+    assert lay.offset("bars") == 3 * 40960 and lay.offset("bias") == 3 * 40960 + 48
+    assert lay.offset("empty") == -(-(3 * 40960 + 48 + 1024) // 1024) * 1024
+    assert lay.nbytes == 3 * 40960 + 48 + 1024 and lay.align == 1024
+    assert "bars 48 B @ 122880" in lay.describe()
+    unaligned = SmemLayout.of(("bars", 24, 8), ("tile", 8192, 1024))
+    assert unaligned.offset("tile") == 1024 and unaligned.nbytes == 1024 + 8192
+
+
+@pytest.mark.parametrize("specs,match", [
+    ((("a", 8), ("a", 8)), "already used"),
+    ((("a", 8, 3),), "power of two"),
+    ((("a", -1),), "of -1 bytes"),
+    ((("a", 64), ("b", 128, 16, "a")), "does not fit"),
+    ((("b", 64, 16, "a"),), "not placed before"),
+])
+def test_smem_layout_errors(specs, match):
+    with pytest.raises(ValueError, match=match):
+        SmemLayout.of(*specs)
+    with pytest.raises(KeyError, match="no region 'x'"):
+        SmemLayout.of(("a", 8))["x"]
+
+
+def test_named_barriers_are_handed_out_once_and_run_out_at_fifteen():
+    bars = NamedBarriers()
+    assert bars.take("consumers", 256) == 1
+    assert bars.take("warpgroup", 128, count=2) == 2
+    assert bars.take("turn", 256) == 4 and bars.threads["turn"] == 256
+    with pytest.raises(ValueError, match="taken twice"):
+        bars.take("turn", 256)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        bars.take("odd", 100)
+    with pytest.raises(ValueError, match="all taken"):
+        bars.take("many", 128, count=12)
+    assert bars.take("last", 128, count=11) == 5
+
+
+def test_roles_constants_and_register_budget():
+    roles = warpgroup_roles(2, producer_regs=40, consumer_regs=232)
+    assert roles.THREADS == 384 and roles.CONSUMER_THREADS == 256 and roles.PRODUCER_WG == 0
+    assert roles.SETMAXNREG
+    last = warpgroup_roles(3, producer_first=False)
+    assert last.PRODUCER_WG == 3 and not last.SETMAXNREG
+    with pytest.raises(ValueError, match="exceed the register file"):
+        warpgroup_roles(2, producer_regs=64, consumer_regs=240)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        warpgroup_roles(2, producer_regs=41, consumer_regs=232)
+
+
+def test_operand_layouts_give_the_descriptor_constants():
+    k_major = SmemOperand(128, 128, "k")            # two 64-k boxes of 128 rows
+    assert (k_major.lbo, k_major.sbo) == (16, 1024)
+    assert [k_major.step(kk) for kk in range(8)] == [0, 32, 64, 96, 16384, 16416, 16448, 16480]
+    mn_major = SmemOperand(128, 64, "mn")           # two 64-n boxes of 64 k rows
+    assert (mn_major.lbo, mn_major.sbo) == (8192, 1024)
+    assert [mn_major.step(kk) for kk in range(4)] == [0, 2048, 4096, 6144]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        SmemOperand(64, 40, "k")
+    with pytest.raises(ValueError, match="major"):
+        SmemOperand(64, 64, "row")
+    with pytest.raises(ValueError, match="n must be a multiple of 8"):
+        warpgroup_mma(96, SmemOperand(64, 64, "k"))
+
+
+def test_pipeline_refuses_one_stage():
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        tma_pipeline(1, 4)
+    ring = tma_pipeline(3, 4)
+    assert ring.STAGES == 3 and ring.nbytes == 48
+
+
+# ---- simulator: a warp-specialised kernel from the pieces ---------------------------------------
+
+def make_kernel(n: int, k_steps: int, b_major: str, a_in_registers: bool):
+    """Warpgroup 0's thread 0 loads A (64 × 64 k, K-major) and B (K-major: n × 64 k; MN-major:
+    n / 64 boxes of 64 k × 64 n) per k step into a 2-stage ring; warpgroup 1 multiplies with
+    the warpgroup MMA (A from the stage, or from ``a_regs``) and frees each stage. out[t, i] is
+    consumer thread t's accumulator register i."""
+    lay = SmemLayout.of(("stages", 2 * (64 + n) * BK * 2, 1024), ("bars", 32, 8))
+    STAGE = (64 + n) * BK * 2
+    A_BYTES = 64 * BK * 2
+    STAGES_OFF, BARS = lay.offset("stages"), lay.offset("bars")
+    ring = tma_pipeline(2, 4)
+    roles = warpgroup_roles(1)
+    load_a = tma_tile(1, A_BYTES)
+    load_b = tma_tile(1, n * 128) if b_major == "k" else tma_tile(n // 64, 8192)
+    b_op = SmemOperand(n, BK, b_major)
+    wmma = warpgroup_mma(n, b_op, None if a_in_registers else SmemOperand(64, BK, "k"))
+    NACC = wmma.NACC
+    RS = a_in_registers
+    words = lay.nbytes // 2
+    KMAJOR = b_major == "k"
+    NREG = 4 * (BK // 16)   # rs-form A registers per k step
+
+    @cuda.jit
+    def kernel(maps_a, maps_b, a_regs, out):
+        smem = cuda.shared.array(words, uint16, alignment=ALIGN) if ALIGN else \
+            cuda.shared.array(words, uint16)
+        base = shared_addr(smem, 0)
+        bars = base + BARS
+        tid = cuda.threadIdx.x
+        wg = roles.warpgroup(tid)
+        if tid == 0:
+            ring.init(bars)
+            MB.fence_mbarrier_init()
+        cuda.syncthreads()
+        if wg == 0:
+            roles.enter_producer()
+            if tid == 0:
+                ta = T.tensor_map_address(maps_a)
+                tb = T.tensor_map_address(maps_b)
+                T.fence_proxy_tensormap_acquire(ta)
+                T.fence_proxy_tensormap_acquire(tb)
+                s = 0
+                ph = 0
+                for kt in range(k_steps):
+                    ring.acquire(bars, s, ph)
+                    full = ring.commit(bars, s, STAGE)
+                    stage = base + STAGES_OFF + s * STAGE
+                    load_a.load_2d(stage, ta, full, kt * BK, 0)
+                    if KMAJOR:
+                        load_b.load_2d(stage + A_BYTES, tb, full, kt * BK, 0)
+                    else:
+                        load_b.load_2d(stage + A_BYTES, tb, full, 0, kt * BK)
+                    s, ph = ring.advance(s, ph)
+        else:
+            roles.enter_consumer()
+            t = tid - 128
+            acc = cuda.local.array(NACC, float32)
+            regs = cuda.local.array(NREG, types.uint32)
+            for kt in range(k_steps):
+                s, ph = ring.at(kt)
+                ring.wait(bars, s, ph)
+                stage = base + STAGES_OFF + s * STAGE
+                if RS:
+                    for r in range(NREG):
+                        regs[r] = a_regs[kt, t, r]
+                wmma.fence()
+                if RS:
+                    wmma.mma_rs(acc, regs, stage + A_BYTES, 0 if kt == 0 else 1)
+                else:
+                    wmma.mma(acc, stage, stage + A_BYTES, 0 if kt == 0 else 1)
+                wmma.commit()
+                wmma.wait(0)
+                wmma.fence_operand(acc)
+                ring.release(bars, s, t % 32)
+            for i in range(NACC):
+                out[t, i] = acc[i]
+
+    return kernel
+
+
+def device_tensor(x):
+    """(owner, pointer) of ``x`` where the TMA twins read it."""
+    if SIMULATOR:
+        return x, x.ctypes.data
+    d = cuda.to_device(x)
+    return d, d.device_ctypes_pointer.value
+
+
+def pack_a_registers(a, k_steps):
+    """The rs-form A registers of every consumer thread, per k step: uint32 of two halves."""
+    half = a.view(np.uint16)
+    regs = np.zeros((k_steps, 128, 4 * (BK // 16)), np.uint32)
+    for kt in range(k_steps):
+        for t in range(128):
+            for kk in range(BK // 16):
+                for r in range(4):
+                    lo, hi = (a_fragment_position(t, r, h) for h in (0, 1))
+                    col0 = kt * BK + kk * 16
+                    regs[kt, t, 4 * kk + r] = (int(half[lo[0], col0 + lo[1]])
+                                               | int(half[hi[0], col0 + hi[1]]) << 16)
+    return regs
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("n,b_major,rs", [(64, "k", False), (128, "mn", False), (64, "mn", True)],
+                         ids=["b-k-major", "b-mn-major-two-boxes", "a-from-registers"])
+def test_pieces_compose_a_warp_specialised_product(n, b_major, rs):
+    """Three k steps through a two-stage ring (it wraps; both parities), k of 192; the first
+    step overwrites the accumulators (scale-d 0), the others add."""
+    rng = np.random.default_rng()
+    k_steps = 3
+    k = k_steps * BK
+    a = rng.standard_normal((64, k)).astype(np.float16)
+    b = rng.standard_normal((k, n)).astype(np.float16)          # B[k, n]
+    keep_a, pa = device_tensor(a)
+    tma_a = host.encode_tiled(pa, "float16", a.shape, a.strides, (64, BK), 128)
+    if b_major == "k":
+        bt = np.ascontiguousarray(b.T)
+        keep_b, pb = device_tensor(bt)
+        tma_b = host.encode_tiled(pb, "float16", bt.shape, bt.strides, (n, BK), 128)
+    else:
+        keep_b, pb = device_tensor(b)
+        tma_b = host.encode_tiled(pb, "float16", b.shape, b.strides, (BK, 64), 128)
+    regs = pack_a_registers(a, k_steps) if rs else np.zeros((1, 1, 1), np.uint32)
+    out = np.full((128, n // 2), np.nan, np.float32)
+    make_kernel(n, k_steps, b_major, rs)[1, 256](tma_a.to_device(), tma_b.to_device(), regs, out)
+    del keep_a, keep_b
+    d = np.full((64, n), np.nan)
+    for t in range(128):
+        for i in range(n // 2):
+            d[accumulator_position(t, i)] = out[t, i]
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    assert not np.isnan(d).any()
+    assert np.abs(d - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+# ---- simulator: schedulers ---------------------------------------------------------------------
+
+def test_grouped_raster_visits_every_tile_once():
+    order = grouped_raster(64, 32, group_m=3)
+
+    @cuda.jit
+    def kernel(tiles_m, tiles_n, out):
+        w = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x
+        if w < out.shape[0]:
+            z, r, c = order.tile_origin(w, tiles_m, tiles_n)
+            out[w, 0] = z
+            out[w, 1] = r
+            out[w, 2] = c
+
+    tiles_m, tiles_n, batch = 7, 5, 2
+    out = np.full((tiles_m * tiles_n * batch, 3), -1, np.int64)
+    kernel[3, 32](tiles_m, tiles_n, out)
+    seen = {tuple(x) for x in out}
+    assert seen == {(z, 64 * i, 32 * j) for z in range(batch) for i in range(tiles_m)
+                    for j in range(tiles_n)}
+    # within a group of 3 block rows the rows run fastest
+    assert [tuple(x) for x in out[:4]] == [(0, 0, 0), (0, 64, 0), (0, 128, 0), (0, 0, 32)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,heads,n_qb,sk", [(1, 3, 5, 16384), (2, 3, 4, 100),
+                                                 (3, 1, 1, 40000)])
+def test_heavy_first_order(batch, heads, n_qb, sk, causal):
+    """The persistent tile order is a permutation of (batch, head, query block); causal:
+    within each L2 group of heads the query blocks go from the heaviest (last) down, and the
+    group holds as many heads as fit L2_GROUP_BYTES (2 at head_dim 128 and 16 K keys)."""
+    at = heavy_first(128, causal).at
+    order = [at(t, n_qb, heads, batch, sk) for t in range(batch * heads * n_qb)]
+    assert sorted(order) == [(b, h, q) for b in range(batch) for h in range(heads)
+                             for q in range(n_qb)]
+    if not causal:
+        assert order[:n_qb] == [(0, 0, q) for q in range(n_qb)]
+        return
+    per = max(1, L2_GROUP_BYTES // (4 * 128 * sk))
+    bh = [b * heads + h for b, h, _ in order]
+    for i in range(1, len(order)):
+        if bh[i] // per == bh[i - 1] // per:     # same group: query blocks never go up
+            assert order[i][2] <= order[i - 1][2]
+        else:                                   # groups in order, each from the heaviest
+            assert bh[i] // per == bh[i - 1] // per + 1 and order[i][2] == n_qb - 1
+
+
+@pytest.mark.sim
+def test_ticket_scheduler_hands_out_each_item_once_and_resets():
+    sched = ticket_scheduler()
+
+    @cuda.jit
+    def kernel(counter, total, owner):
+        if cuda.threadIdx.x == 0:
+            w = sched.first()
+            while w < total:
+                owner[w] = cuda.blockIdx.x
+                w = sched.draw(counter)
+            sched.finish(counter)
+
+    counter = np.zeros(2, np.int32)
+    owner = np.full(11, -1, np.int32)
+    kernel[3, 32](counter, 11, owner)
+    assert (owner >= 0).all() and list(owner[:3]) == [0, 1, 2]
+    assert list(counter) == [0, 0]
+
+
+# ---- offline compile for sm_90a ----------------------------------------------------------------
+
+def compile_reports():
+    """sm_90a compiles of the composed kernel (``python -m tilepy.offline``)."""
+    from tilepy.offline import compile_kernel
+
+    u8 = types.uint8[::1]
+    sig = (u8, u8, types.uint32[:, :, ::1], types.float32[:, ::1])
+    out = []
+    for name, args in (("pieces_kmajor", (64, 4, "k", False)),
+                       ("pieces_mnmajor", (128, 4, "mn", False)),
+                       ("pieces_rs", (64, 4, "mn", True))):
+        rep = compile_kernel(name, make_kernel(*args).py_func, sig, (9, 0, "a"))
+        out.append({"name": name, "registers": rep.registers,
+                    "spill": rep.spill_stores + rep.spill_loads, "local": rep.local_bytes,
+                    "counts": rep.counts})
+    return out
+
+
+@pytest.mark.compile
+def test_pieces_compile_for_sm90a_without_spills():
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reps = run_in_subprocess("tests.test_tile_hopper:compile_reports")
+    assert set(reps) == {"pieces_kmajor", "pieces_mnmajor", "pieces_rs"}
+    for name, rep in reps.items():
+        assert rep["spill"] == 0 and rep["local"] == 0, (name, rep)
+        c = rep["counts"]
+        assert c["wgmma.mma_async"] >= 4 and c["cp.async.bulk.tensor"] >= 2, (name, c)
+        assert c["mbarrier"] >= 4 and c["ld.local"] == 0 and c["st.local"] == 0, (name, c)

@@ -1,0 +1,397 @@
+"""Attention's per-row key ranges, masking and score modification, as device-function generators.
+
+The FlashAttention forward kernels (:mod:`tilepy.ops.attention_kernel` on mma.sync,
+:mod:`tilepy.ops.attention_wgmma` on wgmma) are compositions of these pieces; a backward
+kernel, a sliding-window or soft-capped variant, or a user's own kernel compose the same ones.
+Each generator is cached on its arguments and returns a device function inlined into its
+callers (:func:`tilepy.inline.inline_device`); every size is a closure constant.
+
+Which keys a query row sees
+---------------------------
+
+Query rows ``i`` in ``0 … sq-1``, keys ``j`` in ``0 … sk-1``, ``shift = sk - sq`` (the
+diagonal aligned to the bottom-right corner: FlashAttention-2's convention). Row ``i`` sees the
+keys ``first(i) <= j <= last(i)`` with
+
+* ``last(i) = min(sk - 1, i + shift + right)``, or ``sk - 1`` when ``right`` is unbounded;
+* ``first(i) = max(0, i + shift - left)``, or ``0`` when ``left`` is unbounded;
+
+``(left, right)`` from the generators' ``causal`` and ``window`` arguments
+(:func:`key_window`): ``window=(left, right)`` is FlashAttention's ``window_size``, relative
+to the diagonal, ``-1`` meaning unbounded on that side; ``causal=True`` is ``right = 0``.
+``window=None`` with ``causal=False`` sees every key; with ``causal=True`` it is today's causal
+mask, ``j <= i + shift``. A row with ``last(i) < first(i)`` (e.g. ``i < -shift`` when
+``right = 0``) sees no key: all its scores are -inf, which the online softmax keeps clean
+(:mod:`tilepy.tile.online_softmax`: output row 0, LSE -inf).
+
+The pieces, in the order a kernel uses them
+-------------------------------------------
+
+* :func:`key_blocks` / :func:`block_bounds` — a block of ``block_m`` query rows: its first row,
+  the key blocks (of ``block_n`` keys) any of its rows sees, and the keys every one of its rows
+  sees (the key blocks wholly inside those need no mask).
+* :func:`row_limits` — per lane: the first / last key of each of its rows (a local array of
+  :func:`limits_shape`), and the online softmax's start (row max -inf, row sum 0).
+* :func:`modify_scores` — an optional user score function on the scores of one key block
+  (FlexAttention's ``score_mod``), before the mask.
+* :func:`mask_scores` — the scores of keys a row does not see set to -inf;
+  :func:`mask_key_block` the same in the key blocks that need it (a block-uniform test).
+* :func:`store_rows` — the finalised O rows rounded to 16 bits, and the LSE.
+
+Scores are accumulator fragments in the m16n8 layout (:mod:`tilepy.ptx.fragments`): a float32
+local array ``s`` of shape (mi, ns, 4) holding one warp's ``16·mi`` rows × ``8·ns`` keys of one
+key block; lane ``4g + t`` holds row ``16 i + g`` in ``s[i, j, 0:2]`` and row ``16 i + g + 8``
+in ``s[i, j, 2:4]``, keys ``8 j + 2 t`` and ``8 j + 2 t + 1``. A wgmma accumulator has this
+layout per warp once viewed as (1, ns, 4) (:func:`tilepy.tile.online_softmax.
+accumulator_fragment`). Who calls: each lane of one warp for itself (no exchange between
+lanes); :func:`key_blocks` / :func:`block_bounds` any thread (the values are block-uniform).
+
+With ``window=None`` the generated code is what the kernels had before windows existed: no
+lower bound, no extra registers (the ops pass no window yet).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..inline import inline_device
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from .config import DTYPES
+
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+def key_window(causal: bool = False, window=None) -> tuple[int, int]:
+    """``(left, right)``: the visible keys of row ``i`` relative to its diagonal key
+    ``i + sk - sq`` (see the module docstring), ``-1`` for unbounded.
+
+    ``window``: None or FlashAttention's ``window_size`` ``(left, right)``, two ints >= -1.
+    ``causal=True`` sets ``right = 0``; a window given with it must have ``right`` 0 or -1.
+    """
+    if window is None:
+        left, right = -1, -1
+    else:
+        try:
+            left, right = window
+        except (TypeError, ValueError):
+            raise ValueError(f"window must be None or (left, right), got {window!r}") from None
+        for side, v in (("left", left), ("right", right)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < -1:
+                raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded), got "
+                                 f"{v!r} in {window!r}")
+        left, right = int(left), int(right)
+    if causal:
+        if right not in (-1, 0):
+            raise ValueError(f"causal=True means window right = 0; got window={window!r}")
+        right = 0
+    return left, right
+
+
+def limits_shape(mi: int, causal: bool = False, window=None) -> tuple:
+    """Shape of the int64 local array of per-row key limits that :func:`row_limits` fills and
+    :func:`mask_scores` reads, for ``mi`` m16 tiles of rows per warp: ``(mi, 2)`` (the last
+    visible key of row ``16 i + g + 8 h`` at ``[i, h]``) without a lower bound, ``(mi, 2, 2)``
+    (``[i, h, 0]`` the first visible key, ``[i, h, 1]`` the last) with one."""
+    left, _ = key_window(causal, window)
+    return (mi, 2, 2) if left >= 0 else (mi, 2)
+
+
+# ---- key blocks of a block of query rows ----------------------------------------------------
+
+def block_bounds(block_m: int, block_n: int, causal: bool = False, window=None):
+    """``bounds(qb, sq, sk) -> (row0, kb_first, kb_end, all_first, all_see)`` for query block
+    ``qb`` (rows ``qb·block_m …``, the rows past ``sq`` not counted):
+
+    * ``row0 = qb · block_m``, its first query row;
+    * key blocks (of ``block_n`` keys) ``kb_first … kb_end - 1``: the first and one past the
+      last that any of its rows sees (none when ``kb_end <= kb_first``; a block that sees no
+      key has ``kb_end`` 0);
+    * ``all_first`` … ``all_see``: the keys every one of its rows sees (none when
+      ``all_see < all_first``, e.g. when a row sees no key). A key block that starts before
+      ``all_first`` or ends after ``all_see`` needs the mask (:func:`mask_key_block`), the
+      others do not.
+
+    Without a lower bound (``window`` None or ``left = -1``) ``kb_first`` and ``all_first``
+    are the constant 0. int64 values, block-uniform; any thread computes them."""
+    left, right = key_window(causal, window)
+    return _block_bounds(block_m, block_n, left, right)
+
+
+@functools.cache
+def _block_bounds(block_m: int, block_n: int, left: int, right: int):
+    BM, BN = block_m, block_n
+    UPPER, LOWER = right >= 0, left >= 0
+    R, L = right, left
+
+    @inline_device
+    def bounds(qb, sq, sk):
+        row0 = qb * BM
+        if UPPER:
+            shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift + R
+            last = min(sk, min(row0 + BM, sq) + shift + R) - 1
+            kb_end = last // BN + 1 if last >= 0 else 0
+            all_see = min(sk, row0 + shift + R + 1) - 1
+        else:
+            kb_end = (sk + BN - 1) // BN
+            all_see = sk - 1
+        if LOWER:
+            # row i sees keys j >= i + shift - L: the block's first row sees the earliest,
+            # its last row (before sq) the latest first key
+            lead = sk - sq - L
+            kb_first = max(0, row0 + lead) // BN
+            all_first = max(0, min(row0 + BM, sq) - 1 + lead)
+            return row0, kb_first, kb_end, all_first, all_see
+        return row0, 0, kb_end, 0, all_see
+
+    return bounds
+
+
+def key_blocks(block_m: int, block_n: int, causal: bool = False, window=None):
+    """``bounds(sq, sk) -> (row0, kb_first, kb_end, all_first, all_see)``: :func:`block_bounds`
+    of this block's query block, for a grid of ``ceil(sq / block_m)`` blocks along x. With an
+    upper bound (causal) the blocks that see the most keys run first (query block
+    ``gridDim.x - 1 - blockIdx.x``), else query block ``blockIdx.x``."""
+    left, right = key_window(causal, window)
+    return _key_blocks(block_m, block_n, left, right)
+
+
+@functools.cache
+def _key_blocks(block_m: int, block_n: int, left: int, right: int):
+    at = _block_bounds(block_m, block_n, left, right)
+    HEAVY_FIRST = right >= 0
+
+    @inline_device
+    def bounds(sq, sk):
+        if HEAVY_FIRST:
+            return at(cuda.gridDim.x - 1 - cuda.blockIdx.x, sq, sk)
+        return at(cuda.blockIdx.x, sq, sk)
+
+    return bounds
+
+
+@inline_device
+def block_coords(q, k):
+    """``(sq, sk, b, h, hk)`` of a grid kernel's block over 4-D (batch, heads, seq, head_dim)
+    views ``q`` and ``k``: the sequence lengths, its batch and query head (grid z and y), and
+    the K/V head that query head reads (GQA: ``h // (Hq // Hkv)``). Any thread."""
+    sq = q.shape[2]
+    sk = k.shape[2]
+    b = cuda.blockIdx.z
+    h = cuda.blockIdx.y
+    return sq, sk, b, h, h // (q.shape[1] // k.shape[1])
+
+
+# ---- per-row limits, score modification, masking -------------------------------------------
+
+def row_limits(mi: int, causal: bool = False, window=None):
+    """``init(limit, row_max, row_sum, rows0, g, sq, sk)``, each lane of a warp for its own
+    ``mi × 2`` rows ``rows0 + 16 i + g + 8 h`` (``rows0`` the warp's first row, ``g = lane //
+    4``): ``limit`` (int64, :func:`limits_shape`) gets each row's first and last visible key
+    (the last alone without a lower bound; rows past ``sq`` get limits too, which nobody
+    stores), ``row_max`` / ``row_sum`` ((mi, 2) float32) the online softmax's start, -inf and
+    0."""
+    left, right = key_window(causal, window)
+    return _row_limits(mi, left, right)
+
+
+@functools.cache
+def _row_limits(mi: int, left: int, right: int):
+    UPPER, LOWER = right >= 0, left >= 0
+    R1, L = right + 1, left
+
+    @inline_device
+    def init(limit, row_max, row_sum, rows0, g, sq, sk):
+        for i in range(mi):
+            for hh in range(2):
+                row_max[i, hh] = _NEG_INF
+                row_sum[i, hh] = _ZERO
+                if UPPER:
+                    last = min(sk, rows0 + 16 * i + g + 8 * hh + sk - sq + R1) - 1
+                else:
+                    last = sk - 1
+                if LOWER:
+                    limit[i, hh, 0] = max(0, rows0 + 16 * i + g + 8 * hh + sk - sq - L)
+                    limit[i, hh, 1] = last
+                else:
+                    limit[i, hh] = last
+
+    return init
+
+
+def modify_scores(mi: int, ns: int, score_mod=None):
+    """``modify(s, row0, key0, b, h, scale)``: ``s[...] = score_mod(s·scale, q_row, k_col, b,
+    h) / scale`` on every entry of one lane's (mi, ns, 4) score fragment of one key block.
+
+    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function
+      (:func:`tilepy.inline.inline_device`; a plain Python function is wrapped so), inlined.
+      ``score`` is the *scaled* score ``scale · q_i · k_j`` (FlexAttention's contract), the
+      indices are int64 positions in the sequences (``q_row`` may be past ``sq`` and ``k_col``
+      past ``sk`` in edge tiles: the mask removes those keys afterwards). It may return -inf
+      (the key is then masked for that row); not +inf or NaN.
+    * ``row0``: the lane's first row (``rows0 + g``; ``s[i, :, 2h:2h+2]`` is row ``row0 + 16 i +
+      8 h``), ``key0`` the key of its column 0 in the block (``kb·block_n + 2t``, as for
+      :func:`mask_scores`), ``b`` / ``h`` the batch and query head, ``scale`` the float32
+      softmax scale (> 0).
+
+    The kernels keep raw scores and fold the scale into the exponent (``p = exp2(s·c - m·c)``,
+    ``c = scale · log2(e)``, :func:`tilepy.tile.online_softmax.online_softmax_update`); dividing
+    the modified score by ``scale`` keeps that: ``p = exp(score_mod(scale · s) - …)``, and the
+    LSE (``row_max · scale + log(row_sum)``, :func:`store_rows`) is that of the modified
+    scores. Call it right before :func:`mask_scores` / :func:`mask_key_block`, on every key
+    block (not only those that need the mask). ``score_mod=None``: a function that does
+    nothing (no code)."""
+    if score_mod is not None and inspect.isfunction(score_mod):
+        score_mod = _as_device(score_mod)
+    return _modify_scores(mi, ns, score_mod)
+
+
+@functools.cache
+def _as_device(fn):
+    return inline_device(fn)
+
+
+@functools.cache
+def _modify_scores(mi: int, ns: int, score_mod):
+    if score_mod is None:
+        @inline_device
+        def nothing(s, row0, key0, b, h, scale):
+            return None
+
+        return nothing
+    fn = score_mod
+
+    @inline_device
+    def modify(s, row0, key0, b, h, scale):
+        c = np.float32(scale)
+        inv = _ONE / c
+        for i in range(mi):
+            for hh in range(2):
+                r = row0 + 16 * i + 8 * hh
+                for j in range(ns):
+                    for e in range(2):
+                        x = s[i, j, 2 * hh + e] * c
+                        s[i, j, 2 * hh + e] = np.float32(fn(x, r, key0 + 8 * j + e, b, h)) * inv
+
+    return modify
+
+
+def mask_scores(mi: int, ns: int, window=None):
+    """``mask(s, limit, key0)``: set the entries of one lane's (mi, ns, 4) score fragment whose
+    key its row does not see to -inf. ``limit``: the lane's row limits from :func:`row_limits`
+    (of a window with the same ``left``: only the lower bound changes what ``limit`` holds);
+    ``key0``: the key of the lane's column 0 in the block, ``kb·BN + 2t``.
+
+    The per-entry compares are 32-bit (the relative column, clamped to the block, fits): one
+    ISETP each where 64-bit ones took two."""
+    left, _ = key_window(False, window)
+    return _mask_scores(mi, ns, left >= 0)
+
+
+@functools.cache
+def _mask_scores(mi: int, ns: int, lower: bool):
+    lo, hi = np.int64(-1), np.int64(8 * ns)
+    zero = np.int64(0)
+    LOWER = lower
+
+    @inline_device
+    def mask(s, limit, key0):
+        for i in range(mi):
+            for hh in range(2):
+                if LOWER:
+                    # first and last visible column, relative: first 8·ns or last -1 masks all
+                    first = np.int32(min(max(limit[i, hh, 0] - key0, zero), hi))
+                    rel = np.int32(min(max(limit[i, hh, 1] - key0, lo), hi))
+                    for j in range(ns):
+                        if np.int32(8 * j) > rel or np.int32(8 * j) < first:
+                            s[i, j, 2 * hh] = _NEG_INF
+                        if np.int32(8 * j + 1) > rel or np.int32(8 * j + 1) < first:
+                            s[i, j, 2 * hh + 1] = _NEG_INF
+                else:
+                    # last visible column, relative; -1 masks all, 8·ns none
+                    rel = np.int32(min(max(limit[i, hh] - key0, lo), hi))
+                    for j in range(ns):
+                        if np.int32(8 * j) > rel:
+                            s[i, j, 2 * hh] = _NEG_INF
+                        if np.int32(8 * j + 1) > rel:
+                            s[i, j, 2 * hh + 1] = _NEG_INF
+
+    return mask
+
+
+def mask_key_block(mi: int, ns: int, block_n: int, window=None):
+    """``mask(s, limit, kb, t, all_first, all_see)``: :func:`mask_scores` of key block ``kb``
+    (keys ``kb·block_n …``; ``key0 = kb·block_n + 2t``) where the block needs it — it starts
+    before ``all_first`` or ends after ``all_see`` (:func:`block_bounds`; a partial last key
+    block always does, ``all_see < sk``) — and nothing in the blocks every row of the query
+    block sees whole. The test is block-uniform (the same branch in every lane). Without a
+    lower bound ``all_first`` is not read. ``ns = block_n / 8`` for a whole block."""
+    left, _ = key_window(False, window)
+    return _mask_key_block(mi, ns, block_n, left >= 0)
+
+
+@functools.cache
+def _mask_key_block(mi: int, ns: int, block_n: int, lower: bool):
+    BN, LOWER = block_n, lower
+    mask = _mask_scores(mi, ns, lower)
+
+    # the test written out, not a call of a bool-returning device function: such a call
+    # leaves the window-less kernels' PTX with other register numbers
+    @inline_device
+    def mask_block(s, limit, kb, t, all_first, all_see):
+        if LOWER:
+            if (kb + 1) * BN - 1 > all_see or kb * BN < all_first:
+                mask(s, limit, kb * BN + 2 * t)
+        elif (kb + 1) * BN - 1 > all_see:
+            mask(s, limit, kb * BN + 2 * t)
+
+    return mask_block
+
+
+# ---- the output rows -----------------------------------------------------------------------
+
+@functools.cache
+def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
+    """``store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)``, each lane of a
+    warp: its finalised O fragment ``acc`` ((mi, no, 4) float32, m16n8 layout: ``8·no``
+    columns of head_dim) rounded to ``dtype`` (float16 / bfloat16) into ``o2`` (the (Sq, D)
+    uint16 view of this (batch, head); rows ``rows0 + 16 i + g + 8 h`` past ``sq`` skipped),
+    and, with ``has_lse``, lane ``t = 0`` of each quad writes the row's natural-log LSE
+    ``row_max · scale + log(row_sum)`` to ``lse[b, h, row]`` (-inf for a row that saw no key:
+    ``row_sum`` 0). ``row_sum``: the quad-reduced totals (after
+    :func:`~tilepy.tile.online_softmax.online_softmax_finalize`). ``no = 0`` writes the LSE
+    alone."""
+    if dtype not in DTYPES:
+        raise ValueError(f"store_rows: dtype must be one of {DTYPES}, got {dtype!r}")
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+    HAS_LSE = bool(has_lse)
+
+    @inline_device
+    def store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
+        for i in range(mi):
+            for hh in range(2):
+                r = rows0 + 16 * i + g + 8 * hh
+                if r < sq:
+                    for j in range(no):
+                        c = 8 * j + 2 * t
+                        word = pack(acc[i, j, 2 * hh], acc[i, j, 2 * hh + 1])
+                        o2[r, c] = word & 0xFFFF
+                        o2[r, c + 1] = word >> 16
+                    if HAS_LSE and t == 0:
+                        total = row_sum[i, hh]
+                        if total > _ZERO:
+                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
+                        else:
+                            lse[b, h, r] = _NEG_INF
+
+    return store
+
+
+__all__ = ["block_bounds", "block_coords", "key_blocks", "key_window", "limits_shape",
+           "mask_key_block", "mask_scores", "modify_scores", "row_limits", "store_rows"]

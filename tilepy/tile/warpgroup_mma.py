@@ -1,0 +1,174 @@
+"""Warpgroup MMA: the wgmma counterpart of :func:`tilepy.tile.mma.warp_mma`.
+
+One warpgroup (128 threads, four consecutive warps from a warp index divisible by four)
+accumulates ``acc[64 × n] (+)= A[64 × k] · B[k × n]`` in float32 registers: ``k / 16``
+``wgmma.mma_async`` instructions (:mod:`tilepy.ptx.wgmma`), B from shared memory, A from
+shared memory or from registers. Everything about the operands' layout — the matrix
+descriptors' strides and the byte offset of each k16 step — is derived here from
+:class:`SmemOperand`, the layout TMA writes with 64-element boxes and the 128-byte swizzle
+(and :mod:`tilepy.tile.copy`'s swizzled cp.async copies write the same):
+
+* **K-major** (the operand's K is the contiguous dimension: A of a row-major A, B of a
+  column-major B, K of ``Q·Kᵀ``): ``k / 64`` boxes, each ``rows`` rows × 64 k (128 bytes a
+  row), one after the other. Step ``kk`` is ``(kk // 4) · rows · 128 + (kk % 4) · 32`` bytes
+  in; LBO 16 (unused with the swizzle), SBO 1024 (eight rows).
+* **MN-major** (M or N contiguous: B of a row-major B, V of ``P·V``): ``rows / 64`` boxes,
+  each ``k`` rows (of K) × 64 columns; LBO = ``k · 128`` (the next 64 columns), SBO 1024
+  (eight k rows), step ``kk`` at ``kk · 2048``.
+
+The operand's shared address must be 1024-byte aligned (the swizzle is a function of the
+address). ``rows`` is the box's row count, which may exceed the 64 rows one warpgroup reads:
+a warpgroup's A rows ``64·g …`` start at ``addr + 64·g·128`` and keep the box stride of the
+whole tile.
+
+Accumulators: ``acc`` is a ``cuda.local.array(n // 2, float32)``; thread ``t``'s register
+``i`` holds (row, col) :func:`accumulator_position` ``(t, i)`` of the 64 × n tile — per warp,
+the mma.sync C layout of a 16 × n strip (register ``4·j + e`` is element ``e`` of n8 block
+``j``), so the mma.sync row pieces (:mod:`tilepy.tile.online_softmax`,
+:mod:`tilepy.tile.epilogue`) apply to a warp's view ``acc3[0, j, e] = acc[4·j + e]``.
+
+The issuing discipline is the caller's (the piece issues, it does not fence or wait):
+``fence()`` before a batch whose accumulators or A registers other instructions touched,
+``commit()`` after it, ``wait(n)`` (n a literal) before reading, then ``fence_operand(acc)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..inline import device_namespace, inline_device
+from ..ptx import wgmma as W
+from ..ptx.wgmma_layout import accumulator_position  # noqa: F401  (re-exported: the view)
+
+SWIZZLE = 128            # bytes: the only swizzle the pieces use (64 16-bit elements a row)
+BOX = 64                 # elements of a box's inner dimension under that swizzle
+_AB = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class SmemOperand:
+    """A 16-bit operand tile in shared memory as 128-byte-swizzled boxes (module docstring):
+    ``rows`` along M (A) or N (B), ``k`` along K, ``major`` ``"k"`` or ``"mn"``."""
+
+    rows: int
+    k: int
+    major: str = "k"
+
+    def __post_init__(self):
+        if self.major not in ("k", "mn"):
+            raise ValueError(f"SmemOperand: major must be 'k' or 'mn', got {self.major!r}")
+        if self.k % 16 or self.k <= 0:
+            raise ValueError(f"SmemOperand: k must be a positive multiple of 16, got {self.k}")
+        inner = self.k if self.major == "k" else self.rows
+        if inner % BOX and inner > BOX or inner % 16:
+            raise ValueError(f"SmemOperand: the contiguous extent ({inner}) must be a multiple "
+                             f"of {BOX} (whole 128-byte boxes)")
+        if self.rows % 8:
+            raise ValueError(f"SmemOperand: rows must be a multiple of 8, got {self.rows}")
+
+    @property
+    def lbo(self) -> int:
+        return 16 if self.major == "k" else self.k * 2 * BOX
+
+    @property
+    def sbo(self) -> int:
+        return 8 * SWIZZLE
+
+    @property
+    def steps(self) -> tuple[int, int]:
+        """``(per_box, per_k16)``: k16 step ``kk`` is ``(kk // 4) · per_box + (kk % 4) ·
+        per_k16`` bytes from the operand's start (four k16 steps per 64-element box)."""
+        if self.major == "k":
+            return self.rows * SWIZZLE, 32
+        return 4 * 16 * SWIZZLE, 16 * SWIZZLE
+
+    def step(self, kk: int) -> int:
+        """Byte offset of k16 step ``kk`` from the operand's start."""
+        per_box, per_k16 = self.steps
+        return (kk // 4) * per_box + (kk % 4) * per_k16
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.k * 2
+
+
+@functools.cache
+def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
+                  dtype: str = "float16", k: int | None = None):
+    """Device functions of one warpgroup's ``acc[64 × n] (+)= A · B`` over ``k`` (default
+    ``b.k``) in k16 steps, B as ``b`` describes (``b.rows >= n``), A from shared memory as
+    ``a`` describes or, ``a=None``, from registers.
+
+    * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / 16`` wgmmas, A's 64 rows
+      at shared address ``a_addr``, B at ``b_addr``. ``scale_d`` applies to the first step
+      (0: overwrite the accumulators, 1: add to them); the others add.
+    * ``mma2(acc0, acc1, a_addr, b_addr, scale_d)``: two m64 row blocks (A rows 64 … 127 at
+      ``a_addr + 64 · 128``) sharing each B step, issued in turn (a 128-row warpgroup tile).
+    * ``mma_rs(acc, a_regs, b_addr, scale_d)`` (``a=None``): A from ``a_regs``, a uint32
+      array of ``k / 4`` registers (four per k16 step, the rs-form fragment layout of
+      :func:`tilepy.ptx.wgmma_layout.a_fragment_position`).
+    * ``fence()``, ``commit()``, ``wait(n)``, ``fence_operand(acc)``: the ptx discipline.
+
+    Constants: ``NACC`` (accumulator floats per thread), ``K_STEPS``.
+    """
+    if dtype not in _AB:
+        raise ValueError(f"warpgroup_mma: dtype must be float16 or bfloat16, got {dtype!r}")
+    if n % 8 or not 8 <= n <= 256 or b.rows < n:
+        raise ValueError(f"warpgroup_mma: n must be a multiple of 8 in 8 … 256 within B's "
+                         f"{b.rows} rows, got {n}")
+    K = b.k if k is None else k
+    if K % 16 or K > b.k or (a is not None and K > a.k):
+        raise ValueError(f"warpgroup_mma: k = {K} must be a multiple of 16 within the operands")
+    KS = K // 16
+    NACC = n // 2
+    op = W.wgmma(n, _AB[dtype], a_in_registers=a is None, trans_b=b.major == "mn")
+    LBO_B, SBO_B = b.lbo, b.sbo
+    BOX_B, K16_B = b.steps
+    if a is not None:
+        if a.major != "k":
+            raise ValueError("warpgroup_mma: A from shared memory must be K-major")
+        LBO_A, SBO_A = a.lbo, a.sbo
+        BOX_A, K16_A = a.steps
+        M2 = 64 * SWIZZLE   # the second m64 row block of a 128-row A tile
+
+        @inline_device
+        def mma(acc, a_addr, b_addr, scale_d):
+            da = W.matrix_descriptor(a_addr, LBO_A, SBO_A, SWIZZLE)
+            db = W.matrix_descriptor(b_addr, LBO_B, SBO_B, SWIZZLE)
+            for kk in range(KS):
+                sa = (kk // 4) * BOX_A + (kk % 4) * K16_A
+                sb = (kk // 4) * BOX_B + (kk % 4) * K16_B
+                op(acc, W.descriptor_advance(da, sa), W.descriptor_advance(db, sb),
+                   scale_d if kk == 0 else 1)
+
+        @inline_device
+        def mma2(acc0, acc1, a_addr, b_addr, scale_d):
+            da = W.matrix_descriptor(a_addr, LBO_A, SBO_A, SWIZZLE)
+            db = W.matrix_descriptor(b_addr, LBO_B, SBO_B, SWIZZLE)
+            for kk in range(KS):
+                sa = (kk // 4) * BOX_A + (kk % 4) * K16_A
+                dbk = W.descriptor_advance(db, (kk // 4) * BOX_B + (kk % 4) * K16_B)
+                op(acc0, W.descriptor_advance(da, sa), dbk, scale_d if kk == 0 else 1)
+                op(acc1, W.descriptor_advance(da, M2 + sa), dbk, scale_d if kk == 0 else 1)
+
+        mma_rs = None
+    else:
+        mma = mma2 = None
+
+        @inline_device
+        def mma_rs(acc, a_regs, b_addr, scale_d):
+            db = W.matrix_descriptor(b_addr, LBO_B, SBO_B, SWIZZLE)
+            for kk in range(KS):
+                sb = (kk // 4) * BOX_B + (kk % 4) * K16_B
+                op(acc, a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2],
+                   a_regs[4 * kk + 3], W.descriptor_advance(db, sb), scale_d if kk == 0 else 1)
+
+    @inline_device
+    def fence_operand(acc):
+        W.wgmma_fence_operand(acc, NACC)
+
+    return device_namespace(
+        f"warpgroup_mma({n}, {b}, {a}, {dtype!r}, {K})", mma=mma, mma2=mma2, mma_rs=mma_rs,
+        fence=W.wgmma_fence, commit=W.wgmma_commit_group, wait=W.wgmma_wait_group,
+        fence_operand=fence_operand, NACC=NACC, K_STEPS=KS)
