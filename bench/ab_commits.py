@@ -111,11 +111,14 @@ def main():
     p.add_argument("--b", help="tree B (the new code)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--suites", default="gemm,attention,gemm_softmax")
+    p.add_argument("--cases", help="only attention cases of this sequence length (e.g. 4096)")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
     suites = set(args.suites.split(","))
+    if args.cases:
+        ATTENTION[:] = [c for c in ATTENTION if str(c[3]) == args.cases]
     if args.worker:
         worker(suites, args.out)
         return
@@ -129,7 +132,9 @@ def main():
                 [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                     os.pathsep) if p and os.path.abspath(p) != os.path.dirname(here)]))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                                   "--suites", args.suites, "--out", out], env=env, cwd="/tmp")
+                                   "--suites", args.suites, "--out", out]
+                                  + (["--cases", args.cases] if args.cases else []),
+                                  env=env, cwd="/tmp")
             if proc.returncode != 0:
                 print(f"round {rnd} side {side}: worker failed ({proc.returncode})", flush=True)
                 continue

@@ -34,6 +34,8 @@
 #   PART=s13c    what s13a's time limits cut: the cluster and 3-D-map GEMM GPU tests, the last
 #                gemm_softmax ones; the capture / torch / launch GPU tests; the Hopper guide's
 #                GPU test and benchmark
+#   PART=s13d    after the attention pieces moved to tilepy/tile: the Hopper attention's and the
+#                attention op's GPU tests, then the attention A/B against the old tree
 #   PART=s13b    the capture / torch / launch GPU tests (session 12's review mend, not yet run
 #                on a GPU), the Hopper attention's GPU tests, the attention A/B
 #   PART=s12f    after session 12's review mend (tensor maps per stream, graph buffers kept for
@@ -203,6 +205,12 @@ if [[ " $PART " == *" s13c "* ]]; then
     gpu_tests graphs_torch 190 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py
     gpu_tests guide_hopper 50 tests/test_guide_hopper.py
     bench_suite bench_guide_hopper 50 "guide"
+fi
+if [[ " $PART " == *" s13d "* ]]; then
+    gpu_tests attention_wgmma 210 tests/test_ops_attention_wgmma.py tests/test_tile_attention.py
+    gpu_tests attention_op 110 tests/test_ops_attention.py
+    step ab_attention 170 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 2 \
+        --suites attention --json "$OUT/ab_attention.json"
 fi
 if [[ " $PART " == *" s13b "* ]]; then
     gpu_tests graphs_torch 200 tests/test_cuda_graphs.py tests/test_torch_gpu.py tests/test_launch.py

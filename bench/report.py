@@ -193,7 +193,7 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
     its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
     the whole file; any other row is a case of its own."""
     rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "clock", "att", "ncu",
-                            "first", "host", "demo")}
+                            "first", "host", "demo", "ab")}
     items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
     shown = latest(results_data.legacy(items))
     legacy_marked, legacy_called, legacy_old = False, False, []
@@ -278,6 +278,14 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
                     (r["case"], fmt(r["tflops"]), fmt(r["sm_clock_mhz_median"]),
                      fmt(r["sm_clock_mhz_min"]), fmt(r["power_w_median"]),
                      " ".join(r["throttle_reasons"]) or "-")) for r in data["rows"]]
+        elif "a" in data and "b" in data and all("suite" in r for r in data["rows"]):
+            # bench/ab_commits.py: one tree against another, medians of rounds in turn
+            for r in data["rows"]:
+                a, b = r.get("A") or {}, r.get("B") or {}
+                add.append(("ab", (r["suite"], r["case"]), (
+                    r["suite"], r["case"], fmt(a.get("tflops")), fmt(b.get("tflops")),
+                    fmt(r.get("b_over_a"), "×"), fmt(a.get("ratio_to_peer"), "×"),
+                    fmt(b.get("ratio_to_peer"), "×"), str(data.get("rounds", "-")))))
         elif "gpu" in data:                                   # python -m tilepy demo --json
             add = [("demo", (r["what"], r.get("size", "")),
                     (r["what"], r.get("size", ""), r.get("throughput") or "-",
@@ -321,6 +329,10 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
          ("file", "call", "kernel cache", "import s", "first call s")),
         ("host", "Host cost of one call (`bench/overhead.py`)",
          ("file", "call", "who", "µs per call")),
+        ("ab", "A/B of two trees (`bench/ab_commits.py`: A the old code, B the new; each round "
+               "a fresh process per tree, in turn; medians)",
+         ("file", "suite", "case", "A TFLOPS", "B TFLOPS", "B / A", "A / peer", "B / peer",
+          "rounds")),
         ("demo", "`python -m tilepy demo`",
          ("file", "what", "size", "tilepy", "peer", "ratio")),
     ]
