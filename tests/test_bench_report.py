@@ -318,6 +318,23 @@ def test_tool_sections_show_each_problems_latest_run(tmp_path):
                     "| 2026-11-30_s3_overhead.json | torch.mm | peer | 9.00 |"]
 
 
+def test_ab_table_shows_both_trees_and_their_ratio(tmp_path):
+    """bench/ab_commits.py's JSON: a row per case with A's and B's TFLOPS, B / A, each side's
+    ratio to its peer and the rounds."""
+    gpu_dir = tmp_path / GPU
+    gpu_dir.mkdir()
+    side = {"tflops": 700.0, "ms": 0.2, "peer_ms": 0.21, "ratio_to_peer": 1.05, "err": 1e-3,
+            "ms_rounds": [0.2]}
+    (gpu_dir / "2026-12-01_s13a_ab_gemm.json").write_text(json.dumps({
+        "gpu": GPU, "a": ".ab/old", "b": ".", "rounds": 3, "rows": [
+            {"suite": "gemm", "case": "4096x4096x4096", "A": side,
+             "B": dict(side, tflops=693.0), "b_over_a": 0.99}]}))
+    lines = "\n".join(report.tool_sections(gpu_dir)).splitlines()
+    assert any(line.startswith("### A/B of two trees") for line in lines)
+    assert ("| 2026-12-01_s13a_ab_gemm.json | gemm | 4096x4096x4096 | 700 | 693 | 0.99× | 1.05× "
+            "| 1.05× | 3 |") in lines
+
+
 def test_legacy_rows_with_as_called_figures(tmp_path, monkeypatch):
     """bench/test_bench_ptx.py records without tables: tflops / peer_tflops and their
     ``_as_called`` twins; the earlier-benchmarks table shows the slower, marked."""

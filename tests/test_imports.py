@@ -33,9 +33,6 @@ KNOWN = {
     ("tilepy/ops/gemm_softmax_kernel.py", "_GLOBAL_GPU"),
     ("tilepy/ops/gemm_softmax_kernel.py", "_ON_CHIP_GPU"),
     ("tilepy/ops/gemm_softmax_kernel.py", "_with_dtype"),
-    # gemm_softmax_wgmma builds on gemm_wgmma_ws's output tensor-map slot and jit wrapper
-    ("tilepy/ops/gemm_softmax_wgmma.py", "_MAP_OUT"),
-    ("tilepy/ops/gemm_softmax_wgmma.py", "_jit"),
 }
 
 #: Which packages each part of tilepy must not import.

@@ -24,12 +24,10 @@ LAYOUTS = ("bhsd", "bshd")
 # GPU: 8 warps of 16 query rows (BM = 128) share each K/V tile of 64 keys; Q (BM × D), and two
 # stages of K and V: 48 KB at D = 64, 96 KB at D = 128. 128 / 210 registers per thread
 # (offline report, sm_90), no spills.
-# (block_m, block_n, warp_rows) by head_dim, from bench/sweep_attention.py on the H200
-# (2026-11-29_s2_sweep_attention.json, non-causal fp16): head_dim 64: 128×64 with 32 query rows
-# per warp (4 warps) 0.92× SDPA FA2 (the former 128×64×16 default: 0.85×); head_dim 128:
-# 64×64×16 (4 warps) 0.85× (default 0.77×; 128×128×16 ties). Head dims without a measurement
-# take the nearest measured one's shape (≤ 64 → the first, else the second); warp_rows 32
-# spills at head_dim 128 (offline compile), so it is not used above 64.
+# (block_m, block_n, warp_rows) by head_dim: the fastest of bench/sweep_attention.py's grid on
+# the H200 (bench/NOTES.md: attention configs, non-causal fp16). Head dims without a
+# measurement take the nearest measured one's shape (<= 64 -> the first, else the second);
+# warp_rows 32 spills at head_dim 128 (offline compile), so it is not used above 64.
 GPU_CONFIGS = {64: (128, 64, 32), 128: (64, 64, 16)}
 # Simulator: every thread is a Python thread: 2 warps, 16-key blocks, still a real pipeline
 # (several key blocks per query block) with masked edges.
@@ -38,35 +36,11 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 
 # Hopper (sm_90): the wgmma kernel (attention_wgmma) for the head dims it has; per (head_dim,
 # causal): the config's fields (query rows: 128 = two consumer warpgroups at head_dim 128, 192
-# = three at 64). Chosen on
-# absolute TFLOPS over issue 7's shapes, fp16:
-# * 2026-11-30_s7a/s7c_sweep_attention_grid.json: d128 128x128 with the softmax overlapped with
-#   P·V (it fits in 216-218 registers since the K/V copies address one column per thread) beat
-#   128x128 without it by 9-15% and 128x64 with it; d64 128x64 (two blocks per SM; 128-key
-#   blocks lose 10-15%). The persistent variant (opt-in) wins a few percent without masking at
-#   some lengths and loses causal.
-# * 2026-11-30_s7f_sweep_attention_tma.json: the same configs fed by TMA (thread 0 loads into
-#   mbarrier-guarded slots, no block barrier per key block): d128 +8-22% (S4096 413 -> 506
-#   TFLOPS, causal 373 -> 451), d64 with overlap 290 -> 305 (causal 182 -> 232, against 213 for
-#   the cp.async kernel without overlap).
-# * 2026-11-30_s8b_sweep_attention_schedules.json: at d128 the two consumer warpgroups taking
-#   turns to issue their wgmmas (pingpong) with the loads in a producer warpgroup of their own
-#   (producer, setmaxnreg 56/224) beat the thread-0 TMA kernel by 9-14% (S4096 519 -> 570
-#   TFLOPS, causal 443 -> 491), except S1024 causal (253 -> 243); pingpong alone lost 5-10%.
-#   At d64 with 64-key blocks both lost (308 -> 249-289 TFLOPS).
-# * 2026-11-30_s8c_sweep_attention_d64.json: at d64, 128-key blocks with ping-pong and the
-#   producer warpgroup beat the thread-0 TMA kernel at 64-key blocks by 7% (306 -> 326
-#   TFLOPS) and causal by 4% (244 -> 254); 128-key blocks without both lost.
-# * 2026-11-30_s8f_sweep_attention_d64.json (after max.NaN.f32 in the row max): at d64, three
-#   consumer warpgroups (192 x 128, producer, no ping-pong; FlashAttention-3's d64 tile) beat
-#   128 x 128 with ping-pong by 14% (351 -> 398 TFLOPS) and causal by 3% (259 -> 268); with
-#   ping-pong 371 / 266, with 64-key blocks 346-349 / 255-256.
-# * 2026-11-30_s10b_sweep_attention_persistent.json (medians of 3 rounds, A and B in turn):
-#   the persistent TMA kernel, its tiles handed out by a global ticket counter, beat the grid
-#   kernel causal at d128 by about 5% at S1024-4096 (S4096 550 -> 577 TFLOPS) and tied at S8192,
-#   and at d64 by 5% (418 -> 437) and tied causal (305 -> 307); at d128 without a mask it won
-#   2-3% at S1024-2048 but lost 1% at S4096 and 12% at S8192 (the grid kernel stays there).
-# TILEPY_HOPPER=0 keeps mma.sync. Values: WgmmaAttentionConfig's keyword arguments.
+# = three at 64), each the fastest in absolute TFLOPS over the attention benchmark shapes, fp16
+# (bench/NOTES.md: the attention schedule sweeps — TMA feeding, the producer warpgroup with
+# ping-pong at d128, three consumer warpgroups at d64, the persistent ticket-scheduled kernel
+# where it won: d64 and causal d128). TILEPY_HOPPER=0 keeps mma.sync. Values:
+# WgmmaAttentionConfig's keyword arguments.
 _D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
 _D64 = dict(block_m=192, block_n=128, overlap=True, tma=True, producer=True, persistent=True)
 HOPPER_CHOICE = {(128, False): _D128, (128, True): dict(_D128, persistent=True),

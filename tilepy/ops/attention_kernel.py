@@ -202,7 +202,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
     @_kernel_jit(THREADS)
     def kernel(q, k, v, o, lse, scale, scale_log2):
         # block_coords written out, as the key blocks below: through it ptxas allocates 211
-        # registers instead of 209 at head_dim 128 (offline sm_90, 2026-11-30)
+        # registers instead of 209 at head_dim 128 (offline sm_90)
         sq = q.shape[2]
         sk = k.shape[2]
         b = cuda.blockIdx.z

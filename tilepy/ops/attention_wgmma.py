@@ -45,8 +45,8 @@ them with 16-byte stores (:func:`tilepy.tile.epilogue.store_accumulators_smem`).
 ``persistent=True`` launches one block per SM slot that walks the tiles
 (:func:`tilepy.tile.schedule.heavy_first`),
 loading the next tile's Q (into a second Q buffer) and first K/V block during the current
-tile's last key block, with loops of its own (the grid kernel running the persistent loops
-with nothing to load ahead measured 3-5% slower on the H200, session 7).
+tile's last key block, with loops of its own (the grid kernel keeps its own loops: through
+the persistent ones it was slower, bench/NOTES.md: persistent attention).
 
 ``tma=True`` (with ``overlap``; the Hopper default of :mod:`tilepy.ops.attention`): thread 0
 loads Q, K and V with TMA (4-D tensor maps over (batch, head, seq, head_dim), 64-column boxes,
@@ -124,18 +124,18 @@ HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the 
 OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 64), (128, 128)})
 OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32) registers "
                "are live together; it fits (216-218 registers) since the copies address one "
-               "column per thread (offline sm_90a compile, 2026-11-30)")
+               "column per thread (offline sm_90a compile)")
 #: (head_dim, block_n) whose persistent overlap kernel compiles without spills: at head_dim 128
 #: with 64-key blocks the tile loop's extra live values push it past 255 registers (spills 20 B;
-#: 128 x 128 fits in 225-238 since O is staged through shared memory; offline sm_90a compile,
-#: 2026-11-30).
+#: 128 x 128 fits in 225-238 since O is staged through shared memory; offline sm_90a
+#: compile).
 PERSISTENT_OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 128)})
 #: mbarriers of the TMA kernel: Q's, then per stage K full, V full, K empty, V empty (2 stages).
 TMA_BARRIERS = 9
 #: setmaxnreg (producer, each consumer) of the TMA kernel with a producer warpgroup, by block
 #: threads: 384 (two consumers) launch with 168 registers each, 128 × 56 + 256 × 224 = 64,512;
 #: 512 (three) with 128, 128 × 32 + 384 × 160 = 65,536. The producer spills below 56 at 384
-#: threads (one thread issues the loads; sm_90a compile of 2026-11-30).
+#: threads (one thread issues the loads; offline sm_90a compile).
 REGISTER_SPLIT = {384: (56, 224), 512: (32, 160)}
 #: Named barriers (1 … 3 are store_accumulators_smem's, one per warpgroup): the ping-pong
 #: turn of consumer warpgroup i is BAR_TURN + i; BAR_CONSUMERS syncs the consumers alone
@@ -521,9 +521,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
     # These loops mirror main_loop / overlap_loop with stages counted from st0 and the next
-    # tile's loads folded in. Running the grid kernel through them (st0 = 0, nothing ahead)
-    # was measured 3-5% slower than main_loop / overlap_loop at d128 128x128 overlap (H200,
-    # interleaved A/B in one process, session 7), so the grid kernel keeps its own.
+    # tile's loads folded in. The grid kernel keeps main_loop / overlap_loop: through these
+    # loops (st0 = 0, nothing ahead) it ran slower (bench/NOTES.md: persistent attention).
     # Key block j of a tile lives in stage (st0 + j) % 2, st0 counting on across tiles; the
     # tile's Q in buffer qbuf. ``pre``: the next tile's Q and first K/V block are loaded
     # during this tile's last key block, into the other Q buffer and the stage after it.
@@ -663,7 +662,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     @cached_jit
     def pkernel(q, k, v, o, lse, scale, scale_log2):
         # tile_space written out: through it ptxas gives this kernel 2-15 more registers
-        # (offline sm_90a, session 9); the persistent TMA kernel takes it (fewer spills there)
+        # (offline sm_90a); the persistent TMA kernel takes it (fewer spills there)
         sq = q.shape[2]
         sk = k.shape[2]
         heads = q.shape[1]

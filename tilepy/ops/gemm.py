@@ -33,12 +33,11 @@ SMALL = GemmConfig(BlockTile(64, 64, 32), WarpLayout(2, 2), Pipeline(3))
 SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
 
 
-# Hopper (sm_90) configs, from bench/sweep_gemm_wgmma.py. The warp-specialised TMA kernel
-# (gemm_wgmma_ws), 128×256 tiles, 2 consumer warpgroups, 4 stages, not persistent: 0.78×
-# cuBLAS at 4096³ and 0.88× at 8192³ (2026-11-30_s3_sweep_gemm_wgmma.json; persistent 0.79×
-# and 0.79×). Operands TMA cannot describe (rows not 16-byte aligned) take the cp.async wgmma
-# kernel: 256×128 with 4 warpgroups, 4 stages, 0.67× / 0.68× (2026-11-29_s2_...json); 128×128
-# (4 stages) where 256×128 tiles would leave SMs idle; below that the mma.sync heuristic.
+# Hopper (sm_90) configs (bench/NOTES.md: the GEMM sweeps): the warp-specialised TMA kernel
+# (gemm_wgmma_ws) at 128×256, 2 consumer warpgroups, 4 stages, where its tiles fill the SMs;
+# else the cp.async wgmma kernel at 256×128 (4 warpgroups, 4 stages), or 128×128 where
+# 256×128 tiles would leave SMs idle; below that the mma.sync heuristic. Operands TMA cannot
+# describe (rows not 16-byte aligned) are copied or take the cp.async kernel.
 HOPPER_WS = (128, 256, 4)
 HOPPER_LARGE = (256, 128, 4)
 HOPPER_MEDIUM = (128, 128, 4)
@@ -58,10 +57,9 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
         # every 128-row tile empty), and enough tiles for every SM
         if m >= bm and n >= bn and -(-m // bm) * -(-n // bn) * batch >= SMS:
             if (bm, bn, st) == HOPPER_WS:
-                # persistent, the TMA-store epilogue (staged with stmatrix): mean 0.966-0.973x
-                # cuBLAS over the ten benchmark shapes against 0.934-0.935x for the staged
-                # epilogue of 16-byte stores, which was 0.91-1.00x against 0.71-0.92x for the
-                # register one (bench/NOTES.md, 2026-12-01 session 11, 2026-11-30 session 5)
+                # persistent, the TMA-store epilogue (staged with stmatrix): ahead of the
+                # staged epilogue of 16-byte stores over the benchmark shapes, which was ahead
+                # of the register one (bench/NOTES.md: GEMM epilogues)
                 if tma_store:
                     return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
                                        tma_store=True)
@@ -293,8 +291,8 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             # gemm` (any kernel), else the Hopper default, else the mma.sync heuristic
             mma_cfg = choose_config(m, n, k, batch, dtype)
             # the TMA-store epilogue for a plain product; with a bias, c or an activation the
-            # staged one (bias columns in shared memory): the fused bias + GELU benchmark ran
-            # at 565 TFLOPS on the TMA-store epilogue against 604 (bench/NOTES.md, session 11)
+            # staged one (bias columns in shared memory), faster on the fused bias + GELU
+            # benchmark (bench/NOTES.md: GEMM epilogues)
             plain = Bias is None and C is None and activation is None
             storable = _tma_storable(out_v)
             cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \

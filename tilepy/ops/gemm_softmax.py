@@ -59,8 +59,7 @@ SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(1, 2), Pipeline(
 
 
 #: The built-in choice on compute capability 9.0: the TMA + wgmma kernel's softmax mode with
-#: TMA-stored output (1.02-1.07x tilepy.gemm + tilepy.softmax and 1.9-3.1x the mma.sync
-#: kernel at 16384 x {1024, 4096} x 1024, bench/NOTES.md, 2026-11-30 session 6).
+#: TMA-stored output, ahead of the mma.sync kernel (bench/NOTES.md: gemm_softmax).
 HOPPER_CONFIG = (128, 256, 3)
 
 

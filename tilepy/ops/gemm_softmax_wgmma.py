@@ -32,12 +32,12 @@ from ..tile.epilogue import (
 from ..tile.roles import warpgroup_roles
 from ..tile.smem import dynamic_shared
 from .gemm_wgmma_ws import (
-    _MAP_OUT,
     BK,
+    MAP_OUT,
     WARPGROUP,
     WsConfig,
-    _jit,
     consumer_mainloop,
+    kernel_jit,
     stage_ring,
     tma_producer,
 )
@@ -106,8 +106,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     buffers per warpgroup (two freed stage buffers, loaded as soon as the last main loop is
     over, and the staging), multiply by a per-(row, chunk) factor computed once into shared
     memory, TMA store. L2 hints: parked chunks evict-last, final stores evict-first.
-    ``bench/probe_gemm_softmax.py`` (H200, 16384 × 1024 × 1024): without ``tma_out`` the
-    parked stores cost 14 µs and the rescale 22 µs of 88; with it 5 and 13 of 80.
+    (``bench/probe_gemm_softmax.py`` measures what each piece costs; bench/NOTES.md.)
 
     ``overlap`` (softmax mode with ``tma_out``; block_n 128, at least 3 stages, and K of at
     least ``stages − 1`` k-steps, which :func:`plan` checks): each
@@ -193,7 +192,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
         for h in range(2):
             rmax[0, h] = NEG_INF
             rsum[0, h] = f32(0)
-        omap = T.tensor_map_address(maps) + _MAP_OUT
+        omap = T.tensor_map_address(maps) + MAP_OUT
         keep = T.l2_evict_last_policy() if TMA_OUT else np.uint64(0)
         drop = T.l2_evict_first_policy() if TMA_OUT else np.uint64(0)
         if TMA_OUT and tid % WARPGROUP == 0:
@@ -402,7 +401,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
         for h in range(2):
             rmax[0, h] = NEG_INF
             rsum[0, h] = f32(0)
-        omap = T.tensor_map_address(maps) + _MAP_OUT
+        omap = T.tensor_map_address(maps) + MAP_OUT
         keep = T.l2_evict_last_policy()
         drop = T.l2_evict_first_policy()
         if tid % WARPGROUP == 0:
@@ -583,7 +582,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                     v0, v1 = get_pair(o, r, cc, n)
                     put_pair(o, r, cc, n, v0 * fac, v1 * fac)
 
-    @_jit(cfg)
+    @kernel_jit(cfg)
     def kernel(a, b, out, c, bias, alpha, beta, maps):
         n = b.shape[2] if b_row_major else b.shape[1]
         n_tiles = (n + BN - 1) // BN

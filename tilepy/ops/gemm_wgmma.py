@@ -22,8 +22,9 @@ throughout. With ``overlap=True`` the wait leaves one wgmma group in flight and 
 run ``stages - 2`` steps ahead into the stage of step ``kt - 2``. The epilogue is :func:`tilepy.tile.epilogue.store_accumulators` (the wgmma
 accumulator layout per warp is the mma.sync C layout of a 16 × block_n strip).
 
-This is the first Hopper kernel (issue 10): no TMA, no warp specialisation, no persistent
-grid yet; those are the next steps (``bench/NOTES.md``).
+The sm_90 GEMM for operands whose rows TMA cannot describe and for mid-size problems whose
+128 × 256 tiles would leave SMs idle (:func:`tilepy.ops.gemm.hopper_config`); the TMA,
+warp-specialised kernel is :mod:`tilepy.ops.gemm_wgmma_ws`.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class WgmmaConfig:
     dtype: str = "float16"
     #: keep one wgmma group in flight across k steps (wait(1); the stage two steps back is
     #: refilled) so the barrier and copies of step k+1 overlap the MMAs of step k. Needs 3+
-    #: stages. Not yet measured on the GPU (bench/NOTES.md), hence off by default.
+    #: stages. Off by default (bench/NOTES.md: the cp.async wgmma kernel).
     overlap: bool = False
 
     def __post_init__(self):

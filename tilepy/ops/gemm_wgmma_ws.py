@@ -80,8 +80,9 @@ BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit dat
 WARPGROUP = 128
 GROUP_M = 8       # block rows walked together (L2 reuse of B panels)
 SMS = 132         # H200; the persistent grid's default when the device is not asked
-_MAP_B = np.uint64(128)
-_MAP_OUT = np.uint64(256)  # the output's map (TMA stores) after A's and B's
+#: byte offsets of B's and the output's tensor maps (TMA stores) in the maps buffer
+MAP_B = np.uint64(128)
+MAP_OUT = np.uint64(256)
 _REG_FILE = 65536
 TMA_PASS_COLUMNS = 128  # tma_store: columns staged per pass (two 64 × 64 boxes)
 
@@ -259,7 +260,9 @@ class WsConfig:
                    if self.smem_epilogue else ""))
 
 
-def _jit(cfg: WsConfig):
+def kernel_jit(cfg: WsConfig):
+    """The jit decorator of a :class:`WsConfig` kernel: launch bounds of its threads (setmaxnreg
+    redistributes what the kernel was allocated with); plain ``cuda.jit`` in the simulator."""
     if SIMULATOR:
         return cuda.jit
     return cached_jit(launch_bounds=(cfg.threads, 1))
@@ -293,7 +296,7 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     def produce(base, maps, za, zb, m_tiles, n_tiles, total, ktiles, w0, step):
         bars = base + BARS
         ta = T.tensor_map_address(maps)
-        tb = ta + _MAP_B
+        tb = ta + MAP_B
         T.fence_proxy_tensormap_acquire(ta)
         T.fence_proxy_tensormap_acquire(tb)
         rank = int(CLU.cluster_ctarank()) if CL > 1 else 0
@@ -439,7 +442,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                            alpha, beta, cw, tid)
         epilogue.end(tid)
 
-    @_jit(cfg)
+    @kernel_jit(cfg)
     def kernel(a, b, out, c, bias, alpha, beta, maps):
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
@@ -527,7 +530,7 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
     @inline_device
     def begin(maps, tid):
         if TMA and tid % WARPGROUP == 0:
-            T.fence_proxy_tensormap_acquire(T.tensor_map_address(maps) + _MAP_OUT)
+            T.fence_proxy_tensormap_acquire(T.tensor_map_address(maps) + MAP_OUT)
 
     @inline_device
     def tma_pass(acc, stg, omap, z, row0, col0, m, n, alpha, bias, c_in, beta, tw, cw, part,
@@ -559,7 +562,7 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
         cz = c[min(z, c.shape[0] - 1)]
         tw = tid % WARPGROUP
         if TMA:
-            omap = T.tensor_map_address(maps) + _MAP_OUT
+            omap = T.tensor_map_address(maps) + MAP_OUT
             stg = base + EPI_OFF + cw * EPI_WG
             batched = out.shape[0] != 1
             tma_pass(acc0, stg, omap, z, row0, col0, m, n, alpha, bias, cz, beta, tw, cw, 0,
@@ -776,8 +779,8 @@ def _report_kernels():
             ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
              "float16"))
     epilogues = (
-        # a bias and an activation made the epilogue big enough that LLVM stopped unrolling it
-        # and the accumulators went to local memory (512-byte stack; fixed 2026-11-30)
+        # a bias and an activation make the epilogue big enough that LLVM may stop unrolling
+        # it and send the accumulators to local memory: the compile test refuses a stack
         ("ws_128x256_brow_bias_gelu", WsConfig(), True, "float16", "gelu", True),
         ("ws_128x256_brow_smemepi_bias_gelu", smem, True, "float16", "gelu", True),
         ("ws_128x256_brow_smemepi", smem, True, "float16"),
