@@ -31,6 +31,7 @@ from ..tile.epilogue import (
 )
 from ..tile.roles import warpgroup_roles
 from ..tile.smem import dynamic_shared
+from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from .gemm_wgmma_ws import (
     BK,
     MAP_OUT,
@@ -136,9 +137,8 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     bars_ids = cfg.named_barriers
     BAR_CONSUMERS = bars_ids.ids["consumers"]
     BAR_WG0 = bars_ids.ids["warpgroup"]
-    ab = "f16" if cfg.dtype == "float16" else "bf16"
-    mma = W.wgmma(BN, ab, trans_b=b_row_major)
-    LBO_B, SBO_B, STEP_B = (8192, 1024, 2048) if b_row_major else (16, 1024, 32)
+    wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "mn" if b_row_major else "k"),
+                         SmemOperand(BM, BK, "k"), cfg.dtype)
     store_smem = store_accumulators_smem(1, NI, out_kind)
     dynamic_shared_buffer = dynamic_shared(lay.align)
     f32 = types.float32
@@ -325,27 +325,19 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
         ``first``: the chunk's first k-step, whose first wgmma ignores acc (scale-d 0) — no
         instruction but a wgmma may write an accumulator while others are in flight, or
         ptxas serialises every wgmma of the kernel (C7515)."""
-        MB.mbarrier_wait_parity(bars + 8 * s, ph)
+        ring.wait(bars, s, ph)
         stage = base + STAGES + s * STAGE_BYTES
-        da = W.matrix_descriptor(stage + cw * (ROW_OFF * 128), 16, 1024, 128)
-        db = W.matrix_descriptor(stage + A_BYTES, LBO_B, SBO_B, 128)
-        W.wgmma_fence()
-        for kk in range(BK // 16):
-            mma(acc, W.descriptor_advance(da, kk * 32), W.descriptor_advance(db, kk * STEP_B),
-                0 if first and kk == 0 else 1)
-        W.wgmma_commit_group()
-        s += 1
-        if s == ST:
-            s = 0
-            ph ^= 1
+        wmma.fence()
+        wmma.mma(acc, stage + cw * (ROW_OFF * 128), stage + A_BYTES, 0 if first else 1)
+        wmma.commit()
+        s, ph = ring.advance(s, ph)
         return s, ph
 
     @inline_device
     def release_stages(bars, r, pending, keep_n, lane):
         """Free the oldest issued stages (in order, from r) until keep_n stay pending."""
         while pending > keep_n:
-            if lane == 0:
-                MB.mbarrier_arrive(bars + 8 * (ST + r))
+            ring.release(bars, r, lane)
             r += 1
             if r == ST:
                 r = 0
