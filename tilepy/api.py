@@ -15,6 +15,7 @@ live in modules named ``torch…``); mixing kinds is an error raised by the op.
 from __future__ import annotations
 
 from .ops import attention as _attention
+from .ops import attention_backward as _attention_backward
 from .ops import gemm as _gemm
 from .ops import gemm_softmax as _gemm_softmax
 from .ops import softmax as _softmax
@@ -84,14 +85,26 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
                                       config=config)
 
 
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
+                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
+                             config=None):
+    if _is_torch(q):
+        return (_front or _pytorch()).flash_attention_backward(
+            dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv, config)
+    return _attention_backward.flash_attention_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+        deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config)
+
+
 for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
                   (log_softmax, _softmax.log_softmax),
                   (softmax_backward, _softmax_backward.softmax_backward),
                   (log_softmax_backward, _softmax_backward.log_softmax_backward),
                   (gemm_softmax, _gemm_softmax.gemm_softmax),
-                  (flash_attention, _attention.flash_attention)):
+                  (flash_attention, _attention.flash_attention),
+                  (flash_attention_backward, _attention_backward.flash_attention_backward)):
     _api.__doc__ = _op.__doc__
 del _api, _op
 
-__all__ = ["flash_attention", "gemm", "gemm_softmax", "log_softmax", "log_softmax_backward",
-           "softmax", "softmax_backward"]
+__all__ = ["flash_attention", "flash_attention_backward", "gemm", "gemm_softmax",
+           "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]

@@ -509,6 +509,11 @@ class LaunchPlan:
 
     # ---- public ---------------------------------------------------------------------------
 
+    def array_positions(self) -> list:
+        """The positions of the array arguments among the kernel's arguments, in the order
+        of the pointer lists of bound plans (:meth:`bind`)."""
+        return [i for i, *_ in self._arrays]
+
     def array_index(self, position: int) -> int:
         """Where argument ``position`` (an array) sits among the array arguments: its index
         in the pointer lists of :meth:`_go` and of bound plans."""

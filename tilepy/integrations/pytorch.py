@@ -11,8 +11,8 @@ Each public op is a ``torch.library`` operator in the ``tilepy`` namespace with
 * an autograd formula: ``gemm`` in ``a``, ``b``, ``bias`` and ``c`` (through its fused
   activation; the backward products run on ``tilepy.gemm`` itself, transposes as views),
   ``softmax`` / ``log_softmax`` through tilepy's backward kernels, ``gemm_softmax`` by both.
-  ``flash_attention``'s backward is not implemented yet: its formula raises
-  ``NotImplementedError`` (never a silently missing gradient).
+  ``flash_attention`` through ``flash_attention_backward`` (also an operator of its own, with
+  the LSE's gradient when the forward's LSE is used downstream).
 
 ``tilepy.gemm(a, b)`` on tensors calls the operator only when PyTorch needs to see it:
 under compilation, when a gradient is wanted, under a dispatch / function mode or functorch
@@ -34,6 +34,7 @@ import torch
 
 from .. import api
 from ..ops import attention as _attention
+from ..ops import attention_backward as _attention_backward
 from ..ops import gemm as _gemm
 from ..ops import gemm_softmax as _gemm_softmax
 from ..ops import softmax as _softmax
@@ -66,6 +67,14 @@ _SCHEMAS = {
     "flash_attention_out": "flash_attention_out(Tensor q, Tensor k, Tensor v, bool causal, "
                            "float? scale, bool return_lse, str layout, Tensor(a!) out) "
                            "-> Tensor",
+    "flash_attention_backward": "flash_attention_backward(Tensor dout, Tensor q, Tensor k, "
+                                "Tensor v, Tensor out, Tensor lse, Tensor? dlse, bool causal, "
+                                "float? scale, str layout, bool deterministic) "
+                                "-> (Tensor, Tensor, Tensor)",
+    "flash_attention_backward_out": "flash_attention_backward_out(Tensor dout, Tensor q, "
+                                    "Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+                                    "float? scale, str layout, bool deterministic, "
+                                    "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()",
 }
 
 
@@ -515,20 +524,104 @@ def _float_arg(op: str, name: str, value) -> float:
 
 
 def _attention_setup(ctx, inputs, output):
-    pass
+    q, k, v, causal, scale, _, layout = inputs
+    out, lse = output
+    ctx.causal, ctx.scale, ctx.layout = causal, scale, layout
+    ctx.has_lse = lse.dim() == 3   # the no-LSE placeholder is 1-D
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.set_materialize_grads(False)
 
 
 def _attention_grad(ctx, dout, dlse):
-    raise NotImplementedError(
-        "tilepy.flash_attention has no backward pass yet, so it cannot be differentiated; "
-        "compute attention under torch.no_grad(), or use "
-        "torch.nn.functional.scaled_dot_product_attention where gradients are needed")
+    q, k, v, out, lse = ctx.saved_tensors
+    if not ctx.has_lse:
+        raise RuntimeError("tilepy.flash_attention: the forward ran without its LSE, which "
+                           "the backward needs (a gradient was not wanted when it ran)")
+    if dout is None and dlse is None:
+        return None, None, None, None, None, None, None
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
+                                        ctx.layout, False)
+    return dq, dk, dv, None, None, None, None
 
 
 torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
                                 setup_context=_attention_setup, lib=_lib)
 
 
+# ---- flash_attention_backward ---------------------------------------------------------------
+
+def _attention_backward_impl(dout, q, k, v, out, lse, dlse, causal, scale, layout,
+                             deterministic):
+    return _attention_backward.flash_attention_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+        deterministic=deterministic, dlse=dlse)
+
+
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, layout,
+                             deterministic):
+    shapes = _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal,
+                                             scale=scale, layout=layout,
+                                             deterministic=deterministic)
+    return tuple(x.new_empty(shape) for x, shape in zip((q, k, v), shapes[:3]))
+
+
+def _attention_backward_out_impl(dout, q, k, v, out, lse, causal, scale, layout,
+                                 deterministic, dq, dk, dv):
+    _attention_backward.flash_attention_backward(
+        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
+        deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+
+
+def _attention_backward_out_fake(dout, q, k, v, out, lse, causal, scale, layout,
+                                 deterministic, dq, dk, dv):
+    _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    layout=layout, deterministic=deterministic)
+
+
+_attention_backward_op = _register("flash_attention_backward", _attention_backward_impl,
+                                   _attention_backward_fake)
+_attention_backward_out_op = _register("flash_attention_backward_out",
+                                       _attention_backward_out_impl,
+                                       _attention_backward_out_fake)
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic,
+                             dq, dk, dv, config):
+    """``tilepy.flash_attention_backward`` on PyTorch tensors. It is not itself
+    differentiable (no double backward): a gradient wanted through it is a ``TypeError``."""
+    tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    _no_grad_for("flash_attention_backward", "it has no backward of its own (double "
+                 "backward is not supported)", **tensors)
+    kwargs = dict(causal=causal, scale=scale, layout=layout, deterministic=deterministic)
+    if config is not None:
+        return _eager_only()(_attention_backward.flash_attention_backward, **tensors,
+                             config=config, **kwargs)
+    if _direct(dout, q, k, v, out, lse, dq, dk, dv):
+        res = _attention_backward.flash_attention_backward(dout, q, k, v, out, lse, dq=dq,
+                                                           dk=dk, dv=dv, **kwargs)
+        for given in (dq, dk, dv):
+            _written(None, given)
+        return res
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
+                        f"{deterministic!r}")
+    if scale is not None:
+        scale = _float_arg("flash_attention_backward", "scale", scale)
+    if dq is None and dk is None and dv is None:
+        return _attention_backward_op(dout, q, k, v, out, lse, None, causal, scale, layout,
+                                      deterministic)
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    _attention_backward_out_op(dout, q, k, v, out, lse, causal, scale, layout, deterministic,
+                               dq, dk, dv)
+    return dq, dk, dv
+
+
 api._front = __import__(__name__, fromlist=["_"])   # the fronts' shortcut to this module
 
-__all__ = ["flash_attention", "gemm", "gemm_softmax", "softmax", "softmax_backward"]
+__all__ = ["flash_attention", "flash_attention_backward", "gemm", "gemm_softmax", "softmax", "softmax_backward"]

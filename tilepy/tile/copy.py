@@ -18,7 +18,10 @@ callers (:func:`tilepy.inline.inline_device`):
   64-wide K slab, and an MN-major slab of K rows.
 * :func:`load_a_fragments` / :func:`load_b_fragments` — one warp loads its mma.sync operand
   fragments for one k16 step from a shared tile with ``ldmatrix.x4`` (``.trans`` for a B tile
-  stored k-major).
+  stored k-major); :func:`load_a_fragments_k_major` an A operand stored transposed.
+* :func:`store_accumulators_to_shared` — the reverse trip: a warp's accumulator fragment
+  rounded to 16 bits into a shared tile those loaders read (attention's backward passes dS
+  between warps this way).
 
 Shared tiles are addressed by their 32-bit shared address (``tilepy.ptx.shared_addr``) plus
 byte offsets from :mod:`tilepy.tile.layout`'s swizzle (or the 128-byte one of wgmma). The
@@ -35,6 +38,8 @@ from ..inline import inline_device
 from ..ptx import global_addr
 from ..ptx.cp_async import cp_async_cg_16
 from ..ptx.ldmatrix import ldmatrix_x4, ldmatrix_x4_trans
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.vector import st_shared_b32
 from . import layout
 
 
@@ -477,3 +482,66 @@ def load_b_fragments(ni: int, tile_cols: int, k_major: bool, swizzle: bool = Tru
                 frag[buf, 2 * jj + 1, 1] = b3
 
     return setup, load
+
+
+@functools.cache
+def load_a_fragments_k_major(mi: int, tile_cols: int, swizzle: bool = True):
+    """``(setup, load)`` for one warp's A fragments of one k16 step from a k-major shared tile:
+    (k rows × ``tile_cols`` m-columns), A stored transposed — e.g. ``dSᵀ`` written row-major
+    when the product needs ``dS`` — loaded with ``ldmatrix.x4.trans``. ``setup(row0, lane)``
+    returns this lane's ``(offset, chunk0, xor)`` for the warp's m rows ``row0 …`` (a multiple
+    of 16); ``load(frag, buf, tile_addr, kk, offset, chunk0, xor)`` fills ``frag[buf, i,
+    0..3]`` for the m16 tiles ``i < mi``, k rows ``16·kk … 16·kk+15``: the same fragments
+    :func:`load_a_fragments` gives from the row-major tile."""
+    chunks = tile_cols // 8
+    layout.check_swizzle(chunks, swizzle)
+    mask = _mask_fn(chunks, swizzle)
+    step16 = 16 * chunks * 16
+
+    @inline_device
+    def setup(row0, lane):
+        q = lane // 8
+        krow = (q // 2) * 8 + lane % 8
+        return krow * chunks * 16, row0 // 8 + q % 2, mask(krow)
+
+    @inline_device
+    def load(frag, buf, tile_addr, kk, offset, chunk0, xor):
+        addr = tile_addr + offset + kk * step16
+        for i in range(mi):
+            a0, a1, a2, a3 = ldmatrix_x4_trans(addr + (((chunk0 + 2 * i) ^ xor) << 4))
+            frag[buf, i, 0] = a0
+            frag[buf, i, 1] = a1
+            frag[buf, i, 2] = a2
+            frag[buf, i, 3] = a3
+
+    return setup, load
+
+
+@functools.cache
+def store_accumulators_to_shared(mi: int, ni: int, tile_cols: int, dtype: str,
+                                 swizzle: bool = True):
+    """``store(acc, tile_addr, row0, lane)``: one warp writes its (mi, ni, 4) float32
+    accumulator fragment (m16n8 layout, rows ``row0 + 16 i …``, columns ``8 j …``) rounded to
+    ``dtype`` (float16 / bfloat16) into a row-major shared tile of ``tile_cols`` 16-bit
+    columns, swizzled as :func:`load_a_fragments` / :func:`load_a_fragments_k_major` /
+    :func:`load_b_fragments` of ``tile_cols`` read it. ``row0`` a multiple of 16. Each lane
+    stores its column pairs as 32-bit words; the caller synchronises before others read."""
+    chunks = tile_cols // 8
+    layout.check_swizzle(chunks, swizzle)
+    mask = _mask_fn(chunks, swizzle)
+    row_bytes = chunks * 16
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+
+    @inline_device
+    def store(acc, tile_addr, row0, lane):
+        g = lane // 4
+        t = lane % 4
+        xor = mask(g)    # rows g and g + 8 (+ 16 i) share it: the swizzle has period 8
+        for i in range(mi):
+            for hh in range(2):
+                base = tile_addr + (row0 + 16 * i + g + 8 * hh) * row_bytes + 4 * t
+                for j in range(ni):
+                    st_shared_b32(base + ((j ^ xor) << 4),
+                                  pack(acc[i, j, 2 * hh], acc[i, j, 2 * hh + 1]))
+
+    return store

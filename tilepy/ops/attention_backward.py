@@ -1,0 +1,216 @@
+"""``tilepy.flash_attention_backward``: FlashAttention-2's backward pass on tensor cores.
+
+Validation on the host, then three launches on the inputs' device and the caller's current
+stream (:mod:`tilepy.ops.attention_backward_kernel`): the rows pre-pass, the dK / dV kernel,
+and dQ's conversion (or, ``deterministic=True``, its own kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays
+from ..arrays import describe
+from ..launch import PlanCache
+from . import attention_backward_kernel as bk
+from .attention import _bhsd, _check, _kernel_view, _readable
+from .attention_backward_kernel import BackwardConfig
+
+# GPU: 4 warps of 16 keys (64 keys per block) over query blocks of 64 rows up to head_dim 64,
+# of 16 above (dK and dV take D/2 registers each per thread: at head_dim 128 a 32- or 64-row
+# Sᵀ and dPᵀ beside them spill, offline sm_90); dQ's own kernel 4 warps of 16 rows over 64-key
+# blocks. Simulator: 2 warps, 32 × 32 tiles (several query and key blocks per problem,
+# masked edges).
+GPU_BLOCKS = {64: dict(block_m=64, block_n=64, dq_block_m=64, dq_block_n=64),
+              128: dict(block_m=16, block_n=64, dq_block_m=64, dq_block_n=64)}
+SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
+
+
+def choose_config(head_dim: int, dtype: str) -> BackwardConfig:
+    """The built-in backward config for a head dimension and dtype."""
+    if arrays.SIMULATOR:
+        return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
+    return BackwardConfig(head_dim, dtype=dtype, **GPU_BLOCKS[64 if head_dim <= 64 else 128])
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
+                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
+                             config=None, dlse=None):
+    """Gradients ``(dq, dk, dv)`` of ``out = flash_attention(q, k, v, causal=causal,
+    scale=scale, layout=layout)`` for the output gradient ``dout``.
+
+    * ``q``, ``k``, ``v``, ``causal``, ``scale``, ``layout``: as given to
+      :func:`tilepy.flash_attention` (the same checks: float16 / bfloat16, GQA / MQA,
+      bottom-right causal alignment, any ``seq_q`` / ``seq_k``); ``out`` and ``lse`` what it
+      returned with ``return_lse=True`` — ``lse`` float32 (batch, heads_q, seq_q), natural
+      log, ``-inf`` for a row that sees no key (its gradients are 0). ``dout`` has ``out``'s
+      shape and dtype.
+    * Results in ``q``'s, ``k``'s and ``v``'s shapes, layout and dtype, written into
+      ``dq``, ``dk``, ``dv`` when given (any strides). With grouped-query attention ``dk`` and
+      ``dv`` are summed over each key/value head's query heads.
+    * The FlashAttention-2 algorithm: ``D = rowsum(dout ∘ out)`` first, then one block per key
+      block computing ``dK``, ``dV`` (summed over query blocks and the group's heads in
+      registers) and, by default, ``dQ`` through float32 atomic adds — whose order varies, so
+      the last bits of ``dq`` can differ between runs. ``deterministic=True`` computes ``dQ``
+      in a kernel of its own instead (one block per query block, no atomics: the same bits on
+      every run) at the cost of recomputing ``S`` and ``dP`` there.
+    * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
+      FlashAttention does).
+    * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (its
+      ``head_dim`` and ``dtype`` must match) instead of the built-in choice.
+    * ``dlse``: the loss's gradient in ``lse`` (float32, ``lse``'s shape) when the forward's
+      LSE is used downstream as well as ``out`` (autograd passes it); None: zero.
+    * Array kinds, devices and streams as :func:`tilepy.flash_attention`; errors are raised
+      before anything is launched. A call with the same signature as an earlier one reuses its
+      launch plans.
+    """
+    fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
+    key = (tuple(f for f, _ in fps), causal, scale, layout, deterministic, config)
+    cached, key = _PLANS.lookup(key)
+    if cached is not None:
+        bound, stream, makers = cached
+        ptrs = [p for _, p in fps]
+        results = [dq, dk, dv]
+        for slot, make in makers:   # new outputs the caller did not give, then the scratch
+            arr, p = make()
+            if slot < _SCRATCH0:
+                results[slot - _DQ] = arr
+                ptrs[slot] = p
+            else:
+                ptrs.append(p)
+        s = stream()
+        for plan in bound:
+            plan(s, ptrs)
+        return tuple(results)
+    return _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
+                     config, dlse, key)
+
+
+_PLANS = PlanCache()
+#: The operands of one call in the order bound plans take their pointers: the arguments as
+#: passed, then the float32 scratch (``dq_acc`` only on the atomic path).
+_OPERANDS = ("do", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "dlse", "delta", "lse2",
+             "dq_acc")
+_DQ, _SCRATCH0 = 6, 10
+
+
+def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd",
+                deterministic=False, config=None):
+    """``(dq shape, dk shape, dv shape, dtype name)`` after every check the op makes before
+    launching; reads only metadata (the registered operator's fake implementation)."""
+    (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, layout,
+                                        deterministic, None, None, None, config, None)
+    return Q.shape, K.shape, V.shape, dtype
+
+
+def _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
+              config, dlse):
+    if out is None:
+        raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
+                        "result), got None")
+    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = _check(
+        q, k, v, causal, scale, out, layout, None)
+    dO = describe(dout, "dout", allow_float32=False)
+    if dO.shape != Q.shape or dO.dtype != dtype:
+        raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
+                         f"{dO.shape} {dO.dtype}")
+    if lse is None:
+        raise TypeError("flash_attention_backward needs the forward's lse "
+                        "(flash_attention(..., return_lse=True)), got None")
+    Lse = describe(lse, "lse")
+    if Lse.dtype != "float32" or Lse.shape != (bq, hq, sq):
+        raise ValueError(f"lse must be float32 of shape {(bq, hq, sq)} (batch, heads_q, "
+                         f"seq_q), got {Lse.dtype} {Lse.shape}")
+    dLse = describe(dlse, "dlse") if dlse is not None else None
+    if dLse is not None and (dLse.dtype != "float32" or dLse.shape != Lse.shape):
+        raise ValueError(f"dlse must be float32 of lse's shape {Lse.shape}, got {dLse.dtype} "
+                         f"{dLse.shape}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
+                        f"{deterministic!r}")
+    grads = []
+    for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
+        G = describe(arr, name, allow_float32=False) if arr is not None else None
+        if G is not None and (G.shape != like.shape or G.dtype != dtype):
+            raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
+                             f"{dtype}, got {G.shape} {G.dtype}")
+        grads.append(G)
+    device = arrays.same_device(Q, K, V, Out, dO, Lse, dLse, *grads)
+    if config is not None:
+        if not isinstance(config, BackwardConfig):
+            raise TypeError(f"config must be a tilepy.ops.attention_backward_kernel."
+                            f"BackwardConfig, got {type(config).__name__}")
+        if (config.head_dim, config.dtype) != (d, dtype):
+            raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
+                             f"inputs are head_dim {d} {dtype}")
+    return (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device
+
+
+def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
+              config, dlse, key):
+    (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device = \
+        _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
+                  config, dlse)
+    results, makers = [], []
+    for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
+        if arr is None:
+            make = arrays.allocator(Q, like.shape, dtype)
+            makers.append((_DQ + slot, make))
+            arr, _ = make()
+            G = describe(arr, _OPERANDS[_DQ + slot])
+        results.append((arr, G))
+    cfg = config or choose_config(d, dtype)
+    hk = _bhsd(K.shape, layout)[1]
+    if not (bq and hq and hk and (sq or sk)):
+        return tuple(a for a, _ in results)
+    sqp = bk.row_pad(cfg, sq)
+    scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
+    if not deterministic:
+        scratch.append(("dq_acc", (bq, hq, sqp, d)))
+    ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
+           "dk": results[1][1], "dv": results[2][1]}
+    with arrays.on_device(device):
+        views, reusable = {}, True
+        for name in ("q", "k", "v", "o", "do"):
+            op = ops[name]
+            if not _readable(op):
+                op = ops[name] = describe(arrays.copy_aligned(op), op.name)
+                reusable = False
+            views[name] = _kernel_view(op, layout)
+        for name in ("dq", "dk", "dv"):
+            views[name] = _kernel_view(ops[name], layout)
+        views["lse"] = _kernel_view(Lse, "bhsd")
+        if dLse is not None:
+            views["dlse"] = _kernel_view(dLse, "bhsd")
+            ops["dlse"] = dLse
+        for i, (name, shape) in enumerate(scratch):
+            make = arrays.allocator(Q, shape, "float32")
+            makers.append((_SCRATCH0 + i, make))
+            arr, _ = make()
+            ops[name] = describe(arr, name)
+            views[name] = _kernel_view(ops[name], "bhsd")
+        views["placeholder3"] = arrays.placeholder(3)
+        views["placeholder4"] = arrays.placeholder(4)
+        stream = arrays.stream_handle(Q)
+        plans = bk.plans(cfg, bool(causal), bool(deterministic), views, scale)
+        for plan, args in plans:
+            plan.launch(stream, args)
+    if reusable:
+        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers))
+    return tuple(a for a, _ in results)
+
+
+def _bind(plans, views, ops):
+    """The plans bound to the operands of :data:`_OPERANDS` (a later call passes their
+    pointers): each array argument found by identity among the views; anything else (the
+    placeholder) stays constant."""
+    index = {name: i for i, name in enumerate(_OPERANDS)}
+    by_view = {id(views[name]): name for name in _OPERANDS if name in views}
+    bound = []
+    for plan, args in plans:
+        sources = []
+        for pos in plan.array_positions():
+            name = by_view.get(id(args[pos]))
+            sources.append(None if name is None else (index[name], ops[name].byte_pointer()))
+        bound.append(plan.bind(sources))
+    return bound

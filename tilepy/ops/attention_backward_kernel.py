@@ -1,0 +1,762 @@
+"""FlashAttention-2's backward on mma.sync: a rows pre-pass, a dK / dV kernel, and dQ either
+by atomics from the dK / dV kernel or by a kernel of its own (deterministic).
+
+All arrays are kernel views in (batch, heads, seq, head_dim) order (any strides; the 16-bit
+inputs with a unit-stride head_dim axis and 16-byte aligned rows, which the op checks):
+``q``, ``do_`` (B, Hq, Sq, D), ``k``, ``v`` (B, Hkv, Sk, D), uint16 bits of float16 /
+bfloat16; query head ``h`` uses key/value head ``h // (Hq // Hkv)``. The per-row float32
+arrays ``lse2`` and ``delta`` (B, Hq, SqP) are contiguous, ``SqP`` = Sq rounded up to
+:meth:`BackwardConfig.row_pad` (so the kernels read whole blocks of them with no bound).
+
+1. :func:`rows_prepass` — ``delta[i] = Σ_d dO_id · O_id`` and ``lse2[i] = lse_i · log2(e)``
+   (``+inf`` where ``lse = -inf``, a row that saw no key, and in the padding rows: their
+   probabilities come out 0); with ``zero_dq`` it also zeroes the float32 dQ accumulator.
+2. :func:`dkdv_kernel` — one block per (key block of ``block_n`` keys, key/value head, batch);
+   warp ``w`` owns keys ``16 w …``. K and V stay in shared memory; the block walks every
+   query block (``block_m`` rows) of every query head of its group that sees any of its keys
+   (causal: from the diagonal down), Q, dO, lse2 and delta streaming through a two-stage
+   cp.async pipeline. Per query block, in registers: ``Sᵀ = K Qᵀ``, ``Pᵀ``, ``dV += Pᵀ dO``,
+   ``dPᵀ = V dOᵀ``, ``dSᵀ``, ``dK += dSᵀ Q`` (the :mod:`tilepy.tile.attention_backward`
+   pieces). With ``atomic_dq``: ``dSᵀ`` to shared memory, then the warps split the block's
+   ``dQ += dS K`` by rows and columns and add it to the float32 accumulator with atomics. The
+   group's sums of dK and dV stay in registers: no atomics for them, whatever the GQA ratio.
+3. :func:`dq_kernel` (``deterministic``) — one block per (query block of ``dq_block_m`` rows,
+   query head, batch), warp ``w`` owning rows ``16 w …``, K and V streaming: ``S``, ``P``,
+   ``dP = dO Vᵀ``, ``dS``, ``dQ += dS K`` in registers, one store. The same bits every run.
+4. :func:`dq_convert` (after the atomic path) — the accumulator times ``scale`` to 16 bits.
+
+Causal masking is aligned to the bottom-right corner (query ``i`` sees keys
+``j <= i + Sk - Sq``), as in the forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ..kcache import cached_jit
+from ..launch import GridSplit, LaunchPlan
+from ..ptx import global_addr, shared_addr
+from ..ptx.asm import SIMULATOR
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..ptx.global_vector import ld_global_v4, st_global_v4
+from ..ptx.shuffle import shfl_xor
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
+from ..tile.attention import mask_scores
+from ..tile.attention_backward import (
+    LOG2E,
+    a_fragment,
+    atomic_add_accumulators,
+    mask_transposed,
+    softmax_gradient,
+    store_accumulators,
+)
+from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.copy import (
+    copy_rows_to_shared,
+    load_a_fragments,
+    load_a_fragments_k_major,
+    load_b_fragments,
+    store_accumulators_to_shared,
+)
+from ..tile.mma import _MMA
+from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tile.smem_layout import SmemLayout
+from .attention_kernel import HEAD_DIMS
+
+_ZERO = np.float32(0.0)
+_INF = np.float32(np.inf)
+_NEG_INF = np.float32(-np.inf)
+_ONE = np.float32(1.0)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _swizzles(cols: int) -> bool:
+    chunks = cols // 8
+    return chunks in (1, 2, 4) or chunks % 8 == 0
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """The backward kernels' tiles.
+
+    * dK / dV kernel: ``block_n`` keys per block (16 per warp: ``block_n / 16`` warps),
+      ``block_m`` query rows per step. Shared memory: K and V (``block_n × D`` each), two
+      stages of Q and dO (``block_m × D``) with their lse2 / delta, and with atomic dQ the dS
+      tile (``block_n × block_m``) — :meth:`dkdv_layout`.
+    * dQ kernel (deterministic mode): ``dq_block_m`` query rows per block (16 per warp),
+      ``dq_block_n`` keys per step; Q, dO and two stages of K and V.
+    """
+
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 64
+    dq_block_m: int = 64
+    dq_block_n: int = 64
+    dtype: str = "float16"
+    cc: tuple = (9, 0)
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, f"BackwardConfig.dtype must be one of {DTYPES}, got "
+                 f"{self.dtype!r}")
+        _require(self.head_dim in HEAD_DIMS, f"BackwardConfig.head_dim must be one of "
+                 f"{HEAD_DIMS}, got {self.head_dim!r}")
+        for name in ("block_m", "block_n", "dq_block_m", "dq_block_n"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0 and value % 16 == 0,
+                     f"BackwardConfig.{name}={value!r} is not a positive multiple of 16")
+        _require(self.block_n <= 512 and self.dq_block_m <= 512,
+                 "BackwardConfig: block_n and dq_block_m are 16 rows per warp, at most 32 warps")
+        _require(_swizzles(self.block_m), f"BackwardConfig.block_m={self.block_m}: the dS tile's "
+                 "rows must be 1, 2, 4 or a multiple of 8 chunks of 8 elements")
+        _require(self.warps % self.dq_row_warps == 0,
+                 f"BackwardConfig: block_m={self.block_m} does not split the dQ rows evenly "
+                 f"over {self.warps} warps (block_m / 16 must divide or be a multiple of them)")
+        _require((self.head_dim // 8) % (2 * self.dq_col_warps) == 0,
+                 f"BackwardConfig: block_m={self.block_m}, block_n={self.block_n} split dQ over "
+                 f"{self.dq_col_warps} column groups of warps; head_dim {self.head_dim} does not "
+                 "give each an even number of 8-column tiles")
+        limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
+        for name, nbytes in (("dK/dV", self.dkdv_layout(True).nbytes),
+                             ("dQ", self.dq_smem_bytes)):
+            _require(nbytes <= limit, f"BackwardConfig: the {name} kernel's {nbytes} B of "
+                     f"shared memory exceed the {limit} B a block may use on "
+                     f"sm_{self.cc[0]}{self.cc[1]}")
+
+    @property
+    def warps(self) -> int:
+        """Warps of the dK / dV kernel."""
+        return self.block_n // 16
+
+    @property
+    def dq_warps(self) -> int:
+        return self.dq_block_m // 16
+
+    @property
+    def dq_row_warps(self) -> int:
+        """How the dK / dV kernel's warps split a block's dQ: groups along the rows …"""
+        return min(self.warps, self.block_m // 16)
+
+    @property
+    def dq_col_warps(self) -> int:
+        """… and along head_dim (the rest)."""
+        return max(1, self.warps // self.dq_row_warps)
+
+    @property
+    def swizzle(self) -> bool:
+        """XOR swizzle of the head_dim-wide shared tiles where the row length allows it."""
+        return _swizzles(self.head_dim)
+
+    @property
+    def row_pad(self) -> int:
+        """``lse2`` / ``delta`` / the dQ accumulator have Sq rounded up to this many rows."""
+        return math.lcm(self.block_m, self.dq_block_m)
+
+    def dkdv_layout(self, atomic_dq: bool) -> SmemLayout:
+        D, BM, BN = self.head_dim, self.block_m, self.block_n
+        regions = [("k", BN * D * 2, 128), ("v", BN * D * 2, 128),
+                   ("q", 2 * BM * D * 2, 128), ("do", 2 * BM * D * 2, 128),
+                   ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
+        if atomic_dq:
+            regions.append(("ds", BN * BM * 2, 128))
+        return SmemLayout.of(*regions)
+
+    @property
+    def dq_smem_bytes(self) -> int:
+        D = self.head_dim
+        return 2 * self.dq_block_m * D * 2 + 2 * 2 * self.dq_block_n * D * 2
+
+    def describe(self) -> str:
+        return (f"dK/dV {self.block_n} keys x {self.block_m} queries ({self.warps} warps), "
+                f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_warps} warps), "
+                f"D={self.head_dim} {self.dtype}")
+
+
+def _kernel_jit(threads: int):
+    if SIMULATOR:
+        return cuda.jit
+    return cached_jit(launch_bounds=int(threads))
+
+
+# ---- 1. the rows pre-pass -------------------------------------------------------------------
+
+#: Pre-pass and convert kernels: 8 lanes per row, 16 rows per block of 128 threads.
+ROW_LANES = 8
+ROWS_PER_BLOCK = 16
+ROW_THREADS = ROW_LANES * ROWS_PER_BLOCK
+
+
+@functools.cache
+def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = False):
+    """``kernel(o, do_, lse, dlse, delta, lse2, dq_acc)``; grid ``(SqP / 16, Hq, B)``,
+    :data:`ROW_THREADS` threads. ``lse`` (B, Hq, Sq) float32, any strides; ``dq_acc``
+    (B, Hq, SqP, D) float32 zeroed when ``zero_dq`` (else not read: a placeholder). With
+    ``has_dlse``, ``dlse`` (B, Hq, Sq) float32 is the loss's gradient in the LSE (when the
+    forward's LSE is used downstream): since ``∂lse_i/∂s_ij = P_ij``, it enters as
+    ``delta_i - dlse_i`` (else a placeholder, not read)."""
+    D = head_dim
+    unpack = unpack_f16x2_f32 if dtype == "float16" else unpack_bf16x2_f32
+    ZERO_DQ, HAS_DLSE = bool(zero_dq), bool(has_dlse)
+    L2E = np.float32(LOG2E)
+
+    @_kernel_jit(ROW_THREADS)
+    def kernel(o, do_, lse, dlse, delta, lse2, dq_acc):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % ROW_LANES
+        row = cuda.blockIdx.x * ROWS_PER_BLOCK + tid // ROW_LANES
+        sq = o.shape[2]
+        acc = _ZERO
+        if row < sq:
+            o2 = o[b, h]
+            d2 = do_[b, h]
+            for c in range(8 * lane, D, 8 * ROW_LANES):
+                w = ld_global_v4(o2, row, c)
+                x = ld_global_v4(d2, row, c)
+                for e in range(4):
+                    o0, o1 = unpack(w[e])
+                    x0, x1 = unpack(x[e])
+                    acc += o0 * x0 + o1 * x1
+        acc += shfl_xor(acc, 4)
+        acc += shfl_xor(acc, 2)
+        acc += shfl_xor(acc, 1)
+        if row < delta.shape[2]:
+            if lane == 0:
+                if row < sq:
+                    value = lse[b, h, row]
+                    if HAS_DLSE:
+                        acc -= dlse[b, h, row]
+                    delta[b, h, row] = acc
+                    lse2[b, h, row] = _INF if value == _NEG_INF else value * L2E
+                else:
+                    delta[b, h, row] = _ZERO
+                    lse2[b, h, row] = _INF
+            if ZERO_DQ:
+                z2 = dq_acc[b, h]
+                for c in range(4 * lane, D, 4 * ROW_LANES):
+                    st_global_v4(z2, row, c, _ZERO, _ZERO, _ZERO, _ZERO)
+
+    return kernel
+
+
+@functools.cache
+def dq_convert(head_dim: int, dtype: str):
+    """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``; grid
+    ``(ceil(Sq / 16), Hq, B)``, :data:`ROW_THREADS` threads."""
+    D = head_dim
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+
+    @_kernel_jit(ROW_THREADS)
+    def kernel(dq_acc, dq, scale):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % ROW_LANES
+        row = cuda.blockIdx.x * ROWS_PER_BLOCK + tid // ROW_LANES
+        if row < dq.shape[2]:
+            a2 = dq_acc[b, h]
+            o2 = dq[b, h]
+            for c in range(8 * lane, D, 8 * ROW_LANES):
+                x = ld_global_v4(a2, row, c)
+                y = ld_global_v4(a2, row, c + 4)
+                st_global_v4(o2, row, c, pack(x[0] * scale, x[1] * scale),
+                             pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
+                             pack(y[2] * scale, y[3] * scale))
+
+    return kernel
+
+
+# ---- 2. dK / dV (and dQ by atomics) ----------------------------------------------------------
+
+@functools.cache
+def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)``; grid
+    ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
+    .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
+    ``dq_acc`` (B, Hq, SqP, D) float32, added to with ``atomic_dq`` (else a placeholder)."""
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    W = cfg.warps
+    THREADS = 32 * W
+    NQ = BM // 8        # n8 tiles of Sᵀ (query columns)
+    KQ = BM // 16       # k16 steps over queries (dV, dK)
+    KD = D // 16        # k16 steps over head_dim (Sᵀ, dPᵀ)
+    NO = D // 8         # n8 tiles of dK, dV
+    KN = BN // 16       # k16 steps over keys (dQ)
+    WR, WC = cfg.dq_row_warps, cfg.dq_col_warps
+    MIQ = BM // (16 * WR)
+    # each warp's dQ columns in passes of at most 32 (bounds the registers the atomic part
+    # holds beside dK and dV)
+    NOQ_ALL = NO // WC
+    NOQ = 4 if NOQ_ALL % 4 == 0 else 2
+    PASSES = NOQ_ALL // NOQ
+    SW = cfg.swizzle
+    CAUSAL, ATOMIC = bool(causal), bool(atomic_dq)
+    lay = cfg.dkdv_layout(atomic_dq)
+    K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
+    L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
+    DS_OFF = lay.offset("ds") if atomic_dq else 0
+    Q_TILE = BM * D * 2
+    ROW_BYTES = BM * 4
+
+    mma = _MMA[cfg.dtype]
+    smem = dynamic_shared()
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW)
+    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW)
+    setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)  # BM float32 as 16-bit
+    setup_ka, load_ka = load_a_fragments(1, D, SW)            # K, V rows of the warp
+    setup_qn, load_qn = load_b_fragments(NQ, D, False, SW)    # Q, dO as n = query, k = d
+    setup_qk, load_qk = load_b_fragments(NO, D, True, SW)     # Q, dO as k = query, n = d
+    setup_dsa, load_dsa = load_a_fragments_k_major(MIQ, BM, True)   # dS from the dSᵀ tile
+    setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
+    grad = softmax_gradient(1, NQ, "cols")
+    mask = mask_transposed(1, NQ)
+    afrag = a_fragment(cfg.dtype)
+    store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
+    store = store_accumulators(1, NO, cfg.dtype)
+    add_dq = atomic_add_accumulators(MIQ, NOQ)
+
+    @_kernel_jit(THREADS)
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        b = cuda.blockIdx.z
+        hk = cuda.blockIdx.y
+        group = q.shape[1] // k.shape[1]
+        key0 = cuda.blockIdx.x * BN
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        shift = sk - sq
+
+        # query blocks that see any key of this block: causal, from the diagonal down
+        n_qb = (sq + BM - 1) // BM
+        qb0 = 0
+        if CAUSAL:
+            qb0 = min(max(key0 - shift, 0) // BM, n_qb)
+        per_head = n_qb - qb0
+        steps = group * per_head
+
+        dk_acc = cuda.local.array((1, NO, 4), np.float32)
+        dv_acc = cuda.local.array((1, NO, 4), np.float32)
+        for j in range(NO):
+            for e in range(4):
+                dk_acc[0, j, e] = _ZERO
+                dv_acc[0, j, e] = _ZERO
+
+        if steps > 0:
+            base = shared_addr(smem(), 0)
+            k_tile = base + K_OFF
+            v_tile = base + V_OFF
+            ks = k.strides[2]
+            vs = v.strides[2]
+            qs = q.strides[2]
+            ds_ = do_.strides[2]
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (b, hk, key0, 0))), ks, tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, key0, 0))), vs, tid)
+            issue_kv(k_tile, 0, k0, ksh, kr, kc, ks, sk - key0)
+            issue_kv(v_tile, 0, v0, vsh, vr, vc, vs, sk - key0)
+            hq0 = hk * group
+            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (b, hq0, 0, 0))), qs, tid)
+            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (b, hq0, 0, 0))), ds_, tid)
+            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
+            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+            hstep_q = q.strides[1]
+            hstep_d = do_.strides[1]
+            hstep_r = lse2.strides[1]
+
+            # step 0's Q, dO, lse2, delta in the same group as K and V
+            row = qb0 * BM
+            issue_q(base + Q_OFF, row * qs, q0, qsh, qr, qc, qs, sq - row)
+            issue_q(base + DO_OFF, row * ds_, d0, dsh, dr, dc, ds_, sq - row)
+            issue_r(base + L_OFF, row * 4, l0, lsh, lr, lc, 0, 1)
+            issue_r(base + DL_OFF, row * 4, e0, esh, er, ec, 0, 1)
+            cp_async_commit_group()
+
+            ka_off, ka_x = setup_ka(warp * 16, lane)
+            qn_off, qn_x, qn_u = setup_qn(0, lane)
+            qk_off, qk_c, qk_x = setup_qk(0, lane)
+            ka_frag = cuda.local.array((1, 1, 4), np.uint32)
+            qn_frag = cuda.local.array((1, NQ, 2), np.uint32)
+            qk_frag = cuda.local.array((1, NO, 2), np.uint32)
+            st = cuda.local.array((1, NQ, 4), np.float32)
+            dpt = cuda.local.array((1, NQ, 4), np.float32)
+            if ATOMIC:
+                wr = warp % WR
+                wc = warp // WR
+                dsa_off, dsa_c, dsa_x = setup_dsa(wr * 16 * MIQ, lane)
+                kk_off, kk_c, kk_x = setup_kk(wc * 8 * NOQ_ALL, lane)
+                dsa_frag = cuda.local.array((1, MIQ, 4), np.uint32)
+                kk_frag = cuda.local.array((1, NOQ, 2), np.uint32)
+                dq_part = cuda.local.array((MIQ, NOQ, 4), np.float32)
+            my_key = key0 + warp * 16 + g
+
+            for n in range(steps):
+                cp_async_wait_group(0)   # step n's tiles (and K, V) have landed …
+                cuda.syncthreads()       # … for all; the other stage and dS are free
+                hq = hq0 + n // per_head
+                row = (qb0 + n % per_head) * BM
+                if n + 1 < steps:
+                    nh = (n + 1) // per_head
+                    nrow = (qb0 + (n + 1) % per_head) * BM
+                    so = ((n + 1) % 2)
+                    issue_q(base + Q_OFF + so * Q_TILE, nh * hstep_q + nrow * qs,
+                            q0, qsh, qr, qc, qs, sq - nrow)
+                    issue_q(base + DO_OFF + so * Q_TILE, nh * hstep_d + nrow * ds_,
+                            d0, dsh, dr, dc, ds_, sq - nrow)
+                    issue_r(base + L_OFF + so * ROW_BYTES, nh * hstep_r + nrow * 4,
+                            l0, lsh, lr, lc, 0, 1)
+                    issue_r(base + DL_OFF + so * ROW_BYTES, nh * hstep_r + nrow * 4,
+                            e0, esh, er, ec, 0, 1)
+                cp_async_commit_group()
+                sgo = n % 2
+                q_tile = base + Q_OFF + sgo * Q_TILE
+                do_tile = base + DO_OFF + sgo * Q_TILE
+                l_addr = base + L_OFF + sgo * ROW_BYTES
+                d_addr = base + DL_OFF + sgo * ROW_BYTES
+
+                # Sᵀ = K · Qᵀ (this warp's 16 keys × BM queries)
+                for j in range(NQ):
+                    for e in range(4):
+                        st[0, j, e] = _ZERO
+                        dpt[0, j, e] = _ZERO
+                for kk in range(KD):
+                    load_ka(ka_frag, 0, k_tile, kk, ka_off, ka_x)
+                    load_qn(qn_frag, 0, q_tile, kk, qn_off, qn_x, qn_u)
+                    for j in range(NQ):
+                        st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3] = mma(
+                            ka_frag[0, 0, 0], ka_frag[0, 0, 1], ka_frag[0, 0, 2],
+                            ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
+                            st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
+                if CAUSAL:
+                    # a query block starting left of the diagonal of the block's last key
+                    if row + shift < key0 + BN - 1:
+                        mask(st, my_key - shift - (row + 2 * t))
+                grad.probabilities(st, l_addr, scale_log2, t)
+
+                # dV += Pᵀ · dO
+                for kk in range(KQ):
+                    p0, p1, p2, p3 = afrag(st, 0, kk)
+                    load_qk(qk_frag, 0, do_tile, kk, qk_off, qk_c, qk_x)
+                    for j in range(NO):
+                        dv_acc[0, j, 0], dv_acc[0, j, 1], dv_acc[0, j, 2], dv_acc[0, j, 3] = mma(
+                            p0, p1, p2, p3, qk_frag[0, j, 0], qk_frag[0, j, 1],
+                            dv_acc[0, j, 0], dv_acc[0, j, 1], dv_acc[0, j, 2], dv_acc[0, j, 3])
+
+                # dPᵀ = V · dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ - delta)
+                for kk in range(KD):
+                    load_ka(ka_frag, 0, v_tile, kk, ka_off, ka_x)
+                    load_qn(qn_frag, 0, do_tile, kk, qn_off, qn_x, qn_u)
+                    for j in range(NQ):
+                        dpt[0, j, 0], dpt[0, j, 1], dpt[0, j, 2], dpt[0, j, 3] = mma(
+                            ka_frag[0, 0, 0], ka_frag[0, 0, 1], ka_frag[0, 0, 2],
+                            ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
+                            dpt[0, j, 0], dpt[0, j, 1], dpt[0, j, 2], dpt[0, j, 3])
+                grad.gradients(dpt, st, d_addr, t)
+
+                # dK += dSᵀ · Q
+                for kk in range(KQ):
+                    p0, p1, p2, p3 = afrag(dpt, 0, kk)
+                    load_qk(qk_frag, 0, q_tile, kk, qk_off, qk_c, qk_x)
+                    for j in range(NO):
+                        dk_acc[0, j, 0], dk_acc[0, j, 1], dk_acc[0, j, 2], dk_acc[0, j, 3] = mma(
+                            p0, p1, p2, p3, qk_frag[0, j, 0], qk_frag[0, j, 1],
+                            dk_acc[0, j, 0], dk_acc[0, j, 1], dk_acc[0, j, 2], dk_acc[0, j, 3])
+
+                if ATOMIC:
+                    # dQ += dS · K: dSᵀ through shared memory, the warps split (rows, cols)
+                    store_ds(dpt, base + DS_OFF, warp * 16, lane)
+                    cuda.syncthreads()
+                    for cp in range(PASSES):
+                        for i in range(MIQ):
+                            for j in range(NOQ):
+                                for e in range(4):
+                                    dq_part[i, j, e] = _ZERO
+                        for kk in range(KN):
+                            load_dsa(dsa_frag, 0, base + DS_OFF, kk, dsa_off, dsa_c, dsa_x)
+                            load_kk(kk_frag, 0, k_tile, kk, kk_off, kk_c + cp * NOQ, kk_x)
+                            for i in range(MIQ):
+                                for j in range(NOQ):
+                                    (dq_part[i, j, 0], dq_part[i, j, 1], dq_part[i, j, 2],
+                                     dq_part[i, j, 3]) = mma(
+                                        dsa_frag[0, i, 0], dsa_frag[0, i, 1],
+                                        dsa_frag[0, i, 2], dsa_frag[0, i, 3],
+                                        kk_frag[0, j, 0], kk_frag[0, j, 1],
+                                        dq_part[i, j, 0], dq_part[i, j, 1], dq_part[i, j, 2],
+                                        dq_part[i, j, 3])
+                        add_dq(dq_part, dq_acc[b, hq], row + wr * 16 * MIQ,
+                               (wc * NOQ_ALL + cp * NOQ) * 8, sq, g, t)
+
+        store(dk_acc, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
+        store(dv_acc, dv[b, hk], key0 + warp * 16, sk, _ONE, g, t)
+
+    return kernel
+
+
+# ---- 3. dQ alone (deterministic) -----------------------------------------------------------
+
+@functools.cache
+def dq_kernel(cfg: BackwardConfig, causal: bool):
+    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)``; grid
+    ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
+    of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides."""
+    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
+    THREADS = 32 * cfg.dq_warps
+    KD = D // 16
+    NS = BN // 8
+    KN = BN // 16
+    NO = D // 8
+    SW = cfg.swizzle
+    CAUSAL = bool(causal)
+    Q_TILE = BM * D * 2
+    KV_TILE = BN * D * 2
+    KV_OFF = 2 * Q_TILE
+    STAGE = 2 * KV_TILE
+
+    mma = _MMA[cfg.dtype]
+    smem = dynamic_shared()
+    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW)
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW)
+    setup_a, load_a = load_a_fragments(1, D, SW)              # Q, dO rows of the warp
+    setup_kn, load_kn = load_b_fragments(NS, D, False, SW)    # K, V as n = key, k = d
+    setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
+    grad = softmax_gradient(1, NS, "rows")
+    mask = mask_scores(1, NS)
+    afrag = a_fragment(cfg.dtype)
+    store = store_accumulators(1, NO, cfg.dtype)
+
+    @_kernel_jit(THREADS)
+    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        hk = h // (q.shape[1] // k.shape[1])
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        row0 = cuda.blockIdx.x * BM
+        wrow = row0 + warp * 16
+        shift = sk - sq
+        if CAUSAL:
+            last = min(sk, min(row0 + BM, sq) + shift) - 1
+            n_kb = last // BN + 1 if last >= 0 else 0
+            all_see = min(sk, row0 + shift + 1) - 1
+        else:
+            n_kb = (sk + BN - 1) // BN
+            all_see = sk - 1
+
+        acc = cuda.local.array((1, NO, 4), np.float32)
+        for j in range(NO):
+            for e in range(4):
+                acc[0, j, e] = _ZERO
+        l2 = cuda.local.array((1, 2), np.float32)
+        dl = cuda.local.array((1, 2), np.float32)
+        limit = cuda.local.array((1, 2), np.int64)
+        for hh in range(2):
+            r = wrow + g + 8 * hh
+            l2[0, hh] = lse2[b, h, r]
+            dl[0, hh] = delta[b, h, r]
+            limit[0, hh] = (min(sk, r + shift + 1) - 1) if CAUSAL else sk - 1
+
+        if n_kb > 0:
+            base = shared_addr(smem(), 0)
+            kv_base = base + KV_OFF
+            qs = q.strides[2]
+            ds_ = do_.strides[2]
+            ks = k.strides[2]
+            vs = v.strides[2]
+            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (b, h, row0, 0))), qs, tid)
+            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (b, h, row0, 0))), ds_, tid)
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (b, hk, 0, 0))), ks, tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, 0, 0))), vs, tid)
+            issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
+            issue_q(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
+            issue_kv(kv_base, 0, k0, ksh, kr, kc, ks, sk)
+            issue_kv(kv_base + KV_TILE, 0, v0, vsh, vr, vc, vs, sk)
+            cp_async_commit_group()
+
+            a_off, a_x = setup_a(warp * 16, lane)
+            kn_off, kn_x, kn_u = setup_kn(0, lane)
+            kk_off, kk_c, kk_x = setup_kk(0, lane)
+            a_frag = cuda.local.array((1, 1, 4), np.uint32)
+            kn_frag = cuda.local.array((1, NS, 2), np.uint32)
+            kk_frag = cuda.local.array((1, NO, 2), np.uint32)
+            s = cuda.local.array((1, NS, 4), np.float32)
+            dp = cuda.local.array((1, NS, 4), np.float32)
+
+            for kb in range(n_kb):
+                cp_async_wait_group(0)
+                cuda.syncthreads()
+                if kb + 1 < n_kb:
+                    nxt = kv_base + ((kb + 1) % 2) * STAGE
+                    left = sk - (kb + 1) * BN
+                    issue_kv(nxt, (kb + 1) * BN * ks, k0, ksh, kr, kc, ks, left)
+                    issue_kv(nxt + KV_TILE, (kb + 1) * BN * vs, v0, vsh, vr, vc, vs, left)
+                cp_async_commit_group()
+                k_tile = kv_base + (kb % 2) * STAGE
+                v_tile = k_tile + KV_TILE
+
+                for j in range(NS):
+                    for e in range(4):
+                        s[0, j, e] = _ZERO
+                        dp[0, j, e] = _ZERO
+                for kk in range(KD):
+                    load_a(a_frag, 0, base, kk, a_off, a_x)
+                    load_kn(kn_frag, 0, k_tile, kk, kn_off, kn_x, kn_u)
+                    for j in range(NS):
+                        s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3] = mma(
+                            a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
+                            kn_frag[0, j, 0], kn_frag[0, j, 1],
+                            s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
+                if CAUSAL and (kb + 1) * BN - 1 > all_see:
+                    mask(s, limit, kb * BN + 2 * t)
+                grad.probabilities(s, l2, scale_log2)
+                for kk in range(KD):
+                    load_a(a_frag, 0, base + Q_TILE, kk, a_off, a_x)
+                    load_kn(kn_frag, 0, v_tile, kk, kn_off, kn_x, kn_u)
+                    for j in range(NS):
+                        dp[0, j, 0], dp[0, j, 1], dp[0, j, 2], dp[0, j, 3] = mma(
+                            a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
+                            kn_frag[0, j, 0], kn_frag[0, j, 1],
+                            dp[0, j, 0], dp[0, j, 1], dp[0, j, 2], dp[0, j, 3])
+                grad.gradients(dp, s, dl)
+                for kk in range(KN):
+                    p0, p1, p2, p3 = afrag(dp, 0, kk)
+                    load_kk(kk_frag, 0, k_tile, kk, kk_off, kk_c, kk_x)
+                    for j in range(NO):
+                        acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3] = mma(
+                            p0, p1, p2, p3, kk_frag[0, j, 0], kk_frag[0, j, 1],
+                            acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3])
+
+        store(acc, dq[b, h], wrow, sq, scale, g, t)
+
+    return kernel
+
+
+# ---- plans ---------------------------------------------------------------------------------
+
+def row_pad(cfg: BackwardConfig, seq_q: int) -> int:
+    """Sq rounded up to the config's :attr:`~BackwardConfig.row_pad`."""
+    p = cfg.row_pad
+    return -(-seq_q // p) * p
+
+
+def _split(q_like, k_like, group: int, by_kv: bool):
+    """GridSplit entries for a grid over heads (y) and batch (z): ``q_like`` / ``k_like``
+    the argument positions indexed by query / key-value head; ``by_kv``: one block per
+    key/value head (the dK / dV kernel), else per query head."""
+    out = []
+    for arg in q_like:
+        out.append(GridSplit(1, arg, 1, per_block=group) if by_kv else GridSplit(1, arg, 1))
+    for arg in k_like:
+        out.append(GridSplit(1, arg, 1) if by_kv else GridSplit(1, arg, 1, group=group))
+    return tuple(out) + tuple(GridSplit(2, arg, 0) for arg in (*q_like, *k_like))
+
+
+def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float):
+    """The launch plans of one backward call, in order, as ``[(plan, args)]``. ``views``: the
+    kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
+    (arguments a kernel does not read), optionally ``dlse`` and, unless ``deterministic``,
+    ``dq_acc`` (float32 (B, Hq, SqP, D))."""
+    q, k, v = views["q"], views["k"], views["v"]
+    batch, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = hq // hk
+    sqp = views["delta"].shape[2]
+    atomic = not deterministic
+    scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
+    dq_acc = views["dq_acc"] if atomic else views["placeholder4"]
+    out = []
+
+    dlse = views.get("dlse")
+    pre = rows_prepass(d, cfg.dtype, atomic, dlse is not None)
+    args = (views["o"], views["do"], views["lse"],
+            views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
+            dq_acc)
+    out.append((LaunchPlan(pre, args, (sqp // ROWS_PER_BLOCK, hq, batch), ROW_THREADS,
+                           split=_split(range(7), (), 1, False)), args))
+
+    kern = dkdv_kernel(cfg, causal, atomic)
+    args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
+            dq_acc, scale32, slog2)
+    smem = cfg.dkdv_layout(atomic).nbytes
+    allow_dynamic_shared(kern, args, smem)
+    out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), 32 * cfg.warps, smem,
+                           split=_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+
+    if atomic:
+        conv = dq_convert(d, cfg.dtype)
+        args = (dq_acc, views["dq"], scale32)
+        out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, batch), ROW_THREADS,
+                               split=_split((0, 1), (), 1, False)), args))
+    else:
+        kern = dq_kernel(cfg, causal)
+        args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2)
+        allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
+        out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
+                               32 * cfg.dq_warps, cfg.dq_smem_bytes,
+                               split=_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+    return out
+
+
+def argtypes(kind: str):
+    """Numba argument types of a backward kernel (offline compilation): ``kind`` one of
+    ``dkdv``, ``dq``, ``prepass``, ``convert``."""
+    from numba import types
+
+    u16 = types.Array(types.uint16, 4, "A")
+    f4 = types.Array(types.float32, 4, "A")
+    f3 = types.Array(types.float32, 3, "A")
+    f32 = types.float32
+    return {"dkdv": (u16, u16, u16, u16, f3, f3, u16, u16, f4, f32, f32),
+            "dq": (u16, u16, u16, u16, f3, f3, u16, f32, f32),
+            "prepass": (u16, u16, f3, f3, f3, f3, f4),
+            "convert": (f4, u16, f32)}[kind]
+
+
+#: The kernels the compile layer reports on: (name, kind, config, causal, atomic).
+COMPILED = (
+    ("bwd_dkdv_d64_f16", "dkdv", BackwardConfig(64), False, True),
+    ("bwd_dkdv_d64_f16_causal", "dkdv", BackwardConfig(64), True, True),
+    ("bwd_dkdv_d128_f16", "dkdv", BackwardConfig(128, block_m=32), False, True),
+    ("bwd_dkdv_d128_bf16_causal_det", "dkdv", BackwardConfig(128, block_m=32,
+                                                             dtype="bfloat16"), True, False),
+    ("bwd_dq_d128_f16_causal", "dq", BackwardConfig(128), True, False),
+    ("bwd_dq_d64_f16", "dq", BackwardConfig(64), False, False),
+)
+
+
+def compile_reports(only=None):
+    """Offline sm_90 reports (registers, spills, instruction counts) of :data:`COMPILED`.
+
+    Run with the simulator off: ``tilepy.offline.run_in_subprocess(
+    "tilepy.ops.attention_backward_kernel:compile_reports")``."""
+    from ..offline import report_entry
+
+    def build(kind, cfg, causal, atomic):
+        return dkdv_kernel(cfg, causal, atomic) if kind == "dkdv" else dq_kernel(cfg, causal)
+
+    out = []
+    for name, kind, cfg, causal, atomic in COMPILED:
+        if only is not None and name not in only:
+            continue
+        threads = 32 * (cfg.warps if kind == "dkdv" else cfg.dq_warps)
+        smem = cfg.dkdv_layout(atomic).nbytes if kind == "dkdv" else cfg.dq_smem_bytes
+        out.append(report_entry(name, lambda kind=kind, cfg=cfg, causal=causal, atomic=atomic:
+                                build(kind, cfg, causal, atomic), argtypes(kind), (9, 0),
+                                threads=threads, config=cfg.describe(), causal=causal,
+                                smem_bytes=smem))
+    return out

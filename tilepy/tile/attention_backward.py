@@ -1,0 +1,199 @@
+"""The pieces of attention's backward pass, as device-function generators.
+
+FlashAttention-2's backward recomputes each block of probabilities from the forward's
+log-sum-exp instead of storing them. Per query row ``i`` and key ``j`` (``s = q_i · k_j``):
+
+* ``P_ij = exp(scale · s_ij - lse_i) = exp2(scale_log2 · s_ij - lse2_i)`` with
+  ``lse2 = lse · log2(e)``; a row that sees no key has ``lse = -inf`` and gets ``lse2 = +inf``
+  (every ``P`` of it 0, never ``exp(+inf)``) — the rows pre-pass writes that;
+* ``dP = dO · Vᵀ``, ``D_i = Σ_d dO_id · O_id`` (the same pre-pass), and
+  ``dS_ij = P_ij · (dP_ij - D_i)``;
+* ``dV = Pᵀ · dO``, ``dK = scale · dSᵀ · Q``, ``dQ = scale · dS · K``.
+
+Fragments are mma.sync accumulators in the m16n8 layout (:mod:`tilepy.ptx.fragments`): a
+float32 local array (mi, ns, 4), lane ``4g + t`` holding rows ``16 i + g`` (entries 0, 1) and
+``16 i + g + 8`` (entries 2, 3), columns ``8 j + 2 t`` and ``8 j + 2 t + 1``. A kernel that
+walks query rows per warp (the dQ kernel) has the query index along the rows (``by="rows"``:
+the per-row ``lse2`` / ``D`` are two values per lane in registers); one that walks keys per warp
+(the dK / dV kernel) computes ``Sᵀ = K · Qᵀ`` with the query index along the columns
+(``by="cols"``: ``lse2`` / ``D`` read from shared memory per column pair).
+
+Generators (each cached on its arguments):
+
+* :func:`softmax_gradient` — ``probabilities`` (S → P in place) and ``gradients``
+  (dP → dS in place);
+* :func:`mask_transposed` — the causal mask of a transposed score block (rows = keys);
+* :func:`a_fragment` — an accumulator fragment rounded to 16 bits as the A operand of the next
+  product (P or dS straight from registers);
+* :func:`store_accumulators` / :func:`atomic_add_accumulators` — a fragment, scaled, to a 2-D
+  global view (16-bit stores, or float32 atomic adds: dQ's reduction over key blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from ..inline import device_namespace, inline_device
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx
+from ..ptx.vector import ld_shared_v2_f32
+from .config import DTYPES
+
+_NEG_INF = np.float32(-np.inf)
+
+#: log2(e): ``lse2 = lse · LOG2E``.
+LOG2E = 1.4426950408889634
+
+
+def _pack(dtype: str):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+
+
+@functools.cache
+def softmax_gradient(mi: int, ns: int, by: str):
+    """The softmax part of the backward on one lane's (mi, ns, 4) fragments.
+
+    ``by="rows"`` (query rows along the fragment's rows):
+
+    * ``probabilities(s, lse2, scale_log2)``: ``s ← exp2(scale_log2 · s - lse2[i, h])``;
+      ``lse2`` a (mi, 2) float32 local array, the lane's rows ``16 i + g + 8 h``;
+    * ``gradients(dp, p, delta)``: ``dp ← p · (dp - delta[i, h])``.
+
+    ``by="cols"`` (queries along the columns, as in ``Sᵀ``): the same with ``lse2`` and ``delta``
+    the 32-bit shared addresses of the block's per-query float32 values at column 0 (read two
+    adjacent columns at a time, 8-byte aligned) and ``t`` the lane's column pair:
+    ``probabilities(s, lse2_addr, scale_log2, t)``, ``gradients(dp, p, delta_addr, t)``.
+
+    Returns a namespace (``grad.probabilities(...)``)."""
+    if by not in ("rows", "cols"):
+        raise ValueError(f"softmax_gradient: by must be 'rows' or 'cols', got {by!r}")
+    if by == "rows":
+        @inline_device
+        def probabilities(s, lse2, scale_log2):
+            for i in range(mi):
+                for j in range(ns):
+                    for e in range(4):
+                        s[i, j, e] = ex2_approx(s[i, j, e] * scale_log2 - lse2[i, e // 2])
+
+        @inline_device
+        def gradients(dp, p, delta):
+            for i in range(mi):
+                for j in range(ns):
+                    for e in range(4):
+                        dp[i, j, e] = p[i, j, e] * (dp[i, j, e] - delta[i, e // 2])
+    else:
+        @inline_device
+        def probabilities(s, lse2_addr, scale_log2, t):
+            for j in range(ns):
+                l0, l1 = ld_shared_v2_f32(lse2_addr + 4 * (8 * j + 2 * t))
+                for i in range(mi):
+                    s[i, j, 0] = ex2_approx(s[i, j, 0] * scale_log2 - l0)
+                    s[i, j, 1] = ex2_approx(s[i, j, 1] * scale_log2 - l1)
+                    s[i, j, 2] = ex2_approx(s[i, j, 2] * scale_log2 - l0)
+                    s[i, j, 3] = ex2_approx(s[i, j, 3] * scale_log2 - l1)
+
+        @inline_device
+        def gradients(dp, p, delta_addr, t):
+            for j in range(ns):
+                d0, d1 = ld_shared_v2_f32(delta_addr + 4 * (8 * j + 2 * t))
+                for i in range(mi):
+                    dp[i, j, 0] = p[i, j, 0] * (dp[i, j, 0] - d0)
+                    dp[i, j, 1] = p[i, j, 1] * (dp[i, j, 1] - d1)
+                    dp[i, j, 2] = p[i, j, 2] * (dp[i, j, 2] - d0)
+                    dp[i, j, 3] = p[i, j, 3] * (dp[i, j, 3] - d1)
+
+    return device_namespace(f"softmax_gradient_{mi}x{ns}_{by}", probabilities=probabilities,
+                            gradients=gradients, BY=by)
+
+
+@functools.cache
+def mask_transposed(mi: int, ns: int):
+    """``mask(s, first)``: causal masking of a transposed score block ``Sᵀ`` (rows = keys,
+    columns = queries): key ``k`` is seen by query ``i`` iff ``i >= k - shift``. ``first``: for
+    the lane's key row ``16·0 + g`` of the fragment, the first visible query relative to the
+    lane's column 0 (``key - shift - query0``, with ``query0`` the query of column ``2t``);
+    rows ``16 i + 8 h`` further down have it ``16 i + 8 h`` later. Entries left of it become
+    -inf (``P = 0``). 32-bit compares, clamped to the block."""
+    lo, hi = np.int64(0), np.int64(8 * ns)
+
+    @inline_device
+    def mask(s, first):
+        for i in range(mi):
+            for hh in range(2):
+                rel = np.int32(min(max(first + 16 * i + 8 * hh, lo), hi))
+                for j in range(ns):
+                    if np.int32(8 * j) < rel:
+                        s[i, j, 2 * hh] = _NEG_INF
+                    if np.int32(8 * j + 1) < rel:
+                        s[i, j, 2 * hh + 1] = _NEG_INF
+
+    return mask
+
+
+@functools.cache
+def a_fragment(dtype: str):
+    """``pack(acc, i, kk) -> (a0, a1, a2, a3)``: m16 tile ``i`` of a float32 accumulator
+    fragment, columns ``16 kk … 16 kk + 15`` (its n8 tiles ``2 kk`` and ``2 kk + 1``), rounded
+    to ``dtype`` as the A operand of an m16n8k16 product: the accumulator and A layouts agree,
+    so no exchange between lanes is needed."""
+    pack = _pack(dtype)
+
+    @inline_device
+    def a(acc, i, kk):
+        return (pack(acc[i, 2 * kk, 0], acc[i, 2 * kk, 1]),
+                pack(acc[i, 2 * kk, 2], acc[i, 2 * kk, 3]),
+                pack(acc[i, 2 * kk + 1, 0], acc[i, 2 * kk + 1, 1]),
+                pack(acc[i, 2 * kk + 1, 2], acc[i, 2 * kk + 1, 3]))
+
+    return a
+
+
+@functools.cache
+def store_accumulators(mi: int, no: int, dtype: str):
+    """``store(acc, out2, rows0, nrows, scale, g, t)``: ``scale · acc`` ((mi, no, 4) float32)
+    rounded to ``dtype`` into the 2-D uint16 view ``out2`` (rows ``rows0 + 16 i + g + 8 h``,
+    columns ``8 j + 2 t`` and ``+1``); rows at or past ``nrows`` are skipped."""
+    pack = _pack(dtype)
+
+    @inline_device
+    def store(acc, out2, rows0, nrows, scale, g, t):
+        for i in range(mi):
+            for hh in range(2):
+                r = rows0 + 16 * i + g + 8 * hh
+                if r < nrows:
+                    for j in range(no):
+                        c = 8 * j + 2 * t
+                        word = pack(acc[i, j, 2 * hh] * scale, acc[i, j, 2 * hh + 1] * scale)
+                        out2[r, c] = word & 0xFFFF
+                        out2[r, c + 1] = word >> 16
+
+    return store
+
+
+@functools.cache
+def atomic_add_accumulators(mi: int, no: int):
+    """``add(acc, dst2, rows0, col0, nrows)``: ``dst2[r, c] += acc`` for the lane's entries
+    (rows ``rows0 + 16 i + g + 8 h`` below ``nrows``, columns ``col0 + 8 j + 2 t`` and ``+1``)
+    with float32 atomic adds (their order, so the last bits of the sums, varies between runs).
+    ``dst2`` a 2-D float32 view; ``g``, ``t`` from the lane."""
+
+    @inline_device
+    def add(acc, dst2, rows0, col0, nrows, g, t):
+        for i in range(mi):
+            for hh in range(2):
+                r = rows0 + 16 * i + g + 8 * hh
+                if r < nrows:
+                    for j in range(no):
+                        c = col0 + 8 * j + 2 * t
+                        cuda.atomic.add(dst2, (r, c), acc[i, j, 2 * hh])
+                        cuda.atomic.add(dst2, (r, c + 1), acc[i, j, 2 * hh + 1])
+
+    return add
+
+
+__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "mask_transposed",
+           "softmax_gradient", "store_accumulators"]
