@@ -55,7 +55,8 @@ def test_every_op_is_registered_and_import_does_not_load_torch():
     for name in ("gemm", "gemm_out", "softmax", "log_softmax", "softmax_out",
                  "log_softmax_out", "softmax_backward", "log_softmax_backward",
                  "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
-                 "gemm_softmax_out", "flash_attention", "flash_attention_out"):
+                 "gemm_softmax_out", "flash_attention", "flash_attention_out",
+                 "flash_attention_backward", "flash_attention_backward_out"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -197,18 +198,49 @@ def _attention_reference(q, k, v, causal, scale):
     return torch.nan_to_num(torch.softmax(s, -1)) @ v
 
 
-def test_flash_attention_operator_and_missing_backward():
-    q, k, v = rand(1, 4, 19, 64), rand(1, 2, 23, 64), rand(1, 2, 23, 64)
+def test_flash_attention_operator_and_gradients_against_float64():
+    q, k, v = rand(1, 4, 19, 32), rand(1, 2, 23, 32), rand(1, 2, 23, 32)
     out, lse = torch.ops.tilepy.flash_attention(q, k, v, True, None, True, "bhsd")
-    close(out, _attention_reference(q, k, v, True, 1 / 8), torch.float16)
+    close(out, _attention_reference(q, k, v, True, 32 ** -0.5), torch.float16)
     assert lse.shape == (1, 4, 19) and lse.dtype == torch.float32
     torch.library.opcheck(torch.ops.tilepy.flash_attention.default,
                           (q, k, v, False, 0.2, False, "bhsd"))
-    qg = q.clone().requires_grad_()
-    o = tilepy.flash_attention(qg, k, v, causal=True)
-    assert o.grad_fn is not None
-    with pytest.raises(NotImplementedError, match="no backward pass yet"):
-        o.float().sum().backward()
+    # (batch, seq, heads, dim), GQA 4 / 2, causal with seq_q < seq_k
+    ins = [rand(1, 19, 4, 32, grad=True), rand(1, 23, 2, 32, grad=True),
+           rand(1, 23, 2, 32, grad=True)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, causal=True, layout="bshd"),
+                lambda q, k, v: _attention_reference(*(x.transpose(1, 2) for x in (q, k, v)),
+                                                     True, 32 ** -0.5).transpose(1, 2),
+                ins, torch.float16)
+
+
+def test_flash_attention_lse_gradient_and_backward_operator():
+    """The LSE used downstream as well as the output: its gradient enters the backward."""
+    q, k, v = (rand(1, 2, n, 16, grad=True) for n in (21, 17, 17))
+    out, lse = tilepy.flash_attention(q, k, v, scale=0.3, return_lse=True)
+    dy = torch.randn(out.shape, dtype=torch.float64)
+    ((out.double() * dy).sum() + lse.double().square().sum()).backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    s = 0.3 * ref[0] @ ref[1].mT
+    ((torch.softmax(s, -1) @ ref[2] * dy).sum() + torch.logsumexp(s, -1).square().sum()
+     ).backward()
+    for x, r in zip((q, k, v), ref):
+        close(x.grad, r.grad, torch.float16, "gradient with the LSE used")
+    do = rand(1, 2, 21, 16)
+    o, l = (t.detach() for t in tilepy.flash_attention(q, k, v, causal=True, return_lse=True))
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_backward.default,
+                          (do, q.detach(), k.detach(), v.detach(), o, l, None, True, None,
+                           "bhsd", False))
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    got = tilepy.flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o, l,
+                                          causal=True, dq=dq, dk=dk, dv=dv)
+    assert all(g is w for g, w in zip(got, (dq, dk, dv)))
+    want = torch.ops.tilepy.flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o,
+                                                     l, None, True, None, "bhsd", False)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    with pytest.raises(TypeError, match="double backward"):
+        tilepy.flash_attention_backward(do.requires_grad_(), q, k, v, o, l)
 
 
 # ---- torch.compile ------------------------------------------------------------------------
@@ -243,19 +275,23 @@ def test_compile_fullgraph_inference_has_one_graph():
 
 def test_compile_fullgraph_training_step_matches_eager_gradients():
     torch._dynamo.reset()
-    x = rand(19, 24)
-    w1, b1, w2 = rand(24, 32, grad=True), rand(32, grad=True), rand(32, 16, grad=True)
+    x = rand(19, 32)
+    w1, b1, w2 = rand(32, 32, grad=True), rand(32, grad=True), rand(32, 16, grad=True)
 
     def loss(x, w1, b1, w2):
         h = tilepy.gemm(x, w1, bias=b1, activation="silu")
-        return tilepy.softmax(tilepy.gemm(h, w2).float(), -1)[:, 0].sum()
+        a = tilepy.flash_attention(h.view(1, 19, 2, 16), h.view(1, 19, 2, 16),
+                                   h.view(1, 19, 2, 16), causal=True, layout="bshd")
+        return tilepy.softmax(tilepy.gemm(a.reshape(19, 32), w2).float(), -1)[:, 0].sum()
 
     loss(x, w1, b1, w2).backward()
     eager = [p.grad.clone() for p in (w1, b1, w2)]
     for p in (w1, b1, w2):
         p.grad = None
-    compiled = torch.compile(loss, fullgraph=True, backend=_counting_backend())
+    backend = _counting_backend()
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
     compiled(x, w1, b1, w2).backward()
+    assert backend.frame_count == 1
     for p, g in zip((w1, b1, w2), eager):
         assert torch.equal(p.grad, g)
 

@@ -17,12 +17,13 @@ from .attention import _bhsd, _check, _kernel_view, _readable
 from .attention_backward_kernel import BackwardConfig
 
 # GPU: 4 warps of 16 keys (64 keys per block) over query blocks of 64 rows up to head_dim 64,
-# of 16 above (dK and dV take D/2 registers each per thread: at head_dim 128 a 32- or 64-row
-# Sᵀ and dPᵀ beside them spill, offline sm_90); dQ's own kernel 4 warps of 16 rows over 64-key
-# blocks. Simulator: 2 warps, 32 × 32 tiles (several query and key blocks per problem,
-# masked edges).
+# of 32 above; dQ's own kernel 4 warps of 16 rows over 64-key blocks. The fastest of
+# bench/probe_attention_backward.py's grid on the H200 (bench/NOTES.md: attention backward);
+# at head_dim 128 it spills 24 B (dK and dV hold D/2 registers each per thread), and 16-row
+# steps that do not spill were slower. Simulator: 2 warps, 32 × 32 tiles (several query and
+# key blocks per problem, masked edges).
 GPU_BLOCKS = {64: dict(block_m=64, block_n=64, dq_block_m=64, dq_block_n=64),
-              128: dict(block_m=16, block_n=64, dq_block_m=64, dq_block_n=64)}
+              128: dict(block_m=32, block_n=64, dq_block_m=64, dq_block_n=64)}
 SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 
 
@@ -50,10 +51,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       ``dv`` are summed over each key/value head's query heads.
     * The FlashAttention-2 algorithm: ``D = rowsum(dout ∘ out)`` first, then one block per key
       block computing ``dK``, ``dV`` (summed over query blocks and the group's heads in
-      registers) and, by default, ``dQ`` through float32 atomic adds — whose order varies, so
-      the last bits of ``dq`` can differ between runs. ``deterministic=True`` computes ``dQ``
-      in a kernel of its own instead (one block per query block, no atomics: the same bits on
-      every run) at the cost of recomputing ``S`` and ``dP`` there.
+      registers), and ``dQ`` in a kernel of its own (one block per query block, recomputing
+      ``S`` and ``dP``). No atomics: the same bits on every run, so ``deterministic=True``
+      costs nothing. A config with ``dq_atomic=True`` takes dQ through float32 atomic adds
+      from the dK / dV kernel instead (their order varies, so the last bits of ``dq`` can
+      differ between runs) unless ``deterministic=True``; on the H200 that is slower.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (its
@@ -70,17 +72,19 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     if cached is not None:
         bound, stream, makers = cached
         ptrs = [p for _, p in fps]
-        results = [dq, dk, dv]
+        results, scratch = [dq, dk, dv], []
         for slot, make in makers:   # new outputs the caller did not give, then the scratch
             arr, p = make()
             if slot < _SCRATCH0:
                 results[slot - _DQ] = arr
                 ptrs[slot] = p
             else:
-                ptrs.append(p)
+                scratch.append(arr)   # alive until the launches are queued (stream-ordered
+                ptrs.append(p)        # allocators may reuse it after that, not before)
         s = stream()
         for plan in bound:
             plan(s, ptrs)
+        del scratch
         return tuple(results)
     return _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
                      config, dlse, key)
@@ -165,7 +169,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         return tuple(a for a, _ in results)
     sqp = bk.row_pad(cfg, sq)
     scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
-    if not deterministic:
+    if bk.uses_atomics(cfg, deterministic):
         scratch.append(("dq_acc", (bq, hq, sqp, d)))
     ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
            "dk": results[1][1], "dv": results[2][1]}

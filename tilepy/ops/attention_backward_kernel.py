@@ -1,5 +1,5 @@
-"""FlashAttention-2's backward on mma.sync: a rows pre-pass, a dK / dV kernel, and dQ either
-by atomics from the dK / dV kernel or by a kernel of its own (deterministic).
+"""FlashAttention-2's backward on mma.sync: a rows pre-pass, a dK / dV kernel, and dQ by a
+kernel of its own (no atomics: deterministic) or by atomics from the dK / dV kernel.
 
 All arrays are kernel views in (batch, heads, seq, head_dim) order (any strides; the 16-bit
 inputs with a unit-stride head_dim axis and 16-byte aligned rows, which the op checks):
@@ -20,7 +20,7 @@ arrays ``lse2`` and ``delta`` (B, Hq, SqP) are contiguous, ``SqP`` = Sq rounded 
    pieces). With ``atomic_dq``: ``dSᵀ`` to shared memory, then the warps split the block's
    ``dQ += dS K`` by rows and columns and add it to the float32 accumulator with atomics. The
    group's sums of dK and dV stay in registers: no atomics for them, whatever the GQA ratio.
-3. :func:`dq_kernel` (``deterministic``) — one block per (query block of ``dq_block_m`` rows,
+3. :func:`dq_kernel` (the default) — one block per (query block of ``dq_block_m`` rows,
    query head, batch), warp ``w`` owning rows ``16 w …``, K and V streaming: ``S``, ``P``,
    ``dP = dO Vᵀ``, ``dS``, ``dQ += dS K`` in registers, one store. The same bits every run.
 4. :func:`dq_convert` (after the atomic path) — the accumulator times ``scale`` to 16 bits.
@@ -92,8 +92,12 @@ class BackwardConfig:
       ``block_m`` query rows per step. Shared memory: K and V (``block_n × D`` each), two
       stages of Q and dO (``block_m × D``) with their lse2 / delta, and with atomic dQ the dS
       tile (``block_n × block_m``) — :meth:`dkdv_layout`.
-    * dQ kernel (deterministic mode): ``dq_block_m`` query rows per block (16 per warp),
-      ``dq_block_n`` keys per step; Q, dO and two stages of K and V.
+    * dQ kernel: ``dq_block_m`` query rows per block (16 per warp), ``dq_block_n`` keys per
+      step; Q, dO and two stages of K and V.
+    * ``dq_atomic``: dQ by float32 atomics from the dK / dV kernel (then converted) instead of
+      the dQ kernel, where ``deterministic`` is not asked for. Off by default: on the H200 the
+      atomics cost more than the dQ kernel's recomputation (bench/NOTES.md: attention
+      backward).
     """
 
     head_dim: int
@@ -103,8 +107,11 @@ class BackwardConfig:
     dq_block_n: int = 64
     dtype: str = "float16"
     cc: tuple = (9, 0)
+    dq_atomic: bool = False
 
     def __post_init__(self):
+        _require(isinstance(self.dq_atomic, bool), f"BackwardConfig.dq_atomic must be a bool, "
+                 f"got {self.dq_atomic!r}")
         _require(self.dtype in DTYPES, f"BackwardConfig.dtype must be one of {DTYPES}, got "
                  f"{self.dtype!r}")
         _require(self.head_dim in HEAD_DIMS, f"BackwardConfig.head_dim must be one of "
@@ -175,9 +182,10 @@ class BackwardConfig:
         return 2 * self.dq_block_m * D * 2 + 2 * 2 * self.dq_block_n * D * 2
 
     def describe(self) -> str:
+        dq = "atomics" if self.dq_atomic else f"{self.dq_block_m} x {self.dq_block_n} " \
+            f"({self.dq_warps} warps)"
         return (f"dK/dV {self.block_n} keys x {self.block_m} queries ({self.warps} warps), "
-                f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_warps} warps), "
-                f"D={self.head_dim} {self.dtype}")
+                f"dQ {dq}, D={self.head_dim} {self.dtype}")
 
 
 def _kernel_jit(threads: int):
@@ -503,7 +511,7 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
     return kernel
 
 
-# ---- 3. dQ alone (deterministic) -----------------------------------------------------------
+# ---- 3. dQ alone (no atomics) --------------------------------------------------------------
 
 @functools.cache
 def dq_kernel(cfg: BackwardConfig, causal: bool):
@@ -666,17 +674,23 @@ def _split(q_like, k_like, group: int, by_kv: bool):
     return tuple(out) + tuple(GridSplit(2, arg, 0) for arg in (*q_like, *k_like))
 
 
+def uses_atomics(cfg: BackwardConfig, deterministic: bool) -> bool:
+    """Whether a call takes dQ through atomics (and needs the float32 accumulator)."""
+    return cfg.dq_atomic and not deterministic
+
+
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float):
-    """The launch plans of one backward call, in order, as ``[(plan, args)]``. ``views``: the
+    """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
+    nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
-    (arguments a kernel does not read), optionally ``dlse`` and, unless ``deterministic``,
-    ``dq_acc`` (float32 (B, Hq, SqP, D))."""
+    (arguments a kernel does not read), optionally ``dlse`` and, when
+    :func:`uses_atomics`, ``dq_acc`` (float32 (B, Hq, SqP, D))."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = hq // hk
     sqp = views["delta"].shape[2]
-    atomic = not deterministic
+    atomic = uses_atomics(cfg, deterministic)
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
     dq_acc = views["dq_acc"] if atomic else views["placeholder4"]
     out = []
@@ -709,7 +723,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
         out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
                                32 * cfg.dq_warps, cfg.dq_smem_bytes,
                                split=_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
-    return out
+    return [(p, a) for p, a in out if p.grid[0] > 0]   # no rows or no keys: nothing to do
 
 
 def argtypes(kind: str):
@@ -729,9 +743,9 @@ def argtypes(kind: str):
 
 #: The kernels the compile layer reports on: (name, kind, config, causal, atomic).
 COMPILED = (
-    ("bwd_dkdv_d64_f16", "dkdv", BackwardConfig(64), False, True),
-    ("bwd_dkdv_d64_f16_causal", "dkdv", BackwardConfig(64), True, True),
-    ("bwd_dkdv_d128_f16", "dkdv", BackwardConfig(128, block_m=32), False, True),
+    ("bwd_dkdv_d64_f16", "dkdv", BackwardConfig(64), False, False),
+    ("bwd_dkdv_d64_f16_causal_atomic", "dkdv", BackwardConfig(64), True, True),
+    ("bwd_dkdv_d128_f16", "dkdv", BackwardConfig(128, block_m=32), False, False),
     ("bwd_dkdv_d128_bf16_causal_det", "dkdv", BackwardConfig(128, block_m=32,
                                                              dtype="bfloat16"), True, False),
     ("bwd_dq_d128_f16_causal", "dq", BackwardConfig(128), True, False),

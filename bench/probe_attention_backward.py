@@ -1,0 +1,117 @@
+"""Probe: tilepy.flash_attention_backward's configs against SDPA's backward (cuDNN and
+FlashAttention-2 backends), one process, GPU time only (CUDA events, median of 10 after a
+warm-up; no L2 flush: the inputs are hundreds of MB). Checks each config's gradients against
+SDPA's (float32 from the same inputs) first. A probe for choosing configs, not the benchmark
+(``bench/test_bench_attention_backward.py``).
+
+    python bench/probe_attention_backward.py --json OUT.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def timed(torch, fn, repeat=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    import tilepy
+    from tilepy.ops.attention_backward_kernel import BackwardConfig
+
+    shapes = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (8, 16, 2048, 64, False),
+              (8, 16, 2048, 64, True)]
+    if args.quick:
+        shapes = shapes[:1] + shapes[2:3]
+    grids = {128: [(16, 64), (16, 128), (32, 32), (32, 64)], 64: [(64, 64), (32, 64), (64, 128),
+                                                                 (32, 128)]}
+    rows = []
+    for shape in shapes:
+        rows += one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids,
+                          *shape)
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
+                   "flops": "2.5 * 4 * B * H * S^2 * D (halved causal)"}, f, indent=1)
+    return 0 if all("error" not in r and not r.get("nan") for r in rows) else 1
+
+
+def one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids, b, h, s, d,
+              causal):
+    rows = []
+    if True:
+        torch.manual_seed(0)
+        q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+                       for _ in range(4))
+        flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+        out, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True)
+        peers = {}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("fa2", SDPBackend.FLASH_ATTENTION)):
+            qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            try:
+                with sdpa_kernel(backend):
+                    o = sdpa(qq, kk, vv, is_causal=causal)
+                    ms = timed(torch, lambda: torch.autograd.grad(o, (qq, kk, vv), do,
+                                                                  retain_graph=True))
+                peers[name] = ms
+            except Exception as e:  # noqa: BLE001
+                peers[name] = f"refused: {type(e).__name__}: {str(e)[:100]}"
+        qq, kk, vv = (x.detach().float().requires_grad_() for x in (q, k, v))
+        with sdpa_kernel(SDPBackend.MATH):
+            o = sdpa(qq, kk, vv, is_causal=causal)
+        ref = torch.autograd.grad(o, (qq, kk, vv), do.float())
+        dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+        for bm, bn in grids[d]:
+            for det in (False, True):
+                cfg = BackwardConfig(d, block_m=bm, block_n=bn)
+                row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=bm, block_n=bn,
+                           deterministic=det, peers_ms=peers)
+                try:
+                    def run():
+                        tilepy.flash_attention_backward(do, q, k, v, out, lse, causal=causal,
+                                                        deterministic=det, dq=dq, dk=dk, dv=dv,
+                                                        config=cfg)
+                    run()
+                    torch.cuda.synchronize()
+                    if ref is not None:
+                        row["err"] = [float((g.float() - r).abs().max() / r.abs().max())
+                                      for g, r in zip((dq, dk, dv), ref)]
+                    row["nan"] = any(bool(torch.isnan(g).any()) for g in (dq, dk, dv))
+                    ms = timed(torch, run)
+                    row.update(ms=ms, tflops=flops / ms / 1e9,
+                               ratio_cudnn=(peers["cudnn"] / ms
+                                            if isinstance(peers["cudnn"], float) else None),
+                               ratio_fa2=(peers["fa2"] / ms
+                                          if isinstance(peers["fa2"], float) else None))
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""tilepy.flash_attention_backward in the simulator (NumPy arrays) against a float64 NumPy
+derivation of FlashAttention's gradients: odd lengths, seq_q != seq_k both ways, rows that see
+no key, GQA 6/2 and 6/1, causal and not, both layouts and dtypes, dQ by its own kernel and by
+atomics, identical bits on repeated deterministic runs, poisoned outputs, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tilepy.ops.attention import flash_attention
+from tilepy.ops.attention_backward import choose_config, flash_attention_backward
+from tilepy.ops.attention_backward_kernel import BackwardConfig
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+pytestmark = pytest.mark.sim
+
+DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+TOL = {"float16": 4e-3, "bfloat16": 3e-2}
+
+
+def f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def reference(q, k, v, do, causal, scale):
+    """float64 (out, dq, dk, dv) of FlashAttention for (B, H, S, D) arrays: bottom-right
+    causal alignment, rows that see no key give zero output and zero gradients, GQA's dk / dv
+    summed over each key/value head's query heads."""
+    q, k, v, do = map(f64, (q, k, v, do))
+    b, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = hq // hk
+    kk, vv = np.repeat(k, group, 1), np.repeat(v, group, 1)
+    s = scale * q @ kk.transpose(0, 1, 3, 2)
+    if causal:
+        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(keep, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    seen = np.isfinite(m)
+    e = np.exp(s - np.where(seen, m, 0))
+    p = np.where(seen, e / np.where(seen, e.sum(-1, keepdims=True), 1), 0)
+    out = p @ vv
+    dp = do @ vv.transpose(0, 1, 3, 2)
+    ds = p * (dp - (do * out).sum(-1, keepdims=True))
+    dq = scale * ds @ kk
+    dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(b, hk, group, sk, d).sum(2)
+    dv = (p.transpose(0, 1, 3, 2) @ do).reshape(b, hk, group, sk, d).sum(2)
+    return out, dq, dk, dv
+
+
+def bshd(x):
+    return np.ascontiguousarray(np.swapaxes(x, 1, 2))
+
+
+def close(got, want, dtype, what):
+    got = f64(got)
+    assert not np.isnan(got).any(), f"{what}: NaN"
+    err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-6)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]}"
+
+
+def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=0, **kw):
+    rng = np.random.default_rng(seed)
+    dt = DTYPES[dtype]
+    q, do = (rng.standard_normal((b, hq, sq, d)).astype(dt) for _ in range(2))
+    k, v = (rng.standard_normal((b, hk, sk, d)).astype(dt) for _ in range(2))
+    scale = d ** -0.5
+    _, rq, rk, rv = reference(q, k, v, do, causal, scale)
+    args = (q, k, v, do) if layout == "bhsd" else tuple(map(bshd, (q, k, v, do)))
+    out, lse = flash_attention(*args[:3], causal=causal, return_lse=True, layout=layout)
+    poisoned = [np.full_like(x, np.nan) for x in args[:3]]
+    got = flash_attention_backward(args[3], *args[:3], out, lse, causal=causal, layout=layout,
+                                   dq=poisoned[0], dk=poisoned[1], dv=poisoned[2], **kw)
+    assert all(g is p for g, p in zip(got, poisoned))
+    if layout == "bshd":
+        got = tuple(np.swapaxes(g, 1, 2) for g in got)
+    for name, g, want in zip(("dq", "dk", "dv"), got, (rq, rk, rv)):
+        close(g, want, dtype, name)
+    return args, out, lse, got
+
+
+@pytest.mark.parametrize("b, hq, hk, sq, sk, d, causal, dtype, layout", [
+    (1, 2, 1, 40, 50, 32, False, "float16", "bhsd"),     # seq_q < seq_k, GQA 2/1
+    (1, 2, 2, 50, 37, 32, True, "bfloat16", "bshd"),     # seq_q > seq_k: rows see no key
+    (1, 6, 2, 33, 47, 16, True, "float16", "bhsd"),      # GQA 6/2
+    (2, 6, 1, 19, 24, 16, False, "bfloat16", "bhsd"),    # MQA 6/1, two batches
+    (1, 1, 1, 21, 70, 64, True, "float16", "bshd"),      # head_dim 64, several key blocks
+])
+def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
+    run_case(b, hq, hk, sq, sk, d, causal, dtype, layout)
+
+
+def test_dq_by_atomics():
+    cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
+                         dq_block_n=32, dq_atomic=True)
+    run_case(1, 4, 2, 45, 70, 32, True, config=cfg)
+
+
+def test_rows_without_keys_get_zero_gradients_and_bits_repeat():
+    """Whole query blocks that see no key (seq_q well past seq_k, causal): dq exactly 0 there;
+    two deterministic runs give the same bits."""
+    args, out, lse, got = run_case(1, 2, 1, 70, 20, 16, True, deterministic=True, seed=3)
+    assert np.all(f64(got[0])[:, :, :50] == 0)
+    again = flash_attention_backward(args[3], *args[:3], out, lse, causal=True,
+                                     deterministic=True)
+    for g, h in zip(got, again):
+        assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(h).view(np.uint16))
+
+
+def test_empty_key_sequence_and_cached_plan():
+    rng = np.random.default_rng(1)
+    q, do = (rng.standard_normal((1, 1, 17, 16)).astype(np.float16) for _ in range(2))
+    k = v = np.zeros((1, 1, 0, 16), np.float16)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse)
+    assert dk.shape == (1, 1, 0, 16) and np.all(f64(dq) == 0)
+    # the same signature again, new contents: the cached plan with new pointers
+    k2, v2 = (rng.standard_normal((1, 1, 23, 16)).astype(np.float16) for _ in range(2))
+    for seed in (4, 5):
+        q2 = np.random.default_rng(seed).standard_normal((1, 1, 17, 16)).astype(np.float16)
+        o2, l2 = flash_attention(q2, k2, v2, return_lse=True)
+        got = flash_attention_backward(do, q2, k2, v2, o2, l2)
+        for name, g, want in zip(("dq", "dk", "dv"), got,
+                                 reference(q2, k2, v2, do, False, 0.25)[1:]):
+            close(g, want, "float16", f"{name} (seed {seed})")
+
+
+def test_config_choice_and_checks():
+    assert choose_config(64, "float16").head_dim == 64
+    with pytest.raises(ValueError, match="multiple of 16"):
+        BackwardConfig(64, block_m=24)
+    with pytest.raises(ValueError, match="head_dim"):
+        BackwardConfig(40)
+
+
+def test_bad_input_is_named():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((1, 2, 9, 16)).astype(np.float16)
+    out, lse = flash_attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="dout must have q's shape"):
+        flash_attention_backward(q[:, :1], q, q, q, out, lse)
+    with pytest.raises(ValueError, match="lse must be float32 of shape"):
+        flash_attention_backward(q, q, q, q, out, lse[:, :, :4])
+    with pytest.raises(TypeError, match="needs the forward's lse"):
+        flash_attention_backward(q, q, q, q, out, None)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attention_backward(q, q, q, q, out, lse, deterministic=1)
+    with pytest.raises(ValueError, match="dk must have k's shape"):
+        flash_attention_backward(q, q, q, q, out, lse, dk=q[:, :1])
+    with pytest.raises(ValueError, match="config is for head_dim 32"):
+        flash_attention_backward(q, q, q, q, out, lse, config=BackwardConfig(32))
+    with pytest.raises(ValueError, match="out must have shape"):
+        flash_attention_backward(q, q, q, q, out[:, :1], lse)
