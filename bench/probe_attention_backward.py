@@ -40,13 +40,23 @@ def main():
 
     import tilepy
     from tilepy.ops.attention_backward_kernel import BackwardConfig
+    from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
     shapes = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (8, 16, 2048, 64, False),
               (8, 16, 2048, 64, True)]
     if args.quick:
         shapes = shapes[:1] + shapes[2:3]
-    grids = {128: [(16, 64), (16, 128), (32, 32), (32, 64)], 64: [(64, 64), (32, 64), (64, 128),
-                                                                 (32, 128)]}
+    ws = WgmmaBackwardConfig
+    grids = {128: [BackwardConfig(128, block_m=32, block_n=64),
+                   ws(128, block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
+                   ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
+                   ws(128, block_m=32, key_groups=2, dq_groups=1, dq_block_n=64),
+                   ws(128, block_m=64, key_groups=2, dq_groups=2, dq_block_n=128)],
+             64: [BackwardConfig(64, block_m=64, block_n=64),
+                  ws(64, block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
+                  ws(64, block_m=128, key_groups=2, dq_groups=2, dq_block_n=128),
+                  ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
+                  ws(64, block_m=64, key_groups=3, dq_groups=3, dq_block_n=64)]}
     rows = []
     for shape in shapes:
         rows += one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids,
@@ -84,10 +94,9 @@ def one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grid
             o = sdpa(qq, kk, vv, is_causal=causal)
         ref = torch.autograd.grad(o, (qq, kk, vv), do.float())
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-        for bm, bn in grids[d]:
-            for det in (False, True):
-                cfg = BackwardConfig(d, block_m=bm, block_n=bn)
-                row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=bm, block_n=bn,
+        for cfg in grids[d]:
+            for det in (False,):
+                row = dict(b=b, h=h, s=s, d=d, causal=causal, config=cfg.describe(),
                            deterministic=det, peers_ms=peers)
                 try:
                     def run():

@@ -141,8 +141,9 @@ def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **option
 def report_entry(name, build, argtypes, cc=(9, 0), *, threads, **info) -> dict:
     """Compile the kernel ``build()`` returns for ``argtypes`` (launch bounds ``threads``) and
     return ``info`` plus its report as a dict (registers, spills, instruction counts, ex2 and
-    f64 instruction counts, compile seconds), or plus ``error`` when building or compiling
-    raised — reported per kernel so one failure does not hide the others."""
+    f64 instruction counts, ptxas's notes on wgmma — C75xx: serialised wgmmas, injected waits
+    — and compile seconds), or plus ``error`` when building or compiling raised — reported
+    per kernel so one failure does not hide the others."""
     import time
 
     entry = dict(info, name=name, threads=threads)
@@ -157,6 +158,7 @@ def report_entry(name, build, argtypes, cc=(9, 0), *, threads, **info) -> dict:
                  local_bytes=rep.local_bytes, counts=rep.counts,
                  ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE)),
                  f64=len(re.findall(r"^\s*\w+(\.\w+)*\.f64\b", rep.ptx, re.MULTILINE)),
+                 ptxas_wgmma_notes=re.findall(r"\(C75\d\d\)[^\n]*", rep.ptxas_log),
                  compile_seconds=time.perf_counter() - t0)
     return entry
 

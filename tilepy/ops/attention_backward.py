@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from . import attention_backward_kernel as bk
+from . import attention_backward_wgmma as bw
 from .attention import _bhsd, _check, _kernel_view, _readable
 from .attention_backward_kernel import BackwardConfig
+from .attention_backward_wgmma import WgmmaBackwardConfig
 
 # GPU: 4 warps of 16 keys (64 keys per block) over query blocks of 64 rows up to head_dim 64,
 # of 32 above; dQ's own kernel 4 warps of 16 rows over 64-key blocks. The fastest of
@@ -27,10 +29,19 @@ GPU_BLOCKS = {64: dict(block_m=64, block_n=64, dq_block_m=64, dq_block_n=64),
 SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 
 
-def choose_config(head_dim: int, dtype: str) -> BackwardConfig:
-    """The built-in backward config for a head dimension and dtype."""
+#: Hopper (sm_90), head_dim 64 and 128: the wgmma kernels' config fields by head_dim.
+HOPPER_CHOICE = {64: dict(block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
+                 128: dict(block_m=64, key_groups=2, dq_groups=2, dq_block_n=64)}
+
+
+def choose_config(head_dim: int, dtype: str):
+    """The built-in backward config for a head dimension and dtype on the current device: the
+    wgmma kernels' on a compute capability 9.0 GPU for head_dim 64 and 128
+    (:data:`HOPPER_CHOICE`), else the mma.sync kernels' (simulator: small tiles)."""
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
+    if head_dim in bw.HEAD_DIMS and launch.is_hopper():
+        return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
     return BackwardConfig(head_dim, dtype=dtype, **GPU_BLOCKS[64 if head_dim <= 64 else 128])
 
 
@@ -58,7 +69,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       differ between runs) unless ``deterministic=True``; on the H200 that is slower.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
-    * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (its
+    * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
+      or :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` (Hopper; its
       ``head_dim`` and ``dtype`` must match) instead of the built-in choice.
     * ``dlse``: the loss's gradient in ``lse`` (float32, ``lse``'s shape) when the forward's
       LSE is used downstream as well as ``out`` (autograd passes it); None: zero.
@@ -141,9 +153,10 @@ def _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         grads.append(G)
     device = arrays.same_device(Q, K, V, Out, dO, Lse, dLse, *grads)
     if config is not None:
-        if not isinstance(config, BackwardConfig):
+        if not isinstance(config, (BackwardConfig, WgmmaBackwardConfig)):
             raise TypeError(f"config must be a tilepy.ops.attention_backward_kernel."
-                            f"BackwardConfig, got {type(config).__name__}")
+                            f"BackwardConfig (mma.sync) or a tilepy.ops.attention_backward_"
+                            f"wgmma.WgmmaBackwardConfig (Hopper), got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
@@ -196,7 +209,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        plans = bk.plans(cfg, bool(causal), bool(deterministic), views, scale)
+        gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
+        plans = gen.plans(cfg, bool(causal), bool(deterministic), views, scale)
         for plan, args in plans:
             plan.launch(stream, args)
     if reusable:

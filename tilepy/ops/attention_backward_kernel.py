@@ -674,9 +674,22 @@ def _split(q_like, k_like, group: int, by_kv: bool):
     return tuple(out) + tuple(GridSplit(2, arg, 0) for arg in (*q_like, *k_like))
 
 
-def uses_atomics(cfg: BackwardConfig, deterministic: bool) -> bool:
+def uses_atomics(cfg, deterministic: bool) -> bool:
     """Whether a call takes dQ through atomics (and needs the float32 accumulator)."""
-    return cfg.dq_atomic and not deterministic
+    return getattr(cfg, "dq_atomic", False) and not deterministic
+
+
+def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
+    """``(plan, args)`` of the rows pre-pass for :func:`plans`' ``views`` (``atomic``: it
+    also zeroes ``dq_acc``)."""
+    batch, hq, _, d = views["q"].shape
+    dlse = views.get("dlse")
+    pre = rows_prepass(d, dtype, atomic, dlse is not None)
+    args = (views["o"], views["do"], views["lse"],
+            views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
+            views["dq_acc"] if atomic else views["placeholder4"])
+    return (LaunchPlan(pre, args, (sqp // ROWS_PER_BLOCK, hq, batch), ROW_THREADS,
+                       split=_split(range(7), (), 1, False)), args)
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float):
@@ -695,13 +708,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     dq_acc = views["dq_acc"] if atomic else views["placeholder4"]
     out = []
 
-    dlse = views.get("dlse")
-    pre = rows_prepass(d, cfg.dtype, atomic, dlse is not None)
-    args = (views["o"], views["do"], views["lse"],
-            views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
-            dq_acc)
-    out.append((LaunchPlan(pre, args, (sqp // ROWS_PER_BLOCK, hq, batch), ROW_THREADS,
-                           split=_split(range(7), (), 1, False)), args))
+    out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
 
     kern = dkdv_kernel(cfg, causal, atomic)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],

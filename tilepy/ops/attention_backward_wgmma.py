@@ -1,0 +1,494 @@
+"""FlashAttention-2's backward on Hopper warpgroup MMA (sm_90): the dK / dV and dQ kernels of
+:mod:`tilepy.ops.attention_backward_kernel` with every product on wgmma.
+
+The same algorithm, arrays and launch order as the mma.sync kernels (the rows pre-pass is
+shared); what changes is who multiplies:
+
+* :func:`dkdv_kernel` — ``key_groups`` consumer warpgroups of 64 keys each (``block_n = 64 ·
+  key_groups`` keys per block). Per query block of ``block_m`` rows, each warpgroup issues
+  ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A = its K / V rows from shared memory, B = the Q / dO
+  tile read K-major), then ``dV += Pᵀ dO`` and ``dK += dSᵀ Q`` with A from registers (``Pᵀ``
+  and ``dSᵀ`` rounded to 16 bits straight from the accumulators) and B the same Q / dO tiles
+  read MN-major. Q, dO, lse2 and delta stream through two cp.async stages; one block barrier
+  per query block.
+* :func:`dq_kernel` — ``dq_groups`` warpgroups of 64 query rows each; per key block of
+  ``dq_block_n`` keys ``S = Q Kᵀ``, ``dP = dO Vᵀ`` (A from shared memory), then ``dQ += dS K``
+  with A = ``dS`` from registers and B the K tile read MN-major. K and V stream through two
+  cp.async stages.
+
+Shared tiles are 128-byte-swizzled 64-column boxes (:func:`tilepy.tile.copy.
+copy_rows_to_shared_128b`): a (rows × D) tile is at once the K-major operand with K = D and the
+MN-major one with N = D (:class:`tilepy.tile.warpgroup_mma.SmemOperand`), so one copy of Q, dO
+and K serves both kinds of product. Head dims 64 and 128.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ..launch import LaunchPlan
+from ..ptx import global_addr, shared_addr
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..tile.attention import mask_scores
+from ..tile.attention_backward import (
+    LOG2E,
+    a_fragment,
+    mask_transposed,
+    softmax_gradient,
+    store_accumulators,
+)
+from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.copy import copy_rows_to_shared, copy_rows_to_shared_128b
+from ..tile.online_softmax import accumulator_fragment
+from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tile.smem_layout import SmemLayout
+from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
+from . import attention_backward_kernel as bk
+
+#: Head dims of the wgmma kernels (whole 64-element boxes of the 128-byte swizzle).
+HEAD_DIMS = (64, 128)
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class WgmmaBackwardConfig:
+    """The wgmma backward kernels' tiles: the dK / dV kernel has ``key_groups`` warpgroups of
+    64 keys and steps of ``block_m`` query rows; the dQ kernel ``dq_groups`` warpgroups of 64
+    query rows and steps of ``dq_block_n`` keys."""
+
+    head_dim: int
+    block_m: int = 64
+    key_groups: int = 2
+    dq_groups: int = 2
+    dq_block_n: int = 64
+    dtype: str = "float16"
+    cc: tuple = (9, 0)
+
+    def __post_init__(self):
+        _require(self.dtype in DTYPES, f"WgmmaBackwardConfig.dtype must be one of {DTYPES}, "
+                 f"got {self.dtype!r}")
+        _require(self.head_dim in HEAD_DIMS, f"WgmmaBackwardConfig.head_dim must be one of "
+                 f"{HEAD_DIMS}, got {self.head_dim!r}")
+        for name in ("block_m", "dq_block_n"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and 16 <= value <= 256 and value % 16 == 0,
+                     f"WgmmaBackwardConfig.{name}={value!r} is not a multiple of 16 in 16 … 256")
+        for name in ("key_groups", "dq_groups"):
+            _require(getattr(self, name) in (1, 2, 3), f"WgmmaBackwardConfig.{name} must be "
+                     f"1, 2 or 3 warpgroups, got {getattr(self, name)!r}")
+        for rows, threads, what in ((self.block_m, self.threads, "block_m"),
+                                    (self.dq_block_n, self.dq_threads, "dq_block_n")):
+            step = threads // (self.head_dim // 8)
+            _require(rows % step == 0, f"WgmmaBackwardConfig.{what}={rows}: the tile copy "
+                     f"takes {step} rows per pass")
+        limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
+        for name, nbytes in (("dK/dV", self.dkdv_layout.nbytes), ("dQ", self.dq_layout.nbytes)):
+            _require(nbytes <= limit, f"WgmmaBackwardConfig: the {name} kernel's {nbytes} B of "
+                     f"shared memory exceed the {limit} B a block may use")
+
+    @property
+    def block_n(self) -> int:
+        return 64 * self.key_groups
+
+    @property
+    def dq_block_m(self) -> int:
+        return 64 * self.dq_groups
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.key_groups
+
+    @property
+    def dq_threads(self) -> int:
+        return 128 * self.dq_groups
+
+    @property
+    def row_pad(self) -> int:
+        import math
+
+        return math.lcm(self.block_m, self.dq_block_m)
+
+    @property
+    def dkdv_layout(self) -> SmemLayout:
+        D, BM, BN = self.head_dim, self.block_m, self.block_n
+        return SmemLayout.of(("k", BN * D * 2, 1024), ("v", BN * D * 2, 1024),
+                             ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
+                             ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16))
+
+    @property
+    def dq_layout(self) -> SmemLayout:
+        D, BM, BN = self.head_dim, self.dq_block_m, self.dq_block_n
+        return SmemLayout.of(("q", BM * D * 2, 1024), ("do", BM * D * 2, 1024),
+                             ("kv", 2 * 2 * BN * D * 2, 1024))
+
+    def describe(self) -> str:
+        return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
+                f"({self.key_groups} warpgroups), dQ {self.dq_block_m} x {self.dq_block_n} "
+                f"({self.dq_groups} warpgroups), D={self.head_dim} {self.dtype}")
+
+
+def _jit(threads: int):
+    return bk._kernel_jit(threads)
+
+
+@functools.cache
+def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)`` (``dq_acc``
+    not read) — :func:`tilepy.ops.attention_backward_kernel.dkdv_kernel`'s contract; grid
+    ``(ceil(Sk / block_n), Hkv, B)``, ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes`` of
+    dynamic shared memory (1024-byte aligned)."""
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    THREADS = cfg.threads
+    NQ = BM // 8
+    NO = D // 8
+    CAUSAL = bool(causal)
+    lay = cfg.dkdv_layout
+    K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
+    L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
+    Q_TILE = BM * D * 2
+    ROW_BYTES = BM * 4
+    WG_ROWS = 64 * 128       # bytes from one warpgroup's 64 K / V rows to the next's
+    ACC_O, ACC_S, A_REGS = D // 2, BM // 2, BM // 4   # registers per thread (local arrays)
+
+    smem = dynamic_shared(1024)
+    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
+    issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
+    setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
+    kt = SmemOperand(BN, D, "k")                        # K, V as A (keys × d)
+    s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), kt, cfg.dtype)   # Sᵀ, dPᵀ
+    g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
+    to_frag_s, _ = accumulator_fragment(BM)
+    to_frag_o, _ = accumulator_fragment(D)
+    grad = softmax_gradient(1, NQ, "cols")
+    mask = mask_transposed(1, NQ)
+    afrag = a_fragment(cfg.dtype)
+    store = store_accumulators(1, NO, cfg.dtype)
+
+    @_jit(THREADS)
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        b = cuda.blockIdx.z
+        hk = cuda.blockIdx.y
+        group = q.shape[1] // k.shape[1]
+        key0 = cuda.blockIdx.x * BN
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        wg = warp // 4
+        g = lane // 4
+        t = lane % 4
+        shift = sk - sq
+        n_qb = (sq + BM - 1) // BM
+        qb0 = 0
+        if CAUSAL:
+            qb0 = min(max(key0 - shift, 0) // BM, n_qb)
+        per_head = n_qb - qb0
+        steps = group * per_head
+
+        dk_acc = cuda.local.array(ACC_O, np.float32)
+        dv_acc = cuda.local.array(ACC_O, np.float32)
+        for i in range(ACC_O):
+            dk_acc[i] = _ZERO
+            dv_acc[i] = _ZERO
+
+        if steps > 0:
+            base = shared_addr(smem(), 0)
+            ks = k.strides[2]
+            vs = v.strides[2]
+            qs = q.strides[2]
+            ds_ = do_.strides[2]
+            issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), ks, sk - key0, tid)
+            issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), vs, sk - key0, tid)
+            hq0 = hk * group
+            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
+            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+            hstep_r = lse2.strides[1]
+            row = qb0 * BM
+            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, hq0, row, 0))), qs, sq - row, tid)
+            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, hq0, row, 0))), ds_, sq - row,
+                    tid)
+            issue_r(base + L_OFF, row * 4, l0, lsh, lr, lc, 0, 1)
+            issue_r(base + DL_OFF, row * 4, e0, esh, er, ec, 0, 1)
+            cp_async_commit_group()
+
+            st = cuda.local.array(ACC_S, np.float32)
+            dpt = cuda.local.array(ACC_S, np.float32)
+            st3 = cuda.local.array((1, NQ, 4), np.float32)
+            dpt3 = cuda.local.array((1, NQ, 4), np.float32)
+            a_regs = cuda.local.array(A_REGS, np.uint32)
+            k_wg = base + K_OFF + wg * WG_ROWS
+            v_wg = base + V_OFF + wg * WG_ROWS
+            my_key = key0 + warp * 16 + g
+
+            for n in range(steps):
+                cp_async_wait_group(0)
+                cuda.syncthreads()
+                row = (qb0 + n % per_head) * BM
+                if n + 1 < steps:
+                    nh = hq0 + (n + 1) // per_head
+                    nrow = (qb0 + (n + 1) % per_head) * BM
+                    so = (n + 1) % 2
+                    issue_q(base + Q_OFF + so * Q_TILE,
+                            np.int64(global_addr(q, (b, nh, nrow, 0))), qs, sq - nrow, tid)
+                    issue_q(base + DO_OFF + so * Q_TILE,
+                            np.int64(global_addr(do_, (b, nh, nrow, 0))), ds_, sq - nrow, tid)
+                    issue_r(base + L_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
+                            l0, lsh, lr, lc, 0, 1)
+                    issue_r(base + DL_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
+                            e0, esh, er, ec, 0, 1)
+                cp_async_commit_group()
+                sgo = n % 2
+                q_tile = base + Q_OFF + sgo * Q_TILE
+                do_tile = base + DO_OFF + sgo * Q_TILE
+                l_addr = base + L_OFF + sgo * ROW_BYTES
+                d_addr = base + DL_OFF + sgo * ROW_BYTES
+
+                # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight
+                s_mma.fence()
+                s_mma.mma(st, k_wg, q_tile, 0)
+                s_mma.commit()
+                s_mma.mma(dpt, v_wg, do_tile, 0)
+                s_mma.commit()
+                s_mma.wait(1)
+                s_mma.fence_operand(st)
+                to_frag_s(st3, st)
+                if CAUSAL:
+                    if row + shift < key0 + BN - 1:
+                        mask(st3, my_key - shift - (row + 2 * t))
+                grad.probabilities(st3, l_addr, scale_log2, t)
+
+                # dV += Pᵀ dO (A = Pᵀ from registers)
+                for kk in range(BM // 16):
+                    a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
+                        a_regs[4 * kk + 3] = afrag(st3, 0, kk)
+                g_mma.fence()
+                g_mma.mma_rs(dv_acc, a_regs, do_tile, 1)
+                g_mma.commit()
+                g_mma.wait(1)            # dPᵀ has landed (dV may still run)
+                s_mma.fence_operand(dpt)
+                to_frag_s(dpt3, dpt)
+                grad.gradients(dpt3, st3, d_addr, t)
+                g_mma.wait(0)            # dV done reading a_regs
+                g_mma.fence_operand(dv_acc)
+                # dK += dSᵀ Q
+                for kk in range(BM // 16):
+                    a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
+                        a_regs[4 * kk + 3] = afrag(dpt3, 0, kk)
+                g_mma.fence()
+                g_mma.mma_rs(dk_acc, a_regs, q_tile, 1)
+                g_mma.commit()
+                g_mma.wait(0)
+                g_mma.fence_operand(dk_acc)
+
+        out3 = cuda.local.array((1, NO, 4), np.float32)
+        to_frag_o(out3, dk_acc)
+        store(out3, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
+        to_frag_o(out3, dv_acc)
+        store(out3, dv[b, hk], key0 + warp * 16, sk, _ONE, g, t)
+
+    return kernel
+
+
+@functools.cache
+def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
+    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)`` —
+    :func:`tilepy.ops.attention_backward_kernel.dq_kernel`'s contract; grid
+    ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads, ``cfg.dq_layout.nbytes`` of
+    dynamic shared memory (1024-byte aligned)."""
+    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
+    THREADS = cfg.dq_threads
+    NS = BN // 8
+    NO = D // 8
+    CAUSAL = bool(causal)
+    lay = cfg.dq_layout
+    Q_OFF, DO_OFF, KV_OFF = (lay.offset(n) for n in ("q", "do", "kv"))
+    KV_TILE = BN * D * 2
+    STAGE = 2 * KV_TILE
+    WG_ROWS = 64 * 128
+    ACC_O, ACC_S, A_REGS = D // 2, BN // 2, BN // 4   # registers per thread (local arrays)
+
+    smem = dynamic_shared(1024)
+    issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
+    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
+    s_mma = warpgroup_mma(BN, SmemOperand(BN, D, "k"), SmemOperand(BM, D, "k"), cfg.dtype)
+    q_mma = warpgroup_mma(D, SmemOperand(D, BN, "mn"), None, cfg.dtype)
+    to_frag_s, _ = accumulator_fragment(BN)
+    to_frag_o, _ = accumulator_fragment(D)
+    grad = softmax_gradient(1, NS, "rows")
+    mask = mask_scores(1, NS)
+    afrag = a_fragment(cfg.dtype)
+    store = store_accumulators(1, NO, cfg.dtype)
+
+    @_jit(THREADS)
+    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
+        sq = q.shape[2]
+        sk = k.shape[2]
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        hk = h // (q.shape[1] // k.shape[1])
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        wg = warp // 4
+        g = lane // 4
+        t = lane % 4
+        row0 = cuda.blockIdx.x * BM
+        wrow = row0 + warp * 16
+        shift = sk - sq
+        if CAUSAL:
+            last = min(sk, min(row0 + BM, sq) + shift) - 1
+            n_kb = last // BN + 1 if last >= 0 else 0
+            all_see = min(sk, row0 + shift + 1) - 1
+        else:
+            n_kb = (sk + BN - 1) // BN
+            all_see = sk - 1
+
+        acc = cuda.local.array(ACC_O, np.float32)
+        for i in range(ACC_O):
+            acc[i] = _ZERO
+        l2 = cuda.local.array((1, 2), np.float32)
+        dl = cuda.local.array((1, 2), np.float32)
+        limit = cuda.local.array((1, 2), np.int64)
+        for hh in range(2):
+            r = wrow + g + 8 * hh
+            l2[0, hh] = lse2[b, h, r]
+            dl[0, hh] = delta[b, h, r]
+            limit[0, hh] = (min(sk, r + shift + 1) - 1) if CAUSAL else sk - 1
+
+        if n_kb > 0:
+            base = shared_addr(smem(), 0)
+            kv_base = base + KV_OFF
+            ks = k.strides[2]
+            vs = v.strides[2]
+            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, h, row0, 0))), q.strides[2],
+                    sq - row0, tid)
+            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, h, row0, 0))),
+                    do_.strides[2], sq - row0, tid)
+            k0 = np.int64(global_addr(k, (b, hk, 0, 0)))
+            v0 = np.int64(global_addr(v, (b, hk, 0, 0)))
+            issue_kv(kv_base, k0, ks, sk, tid)
+            issue_kv(kv_base + KV_TILE, v0, vs, sk, tid)
+            cp_async_commit_group()
+
+            s = cuda.local.array(ACC_S, np.float32)
+            dp = cuda.local.array(ACC_S, np.float32)
+            s3 = cuda.local.array((1, NS, 4), np.float32)
+            dp3 = cuda.local.array((1, NS, 4), np.float32)
+            a_regs = cuda.local.array(A_REGS, np.uint32)
+            q_wg = base + Q_OFF + wg * WG_ROWS
+            do_wg = base + DO_OFF + wg * WG_ROWS
+
+            for kb in range(n_kb):
+                cp_async_wait_group(0)
+                cuda.syncthreads()
+                if kb + 1 < n_kb:
+                    nxt = kv_base + ((kb + 1) % 2) * STAGE
+                    left = sk - (kb + 1) * BN
+                    issue_kv(nxt, k0 + (kb + 1) * BN * ks, ks, left, tid)
+                    issue_kv(nxt + KV_TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
+                cp_async_commit_group()
+                k_tile = kv_base + (kb % 2) * STAGE
+                v_tile = k_tile + KV_TILE
+
+                s_mma.fence()
+                s_mma.mma(s, q_wg, k_tile, 0)
+                s_mma.commit()
+                s_mma.mma(dp, do_wg, v_tile, 0)
+                s_mma.commit()
+                s_mma.wait(1)
+                s_mma.fence_operand(s)
+                to_frag_s(s3, s)
+                if CAUSAL and (kb + 1) * BN - 1 > all_see:
+                    mask(s3, limit, kb * BN + 2 * t)
+                grad.probabilities(s3, l2, scale_log2)
+                s_mma.wait(0)
+                s_mma.fence_operand(dp)
+                to_frag_s(dp3, dp)
+                grad.gradients(dp3, s3, dl)
+                for kk in range(BN // 16):
+                    a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
+                        a_regs[4 * kk + 3] = afrag(dp3, 0, kk)
+                q_mma.fence()
+                q_mma.mma_rs(acc, a_regs, k_tile, 1)
+                q_mma.commit()
+                q_mma.wait(0)
+                q_mma.fence_operand(acc)
+
+        out3 = cuda.local.array((1, NO, 4), np.float32)
+        to_frag_o(out3, acc)
+        store(out3, dq[b, h], wrow, sq, scale, g, t)
+
+    return kernel
+
+
+def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
+          scale: float):
+    """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
+    kernels): :func:`tilepy.ops.attention_backward_kernel.plans`'s contract."""
+    q, k = views["q"], views["k"]
+    batch, hq, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    group = hq // hk
+    sqp = views["delta"].shape[2]
+    scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
+    out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic=False)]
+
+    kern = dkdv_kernel(cfg, causal)
+    args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
+            views["dv"], views["placeholder4"], scale32, slog2)
+    smem = cfg.dkdv_layout.nbytes
+    allow_dynamic_shared(kern, args, smem)
+    out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), cfg.threads, smem,
+                           split=bk._split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+    kern = dq_kernel(cfg, causal)
+    args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dq"], scale32,
+            slog2)
+    smem = cfg.dq_layout.nbytes
+    allow_dynamic_shared(kern, args, smem)
+    out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch), cfg.dq_threads,
+                           smem, split=bk._split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+    return [(p, a) for p, a in out if p.grid[0] > 0]
+
+
+#: The kernels the compile layer reports on: (name, kind, config, causal).
+COMPILED = (
+    ("bwd_wgmma_dkdv_d128_f16", "dkdv", WgmmaBackwardConfig(128), False),
+    ("bwd_wgmma_dkdv_d128_bf16_causal", "dkdv", WgmmaBackwardConfig(128, dtype="bfloat16"),
+     True),
+    ("bwd_wgmma_dkdv_d64_f16", "dkdv", WgmmaBackwardConfig(64), False),
+    ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
+    ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
+)
+
+
+def compile_reports(only=None):
+    """Offline sm_90a reports (registers, spills, instruction counts) of :data:`COMPILED`.
+
+    Run with the simulator off: ``tilepy.offline.run_in_subprocess(
+    "tilepy.ops.attention_backward_wgmma:compile_reports")``."""
+    from ..offline import report_entry
+
+    out = []
+    for name, kind, cfg, causal in COMPILED:
+        if only is not None and name not in only:
+            continue
+        build = dkdv_kernel if kind == "dkdv" else dq_kernel
+        threads = cfg.threads if kind == "dkdv" else cfg.dq_threads
+        smem = (cfg.dkdv_layout if kind == "dkdv" else cfg.dq_layout).nbytes
+        out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal:
+                                build(cfg, causal), bk.argtypes(kind), (9, 0, "a"),
+                                threads=threads, config=cfg.describe(), causal=causal,
+                                smem_bytes=smem))
+    return out
