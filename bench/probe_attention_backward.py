@@ -55,8 +55,7 @@ def main():
              64: [BackwardConfig(64, block_m=64, block_n=64),
                   ws(64, block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
                   ws(64, block_m=128, key_groups=2, dq_groups=2, dq_block_n=128),
-                  ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
-                  ws(64, block_m=64, key_groups=3, dq_groups=3, dq_block_n=64)]}
+                  ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64)]}
     rows = []
     for shape in shapes:
         rows += one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids,

@@ -1,8 +1,10 @@
-"""CUDA-graph capture of tilepy's ops with PyTorch CUDA tensors (GPU only).
+"""CUDA-graph capture of tilepy's ops with PyTorch CUDA tensors and CuPy arrays (GPU only).
 
-Each case captures one op call with ``torch.cuda.graph``, then fills the static inputs with
-new random contents, replays, and compares the static output with a PyTorch reference
-computed afresh — twice, so a replay that only repeated the capture-time result would fail.
+Each case captures one op call (``torch.cuda.graph``; for CuPy ``Stream.begin_capture`` /
+``end_capture`` on a non-default stream), then fills the static inputs with new random
+contents, replays, and compares the static output with a reference computed afresh (PyTorch
+float32; CuPy float64) — twice, so a replay that only repeated the capture-time result would
+fail.
 Capture forbids host synchronisation, allocation outside PyTorch's allocator (the graph's
 private pool), copies from pageable host memory and work on other streams; the TMA kernels'
 tensor maps and tile counters are made so (:mod:`tilepy.tile.device_write`).
@@ -65,22 +67,54 @@ def replay_and_check(torch, graph, out, inputs, reference, check, rounds=2):
         check(out, reference())
 
 
+# The checks take PyTorch tensors or CuPy arrays (a float16 result against a float32 or
+# float64 reference: the difference is computed in the reference's precision).
+
+def no_nan(got):
+    assert not bool((got != got).any()), "NaN (or an unwritten element, or a lost tile)"
+
+
 def close(got, want, rel):
     """Max error over max |want| at most ``rel`` (NaN fails)."""
-    got = got.float()
-    assert not bool(got.isnan().any()), "NaN (or an unwritten element)"
-    err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-6)
+    no_nan(got)
+    err = float(abs(got - want).max()) / max(float(abs(want).max()), 1e-6)
     assert err <= rel, err
+
+
+def abs_close(got, want, tol):
+    """Max absolute error below ``tol`` (NaN fails)."""
+    no_nan(got)
+    assert float(abs(got - want).max()) < tol
 
 
 def softmax_close(got, want):
     """float16 softmax values: each within 4e-3 relative (two roundings and float32 math) plus
     1e-5 absolute (values below float16's normal range)."""
-    got = got.float()
-    assert not bool(got.isnan().any()), "NaN (or an unwritten element)"
-    bound = 4e-3 * want.abs() + 1e-5
-    assert bool(((got - want).abs() <= bound).all()), \
-        float(((got - want).abs() / bound).max())
+    no_nan(got)
+    bound = 4e-3 * abs(want) + 1e-5
+    assert bool((abs(got - want) <= bound).all()), float((abs(got - want) / bound).max())
+
+
+CHECKS = {   # float16 results, by op
+    "gemm": lambda got, want: close(got, want, 2e-3),
+    "softmax": softmax_close,
+    "gemm_softmax": softmax_close,
+    # log-probabilities of a few units: float16 spacing there is ~4e-3
+    "log_softmax": lambda got, want: abs_close(got, want, 2e-2),
+    "flash_attention": lambda got, want: abs_close(got, want, 1e-2),
+    # test_ops_softmax_backward.py's float16 GPU tolerance
+    "softmax_backward": lambda got, want: close(got, want, 2e-3),
+    "log_softmax_backward": lambda got, want: close(got, want, 2e-3),
+}
+
+
+def global_park():
+    """gemm_softmax's mma.sync kernel with rows parked in global memory (a float32 scratch
+    allocated per call)."""
+    from tilepy.ops import gemm_softmax as gs
+    from tilepy.ops.gemm_softmax_kernel import GemmSoftmaxConfig
+
+    return GemmSoftmaxConfig(gs._GLOBAL_GPU, "global")
 
 
 # ---- flash_attention ------------------------------------------------------------------------
@@ -95,11 +129,7 @@ def attention_case(torch, b, h, s, d, causal):
         return torch.nn.functional.scaled_dot_product_attention(
             q.float(), k.float(), v.float(), is_causal=causal)
 
-    def check(got, want):
-        assert not bool(got.isnan().any()), "NaN (or a lost tile)"
-        assert (got.float() - want).abs().max().item() < 1e-2
-
-    return (q, k, v), run, reference, check
+    return (q, k, v), run, reference, CHECKS["flash_attention"]
 
 
 @pytest.mark.parametrize("d,causal", [(128, False), (128, True), (64, False), (64, True)])
@@ -149,10 +179,7 @@ def test_gemm(torch, epilogue, warmup):
     if not warmup:   # another signature of the same kernel (4096 rows fill the SMs too)
         tilepy.gemm(a[:4096], b, **({} if epilogue == "plain" else
                                     {"bias": bias, "activation": "gelu"}))
-
-    def check(got, want):
-        close(got, want, 2e-3)
-
+    check = CHECKS["gemm"]
     graph, out = capture(torch, run, warmup)
     replay_and_check(torch, graph, out, inputs, reference, check)
     check(run(), reference())
@@ -166,12 +193,9 @@ def test_gemm_softmax(torch, path, warmup):
     """The built-in choice (on sm_90 the TMA + wgmma softmax mode: maps of a, b and out) and
     the mma.sync kernel with rows parked in global memory (a float32 scratch allocated per
     call: inside the capture, from the graph's pool)."""
-    from tilepy.ops import gemm_softmax as gs
-    from tilepy.ops.gemm_softmax_kernel import GemmSoftmaxConfig
-
     m = 4096 if warmup else 4096 + 192 + 64 * (path == "default")
     n, k, scale = 1024, 512, 1 / 24
-    config = None if path == "default" else GemmSoftmaxConfig(gs._GLOBAL_GPU, "global")
+    config = None if path == "default" else global_park()
     a = torch.randn(m, k, device="cuda", dtype=torch.float16)
     b = torch.randn(k, n, device="cuda", dtype=torch.float16)
 
@@ -204,15 +228,117 @@ def test_softmax(torch, op, warmup):
     def reference():
         return ref(x.float(), dim=-1)
 
-    def check(got, want):
-        if op == "softmax":
-            softmax_close(got, want)
-        else:   # log-probabilities of a few units: float16 spacing there is ~4e-3
-            assert not bool(got.isnan().any())
-            assert (got.float() - want).abs().max().item() < 2e-2
-
+    check = CHECKS[op]
     if not warmup:
         fn(x[:1024])
     graph, out = capture(torch, run, warmup)
     replay_and_check(torch, graph, out, (x,), reference, check)
     check(run(), reference())
+
+
+# ---- CuPy: capture on a cupy.cuda.Stream -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cupy():
+    cupy = pytest.importorskip("cupy")
+    if not cupy.cuda.is_available():
+        pytest.skip("needs a CUDA GPU for CuPy")
+    return cupy
+
+
+def cupy_softmax(cupy, x, log=False):
+    """softmax / log_softmax over the last axis, in ``x``'s precision."""
+    z = x - x.max(-1, keepdims=True)
+    s = cupy.exp(z).sum(-1, keepdims=True)
+    return z - cupy.log(s) if log else cupy.exp(z) / s
+
+
+def cupy_gelu(y):
+    from cupyx.scipy.special import erf
+
+    return 0.5 * y * (1 + erf(y / 2 ** 0.5))
+
+
+def cupy_attention(cupy, q, k, v, causal):
+    s = q @ k.swapaxes(-1, -2) / q.shape[-1] ** 0.5
+    if causal:   # bottom-right aligned
+        sq, sk = s.shape[-2:]
+        s = cupy.where(cupy.tri(sq, sk, sk - sq, dtype=bool), s, -cupy.inf)
+    return cupy_softmax(cupy, s) @ v
+
+
+# (id, CHECKS key, rows, input shapes for `rows`, the tilepy call, its reference on float64
+# inputs). Rows (attention: sequence length) are no multiple of a tile; the GEMMs have enough
+# 128×256 tiles to fill an H200 (the persistent TMA kernel, as in test_gemm), every op's
+# built-in choice elsewhere does not depend on the rows.
+CUPY_CASES = [
+    ("gemm", "gemm", 1800, lambda r: [(r, 520), (520, 2888)],
+     lambda a, b: tilepy.gemm(a, b), lambda cp, a, b: a @ b),
+    ("gemm_bias_gelu", "gemm", 1800, lambda r: [(r, 520), (520, 2888), (2888,)],
+     lambda a, b, c: tilepy.gemm(a, b, bias=c, activation="gelu"),
+     lambda cp, a, b, c: cupy_gelu(a @ b + c)),
+    ("softmax", "softmax", 330, lambda r: [(r, 1000)], tilepy.softmax, cupy_softmax),
+    ("log_softmax", "log_softmax", 330, lambda r: [(r, 1000)], tilepy.log_softmax,
+     lambda cp, x: cupy_softmax(cp, x, log=True)),
+    ("softmax_backward", "softmax_backward", 330, lambda r: [(r, 1000)] * 2,
+     tilepy.softmax_backward, lambda cp, dy, y: y * (dy - (dy * y).sum(-1, keepdims=True))),
+    ("log_softmax_backward", "log_softmax_backward", 330, lambda r: [(r, 1000)] * 2,
+     tilepy.log_softmax_backward,
+     lambda cp, dy, y: dy - cp.exp(y) * dy.sum(-1, keepdims=True)),
+    ("gemm_softmax", "gemm_softmax", 700, lambda r: [(r, 264), (264, 1000)],
+     lambda a, b: tilepy.gemm_softmax(a, b, scale=1 / 24),
+     lambda cp, a, b: cupy_softmax(cp, (a @ b) / 24)),
+    ("gemm_softmax_global_park", "gemm_softmax", 700, lambda r: [(r, 264), (264, 1000)],
+     lambda a, b: tilepy.gemm_softmax(a, b, scale=1 / 24, config=global_park()),
+     lambda cp, a, b: cupy_softmax(cp, (a @ b) / 24)),
+    *((f"flash_attention_d{d}" + "_causal" * causal, "flash_attention", 300,
+       lambda r, d=d: [(1, 3, r, d)] * 3,
+       lambda q, k, v, causal=causal: tilepy.flash_attention(q, k, v, causal=causal),
+       lambda cp, q, k, v, causal=causal: cupy_attention(cp, q, k, v, causal))
+      for d in (128, 64) for causal in (False, True)),
+]
+
+
+@pytest.mark.parametrize("case", CUPY_CASES, ids=[c[0] for c in CUPY_CASES])
+@pytest.mark.parametrize("warmup", [True, False], ids=["warm", "first-call"])
+def test_cupy_stream_capture(cupy, case, warmup):
+    """Every op on CuPy float16 arrays, captured on a non-blocking ``cupy.cuda.Stream``
+    (CuPy's default capture mode, relaxed: its memory pool may cudaMalloc during the capture)
+    and replayed with ``Graph.launch``. The inputs are refilled on the default stream, so
+    nothing else allocates on the capture stream: temporaries the captured call freed (the
+    float32 bias, the parked rows) return to CuPy's pool for that stream while the graph
+    still uses them."""
+    _, check, rows, shapes, call, ref = case
+    check = CHECKS[check]
+
+    def inputs_of(rows):
+        return [cupy.random.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)
+                for s in shapes(rows)]
+
+    if not warmup:   # another signature of the same kernel, then one no other case has
+        call(*inputs_of(rows))
+        rows += 2 * CUPY_CASES.index(case) + 1
+    inputs = inputs_of(rows)
+
+    def reference():
+        return ref(cupy, *(x.astype(cupy.float64) for x in inputs))
+
+    cupy.cuda.Device().synchronize()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(2 if warmup else 0):
+            call(*inputs)
+        stream.begin_capture()
+        try:
+            out = call(*inputs)
+        finally:
+            graph = stream.end_capture()
+    for _ in range(2):
+        for x in inputs:
+            x[...] = cupy.random.standard_normal(x.shape, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        check(out, reference())
+    # an eager call after the capture with the same arrays (see test_flash_attention)
+    check(call(*inputs), reference())
