@@ -39,7 +39,6 @@ def main():
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     import tilepy
-    from tilepy.ops.attention_backward_kernel import BackwardConfig
     from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
     shapes = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (8, 16, 2048, 64, False),
@@ -47,18 +46,17 @@ def main():
     if args.quick:
         shapes = shapes[:1] + shapes[2:3]
     ws = WgmmaBackwardConfig
-    grids = {128: [BackwardConfig(128, block_m=32, block_n=64),
-                   ws(128, block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
-                   ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
-                   ws(128, block_m=32, key_groups=2, dq_groups=1, dq_block_n=64),
-                   ws(128, block_m=64, key_groups=2, dq_groups=2, dq_block_n=128)],
-             64: [BackwardConfig(64, block_m=64, block_n=64),
-                  ws(64, block_m=64, key_groups=2, dq_groups=2, dq_block_n=64),
-                  ws(64, block_m=128, key_groups=2, dq_groups=2, dq_block_n=128),
-                  ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64)]}
+    grids = {128: [ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
+                   ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=64),
+                   ws(128, block_m=64, key_groups=2, dq_atomic=True),
+                   ws(128, block_m=64, key_groups=1, dq_atomic=True)],
+             64: [ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
+                  ws(64, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
+                  ws(64, block_m=64, key_groups=2, dq_atomic=True),
+                  ws(64, block_m=64, key_groups=1, dq_atomic=True)]}
     rows = []
     for shape in shapes:
-        rows += one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids,
+        rows += one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids,
                           *shape)
         torch.cuda.empty_cache()
     with open(args.json, "w") as f:
@@ -67,7 +65,7 @@ def main():
     return 0 if all("error" not in r and not r.get("nan") for r in rows) else 1
 
 
-def one_shape(torch, tilepy, BackwardConfig, sdpa, sdpa_kernel, SDPBackend, grids, b, h, s, d,
+def one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids, b, h, s, d,
               causal):
     rows = []
     if True:

@@ -183,7 +183,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
     sqp = bk.row_pad(cfg, sq)
     scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
     if bk.uses_atomics(cfg, deterministic):
-        scratch.append(("dq_acc", (bq, hq, sqp, d)))
+        scratch.append(("dq_acc", bw.dq_acc_shape(cfg, bq, hq, sqp)
+                        if isinstance(cfg, WgmmaBackwardConfig) else (bq, hq, sqp, d)))
     ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
            "dk": results[1][1], "dv": results[2][1]}
     with arrays.on_device(device):

@@ -206,7 +206,8 @@ ROW_THREADS = ROW_LANES * ROWS_PER_BLOCK
 def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = False):
     """``kernel(o, do_, lse, dlse, delta, lse2, dq_acc)``; grid ``(SqP / 16, Hq, B)``,
     :data:`ROW_THREADS` threads. ``lse`` (B, Hq, Sq) float32, any strides; ``dq_acc``
-    (B, Hq, SqP, D) float32 zeroed when ``zero_dq`` (else not read: a placeholder). With
+    (B, Hq, R · SqP, C) float32 (contiguous, C a multiple of 4) zeroed when ``zero_dq`` (else
+    not read: a placeholder). With
     ``has_dlse``, ``dlse`` (B, Hq, Sq) float32 is the loss's gradient in the LSE (when the
     forward's LSE is used downstream): since ``∂lse_i/∂s_ij = P_ij``, it enters as
     ``delta_i - dlse_i`` (else a placeholder, not read)."""
@@ -248,10 +249,12 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
                 else:
                     delta[b, h, row] = _ZERO
                     lse2[b, h, row] = _INF
-            if ZERO_DQ:
+            if ZERO_DQ:   # rows row·R … row·R + R - 1 of the accumulator (R = its rows / SqP)
                 z2 = dq_acc[b, h]
-                for c in range(4 * lane, D, 4 * ROW_LANES):
-                    st_global_v4(z2, row, c, _ZERO, _ZERO, _ZERO, _ZERO)
+                per = dq_acc.shape[2] // delta.shape[2]
+                for rr in range(row * per, row * per + per):
+                    for c in range(4 * lane, dq_acc.shape[3], 4 * ROW_LANES):
+                        st_global_v4(z2, rr, c, _ZERO, _ZERO, _ZERO, _ZERO)
 
     return kernel
 

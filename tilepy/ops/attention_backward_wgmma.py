@@ -24,6 +24,7 @@ and K serves both kinds of product. Head dims 64 and 128.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -33,6 +34,12 @@ from numba import cuda
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..ptx.global_vector import ld_global_v4, st_global_v4
+from ..ptx.ldmatrix import stmatrix_x4_trans
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
+from ..ptx.vector import st_shared_v2_f32
+from ..ptx.wgmma import fence_proxy_async_shared
 from ..tile.attention import mask_scores
 from ..tile.attention_backward import (
     LOG2E,
@@ -55,6 +62,20 @@ HEAD_DIMS = (64, 128)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 
+#: The atomic path's dQ partial tiles: 64 query rows × 64 columns of float32, rows padded by
+#: 4 floats (so a warp's stores of 8 rows land in distinct banks); the float32 accumulator in
+#: global memory has the same padded rows, block by block (:func:`dq_blocked_shape`).
+DQ_PAD = 4
+DQ_ROW = 64 + DQ_PAD
+DQ_TILE_BYTES = 64 * DQ_ROW * 4
+
+
+def dq_blocked_shape(batch: int, heads: int, sqp: int, head_dim: int) -> tuple:
+    """The atomic path's float32 dQ accumulator: (B, Hq, SqP · slices, 64 + DQ_PAD), query
+    block ``qb``'s slice ``c`` (columns ``64 c …``) at rows ``(qb · slices + c) · 64 …`` — one
+    contiguous tile per bulk reduction."""
+    return (batch, heads, sqp * (head_dim // 64), DQ_ROW)
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -74,8 +95,18 @@ class WgmmaBackwardConfig:
     dq_block_n: int = 64
     dtype: str = "float16"
     cc: tuple = (9, 0)
+    dq_atomic: bool = False
 
     def __post_init__(self):
+        _require(isinstance(self.dq_atomic, bool), f"WgmmaBackwardConfig.dq_atomic must be a "
+                 f"bool, got {self.dq_atomic!r}")
+        if self.dq_atomic:
+            _require(self.block_m == 64 and self.key_groups in (1, 2),
+                     "WgmmaBackwardConfig: dq_atomic takes block_m 64 (one m64 dQ product) "
+                     "and 1 or 2 key warpgroups")
+            _require(self.key_groups == 1 or self.slices in (1, self.key_groups),
+                     "WgmmaBackwardConfig: dq_atomic with 2 key warpgroups splits dQ's "
+                     "64-column slices between them")
         _require(self.dtype in DTYPES, f"WgmmaBackwardConfig.dtype must be one of {DTYPES}, "
                  f"got {self.dtype!r}")
         _require(self.head_dim in HEAD_DIMS, f"WgmmaBackwardConfig.head_dim must be one of "
@@ -102,6 +133,17 @@ class WgmmaBackwardConfig:
         return 64 * self.key_groups
 
     @property
+    def slices(self) -> int:
+        """dQ's 64-column slices (the atomic path's unit of reduction)."""
+        return self.head_dim // 64
+
+    @property
+    def dq_jobs(self) -> int:
+        """dQ partial products per warpgroup and query block (atomic path): every slice with
+        one key warpgroup, else one."""
+        return self.slices if self.key_groups == 1 else 1
+
+    @property
     def dq_block_m(self) -> int:
         return 64 * self.dq_groups
 
@@ -122,9 +164,13 @@ class WgmmaBackwardConfig:
     @property
     def dkdv_layout(self) -> SmemLayout:
         D, BM, BN = self.head_dim, self.block_m, self.block_n
-        return SmemLayout.of(("k", BN * D * 2, 1024), ("v", BN * D * 2, 1024),
-                             ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
-                             ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16))
+        regions = [("k", BN * D * 2, 1024), ("v", BN * D * 2, 1024),
+                   ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
+                   ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
+        if self.dq_atomic:
+            regions += [("ds", BM * BN * 2, 1024),
+                        ("dq", self.key_groups * self.dq_jobs * DQ_TILE_BYTES, 16)]
+        return SmemLayout.of(*regions)
 
     @property
     def dq_layout(self) -> SmemLayout:
@@ -160,10 +206,21 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     ROW_BYTES = BM * 4
     WG_ROWS = 64 * 128       # bytes from one warpgroup's 64 K / V rows to the next's
     ACC_O, ACC_S, A_REGS = D // 2, BM // 2, BM // 4   # registers per thread (local arrays)
+    ATOMIC = cfg.dq_atomic
+    KG, SL, JOBS = cfg.key_groups, cfg.slices, cfg.dq_jobs
+    DS_OFF = lay.offset("ds") if ATOMIC else 0
+    DQ_OFF = lay.offset("dq") if ATOMIC else 0
+    # per warpgroup: which slice, from which key box, over how many keys (see dq_jobs)
+    KDQ = BN if (KG > 1 and SL == KG) else 64
+    SPLIT = KG > 1 and SL == KG      # warpgroup w: slice w over every key
+    OWN = KG > 1 and SL == 1         # warpgroup w: slice 0 over its own keys
 
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
     issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
+    dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
+                           k=KDQ) if ATOMIC else None
+    pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
     kt = SmemOperand(BN, D, "k")                        # K, V as A (keys × d)
     s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), kt, cfg.dtype)   # Sᵀ, dPᵀ
@@ -189,6 +246,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         wg = warp // 4
         g = lane // 4
         t = lane % 4
+        issuer = tid % 128 == 0      # thread 0 of each warpgroup issues its bulk reductions
         shift = sk - sq
         n_qb = (sq + BM - 1) // BM
         qb0 = 0
@@ -231,11 +289,16 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             k_wg = base + K_OFF + wg * WG_ROWS
             v_wg = base + V_OFF + wg * WG_ROWS
             my_key = key0 + warp * 16 + g
+            if ATOMIC:
+                ds_wg = base + DS_OFF + wg * (BM * 128)   # this warpgroup's 64-key box of dS
+                dq_stage = base + DQ_OFF + wg * (JOBS * DQ_TILE_BYTES)
+                dq_part = cuda.local.array(32, np.float32)
 
             for n in range(steps):
                 cp_async_wait_group(0)
                 cuda.syncthreads()
                 row = (qb0 + n % per_head) * BM
+                hq = hq0 + n // per_head
                 if n + 1 < steps:
                     nh = hq0 + (n + 1) // per_head
                     nrow = (qb0 + (n + 1) % per_head) * BM
@@ -289,9 +352,64 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 g_mma.fence()
                 g_mma.mma_rs(dk_acc, a_regs, q_tile, 1)
                 g_mma.commit()
+
+                if ATOMIC:
+                    # dS (queries × keys, K-major) from dSᵀ's fragments, transposed by stmatrix
+                    for jj in range(NQ // 2):
+                        qrow = 8 * (2 * jj + (lane // 8) // 2) + lane % 8
+                        chunk = 2 * (warp % 4) + (lane // 8) % 2
+                        stmatrix_x4_trans(
+                            ds_wg + qrow * 128 + ((chunk ^ (lane % 8)) << 4),
+                            pack(dpt3[0, 2 * jj, 0], dpt3[0, 2 * jj, 1]),
+                            pack(dpt3[0, 2 * jj, 2], dpt3[0, 2 * jj, 3]),
+                            pack(dpt3[0, 2 * jj + 1, 0], dpt3[0, 2 * jj + 1, 1]),
+                            pack(dpt3[0, 2 * jj + 1, 2], dpt3[0, 2 * jj + 1, 3]))
+                    fence_proxy_async_shared()
+                    if issuer:
+                        bulk_wait_group_read(0)   # last step's partials have been read
+                    cuda.syncthreads()
+                    for job in range(JOBS):
+                        if SPLIT:
+                            sl = wg
+                            box = 0
+                        elif OWN:
+                            sl = 0
+                            box = wg
+                        else:
+                            sl = job
+                            box = 0
+                        dq_mma.fence()
+                        dq_mma.mma(dq_part, base + DS_OFF + box * 8192,
+                                   base + K_OFF + sl * (BN * 128) + box * 8192, 0)
+                        dq_mma.commit()
+                        dq_mma.wait(0)
+                        dq_mma.fence_operand(dq_part)
+                        stage = dq_stage + job * DQ_TILE_BYTES
+                        for j in range(8):
+                            for hh in range(2):
+                                st_shared_v2_f32(stage + ((warp % 4) * 16 + g + 8 * hh) * (
+                                    DQ_ROW * 4) + (8 * j + 2 * t) * 4, dq_part[4 * j + 2 * hh],
+                                    dq_part[4 * j + 2 * hh + 1])
+                    fence_proxy_async_shared()
+                    cuda.syncthreads()
+                    if issuer:
+                        for job in range(JOBS):
+                            if SPLIT:
+                                sl = wg
+                            elif OWN:
+                                sl = 0
+                            else:
+                                sl = job
+                            bulk_reduce_add_f32(
+                                global_addr(dq_acc, (b, hq, ((row // 64) * SL + sl) * 64, 0)),
+                                dq_stage + job * DQ_TILE_BYTES, DQ_TILE_BYTES)
+                        bulk_commit_group()
                 g_mma.wait(0)
                 g_mma.fence_operand(dk_acc)
 
+        if ATOMIC:
+            if issuer and steps > 0:
+                bulk_wait_group(0)
         out3 = cuda.local.array((1, NO, 4), np.float32)
         to_frag_o(out3, dk_acc)
         store(out3, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
@@ -433,6 +551,42 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     return kernel
 
 
+@functools.cache
+def dq_convert_blocked(head_dim: int, dtype: str):
+    """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``, from the
+    blocked accumulator of :func:`dq_blocked_shape`; grid ``(ceil(Sq / 16), Hq, B)``,
+    :data:`~tilepy.ops.attention_backward_kernel.ROW_THREADS` threads."""
+    SL = head_dim // 64
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+    LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
+
+    @_jit(bk.ROW_THREADS)
+    def kernel(dq_acc, dq, scale):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % LANES
+        row = cuda.blockIdx.x * ROWS + tid // LANES
+        if row < dq.shape[2]:
+            a2 = dq_acc[b, h]
+            o2 = dq[b, h]
+            for sl in range(SL):
+                src = ((row // 64) * SL + sl) * 64 + row % 64
+                c = 8 * lane
+                x = ld_global_v4(a2, src, c)
+                y = ld_global_v4(a2, src, c + 4)
+                st_global_v4(o2, row, 64 * sl + c, pack(x[0] * scale, x[1] * scale),
+                             pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
+                             pack(y[2] * scale, y[3] * scale))
+
+    return kernel
+
+
+def dq_acc_shape(cfg: WgmmaBackwardConfig, batch: int, heads: int, sqp: int) -> tuple:
+    """The float32 dQ accumulator a call with atomics needs."""
+    return dq_blocked_shape(batch, heads, sqp, cfg.head_dim)
+
+
 def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
           scale: float):
     """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
@@ -443,15 +597,23 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     group = hq // hk
     sqp = views["delta"].shape[2]
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
-    out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic=False)]
+    atomic = bk.uses_atomics(cfg, deterministic)
+    out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
 
-    kern = dkdv_kernel(cfg, causal)
+    kern = dkdv_kernel(cfg if atomic or not cfg.dq_atomic else
+                       dataclasses.replace(cfg, dq_atomic=False), causal)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
-            views["dv"], views["placeholder4"], scale32, slog2)
-    smem = cfg.dkdv_layout.nbytes
+            views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2)
+    smem = (cfg if atomic else dataclasses.replace(cfg, dq_atomic=False)).dkdv_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), cfg.threads, smem,
                            split=bk._split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+    if atomic:
+        conv = dq_convert_blocked(d, cfg.dtype)
+        args = (views["dq_acc"], views["dq"], scale32)
+        out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
+                               bk.ROW_THREADS, split=bk._split((0, 1), (), 1, False)), args))
+        return [(p, a) for p, a in out if p.grid[0] > 0]
     kern = dq_kernel(cfg, causal)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dq"], scale32,
             slog2)
@@ -468,6 +630,13 @@ COMPILED = (
     ("bwd_wgmma_dkdv_d128_bf16_causal", "dkdv", WgmmaBackwardConfig(128, dtype="bfloat16"),
      True),
     ("bwd_wgmma_dkdv_d64_f16", "dkdv", WgmmaBackwardConfig(64), False),
+    ("bwd_wgmma_dkdv_d128_f16_atomic", "dkdv", WgmmaBackwardConfig(128, dq_atomic=True),
+     False),
+    ("bwd_wgmma_dkdv_d128_f16_atomic_1wg", "dkdv",
+     WgmmaBackwardConfig(128, key_groups=1, dq_atomic=True), True),
+    ("bwd_wgmma_dkdv_d64_f16_atomic", "dkdv", WgmmaBackwardConfig(64, dq_atomic=True), True),
+    ("bwd_wgmma_dkdv_d64_f16_atomic_1wg", "dkdv",
+     WgmmaBackwardConfig(64, key_groups=1, dq_atomic=True), False),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
 )

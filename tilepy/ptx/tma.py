@@ -28,6 +28,9 @@ still count, so a phase always expects the full box size.
   policy)`` — the same copies under an L2 cache policy (``.L2::cache_hint``) made by
   ``l2_evict_last_policy()`` (lines kept: read again soon) or ``l2_evict_first_policy()``
   (lines given up first: not read again) — ``createpolicy.fractional``, a uint64.
+* ``bulk_reduce_add_f32(dst, src, nbytes)`` — no tensor map: ``nbytes`` of float32 in shared
+  memory added element-wise into global memory (``cp.reduce.async.bulk … .add.f32``), tracked
+  by the same bulk groups (a backward pass's dQ partial sums).
 * ``fence_proxy_tensormap_acquire(tmap)`` — once per kernel (per thread that issues TMA),
   before the first copy through a tensor map that was written to global memory by an ordinary
   (generic-proxy) copy: Numba cannot pass a ``__grid_constant__`` kernel parameter, so tilepy
@@ -315,6 +318,35 @@ tma_store_2d_hint = instruction(
     doc="``tma_store_2d_hint(tmap, src, x, y, policy)``: tma_store_2d under an L2 cache policy. "
         "sm_90+.")
 
+_REDUCE_LOCK = __import__("threading").Lock()
+
+
+def _bulk_reduce_add_f32_twin(dst, src, nbytes):
+    dst, src, nbytes = int(dst), int(src), int(nbytes)
+    if nbytes <= 0 or nbytes % 16 or dst % 16 or src % 16:
+        raise ValueError(f"bulk_reduce_add_f32: size {nbytes} and both addresses must be "
+                         f"positive multiples of 16 (dst {dst:#x}, src {src:#x})")
+    address.check_range("shared", "bulk_reduce_add_f32", src, nbytes, 16)
+    address.check_range("global", "bulk_reduce_add_f32", dst, nbytes, 16)
+    add = np.frombuffer(address.read_bytes(src, nbytes), np.float32)
+    with _REDUCE_LOCK:   # the L2's reduction is atomic per element
+        cur = np.frombuffer(address.read_bytes(dst, nbytes), np.float32)
+        address.write_bytes(dst, (cur + add).astype(np.float32).tobytes())
+    _bulk_groups()[0] += 1
+
+
+bulk_reduce_add_f32 = instruction(
+    "bulk_reduce_add_f32",
+    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;",
+    ins=("u64", "u32", "u32"), side_effect=True, clobber_memory=True, min_cc=_SM90,
+    twin=_bulk_reduce_add_f32_twin,
+    doc="``bulk_reduce_add_f32(dst, src, nbytes)``: add the ``nbytes`` / 4 float32 at shared "
+        "address ``src`` element-wise into global memory at generic address ``dst`` (a 1-D "
+        "bulk copy with reduction, performed by the copy engine in L2; each element's add is "
+        "atomic, their order unspecified). ``nbytes`` and both addresses multiples of 16. One "
+        "thread; the smem writes before it need fence_proxy_async_shared and a barrier. "
+        "Completes in a bulk group like tma_store_2d. sm_90+.")
+
 bulk_commit_group = instruction(
     "bulk_commit_group", "cp.async.bulk.commit_group;", side_effect=True, clobber_memory=True,
     min_cc=_SM90, twin=_bulk_commit_twin,
@@ -412,6 +444,7 @@ except AttributeError:  # pragma: no cover
 __all__ = [
     "MAP_BYTES",
     "bulk_commit_group",
+    "bulk_reduce_add_f32",
     "bulk_wait_group",
     "bulk_wait_group_read",
     "fence_proxy_tensormap_acquire",
