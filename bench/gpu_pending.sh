@@ -28,6 +28,11 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s14d    the attention backward: its GPU tests (gradients at full size, determinism,
+#                autograd eager and compiled, a Llama trained 50 steps against SDPA), then the
+#                backward benchmark (fp16)
+#   PART=s14e    the rest: the backward benchmark's bfloat16 and training-step cases, the CuPy
+#                stream-capture tests, the torch GPU tests
 #   PART=s13a    the GEMM rebuilt from the Hopper tile pieces: its GPU tests and gemm_softmax's,
 #                then the A/B against the old tree (.ab/old: `git archive COMMIT tilepy | tar -x
 #                -C .ab/old`) for GEMM and gemm_softmax, rounds of 3 (bench/ab_commits.py)
@@ -108,6 +113,16 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s14d "* ]]; then
+    gpu_tests attention_backward_gpu 300 tests/test_attention_backward_gpu.py
+    bench_suite bench_attention_backward 220 "test_flash_attention_backward and not bfloat16"
+fi
+if [[ " $PART " == *" s14e "* ]]; then
+    bench_suite bench_attention_training 200 "attention_training_step and not bfloat16 or \
+test_flash_attention_backward and bfloat16"
+    gpu_tests cuda_graphs 150 tests/test_cuda_graphs.py
+    gpu_tests torch_gpu 150 tests/test_torch_gpu.py
+fi
 if [[ " $PART " == *" s7 "* ]]; then
     # the Hopper attention: persistent and 128 x 128 overlapped configs (tests, then the
     # issue-7 grid)

@@ -192,7 +192,8 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
     (:func:`latest_rows`). A sweep's or probe's case is a problem: all the configs or variants
     its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
     the whole file; any other row is a case of its own."""
-    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "clock", "att", "ncu",
+    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "clock", "att", "bwd_probe",
+                            "ncu",
                             "first", "host", "demo", "ab")}
     items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
     shown = latest(results_data.legacy(items))
@@ -234,6 +235,16 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
             add = [("sweep", ("sweep_gemm_wgmma", f"{r['n']}³ float16"),
                     (f"{r['n']}³ float16", r["config"], fmt(r["tflops"]),
                      fmt(r["peer_tflops"]), fmt(r["ratio"], "×"))) for r in data["rows"]]
+        elif all("peers_ms" in r for r in data["rows"]):      # bench/probe_attention_backward.py
+            for r in data["rows"]:
+                problem = (f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
+                           + (" causal" if r["causal"] else ""))
+                config = r.get("config") or f"{r['block_m']}×{r['block_n']} mma.sync" + (
+                    ", deterministic" if r.get("deterministic") else ", dQ atomics")
+                add.append(("bwd_probe", (problem, config), (
+                    problem, config, fmt(r.get("tflops")) if "tflops" in r else
+                    r.get("error", "-"), fmt(r.get("ratio_cudnn"), "×"),
+                    fmt(r.get("ratio_fa2"), "×"))))
         elif all("block_m" in r for r in data["rows"]):       # bench/sweep_attention.py
             for r in data["rows"]:
                 problem = (f"B{r['b']} H{r['h']} S{r['s']} D{r['d']}"
@@ -321,6 +332,10 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
           "throttle reasons")),
         ("att", "Attention kernel configurations (`bench/sweep_attention.py`)",
          ("file", "problem", "config", "TFLOPS", "ratio to SDPA FA2")),
+        ("bwd_probe", "Attention backward kernel configurations "
+                      "(`bench/probe_attention_backward.py`: GPU time, no L2 flush; FLOPs "
+                      "2.5 × the forward's)",
+         ("file", "problem", "config", "TFLOPS", "ratio to SDPA cuDNN", "ratio to SDPA FA2")),
         ("ncu", "Nsight Compute (`bench/profile_attention.sh`: one launch each; pipe figures "
                 "are % of peak over active cycles)",
          ("file", "kernel", "grid × block", "µs", "instructions (M)", "tensor pipe %",

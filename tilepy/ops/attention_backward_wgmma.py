@@ -179,9 +179,10 @@ class WgmmaBackwardConfig:
                              ("kv", 2 * 2 * BN * D * 2, 1024))
 
     def describe(self) -> str:
+        dq = ("dQ by bulk reductions from the dK/dV kernel" if self.dq_atomic else
+              f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
-                f"({self.key_groups} warpgroups), dQ {self.dq_block_m} x {self.dq_block_n} "
-                f"({self.dq_groups} warpgroups), D={self.head_dim} {self.dtype}")
+                f"({self.key_groups} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
 
 
 def _jit(threads: int):

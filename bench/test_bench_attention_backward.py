@@ -1,0 +1,253 @@
+"""FlashAttention backward: ``tilepy.flash_attention_backward`` against the backward of
+PyTorch's ``scaled_dot_product_attention`` with the cuDNN backend and with the
+FlashAttention-2 backend, same run; and the attention of a training step (forward + backward).
+
+Throughput is ``2.5 · 4·B·H·Sq·Sk·D`` FLOP for the backward (five matmuls — S = Q·Kᵀ again,
+dV = Pᵀ·dO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀ·Q — against the forward's two) and
+``3.5 · 4·B·H·Sq·Sk·D`` for forward + backward, halved for causal attention, per second
+(``bench/measure.py``): of GPU time (CUDA events, the CPU cost of each call kept out of the
+events and recorded as ``host_us``) and of the time as called (back-to-back calls, host cost
+included); ratios use each implementation's slower one.
+
+Backward (``test_flash_attention_backward``): tilepy runs
+``tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=..., dq=dq, dk=dk, dv=dv)``
+into preallocated gradients, from the ``out`` and ``lse`` of one ``tilepy.flash_attention(...,
+return_lse=True)``; ``deterministic=True`` is timed beside it as ``tilepy deterministic``
+(its ``ratios`` entry is its time over the default's: above 1, the default is faster). SDPA
+runs its forward once on leaves that require grad with the backend pinned by
+``torch.nn.attention.sdpa_kernel``, then ``torch.autograd.grad(out, (q, k, v), dout,
+retain_graph=True)`` is timed (the backward only; the gradients are allocated from PyTorch's
+cache, the autograd engine's host cost is in the as-called time). The main peer is SDPA's cuDNN
+backend (``ratio``); its FlashAttention-2 backend is in ``ratios``.
+
+Training step (``test_attention_training_step``): tilepy's forward (``return_lse=True``,
+``out=`` preallocated) then its backward, against SDPA forward + ``torch.autograd.grad`` with
+the cuDNN backend (``ratio``) and the FlashAttention-2 one (``ratios``); ``tilepy autograd``
+(``tilepy.flash_attention`` on leaves that require grad, then ``torch.autograd.grad``) is in
+``ratios`` too, its time over the direct calls'.
+
+Every implementation's ``dq``, ``dk``, ``dv`` are checked once before it is timed, against
+SDPA's gradients in float32 of the same inputs (efficient-attention or math backend, one batch
+element at a time): max |error| relative to max |gradient|, each below 2e-2 (float16) or 5e-2
+(bfloat16); a NaN fails (tilepy's outputs are NaN-filled before its checks, so an element it
+does not write fails too). tilepy failing fails the test; a peer that refuses a case or gets it
+wrong is left out and says why in ``peer_errors``.
+
+Shapes: B=4, H=32, S=4096, D=128 and B=8, H=16, S=2048, D=64 in float16 and bfloat16; B=4,
+H=32, D=128, S ∈ {1024, 8192} in float16; causal and not; Sq = Sk, no GQA. Select parts with
+``-k``: ``-k backward``, ``-k training_step``, ``-k "not bfloat16"``, ``-k causal``, ``-k S8192``…
+"""
+
+import pytest
+from measure import gpu_time, max_rel_err, record_throughput, try_peer
+
+# (batch, heads, seq, head_dim)
+MAIN = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
+SEQ = [(4, 32, 1024, 128), (4, 32, 8192, 128)]
+CASES = ([(s, dt) for s in MAIN for dt in ("float16", "bfloat16")]
+         + [(s, "float16") for s in SEQ])
+CUDNN = "SDPA cuDNN"
+FA2 = "SDPA FA2"
+PEERS = ((CUDNN, "CUDNN_ATTENTION"), (FA2, "FLASH_ATTENTION"))
+DETERMINISTIC = "tilepy deterministic"
+AUTOGRAD = "tilepy autograd"
+
+
+def tolerance(dtype):
+    """Max |error| of each gradient relative to its max |value|: P and dS are rounded to the
+    input dtype before their matmuls, the gradients to it at the end."""
+    return 2e-2 if dtype == "float16" else 5e-2
+
+
+def case_id(c):
+    return "B{}_H{}_S{}_D{}".format(*c[0]) + f"-{c[1]}"
+
+
+def inputs(torch, b, h, s, d, dtype):
+    tdt = getattr(torch, dtype)
+    return tuple(torch.randn(b, h, s, d, device="cuda", dtype=tdt) for _ in range(4))
+
+
+def poisoned(torch, *tensors):
+    """NaN-filled tensors like ``tensors``: an element the op does not write fails the check."""
+    return tuple(torch.full_like(t, float("nan")) for t in tensors)
+
+
+def reference_grads(torch, q, k, v, dout, causal):
+    """SDPA's (dq, dk, dv) in float32 of the same inputs, one batch element at a time
+    (efficient-attention backend, else math: its float32 score matrix of one element fits)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    grads = tuple(torch.empty(t.shape, device="cuda", dtype=torch.float32) for t in (q, k, v))
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        for i in range(q.shape[0]):
+            leaves = tuple(t[i:i + 1].float().requires_grad_() for t in (q, k, v))
+            o = sdpa(*leaves, is_causal=causal)
+            for dst, g in zip(grads, torch.autograd.grad(o, leaves, dout[i:i + 1].float())):
+                dst[i:i + 1] = g
+            del o
+    return grads
+
+
+def grad_error(torch, got, want, limit, who):
+    """The largest of the three relative errors; AssertionError when one is NaN or not below
+    ``limit``."""
+    errs = {}
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        errs[name] = float("nan") if torch.isnan(g).any().item() else max_rel_err(g, w)
+    bad = {n: e for n, e in errs.items() if not e < limit}
+    if bad:
+        text = ", ".join(f"{n} {e:.3g}" for n, e in bad.items())
+        raise AssertionError(f"{who}: wrong gradients: {text} (tolerance {limit:.3g})")
+    return max(errs.values())
+
+
+def checked_grad_timing(torch, run, want, limit, who):
+    """``run()`` (returns dq, dk, dv) checked once against ``want``, then timed."""
+    got = run()
+    torch.cuda.synchronize()
+    grad_error(torch, got, want, limit, who)
+    del got
+    return gpu_time(torch, run)
+
+
+def sdpa_backward_timing(torch, backend, q, k, v, dout, causal, want, limit, label):
+    """SDPA's backward pinned to ``backend``: the forward once, ``torch.autograd.grad`` timed;
+    raises when the backend refuses the case or gets it wrong."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        out = sdpa(*leaves, is_causal=causal)
+        return checked_grad_timing(
+            torch, lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+            want, limit, label)
+
+
+def sdpa_step_timing(torch, backend, q, k, v, dout, causal, want, limit, label):
+    """SDPA forward + backward pinned to ``backend``; raises when it refuses or is wrong."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def step():
+        return torch.autograd.grad(sdpa(*leaves, is_causal=causal), leaves, dout)
+
+    with sdpa_kernel(getattr(SDPBackend, backend)):
+        return checked_grad_timing(torch, step, want, limit, label)
+
+
+def config_of(d, dtype, causal):
+    """The forward's and (where the op says) the backward's kernel config, described."""
+    parts = []
+    try:
+        from tilepy.ops.attention import choose_config
+
+        parts.append("forward " + choose_config(d, dtype, causal).describe())
+    except Exception:  # noqa: BLE001 — a description, never a reason to fail
+        parts.append("forward ?")
+    try:
+        from tilepy.ops import attention_backward
+
+        parts.append("backward " + attention_backward.choose_config(d, dtype).describe())
+    except Exception:  # noqa: BLE001 — module or chooser not there (yet): no description
+        parts.append("backward ?")
+    return "; ".join(parts)
+
+
+def work_of(b, h, s, d, causal, matmuls):
+    """FLOP of ``matmuls`` Sq×Sk×D matmuls (2·Sq·Sk·D each) per (batch, head), halved for
+    causal attention."""
+    return matmuls * 2 * b * h * s * s * d / (2 if causal else 1)
+
+
+def labels(b, h, s, d, dtype, causal):
+    mask = "causal" if causal else "full"
+    """(table row, shape, figure suffix) of a case."""
+    return (f"B{b} H{h} S{s} D{d} {mask} {dtype}", f"B={b} H={h} S={s} D={d}",
+            f"{dtype}_B{b}_H{h}_D{d}_{mask}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_flash_attention_backward(benchmark, record, torch, gpu_name, case, causal):
+    import tilepy
+
+    (b, h, s, d), dtype = case
+    q, k, v, dout = inputs(torch, b, h, s, d, dtype)
+    out, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True)
+    dq, dk, dv = poisoned(torch, q, k, v)
+
+    def ours(deterministic=False):
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               deterministic=deterministic,
+                                               dq=dq, dk=dk, dv=dv)
+
+    ours()  # compile
+    torch.cuda.synchronize()
+    want = reference_grads(torch, q, k, v, dout, causal)
+    limit = tolerance(dtype)
+    err = grad_error(torch, (dq, dk, dv), want, limit, "tilepy")
+
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    for label, backend in PEERS:
+        timings[label] = try_peer(notes, label, lambda lb=label, be=backend: sdpa_backward_timing(
+            torch, be, q, k, v, dout, causal, want, limit, lb))
+    for t in (dq, dk, dv):
+        t.fill_(float("nan"))  # the deterministic check must see its own writes
+    timings[DETERMINISTIC] = try_peer(notes, DETERMINISTIC, lambda: checked_grad_timing(
+        torch, lambda: ours(deterministic=True), want, limit, DETERMINISTIC))
+    row, shape, tag = labels(b, h, s, d, dtype, causal)
+    record_throughput(record, work=work_of(b, h, s, d, causal, 5), unit="TFLOPS",
+                      timings=timings, main=CUDNN, notes=notes, gpu=gpu_name, shape=shape,
+                      dtype=dtype, causal=causal, config=config_of(d, dtype, causal),
+                      max_rel_err=err, table="Attention backward", case=row,
+                      figure=f"attention_backward_{tag}", x=s, xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_attention_training_step(benchmark, record, torch, gpu_name, case, causal):
+    import tilepy
+
+    (b, h, s, d), dtype = case
+    q, k, v, dout = inputs(torch, b, h, s, d, dtype)
+    out = torch.full_like(q, float("nan"))
+    dq, dk, dv = poisoned(torch, q, k, v)
+
+    def ours():
+        _, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, out=out)
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               dq=dq, dk=dk, dv=dv)
+
+    ours()  # compile
+    torch.cuda.synchronize()
+    want = reference_grads(torch, q, k, v, dout, causal)
+    limit = tolerance(dtype)
+    err = grad_error(torch, (dq, dk, dv), want, limit, "tilepy")
+
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def autograd_step():
+        return torch.autograd.grad(tilepy.flash_attention(*leaves, causal=causal), leaves, dout)
+
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    for label, backend in PEERS:
+        timings[label] = try_peer(notes, label, lambda lb=label, be=backend: sdpa_step_timing(
+            torch, be, q, k, v, dout, causal, want, limit, lb))
+    timings[AUTOGRAD] = try_peer(notes, AUTOGRAD, lambda: checked_grad_timing(
+        torch, autograd_step, want, limit, AUTOGRAD))
+    row, shape, tag = labels(b, h, s, d, dtype, causal)
+    record_throughput(record, work=work_of(b, h, s, d, causal, 7), unit="TFLOPS",
+                      timings=timings, main=CUDNN, notes=notes, gpu=gpu_name, shape=shape,
+                      dtype=dtype, causal=causal, config=config_of(d, dtype, causal),
+                      max_rel_err=err, table="Attention forward + backward (training step)",
+                      case=row, figure=f"attention_training_step_{tag}", x=s,
+                      xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
