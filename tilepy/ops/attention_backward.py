@@ -30,11 +30,11 @@ SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 
 
 #: Hopper (sm_90), head_dim 64 and 128: the wgmma kernels' config fields by head_dim — the
-#: fastest of bench/probe_attention_backward.py's grid on the H200 (bench/NOTES.md: attention
-#: backward): one 64-key warpgroup per dK / dV block (two blocks share an SM), dQ by its own
-#: kernel (the atomic path through bulk reductions was slower).
-HOPPER_CHOICE = {64: dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
-                 128: dict(block_m=64, key_groups=1, dq_groups=2, dq_block_n=128)}
+#: fastest of bench/probe_attention_backward_kernels.py's grid per kernel on the H200
+#: (bench/NOTES.md: attention backward): one 64-key warpgroup per dK / dV block, dQ by its own
+#: kernel of one warpgroup (the atomic path through bulk reductions was slower).
+HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
+                 128: dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64)}
 
 
 def choose_config(head_dim: int, dtype: str):
