@@ -299,6 +299,12 @@ CUPY_CASES = [
 ]
 
 
+#: Per case, constants added to its standard-normal inputs: log_softmax_backward's ``y`` is a
+#: log-probability (exp(y) small), so the output is about ``dy`` and the 2e-3 relative check
+#: stays tight (with y ~ N(0, 1), exp(y) · Σdy made the bound loose enough to pass a +1 error).
+CUPY_SHIFTS = {"log_softmax_backward": (0.0, -8.0)}
+
+
 @pytest.mark.parametrize("case", CUPY_CASES, ids=[c[0] for c in CUPY_CASES])
 @pytest.mark.parametrize("warmup", [True, False], ids=["warm", "first-call"])
 def test_cupy_stream_capture(cupy, case, warmup):
@@ -311,9 +317,14 @@ def test_cupy_stream_capture(cupy, case, warmup):
     _, check, rows, shapes, call, ref = case
     check = CHECKS[check]
 
+    shifts = CUPY_SHIFTS.get(case[0], ())
+
+    def fill(shape, i):
+        x = cupy.random.standard_normal(shape, dtype=cupy.float32)
+        return x + shifts[i] if i < len(shifts) else x
+
     def inputs_of(rows):
-        return [cupy.random.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)
-                for s in shapes(rows)]
+        return [fill(s, i).astype(cupy.float16) for i, s in enumerate(shapes(rows))]
 
     if not warmup:   # another signature of the same kernel, then one no other case has
         call(*inputs_of(rows))
@@ -334,8 +345,8 @@ def test_cupy_stream_capture(cupy, case, warmup):
         finally:
             graph = stream.end_capture()
     for _ in range(2):
-        for x in inputs:
-            x[...] = cupy.random.standard_normal(x.shape, dtype=cupy.float32)
+        for i, x in enumerate(inputs):
+            x[...] = fill(x.shape, i)
         cupy.cuda.Device().synchronize()
         graph.launch(stream)
         stream.synchronize()
