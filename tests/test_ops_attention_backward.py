@@ -1,7 +1,9 @@
 """tilepy.flash_attention_backward in the simulator (NumPy arrays) against a float64 NumPy
 derivation of FlashAttention's gradients: odd lengths, seq_q != seq_k both ways, rows that see
 no key, GQA 6/2 and 6/1, causal and not, both layouts and dtypes, dQ by its own kernel and by
-atomics, identical bits on repeated deterministic runs, poisoned outputs, bad input."""
+atomics, the wgmma kernels (their twins) with dQ by its kernel and by bulk reductions,
+identical bits on repeated deterministic runs, poisoned outputs, bad input; and the offline
+sm_90 / sm_90a compile checks of the kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from tilepy.ops.attention import flash_attention
 from tilepy.ops.attention_backward import choose_config, flash_attention_backward
 from tilepy.ops.attention_backward_kernel import BackwardConfig
+from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -98,6 +101,21 @@ def test_dq_by_atomics():
     run_case(1, 4, 2, 45, 70, 32, True, config=cfg)
 
 
+@pytest.mark.parametrize("d, cfg, case", [
+    # one 64-key warpgroup, dQ by its kernel over 32-key steps; causal, seq_q > seq_k, GQA
+    (64, dict(block_m=32, key_groups=1, dq_groups=1, dq_block_n=32),
+     (1, 2, 1, 90, 50, True, "bfloat16", "bshd")),
+    # dQ through stmatrix, wgmma partials and bulk reductions, both 64-column slices of
+    # head_dim 128 from one warpgroup
+    (128, dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=32, dq_atomic=True),
+     (1, 2, 2, 40, 70, False, "float16", "bhsd")),
+])
+def test_wgmma_kernels(d, cfg, case):
+    b, hq, hk, sq, sk, causal, dtype, layout = case
+    run_case(b, hq, hk, sq, sk, d, causal, dtype, layout,
+             config=WgmmaBackwardConfig(d, dtype=dtype, **cfg))
+
+
 def test_rows_without_keys_get_zero_gradients_and_bits_repeat():
     """Whole query blocks that see no key (seq_q well past seq_k, causal): dq exactly 0 there;
     two deterministic runs give the same bits."""
@@ -153,3 +171,32 @@ def test_bad_input_is_named():
         flash_attention_backward(q, q, q, q, out, lse, config=BackwardConfig(32))
     with pytest.raises(ValueError, match="out must have shape"):
         flash_attention_backward(q, q, q, q, out[:, :1], lse)
+
+
+@pytest.mark.compile
+def test_kernels_compile_without_spills():
+    """mma.sync kernels for sm_90, wgmma ones for sm_90a: no local memory, spills only where
+    measured and accepted (the mma.sync dK / dV kernel at head_dim 128, the wgmma atomic
+    path at head_dim 128), no serialised wgmmas, every product on wgmma there."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
+               **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
+    assert len(reports) == 15
+    for name, rep in reports.items():
+        assert "error" not in rep, rep.get("error")
+        c = rep["counts"]
+        assert rep["local_bytes"] == 0 and rep["f64"] == 0, (name, rep)
+        assert 0 < rep["registers"] <= 255, name
+        spills = 128 if "d128" in name and ("atomic" in name or "wgmma" not in name) else 0
+        assert rep["spill_stores"] <= spills, (name, rep["spill_stores"])
+        if "wgmma" in name:
+            assert rep["ptxas_wgmma_notes"] == [], (name, rep["ptxas_wgmma_notes"])
+            assert c["mma"] == 0, name
+            # dK/dV: Sᵀ, dPᵀ (D/16 steps each), dV, dK (block_m/16 each) [+ dQ]; dQ: S, dP,
+            # dQ
+            assert c["wgmma.mma_async"] >= (16 if "dkdv" in name else 12), (name, c)
+        else:
+            assert c["mma"] >= 64 and c["ldmatrix"] >= 16, (name, c)
