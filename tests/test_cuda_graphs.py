@@ -310,10 +310,10 @@ CUPY_SHIFTS = {"log_softmax_backward": (0.0, -8.0)}
 def test_cupy_stream_capture(cupy, case, warmup):
     """Every op on CuPy float16 arrays, captured on a non-blocking ``cupy.cuda.Stream``
     (CuPy's default capture mode, relaxed: its memory pool may cudaMalloc during the capture)
-    and replayed with ``Graph.launch``. The inputs are refilled on the default stream, so
-    nothing else allocates on the capture stream: temporaries the captured call freed (the
-    float32 bias, the parked rows) return to CuPy's pool for that stream while the graph
-    still uses them."""
+    and replayed with ``Graph.launch``, after NaN-filled arrays of many sizes were allocated
+    on the capture stream: an op's temporaries (the float32 bias, the parked rows' scratch,
+    aligned copies) must be kept for the graph (``tilepy.tile.device_write.
+    keep_during_capture``), not handed back to CuPy's pool for such allocations to reuse."""
     _, check, rows, shapes, call, ref = case
     check = CHECKS[check]
 
@@ -344,6 +344,9 @@ def test_cupy_stream_capture(cupy, case, warmup):
             out = call(*inputs)
         finally:
             graph = stream.end_capture()
+    with stream:   # allocations on the capture stream after the capture, NaN-filled: they
+        # must not get memory the graph reads (an op's temporaries are kept for the graph)
+        junk = [cupy.full(1 << e, cupy.nan, cupy.float32) for e in range(7, 23)]
     for _ in range(2):
         for i, x in enumerate(inputs):
             x[...] = fill(x.shape, i)
@@ -353,3 +356,4 @@ def test_cupy_stream_capture(cupy, case, warmup):
         check(out, reference())
     # an eager call after the capture with the same arrays (see test_flash_attention)
     check(call(*inputs), reference())
+    del junk

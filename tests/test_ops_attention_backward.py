@@ -145,6 +145,32 @@ def test_empty_key_sequence_and_cached_plan():
             close(g, want, "float16", f"{name} (seed {seed})")
 
 
+@pytest.mark.parametrize("b, hq, hk, limit", [
+    (3, 2, 2, 2),    # batch (grid z) past the limit
+    (1, 6, 2, 2),    # GQA: the dQ kernel's groups (3 heads) larger than the limit
+    (2, 6, 1, 4),    # query heads past it, one K/V head for all
+])
+def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
+    """Every backward launch with more heads or batches than the grid's y / z limit
+    (tilepy.launch.MAX_GRID_YZ, lowered) runs in chunks; twice, the second time through the
+    bound plans with new data."""
+    from tilepy import launch
+    from tilepy.ops import attention as at
+    from tilepy.ops import attention_backward as ab
+
+    monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
+    at._PLANS.clear()
+    ab._PLANS.clear()
+    try:
+        for seed in (0, 1):
+            run_case(b, hq, hk, 9, 12, 16, True, seed=seed)
+        (entry,) = ab._PLANS.values()
+        assert any(bound.plan.chunks for bound in entry[0])
+    finally:
+        at._PLANS.clear()
+        ab._PLANS.clear()
+
+
 def test_config_choice_and_checks():
     assert choose_config(64, "float16").head_dim == 64
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -14,6 +14,7 @@ import numpy as np
 from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
+from ..tile import device_write
 from .attention_tuned import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
@@ -119,12 +120,12 @@ def output_spec(q, k, v, *, causal=False, scale=None, out=None, layout="bhsd", c
     float32), after every check it makes before launching (the same errors); reads only
     metadata, so it also takes PyTorch fake tensors (the registered operator's meta
     function)."""
-    Q, dtype, (bq, hq, sq, _, _), *_ = _check(q, k, v, causal, scale, out, layout, config)
+    Q, dtype, (bq, hq, sq, _, _), *_ = check_arguments(q, k, v, causal, scale, out, layout, config)
     return Q.shape, (bq, hq, sq), dtype
 
 
-def _check(q, k, v, causal, scale, out, layout, config):
-    """Validate flash_attention's arguments: ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
+def check_arguments(q, k, v, causal, scale, out, layout, config):
+    """Validate flash_attention's arguments (also the backward's, :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
     head_dim), (K, V, Out), scale as a float, device)``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -138,9 +139,9 @@ def _check(q, k, v, causal, scale, out, layout, config):
     for op in (Q, K, V):
         if op.ndim != 4:
             raise ValueError(f"{op.name} must be 4-D ({_axes(layout)}), got shape {op.shape}")
-    bq, hq, sq, d = _bhsd(Q.shape, layout)
-    bk, hk, sk, dk = _bhsd(K.shape, layout)
-    bv, hv, sv, dv = _bhsd(V.shape, layout)
+    bq, hq, sq, d = bhsd_dims(Q.shape, layout)
+    bk, hk, sk, dk = bhsd_dims(K.shape, layout)
+    bv, hv, sv, dv = bhsd_dims(V.shape, layout)
     if not (bq == bk == bv):
         raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
                          f"(layout {layout!r}: {_axes(layout)})")
@@ -184,7 +185,7 @@ def _check(q, k, v, causal, scale, out, layout, config):
 
 
 def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
-    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = _check(
+    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config)
     caller_out = out is not None
     if out is None:
@@ -211,7 +212,7 @@ def _axes(layout: str) -> str:
             else "batch, seq, heads, head_dim")
 
 
-def _bhsd(shape, layout: str):
+def bhsd_dims(shape, layout: str):
     """(batch, heads, seq, head_dim) of a 4-D shape in ``layout``."""
     if layout == "bhsd":
         return tuple(shape)
@@ -219,7 +220,7 @@ def _bhsd(shape, layout: str):
     return b, h, s, d
 
 
-def _readable(op) -> bool:
+def readable(op) -> bool:
     """The kernel's cp.async reads ``op`` in place: unit stride along head_dim, every other
     stride (of an axis longer than 1) and the base 16-byte aligned."""
     if op.shape[-1] > 1 and op.strides[-1] != 1:
@@ -229,7 +230,7 @@ def _readable(op) -> bool:
     return op.byte_pointer() % 16 == 0
 
 
-def _kernel_view(op, layout: str):
+def kernel_view(op, layout: str):
     """``op`` as a 4-D (B, H, S, D) kernel argument, no copy (bshd: a strided view)."""
     view = arrays.raw_view(op)
     if layout == "bshd":
@@ -250,21 +251,22 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
     runs as the same config without TMA (cp.async loads) instead of failing."""
     with arrays.on_device(device):
-        views, reusable = [], True
+        views, reusable, copies = [], True, []
         for op in (Q, K, V):
-            if not _readable(op):
+            if not readable(op):
                 op = describe(arrays.copy_aligned(op), op.name)
                 reusable = False
-            views.append(_kernel_view(op, layout))
-        o_v = _kernel_view(Out, layout)
+                copies.append(op)
+            views.append(kernel_view(op, layout))
+        o_v = kernel_view(Out, layout)
         if lse is not None:
             Lse = describe(lse, "lse")
-            lse_v, lse_src = _kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
+            lse_v, lse_src = kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
         else:
             lse_v, lse_src = arrays.placeholder(3), None
         # a TMA grid kernel cannot launch more heads or batches than the grid's y / z limit
         # in chunks: its persistent variant, else the cp.async grid kernel (see _grid_safe)
-        batch, heads = _bhsd(Q.shape, layout)[:2]
+        batch, heads = bhsd_dims(Q.shape, layout)[:2]
         cfg = _grid_safe(cfg, batch, heads)
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
         kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
@@ -282,6 +284,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
             kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
             plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
         plan.launch(stream, args)
+        device_write.keep_during_capture(stream, *copies)   # when a CUDA graph captured it
     if not reusable:
         return None
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),

@@ -12,9 +12,10 @@ import numpy as np
 from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
+from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
-from .attention import _bhsd, _check, _kernel_view, _readable
+from .attention import bhsd_dims, check_arguments, kernel_view, readable
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -99,6 +100,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         s = stream()
         for plan in bound:
             plan(s, ptrs)
+        device_write.keep_during_capture(s, *scratch)
         del scratch
         return tuple(results)
     return _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
@@ -127,7 +129,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
     if out is None:
         raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
                         "result), got None")
-    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = _check(
+    Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
     dO = describe(dout, "dout", allow_float32=False)
     if dO.shape != Q.shape or dO.dtype != dtype:
@@ -180,7 +182,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
             G = describe(arr, _OPERANDS[_DQ + slot])
         results.append((arr, G))
     cfg = config or choose_config(d, dtype)
-    hk = _bhsd(K.shape, layout)[1]
+    hk = bhsd_dims(K.shape, layout)[1]
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
     sqp = bk.row_pad(cfg, sq)
@@ -194,22 +196,22 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         views, reusable = {}, True
         for name in ("q", "k", "v", "o", "do"):
             op = ops[name]
-            if not _readable(op):
+            if not readable(op):
                 op = ops[name] = describe(arrays.copy_aligned(op), op.name)
                 reusable = False
-            views[name] = _kernel_view(op, layout)
+            views[name] = kernel_view(op, layout)
         for name in ("dq", "dk", "dv"):
-            views[name] = _kernel_view(ops[name], layout)
-        views["lse"] = _kernel_view(Lse, "bhsd")
+            views[name] = kernel_view(ops[name], layout)
+        views["lse"] = kernel_view(Lse, "bhsd")
         if dLse is not None:
-            views["dlse"] = _kernel_view(dLse, "bhsd")
+            views["dlse"] = kernel_view(dLse, "bhsd")
             ops["dlse"] = dLse
         for i, (name, shape) in enumerate(scratch):
             make = arrays.allocator(Q, shape, "float32")
             makers.append((_SCRATCH0 + i, make))
             arr, _ = make()
             ops[name] = describe(arr, name)
-            views[name] = _kernel_view(ops[name], "bhsd")
+            views[name] = kernel_view(ops[name], "bhsd")
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
@@ -217,6 +219,10 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         plans = gen.plans(cfg, bool(causal), bool(deterministic), views, scale)
         for plan, args in plans:
             plan.launch(stream, args)
+        # the scratch and any copies, when a CUDA graph captured the launches
+        device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
+                                         *(ops[n] for n in ("q", "k", "v", "o", "do")
+                                           if not reusable))
     if reusable:
         _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers))
     return tuple(a for a, _ in results)

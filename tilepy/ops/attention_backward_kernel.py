@@ -46,12 +46,14 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import mask_scores
+from ..tile.attention import key_blocks, mask_scores
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
     atomic_add_accumulators,
     mask_transposed,
+    query_blocks,
+    row_state,
     softmax_gradient,
     store_accumulators,
 )
@@ -188,7 +190,9 @@ class BackwardConfig:
                 f"dQ {dq}, D={self.head_dim} {self.dtype}")
 
 
-def _kernel_jit(threads: int):
+def kernel_jit(threads: int):
+    """The backward kernels' decorator: ``cuda.jit`` in the simulator, else the disk-cached
+    jit with ``threads`` as the launch bound."""
     if SIMULATOR:
         return cuda.jit
     return cached_jit(launch_bounds=int(threads))
@@ -216,7 +220,7 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
     ZERO_DQ, HAS_DLSE = bool(zero_dq), bool(has_dlse)
     L2E = np.float32(LOG2E)
 
-    @_kernel_jit(ROW_THREADS)
+    @kernel_jit(ROW_THREADS)
     def kernel(o, do_, lse, dlse, delta, lse2, dq_acc):
         b = cuda.blockIdx.z
         h = cuda.blockIdx.y
@@ -266,7 +270,7 @@ def dq_convert(head_dim: int, dtype: str):
     D = head_dim
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
 
-    @_kernel_jit(ROW_THREADS)
+    @kernel_jit(ROW_THREADS)
     def kernel(dq_acc, dq, scale):
         b = cuda.blockIdx.z
         h = cuda.blockIdx.y
@@ -330,12 +334,13 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
+    qblocks = query_blocks(BM, causal)
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
     store = store_accumulators(1, NO, cfg.dtype)
     add_dq = atomic_add_accumulators(MIQ, NOQ)
 
-    @_kernel_jit(THREADS)
+    @kernel_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
         sq = q.shape[2]
         sk = k.shape[2]
@@ -351,11 +356,7 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
         shift = sk - sq
 
         # query blocks that see any key of this block: causal, from the diagonal down
-        n_qb = (sq + BM - 1) // BM
-        qb0 = 0
-        if CAUSAL:
-            qb0 = min(max(key0 - shift, 0) // BM, n_qb)
-        per_head = n_qb - qb0
+        qb0, per_head = qblocks(key0, sq, sk)
         steps = group * per_head
 
         dk_acc = cuda.local.array((1, NO, 4), np.float32)
@@ -543,10 +544,12 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
     grad = softmax_gradient(1, NS, "rows")
     mask = mask_scores(1, NS)
+    kblocks = key_blocks(BM, BN, causal)
+    rows = row_state(causal)
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
-    @_kernel_jit(THREADS)
+    @kernel_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
         sq = q.shape[2]
         sk = k.shape[2]
@@ -558,16 +561,8 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
         warp = tid // 32
         g = lane // 4
         t = lane % 4
-        row0 = cuda.blockIdx.x * BM
+        row0, _, n_kb, _, all_see = kblocks(sq, sk)
         wrow = row0 + warp * 16
-        shift = sk - sq
-        if CAUSAL:
-            last = min(sk, min(row0 + BM, sq) + shift) - 1
-            n_kb = last // BN + 1 if last >= 0 else 0
-            all_see = min(sk, row0 + shift + 1) - 1
-        else:
-            n_kb = (sk + BN - 1) // BN
-            all_see = sk - 1
 
         acc = cuda.local.array((1, NO, 4), np.float32)
         for j in range(NO):
@@ -576,11 +571,7 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
         limit = cuda.local.array((1, 2), np.int64)
-        for hh in range(2):
-            r = wrow + g + 8 * hh
-            l2[0, hh] = lse2[b, h, r]
-            dl[0, hh] = delta[b, h, r]
-            limit[0, hh] = (min(sk, r + shift + 1) - 1) if CAUSAL else sk - 1
+        rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
 
         if n_kb > 0:
             base = shared_addr(smem(), 0)
@@ -665,7 +656,7 @@ def row_pad(cfg: BackwardConfig, seq_q: int) -> int:
     return -(-seq_q // p) * p
 
 
-def _split(q_like, k_like, group: int, by_kv: bool):
+def heads_split(q_like, k_like, group: int, by_kv: bool):
     """GridSplit entries for a grid over heads (y) and batch (z): ``q_like`` / ``k_like``
     the argument positions indexed by query / key-value head; ``by_kv``: one block per
     key/value head (the dK / dV kernel), else per query head."""
@@ -692,7 +683,7 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
             views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
             views["dq_acc"] if atomic else views["placeholder4"])
     return (LaunchPlan(pre, args, (sqp // ROWS_PER_BLOCK, hq, batch), ROW_THREADS,
-                       split=_split(range(7), (), 1, False)), args)
+                       split=heads_split(range(7), (), 1, False)), args)
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float):
@@ -719,20 +710,20 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     smem = cfg.dkdv_layout(atomic).nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), 32 * cfg.warps, smem,
-                           split=_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+                           split=heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
 
     if atomic:
         conv = dq_convert(d, cfg.dtype)
         args = (dq_acc, views["dq"], scale32)
         out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, batch), ROW_THREADS,
-                               split=_split((0, 1), (), 1, False)), args))
+                               split=heads_split((0, 1), (), 1, False)), args))
     else:
         kern = dq_kernel(cfg, causal)
         args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2)
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
         out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
                                32 * cfg.dq_warps, cfg.dq_smem_bytes,
-                               split=_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+                               split=heads_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
     return [(p, a) for p, a in out if p.grid[0] > 0]   # no rows or no keys: nothing to do
 
 

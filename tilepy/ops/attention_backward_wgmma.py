@@ -40,11 +40,13 @@ from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.vector import st_shared_v2_f32
 from ..ptx.wgmma import fence_proxy_async_shared
-from ..tile.attention import mask_scores
+from ..tile.attention import key_blocks, mask_scores
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
     mask_transposed,
+    query_blocks,
+    row_state,
     softmax_gradient,
     store_accumulators,
 )
@@ -186,7 +188,7 @@ class WgmmaBackwardConfig:
 
 
 def _jit(threads: int):
-    return bk._kernel_jit(threads)
+    return bk.kernel_jit(threads)
 
 
 @functools.cache
@@ -230,6 +232,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_o, _ = accumulator_fragment(D)
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
+    qblocks = query_blocks(BM, causal)
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
@@ -249,11 +252,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         t = lane % 4
         issuer = tid % 128 == 0      # thread 0 of each warpgroup issues its bulk reductions
         shift = sk - sq
-        n_qb = (sq + BM - 1) // BM
-        qb0 = 0
-        if CAUSAL:
-            qb0 = min(max(key0 - shift, 0) // BM, n_qb)
-        per_head = n_qb - qb0
+        qb0, per_head = qblocks(key0, sq, sk)
         steps = group * per_head
 
         dk_acc = cuda.local.array(ACC_O, np.float32)
@@ -447,6 +446,8 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_o, _ = accumulator_fragment(D)
     grad = softmax_gradient(1, NS, "rows")
     mask = mask_scores(1, NS)
+    kblocks = key_blocks(BM, BN, causal)
+    rows = row_state(causal)
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
@@ -463,16 +464,8 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         wg = warp // 4
         g = lane // 4
         t = lane % 4
-        row0 = cuda.blockIdx.x * BM
+        row0, _, n_kb, _, all_see = kblocks(sq, sk)
         wrow = row0 + warp * 16
-        shift = sk - sq
-        if CAUSAL:
-            last = min(sk, min(row0 + BM, sq) + shift) - 1
-            n_kb = last // BN + 1 if last >= 0 else 0
-            all_see = min(sk, row0 + shift + 1) - 1
-        else:
-            n_kb = (sk + BN - 1) // BN
-            all_see = sk - 1
 
         acc = cuda.local.array(ACC_O, np.float32)
         for i in range(ACC_O):
@@ -480,11 +473,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
         limit = cuda.local.array((1, 2), np.int64)
-        for hh in range(2):
-            r = wrow + g + 8 * hh
-            l2[0, hh] = lse2[b, h, r]
-            dl[0, hh] = delta[b, h, r]
-            limit[0, hh] = (min(sk, r + shift + 1) - 1) if CAUSAL else sk - 1
+        rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
 
         if n_kb > 0:
             base = shared_addr(smem(), 0)
@@ -608,12 +597,12 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     smem = (cfg if atomic else dataclasses.replace(cfg, dq_atomic=False)).dkdv_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), cfg.threads, smem,
-                           split=bk._split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+                           split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
     if atomic:
         conv = dq_convert_blocked(d, cfg.dtype)
         args = (views["dq_acc"], views["dq"], scale32)
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
-                               bk.ROW_THREADS, split=bk._split((0, 1), (), 1, False)), args))
+                               bk.ROW_THREADS, split=bk.heads_split((0, 1), (), 1, False)), args))
         return [(p, a) for p, a in out if p.grid[0] > 0]
     kern = dq_kernel(cfg, causal)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dq"], scale32,
@@ -621,7 +610,7 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     smem = cfg.dq_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch), cfg.dq_threads,
-                           smem, split=bk._split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+                           smem, split=bk.heads_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
     return [(p, a) for p, a in out if p.grid[0] > 0]
 
 

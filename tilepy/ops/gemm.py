@@ -14,6 +14,7 @@ import numpy as np
 from .. import arrays, launch
 from ..arrays import describe, kernel_view
 from ..launch import PlanCache, pointer
+from ..tile import device_write
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
 from .gemm_tuned import tuned_gemm_config
@@ -148,7 +149,10 @@ class _Cached:
         keep = None
         if self.convert_bias:
             keep, ptrs[2] = _converted_bias(bias)
-        self.bound(self.stream(), ptrs, (alpha, beta))
+        stream = self.stream()
+        self.bound(stream, ptrs, (alpha, beta))
+        if keep is not None:
+            device_write.keep_during_capture(stream, keep)
         del keep    # stream-ordered allocators: freeing after the launch is enqueued is safe
         return out
 
@@ -323,6 +327,12 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
                                   **extra)
         plan.launch(stream, args)
+        # temporaries the launch reads (a float32 bias, aligned copies, zero matrices): kept
+        # when a CUDA graph captured it
+        temps = [bias_v if convert_bias else None]
+        if not reusable and dtype != "float32":
+            temps += [A2, B2, A, B]
+        device_write.keep_during_capture(stream, *temps)
     if not reusable:
         return None, convert_bias
     return plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer())] + sources), convert_bias

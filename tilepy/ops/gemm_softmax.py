@@ -27,6 +27,7 @@ import numpy as np
 from .. import arrays, launch
 from ..arrays import describe, kernel_view
 from ..launch import PlanCache
+from ..tile import device_write
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from . import gemm_softmax_kernel as gsk
 from . import gemm_softmax_wgmma as gsw
@@ -191,7 +192,10 @@ class _Cached:
             if po % 16 != self.out_align:
                 return None
         seg, ps = self.alloc_seg() if self.alloc_seg is not None else (None, 0)
-        self.bound(self.stream(), [pa, pb, po, ps], self.scalars(scale))
+        stream = self.stream()
+        self.bound(stream, [pa, pb, po, ps], self.scalars(scale))
+        if seg is not None:
+            device_write.keep_during_capture(stream, seg)
         del seg     # stream-ordered allocators: freeing after the launch is enqueued is safe
         return out
 
@@ -303,7 +307,8 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
                 B, 3, swap_last=not b_k_major), out_v, out_v, arrays.placeholder(1),
                 *_tma_scalars(scale), stream=stream, alloc=arrays.byte_allocator(A))
             plan.launch(stream, args)
-            if not reusable:
+            if not reusable:   # copies the launch reads, when a CUDA graph captured it
+                device_write.keep_during_capture(stream, A, B)
                 return None
             # a, b, out, c (= out), bias (a placeholder); the plan supplies the maps
             return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), (2, o_ptr), None]), None,
@@ -321,6 +326,9 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
         kern = gsk.gemm_softmax_kernel(cfg, b_k_major, pairs)
         plan, args = gsk.plan(kern, cfg, kernel_view(A), b_view, out_v, seg_max, scale, n)
         plan.launch(stream, args)
+        # the scratch and any copies, when a CUDA graph captured the launch
+        device_write.keep_during_capture(stream, seg if cfg.park == "global" else None,
+                                         *((A, B) if not reusable else ()))
     if not reusable:
         return None
     return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), seg_src]), alloc_seg, gsk.scalars)

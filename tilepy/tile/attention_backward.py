@@ -22,6 +22,9 @@ Generators (each cached on its arguments):
 
 * :func:`softmax_gradient` — ``probabilities`` (S → P in place) and ``gradients``
   (dP → dS in place);
+* :func:`query_blocks` — a key block's range of query blocks (the dK / dV kernels' loop);
+* :func:`row_state` — a lane's rows' ``lse2``, ``delta`` and causal key limits (the dQ
+  kernels);
 * :func:`mask_transposed` — the causal mask of a transposed score block (rows = keys);
 * :func:`a_fragment` — an accumulator fragment rounded to 16 bits as the A operand of the next
   product (P or dS straight from registers);
@@ -111,6 +114,50 @@ def softmax_gradient(mi: int, ns: int, by: str):
 
 
 @functools.cache
+def query_blocks(block_m: int, causal: bool):
+    """``bounds(key0, sq, sk) -> (qb0, count)``: the query blocks (of ``block_m`` rows) that
+    see any key of a key block starting at ``key0`` — all of them, or (causal, bottom-right:
+    query ``i`` sees key ``j`` iff ``j <= i + sk - sq``) those from the one holding query
+    ``key0 - (sk - sq)`` on; ``count`` 0 when none does. Block-uniform; any thread."""
+    BM, CAUSAL = block_m, bool(causal)
+
+    @inline_device
+    def bounds(key0, sq, sk):
+        n_qb = (sq + BM - 1) // BM
+        qb0 = 0
+        if CAUSAL:
+            qb0 = min(max(key0 - (sk - sq), 0) // BM, n_qb)
+        return qb0, n_qb - qb0
+
+    return bounds
+
+
+@functools.cache
+def row_state(causal: bool):
+    """``load(lse2, delta, l2, dl, limit, b, h, rows0, g, sq, sk)``: for the lane's two rows
+    ``rows0 + g`` and ``rows0 + g + 8`` (a warp's 16-row strip), ``l2[0, h8]`` and
+    ``dl[0, h8]`` from the (B, H, SqP) float32 ``lse2`` / ``delta`` (rows past ``sq`` are the
+    padding the rows pre-pass wrote) and ``limit[0, h8]`` the last key the row sees (causal:
+    ``min(sk, row + sk - sq + 1) - 1``, else ``sk - 1``) — the ``limit`` that
+    :func:`tilepy.tile.attention.mask_scores` takes. ``l2``, ``dl`` (1, 2) float32 and
+    ``limit`` (1, 2) int64 local arrays."""
+    CAUSAL = bool(causal)
+
+    @inline_device
+    def load(lse2, delta, l2, dl, limit, b, h, rows0, g, sq, sk):
+        for hh in range(2):
+            r = rows0 + g + 8 * hh
+            l2[0, hh] = lse2[b, h, r]
+            dl[0, hh] = delta[b, h, r]
+            if CAUSAL:
+                limit[0, hh] = min(sk, r + (sk - sq) + 1) - 1
+            else:
+                limit[0, hh] = sk - 1
+
+    return load
+
+
+@functools.cache
 def mask_transposed(mi: int, ns: int):
     """``mask(s, first)``: causal masking of a transposed score block ``Sᵀ`` (rows = keys,
     columns = queries): key ``k`` is seen by query ``i`` iff ``i >= k - shift``. ``first``: for
@@ -196,4 +243,4 @@ def atomic_add_accumulators(mi: int, no: int):
 
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "mask_transposed",
-           "softmax_gradient", "store_accumulators"]
+           "query_blocks", "row_state", "softmax_gradient", "store_accumulators"]

@@ -198,6 +198,19 @@ def keep_for_graphs(buf):
     return buf
 
 
+def keep_during_capture(stream, *arrays) -> None:
+    """When ``stream`` is being captured into a CUDA graph, keep ``arrays`` (an op's
+    temporaries: a converted bias, float32 scratch; None entries ignored) alive for the
+    process in :data:`GRAPH_BUFFERS`: freed, a caching allocator (CuPy's pool) would hand their
+    memory to a later allocation while the graph's replays still read and write it. Outside
+    a capture it does nothing (the arrays are freed as usual, after the launches are queued:
+    stream-ordered allocators make that safe). Costs one ``cuStreamIsCapturing`` query."""
+    kept = [a for a in arrays if a is not None]
+    if kept and stream_capturing(stream):
+        for a in kept:
+            GRAPH_BUFFERS[("array", id(a))] = a
+
+
 def stream_capturing(stream) -> bool:
     """Whether ``stream`` (a raw handle or a Numba stream) is being captured into a CUDA graph
     (``cuStreamIsCapturing``; an invalidated capture counts, and so does a query the driver
