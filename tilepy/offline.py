@@ -54,6 +54,7 @@ class Report:
     counts: dict = field(default_factory=dict)
     ptxas_log: str = ""
     ptx: str = ""
+    sass: dict | None = None   # what compile_kernel's ``sass`` function found in the cubin
 
     def summary(self) -> str:
         c = " ".join(f"{k}={v}" for k, v in self.counts.items() if v)
@@ -103,25 +104,56 @@ def parse_ptxas(log: str, report: Report) -> None:
     report.local_bytes = int(m.group(1)) if m else 0
 
 
-def ptxas(ptx: str, arch: str) -> str:
-    """Assemble ``ptx`` for ``arch`` (e.g. 'sm_90a') with -v; return the log. Raises on error."""
+def ptxas(ptx: str, arch: str, sass=None) -> str:
+    """Assemble ``ptx`` for ``arch`` (e.g. 'sm_90a') with -v; return the log. Raises on error.
+    ``sass``: a function of the cubin's path, called before the cubin is deleted (e.g.
+    :func:`sass_in_flight`); its result is stored in ``ptxas.last_sass``."""
     exe = find_ptxas()
     if exe is None:
         raise FileNotFoundError("ptxas not found: pip install 'tilepy[test]' (nvidia-cuda-nvcc), "
                                 "or set TILEPY_PTXAS / CUDA_HOME")
     with tempfile.TemporaryDirectory() as d:
-        src = os.path.join(d, "k.ptx")
+        src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        proc = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+        proc = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", cubin],
                               capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"ptxas failed for {arch}:\n{proc.stderr}")
+        if proc.returncode != 0:
+            raise RuntimeError(f"ptxas failed for {arch}:\n{proc.stderr}")
+        ptxas.last_sass = sass(cubin) if sass is not None else None
     return proc.stderr + proc.stdout
 
 
-def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **options) -> Report:
-    """compile_ptx(pyfunc, argtypes) for ``cc`` and, if ``assemble``, run ptxas -v on it."""
+def sass_in_flight(cubin_path: str) -> dict:
+    """What the machine code does between a partial wgmma wait and the full one (``nvdisasm``
+    from the nvidia-cuda-nvcc wheel): per ``WARPGROUP.DEPBAR.LE gsb0, 0x1``, the ex2
+    (MUFU.EX2) and shuffle instructions before the next ``… 0x0`` — work that overlaps the
+    wgmmas still in flight (an overlapped softmax should be there). ``{"ex2_in_flight":
+    [...], "shfl_in_flight": [...]}``; empty if nvdisasm is missing."""
+    exe = os.path.join(os.path.dirname(find_ptxas() or ""), "nvdisasm")
+    if not os.path.isfile(exe):
+        return {}
+    sass = subprocess.run([exe, "-c", cubin_path], capture_output=True, text=True,
+                          check=True).stdout
+    ex2, shfl, inside = [], [], False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = True
+            ex2.append(0)
+            shfl.append(0)
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            inside = False
+        elif inside and "MUFU.EX2" in line:
+            ex2[-1] += 1
+        elif inside and "SHFL." in line:
+            shfl[-1] += 1
+    return {"ex2_in_flight": ex2, "shfl_in_flight": shfl}
+
+
+def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, sass=None,
+                   **options) -> Report:
+    """compile_ptx(pyfunc, argtypes) for ``cc`` and, if ``assemble``, run ptxas -v on it
+    (``sass``: a function of the cubin's path, its result in ``Report.sass``)."""
     from numba import config
 
     if config.ENABLE_CUDASIM:
@@ -133,23 +165,31 @@ def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, **option
     arch = "sm_%d%d%s" % (cc[0], cc[1], cc[2] if len(cc) > 2 else "")
     rep = Report(name=name, arch=arch, counts=count_instructions(ptx), ptx=ptx)
     if assemble:
-        rep.ptxas_log = ptxas(ptx, arch)
+        rep.ptxas_log = ptxas(ptx, arch, sass=sass)
         parse_ptxas(rep.ptxas_log, rep)
+        if sass is not None:
+            rep.sass = ptxas.last_sass
     return rep
 
 
-def report_entry(name, build, argtypes, cc=(9, 0), *, threads, **info) -> dict:
+def report_entry(name, build, argtypes, cc=(9, 0), *, threads, launch_bounds=None,
+                 sass=False, **info) -> dict:
     """Compile the kernel ``build()`` returns for ``argtypes`` (launch bounds ``threads``) and
     return ``info`` plus its report as a dict (registers, spills, instruction counts, ex2 and
     f64 instruction counts, ptxas's notes on wgmma — C75xx: serialised wgmmas, injected waits
-    — and compile seconds), or plus ``error`` when building or compiling raised — reported
-    per kernel so one failure does not hide the others."""
+    — and compile seconds; with ``sass``, :func:`sass_in_flight` of the machine code), or plus
+    ``error`` when building or compiling raised — reported per kernel so one failure does not
+    hide the others. ``launch_bounds``: Numba's (default ``threads``)."""
     import time
 
     entry = dict(info, name=name, threads=threads)
     t0 = time.perf_counter()
     try:
-        rep = compile_kernel(name, build().py_func, argtypes, cc, launch_bounds=threads)
+        rep = compile_kernel(name, build().py_func, argtypes, cc,
+                             launch_bounds=threads if launch_bounds is None else launch_bounds,
+                             sass=sass_in_flight if sass else None)
+        if sass:
+            entry.update(rep.sass or {})
     except Exception as e:  # noqa: BLE001  (reported per kernel; the tests fail on it)
         entry["error"] = f"{type(e).__name__}: {e}"
         return entry

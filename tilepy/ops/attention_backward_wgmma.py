@@ -74,7 +74,7 @@ DQ_TILE_BYTES = 64 * DQ_ROW * 4
 
 def dq_blocked_shape(batch: int, heads: int, sqp: int, head_dim: int) -> tuple:
     """The atomic path's float32 dQ accumulator: (B, Hq, SqP · slices, 64 + DQ_PAD), query
-    block ``qb``'s slice ``c`` (columns ``64 c …``) at rows ``(qb · slices + c) · 64 …`` — one
+    block ``qb``'s slice ``c`` (columns ``64 c …``) at rows ``(qb · slices + c) · 64 …``: one
     contiguous tile per bulk reduction."""
     return (batch, heads, sqp * (head_dim // 64), DQ_ROW)
 
@@ -610,7 +610,8 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     smem = cfg.dq_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch), cfg.dq_threads,
-                           smem, split=bk.heads_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+                           smem, split=bk.heads_split((0, 3, 4, 5, 6), (1, 2), group, False)),
+                args))
     return [(p, a) for p, a in out if p.grid[0] > 0]
 
 

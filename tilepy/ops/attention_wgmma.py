@@ -1267,74 +1267,16 @@ def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
     return encoder
 
 
-def softmax_overlap(cubin_path: str) -> dict:
-    """What the sm_90a machine code of a kernel does between the partial wgmma wait and the
-    full one (``nvdisasm`` from the nvidia-cuda-nvcc wheel): per ``WARPGROUP.DEPBAR.LE gsb0,
-    0x1``, the ex2 (MUFU.EX2) and shuffle instructions before the next ``… 0x0``. The overlap
-    kernel's softmax should be there (ex2 >= block_n / 2); empty if nvdisasm is missing."""
-    import os
-    import subprocess
-
-    from ..offline import find_ptxas
-
-    exe = os.path.join(os.path.dirname(find_ptxas() or ""), "nvdisasm")
-    if not os.path.isfile(exe):
-        return {}
-    sass = subprocess.run([exe, "-c", cubin_path], capture_output=True, text=True,
-                          check=True).stdout
-    ex2, shfl, inside = [], [], False
-    for line in sass.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
-            inside = True
-            ex2.append(0)
-            shfl.append(0)
-        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
-            inside = False
-        elif inside and "MUFU.EX2" in line:
-            ex2[-1] += 1
-        elif inside and "SHFL." in line:
-            shfl[-1] += 1
-    return {"ex2_in_flight": ex2, "shfl_in_flight": shfl}
-
-
 def _overlap_entry(name, cfg, causal, has_lse):
-    """:func:`tilepy.offline.report_entry`'s fields for an overlap kernel, plus the ptxas notes
-    on wgmma (C75xx: serialised wgmmas, injected waits) and :func:`softmax_overlap`."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-    import time
+    """:func:`tilepy.offline.report_entry` of an overlap / TMA / persistent kernel, with
+    ptxas's wgmma notes and :func:`tilepy.offline.sass_in_flight` (the softmax that runs
+    between the partial and the full wgmma wait)."""
+    from ..offline import report_entry
 
-    from ..offline import compile_kernel, find_ptxas, parse_ptxas
-
-    entry = {"name": name, "threads": cfg.threads, "config": cfg.describe(),
-             "smem_bytes": cfg.smem_bytes}
-    t0 = time.perf_counter()
-    try:
-        sig = kernel_argtypes(cfg)
-        rep = compile_kernel(name, wgmma_attention_kernel(cfg, causal, has_lse).py_func,
-                             sig, (9, 0, "a"), assemble=False,
-                             launch_bounds=(cfg.threads, 1) if cfg.producer else cfg.threads)
-        with tempfile.TemporaryDirectory() as tmp:
-            src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-            with open(src, "w") as f:
-                f.write(rep.ptx)
-            proc = subprocess.run([find_ptxas(), "-arch=sm_90a", "-v", src, "-o", cubin],
-                                  capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(f"ptxas failed:\n{proc.stderr}")
-            parse_ptxas(proc.stderr + proc.stdout, rep)
-            entry.update(softmax_overlap(cubin))
-    except Exception as e:  # noqa: BLE001  (reported per kernel; the tests fail on it)
-        entry["error"] = f"{type(e).__name__}: {e}"
-        return entry
-    fields = ("registers", "spill_stores", "spill_loads", "stack_frame", "local_bytes", "counts")
-    entry.update({f: getattr(rep, f) for f in fields})
-    entry["ex2"] = len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE))
-    entry["ptxas_wgmma_notes"] = re.findall(r"\(C75\d\d\)[^\n]*", proc.stderr)
-    entry["compile_seconds"] = time.perf_counter() - t0
-    return entry
+    return report_entry(name, lambda: wgmma_attention_kernel(cfg, causal, has_lse),
+                        kernel_argtypes(cfg), (9, 0, "a"), threads=cfg.threads,
+                        launch_bounds=(cfg.threads, 1) if cfg.producer else cfg.threads,
+                        sass=True, config=cfg.describe(), smem_bytes=cfg.smem_bytes)
 
 
 #: The overlap kernels of :func:`compile_reports`: (head_dim, block_n, dtype, causal with LSE).
@@ -1360,8 +1302,9 @@ PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
 
 def compile_reports():
     """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
-    overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`softmax_overlap`) and of the
-    persistent ones (:data:`PERSISTENT_REPORTS`) and the TMA ones (:data:`TMA_REPORTS`)."""
+    overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
+    and of the persistent ones (:data:`PERSISTENT_REPORTS`) and the TMA ones
+    (:data:`TMA_REPORTS`)."""
     from ..offline import report_entry
     from .attention_kernel import argtypes
 
