@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s15a    what session 14 changed after its last GPU run: the CuPy capture tests with
+#                allocations on the capture stream, the backward's GPU tests (70000-long head
+#                and batch axes included), the backward benchmark (the dQ blocks heaviest first)
 #   PART=s14d    the attention backward: its GPU tests (gradients at full size, determinism,
 #                autograd eager and compiled, a Llama trained 50 steps against SDPA), then the
 #                backward benchmark (fp16)
@@ -113,6 +116,11 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s15a "* ]]; then
+    gpu_tests cuda_graphs 150 tests/test_cuda_graphs.py
+    gpu_tests attention_backward_gpu 240 tests/test_attention_backward_gpu.py
+    bench_suite bench_attention_backward 180 "test_flash_attention_backward and not bfloat16"
+fi
 if [[ " $PART " == *" s14d "* ]]; then
     gpu_tests attention_backward_gpu 300 tests/test_attention_backward_gpu.py
     bench_suite bench_attention_backward 220 "test_flash_attention_backward and not bfloat16"

@@ -282,3 +282,39 @@ def test_gpu_llama_training_loss_curve_matches_sdpa(monkeypatch):
     assert ref[-1] < 0.9 * ref[0], ("the model did not train", ref)
     worst = max(abs(g - r) / abs(r) for g, r in zip(got, ref))
     assert worst < 1e-2, (worst, list(zip(ref, got)))
+
+
+@pytest.mark.parametrize("layout, hq, hk, batch", [
+    ("bhsd", 70000, 70000, 1),      # query and K/V heads past the grid's y limit (65535)
+    ("bshd", 70002, 2, 1),          # GQA: 35001 query heads per K/V head
+    ("bhsd", 2, 1, 70000),          # batch past the z limit
+])
+def test_gpu_heads_and_batches_past_the_grid_limit(layout, hq, hk, batch):
+    """The backward's launches (pre-pass, dK / dV, dQ) at 70000 along a batch axis run in
+    chunks: the gradients match, to the bit, the same kernels run on two halves of the axis
+    (each within the limit)."""
+    torch.manual_seed(0)
+    d, sq, sk = 64, 24, 40
+    q, k, v, dout = make_inputs(batch, hq, hk, sq, sk, d, layout, torch.float16)
+    out, lse = tilepy.flash_attention(q, k, v, causal=True, return_lse=True, layout=layout)
+    full = tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=True, layout=layout)
+    if batch > 1:
+        halves = [slice(0, batch // 2), slice(batch // 2, batch)]
+        pieces = [tilepy.flash_attention_backward(dout[i], q[i], k[i], v[i], out[i], lse[i],
+                                                  causal=True, layout=layout) for i in halves]
+        want = [torch.cat([p[j] for p in pieces], 0) for j in range(3)]
+    else:
+        axis = 1 if layout == "bhsd" else 2
+        half_kv = hk // 2                 # every case here has at least two K/V heads
+        hq_half = half_kv * (hq // hk)
+        pieces = []
+        for qs, ks in ((slice(0, hq_half), slice(0, half_kv)),
+                       (slice(hq_half, hq), slice(half_kv, hk))):
+            def cut(t, sl):
+                return t[:, sl] if axis == 1 else t[:, :, sl]
+            pieces.append(tilepy.flash_attention_backward(
+                cut(dout, qs), cut(q, qs), cut(k, ks), cut(v, ks), cut(out, qs),
+                lse[:, qs], causal=True, layout=layout))
+        want = [torch.cat([p[j] for p in pieces], axis) for j in range(3)]
+    for name, g, w in zip(("dq", "dk", "dv"), full, want):
+        assert torch.equal(bits(g), bits(w)), name
