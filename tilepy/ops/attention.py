@@ -125,7 +125,8 @@ def output_spec(q, k, v, *, causal=False, scale=None, out=None, layout="bhsd", c
 
 
 def check_arguments(q, k, v, causal, scale, out, layout, config):
-    """Validate flash_attention's arguments (also the backward's, :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
+    """Validate flash_attention's arguments (the backward's too,
+    :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
     head_dim), (K, V, Out), scale as a float, device)``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -230,7 +231,7 @@ def readable(op) -> bool:
     return op.byte_pointer() % 16 == 0
 
 
-def kernel_view(op, layout: str):
+def bhsd_view(op, layout: str):
     """``op`` as a 4-D (B, H, S, D) kernel argument, no copy (bshd: a strided view)."""
     view = arrays.raw_view(op)
     if layout == "bshd":
@@ -257,11 +258,11 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
                 op = describe(arrays.copy_aligned(op), op.name)
                 reusable = False
                 copies.append(op)
-            views.append(kernel_view(op, layout))
-        o_v = kernel_view(Out, layout)
+            views.append(bhsd_view(op, layout))
+        o_v = bhsd_view(Out, layout)
         if lse is not None:
             Lse = describe(lse, "lse")
-            lse_v, lse_src = kernel_view(Lse, "bhsd"), (4, Lse.byte_pointer())
+            lse_v, lse_src = bhsd_view(Lse, "bhsd"), (4, Lse.byte_pointer())
         else:
             lse_v, lse_src = arrays.placeholder(3), None
         # a TMA grid kernel cannot launch more heads or batches than the grid's y / z limit

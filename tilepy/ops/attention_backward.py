@@ -1,8 +1,9 @@
 """``tilepy.flash_attention_backward``: FlashAttention-2's backward pass on tensor cores.
 
 Validation on the host, then three launches on the inputs' device and the caller's current
-stream (:mod:`tilepy.ops.attention_backward_kernel`): the rows pre-pass, the dK / dV kernel,
-and dQ's conversion (or, ``deterministic=True``, its own kernel).
+stream (:mod:`tilepy.ops.attention_backward_wgmma` on sm_90, else
+:mod:`tilepy.ops.attention_backward_kernel`): the rows pre-pass, the dK / dV kernel, and the
+dQ kernel (or, with a ``dq_atomic`` config, the conversion of dQ's float32 accumulator).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..launch import PlanCache
 from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
-from .attention import bhsd_dims, check_arguments, kernel_view, readable
+from .attention import bhsd_dims, check_arguments, bhsd_view, readable
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -185,11 +186,11 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
     hk = bhsd_dims(K.shape, layout)[1]
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
+    gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
     sqp = bk.row_pad(cfg, sq)
     scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
     if bk.uses_atomics(cfg, deterministic):
-        scratch.append(("dq_acc", bw.dq_acc_shape(cfg, bq, hq, sqp)
-                        if isinstance(cfg, WgmmaBackwardConfig) else (bq, hq, sqp, d)))
+        scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
     ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
            "dk": results[1][1], "dv": results[2][1]}
     with arrays.on_device(device):
@@ -199,23 +200,22 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
             if not readable(op):
                 op = ops[name] = describe(arrays.copy_aligned(op), op.name)
                 reusable = False
-            views[name] = kernel_view(op, layout)
+            views[name] = bhsd_view(op, layout)
         for name in ("dq", "dk", "dv"):
-            views[name] = kernel_view(ops[name], layout)
-        views["lse"] = kernel_view(Lse, "bhsd")
+            views[name] = bhsd_view(ops[name], layout)
+        views["lse"] = bhsd_view(Lse, "bhsd")
         if dLse is not None:
-            views["dlse"] = kernel_view(dLse, "bhsd")
+            views["dlse"] = bhsd_view(dLse, "bhsd")
             ops["dlse"] = dLse
         for i, (name, shape) in enumerate(scratch):
             make = arrays.allocator(Q, shape, "float32")
             makers.append((_SCRATCH0 + i, make))
             arr, _ = make()
             ops[name] = describe(arr, name)
-            views[name] = kernel_view(ops[name], "bhsd")
+            views[name] = bhsd_view(ops[name], "bhsd")
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
         plans = gen.plans(cfg, bool(causal), bool(deterministic), views, scale)
         for plan, args in plans:
             plan.launch(stream, args)

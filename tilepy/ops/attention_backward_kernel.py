@@ -46,7 +46,7 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import key_blocks, mask_scores
+from ..tile.attention import block_coords, key_blocks, mask_scores
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -551,11 +551,7 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
 
     @kernel_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        h = cuda.blockIdx.y
-        hk = h // (q.shape[1] // k.shape[1])
+        sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -666,6 +662,11 @@ def heads_split(q_like, k_like, group: int, by_kv: bool):
     for arg in k_like:
         out.append(GridSplit(1, arg, 1) if by_kv else GridSplit(1, arg, 1, group=group))
     return tuple(out) + tuple(GridSplit(2, arg, 0) for arg in (*q_like, *k_like))
+
+
+def dq_acc_shape(cfg: BackwardConfig, batch: int, heads: int, sqp: int) -> tuple:
+    """The float32 dQ accumulator a call with atomics needs: (B, Hq, SqP, D)."""
+    return (batch, heads, sqp, cfg.head_dim)
 
 
 def uses_atomics(cfg, deterministic: bool) -> bool:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
@@ -40,7 +41,7 @@ from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.vector import st_shared_v2_f32
 from ..ptx.wgmma import fence_proxy_async_shared
-from ..tile.attention import key_blocks, mask_scores
+from ..tile.attention import block_coords, key_blocks, mask_scores
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -218,6 +219,15 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     SPLIT = KG > 1 and SL == KG      # warpgroup w: slice w over every key
     OWN = KG > 1 and SL == 1         # warpgroup w: slice 0 over its own keys
 
+    @inline_device
+    def job_slice(job, wg):
+        """The 64-column dQ slice of a warpgroup's job (one key warpgroup: job j, slice j)."""
+        if SPLIT:
+            return wg
+        if OWN:
+            return 0
+        return job
+
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
     issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
@@ -369,15 +379,8 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                         bulk_wait_group_read(0)   # last step's partials have been read
                     cuda.syncthreads()
                     for job in range(JOBS):
-                        if SPLIT:
-                            sl = wg
-                            box = 0
-                        elif OWN:
-                            sl = 0
-                            box = wg
-                        else:
-                            sl = job
-                            box = 0
+                        sl = job_slice(job, wg)
+                        box = wg if OWN else 0
                         dq_mma.fence()
                         dq_mma.mma(dq_part, base + DS_OFF + box * 8192,
                                    base + K_OFF + sl * (BN * 128) + box * 8192, 0)
@@ -394,14 +397,9 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                     cuda.syncthreads()
                     if issuer:
                         for job in range(JOBS):
-                            if SPLIT:
-                                sl = wg
-                            elif OWN:
-                                sl = 0
-                            else:
-                                sl = job
                             bulk_reduce_add_f32(
-                                global_addr(dq_acc, (b, hq, ((row // 64) * SL + sl) * 64, 0)),
+                                global_addr(dq_acc, (b, hq, ((row // 64) * SL + job_slice(
+                                    job, wg)) * 64, 0)),
                                 dq_stage + job * DQ_TILE_BYTES, DQ_TILE_BYTES)
                         bulk_commit_group()
                 g_mma.wait(0)
@@ -453,11 +451,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
 
     @_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        h = cuda.blockIdx.y
-        hk = h // (q.shape[1] // k.shape[1])
+        sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

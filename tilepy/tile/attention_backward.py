@@ -223,10 +223,10 @@ def store_accumulators(mi: int, no: int, dtype: str):
 
 @functools.cache
 def atomic_add_accumulators(mi: int, no: int):
-    """``add(acc, dst2, rows0, col0, nrows)``: ``dst2[r, c] += acc`` for the lane's entries
-    (rows ``rows0 + 16 i + g + 8 h`` below ``nrows``, columns ``col0 + 8 j + 2 t`` and ``+1``)
-    with float32 atomic adds (their order, so the last bits of the sums, varies between runs).
-    ``dst2`` a 2-D float32 view; ``g``, ``t`` from the lane."""
+    """``add(acc, dst2, rows0, col0, nrows, g, t)``: ``dst2[r, c] += acc`` for the lane's
+    entries (rows ``rows0 + 16 i + g + 8 h`` below ``nrows``, columns ``col0 + 8 j + 2 t`` and
+    ``+1``) with float32 atomic adds (their order, so the last bits of the sums, varies
+    between runs). ``dst2`` a 2-D float32 view; ``g``, ``t`` the lane's quad coordinates."""
 
     @inline_device
     def add(acc, dst2, rows0, col0, nrows, g, t):
