@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s15e    the fused (warp-specialised) backward as the head_dim-128 default: the
+#                backward's GPU tests (Llama training included), the backward benchmark (fp16,
+#                bf16) and the training step, then softmax's backward benchmark (never run)
 #   PART=s15a    what session 14 changed after its last GPU run: the CuPy capture tests with
 #                allocations on the capture stream, the backward's GPU tests (70000-long head
 #                and batch axes included), the backward benchmark (the dQ blocks heaviest first)
@@ -116,6 +119,12 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s15e "* ]]; then
+    gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
+    bench_suite bench_attention_backward 190 "test_flash_attention_backward or \
+attention_training_step and float16 and not bfloat16"
+    bench_suite bench_softmax_backward 90 "softmax_backward"
+fi
 if [[ " $PART " == *" s15a "* ]]; then
     gpu_tests cuda_graphs 150 tests/test_cuda_graphs.py
     gpu_tests attention_backward_gpu 240 tests/test_attention_backward_gpu.py

@@ -4,7 +4,7 @@ warm-up; no L2 flush: the inputs are hundreds of MB). Checks each config's gradi
 SDPA's (float32 from the same inputs) first. A probe for choosing configs, not the benchmark
 (``bench/test_bench_attention_backward.py``).
 
-    python bench/probe_attention_backward.py --json OUT.json [--quick]
+    python bench/probe_attention_backward.py --json OUT.json [--quick] [--head-dim D]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -45,15 +46,15 @@ def main():
               (8, 16, 2048, 64, True)]
     if args.quick:
         shapes = shapes[:1] + shapes[2:3]
+    if args.head_dim:
+        shapes = [x for x in shapes if x[3] == args.head_dim]
     ws = WgmmaBackwardConfig
-    grids = {128: [ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
-                   ws(128, block_m=64, key_groups=1, dq_groups=2, dq_block_n=64),
-                   ws(128, block_m=64, key_groups=2, dq_atomic=True),
-                   ws(128, block_m=64, key_groups=1, dq_atomic=True)],
-             64: [ws(64, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
-                  ws(64, block_m=64, key_groups=1, dq_groups=2, dq_block_n=128),
-                  ws(64, block_m=64, key_groups=2, dq_atomic=True),
-                  ws(64, block_m=64, key_groups=1, dq_atomic=True)]}
+    # the built-in two-kernel configs, then the warp-specialised kernel (dQ by bulk
+    # reductions from a producer + 2 consumer warpgroup block)
+    grids = {128: [ws(128, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
+                   ws(128, block_m=64, key_groups=2, dq_atomic=True, producer=True)],
+             64: [ws(64, block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
+                  ws(64, block_m=64, key_groups=2, dq_atomic=True, producer=True)]}
     rows = []
     for shape in shapes:
         rows += one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tilepy.ops import attention_backward as ab
 from tilepy.ops.attention import flash_attention
 from tilepy.ops.attention_backward import choose_config, flash_attention_backward
 from tilepy.ops.attention_backward_kernel import BackwardConfig
@@ -109,6 +110,13 @@ def test_dq_by_atomics():
     # head_dim 128 from one warpgroup
     (128, dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=32, dq_atomic=True),
      (1, 2, 2, 40, 70, False, "float16", "bhsd")),
+    # the warp-specialised kernel (cp.async producer ring, two consumer warpgroups, per-warp
+    # bulk reductions): head_dim 128 splits dQ's columns between the consumers (GQA: 4 query
+    # blocks per key block, the ring wraps), head_dim 64 gives each consumer its own keys
+    (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
+     (1, 2, 1, 70, 150, False, "float16", "bhsd")),
+    (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
+     (1, 2, 2, 150, 90, True, "bfloat16", "bshd")),
 ])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
@@ -156,7 +164,6 @@ def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
     bound plans with new data."""
     from tilepy import launch
     from tilepy.ops import attention as at
-    from tilepy.ops import attention_backward as ab
 
     monkeypatch.setattr(launch, "MAX_GRID_YZ", limit)
     at._PLANS.clear()
@@ -171,8 +178,17 @@ def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
         ab._PLANS.clear()
 
 
-def test_config_choice_and_checks():
+def test_config_choice_and_checks(monkeypatch):
     assert choose_config(64, "float16").head_dim == 64
+    # on sm_90: the fused kernel at head_dim 128 unless deterministic, dQ's own kernel else
+    monkeypatch.setattr(ab.arrays, "SIMULATOR", False)
+    monkeypatch.setattr(ab.launch, "is_hopper", lambda: True)
+    assert choose_config(128, "bfloat16").producer
+    assert not choose_config(128, "bfloat16", deterministic=True).dq_atomic
+    assert not choose_config(64, "float16").dq_atomic
+    with pytest.raises(ValueError, match="producer"):
+        WgmmaBackwardConfig(128, producer=True)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="multiple of 16"):
         BackwardConfig(64, block_m=24)
     with pytest.raises(ValueError, match="head_dim"):
@@ -210,19 +226,21 @@ def test_kernels_compile_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
                **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
-    assert len(reports) == 15
+    assert len(reports) == 18
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
         assert rep["local_bytes"] == 0 and rep["f64"] == 0, (name, rep)
         assert 0 < rep["registers"] <= 255, name
-        spills = 128 if "d128" in name and ("atomic" in name or "wgmma" not in name) else 0
+        spills = 128 if "d128" in name and ("atomic" in name or "_ws_" in name or
+                                            "wgmma" not in name) else 0
         assert rep["spill_stores"] <= spills, (name, rep["spill_stores"])
         if "wgmma" in name:
             assert rep["ptxas_wgmma_notes"] == [], (name, rep["ptxas_wgmma_notes"])
             assert c["mma"] == 0, name
-            # dK/dV: Sᵀ, dPᵀ (D/16 steps each), dV, dK (block_m/16 each) [+ dQ]; dQ: S, dP,
-            # dQ
-            assert c["wgmma.mma_async"] >= (16 if "dkdv" in name else 12), (name, c)
+            # dK/dV (and the fused kernel): Sᵀ, dPᵀ (D/16 steps each), dV, dK (block_m/16
+            # each) [+ dQ]; dQ: S, dP, dQ
+            assert c["wgmma.mma_async"] >= (16 if "dkdv" in name or "_ws_" in name else 12), \
+                (name, c)
         else:
             assert c["mma"] >= 64 and c["ldmatrix"] >= 16, (name, c)

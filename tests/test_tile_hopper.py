@@ -307,6 +307,67 @@ def test_ticket_scheduler_hands_out_each_item_once_and_resets():
     assert list(counter) == [0, 0]
 
 
+def make_copy_ring_kernel(rounds: int):
+    """cp.async producers through the ring: warpgroup 0's 128 threads each copy 16 bytes of
+    round r's 2 KiB of ``src`` into slot r % 2 and arrive (cp.async.mbarrier.arrive.noinc);
+    warpgroup 1's warps wait for the slot, each lane copies 64 bytes of it out (so the whole
+    slot must have landed), meet (warp_sync), and release it. ``out`` gets every round."""
+    from tilepy.ptx import barrier as BAR
+    from tilepy.ptx import cp_async as CP
+    from tilepy.ptx.address import global_addr
+
+    SLOT = 128 * 16
+    lay = SmemLayout.of(("slots", 2 * SLOT, 128), ("bars", 32, 8))
+    SLOTS, BARS = lay.offset("slots"), lay.offset("bars")
+    ring = tma_pipeline(2, 4, producers=128)
+    roles = warpgroup_roles(1)
+    words = lay.nbytes // 2
+
+    @cuda.jit
+    def kernel(src, out):
+        smem = cuda.shared.array(words, uint16)
+        base = shared_addr(smem, 0)
+        bars = base + BARS
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            ring.init(bars)
+            MB.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid < 128:
+            roles.enter_producer()
+            s, ph = 0, 0
+            for r in range(rounds):
+                ring.acquire(bars, s, ph)
+                CP.cp_async_cg_16(base + SLOTS + s * SLOT + 16 * tid,
+                                  global_addr(src, (r * SLOT // 4 + 4 * tid,)), 16)
+                ring.arrive_copies(bars, s)
+                s, ph = ring.advance(s, ph)
+            CP.cp_async_wait_all()
+        else:
+            roles.enter_consumer()
+            t = tid - 128
+            for r in range(rounds):
+                s, ph = ring.at(r)
+                ring.wait(bars, s, ph)
+                for i in range(4):     # lane t of warp w reads 16 words past the others'
+                    j = (t * 4 + i + 64) % (SLOT // 4)
+                    out[r * SLOT // 4 + j] = smem.view(np.uint32)[(SLOTS + s * SLOT) // 4 + j]
+                BAR.warp_sync()
+                ring.release(bars, s, t % 32)
+
+    return kernel
+
+
+@pytest.mark.sim
+def test_cp_async_producers_fill_the_ring():
+    rounds = 5
+    rng = np.random.default_rng()
+    src = rng.integers(0, 2**32, rounds * 512, dtype=np.uint32)
+    out = np.zeros_like(src)
+    make_copy_ring_kernel(rounds)[1, 256](src, out)
+    np.testing.assert_array_equal(out, src)
+
+
 # ---- offline compile for sm_90a ----------------------------------------------------------------
 
 def compile_reports():
@@ -323,6 +384,12 @@ def compile_reports():
         out.append({"name": name, "registers": rep.registers,
                     "spill": rep.spill_stores + rep.spill_loads, "local": rep.local_bytes,
                     "counts": rep.counts})
+    rep = compile_kernel("copy_ring", make_copy_ring_kernel(3).py_func,
+                         (types.uint32[::1], types.uint32[::1]), (9, 0, "a"))
+    out.append({"name": "copy_ring", "registers": rep.registers,
+                "spill": rep.spill_stores + rep.spill_loads, "local": rep.local_bytes,
+                "counts": rep.counts, "noinc": "cp.async.mbarrier.arrive.noinc" in rep.ptx,
+                "warp_sync": "bar.warp.sync" in rep.ptx})
     return out
 
 
@@ -331,7 +398,9 @@ def test_pieces_compile_for_sm90a_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tests.test_tile_hopper:compile_reports")
-    assert set(reps) == {"pieces_kmajor", "pieces_mnmajor", "pieces_rs"}
+    assert set(reps) == {"pieces_kmajor", "pieces_mnmajor", "pieces_rs", "copy_ring"}
+    ring = reps.pop("copy_ring")
+    assert ring["noinc"] and ring["warp_sync"] and ring["spill"] == 0, ring
     for name, rep in reps.items():
         assert rep["spill"] == 0 and rep["local"] == 0, (name, rep)
         c = rep["counts"]

@@ -3,7 +3,8 @@
 Validation on the host, then three launches on the inputs' device and the caller's current
 stream (:mod:`tilepy.ops.attention_backward_wgmma` on sm_90, else
 :mod:`tilepy.ops.attention_backward_kernel`): the rows pre-pass, the dK / dV kernel, and the
-dQ kernel (or, with a ``dq_atomic`` config, the conversion of dQ's float32 accumulator).
+dQ kernel (or, with a ``dq_atomic`` config and ``deterministic=False``, the conversion of dQ's
+float32 accumulator, which the dK / dV kernel filled).
 """
 
 from __future__ import annotations
@@ -34,18 +35,26 @@ SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 #: Hopper (sm_90), head_dim 64 and 128: the wgmma kernels' config fields by head_dim — the
 #: fastest of bench/probe_attention_backward_kernels.py's grid per kernel on the H200
 #: (bench/NOTES.md: attention backward): one 64-key warpgroup per dK / dV block, dQ by its own
-#: kernel of one warpgroup (the atomic path through bulk reductions was slower).
+#: kernel of one warpgroup. The deterministic choice, and at head_dim 64 the default.
 HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
                  128: dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64)}
+#: Hopper, head_dim 128, ``deterministic=False``: the warp-specialised kernel (a producer and
+#: two 64-key consumer warpgroups, dQ by bulk reductions) — 10 % faster than HOPPER_CHOICE's
+#: two kernels at B4 H32 S4096 on the H200, causal or not (bench/probe_attention_backward.py);
+#: at head_dim 64 it was slower.
+HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True)}
 
 
-def choose_config(head_dim: int, dtype: str):
-    """The built-in backward config for a head dimension and dtype on the current device: the
-    wgmma kernels' on a compute capability 9.0 GPU for head_dim 64 and 128
-    (:data:`HOPPER_CHOICE`), else the mma.sync kernels' (simulator: small tiles)."""
+def choose_config(head_dim: int, dtype: str, deterministic: bool = False):
+    """The built-in backward config for a head dimension and dtype on the current device: on a
+    compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
+    :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
+    :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles)."""
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
     if head_dim in bw.HEAD_DIMS and launch.is_hopper():
+        if not deterministic and head_dim in HOPPER_FUSED:
+            return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
     return BackwardConfig(head_dim, dtype=dtype, **GPU_BLOCKS[64 if head_dim <= 64 else 128])
 
@@ -67,11 +76,15 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       ``dv`` are summed over each key/value head's query heads.
     * The FlashAttention-2 algorithm: ``D = rowsum(dout ∘ out)`` first, then one block per key
       block computing ``dK``, ``dV`` (summed over query blocks and the group's heads in
-      registers), and ``dQ`` in a kernel of its own (one block per query block, recomputing
-      ``S`` and ``dP``). No atomics: the same bits on every run, so ``deterministic=True``
-      costs nothing. A config with ``dq_atomic=True`` takes dQ through float32 atomic adds
-      from the dK / dV kernel instead (their order varies, so the last bits of ``dq`` can
-      differ between runs) unless ``deterministic=True``; on the H200 that is slower.
+      registers) and either ``dQ``'s partial sums, added in float32 into an accumulator
+      (atomically: their order varies, so the last bits of ``dq`` can differ between runs)
+      and converted after, or nothing more, ``dQ`` then coming from a kernel of its own (one
+      block per query block, recomputing ``S`` and ``dP``; the same bits on every run).
+      ``deterministic=False`` (the default) takes the faster way for the device: on sm_90 at
+      head_dim 128 the warp-specialised kernel with dQ by bulk reductions (FlashAttention-3's
+      design), elsewhere dQ's own kernel. ``deterministic=True`` always takes dQ's own kernel
+      (on the H200 at head_dim 128 about 10 % slower: ``bench/NOTES.md``). A config with
+      ``dq_atomic=True`` asks for the atomic way (unless ``deterministic=True``).
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
@@ -182,7 +195,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
             arr, _ = make()
             G = describe(arr, _OPERANDS[_DQ + slot])
         results.append((arr, G))
-    cfg = config or choose_config(d, dtype)
+    cfg = config or choose_config(d, dtype, bool(deterministic))
     hk = bhsd_dims(K.shape, layout)[1]
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)

@@ -51,6 +51,7 @@ from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
     atomic_add_accumulators,
+    key_block_coords,
     mask_transposed,
     query_blocks,
     row_state,
@@ -190,12 +191,15 @@ class BackwardConfig:
                 f"dQ {dq}, D={self.head_dim} {self.dtype}")
 
 
-def kernel_jit(threads: int):
+def kernel_jit(threads: int, blocks_per_sm: int | None = None):
     """The backward kernels' decorator: ``cuda.jit`` in the simulator, else the disk-cached
-    jit with ``threads`` as the launch bound."""
+    jit with ``threads`` as the launch bound (and ``blocks_per_sm`` its minimum blocks per
+    SM when given: ``setmaxnreg`` kernels pass 1)."""
     if SIMULATOR:
         return cuda.jit
-    return cached_jit(launch_bounds=int(threads))
+    if blocks_per_sm is None:
+        return cached_jit(launch_bounds=int(threads))
+    return cached_jit(launch_bounds=(int(threads), int(blocks_per_sm)))
 
 
 # ---- 1. the rows pre-pass -------------------------------------------------------------------
@@ -342,12 +346,7 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
 
     @kernel_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        hk = cuda.blockIdx.y
-        group = q.shape[1] // k.shape[1]
-        key0 = cuda.blockIdx.x * BN
+        sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

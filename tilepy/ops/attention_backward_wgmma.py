@@ -34,26 +34,32 @@ from numba import cuda
 from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
-from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..ptx.barrier import bar_sync, warp_sync
+from ..ptx.cp_async import (cp_async_commit_group, cp_async_mbarrier_arrive_noinc,
+                            cp_async_wait_group)
 from ..ptx.global_vector import ld_global_v4, st_global_v4
-from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.mbarrier import fence_mbarrier_init, mbarrier_init, mbarrier_wait_parity
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
-from ..ptx.vector import st_shared_v2_f32
 from ..ptx.wgmma import fence_proxy_async_shared
 from ..tile.attention import block_coords, key_blocks, mask_scores
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
+    key_block_coords,
     mask_transposed,
     query_blocks,
     row_state,
     softmax_gradient,
+    stage_float32,
     store_accumulators,
+    transpose_to_shared,
 )
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared, copy_rows_to_shared_128b
 from ..tile.online_softmax import accumulator_fragment
+from ..tile.pipeline import tma_pipeline
+from ..tile.roles import NamedBarriers, warpgroup_roles
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
@@ -99,10 +105,16 @@ class WgmmaBackwardConfig:
     dtype: str = "float16"
     cc: tuple = (9, 0)
     dq_atomic: bool = False
+    producer: bool = False
 
     def __post_init__(self):
-        _require(isinstance(self.dq_atomic, bool), f"WgmmaBackwardConfig.dq_atomic must be a "
-                 f"bool, got {self.dq_atomic!r}")
+        for name in ("dq_atomic", "producer"):
+            _require(isinstance(getattr(self, name), bool), f"WgmmaBackwardConfig.{name} must "
+                     f"be a bool, got {getattr(self, name)!r}")
+        if self.producer:
+            _require(self.dq_atomic and self.block_m == 64 and self.key_groups == 2,
+                     "WgmmaBackwardConfig: producer (the warp-specialised dK / dV / dQ kernel) "
+                     "takes dq_atomic=True, block_m 64 and 2 key warpgroups")
         if self.dq_atomic:
             _require(self.block_m == 64 and self.key_groups in (1, 2),
                      "WgmmaBackwardConfig: dq_atomic takes block_m 64 (one m64 dQ product) "
@@ -121,7 +133,8 @@ class WgmmaBackwardConfig:
         for name in ("key_groups", "dq_groups"):
             _require(getattr(self, name) in (1, 2, 3), f"WgmmaBackwardConfig.{name} must be "
                      f"1, 2 or 3 warpgroups, got {getattr(self, name)!r}")
-        for rows, threads, what in ((self.block_m, self.threads, "block_m"),
+        copiers = 128 if self.producer else self.threads
+        for rows, threads, what in ((self.block_m, copiers, "block_m"),
                                     (self.dq_block_n, self.dq_threads, "dq_block_n")):
             step = threads // (self.head_dim // 8)
             _require(rows % step == 0, f"WgmmaBackwardConfig.{what}={rows}: the tile copy "
@@ -152,7 +165,8 @@ class WgmmaBackwardConfig:
 
     @property
     def threads(self) -> int:
-        return 128 * self.key_groups
+        """The dK / dV kernel's block: its key warpgroups, and the producer's."""
+        return 128 * (self.key_groups + (1 if self.producer else 0))
 
     @property
     def dq_threads(self) -> int:
@@ -171,8 +185,11 @@ class WgmmaBackwardConfig:
                    ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
                    ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
         if self.dq_atomic:
-            regions += [("ds", BM * BN * 2, 1024),
+            buffers = 2 if self.producer else 1
+            regions += [("ds", buffers * BM * BN * 2, 1024),
                         ("dq", self.key_groups * self.dq_jobs * DQ_TILE_BYTES, 16)]
+        if self.producer:
+            regions.append(("bars", 64, 8))    # the Q / dO ring's and K / V's mbarriers
         return SmemLayout.of(*regions)
 
     @property
@@ -182,7 +199,8 @@ class WgmmaBackwardConfig:
                              ("kv", 2 * 2 * BN * D * 2, 1024))
 
     def describe(self) -> str:
-        dq = ("dQ by bulk reductions from the dK/dV kernel" if self.dq_atomic else
+        dq = ("dQ by bulk reductions from the dK/dV kernel" + (
+            ", producer warpgroup" if self.producer else "") if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
                 f"({self.key_groups} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
@@ -190,6 +208,74 @@ class WgmmaBackwardConfig:
 
 def _jit(threads: int):
     return bk.kernel_jit(threads)
+
+
+@functools.cache
+def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
+    """``(products, g_mma)``: one query block's work for a warpgroup's 64 keys, issued up to
+    the dK product (still in flight on return: ``g_mma.wait(0)`` then
+    ``g_mma.fence_operand(dk_acc)`` before reading ``dk_acc``, or a later wait that covers
+    its group).
+
+    ``products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
+    l_addr, d_addr, near_diagonal, key_shift, t, scale_log2)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V
+    dOᵀ`` (A: the warpgroup's K / V rows at ``k_wg`` / ``v_wg``, B: the block's Q / dO tiles,
+    ``cfg.block_m`` rows), the causal mask where ``near_diagonal`` (key ``my_key`` of the
+    lane's row against query ``q + 2t`` masked past ``key_shift = my_key - shift - (row0 +
+    2t)``), ``P = exp2(scale_log2 · Sᵀ - lse2)`` (``l_addr``: the block's lse2 in shared
+    memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` (``d_addr``) left in ``dpt3``, then
+    ``dK += dSᵀ Q`` issued. ``st`` / ``dpt``: (block_m / 2) float32 accumulators, ``st3`` /
+    ``dpt3`` their (1, block_m / 8, 4) fragments; ``a_p`` / ``a_ds`` (block_m / 4) uint32:
+    ``Pᵀ`` and ``dSᵀ`` rounded to 16 bits as A operands (two arrays, so dK's is written while
+    dV's product still reads the other; on return ``a_ds`` holds ``dSᵀ`` — what
+    :func:`tilepy.tile.attention_backward.transpose_to_shared` stores — and ``dpt3`` is free).
+    A product still reading ``a_p`` from the step before must have retired."""
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    NQ = BM // 8
+    CAUSAL = bool(causal)
+    s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
+    g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
+    to_frag_s, _ = accumulator_fragment(BM)
+    grad = softmax_gradient(1, NQ, "cols")
+    mask = mask_transposed(1, NQ)
+    afrag = a_fragment(cfg.dtype)
+
+    @inline_device
+    def products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
+                 l_addr, d_addr, near_diagonal, key_shift, t, scale_log2):
+        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight
+        s_mma.fence()
+        s_mma.mma(st, k_wg, q_tile, 0)
+        s_mma.commit()
+        s_mma.mma(dpt, v_wg, do_tile, 0)
+        s_mma.commit()
+        s_mma.wait(1)
+        s_mma.fence_operand(st)
+        to_frag_s(st3, st)
+        if CAUSAL:
+            if near_diagonal:
+                mask(st3, key_shift)
+        grad.probabilities(st3, l_addr, scale_log2, t)
+
+        # dV += Pᵀ dO (A = Pᵀ from registers)
+        for kk in range(BM // 16):
+            a_p[4 * kk], a_p[4 * kk + 1], a_p[4 * kk + 2], a_p[4 * kk + 3] = afrag(st3, 0, kk)
+        g_mma.fence()
+        g_mma.mma_rs(dv_acc, a_p, do_tile, 1)
+        g_mma.commit()
+        g_mma.wait(1)            # dPᵀ has landed (dV may still run)
+        s_mma.fence_operand(dpt)
+        to_frag_s(dpt3, dpt)
+        grad.gradients(dpt3, st3, d_addr, t)
+        # dK += dSᵀ Q, issued behind dV
+        for kk in range(BM // 16):
+            a_ds[4 * kk], a_ds[4 * kk + 1], a_ds[4 * kk + 2], a_ds[4 * kk + 3] = \
+                afrag(dpt3, 0, kk)
+        g_mma.fence()
+        g_mma.mma_rs(dk_acc, a_ds, q_tile, 1)
+        g_mma.commit()
+
+    return products, g_mma
 
 
 @functools.cache
@@ -202,7 +288,6 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     THREADS = cfg.threads
     NQ = BM // 8
     NO = D // 8
-    CAUSAL = bool(causal)
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -233,27 +318,17 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
                            k=KDQ) if ATOMIC else None
-    pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
-    kt = SmemOperand(BN, D, "k")                        # K, V as A (keys × d)
-    s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), kt, cfg.dtype)   # Sᵀ, dPᵀ
-    g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
-    to_frag_s, _ = accumulator_fragment(BM)
+    products, g_mma = key_block_products(cfg, causal)
     to_frag_o, _ = accumulator_fragment(D)
-    grad = softmax_gradient(1, NQ, "cols")
-    mask = mask_transposed(1, NQ)
     qblocks = query_blocks(BM, causal)
-    afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
+    to_ds = transpose_to_shared(NQ)
+    stage_dq = stage_float32(64, DQ_ROW)
 
     @_jit(THREADS)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
-        sq = q.shape[2]
-        sk = k.shape[2]
-        b = cuda.blockIdx.z
-        hk = cuda.blockIdx.y
-        group = q.shape[1] // k.shape[1]
-        key0 = cuda.blockIdx.x * BN
+        sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -295,7 +370,8 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             dpt = cuda.local.array(ACC_S, np.float32)
             st3 = cuda.local.array((1, NQ, 4), np.float32)
             dpt3 = cuda.local.array((1, NQ, 4), np.float32)
-            a_regs = cuda.local.array(A_REGS, np.uint32)
+            a_p = cuda.local.array(A_REGS, np.uint32)
+            a_ds = cuda.local.array(A_REGS, np.uint32)
             k_wg = base + K_OFF + wg * WG_ROWS
             v_wg = base + V_OFF + wg * WG_ROWS
             my_key = key0 + warp * 16 + g
@@ -328,52 +404,14 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 l_addr = base + L_OFF + sgo * ROW_BYTES
                 d_addr = base + DL_OFF + sgo * ROW_BYTES
 
-                # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight
-                s_mma.fence()
-                s_mma.mma(st, k_wg, q_tile, 0)
-                s_mma.commit()
-                s_mma.mma(dpt, v_wg, do_tile, 0)
-                s_mma.commit()
-                s_mma.wait(1)
-                s_mma.fence_operand(st)
-                to_frag_s(st3, st)
-                if CAUSAL:
-                    if row + shift < key0 + BN - 1:
-                        mask(st3, my_key - shift - (row + 2 * t))
-                grad.probabilities(st3, l_addr, scale_log2, t)
-
-                # dV += Pᵀ dO (A = Pᵀ from registers)
-                for kk in range(BM // 16):
-                    a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
-                        a_regs[4 * kk + 3] = afrag(st3, 0, kk)
-                g_mma.fence()
-                g_mma.mma_rs(dv_acc, a_regs, do_tile, 1)
-                g_mma.commit()
-                g_mma.wait(1)            # dPᵀ has landed (dV may still run)
-                s_mma.fence_operand(dpt)
-                to_frag_s(dpt3, dpt)
-                grad.gradients(dpt3, st3, d_addr, t)
-                g_mma.wait(0)            # dV done reading a_regs
-                g_mma.fence_operand(dv_acc)
-                # dK += dSᵀ Q
-                for kk in range(BM // 16):
-                    a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
-                        a_regs[4 * kk + 3] = afrag(dpt3, 0, kk)
-                g_mma.fence()
-                g_mma.mma_rs(dk_acc, a_regs, q_tile, 1)
-                g_mma.commit()
+                products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
+                         do_tile,
+                         l_addr, d_addr, row + shift < key0 + BN - 1,
+                         my_key - shift - (row + 2 * t), t, scale_log2)
 
                 if ATOMIC:
                     # dS (queries × keys, K-major) from dSᵀ's fragments, transposed by stmatrix
-                    for jj in range(NQ // 2):
-                        qrow = 8 * (2 * jj + (lane // 8) // 2) + lane % 8
-                        chunk = 2 * (warp % 4) + (lane // 8) % 2
-                        stmatrix_x4_trans(
-                            ds_wg + qrow * 128 + ((chunk ^ (lane % 8)) << 4),
-                            pack(dpt3[0, 2 * jj, 0], dpt3[0, 2 * jj, 1]),
-                            pack(dpt3[0, 2 * jj, 2], dpt3[0, 2 * jj, 3]),
-                            pack(dpt3[0, 2 * jj + 1, 0], dpt3[0, 2 * jj + 1, 1]),
-                            pack(dpt3[0, 2 * jj + 1, 2], dpt3[0, 2 * jj + 1, 3]))
+                    to_ds(ds_wg, a_ds, lane, warp % 4)
                     fence_proxy_async_shared()
                     if issuer:
                         bulk_wait_group_read(0)   # last step's partials have been read
@@ -387,12 +425,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                         dq_mma.commit()
                         dq_mma.wait(0)
                         dq_mma.fence_operand(dq_part)
-                        stage = dq_stage + job * DQ_TILE_BYTES
-                        for j in range(8):
-                            for hh in range(2):
-                                st_shared_v2_f32(stage + ((warp % 4) * 16 + g + 8 * hh) * (
-                                    DQ_ROW * 4) + (8 * j + 2 * t) * 4, dq_part[4 * j + 2 * hh],
-                                    dq_part[4 * j + 2 * hh + 1])
+                        stage_dq(dq_stage + job * DQ_TILE_BYTES, dq_part, warp % 4, g, t)
                     fence_proxy_async_shared()
                     cuda.syncthreads()
                     if issuer:
@@ -404,6 +437,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                         bulk_commit_group()
                 g_mma.wait(0)
                 g_mma.fence_operand(dk_acc)
+                g_mma.fence_operand(dv_acc)
 
         if ATOMIC:
             if issuer and steps > 0:
@@ -413,6 +447,211 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         store(out3, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
         to_frag_o(out3, dv_acc)
         store(out3, dv[b, hk], key0 + warp * 16, sk, _ONE, g, t)
+
+    return kernel
+
+
+#: The warp-specialised dK / dV kernel's register split (``setmaxnreg``): producer, then each
+#: of the two consumer warpgroups; 24 + 2 · 240 = 504 = 3 · 168, what a block of 384 threads
+#: is allocated (FlashAttention-3's backward takes the same split).
+WS_REGISTERS = (24, 240)
+
+
+@functools.cache
+def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)`` — the
+    warp-specialised dK / dV / dQ kernel of a ``producer`` config (FlashAttention-3's backward
+    design): :func:`dkdv_kernel`'s contract with dQ always reduced into ``dq_acc``
+    (:func:`dq_blocked_shape`); grid ``(ceil(Sk / 128), Hkv, B)``, ``cfg.threads`` (384)
+    threads, ``cfg.dkdv_layout.nbytes`` of dynamic shared memory.
+
+    * Warpgroup 0 produces: its 128 threads cp.async the block's K and V once (signalling the
+      ``kv`` mbarrier), then each query block's Q, dO, lse2 and delta into a 2-slot ring
+      (:func:`tilepy.tile.pipeline.tma_pipeline` with cp.async producers), each slot once the
+      consumers released it.
+    * Consumer warpgroups 1, 2 own 64 keys each and run :func:`key_block_products` per query
+      block, then write ``dS`` transposed into one of two shared buffers; ``dQ``'s partial
+      ``dS K`` over the block's keys is a 64 × 64 product per consumer — with head_dim 128
+      consumer ``c`` takes columns ``64 c …`` over all 128 keys (after a barrier of both
+      consumers: it reads the other's ``dS``), with head_dim 64 each takes all columns over
+      its own keys — staged in float32 and added into ``dq_acc`` by bulk reductions, one per
+      warp for its 16 rows, issued by the warp's lane 0 (waited for one step later, before
+      the staging is rewritten: no barrier but the warp's).
+    """
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    KG, SL = cfg.key_groups, cfg.slices
+    THREADS = cfg.threads
+    PT = 128                 # producer threads
+    NQ = BM // 8
+    NO = D // 8
+    lay = cfg.dkdv_layout
+    K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
+    L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
+    DS_OFF, DQ_OFF, BAR_OFF = lay.offset("ds"), lay.offset("dq"), lay.offset("bars")
+    Q_TILE = BM * D * 2
+    DS_BYTES = BM * BN * 2
+    ROW_BYTES = BM * 4
+    WG_ROWS = 64 * 128
+    ACC_O, ACC_S, A_REGS = D // 2, BM // 2, BM // 4
+    SPLIT = SL == KG         # consumer c: columns 64 c … over every key; else its own keys
+    KDQ = BN if SPLIT else 64
+    ring = tma_pipeline(2, 4 * KG, 1, producers=PT)
+    KV_BAR = ring.nbytes     # after the ring's barriers
+    roles = warpgroup_roles(KG, True, True, *WS_REGISTERS)
+    named = NamedBarriers()
+    DS_BAR = named.take("ds", 128 * KG)            # both consumers' dS written
+    WG_BAR = named.take("warpgroup", 128, count=KG)  # one consumer's dS written (head_dim 64)
+    WARP_STAGE = 16 * DQ_ROW * 4                   # a warp's rows of a staged dQ partial
+
+    smem = dynamic_shared(1024)
+    issue_kv = copy_rows_to_shared_128b(BN, D, PT)
+    issue_q = copy_rows_to_shared_128b(BM, D, PT)
+    setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
+    products, g_mma = key_block_products(cfg, causal)
+    dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
+                           k=KDQ)
+    to_frag_o, _ = accumulator_fragment(D)
+    qblocks = query_blocks(BM, causal)
+    store = store_accumulators(1, NO, cfg.dtype)
+    to_ds = transpose_to_shared(NQ)
+    stage_dq = stage_float32(64, DQ_ROW)
+
+    @inline_device
+    def next_block(hq, qb, qb0, per_head):
+        """The step after (head hq, query block qb): the next block, or the next head's
+        first."""
+        if qb + 1 == qb0 + per_head:
+            return hq + 1, qb0
+        return hq, qb + 1
+
+    @inline_device
+    def produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps, group,
+                sq, sk, tid):
+        bars = base + BAR_OFF
+        issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), k.strides[2],
+                 sk - key0, tid)
+        issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), v.strides[2],
+                 sk - key0, tid)
+        cp_async_mbarrier_arrive_noinc(bars + KV_BAR)
+        hq0 = hk * group
+        l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
+        e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+        s, ph = 0, 0
+        hq, qb = hq0, qb0      # step n's head and query block (no division per step)
+        for n in range(steps):
+            row = qb * BM
+            ring.acquire(bars, s, ph)
+            issue_q(base + Q_OFF + s * Q_TILE, np.int64(global_addr(q, (b, hq, row, 0))),
+                    q.strides[2], sq - row, tid)
+            issue_q(base + DO_OFF + s * Q_TILE, np.int64(global_addr(do_, (b, hq, row, 0))),
+                    do_.strides[2], sq - row, tid)
+            shift_r = (hq - hq0) * lse2.strides[1] + row * 4
+            issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
+            issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
+            ring.arrive_copies(bars, s)
+            s, ph = ring.advance(s, ph)
+            hq, qb = next_block(hq, qb, qb0, per_head)
+        cp_async_wait_group(0)
+
+    @inline_device
+    def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
+                sk, c, tid, scale_log2):
+        bars = base + BAR_OFF
+        lane = tid % 32
+        cw = tid // 32 - 4       # the consumer warp, 0 … 4 KG - 1
+        warp4 = cw % 4
+        g = lane // 4
+        t = lane % 4
+        issuer = lane == 0       # issues the warp's bulk reductions
+        shift = sk - sq
+        my_key = key0 + cw * 16 + g
+        k_wg = base + K_OFF + c * WG_ROWS
+        v_wg = base + V_OFF + c * WG_ROWS
+        dq_a = base + DS_OFF + (0 if SPLIT else c * (BM * 128))
+        dq_b = base + K_OFF + (c * (BN * 128) if SPLIT else c * WG_ROWS)
+        sl = c if SPLIT else 0
+        stage = base + DQ_OFF + c * DQ_TILE_BYTES
+        st = cuda.local.array(ACC_S, np.float32)
+        dpt = cuda.local.array(ACC_S, np.float32)
+        st3 = cuda.local.array((1, NQ, 4), np.float32)
+        dpt3 = cuda.local.array((1, NQ, 4), np.float32)
+        a_p = cuda.local.array(A_REGS, np.uint32)
+        a_ds = cuda.local.array(A_REGS, np.uint32)
+        mbarrier_wait_parity(bars + KV_BAR, 0)
+        s, ph = 0, 0
+        hq, qb = hk * group, qb0
+        for n in range(steps):
+            row = qb * BM
+            ring.wait(bars, s, ph)
+            products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
+                     base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
+                     base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
+                     row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), t, scale_log2)
+            buf = (n % 2) * DS_BYTES
+            to_ds(base + DS_OFF + buf + c * (BM * 128), a_ds, lane, warp4)
+            fence_proxy_async_shared()
+            if issuer:
+                bulk_wait_group_read(0)   # the warp's last partial has been read
+            if SPLIT:
+                bar_sync(DS_BAR, 128 * KG)
+            else:
+                bar_sync(WG_BAR + c, 128)
+            dq_mma.fence()
+            dq_mma.mma(st, dq_a + buf, dq_b, 0)     # st is free (P is spent)
+            dq_mma.commit()
+            dq_mma.wait(0)                          # dV, dK and dQ's partial retired
+            g_mma.fence_operand(dk_acc)
+            g_mma.fence_operand(dv_acc)
+            dq_mma.fence_operand(st)
+            ring.release(bars, s, lane)
+            stage_dq(stage, st, warp4, g, t)
+            fence_proxy_async_shared()
+            warp_sync()
+            if issuer:     # the warp's 16 rows: one contiguous range of the blocked layout
+                bulk_reduce_add_f32(global_addr(dq_acc, (
+                    b, hq, ((row // 64) * SL + sl) * 64 + 16 * warp4, 0)),
+                    stage + warp4 * WARP_STAGE, WARP_STAGE)
+                bulk_commit_group()
+            s, ph = ring.advance(s, ph)
+            hq, qb = next_block(hq, qb, qb0, per_head)
+        if issuer:
+            bulk_wait_group(0)
+
+    @bk.kernel_jit(THREADS, 1)
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+        sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        tid = cuda.threadIdx.x
+        c = roles.consumer(roles.warpgroup(tid))
+        qb0, per_head = qblocks(key0, sq, sk)
+        steps = group * per_head
+        base = shared_addr(smem(), 0)
+        if tid == 0:
+            ring.init(base + BAR_OFF)
+            mbarrier_init(base + BAR_OFF + KV_BAR, PT)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+        if c < 0:
+            roles.enter_producer()
+            if steps > 0:
+                produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps,
+                        group, sq, sk, tid)
+        else:
+            roles.enter_consumer()
+            dk_acc = cuda.local.array(ACC_O, np.float32)
+            dv_acc = cuda.local.array(ACC_O, np.float32)
+            for i in range(ACC_O):
+                dk_acc[i] = _ZERO
+                dv_acc[i] = _ZERO
+            if steps > 0:
+                consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps,
+                        group, sq, sk, c, tid, scale_log2)
+            lane = tid % 32
+            cw = tid // 32 - 4
+            out3 = cuda.local.array((1, NO, 4), np.float32)
+            to_frag_o(out3, dk_acc)
+            store(out3, dk[b, hk], key0 + cw * 16, sk, scale, lane // 4, lane % 4)
+            to_frag_o(out3, dv_acc)
+            store(out3, dv[b, hk], key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
 
     return kernel
 
@@ -584,13 +823,14 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     atomic = bk.uses_atomics(cfg, deterministic)
     out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
 
-    kern = dkdv_kernel(cfg if atomic or not cfg.dq_atomic else
-                       dataclasses.replace(cfg, dq_atomic=False), causal)
+    # without atomics (deterministic): the dK / dV kernel without its dQ part
+    kcfg = cfg if atomic else dataclasses.replace(cfg, dq_atomic=False, producer=False)
+    kern = (dkdv_ws_kernel if kcfg.producer else dkdv_kernel)(kcfg, causal)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
             views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2)
-    smem = (cfg if atomic else dataclasses.replace(cfg, dq_atomic=False)).dkdv_layout.nbytes
+    smem = kcfg.dkdv_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
-    out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), cfg.threads, smem,
+    out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), kcfg.threads, smem,
                            split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
     if atomic:
         conv = dq_convert_blocked(d, cfg.dtype)
@@ -622,6 +862,12 @@ COMPILED = (
     ("bwd_wgmma_dkdv_d64_f16_atomic", "dkdv", WgmmaBackwardConfig(64, dq_atomic=True), True),
     ("bwd_wgmma_dkdv_d64_f16_atomic_1wg", "dkdv",
      WgmmaBackwardConfig(64, key_groups=1, dq_atomic=True), False),
+    ("bwd_wgmma_ws_d128_f16", "ws", WgmmaBackwardConfig(128, dq_atomic=True, producer=True),
+     False),
+    ("bwd_wgmma_ws_d128_bf16_causal", "ws", WgmmaBackwardConfig(
+        128, dtype="bfloat16", dq_atomic=True, producer=True), True),
+    ("bwd_wgmma_ws_d64_f16_causal", "ws", WgmmaBackwardConfig(64, dq_atomic=True,
+                                                               producer=True), True),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
 )
@@ -638,11 +884,13 @@ def compile_reports(only=None):
     for name, kind, cfg, causal in COMPILED:
         if only is not None and name not in only:
             continue
-        build = dkdv_kernel if kind == "dkdv" else dq_kernel
-        threads = cfg.threads if kind == "dkdv" else cfg.dq_threads
-        smem = (cfg.dkdv_layout if kind == "dkdv" else cfg.dq_layout).nbytes
+        build = {"dkdv": dkdv_kernel, "ws": dkdv_ws_kernel, "dq": dq_kernel}[kind]
+        threads = cfg.dq_threads if kind == "dq" else cfg.threads
+        smem = (cfg.dq_layout if kind == "dq" else cfg.dkdv_layout).nbytes
         out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal:
-                                build(cfg, causal), bk.argtypes(kind), (9, 0, "a"),
+                                build(cfg, causal), bk.argtypes(
+                                    "dq" if kind == "dq" else "dkdv"), (9, 0, "a"),
+                                launch_bounds=(threads, 1) if kind == "ws" else None,
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))
     return out

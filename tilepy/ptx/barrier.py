@@ -12,6 +12,7 @@ say): the consumer warpgroups sync among themselves without it.
   writes before it are visible to the participants after it).
 * ``bar_arrive(id, count)`` — arrive without waiting (``bar.arrive``): a producer signals
   consumers that wait with ``bar_sync(id, count)``, ``count`` counting both sides.
+* ``warp_sync()`` — the lanes of one warp meet (``bar.warp.sync``, ``__syncwarp``).
 
 Both are ``.aligned``: every thread of a warp must execute the same call (the hardware counts
 whole warps). ``id`` and ``count`` may be run-time values (registers); the same ``count`` must
@@ -117,6 +118,20 @@ bar_arrive = instruction(
     doc="``bar_arrive(id, count)``: arrive on named barrier id without waiting (a producer's "
         "signal to threads waiting in bar_sync(id, count); count counts both sides).")
 
+def _warp_sync_twin():
+    """The warp's lanes meet (at a barrier of the warp once warp-specialised, else at the
+    block's syncthreads, as every warp collective of the simulator)."""
+    _sim.warp_exchange(None)
+
+
+warp_sync = instruction(
+    "warp_sync", "bar.warp.sync 0xffffffff;", side_effect=True, convergent=True,
+    clobber_memory=True, min_cc=(7, 0), twin=_warp_sync_twin,
+    doc="``warp_sync()``: the 32 lanes of the warp meet, ordering their memory accesses "
+        "(``__syncwarp()``); e.g. lanes' shared-memory writes before lane 0 issues a bulk "
+        "copy of them. Every lane of the warp makes the call.")
+
+
 def mark_warp_specialised() -> None:
     """Simulator only: the calling thread's warp collectives meet per warp from now on (what
     ``setmaxnreg``'s twins do) — for a warp-specialised kernel that shifts no registers,
@@ -126,4 +141,4 @@ def mark_warp_specialised() -> None:
     _sim.set_warp_specialised()
 
 
-__all__ = ["NAMED_BARRIERS", "bar_arrive", "bar_sync", "mark_warp_specialised"]
+__all__ = ["NAMED_BARRIERS", "bar_arrive", "bar_sync", "mark_warp_specialised", "warp_sync"]

@@ -21,7 +21,13 @@ have completed only after a wait that covers its group (and, for other threads t
 * ``cp_async_wait_group(N)`` — wait until at most ``N`` of the thread's committed groups are
   still pending (all but the newest ``N`` have completed). ``N`` must be a compile-time
   integer literal (a literal or a global / closure constant);
-* ``cp_async_wait_all()`` — commit, then wait for every group (``wait_group 0``).
+* ``cp_async_wait_all()`` — commit, then wait for every group (``wait_group 0``);
+* ``cp_async_mbarrier_arrive_noinc(bar)`` — an arrival on the mbarrier at shared address
+  ``bar`` once every cp.async this thread issued before it has completed (``.noinc``: the
+  arrival is one of the phase's expected ones, so a barrier that ``n`` copying threads
+  signal is initialised with count ``n``). Waiters of the phase then see the copies: the
+  producer side of a pipeline whose loads are cp.async (:func:`tilepy.tile.pipeline.
+  tma_pipeline` with ``producers``).
 
 In the simulator the twins are faithful, not eager: a copy is recorded at issue (its addresses
 are checked then, with a Python error for a misaligned or out-of-range address or a bad
@@ -110,6 +116,22 @@ def _wait_all_twin():
     _wait_group_twin(0)
 
 
+def _mbarrier_arrive_twin(bar):
+    # eager: the thread's copies complete now (allowed: completion is only bounded above),
+    # then the arrival
+    from . import mbarrier
+
+    pending, groups = _state()
+    for group in groups:
+        for copy in group:
+            copy.perform()
+    for copy in pending:
+        copy.perform()
+    groups.clear()
+    pending.clear()
+    mbarrier.arrive_twin("cp_async_mbarrier_arrive_noinc", bar)
+
+
 _commit_twin.__name__ = "cp_async_commit_group_twin"
 _wait_all_twin.__name__ = "cp_async_wait_all_twin"
 _wait_group_twin.__name__ = "cp_async_wait_group_twin"
@@ -147,6 +169,15 @@ cp_async_wait_all = instruction(
     side_effect=True, clobber_memory=True, min_cc=_MIN_CC, twin=_wait_all_twin,
     doc="``cp_async_wait_all()``: commit, then wait until every cp.async copy of this thread "
         "has completed (= commit_group + wait_group 0). sm_80+.")
+
+cp_async_mbarrier_arrive_noinc = instruction(
+    "cp_async_mbarrier_arrive_noinc", "cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];",
+    ins=("u32",), side_effect=True, clobber_memory=True, min_cc=_MIN_CC,
+    twin=_mbarrier_arrive_twin,
+    doc="``cp_async_mbarrier_arrive_noinc(bar)``: arrive on the mbarrier at shared address "
+        "``bar`` once all of this thread's earlier cp.async copies have completed; the "
+        "arrival counts against the phase's expected arrivals (init the barrier with the "
+        "number of copying threads). sm_80+.")
 
 
 def _make_wait_group_intrinsic():
@@ -190,7 +221,8 @@ except AttributeError:  # pragma: no cover
 COPIES = {f.spec.name: f for f in (cp_async_ca_4, cp_async_ca_8, cp_async_ca_16,
                                    cp_async_cg_16)}
 
-__all__ = [*COPIES, "cp_async_commit_group", "cp_async_wait_group", "cp_async_wait_all"]
+__all__ = [*COPIES, "cp_async_commit_group", "cp_async_wait_group", "cp_async_wait_all",
+           "cp_async_mbarrier_arrive_noinc"]
 
 
 # ---- offline probe (tilepy.ptx.probes) for the hand-written cp_async_wait_group ---------------

@@ -119,6 +119,12 @@ def _arrive_twin(bar):
     _arrive("mbarrier_arrive", bar, 0)
 
 
+def arrive_twin(who, bar):
+    """Simulator: one arrival on the barrier at ``bar`` on behalf of ``who`` (other modules'
+    twins that arrive, such as cp.async's)."""
+    _arrive(who, bar, 0)
+
+
 def _arrive_expect_tx_twin(bar, nbytes):
     _arrive("mbarrier_arrive_expect_tx", bar, _check_tx("mbarrier_arrive_expect_tx", nbytes))
 

@@ -30,6 +30,12 @@ Generators (each cached on its arguments):
   product (P or dS straight from registers);
 * :func:`store_accumulators` / :func:`atomic_add_accumulators` — a fragment, scaled, to a 2-D
   global view (16-bit stores, or float32 atomic adds: dQ's reduction over key blocks).
+* :func:`key_block_coords` — a key-block kernel's block: lengths, batch, K/V head, group size
+  and first key.
+* :func:`transpose_to_shared` — a warpgroup's ``dSᵀ``, packed to 16 bits as an A fragment, as
+  the K-major shared tile of ``dS`` (stmatrix.trans): the A operand of ``dQ = dS K``.
+* :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded rows,
+  the source of a bulk reduction into global memory.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ from numba import cuda
 
 from ..inline import device_namespace, inline_device
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx
-from ..ptx.vector import ld_shared_v2_f32
+from ..ptx.ldmatrix import stmatrix_x4_trans
+from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
 from .config import DTYPES
 
 _NEG_INF = np.float32(-np.inf)
@@ -242,5 +249,63 @@ def atomic_add_accumulators(mi: int, no: int):
     return add
 
 
-__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "mask_transposed",
-           "query_blocks", "row_state", "softmax_gradient", "store_accumulators"]
+
+@inline_device
+def key_block_coords(q, k, block_n):
+    """``(sq, sk, b, hk, group, key0)`` of a dK / dV kernel's block over 4-D (batch, heads,
+    seq, head_dim) views ``q`` and ``k``: the sequence lengths, its batch and K/V head (grid z
+    and y), the query heads per K/V head, and its first key (grid x · ``block_n``). Any
+    thread."""
+    return (q.shape[2], k.shape[2], cuda.blockIdx.z, cuda.blockIdx.y,
+            q.shape[1] // k.shape[1], cuda.blockIdx.x * block_n)
+
+
+@functools.cache
+def transpose_to_shared(nq: int):
+    """``store(box, a, lane, warp4)``: a warpgroup's (64 × 8·nq) tile, held as the 16-bit
+    pairs of :func:`a_fragment` (``a``: nq / 2 · 4 uint32, the packed wgmma accumulator
+    fragment: warp ``warp4`` of the warpgroup holds rows ``16 · warp4 …``), written
+    transposed — row ``r``, column ``c`` to row ``c``, column ``r`` — into the 1024-byte-
+    aligned shared box ``box`` of ``8·nq`` rows × 64 columns (128-byte rows, 128-byte
+    swizzle): the K-major operand layout of wgmma with the tile's rows along K. One
+    stmatrix.x4.trans per 16 columns; the caller fences (``fence_proxy_async_shared``) and
+    synchronises before a wgmma reads the box. ``nq`` even."""
+    if nq % 2:
+        raise ValueError(f"transpose_to_shared: nq must be even, got {nq}")
+
+    @inline_device
+    def store(box, a, lane, warp4):
+        chunk = 2 * warp4 + (lane // 8) % 2
+        for jj in range(nq // 2):
+            row = 8 * (2 * jj + (lane // 8) // 2) + lane % 8
+            stmatrix_x4_trans(box + row * 128 + ((chunk ^ (lane % 8)) << 4),
+                              a[4 * jj], a[4 * jj + 1], a[4 * jj + 2], a[4 * jj + 3])
+
+    return store
+
+
+@functools.cache
+def stage_float32(n: int, row_floats: int):
+    """``store(stage, acc, warp4, g, t)``: a warpgroup's (64 × n) float32 wgmma accumulator
+    ``acc`` (flat, ``n / 2`` registers per thread) into the shared tile at ``stage`` of 64 rows
+    of ``row_floats`` floats each (``row_floats ≥ n``; padding rows by 4 floats puts a warp's
+    8-row stores in distinct banks). 8-byte stores; the caller fences and synchronises
+    before the tile is read (by a bulk copy: ``fence_proxy_async_shared``)."""
+    if n % 8 or row_floats < n or row_floats % 2:
+        raise ValueError(f"stage_float32: n={n} (a multiple of 8) and row_floats={row_floats} "
+                         f"(even, >= n)")
+    RB = row_floats * 4
+
+    @inline_device
+    def store(stage, acc, warp4, g, t):
+        for j in range(n // 8):
+            for hh in range(2):
+                st_shared_v2_f32(stage + (warp4 * 16 + g + 8 * hh) * RB + (8 * j + 2 * t) * 4,
+                                 acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1])
+
+    return store
+
+__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
+           "mask_transposed",
+           "query_blocks", "row_state", "softmax_gradient", "stage_float32",
+           "store_accumulators", "transpose_to_shared"]

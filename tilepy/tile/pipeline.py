@@ -19,6 +19,11 @@ DSL's ``PipelineTmaAsync``; Gluon's ``index = i % n; phase = i // n & 1``):
 * ``advance(s, ph) -> (s, ph)`` steps to use ``i + 1``; ``at(i) -> (s, ph)`` gives use ``i``
   from a counter (a consumer that skips uses, e.g. taking every other tile).
 
+cp.async producers (``producers > 1``: that many threads each copy a share of the slot):
+after ``acquire``, each producer thread issues its copies and then ``arrive_copies(bars, s)``
+(:func:`tilepy.ptx.cp_async.cp_async_mbarrier_arrive_noinc`): the full barrier completes once
+every producer thread's copies have landed; no ``commit``, no transaction bytes.
+
 ``init(bars)``: one thread, before any use; fence with ``fence_mbarrier_init`` and synchronise
 the block (with a cluster, the cluster) before the other roles start. ``bars`` is the shared
 address of :data:`Pipeline.nbytes` bytes, 8-byte aligned (an
@@ -36,22 +41,28 @@ import functools
 
 from ..inline import device_namespace, inline_device
 from ..ptx import cluster as CLU
+from ..ptx import cp_async as CP
 from ..ptx import mbarrier as MB
 
 
 @functools.cache
-def tma_pipeline(stages: int, arrivals: int, cluster: int = 1):
+def tma_pipeline(stages: int, arrivals: int, cluster: int = 1, producers: int = 1):
     """The ring's device functions for ``stages`` slots, ``arrivals`` releases per use (per
     block: each consumer warp's lane 0, or lanes ``0 … cluster - 1``, counted over the
-    cluster's blocks) and clusters of ``cluster`` blocks (1 or 2). Returns a module-like
+    cluster's blocks), clusters of ``cluster`` blocks (1 or 2) and ``producers`` arrivals
+    per fill (1: a TMA producer's ``commit``; more: cp.async producer threads, each
+    ``arrive_copies``). Returns a module-like
     namespace that kernels call through (``ring.wait(bars, s, ph)``), with the constants
     ``STAGES`` and ``nbytes``."""
     if stages < 2:
         raise ValueError(f"tma_pipeline: at least 2 stages (a single stage deadlocks TMA "
                          f"against its readers), got {stages}")
-    if cluster not in (1, 2) or arrivals < 1:
-        raise ValueError(f"tma_pipeline: cluster 1 or 2 and arrivals >= 1, got {cluster}, "
-                         f"{arrivals}")
+    if cluster not in (1, 2) or arrivals < 1 or producers < 1:
+        raise ValueError(f"tma_pipeline: cluster 1 or 2, arrivals >= 1 and producers >= 1, "
+                         f"got {cluster}, {arrivals}, {producers}")
+    if producers > 1 and cluster > 1:
+        raise ValueError("tma_pipeline: cp.async producers fill their own block's slots only "
+                         "(cluster 1)")
     ST = stages
     EMPTY = 8 * stages   # byte offset of the empty barriers
     CL = cluster
@@ -59,7 +70,7 @@ def tma_pipeline(stages: int, arrivals: int, cluster: int = 1):
     @inline_device
     def init(bars):
         for s in range(ST):
-            MB.mbarrier_init(bars + 8 * s, 1)
+            MB.mbarrier_init(bars + 8 * s, producers)
             MB.mbarrier_init(bars + EMPTY + 8 * s, arrivals)
 
     @inline_device
@@ -71,6 +82,10 @@ def tma_pipeline(stages: int, arrivals: int, cluster: int = 1):
         full = bars + 8 * s
         MB.mbarrier_arrive_expect_tx(full, nbytes)
         return full
+
+    @inline_device
+    def arrive_copies(bars, s):
+        CP.cp_async_mbarrier_arrive_noinc(bars + 8 * s)
 
     @inline_device
     def wait(bars, s, ph):
@@ -97,6 +112,6 @@ def tma_pipeline(stages: int, arrivals: int, cluster: int = 1):
         return i % ST, (i // ST) % 2
 
     return device_namespace(
-        f"tma_pipeline({stages}, {arrivals}, {cluster})", init=init, acquire=acquire,
-        commit=commit, wait=wait, release=release, advance=advance, at=at, STAGES=ST,
-        nbytes=16 * ST)
+        f"tma_pipeline({stages}, {arrivals}, {cluster}, {producers})", init=init,
+        acquire=acquire, commit=commit, arrive_copies=arrive_copies, wait=wait,
+        release=release, advance=advance, at=at, STAGES=ST, nbytes=16 * ST)
