@@ -121,9 +121,9 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s15e "* ]]; then
     gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
-    bench_suite bench_attention_backward 190 "test_flash_attention_backward or \
+    bench_suite bench_attention_backward 230 "test_flash_attention_backward or \
 attention_training_step and float16 and not bfloat16"
-    bench_suite bench_softmax_backward 90 "softmax_backward"
+    bench_suite bench_softmax_backward 75 "softmax_backward"
 fi
 if [[ " $PART " == *" s15a "* ]]; then
     gpu_tests cuda_graphs 150 tests/test_cuda_graphs.py
