@@ -28,6 +28,10 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s16a    session 15's review mend, not yet on a GPU (consumer-side proxy fences after
+#                the cp.async waits, keys past seq_k masked in the backward, dS stored before
+#                dK's wgmma reads its registers): the backward's GPU tests, the probe of the
+#                head_dim-128 configs, the backward benchmark (fp16)
 #   PART=s15e    the fused (warp-specialised) backward as the head_dim-128 default: the
 #                backward's GPU tests (Llama training included), the backward benchmark (fp16,
 #                bf16) and the training step, then softmax's backward benchmark (never run)
@@ -119,6 +123,12 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s16a "* ]]; then
+    gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
+    step probe_attention_backward 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
+        --json "$OUT/probe_attention_backward.json"
+    bench_suite bench_attention_backward 150 "test_flash_attention_backward and not bfloat16"
+fi
 if [[ " $PART " == *" s15e "* ]]; then
     gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
     bench_suite bench_attention_backward 230 "test_flash_attention_backward or \

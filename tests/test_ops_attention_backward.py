@@ -96,6 +96,32 @@ def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout)
 
 
+@pytest.mark.parametrize("atomic", [False, True])
+def test_keys_past_the_end_stay_out_of_dq(atomic):
+    """Scores all about -23 (LSE about -19): the zero-filled keys past seq_k in the last key
+    block would get P = exp(19), past float16's range, and dS · K = inf · 0 = NaN in dQ
+    unless they are masked out as keys, not only by the causal bound."""
+    d, sq, sk = 32, 20, 50
+    rng = np.random.default_rng()
+    q = np.full((1, 1, sq, d), 2.0, np.float16)
+    k = (-2.0 + 0.1 * rng.standard_normal((1, 1, sk, d))).astype(np.float16)
+    v, do = (rng.standard_normal(x.shape).astype(np.float16) for x in (k, q))
+    scale = d ** -0.5
+    _, rq, rk, rv = reference(q, k, v, do, False, scale)
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    assert float(np.asarray(lse).max()) < -15
+    cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
+                         dq_block_n=32, dq_atomic=atomic)
+    got = flash_attention_backward(do, q, k, v, out, lse, config=cfg)
+    for name, g, want in zip(("dq", "dk", "dv"), got, (rq, rk, rv)):
+        g = f64(g)
+        assert np.isfinite(g).all(), f"{name}: not finite"
+        # dS = P (dP - D) with P = 1/50 everywhere: a difference of near-equal values,
+        # rounded to float16 before dQ's product — looser than the random-input cases
+        err = np.abs(g - want).max() / np.abs(want).max()
+        assert err <= 1e-2, f"{name}: relative error {err:.2e}"
+
+
 def test_dq_by_atomics():
     cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
                          dq_block_n=32, dq_atomic=True)
@@ -111,10 +137,11 @@ def test_dq_by_atomics():
     (128, dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=32, dq_atomic=True),
      (1, 2, 2, 40, 70, False, "float16", "bhsd")),
     # the warp-specialised kernel (cp.async producer ring, two consumer warpgroups, per-warp
-    # bulk reductions): head_dim 128 splits dQ's columns between the consumers (GQA: 4 query
-    # blocks per key block, the ring wraps), head_dim 64 gives each consumer its own keys
+    # bulk reductions): head_dim 128 splits dQ's columns between the consumers (causal, the
+    # default; GQA: 4 query blocks per key block, the ring wraps), head_dim 64 gives each
+    # consumer its own keys
     (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
-     (1, 2, 1, 70, 150, False, "float16", "bhsd")),
+     (1, 2, 1, 70, 150, True, "float16", "bhsd")),
     (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
      (1, 2, 2, 150, 90, True, "bfloat16", "bshd")),
 ])

@@ -310,8 +310,9 @@ def test_ticket_scheduler_hands_out_each_item_once_and_resets():
 def make_copy_ring_kernel(rounds: int):
     """cp.async producers through the ring: warpgroup 0's 128 threads each copy 16 bytes of
     round r's 2 KiB of ``src`` into slot r % 2 and arrive (cp.async.mbarrier.arrive.noinc);
-    warpgroup 1's warps wait for the slot, each lane copies 64 bytes of it out (so the whole
-    slot must have landed), meet (warp_sync), and release it. ``out`` gets every round."""
+    warpgroup 1's 128 threads wait for the slot, each copies 16 bytes of it out — 16 words
+    past the ones its own producer thread wrote, so the whole slot must have landed — meet
+    (warp_sync), and release it. ``out`` gets every round."""
     from tilepy.ptx import barrier as BAR
     from tilepy.ptx import cp_async as CP
     from tilepy.ptx.address import global_addr

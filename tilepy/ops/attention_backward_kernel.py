@@ -52,6 +52,7 @@ from ..tile.attention_backward import (
     a_fragment,
     atomic_add_accumulators,
     key_block_coords,
+    mask_keys_past,
     mask_transposed,
     query_blocks,
     row_state,
@@ -338,6 +339,7 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
+    mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, causal)
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
@@ -411,6 +413,7 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
                 kk_frag = cuda.local.array((1, NOQ, 2), np.uint32)
                 dq_part = cuda.local.array((MIQ, NOQ, 4), np.float32)
             my_key = key0 + warp * 16 + g
+            edge = key0 + BN > sk     # the block holds zero-filled keys past sk
 
             for n in range(steps):
                 cp_async_wait_group(0)   # step n's tiles (and K, V) have landed …
@@ -453,6 +456,8 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
                     # a query block starting left of the diagonal of the block's last key
                     if row + shift < key0 + BN - 1:
                         mask(st, my_key - shift - (row + 2 * t))
+                if edge:
+                    mask_past(st, my_key, sk)
                 grad.probabilities(st, l_addr, scale_log2, t)
 
                 # dV += Pᵀ · dO
@@ -528,7 +533,6 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
     KN = BN // 16
     NO = D // 8
     SW = cfg.swizzle
-    CAUSAL = bool(causal)
     Q_TILE = BM * D * 2
     KV_TILE = BN * D * 2
     KV_OFF = 2 * Q_TILE
@@ -618,7 +622,7 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
                             a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
-                if CAUSAL and (kb + 1) * BN - 1 > all_see:
+                if (kb + 1) * BN - 1 > all_see:   # past a row's last key (or sk)
                     mask(s, limit, kb * BN + 2 * t)
                 grad.probabilities(s, l2, scale_log2)
                 for kk in range(KD):

@@ -15,6 +15,11 @@ shared); what changes is who multiplies:
   ``dq_block_n`` keys ``S = Q Kᵀ``, ``dP = dO Vᵀ`` (A from shared memory), then ``dQ += dS K``
   with A = ``dS`` from registers and B the K tile read MN-major. K and V stream through two
   cp.async stages.
+* :func:`dkdv_ws_kernel` (a ``producer`` config) — the dK / dV products of :func:`dkdv_kernel`
+  (:func:`key_block_products`) in two consumer warpgroups beside a producer warpgroup that
+  streams Q, dO, lse2 and delta through an mbarrier ring, plus dQ's partial ``dS K`` from
+  ``dS`` in shared memory, added into dQ's float32 accumulator by bulk reductions: no dQ
+  kernel (FlashAttention-3's design; 5 products per block pair instead of 7).
 
 Shared tiles are 128-byte-swizzled 64-column boxes (:func:`tilepy.tile.copy.
 copy_rows_to_shared_128b`): a (rows × D) tile is at once the K-major operand with K = D and the
@@ -36,7 +41,7 @@ from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.barrier import bar_sync, warp_sync
 from ..ptx.cp_async import (cp_async_commit_group, cp_async_mbarrier_arrive_noinc,
-                            cp_async_wait_group)
+                            cp_async_wait_all, cp_async_wait_group)
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.mbarrier import fence_mbarrier_init, mbarrier_init, mbarrier_wait_parity
@@ -47,6 +52,7 @@ from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
     key_block_coords,
+    mask_keys_past,
     mask_transposed,
     query_blocks,
     row_state,
@@ -218,18 +224,22 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
     its group).
 
     ``products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
-    l_addr, d_addr, near_diagonal, key_shift, t, scale_log2)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V
-    dOᵀ`` (A: the warpgroup's K / V rows at ``k_wg`` / ``v_wg``, B: the block's Q / dO tiles,
-    ``cfg.block_m`` rows), the causal mask where ``near_diagonal`` (key ``my_key`` of the
-    lane's row against query ``q + 2t`` masked past ``key_shift = my_key - shift - (row0 +
-    2t)``), ``P = exp2(scale_log2 · Sᵀ - lse2)`` (``l_addr``: the block's lse2 in shared
-    memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` (``d_addr``) left in ``dpt3``, then
-    ``dK += dSᵀ Q`` issued. ``st`` / ``dpt``: (block_m / 2) float32 accumulators, ``st3`` /
-    ``dpt3`` their (1, block_m / 8, 4) fragments; ``a_p`` / ``a_ds`` (block_m / 4) uint32:
-    ``Pᵀ`` and ``dSᵀ`` rounded to 16 bits as A operands (two arrays, so dK's is written while
-    dV's product still reads the other; on return ``a_ds`` holds ``dSᵀ`` — what
-    :func:`tilepy.tile.attention_backward.transpose_to_shared` stores — and ``dpt3`` is free).
-    A product still reading ``a_p`` from the step before must have retired."""
+    l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane, warp4, t,
+    scale_log2)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A: the warpgroup's K / V rows at ``k_wg``
+    / ``v_wg``, B: the block's Q / dO tiles, ``cfg.block_m`` rows), the causal mask where
+    ``near_diagonal`` (key ``my_key`` of the lane's row against query ``q + 2t`` masked past
+    ``key_shift = my_key - shift - (row0 + 2t)``), with ``edge`` the keys at or past ``sk``
+    masked, ``P = exp2(scale_log2 · Sᵀ - lse2)`` (``l_addr``: the block's lse2 in shared
+    memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` (``d_addr``), with ``cfg.dq_atomic``
+    written transposed into the dS box at ``ds_box`` (stmatrix by lane ``lane`` of the
+    warpgroup's warp ``warp4``; the caller fences and synchronises before a wgmma reads it),
+    then ``dK += dSᵀ Q`` issued. ``st`` / ``dpt``:
+    (block_m / 2) float32 accumulators, ``st3`` / ``dpt3`` their (1, block_m / 8, 4)
+    fragments; ``a_p`` / ``a_ds`` (block_m / 4) uint32: ``Pᵀ`` and ``dSᵀ`` rounded to 16 bits
+    as A operands (two arrays, so dK's is written while dV's product still reads the other;
+    registers an issued wgmma reads are not touched until a wait retires it). On return
+    ``st``, ``dpt`` and their fragments are free. A product still reading ``a_p`` or ``a_ds``
+    from the step before must have retired."""
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     NQ = BM // 8
     CAUSAL = bool(causal)
@@ -238,11 +248,15 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_s, _ = accumulator_fragment(BM)
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
+    mask_past = mask_keys_past(1, NQ)
     afrag = a_fragment(cfg.dtype)
+    STORE_DS = cfg.dq_atomic
+    to_ds = transpose_to_shared(NQ)
 
     @inline_device
     def products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
-                 l_addr, d_addr, near_diagonal, key_shift, t, scale_log2):
+                 l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane,
+                 warp4, t, scale_log2):
         # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight
         s_mma.fence()
         s_mma.mma(st, k_wg, q_tile, 0)
@@ -255,6 +269,8 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
         if CAUSAL:
             if near_diagonal:
                 mask(st3, key_shift)
+        if edge:
+            mask_past(st3, my_key, sk)
         grad.probabilities(st3, l_addr, scale_log2, t)
 
         # dV += Pᵀ dO (A = Pᵀ from registers)
@@ -271,6 +287,8 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
         for kk in range(BM // 16):
             a_ds[4 * kk], a_ds[4 * kk + 1], a_ds[4 * kk + 2], a_ds[4 * kk + 3] = \
                 afrag(dpt3, 0, kk)
+        if STORE_DS:   # dS (queries × keys, K-major) for dQ, before dK's wgmma reads a_ds
+            to_ds(ds_box, a_ds, lane, warp4)
         g_mma.fence()
         g_mma.mma_rs(dk_acc, a_ds, q_tile, 1)
         g_mma.commit()
@@ -323,7 +341,6 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, causal)
     store = store_accumulators(1, NO, cfg.dtype)
-    to_ds = transpose_to_shared(NQ)
     stage_dq = stage_float32(64, DQ_ROW)
 
     @_jit(THREADS)
@@ -375,13 +392,15 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             k_wg = base + K_OFF + wg * WG_ROWS
             v_wg = base + V_OFF + wg * WG_ROWS
             my_key = key0 + warp * 16 + g
+            edge = key0 + BN > sk     # the block holds zero-filled keys past sk
+            ds_wg = base + DS_OFF + wg * (BM * 128)   # this warpgroup's 64-key box of dS
             if ATOMIC:
-                ds_wg = base + DS_OFF + wg * (BM * 128)   # this warpgroup's 64-key box of dS
                 dq_stage = base + DQ_OFF + wg * (JOBS * DQ_TILE_BYTES)
                 dq_part = cuda.local.array(32, np.float32)
 
             for n in range(steps):
                 cp_async_wait_group(0)
+                fence_proxy_async_shared()   # the copies (generic proxy) before wgmma reads
                 cuda.syncthreads()
                 row = (qb0 + n % per_head) * BM
                 hq = hq0 + n // per_head
@@ -405,13 +424,11 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 d_addr = base + DL_OFF + sgo * ROW_BYTES
 
                 products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-                         do_tile,
-                         l_addr, d_addr, row + shift < key0 + BN - 1,
-                         my_key - shift - (row + 2 * t), t, scale_log2)
+                         do_tile, l_addr, d_addr, row + shift < key0 + BN - 1,
+                         my_key - shift - (row + 2 * t), edge, my_key, sk, ds_wg, lane,
+                         warp % 4, t, scale_log2)
 
-                if ATOMIC:
-                    # dS (queries × keys, K-major) from dSᵀ's fragments, transposed by stmatrix
-                    to_ds(ds_wg, a_ds, lane, warp % 4)
+                if ATOMIC:   # dS is in this warpgroup's box (products)
                     fence_proxy_async_shared()
                     if issuer:
                         bulk_wait_group_read(0)   # last step's partials have been read
@@ -475,8 +492,9 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
       consumer ``c`` takes columns ``64 c …`` over all 128 keys (after a barrier of both
       consumers: it reads the other's ``dS``), with head_dim 64 each takes all columns over
       its own keys — staged in float32 and added into ``dq_acc`` by bulk reductions, one per
-      warp for its 16 rows, issued by the warp's lane 0 (waited for one step later, before
-      the staging is rewritten: no barrier but the warp's).
+      warp for its 16 rows, issued by the warp's lane 0 after a warp_sync. Lane 0 waits for
+      a reduction's reads one step later, before the dS barrier, which every lane passes
+      before it rewrites the staging.
     """
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     KG, SL = cfg.key_groups, cfg.slices
@@ -513,7 +531,6 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, causal)
     store = store_accumulators(1, NO, cfg.dtype)
-    to_ds = transpose_to_shared(NQ)
     stage_dq = stage_float32(64, DQ_ROW)
 
     @inline_device
@@ -551,7 +568,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             ring.arrive_copies(bars, s)
             s, ph = ring.advance(s, ph)
             hq, qb = next_block(hq, qb, qb0, per_head)
-        cp_async_wait_group(0)
+        cp_async_wait_all()   # nothing in flight when the producer leaves
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
@@ -565,6 +582,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         issuer = lane == 0       # issues the warp's bulk reductions
         shift = sk - sq
         my_key = key0 + cw * 16 + g
+        edge = key0 + BN > sk    # the block holds zero-filled keys past sk
         k_wg = base + K_OFF + c * WG_ROWS
         v_wg = base + V_OFF + c * WG_ROWS
         dq_a = base + DS_OFF + (0 if SPLIT else c * (BM * 128))
@@ -578,20 +596,22 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
+        fence_proxy_async_shared()   # cp.async wrote K / V (generic proxy); wgmma reads them
         s, ph = 0, 0
         hq, qb = hk * group, qb0
         for n in range(steps):
             row = qb * BM
             ring.wait(bars, s, ph)
+            fence_proxy_async_shared()
+            buf = (n % 2) * DS_BYTES
             products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                      base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
-                     row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), t, scale_log2)
-            buf = (n % 2) * DS_BYTES
-            to_ds(base + DS_OFF + buf + c * (BM * 128), a_ds, lane, warp4)
+                     row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), edge, my_key,
+                     sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2)
             fence_proxy_async_shared()
-            if issuer:
-                bulk_wait_group_read(0)   # the warp's last partial has been read
+            if issuer:   # the warp's last partial has been read; the barrier below tells
+                bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
             if SPLIT:
                 bar_sync(DS_BAR, 128 * KG)
             else:
@@ -666,7 +686,6 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     THREADS = cfg.dq_threads
     NS = BN // 8
     NO = D // 8
-    CAUSAL = bool(causal)
     lay = cfg.dq_layout
     Q_OFF, DO_OFF, KV_OFF = (lay.offset(n) for n in ("q", "do", "kv"))
     KV_TILE = BN * D * 2
@@ -733,6 +752,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
 
             for kb in range(n_kb):
                 cp_async_wait_group(0)
+                fence_proxy_async_shared()
                 cuda.syncthreads()
                 if kb + 1 < n_kb:
                     nxt = kv_base + ((kb + 1) % 2) * STAGE
@@ -751,7 +771,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 s_mma.wait(1)
                 s_mma.fence_operand(s)
                 to_frag_s(s3, s)
-                if CAUSAL and (kb + 1) * BN - 1 > all_see:
+                if (kb + 1) * BN - 1 > all_see:   # past a row's last key (or sk)
                     mask(s3, limit, kb * BN + 2 * t)
                 grad.probabilities(s3, l2, scale_log2)
                 s_mma.wait(0)

@@ -30,6 +30,7 @@ Generators (each cached on its arguments):
   product (P or dS straight from registers);
 * :func:`store_accumulators` / :func:`atomic_add_accumulators` — a fragment, scaled, to a 2-D
   global view (16-bit stores, or float32 atomic adds: dQ's reduction over key blocks).
+* :func:`mask_keys_past` — the zero-filled keys past the sequence's end out of ``Sᵀ``.
 * :func:`key_block_coords` — a key-block kernel's block: lengths, batch, K/V head, group size
   and first key.
 * :func:`transpose_to_shared` — a warpgroup's ``dSᵀ``, packed to 16 bits as an A fragment, as
@@ -189,6 +190,26 @@ def mask_transposed(mi: int, ns: int):
 
 
 @functools.cache
+def mask_keys_past(mi: int, ns: int):
+    """``mask(s, key, sk)``: of a transposed score fragment ``Sᵀ`` (rows = keys), the lane's
+    key rows ``key + 16 i + 8 h`` at or past ``sk`` become -inf (``P = 0``). Those rows hold
+    the zero-filled keys past the sequence's end: unmasked, their ``P = exp2(-lse2)``
+    overflows 16 bits when the LSE is below about -11, and ``dS · K`` (a zero row times
+    infinity) would put NaN into dQ. Call it in key blocks that pass ``sk``."""
+
+    @inline_device
+    def mask(s, key, sk):
+        for i in range(mi):
+            for hh in range(2):
+                if key + 16 * i + 8 * hh >= sk:
+                    for j in range(ns):
+                        s[i, j, 2 * hh] = _NEG_INF
+                        s[i, j, 2 * hh + 1] = _NEG_INF
+
+    return mask
+
+
+@functools.cache
 def a_fragment(dtype: str):
     """``pack(acc, i, kk) -> (a0, a1, a2, a3)``: m16 tile ``i`` of a float32 accumulator
     fragment, columns ``16 kk … 16 kk + 15`` (its n8 tiles ``2 kk`` and ``2 kk + 1``), rounded
@@ -306,6 +327,6 @@ def stage_float32(n: int, row_floats: int):
     return store
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
-           "mask_transposed",
+           "mask_keys_past", "mask_transposed",
            "query_blocks", "row_state", "softmax_gradient", "stage_float32",
            "store_accumulators", "transpose_to_shared"]

@@ -1,7 +1,8 @@
-"""The mbarrier pipeline ring between a TMA producer and wgmma consumers.
+"""The mbarrier pipeline ring between a producer (TMA, or cp.async threads) and wgmma consumers.
 
-``stages`` slots of shared memory; per slot a *full* mbarrier (arrival count 1: the producer's
-``arrive.expect_tx``, completed when the slot's TMA bytes have landed) and an *empty* one
+``stages`` slots of shared memory; per slot a *full* mbarrier (arrival count ``producers``:
+1 for a TMA producer's ``arrive.expect_tx``, completed when the slot's TMA bytes have landed;
+or one per cp.async producer thread) and an *empty* one
 (arrival count ``arrivals``: every consumer party that read the slot). The producer and each
 consumer walk the same sequence of uses ``i = 0, 1, 2, …``; use ``i`` is slot ``i % stages``
 in round ``i // stages``, and a round's parity is ``(i // stages) & 1``. The contract (CuTe
@@ -22,7 +23,9 @@ DSL's ``PipelineTmaAsync``; Gluon's ``index = i % n; phase = i // n & 1``):
 cp.async producers (``producers > 1``: that many threads each copy a share of the slot):
 after ``acquire``, each producer thread issues its copies and then ``arrive_copies(bars, s)``
 (:func:`tilepy.ptx.cp_async.cp_async_mbarrier_arrive_noinc`): the full barrier completes once
-every producer thread's copies have landed; no ``commit``, no transaction bytes.
+every producer thread's copies have landed; no ``commit``, no transaction bytes. cp.async
+writes shared memory through the generic proxy: a consumer whose wgmma reads the slot fences
+(``fence_proxy_async_shared``) after its ``wait``.
 
 ``init(bars)``: one thread, before any use; fence with ``fence_mbarrier_init`` and synchronise
 the block (with a cluster, the cluster) before the other roles start. ``bars`` is the shared
