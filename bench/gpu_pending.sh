@@ -78,7 +78,7 @@
 #   PART=s5b     after the session-5 epilogue work: the TMA GEMM and op GPU tests, the epilogue
 #                probe, the GEMM op benchmarks and the attention benchmarks (new defaults)
 #   PART=s6      gemm_softmax (the TMA softmax mode now the sm_90 default): its GPU tests, the
-#                probe of where the TMA kernel's time goes, the fused-vs-unfused benchmark
+#                probe of where the TMA kernel's time goes (since removed), the fused-vs-unfused benchmark
 #   PART=s6g     the TMA-store GEMM epilogue: its GPU tests, then the quick sweep (4096^3,
 #                8192^3) against the default
 #   PART=hgemm   correctness of the TMA GEMM (odd shapes, both B layouts, persistent), then the
@@ -355,8 +355,6 @@ if [[ " $PART " == *" s5b "* ]]; then
 fi
 if [[ " $PART " == *" s6 "* ]]; then
     gpu_tests gemm_softmax 240 tests/test_ops_gemm_softmax.py
-    step probe_gemm_softmax 150 "$PY" bench/probe_gemm_softmax.py --n 1024 \
-        --json "$OUT/probe_gemm_softmax.json"
     bench_suite bench_gemm_softmax 200 "gemm_softmax"
 fi
 if [[ " $PART " == *" s6g "* ]]; then

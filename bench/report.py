@@ -265,7 +265,8 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
                             (problem, r["config"], fmt(r["tflops"]), fmt(r["peer_tflops"]),
                              fmt(r["ratio"], "×"))))
         elif all("variant" in r for r in data["rows"]) and "m" in data:
-            # bench/probe_gemm_softmax.py: microseconds per variant, per N
+            # the gemm_softmax probe (session 6; its probe= mode has left tilepy): µs per
+            # variant, per N
             for r in data["rows"]:
                 problem = f"{data['m']}×{r['n']}×{data['k']}"
                 add.append(("gs_probe", problem,
@@ -323,8 +324,8 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
         ("probe", "Fused GEMM epilogue, piece by piece (`bench/probe_epilogue.py`, 4096³ "
                   "float16, TMA kernel)",
          ("file", "variant", "µs", "TFLOPS", "unfused torch µs", "ratio to unfused torch")),
-        ("gs_probe", "Fused GEMM + softmax, piece by piece (`bench/probe_gemm_softmax.py`, "
-                     "float16)",
+        ("gs_probe", "Fused GEMM + softmax, piece by piece (session 6's probe, removed with "
+                     "its measurement-only kernel mode; float16)",
          ("file", "M×N×K", "variant", "µs", "TFLOPS equivalent (2·M·N·K / µs)")),
         ("clock", "Sustained clocks and power (`bench/probe_clocks.py`: each case back to "
                   "back for seconds; throttle 0x4 is the software power cap)",

@@ -80,7 +80,7 @@ def check_softmax_config(cfg: WsConfig, out_kind, activation=None, has_bias=Fals
 
 @functools.cache
 def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
-                              tma_out: bool = False, overlap: bool = False, probe: int = 0):
+                              tma_out: bool = False, overlap: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` — the GEMM kernel's
     arguments (``c``, ``bias`` and ``beta`` unused) — computing ``out = softmax(alpha · a @ b,
     axis=-1)`` for one matrix (no batch).
@@ -107,7 +107,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     buffers per warpgroup (two freed stage buffers, loaded as soon as the last main loop is
     over, and the staging), multiply by a per-(row, chunk) factor computed once into shared
     memory, TMA store. L2 hints: parked chunks evict-last, final stores evict-first.
-    (``bench/probe_gemm_softmax.py`` measures what each piece costs; bench/NOTES.md.)
+    (What each piece costs: bench/NOTES.md, session 6.)
 
     ``overlap`` (softmax mode with ``tma_out``; block_n 128, at least 3 stages, and K of at
     least ``stages − 1`` k-steps, which :func:`plan` checks): each
@@ -115,10 +115,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     ``stages − 1`` k-steps of chunk j + 1 into one before it runs chunk j's softmax and park
     on the other, so the tensor cores work through the epilogue instead of waiting for it;
     the rest of chunk j + 1 follows as usual.
-
-    ``probe`` (softmax mode, for measuring only: the results are wrong): a bit mask of pieces
-    left out — 1 the online softmax of each chunk (the scaled scores are parked as they are),
-    2 the final rescale, 4 each chunk's parked store (``bench/probe_gemm_softmax.py``).
     """
     if overlap and not (tma_out and cfg.block_n == 128 and cfg.stages >= 3):
         raise ValueError("overlap: softmax mode with tma_out, block_n 128 and >= 3 stages")
@@ -142,7 +138,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     store_smem = store_accumulators_smem(1, NI, out_kind)
     dynamic_shared_buffer = dynamic_shared(lay.align)
     f32 = types.float32
-    PROBE = probe
     TMA_OUT = tma_out
     OVERLAP = overlap
     PRE = cfg.stages - 1                # overlap: k-steps of the next chunk issued ahead
@@ -208,8 +203,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
             if TMA_OUT and w - w0 == n_tiles - 1:
                 # after the last main loop the stage buffers are free: the rescale's first
                 # loads run under this chunk's softmax
-                prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n,
-                                0 if PROBE & 2 else n_tiles - 1, cw, drop)
+                prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n, n_tiles - 1, cw, drop)
             scores_softmax(acc0, bn0, n, alpha, rmax, rsum, base, warp, lane, cw)
             if TMA_OUT:
                 park_tma_chunk(acc0, base, omap, bm0 + cw * ROW_OFF, w - w0, n_tiles, n,
@@ -218,8 +212,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
             for jj in range(NI):
                 for q in range(4):
                     acc0[4 * jj + q] *= PARK
-            if PROBE & 4:
-                continue
             store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, out[0], bm0 + cw * ROW_OFF,
                        bn0, m, n, f32(1), bias, c[0], f32(0), tid % WARPGROUP, BAR_WG0 + cw)
             if lane % 4 == 0:   # the rows' running max after this chunk
@@ -227,9 +219,9 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                                      + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
                                      rmax[0, 0], rmax[0, 1])
         if TMA_OUT:
-            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n,
-                       0 if PROBE & 2 else n_tiles - 1, cw, drop)
-        elif not PROBE & 2:
+            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n, n_tiles - 1, cw,
+                       drop)
+        else:
             finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
 
     @inline_device
@@ -296,8 +288,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                 fin = base + FINAL_OFF + cw * _FINAL_WG + (warp * 8 + lane // 4) * 16
                 VEC.st_shared_v2_f32(fin, rmax[0, 0], rmax[0, 1])
                 VEC.st_shared_v2_f32(fin + 8, l0, l1)
-        if PROBE & 4:
-            return
         stg = base + EPI_OFF + cw * EPI_WG
         g = lane // 4                  # row % 8 of both of the lane's rows: their swizzle
         for jj in range(NI):
@@ -372,7 +362,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
         W.wgmma_wait_group(0)
         r, pending = release_stages(bars, r, pending, 0, lane)
         W.wgmma_fence_operand(cur, NACC)
-        prefetch_finish(base, omap, row0, n, 0 if PROBE & 2 else n_tiles - 1, cw, drop)
+        prefetch_finish(base, omap, row0, n, n_tiles - 1, cw, drop)
         scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
         park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
                        drop)
@@ -427,7 +417,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
         else:
             overlap_last(accx, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax,
                          rsum, cw, warp, lane, keep, drop)
-        finish_tma(base, omap, row0, n, 0 if PROBE & 2 else n_tiles - 1, cw, drop)
+        finish_tma(base, omap, row0, n, n_tiles - 1, cw, drop)
 
     @inline_device
     def scores_softmax(acc, col0, n, alpha, rmax, rsum, base, warp, lane, cw):
@@ -440,8 +430,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                 if col + 8 * jj + q % 2 >= n:
                     v = NEG_INF
                 acc[4 * jj + q] = v
-        if not PROBE & 1:
-            chunk_softmax(acc, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane, cw)
+        chunk_softmax(acc, rmax, rsum, base + RED_OFF + cw * _RED_WG, warp, lane, cw)
 
     @inline_device
     def park_tma_chunk(acc, base, omap, row0, chunk, n_tiles, n, cw, warp, lane, rmax, rsum,
