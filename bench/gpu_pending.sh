@@ -31,7 +31,8 @@
 #   PART=s16a    session 15's review mend, not yet on a GPU (consumer-side proxy fences after
 #                the cp.async waits, keys past seq_k masked in the backward, dS stored before
 #                dK's wgmma reads its registers): the backward's GPU tests, the probe of the
-#                head_dim-128 configs, the backward benchmark (fp16)
+#                head_dim-128 configs (with dq_own_keys: the consumers without the dS barrier
+#                between them), the backward benchmark (fp16)
 #   PART=s15e    the fused (warp-specialised) backward as the head_dim-128 default: the
 #                backward's GPU tests (Llama training included), the backward benchmark (fp16,
 #                bf16) and the training step, then softmax's backward benchmark (never run)

@@ -52,7 +52,9 @@ def main():
     # the built-in two-kernel configs, then the warp-specialised kernel (dQ by bulk
     # reductions from a producer + 2 consumer warpgroup block)
     grids = {128: [ws(128, block_m=64, key_groups=1, dq_groups=1, dq_block_n=64),
-                   ws(128, block_m=64, key_groups=2, dq_atomic=True, producer=True)],
+                   ws(128, block_m=64, key_groups=2, dq_atomic=True, producer=True),
+                   ws(128, block_m=64, key_groups=2, dq_atomic=True, producer=True,
+                      dq_own_keys=True)],
              64: [ws(64, block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
                   ws(64, block_m=64, key_groups=2, dq_atomic=True, producer=True)]}
     rows = []

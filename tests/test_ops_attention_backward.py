@@ -144,6 +144,10 @@ def test_dq_by_atomics():
      (1, 2, 1, 70, 150, True, "float16", "bhsd")),
     (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
      (1, 2, 2, 150, 90, True, "bfloat16", "bshd")),
+    # head_dim 128 with each consumer's dQ over its own keys and all columns (no barrier
+    # between the consumers; two slices staged and reduced per warp)
+    (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True, dq_own_keys=True),
+     (1, 2, 2, 90, 140, False, "bfloat16", "bshd")),
 ])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
@@ -215,6 +219,11 @@ def test_config_choice_and_checks(monkeypatch):
     assert not choose_config(64, "float16").dq_atomic
     with pytest.raises(ValueError, match="producer"):
         WgmmaBackwardConfig(128, producer=True)
+    with pytest.raises(ValueError, match="dq_own_keys"):
+        WgmmaBackwardConfig(128, dq_own_keys=True)
+    own = WgmmaBackwardConfig(128, key_groups=2, dq_atomic=True, producer=True,
+                              dq_own_keys=True)
+    assert own.own_keys and own.dq_jobs == 2 and own.dkdv_layout.nbytes <= 227 * 1024
     monkeypatch.undo()
     with pytest.raises(ValueError, match="multiple of 16"):
         BackwardConfig(64, block_m=24)
@@ -253,7 +262,7 @@ def test_kernels_compile_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
                **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
-    assert len(reports) == 18
+    assert len(reports) == 19
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]

@@ -112,15 +112,18 @@ class WgmmaBackwardConfig:
     cc: tuple = (9, 0)
     dq_atomic: bool = False
     producer: bool = False
+    dq_own_keys: bool = False
 
     def __post_init__(self):
-        for name in ("dq_atomic", "producer"):
+        for name in ("dq_atomic", "producer", "dq_own_keys"):
             _require(isinstance(getattr(self, name), bool), f"WgmmaBackwardConfig.{name} must "
                      f"be a bool, got {getattr(self, name)!r}")
         if self.producer:
             _require(self.dq_atomic and self.block_m == 64 and self.key_groups == 2,
                      "WgmmaBackwardConfig: producer (the warp-specialised dK / dV / dQ kernel) "
                      "takes dq_atomic=True, block_m 64 and 2 key warpgroups")
+        _require(not self.dq_own_keys or self.producer, "WgmmaBackwardConfig: dq_own_keys is "
+                 "a choice of the producer kernel")
         if self.dq_atomic:
             _require(self.block_m == 64 and self.key_groups in (1, 2),
                      "WgmmaBackwardConfig: dq_atomic takes block_m 64 (one m64 dQ product) "
@@ -160,10 +163,17 @@ class WgmmaBackwardConfig:
         return self.head_dim // 64
 
     @property
+    def own_keys(self) -> bool:
+        """The producer kernel: each consumer warpgroup's dQ partial is over its own 64 keys
+        and every column (``dq_own_keys``, and always at head_dim 64), else over all the
+        block's keys and its own 64-column slice."""
+        return self.producer and (self.dq_own_keys or self.slices == 1)
+
+    @property
     def dq_jobs(self) -> int:
-        """dQ partial products per warpgroup and query block (atomic path): every slice with
-        one key warpgroup, else one."""
-        return self.slices if self.key_groups == 1 else 1
+        """dQ partial products (64-column slices staged) per warpgroup and query block (atomic
+        path): every slice with one key warpgroup or :attr:`own_keys`, else one."""
+        return self.slices if self.key_groups == 1 or self.own_keys else 1
 
     @property
     def dq_block_m(self) -> int:
@@ -191,7 +201,8 @@ class WgmmaBackwardConfig:
                    ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
                    ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
         if self.dq_atomic:
-            buffers = 2 if self.producer else 1
+            # the producer kernel's consumers share dS (split columns): two buffers
+            buffers = 2 if self.producer and not self.own_keys else 1
             regions += [("ds", buffers * BM * BN * 2, 1024),
                         ("dq", self.key_groups * self.dq_jobs * DQ_TILE_BYTES, 16)]
         if self.producer:
@@ -206,7 +217,9 @@ class WgmmaBackwardConfig:
 
     def describe(self) -> str:
         dq = ("dQ by bulk reductions from the dK/dV kernel" + (
-            ", producer warpgroup" if self.producer else "") if self.dq_atomic else
+            ", producer warpgroup" if self.producer else "") + (
+            ", dQ over each warpgroup's own keys" if self.dq_own_keys else "")
+            if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
                 f"({self.key_groups} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
@@ -442,7 +455,7 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                         dq_mma.commit()
                         dq_mma.wait(0)
                         dq_mma.fence_operand(dq_part)
-                        stage_dq(dq_stage + job * DQ_TILE_BYTES, dq_part, warp % 4, g, t)
+                        stage_dq(dq_stage + job * DQ_TILE_BYTES, dq_part, 0, warp % 4, g, t)
                     fence_proxy_async_shared()
                     cuda.syncthreads()
                     if issuer:
@@ -511,8 +524,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     ROW_BYTES = BM * 4
     WG_ROWS = 64 * 128
     ACC_O, ACC_S, A_REGS = D // 2, BM // 2, BM // 4
-    SPLIT = SL == KG         # consumer c: columns 64 c … over every key; else its own keys
+    SPLIT = not cfg.own_keys  # consumer c: columns 64 c … over every key; else its own keys
     KDQ = BN if SPLIT else 64
+    JOBS = cfg.dq_jobs        # a consumer's 64-column dQ slices, one product each
+    SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
+    DS_BUFFERS = 2 if SPLIT else 1
     ring = tma_pipeline(2, 4 * KG, 1, producers=PT)
     KV_BAR = ring.nbytes     # after the ring's barriers
     roles = warpgroup_roles(KG, True, True, *WS_REGISTERS)
@@ -526,8 +542,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     issue_q = copy_rows_to_shared_128b(BM, D, PT)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
     products, g_mma = key_block_products(cfg, causal)
-    dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
-                           k=KDQ)
+    dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"),
+                           cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, causal)
     store = store_accumulators(1, NO, cfg.dtype)
@@ -586,9 +602,10 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         k_wg = base + K_OFF + c * WG_ROWS
         v_wg = base + V_OFF + c * WG_ROWS
         dq_a = base + DS_OFF + (0 if SPLIT else c * (BM * 128))
-        dq_b = base + K_OFF + (c * (BN * 128) if SPLIT else c * WG_ROWS)
-        sl = c if SPLIT else 0
-        stage = base + DQ_OFF + c * DQ_TILE_BYTES
+        dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * WG_ROWS)   # + job · SLICE_B
+        sl0 = c if SPLIT else 0  # the first slice this consumer reduces
+        stage = base + DQ_OFF + c * (JOBS * DQ_TILE_BYTES)
+        dqp = cuda.local.array(32, np.float32)
         st = cuda.local.array(ACC_S, np.float32)
         dpt = cuda.local.array(ACC_S, np.float32)
         st3 = cuda.local.array((1, NQ, 4), np.float32)
@@ -603,7 +620,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             row = qb * BM
             ring.wait(bars, s, ph)
             fence_proxy_async_shared()
-            buf = (n % 2) * DS_BYTES
+            buf = (n % DS_BUFFERS) * DS_BYTES
             products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                      base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
@@ -616,21 +633,24 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 bar_sync(DS_BAR, 128 * KG)
             else:
                 bar_sync(WG_BAR + c, 128)
-            dq_mma.fence()
-            dq_mma.mma(st, dq_a + buf, dq_b, 0)     # st is free (P is spent)
-            dq_mma.commit()
-            dq_mma.wait(0)                          # dV, dK and dQ's partial retired
-            g_mma.fence_operand(dk_acc)
-            g_mma.fence_operand(dv_acc)
-            dq_mma.fence_operand(st)
-            ring.release(bars, s, lane)
-            stage_dq(stage, st, warp4, g, t)
+            for job in range(JOBS):  # 64 columns each, one after the other (32 registers)
+                dq_mma.fence()
+                dq_mma.mma(dqp, dq_a + buf, dq_b + job * SLICE_B, 0)
+                dq_mma.commit()
+                dq_mma.wait(0)                      # (dV, dK and) the slice retired
+                dq_mma.fence_operand(dqp)
+                if job == 0:
+                    g_mma.fence_operand(dk_acc)
+                    g_mma.fence_operand(dv_acc)
+                    ring.release(bars, s, lane)
+                stage_dq(stage + job * DQ_TILE_BYTES, dqp, 0, warp4, g, t)
             fence_proxy_async_shared()
             warp_sync()
             if issuer:     # the warp's 16 rows: one contiguous range of the blocked layout
-                bulk_reduce_add_f32(global_addr(dq_acc, (
-                    b, hq, ((row // 64) * SL + sl) * 64 + 16 * warp4, 0)),
-                    stage + warp4 * WARP_STAGE, WARP_STAGE)
+                for job in range(JOBS):
+                    bulk_reduce_add_f32(global_addr(dq_acc, (
+                        b, hq, ((row // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
+                        stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
             hq, qb = next_block(hq, qb, qb0, per_head)
@@ -888,6 +908,8 @@ COMPILED = (
         128, dtype="bfloat16", dq_atomic=True, producer=True), True),
     ("bwd_wgmma_ws_d64_f16_causal", "ws", WgmmaBackwardConfig(64, dq_atomic=True,
                                                                producer=True), True),
+    ("bwd_wgmma_ws_d128_f16_own_keys", "ws", WgmmaBackwardConfig(
+        128, dq_atomic=True, producer=True, dq_own_keys=True), False),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
 )

@@ -307,9 +307,10 @@ def transpose_to_shared(nq: int):
 
 @functools.cache
 def stage_float32(n: int, row_floats: int):
-    """``store(stage, acc, warp4, g, t)``: a warpgroup's (64 × n) float32 wgmma accumulator
-    ``acc`` (flat, ``n / 2`` registers per thread) into the shared tile at ``stage`` of 64 rows
-    of ``row_floats`` floats each (``row_floats ≥ n``; padding rows by 4 floats puts a warp's
+    """``store(stage, acc, reg0, warp4, g, t)``: a warpgroup's (64 × n) float32 wgmma
+    accumulator — ``acc[reg0 …]``, ``n / 2`` registers per thread (``reg0 = 32 j``: columns
+    ``64 j …`` of a wider accumulator) — into the shared tile at ``stage`` of 64 rows of
+    ``row_floats`` floats each (``row_floats ≥ n``; padding rows by 4 floats puts a warp's
     8-row stores in distinct banks). 8-byte stores; the caller fences and synchronises
     before the tile is read (by a bulk copy: ``fence_proxy_async_shared``)."""
     if n % 8 or row_floats < n or row_floats % 2:
@@ -318,11 +319,11 @@ def stage_float32(n: int, row_floats: int):
     RB = row_floats * 4
 
     @inline_device
-    def store(stage, acc, warp4, g, t):
+    def store(stage, acc, reg0, warp4, g, t):
         for j in range(n // 8):
             for hh in range(2):
                 st_shared_v2_f32(stage + (warp4 * 16 + g + 8 * hh) * RB + (8 * j + 2 * t) * 4,
-                                 acc[4 * j + 2 * hh], acc[4 * j + 2 * hh + 1])
+                                 acc[reg0 + 4 * j + 2 * hh], acc[reg0 + 4 * j + 2 * hh + 1])
 
     return store
 
