@@ -101,7 +101,15 @@ def _require(ok: bool, message: str) -> None:
 class WgmmaBackwardConfig:
     """The wgmma backward kernels' tiles: the dK / dV kernel has ``key_groups`` warpgroups of
     64 keys and steps of ``block_m`` query rows; the dQ kernel ``dq_groups`` warpgroups of 64
-    query rows and steps of ``dq_block_n`` keys."""
+    query rows and steps of ``dq_block_n`` keys.
+
+    ``dq_atomic``: dQ's partial sums from the dK / dV kernel, bulk-reduced into a float32
+    accumulator (no dQ kernel) unless the call is deterministic. ``producer`` (with
+    ``dq_atomic``, ``block_m`` 64, 2 key warpgroups): the warp-specialised kernel
+    :func:`dkdv_ws_kernel` instead; ``dq_own_keys`` (its choice): each consumer's dQ partial
+    over its own keys and every column rather than over all the block's keys and its own
+    64 columns (always so at head_dim 64). A deterministic call with a ``dq_atomic`` config
+    runs the same dK / dV blocks without the dQ part, then the dQ kernel."""
 
     head_dim: int
     block_m: int = 64
