@@ -278,14 +278,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
     def products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
                  l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane,
                  warp4, t, scale_log2):
-        # Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight
-        s_mma.fence()
-        s_mma.mma(st, k_wg, q_tile, 0)
-        s_mma.commit()
-        s_mma.mma(dpt, v_wg, do_tile, 0)
-        s_mma.commit()
-        s_mma.wait(1)
-        s_mma.fence_operand(st)
+        s_mma.mma_pair(st, k_wg, q_tile, dpt, v_wg, do_tile)   # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
         to_frag_s(st3, st)
         if CAUSAL:
             if near_diagonal:
@@ -542,7 +535,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     roles = warpgroup_roles(KG, True, True, *WS_REGISTERS)
     named = NamedBarriers()
     DS_BAR = named.take("ds", 128 * KG)            # both consumers' dS written
-    WG_BAR = named.take("warpgroup", 128, count=KG)  # one consumer's dS written (head_dim 64)
+    WG_BAR = named.take("warpgroup", 128, count=KG)  # one consumer's dS written (own keys)
     WARP_STAGE = 16 * DQ_ROW * 4                   # a warp's rows of a staged dQ partial
 
     smem = dynamic_shared(1024)
@@ -791,13 +784,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 k_tile = kv_base + (kb % 2) * STAGE
                 v_tile = k_tile + KV_TILE
 
-                s_mma.fence()
-                s_mma.mma(s, q_wg, k_tile, 0)
-                s_mma.commit()
-                s_mma.mma(dp, do_wg, v_tile, 0)
-                s_mma.commit()
-                s_mma.wait(1)
-                s_mma.fence_operand(s)
+                s_mma.mma_pair(s, q_wg, k_tile, dp, do_wg, v_tile)   # S = Q Kᵀ, dP = dO Vᵀ
                 to_frag_s(s3, s)
                 if (kb + 1) * BN - 1 > all_see:   # past a row's last key (or sk)
                     mask(s3, limit, kb * BN + 2 * t)

@@ -103,6 +103,10 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
     * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / 16`` wgmmas, A's 64 rows
       at shared address ``a_addr``, B at ``b_addr``. ``scale_d`` applies to the first step
       (0: overwrite the accumulators, 1: add to them); the others add.
+    * ``mma_pair(acc0, a0, b0, acc1, a1, b1)`` (``a`` given): two products that overwrite
+      their accumulators, each its own commit group, both in flight; returns once the first
+      has retired (``acc0`` readable), the second still running (``wait(0)`` and
+      ``fence_operand(acc1)`` before reading ``acc1``).
     * ``mma2(acc0, acc1, a_addr, b_addr, scale_d)``: two m64 row blocks (A rows 64 … 127 at
       ``a_addr + 64 · 128``) sharing each B step, issued in turn (a 128-row warpgroup tile).
     * ``mma_rs(acc, a_regs, b_addr, scale_d)`` (``a=None``): A from ``a_regs``, a uint32
@@ -143,6 +147,16 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
                    scale_d if kk == 0 else 1)
 
         @inline_device
+        def mma_pair(acc0, a0, b0, acc1, a1, b1):
+            W.wgmma_fence()
+            mma(acc0, a0, b0, 0)
+            W.wgmma_commit_group()
+            mma(acc1, a1, b1, 0)
+            W.wgmma_commit_group()
+            W.wgmma_wait_group(1)
+            W.wgmma_fence_operand(acc0, NACC)
+
+        @inline_device
         def mma2(acc0, acc1, a_addr, b_addr, scale_d):
             da = W.matrix_descriptor(a_addr, LBO_A, SBO_A, SWIZZLE)
             db = W.matrix_descriptor(b_addr, LBO_B, SBO_B, SWIZZLE)
@@ -154,7 +168,7 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
 
         mma_rs = None
     else:
-        mma = mma2 = None
+        mma = mma2 = mma_pair = None
 
         @inline_device
         def mma_rs(acc, a_regs, b_addr, scale_d):
@@ -169,6 +183,7 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
         W.wgmma_fence_operand(acc, NACC)
 
     return device_namespace(
-        f"warpgroup_mma({n}, {b}, {a}, {dtype!r}, {K})", mma=mma, mma2=mma2, mma_rs=mma_rs,
+        f"warpgroup_mma({n}, {b}, {a}, {dtype!r}, {K})", mma=mma, mma2=mma2, mma_pair=mma_pair,
+        mma_rs=mma_rs,
         fence=W.wgmma_fence, commit=W.wgmma_commit_group, wait=W.wgmma_wait_group,
         fence_operand=fence_operand, NACC=NACC, K_STEPS=KS)
