@@ -5,6 +5,7 @@ SDPA's (float32 from the same inputs) first. A probe for choosing configs, not t
 (``bench/test_bench_attention_backward.py``).
 
     python bench/probe_attention_backward.py --json OUT.json [--quick] [--head-dim D]
+        [--configs I,J]   (indices into the head_dim's grid of configs)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
+    ap.add_argument("--configs", help="comma-separated indices into the head_dim's grid")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,6 +59,9 @@ def main():
                       dq_own_keys=True)],
              64: [ws(64, block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
                   ws(64, block_m=64, key_groups=2, dq_atomic=True, producer=True)]}
+    if args.configs:
+        pick = [int(i) for i in args.configs.split(",")]
+        grids = {d: [g[i] for i in pick if i < len(g)] for d, g in grids.items()}
     rows = []
     for shape in shapes:
         rows += one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids,

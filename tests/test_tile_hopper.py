@@ -307,9 +307,10 @@ def test_ticket_scheduler_hands_out_each_item_once_and_resets():
     assert list(counter) == [0, 0]
 
 
-def make_copy_ring_kernel(rounds: int):
+def make_copy_ring_kernel(rounds: int, waited: bool = False):
     """cp.async producers through the ring: warpgroup 0's 128 threads each copy 16 bytes of
-    round r's 2 KiB of ``src`` into slot r % 2 and arrive (cp.async.mbarrier.arrive.noinc);
+    round r's 2 KiB of ``src`` into slot r % 2 and arrive (cp.async.mbarrier.arrive.noinc, or
+    with ``waited`` ``arrive_copied``: the copies waited for and fenced, then an arrival);
     warpgroup 1's 128 threads wait for the slot, each copies 16 bytes of it out — 16 words
     past the ones its own producer thread wrote, so the whole slot must have landed — meet
     (warp_sync), and release it. ``out`` gets every round."""
@@ -323,6 +324,7 @@ def make_copy_ring_kernel(rounds: int):
     ring = tma_pipeline(2, 4, producers=128)
     roles = warpgroup_roles(1)
     words = lay.nbytes // 2
+    WAITED = waited
 
     @cuda.jit
     def kernel(src, out):
@@ -341,7 +343,10 @@ def make_copy_ring_kernel(rounds: int):
                 ring.acquire(bars, s, ph)
                 CP.cp_async_cg_16(base + SLOTS + s * SLOT + 16 * tid,
                                   global_addr(src, (r * SLOT // 4 + 4 * tid,)), 16)
-                ring.arrive_copies(bars, s)
+                if WAITED:
+                    ring.arrive_copied(bars, s)
+                else:
+                    ring.arrive_copies(bars, s)
                 s, ph = ring.advance(s, ph)
             CP.cp_async_wait_all()
         else:
@@ -360,12 +365,13 @@ def make_copy_ring_kernel(rounds: int):
 
 
 @pytest.mark.sim
-def test_cp_async_producers_fill_the_ring():
+@pytest.mark.parametrize("waited", [False, True])
+def test_cp_async_producers_fill_the_ring(waited):
     rounds = 5
     rng = np.random.default_rng()
     src = rng.integers(0, 2**32, rounds * 512, dtype=np.uint32)
     out = np.zeros_like(src)
-    make_copy_ring_kernel(rounds)[1, 256](src, out)
+    make_copy_ring_kernel(rounds, waited)[1, 256](src, out)
     np.testing.assert_array_equal(out, src)
 
 

@@ -40,11 +40,11 @@ from ..inline import inline_device
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.barrier import bar_sync, warp_sync
-from ..ptx.cp_async import (cp_async_commit_group, cp_async_mbarrier_arrive_noinc,
-                            cp_async_wait_all, cp_async_wait_group)
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..ptx.mbarrier import fence_mbarrier_init, mbarrier_init, mbarrier_wait_parity
+from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
+                            mbarrier_wait_parity)
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.wgmma import fence_proxy_async_shared
 from ..tile.attention import block_coords, key_blocks, mask_scores
@@ -496,10 +496,12 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     (:func:`dq_blocked_shape`); grid ``(ceil(Sk / 128), Hkv, B)``, ``cfg.threads`` (384)
     threads, ``cfg.dkdv_layout.nbytes`` of dynamic shared memory.
 
-    * Warpgroup 0 produces: its 128 threads cp.async the block's K and V once (signalling the
-      ``kv`` mbarrier), then each query block's Q, dO, lse2 and delta into a 2-slot ring
-      (:func:`tilepy.tile.pipeline.tma_pipeline` with cp.async producers), each slot once the
-      consumers released it.
+    * Warpgroup 0 produces: its 128 threads cp.async the block's K and V once, then each query
+      block's Q, dO, lse2 and delta into a 2-slot ring (:func:`tilepy.tile.pipeline.
+      tma_pipeline` with cp.async producers), each slot once the consumers released it. Each
+      producer thread waits for its copies and fences them into the async proxy before it
+      arrives (``arrive_copied``; with the first slot's arrival also on the ``kv`` mbarrier),
+      so the consumers' wgmmas read the slots with no fence of their own.
     * Consumer warpgroups 1, 2 own 64 keys each and run :func:`key_block_products` per query
       block, then write ``dS`` transposed into one of two shared buffers; ``dQ``'s partial
       ``dS K`` over the block's keys is a 64 × 64 product per consumer — with head_dim 128
@@ -566,7 +568,6 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                  sk - key0, tid)
         issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), v.strides[2],
                  sk - key0, tid)
-        cp_async_mbarrier_arrive_noinc(bars + KV_BAR)
         hq0 = hk * group
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
         e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
@@ -582,10 +583,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
-            ring.arrive_copies(bars, s)
+            ring.arrive_copied(bars, s)   # K / V's copies (n = 0) waited for with the slot's
+            if n == 0:
+                mbarrier_arrive(bars + KV_BAR)
             s, ph = ring.advance(s, ph)
             hq, qb = next_block(hq, qb, qb0, per_head)
-        cp_async_wait_all()   # nothing in flight when the producer leaves
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
@@ -614,13 +616,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
-        fence_proxy_async_shared()   # cp.async wrote K / V (generic proxy); wgmma reads them
         s, ph = 0, 0
         hq, qb = hk * group, qb0
         for n in range(steps):
             row = qb * BM
             ring.wait(bars, s, ph)
-            fence_proxy_async_shared()
             buf = (n % DS_BUFFERS) * DS_BYTES
             products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,

@@ -21,11 +21,18 @@ DSL's ``PipelineTmaAsync``; Gluon's ``index = i % n; phase = i // n & 1``):
   from a counter (a consumer that skips uses, e.g. taking every other tile).
 
 cp.async producers (``producers > 1``: that many threads each copy a share of the slot):
-after ``acquire``, each producer thread issues its copies and then ``arrive_copies(bars, s)``
-(:func:`tilepy.ptx.cp_async.cp_async_mbarrier_arrive_noinc`): the full barrier completes once
-every producer thread's copies have landed; no ``commit``, no transaction bytes. cp.async
-writes shared memory through the generic proxy: a consumer whose wgmma reads the slot fences
-(``fence_proxy_async_shared``) after its ``wait``.
+after ``acquire``, each producer thread issues its copies and then arrives, in one of two
+ways; no ``commit``, no transaction bytes. cp.async writes shared memory through the generic
+proxy, and wgmma and TMA read it through the async proxy, which a proxy fence must order:
+
+* ``arrive_copied(bars, s)`` — for slots that wgmma (or a TMA store) reads: the thread waits
+  for all its copies (``cp.async.wait_all``), fences them into the async proxy
+  (``fence_proxy_async_shared``) and arrives. The consumers read after ``wait`` with no fence
+  of their own; the producer is the one that stalls, one slot ahead of them.
+* ``arrive_copies(bars, s)`` — :func:`tilepy.ptx.cp_async.cp_async_mbarrier_arrive_noinc`:
+  the full barrier completes once every producer thread's copies have landed, the producer
+  never waits. For slots read by ordinary loads (``ld.shared``, ``ldmatrix``); a wgmma
+  consumer would have to fence after every ``wait``, on its own critical path.
 
 ``init(bars)``: one thread, before any use; fence with ``fence_mbarrier_init`` and synchronise
 the block (with a cluster, the cluster) before the other roles start. ``bars`` is the shared
@@ -46,6 +53,7 @@ from ..inline import device_namespace, inline_device
 from ..ptx import cluster as CLU
 from ..ptx import cp_async as CP
 from ..ptx import mbarrier as MB
+from ..ptx import wgmma as WG
 
 
 @functools.cache
@@ -91,6 +99,12 @@ def tma_pipeline(stages: int, arrivals: int, cluster: int = 1, producers: int = 
         CP.cp_async_mbarrier_arrive_noinc(bars + 8 * s)
 
     @inline_device
+    def arrive_copied(bars, s):
+        CP.cp_async_wait_all()
+        WG.fence_proxy_async_shared()
+        MB.mbarrier_arrive(bars + 8 * s)
+
+    @inline_device
     def wait(bars, s, ph):
         MB.mbarrier_wait_parity(bars + 8 * s, ph)
 
@@ -116,5 +130,6 @@ def tma_pipeline(stages: int, arrivals: int, cluster: int = 1, producers: int = 
 
     return device_namespace(
         f"tma_pipeline({stages}, {arrivals}, {cluster}, {producers})", init=init,
-        acquire=acquire, commit=commit, arrive_copies=arrive_copies, wait=wait,
+        acquire=acquire, commit=commit, arrive_copies=arrive_copies,
+        arrive_copied=arrive_copied, wait=wait,
         release=release, advance=advance, at=at, STAGES=ST, nbytes=16 * ST)
