@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s16c    after the producer-side fences (ring.arrive_copied): the backward's GPU tests
+#                (longer step limit), then the training step (fp16)
+#   PART=s16d    the backward benchmark, fp16 and bf16
 #   PART=s16a    session 15's review mend, not yet on a GPU (consumer-side proxy fences after
 #                the cp.async waits, keys past seq_k masked in the backward, dS stored before
 #                dK's wgmma reads its registers): the backward's GPU tests, the probe of the
@@ -124,6 +127,13 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s16c "* ]]; then
+    gpu_tests attention_backward_gpu 330 tests/test_attention_backward_gpu.py
+    bench_suite bench_attention_training 150 "attention_training_step and float16 and not bfloat16"
+fi
+if [[ " $PART " == *" s16d "* ]]; then
+    bench_suite bench_attention_backward 300 "test_flash_attention_backward"
+fi
 if [[ " $PART " == *" s16a "* ]]; then
     gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
     step probe_attention_backward 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
