@@ -344,7 +344,7 @@ def test_kernels_compile_to_mma_ldmatrix_cp_async_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_kernel:compile_reports")
-    assert len(reports) == 4
+    assert len(reports) == 5     # four plain kernels and a window + soft-cap variant
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
@@ -504,3 +504,79 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
                                causal=True, layout="bshd")
         err = (bshd.transpose(1, 2).double() - want).abs().max().item()
         assert err <= TOL["float16"] * v.abs().max().item(), (b, hq, hk, "bshd", err)
+
+
+# ---- the kernel's variants: windows and score functions (generator parameters) --------------
+
+def _visible(sq, sk, left, right):
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    ok = np.ones((sq, sk), bool)
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    return ok
+
+
+def _variant_reference(q, k, v, scale, left, right, cap):
+    """float64 attention of (B, H, S, D) inputs over the keys each row sees, the scaled scores
+    soft-capped (``cap``) first; output rows without a key 0, their LSE -inf."""
+    q, k, v = f64(q), f64(k), f64(v)
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) * scale
+    if cap:
+        s = cap * np.tanh(s / cap)
+    s = np.where(_visible(q.shape[2], k.shape[2], left, right), s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    seen = np.isfinite(m)
+    m0 = np.where(seen, m, 0.0)
+    p = np.exp(s - m0)
+    total = np.where(seen, p.sum(-1, keepdims=True), 1.0)
+    o = np.where(seen, (p / total) @ v, 0.0)
+    lse = np.where(seen[..., 0], np.log(total[..., 0]) + m0[..., 0], -np.inf)
+    return o, lse
+
+
+@sim
+@pytest.mark.parametrize("sq,sk,window,cap,dtype", [
+    (45, 29, (7, 0), 0.0, "float16"),      # sliding window under causal; rows without keys
+    (23, 51, (5, 9), 0.0, "bfloat16"),     # both sides bounded, diagonal past the blocks
+    (37, 37, (-1, -1), 3.0, "float16"),    # soft cap alone (every key)
+    (40, 53, (16, -1), 2.5, "bfloat16"),   # left only, with a soft cap
+])
+def test_kernel_windows_and_softcap(sq, sk, window, cap, dtype):
+    """attention_kernel(cfg, causal, has_lse, window, score_mod) launched directly (the layer
+    a custom kernel composes), against a float64 reference; GQA 4 / 2, poisoned outputs."""
+    from tilepy.ops import attention_kernel as fa
+    from tilepy.tile.attention import key_window, softcap_score
+
+    rng = np.random.default_rng()
+    b, hq, hk, d = 1, 4, 2, 32
+    q, k, v = (rand(rng, (b, h, s, d), dtype) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
+    q = (q.astype(np.float32) * 2).astype(NP[dtype])     # larger scores: the cap bites
+    scale = 1 / math.sqrt(d)
+    cfg = AttentionConfig(d, 32, 16, 16, dtype)
+    kern = fa.attention_kernel(cfg, False, True, window,
+                               softcap_score(cap) if cap else None)
+    o = np.full((b, hq, sq, d), 0x7E00, np.uint16)         # NaN bits where nothing is written
+    lse = np.full((b, hq, sq), np.nan, np.float32)
+    fa.launch(kern, cfg, *(x.view(np.uint16) for x in (q, k, v)), o, lse, scale)
+    ref_o, ref_lse = _variant_reference(q, k, v, scale, *key_window(False, window), cap)
+    check(o.view(NP[dtype]), ref_o, v, dtype)
+    check_lse(lse, ref_lse)
+
+
+def test_kernel_variants_share_generators_and_refuse_bad_caps():
+    from tilepy.ops import attention_kernel as fa
+    from tilepy.tile.attention import softcap_score
+
+    cfg = AttentionConfig(32, 32, 16, 16, "float16")
+    assert fa.attention_kernel(cfg, True) is fa.attention_kernel(cfg, False, False, (-1, 0))
+    assert fa.attention_kernel(cfg, True, False, (4, -1)) is \
+        fa.attention_kernel(cfg, False, False, [4, 0])
+    assert softcap_score(2.0) is softcap_score(2.0)
+    for bad in (0.0, -1.0, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="softcap"):
+            softcap_score(bad)

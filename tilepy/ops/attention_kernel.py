@@ -1,6 +1,8 @@
 """The FlashAttention-2 forward kernel on mma.sync: Q in registers, K/V streamed, P never stored.
 
-``attention_kernel(cfg, causal, has_lse)`` returns a ``@cuda.jit`` kernel
+``attention_kernel(cfg, causal, has_lse, window=None, score_mod=None)`` returns a ``@cuda.jit``
+kernel (a sliding ``window`` and a ``score_mod`` such as a soft cap are generator parameters:
+see :func:`attention_kernel`)
 
     kernel(q, k, v, o, lse, scale, scale_log2)
 
@@ -54,6 +56,7 @@ the warp-collective instructions — and their simulator twins — require.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +67,9 @@ from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..tile.attention import mask_scores, store_rows
+from ..inline import inline_device
+from ..tile.attention import (key_blocks, key_window, limits_shape, mask_key_block,
+                              mask_scores, modify_scores, row_limits, store_rows)
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared, load_a_fragments, load_b_fragments
 from ..tile.mma import _MMA
@@ -164,14 +169,40 @@ class AttentionConfig:
 
 # ---- the kernel ----------------------------------------------------------------------------------
 
-def _kernel_jit(threads: int):
+def _kernel_jit(threads: int, disk_cache: bool = True):
     if SIMULATOR:
         return cuda.jit
+    if not disk_cache:
+        return cuda.jit(launch_bounds=int(threads))
     return cached_jit(launch_bounds=int(threads))
 
 
+def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False,
+                     window=None, score_mod=None):
+    """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
+
+    Variants, generator parameters of one kernel (:mod:`tilepy.tile.attention`'s pieces):
+
+    * ``window``: FlashAttention's ``window_size`` ``(left, right)`` relative to the
+      bottom-right diagonal, ``-1`` unbounded (``causal=True`` is ``right = 0``): row ``i``
+      sees keys ``i + sk - sq - left <= j <= i + sk - sq + right``. Key blocks no row of a
+      query block sees are skipped on both sides.
+    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function applied to
+      every scaled score before the mask (:func:`tilepy.tile.attention.modify_scores`;
+      :func:`tilepy.tile.attention.softcap_score` is Gemma 2's soft cap). The LSE is that of
+      the modified scores. A kernel with a ``score_mod`` is not kept in the disk cache (its
+      closure holds the caller's function).
+
+    Without either the generated code is the plain causal / full kernel's."""
+    left, right = key_window(causal, window)
+    if score_mod is not None and inspect.isfunction(score_mod):
+        score_mod = inline_device(score_mod)
+    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod)
+
+
 @functools.cache
-def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False):
+def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
+                      score_mod):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     WARP_ROWS = cfg.warp_rows
     MI = WARP_ROWS // 16
@@ -184,7 +215,15 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
     Q_BYTES = cfg.q_bytes
     TILE = cfg.tile_bytes
     STAGE = 2 * TILE    # K then V
-    CAUSAL = bool(causal)
+    # a window other than plain causal / full, or a score function: the pieces' key ranges
+    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or score_mod is not None
+    CAUSAL = right == 0 and not VARIANT
+    WIN = (left, right)
+    LIMITS = limits_shape(cfg.warp_rows // 16, False, WIN)
+    v_bounds = key_blocks(BM, BN, False, WIN)
+    v_rows = row_limits(cfg.warp_rows // 16, False, WIN)
+    v_mask = mask_key_block(cfg.warp_rows // 16, BN // 8, BN, WIN)
+    v_modify = modify_scores(cfg.warp_rows // 16, BN // 8, score_mod)
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -199,7 +238,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
     mask = mask_scores(MI, NS)
     store = store_rows(MI, NO, cfg.dtype, has_lse)
 
-    @_kernel_jit(THREADS)
+    @_kernel_jit(THREADS, score_mod is None)
     def kernel(q, k, v, o, lse, scale, scale_log2):
         # block_coords written out, as the key blocks below: through it ptxas allocates 211
         # registers instead of 209 at head_dim 128 (offline sm_90)
@@ -213,45 +252,52 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
         warp = tid // 32
         g = lane // 4
         t = lane % 4
-        if CAUSAL:
-            # Heavier blocks (more keys below the diagonal) first.
-            row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
-        else:
-            row0 = cuda.blockIdx.x * BM
         wrow = warp * WARP_ROWS
-        shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
-
-        # Key blocks this query block visits, and the last key every one of its rows sees
-        # (blocks ending after it need the mask). Written out here rather than through
-        # tilepy.tile.attention's key_blocks / row_limits (which the wgmma kernel uses): with
-        # those, ptxas allocates 128 registers and spills 16 B at head_dim 64, causal with LSE
-        # (offline, sm_90).
-        if CAUSAL:
-            last = min(sk, min(row0 + BM, sq) + shift) - 1
-            n_kb = last // BN + 1 if last >= 0 else 0
-            all_see = min(sk, row0 + shift + 1) - 1
-        else:
-            n_kb = (sk + BN - 1) // BN
-            all_see = sk - 1
-
         acc = cuda.local.array((MI, NO, 4), np.float32)
         row_max = cuda.local.array((MI, 2), np.float32)
         row_sum = cuda.local.array((MI, 2), np.float32)
         alpha = cuda.local.array((MI, 2), np.float32)
-        limit = cuda.local.array((MI, 2), np.int64)  # last key each of this lane's rows sees
+        if VARIANT:
+            # key blocks kb_first … n_kb - 1, per-row first / last keys: the pieces
+            row0, kb_first, n_kb, all_first, all_see = v_bounds(sq, sk)
+            limits = cuda.local.array(LIMITS, np.int64)
+            v_rows(limits, row_max, row_sum, row0 + wrow, g, sq, sk)
+        else:
+            kb_first = 0
+            if CAUSAL:
+                # Heavier blocks (more keys below the diagonal) first.
+                row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
+            else:
+                row0 = cuda.blockIdx.x * BM
+            shift = sk - sq  # bottom-right alignment: row i sees keys j <= i + shift
+
+            # Key blocks this query block visits, and the last key every one of its rows sees
+            # (blocks ending after it need the mask). Written out here rather than through
+            # tilepy.tile.attention's key_blocks / row_limits (the variants use them): with
+            # those, ptxas allocates 128 registers and spills 16 B at head_dim 64, causal with
+            # LSE (offline, sm_90).
+            if CAUSAL:
+                last = min(sk, min(row0 + BM, sq) + shift) - 1
+                n_kb = last // BN + 1 if last >= 0 else 0
+                all_see = min(sk, row0 + shift + 1) - 1
+            else:
+                n_kb = (sk + BN - 1) // BN
+                all_see = sk - 1
+            limit = cuda.local.array((MI, 2), np.int64)  # last key each of the lane's rows sees
+            for i in range(MI):
+                for hh in range(2):
+                    row_max[i, hh] = _NEG_INF
+                    row_sum[i, hh] = _ZERO
+                    if CAUSAL:
+                        limit[i, hh] = min(sk, row0 + wrow + 16 * i + g + 8 * hh + shift + 1) - 1
+                    else:
+                        limit[i, hh] = sk - 1
         for i in range(MI):
-            for hh in range(2):
-                row_max[i, hh] = _NEG_INF
-                row_sum[i, hh] = _ZERO
-                if CAUSAL:
-                    limit[i, hh] = min(sk, row0 + wrow + 16 * i + g + 8 * hh + shift + 1) - 1
-                else:
-                    limit[i, hh] = sk - 1
             for j in range(NO):
                 for e in range(4):
                     acc[i, j, e] = _ZERO
 
-        if n_kb > 0:
+        if n_kb > kb_first:
             base = shared_addr(smem(), 0)
             kv_base = base + Q_BYTES
             qs = q.strides[2]
@@ -265,8 +311,9 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
 
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             cp_async_commit_group()
-            issue_kv(kv_base, 0, k0, ksh, kr, kc, ks, sk)
-            issue_kv(kv_base + TILE, 0, v0, vsh, vr, vc, vs, sk)
+            first = kv_base + (kb_first % 2) * STAGE
+            issue_kv(first, kb_first * k_step, k0, ksh, kr, kc, ks, sk - kb_first * BN)
+            issue_kv(first + TILE, kb_first * v_step, v0, vsh, vr, vc, vs, sk - kb_first * BN)
             cp_async_commit_group()
 
             fq_off, fq_x = setup_fq(wrow, lane)
@@ -283,7 +330,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
             for kk in range(KD):
                 load_q(q_frag, kk, base, kk, fq_off, fq_x)
 
-            for kb in range(n_kb):
+            for kb in range(kb_first, n_kb):
                 cp_async_wait_group(0)  # K, V of block kb have landed ...
                 cuda.syncthreads()      # ... for every thread, and stage (kb+1)%2 is free
                 if kb + 1 < n_kb:
@@ -310,7 +357,10 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
                                 s[i, j, 0], s[i, j, 1], s[i, j, 2], s[i, j, 3])
 
                 # Mask keys past Sk and above the diagonal, in the blocks that have any.
-                if (kb + 1) * BN - 1 > all_see:
+                if VARIANT:
+                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale)
+                    v_mask(s, limits, kb, t, all_first, all_see)
+                elif (kb + 1) * BN - 1 > all_see:
                     mask(s, limit, kb * BN + 2 * t)
 
                 update(s, row_max, row_sum, alpha, scale_log2)
@@ -386,12 +436,17 @@ def argtypes(layout: str = "A"):
             types.float32)
 
 
-#: The kernels the compile layer reports on: (name, config, causal, has_lse).
+#: The kernels the compile layer reports on: (name, config, causal, has_lse, window, softcap).
 COMPILED = (
-    ("attention_d64_f16", AttentionConfig(64, 128, 64, 16, "float16"), False, False),
-    ("attention_d64_f16_causal_lse", AttentionConfig(64, 128, 64, 16, "float16"), True, True),
-    ("attention_d128_f16", AttentionConfig(128, 128, 64, 16, "float16"), False, False),
-    ("attention_d128_bf16_causal", AttentionConfig(128, 128, 64, 16, "bfloat16"), True, False),
+    ("attention_d64_f16", AttentionConfig(64, 128, 64, 16, "float16"), False, False, None, 0),
+    ("attention_d64_f16_causal_lse", AttentionConfig(64, 128, 64, 16, "float16"), True, True,
+     None, 0),
+    ("attention_d128_f16", AttentionConfig(128, 128, 64, 16, "float16"), False, False, None, 0),
+    ("attention_d128_bf16_causal", AttentionConfig(128, 128, 64, 16, "bfloat16"), True, False,
+     None, 0),
+    # a variant: a sliding window under causal (Mistral's) and a soft cap (Gemma 2's)
+    ("attention_d128_f16_window_softcap_lse", AttentionConfig(128, 128, 64, 16, "float16"),
+     True, True, (4095, 0), 50.0),
 )
 
 
@@ -402,9 +457,14 @@ def compile_reports(only=None):
     "tilepy.ops.attention_kernel:compile_reports")``.
     """
     from ..offline import report_entry
+    from ..tile.attention import softcap_score
 
-    return [report_entry(name, lambda cfg=cfg, causal=causal, has_lse=has_lse:
-                         attention_kernel(cfg, causal, has_lse), argtypes(), (9, 0),
+    def make(cfg, causal, has_lse, window, cap):
+        return lambda: attention_kernel(cfg, causal, has_lse, window,
+                                        softcap_score(cap) if cap else None)
+
+    return [report_entry(name, make(cfg, causal, has_lse, window, cap), argtypes(), (9, 0),
                          threads=cfg.threads, config=cfg.describe(), causal=causal,
                          lse=has_lse, smem_bytes=cfg.smem_bytes)
-            for name, cfg, causal, has_lse in COMPILED if only is None or name in only]
+            for name, cfg, causal, has_lse, window, cap in COMPILED
+            if only is None or name in only]

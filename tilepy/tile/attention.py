@@ -33,7 +33,7 @@ The pieces, in the order a kernel uses them
 * :func:`row_limits` — per lane: the first / last key of each of its rows (a local array of
   :func:`limits_shape`), and the online softmax's start (row max -inf, row sum 0).
 * :func:`modify_scores` — an optional user score function on the scores of one key block
-  (FlexAttention's ``score_mod``), before the mask.
+  (FlexAttention's ``score_mod``), before the mask; :func:`softcap_score` makes Gemma 2's.
 * :func:`mask_scores` — the scores of keys a row does not see set to -inf;
   :func:`mask_key_block` the same in the key blocks that need it (a block-uniform test).
 * :func:`store_rows` — the finalised O rows rounded to 16 bits, and the LSE.
@@ -47,7 +47,9 @@ accumulator_fragment`). Who calls: each lane of one warp for itself (no exchange
 lanes); :func:`key_blocks` / :func:`block_bounds` any thread (the values are block-uniform).
 
 With ``window=None`` the generated code is what the kernels had before windows existed: no
-lower bound, no extra registers (the ops pass no window yet).
+lower bound, no extra registers. The mma.sync forward kernel takes ``window`` and ``score_mod``
+as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`); the public
+ops do not pass them yet.
 """
 
 from __future__ import annotations
@@ -282,6 +284,24 @@ def _modify_scores(mi: int, ns: int, score_mod):
     return modify
 
 
+@functools.cache
+def softcap_score(cap: float):
+    """Gemma 2's soft cap as a ``score_mod`` (:func:`modify_scores`): ``cap · tanh(score /
+    cap)`` of the scaled score, ``cap > 0`` a closure constant (one device function per
+    value)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
+            or not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap must be a finite float > 0, got {cap!r}")
+    C = np.float32(cap)
+    INV = np.float32(1.0 / float(cap))
+
+    @inline_device
+    def softcap(score, q_row, k_col, batch, head):
+        return C * math.tanh(score * INV)
+
+    return softcap
+
+
 def mask_scores(mi: int, ns: int, window=None):
     """``mask(s, limit, key0)``: set the entries of one lane's (mi, ns, 4) score fragment whose
     key its row does not see to -inf. ``limit``: the lane's row limits from :func:`row_limits`
@@ -394,4 +414,5 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
 
 
 __all__ = ["block_bounds", "block_coords", "key_blocks", "key_window", "limits_shape",
-           "mask_key_block", "mask_scores", "modify_scores", "row_limits", "store_rows"]
+           "mask_key_block", "mask_scores", "modify_scores", "row_limits", "softcap_score",
+           "store_rows"]
