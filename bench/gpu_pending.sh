@@ -31,6 +31,7 @@
 #   PART=s16c    after the producer-side fences (ring.arrive_copied): the backward's GPU tests
 #                (longer step limit), then the training step (fp16)
 #   PART=s16d    the backward benchmark, fp16 and bf16
+#   PART=s16e    s16c's GPU tests and s16d's fp16 half in one call (a machine lent late)
 #   PART=s16a    session 15's review mend, not yet on a GPU (consumer-side proxy fences after
 #                the cp.async waits, keys past seq_k masked in the backward, dS stored before
 #                dK's wgmma reads its registers): the backward's GPU tests, the probe of the
@@ -130,6 +131,10 @@ PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s16c "* ]]; then
     gpu_tests attention_backward_gpu 330 tests/test_attention_backward_gpu.py
     bench_suite bench_attention_training 150 "attention_training_step and float16 and not bfloat16"
+fi
+if [[ " $PART " == *" s16e "* ]]; then
+    gpu_tests attention_backward_gpu 300 tests/test_attention_backward_gpu.py
+    bench_suite bench_attention_backward 170 "test_flash_attention_backward and not bfloat16"
 fi
 if [[ " $PART " == *" s16d "* ]]; then
     bench_suite bench_attention_backward 300 "test_flash_attention_backward"
