@@ -32,11 +32,14 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def reference(q, k, v, causal=False, scale=None, layout="bhsd"):
+def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1), cap=0.0):
     """float64 softmax(scale · q kᵀ + mask) v and its natural-log LSE, (B, Hq, Sq[, D]).
 
     Causal mask aligned bottom-right (key j visible to query i iff j <= i + Sk - Sq); a row
     with no visible key gives zeros and lse -inf. GQA by repeating k, v over the query heads.
+    ``window`` (left, right), -1 unbounded: key j visible to query i iff i + Sk - Sq - left <=
+    j <= i + Sk - Sq + right; ``cap``: the scaled scores soft-capped (cap · tanh(s / cap))
+    before the mask.
     """
     q, k, v = f64(q), f64(k), f64(v)
     if layout == "bshd":
@@ -47,10 +50,17 @@ def reference(q, k, v, causal=False, scale=None, layout="bhsd"):
     k = np.repeat(k, hq // hk, axis=1)
     v = np.repeat(v, hq // hk, axis=1)
     s = q @ k.transpose(0, 1, 3, 2) * scale
+    if cap:
+        s = cap * np.tanh(s / cap)
+    left, right = window
     if causal:
-        i = np.arange(sq)[:, None]
-        j = np.arange(sk)[None, :]
-        s = np.where(j <= i + sk - sq, s, -np.inf)
+        right = 0
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    if left >= 0:
+        s = np.where(j >= i + sk - sq - left, s, -np.inf)
+    if right >= 0:
+        s = np.where(j <= i + sk - sq + right, s, -np.inf)
     m = s.max(-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
     seen = np.isfinite(m)
     m0 = np.where(seen, m, 0.0)
@@ -508,37 +518,6 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
 
 # ---- the kernel's variants: windows and score functions (generator parameters) --------------
 
-def _visible(sq, sk, left, right):
-    i = np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
-    ok = np.ones((sq, sk), bool)
-    if left >= 0:
-        ok &= j >= i + sk - sq - left
-    if right >= 0:
-        ok &= j <= i + sk - sq + right
-    return ok
-
-
-def _variant_reference(q, k, v, scale, left, right, cap):
-    """float64 attention of (B, H, S, D) inputs over the keys each row sees, the scaled scores
-    soft-capped (``cap``) first; output rows without a key 0, their LSE -inf."""
-    q, k, v = f64(q), f64(k), f64(v)
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = q @ k.transpose(0, 1, 3, 2) * scale
-    if cap:
-        s = cap * np.tanh(s / cap)
-    s = np.where(_visible(q.shape[2], k.shape[2], left, right), s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    seen = np.isfinite(m)
-    m0 = np.where(seen, m, 0.0)
-    p = np.exp(s - m0)
-    total = np.where(seen, p.sum(-1, keepdims=True), 1.0)
-    o = np.where(seen, (p / total) @ v, 0.0)
-    lse = np.where(seen[..., 0], np.log(total[..., 0]) + m0[..., 0], -np.inf)
-    return o, lse
-
-
 @sim
 @pytest.mark.parametrize("sq,sk,window,cap,dtype", [
     (45, 29, (7, 0), 0.0, "float16"),      # sliding window under causal; rows without keys
@@ -563,7 +542,8 @@ def test_kernel_windows_and_softcap(sq, sk, window, cap, dtype):
     o = np.full((b, hq, sq, d), 0x7E00, np.uint16)         # NaN bits where nothing is written
     lse = np.full((b, hq, sq), np.nan, np.float32)
     fa.launch(kern, cfg, *(x.view(np.uint16) for x in (q, k, v)), o, lse, scale)
-    ref_o, ref_lse = _variant_reference(q, k, v, scale, *key_window(False, window), cap)
+    ref_o, ref_lse = reference(q, k, v, scale=scale, window=key_window(False, window),
+                               cap=cap)
     check(o.view(NP[dtype]), ref_o, v, dtype)
     check_lse(lse, ref_lse)
 
@@ -576,7 +556,8 @@ def test_kernel_variants_share_generators_and_refuse_bad_caps():
     assert fa.attention_kernel(cfg, True) is fa.attention_kernel(cfg, False, False, (-1, 0))
     assert fa.attention_kernel(cfg, True, False, (4, -1)) is \
         fa.attention_kernel(cfg, False, False, [4, 0])
-    assert softcap_score(2.0) is softcap_score(2.0)
+    assert softcap_score(2.0) is softcap_score(2.0) is softcap_score(2)
+    softcap_score(1.0)   # True == 1 must still be refused, not found in a cache
     for bad in (0.0, -1.0, float("inf"), True, "2"):
         with pytest.raises(ValueError, match="softcap"):
             softcap_score(bad)

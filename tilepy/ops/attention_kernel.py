@@ -56,7 +56,6 @@ the warp-collective instructions — and their simulator twins — require.
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +66,6 @@ from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..inline import inline_device
 from ..tile.attention import (key_blocks, key_window, limits_shape, mask_key_block,
                               mask_scores, modify_scores, row_limits, store_rows)
 from ..tile.config import DTYPES, SMEM_LIMIT
@@ -195,8 +193,7 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
 
     Without either the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
-    if score_mod is not None and inspect.isfunction(score_mod):
-        score_mod = inline_device(score_mod)
+    # a plain Python score_mod is wrapped (once per function) by modify_scores
     return _attention_kernel(cfg, bool(has_lse), left, right, score_mod)
 
 

@@ -284,14 +284,18 @@ def _modify_scores(mi: int, ns: int, score_mod):
     return modify
 
 
-@functools.cache
 def softcap_score(cap: float):
     """Gemma 2's soft cap as a ``score_mod`` (:func:`modify_scores`): ``cap · tanh(score /
     cap)`` of the scaled score, ``cap > 0`` a closure constant (one device function per
-    value)."""
+    value: ``2`` and ``2.0`` give the same one)."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
             or not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap must be a finite float > 0, got {cap!r}")
+    return _softcap_score(float(cap))
+
+
+@functools.cache
+def _softcap_score(cap: float):
     C = np.float32(cap)
     INV = np.float32(1.0 / float(cap))
 
