@@ -11,6 +11,8 @@ import tilepy
 from tilepy import launch
 from tilepy.ops.attention import flash_attention
 from tilepy.ops.attention_kernel import HEAD_DIMS, AttentionConfig
+from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
+from tilepy.tile.attention import key_window
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
@@ -99,7 +101,8 @@ def run_case(shape_q, shape_kv, dtype, causal, layout="bhsd", rng=None, **kw):
     res, lse = flash_attention(q, k, v, causal=causal, out=out, return_lse=True,
                                layout=layout, **kw)
     assert res is out
-    ro, rl = reference(q, k, v, causal, kw.get("scale"), layout)
+    ro, rl = reference(q, k, v, causal, kw.get("scale"), layout,
+                       key_window(causal, kw.get("window")), kw.get("softcap", 0.0))
     check(out, ro, v, dtype)
     check_lse(lse, rl)
     return out, ro
@@ -312,6 +315,21 @@ def test_errors_are_raised_before_launch():
         flash_attention(h, kv, kv, out=np.empty(h.shape, ml_dtypes.bfloat16))
     with pytest.raises(ValueError, match="config is for head_dim 32"):
         flash_attention(h, kv, kv, config=AttentionConfig(32, 32, 16))
+    with pytest.raises(ValueError, match="window left must be an int >= 0, or -1 / None"):
+        flash_attention(h, kv, kv, window=(-2, 0))
+    with pytest.raises(ValueError, match="window must be None or"):
+        flash_attention(h, kv, kv, window=3)
+    with pytest.raises(ValueError, match="causal=True means window right = 0"):
+        flash_attention(h, kv, kv, causal=True, window=(4, 2))
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softcap must be 0.0"):
+            flash_attention(h, kv, kv, softcap=bad)
+    with pytest.raises(TypeError, match="softcap must be a float"):
+        flash_attention(h, kv, kv, softcap="2")
+    x64 = np.ones((1, 1, 8, 64), np.float16)
+    with pytest.raises(NotImplementedError, match="wgmma kernels do not take a window"):
+        flash_attention(x64, x64, x64, window=(4, 4),
+                        config=WgmmaAttentionConfig(64, 128, 64, overlap=True))
     # In bshd, the heads are axis 2: (1, 8, 2, 16) q with (1, 8, 3, 16) k.
     with pytest.raises(ValueError, match=r"heads_q \(2\) must be a multiple of heads_kv \(3\)"):
         x = np.ones((1, 8, 3, 16), np.float16)
@@ -490,7 +508,6 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
     two K/V heads (and two batches: chunks of heads that are not contiguous); against float64
     torch."""
     torch = pytest.importorskip("torch")
-    from tilepy.ops import attention as at
     from tilepy.ops import attention_wgmma as aw
 
     configs = [None, AttentionConfig(64, 128, 64, 32, "float16")]
@@ -519,33 +536,31 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
 # ---- the kernel's variants: windows and score functions (generator parameters) --------------
 
 @sim
-@pytest.mark.parametrize("sq,sk,window,cap,dtype", [
-    (45, 29, (7, 0), 0.0, "float16"),      # sliding window under causal; rows without keys
-    (23, 51, (5, 9), 0.0, "bfloat16"),     # both sides bounded, diagonal past the blocks
-    (37, 37, (-1, -1), 3.0, "float16"),    # soft cap alone (every key)
-    (40, 53, (16, -1), 2.5, "bfloat16"),   # left only, with a soft cap
+@pytest.mark.parametrize("sq,sk,causal,window,cap,dtype,layout", [
+    (45, 29, True, (7, None), 0.0, "float16", "bhsd"),    # Mistral's window; rows without keys
+    (23, 51, False, (5, 9), 0.0, "bfloat16", "bshd"),     # both sides bounded
+    (37, 37, False, None, 3.0, "float16", "bhsd"),        # soft cap alone (every key)
+    (40, 53, False, (16, -1), 2.5, "bfloat16", "bhsd"),   # left only, with a soft cap
 ])
-def test_kernel_windows_and_softcap(sq, sk, window, cap, dtype):
-    """attention_kernel(cfg, causal, has_lse, window, score_mod) launched directly (the layer
-    a custom kernel composes), against a float64 reference; GQA 4 / 2, poisoned outputs."""
-    from tilepy.ops import attention_kernel as fa
-    from tilepy.tile.attention import key_window, softcap_score
-
+def test_windows_and_softcap(sq, sk, causal, window, cap, dtype, layout):
+    """flash_attention(..., window=, softcap=) — the mma.sync kernel's variants (generator
+    parameters: tilepy.tile.attention's key ranges and score hook) — against a float64
+    reference; GQA 4 / 2, poisoned outputs, the LSE of the capped scores. A second call with
+    another window (same shapes) must not take the first one's plan."""
     rng = np.random.default_rng()
     b, hq, hk, d = 1, 4, 2, 32
-    q, k, v = (rand(rng, (b, h, s, d), dtype) for h, s in ((hq, sq), (hk, sk), (hk, sk)))
-    q = (q.astype(np.float32) * 2).astype(NP[dtype])     # larger scores: the cap bites
-    scale = 1 / math.sqrt(d)
-    cfg = AttentionConfig(d, 32, 16, 16, dtype)
-    kern = fa.attention_kernel(cfg, False, True, window,
-                               softcap_score(cap) if cap else None)
-    o = np.full((b, hq, sq, d), 0x7E00, np.uint16)         # NaN bits where nothing is written
-    lse = np.full((b, hq, sq), np.nan, np.float32)
-    fa.launch(kern, cfg, *(x.view(np.uint16) for x in (q, k, v)), o, lse, scale)
-    ref_o, ref_lse = reference(q, k, v, scale=scale, window=key_window(False, window),
-                               cap=cap)
-    check(o.view(NP[dtype]), ref_o, v, dtype)
-    check_lse(lse, ref_lse)
+    shape = (lambda h, s: (b, h, s, d)) if layout == "bhsd" else (lambda h, s: (b, s, h, d))
+    q0 = rand(rng, shape(hq, sq), dtype)
+    q0 = (q0.astype(np.float32) * 2).astype(NP[dtype])     # larger scores: the cap bites
+    kv = (rand(rng, shape(hk, sk), dtype), rand(rng, shape(hk, sk), dtype))
+    for win in (window, (2, 0 if causal else 2)):
+        out = np.full(q0.shape, np.nan, NP[dtype])
+        res, lse = flash_attention(q0, *kv, causal=causal, window=win, softcap=cap, out=out,
+                                   return_lse=True, layout=layout)
+        ro, rl = reference(q0, *kv, causal, None, layout,
+                           key_window(causal, win), cap)
+        check(res, ro, kv[1], dtype)
+        check_lse(lse, rl)
 
 
 def test_kernel_variants_share_generators_and_refuse_bad_caps():

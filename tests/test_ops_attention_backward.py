@@ -28,26 +28,40 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def reference(q, k, v, do, causal, scale):
+def reference(q, k, v, do, causal, scale, window=None, cap=0.0):
     """float64 (out, dq, dk, dv) of FlashAttention for (B, H, S, D) arrays: bottom-right
     causal alignment, rows that see no key give zero output and zero gradients, GQA's dk / dv
-    summed over each key/value head's query heads."""
+    summed over each key/value head's query heads. ``window`` (left, right), -1 unbounded:
+    key j visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (with
+    ``causal``, right = 0); ``cap``: the scaled scores soft-capped (cap · tanh(s / cap)), the
+    chain rule through the cap derived here."""
     q, k, v, do = map(f64, (q, k, v, do))
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = hq // hk
     kk, vv = np.repeat(k, group, 1), np.repeat(v, group, 1)
     s = scale * q @ kk.transpose(0, 1, 3, 2)
+    dcap = 1.0
+    if cap:
+        th = np.tanh(s / cap)
+        s, dcap = cap * th, 1 - th ** 2
+    left, right = window if window is not None else (-1, -1)
     if causal:
-        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
-        s = np.where(keep, s, -np.inf)
+        right = 0
+    diag = np.arange(sq)[:, None] + (sk - sq)
+    keep = np.ones((sq, sk), bool)
+    if right >= 0:
+        keep &= np.arange(sk)[None, :] <= diag + right
+    if left >= 0:
+        keep &= np.arange(sk)[None, :] >= diag - left
+    s = np.where(keep, s, -np.inf)
     m = s.max(-1, keepdims=True)
     seen = np.isfinite(m)
     e = np.exp(s - np.where(seen, m, 0))
     p = np.where(seen, e / np.where(seen, e.sum(-1, keepdims=True), 1), 0)
     out = p @ vv
     dp = do @ vv.transpose(0, 1, 3, 2)
-    ds = p * (dp - (do * out).sum(-1, keepdims=True))
+    ds = p * (dp - (do * out).sum(-1, keepdims=True)) * dcap
     dq = scale * ds @ kk
     dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(b, hk, group, sk, d).sum(2)
     dv = (p.transpose(0, 1, 3, 2) @ do).reshape(b, hk, group, sk, d).sum(2)
@@ -65,18 +79,24 @@ def close(got, want, dtype, what):
     assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]}"
 
 
-def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=0, **kw):
+def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=0,
+             window=None, softcap=0.0, **kw):
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype]
     q, do = (rng.standard_normal((b, hq, sq, d)).astype(dt) for _ in range(2))
     k, v = (rng.standard_normal((b, hk, sk, d)).astype(dt) for _ in range(2))
+    if softcap:
+        q = (q.astype(np.float32) * 2).astype(dt)     # larger scores: the cap bites
     scale = d ** -0.5
-    _, rq, rk, rv = reference(q, k, v, do, causal, scale)
+    variant = dict(window=window, softcap=softcap)
+    _, rq, rk, rv = reference(q, k, v, do, causal, scale, window, softcap)
     args = (q, k, v, do) if layout == "bhsd" else tuple(map(bshd, (q, k, v, do)))
-    out, lse = flash_attention(*args[:3], causal=causal, return_lse=True, layout=layout)
+    out, lse = flash_attention(*args[:3], causal=causal, return_lse=True, layout=layout,
+                               **variant)
     poisoned = [np.full_like(x, np.nan) for x in args[:3]]
     got = flash_attention_backward(args[3], *args[:3], out, lse, causal=causal, layout=layout,
-                                   dq=poisoned[0], dk=poisoned[1], dv=poisoned[2], **kw)
+                                   dq=poisoned[0], dk=poisoned[1], dv=poisoned[2], **variant,
+                                   **kw)
     assert all(g is p for g, p in zip(got, poisoned))
     if layout == "bshd":
         got = tuple(np.swapaxes(g, 1, 2) for g in got)
@@ -94,6 +114,23 @@ def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=
 ])
 def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout)
+
+
+@pytest.mark.parametrize("b, hq, hk, sq, sk, causal, window, softcap, layout, kw", [
+    # Mistral's sliding window under causal: rows (and a whole query block) that see no key
+    (1, 4, 2, 45, 29, True, (7, 0), 0.0, "bhsd", {}),
+    # bounded on both sides, seq_q < seq_k, bshd; dQ by atomics
+    (1, 2, 1, 40, 77, False, (9, 4), 0.0, "bshd", {"config": BackwardConfig(
+        32, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)}),
+    # a soft cap alone, and with a left-only window, bfloat16 in the second
+    (1, 2, 2, 37, 37, False, None, 3.0, "bhsd", {}),
+    (1, 2, 1, 40, 53, False, (16, -1), 2.5, "bhsd", {"dtype": "bfloat16"}),
+])
+def test_windows_and_softcap(b, hq, hk, sq, sk, causal, window, softcap, layout, kw):
+    """The forward's variants through the backward: the window's query ranges (dK / dV) and
+    key ranges (dQ), the cap's derivative chained into dS, against the float64 derivation."""
+    run_case(b, hq, hk, sq, sk, 32, causal, layout=layout, window=window, softcap=softcap,
+             **kw)
 
 
 @pytest.mark.parametrize("atomic", [False, True])
@@ -249,6 +286,14 @@ def test_bad_input_is_named():
         flash_attention_backward(q, q, q, q, out, lse, config=BackwardConfig(32))
     with pytest.raises(ValueError, match="out must have shape"):
         flash_attention_backward(q, q, q, q, out[:, :1], lse)
+    with pytest.raises(ValueError, match="window right must be an int >= 0"):
+        flash_attention_backward(q, q, q, q, out, lse, window=(3, -5))
+    with pytest.raises(ValueError, match="softcap must be 0.0"):
+        flash_attention_backward(q, q, q, q, out, lse, softcap=-2.0)
+    x = np.ones((1, 1, 8, 64), np.float16)
+    with pytest.raises(NotImplementedError, match="wgmma kernels do not take a window"):
+        flash_attention_backward(x, x, x, x, x, np.zeros((1, 1, 8), np.float32), softcap=5.0,
+                                 config=WgmmaBackwardConfig(64))
 
 
 @pytest.mark.compile
@@ -262,7 +307,7 @@ def test_kernels_compile_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
                **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
-    assert len(reports) == 19
+    assert len(reports) == 21     # two of them the window + soft-cap variants
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]

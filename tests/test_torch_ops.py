@@ -186,25 +186,36 @@ def test_gemm_softmax_gradients_and_opcheck():
 
 # ---- flash_attention ------------------------------------------------------------------------
 
-def _attention_reference(q, k, v, causal, scale):
+def _attention_reference(q, k, v, causal, scale, window=(-1, -1), cap=0.0):
+    """float64 attention by PyTorch ops (autograd derives the gradients): bottom-right causal
+    alignment, ``window`` (left, right) relative to the same diagonal (-1 unbounded), ``cap``
+    the soft cap of the scaled scores."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = scale * q @ k.mT
-    if causal:
-        sq, sk = s.shape[-2:]
-        keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-        s = s.masked_fill(~keep, float("-inf"))
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    left, right = window
+    right = 0 if causal else right
+    sq, sk = s.shape[-2:]
+    diag = torch.arange(sq)[:, None] + (sk - sq)
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if right >= 0:
+        keep &= torch.arange(sk)[None, :] <= diag + right
+    if left >= 0:
+        keep &= torch.arange(sk)[None, :] >= diag - left
+    s = s.masked_fill(~keep, float("-inf"))
     return torch.nan_to_num(torch.softmax(s, -1)) @ v
 
 
 def test_flash_attention_operator_and_gradients_against_float64():
     q, k, v = rand(1, 4, 19, 32), rand(1, 2, 23, 32), rand(1, 2, 23, 32)
-    out, lse = torch.ops.tilepy.flash_attention(q, k, v, True, None, True, "bhsd")
+    out, lse = torch.ops.tilepy.flash_attention(q, k, v, True, None, -1, -1, 0.0, True, "bhsd")
     close(out, _attention_reference(q, k, v, True, 32 ** -0.5), torch.float16)
     assert lse.shape == (1, 4, 19) and lse.dtype == torch.float32
     torch.library.opcheck(torch.ops.tilepy.flash_attention.default,
-                          (q, k, v, False, 0.2, False, "bhsd"))
+                          (q, k, v, False, 0.2, -1, -1, 0.0, False, "bhsd"))
     # (batch, seq, heads, dim), GQA 4 / 2, causal with seq_q < seq_k
     ins = [rand(1, 19, 4, 32, grad=True), rand(1, 23, 2, 32, grad=True),
            rand(1, 23, 2, 32, grad=True)]
@@ -212,6 +223,34 @@ def test_flash_attention_operator_and_gradients_against_float64():
                 lambda q, k, v: _attention_reference(*(x.transpose(1, 2) for x in (q, k, v)),
                                                      True, 32 ** -0.5).transpose(1, 2),
                 ins, torch.float16)
+
+
+def test_flash_attention_window_and_softcap_gradients_and_compile():
+    """The variants through the operator: opcheck with a window and a cap, gradients against
+    float64 autograd (a sliding window under causal with a cap; GQA; rows that see no key),
+    and a compiled training step with them that matches eager."""
+    q, k, v = rand(1, 4, 21, 32), rand(1, 2, 25, 32), rand(1, 2, 25, 32)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention.default,
+                          (q, k, v, True, None, 6, 0, 2.5, True, "bhsd"))
+    ins = [(rand(1, 4, 21, 32) * 2).requires_grad_(), rand(1, 2, 25, 32, grad=True),
+           rand(1, 2, 25, 32, grad=True)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, causal=True, window=(6, None),
+                                                       softcap=2.5),
+                lambda q, k, v: _attention_reference(q, k, v, True, 32 ** -0.5, (6, 0), 2.5),
+                ins, torch.float16)
+    torch._dynamo.reset()
+
+    def loss(q, k, v):
+        return tilepy.flash_attention(q, k, v, window=(3, 5), softcap=4.0).float().square().sum()
+
+    ins = [rand(1, 2, 17, 16, grad=True) for _ in range(3)]
+    loss(*ins).backward()
+    eager = [x.grad.clone() for x in ins]
+    for x in ins:
+        x.grad = None
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*ins).backward()
+    for x, g in zip(ins, eager):
+        assert torch.equal(x.grad, g)
 
 
 def test_flash_attention_lse_gradient_and_backward_operator():
@@ -230,13 +269,14 @@ def test_flash_attention_lse_gradient_and_backward_operator():
     o, l = (t.detach() for t in tilepy.flash_attention(q, k, v, causal=True, return_lse=True))
     torch.library.opcheck(torch.ops.tilepy.flash_attention_backward.default,
                           (do, q.detach(), k.detach(), v.detach(), o, l, None, True, None,
-                           "bhsd", False))
+                           -1, -1, 0.0, "bhsd", False))
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
     got = tilepy.flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o, l,
                                           causal=True, dq=dq, dk=dk, dv=dv)
     assert all(g is w for g, w in zip(got, (dq, dk, dv)))
     want = torch.ops.tilepy.flash_attention_backward(do, q.detach(), k.detach(), v.detach(), o,
-                                                     l, None, True, None, "bhsd", False)
+                                                     l, None, True, None, -1, -1, 0.0, "bhsd",
+                                                     False)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     with pytest.raises(TypeError, match="double backward"):

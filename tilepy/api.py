@@ -75,25 +75,26 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
     return _gemm_softmax.gemm_softmax(a, b, scale=scale, out=out, config=config)
 
 
-def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,
-                    layout="bhsd", config=None):
+def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                    return_lse=False, out=None, layout="bhsd", config=None):
     if _is_torch(q):
-        return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, return_lse,
-                                                      out, layout, config)
-    return _attention.flash_attention(q, k, v, causal=causal, scale=scale,
-                                      return_lse=return_lse, out=out, layout=layout,
-                                      config=config)
+        return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, window, softcap,
+                                                      return_lse, out, layout, config)
+    return _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=window,
+                                      softcap=softcap, return_lse=return_lse, out=out,
+                                      layout=layout, config=config)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
-                             config=None):
+                             window=None, softcap=0.0, layout="bhsd", deterministic=False,
+                             dq=None, dk=None, dv=None, config=None):
     if _is_torch(q):
         return (_front or _pytorch()).flash_attention_backward(
-            dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv, config)
+            dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
+            dq, dk, dv, config)
     return _attention_backward.flash_attention_backward(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-        deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config)
+        dout, q, k, v, out, lse, causal=causal, scale=scale, window=window, softcap=softcap,
+        layout=layout, deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config)
 
 
 for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),

@@ -62,18 +62,22 @@ _SCHEMAS = {
     "gemm_softmax": "gemm_softmax(Tensor a, Tensor b, float scale) -> Tensor",
     "gemm_softmax_out": "gemm_softmax_out(Tensor a, Tensor b, float scale, Tensor(a!) out) "
                         "-> ()",
+    # window_left / window_right: the key window (-1 unbounded); softcap 0.0: none
     "flash_attention": "flash_attention(Tensor q, Tensor k, Tensor v, bool causal, "
-                       "float? scale, bool return_lse, str layout) -> (Tensor, Tensor)",
+                       "float? scale, int window_left, int window_right, float softcap, "
+                       "bool return_lse, str layout) -> (Tensor, Tensor)",
     "flash_attention_out": "flash_attention_out(Tensor q, Tensor k, Tensor v, bool causal, "
-                           "float? scale, bool return_lse, str layout, Tensor(a!) out) "
-                           "-> Tensor",
+                           "float? scale, int window_left, int window_right, float softcap, "
+                           "bool return_lse, str layout, Tensor(a!) out) -> Tensor",
     "flash_attention_backward": "flash_attention_backward(Tensor dout, Tensor q, Tensor k, "
                                 "Tensor v, Tensor out, Tensor lse, Tensor? dlse, bool causal, "
-                                "float? scale, str layout, bool deterministic) "
+                                "float? scale, int window_left, int window_right, "
+                                "float softcap, str layout, bool deterministic) "
                                 "-> (Tensor, Tensor, Tensor)",
     "flash_attention_backward_out": "flash_attention_backward_out(Tensor dout, Tensor q, "
                                     "Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-                                    "float? scale, str layout, bool deterministic, "
+                                    "float? scale, int window_left, int window_right, "
+                                    "float softcap, str layout, bool deterministic, "
                                     "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()",
 }
 
@@ -465,27 +469,30 @@ def _no_lse(q):
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _attention_impl(q, k, v, causal, scale, return_lse, layout):
-    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
-                                     return_lse=return_lse, layout=layout)
+def _attention_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout):
+    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=(wl, wr),
+                                     softcap=softcap, return_lse=return_lse, layout=layout)
     return res if return_lse else (res, _no_lse(q))
 
 
-def _attention_fake(q, k, v, causal, scale, return_lse, layout):
+def _attention_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout):
     shape, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale,
+                                                 window=(wl, wr), softcap=softcap,
                                                  layout=layout)
     return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
                                 else _no_lse(q))
 
 
-def _attention_out_impl(q, k, v, causal, scale, return_lse, layout, out):
-    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale,
-                                     return_lse=return_lse, out=out, layout=layout)
+def _attention_out_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out):
+    res = _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=(wl, wr),
+                                     softcap=softcap, return_lse=return_lse, out=out,
+                                     layout=layout)
     return res[1] if return_lse else _no_lse(q)
 
 
-def _attention_out_fake(q, k, v, causal, scale, return_lse, layout, out):
-    _, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale, out=out,
+def _attention_out_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out):
+    _, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale,
+                                             window=(wl, wr), softcap=softcap, out=out,
                                              layout=layout)
     return q.new_empty(lse_shape, dtype=torch.float32) if return_lse else _no_lse(q)
 
@@ -494,26 +501,36 @@ _attention_op = _register("flash_attention", _attention_impl, _attention_fake)
 _attention_out_op = _register("flash_attention_out", _attention_out_impl, _attention_out_fake)
 
 
-def flash_attention(q, k, v, causal, scale, return_lse, out, layout, config):
+def _variant_args(causal, window, softcap):
+    """``(window_left, window_right, softcap)`` for the operators' schema, checked as the op
+    checks them (``causal`` a bool first: the schema's type)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    (wl, wr), cap = _attention.check_variant(causal, window, softcap)
+    return wl, wr, cap
+
+
+def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout, config):
     """``tilepy.flash_attention`` on PyTorch tensors."""
     if config is not None:
         return _configured("flash_attention", _attention.flash_attention,
                            dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
-                           return_lse=return_lse, layout=layout, config=config)
+                           window=window, softcap=softcap, return_lse=return_lse,
+                           layout=layout, config=config)
     if _direct(q, k, v, out):
         return _written(_attention.flash_attention(q, k, v, causal=causal, scale=scale,
+                                                   window=window, softcap=softcap,
                                                    return_lse=return_lse, out=out,
                                                    layout=layout), out)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    wl, wr, cap = _variant_args(causal, window, softcap)
     if scale is not None:
         scale = _float_arg("flash_attention", "scale", scale)
     if out is not None:
         _no_out_grad("flash_attention", out, q=q, k=k, v=v)
-        lse = _attention_out_op(q, k, v, causal, scale, return_lse, layout, out)
+        lse = _attention_out_op(q, k, v, causal, scale, wl, wr, cap, return_lse, layout, out)
         return (out, lse) if return_lse else out
-    res, lse = _attention_op(q, k, v, causal, scale, True if _wants_grad(q, k, v) else
-                             return_lse, layout)
+    res, lse = _attention_op(q, k, v, causal, scale, wl, wr, cap,
+                             True if _wants_grad(q, k, v) else return_lse, layout)
     return (res, lse) if return_lse else res
 
 
@@ -524,9 +541,10 @@ def _float_arg(op: str, name: str, value) -> float:
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, scale, _, layout = inputs
+    q, k, v, causal, scale, wl, wr, softcap, _, layout = inputs
     out, lse = output
     ctx.causal, ctx.scale, ctx.layout = causal, scale, layout
+    ctx.variant = (wl, wr, softcap)
     ctx.has_lse = lse.dim() == 3   # the no-LSE placeholder is 1-D
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.set_materialize_grads(False)
@@ -538,12 +556,12 @@ def _attention_grad(ctx, dout, dlse):
         raise RuntimeError("tilepy.flash_attention: the forward ran without its LSE, which "
                            "the backward needs (a gradient was not wanted when it ran)")
     if dout is None and dlse is None:
-        return None, None, None, None, None, None, None
+        return (None,) * 10
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
-                                        ctx.layout, False)
-    return dq, dk, dv, None, None, None, None
+                                        *ctx.variant, ctx.layout, False)
+    return (dq, dk, dv) + (None,) * 7
 
 
 torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
@@ -552,32 +570,33 @@ torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
 
 # ---- flash_attention_backward ---------------------------------------------------------------
 
-def _attention_backward_impl(dout, q, k, v, out, lse, dlse, causal, scale, layout,
-                             deterministic):
+def _attention_backward_impl(dout, q, k, v, out, lse, dlse, causal, scale, wl, wr, softcap,
+                             layout, deterministic):
     return _attention_backward.flash_attention_backward(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-        deterministic=deterministic, dlse=dlse)
+        dout, q, k, v, out, lse, causal=causal, scale=scale, window=(wl, wr), softcap=softcap,
+        layout=layout, deterministic=deterministic, dlse=dlse)
 
 
-def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, layout,
-                             deterministic):
+def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, wl, wr, softcap,
+                             layout, deterministic):
     shapes = _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal,
-                                             scale=scale, layout=layout,
-                                             deterministic=deterministic)
+                                             scale=scale, window=(wl, wr), softcap=softcap,
+                                             layout=layout, deterministic=deterministic)
     return tuple(x.new_empty(shape) for x, shape in zip((q, k, v), shapes[:3]))
 
 
-def _attention_backward_out_impl(dout, q, k, v, out, lse, causal, scale, layout,
-                                 deterministic, dq, dk, dv):
+def _attention_backward_out_impl(dout, q, k, v, out, lse, causal, scale, wl, wr, softcap,
+                                 layout, deterministic, dq, dk, dv):
     _attention_backward.flash_attention_backward(
-        dout, q, k, v, out, lse, causal=causal, scale=scale, layout=layout,
-        deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+        dout, q, k, v, out, lse, causal=causal, scale=scale, window=(wl, wr), softcap=softcap,
+        layout=layout, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
 
 
-def _attention_backward_out_fake(dout, q, k, v, out, lse, causal, scale, layout,
-                                 deterministic, dq, dk, dv):
+def _attention_backward_out_fake(dout, q, k, v, out, lse, causal, scale, wl, wr, softcap,
+                                 layout, deterministic, dq, dk, dv):
     _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    layout=layout, deterministic=deterministic)
+                                    window=(wl, wr), softcap=softcap, layout=layout,
+                                    deterministic=deterministic)
 
 
 _attention_backward_op = _register("flash_attention_backward", _attention_backward_impl,
@@ -587,14 +606,15 @@ _attention_backward_out_op = _register("flash_attention_backward_out",
                                        _attention_backward_out_fake)
 
 
-def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic,
-                             dq, dk, dv, config):
+def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
+                             deterministic, dq, dk, dv, config):
     """``tilepy.flash_attention_backward`` on PyTorch tensors. It is not itself
     differentiable (no double backward): a gradient wanted through it is a ``TypeError``."""
     tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     _no_grad_for("flash_attention_backward", "it has no backward of its own (double "
                  "backward is not supported)", **tensors)
-    kwargs = dict(causal=causal, scale=scale, layout=layout, deterministic=deterministic)
+    kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap, layout=layout,
+                  deterministic=deterministic)
     if config is not None:
         return _eager_only()(_attention_backward.flash_attention_backward, **tensors,
                              config=config, **kwargs)
@@ -604,21 +624,20 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, layout, det
         for given in (dq, dk, dv):
             _written(None, given)
         return res
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    wl, wr, cap = _variant_args(causal, window, softcap)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
                         f"{deterministic!r}")
     if scale is not None:
         scale = _float_arg("flash_attention_backward", "scale", scale)
     if dq is None and dk is None and dv is None:
-        return _attention_backward_op(dout, q, k, v, out, lse, None, causal, scale, layout,
-                                      deterministic)
+        return _attention_backward_op(dout, q, k, v, out, lse, None, causal, scale, wl, wr,
+                                      cap, layout, deterministic)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
-    _attention_backward_out_op(dout, q, k, v, out, lse, causal, scale, layout, deterministic,
-                               dq, dk, dv)
+    _attention_backward_out_op(dout, q, k, v, out, lse, causal, scale, wl, wr, cap, layout,
+                               deterministic, dq, dk, dv)
     return dq, dk, dv
 
 

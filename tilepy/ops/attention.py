@@ -15,6 +15,7 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tile import device_write
+from ..tile.attention import key_window, softcap_score
 from .attention_tuned import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
@@ -54,19 +55,21 @@ def hopper_config(head_dim: int, dtype: str, causal: bool = False):
                                    **HOPPER_CHOICE[(head_dim, bool(causal))])
 
 
-def choose_config(head_dim: int, dtype: str, causal: bool = False):
+def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool = False):
     """The built-in config for a head dimension, dtype and masking on the current device: the
     wgmma kernel's on a compute capability 9.0 GPU for head_dim 64 and 128
-    (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one)."""
+    (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one).
+    ``variant`` (a window other than causal / full, or a soft cap): the mma.sync kernel's,
+    the one that takes them."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
-    if head_dim in aw.HEAD_DIMS and launch.is_hopper():
+    if head_dim in aw.HEAD_DIMS and launch.is_hopper() and not variant:
         return hopper_config(head_dim, dtype, causal)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
 
-def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=None,
-                    layout="bhsd", config=None):
+def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                    return_lse=False, out=None, layout="bhsd", config=None):
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
@@ -84,6 +87,18 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
       convention; PyTorch's ``is_causal`` aligns to the top-left instead). A query row that
       sees no key at all (``i < seq_q - seq_k``) comes out as zeros.
     * ``scale``: a positive float; default ``1 / sqrt(head_dim)``.
+    * ``window=(left, right)``: a sliding window (FlashAttention's ``window_size``): query
+      ``i`` sees keys ``i + sk - sq - left <= j <= i + sk - sq + right`` (relative to the same
+      bottom-right diagonal); a side of ``-1`` or None is unbounded, other negative values are
+      an error. With ``causal=True``, ``right`` must be 0, -1 or None (``causal`` is
+      ``right = 0``); Mistral's window of ``w`` keys is ``causal=True, window=(w - 1, 0)``.
+      Key blocks that no row of a query block sees are never loaded.
+    * ``softcap``: ``0.0`` (none), or a float > 0: the scaled scores become
+      ``softcap · tanh(score / softcap)`` before the softmax (Gemma 2's soft cap); the LSE is
+      that of the capped scores.
+    * A window other than causal / full, or a soft cap, runs the mma.sync kernel (on sm_90
+      too: the wgmma kernels do not take variants yet, and a ``WgmmaAttentionConfig`` given
+      with one is a ``NotImplementedError``).
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -101,7 +116,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
-    cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, return_lse, layout, config))
+    cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, return_lse,
+                                 layout, config))
     if cached is not None:
         bound, stream, alloc_out, alloc_lse, scalars = cached
         if out is None:
@@ -109,19 +125,52 @@ def flash_attention(q, k, v, *, causal=False, scale=None, return_lse=False, out=
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
         bound(stream(), (pq, pk, pv, po, pl), scalars)
         return (out, lse) if return_lse else out
-    return _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key)
+    return _flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout,
+                            config, key)
 
 
 _PLANS = PlanCache()
 
 
-def output_spec(q, k, v, *, causal=False, scale=None, out=None, layout="bhsd", config=None):
+def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, out=None,
+                layout="bhsd", config=None):
     """``(out shape, lse shape, dtype name)`` of ``flash_attention``'s results (the LSE is
     float32), after every check it makes before launching (the same errors); reads only
     metadata, so it also takes PyTorch fake tensors (the registered operator's meta
     function)."""
     Q, dtype, (bq, hq, sq, _, _), *_ = check_arguments(q, k, v, causal, scale, out, layout, config)
+    check_config_variant(config, *check_variant(causal, window, softcap))
     return Q.shape, (bq, hq, sq), dtype
+
+
+def check_variant(causal, window, softcap):
+    """``((left, right), cap)``: ``window`` and ``causal`` as the key window of
+    :func:`tilepy.tile.attention.key_window` (-1 unbounded), ``softcap`` as a float (0.0:
+    none). ``ValueError`` / ``TypeError`` for a bad window or cap."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    win = key_window(bool(causal), window)
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(
+            softcap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"softcap must be a float (0.0: none), got {type(softcap).__name__} "
+                        f"{softcap!r}")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap >= 0):
+        raise ValueError(f"softcap must be 0.0 (none) or a finite float > 0, got {softcap!r}")
+    return win, cap
+
+
+def is_variant(win, cap) -> bool:
+    """A key window other than full / causal, or a soft cap (:func:`check_variant`'s)."""
+    return tuple(win) not in ((-1, -1), (-1, 0)) or cap > 0
+
+
+def check_config_variant(config, win, cap) -> None:
+    """``NotImplementedError`` for a variant with a wgmma config (its kernels take none yet)."""
+    if is_variant(win, cap) and isinstance(config, aw.WgmmaAttentionConfig):
+        raise NotImplementedError("flash_attention: the wgmma kernels do not take a window or "
+                                  "a soft cap yet; leave config unset (the mma.sync kernel "
+                                  "runs them) or pass an AttentionConfig")
 
 
 def check_arguments(q, k, v, causal, scale, out, layout, config):
@@ -185,9 +234,13 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
 
 
-def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, key):
+def _flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout, config,
+                     key):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config)
+    win, cap = check_variant(causal, window, softcap)
+    check_config_variant(config, win, cap)
+    variant = is_variant(win, cap)
     caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
@@ -196,10 +249,12 @@ def _flash_attention(q, k, v, causal, scale, return_lse, out, layout, config, ke
     if bq and hq and sq:
         # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
         # else the built-in one
-        cfg = config or tuned_attention_config(bq, hq, sq, sk, d, dtype, causal, device) or \
-            choose_config(d, dtype, causal)
+        # (a tuned choice is for the plain kernels: a variant takes the built-in one)
+        cfg = config or (None if variant else tuned_attention_config(
+            bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
+                                                                         variant)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
-                     fallback=config is None)
+                     fallback=config is None, variant=(win, cap) if variant else None)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, Q.shape, dtype),
@@ -246,11 +301,12 @@ def bhsd_view(op, layout: str):
     return view
 
 
-def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
+def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, variant=None):
     """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
     later call with the same signature can reuse it), else None. ``fallback`` (a config the
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
-    runs as the same config without TMA (cp.async loads) instead of failing."""
+    runs as the same config without TMA (cp.async loads) instead of failing. ``variant``:
+    ``((left, right), cap)`` for the mma.sync kernel's window and soft cap, else None."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):
@@ -270,8 +326,13 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False):
         batch, heads = bhsd_dims(Q.shape, layout)[:2]
         cfg = _grid_safe(cfg, batch, heads)
         gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
-        kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
-            cfg, causal, lse is not None)
+        if variant is not None:
+            win, cap = variant
+            kern = fa.attention_kernel(cfg, False, lse is not None, win,
+                                       softcap_score(cap) if cap else None)
+        else:
+            kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
+                cfg, causal, lse is not None)
         stream = arrays.stream_handle(Q)
         extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
         try:

@@ -17,7 +17,8 @@ from ..launch import PlanCache
 from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
-from .attention import bhsd_dims, check_arguments, bhsd_view, readable
+from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant, is_variant,
+                        readable)
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -45,14 +46,17 @@ HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64)
 HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True)}
 
 
-def choose_config(head_dim: int, dtype: str, deterministic: bool = False):
+def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
+                  variant: bool = False):
     """The built-in backward config for a head dimension and dtype on the current device: on a
     compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
     :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
-    :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles)."""
+    :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles).
+    ``variant`` (a window other than causal / full, or a soft cap): the mma.sync kernels',
+    which are the ones that take them."""
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
-    if head_dim in bw.HEAD_DIMS and launch.is_hopper():
+    if head_dim in bw.HEAD_DIMS and launch.is_hopper() and not variant:
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
@@ -60,13 +64,14 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False):
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
-                             config=None, dlse=None):
+                             window=None, softcap=0.0, layout="bhsd", deterministic=False,
+                             dq=None, dk=None, dv=None, config=None, dlse=None):
     """Gradients ``(dq, dk, dv)`` of ``out = flash_attention(q, k, v, causal=causal,
-    scale=scale, layout=layout)`` for the output gradient ``dout``.
+    scale=scale, window=window, softcap=softcap, layout=layout)`` for the output gradient
+    ``dout``.
 
-    * ``q``, ``k``, ``v``, ``causal``, ``scale``, ``layout``: as given to
-      :func:`tilepy.flash_attention` (the same checks: float16 / bfloat16, GQA / MQA,
+    * ``q``, ``k``, ``v``, ``causal``, ``scale``, ``window``, ``softcap``, ``layout``: as given
+      to :func:`tilepy.flash_attention` (the same checks: float16 / bfloat16, GQA / MQA,
       bottom-right causal alignment, any ``seq_q`` / ``seq_k``); ``out`` and ``lse`` what it
       returned with ``return_lse=True`` — ``lse`` float32 (batch, heads_q, seq_q), natural
       log, ``-inf`` for a row that sees no key (its gradients are 0). ``dout`` has ``out``'s
@@ -85,6 +90,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       design), elsewhere dQ's own kernel. ``deterministic=True`` always takes dQ's own kernel
       (on the H200 at head_dim 128 about 10 % slower: ``bench/NOTES.md``). A config with
       ``dq_atomic=True`` asks for the atomic way (unless ``deterministic=True``).
+    * ``window`` / ``softcap`` (the forward's variants): the mma.sync kernels with the window's
+      query and key ranges and the cap's derivative (``dS`` times ``1 - tanh²``); on sm_90 they
+      are slower than the wgmma kernels, which do not take variants yet (a
+      :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` given with a variant is
+      a ``NotImplementedError``).
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
@@ -97,7 +107,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       launch plans.
     """
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
-    key = (tuple(f for f, _ in fps), causal, scale, layout, deterministic, config)
+    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, layout, deterministic,
+           config)
     cached, key = _PLANS.lookup(key)
     if cached is not None:
         bound, stream, makers = cached
@@ -117,8 +128,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         device_write.keep_during_capture(s, *scratch)
         del scratch
         return tuple(results)
-    return _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
-                     config, dlse, key)
+    return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
+                     deterministic, dq, dk, dv, config, dlse, key)
 
 
 _PLANS = PlanCache()
@@ -129,22 +140,24 @@ _OPERANDS = ("do", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "dlse", "delta",
 _DQ, _SCRATCH0 = 6, 10
 
 
-def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, layout="bhsd",
-                deterministic=False, config=None):
+def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
+                softcap=0.0, layout="bhsd", deterministic=False, config=None):
     """``(dq shape, dk shape, dv shape, dtype name)`` after every check the op makes before
     launching; reads only metadata (the registered operator's fake implementation)."""
-    (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, layout,
-                                        deterministic, None, None, None, config, None)
+    (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, window,
+                                        softcap, layout, deterministic, None, None, None,
+                                        config, None)
     return Q.shape, K.shape, V.shape, dtype
 
 
-def _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
-              config, dlse):
+def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
+              dq, dk, dv, config, dlse):
     if out is None:
         raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
                         "result), got None")
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
+    win, cap = check_variant(causal, window, softcap)
     dO = describe(dout, "dout", allow_float32=False)
     if dO.shape != Q.shape or dO.dtype != dtype:
         raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
@@ -179,14 +192,19 @@ def _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
-    return (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device
+        if is_variant(win, cap) and isinstance(config, WgmmaBackwardConfig):
+            raise NotImplementedError("flash_attention_backward: the wgmma kernels do not take "
+                                      "a window or a soft cap yet; leave config unset (the "
+                                      "mma.sync kernels run them) or pass a BackwardConfig")
+    return ((Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device,
+            (win, cap))
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
-              config, dlse, key):
-    (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device = \
-        _validate(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq, dk, dv,
-                  config, dlse)
+def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
+              dq, dk, dv, config, dlse, key):
+    (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
+        (win, cap) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
+                               deterministic, dq, dk, dv, config, dlse)
     results, makers = [], []
     for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
         if arr is None:
@@ -195,7 +213,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
             arr, _ = make()
             G = describe(arr, _OPERANDS[_DQ + slot])
         results.append((arr, G))
-    cfg = config or choose_config(d, dtype, bool(deterministic))
+    cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap))
     hk = bhsd_dims(K.shape, layout)[1]
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
@@ -229,7 +247,9 @@ def _backward(dout, q, k, v, out, lse, causal, scale, layout, deterministic, dq,
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        plans = gen.plans(cfg, bool(causal), bool(deterministic), views, scale)
+        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap)
+                 if gen is bk else gen.plans(cfg, bool(causal), bool(deterministic), views,
+                                             scale))
         for plan, args in plans:
             plan.launch(stream, args)
         # the scratch and any copies, when a CUDA graph captured the launches

@@ -46,7 +46,8 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import block_coords, key_blocks, mask_scores
+from ..tile.attention import (block_coords, key_blocks, key_window, limits_shape,
+                              mask_key_block, softcap_score)
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -54,8 +55,10 @@ from ..tile.attention_backward import (
     key_block_coords,
     mask_keys_past,
     mask_transposed,
+    mask_transposed_window,
     query_blocks,
     row_state,
+    softcap_scores,
     softmax_gradient,
     store_accumulators,
 )
@@ -297,12 +300,31 @@ def dq_convert(head_dim: int, dtype: str):
 
 # ---- 2. dK / dV (and dQ by atomics) ----------------------------------------------------------
 
-@functools.cache
-def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
+def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
+                softcap: float = 0.0):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)``; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
     .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
-    ``dq_acc`` (B, Hq, SqP, D) float32, added to with ``atomic_dq`` (else a placeholder)."""
+    ``dq_acc`` (B, Hq, SqP, D) float32, added to with ``atomic_dq`` (else a placeholder).
+
+    Variants (generator parameters, as the forward's :func:`~tilepy.ops.attention_kernel.
+    attention_kernel`): ``window`` ``(left, right)`` (:func:`tilepy.tile.attention.
+    key_window`; only the query blocks that see the key block are visited) and ``softcap``
+    (> 0: Gemma 2's soft cap, its derivative chained into dS). Without them the code is the
+    plain kernel's."""
+    left, right = key_window(causal, window)
+    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap))
+
+
+def _cap(softcap) -> float:
+    """The soft cap as a float (0: none), checked as the forward checks it."""
+    if softcap:
+        softcap_score(softcap)
+    return float(softcap or 0.0)
+
+
+@functools.cache
+def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     W = cfg.warps
     THREADS = 32 * W
@@ -319,7 +341,11 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
     NOQ = 4 if NOQ_ALL % 4 == 0 else 2
     PASSES = NOQ_ALL // NOQ
     SW = cfg.swizzle
-    CAUSAL, ATOMIC = bool(causal), bool(atomic_dq)
+    # a window other than plain causal / full, or a soft cap: the variant's masking
+    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0
+    CAUSAL, ATOMIC = right == 0 and not VARIANT, bool(atomic_dq)
+    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0
+    WIN = (left, right)
     lay = cfg.dkdv_layout(atomic_dq)
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -339,8 +365,10 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
+    mask_window = mask_transposed_window(1, NQ, False, WIN)
+    capped = softcap_scores(1, NQ, cap) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
-    qblocks = query_blocks(BM, causal)
+    qblocks = query_blocks(BM, False, WIN, BN)
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
     store = store_accumulators(1, NO, cfg.dtype)
@@ -404,6 +432,8 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
             qk_frag = cuda.local.array((1, NO, 2), np.uint32)
             st = cuda.local.array((1, NQ, 4), np.float32)
             dpt = cuda.local.array((1, NQ, 4), np.float32)
+            if CAPPED:
+                dfac = cuda.local.array((1, NQ, 4), np.float32)
             if ATOMIC:
                 wr = warp % WR
                 wc = warp // WR
@@ -452,7 +482,12 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
                             ka_frag[0, 0, 0], ka_frag[0, 0, 1], ka_frag[0, 0, 2],
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
-                if CAUSAL:
+                if VARIANT:
+                    if CAPPED:
+                        capped.apply(st, dfac, scale)
+                    if WINDOWED:
+                        mask_window(st, my_key - shift - (row + 2 * t))
+                elif CAUSAL:
                     # a query block starting left of the diagonal of the block's last key
                     if row + shift < key0 + BN - 1:
                         mask(st, my_key - shift - (row + 2 * t))
@@ -479,6 +514,8 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             dpt[0, j, 0], dpt[0, j, 1], dpt[0, j, 2], dpt[0, j, 3])
                 grad.gradients(dpt, st, d_addr, t)
+                if CAPPED:
+                    capped.chain(dpt, dfac)
 
                 # dK += dSᵀ · Q
                 for kk in range(KQ):
@@ -521,11 +558,17 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool):
 
 # ---- 3. dQ alone (no atomics) --------------------------------------------------------------
 
-@functools.cache
-def dq_kernel(cfg: BackwardConfig, causal: bool):
+def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)``; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
-    of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides."""
+    of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides. ``window`` and
+    ``softcap`` as :func:`dkdv_kernel`'s (key blocks outside the window are skipped)."""
+    left, right = key_window(causal, window)
+    return _dq_kernel(cfg, left, right, _cap(softcap))
+
+
+@functools.cache
+def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
     THREADS = 32 * cfg.dq_warps
     KD = D // 16
@@ -546,9 +589,13 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
     setup_kn, load_kn = load_b_fragments(NS, D, False, SW)    # K, V as n = key, k = d
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
     grad = softmax_gradient(1, NS, "rows")
-    mask = mask_scores(1, NS)
-    kblocks = key_blocks(BM, BN, causal)
-    rows = row_state(causal)
+    WIN = (left, right)
+    CAPPED = cap > 0
+    capped = softcap_scores(1, NS, cap) if CAPPED else None
+    mask = mask_key_block(1, NS, BN, WIN)
+    kblocks = key_blocks(BM, BN, False, WIN)
+    rows = row_state(False, WIN)
+    LIMITS = limits_shape(1, False, WIN)
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
@@ -560,7 +607,7 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
         warp = tid // 32
         g = lane // 4
         t = lane % 4
-        row0, _, n_kb, _, all_see = kblocks(sq, sk)
+        row0, kb_first, n_kb, all_first, all_see = kblocks(sq, sk)
         wrow = row0 + warp * 16
 
         acc = cuda.local.array((1, NO, 4), np.float32)
@@ -569,10 +616,10 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
                 acc[0, j, e] = _ZERO
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
-        limit = cuda.local.array((1, 2), np.int64)
+        limit = cuda.local.array(LIMITS, np.int64)
         rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
 
-        if n_kb > 0:
+        if n_kb > kb_first:
             base = shared_addr(smem(), 0)
             kv_base = base + KV_OFF
             qs = q.strides[2]
@@ -585,8 +632,10 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
             v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, 0, 0))), vs, tid)
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             issue_q(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
-            issue_kv(kv_base, 0, k0, ksh, kr, kc, ks, sk)
-            issue_kv(kv_base + KV_TILE, 0, v0, vsh, vr, vc, vs, sk)
+            first = kv_base + (kb_first % 2) * STAGE
+            issue_kv(first, kb_first * BN * ks, k0, ksh, kr, kc, ks, sk - kb_first * BN)
+            issue_kv(first + KV_TILE, kb_first * BN * vs, v0, vsh, vr, vc, vs,
+                     sk - kb_first * BN)
             cp_async_commit_group()
 
             a_off, a_x = setup_a(warp * 16, lane)
@@ -597,8 +646,10 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
             kk_frag = cuda.local.array((1, NO, 2), np.uint32)
             s = cuda.local.array((1, NS, 4), np.float32)
             dp = cuda.local.array((1, NS, 4), np.float32)
+            if CAPPED:
+                dfac = cuda.local.array((1, NS, 4), np.float32)
 
-            for kb in range(n_kb):
+            for kb in range(kb_first, n_kb):
                 cp_async_wait_group(0)
                 cuda.syncthreads()
                 if kb + 1 < n_kb:
@@ -622,8 +673,10 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
                             a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
-                if (kb + 1) * BN - 1 > all_see:   # past a row's last key (or sk)
-                    mask(s, limit, kb * BN + 2 * t)
+                if CAPPED:
+                    capped.apply(s, dfac, scale)
+                # past a row's last key (or sk), or (a window) before its first
+                mask(s, limit, kb, t, all_first, all_see)
                 grad.probabilities(s, l2, scale_log2)
                 for kk in range(KD):
                     load_a(a_frag, 0, base + Q_TILE, kk, a_off, a_x)
@@ -634,6 +687,8 @@ def dq_kernel(cfg: BackwardConfig, causal: bool):
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             dp[0, j, 0], dp[0, j, 1], dp[0, j, 2], dp[0, j, 3])
                 grad.gradients(dp, s, dl)
+                if CAPPED:
+                    capped.chain(dp, dfac)
                 for kk in range(KN):
                     p0, p1, p2, p3 = afrag(dp, 0, kk)
                     load_kk(kk_frag, 0, k_tile, kk, kk_off, kk_c, kk_x)
@@ -690,12 +745,14 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
                        split=heads_split(range(7), (), 1, False)), args)
 
 
-def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float):
+def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float,
+          window=None, softcap: float = 0.0):
     """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
     nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
     (arguments a kernel does not read), optionally ``dlse`` and, when
-    :func:`uses_atomics`, ``dq_acc`` (float32 (B, Hq, SqP, D))."""
+    :func:`uses_atomics`, ``dq_acc`` (float32 (B, Hq, SqP, D)). ``window``, ``softcap``: the
+    forward's variant (:func:`dkdv_kernel`)."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -708,7 +765,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
 
     out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
 
-    kern = dkdv_kernel(cfg, causal, atomic)
+    kern = dkdv_kernel(cfg, causal, atomic, window, softcap)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
             dq_acc, scale32, slog2)
     smem = cfg.dkdv_layout(atomic).nbytes
@@ -722,7 +779,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
         out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, batch), ROW_THREADS,
                                split=heads_split((0, 1), (), 1, False)), args))
     else:
-        kern = dq_kernel(cfg, causal)
+        kern = dq_kernel(cfg, causal, window, softcap)
         args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2)
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
         out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
@@ -746,7 +803,8 @@ def argtypes(kind: str):
             "convert": (f4, u16, f32)}[kind]
 
 
-#: The kernels the compile layer reports on: (name, kind, config, causal, atomic).
+#: The kernels the compile layer reports on: (name, kind, config, causal, atomic[, window,
+#: softcap]).
 COMPILED = (
     ("bwd_dkdv_d64_f16", "dkdv", BackwardConfig(64), False, False),
     ("bwd_dkdv_d64_f16_causal_atomic", "dkdv", BackwardConfig(64), True, True),
@@ -755,6 +813,11 @@ COMPILED = (
                                                              dtype="bfloat16"), True, False),
     ("bwd_dq_d128_f16_causal", "dq", BackwardConfig(128), True, False),
     ("bwd_dq_d64_f16", "dq", BackwardConfig(64), False, False),
+    # the variants: a sliding window under causal with a soft cap (Gemma 2's layers)
+    ("bwd_dkdv_d128_f16_window_softcap", "dkdv", BackwardConfig(128, block_m=32), True, False,
+     (4095, 0), 50.0),
+    ("bwd_dq_d128_f16_window_softcap", "dq", BackwardConfig(128), True, False, (4095, 0),
+     50.0),
 )
 
 
@@ -765,17 +828,20 @@ def compile_reports(only=None):
     "tilepy.ops.attention_backward_kernel:compile_reports")``."""
     from ..offline import report_entry
 
-    def build(kind, cfg, causal, atomic):
-        return dkdv_kernel(cfg, causal, atomic) if kind == "dkdv" else dq_kernel(cfg, causal)
+    def build(kind, cfg, causal, atomic, window=None, cap=0.0):
+        return (dkdv_kernel(cfg, causal, atomic, window, cap) if kind == "dkdv"
+                else dq_kernel(cfg, causal, window, cap))
 
     out = []
-    for name, kind, cfg, causal, atomic in COMPILED:
+    for name, kind, cfg, causal, atomic, *variant in COMPILED:
         if only is not None and name not in only:
             continue
         threads = 32 * (cfg.warps if kind == "dkdv" else cfg.dq_warps)
         smem = cfg.dkdv_layout(atomic).nbytes if kind == "dkdv" else cfg.dq_smem_bytes
-        out.append(report_entry(name, lambda kind=kind, cfg=cfg, causal=causal, atomic=atomic:
-                                build(kind, cfg, causal, atomic), argtypes(kind), (9, 0),
+        out.append(report_entry(name, lambda kind=kind, cfg=cfg, causal=causal, atomic=atomic,
+                                variant=tuple(variant):
+                                build(kind, cfg, causal, atomic, *variant), argtypes(kind),
+                                (9, 0),
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))
     return out

@@ -74,8 +74,10 @@ def key_window(causal: bool = False, window=None) -> tuple[int, int]:
     """``(left, right)``: the visible keys of row ``i`` relative to its diagonal key
     ``i + sk - sq`` (see the module docstring), ``-1`` for unbounded.
 
-    ``window``: None or FlashAttention's ``window_size`` ``(left, right)``, two ints >= -1.
-    ``causal=True`` sets ``right = 0``; a window given with it must have ``right`` 0 or -1.
+    ``window``: None or FlashAttention's ``window_size`` ``(left, right)``, each side an int
+    >= 0, or ``-1`` / None for unbounded (other negative values are an error).
+    ``causal=True`` sets ``right = 0``; a window given with it must have ``right`` 0, -1 or
+    None.
     """
     if window is None:
         left, right = -1, -1
@@ -84,11 +86,16 @@ def key_window(causal: bool = False, window=None) -> tuple[int, int]:
             left, right = window
         except (TypeError, ValueError):
             raise ValueError(f"window must be None or (left, right), got {window!r}") from None
+        sides = []
         for side, v in (("left", left), ("right", right)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < -1:
-                raise ValueError(f"window {side} must be an int >= -1 (-1: unbounded), got "
-                                 f"{v!r} in {window!r}")
-        left, right = int(left), int(right)
+            if v is None:
+                v = -1
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) \
+                    or v < -1:
+                raise ValueError(f"window {side} must be an int >= 0, or -1 / None for "
+                                 f"unbounded, got {v!r} in {window!r}")
+            sides.append(int(v))
+        left, right = sides
     if causal:
         if right not in (-1, 0):
             raise ValueError(f"causal=True means window right = 0; got window={window!r}")

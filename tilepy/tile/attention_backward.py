@@ -22,10 +22,12 @@ Generators (each cached on its arguments):
 
 * :func:`softmax_gradient` — ``probabilities`` (S → P in place) and ``gradients``
   (dP → dS in place);
-* :func:`query_blocks` — a key block's range of query blocks (the dK / dV kernels' loop);
-* :func:`row_state` — a lane's rows' ``lse2``, ``delta`` and causal key limits (the dQ
-  kernels);
+* :func:`query_blocks` — a key block's range of query blocks (the dK / dV kernels' loop;
+  causal or a window);
+* :func:`row_state` — a lane's rows' ``lse2``, ``delta`` and key limits (the dQ kernels);
 * :func:`mask_transposed` — the causal mask of a transposed score block (rows = keys);
+  :func:`mask_transposed_window` a window's (both bounds);
+* :func:`softcap_scores` — the soft cap and its derivative (``dS`` in the raw score);
 * :func:`a_fragment` — an accumulator fragment rounded to 16 bits as the A operand of the next
   product (P or dS straight from registers);
 * :func:`store_accumulators` / :func:`atomic_add_accumulators` — a fragment, scaled, to a 2-D
@@ -42,6 +44,7 @@ Generators (each cached on its arguments):
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 from numba import cuda
@@ -50,6 +53,7 @@ from ..inline import device_namespace, inline_device
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx
 from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
+from .attention import key_window
 from .config import DTYPES
 
 _NEG_INF = np.float32(-np.inf)
@@ -121,35 +125,60 @@ def softmax_gradient(mi: int, ns: int, by: str):
                             gradients=gradients, BY=by)
 
 
-@functools.cache
-def query_blocks(block_m: int, causal: bool):
+def query_blocks(block_m: int, causal: bool = False, window=None, block_n=None):
     """``bounds(key0, sq, sk) -> (qb0, count)``: the query blocks (of ``block_m`` rows) that
-    see any key of a key block starting at ``key0`` — all of them, or (causal, bottom-right:
-    query ``i`` sees key ``j`` iff ``j <= i + sk - sq``) those from the one holding query
-    ``key0 - (sk - sq)`` on; ``count`` 0 when none does. Block-uniform; any thread."""
-    BM, CAUSAL = block_m, bool(causal)
+    see any key of a key block starting at ``key0`` — all of them, or with an upper bound
+    (causal, or a window's ``right``; bottom-right alignment: query ``i`` sees key ``j`` only
+    if ``j <= i + sk - sq + right``) those from the one holding query ``key0 - (sk - sq) -
+    right`` on, and with a lower bound (a window's ``left``: ``j >= i + sk - sq - left``) those
+    up to the one holding query ``key0 + block_n - 1 - (sk - sq) + left``; ``count`` 0 when
+    none does. ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`;
+    ``block_n`` (the key block's length) is needed with a lower bound. Block-uniform; any
+    thread."""
+    left, right = key_window(causal, window)
+    if left >= 0 and not block_n:
+        raise ValueError("query_blocks: a window with a left bound needs block_n")
+    return _query_blocks(block_m, left, right, int(block_n or 0) if left >= 0 else 0)
+
+
+@functools.cache
+def _query_blocks(block_m: int, left: int, right: int, block_n: int):
+    BM, BN, L, R = block_m, block_n, left, right
+    UPPER, LOWER = right >= 0, left >= 0
 
     @inline_device
     def bounds(key0, sq, sk):
         n_qb = (sq + BM - 1) // BM
         qb0 = 0
-        if CAUSAL:
-            qb0 = min(max(key0 - (sk - sq), 0) // BM, n_qb)
+        if UPPER:
+            qb0 = min(max(key0 - (sk - sq) - R, 0) // BM, n_qb)
+        if LOWER:
+            last_q = min(min(key0 + BN, sk) - 1 - (sk - sq) + L, sq - 1)
+            qb_end = last_q // BM + 1 if last_q >= 0 else 0
+            return qb0, max(qb_end - qb0, 0)
         return qb0, n_qb - qb0
 
     return bounds
 
 
-@functools.cache
-def row_state(causal: bool):
+def row_state(causal: bool = False, window=None):
     """``load(lse2, delta, l2, dl, limit, b, h, rows0, g, sq, sk)``: for the lane's two rows
     ``rows0 + g`` and ``rows0 + g + 8`` (a warp's 16-row strip), ``l2[0, h8]`` and
     ``dl[0, h8]`` from the (B, H, SqP) float32 ``lse2`` / ``delta`` (rows past ``sq`` are the
-    padding the rows pre-pass wrote) and ``limit[0, h8]`` the last key the row sees (causal:
-    ``min(sk, row + sk - sq + 1) - 1``, else ``sk - 1``) — the ``limit`` that
+    padding the rows pre-pass wrote) and in ``limit`` the keys the row sees, as
+    :func:`tilepy.tile.attention.row_limits` writes them (shape
+    :func:`tilepy.tile.attention.limits_shape` of ``mi = 1``: the last key, ``(1, 2)``, or with
+    a window's left bound the first and the last, ``(1, 2, 2)``) — the ``limit`` that
     :func:`tilepy.tile.attention.mask_scores` takes. ``l2``, ``dl`` (1, 2) float32 and
-    ``limit`` (1, 2) int64 local arrays."""
-    CAUSAL = bool(causal)
+    ``limit`` int64 local arrays."""
+    left, right = key_window(causal, window)
+    return _row_state(left, right)
+
+
+@functools.cache
+def _row_state(left: int, right: int):
+    UPPER, LOWER = right >= 0, left >= 0
+    R1, L = right + 1, left
 
     @inline_device
     def load(lse2, delta, l2, dl, limit, b, h, rows0, g, sq, sk):
@@ -157,10 +186,15 @@ def row_state(causal: bool):
             r = rows0 + g + 8 * hh
             l2[0, hh] = lse2[b, h, r]
             dl[0, hh] = delta[b, h, r]
-            if CAUSAL:
-                limit[0, hh] = min(sk, r + (sk - sq) + 1) - 1
+            if UPPER:
+                last = min(sk, r + (sk - sq) + R1) - 1
             else:
-                limit[0, hh] = sk - 1
+                last = sk - 1
+            if LOWER:
+                limit[0, hh, 0] = max(0, r + (sk - sq) - L)
+                limit[0, hh, 1] = last
+            else:
+                limit[0, hh] = last
 
     return load
 
@@ -187,6 +221,85 @@ def mask_transposed(mi: int, ns: int):
                         s[i, j, 2 * hh + 1] = _NEG_INF
 
     return mask
+
+
+def mask_transposed_window(mi: int, ns: int, causal: bool = False, window=None):
+    """``mask(s, diag)``: a window's mask on a transposed score block ``Sᵀ`` (rows = keys,
+    columns = queries; :func:`tilepy.tile.attention.key_window`): query ``i`` sees key ``k``
+    iff ``k - shift - right <= i`` (an upper bound) and ``i <= k - shift + left`` (a lower
+    bound). ``diag``: for the lane's key row ``16·0 + g``, its diagonal query relative to the
+    lane's column 0 (``key - shift - query0``, ``query0`` the query of column ``2t``); rows
+    ``16 i + 8 h`` further down have it ``16 i + 8 h`` later. Entries outside become -inf
+    (``P = 0``). Every block is masked (no block test); 32-bit compares, clamped."""
+    left, right = key_window(causal, window)
+    return _mask_transposed_window(mi, ns, left, right)
+
+
+@functools.cache
+def _mask_transposed_window(mi: int, ns: int, left: int, right: int):
+    lo, hi = np.int64(-1), np.int64(8 * ns)
+    UPPER, LOWER = right >= 0, left >= 0
+    R, L = right, left
+
+    @inline_device
+    def mask(s, diag):
+        for i in range(mi):
+            for hh in range(2):
+                d = diag + 16 * i + 8 * hh
+                first = np.int32(min(max(d - R, lo), hi))   # the first visible column
+                last = np.int32(min(max(d + L, lo), hi))    # the last
+                for j in range(ns):
+                    for e in range(2):
+                        c = np.int32(8 * j + e)
+                        if (UPPER and c < first) or (LOWER and c > last):
+                            s[i, j, 2 * hh + e] = _NEG_INF
+
+    return mask
+
+
+def softcap_scores(mi: int, ns: int, cap: float):
+    """Gemma 2's soft cap on one lane's (mi, ns, 4) raw score fragment and its derivative, for
+    the backward (:func:`tilepy.tile.attention.softcap_score` is the forward's): a namespace of
+
+    * ``apply(s, dfac, scale)``: ``t = tanh(scale · s / cap)``, ``s ← cap · t / scale`` (so
+      the kernels' ``exp2(scale_log2 · s - lse2)`` is the capped scores' probability, as in
+      the forward) and ``dfac ← 1 - t²`` (a float32 fragment of ``s``'s shape);
+    * ``chain(ds, dfac)``: ``ds ← ds · dfac`` — the gradient in the scaled raw score from the
+      one in the capped score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
+
+    Any layout (element-wise); ``cap`` a finite float > 0."""
+    from .attention import softcap_score
+
+    softcap_score(cap)   # the same validation
+    return _softcap_scores(mi, ns, float(cap))
+
+
+@functools.cache
+def _softcap_scores(mi: int, ns: int, cap: float):
+    C = np.float32(cap)
+    INV = np.float32(1.0 / cap)
+    one = np.float32(1.0)
+
+    @inline_device
+    def apply(s, dfac, scale):
+        c = np.float32(scale)
+        inv_scale = one / c
+        for i in range(mi):
+            for j in range(ns):
+                for e in range(4):
+                    th = math.tanh(s[i, j, e] * c * INV)
+                    s[i, j, e] = C * th * inv_scale
+                    dfac[i, j, e] = one - th * th
+
+    @inline_device
+    def chain(ds, dfac):
+        for i in range(mi):
+            for j in range(ns):
+                for e in range(4):
+                    ds[i, j, e] = ds[i, j, e] * dfac[i, j, e]
+
+    return device_namespace(f"softcap_scores_{mi}x{ns}_{cap!r}".replace(".", "_"),
+                            apply=apply, chain=chain, CAP=cap)
 
 
 @functools.cache
@@ -328,6 +441,6 @@ def stage_float32(n: int, row_floats: int):
     return store
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
-           "mask_keys_past", "mask_transposed",
-           "query_blocks", "row_state", "softmax_gradient", "stage_float32",
+           "mask_keys_past", "mask_transposed", "mask_transposed_window",
+           "query_blocks", "row_state", "softcap_scores", "softmax_gradient", "stage_float32",
            "store_accumulators", "transpose_to_shared"]
