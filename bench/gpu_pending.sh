@@ -28,6 +28,8 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s17c    window= / softcap= (issue 25): their GPU autograd tests, then the attention
+#                op's, the torch operators' and the CUDA-graph GPU tests on the new schemas
 #   PART=s16c    after the producer-side fences (ring.arrive_copied): the backward's GPU tests
 #                (longer step limit), then the training step (fp16)
 #   PART=s16d    the backward benchmark, fp16 and bf16
@@ -128,6 +130,12 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s17c "* ]]; then
+    gpu_tests attention_variants_gpu 150 tests/test_attention_backward_gpu.py -k window_and_softcap
+    gpu_tests attention_gpu 120 tests/test_ops_attention.py
+    gpu_tests torch_gpu 150 tests/test_torch_gpu.py
+    gpu_tests cuda_graphs 120 tests/test_cuda_graphs.py
+fi
 if [[ " $PART " == *" s16c "* ]]; then
     gpu_tests attention_backward_gpu 330 tests/test_attention_backward_gpu.py
     bench_suite bench_attention_training 150 "attention_training_step and float16 and not bfloat16"

@@ -318,3 +318,49 @@ def test_gpu_heads_and_batches_past_the_grid_limit(layout, hq, hk, batch):
         want = [torch.cat([p[j] for p in pieces], axis) for j in range(3)]
     for name, g, w in zip(("dq", "dk", "dv"), full, want):
         assert torch.equal(bits(g), bits(w)), name
+
+
+def variant_reference(q, k, v, causal, window, cap):
+    """float32 attention by explicit PyTorch ops on (B, H, S, D) tensors that require grad:
+    the bottom-right diagonal, ``window`` (left, right) relative to it (-1 unbounded),
+    ``cap`` the soft cap of the scaled scores (SDPA has none); GQA by repeating k, v. Every
+    row must see a key (no NaN rows)."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = q.shape[-1] ** -0.5 * q @ kk.mT
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    left, right = window
+    right = 0 if causal else right
+    sq, sk = s.shape[-2:]
+    diag = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=q.device)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        keep &= j <= diag + right
+    if left >= 0:
+        keep &= j >= diag - left
+    return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ vv
+
+
+@pytest.mark.parametrize("b, hq, hkv, sq, sk, d, causal, window, cap, layout, dtype", [
+    (1, 4, 4, 1024, 1024, 128, True, (255, 0), 0.0, "bhsd", BF16),   # Mistral-style window
+    (1, 4, 2, 1024, 1024, 64, False, (128, 64), 30.0, "bshd", F16),  # both sides, a cap, GQA
+    (1, 4, 4, 900, 1100, 128, False, (-1, -1), 20.0, "bhsd", F16),   # Gemma 2's cap alone
+])
+def test_gpu_window_and_softcap_autograd(b, hq, hkv, sq, sk, d, causal, window, cap, layout,
+                                         dtype):
+    """The forward's variants and their gradients through autograd at full size, against
+    float32 autograd of explicit attention."""
+    q, k, v, dout = make_inputs(b, hq, hkv, sq, sk, d, layout, dtype, grad=True)
+    if cap:
+        with torch.no_grad():
+            q *= 4    # scores of a few units: the cap bites
+    out = tilepy.flash_attention(q, k, v, causal=causal, window=window, softcap=cap,
+                                 layout=layout)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_in = [bhsd(t, layout).detach().float().requires_grad_() for t in (q, k, v)]
+    want_out = variant_reference(*ref_in, causal, window, cap)
+    want = torch.autograd.grad(want_out, ref_in, bhsd(dout, layout).float())
+    assert rel(bhsd(out, layout), want_out) < TOL[dtype]
+    check_grads(tuple(bhsd(g, layout) for g in got), want, dtype, (window, cap))
