@@ -48,8 +48,9 @@ lanes); :func:`key_blocks` / :func:`block_bounds` any thread (the values are blo
 
 With ``window=None`` the generated code is what the kernels had before windows existed: no
 lower bound, no extra registers. The mma.sync forward kernel takes ``window`` and ``score_mod``
-as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`); the public
-ops do not pass them yet.
+as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`), and
+``tilepy.flash_attention(..., window=, softcap=)`` passes them (the backward's counterparts are
+in :mod:`tilepy.tile.attention_backward`); the wgmma kernels take neither yet.
 """
 
 from __future__ import annotations
