@@ -30,6 +30,7 @@
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
 #   PART=s17c    window= / softcap= (issue 25): their GPU autograd tests, then the attention
 #                op's, the torch operators' and the CUDA-graph GPU tests on the new schemas
+#   PART=s17d    the variants' benchmark (a 4096-key window at S32768, a soft cap at S8192)
 #   PART=s16c    after the producer-side fences (ring.arrive_copied): the backward's GPU tests
 #                (longer step limit), then the training step (fp16)
 #   PART=s16d    the backward benchmark, fp16 and bf16
@@ -130,6 +131,9 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s17d "* ]]; then
+    bench_suite bench_attention_variants 300 "test_flash_attention_variants"
+fi
 if [[ " $PART " == *" s17c "* ]]; then
     gpu_tests attention_variants_gpu 150 tests/test_attention_backward_gpu.py -k window_and_softcap
     gpu_tests attention_gpu 120 tests/test_ops_attention.py

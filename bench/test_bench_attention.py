@@ -16,6 +16,8 @@ GQA with 8 KV heads (B=4, Hq=32, S=4096, D=128); causal and not; float16, and bf
 two shapes. Select parts with ``-k``: ``-k "not bfloat16"``, ``-k causal``, ``-k S8192``, …
 """
 
+import dataclasses
+
 import pytest
 from measure import (
     checked_timing,
@@ -102,4 +104,77 @@ def test_flash_attention(benchmark, record, torch, gpu_name, case, causal):
                       table="Attention forward",
                       case=f"B{b} H{hq}{gqa} S{s} D{d} {mask} {dtype}",
                       figure=figure, x=s, xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- the variants (issue 25): a sliding window and a soft cap -------------------------------
+
+def flex_timing(torch, q, k, v, score_mod=None, mask_mod=None):
+    """Compiled FlexAttention (PyTorch's) of the same problem; a block mask from ``mask_mod``."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    b, h, s, _ = q.shape
+    block_mask = (create_block_mask(mask_mod, b, h, s, k.shape[2], device="cuda")
+                  if mask_mod is not None else None)
+    flex = torch.compile(flex_attention)
+    run = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)  # noqa: E731
+    run()
+    return gpu_time(torch, run)
+
+
+# (name, (batch, heads, seq, head_dim), causal, window, softcap)
+VARIANTS = [
+    ("window4096", (1, 16, 32768, 128), True, (4095, 0), 0.0),
+    ("softcap50", (4, 16, 8192, 128), False, None, 50.0),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda c: c[0])
+def test_flash_attention_variants(benchmark, record, torch, gpu_name, variant):
+    """``window=`` / ``softcap=`` (the mma.sync kernel's variants, sm_90 included) against
+    compiled FlexAttention, and tilepy's plain kernel of the same shape (causal for the window:
+    its TFLOPS over its own visible pairs are in the same record's ``impls``). Throughput
+    counts only the visible (query, key) pairs: ``4·B·H·pairs·D``."""
+    import tilepy
+
+    name, (b, h, s, d), causal, window, cap = variant
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = torch.empty_like(q)
+
+    def ours():
+        return tilepy.flash_attention(q, k, v, causal=causal, window=window, softcap=cap,
+                                      out=out)
+
+    ours()
+    if window is not None:
+        w = window[0] + 1
+        pairs = h * b * (s * w - w * (w - 1) // 2)   # row i sees min(i + 1, w) keys
+
+        def mask_mod(bb, hh, qi, kj):
+            return (kj <= qi) & (qi - kj < w)
+
+        score_mod = None
+    else:
+        pairs = h * b * s * s
+        mask_mod = None
+
+        def score_mod(score, bb, hh, qi, kj):
+            return cap * torch.tanh(score / cap)
+
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", lambda: flex_timing(
+        torch, q, k, v, score_mod, mask_mod))
+    plain_pairs = h * b * (s * (s + 1) // 2 if causal else s * s)
+    plain = gpu_time(torch, lambda: tilepy.flash_attention(q, k, v, causal=causal, out=out))
+    # the plain kernel's time scaled to this case's pairs: the ratio is of TFLOPS
+    timings["tilepy plain (TFLOPS)"] = dataclasses.replace(
+        plain, ms=plain.ms * pairs / plain_pairs,
+        ms_as_called=plain.ms_as_called and plain.ms_as_called * pairs / plain_pairs)
+    record_throughput(record, work=4 * pairs * d, unit="TFLOPS", timings=timings,
+                      main="FlexAttention", notes=notes, gpu=gpu_name,
+                      shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=causal,
+                      window=window, softcap=cap, table="Attention variants",
+                      case=f"B{b} H{h} S{s} D{d} {name} bfloat16",
+                      figure=f"attention_variant_{name}", x=s, xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
