@@ -72,7 +72,7 @@ def test_windows_normalise_and_share_their_generators():
 
 
 @pytest.mark.parametrize("causal,window,match", [
-    (False, (3,), "left, right"), (False, (-2, 0), "left must be an int >= -1"),
+    (False, (3,), "left, right"), (False, (-2, 0), "left must be an int >= 0, or -1 / None"),
     (False, (1, 2.0), "right must be an int"), (True, (3, 2), "causal=True means window right")])
 def test_bad_windows_are_refused(causal, window, match):
     with pytest.raises(ValueError, match=match):
