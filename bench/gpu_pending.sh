@@ -28,6 +28,11 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s18a    window= / softcap= on the TMA wgmma kernels: their GPU autograd tests, the
+#                Hopper attention's TMA GPU tests, then the variants' benchmark
+#   PART=s18b    the A/B of the plain attention kernels against the tree before (.ab/old: the
+#                grid TMA kernel's PTX changed by a few instructions), the attention op's GPU
+#                tests
 #   PART=s17c    window= / softcap= (issue 25): their GPU autograd tests, then the attention
 #                op's, the torch operators' and the CUDA-graph GPU tests on the new schemas
 #   PART=s17d    the variants' benchmark (a 4096-key window at S32768, a soft cap at S8192)
@@ -131,6 +136,16 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s18a "* ]]; then
+    gpu_tests attention_variants_gpu 150 tests/test_attention_backward_gpu.py -k window_and_softcap
+    gpu_tests attention_wgmma_tma 150 tests/test_ops_attention_wgmma.py -k "tma"
+    bench_suite bench_attention_variants 240 "test_flash_attention_variants"
+fi
+if [[ " $PART " == *" s18b "* ]]; then
+    step ab_attention 200 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 2 \
+        --suites attention --json "$OUT/ab_attention.json"
+    gpu_tests attention_op 150 tests/test_ops_attention.py
+fi
 if [[ " $PART " == *" s17d "* ]]; then
     bench_suite bench_attention_variants 300 "test_flash_attention_variants"
 fi

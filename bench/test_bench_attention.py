@@ -132,7 +132,7 @@ VARIANTS = [
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda c: c[0])
 def test_flash_attention_variants(benchmark, record, torch, gpu_name, variant):
-    """``window=`` / ``softcap=`` (the mma.sync kernel's variants, sm_90 included) against
+    """``window=`` / ``softcap=`` (on sm_90 the TMA wgmma kernels' variants) against
     compiled FlexAttention, and tilepy's plain kernel of the same shape (causal for the window:
     its TFLOPS over its own visible pairs are in the same record's ``impls``). Throughput
     counts only the visible (query, key) pairs: ``4·B·H·pairs·D``."""

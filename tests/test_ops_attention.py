@@ -327,7 +327,7 @@ def test_errors_are_raised_before_launch():
     with pytest.raises(TypeError, match="softcap must be a float"):
         flash_attention(h, kv, kv, softcap="2")
     x64 = np.ones((1, 1, 8, 64), np.float16)
-    with pytest.raises(NotImplementedError, match="wgmma kernels do not take a window"):
+    with pytest.raises(NotImplementedError, match="only the TMA ones take a window"):
         flash_attention(x64, x64, x64, window=(4, 4),
                         config=WgmmaAttentionConfig(64, 128, 64, overlap=True))
     # In bshd, the heads are axis 2: (1, 8, 2, 16) q with (1, 8, 3, 16) k.

@@ -17,6 +17,7 @@ from tilepy.ops.attention_wgmma import (
     PERSISTENT_REPORTS,
     PERSISTENT_TMA_REPORTS,
     TMA_REPORTS,
+    VARIANT_REPORTS,
     WgmmaAttentionConfig,
 )
 
@@ -144,6 +145,57 @@ def test_tma_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype
     run(np.random.default_rng(), b, hq, hk, sq, sk, 64, causal, layout, dtype,
         WgmmaAttentionConfig(64, bm, bn, dtype, overlap=True, tma=True, pingpong=pingpong,
                              producer=True, persistent=True))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("hq,hk,sq,sk,causal,window,cap,layout,dtype,bm,bn,pp,prod,persist", [
+    # Mistral's window on the grid kernel with its producer and turns: query block 1 starts
+    # at key block 1, warpgroups stop at their own last block (rows 192… see none of theirs)
+    (1, 1, 150, 150, True, (40, 0), 0.0, "bhsd", "float16", 128, 64, True, True, False),
+    # two-sided window and a cap on the persistent kernel, GQA, seq_q < seq_k, bshd
+    (2, 1, 140, 170, False, (30, 20), 2.0, "bshd", "bfloat16", 128, 64, True, True, True),
+    # left-only window and a cap, thread 0 loading, one warpgroup: rows 128… start at block 1
+    (1, 1, 130, 130, False, (20, -1), 3.0, "bhsd", "float16", 64, 64, False, False, False),
+])
+def test_tma_window_and_softcap_against_float64(hq, hk, sq, sk, causal, window, cap, layout,
+                                                dtype, bm, bn, pp, prod, persist):
+    """window= / softcap= on the TMA kernels (generator parameters: a tile's key blocks from
+    the first any of its rows sees, the producer loading only those, the score hook before
+    the mask) against float64, with the LSE of the capped scores, poisoned outputs."""
+    from tilepy.tile.attention import key_window
+
+    rng = np.random.default_rng()
+    d = 64
+    shq = (1, hq, sq, d) if layout == "bhsd" else (1, sq, hq, d)
+    shk = (1, hk, sk, d) if layout == "bhsd" else (1, sk, hk, d)
+    q = (rand(rng, shq, dtype).astype(np.float32) * 2).astype(NP[dtype])   # the cap bites
+    k, v = rand(rng, shk, dtype), rand(rng, shk, dtype)
+    out = np.full(shq, np.nan, NP[dtype])
+    cfg = WgmmaAttentionConfig(d, bm, bn, dtype, overlap=True, tma=True, pingpong=pp,
+                               producer=prod, persistent=persist)
+    o, lse = tilepy.flash_attention(q, k, v, causal=causal, window=window, softcap=cap,
+                                    return_lse=True, layout=layout, out=out, config=cfg)
+    ro, rl = reference(q, k, v, causal, None, layout, key_window(causal, window), cap)
+    check(o, ro, v, dtype)
+    check_lse(lse, rl)
+
+
+def test_tma_variants_share_generators_and_others_refuse():
+    """A causal kernel is the window (-1, 0) kernel; a variant on a wgmma config without TMA
+    is a NotImplementedError naming the config."""
+    from tilepy.ops.attention_wgmma import wgmma_attention_kernel
+    from tilepy.tile.attention import softcap_score
+
+    cfg = WgmmaAttentionConfig(64, 128, 64, overlap=True, tma=True)
+    assert wgmma_attention_kernel(cfg, True) is wgmma_attention_kernel(cfg, False, False,
+                                                                       (-1, 0))
+    assert wgmma_attention_kernel(cfg, True, False, (4, None)) is \
+        wgmma_attention_kernel(cfg, False, False, (4, 0))
+    plain = WgmmaAttentionConfig(64, 128, 64, overlap=True)
+    with pytest.raises(NotImplementedError, match="TMA kernels only"):
+        wgmma_attention_kernel(plain, False, False, (4, 4))
+    with pytest.raises(NotImplementedError, match="TMA kernels only"):
+        wgmma_attention_kernel(plain, False, False, None, softcap_score(2.0))
 
 
 @pytest.mark.sim
@@ -295,7 +347,7 @@ def test_compiles_for_sm90a_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
     assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
-                         + len(PERSISTENT_TMA_REPORTS))
+                         + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS))
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
@@ -334,7 +386,9 @@ def test_compiles_for_sm90a_without_spills():
             assert rep["ptxas_wgmma_notes"] == [], rep["ptxas_wgmma_notes"]
             # the softmax (block_n / 2 + 2 ex2 per thread, the row-max shuffles) sits between
             # wait_group(1) and wait_group(0) in the machine code: it overlaps the P·V wgmmas
-            if "ex2_in_flight" in rep and ("overlap" in name or "tma" in name):
+            # (a soft cap's tanh is ex2 and rcp instructions of its own)
+            if "ex2_in_flight" in rep and ("overlap" in name or "tma" in name) \
+                    and "softcap" not in name:
                 bn = int(name.split("x")[1].split("_")[0])
                 assert rep["ex2_in_flight"] == [bn // 2 + 2], rep["ex2_in_flight"]
                 assert rep["shfl_in_flight"][0] >= 4

@@ -59,11 +59,12 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
     """The built-in config for a head dimension, dtype and masking on the current device: the
     wgmma kernel's on a compute capability 9.0 GPU for head_dim 64 and 128
     (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one).
-    ``variant`` (a window other than causal / full, or a soft cap): the mma.sync kernel's,
-    the one that takes them."""
+    ``variant`` (a window other than causal / full, or a soft cap): the same choice — the
+    Hopper configs are TMA ones, whose kernels take variants; the argument is kept for the
+    callers that pass it."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
-    if head_dim in aw.HEAD_DIMS and launch.is_hopper() and not variant:
+    if head_dim in aw.HEAD_DIMS and launch.is_hopper():
         return hopper_config(head_dim, dtype, causal)
     return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
 
@@ -96,9 +97,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     * ``softcap``: ``0.0`` (none), or a float > 0: the scaled scores become
       ``softcap · tanh(score / softcap)`` before the softmax (Gemma 2's soft cap); the LSE is
       that of the capped scores.
-    * A window other than causal / full, or a soft cap, runs the mma.sync kernel (on sm_90
-      too: the wgmma kernels do not take variants yet, and a ``WgmmaAttentionConfig`` given
-      with one is a ``NotImplementedError``).
+    * A window other than causal / full, or a soft cap, runs in the same kernels as the
+      plain forms: on sm_90 the TMA wgmma kernels (a ``WgmmaAttentionConfig`` without
+      ``tma=True`` given with one is a ``NotImplementedError``), elsewhere the mma.sync one.
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -166,11 +167,14 @@ def is_variant(win, cap) -> bool:
 
 
 def check_config_variant(config, win, cap) -> None:
-    """``NotImplementedError`` for a variant with a wgmma config (its kernels take none yet)."""
-    if is_variant(win, cap) and isinstance(config, aw.WgmmaAttentionConfig):
-        raise NotImplementedError("flash_attention: the wgmma kernels do not take a window or "
-                                  "a soft cap yet; leave config unset (the mma.sync kernel "
-                                  "runs them) or pass an AttentionConfig")
+    """``NotImplementedError`` for a variant with a wgmma config other than a TMA one (only
+    the TMA wgmma kernels take a window or a score modification)."""
+    if is_variant(win, cap) and isinstance(config, aw.WgmmaAttentionConfig) \
+            and not config.tma:
+        raise NotImplementedError("flash_attention: of the wgmma kernels only the TMA ones "
+                                  "take a window or a soft cap; leave config unset, pass a "
+                                  "WgmmaAttentionConfig with tma=True, or an AttentionConfig "
+                                  "(mma.sync)")
 
 
 def check_arguments(q, k, v, causal, scale, out, layout, config):
@@ -305,8 +309,9 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
     later call with the same signature can reuse it), else None. ``fallback`` (a config the
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
-    runs as the same config without TMA (cp.async loads) instead of failing. ``variant``:
-    ``((left, right), cap)`` for the mma.sync kernel's window and soft cap, else None."""
+    runs as the same config without TMA (cp.async loads) instead of failing — or, for a
+    variant, as the mma.sync kernel, since only the TMA wgmma kernels take one. ``variant``:
+    ``((left, right), cap)``, the kernels' window and soft cap, else None."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):
@@ -325,32 +330,49 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         # in chunks: its persistent variant, else the cp.async grid kernel (see _grid_safe)
         batch, heads = bhsd_dims(Q.shape, layout)[:2]
         cfg = _grid_safe(cfg, batch, heads)
-        gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
-        if variant is not None:
-            win, cap = variant
-            kern = fa.attention_kernel(cfg, False, lse is not None, win,
-                                       softcap_score(cap) if cap else None)
-        else:
-            kern = (aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel)(
-                cfg, causal, lse is not None)
+        if variant is not None and isinstance(cfg, aw.WgmmaAttentionConfig) and not cfg.tma:
+            cfg = _mma_sync_config(cfg)     # (past the grid limit: see _grid_safe)
         stream = arrays.stream_handle(Q)
-        extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
+        run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q)
         try:
-            plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, **extra)
+            plan, args = _plan(cfg, causal, *run)
         except (ValueError, RuntimeError):
             if not (fallback and getattr(cfg, "tma", False)):
                 raise
-            # the cp.async kernel: no producer warpgroup, so at most two consumer warpgroups
-            cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
-                                      pingpong=False, producer=False, persistent=False)
-            kern = aw.wgmma_attention_kernel(cfg, causal, lse is not None)
-            plan, args = aw.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream)
+            if variant is not None:
+                cfg = _mma_sync_config(cfg)
+            else:
+                # the cp.async kernel: no producer warpgroup, so at most two consumer
+                # warpgroups
+                cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
+                                          pingpong=False, producer=False, persistent=False)
+            plan, args = _plan(cfg, causal, *run)
         plan.launch(stream, args)
         device_write.keep_during_capture(stream, *copies)   # when a CUDA graph captured it
     if not reusable:
         return None
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
                       (3, Out.byte_pointer()), lse_src])
+
+
+def _mma_sync_config(cfg) -> AttentionConfig:
+    """The built-in mma.sync config of ``cfg``'s head_dim and dtype."""
+    d = cfg.head_dim
+    return AttentionConfig(d, *GPU_CONFIGS[64 if d <= 64 else 128], cfg.dtype)
+
+
+def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q):
+    """``(plan, args)`` of ``cfg``'s kernel (the variant's when ``variant`` is not None) for
+    the views (see :func:`_run`)."""
+    gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
+    kernel = aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel
+    if variant is not None:
+        win, cap = variant
+        kern = kernel(cfg, False, has_lse, win, softcap_score(cap) if cap else None)
+    else:
+        kern = kernel(cfg, causal, has_lse)
+    extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
+    return gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, **extra)
 
 
 def _grid_safe(cfg, batch: int, heads: int):

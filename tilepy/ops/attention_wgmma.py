@@ -100,8 +100,10 @@ from ..tile.attention import (
     block_bounds,
     block_coords,
     key_blocks,
+    key_window,
     limits_shape,
     mask_key_block,
+    modify_scores,
     row_limits,
     store_rows,
 )
@@ -276,10 +278,39 @@ class WgmmaAttentionConfig:
                    if self.producer else ""))
 
 
-@functools.cache
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
-                           has_lse: bool = False):
+                           has_lse: bool = False, window=None, score_mod=None):
+    """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
+
+    Variants, generator parameters as in :func:`tilepy.ops.attention_kernel.attention_kernel`
+    (the same :mod:`tilepy.tile.attention` pieces), on the TMA kernels (``cfg.tma``, grid or
+    persistent) only — any other config with one raises ``NotImplementedError``:
+
+    * ``window``: FlashAttention's ``window_size`` ``(left, right)`` relative to the
+      bottom-right diagonal, ``-1`` unbounded (``causal=True`` is ``right = 0``). A tile's
+      key blocks run from the first any of its rows sees to the last; the producer never
+      loads the others. Several consumer warpgroups with an upper bound stop at their own
+      last key block (as causal ones do) and start at the tile's first (their rows' keys
+      before their own first are masked).
+    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function applied to
+      every scaled score before the mask (:func:`tilepy.tile.attention.modify_scores`). A
+      kernel with one is not kept in the disk cache.
+
+    Without either the generated code is the plain causal / full kernel's."""
+    left, right = key_window(causal, window)
+    if ((left, right) not in ((-1, -1), (-1, 0)) or score_mod is not None) and not cfg.tma:
+        raise NotImplementedError(
+            f"wgmma attention: a window or score_mod runs on the TMA kernels only "
+            f"(WgmmaAttentionConfig(..., tma=True)); got {cfg.describe()}")
+    return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod)
+
+
+@functools.cache
+def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
+                            score_mod):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    WIN = (left, right)           # the key window (tilepy.tile.attention.key_window's)
+    UPPER = right >= 0            # a last visible key per row (causal is right = 0)
     THREADS = cfg.threads
     CONSUMERS = cfg.consumers   # the computing threads (THREADS less a producer warpgroup)
     PRODUCER, PINGPONG = cfg.producer, cfg.pingpong
@@ -306,11 +337,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     update = online_softmax_update(1, NS, quad_sum=False, max_chains=2,
                                    rescale_threshold=RESCALE_THRESHOLD)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
-    # no window yet: key blocks 0 … n_kb - 1 (kb_first and all_first are 0)
-    bounds = key_blocks(BM, BN, causal)
-    init_rows = row_limits(1, causal)
-    LIMITS = limits_shape(1, causal)
-    mask = mask_key_block(1, NS, BN)
+    # without a lower bound (window left -1) kb_first and all_first are the constant 0
+    bounds = key_blocks(BM, BN, False, WIN)
+    init_rows = row_limits(1, False, WIN)
+    LIMITS = limits_shape(1, False, WIN)
+    mask = mask_key_block(1, NS, BN, WIN)
+    modify = modify_scores(1, NS, score_mod)
     to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
     o_fragment, o_accumulators = accumulator_fragment(D)   # O as the (1, NO, 4) fragment
     store = store_rows(1, NO, cfg.dtype, has_lse)
@@ -361,6 +393,16 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         """Key block ``kb``'s scores (retired S accumulators) → p in ``s3``; alpha."""
         to_fragment(s3, s)
         mask(s3, limit, kb, t, 0, all_see)
+        update(s3, row_max, row_sum, alpha, scale_log2)
+
+    @inline_device
+    def softmax_at(s, s3, limit, row_max, row_sum, alpha, kb, all_first, all_see, t,
+                   scale_log2, rows, b, h, scale):
+        """:func:`softmax` with the score hook (``rows``: the lane's first row) and the
+        window's first key every row sees (``all_first``): the TMA kernels'."""
+        to_fragment(s3, s)
+        modify(s3, rows, kb * BN + 2 * t, b, h, scale)
+        mask(s3, limit, kb, t, all_first, all_see)
         update(s3, row_max, row_sum, alpha, scale_log2)
 
     @inline_device
@@ -636,8 +678,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     ploop = persistent_overlap if cfg.overlap else persistent_main
     OVERLAP = bool(cfg.overlap)
-    tile_at = heavy_first(D, causal).at
-    block_at = block_bounds(BM, BN, causal)
+    tile_at = heavy_first(D, UPPER).at
+    block_at = block_bounds(BM, BN, False, WIN)
 
     @inline_device
     def tile_space(q, k):
@@ -653,11 +695,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @inline_device
     def tile_coords(tile, n_qb, heads, batch, group, sq, sk):
-        """``(b, h, hk, row0, n_kb, all_see)`` of persistent tile ``tile``: its batch, query
-        head, K/V head (GQA), first query row and key blocks (:func:`block_bounds`)."""
+        """``(b, h, hk, row0, kb0, n_kb, all_first, all_see)`` of persistent tile ``tile``:
+        its batch, query head, K/V head (GQA), first query row, first key block and number
+        of key blocks, and the keys all its rows see (:func:`block_bounds`)."""
         b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-        row0, _, n_kb, _, all_see = block_at(qb, sq, sk)
-        return b, h, h // group, row0, n_kb, all_see
+        row0, kb0, kb_end, all_first, all_see = block_at(qb, sq, sk)
+        return b, h, h // group, row0, kb0, kb_end - kb0, all_first, all_see
 
     @cached_jit
     def pkernel(q, k, v, o, lse, scale, scale_log2):
@@ -695,8 +738,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         qi = 0            # the Q buffer of this tile
         pending = False   # this tile's Q and first K/V block already loaded (in flight)
         while tile < n_tiles:
-            b, h, hk, row0, n_kb, all_see = tile_coords(tile, n_qb, heads, batch, group, sq,
-                                                        sk)
+            b, h, hk, row0, _, n_kb, _, all_see = tile_coords(tile, n_qb, heads, batch, group,
+                                                              sq, sk)
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             nxt_tile = tile + cuda.gridDim.x
             if n_kb > 0:
@@ -717,8 +760,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 nv0 = i64(0)
                 nq_left = 0
                 if nxt_tile < n_tiles:
-                    nb, nh, nhk, nrow0, nn_kb, _ = tile_coords(nxt_tile, n_qb, heads, batch,
-                                                               group, sq, sk)
+                    nb, nh, nhk, nrow0, _, nn_kb, _, _ = tile_coords(nxt_tile, n_qb, heads,
+                                                                     batch, group, sq, sk)
                     if nn_kb > 0:
                         pre = True
                         nq_src = i64(global_addr(q, (nb, nh, nrow0, 0)))
@@ -800,9 +843,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
     PERSIST = bool(cfg.persistent)     # the persistent TMA kernel (producer warpgroup)
     QF1, QE0 = 72, 80                  # persistent: Q buffer 1's full, buffers' empty barriers
-    # causal, several consumer warpgroups: each one's own key blocks and mask (see drain)
-    WG_BOUNDS = bool(causal) and CWG > 1
-    wg_bounds = block_bounds(64, BN, causal)
+    # causal (an upper bound), several consumer warpgroups: each one's own last key block
+    # and mask (see drain)
+    WG_BOUNDS = UPPER and CWG > 1
+    wg_bounds = block_bounds(64, BN, False, WIN)
     PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
     @inline_device
@@ -828,31 +872,34 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             MB.mbarrier_init(bars + 32 * st + 32, CONSUMERS)   # V empty
 
     @inline_device
-    def warpgroup_span(row0, wg, n_kb, all_see, sq, sk):
-        """``(n_wg, see)``: the key blocks this warpgroup computes and the last key all its
-        rows see; causal with several consumer warpgroups, its own (see drain)."""
+    def warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see, sq, sk):
+        """``(n_wg, first, see)``: how many of the tile's key blocks (from ``kb0``) this
+        warpgroup computes, and the first and last key all its rows see; causal (an upper
+        bound) with several consumer warpgroups, its own (see drain)."""
         if WG_BOUNDS:
-            _, _, n_wg, _, see = wg_bounds(row0 // 64 + wg, sq, sk)
-            return max(n_wg, 1), see   # a row that sees no key: masked, as in a 1-WG tile
-        return n_kb, all_see
+            _, _, end, first, see = wg_bounds(row0 // 64 + wg, sq, sk)
+            # at least one block: rows that see no key are masked, as in a 1-WG tile
+            return max(end - kb0, 1), first, see
+        return n_kb, all_first, all_see
 
     @inline_device
-    def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb):
-        """Q, K(0), V(0) and K(1): the loads before the first step. The tensor maps are
-        fenced first by the thread that issues the loads (as :mod:`tilepy.ptx.tma` asks)."""
+    def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, key0):
+        """Q, K(0), V(0) and K(1): the loads before the first step (key block j of the tile
+        starts at key ``key0 + j·BN``). The tensor maps are fenced first by the thread that
+        issues the loads (as :mod:`tilepy.ptx.tma` asks)."""
         kv_base = base + KV
         bars = base + BARS
         T.fence_proxy_tensormap_acquire(tq)
         T.fence_proxy_tensormap_acquire(tk)
         T.fence_proxy_tensormap_acquire(tv)
         load_q(base, tq, bars, row0, h, b)
-        load_kv(kv_base, tk, bars + 8, 0, hk, b)                     # K(0)
-        load_kv(kv_base + TILE, tv, bars + 16, 0, hk, b)             # V(0)
+        load_kv(kv_base, tk, bars + 8, key0, hk, b)                       # K(0)
+        load_kv(kv_base + TILE, tv, bars + 16, key0, hk, b)               # V(0)
         if n_kb > 1:
-            load_kv(kv_base + STAGE, tk, bars + 8 + 32, BN, hk, b)   # K(1)
+            load_kv(kv_base + STAGE, tk, bars + 8 + 32, key0 + BN, hk, b)  # K(1)
 
     @inline_device
-    def produce_step(base, tk, tv, b, hk, kb, n_kb):
+    def produce_step(base, tk, tv, b, hk, kb, n_kb, key0):
         """Step kb's loads: V(kb+1) and K(kb+2), each once its slot is released."""
         kv_base = base + KV
         bars = base + BARS
@@ -860,10 +907,12 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         nxt = 1 - cur
         if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) >> 1) & 1)
-        load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, (kb + 1) * BN, hk, b)
+        load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, key0 + (kb + 1) * BN,
+                hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
             MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
-            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, (kb + 2) * BN, hk, b)
+            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, key0 + (kb + 2) * BN, hk,
+                    b)
 
     @inline_device
     def take_turn(wg):
@@ -876,7 +925,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             BAR.bar_arrive(BAR_TURN + (wg + 1) % CWG, 2 * WARPGROUP)
 
     @inline_device
-    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0):
+    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, key0):
         """Causal: the key blocks past this warpgroup's last key (``n_wg`` … ``n_kb - 1``,
         fully masked for its rows) are not computed. Their slots are still released, each
         once its load has landed (so no release runs ahead of the other warpgroups' releases
@@ -891,7 +940,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             gk = g0 + kb
             st = gk & 1
             if not PRODUCER and tid == 0:
-                produce_step(base, tk, tv, b, hk, kb - 1, n_kb)
+                produce_step(base, tk, tv, b, hk, kb - 1, n_kb, key0)
             take_turn(wg)
             pass_turn(wg, kb == n_kb - 1)
             hold = PERSIST and kb == n_kb - 1
@@ -904,18 +953,20 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 
     @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                 hk, row0, q_rows, n_kb, n_wg, all_see, t, tid, wg, scale_log2, g0, q_bar,
-                 q_phase):
-        """The consumer warpgroup's key blocks 0 … ``n_wg - 1`` (``n_wg`` ≤ ``n_kb``, the
-        tile's count: less for a causal warpgroup whose rows end before the tile's last key
-        block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``. Key block kb
-        is the ring's block ``g0 + kb`` (slot ``& 1``, use ``>> 1``; g0 = 0 in the grid
-        kernel); Q is complete at phase ``q_phase`` of ``q_bar``. Persistent: the tile's last
-        K slot is not released here (its stage holds O in the epilogue)."""
+                 hk, row0, q_rows, kb0, n_kb, n_wg, all_first, all_see, t, tid, wg,
+                 scale_log2, g0, q_bar, q_phase, rows, scale):
+        """The consumer warpgroup's key blocks ``kb0`` … ``kb0 + n_wg - 1`` (``n_wg`` ≤
+        ``n_kb``, the tile's count: less for a causal warpgroup whose rows end before the
+        tile's last key block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``.
+        The tile's j-th key block is the ring's block ``g0 + j`` (slot ``& 1``, use ``>> 1``;
+        g0 = 0 in the grid kernel); Q is complete at phase ``q_phase`` of ``q_bar``.
+        Persistent: the tile's last K slot is not released here (its stage holds O in the
+        epilogue). ``rows``, ``b``, ``h``, ``scale``: the score hook's (:func:`softmax_at`)."""
         kv_base = base + KV
         bars = base + BARS
+        key0 = kb0 * BN
         if not PRODUCER and tid == 0:
-            produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
+            produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, key0)
         if PINGPONG and wg == CWG - 1:
             BAR.bar_arrive(BAR_TURN, 2 * WARPGROUP)                      # warpgroup 0 first
         s0 = g0 & 1
@@ -930,14 +981,15 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_fence_operand(s, NACC_S)
         if not (PERSIST and n_kb == 1):
             MB.mbarrier_arrive(bars + 32 * s0 + 24)                      # K(0) read
-        softmax(s, s3, limit, row_max, row_sum, alpha, 0, all_see, t, scale_log2)
+        softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0, all_first, all_see, t,
+                   scale_log2, rows, b, h, scale)
         to_p(p, s3)                                       # O is 0: no rescale
         for kb in range(n_wg - 1):
             gk = g0 + kb
             cur = gk & 1
             nxt = 1 - cur
             if not PRODUCER and tid == 0:
-                produce_step(base, tk, tv, b, hk, kb, n_kb)
+                produce_step(base, tk, tv, b, hk, kb, n_kb, key0)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((gk + 1) >> 1) & 1)  # K(kb+1)
             MB.mbarrier_wait_parity(bars + 32 * cur + 16, (gk >> 1) & 1)         # V(kb)
             take_turn(wg)
@@ -951,7 +1003,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             W.wgmma_fence_operand(s, NACC_S)
             if not (PERSIST and kb + 2 == n_kb):
                 MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
-            softmax(s, s3, limit, row_max, row_sum, alpha, kb + 1, all_see, t, scale_log2)
+            softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0 + kb + 1, all_first,
+                       all_see, t, scale_log2, rows, b, h, scale)
             W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
@@ -965,16 +1018,20 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
         if WG_BOUNDS:
-            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0)
+            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, key0)
 
-    tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
+    if score_mod is not None and not SIMULATOR:   # its closure holds the caller's function
+        tjit = cuda.jit(launch_bounds=(THREADS, 1)) if PRODUCER else cuda.jit   # no disk cache
+    else:
+        tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
 
     @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps):
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
-        row0, _, n_kb, _, all_see = bounds(sq, sk)
+        row0, kb0, kb_end, all_first, all_see = bounds(sq, sk)
+        n_kb = kb_end - kb0
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -1000,18 +1057,19 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             if PRODUCER and wg == CWG:
                 W.setmaxnreg_dec(PREGS)
                 if tid == CONSUMERS:
-                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb)
+                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, kb0 * BN)
                     for kb in range(n_kb - 1):
-                        produce_step(base, tk, tv, b, hk, kb, n_kb)
+                        produce_step(base, tk, tv, b, hk, kb, n_kb, kb0 * BN)
             else:
                 if PRODUCER:
                     W.setmaxnreg_inc(CREGS)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 q_rows = base + wg * (64 * 128)   # this warpgroup's 64 rows of each sub-tile
-                n_wg, see = warpgroup_span(row0, wg, n_kb, all_see, sq, sk)
+                n_wg, first, see = warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see, sq,
+                                                  sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
-                         h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg, scale_log2, 0,
-                         base + BARS, 0)
+                         h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid, wg,
+                         scale_log2, 0, base + BARS, 0, row0 + wrow + g, scale)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
                          scale, g, t, tid, wg, base + KV)
         elif wg < CWG:
@@ -1059,7 +1117,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 MB.mbarrier_arrive(q_full(bars, qi))         # no tile left
                 break
             nxt = cuda.atomic.add(sched, 0, 1) + cuda.gridDim.x
-            b, h, hk, row0, n_kb, _ = tile_coords(tile, n_qb, heads, batch, group, sq, sk)
+            b, h, hk, row0, kb0, n_kb, _, _ = tile_coords(tile, n_qb, heads, batch, group, sq,
+                                                          sk)
             if n_kb > 0:
                 load_q(base + qi * Q_BYTES, tq, q_full(bars, qi), row0, h, b)
             else:
@@ -1068,10 +1127,11 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 st = gk & 1
                 if gk >= 2:       # the slot's previous use, gk - 2, released
                     MB.mbarrier_wait_parity(bars + 32 * st + 24, ((gk >> 1) - 1) & 1)
-                load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, kb * BN, hk, b)
+                load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, (kb0 + kb) * BN, hk, b)
                 if gk >= 2:
                     MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
-                load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, kb * BN, hk, b)
+                load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, (kb0 + kb) * BN,
+                        hk, b)
                 gk += 1
             j += 1
             tile = nxt
@@ -1130,15 +1190,17 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                 tile = int(tiles[TILE_NO + qi])    # (a NumPy int32 in the simulator)
                 if tile >= n_tiles:
                     break
-                b, h, hk, row0, n_kb, all_see = tile_coords(tile, n_qb, heads, batch, group,
-                                                            sq, sk)
+                b, h, hk, row0, kb0, n_kb, all_first, all_see = tile_coords(
+                    tile, n_qb, heads, batch, group, sq, sk)
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 if n_kb > 0:
-                    n_wg, see = warpgroup_span(row0, wg, n_kb, all_see, sq, sk)
+                    n_wg, first, see = warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see,
+                                                      sq, sk)
                     q_rows = base + qi * Q_BYTES + wg * (64 * 128)
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
-                             tv, b, h, hk, row0, q_rows, n_kb, n_wg, see, t, tid, wg,
-                             scale_log2, gk, q_full(bars, qi), (j >> 1) & 1)
+                             tv, b, h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid,
+                             wg, scale_log2, gk, q_full(bars, qi), (j >> 1) & 1,
+                             row0 + wrow + g, scale)
                     MB.mbarrier_arrive(bars + QE0 + 8 * qi)              # Q read
                     last = (gk + n_kb - 1) & 1
                     epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
@@ -1300,11 +1362,33 @@ TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
 PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
 
 
+#: TMA kernels with a variant in :func:`compile_reports` (the built-in schedules, LSE on):
+#: (head_dim, block_m, pingpong, persistent, window, softcap).
+VARIANT_REPORTS = ((128, 128, True, False, (255, 0), 50.0), (64, 192, False, True, (255, 0), 0.0))
+
+
+def _variant_entry(d, bm, pingpong, persistent, window, cap):
+    from ..offline import report_entry
+    from ..tile.attention import softcap_score
+
+    cfg = WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True, pingpong=pingpong,
+                               producer=True, persistent=persistent)
+    name = (f"attention_wgmma_tma{'_persistent' if persistent else ''}"
+            f"{'_pingpong' if pingpong else ''}{'' if persistent else '_producer'}_window"
+            f"{'_softcap' if cap else ''}"
+            f"_d{d}_{bm}x128")
+    return report_entry(name, lambda: wgmma_attention_kernel(
+        cfg, False, True, window, softcap_score(cap) if cap else None),
+        kernel_argtypes(cfg), (9, 0, "a"), threads=cfg.threads,
+        launch_bounds=(cfg.threads, 1), sass=True, config=cfg.describe(),
+        smem_bytes=cfg.smem_bytes)
+
+
 def compile_reports():
     """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
-    and of the persistent ones (:data:`PERSISTENT_REPORTS`) and the TMA ones
-    (:data:`TMA_REPORTS`)."""
+    and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
+    (:data:`TMA_REPORTS`) and TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`)."""
     from ..offline import report_entry
     from .attention_kernel import argtypes
 
@@ -1339,4 +1423,5 @@ def compile_reports():
         name = (f"attention_wgmma_tma_persistent{'_pingpong' if pingpong else ''}_d{d}_"
                 f"{bm}x128{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
+    out.extend(_variant_entry(*v) for v in VARIANT_REPORTS)
     return out
