@@ -21,6 +21,7 @@ from tilepy.ptx.math import (
     fmax_nan,
     pack_f16x2,
     rcp_approx,
+    tanh_approx,
     unpack_bf16x2_f32,
     unpack_f16x2,
     unpack_f16x2_f32,
@@ -175,6 +176,12 @@ def k_ex2(x, out):
 def k_rcp(x, out):
     for j in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
         out[j] = rcp_approx(x[j])
+
+
+@cuda.jit
+def k_tanh(x, out):
+    for j in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
+        out[j] = tanh_approx(x[j])
 
 
 @cuda.jit
@@ -394,6 +401,33 @@ def check_rcp(x, out):
     return err.max()
 
 
+TANH_SPECIAL = [(np.inf, 1.0), (-np.inf, -1.0), (0.0, 0.0), (30.0, 1.0), (-30.0, -1.0)]
+TANH_REL_ERR = 2.0 ** -14   # MUFU.TANH: about 1e-5 (2**-16.6) seen; the bound tested
+
+
+def tanh_inputs(seed=1, n=4000):
+    """The specials, NaN, then values spread over ±20 (where a soft cap's argument lives) and
+    small magnitudes down to 2**-20."""
+    rng = np.random.default_rng(seed)
+    wide = rng.uniform(-20, 20, n)
+    small = np.sign(rng.uniform(-1, 1, n)) * 2.0 ** rng.uniform(-20, 0, n)
+    return np.concatenate([np.array([v for v, _ in TANH_SPECIAL], np.float32), [np.nan],
+                           wide.astype(np.float32), small.astype(np.float32)])
+
+
+def check_tanh(x, out):
+    check_special(x, out, TANH_SPECIAL, "tanh_approx")
+    start = len(TANH_SPECIAL) + 1
+    xs, got = x[start:].astype(np.float64), out[start:].astype(np.float64)
+    exact = np.tanh(xs)
+    rel = np.abs(got - exact) / np.abs(exact)
+    worst = int(np.argmax(rel))
+    assert rel.max() <= TANH_REL_ERR, (
+        f"tanh_approx({xs[worst]!r}): {got[worst]!r} vs {exact[worst]!r}, relative error "
+        f"2**{np.log2(rel.max()):.2f}")
+    return rel.max()
+
+
 # ---- the references themselves, and the twins as pure functions ----------------------------
 
 def test_references_agree_with_known_cases():
@@ -461,6 +495,7 @@ def test_gpu_fmax_nan_matches_the_twin():
 def test_twins_return_the_declared_types():
     assert type(ex2_approx.twin(np.float32(1))) is np.float32
     assert type(rcp_approx.twin(np.float32(3))) is np.float32
+    assert type(tanh_approx.twin(np.float32(0.5))) is np.float32
     assert type(cvt_f16x2_f32.twin(np.float32(1), np.float32(2))) is np.uint32
     assert type(cvt_bf16x2_f32.twin(np.float32(1), np.float32(2))) is np.uint32
     assert type(cvt_tf32.twin(np.float32(1))) is np.uint32
@@ -530,6 +565,13 @@ def test_sim_ex2_approx():
 
 
 @pytest.mark.sim
+def test_sim_tanh_approx():
+    x = tanh_inputs()
+    err = check_tanh(x, run_unary(k_tanh, x, np.float32))
+    assert err <= 2.0 ** -24  # the twin rounds correctly: half an ulp
+
+
+@pytest.mark.sim
 def test_sim_rcp_approx():
     x = rcp_inputs()
     err = check_rcp(x, run_unary(k_rcp, x, np.float32))
@@ -582,6 +624,14 @@ def test_gpu_rcp_approx_within_the_documented_error():
     x = rcp_inputs(seed=2, n=200_000)
     err = check_rcp(x, run_unary(k_rcp, x, np.float32))
     print(f"rcp.approx.ftz.f32 on this GPU: max error {err:.3f} ulp over {len(x)} inputs")
+
+
+@pytest.mark.gpu
+def test_gpu_tanh_approx_within_the_tested_error():
+    x = tanh_inputs(seed=2, n=100_000)
+    err = check_tanh(x, run_unary(k_tanh, x, np.float32))
+    print(f"tanh.approx.f32 on this GPU: max relative error 2**{np.log2(err):.2f} over "
+          f"{len(x)} inputs")
 
 
 @pytest.mark.gpu

@@ -1,9 +1,9 @@
-"""Per-thread PTX math and conversions: fast ex2 / rcp, and packing to and from 16-bit pairs.
+"""Per-thread PTX math and conversions: fast ex2 / rcp / tanh, and packing to and from 16-bit pairs.
 
 Each function is one inline-PTX instruction (or a small braces block) declared through
 :func:`tilepy.ptx.asm.instruction`; under ``NUMBA_ENABLE_CUDASIM=1`` its Python twin runs
 instead. The twins are per-thread (no warp exchange) and are exact models of the instruction
-except for the two ``.approx`` functions, whose twins return the correctly rounded result
+except for the three ``.approx`` functions, whose twins return the correctly rounded result
 (hardware is within the error bound stated in each docstring).
 
 Packed pairs: a ``uint32`` holding two 16-bit values keeps ``lo`` in bits 0–15 and ``hi`` in
@@ -130,6 +130,13 @@ def _rcp_twin(x):
     return _ftz(r)
 
 
+def _tanh_twin(x):
+    x = _f32(x, "tanh_approx")
+    if np.isnan(x):
+        return np.float32(np.nan)
+    return np.float32(np.tanh(np.float64(x)))
+
+
 def _cvt_f16x2_twin(lo, hi):
     lo, hi = _f32(lo, "cvt_f16x2_f32"), _f32(hi, "cvt_f16x2_f32")
     return _sim.join_halves(f32_to_f16_bits(lo), f32_to_f16_bits(hi))
@@ -199,6 +206,15 @@ Maximum error 1 ulp (PTX ISA). Subnormal x counts as zero of its sign: rcp(±0) 
 = ±inf; rcp(±inf) = ±0; results below 2**-126 in magnitude (|x| > 2**126) are flushed to zero
 of x's sign; NaN → NaN. The simulator twin returns the correctly rounded value.""")
 
+tanh_approx = instruction(
+    "tanh_approx", "tanh.approx.f32 $0, $1;", outs=("f32",), ins=("f32",), min_cc=(7, 5),
+    twin=_tanh_twin, doc="""tanh_approx(x: float32) -> float32 ≈ tanh(x)  (tanh.approx.f32)
+
+One MUFU instruction where the library's ``math.tanh`` compiles to a sequence of exponentials,
+reciprocals and a polynomial branch. Relative error about 1e-5 (the GPU test checks below
+2**-14 over ±20 and at the specials); tanh(±inf) = ±1, tanh(±0) = ±0, NaN → NaN. Compute
+capability 7.5+. The simulator twin returns the correctly rounded value.""")
+
 cvt_f16x2_f32 = instruction(
     # PTX puts operand a in the UPPER half: pass hi ($2) first.
     "cvt_f16x2_f32", "cvt.rn.f16x2.f32 $0, $2, $1;", outs=("u32",), ins=("f32", "f32"),
@@ -260,5 +276,5 @@ its low 13 bits cleared, so a payload only there gives the bits of ±inf), the o
 the tf32 mma. Compute capability 8.0+.""")
 
 ALL = {f.spec.name: f for f in (
-    ex2_approx, rcp_approx, cvt_f16x2_f32, cvt_bf16x2_f32, pack_f16x2, unpack_f16x2,
+    ex2_approx, rcp_approx, tanh_approx, cvt_f16x2_f32, cvt_bf16x2_f32, pack_f16x2, unpack_f16x2,
     unpack_f16x2_f32, unpack_bf16x2_f32, cvt_tf32)}

@@ -63,7 +63,7 @@ import numpy as np
 from numba import cuda
 
 from ..inline import inline_device
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, tanh_approx
 from .config import DTYPES
 
 _NEG_INF = np.float32(-np.inf)
@@ -295,7 +295,9 @@ def _modify_scores(mi: int, ns: int, score_mod):
 def softcap_score(cap: float):
     """Gemma 2's soft cap as a ``score_mod`` (:func:`modify_scores`): ``cap · tanh(score /
     cap)`` of the scaled score, ``cap > 0`` a closure constant (one device function per
-    value: ``2`` and ``2.0`` give the same one)."""
+    value: ``2`` and ``2.0`` give the same one). tanh is the hardware's
+    (:func:`tilepy.ptx.math.tanh_approx`, relative error about 1e-5), as the backward's cap
+    derivative (:mod:`tilepy.tile.attention_backward`) also uses."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
             or not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"softcap must be a finite float > 0, got {cap!r}")
@@ -309,7 +311,7 @@ def _softcap_score(cap: float):
 
     @inline_device
     def softcap(score, q_row, k_col, batch, head):
-        return C * math.tanh(score * INV)
+        return C * tanh_approx(score * INV)
 
     return softcap
 

@@ -44,13 +44,12 @@ Generators (each cached on its arguments):
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 from numba import cuda
 
 from ..inline import device_namespace, inline_device
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx
 from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
 from .attention import key_window
@@ -263,7 +262,8 @@ def softcap_scores(mi: int, ns: int, cap: float):
 
     * ``apply(s, dfac, scale)``: ``t = tanh(scale · s / cap)``, ``s ← cap · t / scale`` (so
       the kernels' ``exp2(scale_log2 · s - lse2)`` is the capped scores' probability, as in
-      the forward) and ``dfac ← 1 - t²`` (a float32 fragment of ``s``'s shape);
+      the forward, whose hardware tanh — :func:`tilepy.ptx.math.tanh_approx` — it uses too)
+      and ``dfac ← 1 - t²`` (a float32 fragment of ``s``'s shape);
     * ``chain(ds, dfac)``: ``ds ← ds · dfac`` — the gradient in the scaled raw score from the
       one in the capped score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
 
@@ -287,7 +287,7 @@ def _softcap_scores(mi: int, ns: int, cap: float):
         for i in range(mi):
             for j in range(ns):
                 for e in range(4):
-                    th = math.tanh(s[i, j, e] * c * INV)
+                    th = tanh_approx(s[i, j, e] * c * INV)
                     s[i, j, e] = C * th * inv_scale
                     dfac[i, j, e] = one - th * th
 
