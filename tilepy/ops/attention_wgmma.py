@@ -71,7 +71,11 @@ stored.
 
 Causal with several consumer warpgroups: each warpgroup computes only up to its own last key
 block (and masks only its own diagonal block), then releases the later blocks' slots as they
-land. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's max grows
+land. A sliding window and a score modification (``window=``, ``score_mod=`` of
+:func:`wgmma_attention_kernel`, TMA kernels only) are generator parameters: a tile runs its key
+blocks from the first one any of its rows sees (the producer loads only those), an upper
+bound behaves as causal does above, and the score hook runs on each key block's retired S
+before the mask. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's max grows
 by more than 2**8 in p.
 """
 

@@ -47,10 +47,11 @@ accumulator_fragment`). Who calls: each lane of one warp for itself (no exchange
 lanes); :func:`key_blocks` / :func:`block_bounds` any thread (the values are block-uniform).
 
 With ``window=None`` the generated code is what the kernels had before windows existed: no
-lower bound, no extra registers. The mma.sync forward kernel takes ``window`` and ``score_mod``
-as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`), and
+lower bound, no extra registers. Both forward kernel families take ``window`` and
+``score_mod`` as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`,
+and :func:`tilepy.ops.attention_wgmma.wgmma_attention_kernel` on its TMA configs), and
 ``tilepy.flash_attention(..., window=, softcap=)`` passes them (the backward's counterparts are
-in :mod:`tilepy.tile.attention_backward`); the wgmma kernels take neither yet.
+in :mod:`tilepy.tile.attention_backward`, on the mma.sync backward kernels).
 """
 
 from __future__ import annotations
