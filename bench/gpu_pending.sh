@@ -29,7 +29,8 @@
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
 #   PART=s18c    the soft cap on tanh.approx.f32: the PTX math GPU tests, the variants'
-#                autograd GPU tests, the variants' benchmark
+#                autograd GPU tests, the variants' benchmark, then user score_mod / mask_mod:
+#                the attention op's GPU tests and the user functions' benchmark
 #   PART=s18a    window= / softcap= on the TMA wgmma kernels: their GPU autograd tests, the
 #                Hopper attention's TMA GPU tests, then the variants' benchmark
 #   PART=s18b    the A/B of the plain attention kernels against the tree before (.ab/old: the
@@ -142,6 +143,8 @@ if [[ " $PART " == *" s18c "* ]]; then
     gpu_tests ptx_math 60 tests/test_ptx_math.py
     gpu_tests attention_variants_gpu 100 tests/test_attention_backward_gpu.py -k window_and_softcap
     bench_suite bench_attention_variants 200 "test_flash_attention_variants"
+    gpu_tests attention_op 120 tests/test_ops_attention.py tests/test_ops_attention_wgmma.py -k "user or window"
+    bench_suite bench_attention_user 150 "test_flash_attention_user_functions"
 fi
 if [[ " $PART " == *" s18a "* ]]; then
     gpu_tests attention_variants_gpu 150 tests/test_attention_backward_gpu.py -k window_and_softcap

@@ -34,14 +34,16 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1), cap=0.0):
+def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1), cap=0.0,
+              score_mod=None, mask_mod=None):
     """float64 softmax(scale · q kᵀ + mask) v and its natural-log LSE, (B, Hq, Sq[, D]).
 
     Causal mask aligned bottom-right (key j visible to query i iff j <= i + Sk - Sq); a row
     with no visible key gives zeros and lse -inf. GQA by repeating k, v over the query heads.
     ``window`` (left, right), -1 unbounded: key j visible to query i iff i + Sk - Sq - left <=
     j <= i + Sk - Sq + right; ``cap``: the scaled scores soft-capped (cap · tanh(s / cap))
-    before the mask.
+    before the mask; then ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` (the
+    user functions of flash_attention, FlexAttention's convention) element by element.
     """
     q, k, v = f64(q), f64(k), f64(v)
     if layout == "bshd":
@@ -54,6 +56,12 @@ def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1),
     s = q @ k.transpose(0, 1, 3, 2) * scale
     if cap:
         s = cap * np.tanh(s / cap)
+    if score_mod is not None or mask_mod is not None:
+        bb, hh, ii, jj = np.meshgrid(*(np.arange(n) for n in s.shape), indexing="ij")
+        if score_mod is not None:
+            s = np.vectorize(score_mod, otypes=[np.float64])(s, bb, hh, ii, jj)
+        if mask_mod is not None:
+            s = np.where(np.vectorize(mask_mod, otypes=[bool])(bb, hh, ii, jj), s, -np.inf)
     left, right = window
     if causal:
         right = 0
@@ -561,6 +569,58 @@ def test_windows_and_softcap(sq, sk, causal, window, cap, dtype, layout):
                            key_window(causal, win), cap)
         check(res, ro, kv[1], dtype)
         check_lse(lse, rl)
+
+
+def alibi_like(score, b, h, q_idx, kv_idx):
+    """A per-head linear distance bias (ALiBi's shape), slopes from the head index."""
+    return score - (h + 1) * 0.25 * abs(q_idx - kv_idx)
+
+
+def prefix_lm(b, h, q_idx, kv_idx):
+    """Prefix-LM: the first 7 keys are visible to every row, the rest causally."""
+    return kv_idx <= q_idx or kv_idx < 7
+
+
+@sim
+@pytest.mark.parametrize("sq,sk,causal,window,cap,score_mod,mask_mod,dtype,layout,again", [
+    (45, 45, False, None, 0.0, None, prefix_lm, "float16", "bhsd", True),          # mask alone
+    (37, 52, True, None, 0.0, alibi_like, None, "bfloat16", "bshd", False),        # bias, causal
+    (40, 33, False, (9, 4), 3.0, alibi_like, prefix_lm, "float16", "bhsd", False),  # all
+])
+def test_user_score_and_mask_functions(sq, sk, causal, window, cap, score_mod, mask_mod, dtype,
+                                       layout, again):
+    """score_mod= / mask_mod= (plain Python functions, FlexAttention's convention) on the
+    simulator's kernel against float64 with the same functions element by element; GQA 4 / 2,
+    poisoned outputs, the LSE, rows whose keys are all masked (prefix-LM with seq_k < seq_q
+    under the window). A second call with another function takes a plan of its own."""
+    others = [(score_mod, lambda b, h, i, j: j % 3 != 1)] if again else []
+    rng = np.random.default_rng()
+    b, hq, hk, d = 1, 4, 2, 32
+    shape = (lambda h, s: (b, h, s, d)) if layout == "bhsd" else (lambda h, s: (b, s, h, d))
+    q = (rand(rng, shape(hq, sq), dtype).astype(np.float32) * 2).astype(NP[dtype])
+    kv = (rand(rng, shape(hk, sk), dtype), rand(rng, shape(hk, sk), dtype))
+    for sm, mm in [(score_mod, mask_mod)] + others:
+        out = np.full(q.shape, np.nan, NP[dtype])
+        res, lse = flash_attention(q, *kv, causal=causal, window=window, softcap=cap,
+                                   score_mod=sm, mask_mod=mm, out=out, return_lse=True,
+                                   layout=layout)
+        ro, rl = reference(q, *kv, causal, None, layout, key_window(causal, window), cap, sm, mm)
+        check(res, ro, kv[1], dtype)
+        check_lse(lse, rl)
+
+
+def test_user_functions_are_checked_before_launch():
+    x = np.ones((1, 1, 8, 32), np.float16)
+    with pytest.raises(TypeError, match=r"score_mod .*must take 5 positional parameters"):
+        flash_attention(x, x, x, score_mod=lambda s, b, h: s)
+    with pytest.raises(TypeError, match=r"mask_mod .*must take 4 positional parameters"):
+        flash_attention(x, x, x, mask_mod=alibi_like)
+    with pytest.raises(TypeError, match="score_mod must be a function"):
+        flash_attention(x, x, x, score_mod=3.0)
+    with pytest.raises(NotImplementedError, match="only the TMA ones take a window"):
+        flash_attention(np.ones((1, 1, 8, 64), np.float16), np.ones((1, 1, 8, 64), np.float16),
+                        np.ones((1, 1, 8, 64), np.float16), mask_mod=prefix_lm,
+                        config=WgmmaAttentionConfig(64, 128, 64, overlap=True))
 
 
 def test_kernel_variants_share_generators_and_refuse_bad_caps():

@@ -180,6 +180,23 @@ def test_tma_window_and_softcap_against_float64(hq, hk, sq, sk, causal, window, 
     check_lse(lse, rl)
 
 
+@pytest.mark.sim
+def test_tma_user_functions_against_float64():
+    """score_mod= / mask_mod= on the grid TMA kernel with turns (rows 128… of the second tile
+    under prefix-LM, their key blocks all visited), against float64 with the same functions."""
+    from test_ops_attention import alibi_like, prefix_lm
+
+    rng = np.random.default_rng()
+    q, k, v = (rand(rng, (1, 1, 140, 64), "bfloat16") for _ in range(3))
+    out = np.full(q.shape, np.nan, NP["bfloat16"])
+    cfg = WgmmaAttentionConfig(64, 128, 64, "bfloat16", overlap=True, tma=True, pingpong=True)
+    o, lse = tilepy.flash_attention(q, k, v, score_mod=alibi_like, mask_mod=prefix_lm,
+                                    return_lse=True, out=out, config=cfg)
+    ro, rl = reference(q, k, v, False, None, "bhsd", (-1, -1), 0.0, alibi_like, prefix_lm)
+    check(o, ro, v, "bfloat16")
+    check_lse(lse, rl)
+
+
 def test_tma_variants_share_generators_and_others_refuse():
     """A causal kernel is the window (-1, 0) kernel; a variant on a wgmma config without TMA
     is a NotImplementedError naming the config."""
@@ -492,6 +509,39 @@ def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
     else:
         want = torch.nn.functional.scaled_dot_product_attention(q, kk, vv)
     assert (got.float() - want.float()).abs().max().item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
+def test_gpu_user_functions_on_the_defaults_against_sdpa(d, causal):
+    """score_mod= (ALiBi's shape) and mask_mod= (prefix-LM) through the built-in Hopper configs
+    (the grid kernel at d128, the persistent one at d64) at full size, GQA, seq_q != seq_k,
+    against SDPA with the same bias and mask as a float32 attn_mask."""
+    torch = pytest.importorskip("torch")
+    from test_ops_attention import alibi_like, prefix_lm
+
+    from tilepy.launch import compute_capability
+
+    if compute_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    b, hq, hk, sq, sk = 2, 8, 4, 1000, 1100
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    got = tilepy.flash_attention(q, k, v, causal=causal, score_mod=alibi_like,
+                                 mask_mod=prefix_lm)
+    i = torch.arange(sq, device="cuda")[:, None]
+    j = torch.arange(sk, device="cuda")[None, :]
+    heads = torch.arange(hq, device="cuda", dtype=torch.float32)[:, None, None]
+    bias = -(heads + 1) * 0.25 * (i - j).abs().float()   # on the scaled scores
+    visible = (j <= i) | (j < 7)
+    if causal:
+        visible &= j <= i + sk - sq
+    bias = bias.masked_fill(~visible, float("-inf"))
+    kk, vv = (x.repeat_interleave(hq // hk, 1).float() for x in (k, v))
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), kk, vv, attn_mask=bias)
+    assert not got.isnan().any()
+    assert (got.float() - want).abs().max().item() < 2e-2
 
 
 @pytest.mark.sim

@@ -253,6 +253,33 @@ def test_flash_attention_window_and_softcap_gradients_and_compile():
         assert torch.equal(x.grad, g)
 
 
+def test_flash_attention_user_functions_on_tensors():
+    """score_mod= / mask_mod= on PyTorch tensors: the forward outside autograd (same values
+    as a float64 reference, torch.compile running it eagerly), and a clear
+    NotImplementedError when a gradient would be needed."""
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+    def prefix(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx or kv_idx < 3
+
+    q, k, v = rand(1, 2, 19, 16), rand(1, 2, 19, 16), rand(1, 2, 19, 16)
+    got = tilepy.flash_attention(q, k, v, score_mod=bias, mask_mod=prefix)
+    s = q.double() @ k.double().transpose(-1, -2) / 4.0
+    i = torch.arange(19)[:, None]
+    j = torch.arange(19)[None, :]
+    s = s - 0.5 * torch.tensor([1.0, 2.0]).double()[:, None, None] * (i - j).abs()
+    s = s.masked_fill(~((j <= i) | (j < 3)), float("-inf"))
+    close(got, torch.softmax(s, -1) @ v.double(), torch.float16, "user functions")
+    compiled = torch.compile(lambda q, k, v: tilepy.flash_attention(q, k, v, mask_mod=prefix),
+                             backend="eager")
+    close(compiled(q, k, v), tilepy.flash_attention(q, k, v, mask_mod=prefix), torch.float16,
+          "compiled")
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError, match="score_mod / mask_mod have no backward"):
+        tilepy.flash_attention(q.requires_grad_(), k, v, mask_mod=prefix)
+
+
 def test_flash_attention_lse_gradient_and_backward_operator():
     """The LSE used downstream as well as the output: its gradient enters the backward."""
     q, k, v = (rand(1, 2, n, 16, grad=True) for n in (21, 17, 17))

@@ -76,13 +76,19 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                    return_lse=False, out=None, layout="bhsd", config=None):
+                    score_mod=None, mask_mod=None, return_lse=False, out=None, layout="bhsd",
+                    config=None):
     if _is_torch(q):
+        if score_mod is not None or mask_mod is not None:
+            return (_front or _pytorch()).flash_attention_mods(
+                q, k, v, causal, scale, window, softcap, score_mod, mask_mod, return_lse, out,
+                layout, config)
         return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, window, softcap,
                                                       return_lse, out, layout, config)
     return _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=window,
-                                      softcap=softcap, return_lse=return_lse, out=out,
-                                      layout=layout, config=config)
+                                      softcap=softcap, score_mod=score_mod, mask_mod=mask_mod,
+                                      return_lse=return_lse, out=out, layout=layout,
+                                      config=config)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,

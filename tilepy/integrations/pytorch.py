@@ -534,6 +534,24 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
     return (res, lse) if return_lse else res
 
 
+def flash_attention_mods(q, k, v, causal, scale, window, softcap, score_mod, mask_mod,
+                         return_lse, out, layout, config):
+    """``tilepy.flash_attention`` with a user ``score_mod`` / ``mask_mod`` on PyTorch tensors:
+    outside compiled graphs (a Python function is no operator argument) and without a
+    backward (``NotImplementedError`` when a gradient is wanted)."""
+    if _wants_grad(q, k, v):
+        raise NotImplementedError(
+            "tilepy.flash_attention: score_mod / mask_mod have no backward yet (causal, "
+            "window= and softcap= do); detach q, k and v or run under torch.no_grad()")
+    if out is not None:
+        _no_out_grad("flash_attention", out, q=q, k=k, v=v)
+    res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, causal=causal, scale=scale,
+                        window=window, softcap=softcap, score_mod=score_mod,
+                        mask_mod=mask_mod, return_lse=return_lse, out=out, layout=layout,
+                        config=config)
+    return _written(res, out)
+
+
 def _float_arg(op: str, name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{op}: {name} must be a float, got {type(value).__name__} {value!r}")

@@ -6,6 +6,7 @@ Validation and layout handling on the host, then one launch of the mma.sync kern
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -15,7 +16,7 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tile import device_write
-from ..tile.attention import key_window, softcap_score
+from ..tile.attention import check_user_function, key_window, score_hook
 from .attention_tuned import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
@@ -70,7 +71,8 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                    return_lse=False, out=None, layout="bhsd", config=None):
+                    score_mod=None, mask_mod=None, return_lse=False, out=None, layout="bhsd",
+                    config=None):
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
@@ -100,6 +102,18 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     * A window other than causal / full, or a soft cap, runs in the same kernels as the
       plain forms: on sm_90 the TMA wgmma kernels (a ``WgmmaAttentionConfig`` without
       ``tma=True`` given with one is a ``NotImplementedError``), elsewhere the mma.sync one.
+    * ``score_mod(score, b, h, q_idx, kv_idx) -> float`` and ``mask_mod(b, h, q_idx, kv_idx)
+      -> bool``: user functions in FlexAttention's convention — each a Numba CUDA device
+      function or a plain Python function, inlined into the kernel — applied to every scaled
+      score after the soft cap; ``mask_mod`` False hides the key (a row that sees no key gives
+      zeros, LSE -inf). ``b`` / ``h`` are the batch and query head, ``q_idx`` / ``kv_idx``
+      positions in the sequences (in edge tiles also past ``seq_q`` / ``seq_k``: those results
+      are discarded). Key blocks outside ``causal`` / ``window`` are skipped first; a
+      ``mask_mod`` alone visits every other block (no block mask yet). Contract, order and
+      examples: :func:`tilepy.tile.attention.score_hook` and ``docs/attention.md``. No backward
+      yet: on PyTorch tensors that need a gradient they raise ``NotImplementedError``, and
+      they run outside ``torch.compile`` graphs (a graph break). A function of the wrong arity
+      is a ``TypeError`` before launch, one that does not compile a ``TypeError`` naming it.
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -117,8 +131,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
-    cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, return_lse,
-                                 layout, config))
+    cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
+                                 mask_mod, return_lse, layout, config))
     if cached is not None:
         bound, stream, alloc_out, alloc_lse, scalars = cached
         if out is None:
@@ -126,8 +140,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
         bound(stream(), (pq, pk, pv, po, pl), scalars)
         return (out, lse) if return_lse else out
-    return _flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout,
-                            config, key)
+    return _flash_attention(q, k, v, causal, scale, window, softcap, (score_mod, mask_mod),
+                            return_lse, out, layout, config, key)
 
 
 _PLANS = PlanCache()
@@ -166,10 +180,19 @@ def is_variant(win, cap) -> bool:
     return tuple(win) not in ((-1, -1), (-1, 0)) or cap > 0
 
 
-def check_config_variant(config, win, cap) -> None:
-    """``NotImplementedError`` for a variant with a wgmma config other than a TMA one (only
-    the TMA wgmma kernels take a window or a score modification)."""
-    if is_variant(win, cap) and isinstance(config, aw.WgmmaAttentionConfig) \
+def check_user_functions(score_mod, mask_mod) -> bool:
+    """Whether a user ``score_mod`` or ``mask_mod`` is given; ``TypeError`` for one that is not
+    a function of the right arity (:func:`tilepy.tile.attention.check_user_function`)."""
+    check_user_function(score_mod, "score_mod", 5)
+    check_user_function(mask_mod, "mask_mod", 4)
+    return score_mod is not None or mask_mod is not None
+
+
+def check_config_variant(config, win, cap, user=False) -> None:
+    """``NotImplementedError`` for a variant (``user``: a score_mod or mask_mod) with a wgmma
+    config other than a TMA one (only the TMA wgmma kernels take a window or a score
+    modification)."""
+    if (is_variant(win, cap) or user) and isinstance(config, aw.WgmmaAttentionConfig) \
             and not config.tma:
         raise NotImplementedError("flash_attention: of the wgmma kernels only the TMA ones "
                                   "take a window or a soft cap; leave config unset, pass a "
@@ -238,13 +261,14 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
 
 
-def _flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout, config,
-                     key):
+def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,
+                     config, key):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config)
     win, cap = check_variant(causal, window, softcap)
-    check_config_variant(config, win, cap)
-    variant = is_variant(win, cap)
+    user = check_user_functions(*mods)
+    check_config_variant(config, win, cap, user)
+    variant = is_variant(win, cap) or user
     caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
@@ -258,7 +282,8 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, l
             bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
                                                                          variant)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
-                     fallback=config is None, variant=(win, cap) if variant else None)
+                     fallback=config is None,
+                     variant=(win, cap) + tuple(mods) if variant else None)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, Q.shape, dtype),
@@ -311,7 +336,8 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
     runs as the same config without TMA (cp.async loads) instead of failing — or, for a
     variant, as the mma.sync kernel, since only the TMA wgmma kernels take one. ``variant``:
-    ``((left, right), cap)``, the kernels' window and soft cap, else None."""
+    ``((left, right), cap, score_mod, mask_mod)``, the kernels' window, soft cap and user
+    functions (:func:`tilepy.tile.attention.score_hook`), else None."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):
@@ -334,25 +360,48 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
             cfg = _mma_sync_config(cfg)     # (past the grid limit: see _grid_safe)
         stream = arrays.stream_handle(Q)
         run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q)
-        try:
-            plan, args = _plan(cfg, causal, *run)
-        except (ValueError, RuntimeError):
-            if not (fallback and getattr(cfg, "tma", False)):
-                raise
-            if variant is not None:
-                cfg = _mma_sync_config(cfg)
-            else:
-                # the cp.async kernel: no producer warpgroup, so at most two consumer
-                # warpgroups
-                cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
-                                          pingpong=False, producer=False, persistent=False)
-            plan, args = _plan(cfg, causal, *run)
-        plan.launch(stream, args)
+        with _user_errors(variant):
+            try:
+                plan, args = _plan(cfg, causal, *run)
+            except (ValueError, RuntimeError):
+                if not (fallback and getattr(cfg, "tma", False)):
+                    raise
+                if variant is not None:
+                    cfg = _mma_sync_config(cfg)
+                else:
+                    # the cp.async kernel: no producer warpgroup, so at most two consumer
+                    # warpgroups
+                    cfg = dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
+                                              pingpong=False, producer=False,
+                                              persistent=False)
+                plan, args = _plan(cfg, causal, *run)
+            plan.launch(stream, args)
         device_write.keep_during_capture(stream, *copies)   # when a CUDA graph captured it
     if not reusable:
         return None
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
                       (3, Out.byte_pointer()), lse_src])
+
+
+@contextlib.contextmanager
+def _user_errors(variant):
+    """Numba's errors from compiling a kernel with a user's score_mod / mask_mod, as a
+    ``TypeError`` that names them (the kernels themselves compile)."""
+    if variant is None or (variant[2] is None and variant[3] is None):
+        yield
+        return
+    from numba.core.errors import NumbaError
+
+    try:
+        yield
+    except NumbaError as e:
+        names = " / ".join(f"{n} {getattr(getattr(f, 'py_func', f), '__qualname__', f)!r}"
+                           for n, f in (("score_mod", variant[2]), ("mask_mod", variant[3]))
+                           if f is not None)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TypeError(f"flash_attention: {names} did not compile inside the kernel (a "
+                        f"score_mod returns a float, a mask_mod a bool, from (b, h, q_idx, "
+                        f"kv_idx) integers and a float32 score): {first}") from e
 
 
 def _mma_sync_config(cfg) -> AttentionConfig:
@@ -367,8 +416,8 @@ def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q):
     gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
     kernel = aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel
     if variant is not None:
-        win, cap = variant
-        kern = kernel(cfg, False, has_lse, win, softcap_score(cap) if cap else None)
+        win, cap, score_mod, mask_mod = variant
+        kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod))
     else:
         kern = kernel(cfg, causal, has_lse)
     extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters

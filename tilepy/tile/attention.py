@@ -32,8 +32,9 @@ The pieces, in the order a kernel uses them
   sees (the key blocks wholly inside those need no mask).
 * :func:`row_limits` — per lane: the first / last key of each of its rows (a local array of
   :func:`limits_shape`), and the online softmax's start (row max -inf, row sum 0).
-* :func:`modify_scores` — an optional user score function on the scores of one key block
-  (FlexAttention's ``score_mod``), before the mask; :func:`softcap_score` makes Gemma 2's.
+* :func:`modify_scores` — an optional score function on the scores of one key block, before
+  the mask; :func:`softcap_score` makes Gemma 2's, :func:`score_hook` one from a cap and a
+  user's FlexAttention-style ``score_mod`` / ``mask_mod``.
 * :func:`mask_scores` — the scores of keys a row does not see set to -inf;
   :func:`mask_key_block` the same in the key blocks that need it (a block-uniform test).
 * :func:`store_rows` — the finalised O rows rounded to 16 bits, and the LSE.
@@ -317,6 +318,92 @@ def _softcap_score(cap: float):
     return softcap
 
 
+def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None):
+    """The kernels' ``score_mod`` (:func:`modify_scores`'s contract) for a soft cap and a
+    user's FlexAttention-style functions, applied in this order to each scaled score:
+
+    1. ``cap > 0``: ``cap · tanh(score / cap)`` (:func:`softcap_score`);
+    2. ``score_mod(score, b, h, q_idx, kv_idx) -> float32``: any modification (a bias such as
+       ALiBi's, a cap of the user's own, ...);
+    3. ``mask_mod(b, h, q_idx, kv_idx) -> bool``: False hides the key from that query row
+       (its score becomes -inf; a row that sees no key gives zeros and LSE -inf).
+
+    ``b`` / ``h`` are the batch and query head, ``q_idx`` / ``kv_idx`` int64 positions in
+    the sequences — in edge tiles past ``seq_q`` / ``seq_k`` too, whose results are never
+    used (a function that reads memory at these indices must bound them itself). The
+    functions run after the window's and the causal mask's key ranges are chosen and before
+    they are applied: key blocks outside those ranges are skipped, the rest see every score.
+    Each is a Numba CUDA device function or a plain Python function (compiled as one,
+    inlined); they must not have side effects. None with no cap and no functions.
+    ``TypeError`` for a non-callable or a function whose positional parameters do not number
+    5 (score_mod) / 4 (mask_mod). One device function per (cap, score_mod, mask_mod)."""
+    if score_mod is None and mask_mod is None:
+        return softcap_score(cap) if cap else None
+    if cap:
+        softcap_score(cap)   # the same validation
+    sm = _user_function(score_mod, "score_mod", 5, _keep_score)
+    mm = _user_function(mask_mod, "mask_mod", 4, _see_all)
+    return _score_hook(float(cap or 0.0), sm, mm)
+
+
+@inline_device
+def _keep_score(score, b, h, q_idx, kv_idx):
+    return score
+
+
+@inline_device
+def _see_all(b, h, q_idx, kv_idx):
+    return True
+
+
+def check_user_function(fn, name: str, arity: int) -> None:
+    """``TypeError`` unless ``fn`` is None or a callable (a Python function, or a Numba
+    dispatcher of one) taking ``arity`` positional parameters."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"{name} must be a function (a Numba CUDA device function or a plain "
+                        f"Python function), got {type(fn).__name__} {fn!r}")
+    py = getattr(fn, "py_func", fn)
+    try:
+        params = inspect.signature(py).parameters.values()
+    except (TypeError, ValueError):
+        return   # no signature to read (a builtin): Numba will say when it compiles
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != arity or any(p.kind == p.VAR_POSITIONAL for p in params):
+        want = ("(score, b, h, q_idx, kv_idx)" if name == "score_mod"
+                else "(b, h, q_idx, kv_idx)")
+        raise TypeError(f"{name} {getattr(py, '__qualname__', py)!r} must take {arity} "
+                        f"positional parameters {want}, got {inspect.signature(py)}")
+
+
+def _user_function(fn, name, arity, default):
+    check_user_function(fn, name, arity)
+    if fn is None:
+        return default
+    return _as_device(fn) if inspect.isfunction(fn) else fn
+
+
+@functools.cache
+def _score_hook(cap: float, score_mod, mask_mod):
+    CAPPED = cap > 0
+    C = np.float32(cap if CAPPED else 1.0)
+    INV = np.float32(1.0 / cap if CAPPED else 1.0)
+    sm, mm = score_mod, mask_mod
+
+    @inline_device
+    def hook(score, q_row, k_col, batch, head):
+        x = score
+        if CAPPED:
+            x = C * tanh_approx(x * INV)
+        x = np.float32(sm(x, batch, head, q_row, k_col))
+        if not mm(batch, head, q_row, k_col):
+            x = _NEG_INF
+        return x
+
+    return hook
+
+
 def mask_scores(mi: int, ns: int, window=None):
     """``mask(s, limit, key0)``: set the entries of one lane's (mi, ns, 4) score fragment whose
     key its row does not see to -inf. ``limit``: the lane's row limits from :func:`row_limits`
@@ -428,6 +515,7 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     return store
 
 
-__all__ = ["block_bounds", "block_coords", "key_blocks", "key_window", "limits_shape",
-           "mask_key_block", "mask_scores", "modify_scores", "row_limits", "softcap_score",
-           "store_rows"]
+__all__ = ["block_bounds", "block_coords", "check_user_function", "key_blocks", "key_window",
+           "limits_shape",
+           "mask_key_block", "mask_scores", "modify_scores", "row_limits", "score_hook",
+           "softcap_score", "store_rows"]
