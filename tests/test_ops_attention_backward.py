@@ -7,8 +7,11 @@ sm_90 / sm_90a compile checks of the kernels."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from test_ops_attention import alibi_like, prefix_lm
 
 from tilepy.ops import attention_backward as ab
 from tilepy.ops.attention import flash_attention
@@ -28,13 +31,16 @@ def f64(x):
     return np.asarray(x).astype(np.float64)
 
 
-def reference(q, k, v, do, causal, scale, window=None, cap=0.0):
+def reference(q, k, v, do, causal, scale, window=None, cap=0.0, score_mod=None,
+              score_mod_grad=None, mask_mod=None):
     """float64 (out, dq, dk, dv) of FlashAttention for (B, H, S, D) arrays: bottom-right
     causal alignment, rows that see no key give zero output and zero gradients, GQA's dk / dv
     summed over each key/value head's query heads. ``window`` (left, right), -1 unbounded:
     key j visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (with
     ``causal``, right = 0); ``cap``: the scaled scores soft-capped (cap · tanh(s / cap)), the
-    chain rule through the cap derived here."""
+    chain rule through the cap derived here; then the user functions (``score_mod`` with its
+    derivative ``score_mod_grad``, ``mask_mod``) element by element, as the forward applies
+    them."""
     q, k, v, do = map(f64, (q, k, v, do))
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -45,6 +51,12 @@ def reference(q, k, v, do, causal, scale, window=None, cap=0.0):
     if cap:
         th = np.tanh(s / cap)
         s, dcap = cap * th, 1 - th ** 2
+    idx = np.meshgrid(*(np.arange(n) for n in s.shape), indexing="ij")
+    if score_mod is not None:
+        dcap = dcap * np.vectorize(score_mod_grad, otypes=[np.float64])(s, *idx)
+        s = np.vectorize(score_mod, otypes=[np.float64])(s, *idx)
+    if mask_mod is not None:
+        s = np.where(np.vectorize(mask_mod, otypes=[bool])(*idx), s, -np.inf)
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
@@ -80,7 +92,7 @@ def close(got, want, dtype, what):
 
 
 def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=0,
-             window=None, softcap=0.0, **kw):
+             window=None, softcap=0.0, mods=None, **kw):
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype]
     q, do = (rng.standard_normal((b, hq, sq, d)).astype(dt) for _ in range(2))
@@ -88,8 +100,9 @@ def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=
     if softcap:
         q = (q.astype(np.float32) * 2).astype(dt)     # larger scores: the cap bites
     scale = d ** -0.5
-    variant = dict(window=window, softcap=softcap)
-    _, rq, rk, rv = reference(q, k, v, do, causal, scale, window, softcap)
+    mods = mods or {}
+    variant = dict(window=window, softcap=softcap, **mods)
+    _, rq, rk, rv = reference(q, k, v, do, causal, scale, window, softcap, **mods)
     args = (q, k, v, do) if layout == "bhsd" else tuple(map(bshd, (q, k, v, do)))
     out, lse = flash_attention(*args[:3], causal=causal, return_lse=True, layout=layout,
                                **variant)
@@ -134,6 +147,48 @@ def test_windows_and_softcap(b, hq, hk, sq, sk, causal, window, softcap, layout,
 
 
 @pytest.mark.parametrize("atomic", [False, True])
+def user_cap(score, b, h, q_idx, kv_idx):
+    return 4.0 * math.tanh(score * 0.25)
+
+
+def user_cap_grad(score, b, h, q_idx, kv_idx):
+    t = math.tanh(score * 0.25)
+    return 1.0 - t * t
+
+
+def one(score, b, h, q_idx, kv_idx):
+    return 1.0
+
+
+@pytest.mark.parametrize("b, hq, hk, sq, sk, causal, layout, mods, kw", [
+    # a nonlinear score_mod (the user's own cap) and prefix-LM: both kernels' index maps
+    (1, 2, 1, 40, 50, False, "bhsd",
+     dict(score_mod=user_cap, score_mod_grad=user_cap_grad, mask_mod=prefix_lm), {}),
+    # a bias (derivative 1) under causal, GQA, bshd, bfloat16; dQ by atomics
+    (1, 4, 2, 45, 45, True, "bshd", dict(score_mod=alibi_like, score_mod_grad=one),
+     {"dtype": "bfloat16", "config": BackwardConfig(32, dtype="bfloat16", block_m=32,
+                                                    block_n=32, dq_block_m=32, dq_block_n=32,
+                                                    dq_atomic=True)}),
+])
+def test_user_functions(b, hq, hk, sq, sk, causal, layout, mods, kw):
+    """The forward's user functions through the backward (the derivative of score_mod given
+    by the user, mask_mod's hidden keys out of every gradient) against the float64
+    derivation with the same functions."""
+    run_case(b, hq, hk, sq, sk, 32, causal, layout=layout, mods=mods, **kw)
+
+
+def test_user_functions_need_score_mod_grad():
+    x = np.ones((1, 1, 8, 32), np.float16)
+    lse = np.zeros((1, 1, 8), np.float32)
+    with pytest.raises(TypeError, match="a score_mod needs its derivative"):
+        flash_attention_backward(x, x, x, x, x, lse, score_mod=alibi_like)
+    with pytest.raises(TypeError, match="score_mod_grad was given without score_mod"):
+        flash_attention_backward(x, x, x, x, x, lse, score_mod_grad=one)
+    with pytest.raises(TypeError, match="score_mod_grad .*must take 5 positional"):
+        flash_attention_backward(x, x, x, x, x, lse, score_mod=alibi_like,
+                                 score_mod_grad=prefix_lm)
+
+
 def test_keys_past_the_end_stay_out_of_dq(atomic):
     """Scores all about -23 (LSE about -19): the zero-filled keys past seq_k in the last key
     block would get P = exp(19), past float16's range, and dS · K = inf · 0 = NaN in dQ

@@ -254,30 +254,39 @@ def test_flash_attention_window_and_softcap_gradients_and_compile():
 
 
 def test_flash_attention_user_functions_on_tensors():
-    """score_mod= / mask_mod= on PyTorch tensors: the forward outside autograd (same values
-    as a float64 reference, torch.compile running it eagerly), and a clear
-    NotImplementedError when a gradient would be needed."""
+    """score_mod= / mask_mod= on PyTorch tensors: gradients through autograd (the user's
+    derivative of score_mod) against float64 autograd of the same attention, torch.compile
+    running the call eagerly, and a clear NotImplementedError for a score_mod without its
+    derivative when a gradient is wanted."""
     def bias(score, b, h, q_idx, kv_idx):
         return score - 0.5 * (h + 1) * abs(q_idx - kv_idx)
+
+    def bias_grad(score, b, h, q_idx, kv_idx):
+        return 1.0
 
     def prefix(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx or kv_idx < 3
 
-    q, k, v = rand(1, 2, 19, 16), rand(1, 2, 19, 16), rand(1, 2, 19, 16)
-    got = tilepy.flash_attention(q, k, v, score_mod=bias, mask_mod=prefix)
-    s = q.double() @ k.double().transpose(-1, -2) / 4.0
-    i = torch.arange(19)[:, None]
-    j = torch.arange(19)[None, :]
-    s = s - 0.5 * torch.tensor([1.0, 2.0]).double()[:, None, None] * (i - j).abs()
-    s = s.masked_fill(~((j <= i) | (j < 3)), float("-inf"))
-    close(got, torch.softmax(s, -1) @ v.double(), torch.float16, "user functions")
+    def ref(q, k, v):
+        s = q @ k.mT / 4.0
+        i = torch.arange(19)[:, None]
+        j = torch.arange(19)[None, :]
+        s = s - 0.5 * torch.tensor([1.0, 2.0]).double()[:, None, None] * (i - j).abs()
+        return torch.softmax(s.masked_fill(~((j <= i) | (j < 3)), float("-inf")), -1) @ v
+
+    ins = [rand(1, 2, 19, 16, grad=True) for _ in range(3)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, score_mod=bias,
+                                                       score_mod_grad=bias_grad,
+                                                       mask_mod=prefix),
+                ref, ins, torch.float16)
+    q, k, v = (x.detach() for x in ins)
     compiled = torch.compile(lambda q, k, v: tilepy.flash_attention(q, k, v, mask_mod=prefix),
                              backend="eager")
     close(compiled(q, k, v), tilepy.flash_attention(q, k, v, mask_mod=prefix), torch.float16,
           "compiled")
     torch._dynamo.reset()
-    with pytest.raises(NotImplementedError, match="score_mod / mask_mod have no backward"):
-        tilepy.flash_attention(q.requires_grad_(), k, v, mask_mod=prefix)
+    with pytest.raises(NotImplementedError, match="needs its derivative"):
+        tilepy.flash_attention(q.requires_grad_(), k, v, score_mod=bias)
 
 
 def test_flash_attention_lse_gradient_and_backward_operator():

@@ -534,22 +534,68 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
     return (res, lse) if return_lse else res
 
 
-def flash_attention_mods(q, k, v, causal, scale, window, softcap, score_mod, mask_mod,
-                         return_lse, out, layout, config):
-    """``tilepy.flash_attention`` with a user ``score_mod`` / ``mask_mod`` on PyTorch tensors:
-    outside compiled graphs (a Python function is no operator argument) and without a
-    backward (``NotImplementedError`` when a gradient is wanted)."""
-    if _wants_grad(q, k, v):
-        raise NotImplementedError(
-            "tilepy.flash_attention: score_mod / mask_mod have no backward yet (causal, "
-            "window= and softcap= do); detach q, k and v or run under torch.no_grad()")
+def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_lse, out,
+                         layout, config):
+    """``tilepy.flash_attention`` with user functions (``mods``: ``(score_mod,
+    score_mod_grad, mask_mod)``) on PyTorch tensors: outside compiled graphs (a Python
+    function is no operator argument), differentiable through
+    :func:`tilepy.flash_attention_backward` with the same functions."""
+    score_mod, score_mod_grad, mask_mod = mods
+    kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                  score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                  layout=layout)
+    if not _wants_grad(q, k, v):
+        res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,
+                            out=out, config=config, **kwargs)
+        return _written(res, out)
+    if config is not None:
+        _no_grad_for("flash_attention", "an explicit config= runs the op outside autograd "
+                     "(leave config unset to differentiate)", q=q, k=k, v=v)
     if out is not None:
         _no_out_grad("flash_attention", out, q=q, k=k, v=v)
-    res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, causal=causal, scale=scale,
-                        window=window, softcap=softcap, score_mod=score_mod,
-                        mask_mod=mask_mod, return_lse=return_lse, out=out, layout=layout,
-                        config=config)
-    return _written(res, out)
+    if score_mod is not None and score_mod_grad is None:
+        raise NotImplementedError(
+            "tilepy.flash_attention: the backward of a score_mod needs its derivative: pass "
+            "score_mod_grad=(score, b, h, q_idx, kv_idx) -> d score_mod / d score (or detach "
+            "q, k and v, or run under torch.no_grad())")
+    res, lse = _eager_only()(_UserFunctionsAttention.apply, q, k, v, kwargs)
+    return (res, lse) if return_lse else res
+
+
+class _UserFunctionsAttention(torch.autograd.Function):
+    """flash_attention with user functions and its backward, eagerly."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kwargs):
+        out, lse = _attention.flash_attention(q, k, v, return_lse=True, **kwargs)
+        ctx.kwargs = kwargs
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _attention_backward.flash_attention_backward(
+            dout, q, k, v, out, lse, dlse=dlse, **ctx.kwargs)
+        return dq, dk, dv, None
+
+
+def flash_attention_backward_mods(dout, q, k, v, out, lse, **kwargs):
+    """``tilepy.flash_attention_backward`` with user functions on PyTorch tensors: eager, not
+    itself differentiable."""
+    _no_grad_for("flash_attention_backward", "it has no backward of its own (double "
+                 "backward)", dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    grads = {n: kwargs[n] for n in ("dq", "dk", "dv")}
+    res = _eager_only()(_attention_backward.flash_attention_backward, dout, q, k, v, out, lse,
+                        **kwargs)
+    for g in grads.values():
+        _written(None, g)
+    return res
 
 
 def _float_arg(op: str, name: str, value) -> float:

@@ -71,8 +71,8 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                    score_mod=None, mask_mod=None, return_lse=False, out=None, layout="bhsd",
-                    config=None):
+                    score_mod=None, score_mod_grad=None, mask_mod=None, return_lse=False,
+                    out=None, layout="bhsd", config=None):
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
@@ -110,10 +110,14 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       positions in the sequences (in edge tiles also past ``seq_q`` / ``seq_k``: those results
       are discarded). Key blocks outside ``causal`` / ``window`` are skipped first; a
       ``mask_mod`` alone visits every other block (no block mask yet). Contract, order and
-      examples: :func:`tilepy.tile.attention.score_hook` and ``docs/attention.md``. No backward
-      yet: on PyTorch tensors that need a gradient they raise ``NotImplementedError``, and
-      they run outside ``torch.compile`` graphs (a graph break). A function of the wrong arity
-      is a ``TypeError`` before launch, one that does not compile a ``TypeError`` naming it.
+      examples: :func:`tilepy.tile.attention.score_hook` and ``docs/attention.md``.
+      ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``, the derivative of
+      ``score_mod`` in ``score``, is what the backward needs (not read here):
+      :func:`tilepy.flash_attention_backward` takes the same three, and on PyTorch tensors
+      autograd differentiates through them (a ``score_mod`` without ``score_mod_grad`` that
+      needs a gradient raises ``NotImplementedError``). On PyTorch tensors they run outside
+      ``torch.compile`` graphs (a graph break). A function of the wrong arity is a
+      ``TypeError`` before launch, one that does not compile a ``TypeError`` naming it.
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -140,6 +144,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
         bound(stream(), (pq, pk, pv, po, pl), scalars)
         return (out, lse) if return_lse else out
+    if score_mod_grad is not None:
+        check_user_function(score_mod_grad, "score_mod_grad", 5)
+        if score_mod is None:
+            raise TypeError("flash_attention: score_mod_grad was given without score_mod")
     return _flash_attention(q, k, v, causal, scale, window, softcap, (score_mod, mask_mod),
                             return_lse, out, layout, config, key)
 

@@ -17,8 +17,9 @@ from ..launch import PlanCache
 from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
-from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant, is_variant,
-                        readable)
+from ..tile.attention import check_user_function
+from .attention import (bhsd_dims, bhsd_view, check_arguments, check_user_functions,
+                        check_variant, is_variant, readable)
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -64,8 +65,9 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                             window=None, softcap=0.0, layout="bhsd", deterministic=False,
-                             dq=None, dk=None, dv=None, config=None, dlse=None):
+                             window=None, softcap=0.0, score_mod=None, score_mod_grad=None,
+                             mask_mod=None, layout="bhsd", deterministic=False, dq=None,
+                             dk=None, dv=None, config=None, dlse=None):
     """Gradients ``(dq, dk, dv)`` of ``out = flash_attention(q, k, v, causal=causal,
     scale=scale, window=window, softcap=softcap, layout=layout)`` for the output gradient
     ``dout``.
@@ -95,6 +97,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       are slower than the wgmma kernels, which do not take variants yet (a
       :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` given with a variant is
       a ``NotImplementedError``).
+    * ``score_mod`` / ``mask_mod``: the forward's user functions, on the same mma.sync kernels
+      (:func:`tilepy.tile.attention_backward.score_functions`); a ``score_mod`` needs
+      ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``, its derivative in ``score``
+      (``TypeError`` without it). The indices and the order are the forward's.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
@@ -107,8 +113,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       launch plans.
     """
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
-    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, layout, deterministic,
-           config)
+    mods = (score_mod, score_mod_grad, mask_mod)
+    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, layout,
+           deterministic, config)
     cached, key = _PLANS.lookup(key)
     if cached is not None:
         bound, stream, makers = cached
@@ -128,7 +135,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         device_write.keep_during_capture(s, *scratch)
         del scratch
         return tuple(results)
-    return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
+    return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
                      deterministic, dq, dk, dv, config, dlse, key)
 
 
@@ -145,19 +152,27 @@ def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, window=Non
     """``(dq shape, dk shape, dv shape, dtype name)`` after every check the op makes before
     launching; reads only metadata (the registered operator's fake implementation)."""
     (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, window,
-                                        softcap, layout, deterministic, None, None, None,
-                                        config, None)
+                                        softcap, (None, None, None), layout, deterministic,
+                                        None, None, None, config, None)
     return Q.shape, K.shape, V.shape, dtype
 
 
-def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
-              dq, dk, dv, config, dlse):
+def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
+              deterministic, dq, dk, dv, config, dlse):
     if out is None:
         raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
                         "result), got None")
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
     win, cap = check_variant(causal, window, softcap)
+    score_mod, score_mod_grad, mask_mod = mods
+    user = check_user_functions(score_mod, mask_mod)
+    check_user_function(score_mod_grad, "score_mod_grad", 5)
+    if (score_mod is None) != (score_mod_grad is None):
+        raise TypeError("flash_attention_backward: a score_mod needs its derivative, "
+                        "score_mod_grad(score, b, h, q_idx, kv_idx) -> d score_mod / d score"
+                        if score_mod is not None else
+                        "flash_attention_backward: score_mod_grad was given without score_mod")
     dO = describe(dout, "dout", allow_float32=False)
     if dO.shape != Q.shape or dO.dtype != dtype:
         raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
@@ -192,19 +207,20 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, d
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
-        if is_variant(win, cap) and isinstance(config, WgmmaBackwardConfig):
+        if (is_variant(win, cap) or user) and isinstance(config, WgmmaBackwardConfig):
             raise NotImplementedError("flash_attention_backward: the wgmma kernels do not take "
-                                      "a window or a soft cap yet; leave config unset (the "
-                                      "mma.sync kernels run them) or pass a BackwardConfig")
+                                      "a window, a soft cap or user functions yet; leave "
+                                      "config unset (the mma.sync kernels run them) or pass a "
+                                      "BackwardConfig")
     return ((Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device,
-            (win, cap))
+            (win, cap, user))
 
 
-def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
-              dq, dk, dv, config, dlse, key):
+def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
+              deterministic, dq, dk, dv, config, dlse, key):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
-        (win, cap) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
-                               deterministic, dq, dk, dv, config, dlse)
+        (win, cap, user) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap,
+                                     mods, layout, deterministic, dq, dk, dv, config, dlse)
     results, makers = [], []
     for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
         if arr is None:
@@ -213,7 +229,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, d
             arr, _ = make()
             G = describe(arr, _OPERANDS[_DQ + slot])
         results.append((arr, G))
-    cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap))
+    cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap) or user)
     hk = bhsd_dims(K.shape, layout)[1]
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
@@ -247,7 +263,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout, d
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap)
+        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, mods)
                  if gen is bk else gen.plans(cfg, bool(causal), bool(deterministic), views,
                                              scale))
         for plan, args in plans:

@@ -58,7 +58,7 @@ from ..tile.attention_backward import (
     mask_transposed_window,
     query_blocks,
     row_state,
-    softcap_scores,
+    score_functions,
     softmax_gradient,
     store_accumulators,
 )
@@ -195,12 +195,15 @@ class BackwardConfig:
                 f"dQ {dq}, D={self.head_dim} {self.dtype}")
 
 
-def kernel_jit(threads: int, blocks_per_sm: int | None = None):
+def kernel_jit(threads: int, blocks_per_sm: int | None = None, disk_cache: bool = True):
     """The backward kernels' decorator: ``cuda.jit`` in the simulator, else the disk-cached
     jit with ``threads`` as the launch bound (and ``blocks_per_sm`` its minimum blocks per
-    SM when given: ``setmaxnreg`` kernels pass 1)."""
+    SM when given: ``setmaxnreg`` kernels pass 1). ``disk_cache=False`` (a kernel whose
+    closure holds a user's function): plain ``cuda.jit`` with the bound."""
     if SIMULATOR:
         return cuda.jit
+    if not disk_cache:
+        return cuda.jit(launch_bounds=int(threads))
     if blocks_per_sm is None:
         return cached_jit(launch_bounds=int(threads))
     return cached_jit(launch_bounds=(int(threads), int(blocks_per_sm)))
@@ -301,7 +304,7 @@ def dq_convert(head_dim: int, dtype: str):
 # ---- 2. dK / dV (and dQ by atomics) ----------------------------------------------------------
 
 def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
-                softcap: float = 0.0):
+                softcap: float = 0.0, mods=(None, None, None)):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)``; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
     .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
@@ -310,10 +313,12 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     Variants (generator parameters, as the forward's :func:`~tilepy.ops.attention_kernel.
     attention_kernel`): ``window`` ``(left, right)`` (:func:`tilepy.tile.attention.
     key_window`; only the query blocks that see the key block are visited) and ``softcap``
-    (> 0: Gemma 2's soft cap, its derivative chained into dS). Without them the code is the
-    plain kernel's."""
+    (> 0: Gemma 2's soft cap, its derivative chained into dS), ``mods`` ``(score_mod,
+    score_mod_grad, mask_mod)``: the forward's user functions and the derivative of its
+    ``score_mod`` (:func:`tilepy.tile.attention_backward.score_functions`). Without them the
+    code is the plain kernel's."""
     left, right = key_window(causal, window)
-    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap))
+    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), tuple(mods))
 
 
 def _cap(softcap) -> float:
@@ -324,7 +329,8 @@ def _cap(softcap) -> float:
 
 
 @functools.cache
-def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float):
+def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float,
+                 mods: tuple):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     W = cfg.warps
     THREADS = 32 * W
@@ -341,10 +347,12 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     NOQ = 4 if NOQ_ALL % 4 == 0 else 2
     PASSES = NOQ_ALL // NOQ
     SW = cfg.swizzle
-    # a window other than plain causal / full, or a soft cap: the variant's masking
-    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0
+    # a window other than plain causal / full, a soft cap or user functions: the variant's
+    # masking
+    USER = any(f is not None for f in mods)
+    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL, ATOMIC = right == 0 and not VARIANT, bool(atomic_dq)
-    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0
+    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
     WIN = (left, right)
     lay = cfg.dkdv_layout(atomic_dq)
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
@@ -366,7 +374,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
     mask_window = mask_transposed_window(1, NQ, False, WIN)
-    capped = softcap_scores(1, NQ, cap) if CAPPED else None
+    capped = score_functions(1, NQ, cap, *mods, transposed=True) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, False, WIN, BN)
     afrag = a_fragment(cfg.dtype)
@@ -374,7 +382,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     store = store_accumulators(1, NO, cfg.dtype)
     add_dq = atomic_add_accumulators(MIQ, NOQ)
 
-    @kernel_jit(THREADS)
+    @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         tid = cuda.threadIdx.x
@@ -484,7 +492,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
                 if VARIANT:
                     if CAPPED:
-                        capped.apply(st, dfac, scale)
+                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq)
                     if WINDOWED:
                         mask_window(st, my_key - shift - (row + 2 * t))
                 elif CAUSAL:
@@ -558,17 +566,19 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 
 # ---- 3. dQ alone (no atomics) --------------------------------------------------------------
 
-def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0):
+def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0,
+              mods=(None, None, None)):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)``; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
     of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides. ``window`` and
-    ``softcap`` as :func:`dkdv_kernel`'s (key blocks outside the window are skipped)."""
+    ``softcap``, ``mods`` as :func:`dkdv_kernel`'s (key blocks outside the window are
+    skipped)."""
     left, right = key_window(causal, window)
-    return _dq_kernel(cfg, left, right, _cap(softcap))
+    return _dq_kernel(cfg, left, right, _cap(softcap), tuple(mods))
 
 
 @functools.cache
-def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float):
+def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
     THREADS = 32 * cfg.dq_warps
     KD = D // 16
@@ -590,8 +600,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float):
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
     grad = softmax_gradient(1, NS, "rows")
     WIN = (left, right)
-    CAPPED = cap > 0
-    capped = softcap_scores(1, NS, cap) if CAPPED else None
+    USER = any(f is not None for f in mods)
+    CAPPED = cap > 0 or USER
+    capped = score_functions(1, NS, cap, *mods) if CAPPED else None
     mask = mask_key_block(1, NS, BN, WIN)
     kblocks = key_blocks(BM, BN, False, WIN)
     rows = row_state(False, WIN)
@@ -599,7 +610,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float):
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
-    @kernel_jit(THREADS)
+    @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
@@ -674,7 +685,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float):
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
                 if CAPPED:
-                    capped.apply(s, dfac, scale)
+                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h)
                 # past a row's last key (or sk), or (a window) before its first
                 mask(s, limit, kb, t, all_first, all_see)
                 grad.probabilities(s, l2, scale_log2)
@@ -746,13 +757,14 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float,
-          window=None, softcap: float = 0.0):
+          window=None, softcap: float = 0.0, mods=(None, None, None)):
     """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
     nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
     (arguments a kernel does not read), optionally ``dlse`` and, when
     :func:`uses_atomics`, ``dq_acc`` (float32 (B, Hq, SqP, D)). ``window``, ``softcap``: the
-    forward's variant (:func:`dkdv_kernel`)."""
+    forward's variant, ``mods`` its user functions with ``score_mod``'s derivative
+    (:func:`dkdv_kernel`)."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -765,7 +777,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
 
     out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
 
-    kern = dkdv_kernel(cfg, causal, atomic, window, softcap)
+    kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
             dq_acc, scale32, slog2)
     smem = cfg.dkdv_layout(atomic).nbytes
@@ -779,7 +791,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
         out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, batch), ROW_THREADS,
                                split=heads_split((0, 1), (), 1, False)), args))
     else:
-        kern = dq_kernel(cfg, causal, window, softcap)
+        kern = dq_kernel(cfg, causal, window, softcap, mods)
         args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2)
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
         out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),

@@ -27,7 +27,8 @@ Generators (each cached on its arguments):
 * :func:`row_state` — a lane's rows' ``lse2``, ``delta`` and key limits (the dQ kernels);
 * :func:`mask_transposed` — the causal mask of a transposed score block (rows = keys);
   :func:`mask_transposed_window` a window's (both bounds);
-* :func:`softcap_scores` — the soft cap and its derivative (``dS`` in the raw score);
+* :func:`score_functions` (:func:`softcap_scores` for the cap alone) — the forward's score
+  modifications and their derivative (``dS`` in the raw score);
 * :func:`a_fragment` — an accumulator fragment rounded to 16 bits as the A operand of the next
   product (P or dS straight from registers);
 * :func:`store_accumulators` / :func:`atomic_add_accumulators` — a fragment, scaled, to a 2-D
@@ -44,6 +45,7 @@ Generators (each cached on its arguments):
 from __future__ import annotations
 
 import functools
+import inspect
 
 import numpy as np
 from numba import cuda
@@ -256,40 +258,109 @@ def _mask_transposed_window(mi: int, ns: int, left: int, right: int):
     return mask
 
 
-def softcap_scores(mi: int, ns: int, cap: float):
-    """Gemma 2's soft cap on one lane's (mi, ns, 4) raw score fragment and its derivative, for
-    the backward (:func:`tilepy.tile.attention.softcap_score` is the forward's): a namespace of
+def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mod_grad=None,
+                    mask_mod=None, transposed: bool = False):
+    """The forward's score modifications (:func:`tilepy.tile.attention.score_hook`: a soft
+    cap, then a user ``score_mod``, then a ``mask_mod``) on one lane's (mi, ns, 4) raw score
+    fragment, with their derivative, for the backward: a namespace of
 
-    * ``apply(s, dfac, scale)``: ``t = tanh(scale · s / cap)``, ``s ← cap · t / scale`` (so
-      the kernels' ``exp2(scale_log2 · s - lse2)`` is the capped scores' probability, as in
-      the forward, whose hardware tanh — :func:`tilepy.ptx.math.tanh_approx` — it uses too)
-      and ``dfac ← 1 - t²`` (a float32 fragment of ``s``'s shape);
+    * ``apply(s, dfac, scale, row0, col0, b, h)``: ``x = scale · s`` becomes ``y = mask(
+      score_mod(cap(x)))``, ``s ← y / scale`` (so the kernels' ``exp2(scale_log2 · s -
+      lse2)`` is the modified scores' probability, as in the forward) and ``dfac ← dy/dx``
+      (a float32 fragment of ``s``'s shape): ``1 - tanh²`` of the cap times
+      ``score_mod_grad(cap(x), b, h, q_idx, kv_idx)``, 0 where ``mask_mod`` hides the key.
+      ``row0`` / ``col0``: the index of the lane's first row / column in the fragment layout
+      (``s[i, j, 2 hh + e]`` is row ``row0 + 16 i + 8 hh``, column ``col0 + 8 j + e``) — query
+      rows and key columns, or with ``transposed`` (Sᵀ) key rows and query columns;
     * ``chain(ds, dfac)``: ``ds ← ds · dfac`` — the gradient in the scaled raw score from the
-      one in the capped score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
+      one in the modified score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
 
-    Any layout (element-wise); ``cap`` a finite float > 0."""
+    ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``: the derivative of ``score_mod`` in
+    its first argument, required with a ``score_mod`` (``TypeError`` otherwise). With the cap
+    alone the code is the cap's and the indices are not read. ``cap`` a finite float > 0 or
+    0."""
+    from .attention import _as_device, _keep_score, _see_all, check_user_function
     from .attention import softcap_score
 
-    softcap_score(cap)   # the same validation
-    return _softcap_scores(mi, ns, float(cap))
+    if cap:
+        softcap_score(cap)   # the same validation
+    check_user_function(score_mod, "score_mod", 5)
+    check_user_function(score_mod_grad, "score_mod_grad", 5)
+    check_user_function(mask_mod, "mask_mod", 4)
+    if (score_mod is None) != (score_mod_grad is None):
+        raise TypeError("the backward of a score_mod needs its derivative: pass score_mod_grad="
+                        "(score, b, h, q_idx, kv_idx) -> d score_mod / d score with score_mod"
+                        if score_mod is not None else
+                        "score_mod_grad was given without its score_mod")
+
+    def device(fn, default):
+        if fn is None:
+            return default
+        return _as_device(fn) if inspect.isfunction(fn) else fn
+
+    return _score_functions(mi, ns, float(cap or 0.0), device(score_mod, _keep_score),
+                            device(score_mod_grad, _one_grad), device(mask_mod, _see_all),
+                            bool(transposed))
+
+
+def softcap_scores(mi: int, ns: int, cap: float):
+    """:func:`score_functions` of a soft cap alone (normal layout): ``apply(s, dfac, scale,
+    row0, col0, b, h)`` (indices unread) and ``chain(ds, dfac)``."""
+    return score_functions(mi, ns, cap)
+
+
+@inline_device
+def _one_grad(score, b, h, q_idx, kv_idx):
+    return np.float32(1.0)
+
+
+def _keep_score_ref():
+    from .attention import _keep_score
+
+    return _keep_score
+
+
+def _see_all_ref():
+    from .attention import _see_all
+
+    return _see_all
 
 
 @functools.cache
-def _softcap_scores(mi: int, ns: int, cap: float):
-    C = np.float32(cap)
-    INV = np.float32(1.0 / cap)
+def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, mask_mod,
+                     transposed: bool):
+    CAPPED = cap > 0
+    C = np.float32(cap if CAPPED else 1.0)
+    INV = np.float32(1.0 / cap if CAPPED else 1.0)
     one = np.float32(1.0)
+    zero = np.float32(0.0)
+    T = transposed
+    sm, smg, mm = score_mod, score_mod_grad, mask_mod
 
     @inline_device
-    def apply(s, dfac, scale):
+    def apply(s, dfac, scale, row0, col0, b, h):
         c = np.float32(scale)
         inv_scale = one / c
         for i in range(mi):
             for j in range(ns):
                 for e in range(4):
-                    th = tanh_approx(s[i, j, e] * c * INV)
-                    s[i, j, e] = C * th * inv_scale
-                    dfac[i, j, e] = one - th * th
+                    r = row0 + 16 * i + 8 * (e // 2)
+                    col = col0 + 8 * j + (e % 2)
+                    qi = col if T else r
+                    kj = r if T else col
+                    x = s[i, j, e] * c
+                    d = one
+                    if CAPPED:
+                        th = tanh_approx(x * INV)
+                        x = C * th
+                        d = one - th * th
+                    d = d * np.float32(smg(x, b, h, qi, kj))
+                    x = np.float32(sm(x, b, h, qi, kj))
+                    if not mm(b, h, qi, kj):
+                        x = _NEG_INF
+                        d = zero
+                    s[i, j, e] = x * inv_scale
+                    dfac[i, j, e] = d
 
     @inline_device
     def chain(ds, dfac):
@@ -298,8 +369,12 @@ def _softcap_scores(mi: int, ns: int, cap: float):
                 for e in range(4):
                     ds[i, j, e] = ds[i, j, e] * dfac[i, j, e]
 
-    return device_namespace(f"softcap_scores_{mi}x{ns}_{cap!r}".replace(".", "_"),
-                            apply=apply, chain=chain, CAP=cap)
+    # a name of its own per configuration: the kernel disk cache keys a closure's modules by
+    # name (kernels with user functions are not disk-cached; their ids keep names apart here)
+    user = "" if (sm, smg, mm) == (_keep_score_ref(), _one_grad, _see_all_ref()) else \
+        f"_user{id(sm)}_{id(smg)}_{id(mm)}"
+    name = f"score_functions_{mi}x{ns}_{cap!r}{'_t' if T else ''}{user}".replace(".", "_")
+    return device_namespace(name, apply=apply, chain=chain, CAP=cap)
 
 
 @functools.cache
@@ -442,5 +517,6 @@ def stage_float32(n: int, row_floats: int):
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
            "mask_keys_past", "mask_transposed", "mask_transposed_window",
-           "query_blocks", "row_state", "softcap_scores", "softmax_gradient", "stage_float32",
+           "query_blocks", "row_state", "score_functions", "softcap_scores", "softmax_gradient",
+           "stage_float32",
            "store_accumulators", "transpose_to_shared"]
