@@ -17,9 +17,9 @@ from ..launch import PlanCache
 from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
-from ..tile.attention import check_user_function
-from .attention import (bhsd_dims, bhsd_view, check_arguments, check_user_functions,
-                        check_variant, is_variant, readable)
+from ..tile.attention_backward import check_functions
+from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant, is_variant,
+                        readable)
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -165,14 +165,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
     win, cap = check_variant(causal, window, softcap)
-    score_mod, score_mod_grad, mask_mod = mods
-    user = check_user_functions(score_mod, mask_mod)
-    check_user_function(score_mod_grad, "score_mod_grad", 5)
-    if (score_mod is None) != (score_mod_grad is None):
-        raise TypeError("flash_attention_backward: a score_mod needs its derivative, "
-                        "score_mod_grad(score, b, h, q_idx, kv_idx) -> d score_mod / d score"
-                        if score_mod is not None else
-                        "flash_attention_backward: score_mod_grad was given without score_mod")
+    user = check_functions(*mods, op="flash_attention_backward")
     dO = describe(dout, "dout", allow_float32=False)
     if dO.shape != Q.shape or dO.dtype != dtype:
         raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "

@@ -45,7 +45,6 @@ Generators (each cached on its arguments):
 from __future__ import annotations
 
 import functools
-import inspect
 
 import numpy as np
 from numba import cuda
@@ -279,28 +278,32 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
     its first argument, required with a ``score_mod`` (``TypeError`` otherwise). With the cap
     alone the code is the cap's and the indices are not read. ``cap`` a finite float > 0 or
     0."""
-    from .attention import _as_device, _keep_score, _see_all, check_user_function
-    from .attention import softcap_score
+    from .attention import _keep_score, _see_all, _user_function, softcap_score
 
     if cap:
         softcap_score(cap)   # the same validation
+    check_functions(score_mod, score_mod_grad, mask_mod)
+    return _score_functions(mi, ns, float(cap or 0.0),
+                            _user_function(score_mod, "score_mod", 5, _keep_score),
+                            _user_function(score_mod_grad, "score_mod_grad", 5, _one_grad),
+                            _user_function(mask_mod, "mask_mod", 4, _see_all),
+                            bool(transposed))
+
+
+def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward") -> bool:
+    """Whether any user function is given; ``TypeError`` (naming ``op``) for one of the wrong
+    arity (:func:`tilepy.tile.attention.check_user_function`), or a ``score_mod`` without its
+    ``score_mod_grad`` (or the other way round)."""
+    from .attention import check_user_function
+
     check_user_function(score_mod, "score_mod", 5)
     check_user_function(score_mod_grad, "score_mod_grad", 5)
     check_user_function(mask_mod, "mask_mod", 4)
     if (score_mod is None) != (score_mod_grad is None):
-        raise TypeError("the backward of a score_mod needs its derivative: pass score_mod_grad="
-                        "(score, b, h, q_idx, kv_idx) -> d score_mod / d score with score_mod"
-                        if score_mod is not None else
-                        "score_mod_grad was given without its score_mod")
-
-    def device(fn, default):
-        if fn is None:
-            return default
-        return _as_device(fn) if inspect.isfunction(fn) else fn
-
-    return _score_functions(mi, ns, float(cap or 0.0), device(score_mod, _keep_score),
-                            device(score_mod_grad, _one_grad), device(mask_mod, _see_all),
-                            bool(transposed))
+        raise TypeError(f"{op}: a score_mod needs its derivative, score_mod_grad(score, b, h, "
+                        "q_idx, kv_idx) -> d score_mod / d score" if score_mod is not None
+                        else f"{op}: score_mod_grad was given without score_mod")
+    return any(f is not None for f in (score_mod, score_mod_grad, mask_mod))
 
 
 def softcap_scores(mi: int, ns: int, cap: float):
@@ -517,6 +520,7 @@ def stage_float32(n: int, row_floats: int):
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
            "mask_keys_past", "mask_transposed", "mask_transposed_window",
-           "query_blocks", "row_state", "score_functions", "softcap_scores", "softmax_gradient",
+           "check_functions", "query_blocks", "row_state", "score_functions", "softcap_scores",
+           "softmax_gradient",
            "stage_float32",
            "store_accumulators", "transpose_to_shared"]
