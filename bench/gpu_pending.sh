@@ -33,7 +33,8 @@
 #                the attention op's GPU tests and the user functions' benchmark
 #   PART=s18a    window= / softcap= on the TMA wgmma kernels: their GPU autograd tests, the
 #                Hopper attention's TMA GPU tests, then the variants' benchmark
-#   PART=s18b    the A/B of the plain attention kernels against the tree before (.ab/old: the
+#   PART=s18b    the A/B of the plain attention kernels against the tree before (.ab/old from
+#                `git archive 557dbd4 tilepy | tar -x -C .ab/old`, carried: the
 #                grid TMA kernel's PTX changed by a few instructions), the attention op's GPU
 #                tests
 #   PART=s17c    window= / softcap= (issue 25): their GPU autograd tests, then the attention
