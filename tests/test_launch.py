@@ -51,7 +51,7 @@ import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from tilepy import launch  # noqa: E402
-from tilepy.launch import GridSplit, LaunchPlan, grid_chunks, pointer  # noqa: E402
+from tilepy.launch import GridSplit, LaunchPlan, arg_at, grid_chunks, pointer  # noqa: E402
 
 
 def _probe_kernel():
@@ -255,3 +255,37 @@ def test_gpu_parameter_buffer_with_scalars_between_arrays():
                                                       np.float64(4.0)))
     np.testing.assert_array_equal(y2.copy_to_host(), x + 3)
     np.testing.assert_array_equal(z2.copy_to_host(), -x + 4.0)
+
+
+@cuda.jit
+def _tuple_arguments(x, pair, empty, y, s):
+    """A tuple argument (an array and a scalar: its members' parameters in order), an empty
+    one (no parameter), then an array and a scalar after them."""
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        y[i] = x[i] * s + pair[0][i] + pair[1]
+
+
+def _tuple_case(xd, wd, yd):
+    return (xd, (wd, np.int64(5)), (), yd, np.float32(2.0))
+
+
+@pytest.mark.parametrize("on_gpu", [pytest.param(False, marks=pytest.mark.sim),
+                                    pytest.param(True, marks=pytest.mark.gpu)])
+def test_tuple_arguments_are_flattened_and_bound(on_gpu):
+    """Arrays and scalars inside tuple arguments take their places among the plan's arrays
+    and scalars (positions as paths), in launches and in bound plans."""
+    x, w = np.arange(10, dtype=np.float32), np.full(10, 0.5, np.float32)
+    xd, wd, yd = cuda.to_device(x), cuda.to_device(w), cuda.device_array(10, np.float32)
+    args = _tuple_case(xd, wd, yd)
+    plan = LaunchPlan(_tuple_arguments, args, 1, 32)
+    assert plan.array_positions() == [0, (1, 0), 3]
+    assert [arg_at(args, p) for p in plan.array_positions()] == [xd, wd, yd]
+    plan.launch(0, args)
+    np.testing.assert_array_equal(yd.copy_to_host(), x * 2 + w + 5)
+    bound = plan.bind([(0, pointer(xd)), (1, pointer(wd)), (2, pointer(yd))])
+    x2, w2 = cuda.to_device(-x), cuda.to_device(2 * w)
+    y2 = cuda.device_array(10, np.float32)
+    bound(0, [pointer(x2), pointer(w2), pointer(y2)], (np.int64(-3), np.float32(3.0)))
+    np.testing.assert_array_equal(y2.copy_to_host(), -x * 3 + 2 * w - 3)
+    np.testing.assert_array_equal(yd.copy_to_host(), x * 2 + w + 5)   # untouched

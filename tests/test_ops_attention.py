@@ -35,7 +35,7 @@ def f64(x):
 
 
 def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1), cap=0.0,
-              score_mod=None, mask_mod=None):
+              score_mod=None, mask_mod=None, alibi=None, mod_args=()):
     """float64 softmax(scale · q kᵀ + mask) v and its natural-log LSE, (B, Hq, Sq[, D]).
 
     Causal mask aligned bottom-right (key j visible to query i iff j <= i + Sk - Sq); a row
@@ -43,7 +43,9 @@ def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1),
     ``window`` (left, right), -1 unbounded: key j visible to query i iff i + Sk - Sq - left <=
     j <= i + Sk - Sq + right; ``cap``: the scaled scores soft-capped (cap · tanh(s / cap))
     before the mask; then ``score_mod(score, b, h, i, j)`` and ``mask_mod(b, h, i, j)`` (the
-    user functions of flash_attention, FlexAttention's convention) element by element.
+    user functions of flash_attention, FlexAttention's convention) element by element, with
+    ``mod_args`` after their fixed parameters; ``alibi`` slopes ((Hq,) or (B, Hq)): ``-slope ·
+    |i + Sk - Sq - j|`` added after the cap.
     """
     q, k, v = f64(q), f64(k), f64(v)
     if layout == "bshd":
@@ -56,12 +58,18 @@ def reference(q, k, v, causal=False, scale=None, layout="bhsd", window=(-1, -1),
     s = q @ k.transpose(0, 1, 3, 2) * scale
     if cap:
         s = cap * np.tanh(s / cap)
+    if alibi is not None:
+        slopes = np.broadcast_to(f64(alibi), (s.shape[0], hq))[:, :, None, None]
+        dist = np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
+        s = s - slopes * dist
     if score_mod is not None or mask_mod is not None:
         bb, hh, ii, jj = np.meshgrid(*(np.arange(n) for n in s.shape), indexing="ij")
         if score_mod is not None:
-            s = np.vectorize(score_mod, otypes=[np.float64])(s, bb, hh, ii, jj)
+            s = np.vectorize(lambda *a: score_mod(*a, *mod_args), otypes=[np.float64])(
+                s, bb, hh, ii, jj)
         if mask_mod is not None:
-            s = np.where(np.vectorize(mask_mod, otypes=[bool])(bb, hh, ii, jj), s, -np.inf)
+            s = np.where(np.vectorize(lambda *a: mask_mod(*a, *mod_args), otypes=[bool])(
+                bb, hh, ii, jj), s, -np.inf)
     left, right = window
     if causal:
         right = 0
@@ -607,6 +615,110 @@ def test_user_score_and_mask_functions(sq, sk, causal, window, cap, score_mod, m
         ro, rl = reference(q, *kv, causal, None, layout, key_window(causal, window), cap, sm, mm)
         check(res, ro, kv[1], dtype)
         check_lse(lse, rl)
+
+
+def same_document(b, h, q_idx, kv_idx, doc_q, doc_k):
+    """Document masking (packed sequences): a key is seen only from its own document. The
+    ids are (batch, seq) int32; the indices are bounded (edge tiles pass positions past the
+    sequences)."""
+    i = min(q_idx, doc_q.shape[1] - 1)
+    j = min(kv_idx, doc_k.shape[1] - 1)
+    return doc_q[b, i] == doc_k[b, j]
+
+
+def table_bias(score, b, h, q_idx, kv_idx, doc_q, doc_k, table, span):
+    """A learned relative-position bias: ``table[h, clamp(q - k, ±span) + span]`` (float32)."""
+    r = min(max(q_idx - kv_idx, -span), span)
+    return score + table[h, r + span]
+
+
+def documents(rng, b, s, n):
+    """(b, s) int32 document ids: ``n`` runs of random lengths per row, in order."""
+    cuts = np.sort(rng.choice(np.arange(1, s), size=(b, n - 1), replace=True), axis=1)
+    return np.stack([np.searchsorted(c, np.arange(s), side="right") for c in cuts]).astype(
+        np.int32)
+
+
+@sim
+@pytest.mark.parametrize("sq,sk,causal,layout,bias", [
+    (45, 45, True, "bhsd", False),      # document mask under causal: packed self-attention
+    (37, 50, False, "bshd", True),      # + a bias table and a scalar, seq_q != seq_k
+])
+def test_mod_args_document_mask_and_bias_table(sq, sk, causal, layout, bias):
+    """mod_args= arrays (and a number) read by the user functions inside the kernel, against
+    float64 with the same functions; a second call with new array contents (same shapes:
+    the same compiled kernel and launch plan, the new pointers) must see the new data."""
+    rng = np.random.default_rng()
+    b, hq, hk, d, dtype = 2, 4, 2, 32, "float16"
+    shape = (lambda h, s: (b, h, s, d)) if layout == "bhsd" else (lambda h, s: (b, s, h, d))
+    q, k, v = rand(rng, shape(hq, sq), dtype), rand(rng, shape(hk, sk), dtype), \
+        rand(rng, shape(hk, sk), dtype)
+    sm = table_bias if bias else None
+    for _ in range(2):
+        doc_q = documents(rng, b, sq, 4)
+        doc_k = doc_q if sq == sk else documents(rng, b, sk, 4)
+        args = (doc_q, doc_k) + ((rng.standard_normal((hq, 9)).astype(np.float32), 4)
+                                 if bias else ())
+        mm = same_document if not bias else (lambda bb, h, i, j, dq, dk, t, sp:
+                                             same_document(bb, h, i, j, dq, dk))
+        out = np.full(q.shape, np.nan, np.float16)
+        res, lse = flash_attention(q, k, v, causal=causal, score_mod=sm, mask_mod=mm,
+                                   mod_args=args, out=out, return_lse=True, layout=layout)
+        ro, rl = reference(q, k, v, causal, None, layout, key_window(causal, None), 0.0, sm,
+                           mm, mod_args=args)
+        check(res, ro, v, dtype)
+        check_lse(lse, rl)
+
+
+@sim
+@pytest.mark.parametrize("sq,sk,causal,per_batch,cap,layout", [
+    (45, 45, True, False, 0.0, "bhsd"),     # BLOOM / MPT: causal, one slope per head
+    (29, 52, False, True, 4.0, "bshd"),     # per (batch, head), bidirectional, with a cap
+])
+def test_alibi_slopes(sq, sk, causal, per_batch, cap, layout):
+    """alibi_slopes= (FlashAttention's): ``-slope · |i + sk - sq - j|`` on the scaled (capped)
+    scores, slopes read on the device; a second call with other slopes reuses the plan."""
+    rng = np.random.default_rng()
+    b, hq, hk, d, dtype = 2, 4, 1, 32, "bfloat16"
+    shape = (lambda h, s: (b, h, s, d)) if layout == "bhsd" else (lambda h, s: (b, s, h, d))
+    q, k, v = rand(rng, shape(hq, sq), dtype), rand(rng, shape(hk, sk), dtype), \
+        rand(rng, shape(hk, sk), dtype)
+    for _ in range(2):
+        slopes = rng.uniform(0.01, 0.6, (b, hq) if per_batch else (hq,)).astype(np.float32)
+        out = np.full(q.shape, np.nan, NP[dtype])
+        res, lse = flash_attention(q, k, v, causal=causal, softcap=cap, alibi_slopes=slopes,
+                                   out=out, return_lse=True, layout=layout)
+        ro, rl = reference(q, k, v, causal, None, layout, key_window(causal, None), cap,
+                           alibi=slopes)
+        check(res, ro, v, dtype)
+        check_lse(lse, rl)
+
+
+def test_mod_args_and_alibi_are_checked_before_launch():
+    x = np.ones((1, 2, 8, 32), np.float16)
+    ids = np.zeros((1, 8), np.int32)
+    with pytest.raises(TypeError, match="mod_args are passed to score_mod / mask_mod"):
+        flash_attention(x, x, x, mod_args=(ids,))
+    with pytest.raises(TypeError, match=r"mask_mod .*must take 6 positional parameters"):
+        flash_attention(x, x, x, mask_mod=prefix_lm, mod_args=(ids, ids))
+    with pytest.raises(TypeError, match="mod_args must be a tuple"):
+        flash_attention(x, x, x, mask_mod=prefix_lm, mod_args=ids)
+    with pytest.raises(ValueError, match="at most 6"):
+        flash_attention(x, x, x, mask_mod=prefix_lm, mod_args=(1,) * 7)
+    with pytest.raises(TypeError, match=r"mod_args\[1\]: expected a CuPy array"):
+        flash_attention(x, x, x, mask_mod=lambda b, h, i, j, a, c: True,
+                        mod_args=(ids, "no"))
+    with pytest.raises(TypeError, match=r"mod_args\[0\]: dtype complex64"):
+        flash_attention(x, x, x, mask_mod=lambda b, h, i, j, a: True,
+                        mod_args=(ids.astype(np.complex64),))
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flash_attention(x, x, x, alibi_slopes=np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="alibi_slopes: dtype"):
+        flash_attention(x, x, x, alibi_slopes=np.ones(2, np.float64))
+    with pytest.raises(NotImplementedError, match="only the TMA ones"):
+        y = np.ones((1, 2, 8, 64), np.float16)
+        flash_attention(y, y, y, alibi_slopes=np.ones(2, np.float32),
+                        config=WgmmaAttentionConfig(64, 128, 64, overlap=True))
 
 
 def test_user_functions_are_checked_before_launch():

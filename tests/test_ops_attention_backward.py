@@ -32,15 +32,16 @@ def f64(x):
 
 
 def reference(q, k, v, do, causal, scale, window=None, cap=0.0, score_mod=None,
-              score_mod_grad=None, mask_mod=None):
+              score_mod_grad=None, mask_mod=None, alibi_slopes=None, mod_args=()):
     """float64 (out, dq, dk, dv) of FlashAttention for (B, H, S, D) arrays: bottom-right
     causal alignment, rows that see no key give zero output and zero gradients, GQA's dk / dv
     summed over each key/value head's query heads. ``window`` (left, right), -1 unbounded:
     key j visible to query i iff i + Sk - Sq - left <= j <= i + Sk - Sq + right (with
     ``causal``, right = 0); ``cap``: the scaled scores soft-capped (cap · tanh(s / cap)), the
     chain rule through the cap derived here; then the user functions (``score_mod`` with its
-    derivative ``score_mod_grad``, ``mask_mod``) element by element, as the forward applies
-    them."""
+    derivative ``score_mod_grad``, ``mask_mod``) element by element with ``mod_args`` after
+    their fixed parameters, as the forward applies them; ALiBi's ``-slope · |i + Sk - Sq -
+    j|`` after the cap (derivative 1)."""
     q, k, v, do = map(f64, (q, k, v, do))
     b, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -51,12 +52,19 @@ def reference(q, k, v, do, causal, scale, window=None, cap=0.0, score_mod=None,
     if cap:
         th = np.tanh(s / cap)
         s, dcap = cap * th, 1 - th ** 2
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(f64(alibi_slopes), (b, hq))[:, :, None, None]
+        s = s - slopes * np.abs(np.arange(sq)[:, None] + sk - sq - np.arange(sk)[None, :])
     idx = np.meshgrid(*(np.arange(n) for n in s.shape), indexing="ij")
+
+    def each(fn, otype):
+        return np.vectorize(lambda *a: fn(*a, *mod_args), otypes=[otype])
+
     if score_mod is not None:
-        dcap = dcap * np.vectorize(score_mod_grad, otypes=[np.float64])(s, *idx)
-        s = np.vectorize(score_mod, otypes=[np.float64])(s, *idx)
+        dcap = dcap * each(score_mod_grad, np.float64)(s, *idx)
+        s = each(score_mod, np.float64)(s, *idx)
     if mask_mod is not None:
-        s = np.where(np.vectorize(mask_mod, otypes=[bool])(*idx), s, -np.inf)
+        s = np.where(each(mask_mod, bool)(*idx), s, -np.inf)
     left, right = window if window is not None else (-1, -1)
     if causal:
         right = 0
@@ -174,6 +182,45 @@ def test_user_functions(b, hq, hk, sq, sk, causal, layout, mods, kw):
     by the user, mask_mod's hidden keys out of every gradient) against the float64
     derivation with the same functions."""
     run_case(b, hq, hk, sq, sk, 32, causal, layout=layout, mods=mods, **kw)
+
+
+def table_bias_grad(score, b, h, q_idx, kv_idx, doc_q, doc_k, table, span):
+    return 1.0
+
+
+@pytest.mark.parametrize("b, hq, hk, sq, sk, causal, layout, kw", [
+    # ALiBi per head under causal, GQA; a second call with other slopes through the plan
+    (1, 4, 2, 45, 45, True, "bhsd", {}),
+    # per (batch, head) slopes, seq_q < seq_k, a cap, bshd; dQ by atomics
+    (2, 2, 1, 30, 50, False, "bshd", {"config": BackwardConfig(
+        32, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)}),
+])
+def test_alibi_slopes(b, hq, hk, sq, sk, causal, layout, kw):
+    """alibi_slopes= through the backward (the bias's derivative 1, both kernels' index maps)
+    against the float64 derivation; called twice with new slopes (the cached plans take the
+    new pointer)."""
+    rng = np.random.default_rng()
+    for seed in range(2):
+        slopes = rng.uniform(0.05, 0.5, (b, hq) if b > 1 else (hq,)).astype(np.float32)
+        run_case(b, hq, hk, sq, sk, 32, causal, layout=layout, seed=seed,
+                 softcap=3.0 if b > 1 else 0.0, mods={"alibi_slopes": slopes}, **kw)
+
+
+def test_mod_args_document_mask_and_bias_table():
+    """mod_args= read by mask_mod, score_mod and score_mod_grad in both backward kernels: a
+    document mask and a bias table with a number, against float64; twice with new ids and a
+    new table (the cached plans take the new pointers)."""
+    from test_ops_attention import documents, same_document, table_bias
+
+    rng = np.random.default_rng()
+    b, hq, hk, sq, sk = 2, 2, 1, 37, 37
+    for seed in range(2):
+        ids = documents(rng, b, sq, 3)
+        args = (ids, ids, rng.standard_normal((hq, 9)).astype(np.float32), 4)
+        run_case(b, hq, hk, sq, sk, 32, True, seed=seed, mods=dict(
+            score_mod=table_bias, score_mod_grad=table_bias_grad,
+            mask_mod=lambda bb, h, i, j, dq, dk, t, sp: same_document(bb, h, i, j, dq, dk),
+            mod_args=args))
 
 
 def test_user_functions_need_score_mod_grad():

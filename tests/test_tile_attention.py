@@ -208,14 +208,14 @@ def test_key_blocks_run_the_heavy_query_blocks_first(causal, window, reversed_):
 
 # ---- masks and score hooks -------------------------------------------------------------------
 
-def softcap(score, q_row, k_col, batch, head):
+def softcap(score, q_row, k_col, batch, head, args):
     """Gemma-style soft capping of the scaled score (a plain function: wrapped by
     modify_scores)."""
     return np.float32(5.0) * math.tanh(score / np.float32(5.0))
 
 
 @inline_device
-def positional(score, q_row, k_col, batch, head):
+def positional(score, q_row, k_col, batch, head, args):
     return score + np.float32(0.25) * (q_row - k_col) + np.float32(3 * batch - head)
 
 
@@ -257,7 +257,7 @@ def mask_kernel(causal, window, hook):
                 for j in range(ns):
                     for e in range(4):
                         frag[0, j, e] = s[rows0 + g + 8 * (e // 2), key0 + 8 * j + e % 2]
-                modify(frag, rows0 + g, key0, b, h, scale)
+                modify(frag, rows0 + g, key0, b, h, scale, ())
                 mask(frag, limit, key0)
                 for j in range(ns):
                     for e in range(4):
@@ -383,7 +383,7 @@ def windowed_softmax_kernel(causal, window, score_mod, block_m=64, block_n=64):
             for i in range(nacc):
                 acc[i] = s[kb, tid, i]
             to_fragment(frag, acc)
-            modify(frag, rows0 + g, kb * block_n + 2 * t, 0, cuda.blockIdx.x, scale)
+            modify(frag, rows0 + g, kb * block_n + 2 * t, 0, cuda.blockIdx.x, scale, ())
             mask(frag, limit, kb, t, all_first, all_see)
             update(frag, row_max, row_sum, alpha, scale_log2)
             for j in range(ns):

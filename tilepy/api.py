@@ -76,29 +76,37 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                    score_mod=None, score_mod_grad=None, mask_mod=None, return_lse=False,
-                    out=None, layout="bhsd", config=None):
+                    alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
+                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None):
     if _is_torch(q):
-        if score_mod is not None or mask_mod is not None or score_mod_grad is not None:
+        if score_mod is not None or mask_mod is not None or score_mod_grad is not None \
+                or alibi_slopes is not None or (mod_args is not None and (
+                    type(mod_args) not in (tuple, list) or len(mod_args))):
             return (_front or _pytorch()).flash_attention_mods(
-                q, k, v, causal, scale, window, softcap, (score_mod, score_mod_grad, mask_mod),
-                return_lse, out, layout, config)
+                q, k, v, causal, scale, window, softcap,
+                (score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args), return_lse, out,
+                layout, config)
         return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, window, softcap,
                                                       return_lse, out, layout, config)
     return _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=window,
-                                      softcap=softcap, score_mod=score_mod,
-                                      score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                                      softcap=softcap, alibi_slopes=alibi_slopes,
+                                      score_mod=score_mod, score_mod_grad=score_mod_grad,
+                                      mask_mod=mask_mod, mod_args=mod_args,
                                       return_lse=return_lse, out=out, layout=layout,
                                       config=config)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                             window=None, softcap=0.0, score_mod=None, score_mod_grad=None,
-                             mask_mod=None, layout="bhsd", deterministic=False, dq=None,
-                             dk=None, dv=None, config=None):
-    mods = dict(score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod)
+                             window=None, softcap=0.0, alibi_slopes=None, score_mod=None,
+                             score_mod_grad=None, mask_mod=None, mod_args=(), layout="bhsd",
+                             deterministic=False, dq=None, dk=None, dv=None, config=None):
+    mods = dict(score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                alibi_slopes=alibi_slopes, mod_args=mod_args)
     if _is_torch(q):
-        if any(f is not None for f in mods.values()):
+        if any(mods[n] is not None for n in ("score_mod", "score_mod_grad", "mask_mod",
+                                             "alibi_slopes")) \
+                or (mod_args is not None and (type(mod_args) not in (tuple, list)
+                                              or len(mod_args))):
             return (_front or _pytorch()).flash_attention_backward_mods(
                 dout, q, k, v, out, lse, causal=causal, scale=scale, window=window,
                 softcap=softcap, layout=layout, deterministic=deterministic, dq=dq, dk=dk,

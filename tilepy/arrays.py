@@ -58,14 +58,18 @@ def _family(x) -> str:
     return ""
 
 
-def _dtype_name(family, x) -> str | None:
-    if family == "torch":
-        import torch
+#: The element types a kernel may read as they are (no 16-bit bit view), besides
+#: :data:`DTYPES`: a score hook's run-time arguments (``describe(..., dtypes=HOOK_DTYPES)``).
+HOOK_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
+               "uint16", "uint32", "uint64", "bool")
 
-        return {torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float32: "float32"}.get(x.dtype)
-    name = str(np.dtype(x.dtype)) if family != "numba" else str(x.dtype)
-    return name if name in DTYPES else None
+
+def _dtype_name(family, x, allowed=DTYPES) -> str | None:
+    if family == "torch":
+        name = str(x.dtype).replace("torch.", "")
+    else:
+        name = str(np.dtype(x.dtype)) if family != "numba" else str(x.dtype)
+    return name if name in allowed else None
 
 
 def dtype_name(dtype) -> str:
@@ -77,8 +81,12 @@ def dtype_name(dtype) -> str:
     return str(np.dtype(dtype))
 
 
-def describe(x, name: str, *, allow_float32: bool = True) -> Operand:
-    """Check that ``x`` is an array tilepy can take; raise TypeError naming ``name`` if not."""
+def describe(x, name: str, *, allow_float32: bool = True, dtypes=None) -> Operand:
+    """Check that ``x`` is an array tilepy can take; raise TypeError naming ``name`` if not.
+    ``dtypes``: the element types allowed (default :data:`DTYPES`, without float32 when not
+    ``allow_float32``); an operand of :data:`HOOK_DTYPES` other than bfloat16 is viewed as
+    its own type by :func:`raw_view`, bfloat16 and float16 of :data:`DTYPES` as uint16 bits
+    (``hook=True`` there keeps float16)."""
     fam = _family(x)
     if not fam:
         raise TypeError(f"{name}: expected a CuPy array, a PyTorch tensor or a Numba device "
@@ -87,8 +95,9 @@ def describe(x, name: str, *, allow_float32: bool = True) -> Operand:
         raise TypeError(f"{name}: a NumPy array lives on the host; move it to the GPU first, "
                         "e.g. cupy.asarray(x), torch.as_tensor(x, device='cuda') or "
                         "numba.cuda.to_device(x)")
-    dt = _dtype_name(fam, x)
-    allowed = DTYPES if allow_float32 else DTYPES[:2]
+    allowed = tuple(dtypes) if dtypes is not None else (
+        DTYPES if allow_float32 else DTYPES[:2])
+    dt = _dtype_name(fam, x, allowed)
     if dt not in allowed:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; expected one of "
                         f"{', '.join(allowed)}")
@@ -176,13 +185,14 @@ def restride(view, shape, strides):
                          gpu_data=view.gpu_data)
 
 
-def raw_view(op: Operand):
-    """The operand's data as a NumPy (simulator) or Numba device array, 16-bit types as uint16
-    bits, not wrapped for the simulator and not reshaped (see :func:`kernel_view`)."""
+def raw_view(op: Operand, *, hook: bool = False):
+    """The operand's data as a NumPy (simulator) or Numba device array, 16-bit float types as
+    uint16 bits (with ``hook``, float16 as float16: a score hook's argument), not wrapped for
+    the simulator and not reshaped (see :func:`kernel_view`)."""
     x = op.raw
     if SIMULATOR and op.family == "numba":
         x = x._ary  # the simulator's device array is a NumPy array inside
-    bits = ITEMSIZE[op.dtype] == 2
+    bits = op.dtype == "bfloat16" or (op.dtype == "float16" and not hook)
     if op.family == "numpy" or isinstance(x, np.ndarray):
         return x.view(np.uint16) if bits else x
     if op.family == "torch":

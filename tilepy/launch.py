@@ -199,15 +199,15 @@ class LaunchPlan:
         self.dispatcher = dispatcher
         self._arrays = []   # per array argument: (position, shape, strides, dtype, ptr at build)
         self._scalars = []  # per scalar argument: (position, NumPy type)
-        for i, a in enumerate(args):
+        for pos, a in _leaves(args):
             if isinstance(a, np.generic):
-                self._scalars.append((i, type(a)))
+                self._scalars.append((pos, type(a)))
             elif hasattr(a, "shape") and hasattr(a, "strides"):
-                self._arrays.append((i, tuple(a.shape), tuple(a.strides), np.dtype(a.dtype),
+                self._arrays.append((pos, tuple(a.shape), tuple(a.strides), np.dtype(a.dtype),
                                      pointer(a)))
             else:
-                raise TypeError(f"argument {i}: a launch plan takes device arrays and NumPy "
-                                f"scalars, got {type(a).__name__}")
+                raise TypeError(f"argument {pos}: a launch plan takes device arrays, NumPy "
+                                f"scalars and tuples of them, got {type(a).__name__}")
         self.split = tuple(split)
         self.chunks = self._plan_chunks()
         self._lock = threading.Lock()
@@ -319,7 +319,7 @@ class LaunchPlan:
         self._ptr_slots = []     # per array argument, the ctypes slot holding its data pointer
         self._array_slots = []   # per array argument, all its slots (nitems, shape: chunks)
         self._scalar_slots = []  # per scalar argument, its ctypes slot
-        for ty, a in zip(sig, args):
+        for ty, a in _typed_leaves(sig, args):
             if isinstance(ty, types.Array):
                 fields = [0, 0, int(a.size), int(a.dtype.itemsize), pointer(a),
                           *map(int, a.shape), *map(int, a.strides)]
@@ -468,7 +468,7 @@ class LaunchPlan:
     def _launch_sim(self, ptrs, scalars):
         args = list(self._templates)
         for (i, t), v in zip(self._scalars, scalars):
-            args[i] = t(v)
+            _put(args, i, t(v))
         if self.chunks is None:
             self._sim_arrays(args, ptrs, ())
             self._sim_run(self.grid, args)
@@ -490,8 +490,8 @@ class LaunchPlan:
             lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0 and n > 0)
             hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0 and n > 0)
             buf = (ctypes.c_char * (hi - lo + dtype.itemsize)).from_address(p + lo)
-            args[i] = FakeCUDAArray(np.ndarray(shape, dtype, buffer=buf, offset=-lo,
-                                               strides=strides))
+            _put(args, i, FakeCUDAArray(np.ndarray(shape, dtype, buffer=buf, offset=-lo,
+                                                   strides=strides)))
 
     def _sim_run(self, grid, args):
         # the simulator's kernel[...] configures the kernel object itself (it returns it):
@@ -511,7 +511,8 @@ class LaunchPlan:
 
     def array_positions(self) -> list:
         """The positions of the array arguments among the kernel's arguments, in the order
-        of the pointer lists of bound plans (:meth:`bind`)."""
+        of the pointer lists of bound plans (:meth:`bind`): an int, or for an array inside a
+        tuple argument the path ``(i, j, …)`` (:func:`arg_at` reads either)."""
         return [i for i, *_ in self._arrays]
 
     def array_index(self, position: int) -> int:
@@ -521,8 +522,8 @@ class LaunchPlan:
 
     def launch(self, stream, args):
         """Launch with a full argument list shaped like the one the plan was built from."""
-        ptrs = [pointer(args[i]) for i, *_ in self._arrays]
-        scalars = [args[i] for i, _ in self._scalars]
+        ptrs = [pointer(arg_at(args, i)) for i, *_ in self._arrays]
+        scalars = [arg_at(args, i) for i, _ in self._scalars]
         self._go(stream, ptrs, scalars)
 
     def _go(self, stream, ptrs, scalars):
@@ -537,6 +538,53 @@ class LaunchPlan:
         if len(sources) != len(self._arrays):
             raise ValueError(f"{len(self._arrays)} array arguments, {len(sources)} sources")
         return BoundPlan(self, sources)
+
+
+def _leaves(args, path=()):
+    """``(position, value)`` of every argument that is not a tuple, depth first: a top-level
+    argument's position is its index, one inside a tuple argument its path of indices
+    (Numba passes a tuple argument as its members' parameters in order; an empty tuple
+    passes none)."""
+    for i, a in enumerate(args):
+        here = path + (i,)
+        if isinstance(a, tuple):
+            yield from _leaves(a, here)
+        else:
+            yield (here if len(here) > 1 else i), a
+
+
+def _typed_leaves(sig, args):
+    """``(Numba type, value)`` pairs of :func:`_leaves`' order."""
+    from numba import types
+
+    for ty, a in zip(sig, args):
+        if isinstance(ty, types.BaseTuple):
+            yield from _typed_leaves(tuple(ty), a)
+        else:
+            yield ty, a
+
+
+def arg_at(args, position):
+    """The argument at ``position`` (:meth:`LaunchPlan.array_positions`: an index, or a path
+    into tuple arguments)."""
+    if isinstance(position, tuple):
+        for i in position:
+            args = args[i]
+        return args
+    return args[position]
+
+
+def _put(args: list, position, value) -> None:
+    """``args`` (a list) with the leaf at ``position`` replaced (tuples rebuilt)."""
+    if not isinstance(position, tuple):
+        args[position] = value
+        return
+
+    def rebuilt(t, path):
+        i = path[0]
+        return t[:i] + ((value if len(path) == 1 else rebuilt(t[i], path[1:])),) + t[i + 1:]
+
+    args[position[0]] = rebuilt(args[position[0]], position[1:])
 
 
 #: Simulator launches: configuring a simulated kernel and running it is one step.

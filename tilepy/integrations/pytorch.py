@@ -536,14 +536,17 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
 
 def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_lse, out,
                          layout, config):
-    """``tilepy.flash_attention`` with user functions (``mods``: ``(score_mod,
-    score_mod_grad, mask_mod)``) on PyTorch tensors: outside compiled graphs (a Python
-    function is no operator argument), differentiable through
-    :func:`tilepy.flash_attention_backward` with the same functions."""
-    score_mod, score_mod_grad, mask_mod = mods
+    """``tilepy.flash_attention`` with user functions or ALiBi (``mods``: ``(score_mod,
+    score_mod_grad, mask_mod, alibi_slopes, mod_args)``) on PyTorch tensors: outside compiled
+    graphs (a Python function is no operator argument), differentiable in q, k and v through
+    :func:`tilepy.flash_attention_backward` with the same functions (not in the slopes or
+    ``mod_args``: a tensor among them that requires grad is a ``NotImplementedError``)."""
+    score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
     kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap,
-                  score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
+                  alibi_slopes=alibi_slopes, score_mod=score_mod,
+                  score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
                   layout=layout)
+    _no_hook_arg_grads("flash_attention", alibi_slopes, mod_args)
     if not _wants_grad(q, k, v):
         res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,
                             out=out, config=config, **kwargs)
@@ -585,11 +588,26 @@ class _UserFunctionsAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _no_hook_arg_grads(op: str, alibi_slopes, mod_args) -> None:
+    """``NotImplementedError`` for slopes or ``mod_args`` tensors that require grad: their
+    gradients are not computed, and a silently missing gradient is worse than an error."""
+    named = [("alibi_slopes", alibi_slopes)] + [
+        (f"mod_args[{i}]", x) for i, x in enumerate(
+            mod_args if type(mod_args) in (tuple, list) else ())]
+    for name, x in named:
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"tilepy.{op}: {name} requires grad, but gradients are computed in q, k and v "
+                f"only; pass it detached (.detach())")
+
+
 def flash_attention_backward_mods(dout, q, k, v, out, lse, **kwargs):
-    """``tilepy.flash_attention_backward`` with user functions on PyTorch tensors: eager, not
-    itself differentiable."""
+    """``tilepy.flash_attention_backward`` with user functions or ALiBi on PyTorch tensors:
+    eager, not itself differentiable."""
     _no_grad_for("flash_attention_backward", "it has no backward of its own (double "
                  "backward)", dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    _no_hook_arg_grads("flash_attention_backward", kwargs.get("alibi_slopes"),
+                       kwargs.get("mod_args"))
     grads = {n: kwargs[n] for n in ("dq", "dk", "dv")}
     res = _eager_only()(_attention_backward.flash_attention_backward, dout, q, k, v, out, lse,
                         **kwargs)

@@ -16,7 +16,7 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tile import device_write
-from ..tile.attention import check_user_function, key_window, score_hook
+from ..tile.attention import check_n_args, check_user_function, key_window, score_hook
 from .attention_tuned import tuned_attention_config
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
@@ -71,8 +71,8 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
-                    score_mod=None, score_mod_grad=None, mask_mod=None, return_lse=False,
-                    out=None, layout="bhsd", config=None):
+                    alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
+                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None):
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
@@ -99,6 +99,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     * ``softcap``: ``0.0`` (none), or a float > 0: the scaled scores become
       ``softcap · tanh(score / softcap)`` before the softmax (Gemma 2's soft cap); the LSE is
       that of the capped scores.
+    * ``alibi_slopes``: ALiBi (FlashAttention's argument): float32 ``(heads_q,)`` or
+      ``(batch, heads_q)``; ``-slope · |i + seq_k - seq_q - j|`` is added to the scaled score
+      of query ``i`` and key ``j`` (after the soft cap). The slopes are read on the GPU at run
+      time (no host synchronisation; a CUDA graph replays new values).
     * A window other than causal / full, or a soft cap, runs in the same kernels as the
       plain forms: on sm_90 the TMA wgmma kernels (a ``WgmmaAttentionConfig`` without
       ``tma=True`` given with one is a ``NotImplementedError``), elsewhere the mma.sync one.
@@ -118,6 +122,13 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       needs a gradient raises ``NotImplementedError``). On PyTorch tensors they run outside
       ``torch.compile`` graphs (a graph break). A function of the wrong arity is a
       ``TypeError`` before launch, one that does not compile a ``TypeError`` naming it.
+    * ``mod_args``: a tuple of arrays (any integer, bool, float16 / float32 / float64 dtype,
+      on the inputs' device) and numbers (int → int64, float → float32) passed to the user
+      functions after their fixed parameters — ``score_mod(score, b, h, q_idx, kv_idx,
+      *mod_args)``, ``mask_mod(b, h, q_idx, kv_idx, *mod_args)`` (and ``score_mod_grad``) —
+      so that a document id per token or a bias table is read inside the kernel; at most
+      :data:`tilepy.tile.attention.MAX_MOD_ARGS`. A new array of the same signature reuses the
+      compiled kernel and launch plan; a number is part of the plan's key.
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -135,35 +146,123 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
+    fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
-                                 mask_mod, return_lse, layout, config))
+                                 mask_mod, fh, return_lse, layout, config))
     if cached is not None:
         bound, stream, alloc_out, alloc_lse, scalars = cached
         if out is None:
             out, po = alloc_out()
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
-        bound(stream(), (pq, pk, pv, po, pl), scalars)
+        bound(stream(), (pq, pk, pv, po, pl, *ph), scalars)
         return (out, lse) if return_lse else out
     if score_mod_grad is not None:
-        check_user_function(score_mod_grad, "score_mod_grad", 5)
+        check_user_function(score_mod_grad, "score_mod_grad", 5, n_mod_args(mod_args))
         if score_mod is None:
             raise TypeError("flash_attention: score_mod_grad was given without score_mod")
-    return _flash_attention(q, k, v, causal, scale, window, softcap, (score_mod, mask_mod),
-                            return_lse, out, layout, config, key)
+    return _flash_attention(q, k, v, causal, scale, window, softcap,
+                            (score_mod, mask_mod, alibi_slopes, mod_args), return_lse, out,
+                            layout, config, key)
 
 
 _PLANS = PlanCache()
 
 
-def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0, out=None,
-                layout="bhsd", config=None):
+def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                alibi_slopes=None, out=None, layout="bhsd", config=None):
     """``(out shape, lse shape, dtype name)`` of ``flash_attention``'s results (the LSE is
     float32), after every check it makes before launching (the same errors); reads only
     metadata, so it also takes PyTorch fake tensors (the registered operator's meta
     function)."""
     Q, dtype, (bq, hq, sq, _, _), *_ = check_arguments(q, k, v, causal, scale, out, layout, config)
-    check_config_variant(config, *check_variant(causal, window, softcap))
+    check_config_variant(config, *check_variant(causal, window, softcap),
+                         alibi_slopes is not None)
+    if alibi_slopes is not None:
+        check_alibi(alibi_slopes, bq, hq)
     return Q.shape, (bq, hq, sq), dtype
+
+
+def n_mod_args(mod_args) -> int:
+    """How many ``mod_args`` there are; ``TypeError`` unless a tuple or list (None: none),
+    ``ValueError`` past :data:`tilepy.tile.attention.MAX_MOD_ARGS`."""
+    if mod_args is None:
+        return 0
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays and numbers, got "
+                        f"{type(mod_args).__name__}")
+    return check_n_args(len(mod_args))
+
+
+def hook_fingerprints(alibi_slopes, mod_args):
+    """``(signature, pointers)`` of the score hook's run-time arguments (:func:`hook_args`'
+    order: ``mod_args``, then the slopes) for the plan cache: arrays by
+    :func:`tilepy.arrays.fingerprint`, numbers by type and value; ``((), ())`` with none."""
+    if alibi_slopes is None and (mod_args is None or (type(mod_args) in (tuple, list)
+                                                      and not mod_args)):
+        return (), ()
+    sigs, ptrs = [], []
+    for x in (*(mod_args if isinstance(mod_args, (tuple, list)) else (mod_args,)),
+              alibi_slopes):
+        if x is None:
+            sigs.append(None)
+        elif isinstance(x, (bool, int, float, np.generic)):
+            sigs.append((type(x), x))
+        else:
+            f, p = arrays.fingerprint(x)
+            sigs.append(f)
+            ptrs.append(p)
+    return tuple(sigs), tuple(ptrs)
+
+
+def check_alibi(alibi_slopes, batch: int, heads: int):
+    """The slopes' Operand; ``TypeError`` / ``ValueError`` unless a float32 array of shape
+    ``(heads,)`` or ``(batch, heads)``."""
+    A = describe(alibi_slopes, "alibi_slopes", dtypes=("float32",))
+    if A.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({heads},) or (batch, "
+                         f"heads_q) = ({batch}, {heads}), got {A.shape}")
+    return A
+
+
+def hook_args(alibi_slopes, mod_args, batch: int, heads: int, sq: int, sk: int):
+    """``(hargs, operands)``: the score hook's run-time arguments as kernel arguments —
+    ``mod_args`` (arrays as device views of their own dtype, ints as int64, floats as
+    float32), then with ALiBi the slopes as a (batch, heads) float32 view (a zero batch stride
+    for per-head slopes) and ``sk - sq`` as int64 (:func:`tilepy.tile.attention.score_hook`'s
+    order) — and the Operands of the arrays among them, in order. Errors name the argument."""
+    n_mod_args(mod_args)
+    hargs, ops = [], []
+    for i, x in enumerate(mod_args or ()):
+        name = f"mod_args[{i}]"
+        if isinstance(x, (bool, np.bool_)):
+            hargs.append(np.bool_(x))
+        elif isinstance(x, (int, np.integer)):
+            hargs.append(np.int64(x))
+        elif isinstance(x, (float, np.floating)):
+            hargs.append(np.float32(x))
+        else:
+            op = describe(x, name, dtypes=arrays.HOOK_DTYPES)
+            if op.ndim == 0:
+                raise ValueError(f"{name}: a 0-d array; pass a number or a 1-element array")
+            ops.append(op)
+            hargs.append(_device_view(arrays.raw_view(op, hook=True)))
+    if alibi_slopes is not None:
+        A = check_alibi(alibi_slopes, batch, heads)
+        view = arrays.raw_view(A)
+        if A.ndim == 1:
+            item = view.dtype.itemsize
+            view = arrays.restride(view, (batch, heads), (0, A.strides[0] * item))
+        ops.append(A)
+        hargs += [_device_view(view), np.int64(sk - sq)]
+    return tuple(hargs), ops
+
+
+def _device_view(view):
+    if isinstance(view, np.ndarray):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(view)
+    return view
 
 
 def check_variant(causal, window, softcap):
@@ -188,16 +287,17 @@ def is_variant(win, cap) -> bool:
     return tuple(win) not in ((-1, -1), (-1, 0)) or cap > 0
 
 
-def check_user_functions(score_mod, mask_mod) -> bool:
+def check_user_functions(score_mod, mask_mod, n_args: int = 0) -> bool:
     """Whether a user ``score_mod`` or ``mask_mod`` is given; ``TypeError`` for one that is not
-    a function of the right arity (:func:`tilepy.tile.attention.check_user_function`)."""
-    check_user_function(score_mod, "score_mod", 5)
-    check_user_function(mask_mod, "mask_mod", 4)
+    a function of the right arity (:func:`tilepy.tile.attention.check_user_function`; ``n_args``
+    ``mod_args`` after the fixed parameters)."""
+    check_user_function(score_mod, "score_mod", 5, n_args)
+    check_user_function(mask_mod, "mask_mod", 4, n_args)
     return score_mod is not None or mask_mod is not None
 
 
 def check_config_variant(config, win, cap, user=False) -> None:
-    """``NotImplementedError`` for a variant (``user``: a score_mod or mask_mod) with a wgmma
+    """``NotImplementedError`` for a variant (``user``: a score_mod, mask_mod or ALiBi) with a wgmma
     config other than a TMA one (only the TMA wgmma kernels take a window or a score
     modification)."""
     if (is_variant(win, cap) or user) and isinstance(config, aw.WgmmaAttentionConfig) \
@@ -274,9 +374,17 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config)
     win, cap = check_variant(causal, window, softcap)
-    user = check_user_functions(*mods)
-    check_config_variant(config, win, cap, user)
-    variant = is_variant(win, cap) or user
+    score_mod, mask_mod, alibi_slopes, mod_args = mods
+    n_args = n_mod_args(mod_args)
+    user = check_user_functions(score_mod, mask_mod, n_args)
+    if n_args and not user:
+        raise TypeError("flash_attention: mod_args are passed to score_mod / mask_mod; "
+                        "neither was given")
+    alibi = alibi_slopes is not None
+    check_config_variant(config, win, cap, user or alibi)
+    hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
+    arrays.same_device(Q, *hops)
+    variant = is_variant(win, cap) or user or alibi
     caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
@@ -291,12 +399,15 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
                                                                          variant)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
                      fallback=config is None,
-                     variant=(win, cap) + tuple(mods) if variant else None)
+                     variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
+                              else None),
+                     hargs=hargs, hops=hops)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, Q.shape, dtype),
                            arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
-                           (scale, scale * fa.LOG2E)))
+                           (scale, scale * fa.LOG2E,
+                            *(x for x in hargs if isinstance(x, np.generic)))))
     return (out, lse) if return_lse else out
 
 
@@ -338,14 +449,18 @@ def bhsd_view(op, layout: str):
     return view
 
 
-def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, variant=None):
+def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, variant=None,
+         hargs=(), hops=()):
     """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
     later call with the same signature can reuse it), else None. ``fallback`` (a config the
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
     runs as the same config without TMA (cp.async loads) instead of failing — or, for a
     variant, as the mma.sync kernel, since only the TMA wgmma kernels take one. ``variant``:
-    ``((left, right), cap, score_mod, mask_mod)``, the kernels' window, soft cap and user
-    functions (:func:`tilepy.tile.attention.score_hook`), else None."""
+    ``((left, right), cap, score_mod, mask_mod, n_args, alibi)``, the kernels' window, soft
+    cap, user functions, their number of ``mod_args`` and ALiBi
+    (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
+    arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays among them, whose
+    pointers a bound plan takes after out's and lse's."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):
@@ -367,7 +482,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         if variant is not None and isinstance(cfg, aw.WgmmaAttentionConfig) and not cfg.tma:
             cfg = _mma_sync_config(cfg)     # (past the grid limit: see _grid_safe)
         stream = arrays.stream_handle(Q)
-        run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q)
+        run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q, tuple(hargs))
         with _user_errors(variant):
             try:
                 plan, args = _plan(cfg, causal, *run)
@@ -387,8 +502,12 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         device_write.keep_during_capture(stream, *copies)   # when a CUDA graph captured it
     if not reusable:
         return None
+    # the plan's arrays: the five operands, any the plan supplies (TMA maps, tile counter),
+    # then the hook's
+    hook_src = [(5 + i, op.byte_pointer()) for i, op in enumerate(hops)]
+    n_plan = len(plan.array_positions()) - 5 - len(hook_src)
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
-                      (3, Out.byte_pointer()), lse_src])
+                      (3, Out.byte_pointer()), lse_src] + [None] * n_plan + hook_src)
 
 
 @contextlib.contextmanager
@@ -409,7 +528,7 @@ def _user_errors(variant):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TypeError(f"flash_attention: {names} did not compile inside the kernel (a "
                         f"score_mod returns a float, a mask_mod a bool, from (b, h, q_idx, "
-                        f"kv_idx) integers and a float32 score): {first}") from e
+                        f"kv_idx) integers, a float32 score and the mod_args): {first}") from e
 
 
 def _mma_sync_config(cfg) -> AttentionConfig:
@@ -418,18 +537,32 @@ def _mma_sync_config(cfg) -> AttentionConfig:
     return AttentionConfig(d, *GPU_CONFIGS[64 if d <= 64 else 128], cfg.dtype)
 
 
-def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q):
+def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, hargs):
     """``(plan, args)`` of ``cfg``'s kernel (the variant's when ``variant`` is not None) for
     the views (see :func:`_run`)."""
     gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
     kernel = aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel
+    reads_bh = False
     if variant is not None:
-        win, cap, score_mod, mask_mod = variant
-        kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod))
+        win, cap, score_mod, mask_mod, n_args, alibi = variant
+        kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod,
+                                                           n_args=n_args, alibi=alibi))
+        reads_bh = score_mod is not None or mask_mod is not None or alibi
     else:
         kern = kernel(cfg, causal, has_lse)
-    extra = {"alloc": arrays.byte_allocator(Q)} if gen is aw else {}   # TMA maps, counters
-    return gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, **extra)
+    if gen is aw:
+        extra = {"alloc": arrays.byte_allocator(Q)}   # TMA maps, counters
+    else:
+        # a hook that reads the batch or head cannot run in grid chunks (they would shift
+        # both): past the grid's limit, refused here
+        extra = {"chunks": not reads_bh}
+        b, h = views[0].shape[0], views[0].shape[1]
+        if reads_bh and max(b, h) > launch.MAX_GRID_YZ:
+            raise NotImplementedError(
+                f"flash_attention: score_mod / mask_mod / alibi_slopes with more than "
+                f"{launch.MAX_GRID_YZ} batches or query heads (got batch {b}, heads {h}) on "
+                f"the mma.sync kernel; split the batch")
+    return gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, hargs=hargs, **extra)
 
 
 def _grid_safe(cfg, batch: int, heads: int):

@@ -13,13 +13,13 @@ import numpy as np
 
 from .. import arrays, launch
 from ..arrays import describe
-from ..launch import PlanCache
+from ..launch import PlanCache, arg_at
 from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
 from ..tile.attention_backward import check_functions
-from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant, is_variant,
-                        readable)
+from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant,
+                        hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -65,9 +65,10 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
-                             window=None, softcap=0.0, score_mod=None, score_mod_grad=None,
-                             mask_mod=None, layout="bhsd", deterministic=False, dq=None,
-                             dk=None, dv=None, config=None, dlse=None):
+                             window=None, softcap=0.0, alibi_slopes=None, score_mod=None,
+                             score_mod_grad=None, mask_mod=None, mod_args=(), layout="bhsd",
+                             deterministic=False, dq=None, dk=None, dv=None, config=None,
+                             dlse=None):
     """Gradients ``(dq, dk, dv)`` of ``out = flash_attention(q, k, v, causal=causal,
     scale=scale, window=window, softcap=softcap, layout=layout)`` for the output gradient
     ``dout``.
@@ -101,6 +102,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       (:func:`tilepy.tile.attention_backward.score_functions`); a ``score_mod`` needs
       ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``, its derivative in ``score``
       (``TypeError`` without it). The indices and the order are the forward's.
+    * ``alibi_slopes`` and ``mod_args``: the forward's (ALiBi's bias has derivative 1; the
+      user functions, ``score_mod_grad`` included, take the ``mod_args`` after their fixed
+      parameters). No gradient flows into them.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
@@ -113,8 +117,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       launch plans.
     """
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
+    fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     mods = (score_mod, score_mod_grad, mask_mod)
-    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, layout,
+    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, fh, layout,
            deterministic, config)
     cached, key = _PLANS.lookup(key)
     if cached is not None:
@@ -129,19 +134,22 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
             else:
                 scratch.append(arr)   # alive until the launches are queued (stream-ordered
                 ptrs.append(p)        # allocators may reuse it after that, not before)
+        ptrs += [0] * (len(_OPERANDS) - len(ptrs)) + list(ph)   # the hook's arrays last
         s = stream()
         for plan in bound:
             plan(s, ptrs)
         device_write.keep_during_capture(s, *scratch)
         del scratch
         return tuple(results)
-    return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
-                     deterministic, dq, dk, dv, config, dlse, key)
+    return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap,
+                     mods + (alibi_slopes, mod_args), layout, deterministic, dq, dk, dv,
+                     config, dlse, key)
 
 
 _PLANS = PlanCache()
 #: The operands of one call in the order bound plans take their pointers: the arguments as
-#: passed, then the float32 scratch (``dq_acc`` only on the atomic path).
+#: passed, then the float32 scratch (``dq_acc`` only on the atomic path; its slot is 0
+#: without), then the score hook's arrays (``mod_args``' and the ALiBi slopes).
 _OPERANDS = ("do", "q", "k", "v", "o", "lse", "dq", "dk", "dv", "dlse", "delta", "lse2",
              "dq_acc")
 _DQ, _SCRATCH0 = 6, 10
@@ -152,7 +160,7 @@ def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, window=Non
     """``(dq shape, dk shape, dv shape, dtype name)`` after every check the op makes before
     launching; reads only metadata (the registered operator's fake implementation)."""
     (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, window,
-                                        softcap, (None, None, None), layout, deterministic,
+                                        softcap, (None,) * 5, layout, deterministic,
                                         None, None, None, config, None)
     return Q.shape, K.shape, V.shape, dtype
 
@@ -165,7 +173,14 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
     win, cap = check_variant(causal, window, softcap)
-    user = check_functions(*mods, op="flash_attention_backward")
+    score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
+    n_args = n_mod_args(mod_args)
+    user = check_functions(score_mod, score_mod_grad, mask_mod, op="flash_attention_backward",
+                           n_args=n_args)
+    if n_args and not user:
+        raise TypeError("flash_attention_backward: mod_args are passed to score_mod / "
+                        "mask_mod; neither was given")
+    user = user or alibi_slopes is not None
     dO = describe(dout, "dout", allow_float32=False)
     if dO.shape != Q.shape or dO.dtype != dtype:
         raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
@@ -202,17 +217,25 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
                              f"inputs are head_dim {d} {dtype}")
         if (is_variant(win, cap) or user) and isinstance(config, WgmmaBackwardConfig):
             raise NotImplementedError("flash_attention_backward: the wgmma kernels do not take "
-                                      "a window, a soft cap or user functions yet; leave "
-                                      "config unset (the mma.sync kernels run them) or pass a "
-                                      "BackwardConfig")
+                                      "a window, a soft cap, ALiBi or user functions yet; "
+                                      "leave config unset (the mma.sync kernels run them) or "
+                                      "pass a BackwardConfig")
+    if user and max(bq, hq) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(
+            f"flash_attention_backward: score_mod / mask_mod / alibi_slopes with more than "
+            f"{launch.MAX_GRID_YZ} batches or query heads (got batch {bq}, heads {hq}); split "
+            f"the batch")
+    hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
+    arrays.same_device(Q, *hops)
     return ((Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device,
-            (win, cap, user))
+            (win, cap, user, (score_mod, score_mod_grad, mask_mod, n_args,
+                              alibi_slopes is not None), hargs, hops))
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
               deterministic, dq, dk, dv, config, dlse, key):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
-        (win, cap, user) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap,
+        (win, cap, user, kmods, hargs, hops) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap,
                                      mods, layout, deterministic, dq, dk, dv, config, dlse)
     results, makers = [], []
     for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
@@ -253,10 +276,14 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
             arr, _ = make()
             ops[name] = describe(arr, name)
             views[name] = bhsd_view(ops[name], "bhsd")
+        arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
+        for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
+            views[f"hook{i}"], ops[f"hook{i}"] = view, op
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, mods)
+        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
+                           hargs)
                  if gen is bk else gen.plans(cfg, bool(causal), bool(deterministic), views,
                                              scale))
         for plan, args in plans:
@@ -274,13 +301,14 @@ def _bind(plans, views, ops):
     """The plans bound to the operands of :data:`_OPERANDS` (a later call passes their
     pointers): each array argument found by identity among the views; anything else (the
     placeholder) stays constant."""
-    index = {name: i for i, name in enumerate(_OPERANDS)}
-    by_view = {id(views[name]): name for name in _OPERANDS if name in views}
+    names = _OPERANDS + tuple(n for n in views if n.startswith("hook"))
+    index = {name: i for i, name in enumerate(names)}
+    by_view = {id(views[name]): name for name in names if name in views}
     bound = []
     for plan, args in plans:
         sources = []
         for pos in plan.array_positions():
-            name = by_view.get(id(args[pos]))
+            name = by_view.get(id(arg_at(args, pos)))
             sources.append(None if name is None else (index[name], ops[name].byte_pointer()))
         bound.append(plan.bind(sources))
     return bound

@@ -305,7 +305,7 @@ def dq_convert(head_dim: int, dtype: str):
 
 def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
                 softcap: float = 0.0, mods=(None, None, None)):
-    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)``; grid
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
     .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
     ``dq_acc`` (B, Hq, SqP, D) float32, added to with ``atomic_dq`` (else a placeholder).
@@ -314,11 +314,27 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     attention_kernel`): ``window`` ``(left, right)`` (:func:`tilepy.tile.attention.
     key_window`; only the query blocks that see the key block are visited) and ``softcap``
     (> 0: Gemma 2's soft cap, its derivative chained into dS), ``mods`` ``(score_mod,
-    score_mod_grad, mask_mod)``: the forward's user functions and the derivative of its
-    ``score_mod`` (:func:`tilepy.tile.attention_backward.score_functions`). Without them the
-    code is the plain kernel's."""
+    score_mod_grad, mask_mod[, n_args, alibi])``: the forward's user functions, the derivative
+    of its ``score_mod``, the number of ``mod_args`` they take and ALiBi
+    (:func:`tilepy.tile.attention_backward.score_functions`), whose run-time arguments are
+    ``hargs`` (the forward's; ``()`` without). Without them the code is the plain
+    kernel's."""
     left, right = key_window(causal, window)
-    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), tuple(mods))
+    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), _mods(mods))
+
+
+def _mods(mods) -> tuple:
+    """``(score_mod, score_mod_grad, mask_mod, n_args, alibi)`` from 3 or 5 entries."""
+    mods = tuple(mods)
+    if len(mods) == 3:
+        mods += (0, False)
+    sm, smg, mm, n_args, alibi = mods
+    return sm, smg, mm, int(n_args), bool(alibi)
+
+
+def _reads_hook(mods) -> bool:
+    """Whether :func:`_mods`' entries make a score hook (user functions or ALiBi)."""
+    return any(f is not None for f in mods[:3]) or mods[4]
 
 
 def _cap(softcap) -> float:
@@ -349,7 +365,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     SW = cfg.swizzle
     # a window other than plain causal / full, a soft cap or user functions: the variant's
     # masking
-    USER = any(f is not None for f in mods)
+    USER = _reads_hook(mods)
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL, ATOMIC = right == 0 and not VARIANT, bool(atomic_dq)
     WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
@@ -374,7 +390,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     grad = softmax_gradient(1, NQ, "cols")
     mask = mask_transposed(1, NQ)
     mask_window = mask_transposed_window(1, NQ, False, WIN)
-    capped = score_functions(1, NQ, cap, *mods, transposed=True) if CAPPED else None
+    capped = score_functions(1, NQ, cap, *mods[:3], transposed=True, n_args=mods[3],
+                             alibi=mods[4]) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, False, WIN, BN)
     afrag = a_fragment(cfg.dtype)
@@ -383,7 +400,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     add_dq = atomic_add_accumulators(MIQ, NOQ)
 
     @kernel_jit(THREADS, disk_cache=not USER)
-    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -492,7 +509,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
                 if VARIANT:
                     if CAPPED:
-                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq)
+                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hargs)
                     if WINDOWED:
                         mask_window(st, my_key - shift - (row + 2 * t))
                 elif CAUSAL:
@@ -568,13 +585,13 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 
 def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0,
               mods=(None, None, None)):
-    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)``; grid
+    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs)``; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
     of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides. ``window`` and
     ``softcap``, ``mods`` as :func:`dkdv_kernel`'s (key blocks outside the window are
     skipped)."""
     left, right = key_window(causal, window)
-    return _dq_kernel(cfg, left, right, _cap(softcap), tuple(mods))
+    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods))
 
 
 @functools.cache
@@ -600,9 +617,10 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
     grad = softmax_gradient(1, NS, "rows")
     WIN = (left, right)
-    USER = any(f is not None for f in mods)
+    USER = _reads_hook(mods)
     CAPPED = cap > 0 or USER
-    capped = score_functions(1, NS, cap, *mods) if CAPPED else None
+    capped = score_functions(1, NS, cap, *mods[:3], n_args=mods[3],
+                             alibi=mods[4]) if CAPPED else None
     mask = mask_key_block(1, NS, BN, WIN)
     kblocks = key_blocks(BM, BN, False, WIN)
     rows = row_state(False, WIN)
@@ -611,7 +629,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     store = store_accumulators(1, NO, cfg.dtype)
 
     @kernel_jit(THREADS, disk_cache=not USER)
-    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
+    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -685,7 +703,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
                 if CAPPED:
-                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h)
+                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hargs)
                 # past a row's last key (or sk), or (a window) before its first
                 mask(s, limit, kb, t, all_first, all_see)
                 grad.probabilities(s, l2, scale_log2)
@@ -757,14 +775,16 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float,
-          window=None, softcap: float = 0.0, mods=(None, None, None)):
+          window=None, softcap: float = 0.0, mods=(None, None, None), hargs=()):
     """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
     nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
     (arguments a kernel does not read), optionally ``dlse`` and, when
     :func:`uses_atomics`, ``dq_acc`` (float32 (B, Hq, SqP, D)). ``window``, ``softcap``: the
-    forward's variant, ``mods`` its user functions with ``score_mod``'s derivative
-    (:func:`dkdv_kernel`)."""
+    forward's variant, ``mods`` its user functions with ``score_mod``'s derivative and
+    ``hargs`` their run-time arguments (:func:`dkdv_kernel`). A hook that reads the batch or
+    head (user functions, ALiBi) does not run in grid chunks (they would shift both): past
+    the grid's limit the plans refuse (``ValueError``)."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -777,13 +797,17 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
 
     out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
 
+    mods = _mods(mods)
+    chunks = not _reads_hook(mods)
+    hargs = tuple(hargs)
     kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
-            dq_acc, scale32, slog2)
+            dq_acc, scale32, slog2, hargs)
     smem = cfg.dkdv_layout(atomic).nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), 32 * cfg.warps, smem,
-                           split=heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+                           split=heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
+                           if chunks else ()), args))
 
     if atomic:
         conv = dq_convert(d, cfg.dtype)
@@ -792,25 +816,29 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
                                split=heads_split((0, 1), (), 1, False)), args))
     else:
         kern = dq_kernel(cfg, causal, window, softcap, mods)
-        args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2)
+        args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2,
+                hargs)
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
         out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
                                32 * cfg.dq_warps, cfg.dq_smem_bytes,
-                               split=heads_split((0, 3, 4, 5, 6), (1, 2), group, False)), args))
+                               split=heads_split((0, 3, 4, 5, 6), (1, 2), group, False)
+                               if chunks else ()), args))
     return [(p, a) for p, a in out if p.grid[0] > 0]   # no rows or no keys: nothing to do
 
 
 def argtypes(kind: str):
     """Numba argument types of a backward kernel (offline compilation): ``kind`` one of
-    ``dkdv``, ``dq``, ``prepass``, ``convert``."""
+    ``dkdv``, ``dq``, ``prepass``, ``convert``; the first two end with the (empty) hook
+    arguments, which the wgmma kernels of the same contract do not take."""
     from numba import types
 
     u16 = types.Array(types.uint16, 4, "A")
     f4 = types.Array(types.float32, 4, "A")
     f3 = types.Array(types.float32, 3, "A")
     f32 = types.float32
-    return {"dkdv": (u16, u16, u16, u16, f3, f3, u16, u16, f4, f32, f32),
-            "dq": (u16, u16, u16, u16, f3, f3, u16, f32, f32),
+    none = types.Tuple(())   # no hook arguments
+    return {"dkdv": (u16, u16, u16, u16, f3, f3, u16, u16, f4, f32, f32, none),
+            "dq": (u16, u16, u16, u16, f3, f3, u16, f32, f32, none),
             "prepass": (u16, u16, f3, f3, f3, f3, f4),
             "convert": (f4, u16, f32)}[kind]
 

@@ -926,7 +926,7 @@ def compile_reports(only=None):
         smem = (cfg.dq_layout if kind == "dq" else cfg.dkdv_layout).nbytes
         out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal:
                                 build(cfg, causal), bk.argtypes(
-                                    "dq" if kind == "dq" else "dkdv"), (9, 0, "a"),
+                                    "dq" if kind == "dq" else "dkdv")[:-1], (9, 0, "a"),
                                 launch_bounds=(threads, 1) if kind == "ws" else None,
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))

@@ -4,7 +4,7 @@
 kernel (a sliding ``window`` and a ``score_mod`` such as a soft cap are generator parameters:
 see :func:`attention_kernel`)
 
-    kernel(q, k, v, o, lse, scale, scale_log2)
+    kernel(q, k, v, o, lse, scale, scale_log2, hargs)
 
 for 4-D arrays in (batch, heads, seq, head_dim) order — any element strides, as long as the
 head_dim axis has unit stride and every other stride and the base are 16-byte aligned (the op
@@ -18,6 +18,9 @@ head_dim) tensor is passed as a strided view, without a copy):
   log-sum-exp ``log Σ_j exp(scale · s_j)`` over the visible keys; -inf for a row that sees no
   key (its output row is 0).
 * ``scale`` float32 > 0 and ``scale_log2 = scale · log2(e)``.
+* ``hargs``: the score hook's run-time arguments, a tuple of device arrays and scalars passed
+  to ``score_mod`` as its ``args`` (:func:`tilepy.tile.attention.score_hook`: ``mod_args``,
+  ALiBi's slopes); ``()`` for a kernel without one, or one that reads none.
 
 Causal masking (``causal=True``) is aligned to the bottom-right corner: query row ``i`` sees
 keys ``j <= i + Sk - Sq`` (the FlashAttention-2 convention; for Sq == Sk the usual lower
@@ -236,7 +239,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     store = store_rows(MI, NO, cfg.dtype, has_lse)
 
     @_kernel_jit(THREADS, score_mod is None)
-    def kernel(q, k, v, o, lse, scale, scale_log2):
+    def kernel(q, k, v, o, lse, scale, scale_log2, hargs):
         # block_coords written out, as the key blocks below: through it ptxas allocates 211
         # registers instead of 209 at head_dim 128 (offline sm_90)
         sq = q.shape[2]
@@ -355,7 +358,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
 
                 # Mask keys past Sk and above the diagonal, in the blocks that have any.
                 if VARIANT:
-                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale)
+                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hargs)
                     v_mask(s, limits, kb, t, all_first, all_see)
                 elif (kb + 1) * BN - 1 > all_see:
                     mask(s, limit, kb * BN + 2 * t)
@@ -406,16 +409,20 @@ def kernel_args(q, k, v, o, lse, scale: float) -> tuple:
     return (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E))
 
 
-def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, *, stream=0):
+def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, *, stream=0,
+         hargs=(), chunks=True):
     """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views: the config's grid,
     block and dynamic shared memory (allowed above 48 KB); more heads or batches than the
-    grid's y / z limit launch in chunks (:func:`grid_split`). ``stream``: accepted so that every
-    attention kernel's plan takes the same call (this one copies nothing to the device)."""
-    args = kernel_args(q, k, v, o, lse, scale)
+    grid's y / z limit launch in chunks (:func:`grid_split`). ``chunks=False`` (a score hook
+    that reads the batch or head: user functions, ALiBi — a chunk's blocks would see them
+    shifted) refuses such a grid instead (``ValueError``). ``hargs``: the score hook's
+    arguments (the kernel's last). ``stream``: accepted so that every attention kernel's plan
+    takes the same call (this one copies nothing to the device)."""
+    args = kernel_args(q, k, v, o, lse, scale) + (tuple(hargs),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes,
-                      split=grid_split(q, k)), args
+                      split=grid_split(q, k) if chunks else ()), args
 
 
 def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0):
@@ -425,12 +432,13 @@ def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0
 
 
 def argtypes(layout: str = "A"):
-    """Numba argument types of :func:`attention_kernel`'s kernel (for offline compilation)."""
+    """Numba argument types of :func:`attention_kernel`'s kernel (for offline compilation),
+    with no hook arguments."""
     from numba import types
 
     u16 = types.Array(types.uint16, 4, layout)
     return (u16, u16, u16, u16, types.Array(types.float32, 3, layout), types.float32,
-            types.float32)
+            types.float32, types.Tuple(()))
 
 
 #: The kernels the compile layer reports on: (name, config, causal, has_lse, window, softcap).

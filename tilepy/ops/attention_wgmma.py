@@ -401,11 +401,12 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
 
     @inline_device
     def softmax_at(s, s3, limit, row_max, row_sum, alpha, kb, all_first, all_see, t,
-                   scale_log2, rows, b, h, scale):
-        """:func:`softmax` with the score hook (``rows``: the lane's first row) and the
-        window's first key every row sees (``all_first``): the TMA kernels'."""
+                   scale_log2, rows, b, h, scale, hargs):
+        """:func:`softmax` with the score hook (``rows``: the lane's first row; ``hargs`` its
+        run-time arguments) and the window's first key every row sees (``all_first``): the
+        TMA kernels'."""
         to_fragment(s3, s)
-        modify(s3, rows, kb * BN + 2 * t, b, h, scale)
+        modify(s3, rows, kb * BN + 2 * t, b, h, scale, hargs)
         mask(s3, limit, kb, t, all_first, all_see)
         update(s3, row_max, row_sum, alpha, scale_log2)
 
@@ -707,7 +708,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
         return b, h, h // group, row0, kb0, kb_end - kb0, all_first, all_see
 
     @cached_jit
-    def pkernel(q, k, v, o, lse, scale, scale_log2):
+    def pkernel(q, k, v, o, lse, scale, scale_log2, hargs):
         # tile_space written out: through it ptxas gives this kernel 2-15 more registers
         # (offline sm_90a); the persistent TMA kernel takes it (fewer spills there)
         sq = q.shape[2]
@@ -787,7 +788,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
 
 
     @cached_jit
-    def kernel(q, k, v, o, lse, scale, scale_log2):
+    def kernel(q, k, v, o, lse, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
@@ -958,14 +959,15 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
     @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
                  hk, row0, q_rows, kb0, n_kb, n_wg, all_first, all_see, t, tid, wg,
-                 scale_log2, g0, q_bar, q_phase, rows, scale):
+                 scale_log2, g0, q_bar, q_phase, rows, scale, hargs):
         """The consumer warpgroup's key blocks ``kb0`` … ``kb0 + n_wg - 1`` (``n_wg`` ≤
         ``n_kb``, the tile's count: less for a causal warpgroup whose rows end before the
         tile's last key block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``.
         The tile's j-th key block is the ring's block ``g0 + j`` (slot ``& 1``, use ``>> 1``;
         g0 = 0 in the grid kernel); Q is complete at phase ``q_phase`` of ``q_bar``.
         Persistent: the tile's last K slot is not released here (its stage holds O in the
-        epilogue). ``rows``, ``b``, ``h``, ``scale``: the score hook's (:func:`softmax_at`)."""
+        epilogue). ``rows``, ``b``, ``h``, ``scale``, ``hargs``: the score hook's
+        (:func:`softmax_at`)."""
         kv_base = base + KV
         bars = base + BARS
         key0 = kb0 * BN
@@ -986,7 +988,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
         if not (PERSIST and n_kb == 1):
             MB.mbarrier_arrive(bars + 32 * s0 + 24)                      # K(0) read
         softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0, all_first, all_see, t,
-                   scale_log2, rows, b, h, scale)
+                   scale_log2, rows, b, h, scale, hargs)
         to_p(p, s3)                                       # O is 0: no rescale
         for kb in range(n_wg - 1):
             gk = g0 + kb
@@ -1008,7 +1010,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
             if not (PERSIST and kb + 2 == n_kb):
                 MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
             softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0 + kb + 1, all_first,
-                       all_see, t, scale_log2, rows, b, h, scale)
+                       all_see, t, scale_log2, rows, b, h, scale, hargs)
             W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
@@ -1030,7 +1032,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
         tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
 
     @tjit
-    def tkernel(q, k, v, o, lse, scale, scale_log2, maps):
+    def tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
@@ -1073,7 +1075,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
                                                   sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
                          h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid, wg,
-                         scale_log2, 0, base + BARS, 0, row0 + wrow + g, scale)
+                         scale_log2, 0, base + BARS, 0, row0 + wrow + g, scale, hargs)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
                          scale, g, t, tid, wg, base + KV)
         elif wg < CWG:
@@ -1148,7 +1150,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
             sched[1] = 0
 
     @tjit
-    def tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched):
+    def tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched, hargs):
         sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
@@ -1204,7 +1206,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
                              tv, b, h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid,
                              wg, scale_log2, gk, q_full(bars, qi), (j >> 1) & 1,
-                             row0 + wrow + g, scale)
+                             row0 + wrow + g, scale, hargs)
                     MB.mbarrier_arrive(bars + QE0 + 8 * qi)              # Q read
                     last = (gk + n_kb - 1) & 1
                     epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
@@ -1250,7 +1252,7 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
-         sms: int | None = None, stream=0, alloc=None):
+         sms: int | None = None, stream=0, alloc=None, hargs=()):
     """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`. A persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
     SM count). A TMA config's arguments end with the tensor maps of q, k and v, and a
@@ -1259,14 +1261,15 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     :func:`tilepy.arrays.byte_allocator`), the maps encoded here and both written by the
     plan's first launch on its stream (as the TMA GEMM's :class:`~tilepy.tile.tma_plan.
     TmaLaunchPlan`, which also makes the maps of other pointers). ``stream``: accepted for
-    the callers' sake (nothing is enqueued here)."""
+    the callers' sake (nothing is enqueued here). ``hargs``: the score hook's arguments, every
+    kernel's last (read by the TMA kernels' hook only; the others take ``()``)."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_kernel import grid, kernel_args
     from .attention_kernel import plan as grid_plan
 
     if not (cfg.persistent or cfg.tma):
-        return grid_plan(kernel, cfg, q, k, v, o, lse, scale)
+        return grid_plan(kernel, cfg, q, k, v, o, lse, scale, hargs=hargs)
     args = kernel_args(q, k, v, o, lse, scale)
     if cfg.tma:
         encoder = _tma_encoder(cfg, q, k, v)
@@ -1278,6 +1281,7 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
             counter = device_write.allocate(alloc, COUNTER_BYTES)
             args += (counter.view((2,), np.int32),)
             extra["counter"] = counter
+    args += (tuple(hargs),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     if cfg.persistent:
         tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
@@ -1298,12 +1302,12 @@ MAPS_ARG = 7
 
 def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
     """Numba argument types of the config's kernel (offline compilation): the attention
-    kernels' (:func:`tilepy.ops.attention_kernel.argtypes`), then with TMA the tensor maps
-    and, persistent, the tile counter."""
+    kernels' (:func:`tilepy.ops.attention_kernel.argtypes`), with TMA the tensor maps and,
+    persistent, the tile counter before the (empty) hook arguments."""
     from .attention_kernel import argtypes
 
-    return (argtypes() + ((types.uint8[::1],) if cfg.tma else ())
-            + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()))
+    return (argtypes()[:-1] + ((types.uint8[::1],) if cfg.tma else ())
+            + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()) + argtypes()[-1:])
 
 
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):

@@ -238,15 +238,18 @@ def _row_limits(mi: int, left: int, right: int):
 
 
 def modify_scores(mi: int, ns: int, score_mod=None):
-    """``modify(s, row0, key0, b, h, scale)``: ``s[...] = score_mod(s·scale, q_row, k_col, b,
-    h) / scale`` on every entry of one lane's (mi, ns, 4) score fragment of one key block.
+    """``modify(s, row0, key0, b, h, scale, args)``: ``s[...] = score_mod(s·scale, q_row,
+    k_col, b, h, args) / scale`` on every entry of one lane's (mi, ns, 4) score fragment of one
+    key block.
 
-    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function
+    * ``score_mod(score, q_row, k_col, batch, head, args) -> float32``: a device function
       (:func:`tilepy.inline.inline_device`; a plain Python function is wrapped so), inlined.
       ``score`` is the *scaled* score ``scale · q_i · k_j`` (FlexAttention's contract), the
       indices are int64 positions in the sequences (``q_row`` may be past ``sq`` and ``k_col``
       past ``sk`` in edge tiles: the mask removes those keys afterwards). It may return -inf
-      (the key is then masked for that row); not +inf or NaN.
+      (the key is then masked for that row); not +inf or NaN. ``args``: the kernel's tuple of
+      run-time arguments for the hook (device arrays and scalars, ``()`` when it has none:
+      :func:`score_hook`'s ``mod_args`` and ALiBi slopes), passed through unread.
     * ``row0``: the lane's first row (``rows0 + g``; ``s[i, :, 2h:2h+2]`` is row ``row0 + 16 i +
       8 h``), ``key0`` the key of its column 0 in the block (``kb·block_n + 2t``, as for
       :func:`mask_scores`), ``b`` / ``h`` the batch and query head, ``scale`` the float32
@@ -273,14 +276,14 @@ def _as_device(fn):
 def _modify_scores(mi: int, ns: int, score_mod):
     if score_mod is None:
         @inline_device
-        def nothing(s, row0, key0, b, h, scale):
+        def nothing(s, row0, key0, b, h, scale, args):
             return None
 
         return nothing
     fn = score_mod
 
     @inline_device
-    def modify(s, row0, key0, b, h, scale):
+    def modify(s, row0, key0, b, h, scale, args):
         c = np.float32(scale)
         inv = _ONE / c
         for i in range(mi):
@@ -289,7 +292,8 @@ def _modify_scores(mi: int, ns: int, score_mod):
                 for j in range(ns):
                     for e in range(2):
                         x = s[i, j, 2 * hh + e] * c
-                        s[i, j, 2 * hh + e] = np.float32(fn(x, r, key0 + 8 * j + e, b, h)) * inv
+                        s[i, j, 2 * hh + e] = np.float32(
+                            fn(x, r, key0 + 8 * j + e, b, h, args)) * inv
 
     return modify
 
@@ -312,38 +316,59 @@ def _softcap_score(cap: float):
     INV = np.float32(1.0 / float(cap))
 
     @inline_device
-    def softcap(score, q_row, k_col, batch, head):
+    def softcap(score, q_row, k_col, batch, head, args):
         return C * tanh_approx(score * INV)
 
     return softcap
 
 
-def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None):
-    """The kernels' ``score_mod`` (:func:`modify_scores`'s contract) for a soft cap and a
-    user's FlexAttention-style functions, applied in this order to each scaled score:
+def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None, *, n_args: int = 0,
+               alibi: bool = False):
+    """The kernels' ``score_mod`` (:func:`modify_scores`'s contract) for a soft cap, ALiBi and
+    a user's FlexAttention-style functions, applied in this order to each scaled score:
 
     1. ``cap > 0``: ``cap · tanh(score / cap)`` (:func:`softcap_score`);
-    2. ``score_mod(score, b, h, q_idx, kv_idx) -> float32``: any modification (a bias such as
-       ALiBi's, a cap of the user's own, ...);
-    3. ``mask_mod(b, h, q_idx, kv_idx) -> bool``: False hides the key from that query row
-       (its score becomes -inf; a row that sees no key gives zeros and LSE -inf).
+    2. ``alibi``: ``- slope · |q_idx + sk - sq - kv_idx|`` added, ``slope = args[n_args][b,
+       h]`` (a float32 (batch, heads_q) array, a zero batch stride for per-head slopes) and
+       ``sk - sq = args[n_args + 1]`` (an int64): FlashAttention's ``alibi_slopes``;
+    3. ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float32``: any modification (a
+       bias table, a cap of the user's own, ...);
+    4. ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``: False hides the key from that
+       query row (its score becomes -inf; a row that sees no key gives zeros and LSE -inf).
 
-    ``b`` / ``h`` are the batch and query head, ``q_idx`` / ``kv_idx`` int64 positions in
-    the sequences — in edge tiles past ``seq_q`` / ``seq_k`` too, whose results are never
-    used (a function that reads memory at these indices must bound them itself). The
-    functions run after the window's and the causal mask's key ranges are chosen and before
-    they are applied: key blocks outside those ranges are skipped, the rest see every score.
-    Each is a Numba CUDA device function or a plain Python function (compiled as one,
-    inlined); they must not have side effects. None with no cap and no functions.
-    ``TypeError`` for a non-callable or a function whose positional parameters do not number
-    5 (score_mod) / 4 (mask_mod). One device function per (cap, score_mod, mask_mod)."""
-    if score_mod is None and mask_mod is None:
+    ``mod_args`` are the kernel's hook arguments ``args[:n_args]`` (device arrays or scalars
+    the op passes at run time — a per-token document id, a bias table), given to both user
+    functions after the four (five) fixed ones. ``b`` / ``h`` are the batch and query head,
+    ``q_idx`` / ``kv_idx`` int64 positions in the sequences — in edge tiles past ``seq_q`` /
+    ``seq_k`` too, whose results are never used (a function that reads memory at these
+    indices must bound them itself). The functions run after the window's and the causal
+    mask's key ranges are chosen and before they are applied: key blocks outside those ranges
+    are skipped, the rest see every score. Each is a Numba CUDA device function or a plain
+    Python function (compiled as one, inlined); they must not have side effects. None with
+    nothing to do. ``TypeError`` for a non-callable or a function whose positional parameters
+    do not number ``5 + n_args`` (score_mod) / ``4 + n_args`` (mask_mod); ``ValueError`` for
+    ``n_args`` outside 0 … :data:`MAX_MOD_ARGS`. One device function per (cap, score_mod,
+    mask_mod, n_args, alibi)."""
+    n_args = check_n_args(n_args)
+    if score_mod is None and mask_mod is None and not alibi:
         return softcap_score(cap) if cap else None
     if cap:
         softcap_score(cap)   # the same validation
-    sm = _user_function(score_mod, "score_mod", 5, _keep_score)
-    mm = _user_function(mask_mod, "mask_mod", 4, _see_all)
-    return _score_hook(float(cap or 0.0), sm, mm)
+    sm = _user_function(score_mod, "score_mod", 5, _keep_score, n_args)
+    mm = _user_function(mask_mod, "mask_mod", 4, _see_all, n_args)
+    return _score_hook(float(cap or 0.0), sm, mm, n_args, bool(alibi))
+
+
+#: The most ``mod_args`` a user function takes after its fixed parameters.
+MAX_MOD_ARGS = 6
+
+
+def check_n_args(n_args) -> int:
+    """``n_args`` as an int; ``ValueError`` outside 0 … :data:`MAX_MOD_ARGS`."""
+    if isinstance(n_args, bool) or not isinstance(n_args, (int, np.integer)) \
+            or not 0 <= n_args <= MAX_MOD_ARGS:
+        raise ValueError(f"mod_args: at most {MAX_MOD_ARGS} arguments, got {n_args!r}")
+    return int(n_args)
 
 
 @inline_device
@@ -356,9 +381,10 @@ def _see_all(b, h, q_idx, kv_idx):
     return True
 
 
-def check_user_function(fn, name: str, arity: int) -> None:
+def check_user_function(fn, name: str, arity: int, n_args: int = 0) -> None:
     """``TypeError`` unless ``fn`` is None or a callable (a Python function, or a Numba
-    dispatcher of one) taking ``arity`` positional parameters."""
+    dispatcher of one) taking ``arity + n_args`` positional parameters (the fixed ones, then
+    one per ``mod_args`` entry)."""
     if fn is None:
         return
     if not callable(fn):
@@ -370,38 +396,85 @@ def check_user_function(fn, name: str, arity: int) -> None:
     except (TypeError, ValueError):
         return   # no signature to read (a builtin): Numba will say when it compiles
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) != arity or any(p.kind == p.VAR_POSITIONAL for p in params):
-        want = ("(score, b, h, q_idx, kv_idx)" if name == "score_mod"
-                else "(b, h, q_idx, kv_idx)")
-        raise TypeError(f"{name} {getattr(py, '__qualname__', py)!r} must take {arity} "
+    if len(positional) != arity + n_args or any(p.kind == p.VAR_POSITIONAL for p in params):
+        want = ("(score, b, h, q_idx, kv_idx" if arity == 5 else "(b, h, q_idx, kv_idx") + (
+            f", *mod_args: {n_args} more)" if n_args else ")")
+        raise TypeError(f"{name} {getattr(py, '__qualname__', py)!r} must take {arity + n_args} "
                         f"positional parameters {want}, got {inspect.signature(py)}")
 
 
-def _user_function(fn, name, arity, default):
-    check_user_function(fn, name, arity)
+def _user_function(fn, name, arity, default, n_args=0):
+    """``fn`` (or ``default``) as an inlined device function of the fixed parameters and the
+    hook's ``args`` tuple: ``call(*fixed, args) = fn(*fixed, *args[:n_args])``."""
+    check_user_function(fn, name, arity, n_args)
     if fn is None:
-        return default
-    return _as_device(fn) if inspect.isfunction(fn) else fn
+        return _with_args(default, arity, 0)
+    return _with_args(_as_device(fn) if inspect.isfunction(fn) else fn, arity, n_args)
 
 
 @functools.cache
-def _score_hook(cap: float, score_mod, mask_mod):
+def _with_args(fn, arity: int, n: int):
+    # Numba inlines a closure only at its exact arity (no *args call): one adapter per count
+    if inspect.isfunction(fn):
+        fn = _as_device(fn)
+    f = fn
+    if arity == 4:   # mask_mod: the score is not passed
+        adapters = (
+            lambda x, b, h, q, k, a: f(b, h, q, k),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0]),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0], a[1]),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0], a[1], a[2]),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0], a[1], a[2], a[3]),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0], a[1], a[2], a[3], a[4]),
+            lambda x, b, h, q, k, a: f(b, h, q, k, a[0], a[1], a[2], a[3], a[4], a[5]))
+    else:
+        adapters = (
+            lambda x, b, h, q, k, a: f(x, b, h, q, k),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0]),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0], a[1]),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0], a[1], a[2]),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0], a[1], a[2], a[3]),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0], a[1], a[2], a[3], a[4]),
+            lambda x, b, h, q, k, a: f(x, b, h, q, k, a[0], a[1], a[2], a[3], a[4], a[5]))
+    return inline_device(adapters[n])
+
+
+@functools.cache
+def _score_hook(cap: float, score_mod, mask_mod, n_args: int, alibi: bool):
     CAPPED = cap > 0
     C = np.float32(cap if CAPPED else 1.0)
     INV = np.float32(1.0 / cap if CAPPED else 1.0)
     sm, mm = score_mod, mask_mod
+    ALIBI = alibi
+    slopes_at = _alibi_slope(n_args) if alibi else None
 
     @inline_device
-    def hook(score, q_row, k_col, batch, head):
+    def hook(score, q_row, k_col, batch, head, args):
         x = score
         if CAPPED:
             x = C * tanh_approx(x * INV)
-        x = np.float32(sm(x, batch, head, q_row, k_col))
-        if not mm(batch, head, q_row, k_col):
+        if ALIBI:
+            slope, shift = slopes_at(args, batch, head)
+            x = x - slope * np.float32(abs(q_row + shift - k_col))
+        x = np.float32(sm(x, batch, head, q_row, k_col, args))
+        if not mm(x, batch, head, q_row, k_col, args):
             x = _NEG_INF
         return x
 
     return hook
+
+
+@functools.cache
+def _alibi_slope(n: int):
+    """``(slope, shift)`` of (batch, head) from the hook's ``args[n]`` (the slopes) and
+    ``args[n + 1]`` (``sk - sq``)."""
+    N, N1 = n, n + 1
+
+    @inline_device
+    def at(args, batch, head):
+        return np.float32(args[N][batch, head]), args[N1]
+
+    return at
 
 
 def mask_scores(mi: int, ns: int, window=None):
@@ -518,4 +591,5 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
 __all__ = ["block_bounds", "block_coords", "check_user_function", "key_blocks", "key_window",
            "limits_shape",
            "mask_key_block", "mask_scores", "modify_scores", "row_limits", "score_hook",
+           "MAX_MOD_ARGS", "check_n_args",
            "softcap_score", "store_rows"]

@@ -258,47 +258,54 @@ def _mask_transposed_window(mi: int, ns: int, left: int, right: int):
 
 
 def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mod_grad=None,
-                    mask_mod=None, transposed: bool = False):
+                    mask_mod=None, transposed: bool = False, n_args: int = 0,
+                    alibi: bool = False):
     """The forward's score modifications (:func:`tilepy.tile.attention.score_hook`: a soft
-    cap, then a user ``score_mod``, then a ``mask_mod``) on one lane's (mi, ns, 4) raw score
+    cap, ALiBi, a user ``score_mod``, then a ``mask_mod``) on one lane's (mi, ns, 4) raw score
     fragment, with their derivative, for the backward: a namespace of
 
-    * ``apply(s, dfac, scale, row0, col0, b, h)``: ``x = scale · s`` becomes ``y = mask(
-      score_mod(cap(x)))``, ``s ← y / scale`` (so the kernels' ``exp2(scale_log2 · s -
-      lse2)`` is the modified scores' probability, as in the forward) and ``dfac ← dy/dx``
-      (a float32 fragment of ``s``'s shape): ``1 - tanh²`` of the cap times
-      ``score_mod_grad(cap(x), b, h, q_idx, kv_idx)``, 0 where ``mask_mod`` hides the key.
-      ``row0`` / ``col0``: the index of the lane's first row / column in the fragment layout
-      (``s[i, j, 2 hh + e]`` is row ``row0 + 16 i + 8 hh``, column ``col0 + 8 j + e``) — query
-      rows and key columns, or with ``transposed`` (Sᵀ) key rows and query columns;
+    * ``apply(s, dfac, scale, row0, col0, b, h, args)``: ``x = scale · s`` becomes ``y =
+      mask(score_mod(alibi(cap(x))))``, ``s ← y / scale`` (so the kernels' ``exp2(scale_log2 ·
+      s - lse2)`` is the modified scores' probability, as in the forward) and ``dfac ←
+      dy/dx`` (a float32 fragment of ``s``'s shape): ``1 - tanh²`` of the cap times
+      ``score_mod_grad(alibi(cap(x)), b, h, q_idx, kv_idx, *mod_args)`` (ALiBi's bias has
+      derivative 1), 0 where ``mask_mod`` hides the key. ``row0`` / ``col0``: the index of
+      the lane's first row / column in the fragment layout (``s[i, j, 2 hh + e]`` is row
+      ``row0 + 16 i + 8 hh``, column ``col0 + 8 j + e``) — query rows and key columns, or with
+      ``transposed`` (Sᵀ) key rows and query columns. ``args``: the kernel's hook arguments,
+      the forward's (``mod_args`` first, then ALiBi's slopes and ``sk - sq``);
     * ``chain(ds, dfac)``: ``ds ← ds · dfac`` — the gradient in the scaled raw score from the
       one in the modified score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
 
-    ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``: the derivative of ``score_mod`` in
-    its first argument, required with a ``score_mod`` (``TypeError`` otherwise). With the cap
-    alone the code is the cap's and the indices are not read. ``cap`` a finite float > 0 or
-    0."""
-    from .attention import _keep_score, _see_all, _user_function, softcap_score
+    ``score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args) -> float``: the derivative of
+    ``score_mod`` in its first argument, required with a ``score_mod`` (``TypeError``
+    otherwise). With the cap alone the code is the cap's and the indices are not read. ``cap``
+    a finite float > 0 or 0; ``n_args`` the number of ``mod_args``."""
+    from .attention import _keep_score, _see_all, _user_function, check_n_args, softcap_score
 
     if cap:
         softcap_score(cap)   # the same validation
-    check_functions(score_mod, score_mod_grad, mask_mod)
+    n_args = check_n_args(n_args)
+    check_functions(score_mod, score_mod_grad, mask_mod, n_args=n_args)
     return _score_functions(mi, ns, float(cap or 0.0),
-                            _user_function(score_mod, "score_mod", 5, _keep_score),
-                            _user_function(score_mod_grad, "score_mod_grad", 5, _one_grad),
-                            _user_function(mask_mod, "mask_mod", 4, _see_all),
-                            bool(transposed))
+                            _user_function(score_mod, "score_mod", 5, _keep_score, n_args),
+                            _user_function(score_mod_grad, "score_mod_grad", 5, _one_grad,
+                                           n_args),
+                            _user_function(mask_mod, "mask_mod", 4, _see_all, n_args),
+                            bool(transposed), bool(alibi), n_args)
 
 
-def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward") -> bool:
+def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward",
+                    n_args: int = 0) -> bool:
     """Whether any user function is given; ``TypeError`` (naming ``op``) for one of the wrong
-    arity (:func:`tilepy.tile.attention.check_user_function`), or a ``score_mod`` without its
-    ``score_mod_grad`` (or the other way round)."""
+    arity (:func:`tilepy.tile.attention.check_user_function`, ``n_args`` ``mod_args`` after the
+    fixed parameters), or a ``score_mod`` without its ``score_mod_grad`` (or the other way
+    round)."""
     from .attention import check_user_function
 
-    check_user_function(score_mod, "score_mod", 5)
-    check_user_function(score_mod_grad, "score_mod_grad", 5)
-    check_user_function(mask_mod, "mask_mod", 4)
+    check_user_function(score_mod, "score_mod", 5, n_args)
+    check_user_function(score_mod_grad, "score_mod_grad", 5, n_args)
+    check_user_function(mask_mod, "mask_mod", 4, n_args)
     if (score_mod is None) != (score_mod_grad is None):
         raise TypeError(f"{op}: a score_mod needs its derivative, score_mod_grad(score, b, h, "
                         "q_idx, kv_idx) -> d score_mod / d score" if score_mod is not None
@@ -308,7 +315,7 @@ def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward
 
 def softcap_scores(mi: int, ns: int, cap: float):
     """:func:`score_functions` of a soft cap alone (normal layout): ``apply(s, dfac, scale,
-    row0, col0, b, h)`` (indices unread) and ``chain(ds, dfac)``."""
+    row0, col0, b, h, args)`` (indices and args unread) and ``chain(ds, dfac)``."""
     return score_functions(mi, ns, cap)
 
 
@@ -317,21 +324,18 @@ def _one_grad(score, b, h, q_idx, kv_idx):
     return np.float32(1.0)
 
 
-def _keep_score_ref():
-    from .attention import _keep_score
+def _defaults():
+    from .attention import _keep_score, _see_all, _with_args
 
-    return _keep_score
-
-
-def _see_all_ref():
-    from .attention import _see_all
-
-    return _see_all
+    return (_with_args(_keep_score, 5, 0), _with_args(_one_grad, 5, 0),
+            _with_args(_see_all, 4, 0))
 
 
 @functools.cache
 def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, mask_mod,
-                     transposed: bool):
+                     transposed: bool, alibi: bool = False, n_args: int = 0):
+    from .attention import _alibi_slope
+
     CAPPED = cap > 0
     C = np.float32(cap if CAPPED else 1.0)
     INV = np.float32(1.0 / cap if CAPPED else 1.0)
@@ -339,9 +343,11 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
     zero = np.float32(0.0)
     T = transposed
     sm, smg, mm = score_mod, score_mod_grad, mask_mod
+    ALIBI = alibi
+    slopes_at = _alibi_slope(n_args) if alibi else None
 
     @inline_device
-    def apply(s, dfac, scale, row0, col0, b, h):
+    def apply(s, dfac, scale, row0, col0, b, h, args):
         c = np.float32(scale)
         inv_scale = one / c
         for i in range(mi):
@@ -357,9 +363,12 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
                         th = tanh_approx(x * INV)
                         x = C * th
                         d = one - th * th
-                    d = d * np.float32(smg(x, b, h, qi, kj))
-                    x = np.float32(sm(x, b, h, qi, kj))
-                    if not mm(b, h, qi, kj):
+                    if ALIBI:
+                        slope, shift = slopes_at(args, b, h)
+                        x = x - slope * np.float32(abs(qi + shift - kj))
+                    d = d * np.float32(smg(x, b, h, qi, kj, args))
+                    x = np.float32(sm(x, b, h, qi, kj, args))
+                    if not mm(x, b, h, qi, kj, args):
                         x = _NEG_INF
                         d = zero
                     s[i, j, e] = x * inv_scale
@@ -374,8 +383,8 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
 
     # a name of its own per configuration: the kernel disk cache keys a closure's modules by
     # name (kernels with user functions are not disk-cached; their ids keep names apart here)
-    user = "" if (sm, smg, mm) == (_keep_score_ref(), _one_grad, _see_all_ref()) else \
-        f"_user{id(sm)}_{id(smg)}_{id(mm)}"
+    user = "" if (sm, smg, mm) == _defaults() else f"_user{id(sm)}_{id(smg)}_{id(mm)}"
+    user += f"_alibi{n_args}" if alibi else ""
     name = f"score_functions_{mi}x{ns}_{cap!r}{'_t' if T else ''}{user}".replace(".", "_")
     return device_namespace(name, apply=apply, chain=chain, CAP=cap)
 
