@@ -289,6 +289,32 @@ def test_flash_attention_user_functions_on_tensors():
         tilepy.flash_attention(q.requires_grad_(), k, v, score_mod=bias)
 
 
+def test_flash_attention_alibi_and_mod_args_on_tensors():
+    """alibi_slopes= and mod_args= tensors (a document id per token) through autograd against
+    float64 autograd of the same attention; slopes that require grad are refused (their
+    gradient is not computed)."""
+    def same_doc(b, h, q_idx, kv_idx, doc):
+        return doc[min(q_idx, 18)] == doc[min(kv_idx, 18)]
+
+    doc = torch.tensor([0] * 7 + [1] * 5 + [2] * 7, dtype=torch.int32)
+    slopes = torch.tensor([0.25, 0.5])
+
+    def ref(q, k, v):
+        s = q @ k.mT / 4.0
+        i, j = torch.arange(19)[:, None], torch.arange(19)[None, :]
+        s = s - slopes.double()[:, None, None] * (i - j).abs()
+        keep = (j <= i) & (doc[:, None] == doc[None, :])
+        return torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ v
+
+    ins = [rand(1, 2, 19, 16, grad=True) for _ in range(3)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, causal=True,
+                                                       alibi_slopes=slopes, mask_mod=same_doc,
+                                                       mod_args=(doc,)),
+                ref, ins, torch.float16)
+    with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
+        tilepy.flash_attention(*ins, alibi_slopes=slopes.clone().requires_grad_())
+
+
 def test_flash_attention_lse_gradient_and_backward_operator():
     """The LSE used downstream as well as the output: its gradient enters the backward."""
     q, k, v = (rand(1, 2, n, 16, grad=True) for n in (21, 17, 17))
