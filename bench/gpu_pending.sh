@@ -28,6 +28,10 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s19a    everything of s18c (never run: no device time), then alibi_slopes= /
+#                mod_args=: the launch plans' tuple arguments on the driver's parameter buffer,
+#                their GPU test against SDPA on the built-in Hopper configs, the user-function
+#                benchmark with ALiBi built in and a document mask through mod_args
 #   PART=s18c    the soft cap on tanh.approx.f32: the PTX math GPU tests, the variants'
 #                autograd GPU tests, the variants' benchmark, then user score_mod / mask_mod:
 #                the attention op's GPU tests and the user functions' benchmark
@@ -140,6 +144,14 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s19a "* ]]; then
+    gpu_tests ptx_math 60 tests/test_ptx_math.py
+    gpu_tests launch_tuples 60 tests/test_launch.py
+    gpu_tests attention_op 150 tests/test_ops_attention.py tests/test_ops_attention_wgmma.py -k "user or window or alibi"
+    gpu_tests attention_variants_gpu 100 tests/test_attention_backward_gpu.py -k window_and_softcap
+    bench_suite bench_attention_variants 200 "test_flash_attention_variants"
+    bench_suite bench_attention_user 200 "test_flash_attention_user_functions"
+fi
 if [[ " $PART " == *" s18c "* ]]; then
     gpu_tests ptx_math 60 tests/test_ptx_math.py
     gpu_tests attention_variants_gpu 100 tests/test_attention_backward_gpu.py -k window_and_softcap

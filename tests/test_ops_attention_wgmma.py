@@ -569,6 +569,46 @@ def test_gpu_user_functions_on_the_defaults_against_sdpa(d, causal):
     assert (got.float() - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
+def test_gpu_alibi_and_mod_args_on_the_defaults_against_sdpa(d, causal):
+    """alibi_slopes= (per head) and a document mask reading its ids through mod_args= on the
+    built-in Hopper configs at full size, GQA, seq_q != seq_k, against SDPA with the same bias
+    and mask; a second call with new slopes and ids through the cached plan."""
+    torch = pytest.importorskip("torch")
+
+    from tilepy.launch import compute_capability
+
+    if compute_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+
+    def same_doc(b, h, q_idx, kv_idx, doc_q, doc_k):
+        return doc_q[b, min(q_idx, 999)] == doc_k[b, min(kv_idx, 1099)]
+
+    b, hq, hk, sq, sk = 2, 8, 4, 1000, 1100
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.bfloat16)
+    i = torch.arange(sq, device="cuda")[:, None]
+    j = torch.arange(sk, device="cuda")[None, :]
+    kk, vv = (x.repeat_interleave(hq // hk, 1).float() for x in (k, v))
+    for n_docs in (3, 7):
+        slopes = torch.rand(hq, device="cuda") * 0.2
+        doc_k = torch.sort(torch.randint(0, n_docs, (b, sk), device="cuda"), 1).values.to(
+            torch.int32)
+        doc_q = doc_k[:, sk - sq:].contiguous()   # the queries are the last sq keys
+        got = tilepy.flash_attention(q, k, v, causal=causal, alibi_slopes=slopes,
+                                     mask_mod=same_doc, mod_args=(doc_q, doc_k))
+        bias = -slopes[:, None, None] * (i + sk - sq - j).abs().float()
+        visible = doc_q[:, None, :, None] == doc_k[:, None, None, :]
+        if causal:
+            visible = visible & (j <= i + sk - sq)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), kk, vv, attn_mask=bias.masked_fill(~visible, float("-inf")))
+        assert not got.isnan().any()
+        assert (got.float() - want).abs().max().item() < 2e-2
+
+
 @pytest.mark.sim
 def test_tma_default_falls_back_when_maps_cannot_be_encoded(monkeypatch):
     """A built-in TMA config whose tensor maps the encoder refuses runs without TMA (same
