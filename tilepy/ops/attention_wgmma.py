@@ -1,7 +1,7 @@
 """A FlashAttention forward kernel on Hopper's warpgroup MMA (``wgmma``, sm_90a).
 
 Same contract as :func:`tilepy.ops.attention_kernel.attention_kernel` —
-``kernel(q, k, v, o, lse, scale, scale_log2)`` on (B, H, S, D) uint16 views, GQA by head
+``kernel(q, k, v, o, lse, scale, scale_log2, hargs)`` on (B, H, S, D) uint16 views, GQA by head
 index, bottom-right causal alignment, keys past ``Sk`` masked, rows that see no key → 0 and
 LSE -inf — so the op wrapper can run either by the type of its config.
 
@@ -75,14 +75,24 @@ land. A sliding window and a score modification (``window=``, ``score_mod=`` of
 :func:`wgmma_attention_kernel`, TMA kernels only) are generator parameters: a tile runs its key
 blocks from the first one any of its rows sees (the producer loads only those), an upper
 bound behaves as causal does above, and the score hook runs on each key block's retired S
-before the mask. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's max grows
-by more than 2**8 in p.
+before the mask. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's
+max grows by more than 2**8 in p.
+
+How the generators compose (each one short enough to read alone): :func:`_common_parts` makes
+the pieces every kernel shares (sizes, the S and O wgmmas, the softmax with mask and score
+hook, P's packing, the epilogue, the persistent tile space); the cp.async kernels add
+:func:`_cp_async_loops` and are :func:`_cp_async_grid_kernel` /
+:func:`_cp_async_persistent_kernel`; the TMA kernels add :func:`_tma_parts` (the mbarrier
+ring, the producer, the turns, the consumer loop) and are :func:`_tma_grid_kernel` /
+:func:`_tma_persistent_kernel`. A generator takes the namespaces of those before it and names
+what it uses from them at its top.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, types
@@ -312,6 +322,24 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
 @functools.cache
 def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
                             score_mod):
+    """The kernel of :func:`wgmma_attention_kernel`'s arguments: the shared pieces, then the
+    TMA pieces and the grid or persistent TMA kernel, or the cp.async loops and kernel."""
+    c = _common_parts(cfg, has_lse, left, right, score_mod)
+    if cfg.tma:
+        t = _tma_parts(cfg, c)
+        return (_tma_persistent_kernel if cfg.persistent else _tma_grid_kernel)(cfg, c, t)
+    loops = _cp_async_loops(cfg, c)
+    kernel = _cp_async_persistent_kernel if cfg.persistent else _cp_async_grid_kernel
+    return kernel(cfg, c, loops)
+
+
+def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
+                  score_mod):
+    """The pieces every wgmma attention kernel of ``cfg`` shares, as a namespace of its sizes
+    and device functions: the S and O wgmmas, the online softmax on S's accumulators with the
+    window's mask and the score hook, P packed for the P·V wgmmas, the O epilogue (staged
+    through a freed K/V stage where it fits) and the persistent kernels' tile space (causal
+    tiles heaviest first). The kernel generators below compose them."""
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     WIN = (left, right)           # the key window (tilepy.tile.attention.key_window's)
     UPPER = right >= 0            # a last visible key per row (causal is right = 0)
@@ -427,6 +455,88 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
             p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
             p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
 
+
+    # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
+    # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
+    # of the stage the tile's last key block used, after a barrier of the consumer threads
+    # (the other warpgroups may still read that block's K and V); a persistent kernel's next
+    # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a
+    # persistent kernel has one stage: 16 KB at head_dim 64 with 64-key blocks; a grid kernel
+    # may use both stages), 16-bit stores from the fragments as before.
+    STAGED = staged_bytes(1, NO)
+    ROOM = STAGE if cfg.persistent else 2 * STAGE
+    STAGE_O = (BM // 64) * STAGED <= ROOM
+    store_o = store_accumulators_smem(1, NO, cfg.dtype)
+    store_lse = store_rows(1, 0, cfg.dtype, has_lse)
+
+    @inline_device
+    def consumers_sync():
+        """A barrier of the computing threads: syncthreads, or, with a producer warpgroup
+        (which never reaches the epilogue), a named barrier of the consumers."""
+        if PRODUCER:
+            BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
+        else:
+            cuda.syncthreads()
+
+    @inline_device
+    def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
+                 wg, free_stage):
+        o_fragment(o3, acc_o)
+        finalize(o3, row_sum)
+        if STAGE_O:
+            o_accumulators(acc_o, o3)
+            consumers_sync()            # the last block's K and V are read by every warpgroup
+            store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
+                    _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
+            store_lse(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
+        else:
+            store(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
+
+    @inline_device
+    def no_keys(acc_o, o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
+        """A block that visits no key block: zeros, LSE -inf, from the fragments."""
+        o_fragment(o3, acc_o)
+        finalize(o3, row_sum)
+        store(o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)
+
+    # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
+    tile_at = heavy_first(D, UPPER).at
+    block_at = block_bounds(BM, BN, False, WIN)
+
+    @inline_device
+    def tile_space(q, k):
+        """``(sq, sk, heads, batch, group, n_qb, n_tiles)``: the persistent kernels' tiles
+        (query blocks × heads × batch) and the GQA group size."""
+        sq = q.shape[2]
+        sk = k.shape[2]
+        heads = q.shape[1]
+        batch = q.shape[0]
+        group = heads // k.shape[1]
+        n_qb = (sq + BM - 1) // BM
+        return sq, sk, heads, batch, group, n_qb, n_qb * heads * batch
+
+    @inline_device
+    def tile_coords(tile, n_qb, heads, batch, group, sq, sk):
+        """``(b, h, hk, row0, kb0, n_kb, all_first, all_see)`` of persistent tile ``tile``:
+        its batch, query head, K/V head (GQA), first query row, first key block and number
+        of key blocks, and the keys all its rows see (:func:`block_bounds`)."""
+        b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
+        row0, kb0, kb_end, all_first, all_see = block_at(qb, sq, sk)
+        return b, h, h // group, row0, kb0, kb_end - kb0, all_first, all_see
+
+    return SimpleNamespace(**locals())
+
+
+def _cp_async_loops(cfg: WgmmaAttentionConfig, c):
+    """The cp.async kernels' key-block loops over the pieces ``c`` (:func:`_common_parts`):
+    ``loop`` the grid kernel's (``main_loop``, or ``overlap_loop`` with the next block's S
+    issued before this block's softmax when ``cfg.overlap``) and ``ploop`` the persistent
+    kernel's (the same with stages counted across tiles and the next tile's first loads
+    folded in)."""
+    BN, KV, NACC_O, NACC_S, SCRATCH, STAGE = c.BN, c.KV, c.NACC_O, c.NACC_S, c.SCRATCH, c.STAGE
+    TILE, copy_kv, copy_q, issue_o, issue_s = c.TILE, c.copy_kv, c.copy_q, c.issue_o, c.issue_s
+    left, rescale, softmax, to_p = c.left, c.rescale, c.softmax, c.to_p
+
     @inline_device
     def main_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, ks, v0, vs,
                   q_rows, sk, n_kb, all_see, t, tid, scale_log2):
@@ -523,50 +633,6 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
 
     loop = overlap_loop if cfg.overlap else main_loop
 
-    # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
-    # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
-    # of the stage the tile's last key block used, after a barrier of the consumer threads
-    # (the other warpgroups may still read that block's K and V); a persistent kernel's next
-    # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a
-    # persistent kernel has one stage: 16 KB at head_dim 64 with 64-key blocks; a grid kernel
-    # may use both stages), 16-bit stores from the fragments as before.
-    STAGED = staged_bytes(1, NO)
-    ROOM = STAGE if cfg.persistent else 2 * STAGE
-    STAGE_O = (BM // 64) * STAGED <= ROOM
-    store_o = store_accumulators_smem(1, NO, cfg.dtype)
-    store_lse = store_rows(1, 0, cfg.dtype, has_lse)
-
-    @inline_device
-    def consumers_sync():
-        """A barrier of the computing threads: syncthreads, or, with a producer warpgroup
-        (which never reaches the epilogue), a named barrier of the consumers."""
-        if PRODUCER:
-            BAR.bar_sync(BAR_CONSUMERS, CONSUMERS)
-        else:
-            cuda.syncthreads()
-
-    @inline_device
-    def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
-                 wg, free_stage):
-        o_fragment(o3, acc_o)
-        finalize(o3, row_sum)
-        if STAGE_O:
-            o_accumulators(acc_o, o3)
-            consumers_sync()            # the last block's K and V are read by every warpgroup
-            store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
-                    _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
-            store_lse(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
-        else:
-            store(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
-
-    @inline_device
-    def no_keys(acc_o, o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t):
-        """A block that visits no key block: zeros, LSE -inf, from the fragments."""
-        o_fragment(o3, acc_o)
-        finalize(o3, row_sum)
-        store(o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)
-
-    # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
     # These loops mirror main_loop / overlap_loop with stages counted from st0 and the next
     # tile's loads folded in. The grid kernel keeps main_loop / overlap_loop: through these
     # loops (st0 = 0, nothing ahead) it ran slower (bench/NOTES.md: persistent attention).
@@ -682,30 +748,21 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
         W.wgmma_fence_operand(acc_o, NACC_O)
 
     ploop = persistent_overlap if cfg.overlap else persistent_main
+
+    return SimpleNamespace(**locals())
+
+
+def _cp_async_persistent_kernel(cfg: WgmmaAttentionConfig, c, loops):
+    """The persistent cp.async kernel ``pkernel(q, k, v, o, lse, scale, scale_log2, hargs)``:
+    one block per SM slot walks the (batch, head, query block) tiles with ``loops.ploop``;
+    ``hargs`` is unread (no variants on this kernel)."""
+    BM, KV, LIMITS, NACC_O, NACC_S, NO, NS = c.BM, c.KV, c.LIMITS, c.NACC_O, c.NACC_S, c.NO, c.NS
+    P_REGS, Q_BYTES, STAGE, TILE, align = c.P_REGS, c.Q_BYTES, c.STAGE, c.TILE, c.align
+    copy_kv, copy_q, epilogue, f32, i64 = c.copy_kv, c.copy_q, c.epilogue, c.f32, c.i64
+    start_rows, thread_rows, tile_coords = c.start_rows, c.thread_rows, c.tile_coords
+    ploop = loops.ploop
+
     OVERLAP = bool(cfg.overlap)
-    tile_at = heavy_first(D, UPPER).at
-    block_at = block_bounds(BM, BN, False, WIN)
-
-    @inline_device
-    def tile_space(q, k):
-        """``(sq, sk, heads, batch, group, n_qb, n_tiles)``: the persistent kernels' tiles
-        (query blocks × heads × batch) and the GQA group size."""
-        sq = q.shape[2]
-        sk = k.shape[2]
-        heads = q.shape[1]
-        batch = q.shape[0]
-        group = heads // k.shape[1]
-        n_qb = (sq + BM - 1) // BM
-        return sq, sk, heads, batch, group, n_qb, n_qb * heads * batch
-
-    @inline_device
-    def tile_coords(tile, n_qb, heads, batch, group, sq, sk):
-        """``(b, h, hk, row0, kb0, n_kb, all_first, all_see)`` of persistent tile ``tile``:
-        its batch, query head, K/V head (GQA), first query row, first key block and number
-        of key blocks, and the keys all its rows see (:func:`block_bounds`)."""
-        b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
-        row0, kb0, kb_end, all_first, all_see = block_at(qb, sq, sk)
-        return b, h, h // group, row0, kb0, kb_end - kb0, all_first, all_see
 
     @cached_jit
     def pkernel(q, k, v, o, lse, scale, scale_log2, hargs):
@@ -786,6 +843,18 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
                      g, t, tid, wg, kv_base + (1 - st0) * STAGE)
             tile = nxt_tile
 
+    return pkernel
+
+
+def _cp_async_grid_kernel(cfg: WgmmaAttentionConfig, c, loops):
+    """The grid cp.async kernel ``kernel(q, k, v, o, lse, scale, scale_log2, hargs)``: one
+    block per (query block, head, batch) with ``loops.loop``; ``hargs`` is unread (no
+    variants on this kernel)."""
+    KV, LIMITS, NACC_O, NACC_S, NO, NS = c.KV, c.LIMITS, c.NACC_O, c.NACC_S, c.NO, c.NS
+    P_REGS, align, bounds, copy_q, epilogue = c.P_REGS, c.align, c.bounds, c.copy_q, c.epilogue
+    f32, i64, no_keys, start_rows = c.f32, c.i64, c.no_keys, c.start_rows
+    thread_rows = c.thread_rows
+    loop = loops.loop
 
     @cached_jit
     def kernel(q, k, v, o, lse, scale, scale_log2, hargs):
@@ -823,6 +892,22 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
         else:
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
+
+    return kernel
+
+
+def _tma_parts(cfg: WgmmaAttentionConfig, c):
+    """The TMA kernels' pieces over ``c`` (:func:`_common_parts`), as a namespace: the
+    mbarrier ring (barriers, the Q / K / V loads with expect-tx), the producer's first loads
+    and its step, the consumer warpgroups' wgmma turns (ping-pong), a warpgroup's own key
+    span under an upper bound and its drain, the consumer loop ``tma_loop`` (score hook and
+    window), the register split of a producer warpgroup and the jit (``tjit``: not
+    disk-cached with a score hook)."""
+    BM, BN, CONSUMERS, D, KV, NACC_O = c.BM, c.BN, c.CONSUMERS, c.D, c.KV, c.NACC_O
+    NACC_S, PINGPONG, PRODUCER, Q_BYTES = c.NACC_S, c.PINGPONG, c.PRODUCER, c.Q_BYTES
+    SCRATCH, STAGE, THREADS, TILE, UPPER = c.SCRATCH, c.STAGE, c.THREADS, c.TILE, c.UPPER
+    WIN, issue_o, issue_s, rescale, score_mod = c.WIN, c.issue_o, c.issue_s, c.rescale, c.score_mod
+    softmax_at, to_p = c.softmax_at, c.to_p
 
     # ---- TMA: one thread loads Q, K and V with TMA into the same swizzled layout ----------
     # mbarriers (after the scratch word): Q full; per stage st: K full, V full (the producer's
@@ -1031,6 +1116,22 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
     else:
         tjit = cached_jit(launch_bounds=(THREADS, 1)) if PRODUCER and not SIMULATOR else cached_jit
 
+    return SimpleNamespace(**locals())
+
+
+def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
+    """The grid TMA kernel ``tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs)``: one
+    block per (query block, head, batch), its key blocks from the first any row sees (the
+    window's), loaded by thread 0 or a producer warpgroup into the ring of ``t``;
+    ``hargs``: the score hook's run-time arguments."""
+    BN, CONSUMERS, KV, LIMITS, NACC_O = c.BN, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
+    NACC_S, NO, NS, PRODUCER, P_REGS, align = c.NACC_S, c.NO, c.NS, c.PRODUCER, c.P_REGS, c.align
+    bounds, epilogue, f32, i64, no_keys = c.bounds, c.epilogue, c.f32, c.i64, c.no_keys
+    start_rows, thread_rows = c.start_rows, c.thread_rows
+    BARS, CREGS, CWG, PREGS, init_ring = t.BARS, t.CREGS, t.CWG, t.PREGS, t.init_ring
+    produce_first, produce_step, tjit = t.produce_first, t.produce_step, t.tjit
+    tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
+
     @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
@@ -1082,6 +1183,23 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
+
+    return tkernel
+
+
+def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
+    """The persistent TMA kernel ``tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched,
+    hargs)``: one block per SM slot; its producer warpgroup draws tiles from the ticket
+    counter ``sched`` and loads each tile's Q and key blocks into the ring of ``t`` while the
+    consumers compute the previous one; ``hargs``: the score hook's run-time arguments."""
+    BN, CONSUMERS, KV, LIMITS, NACC_O = c.BN, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
+    NACC_S, NO, NS, P_REGS, Q_BYTES, STAGE = c.NACC_S, c.NO, c.NS, c.P_REGS, c.Q_BYTES, c.STAGE
+    TILE, align, epilogue, f32, i64, no_keys = c.TILE, c.align, c.epilogue, c.f32, c.i64, c.no_keys
+    start_rows, thread_rows, tile_coords = c.start_rows, c.thread_rows, c.tile_coords
+    tile_space = c.tile_space
+    BARS, CREGS, CWG, PREGS, QE0, QF1 = t.BARS, t.CREGS, t.CWG, t.PREGS, t.QE0, t.QF1
+    init_ring, load_kv, load_q, tjit = t.init_ring, t.load_kv, t.load_q, t.tjit
+    tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
 
     # ---- persistent TMA: one block per SM slot takes tiles until none is left ------------
     # Tiles are handed out at run time: each block's first is its block index, every further
@@ -1221,9 +1339,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
                             scale, g, t)
                 j += 1
 
-    if cfg.tma:
-        return tpkernel if cfg.persistent else tkernel
-    return pkernel if cfg.persistent else kernel
+    return tpkernel
 
 
 #: Lazy rescaling (log2 units): a row's running max is replaced only when a key block raises
