@@ -139,12 +139,12 @@ def test_tma_softmax_mode(monkeypatch, dtype, m, n, k, scale, b_col):
     assert stores["n"] == (blocks * 2 * (2 * chunks - 1) if (2 * n) % 16 == 0 else 0), stores
 
 
-@pytest.mark.parametrize("dtype,k", [("float16", 136), ("bfloat16", 40)],
+@pytest.mark.parametrize("dtype,k,m", [("float16", 136, 130), ("bfloat16", 40, 60)],
                          ids=["f16-overlap", "bf16-k-too-short-to-overlap"])
-def test_tma_softmax_mode_overlap(monkeypatch, dtype, k):
+def test_tma_softmax_mode_overlap(monkeypatch, dtype, k, m):
     """128-column chunks with TMA out: two accumulators per consumer, each chunk's softmax
     under the next chunk's first k-steps (K of 3 k-steps with 3 stages); with K of one k-step
-    the plain chunk loop. 3 chunks, the last partial; 2 row blocks."""
+    the plain chunk loop. 3 chunks, the last partial; 2 row blocks (1 for the short K)."""
     from tilepy.ops import gemm_softmax_wgmma as gsw
 
     made = []
@@ -152,7 +152,7 @@ def test_tma_softmax_mode_overlap(monkeypatch, dtype, k):
     monkeypatch.setattr(gsw, "gemm_softmax_wgmma_kernel",
                         lambda *a, **kw: made.append(kw.get("overlap")) or real(*a, **kw))
     rng = np.random.default_rng()
-    m, n = 130, 264
+    n = 264
     a, b = rand(rng, (m, k), dtype), rand(rng, (k, n), dtype)
     out = poisoned((m, n), dtype)
     cfg = WsConfig(128, 128, 3, dtype, persistent=True, smem_epilogue=True)

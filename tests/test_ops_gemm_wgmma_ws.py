@@ -403,12 +403,12 @@ def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     """Clusters of two in the simulator (their blocks run at the same time there): each block
     loads half of every stage's B by multicast into both, stages are freed on both blocks'
     barriers. Three row blocks (the second cluster's rank 1 has no rows), partial tiles on
-    every edge, five k steps through two stages, out poisoned with NaN; the persistent grid
+    every edge, three k steps through two stages, out poisoned with NaN; the persistent grid
     of 4 blocks (two clusters) walks several cluster tiles; a batch on the grid's y (the
     simulator reaches every y before the next x: clusters start whole)."""
     rng = np.random.default_rng()
     rows = shape["block_m"]
-    m, n, k = 2 * rows + rows // 2 + 3, 100, 258
+    m, n, k = 2 * rows + rows // 2 + 3, 100, 130
     lead = (batch,) if batch > 1 else ()
     a = padded(rng, (*lead, m, k), dtype)
     b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
@@ -449,6 +449,7 @@ def reports():
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")   # one worker compiles them (-n 2)
 def test_compiles_for_sm90a_without_spills(reports):
     with_regs = {k: v for k, v in reports.items() if not k.endswith("_noreg")}
     assert set(with_regs) == {"gemm_ws_128x256_brow", "gemm_ws_128x256_bcol",
@@ -510,6 +511,7 @@ SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_sm
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
 @pytest.mark.parametrize("name", sorted(SMEM_EPI_BARRIERS))
 def test_smem_epilogue_compiles_without_spills(reports, name):
     """The staged epilogue: no spills or local memory, registers within the 168 a 384-thread
@@ -556,6 +558,7 @@ def cluster_reports():
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_cluster_reports")
 def test_cluster_kernels_compile_with_multicast_and_without_spills(cluster_reports):
     """Clusters of two: B arrives by multicast (no plain B load: A's loads are the only plain
     2-D/3-D ones), stages are freed on both blocks' barriers (mapa + a cluster-scope arrive),

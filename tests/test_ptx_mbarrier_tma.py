@@ -662,6 +662,7 @@ def compiled():
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("ptx_mbarrier_tma_compiled")
 def test_sm90a_compile_of_the_tma_wgmma_pipeline(compiled):
     rep = compiled["tma_wgmma"]
     ops = set(rep["ops"])
@@ -675,6 +676,7 @@ def test_sm90a_compile_of_the_tma_wgmma_pipeline(compiled):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("ptx_mbarrier_tma_compiled")
 def test_sm90a_compile_of_the_warp_specialised_pipeline(compiled):
     rep = compiled["specialised"]
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in rep["ops"]
@@ -682,6 +684,7 @@ def test_sm90a_compile_of_the_warp_specialised_pipeline(compiled):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("ptx_mbarrier_tma_compiled")
 def test_sm90a_compile_of_the_tma_loads_and_stores(compiled):
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" \
         in compiled["tma_2d"]["ops"]

@@ -487,6 +487,7 @@ def compiled():
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("ptx_wgmma_compiled")
 @pytest.mark.parametrize("name", sorted(COMPILE_CASES))
 def test_sm90a_compile_has_the_wgmma_and_ptxas_accepts_it(compiled, name):
     n, ab, _, ks, _, _ = COMPILE_CASES[name]

@@ -276,6 +276,7 @@ def reports():
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("online_softmax_reports")
 @pytest.mark.parametrize("quad_sum", [True, False], ids=["quad_sum", "deferred_sum"])
 def test_update_2x8_compiles_to_registers_only(reports, quad_sum):
     """mi=2, ni=8 streamed over key blocks, head dim 64: no local memory, every loop unrolled."""

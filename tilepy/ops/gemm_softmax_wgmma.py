@@ -10,6 +10,7 @@ memory and operand checks).
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, types
@@ -116,6 +117,16 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     on the other, so the tensor cores work through the epilogue instead of waiting for it;
     the rest of chunk j + 1 follows as usual.
     """
+    c = _softmax_parts(cfg, b_row_major, out_kind, tma_out, overlap)
+    return _softmax_kernel(cfg, c, _consumer_parts(cfg, c, _finish_parts(cfg, c)))
+
+
+def _softmax_parts(cfg: WsConfig, b_row_major: bool, out_kind: str, tma_out: bool,
+                   overlap: bool):
+    """The softmax mode's shared pieces (a namespace): its sizes and shared-memory offsets,
+    the warpgroup MMA and roles, the stage ring, the online softmax of a chunk's accumulators
+    (the four lanes of a row combined through shared memory), and a chunk's park through the
+    TMA-store staging."""
     if overlap and not (tma_out and cfg.block_n == 128 and cfg.stages >= 3):
         raise ValueError("overlap: softmax mode with tma_out, block_n 128 and >= 3 stages")
     check_softmax_config(cfg, out_kind)
@@ -161,68 +172,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                             producer_regs=cfg.producer_regs if cfg.setmaxnreg else 0,
                             consumer_regs=cfg.consumer_regs if cfg.setmaxnreg else 0)
     ring = stage_ring(cfg)
-
-    @inline_device
-    def chunk_origin(w, tiles_m, tiles_n):
-        """Work item w: chunk ``w % tiles_n`` of the block's rows (``w // tiles_n``)."""
-        return 0, (w // tiles_n) * BM, (w % tiles_n) * BN
-
-    produce = tma_producer(cfg, b_row_major, device_namespace("softmax chunks",
-                                                                tile_origin=chunk_origin))
-    mainloop = consumer_mainloop(cfg, b_row_major)
-
-    @inline_device
-    def consume(base, a, b, out, c, bias, alpha, cw, n_tiles, ktiles, w0, maps):
-        """The consumer of chunks w0 … w0 + n_tiles − 1 (the block's rows), then the
-        rescale (finish_tma, or finish_softmax without tma_out)."""
-        m = a.shape[1]
-        n = b.shape[2] if b_row_major else b.shape[1]
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = (tid % WARPGROUP) // 32
-        acc0 = cuda.local.array(NACC, f32)
-        acc1 = cuda.local.array(1, f32)
-        rmax = cuda.local.array((1, 2), f32)
-        rsum = cuda.local.array((1, 2), f32)
-        for h in range(2):
-            rmax[0, h] = NEG_INF
-            rsum[0, h] = f32(0)
-        omap = T.tensor_map_address(maps) + MAP_OUT
-        keep = T.l2_evict_last_policy() if TMA_OUT else np.uint64(0)
-        drop = T.l2_evict_first_policy() if TMA_OUT else np.uint64(0)
-        if TMA_OUT and tid % WARPGROUP == 0:
-            T.fence_proxy_tensormap_acquire(omap)
-        s = 0
-        ph = 0
-        for w in range(w0, w0 + n_tiles):
-            bm0 = (w // n_tiles) * BM
-            bn0 = (w % n_tiles) * BN
-            for i in range(NACC):
-                acc0[i] = f32(0)
-            s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane)
-            if TMA_OUT and w - w0 == n_tiles - 1:
-                # after the last main loop the stage buffers are free: the rescale's first
-                # loads run under this chunk's softmax
-                prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n, n_tiles - 1, cw, drop)
-            scores_softmax(acc0, bn0, n, alpha, rmax, rsum, base, warp, lane, cw)
-            if TMA_OUT:
-                park_tma_chunk(acc0, base, omap, bm0 + cw * ROW_OFF, w - w0, n_tiles, n,
-                               cw, warp, lane, rmax, rsum, keep, drop)
-                continue
-            for jj in range(NI):
-                for q in range(4):
-                    acc0[4 * jj + q] *= PARK
-            store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, out[0], bm0 + cw * ROW_OFF,
-                       bn0, m, n, f32(1), bias, c[0], f32(0), tid % WARPGROUP, BAR_WG0 + cw)
-            if lane % 4 == 0:   # the rows' running max after this chunk
-                VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
-                                     + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
-                                     rmax[0, 0], rmax[0, 1])
-        if TMA_OUT:
-            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n, n_tiles - 1, cw,
-                       drop)
-        else:
-            finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
 
     @inline_device
     def quad_combine(red, warp, lane, cw, x0, x1, take_max):
@@ -307,118 +256,6 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                                         row0, policy)
             T.bulk_commit_group()
 
-    # ---- overlap: two accumulators, the next chunk's first k-steps under this chunk's epilogue
-
-    @inline_device
-    def issue_kstep(acc, base, bars, s, ph, cw, first):
-        """Wait for stage s (parity ph) and issue its k-step's wgmmas into acc, one group;
-        ``first``: the chunk's first k-step, whose first wgmma ignores acc (scale-d 0) — no
-        instruction but a wgmma may write an accumulator while others are in flight, or
-        ptxas serialises every wgmma of the kernel (C7515)."""
-        ring.wait(bars, s, ph)
-        stage = base + STAGES + s * STAGE_BYTES
-        wmma.fence()
-        wmma.mma(acc, stage + cw * (ROW_OFF * 128), stage + A_BYTES, 0 if first else 1)
-        wmma.commit()
-        s, ph = ring.advance(s, ph)
-        return s, ph
-
-    @inline_device
-    def release_stages(bars, r, pending, keep_n, lane):
-        """Free the oldest issued stages (in order, from r) until keep_n stay pending."""
-        while pending > keep_n:
-            ring.release(bars, r, lane)
-            r += 1
-            if r == ST:
-                r = 0
-            pending -= 1
-        return r, pending
-
-    @inline_device
-    def overlap_step(cur, nxt, j, n_tiles, ktiles, base, bars, s, ph, r, pending, omap, row0,
-                     n, alpha, rmax, rsum, cw, warp, lane, keep, drop):
-        """Chunk j (not the last) on ``cur``, whose last k-step is the newest group still
-        pending: its epilogue under the first k-steps of chunk j + 1 into ``nxt``, then the
-        rest of chunk j + 1. Every path leaves the same wgmma state (only ``nxt`` in flight),
-        which is what lets ptxas keep the wgmmas asynchronous."""
-        for kt in range(PRE):                      # (K >= PRE k-steps: plan() checks)
-            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, kt == 0)
-        W.wgmma_wait_group(PRE)                    # chunk j's last group is done
-        r, pending = release_stages(bars, r, pending + PRE, PRE, lane)
-        W.wgmma_fence_operand(cur, NACC)
-        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
-        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
-                       drop)
-        for kt in range(PRE, ktiles):
-            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, False)
-            W.wgmma_wait_group(1)
-            r, pending = release_stages(bars, r, pending + 1, 1, lane)
-        return s, ph, r, pending
-
-    @inline_device
-    def overlap_last(cur, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax, rsum,
-                     cw, warp, lane, keep, drop):
-        """The last chunk on ``cur``: wait for it, start the rescale's loads, its epilogue."""
-        W.wgmma_wait_group(0)
-        r, pending = release_stages(bars, r, pending, 0, lane)
-        W.wgmma_fence_operand(cur, NACC)
-        prefetch_finish(base, omap, row0, n, n_tiles - 1, cw, drop)
-        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
-        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
-                       drop)
-
-    @inline_device
-    def consume_overlap(base, a, b, out, alpha, cw, n_tiles, ktiles, w0, maps):
-        """The softmax mode's consumer with ``overlap``: chunks alternate between two
-        accumulators (overlap_step), then the rescale (finish_tma)."""
-        n = b.shape[2] if b_row_major else b.shape[1]
-        bars = base + BARS
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = (tid % WARPGROUP) // 32
-        accx = cuda.local.array(NACC, f32)
-        accy = cuda.local.array(NACC, f32)
-        rmax = cuda.local.array((1, 2), f32)
-        rsum = cuda.local.array((1, 2), f32)
-        for h in range(2):
-            rmax[0, h] = NEG_INF
-            rsum[0, h] = f32(0)
-        omap = T.tensor_map_address(maps) + MAP_OUT
-        keep = T.l2_evict_last_policy()
-        drop = T.l2_evict_first_policy()
-        if tid % WARPGROUP == 0:
-            T.fence_proxy_tensormap_acquire(omap)
-        row0 = w0 // n_tiles * BM + cw * ROW_OFF
-        s = 0
-        ph = 0
-        r = 0
-        pending = 0
-        for kt in range(ktiles):                   # chunk 0, as the plain main loop
-            s, ph = issue_kstep(accx, base, bars, s, ph, cw, kt == 0)
-            W.wgmma_wait_group(1)
-            r, pending = release_stages(bars, r, pending + 1, 1, lane)
-        # chunk pairs (x then y) while both have a successor; then the tail, x's last or
-        # x's step and y's last (fixed accumulators per position: no runtime choice of one)
-        j = 0
-        while j + 2 < n_tiles:
-            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
-                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
-                                             warp, lane, keep, drop)
-            s, ph, r, pending = overlap_step(accy, accx, j + 1, n_tiles, ktiles, base, bars, s,
-                                             ph, r, pending, omap, row0, n, alpha, rmax, rsum,
-                                             cw, warp, lane, keep, drop)
-            j += 2
-        if j + 2 == n_tiles:
-            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
-                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
-                                             warp, lane, keep, drop)
-            overlap_last(accy, j + 1, n_tiles, base, bars, r, pending, omap, row0, n, alpha,
-                         rmax, rsum, cw, warp, lane, keep, drop)
-        else:
-            overlap_last(accx, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax,
-                         rsum, cw, warp, lane, keep, drop)
-        finish_tma(base, omap, row0, n, n_tiles - 1, cw, drop)
-
     @inline_device
     def scores_softmax(acc, col0, n, alpha, rmax, rsum, base, warp, lane, cw):
         """A chunk's accumulator (columns col0 …) in place: scaled by alpha (any sign), −inf
@@ -444,6 +281,19 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
             VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
                                  + ((chunk * 4 + warp) * 8 + lane // 4) * 8,
                                  rmax[0, 0], rmax[0, 1])
+
+    return SimpleNamespace(**locals())
+
+
+def _finish_parts(cfg: WsConfig, c):
+    """The rescale after the last chunk over the pieces ``c`` (:func:`_softmax_parts`): each
+    parked chunk back through shared memory times its per-(row, chunk) factor (``finish_tma``,
+    with TMA out) or in place from the fragments' rows (``finish_softmax``)."""
+    BAR_CONSUMERS, BAR_WG0, BM, BN, CONSUMERS = c.BAR_CONSUMERS, c.BAR_WG0, c.BM, c.BN, c.CONSUMERS
+    CT, EPI_OFF, EPI_WG, FBAR_OFF, FINAL_OFF = c.CT, c.EPI_OFF, c.EPI_WG, c.FBAR_OFF, c.FINAL_OFF
+    LOG2E, NB, RED_OFF, STATS_OFF, UNPARK = c.LOG2E, c.NB, c.RED_OFF, c.STATS_OFF, c.UNPARK
+    get_pair, pack2, put_pair, quad_combine = c.get_pair, c.pack2, c.put_pair, c.quad_combine
+    unpack2 = c.unpack2
 
     @inline_device
     def load_chunk(bar, buf, omap, chunk, row0, n, drop):
@@ -562,6 +412,206 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
                     fac = chunk_factor(stats, cc // BN, rl)
                     v0, v1 = get_pair(o, r, cc, n)
                     put_pair(o, r, cc, n, v0 * fac, v1 * fac)
+
+    return SimpleNamespace(**locals())
+
+
+def _consumer_parts(cfg: WsConfig, c, f):
+    """The producer and the consumers' chunk loops over ``c`` and the rescale ``f``
+    (:func:`_finish_parts`): ``consume`` one accumulator per chunk, ``consume_overlap`` two,
+    the next chunk's first k-steps issued under this chunk's softmax and park."""
+    A_BYTES, BARS, BAR_WG0, BM, BN, EPI_OFF = c.A_BYTES, c.BARS, c.BAR_WG0, c.BM, c.BN, c.EPI_OFF
+    EPI_WG, NACC, NEG_INF, NI, PARK, PRE = c.EPI_WG, c.NACC, c.NEG_INF, c.NI, c.PARK, c.PRE
+    ROW_OFF, ST, STAGES, STAGE_BYTES = c.ROW_OFF, c.ST, c.STAGES, c.STAGE_BYTES
+    STATS_OFF, TMA_OUT, b_row_major, f32 = c.STATS_OFF, c.TMA_OUT, c.b_row_major, c.f32
+    park_tma_chunk, ring, scores_softmax = c.park_tma_chunk, c.ring, c.scores_softmax
+    store_smem, wmma = c.store_smem, c.wmma
+    finish_softmax, finish_tma, prefetch_finish = f.finish_softmax, f.finish_tma, f.prefetch_finish
+
+    @inline_device
+    def chunk_origin(w, tiles_m, tiles_n):
+        """Work item w: chunk ``w % tiles_n`` of the block's rows (``w // tiles_n``)."""
+        return 0, (w // tiles_n) * BM, (w % tiles_n) * BN
+
+    produce = tma_producer(cfg, b_row_major, device_namespace("softmax chunks",
+                                                                tile_origin=chunk_origin))
+    mainloop = consumer_mainloop(cfg, b_row_major)
+
+    @inline_device
+    def consume(base, a, b, out, c, bias, alpha, cw, n_tiles, ktiles, w0, maps):
+        """The consumer of chunks w0 … w0 + n_tiles − 1 (the block's rows), then the
+        rescale (finish_tma, or finish_softmax without tma_out)."""
+        m = a.shape[1]
+        n = b.shape[2] if b_row_major else b.shape[1]
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        acc0 = cuda.local.array(NACC, f32)
+        acc1 = cuda.local.array(1, f32)
+        rmax = cuda.local.array((1, 2), f32)
+        rsum = cuda.local.array((1, 2), f32)
+        for h in range(2):
+            rmax[0, h] = NEG_INF
+            rsum[0, h] = f32(0)
+        omap = T.tensor_map_address(maps) + MAP_OUT
+        keep = T.l2_evict_last_policy() if TMA_OUT else np.uint64(0)
+        drop = T.l2_evict_first_policy() if TMA_OUT else np.uint64(0)
+        if TMA_OUT and tid % WARPGROUP == 0:
+            T.fence_proxy_tensormap_acquire(omap)
+        s = 0
+        ph = 0
+        for w in range(w0, w0 + n_tiles):
+            bm0 = (w // n_tiles) * BM
+            bn0 = (w % n_tiles) * BN
+            for i in range(NACC):
+                acc0[i] = f32(0)
+            s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane)
+            if TMA_OUT and w - w0 == n_tiles - 1:
+                # after the last main loop the stage buffers are free: the rescale's first
+                # loads run under this chunk's softmax
+                prefetch_finish(base, omap, bm0 + cw * ROW_OFF, n, n_tiles - 1, cw, drop)
+            scores_softmax(acc0, bn0, n, alpha, rmax, rsum, base, warp, lane, cw)
+            if TMA_OUT:
+                park_tma_chunk(acc0, base, omap, bm0 + cw * ROW_OFF, w - w0, n_tiles, n,
+                               cw, warp, lane, rmax, rsum, keep, drop)
+                continue
+            for jj in range(NI):
+                for q in range(4):
+                    acc0[4 * jj + q] *= PARK
+            store_smem(acc0, acc1, base + EPI_OFF + cw * EPI_WG, out[0], bm0 + cw * ROW_OFF,
+                       bn0, m, n, f32(1), bias, c[0], f32(0), tid % WARPGROUP, BAR_WG0 + cw)
+            if lane % 4 == 0:   # the rows' running max after this chunk
+                VEC.st_shared_v2_f32(base + STATS_OFF + cw * _STATS_WG
+                                     + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
+                                     rmax[0, 0], rmax[0, 1])
+        if TMA_OUT:
+            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n, n_tiles - 1, cw,
+                       drop)
+        else:
+            finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
+
+    # ---- overlap: two accumulators, the next chunk's first k-steps under this chunk's epilogue
+
+    @inline_device
+    def issue_kstep(acc, base, bars, s, ph, cw, first):
+        """Wait for stage s (parity ph) and issue its k-step's wgmmas into acc, one group;
+        ``first``: the chunk's first k-step, whose first wgmma ignores acc (scale-d 0) — no
+        instruction but a wgmma may write an accumulator while others are in flight, or
+        ptxas serialises every wgmma of the kernel (C7515)."""
+        ring.wait(bars, s, ph)
+        stage = base + STAGES + s * STAGE_BYTES
+        wmma.fence()
+        wmma.mma(acc, stage + cw * (ROW_OFF * 128), stage + A_BYTES, 0 if first else 1)
+        wmma.commit()
+        s, ph = ring.advance(s, ph)
+        return s, ph
+
+    @inline_device
+    def release_stages(bars, r, pending, keep_n, lane):
+        """Free the oldest issued stages (in order, from r) until keep_n stay pending."""
+        while pending > keep_n:
+            ring.release(bars, r, lane)
+            r += 1
+            if r == ST:
+                r = 0
+            pending -= 1
+        return r, pending
+
+    @inline_device
+    def overlap_step(cur, nxt, j, n_tiles, ktiles, base, bars, s, ph, r, pending, omap, row0,
+                     n, alpha, rmax, rsum, cw, warp, lane, keep, drop):
+        """Chunk j (not the last) on ``cur``, whose last k-step is the newest group still
+        pending: its epilogue under the first k-steps of chunk j + 1 into ``nxt``, then the
+        rest of chunk j + 1. Every path leaves the same wgmma state (only ``nxt`` in flight),
+        which is what lets ptxas keep the wgmmas asynchronous."""
+        for kt in range(PRE):                      # (K >= PRE k-steps: plan() checks)
+            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, kt == 0)
+        W.wgmma_wait_group(PRE)                    # chunk j's last group is done
+        r, pending = release_stages(bars, r, pending + PRE, PRE, lane)
+        W.wgmma_fence_operand(cur, NACC)
+        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
+        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
+                       drop)
+        for kt in range(PRE, ktiles):
+            s, ph = issue_kstep(nxt, base, bars, s, ph, cw, False)
+            W.wgmma_wait_group(1)
+            r, pending = release_stages(bars, r, pending + 1, 1, lane)
+        return s, ph, r, pending
+
+    @inline_device
+    def overlap_last(cur, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax, rsum,
+                     cw, warp, lane, keep, drop):
+        """The last chunk on ``cur``: wait for it, start the rescale's loads, its epilogue."""
+        W.wgmma_wait_group(0)
+        r, pending = release_stages(bars, r, pending, 0, lane)
+        W.wgmma_fence_operand(cur, NACC)
+        prefetch_finish(base, omap, row0, n, n_tiles - 1, cw, drop)
+        scores_softmax(cur, j * BN, n, alpha, rmax, rsum, base, warp, lane, cw)
+        park_tma_chunk(cur, base, omap, row0, j, n_tiles, n, cw, warp, lane, rmax, rsum, keep,
+                       drop)
+
+    @inline_device
+    def consume_overlap(base, a, b, out, alpha, cw, n_tiles, ktiles, w0, maps):
+        """The softmax mode's consumer with ``overlap``: chunks alternate between two
+        accumulators (overlap_step), then the rescale (finish_tma)."""
+        n = b.shape[2] if b_row_major else b.shape[1]
+        bars = base + BARS
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = (tid % WARPGROUP) // 32
+        accx = cuda.local.array(NACC, f32)
+        accy = cuda.local.array(NACC, f32)
+        rmax = cuda.local.array((1, 2), f32)
+        rsum = cuda.local.array((1, 2), f32)
+        for h in range(2):
+            rmax[0, h] = NEG_INF
+            rsum[0, h] = f32(0)
+        omap = T.tensor_map_address(maps) + MAP_OUT
+        keep = T.l2_evict_last_policy()
+        drop = T.l2_evict_first_policy()
+        if tid % WARPGROUP == 0:
+            T.fence_proxy_tensormap_acquire(omap)
+        row0 = w0 // n_tiles * BM + cw * ROW_OFF
+        s = 0
+        ph = 0
+        r = 0
+        pending = 0
+        for kt in range(ktiles):                   # chunk 0, as the plain main loop
+            s, ph = issue_kstep(accx, base, bars, s, ph, cw, kt == 0)
+            W.wgmma_wait_group(1)
+            r, pending = release_stages(bars, r, pending + 1, 1, lane)
+        # chunk pairs (x then y) while both have a successor; then the tail, x's last or
+        # x's step and y's last (fixed accumulators per position: no runtime choice of one)
+        j = 0
+        while j + 2 < n_tiles:
+            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
+                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
+                                             warp, lane, keep, drop)
+            s, ph, r, pending = overlap_step(accy, accx, j + 1, n_tiles, ktiles, base, bars, s,
+                                             ph, r, pending, omap, row0, n, alpha, rmax, rsum,
+                                             cw, warp, lane, keep, drop)
+            j += 2
+        if j + 2 == n_tiles:
+            s, ph, r, pending = overlap_step(accx, accy, j, n_tiles, ktiles, base, bars, s, ph,
+                                             r, pending, omap, row0, n, alpha, rmax, rsum, cw,
+                                             warp, lane, keep, drop)
+            overlap_last(accy, j + 1, n_tiles, base, bars, r, pending, omap, row0, n, alpha,
+                         rmax, rsum, cw, warp, lane, keep, drop)
+        else:
+            overlap_last(accx, j, n_tiles, base, bars, r, pending, omap, row0, n, alpha, rmax,
+                         rsum, cw, warp, lane, keep, drop)
+        finish_tma(base, omap, row0, n, n_tiles - 1, cw, drop)
+
+    return SimpleNamespace(**locals())
+
+
+def _softmax_kernel(cfg: WsConfig, c, k):
+    """The kernel of :func:`gemm_softmax_wgmma_kernel` from the pieces ``c`` and the chunk
+    loops ``k`` (:func:`_consumer_parts`), with the attributes the plan reads."""
+    BARS, BM, BN, FBAR_OFF, NC, OVERLAP, ST = c.BARS, c.BM, c.BN, c.FBAR_OFF, c.NC, c.OVERLAP, c.ST
+    TMA_OUT, b_row_major, dynamic_shared_buffer = c.TMA_OUT, c.b_row_major, c.dynamic_shared_buffer
+    overlap, ring, roles, tma_out = c.overlap, c.ring, c.roles, c.tma_out
+    consume, consume_overlap, produce = k.consume, k.consume_overlap, k.produce
 
     @kernel_jit(cfg)
     def kernel(a, b, out, c, bias, alpha, beta, maps):
