@@ -123,8 +123,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       ``torch.compile`` graphs (a graph break). A function of the wrong arity is a
       ``TypeError`` before launch, one that does not compile a ``TypeError`` naming it.
     * ``mod_args``: a tuple of arrays (any integer, bool, float16 / float32 / float64 dtype,
-      on the inputs' device) and numbers (int → int64, float → float32) passed to the user
-      functions after their fixed parameters — ``score_mod(score, b, h, q_idx, kv_idx,
+      on the inputs' device) and numbers (int or bool → int64, float → float32) passed to the
+      user functions after their fixed parameters — ``score_mod(score, b, h, q_idx, kv_idx,
       *mod_args)``, ``mask_mod(b, h, q_idx, kv_idx, *mod_args)`` (and ``score_mod_grad``) —
       so that a document id per token or a bias table is read inside the kernel; at most
       :data:`tilepy.tile.attention.MAX_MOD_ARGS`. A new array of the same signature reuses the
@@ -226,18 +226,16 @@ def check_alibi(alibi_slopes, batch: int, heads: int):
 
 def hook_args(alibi_slopes, mod_args, batch: int, heads: int, sq: int, sk: int):
     """``(hargs, operands)``: the score hook's run-time arguments as kernel arguments —
-    ``mod_args`` (arrays as device views of their own dtype, ints as int64, floats as
-    float32), then with ALiBi the slopes as a (batch, heads) float32 view (a zero batch stride
+    ``mod_args`` (arrays as device views of their own dtype, ints and bools as int64, floats
+    as float32), then with ALiBi the slopes as a (batch, heads) float32 view (a zero batch stride
     for per-head slopes) and ``sk - sq`` as int64 (:func:`tilepy.tile.attention.score_hook`'s
     order) — and the Operands of the arrays among them, in order. Errors name the argument."""
     n_mod_args(mod_args)
     hargs, ops = [], []
     for i, x in enumerate(mod_args or ()):
         name = f"mod_args[{i}]"
-        if isinstance(x, (bool, np.bool_)):
-            hargs.append(np.bool_(x))
-        elif isinstance(x, (int, np.integer)):
-            hargs.append(np.int64(x))
+        if isinstance(x, (bool, np.bool_, int, np.integer)):
+            hargs.append(np.int64(x))       # a bool as 0 / 1 (launch plans pass no bool)
         elif isinstance(x, (float, np.floating)):
             hargs.append(np.float32(x))
         else:
@@ -297,8 +295,8 @@ def check_user_functions(score_mod, mask_mod, n_args: int = 0) -> bool:
 
 
 def check_config_variant(config, win, cap, user=False) -> None:
-    """``NotImplementedError`` for a variant (``user``: a score_mod, mask_mod or ALiBi) with a wgmma
-    config other than a TMA one (only the TMA wgmma kernels take a window or a score
+    """``NotImplementedError`` for a variant (``user``: a score_mod, mask_mod or ALiBi) with a
+    wgmma config other than a TMA one (only the TMA wgmma kernels take a window or a score
     modification)."""
     if (is_variant(win, cap) or user) and isinstance(config, aw.WgmmaAttentionConfig) \
             and not config.tma:

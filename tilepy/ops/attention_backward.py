@@ -235,8 +235,9 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
 def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
               deterministic, dq, dk, dv, config, dlse, key):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
-        (win, cap, user, kmods, hargs, hops) = _validate(dout, q, k, v, out, lse, causal, scale, window, softcap,
-                                     mods, layout, deterministic, dq, dk, dv, config, dlse)
+        (win, cap, user, kmods, hargs, hops) = _validate(
+            dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
+            deterministic, dq, dk, dv, config, dlse)
     results, makers = [], []
     for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
         if arr is None:
