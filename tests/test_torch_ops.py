@@ -315,6 +315,29 @@ def test_flash_attention_alibi_and_mod_args_on_tensors():
         tilepy.flash_attention(*ins, alibi_slopes=slopes.clone().requires_grad_())
 
 
+def test_flash_attention_alibi_through_the_operator():
+    """alibi_slopes= alone is an operator argument (``Tensor? alibi_slopes``): opcheck, and a
+    compiled training step (fullgraph: no graph break) whose gradients equal eager's."""
+    q, k, v = rand(1, 2, 13, 16), rand(1, 1, 15, 16), rand(1, 1, 15, 16)
+    slopes = torch.tensor([0.3, 0.1])
+    torch.library.opcheck(torch.ops.tilepy.flash_attention.default,
+                          (q, k, v, True, None, -1, 0, 0.0, True, "bhsd", slopes))
+
+    def loss(q, k, v):
+        return tilepy.flash_attention(q, k, v, causal=True, alibi_slopes=slopes
+                                      ).float().square().sum()
+
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    loss(*ins).backward()
+    eager = [x.grad.clone() for x in ins]
+    for x in ins:
+        x.grad = None
+    torch._dynamo.reset()
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*ins).backward()
+    for x, g in zip(ins, eager):
+        assert torch.equal(x.grad, g)
+
+
 def test_flash_attention_lse_gradient_and_backward_operator():
     """The LSE used downstream as well as the output: its gradient enters the backward."""
     q, k, v = (rand(1, 2, n, 16, grad=True) for n in (21, 17, 17))

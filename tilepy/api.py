@@ -80,14 +80,15 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
                     mod_args=(), return_lse=False, out=None, layout="bhsd", config=None):
     if _is_torch(q):
         if score_mod is not None or mask_mod is not None or score_mod_grad is not None \
-                or alibi_slopes is not None or (mod_args is not None and (
-                    type(mod_args) not in (tuple, list) or len(mod_args))):
+                or (mod_args is not None and (type(mod_args) not in (tuple, list)
+                                              or len(mod_args))):
             return (_front or _pytorch()).flash_attention_mods(
                 q, k, v, causal, scale, window, softcap,
                 (score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args), return_lse, out,
                 layout, config)
         return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, window, softcap,
-                                                      return_lse, out, layout, config)
+                                                      return_lse, out, layout, config,
+                                                      alibi_slopes)
     return _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=window,
                                       softcap=softcap, alibi_slopes=alibi_slopes,
                                       score_mod=score_mod, score_mod_grad=score_mod_grad,
@@ -103,8 +104,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     mods = dict(score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
                 alibi_slopes=alibi_slopes, mod_args=mod_args)
     if _is_torch(q):
-        if any(mods[n] is not None for n in ("score_mod", "score_mod_grad", "mask_mod",
-                                             "alibi_slopes")) \
+        if any(mods[n] is not None for n in ("score_mod", "score_mod_grad", "mask_mod")) \
                 or (mod_args is not None and (type(mod_args) not in (tuple, list)
                                               or len(mod_args))):
             return (_front or _pytorch()).flash_attention_backward_mods(
@@ -113,7 +113,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
                 dv=dv, config=config, **mods)
         return (_front or _pytorch()).flash_attention_backward(
             dout, q, k, v, out, lse, causal, scale, window, softcap, layout, deterministic,
-            dq, dk, dv, config)
+            dq, dk, dv, config, alibi_slopes)
     return _attention_backward.flash_attention_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, window=window, softcap=softcap,
         layout=layout, deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config, **mods)

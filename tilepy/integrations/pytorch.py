@@ -62,23 +62,27 @@ _SCHEMAS = {
     "gemm_softmax": "gemm_softmax(Tensor a, Tensor b, float scale) -> Tensor",
     "gemm_softmax_out": "gemm_softmax_out(Tensor a, Tensor b, float scale, Tensor(a!) out) "
                         "-> ()",
-    # window_left / window_right: the key window (-1 unbounded); softcap 0.0: none
+    # window_left / window_right: the key window (-1 unbounded); softcap 0.0: none;
+    # alibi_slopes: ALiBi's (heads_q,) or (batch, heads_q) float32 slopes, None: none
     "flash_attention": "flash_attention(Tensor q, Tensor k, Tensor v, bool causal, "
                        "float? scale, int window_left, int window_right, float softcap, "
-                       "bool return_lse, str layout) -> (Tensor, Tensor)",
+                       "bool return_lse, str layout, Tensor? alibi_slopes=None) "
+                       "-> (Tensor, Tensor)",
     "flash_attention_out": "flash_attention_out(Tensor q, Tensor k, Tensor v, bool causal, "
                            "float? scale, int window_left, int window_right, float softcap, "
-                           "bool return_lse, str layout, Tensor(a!) out) -> Tensor",
+                           "bool return_lse, str layout, Tensor(a!) out, "
+                           "Tensor? alibi_slopes=None) -> Tensor",
     "flash_attention_backward": "flash_attention_backward(Tensor dout, Tensor q, Tensor k, "
                                 "Tensor v, Tensor out, Tensor lse, Tensor? dlse, bool causal, "
                                 "float? scale, int window_left, int window_right, "
-                                "float softcap, str layout, bool deterministic) "
-                                "-> (Tensor, Tensor, Tensor)",
+                                "float softcap, str layout, bool deterministic, "
+                                "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)",
     "flash_attention_backward_out": "flash_attention_backward_out(Tensor dout, Tensor q, "
                                     "Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
                                     "float? scale, int window_left, int window_right, "
                                     "float softcap, str layout, bool deterministic, "
-                                    "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv) -> ()",
+                                    "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+                                    "Tensor? alibi_slopes=None) -> ()",
 }
 
 
@@ -469,30 +473,36 @@ def _no_lse(q):
     return q.new_empty((0,), dtype=torch.float32)
 
 
-def _attention_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout):
+def _attention_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout,
+                    alibi_slopes=None):
     res = _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=(wl, wr),
-                                     softcap=softcap, return_lse=return_lse, layout=layout)
+                                     softcap=softcap, alibi_slopes=alibi_slopes,
+                                     return_lse=return_lse, layout=layout)
     return res if return_lse else (res, _no_lse(q))
 
 
-def _attention_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout):
+def _attention_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout,
+                    alibi_slopes=None):
     shape, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale,
                                                  window=(wl, wr), softcap=softcap,
-                                                 layout=layout)
+                                                 alibi_slopes=alibi_slopes, layout=layout)
     return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
                                 else _no_lse(q))
 
 
-def _attention_out_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out):
+def _attention_out_impl(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out,
+                        alibi_slopes=None):
     res = _attention.flash_attention(q, k, v, causal=causal, scale=scale, window=(wl, wr),
-                                     softcap=softcap, return_lse=return_lse, out=out,
-                                     layout=layout)
+                                     softcap=softcap, alibi_slopes=alibi_slopes,
+                                     return_lse=return_lse, out=out, layout=layout)
     return res[1] if return_lse else _no_lse(q)
 
 
-def _attention_out_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out):
+def _attention_out_fake(q, k, v, causal, scale, wl, wr, softcap, return_lse, layout, out,
+                        alibi_slopes=None):
     _, lse_shape, _ = _attention.output_spec(q, k, v, causal=causal, scale=scale,
-                                             window=(wl, wr), softcap=softcap, out=out,
+                                             window=(wl, wr), softcap=softcap,
+                                             alibi_slopes=alibi_slopes, out=out,
                                              layout=layout)
     return q.new_empty(lse_shape, dtype=torch.float32) if return_lse else _no_lse(q)
 
@@ -510,16 +520,21 @@ def _variant_args(causal, window, softcap):
     return wl, wr, cap
 
 
-def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout, config):
-    """``tilepy.flash_attention`` on PyTorch tensors."""
+def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, layout, config,
+                    alibi_slopes=None):
+    """``tilepy.flash_attention`` on PyTorch tensors (``alibi_slopes`` an operator argument:
+    no graph break; no gradient flows into it, and slopes that require grad are a
+    ``NotImplementedError``)."""
+    _no_hook_arg_grads("flash_attention", alibi_slopes, ())
     if config is not None:
         return _configured("flash_attention", _attention.flash_attention,
                            dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
-                           window=window, softcap=softcap, return_lse=return_lse,
-                           layout=layout, config=config)
-    if _direct(q, k, v, out):
+                           window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           return_lse=return_lse, layout=layout, config=config)
+    if _direct(q, k, v, out, alibi_slopes):
         return _written(_attention.flash_attention(q, k, v, causal=causal, scale=scale,
                                                    window=window, softcap=softcap,
+                                                   alibi_slopes=alibi_slopes,
                                                    return_lse=return_lse, out=out,
                                                    layout=layout), out)
     wl, wr, cap = _variant_args(causal, window, softcap)
@@ -527,10 +542,12 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
         scale = _float_arg("flash_attention", "scale", scale)
     if out is not None:
         _no_out_grad("flash_attention", out, q=q, k=k, v=v)
-        lse = _attention_out_op(q, k, v, causal, scale, wl, wr, cap, return_lse, layout, out)
+        lse = _attention_out_op(q, k, v, causal, scale, wl, wr, cap, return_lse, layout, out,
+                                alibi_slopes)
         return (out, lse) if return_lse else out
     res, lse = _attention_op(q, k, v, causal, scale, wl, wr, cap,
-                             True if _wants_grad(q, k, v) else return_lse, layout)
+                             True if _wants_grad(q, k, v) else return_lse, layout,
+                             alibi_slopes)
     return (res, lse) if return_lse else res
 
 
@@ -623,27 +640,28 @@ def _float_arg(op: str, name: str, value) -> float:
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, causal, scale, wl, wr, softcap, _, layout = inputs
+    q, k, v, causal, scale, wl, wr, softcap, _, layout, *rest = inputs
     out, lse = output
     ctx.causal, ctx.scale, ctx.layout = causal, scale, layout
     ctx.variant = (wl, wr, softcap)
+    ctx.n_inputs = len(inputs)
     ctx.has_lse = lse.dim() == 3   # the no-LSE placeholder is 1-D
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, rest[0] if rest else None)
     ctx.set_materialize_grads(False)
 
 
 def _attention_grad(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi = ctx.saved_tensors
     if not ctx.has_lse:
         raise RuntimeError("tilepy.flash_attention: the forward ran without its LSE, which "
                            "the backward needs (a gradient was not wanted when it ran)")
     if dout is None and dlse is None:
-        return (None,) * 10
+        return (None,) * ctx.n_inputs
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
-                                        *ctx.variant, ctx.layout, False)
-    return (dq, dk, dv) + (None,) * 7
+                                        *ctx.variant, ctx.layout, False, alibi)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 
 torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
@@ -653,31 +671,34 @@ torch.library.register_autograd("tilepy::flash_attention", _attention_grad,
 # ---- flash_attention_backward ---------------------------------------------------------------
 
 def _attention_backward_impl(dout, q, k, v, out, lse, dlse, causal, scale, wl, wr, softcap,
-                             layout, deterministic):
+                             layout, deterministic, alibi_slopes=None):
     return _attention_backward.flash_attention_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, window=(wl, wr), softcap=softcap,
-        layout=layout, deterministic=deterministic, dlse=dlse)
+        alibi_slopes=alibi_slopes, layout=layout, deterministic=deterministic, dlse=dlse)
 
 
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, wl, wr, softcap,
-                             layout, deterministic):
+                             layout, deterministic, alibi_slopes=None):
     shapes = _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal,
                                              scale=scale, window=(wl, wr), softcap=softcap,
-                                             layout=layout, deterministic=deterministic)
+                                             alibi_slopes=alibi_slopes, layout=layout,
+                                             deterministic=deterministic)
     return tuple(x.new_empty(shape) for x, shape in zip((q, k, v), shapes[:3]))
 
 
 def _attention_backward_out_impl(dout, q, k, v, out, lse, causal, scale, wl, wr, softcap,
-                                 layout, deterministic, dq, dk, dv):
+                                 layout, deterministic, dq, dk, dv, alibi_slopes=None):
     _attention_backward.flash_attention_backward(
         dout, q, k, v, out, lse, causal=causal, scale=scale, window=(wl, wr), softcap=softcap,
-        layout=layout, deterministic=deterministic, dq=dq, dk=dk, dv=dv)
+        alibi_slopes=alibi_slopes, layout=layout, deterministic=deterministic, dq=dq, dk=dk,
+        dv=dv)
 
 
 def _attention_backward_out_fake(dout, q, k, v, out, lse, causal, scale, wl, wr, softcap,
-                                 layout, deterministic, dq, dk, dv):
+                                 layout, deterministic, dq, dk, dv, alibi_slopes=None):
     _attention_backward.output_spec(dout, q, k, v, out, lse, causal=causal, scale=scale,
-                                    window=(wl, wr), softcap=softcap, layout=layout,
+                                    window=(wl, wr), softcap=softcap,
+                                    alibi_slopes=alibi_slopes, layout=layout,
                                     deterministic=deterministic)
 
 
@@ -689,14 +710,15 @@ _attention_backward_out_op = _register("flash_attention_backward_out",
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, window, softcap, layout,
-                             deterministic, dq, dk, dv, config):
+                             deterministic, dq, dk, dv, config, alibi_slopes=None):
     """``tilepy.flash_attention_backward`` on PyTorch tensors. It is not itself
     differentiable (no double backward): a gradient wanted through it is a ``TypeError``."""
     tensors = dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     _no_grad_for("flash_attention_backward", "it has no backward of its own (double "
                  "backward is not supported)", **tensors)
-    kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap, layout=layout,
-                  deterministic=deterministic)
+    _no_hook_arg_grads("flash_attention_backward", alibi_slopes, ())
+    kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                  alibi_slopes=alibi_slopes, layout=layout, deterministic=deterministic)
     if config is not None:
         return _eager_only()(_attention_backward.flash_attention_backward, **tensors,
                              config=config, **kwargs)
@@ -714,12 +736,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, window, sof
         scale = _float_arg("flash_attention_backward", "scale", scale)
     if dq is None and dk is None and dv is None:
         return _attention_backward_op(dout, q, k, v, out, lse, None, causal, scale, wl, wr,
-                                      cap, layout, deterministic)
+                                      cap, layout, deterministic, alibi_slopes)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     _attention_backward_out_op(dout, q, k, v, out, lse, causal, scale, wl, wr, cap, layout,
-                               deterministic, dq, dk, dv)
+                               deterministic, dq, dk, dv, alibi_slopes)
     return dq, dk, dv
 
 

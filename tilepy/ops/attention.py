@@ -178,7 +178,7 @@ def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
     check_config_variant(config, *check_variant(causal, window, softcap),
                          alibi_slopes is not None)
     if alibi_slopes is not None:
-        check_alibi(alibi_slopes, bq, hq)
+        arrays.same_device(Q, check_alibi(alibi_slopes, bq, hq))
     return Q.shape, (bq, hq, sq), dtype
 
 

@@ -18,7 +18,7 @@ from ..tile import device_write
 from . import attention_backward_kernel as bk
 from . import attention_backward_wgmma as bw
 from ..tile.attention_backward import check_functions
-from .attention import (bhsd_dims, bhsd_view, check_arguments, check_variant,
+from .attention import (bhsd_dims, bhsd_view, check_alibi, check_arguments, check_variant,
                         hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
 from .attention_backward_kernel import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
@@ -156,11 +156,13 @@ _DQ, _SCRATCH0 = 6, 10
 
 
 def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None,
-                softcap=0.0, layout="bhsd", deterministic=False, config=None):
+                softcap=0.0, alibi_slopes=None, layout="bhsd", deterministic=False,
+                config=None):
     """``(dq shape, dk shape, dv shape, dtype name)`` after every check the op makes before
     launching; reads only metadata (the registered operator's fake implementation)."""
     (Q, K, V, _), dtype, *_ = _validate(dout, q, k, v, out, lse, causal, scale, window,
-                                        softcap, (None,) * 5, layout, deterministic,
+                                        softcap, (None, None, None, alibi_slopes, ()),
+                                        layout, deterministic,
                                         None, None, None, config, None)
     return Q.shape, K.shape, V.shape, dtype
 
@@ -225,19 +227,21 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
             f"flash_attention_backward: score_mod / mask_mod / alibi_slopes with more than "
             f"{launch.MAX_GRID_YZ} batches or query heads (got batch {bq}, heads {hq}); split "
             f"the batch")
-    hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
-    arrays.same_device(Q, *hops)
+    if alibi_slopes is not None:
+        arrays.same_device(Q, check_alibi(alibi_slopes, bq, hq))
     return ((Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device,
             (win, cap, user, (score_mod, score_mod_grad, mask_mod, n_args,
-                              alibi_slopes is not None), hargs, hops))
+                              alibi_slopes is not None)))
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
               deterministic, dq, dk, dv, config, dlse, key):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
-        (win, cap, user, kmods, hargs, hops) = _validate(
+        (win, cap, user, kmods) = _validate(
             dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
             deterministic, dq, dk, dv, config, dlse)
+    hargs, hops = hook_args(mods[3], mods[4], bq, hq, sq, sk)   # views of the hook's arrays
+    arrays.same_device(Q, *hops)
     results, makers = [], []
     for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
         if arr is None:
