@@ -164,6 +164,37 @@ def test_against_float64(b, hq, sq, sk, d, causal, dtype):
 
 
 @sim
+@pytest.mark.parametrize("d,causal,layout,dtype,kw", [
+    (8, True, "bhsd", "float16", {}),                       # tiles of 16: half zeros
+    (40, False, "bshd", "bfloat16", {"window": (9, 3)}),     # 48-column tiles, a variant
+    (24, True, "bhsd", "float16", {"alibi_slopes": np.array([0.3, 0.1], np.float32)}),
+])
+def test_head_dims_padded_in_shared_memory(d, causal, layout, dtype, kw):
+    """head_dim a multiple of 8 but not of 16: the tiles zero-padded to the next multiple of
+    16 by the copies (the inputs as they are), the padded O columns never stored (poisoned
+    out, its neighbours in a wider buffer untouched), against float64; GQA 2/1, odd lengths;
+    the backward's clear NotImplementedError."""
+    rng = np.random.default_rng()
+    sq, sk = 37, 45
+    shq = (1, 2, sq, d) if layout == "bhsd" else (1, sq, 2, d)
+    shk = (1, 1, sk, d) if layout == "bhsd" else (1, sk, 1, d)
+    q, k, v = rand(rng, shq, dtype), rand(rng, shk, dtype), rand(rng, shk, dtype)
+    wide = np.full(shq[:-1] + (d + 8,), np.nan, NP[dtype])
+    out = wide[..., :d]          # strides of d + 8 elements: 16-byte aligned
+    res, lse = flash_attention(q, k, v, causal=causal, out=out, return_lse=True,
+                               layout=layout, **kw)
+    ro, rl = reference(q, k, v, causal, None, layout,
+                       key_window(causal, kw.get("window")), alibi=kw.get("alibi_slopes"))
+    check(res, ro, v, dtype)
+    check_lse(lse, rl)
+    assert np.isnan(wide[..., d:].astype(np.float32)).all()
+    if d == 8:
+        with pytest.raises(NotImplementedError, match="head_dim 8 .*no backward"):
+            tilepy.flash_attention_backward(out, q, k, v, out, lse, causal=causal,
+                                            layout=layout)
+
+
+@sim
 def test_whole_query_blocks_without_keys_give_zeros():
     # causal, seq_q 40 > seq_k 5: rows 0..34 see nothing, so the first query block visits
     # no key block at all (and reads no K/V); rows 35..39 see 1..5 keys.
@@ -298,8 +329,12 @@ def test_tma_grid_configs_past_the_limit_run_one_dimensional(monkeypatch, plans_
 def test_errors_are_raised_before_launch():
     h = np.ones((1, 2, 8, 16), np.float16)
     kv = np.ones((1, 1, 8, 16), np.float16)
-    with pytest.raises(ValueError, match="head_dim 24 is not supported; supported: 16, 32"):
-        x = np.ones((1, 1, 8, 24), np.float16)
+    with pytest.raises(ValueError, match="head_dim 20 is not supported; supported: the "
+                                         "multiples of 8 from 8 to 128"):
+        x = np.ones((1, 1, 8, 20), np.float16)
+        flash_attention(x, x, x)
+    with pytest.raises(ValueError, match="head_dim 136 is not supported"):
+        x = np.ones((1, 1, 8, 136), np.float16)
         flash_attention(x, x, x)
     with pytest.raises(ValueError, match="head_dim differs: q 16, k 32"):
         flash_attention(h, np.ones((1, 1, 8, 32), np.float16), kv)
@@ -368,7 +403,7 @@ def test_p_fragments_are_the_a_operand():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        AttentionConfig(40)
+        AttentionConfig(36)
     with pytest.raises(ValueError, match="block_n=24 is not a positive multiple of 16"):
         AttentionConfig(64, block_n=24)
     with pytest.raises(ValueError, match="warp_rows"):
@@ -376,7 +411,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="shared memory"):
         AttentionConfig(128, block_m=256, block_n=256, warp_rows=32)
     assert AttentionConfig(128).smem_bytes == 96 * 1024
-    assert tuple(HEAD_DIMS) == (16, 32, 48, 64, 80, 96, 112, 128)
+    assert tuple(HEAD_DIMS) == tuple(range(8, 129, 8))
+    assert AttentionConfig(40).tile_dim == 48 and AttentionConfig(8).tile_dim == 16
+    assert AttentionConfig(40, 64, 64).smem_bytes == (64 + 4 * 64) * 48 * 2
 
 
 # ---- compile layer: the real kernels, offline, sm_90 -------------------------------------
@@ -388,13 +425,15 @@ def test_kernels_compile_to_mma_ldmatrix_cp_async_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_kernel:compile_reports")
-    assert len(reports) == 5     # four plain kernels and a window + soft-cap variant
+    assert len(reports) == 6     # five plain kernels (one of head_dim 40), a variant
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
-        d = 128 if "d128" in name else 64
+        d = 128 if "d128" in name else 48 if "d40" in name else 64   # d40: 48-column tiles
         # per key block of 64: Q·Kᵀ (D/16)·8 mma + P·V 4·(D/8) mma; ldmatrix for Q, K, V
-        assert c["mma"] >= (d // 16) * 8 + 4 * (d // 8), (name, c)
+        # (head_dim 40: the P·V mma of the zero columns are gone, their O never stored)
+        dv = 40 if "d40" in name else d
+        assert c["mma"] >= (d // 16) * 8 + 4 * (dv // 8), (name, c)
         assert c["ldmatrix"] >= d // 16 + (d // 16) * 4 + 4 * (d // 16), (name, c)
         assert c["cp.async"] >= 1 and c["cp.async.wait"] >= 2 and c["bar.sync"] >= 2
         assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)

@@ -81,7 +81,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       shape and layout.
     * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
       ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
-    * ``head_dim``: one of 16, 32, 48, 64, 80, 96, 112, 128 (the same for q, k and v).
+    * ``head_dim``: a multiple of 8 from 8 to 128, the same for q, k and v (one not a
+      multiple of 16 runs the mma.sync kernel with its shared tiles zero-padded to the next
+      multiple of 16; it has no backward yet).
     * Any ``seq_q`` and ``seq_k`` (not multiples of a block; ``seq_q != seq_k`` allowed).
     * Grouped-query / multi-query attention: ``heads_q`` a multiple of ``heads_kv``; query
       head ``h`` uses key/value head ``h // (heads_q // heads_kv)``.
@@ -337,8 +339,8 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk}) (shapes q "
                          f"{Q.shape}, k {K.shape}, layout {layout!r})")
     if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported; supported: "
-                         f"{', '.join(map(str, HEAD_DIMS))}")
+        raise ValueError(f"head_dim {d} is not supported; supported: the multiples of 8 from "
+                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is None:

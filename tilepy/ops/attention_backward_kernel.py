@@ -75,6 +75,10 @@ from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from .attention_kernel import HEAD_DIMS
 
+#: The backward kernels' head dims: the forward's multiples of 16 (the others, which the
+#: forward pads to 16 in shared memory, have no backward yet).
+BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d % 16 == 0)
+
 _ZERO = np.float32(0.0)
 _INF = np.float32(np.inf)
 _NEG_INF = np.float32(-np.inf)
@@ -121,8 +125,8 @@ class BackwardConfig:
                  f"got {self.dq_atomic!r}")
         _require(self.dtype in DTYPES, f"BackwardConfig.dtype must be one of {DTYPES}, got "
                  f"{self.dtype!r}")
-        _require(self.head_dim in HEAD_DIMS, f"BackwardConfig.head_dim must be one of "
-                 f"{HEAD_DIMS}, got {self.head_dim!r}")
+        _require(self.head_dim in BACKWARD_HEAD_DIMS, f"BackwardConfig.head_dim must be one "
+                 f"of {BACKWARD_HEAD_DIMS}, got {self.head_dim!r}")
         for name in ("block_m", "block_n", "dq_block_m", "dq_block_n"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0 and value % 16 == 0,

@@ -78,10 +78,12 @@ from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..kcache import cached_jit
 
-#: Head dimensions the kernel supports: multiples of 16 (mma k16 steps over D for Q·Kᵀ and
-#: pairs of n8 tiles for P·V) up to 128 (Q's fragments stay in registers next to O's
-#: accumulators: D/4 + D/2 registers per thread for 16 rows a warp).
-HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)
+#: Head dimensions the kernel supports: multiples of 8 up to 128 (Q's fragments stay in
+#: registers next to O's accumulators: D/4 + D/2 registers per thread for 16 rows a warp).
+#: The shared tiles are :attr:`AttentionConfig.tile_dim` wide — the next multiple of 16, for
+#: the k16 steps of Q·Kᵀ and the pairs of n8 tiles of P·V — with the columns past head_dim
+#: zero-filled by the copies (no padded copy of the inputs).
+HEAD_DIMS = tuple(range(8, 129, 8))
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
@@ -99,7 +101,8 @@ class AttentionConfig:
 
     ``warp_rows`` (16 or 32) query rows per warp, so ``block_m / warp_rows`` warps per block.
     Shared memory: the Q tile plus two stages of a K and a V tile,
-    ``(block_m + 4 · block_n) · head_dim · 2`` bytes.
+    ``(block_m + 4 · block_n) · tile_dim · 2`` bytes (:attr:`tile_dim`: head_dim rounded up
+    to 16).
     """
 
     head_dim: int
@@ -138,19 +141,25 @@ class AttentionConfig:
         return 32 * self.warps
 
     @property
+    def tile_dim(self) -> int:
+        """The shared tiles' row length: ``head_dim`` rounded up to a multiple of 16 (the
+        columns past ``head_dim`` are zeros)."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
     def swizzle(self) -> bool:
-        """XOR swizzle of the shared tiles where the row length allows it (D = 16, 32, 64, 128);
-        other head dims use plain rows (correct; some bank conflicts)."""
-        chunks = self.head_dim // 8
+        """XOR swizzle of the shared tiles where the row length allows it (tile_dim = 16, 32,
+        64, 128); other head dims use plain rows (correct; some bank conflicts)."""
+        chunks = self.tile_dim // 8
         return chunks in (1, 2, 4) or chunks % 8 == 0
 
     @property
     def tile_bytes(self) -> int:
-        return self.block_n * self.head_dim * 2
+        return self.block_n * self.tile_dim * 2
 
     @property
     def q_bytes(self) -> int:
-        return self.block_m * self.head_dim * 2
+        return self.block_m * self.tile_dim * 2
 
     @property
     def smem_bytes(self) -> int:
@@ -159,7 +168,7 @@ class AttentionConfig:
     @property
     def registers_estimate(self) -> int:
         mi = self.warp_rows // 16
-        d = self.head_dim
+        d = self.tile_dim
         return mi * (d // 2 + d // 4 + self.block_n // 2) + d // 4 + 40
 
     def describe(self) -> str:
@@ -203,14 +212,16 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
 @functools.cache
 def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
                       score_mod):
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    # D: the shared tiles' width (head_dim rounded up to 16, zero columns past it)
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
+    VALID = None if cfg.head_dim == D else cfg.head_dim   # copies zero-fill past it
     WARP_ROWS = cfg.warp_rows
     MI = WARP_ROWS // 16
     THREADS = cfg.threads
     KD = D // 16        # k16 steps of Q·Kᵀ
     NS = BN // 8        # n8 tiles of S
     KN = BN // 16       # k16 steps of P·V
-    NO = D // 8         # n8 tiles of O
+    NO = D // 8         # n8 tiles of O (those past head_dim are computed, not stored)
     SW = cfg.swizzle
     Q_BYTES = cfg.q_bytes
     TILE = cfg.tile_bytes
@@ -228,15 +239,15 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     smem = dynamic_shared()
-    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW)
-    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW)
+    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW, VALID)
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW, VALID)
     setup_fq, load_q = load_a_fragments(MI, D, SW)
     setup_fk, load_k = load_b_fragments(NS, D, False, SW)
     setup_fv, load_v = load_b_fragments(NO, D, True, SW)
     update = online_softmax_update(MI, NS)
     finalize = online_softmax_finalize(MI, NO)
     mask = mask_scores(MI, NS)
-    store = store_rows(MI, NO, cfg.dtype, has_lse)
+    store = store_rows(MI, cfg.head_dim // 8, cfg.dtype, has_lse)
 
     @_kernel_jit(THREADS, score_mod is None)
     def kernel(q, k, v, o, lse, scale, scale_log2, hargs):
@@ -452,6 +463,10 @@ COMPILED = (
     # a variant: a sliding window under causal (Mistral's) and a soft cap (Gemma 2's)
     ("attention_d128_f16_window_softcap_lse", AttentionConfig(128, 128, 64, 16, "float16"),
      True, True, (4095, 0), 50.0),
+    # head_dim 40 in 48-column tiles (the copies zero-fill the last 8 columns), the built-in
+    # config of head_dim <= 64 (32 rows a warp)
+    ("attention_d40_f16_causal_lse", AttentionConfig(40, 128, 64, 32, "float16"), True, True,
+     None, 0),
 )
 
 

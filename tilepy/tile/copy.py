@@ -122,9 +122,13 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
 
 
 @functools.cache
-def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True):
+def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True,
+                        valid_cols: int | None = None):
     """``(setup, issue)``: a block copies ``rows × cols`` 16-bit elements (a tile of whole rows
     of a matrix with unit column stride) into a (swizzled) shared tile with 16-byte cp.async.
+    ``valid_cols`` (a multiple of 8, at most ``cols``; default ``cols``): the matrix rows hold
+    that many elements; the tile's columns past them are zero-filled and never read (a
+    head_dim of 40 in a 48-column tile).
 
     * ``setup(src, row_stride, tid) -> plan`` (a 4-tuple) once per block; ``src`` the global
       byte address (int64) of the first row of the first tile, ``row_stride`` in bytes.
@@ -145,6 +149,11 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
     if cols % 8:
         raise ValueError(f"copy_rows_to_shared: rows of {cols} elements are not whole 16-byte "
                          "chunks")
+    valid = chunks if valid_cols is None else valid_cols // 8
+    if valid_cols is not None and (valid_cols % 8 or not 0 < valid_cols <= cols):
+        raise ValueError(f"copy_rows_to_shared: valid_cols={valid_cols!r} must be a positive "
+                         f"multiple of 8 up to cols={cols}")
+    PART = valid < chunks     # chunks past `valid` zero-filled
     layout.check_swizzle(chunks, swizzle)
     row_bytes = chunks * 16
     swz = swizzle_fn(chunks, swizzle)
@@ -170,6 +179,8 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
                 r = r0 + p * per_pass
                 if exact or r < rows:
                     nbytes = 16 if r < rows_left else 0
+                    if PART and c >= valid:
+                        nbytes = 0
                     if const_swz:
                         sh = sh0 + p * per_pass * row_bytes
                     else:
@@ -193,6 +204,8 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
                     r = idx // chunks
                     c = idx % chunks
                     nbytes = 16 if r < rows_left else 0
+                    if PART and c >= valid:
+                        nbytes = 0
                     cp_async_cg_16(tile_addr + (r * chunks + swz(r, c)) * 16,
                                    src + r * row_stride + c * 16, nbytes)
 
