@@ -173,7 +173,7 @@ def test_head_dims_padded_in_shared_memory(d, causal, layout, dtype, kw):
     """head_dim a multiple of 8 but not of 16: the tiles zero-padded to the next multiple of
     16 by the copies (the inputs as they are), the padded O columns never stored (poisoned
     out, its neighbours in a wider buffer untouched), against float64; GQA 2/1, odd lengths;
-    the backward's clear NotImplementedError."""
+    the backward of these head dims: tests/test_ops_attention_backward.py."""
     rng = np.random.default_rng()
     sq, sk = 37, 45
     shq = (1, 2, sq, d) if layout == "bhsd" else (1, sq, 2, d)
@@ -188,10 +188,6 @@ def test_head_dims_padded_in_shared_memory(d, causal, layout, dtype, kw):
     check(res, ro, v, dtype)
     check_lse(lse, rl)
     assert np.isnan(wide[..., d:].astype(np.float32)).all()
-    if d == 8:
-        with pytest.raises(NotImplementedError, match="head_dim 8 .*no backward"):
-            tilepy.flash_attention_backward(out, q, k, v, out, lse, causal=causal,
-                                            layout=layout)
 
 
 @sim

@@ -261,6 +261,19 @@ def test_keys_past_the_end_stay_out_of_dq(atomic):
         assert err <= 1e-2, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("b, hq, hk, sq, sk, d, causal, dtype, layout, kw", [
+    (1, 2, 1, 33, 41, 24, True, "float16", "bhsd", {}),      # 32-column tiles, dQ's kernel
+    (1, 2, 2, 30, 37, 40, False, "bfloat16", "bshd", {"config": BackwardConfig(
+        40, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32, dq_block_n=32,
+        dq_atomic=True)}),                                  # 48 columns, dQ by atomics
+])
+def test_padded_head_dims(b, hq, hk, sq, sk, d, causal, dtype, layout, kw):
+    """head_dim a multiple of 8 but not of 16: both backward kernels' tiles zero-padded to
+    the next multiple of 16 by the copies, only head_dim's columns of dQ / dK / dV stored
+    (the dQ accumulator of the atomic path tile_dim wide), against the float64 derivation."""
+    run_case(b, hq, hk, sq, sk, d, causal, dtype, layout, **kw)
+
+
 def test_dq_by_atomics():
     cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
                          dq_block_n=32, dq_atomic=True)
@@ -367,7 +380,7 @@ def test_config_choice_and_checks(monkeypatch):
     with pytest.raises(ValueError, match="multiple of 16"):
         BackwardConfig(64, block_m=24)
     with pytest.raises(ValueError, match="head_dim"):
-        BackwardConfig(40)
+        BackwardConfig(36)
 
 
 def test_bad_input_is_named():

@@ -315,16 +315,13 @@ def test_flash_attention_alibi_and_mod_args_on_tensors():
         tilepy.flash_attention(*ins, alibi_slopes=slopes.clone().requires_grad_())
 
 
-def test_flash_attention_head_dim_without_a_backward():
-    """head_dim 24 (zero-padded to 32 in the kernel's shared tiles): the forward on tensors,
-    and a NotImplementedError at the forward, not at backward(), when a gradient is wanted."""
-    q, k, v = rand(1, 2, 9, 24), rand(1, 2, 9, 24), rand(1, 2, 9, 24)
-    s = q.double() @ k.double().mT / 24 ** 0.5
-    close(tilepy.flash_attention(q, k, v), torch.softmax(s, -1) @ v.double(), torch.float16,
-          "head_dim 24")
-    with pytest.raises(NotImplementedError, match="head_dim 24 has a forward kernel but no "
-                                                  "backward"):
-        tilepy.flash_attention(q.requires_grad_(), k, v)
+def test_flash_attention_padded_head_dim_gradients():
+    """head_dim 24 (zero-padded to 32 in the kernels' shared tiles) through autograd against
+    float64 autograd."""
+    ins = [rand(1, 2, 9, 24, grad=True) for _ in range(3)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, causal=True),
+                lambda q, k, v: _attention_reference(q, k, v, True, 24 ** -0.5),
+                ins, torch.float16)
 
 
 def test_flash_attention_alibi_through_the_operator():

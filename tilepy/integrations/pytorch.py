@@ -526,7 +526,6 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
     no graph break; no gradient flows into it, and slopes that require grad are a
     ``NotImplementedError``)."""
     _no_hook_arg_grads("flash_attention", alibi_slopes, ())
-    _no_backward_head_dim(q, k, v)
     if config is not None:
         return _configured("flash_attention", _attention.flash_attention,
                            dict(q=q, k=k, v=v, out=out), causal=causal, scale=scale,
@@ -565,7 +564,6 @@ def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_l
                   score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
                   layout=layout)
     _no_hook_arg_grads("flash_attention", alibi_slopes, mod_args)
-    _no_backward_head_dim(q, k, v)
     if not _wants_grad(q, k, v):
         res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,
                             out=out, config=config, **kwargs)
@@ -605,16 +603,6 @@ class _UserFunctionsAttention(torch.autograd.Function):
         dq, dk, dv = _attention_backward.flash_attention_backward(
             dout, q, k, v, out, lse, dlse=dlse, **ctx.kwargs)
         return dq, dk, dv, None
-
-
-def _no_backward_head_dim(q, k, v) -> None:
-    """``NotImplementedError`` when a gradient is wanted at a head_dim the backward kernels do
-    not take (not a multiple of 16): said at the forward, not when backward() runs."""
-    d = q.shape[-1]
-    if isinstance(d, int) and d % 16 and _wants_grad(q, k, v):
-        raise NotImplementedError(
-            f"tilepy.flash_attention: head_dim {d} has a forward kernel but no backward yet "
-            f"(multiples of 16 up to 128 do); detach q, k and v or run under torch.no_grad()")
 
 
 def _no_hook_arg_grads(op: str, alibi_slopes, mod_args) -> None:

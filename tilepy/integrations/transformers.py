@@ -57,9 +57,6 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs) -> str | No
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]) or \
             query.shape[-1] not in HEAD_DIMS:
         return f"head_dim {query.shape[-1]} (value {value.shape[-1]})"
-    if query.shape[-1] % 16 and torch.is_grad_enabled() and any(
-            x.requires_grad for x in (query, key, value)):
-        return f"a gradient at head_dim {query.shape[-1]} (no backward yet)"
     for arg in ("sliding_window", "softcap", "s_aux", "position_bias"):
         if kwargs.get(arg) is not None:
             return f"{arg}"

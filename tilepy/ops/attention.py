@@ -82,8 +82,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
       ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
     * ``head_dim``: a multiple of 8 from 8 to 128, the same for q, k and v (one not a
-      multiple of 16 runs the mma.sync kernel with its shared tiles zero-padded to the next
-      multiple of 16; it has no backward yet).
+      multiple of 16 runs the mma.sync kernels, forward and backward, with their shared
+      tiles zero-padded to the next multiple of 16).
     * Any ``seq_q`` and ``seq_k`` (not multiples of a block; ``seq_q != seq_k`` allowed).
     * Grouped-query / multi-query attention: ``heads_q`` a multiple of ``heads_kv``; query
       head ``h`` uses key/value head ``h // (heads_q // heads_kv)``.

@@ -174,11 +174,6 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
                         "result), got None")
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, None)
-    if d % 16:
-        raise NotImplementedError(
-            f"flash_attention_backward: head_dim {d} (not a multiple of 16) has no backward "
-            f"kernel yet; the forward runs it (zero-padded to {-(-d // 16) * 16} in shared "
-            f"memory), the backward takes 16, 32, …, 128")
     win, cap = check_variant(causal, window, softcap)
     score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
     n_args = n_mod_args(mod_args)

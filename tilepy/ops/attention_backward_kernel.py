@@ -75,10 +75,6 @@ from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from .attention_kernel import HEAD_DIMS
 
-#: The backward kernels' head dims: the forward's multiples of 16 (the others, which the
-#: forward pads to 16 in shared memory, have no backward yet).
-BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d % 16 == 0)
-
 _ZERO = np.float32(0.0)
 _INF = np.float32(np.inf)
 _NEG_INF = np.float32(-np.inf)
@@ -125,8 +121,8 @@ class BackwardConfig:
                  f"got {self.dq_atomic!r}")
         _require(self.dtype in DTYPES, f"BackwardConfig.dtype must be one of {DTYPES}, got "
                  f"{self.dtype!r}")
-        _require(self.head_dim in BACKWARD_HEAD_DIMS, f"BackwardConfig.head_dim must be one "
-                 f"of {BACKWARD_HEAD_DIMS}, got {self.head_dim!r}")
+        _require(self.head_dim in HEAD_DIMS, f"BackwardConfig.head_dim must be one of "
+                 f"{HEAD_DIMS}, got {self.head_dim!r}")
         for name in ("block_m", "block_n", "dq_block_m", "dq_block_n"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0 and value % 16 == 0,
@@ -138,7 +134,7 @@ class BackwardConfig:
         _require(self.warps % self.dq_row_warps == 0,
                  f"BackwardConfig: block_m={self.block_m} does not split the dQ rows evenly "
                  f"over {self.warps} warps (block_m / 16 must divide or be a multiple of them)")
-        _require((self.head_dim // 8) % (2 * self.dq_col_warps) == 0,
+        _require((self.tile_dim // 8) % (2 * self.dq_col_warps) == 0,
                  f"BackwardConfig: block_m={self.block_m}, block_n={self.block_n} split dQ over "
                  f"{self.dq_col_warps} column groups of warps; head_dim {self.head_dim} does not "
                  "give each an even number of 8-column tiles")
@@ -169,9 +165,15 @@ class BackwardConfig:
         return max(1, self.warps // self.dq_row_warps)
 
     @property
+    def tile_dim(self) -> int:
+        """The shared tiles' row length: head_dim rounded up to a multiple of 16 (the copies
+        zero-fill the columns past head_dim; what is computed there is never stored)."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
     def swizzle(self) -> bool:
-        """XOR swizzle of the head_dim-wide shared tiles where the row length allows it."""
-        return _swizzles(self.head_dim)
+        """XOR swizzle of the tile_dim-wide shared tiles where the row length allows it."""
+        return _swizzles(self.tile_dim)
 
     @property
     def row_pad(self) -> int:
@@ -179,7 +181,7 @@ class BackwardConfig:
         return math.lcm(self.block_m, self.dq_block_m)
 
     def dkdv_layout(self, atomic_dq: bool) -> SmemLayout:
-        D, BM, BN = self.head_dim, self.block_m, self.block_n
+        D, BM, BN = self.tile_dim, self.block_m, self.block_n
         regions = [("k", BN * D * 2, 128), ("v", BN * D * 2, 128),
                    ("q", 2 * BM * D * 2, 128), ("do", 2 * BM * D * 2, 128),
                    ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
@@ -189,7 +191,7 @@ class BackwardConfig:
 
     @property
     def dq_smem_bytes(self) -> int:
-        D = self.head_dim
+        D = self.tile_dim
         return 2 * self.dq_block_m * D * 2 + 2 * 2 * self.dq_block_n * D * 2
 
     def describe(self) -> str:
@@ -351,7 +353,9 @@ def _cap(softcap) -> float:
 @functools.cache
 def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float,
                  mods: tuple):
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    # D: the shared tiles' width (head_dim rounded up to 16; the copies zero-fill past it)
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
+    VALID = None if cfg.head_dim == D else cfg.head_dim
     W = cfg.warps
     THREADS = 32 * W
     NQ = BM // 8        # n8 tiles of Sᵀ (query columns)
@@ -383,8 +387,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 
     mma = _MMA[cfg.dtype]
     smem = dynamic_shared()
-    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW)
-    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW)
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW, VALID)
+    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW, VALID)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)  # BM float32 as 16-bit
     setup_ka, load_ka = load_a_fragments(1, D, SW)            # K, V rows of the warp
     setup_qn, load_qn = load_b_fragments(NQ, D, False, SW)    # Q, dO as n = query, k = d
@@ -400,7 +404,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     qblocks = query_blocks(BM, False, WIN, BN)
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
-    store = store_accumulators(1, NO, cfg.dtype)
+    store = store_accumulators(1, cfg.head_dim // 8, cfg.dtype)   # head_dim's columns only
     add_dq = atomic_add_accumulators(MIQ, NOQ)
 
     @kernel_jit(THREADS, disk_cache=not USER)
@@ -600,7 +604,8 @@ def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0
 
 @functools.cache
 def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple):
-    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
+    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.tile_dim    # as the dK / dV kernel's
+    VALID = None if cfg.head_dim == D else cfg.head_dim
     THREADS = 32 * cfg.dq_warps
     KD = D // 16
     NS = BN // 8
@@ -614,8 +619,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
 
     mma = _MMA[cfg.dtype]
     smem = dynamic_shared()
-    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW)
-    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW)
+    setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW, VALID)
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW, VALID)
     setup_a, load_a = load_a_fragments(1, D, SW)              # Q, dO rows of the warp
     setup_kn, load_kn = load_b_fragments(NS, D, False, SW)    # K, V as n = key, k = d
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
@@ -630,7 +635,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
     afrag = a_fragment(cfg.dtype)
-    store = store_accumulators(1, NO, cfg.dtype)
+    store = store_accumulators(1, cfg.head_dim // 8, cfg.dtype)   # head_dim's columns only
 
     @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
@@ -756,8 +761,9 @@ def heads_split(q_like, k_like, group: int, by_kv: bool):
 
 
 def dq_acc_shape(cfg: BackwardConfig, batch: int, heads: int, sqp: int) -> tuple:
-    """The float32 dQ accumulator a call with atomics needs: (B, Hq, SqP, D)."""
-    return (batch, heads, sqp, cfg.head_dim)
+    """The float32 dQ accumulator a call with atomics needs: (B, Hq, SqP, tile_dim) (the
+    columns past head_dim take the padded columns' sums, never read)."""
+    return (batch, heads, sqp, cfg.tile_dim)
 
 
 def uses_atomics(cfg, deterministic: bool) -> bool:
