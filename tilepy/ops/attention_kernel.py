@@ -197,8 +197,9 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
       bottom-right diagonal, ``-1`` unbounded (``causal=True`` is ``right = 0``): row ``i``
       sees keys ``i + sk - sq - left <= j <= i + sk - sq + right``. Key blocks no row of a
       query block sees are skipped on both sides.
-    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function applied to
-      every scaled score before the mask (:func:`tilepy.tile.attention.modify_scores`;
+    * ``score_mod(score, q_row, k_col, batch, head, args) -> float32``: a device function
+      applied to every scaled score before the mask (``args``: the kernel's ``hargs``;
+      :func:`tilepy.tile.attention.modify_scores`;
       :func:`tilepy.tile.attention.softcap_score` is Gemma 2's soft cap). The LSE is that of
       the modified scores. A kernel with a ``score_mod`` is not kept in the disk cache (its
       closure holds the caller's function).

@@ -306,9 +306,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       loads the others. Several consumer warpgroups with an upper bound stop at their own
       last key block (as causal ones do) and start at the tile's first (their rows' keys
       before their own first are masked).
-    * ``score_mod(score, q_row, k_col, batch, head) -> float32``: a device function applied to
-      every scaled score before the mask (:func:`tilepy.tile.attention.modify_scores`). A
-      kernel with one is not kept in the disk cache.
+    * ``score_mod(score, q_row, k_col, batch, head, args) -> float32``: a device function
+      applied to every scaled score before the mask (``args``: the kernel's ``hargs``;
+      :func:`tilepy.tile.attention.modify_scores`). A kernel with one is not kept in the disk
+      cache.
 
     Without either the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
