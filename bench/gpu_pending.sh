@@ -28,6 +28,10 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s20a    s19a's GPU tests (never run: no device time), the head dims in multiples of 8
+#                (forward and backward against SDPA), the torch operators' GPU tests
+#   PART=s20b    s19a's benchmarks: the variants, the user functions (ALiBi built in,
+#                a document mask through mod_args)
 #   PART=s19a    everything of s18c (never run: no device time), then alibi_slopes= /
 #                mod_args=: the launch plans' tuple arguments on the driver's parameter buffer,
 #                their GPU test against SDPA on the built-in Hopper configs, the user-function
@@ -144,6 +148,17 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s20a "* ]]; then
+    gpu_tests ptx_math 50 tests/test_ptx_math.py
+    gpu_tests launch_tuples 50 tests/test_launch.py
+    gpu_tests head_dims_gpu 90 tests/test_attention_backward_gpu.py -k "head_dims or window_and_softcap"
+    gpu_tests attention_op 150 tests/test_ops_attention.py tests/test_ops_attention_wgmma.py -k "user or window or alibi"
+    gpu_tests torch_gpu 120 tests/test_torch_gpu.py
+fi
+if [[ " $PART " == *" s20b "* ]]; then
+    bench_suite bench_attention_variants 200 "test_flash_attention_variants"
+    bench_suite bench_attention_user 220 "test_flash_attention_user_functions"
+fi
 if [[ " $PART " == *" s19a "* ]]; then
     gpu_tests ptx_math 60 tests/test_ptx_math.py
     gpu_tests launch_tuples 60 tests/test_launch.py
