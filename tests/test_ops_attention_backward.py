@@ -190,7 +190,7 @@ def table_bias_grad(score, b, h, q_idx, kv_idx, doc_q, doc_k, table, span):
 
 @pytest.mark.parametrize("b, hq, hk, sq, sk, causal, layout, kw", [
     # ALiBi per head under causal, GQA; a second call with other slopes through the plan
-    (1, 4, 2, 45, 45, True, "bhsd", {}),
+    (1, 2, 1, 45, 45, True, "bhsd", {}),
     # per (batch, head) slopes, seq_q < seq_k, a cap, bshd; dQ by atomics
     (2, 2, 1, 30, 50, False, "bshd", {"config": BackwardConfig(
         32, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)}),
@@ -295,11 +295,11 @@ def test_dq_by_atomics():
     (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
      (1, 2, 1, 70, 150, True, "float16", "bhsd")),
     (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
-     (1, 2, 2, 150, 90, True, "bfloat16", "bshd")),
+     (1, 1, 1, 150, 90, True, "bfloat16", "bshd")),
     # head_dim 128 with each consumer's dQ over its own keys and all columns (no barrier
     # between the consumers; two slices staged and reduced per warp)
     (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True, dq_own_keys=True),
-     (1, 2, 2, 90, 140, False, "bfloat16", "bshd")),
+     (1, 1, 1, 90, 140, False, "bfloat16", "bshd")),
 ])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case

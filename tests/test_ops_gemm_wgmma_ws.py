@@ -404,8 +404,9 @@ def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     loads half of every stage's B by multicast into both, stages are freed on both blocks'
     barriers. Three row blocks (the second cluster's rank 1 has no rows), partial tiles on
     every edge, three k steps through two stages, out poisoned with NaN; the persistent grid
-    of 4 blocks (two clusters) walks several cluster tiles; a batch on the grid's y (the
-    simulator reaches every y before the next x: clusters start whole)."""
+    of one cluster (2 SMs: the simulator's cost grows with the blocks alive at once) walks
+    every cluster tile; a batch on the grid's y (the simulator reaches every y before the
+    next x: clusters start whole)."""
     rng = np.random.default_rng()
     rows = shape["block_m"]
     m, n, k = 2 * rows + rows // 2 + 3, 100, 130
@@ -414,7 +415,7 @@ def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
     out = padded_out((*lead, m, n), NP[dtype])
     cfg = WsConfig(stages=2, dtype=dtype, cluster=2, **shape, **extra)
-    plan, _ = run(cfg, a, b, out, b_layout, sms=4)
+    plan, _ = run(cfg, a, b, out, b_layout, sms=2)
     assert plan.cluster == 2 and plan.grid[0] % 2 == 0
     check(out, matmul64(a, b), dtype)
 
