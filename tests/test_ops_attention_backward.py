@@ -376,6 +376,13 @@ def test_config_choice_and_checks(monkeypatch):
     own = WgmmaBackwardConfig(128, key_groups=2, dq_atomic=True, producer=True,
                               dq_own_keys=True)
     assert own.own_keys and own.dq_jobs == 2 and own.dkdv_layout.nbytes <= 227 * 1024
+    # every head dim has a valid built-in config off Hopper (the mma.sync kernels' split of
+    # dQ's columns over warps; the H200 found 72 without one)
+    monkeypatch.setattr(ab.launch, "is_hopper", lambda: False)
+    for d in range(8, 129, 8):
+        for dtype in ("float16", "bfloat16"):
+            assert choose_config(d, dtype).head_dim == d
+            assert choose_config(d, dtype, variant=True).head_dim == d
     monkeypatch.undo()
     with pytest.raises(ValueError, match="multiple of 16"):
         BackwardConfig(64, block_m=24)

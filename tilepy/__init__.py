@@ -19,12 +19,13 @@ if SIMULATOR:
     _simpatch.install()
 
 from . import ptx  # noqa: E402
-from .api import (flash_attention, flash_attention_backward, gemm,  # noqa: E402
-                  gemm_softmax, log_softmax, log_softmax_backward, softmax, softmax_backward)
+from .api import (flash_attention, flash_attention_backward,  # noqa: E402
+                  flash_attention_varlen, gemm, gemm_softmax, log_softmax, log_softmax_backward, softmax, softmax_backward)
 
 if "torch" in _sys.modules:   # PyTorch in use: its operators (torch.ops.tilepy.*) now
     from .integrations import pytorch as _pytorch  # noqa: E402,F401
 
-__all__ = ["SIMULATOR", "__version__", "flash_attention", "flash_attention_backward", "gemm",
+__all__ = ["SIMULATOR", "__version__", "flash_attention", "flash_attention_backward",
+           "flash_attention_varlen", "gemm",
            "gemm_softmax", "log_softmax", "log_softmax_backward", "ptx", "softmax",
            "softmax_backward"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .ops import attention as _attention
 from .ops import attention_backward as _attention_backward
+from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import gemm_softmax as _gemm_softmax
 from .ops import softmax as _softmax
@@ -119,15 +120,33 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         layout=layout, deterministic=deterministic, dq=dq, dk=dk, dv=dv, config=config, **mods)
 
 
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           causal=False, scale=None, window=None, softcap=0.0,
+                           alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(),
+                           return_lse=False, out=None, check_seqlens=True, config=None):
+    if _is_torch(q) and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
+        # no backward yet: refuse rather than return a result without a gradient
+        raise NotImplementedError("flash_attention_varlen has no backward yet: call it on "
+                                  "tensors that do not require grad (e.g. under "
+                                  "torch.no_grad()), or pad the batch for "
+                                  "tilepy.flash_attention")
+    return _attention_varlen.flash_attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+        score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args, return_lse=return_lse,
+        out=out, check_seqlens=check_seqlens, config=config)
+
+
 for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
                   (log_softmax, _softmax.log_softmax),
                   (softmax_backward, _softmax_backward.softmax_backward),
                   (log_softmax_backward, _softmax_backward.log_softmax_backward),
                   (gemm_softmax, _gemm_softmax.gemm_softmax),
                   (flash_attention, _attention.flash_attention),
+                  (flash_attention_varlen, _attention_varlen.flash_attention_varlen),
                   (flash_attention_backward, _attention_backward.flash_attention_backward)):
     _api.__doc__ = _op.__doc__
 del _api, _op
 
-__all__ = ["flash_attention", "flash_attention_backward", "gemm", "gemm_softmax",
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm", "gemm_softmax",
            "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]

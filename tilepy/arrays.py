@@ -210,6 +210,20 @@ def raw_view(op: Operand, *, hook: bool = False):
     return x.view(np.uint16) if bits else x
 
 
+def to_host(op: Operand) -> np.ndarray:
+    """A NumPy copy of ``op``'s data (a small array the host must read: cumulative lengths),
+    taken on the caller's current stream and waited for — a synchronisation, which callers
+    avoid on hot paths and while a CUDA graph is being captured."""
+    view = raw_view(op, hook=True)
+    if isinstance(view, np.ndarray):
+        return np.array(view)
+    stream = stream_of(op)
+    host = view.copy_to_host(stream=stream)
+    if stream:
+        stream.synchronize()
+    return host
+
+
 def import_device_array(x):
     """A Numba device array over ``x``'s memory (CUDA array interface), without synchronising.
 

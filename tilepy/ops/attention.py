@@ -343,14 +343,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
-                                                                        np.floating)):
-        raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    scale = check_scale(scale, d)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
     if Out is not None:
         if Out.shape != Q.shape:
@@ -367,6 +360,20 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """``scale`` as a float (None: ``1 / sqrt(head_dim)``); ``TypeError`` / ``ValueError``
+    unless a finite positive number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
+                                                                   np.floating)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
+    return scale
 
 
 def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,

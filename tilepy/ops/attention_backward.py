@@ -61,7 +61,14 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
-    return BackwardConfig(head_dim, dtype=dtype, **GPU_BLOCKS[64 if head_dim <= 64 else 128])
+    blocks = GPU_BLOCKS[64 if head_dim <= 64 else 128]
+    if head_dim > 64 and (-(-head_dim // 16) * 2) % 4:
+        # 80- and 112-column tiles (head_dim 72, 80, 104, 112): their 10 / 14 n8 tiles do not
+        # split over GPU_BLOCKS[128]'s two column groups of warps; 32 keys a block (two warps,
+        # each its own 16 rows of dQ and every column) — offline sm_90: 234 registers at 72,
+        # 255 and 24 B of spill stores at 112 (64 query rows a step instead: 124 B)
+        blocks = dict(blocks, block_n=32)
+    return BackwardConfig(head_dim, dtype=dtype, **blocks)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,

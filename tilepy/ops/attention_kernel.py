@@ -188,7 +188,7 @@ def _kernel_jit(threads: int, disk_cache: bool = True):
 
 
 def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False,
-                     window=None, score_mod=None):
+                     window=None, score_mod=None, varlen: bool = False):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters of one kernel (:mod:`tilepy.tile.attention`'s pieces):
@@ -203,16 +203,27 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
       :func:`tilepy.tile.attention.softcap_score` is Gemma 2's soft cap). The LSE is that of
       the modified scores. A kernel with a ``score_mod`` is not kept in the disk cache (its
       closure holds the caller's function).
+    * ``varlen``: packed sequences of different lengths (FlashAttention's varlen layout).
+      ``q`` (1, Hq, total_q, D), ``k`` / ``v`` (1, Hkv, total_k, D) and ``o`` hold the
+      sequences one after another along the sequence axis, ``lse`` (1, Hq, total_q);
+      ``hargs`` is ``((cu_seqlens_q, cu_seqlens_k), hook_args)`` with the int32 cumulative
+      lengths: sequence ``z = blockIdx.z`` is rows ``cu_seqlens_q[z] …
+      cu_seqlens_q[z + 1] - 1`` of q and o, keys ``cu_seqlens_k[z] … cu_seqlens_k[z + 1] -
+      1``. Every mask, window and score function is relative to the sequence (its own
+      ``Sq``, ``Sk``, bottom-right diagonal; the hook's batch is ``z`` and its positions are
+      within the sequence) and the hook gets ``hook_args + (Sk - Sq,)`` (ALiBi's shift per
+      sequence). Grid (ceil(max_seqlen_q / BM), Hq, sequences): blocks past a sequence's rows
+      return at once.
 
-    Without either the generated code is the plain causal / full kernel's."""
+    Without any of them the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
     # a plain Python score_mod is wrapped (once per function) by modify_scores
-    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod)
+    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen))
 
 
 @functools.cache
 def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
-                      score_mod):
+                      score_mod, varlen: bool = False):
     # D: the shared tiles' width (head_dim rounded up to 16, zero columns past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim   # copies zero-fill past it
@@ -230,6 +241,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     # a window other than plain causal / full, or a score function: the pieces' key ranges
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or score_mod is not None
     CAUSAL = right == 0 and not VARIANT
+    VARLEN = varlen
     WIN = (left, right)
     LIMITS = limits_shape(cfg.warp_rows // 16, False, WIN)
     v_bounds = key_blocks(BM, BN, False, WIN)
@@ -254,10 +266,24 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     def kernel(q, k, v, o, lse, scale, scale_log2, hargs):
         # block_coords written out, as the key blocks below: through it ptxas allocates 211
         # registers instead of 209 at head_dim 128 (offline sm_90)
-        sq = q.shape[2]
-        sk = k.shape[2]
         b = cuda.blockIdx.z
         h = cuda.blockIdx.y
+        if VARLEN:
+            # sequence b: rows q_start … of the packed q / o, keys k_start … of k / v
+            cu_q, cu_k = hargs[0]
+            q_start = np.int64(cu_q[b])
+            k_start = np.int64(cu_k[b])
+            sq = np.int64(cu_q[b + 1]) - q_start
+            sk = np.int64(cu_k[b + 1]) - k_start
+            hook = hargs[1] + (sk - sq,)
+            vb = 0
+        else:
+            sq = q.shape[2]
+            sk = k.shape[2]
+            q_start = 0
+            k_start = 0
+            hook = hargs
+            vb = b
         hk = h // (q.shape[1] // k.shape[1])
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -304,6 +330,8 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
                         limit[i, hh] = min(sk, row0 + wrow + 16 * i + g + 8 * hh + shift + 1) - 1
                     else:
                         limit[i, hh] = sk - 1
+        if VARLEN and row0 >= sq:
+            return      # past this sequence's rows (the grid fits the longest)
         for i in range(MI):
             for j in range(NO):
                 for e in range(4):
@@ -315,9 +343,10 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             qs = q.strides[2]
             ks = k.strides[2]
             vs = v.strides[2]
-            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (b, h, row0, 0))), qs, tid)
-            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (b, hk, 0, 0))), ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, 0, 0))), vs, tid)
+            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, h, q_start + row0, 0))), qs,
+                                      tid)
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start, 0))), ks, tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start, 0))), vs, tid)
             k_step = BN * ks
             v_step = BN * vs
 
@@ -370,7 +399,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
 
                 # Mask keys past Sk and above the diagonal, in the blocks that have any.
                 if VARIANT:
-                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hargs)
+                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hook)
                     v_mask(s, limits, kb, t, all_first, all_see)
                 elif (kb + 1) * BN - 1 > all_see:
                     mask(s, limit, kb * BN + 2 * t)
@@ -395,7 +424,9 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
                                 acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
 
         finalize(acc, row_sum)
-        store(acc, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g, t)
+        # (varlen: rows counted from the packed start, bounded by the sequence's end)
+        store(acc, row_max, row_sum, o[vb, h], lse, vb, h, q_start + row0 + wrow,
+              q_start + sq, scale, g, t)
 
     return kernel
 
@@ -422,19 +453,25 @@ def kernel_args(q, k, v, o, lse, scale: float) -> tuple:
 
 
 def plan(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, *, stream=0,
-         hargs=(), chunks=True):
+         hargs=(), chunks=True, varlen=None):
     """``(launch plan, arguments)`` for 4-D (B, H, S, D) kernel views: the config's grid,
     block and dynamic shared memory (allowed above 48 KB); more heads or batches than the
     grid's y / z limit launch in chunks (:func:`grid_split`). ``chunks=False`` (a score hook
     that reads the batch or head: user functions, ALiBi — a chunk's blocks would see them
     shifted) refuses such a grid instead (``ValueError``). ``hargs``: the score hook's
     arguments (the kernel's last). ``stream``: accepted so that every attention kernel's plan
-    takes the same call (this one copies nothing to the device)."""
+    takes the same call (this one copies nothing to the device). ``varlen``: ``(sequences,
+    max_seqlen_q)`` for a varlen kernel (:func:`attention_kernel`; views of batch 1, ``hargs``
+    its ``((cu_seqlens_q, cu_seqlens_k), hook_args)``): the grid's z is the sequences, x fits
+    the longest; never in chunks (``ValueError`` past the grid's limit)."""
     args = kernel_args(q, k, v, o, lse, scale) + (tuple(hargs),)
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
+    if varlen is None:
+        g = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
+    else:
+        g = grid(cfg, varlen[1], q.shape[1], varlen[0])
     return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes,
-                      split=grid_split(q, k) if chunks else ()), args
+                      split=grid_split(q, k) if chunks and varlen is None else ()), args
 
 
 def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0):
@@ -443,17 +480,22 @@ def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0
     p.launch(stream, args)
 
 
-def argtypes(layout: str = "A"):
+def argtypes(layout: str = "A", varlen: bool = False):
     """Numba argument types of :func:`attention_kernel`'s kernel (for offline compilation),
-    with no hook arguments."""
+    with no hook arguments (``varlen``: the cumulative lengths' int32 arrays before them)."""
     from numba import types
 
     u16 = types.Array(types.uint16, 4, layout)
+    hargs = types.Tuple(())
+    if varlen:
+        cu = types.Array(types.int32, 1, layout)
+        hargs = types.Tuple((types.Tuple((cu, cu)), hargs))
     return (u16, u16, u16, u16, types.Array(types.float32, 3, layout), types.float32,
-            types.float32, types.Tuple(()))
+            types.float32, hargs)
 
 
-#: The kernels the compile layer reports on: (name, config, causal, has_lse, window, softcap).
+#: The kernels the compile layer reports on: (name, config, causal, has_lse, window, softcap);
+#: names ending ``_varlen`` are the packed-sequence kernels.
 COMPILED = (
     ("attention_d64_f16", AttentionConfig(64, 128, 64, 16, "float16"), False, False, None, 0),
     ("attention_d64_f16_causal_lse", AttentionConfig(64, 128, 64, 16, "float16"), True, True,
@@ -468,6 +510,9 @@ COMPILED = (
     # config of head_dim <= 64 (32 rows a warp)
     ("attention_d40_f16_causal_lse", AttentionConfig(40, 128, 64, 32, "float16"), True, True,
      None, 0),
+    # packed sequences (the bounds and offsets read from the cumulative lengths)
+    ("attention_d128_f16_causal_lse_varlen", AttentionConfig(128, 64, 64, 16, "float16"), True,
+     True, None, 0),
 )
 
 
@@ -480,11 +525,12 @@ def compile_reports(only=None):
     from ..offline import report_entry
     from ..tile.attention import softcap_score
 
-    def make(cfg, causal, has_lse, window, cap):
+    def make(cfg, causal, has_lse, window, cap, varlen):
         return lambda: attention_kernel(cfg, causal, has_lse, window,
-                                        softcap_score(cap) if cap else None)
+                                        softcap_score(cap) if cap else None, varlen)
 
-    return [report_entry(name, make(cfg, causal, has_lse, window, cap), argtypes(), (9, 0),
+    return [report_entry(name, make(cfg, causal, has_lse, window, cap, name.endswith("varlen")),
+                         argtypes(varlen=name.endswith("varlen")), (9, 0),
                          threads=cfg.threads, config=cfg.describe(), causal=causal,
                          lse=has_lse, smem_bytes=cfg.smem_bytes)
             for name, cfg, causal, has_lse, window, cap in COMPILED

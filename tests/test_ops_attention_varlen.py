@@ -1,0 +1,131 @@
+"""``tilepy.flash_attention_varlen``: packed sequences of different lengths (zero-length ones
+included) against float64 per sequence in the simulator, with GQA, causal (each sequence's
+own bottom-right diagonal), a window, a soft cap, ALiBi per sequence and a user mask reading
+``mod_args``; rows outside every sequence left untouched; the LSE in (heads, total) order;
+bad input refused before launch. The kernel's offline compile: test_ops_attention.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tilepy import flash_attention_varlen
+from tilepy.ops.attention_kernel import AttentionConfig
+from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
+
+from test_ops_attention import NP, check, check_lse, f64, rand, reference
+
+sim = pytest.mark.sim
+
+
+def cumulative(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, causal, window=(-1, -1), cap=0.0, alibi=None,
+                     mask_mod=None, mod_args=()):
+    """float64 ``(out, lse)`` of each sequence alone (:func:`test_ops_attention.reference` on
+    a batch of one, bshd), packed back: out (total_q, Hq, D) and lse (Hq, total_q); rows
+    outside every sequence NaN."""
+    out = np.full(q.shape, np.nan)
+    lse = np.full((q.shape[1], q.shape[0]), np.nan)
+    for z in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[z], cu_q[z + 1]), slice(cu_k[z], cu_k[z + 1])
+        mm = None if mask_mod is None else (
+            lambda b, h, i, j, *a, z=z: mask_mod(z, h, i, j, *a))
+        slopes = None if alibi is None else (alibi[z] if alibi.ndim == 2 else alibi)
+        o, l = reference(q[None, rq], k[None, rk], v[None, rk], causal, None, "bshd", window,
+                         cap, mask_mod=mm, alibi=slopes, mod_args=mod_args)
+        out[rq], lse[:, rq] = o[0], l[0]
+    return out, lse
+
+
+def run(lq, lk, hq, hk, d, dtype, causal, pad=3, **kw):
+    """Pack random sequences of lengths ``lq`` / ``lk`` (``pad`` rows past the last sequence
+    in q and k), run into a NaN-poisoned out, check against float64 and return the LSE."""
+    rng = np.random.default_rng()
+    cu_q, cu_k = cumulative(lq), cumulative(lk)
+    q = rand(rng, (cu_q[-1] + pad, hq, d), dtype)
+    k, v = (rand(rng, (cu_k[-1] + pad, hk, d), dtype) for _ in range(2))
+    out = np.full(q.shape, np.nan, NP[dtype])
+    res, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                      out=out, return_lse=True, **kw)
+    assert res is out and lse.shape == (hq, q.shape[0])
+    ro, rl = varlen_reference(q, k, v, cu_q, cu_k, causal, kw.get("window") or (-1, -1),
+                              kw.get("softcap", 0.0), kw.get("alibi_slopes"),
+                              kw.get("mask_mod"), kw.get("mod_args", ()))
+    n = cu_q[-1]
+    check(res[:n], ro[:n], v, dtype)
+    check_lse(lse[:, :n], rl[:, :n])
+    assert np.isnan(f64(res[n:])).all(), "rows outside every sequence were written"
+    return lse
+
+
+@sim
+@pytest.mark.parametrize("lq,lk,causal,d,dtype", [
+    # zero-length queries, zero-length keys (rows of zeros, LSE -inf), seq_q > seq_k under
+    # causal (rows that see no key), several query blocks in one sequence; head_dim 24
+    ([5, 0, 37, 20], [9, 4, 30, 0], True, 24, "bfloat16"),
+    ([17, 40, 1], [33, 40, 50], False, 32, "float16"),
+])
+def test_against_float64(lq, lk, causal, d, dtype):
+    run(lq, lk, 2, 1, d, dtype, causal)
+
+
+def same_segment(b, h, i, j, seg):
+    """A mask through mod_args: query i and key j of sequence b in the same half of it."""
+    return (i < seg[b]) == (j < seg[b])
+
+
+@sim
+def test_variants_per_sequence():
+    """A window on both sides, a soft cap and ALiBi slopes per (sequence, head) — each
+    relative to the sequence's own lengths — and a user mask reading an array through
+    mod_args with the sequence index as its batch."""
+    lq, lk = [23, 6, 40], [30, 6, 35]
+    slopes = np.random.default_rng().uniform(0.05, 0.5, (3, 2)).astype(np.float32)
+    seg = np.array([10, 3, 17], np.int64)
+    run(lq, lk, 2, 2, 32, "float16", False, window=(7, 3), softcap=5.0, alibi_slopes=slopes,
+        mask_mod=same_segment, mod_args=(seg,))
+
+
+def test_bad_input_is_refused_before_launch():
+    x = np.zeros((10, 2, 32), np.float16)
+    cu = np.array([0, 4, 10], np.int32)
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        flash_attention_varlen(x, x, x, cu.astype(np.int64), cu, 6, 6)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        flash_attention_varlen(x, x, x, cu[None], cu, 6, 6)
+    with pytest.raises(ValueError, match="the same length"):
+        flash_attention_varlen(x, x, x, cu, cu[:2], 6, 6)
+    with pytest.raises(ValueError, match="must not decrease"):
+        flash_attention_varlen(x, x, x, np.array([0, 5, 4], np.int32), cu, 6, 6)
+    with pytest.raises(ValueError, match="must start at 0"):
+        flash_attention_varlen(x, x, x, cu, np.array([1, 4, 10], np.int32), 6, 6)
+    with pytest.raises(ValueError, match="past total_k"):
+        flash_attention_varlen(x, x[:9], x[:9], cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="max_seqlen_q = 5 but sequence 1 has 6 rows"):
+        flash_attention_varlen(x, x, x, cu, cu, 5, 6)
+    with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6.0)
+    with pytest.raises(ValueError, match="must be 3-D"):
+        flash_attention_varlen(x[None], x, x, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="alibi_slopes must have shape"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6, alibi_slopes=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="window"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6, window=(-2, 0))
+    with pytest.raises(NotImplementedError, match="mma.sync"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=WgmmaAttentionConfig(64))
+    with pytest.raises(ValueError, match="config is for head_dim 64"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=AttentionConfig(64))
+
+
+@sim
+def test_unchecked_lengths_and_an_empty_batch():
+    """check_seqlens=False launches without reading the lengths (the caller vouches); no
+    sequences at all gives out untouched and no launch."""
+    run([8, 19], [8, 19], 1, 1, 16, "float16", True, check_seqlens=False)
+    x = np.full((4, 1, 16), np.nan, np.float16)
+    zero = np.zeros(1, np.int32)
+    out = flash_attention_varlen(x, x, x, zero, zero, 0, 0, out=x.copy())
+    assert np.isnan(f64(out)).all()

@@ -1,0 +1,237 @@
+"""``tilepy.flash_attention_varlen``: attention over packed sequences of different lengths.
+
+FlashAttention-2's varlen API: the sequences of a batch lie one after another in ``q``
+(total_q, heads_q, head_dim) and ``k`` / ``v`` (total_k, heads_kv, head_dim), delimited by
+int32 cumulative lengths. One launch of the mma.sync forward kernel with its ``varlen``
+generator parameter (:func:`tilepy.ops.attention_kernel.attention_kernel`): grid z runs over
+the sequences, each block reads its sequence's bounds on the device (no host round trip per
+call; :func:`flash_attention_varlen`'s ``check_seqlens`` reads them once on the host to
+validate).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays, launch
+from ..arrays import describe
+from ..tile import device_write
+from ..tile.attention import score_hook
+from . import attention as at
+from . import attention_kernel as fa
+from . import attention_wgmma as aw
+from .attention_kernel import HEAD_DIMS, AttentionConfig
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           causal=False, scale=None, window=None, softcap=0.0,
+                           alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(),
+                           return_lse=False, out=None, check_seqlens=True, config=None):
+    """:func:`tilepy.flash_attention` over a packed batch of ``n`` sequences of different
+    lengths (FlashAttention-2's ``flash_attn_varlen_func``).
+
+    * ``q`` (total_q, heads_q, head_dim), ``k`` and ``v`` (total_k, heads_kv, head_dim):
+      sequence ``z`` is rows ``cu_seqlens_q[z] … cu_seqlens_q[z + 1] - 1`` of ``q`` and keys
+      ``cu_seqlens_k[z] … cu_seqlens_k[z + 1] - 1`` of ``k`` / ``v``. ``out`` and the result
+      have ``q``'s shape; rows of ``q`` outside every sequence are not written.
+    * ``cu_seqlens_q`` / ``cu_seqlens_k``: int32 arrays of ``n + 1`` cumulative lengths on the
+      inputs' device, starting at 0, non-decreasing (zero-length sequences allowed), ending at
+      most at ``total_q`` / ``total_k``. ``max_seqlen_q``: at least the longest query
+      sequence (the grid is sized by it; rows past it would not be computed);
+      ``max_seqlen_k``: at least the longest key sequence (checked; the kernel reads each
+      sequence's length itself).
+    * ``check_seqlens=True`` copies the cumulative lengths to the host once per call and
+      raises ``ValueError`` for any of the above that does not hold — a synchronisation with
+      the stream; ``False`` skips it (the caller vouches for them), as does a call while the
+      stream is being captured into a CUDA graph (the copy cannot be captured). Unchecked bad
+      lengths read and write out of bounds.
+    * ``causal``, ``window``, ``softcap``: per sequence, relative to its own bottom-right
+      diagonal (``i + seq_k - seq_q``); a query row that sees no key gives zeros (LSE -inf).
+    * ``alibi_slopes``: float32 ``(heads_q,)`` or ``(n, heads_q)``; the bias is
+      ``-slope · |i + seq_k - seq_q - j|`` with the sequence's own lengths.
+    * ``score_mod`` / ``mask_mod`` / ``mod_args``: as :func:`tilepy.flash_attention`'s, with
+      ``b`` the sequence index and ``q_idx`` / ``kv_idx`` positions within the sequence.
+    * ``return_lse=True``: ``(out, lse)`` with ``lse`` float32 (heads_q, total_q)
+      (FlashAttention-2's varlen LSE layout); rows outside every sequence are not written.
+    * ``config``: an :class:`~tilepy.ops.attention_kernel.AttentionConfig`; the packed
+      sequences run the mma.sync kernel on every GPU (a ``WgmmaAttentionConfig`` is a
+      ``NotImplementedError``).
+    * No backward yet: ``NotImplementedError`` for PyTorch inputs that require grad.
+    * head_dim, dtypes, GQA, ``scale`` and the accepted array kinds: as
+      :func:`tilepy.flash_attention`'s. Errors are raised before anything is launched.
+    """
+    Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
+                                                                         config)
+    CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
+    mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    win, cap = at.check_variant(causal, window, softcap)
+    n_args = at.n_mod_args(mod_args)
+    user = at.check_user_functions(score_mod, mask_mod, n_args)
+    if n_args and not user:
+        raise TypeError("flash_attention_varlen: mod_args are passed to score_mod / mask_mod; "
+                        "neither was given")
+    alibi = alibi_slopes is not None
+    hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
+    if alibi:
+        hargs = hargs[:-1]      # the kernel appends each sequence's seq_k - seq_q
+    arrays.same_device(Q, *hops)
+    if max(n, hq) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(f"flash_attention_varlen: at most {launch.MAX_GRID_YZ} "
+                                  f"sequences and query heads (got {n} and {hq})")
+    if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
+        check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
+                            mq, mk)
+    if out is None:
+        out = arrays.empty(Q, Q.shape, dtype)
+        Out = describe(out, "out")
+    lse = arrays.empty(Q, (hq, Q.shape[0]), "float32") if return_lse else None
+    if n and hq and mq:
+        cfg = config or choose_config(d, dtype)
+        variant = at.is_variant(win, cap) or user or alibi
+        hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
+            if variant else None
+        with arrays.on_device(device), at._user_errors(
+                (win, cap, score_mod, mask_mod) if variant else None):
+            views, copies = [], []
+            for op in (Q, K, V):
+                if not at.readable(op):
+                    op = describe(arrays.copy_aligned(op), op.name)
+                    copies.append(op)
+                views.append(packed_view(op))
+            lse_v = packed_lse_view(describe(lse, "lse")) if lse is not None \
+                else arrays.placeholder(3)
+            seqs = (at._device_view(arrays.raw_view(CuQ, hook=True)),
+                    at._device_view(arrays.raw_view(CuK, hook=True)))
+            if variant:
+                kern = fa.attention_kernel(cfg, False, lse is not None, win, hook, varlen=True)
+            else:
+                kern = fa.attention_kernel(cfg, bool(causal), lse is not None, varlen=True)
+            stream = arrays.stream_handle(Q)
+            plan, args = fa.plan(kern, cfg, *views, packed_view(Out), lse_v, scale,
+                                 hargs=(seqs, tuple(hargs)), varlen=(n, mq))
+            plan.launch(stream, args)
+            device_write.keep_during_capture(stream, *copies)
+    return (out, lse) if return_lse else out
+
+
+def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
+    """The mma.sync config packed sequences run with: the simulator's small one, else the
+    built-in GPU config of the head_dim (:data:`tilepy.ops.attention.GPU_CONFIGS`)."""
+    if arrays.SIMULATOR:
+        return AttentionConfig(head_dim, at.SIM_BLOCK_M, at.SIM_BLOCK_N, at.SIM_WARP_ROWS,
+                               dtype)
+    return AttentionConfig(head_dim, *at.GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
+
+
+def check_arguments(q, k, v, scale, out, config):
+    """``(Q, dtype, (heads_q, heads_kv, head_dim), (K, V, Out), scale, device)`` of packed
+    (total, heads, head_dim) inputs; errors name the argument."""
+    Q = describe(q, "q", allow_float32=False)
+    K = describe(k, "k", allow_float32=False)
+    V = describe(v, "v", allow_float32=False)
+    if not (Q.dtype == K.dtype == V.dtype):
+        raise TypeError(f"q, k and v must have the same dtype; got q {Q.dtype}, k {K.dtype}, "
+                        f"v {V.dtype}")
+    for op in (Q, K, V):
+        if op.ndim != 3:
+            raise ValueError(f"{op.name} must be 3-D (total, heads, head_dim) for packed "
+                             f"sequences, got shape {op.shape}")
+    (_, hq, d), (tk, hk, dk), (tv, hv, dv) = Q.shape, K.shape, V.shape
+    if not d == dk == dv:
+        raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv}")
+    if (tk, hk) != (tv, hv):
+        raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; supported: the multiples of 8 from "
+                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    scale = at.check_scale(scale, d)
+    Out = describe(out, "out", allow_float32=False) if out is not None else None
+    if Out is not None and (Out.shape != Q.shape or Out.dtype != Q.dtype):
+        raise ValueError(f"out must have q's shape {Q.shape} and dtype {Q.dtype}, got "
+                         f"{Out.shape} {Out.dtype}")
+    device = arrays.same_device(Q, K, V, Out)
+    if config is not None:
+        if isinstance(config, aw.WgmmaAttentionConfig):
+            raise NotImplementedError("flash_attention_varlen runs the mma.sync kernel; pass "
+                                      "an AttentionConfig or leave config unset")
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig, "
+                            f"got {type(config).__name__}")
+        if (config.head_dim, config.dtype) != (d, Q.dtype):
+            raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
+                             f"inputs are head_dim {d} {Q.dtype}")
+    return Q, Q.dtype, (hq, hk, d), (K, V, Out), scale, device
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device):
+    """``(CuQ, CuK, sequences)``: both int32, 1-D, of the same length ``n + 1 >= 1``, on the
+    inputs' device."""
+    ops = []
+    for x, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        op = describe(x, name, dtypes=arrays.HOOK_DTYPES)
+        if op.dtype != "int32":
+            raise TypeError(f"{name} must be int32 (FlashAttention's convention), got "
+                            f"{op.dtype}")
+        if op.ndim != 1 or op.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D with n + 1 >= 1 entries (n sequences), got "
+                             f"shape {op.shape}")
+        ops.append(op)
+    if ops[0].shape != ops[1].shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (one entry "
+                         f"per sequence, plus one), got {ops[0].shape[0]} and "
+                         f"{ops[1].shape[0]}")
+    arrays.same_device(Q, K, *ops)
+    return ops[0], ops[1], ops[0].shape[0] - 1
+
+
+def check_max_seqlens(max_seqlen_q, max_seqlen_k):
+    out = []
+    for x, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
+            raise TypeError(f"{name} must be an int >= 0, got {type(x).__name__} {x!r}")
+        out.append(int(x))
+    return out
+
+
+def check_seqlen_values(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int):
+    """``ValueError`` unless each of the host copies starts at 0, never decreases, ends within
+    its total, and no sequence is longer than its maximum."""
+    for cu, total, longest, name in ((cu_q, total_q, max_q, "q"), (cu_k, total_k, max_k, "k")):
+        lens = np.diff(cu.astype(np.int64))
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens_{name} must start at 0, got {int(cu[0])}")
+        if (lens < 0).any():
+            z = int(np.argmax(lens < 0))
+            raise ValueError(f"cu_seqlens_{name} must not decrease: entry {z + 1} "
+                             f"({int(cu[z + 1])}) < entry {z} ({int(cu[z])})")
+        if cu[-1] > total:
+            raise ValueError(f"cu_seqlens_{name} ends at {int(cu[-1])}, past total_{name} = "
+                             f"{total} (the rows of {name})")
+        if lens.size and lens.max() > longest:
+            raise ValueError(f"max_seqlen_{name} = {longest} but sequence "
+                             f"{int(np.argmax(lens))} has {int(lens.max())} "
+                             f"{'rows' if name == 'q' else 'keys'}")
+
+
+def packed_view(op):
+    """A packed (total, heads, head_dim) operand as the kernel's 4-D (1, heads, total,
+    head_dim) view, no copy."""
+    view = arrays.raw_view(op)
+    (t, h, d), (st, sh, sd) = op.shape, op.strides
+    item = view.dtype.itemsize
+    view = arrays.restride(view, (1, h, t, d), (t * st * item, sh * item, st * item, sd * item))
+    return at._device_view(view)
+
+
+def packed_lse_view(op):
+    """The (heads, total) float32 LSE as the kernel's (1, heads, total) view."""
+    view = arrays.raw_view(op)
+    (h, t), (sh, st) = op.shape, op.strides
+    item = view.dtype.itemsize
+    view = arrays.restride(view, (1, h, t), (h * sh * item, sh * item, st * item))
+    return at._device_view(view)
+
+
+__all__ = ["flash_attention_varlen"]
