@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s20c    after the backward's config fix for head_dim 72 / 80 / 104 / 112: the head
+#                dims' GPU test again; packed sequences (flash_attention_varlen): their GPU
+#                test and benchmark, then the variants' benchmark
 #   PART=s20a    s19a's GPU tests (never run: no device time), the head dims in multiples of 8
 #                (forward and backward against SDPA), the torch operators' GPU tests
 #   PART=s20b    s19a's benchmarks: the variants, the user functions (ALiBi built in,
@@ -148,6 +151,12 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s20c "* ]]; then
+    gpu_tests head_dims_gpu 100 tests/test_attention_backward_gpu.py -k head_dims
+    gpu_tests varlen_gpu 90 tests/test_ops_attention_varlen.py
+    bench_suite bench_attention_varlen 150 "test_flash_attention_varlen"
+    bench_suite bench_attention_variants 200 "test_flash_attention_variants"
+fi
 if [[ " $PART " == *" s20a "* ]]; then
     gpu_tests ptx_math 50 tests/test_ptx_math.py
     gpu_tests launch_tuples 50 tests/test_launch.py

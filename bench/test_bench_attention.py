@@ -273,3 +273,60 @@ def test_flash_attention_user_functions(benchmark, record, torch, gpu_name, case
                            f"{'mask_mod' if 'mask_mod' in mods else 'score_mod'} bfloat16",
                       figure=f"attention_user_{name}", x=s, xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- packed variable-length batches (issue 25) -----------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attention_varlen(benchmark, record, torch, gpu_name, causal):
+    """``tilepy.flash_attention_varlen`` over 32 sequences of random lengths 128…4096 (seed
+    0), H16 D128 bf16, against SDPA's cuDNN backend on the same batch padded to the longest
+    (its wasted work included: what a user without varlen runs) and tilepy's fixed-length
+    kernel at the same number of tokens (its ratio in TFLOPS): 32 sequences of the mean length. Throughput counts the visible pairs of the packed sequences. Lengths checked on
+    the host once, outside the timing (``check_seqlens=False`` inside it)."""
+    import numpy as np
+
+    import tilepy
+
+    h, d, dt = 16, 128, torch.bfloat16
+    lens = np.random.default_rng(0).integers(128, 4097, 32)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    total, longest = int(lens.sum()), int(lens.max())
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=dt) for _ in range(3))
+    out = torch.empty_like(q)
+
+    def ours(check=False):
+        return tilepy.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                             out=out, check_seqlens=check)
+
+    ours(True)
+    # correctness: two sequences against SDPA (math) in float32
+    for z in (0, 17):
+        a, e = int(cu[z]), int(cu[z + 1])
+        want = torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:e].transpose(0, 1).float() for x in (q, k, v)), is_causal=causal)
+        err = max_abs_err(out[a:e].transpose(0, 1), want)
+        assert err < tolerance("bfloat16") * v.abs().max().item(), (z, err)
+    pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lens)) * h
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    padded = torch.zeros(32, h, longest, d, device="cuda", dtype=dt)
+    timings["SDPA cuDNN padded"] = try_peer(notes, "SDPA cuDNN padded", lambda: sdpa_timing(
+        torch, "CUDNN_ATTENTION", padded, padded, padded, causal))
+    del padded
+    # 32 sequences of the mean length: the same tokens, about the same pairs
+    sm = total // 32
+    qf, kf, vf = (torch.randn(32, h, sm, d, device="cuda", dtype=dt) for _ in range(3))
+    fixed = gpu_time(torch, lambda: tilepy.flash_attention(qf, kf, vf, causal=causal))
+    fixed_pairs = 32 * h * (sm * (sm + 1) // 2 if causal else sm * sm)
+    timings["tilepy fixed-length (TFLOPS)"] = dataclasses.replace(
+        fixed, ms=fixed.ms * pairs / fixed_pairs,
+        ms_as_called=fixed.ms_as_called and fixed.ms_as_called * pairs / fixed_pairs)
+    mask = "causal" if causal else "full"
+    record_throughput(record, work=4 * pairs * d, unit="TFLOPS", timings=timings,
+                      main="SDPA cuDNN padded", notes=notes, gpu=gpu_name,
+                      shape=f"32 seqs 128-4096 (total {total}) H={h} D={d}", dtype="bfloat16",
+                      causal=causal, table="Attention varlen",
+                      case=f"varlen 32x(128-4096) H{h} D{d} {mask} bfloat16",
+                      figure=f"attention_varlen_{mask}", x=total, xlabel="tokens")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -456,3 +456,17 @@ def test_errors_name_the_argument_in_eager_and_compiled_calls():
                                rand(1, 1, 8, 64), scale="x")
     assert math.isfinite(tilepy.softmax(rand(4, 8, dtype=torch.float32), -1,
                                         config=tilepy.ops.softmax.plan(8)).sum().item())
+
+
+def test_flash_attention_varlen_on_tensors_and_no_backward_yet():
+    """PyTorch tensors through tilepy.flash_attention_varlen (no operator yet: eager); inputs
+    that require grad are refused (no backward yet) rather than returning an output without
+    a gradient."""
+    q = rand(11, 2, 16)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    out = tilepy.flash_attention_varlen(q, q, q, cu, cu, 7, 7, causal=True)
+    want = torch.cat([_attention_reference(*[q[None, a:e].transpose(1, 2)] * 3, True, 0.25)[0]
+                      .transpose(0, 1) for a, e in ((0, 4), (4, 11))])
+    assert (out.double() - want).abs().max().item() < 2e-3 * q.abs().max().item()
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        tilepy.flash_attention_varlen(q.clone().requires_grad_(), q, q, cu, cu, 7, 7)
