@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
+#                pytest-benchmark): varlen, variants, user functions; the varlen backward's
+#                GPU test, a user function that does not compile
 #   PART=s20c    after the backward's config fix for head_dim 72 / 80 / 104 / 112: the head
 #                dims' GPU test again; packed sequences (flash_attention_varlen): their GPU
 #                test and benchmark, then the variants' benchmark
@@ -146,11 +149,20 @@ gpu_tests() {  # gpu_tests NAME SECONDS FILES...
 
 bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selected by -k K
     local name=$1 secs=$2
-    step "$name" "$secs" "$PY" -m pytest -q bench -p no:cacheprovider -k "$3" \
+    # --dist no: setup.cfg's --dist loadgroup (for the test suite) alone makes pytest-benchmark
+    # see xdist as active and disable every benchmark (no timings, an empty JSON)
+    step "$name" "$secs" "$PY" -m pytest -q bench -p no:cacheprovider --dist no -k "$3" \
         --benchmark-json="$OUT/$name.json" --benchmark-columns=median,rounds
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s20d "* ]]; then
+    gpu_tests varlen_gpu 90 tests/test_ops_attention_varlen.py
+    gpu_tests user_fn_error_gpu 60 tests/test_ops_attention.py -k "does_not_compile"
+    bench_suite bench_attention_varlen 100 "test_flash_attention_varlen"
+    bench_suite bench_attention_variants 150 "test_flash_attention_variants"
+    bench_suite bench_attention_user 150 "test_flash_attention_user_functions"
+fi
 if [[ " $PART " == *" s20c "* ]]; then
     gpu_tests head_dims_gpu 100 tests/test_attention_backward_gpu.py -k head_dims
     gpu_tests varlen_gpu 90 tests/test_ops_attention_varlen.py

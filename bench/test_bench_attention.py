@@ -19,6 +19,7 @@ two shapes. Select parts with ``-k``: ``-k "not bfloat16"``, ``-k causal``, ``-k
 import dataclasses
 
 import pytest
+from tilepy.ptx.math import tanh_approx
 from measure import (
     checked_timing,
     gpu_time,
@@ -184,8 +185,7 @@ def test_flash_attention_variants(benchmark, record, torch, gpu_name, variant):
 # ---- user functions (score_mod= / mask_mod=) against the built-in arguments -----------------
 
 def _softcap50(score, b, h, q_idx, kv_idx):
-    from tilepy.ptx.math import tanh_approx
-
+    # a global, not an import inside the function: Numba does not compile import statements
     return 50.0 * tanh_approx(score * 0.02)
 
 

@@ -784,3 +784,20 @@ def test_kernel_variants_share_generators_and_refuse_bad_caps():
     for bad in (0.0, -1.0, float("inf"), True, "2"):
         with pytest.raises(ValueError, match="softcap"):
             softcap_score(bad)
+
+
+def _imports_inside(score, b, h, q_idx, kv_idx):
+    import math   # an import statement: Numba does not compile it
+
+    return score * math.e
+
+
+@gpu
+def test_gpu_a_user_function_that_does_not_compile_is_a_type_error_naming_it():
+    """A score_mod Numba cannot compile (here an import inside it, numba.cuda.errors'
+    UnsupportedBytecodeError) is a TypeError that names the function, not a Numba
+    traceback."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(TypeError, match="score_mod '_imports_inside' did not compile"):
+        flash_attention(q, q, q, score_mod=_imports_inside)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from tilepy import flash_attention_varlen
+from tilepy.ops.attention_backward_kernel import BackwardConfig
 from tilepy.ops.attention_kernel import AttentionConfig
+from tilepy.ops.attention_varlen import flash_attention_varlen_backward
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 
 from test_ops_attention import NP, check, check_lse, f64, rand, reference
@@ -89,6 +91,63 @@ def test_variants_per_sequence():
         mask_mod=same_segment, mod_args=(seg,))
 
 
+def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, alibi=None):
+    """float64 (dq, dk, dv) of each sequence alone
+    (:func:`test_ops_attention_backward.reference` on a batch of one), packed; rows outside
+    every sequence 0."""
+    from test_ops_attention_backward import reference as grads
+
+    out = [np.zeros(x.shape) for x in (q, k, v)]
+    for z in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[z], cu_q[z + 1]), slice(cu_k[z], cu_k[z + 1])
+        if cu_q[z] == cu_q[z + 1] or cu_k[z] == cu_k[z + 1]:
+            continue        # no queries or no keys: zero gradients
+        bhsd = [x[rows].transpose(1, 0, 2)[None] for x, rows in
+                ((q, rq), (k, rk), (v, rk), (do, rq))]
+        slopes = None if alibi is None else (alibi[z] if alibi.ndim == 2 else alibi)
+        _, dq, dk, dv = grads(*bhsd, causal, q.shape[-1] ** -0.5, window, cap,
+                              alibi_slopes=slopes)
+        for acc, g, rows in zip(out, (dq, dk, dv), (rq, rk, rk)):
+            acc[rows] = g[0].transpose(1, 0, 2)
+    return out
+
+
+@sim
+@pytest.mark.parametrize("lq,lk,causal,d,dtype,kw", [
+    # zero-length queries / keys, rows that see no key, head_dim 24; dQ by its own kernel
+    ([5, 0, 37, 20], [9, 4, 30, 0], True, 24, "float16", {}),
+    # a window, a cap, ALiBi per sequence; dQ by atomics
+    ([23, 40, 6], [30, 35, 6], False, 32, "bfloat16", {
+        "window": (7, 3), "softcap": 5.0,
+        "config": BackwardConfig(32, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32,
+                                 dq_block_n=32, dq_atomic=True)}),
+])
+def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
+    """The gradients of packed sequences against each sequence's float64 derivation, into
+    NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1)."""
+    from test_ops_attention_backward import close
+
+    rng = np.random.default_rng()
+    cu_q, cu_k = cumulative(lq), cumulative(lk)
+    q, do = (rand(rng, (cu_q[-1] + 2, 2, d), dtype) for _ in range(2))
+    k, v = (rand(rng, (cu_k[-1] + 2, 1, d), dtype) for _ in range(2))
+    fwd = {n: kw[n] for n in ("window", "softcap") if n in kw}
+    slopes = rng.uniform(0.05, 0.5, (len(lq), 2)).astype(np.float32) if fwd else None
+    args = (cu_q, cu_k, max(lq), max(lk))
+    out, lse = flash_attention_varlen(q, k, v, *args, causal=causal, return_lse=True,
+                                      alibi_slopes=slopes, **fwd)
+    poisoned = [np.full_like(x, np.nan) for x in (q, k, v)]
+    got = flash_attention_varlen_backward(do, q, k, v, out, lse, *args, causal=causal,
+                                          alibi_slopes=slopes, dq=poisoned[0], dk=poisoned[1],
+                                          dv=poisoned[2], **kw)
+    assert all(g is p for g, p in zip(got, poisoned))
+    want = backward_reference(q, k, v, do, cu_q, cu_k, causal, kw.get("window"),
+                              kw.get("softcap", 0.0), slopes)
+    for name, g, w, n in zip(("dq", "dk", "dv"), got, want, (cu_q[-1], cu_k[-1], cu_k[-1])):
+        close(g[:n], w[:n], dtype, name)
+        assert np.isnan(f64(g[n:])).all(), f"{name}: rows outside every sequence written"
+
+
 def test_bad_input_is_refused_before_launch():
     x = np.zeros((10, 2, 32), np.float16)
     cu = np.array([0, 4, 10], np.int32)
@@ -118,6 +177,17 @@ def test_bad_input_is_refused_before_launch():
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=WgmmaAttentionConfig(64))
     with pytest.raises(ValueError, match="config is for head_dim 64"):
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=AttentionConfig(64))
+    lse = np.zeros((2, 10), np.float32)
+    with pytest.raises(TypeError, match="needs the forward's out and lse"):
+        flash_attention_varlen_backward(x, x, x, x, None, lse, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match=r"lse must be float32 of shape \(2, 10\)"):
+        flash_attention_varlen_backward(x, x, x, x, x, lse.T, cu, cu, 6, 6)
+    with pytest.raises(TypeError, match="a score_mod needs its derivative"):
+        flash_attention_varlen_backward(x, x, x, x, x, lse, cu, cu, 6, 6,
+                                        score_mod=lambda s, b, h, i, j: s)
+    with pytest.raises(ValueError, match="must not decrease"):
+        flash_attention_varlen_backward(x, x, x, x, x, lse, np.array([0, 5, 4], np.int32), cu,
+                                        6, 6)
 
 
 @sim
@@ -183,3 +253,40 @@ def test_gpu_against_sdpa_and_a_graph_replay(d, causal, dtype):
     graph.replay()
     torch.cuda.synchronize()
     check_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,causal,dtype", [(128, True, "bfloat16"), (64, False, "float16")])
+def test_gpu_backward_against_sdpa(d, causal, dtype):
+    """The gradients of 10 packed sequences of random lengths 0…700 (GQA 8/2) against
+    SDPA's float32 autograd per sequence, into NaN-filled dq / dk / dv whose rows outside
+    every sequence stay NaN."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    lens = np.random.default_rng().integers(0, 701, 10)
+    lens[2] = 0
+    cu = torch.tensor(cumulative(lens), device="cuda")
+    total, m = int(lens.sum()), int(lens.max())
+    q, do = (torch.randn(total + 5, 8, d, device="cuda", dtype=dt) for _ in range(2))
+    k, v = (torch.randn(total + 5, 2, d, device="cuda", dtype=dt) for _ in range(2))
+    out, lse = flash_attention_varlen(q, k, v, cu, cu, m, m, causal=causal, return_lse=True)
+    grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
+    flash_attention_varlen_backward(do, q, k, v, out, lse, cu, cu, m, m, causal=causal,
+                                    dq=grads[0], dk=grads[1], dv=grads[2])
+    tol = 2e-2 if dtype == "float16" else 5e-2
+    for z in range(10):
+        a, e = int(cu[z]), int(cu[z + 1])
+        if a == e:
+            continue
+        ins = [x[a:e].transpose(0, 1).float().requires_grad_() for x in (q, k, v)]
+        o = F.scaled_dot_product_attention(*ins, is_causal=causal, enable_gqa=True)
+        want = torch.autograd.grad(o, ins, do[a:e].transpose(0, 1).float())
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want):
+            got = g[a:e].transpose(0, 1).float()
+            assert not got.isnan().any(), (z, name)
+            err = ((got - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
+            assert err < tol, (z, name, err)
+    for g in grads:
+        assert g[total:].isnan().all(), "rows outside every sequence were written"

@@ -260,6 +260,34 @@ def empty(like: Operand, shape, dtype: str):
     return np.empty(shape, dtype=_np_dtype(dtype))
 
 
+def zeros(like: Operand, shape, dtype: str):
+    """A new zero-filled array of ``like``'s family and device (on the caller's current
+    stream for PyTorch and CuPy)."""
+    fam = like.family
+    if fam == "torch":
+        import torch
+
+        return torch.zeros(shape, dtype=getattr(torch, dtype), device=like.raw.device)
+    if fam == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(like.device):
+            return cupy.zeros(shape, dtype=_np_dtype(dtype))
+    if fam == "numba" and not SIMULATOR:
+        from numba import cuda
+
+        out = empty(like, shape, dtype)
+        if out.size:
+            cuda.driver.device_memset(out, 0, out.size * out.dtype.itemsize,
+                                      stream=stream_of(like) or 0)
+        return out
+    if fam == "numba":
+        from numba import cuda
+
+        return cuda.to_device(np.zeros(shape, dtype=_np_dtype(dtype)))
+    return np.zeros(shape, dtype=_np_dtype(dtype))
+
+
 def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes

@@ -524,11 +524,11 @@ def _user_errors(variant):
     if variant is None or (variant[2] is None and variant[3] is None):
         yield
         return
-    from numba.core.errors import NumbaError
-
     try:
         yield
-    except NumbaError as e:
+    except Exception as e:   # Numba's errors (numba.core.errors, numba.cuda.errors) only
+        if not type(e).__module__.startswith("numba"):
+            raise
         names = " / ".join(f"{n} {getattr(getattr(f, 'py_func', f), '__qualname__', f)!r}"
                            for n, f in (("score_mod", variant[2]), ("mask_mod", variant[3]))
                            if f is not None)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from ..inline import inline_device
 from ..kcache import cached_jit
 from ..launch import GridSplit, LaunchPlan
 from ..ptx import global_addr, shared_addr
@@ -224,6 +225,95 @@ ROW_THREADS = ROW_LANES * ROWS_PER_BLOCK
 
 
 @functools.cache
+def _row_dot(head_dim: int, dtype: str):
+    """``dot(o2, d2, row, lane, valid) -> float32``: ``Σ_c o2[row, c] · d2[row, c]`` over
+    head_dim by the :data:`ROW_LANES` lanes of the row (16-byte loads, a butterfly sum; every
+    lane gets the total; 0 where not ``valid``, whose lanes load nothing). All lanes call."""
+    D = head_dim
+    unpack = unpack_f16x2_f32 if dtype == "float16" else unpack_bf16x2_f32
+
+    @inline_device
+    def dot(o2, d2, row, lane, valid):
+        acc = _ZERO
+        if valid:
+            for c in range(8 * lane, D, 8 * ROW_LANES):
+                w = ld_global_v4(o2, row, c)
+                x = ld_global_v4(d2, row, c)
+                for e in range(4):
+                    o0, o1 = unpack(w[e])
+                    x0, x1 = unpack(x[e])
+                    acc += o0 * x0 + o1 * x1
+        acc += shfl_xor(acc, 4)
+        acc += shfl_xor(acc, 2)
+        acc += shfl_xor(acc, 1)
+        return acc
+
+    return dot
+
+
+def varlen_pad(cfg) -> int:
+    """Packed sequences: the rows of ``lse2`` / ``delta`` after each sequence's that hold the
+    padding (lse2 +inf, delta 0) — a block of query rows of either kernel reads that far past
+    the sequence's end."""
+    return max(cfg.block_m, cfg.dq_block_m)
+
+
+def varlen_row_start(pad: int):
+    """``start(q_start, z) -> int64``: where packed sequence ``z`` (first query row
+    ``q_start``) begins in the varlen ``lse2`` / ``delta``: 16-byte aligned (the dK / dV
+    kernel copies them with cp.async), each sequence followed by at least ``pad`` rows of
+    padding: ``4 · (q_start // 4) + z · (pad + 4)``."""
+    STEP = pad + 4
+
+    @inline_device
+    def start(q_start, z):
+        return (q_start // 4) * 4 + np.int64(z) * STEP
+
+    return start
+
+
+def varlen_rows(total_q: int, sequences: int, pad: int) -> int:
+    """The rows of the varlen ``lse2`` / ``delta`` (:func:`varlen_row_start`'s layout)."""
+    return (total_q // 4) * 4 + sequences * (pad + 4) + pad + 16
+
+
+@functools.cache
+def varlen_rows_prepass(head_dim: int, dtype: str, pad: int):
+    """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q)``; grid
+    ``(ceil((max_seqlen_q + pad) / 16), Hq, sequences)``, :data:`ROW_THREADS` threads. ``o``,
+    ``do_`` (1, Hq, total_q, D), ``lse`` (1, Hq, total_q) float32; ``delta`` / ``lse2`` (1,
+    Hq, :func:`varlen_rows`) written in :func:`varlen_row_start`'s layout: row ``r`` of
+    sequence ``z`` at ``start + r``, and the ``pad`` rows after its end as padding (lse2
+    +inf, delta 0)."""
+    dot = _row_dot(head_dim, dtype)
+    start_of = varlen_row_start(pad)
+    PAD = pad
+    L2E = np.float32(LOG2E)
+
+    @kernel_jit(ROW_THREADS)
+    def kernel(o, do_, lse, delta, lse2, cu_q):
+        z = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        lane = tid % ROW_LANES
+        row = cuda.blockIdx.x * ROWS_PER_BLOCK + tid // ROW_LANES
+        q_start = np.int64(cu_q[z])
+        sq = np.int64(cu_q[z + 1]) - q_start
+        acc = dot(o[0, h], do_[0, h], q_start + row, lane, row < sq)
+        if lane == 0 and row < sq + PAD:
+            at = start_of(q_start, z) + row
+            if row < sq:
+                value = lse[0, h, q_start + row]
+                delta[0, h, at] = acc
+                lse2[0, h, at] = _INF if value == _NEG_INF else value * L2E
+            else:
+                delta[0, h, at] = _ZERO
+                lse2[0, h, at] = _INF
+
+    return kernel
+
+
+@functools.cache
 def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = False):
     """``kernel(o, do_, lse, dlse, delta, lse2, dq_acc)``; grid ``(SqP / 16, Hq, B)``,
     :data:`ROW_THREADS` threads. ``lse`` (B, Hq, Sq) float32, any strides; ``dq_acc``
@@ -232,8 +322,7 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
     ``has_dlse``, ``dlse`` (B, Hq, Sq) float32 is the loss's gradient in the LSE (when the
     forward's LSE is used downstream): since ``∂lse_i/∂s_ij = P_ij``, it enters as
     ``delta_i - dlse_i`` (else a placeholder, not read)."""
-    D = head_dim
-    unpack = unpack_f16x2_f32 if dtype == "float16" else unpack_bf16x2_f32
+    dot = _row_dot(head_dim, dtype)
     ZERO_DQ, HAS_DLSE = bool(zero_dq), bool(has_dlse)
     L2E = np.float32(LOG2E)
 
@@ -245,20 +334,7 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
         lane = tid % ROW_LANES
         row = cuda.blockIdx.x * ROWS_PER_BLOCK + tid // ROW_LANES
         sq = o.shape[2]
-        acc = _ZERO
-        if row < sq:
-            o2 = o[b, h]
-            d2 = do_[b, h]
-            for c in range(8 * lane, D, 8 * ROW_LANES):
-                w = ld_global_v4(o2, row, c)
-                x = ld_global_v4(d2, row, c)
-                for e in range(4):
-                    o0, o1 = unpack(w[e])
-                    x0, x1 = unpack(x[e])
-                    acc += o0 * x0 + o1 * x1
-        acc += shfl_xor(acc, 4)
-        acc += shfl_xor(acc, 2)
-        acc += shfl_xor(acc, 1)
+        acc = dot(o[b, h], do_[b, h], row, lane, row < sq)
         if row < delta.shape[2]:
             if lane == 0:
                 if row < sq:
@@ -310,7 +386,7 @@ def dq_convert(head_dim: int, dtype: str):
 # ---- 2. dK / dV (and dQ by atomics) ----------------------------------------------------------
 
 def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
-                softcap: float = 0.0, mods=(None, None, None)):
+                softcap: float = 0.0, mods=(None, None, None), varlen: bool = False):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
     .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
@@ -323,10 +399,15 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     score_mod_grad, mask_mod[, n_args, alibi])``: the forward's user functions, the derivative
     of its ``score_mod``, the number of ``mod_args`` they take and ALiBi
     (:func:`tilepy.tile.attention_backward.score_functions`), whose run-time arguments are
-    ``hargs`` (the forward's; ``()`` without). Without them the code is the plain
+    ``hargs`` (the forward's; ``()`` without). ``varlen``: packed sequences, as the forward's
+    (:func:`~tilepy.ops.attention_kernel.attention_kernel`): views of batch 1 holding the
+    sequences along the sequence axis (``lse2`` / ``delta`` padded past the last row by at
+    least ``block_m``), ``hargs`` ``((cu_seqlens_q, cu_seqlens_k), hook_args)``, grid z the
+    sequences and x the key blocks of the longest. Without them the code is the plain
     kernel's."""
     left, right = key_window(causal, window)
-    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), _mods(mods))
+    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), _mods(mods),
+                        bool(varlen))
 
 
 def _mods(mods) -> tuple:
@@ -352,7 +433,7 @@ def _cap(softcap) -> float:
 
 @functools.cache
 def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float,
-                 mods: tuple):
+                 mods: tuple, varlen: bool = False):
     # D: the shared tiles' width (head_dim rounded up to 16; the copies zero-fill past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim
@@ -376,6 +457,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     USER = _reads_hook(mods)
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL, ATOMIC = right == 0 and not VARIANT, bool(atomic_dq)
+    VARLEN = varlen
+    row_start = varlen_row_start(varlen_pad(cfg))
     WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
     WIN = (left, right)
     lay = cfg.dkdv_layout(atomic_dq)
@@ -410,6 +493,24 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        if VARLEN:
+            # sequence b: query rows q_start … of the packed views, keys k_start …
+            cu_q, cu_k = hargs[0]
+            q_start = np.int64(cu_q[b])
+            k_start = np.int64(cu_k[b])
+            sq = np.int64(cu_q[b + 1]) - q_start
+            sk = np.int64(cu_k[b + 1]) - k_start
+            hook = hargs[1] + (sk - sq,)
+            vb = 0
+            r_start = row_start(q_start, b)     # the sequence's rows of lse2 / delta
+            if key0 >= sk:
+                return      # past this sequence's keys (the grid fits the longest)
+        else:
+            q_start = 0
+            k_start = 0
+            r_start = 0
+            hook = hargs
+            vb = b
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -436,15 +537,18 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             vs = v.strides[2]
             qs = q.strides[2]
             ds_ = do_.strides[2]
-            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (b, hk, key0, 0))), ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, key0, 0))), vs, tid)
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start + key0, 0))),
+                                       ks, tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
+                                       vs, tid)
             issue_kv(k_tile, 0, k0, ksh, kr, kc, ks, sk - key0)
             issue_kv(v_tile, 0, v0, vsh, vr, vc, vs, sk - key0)
             hq0 = hk * group
-            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (b, hq0, 0, 0))), qs, tid)
-            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (b, hq0, 0, 0))), ds_, tid)
-            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
-            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, hq0, q_start, 0))), qs, tid)
+            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (vb, hq0, q_start, 0))), ds_,
+                                      tid)
+            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
+            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
             hstep_q = q.strides[1]
             hstep_d = do_.strides[1]
             hstep_r = lse2.strides[1]
@@ -517,7 +621,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
                 if VARIANT:
                     if CAPPED:
-                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hargs)
+                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hook)
                     if WINDOWED:
                         mask_window(st, my_key - shift - (row + 2 * t))
                 elif CAUSAL:
@@ -580,11 +684,11 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                                         kk_frag[0, j, 0], kk_frag[0, j, 1],
                                         dq_part[i, j, 0], dq_part[i, j, 1], dq_part[i, j, 2],
                                         dq_part[i, j, 3])
-                        add_dq(dq_part, dq_acc[b, hq], row + wr * 16 * MIQ,
-                               (wc * NOQ_ALL + cp * NOQ) * 8, sq, g, t)
+                        add_dq(dq_part, dq_acc[vb, hq], q_start + row + wr * 16 * MIQ,
+                               (wc * NOQ_ALL + cp * NOQ) * 8, q_start + sq, g, t)
 
-        store(dk_acc, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
-        store(dv_acc, dv[b, hk], key0 + warp * 16, sk, _ONE, g, t)
+        store(dk_acc, dk[vb, hk], k_start + key0 + warp * 16, k_start + sk, scale, g, t)
+        store(dv_acc, dv[vb, hk], k_start + key0 + warp * 16, k_start + sk, _ONE, g, t)
 
     return kernel
 
@@ -592,18 +696,20 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 # ---- 3. dQ alone (no atomics) --------------------------------------------------------------
 
 def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0,
-              mods=(None, None, None)):
+              mods=(None, None, None), varlen: bool = False):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs)``; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
     of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides. ``window`` and
     ``softcap``, ``mods`` as :func:`dkdv_kernel`'s (key blocks outside the window are
-    skipped)."""
+    skipped), ``varlen`` as :func:`dkdv_kernel`'s (grid x the query blocks of the longest
+    sequence)."""
     left, right = key_window(causal, window)
-    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods))
+    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods), bool(varlen))
 
 
 @functools.cache
-def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple):
+def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple,
+               varlen: bool = False):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.tile_dim    # as the dK / dV kernel's
     VALID = None if cfg.head_dim == D else cfg.head_dim
     THREADS = 32 * cfg.dq_warps
@@ -628,6 +734,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     WIN = (left, right)
     USER = _reads_hook(mods)
     CAPPED = cap > 0 or USER
+    VARLEN = varlen
+    row_start = varlen_row_start(varlen_pad(cfg))
     capped = score_functions(1, NS, cap, *mods[:3], n_args=mods[3],
                              alibi=mods[4]) if CAPPED else None
     mask = mask_key_block(1, NS, BN, WIN)
@@ -640,6 +748,25 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
+        if VARLEN:
+            cu_q, cu_k = hargs[0]
+            q_start = np.int64(cu_q[b])
+            k_start = np.int64(cu_k[b])
+            sq = np.int64(cu_q[b + 1]) - q_start
+            sk = np.int64(cu_k[b + 1]) - k_start
+            hook = hargs[1] + (sk - sq,)
+            vb = 0
+            # the sequence's rows of lse2 / delta (row_state reads them by sequence row)
+            r_start = row_start(q_start, b)
+            lse2_rows = lse2[:, :, r_start:]
+            delta_rows = delta[:, :, r_start:]
+        else:
+            q_start = 0
+            k_start = 0
+            hook = hargs
+            vb = b
+            lse2_rows = lse2
+            delta_rows = delta
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -647,6 +774,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
         t = lane % 4
         row0, kb_first, n_kb, all_first, all_see = kblocks(sq, sk)
         wrow = row0 + warp * 16
+        if VARLEN and row0 >= sq:
+            return      # past this sequence's rows (the grid fits the longest)
 
         acc = cuda.local.array((1, NO, 4), np.float32)
         for j in range(NO):
@@ -655,7 +784,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
         limit = cuda.local.array(LIMITS, np.int64)
-        rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
+        rows(lse2_rows, delta_rows, l2, dl, limit, vb, h, wrow, g, sq, sk)
 
         if n_kb > kb_first:
             base = shared_addr(smem(), 0)
@@ -664,10 +793,12 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             ds_ = do_.strides[2]
             ks = k.strides[2]
             vs = v.strides[2]
-            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (b, h, row0, 0))), qs, tid)
-            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (b, h, row0, 0))), ds_, tid)
-            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (b, hk, 0, 0))), ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (b, hk, 0, 0))), vs, tid)
+            q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, h, q_start + row0, 0))), qs,
+                                      tid)
+            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
+                                      ds_, tid)
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start, 0))), ks, tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start, 0))), vs, tid)
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             issue_q(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
             first = kv_base + (kb_first % 2) * STAGE
@@ -712,7 +843,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
                 if CAPPED:
-                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hargs)
+                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hook)
                 # past a row's last key (or sk), or (a window) before its first
                 mask(s, limit, kb, t, all_first, all_see)
                 grad.probabilities(s, l2, scale_log2)
@@ -735,7 +866,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             p0, p1, p2, p3, kk_frag[0, j, 0], kk_frag[0, j, 1],
                             acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3])
 
-        store(acc, dq[b, h], wrow, sq, scale, g, t)
+        store(acc, dq[vb, h], q_start + wrow, q_start + sq, scale, g, t)
 
     return kernel
 
@@ -785,7 +916,7 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float,
-          window=None, softcap: float = 0.0, mods=(None, None, None), hargs=()):
+          window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(), varlen=None):
     """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
     nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
@@ -794,42 +925,60 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     forward's variant, ``mods`` its user functions with ``score_mod``'s derivative and
     ``hargs`` their run-time arguments (:func:`dkdv_kernel`). A hook that reads the batch or
     head (user functions, ALiBi) does not run in grid chunks (they would shift both): past
-    the grid's limit the plans refuse (``ValueError``)."""
+    the grid's limit the plans refuse (``ValueError``). ``varlen``: ``(sequences, max_seqlen_q,
+    max_seqlen_k)`` of packed sequences (:func:`dkdv_kernel`; the views of batch 1, ``hargs``
+    ``((cu_seqlens_q, cu_seqlens_k), hook_args)``, ``delta`` / ``lse2`` of
+    :func:`varlen_rows` rows): every grid runs over the sequences, dQ by its own kernel (no
+    atomics: they would need the float32 accumulator's rows outside every sequence
+    cleared); never in chunks."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
+    if varlen is not None:
+        batch, sq_blocks, sk_blocks = varlen
+    else:
+        sq_blocks, sk_blocks = sq, sk
     group = hq // hk
     sqp = views["delta"].shape[2]
-    atomic = uses_atomics(cfg, deterministic)
+    atomic = uses_atomics(cfg, deterministic) and varlen is None
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
     dq_acc = views["dq_acc"] if atomic else views["placeholder4"]
     out = []
 
-    out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
+    if varlen is None:
+        out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
+    else:
+        pad = varlen_pad(cfg)
+        pre = varlen_rows_prepass(d, cfg.dtype, pad)
+        args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"],
+                hargs[0][0])
+        out.append((LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), hq, batch),
+                               ROW_THREADS), args))
 
     mods = _mods(mods)
-    chunks = not _reads_hook(mods)
+    chunks = not _reads_hook(mods) and varlen is None
     hargs = tuple(hargs)
-    kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods)
+    kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods, varlen is not None)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
             dq_acc, scale32, slog2, hargs)
     smem = cfg.dkdv_layout(atomic).nbytes
     allow_dynamic_shared(kern, args, smem)
-    out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), 32 * cfg.warps, smem,
+    out.append((LaunchPlan(kern, args, (-(-sk_blocks // cfg.block_n), hk, batch), 32 * cfg.warps,
+                           smem,
                            split=heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
                            if chunks else ()), args))
 
     if atomic:
         conv = dq_convert(d, cfg.dtype)
         args = (dq_acc, views["dq"], scale32)
-        out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, batch), ROW_THREADS,
-                               split=heads_split((0, 1), (), 1, False)), args))
+        out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, q.shape[0]),
+                               ROW_THREADS, split=heads_split((0, 1), (), 1, False)), args))
     else:
-        kern = dq_kernel(cfg, causal, window, softcap, mods)
+        kern = dq_kernel(cfg, causal, window, softcap, mods, varlen is not None)
         args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2,
                 hargs)
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
-        out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch),
+        out.append((LaunchPlan(kern, args, (-(-sq_blocks // cfg.dq_block_m), hq, batch),
                                32 * cfg.dq_warps, cfg.dq_smem_bytes,
                                split=heads_split((0, 3, 4, 5, 6), (1, 2), group, False)
                                if chunks else ()), args))

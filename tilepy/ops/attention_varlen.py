@@ -17,9 +17,13 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..tile import device_write
 from ..tile.attention import score_hook
+from ..tile.attention_backward import check_functions
 from . import attention as at
+from . import attention_backward_kernel as bk
 from . import attention_kernel as fa
 from . import attention_wgmma as aw
+from .attention_backward_kernel import BackwardConfig
+from .attention_backward_wgmma import WgmmaBackwardConfig
 from .attention_kernel import HEAD_DIMS, AttentionConfig
 
 
@@ -234,4 +238,132 @@ def packed_lse_view(op):
     return at._device_view(view)
 
 
-__all__ = ["flash_attention_varlen"]
+
+
+def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                    max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                                    window=None, softcap=0.0, alibi_slopes=None,
+                                    score_mod=None, score_mod_grad=None, mask_mod=None,
+                                    mod_args=(), deterministic=False, dq=None, dk=None,
+                                    dv=None, check_seqlens=True, config=None):
+    """Gradients ``(dq, dk, dv)`` of ``out = flash_attention_varlen(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` for the output gradient ``dout``.
+
+    * The forward's arguments as given to it; ``out`` and ``lse`` (float32 (heads_q,
+      total_q)) what it returned with ``return_lse=True``; ``dout`` has ``q``'s shape and
+      dtype. A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
+      :func:`tilepy.flash_attention_backward`).
+    * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
+      dtype; their rows outside every sequence are left as they are (allocated here: zeros).
+    * dQ always comes from its own kernel (the same bits every run, whatever
+      ``deterministic`` says; a config's ``dq_atomic`` is not used); ``check_seqlens`` and
+      ``config`` (a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig`: the
+      mma.sync backward kernels run packed sequences) as the forward's.
+    """
+    if out is None or lse is None:
+        raise TypeError("flash_attention_varlen_backward needs the forward's out and lse "
+                        "(flash_attention_varlen(..., return_lse=True)), got None")
+    Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
+                                                                         None)
+    CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
+    mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    win, cap = at.check_variant(causal, window, softcap)
+    n_args = at.n_mod_args(mod_args)
+    user = check_functions(score_mod, score_mod_grad, mask_mod,
+                           op="flash_attention_varlen_backward", n_args=n_args)
+    if n_args and not user:
+        raise TypeError("flash_attention_varlen_backward: mod_args are passed to score_mod / "
+                        "mask_mod; neither was given")
+    dO = describe(dout, "dout", allow_float32=False)
+    if dO.shape != Q.shape or dO.dtype != dtype:
+        raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
+                         f"{dO.shape} {dO.dtype}")
+    Lse = describe(lse, "lse")
+    if Lse.dtype != "float32" or Lse.shape != (hq, Q.shape[0]):
+        raise ValueError(f"lse must be float32 of shape {(hq, Q.shape[0])} (heads_q, "
+                         f"total_q), got {Lse.dtype} {Lse.shape}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
+                        f"{deterministic!r}")
+    grads = []
+    for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
+        G = describe(arr, name, allow_float32=False) if arr is not None else None
+        if G is not None and (G.shape != like.shape or G.dtype != dtype):
+            raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
+                             f"{dtype}, got {G.shape} {G.dtype}")
+        grads.append(G)
+    arrays.same_device(Q, dO, Lse, *grads)
+    if config is not None:
+        if isinstance(config, WgmmaBackwardConfig):
+            raise NotImplementedError("flash_attention_varlen_backward runs the mma.sync "
+                                      "kernels; pass a BackwardConfig or leave config unset")
+        if not isinstance(config, BackwardConfig):
+            raise TypeError(f"config must be a tilepy.ops.attention_backward_kernel."
+                            f"BackwardConfig, got {type(config).__name__}")
+        if (config.head_dim, config.dtype) != (d, dtype):
+            raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
+                             f"inputs are head_dim {d} {dtype}")
+    alibi = alibi_slopes is not None
+    hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
+    if alibi:
+        hargs = hargs[:-1]      # the kernels append each sequence's seq_k - seq_q
+    arrays.same_device(Q, *hops)
+    if max(n, hq) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(f"flash_attention_varlen_backward: at most "
+                                  f"{launch.MAX_GRID_YZ} sequences and query heads (got {n} "
+                                  f"and {hq})")
+    if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
+        check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
+                            mq, mk)
+    results = []
+    for arr, like, G, name in zip((dq, dk, dv), (Q, K, V), grads, ("dq", "dk", "dv")):
+        if arr is None:
+            arr = arrays.zeros(Q, like.shape, dtype)
+            G = describe(arr, name)
+        results.append((arr, G))
+    if not (n and hq and (mq or mk)):
+        return tuple(a for a, _ in results)
+    cfg = config or choose_backward_config(d, dtype, bool(deterministic))
+    # lse2 / delta per sequence, 16-byte aligned, padded after each (bk.varlen_row_start)
+    rows = bk.varlen_rows(Q.shape[0], n, bk.varlen_pad(cfg))
+    scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
+    variant = at.is_variant(win, cap) or user or alibi
+    kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
+    with arrays.on_device(device), at._user_errors(
+            (win, cap, score_mod, mask_mod) if user else None):
+        views, copies = {}, []
+        for name, op in (("q", Q), ("k", K), ("v", V), ("o", Out), ("do", dO)):
+            if not at.readable(op):
+                op = describe(arrays.copy_aligned(op), op.name)
+                copies.append(op)
+            views[name] = packed_view(op)
+        for name, (_, G) in zip(("dq", "dk", "dv"), results):
+            views[name] = packed_view(G)
+        views["lse"] = packed_lse_view(Lse)
+        for name, shape in scratch:
+            arr = arrays.empty(Q, shape, "float32")
+            copies.append(describe(arr, name))
+            views[name] = at.bhsd_view(copies[-1], "bhsd")
+        views["placeholder3"] = arrays.placeholder(3)
+        views["placeholder4"] = arrays.placeholder(4)
+        seqs = (at._device_view(arrays.raw_view(CuQ, hook=True)),
+                at._device_view(arrays.raw_view(CuK, hook=True)))
+        stream = arrays.stream_handle(Q)
+        plans = bk.plans(cfg, False, bool(deterministic), views, scale, win, cap,
+                         kmods if variant else (None, None, None), (seqs, tuple(hargs)),
+                         varlen=(n, mq, mk))
+        for plan, args in plans:
+            plan.launch(stream, args)
+        device_write.keep_during_capture(stream, *copies)
+    return tuple(a for a, _ in results)
+
+
+def choose_backward_config(head_dim: int, dtype: str, deterministic: bool) -> BackwardConfig:
+    """The mma.sync backward config packed sequences run with (the built-in one off Hopper,
+    :func:`tilepy.ops.attention_backward.choose_config`)."""
+    from .attention_backward import choose_config as backward_choice
+
+    return backward_choice(head_dim, dtype, deterministic, variant=True)
+
+
+__all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]
