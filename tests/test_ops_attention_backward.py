@@ -429,7 +429,9 @@ def test_kernels_compile_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
                **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
-    assert len(reports) == 21     # two of them the window + soft-cap variants
+    # two of them the window + soft-cap variants, two the packed sequences (varlen: 68 B of
+    # spill stores in the dK / dV kernel at head_dim 128, offline sm_90)
+    assert len(reports) == 23
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]

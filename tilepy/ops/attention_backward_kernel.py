@@ -985,11 +985,17 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     return [(p, a) for p, a in out if p.grid[0] > 0]   # no rows or no keys: nothing to do
 
 
-def argtypes(kind: str):
+def argtypes(kind: str, varlen: bool = False):
     """Numba argument types of a backward kernel (offline compilation): ``kind`` one of
     ``dkdv``, ``dq``, ``prepass``, ``convert``; the first two end with the (empty) hook
-    arguments, which the wgmma kernels of the same contract do not take."""
+    arguments, which the wgmma kernels of the same contract do not take (``varlen``: the
+    cumulative lengths' int32 arrays before them)."""
     from numba import types
+
+    if varlen:
+        cu = types.Array(types.int32, 1, "A")
+        *head, _ = argtypes(kind)
+        return (*head, types.Tuple((types.Tuple((cu, cu)), types.Tuple(()))))
 
     u16 = types.Array(types.uint16, 4, "A")
     f4 = types.Array(types.float32, 4, "A")
@@ -1003,7 +1009,7 @@ def argtypes(kind: str):
 
 
 #: The kernels the compile layer reports on: (name, kind, config, causal, atomic[, window,
-#: softcap]).
+#: softcap]); names ending ``_varlen`` are the packed-sequence kernels.
 COMPILED = (
     ("bwd_dkdv_d64_f16", "dkdv", BackwardConfig(64), False, False),
     ("bwd_dkdv_d64_f16_causal_atomic", "dkdv", BackwardConfig(64), True, True),
@@ -1017,6 +1023,9 @@ COMPILED = (
      (4095, 0), 50.0),
     ("bwd_dq_d128_f16_window_softcap", "dq", BackwardConfig(128), True, False, (4095, 0),
      50.0),
+    # packed sequences (bounds and offsets from the cumulative lengths)
+    ("bwd_dkdv_d128_f16_causal_varlen", "dkdv", BackwardConfig(128, block_m=32), True, False),
+    ("bwd_dq_d128_f16_causal_varlen", "dq", BackwardConfig(128), True, False),
 )
 
 
@@ -1027,9 +1036,10 @@ def compile_reports(only=None):
     "tilepy.ops.attention_backward_kernel:compile_reports")``."""
     from ..offline import report_entry
 
-    def build(kind, cfg, causal, atomic, window=None, cap=0.0):
-        return (dkdv_kernel(cfg, causal, atomic, window, cap) if kind == "dkdv"
-                else dq_kernel(cfg, causal, window, cap))
+    def build(kind, cfg, causal, atomic, window=None, cap=0.0, varlen=False):
+        mods = (None, None, None)
+        return (dkdv_kernel(cfg, causal, atomic, window, cap, mods, varlen) if kind == "dkdv"
+                else dq_kernel(cfg, causal, window, cap, mods, varlen))
 
     out = []
     for name, kind, cfg, causal, atomic, *variant in COMPILED:
@@ -1037,9 +1047,11 @@ def compile_reports(only=None):
             continue
         threads = 32 * (cfg.warps if kind == "dkdv" else cfg.dq_warps)
         smem = cfg.dkdv_layout(atomic).nbytes if kind == "dkdv" else cfg.dq_smem_bytes
+        varlen = name.endswith("_varlen")
         out.append(report_entry(name, lambda kind=kind, cfg=cfg, causal=causal, atomic=atomic,
-                                variant=tuple(variant):
-                                build(kind, cfg, causal, atomic, *variant), argtypes(kind),
+                                variant=tuple(variant), varlen=varlen:
+                                build(kind, cfg, causal, atomic, *variant, varlen=varlen),
+                                argtypes(kind, varlen),
                                 (9, 0),
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))
