@@ -458,15 +458,39 @@ def test_errors_name_the_argument_in_eager_and_compiled_calls():
                                         config=tilepy.ops.softmax.plan(8)).sum().item())
 
 
-def test_flash_attention_varlen_on_tensors_and_no_backward_yet():
-    """PyTorch tensors through tilepy.flash_attention_varlen (no operator yet: eager); inputs
-    that require grad are refused (no backward yet) rather than returning an output without
-    a gradient."""
-    q = rand(11, 2, 16)
-    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
-    out = tilepy.flash_attention_varlen(q, q, q, cu, cu, 7, 7, causal=True)
-    want = torch.cat([_attention_reference(*[q[None, a:e].transpose(1, 2)] * 3, True, 0.25)[0]
-                      .transpose(0, 1) for a, e in ((0, 4), (4, 11))])
-    assert (out.double() - want).abs().max().item() < 2e-3 * q.abs().max().item()
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        tilepy.flash_attention_varlen(q.clone().requires_grad_(), q, q, cu, cu, 7, 7)
+def test_flash_attention_varlen_operator_gradients_and_compile():
+    """PyTorch tensors through tilepy.flash_attention_varlen: the ``tilepy::
+    flash_attention_varlen`` operator (opcheck's schema, fake-tensor and autograd-registration
+    checks; AOT dispatch is the compiled step below), gradients by its autograd formula
+    against float64 autograd per sequence (a zero-length one among them), a compiled
+    (fullgraph) step with the same gradients, and user functions with a gradient wanted
+    refused (no autograd for them yet)."""
+    q, k, v = rand(11, 1, 16), rand(11, 1, 16), rand(11, 1, 16)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_varlen.default,
+                          (q, k, v, cu, cu, 7, 7, True, None, -1, 0, 0.0, True, True),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    g = rand(11, 1, 16)
+
+    def loss(q, k, v):
+        return (tilepy.flash_attention_varlen(q, k, v, cu, cu, 7, 7, causal=True).float()
+                * g.float()).sum()
+
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = torch.autograd.grad(loss(*ins), ins)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want_out = torch.cat([_attention_reference(
+        *(x[None, a:e].transpose(1, 2) for x in ref_in), True, 0.25)[0].transpose(0, 1)
+        for a, e in ((0, 4), (4, 11))])
+    want = torch.autograd.grad(want_out, ref_in, g.double())
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(a, b, torch.float16, name)
+    torch._dynamo.reset()
+    ins2 = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(*ins2).backward()
+    for a, b in zip(ins2, got):
+        assert torch.equal(a.grad, b)
+    with pytest.raises(NotImplementedError, match="no autograd with score_mod"):
+        tilepy.flash_attention_varlen(*ins, cu, cu, 7, 7,
+                                      mask_mod=lambda b, h, i, j: i >= j)

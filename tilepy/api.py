@@ -124,12 +124,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            causal=False, scale=None, window=None, softcap=0.0,
                            alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(),
                            return_lse=False, out=None, check_seqlens=True, config=None):
-    if _is_torch(q) and any(getattr(x, "requires_grad", False) for x in (q, k, v)):
-        # no backward yet: refuse rather than return a result without a gradient
-        raise NotImplementedError("flash_attention_varlen has no backward yet: call it on "
-                                  "tensors that do not require grad (e.g. under "
-                                  "torch.no_grad()), or pad the batch for "
-                                  "tilepy.flash_attention")
+    if _is_torch(q):
+        return (_front or _pytorch()).flash_attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+            window, softcap, alibi_slopes, (score_mod, mask_mod, mod_args), return_lse, out,
+            check_seqlens, config)
     return _attention_varlen.flash_attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -35,6 +35,7 @@ import torch
 from .. import api
 from ..ops import attention as _attention
 from ..ops import attention_backward as _attention_backward
+from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
 from ..ops import gemm_softmax as _gemm_softmax
 from ..ops import softmax as _softmax
@@ -83,6 +84,20 @@ _SCHEMAS = {
                                     "float softcap, str layout, bool deterministic, "
                                     "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
                                     "Tensor? alibi_slopes=None) -> ()",
+    # packed sequences: cu_seqlens int32 (n + 1), lse (heads_q, total_q)
+    "flash_attention_varlen": "flash_attention_varlen(Tensor q, Tensor k, Tensor v, "
+                              "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+                              "int max_seqlen_k, bool causal, float? scale, int window_left, "
+                              "int window_right, float softcap, bool return_lse, "
+                              "bool check_seqlens, Tensor? alibi_slopes=None) "
+                              "-> (Tensor, Tensor)",
+    "flash_attention_varlen_backward": "flash_attention_varlen_backward(Tensor dout, "
+                                       "Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+                                       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+                                       "int max_seqlen_q, int max_seqlen_k, bool causal, "
+                                       "float? scale, int window_left, int window_right, "
+                                       "float softcap, bool check_seqlens, "
+                                       "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -747,4 +762,116 @@ def flash_attention_backward(dout, q, k, v, out, lse, causal, scale, window, sof
 
 api._front = __import__(__name__, fromlist=["_"])   # the fronts' shortcut to this module
 
-__all__ = ["flash_attention", "flash_attention_backward", "gemm", "gemm_softmax", "softmax", "softmax_backward"]
+# ---- flash_attention_varlen -----------------------------------------------------------------
+
+def _varlen_impl(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
+                 return_lse, check_seqlens, alibi_slopes=None):
+    res = _varlen.flash_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                         scale=scale, window=(wl, wr), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, return_lse=return_lse,
+                                         check_seqlens=check_seqlens)
+    return res if return_lse else (res, _no_lse(q))
+
+
+def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap,
+                 return_lse, check_seqlens, alibi_slopes=None):
+    shape, lse_shape = _varlen.output_spec(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
+                                           scale=scale, window=(wl, wr), softcap=softcap,
+                                           alibi_slopes=alibi_slopes)
+    return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
+                                else _no_lse(q))
+
+
+def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                          wl, wr, softcap, check_seqlens, alibi_slopes=None):
+    return _varlen.flash_attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
+        window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes,
+        check_seqlens=check_seqlens)
+
+
+def _varlen_backward_fake(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                          wl, wr, softcap, check_seqlens, alibi_slopes=None):
+    _varlen.output_spec(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
+                        window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_varlen_op = _register("flash_attention_varlen", _varlen_impl, _varlen_fake)
+_varlen_backward_op = _register("flash_attention_varlen_backward", _varlen_backward_impl,
+                                _varlen_backward_fake)
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, scale, window, softcap, alibi_slopes, mods, return_lse,
+                           out, check_seqlens, config):
+    """``tilepy.flash_attention_varlen`` on PyTorch tensors: the ``tilepy::
+    flash_attention_varlen`` operator (autograd through ``flash_attention_varlen_backward``,
+    fake tensors, ``torch.compile`` without a graph break); with ``out=``, a ``config``, or
+    user functions (``mods``: ``(score_mod, mask_mod, mod_args)``) an eager call that does not
+    differentiate (a ``TypeError`` / ``NotImplementedError`` when a gradient is wanted)."""
+    _no_hook_arg_grads("flash_attention_varlen", alibi_slopes, mods[2])
+    score_mod, mask_mod, mod_args = mods
+    user = score_mod is not None or mask_mod is not None or (
+        mod_args is not None and (type(mod_args) not in (tuple, list) or len(mod_args)))
+    kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap,
+                  alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod,
+                  mod_args=mod_args, return_lse=return_lse, out=out,
+                  check_seqlens=check_seqlens, config=config)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if user:
+        if _wants_grad(q, k, v):
+            raise NotImplementedError(
+                "tilepy.flash_attention_varlen: no autograd with score_mod / mask_mod yet; "
+                "call tilepy.ops.attention_varlen.flash_attention_varlen_backward, or run "
+                "under torch.no_grad()")
+        return _eager_only()(_varlen.flash_attention_varlen, *args, **kwargs)
+    if config is not None:
+        return _configured("flash_attention_varlen", _varlen.flash_attention_varlen,
+                           dict(q=q, k=k, v=v), *args[3:], **kwargs)
+    if _direct(q, k, v, out, alibi_slopes, cu_seqlens_q, cu_seqlens_k):
+        return _written(_varlen.flash_attention_varlen(*args, **kwargs), out)
+    wl, wr, cap = _variant_args(causal, window, softcap)
+    if scale is not None:
+        scale = _float_arg("flash_attention_varlen", "scale", scale)
+    if out is not None:
+        _no_out_grad("flash_attention_varlen", out, q=q, k=k, v=v)
+        res = _eager_only()(_varlen.flash_attention_varlen, *args, **kwargs)
+        return _written(res, out)
+    res, lse = _varlen_op(*args, causal, scale, wl, wr, cap,
+                          True if _wants_grad(q, k, v) else return_lse, bool(check_seqlens),
+                          alibi_slopes)
+    return (res, lse) if return_lse else res
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softcap, _, check, *rest = inputs
+    out, lse = output
+    ctx.args = (max_q, max_k, causal, scale, wl, wr, softcap, check)
+    ctx.n_inputs = len(inputs)
+    ctx.has_lse = lse.dim() == 2   # the no-LSE placeholder is 1-D
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rest[0] if rest else None)
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_grad(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    if not ctx.has_lse:
+        raise RuntimeError("tilepy.flash_attention_varlen: the forward ran without its LSE, "
+                           "which the backward needs (a gradient was not wanted when it ran)")
+    if dlse is not None:
+        raise NotImplementedError("tilepy.flash_attention_varlen: no gradient through the "
+                                  "returned LSE yet (only through the output)")
+    if dout is None:
+        return (None,) * ctx.n_inputs
+    max_q, max_k, causal, scale, wl, wr, softcap, check = ctx.args
+    dq, dk, dv = _varlen_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
+                                     causal, scale, wl, wr, softcap, check, alibi)
+    return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
+
+
+torch.library.register_autograd("tilepy::flash_attention_varlen", _varlen_grad,
+                                setup_context=_varlen_setup, lib=_lib)
+
+
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm", "gemm_softmax", "softmax", "softmax_backward"]

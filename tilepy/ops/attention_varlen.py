@@ -118,6 +118,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
+def output_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None):
+    """``(out shape, lse shape)`` of :func:`flash_attention_varlen` after every check it
+    makes before launching that reads only metadata (the cumulative lengths' values are not
+    read): the registered operator's fake implementation."""
+    Q, _, (hq, _, _), (K, _, _), _, device = check_arguments(q, k, v, scale, None, None)
+    _, _, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
+    check_max_seqlens(max_seqlen_q, max_seqlen_k)
+    at.check_variant(causal, window, softcap)
+    if alibi_slopes is not None:
+        arrays.same_device(Q, at.check_alibi(alibi_slopes, n, hq))
+    return Q.shape, (hq, Q.shape[0])
+
+
 def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
     """The mma.sync config packed sequences run with: the simulator's small one, else the
     built-in GPU config of the head_dim (:data:`tilepy.ops.attention.GPU_CONFIGS`)."""
