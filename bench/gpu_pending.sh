@@ -28,6 +28,8 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s20e    the varlen GPU tests with the PyTorch operator's autograd (eager, compiled),
+#                the user functions' benchmark with a float32 ALiBi score_mod
 #   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
 #                pytest-benchmark): varlen, variants, user functions; the varlen backward's
 #                GPU test, a user function that does not compile
@@ -156,6 +158,10 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s20e "* ]]; then
+    gpu_tests varlen_gpu 120 tests/test_ops_attention_varlen.py
+    bench_suite bench_attention_user 170 "test_flash_attention_user_functions and alibi"
+fi
 if [[ " $PART " == *" s20d "* ]]; then
     gpu_tests varlen_gpu 90 tests/test_ops_attention_varlen.py
     gpu_tests user_fn_error_gpu 60 tests/test_ops_attention.py -k "does_not_compile"

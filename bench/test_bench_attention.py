@@ -18,8 +18,9 @@ two shapes. Select parts with ``-k``: ``-k "not bfloat16"``, ``-k causal``, ``-k
 
 import dataclasses
 
+import numpy as np
 import pytest
-from tilepy.ptx.math import tanh_approx
+from tilepy.ptx.math import ex2_approx, tanh_approx
 from measure import (
     checked_timing,
     gpu_time,
@@ -194,6 +195,12 @@ def _alibi(score, b, h, q_idx, kv_idx):
     return score - 2.0 ** (-(h + 1) * 0.5) * (q_idx - kv_idx)
 
 
+def _alibi32(score, b, h, q_idx, kv_idx):
+    # the same in float32 on ex2.approx: what _alibi costs beyond the bias itself is its
+    # float64 power
+    return score - ex2_approx(np.float32(-0.5 * (h + 1))) * np.float32(q_idx - kv_idx)
+
+
 def _same_document(b, h, q_idx, kv_idx, doc):
     return doc[b, min(q_idx, 8191)] == doc[b, min(kv_idx, 8191)]
 
@@ -218,6 +225,10 @@ USER_FUNCTIONS = [
      lambda torch, b, h, s: dict(score_mod=lambda x, bb, hh, qi, kj: 50.0 * torch.tanh(
          x / 50.0))),
     ("alibi", True, lambda torch, b, h, s: dict(score_mod=_alibi),
+     lambda torch, b, h, s: dict(alibi_slopes=_alibi_slopes(torch, h)),
+     lambda torch, b, h, s: dict(score_mod=lambda x, bb, hh, qi, kj: x - torch.exp2(
+         -(hh + 1) * 0.5) * (qi - kj))),
+    ("alibi32", True, lambda torch, b, h, s: dict(score_mod=_alibi32),
      lambda torch, b, h, s: dict(alibi_slopes=_alibi_slopes(torch, h)),
      lambda torch, b, h, s: dict(score_mod=lambda x, bb, hh, qi, kj: x - torch.exp2(
          -(hh + 1) * 0.5) * (qi - kj))),
@@ -284,8 +295,6 @@ def test_flash_attention_varlen(benchmark, record, torch, gpu_name, causal):
     (its wasted work included: what a user without varlen runs) and tilepy's fixed-length
     kernel at the same number of tokens (its ratio in TFLOPS): 32 sequences of the mean length. Throughput counts the visible pairs of the packed sequences. Lengths checked on
     the host once, outside the timing (``check_seqlens=False`` inside it)."""
-    import numpy as np
-
     import tilepy
 
     h, d, dt = 16, 128, torch.bfloat16
