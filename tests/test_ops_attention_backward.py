@@ -293,7 +293,7 @@ def test_dq_by_atomics():
     # default; GQA: 4 query blocks per key block, the ring wraps), head_dim 64 gives each
     # consumer its own keys
     (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
-     (1, 2, 1, 70, 150, True, "float16", "bhsd")),
+     (1, 2, 1, 70, 100, True, "float16", "bhsd")),
     (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
      (1, 1, 1, 150, 90, True, "bfloat16", "bshd")),
     # head_dim 128 with each consumer's dQ over its own keys and all columns (no barrier
@@ -337,9 +337,9 @@ def test_empty_key_sequence_and_cached_plan():
 
 
 @pytest.mark.parametrize("b, hq, hk, limit", [
-    (3, 2, 2, 2),    # batch (grid z) past the limit
+    (3, 1, 1, 2),    # batch (grid z) past the limit
     (1, 6, 2, 2),    # GQA: the dQ kernel's groups (3 heads) larger than the limit
-    (2, 6, 1, 4),    # query heads past it, one K/V head for all
+    (1, 6, 1, 4),    # query heads past it, one K/V head for all
 ])
 def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
     """Every backward launch with more heads or batches than the grid's y / z limit
