@@ -874,4 +874,5 @@ torch.library.register_autograd("tilepy::flash_attention_varlen", _varlen_grad,
                                 setup_context=_varlen_setup, lib=_lib)
 
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm", "gemm_softmax", "softmax", "softmax_backward"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm",
+           "gemm_softmax", "softmax", "softmax_backward"]
