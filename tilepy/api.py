@@ -147,5 +147,5 @@ for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
     _api.__doc__ = _op.__doc__
 del _api, _op
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm", "gemm_softmax",
-           "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm",
+           "gemm_softmax", "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]
