@@ -245,7 +245,7 @@ def hook_args(alibi_slopes, mod_args, batch: int, heads: int, sq: int, sk: int):
             if op.ndim == 0:
                 raise ValueError(f"{name}: a 0-d array; pass a number or a 1-element array")
             ops.append(op)
-            hargs.append(_device_view(arrays.raw_view(op, hook=True)))
+            hargs.append(device_view(arrays.raw_view(op, hook=True)))
     if alibi_slopes is not None:
         A = check_alibi(alibi_slopes, batch, heads)
         view = arrays.raw_view(A)
@@ -253,11 +253,13 @@ def hook_args(alibi_slopes, mod_args, batch: int, heads: int, sq: int, sk: int):
             item = view.dtype.itemsize
             view = arrays.restride(view, (batch, heads), (0, A.strides[0] * item))
         ops.append(A)
-        hargs += [_device_view(view), np.int64(sk - sq)]
+        hargs += [device_view(view), np.int64(sk - sq)]
     return tuple(hargs), ops
 
 
-def _device_view(view):
+def device_view(view):
+    """A kernel argument of a raw view: in the simulator a NumPy view wrapped as the
+    simulator's device array, else the (Numba device) view itself."""
     if isinstance(view, np.ndarray):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
@@ -490,7 +492,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
             cfg = _mma_sync_config(cfg)     # (past the grid limit: see _grid_safe)
         stream = arrays.stream_handle(Q)
         run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q, tuple(hargs))
-        with _user_errors(variant):
+        with user_errors(variant):
             try:
                 plan, args = _plan(cfg, causal, *run)
             except (ValueError, RuntimeError):
@@ -518,7 +520,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
 
 
 @contextlib.contextmanager
-def _user_errors(variant):
+def user_errors(variant):
     """Numba's errors from compiling a kernel with a user's score_mod / mask_mod, as a
     ``TypeError`` that names them (the kernels themselves compile)."""
     if variant is None or (variant[2] is None and variant[3] is None):

@@ -94,7 +94,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         variant = at.is_variant(win, cap) or user or alibi
         hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
             if variant else None
-        with arrays.on_device(device), at._user_errors(
+        with arrays.on_device(device), at.user_errors(
                 (win, cap, score_mod, mask_mod) if variant else None):
             views, copies = [], []
             for op in (Q, K, V):
@@ -104,8 +104,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 views.append(packed_view(op))
             lse_v = packed_lse_view(describe(lse, "lse")) if lse is not None \
                 else arrays.placeholder(3)
-            seqs = (at._device_view(arrays.raw_view(CuQ, hook=True)),
-                    at._device_view(arrays.raw_view(CuK, hook=True)))
+            seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
+                    at.device_view(arrays.raw_view(CuK, hook=True)))
             if variant:
                 kern = fa.attention_kernel(cfg, False, lse is not None, win, hook, varlen=True)
             else:
@@ -240,7 +240,7 @@ def packed_view(op):
     (t, h, d), (st, sh, sd) = op.shape, op.strides
     item = view.dtype.itemsize
     view = arrays.restride(view, (1, h, t, d), (t * st * item, sh * item, st * item, sd * item))
-    return at._device_view(view)
+    return at.device_view(view)
 
 
 def packed_lse_view(op):
@@ -249,7 +249,7 @@ def packed_lse_view(op):
     (h, t), (sh, st) = op.shape, op.strides
     item = view.dtype.itemsize
     view = arrays.restride(view, (1, h, t), (h * sh * item, sh * item, st * item))
-    return at._device_view(view)
+    return at.device_view(view)
 
 
 
@@ -343,7 +343,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
     variant = at.is_variant(win, cap) or user or alibi
     kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
-    with arrays.on_device(device), at._user_errors(
+    with arrays.on_device(device), at.user_errors(
             (win, cap, score_mod, mask_mod) if user else None):
         views, copies = {}, []
         for name, op in (("q", Q), ("k", K), ("v", V), ("o", Out), ("do", dO)):
@@ -360,8 +360,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             views[name] = at.bhsd_view(copies[-1], "bhsd")
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
-        seqs = (at._device_view(arrays.raw_view(CuQ, hook=True)),
-                at._device_view(arrays.raw_view(CuK, hook=True)))
+        seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
+                at.device_view(arrays.raw_view(CuK, hook=True)))
         stream = arrays.stream_handle(Q)
         plans = bk.plans(cfg, False, bool(deterministic), views, scale, win, cap,
                          kmods if variant else (None, None, None), (seqs, tuple(hargs)),
