@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
+#                host cost per call), the user soft cap with float32 constants against softcap=
+#   PART=s21b    the backward benchmark (fp16, bf16) and the training step, for issue 24's table
 #   PART=s20e    the varlen GPU tests with the PyTorch operator's autograd (eager, compiled),
 #                the user functions' benchmark with a float32 ALiBi score_mod
 #   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
@@ -158,6 +161,15 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s21a "* ]]; then
+    bench_suite bench_gemm_softmax 150 "gemm_softmax_vs_unfused and builtin"
+    step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
+    bench_suite bench_attention_user 200 "test_flash_attention_user_functions and softcap"
+fi
+if [[ " $PART " == *" s21b "* ]]; then
+    bench_suite bench_attention_backward 300 "test_flash_attention_backward"
+    bench_suite bench_attention_training 220 "attention_training_step"
+fi
 if [[ " $PART " == *" s20e "* ]]; then
     gpu_tests varlen_gpu 120 tests/test_ops_attention_varlen.py
     bench_suite bench_attention_user 170 "test_flash_attention_user_functions and alibi"

@@ -186,8 +186,14 @@ def test_flash_attention_variants(benchmark, record, torch, gpu_name, variant):
 # ---- user functions (score_mod= / mask_mod=) against the built-in arguments -----------------
 
 def _softcap50(score, b, h, q_idx, kv_idx):
-    # a global, not an import inside the function: Numba does not compile import statements
+    # a global, not an import inside the function: Numba does not compile import statements;
+    # Python float constants make the arithmetic float64 (score is float32)
     return 50.0 * tanh_approx(score * 0.02)
+
+
+def _softcap50_f32(score, b, h, q_idx, kv_idx):
+    # the same with float32 constants: the built-in softcap=50's instructions
+    return np.float32(50.0) * tanh_approx(score * np.float32(0.02))
 
 
 def _alibi(score, b, h, q_idx, kv_idx):
@@ -221,6 +227,10 @@ def _alibi_slopes(torch, h):
 # each a function of (torch, batch, heads, seq)
 USER_FUNCTIONS = [
     ("softcap50", False, lambda torch, b, h, s: dict(score_mod=_softcap50),
+     lambda torch, b, h, s: dict(softcap=50.0),
+     lambda torch, b, h, s: dict(score_mod=lambda x, bb, hh, qi, kj: 50.0 * torch.tanh(
+         x / 50.0))),
+    ("softcap50_f32", False, lambda torch, b, h, s: dict(score_mod=_softcap50_f32),
      lambda torch, b, h, s: dict(softcap=50.0),
      lambda torch, b, h, s: dict(score_mod=lambda x, bb, hh, qi, kj: 50.0 * torch.tanh(
          x / 50.0))),
