@@ -801,3 +801,49 @@ def test_gpu_a_user_function_that_does_not_compile_is_a_type_error_naming_it():
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(TypeError, match="score_mod '_imports_inside' did not compile"):
         flash_attention(q, q, q, score_mod=_imports_inside)
+
+
+def _cap_in_float64(score, b, h, q_idx, kv_idx):
+    return 30.0 * score / (30.0 + abs(score))   # Python floats: float64 arithmetic
+
+
+def _cap_in_float32(score, b, h, q_idx, kv_idx):
+    return np.float32(30.0) * score / (np.float32(30.0) + abs(score))
+
+
+def test_float64_in_a_user_function_is_warned_of_once_per_kernel():
+    """The PTX check behind the warning: float64 instructions counted (conversions too), the
+    functions named, nothing said of float32 PTX or without PTX (the simulator)."""
+    import warnings
+
+    from tilepy.ops.attention import warn_float64
+
+    ptx = ("\tmul.rn.f32 \t%f1, %f2, %f3;\n\tcvt.f64.f32 \t%fd1, %f1;\n"
+           "\tmul.rn.f64 \t%fd2, %fd1, 0d403E000000000000;\n\tcvt.rn.f32.f64 \t%f4, %fd2;\n")
+    with pytest.warns(RuntimeWarning, match=r"score_mod '_cap_in_float64' / mask_mod "
+                      r"'prefix_lm' computes in float64 \(3 float64 instructions"):
+        assert warn_float64(ptx, _cap_in_float64, prefix_lm, "flash_attention") == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn_float64(ptx.split("\tcvt")[0], _cap_in_float32, None, "x") == 0
+        assert warn_float64(None, _cap_in_float64, None, "x") == 0
+
+
+@gpu
+def test_gpu_float64_in_a_user_function_is_warned_of():
+    """On the GPU the kernel's own PTX is read: a score_mod with Python float constants warns
+    (once per kernel, pointing at the caller), the same in np.float32 does not."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="'_cap_in_float64' computes in float64") as rec:
+        flash_attention(q, q, q, score_mod=_cap_in_float64)
+    assert rec[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attention(q, q, q, score_mod=_cap_in_float64)   # the same kernel: said once
+        out = flash_attention(q, q, q, score_mod=_cap_in_float32)
+    s = (q.double() @ q.double().transpose(-1, -2)) / 8.0
+    want = torch.softmax(30.0 * s / (30.0 + s.abs()), -1) @ q.double()
+    assert (out.double() - want).abs().max().item() < 1e-2

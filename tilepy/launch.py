@@ -216,6 +216,18 @@ class LaunchPlan:
         else:
             self._build_driver_params(dispatcher, args)
 
+    def ptx(self):
+        """The PTX Numba generated for the plan's kernel (for the current device), or None
+        where there is none to read: in the simulator, or for a kernel loaded from tilepy's
+        disk cache without its PTX."""
+        kernel = getattr(self, "_kernel", None)
+        if kernel is None:
+            return None
+        try:
+            return kernel.inspect_asm(None)
+        except Exception:  # noqa: BLE001  (a library without the PTX text)
+            return None
+
     def _plan_chunks(self):
         """None when the grid fits in one launch, else the chunked launches (see the class
         docstring); ValueError for a grid past a limit that the plan cannot split."""
@@ -298,6 +310,7 @@ class LaunchPlan:
             raise NotImplementedError("launch plans do not support kernels compiled with "
                                       "debug=True (their error codes are read back per launch)")
         handle = kernel._codelibrary.get_cufunc().handle
+        self._kernel = kernel
         if restrided and self.smem > 48 * 1024:   # the op allowed it for the other overload
             from numba import cuda
 

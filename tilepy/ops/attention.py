@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
+import warnings
 
 import numpy as np
 
@@ -571,7 +573,51 @@ def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, ha
                 f"flash_attention: score_mod / mask_mod / alibi_slopes with more than "
                 f"{launch.MAX_GRID_YZ} batches or query heads (got batch {b}, heads {h}) on "
                 f"the mma.sync kernel; split the batch")
-    return gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, hargs=hargs, **extra)
+    plan, args = gen.plan(kern, cfg, *views, o_v, lse_v, scale, stream=stream, hargs=hargs,
+                          **extra)
+    if variant is not None and (variant[2] is not None or variant[3] is not None) \
+            and kern not in _FLOAT64_CHECKED:
+        _FLOAT64_CHECKED.add(kern)
+        warn_float64(plan.ptx(), variant[2], variant[3], "flash_attention")
+    return plan, args
+
+
+def _outside_tilepy() -> int:
+    """``warnings.warn``'s stacklevel of the first frame outside the tilepy package, seen
+    from the function that calls ``warnings.warn``."""
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+#: Kernels with user functions whose PTX :func:`warn_float64` has read (one warning each).
+_FLOAT64_CHECKED = set()
+
+_F64_OP = re.compile(r"^\s*\w+(\.\w+)*\.f64\b", re.MULTILINE)
+
+
+def warn_float64(ptx, score_mod, mask_mod, op: str) -> int:
+    """Warn (``RuntimeWarning``) when the PTX of a kernel that inlines a user's
+    ``score_mod`` / ``mask_mod`` holds float64 arithmetic: the built-in kernels have none, so
+    it is the functions' (a Python float constant is a float64 in Numba, and it makes a
+    float32 score's arithmetic float64, at a fraction of float32's speed on every score).
+    The warning points at the first caller outside tilepy. Returns the count of float64
+    instructions (0 without PTX: the simulator)."""
+    n = len(_F64_OP.findall(ptx)) if ptx else 0
+    if n:
+        names = " / ".join(f"{k} {getattr(getattr(f, 'py_func', f), '__qualname__', f)!r}"
+                           for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod))
+                           if f is not None)
+        warnings.warn(f"{op}: {names} computes in float64 ({n} float64 instructions in the "
+                      f"kernel), which slows every score; write its constants as np.float32 "
+                      f"(a Python float such as 2.0 is a float64 in Numba) and keep its "
+                      f"arithmetic in float32", RuntimeWarning, stacklevel=_outside_tilepy())
+    return n
 
 
 def _grid_safe(cfg, batch: int, heads: int):
