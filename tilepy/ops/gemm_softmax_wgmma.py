@@ -108,7 +108,7 @@ def gemm_softmax_wgmma_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str,
     buffers per warpgroup (two freed stage buffers, loaded as soon as the last main loop is
     over, and the staging), multiply by a per-(row, chunk) factor computed once into shared
     memory, TMA store. L2 hints: parked chunks evict-last, final stores evict-first.
-    (What each piece costs: bench/NOTES.md, session 6.)
+    (What each piece costs: bench/NOTES.md.)
 
     ``overlap`` (softmax mode with ``tma_out``; block_n 128, at least 3 stages, and K of at
     least ``stages − 1`` k-steps, which :func:`plan` checks): each
