@@ -31,6 +31,9 @@
 #   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
 #                host cost per call), the user soft cap with float32 constants against softcap=
 #   PART=s21b    the backward benchmark (fp16, bf16) and the training step, for issue 24's table
+#   PART=s21c    gemm_softmax's fused kernel against its pieces (gemm alone, softmax alone) in
+#                every softmax-mode config; the float64 warning of user functions; the
+#                attention and varlen op GPU tests after the file renames
 #   PART=s20e    the varlen GPU tests with the PyTorch operator's autograd (eager, compiled),
 #                the user functions' benchmark with a float32 ALiBi score_mod
 #   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
@@ -169,6 +172,10 @@ fi
 if [[ " $PART " == *" s21b "* ]]; then
     bench_suite bench_attention_backward 300 "test_flash_attention_backward"
     bench_suite bench_attention_training 220 "attention_training_step"
+fi
+if [[ " $PART " == *" s21c "* ]]; then
+    step probe_gemm_softmax 200 "$PY" bench/probe_gemm_softmax.py --json "$OUT/probe_gemm_softmax.json"
+    gpu_tests attention_op 200 tests/test_ops_attention.py tests/test_ops_attention_varlen.py
 fi
 if [[ " $PART " == *" s20e "* ]]; then
     gpu_tests varlen_gpu 120 tests/test_ops_attention_varlen.py
