@@ -19,7 +19,7 @@ def main():
     from numba import cuda
 
     from tilepy.ops.gemm import LARGE
-    from tilepy.ops.gemm_kernel import gemm_kernel, launch
+    from tilepy.ops.gemm_mma_sync import gemm_kernel, launch
     from tilepy.tile.config import GemmConfig
 
     cfg = GemmConfig(LARGE.block, LARGE.warps, LARGE.pipeline, dtype)

@@ -21,7 +21,7 @@ import sys
 
 
 def configs(d, dtype, kernels=("mma_sync", "wgmma")):
-    from tilepy.ops.attention_kernel import AttentionConfig
+    from tilepy.ops.attention_mma_sync import AttentionConfig
 
     # Offline sm_90 compiles (2026-11-29): at head_dim 128, warp_rows 32 and (64, 128, 16)
     # spill under 255 registers, so they are left out there.

@@ -43,7 +43,7 @@ def main():
     import torch
     from numba import cuda
 
-    from tilepy.ops.gemm_kernel import gemm_kernel, grid, launch
+    from tilepy.ops.gemm_mma_sync import gemm_kernel, grid, launch
     from tilepy.tile.config import GemmConfig
 
     n, dtype = args.n, args.dtype

@@ -103,7 +103,7 @@ def op_case(torch, record, gpu_name, m, n, k, dtype, **info):
 def test_gemm_kernel_vs_cublas(benchmark, record, torch, gpu_name, n, dtype):
     from numba import cuda
 
-    from tilepy.ops.gemm_kernel import gemm_kernel, launch
+    from tilepy.ops.gemm_mma_sync import gemm_kernel, launch
     from tilepy.tile.config import GemmConfig
 
     a, b, out = operands(torch, n, n, n, dtype)

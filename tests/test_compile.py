@@ -52,7 +52,7 @@ def test_every_probe_was_compiled(reports):
 
 @pytest.fixture(scope="session")
 def gemm_reports():
-    return run_in_subprocess("tilepy.ops.gemm_kernel:compile_reports")
+    return run_in_subprocess("tilepy.ops.gemm_mma_sync:compile_reports")
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

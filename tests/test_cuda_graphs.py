@@ -112,7 +112,7 @@ def global_park():
     """gemm_softmax's mma.sync kernel with rows parked in global memory (a float32 scratch
     allocated per call)."""
     from tilepy.ops import gemm_softmax as gs
-    from tilepy.ops.gemm_softmax_kernel import GemmSoftmaxConfig
+    from tilepy.ops.gemm_softmax_mma_sync import GemmSoftmaxConfig
 
     return GemmSoftmaxConfig(gs._GLOBAL_GPU, "global")
 

@@ -10,7 +10,7 @@ import pytest
 import tilepy
 from tilepy import launch
 from tilepy.ops.attention import flash_attention
-from tilepy.ops.attention_kernel import HEAD_DIMS, AttentionConfig
+from tilepy.ops.attention_mma_sync import HEAD_DIMS, AttentionConfig
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 from tilepy.tile.attention import key_window
 
@@ -420,7 +420,7 @@ def test_kernels_compile_to_mma_ldmatrix_cp_async_without_spills():
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reports = run_in_subprocess("tilepy.ops.attention_kernel:compile_reports")
+    reports = run_in_subprocess("tilepy.ops.attention_mma_sync:compile_reports")
     # five plain kernels (one of head_dim 40), a variant, packed sequences (varlen)
     assert len(reports) == 7
     for name, rep in reports.items():
@@ -772,7 +772,7 @@ def test_user_functions_are_checked_before_launch():
 
 
 def test_kernel_variants_share_generators_and_refuse_bad_caps():
-    from tilepy.ops import attention_kernel as fa
+    from tilepy.ops import attention_mma_sync as fa
     from tilepy.tile.attention import softcap_score
 
     cfg = AttentionConfig(32, 32, 16, 16, "float16")

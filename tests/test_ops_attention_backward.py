@@ -16,7 +16,7 @@ from test_ops_attention import alibi_like, prefix_lm
 from tilepy.ops import attention_backward as ab
 from tilepy.ops.attention import flash_attention
 from tilepy.ops.attention_backward import choose_config, flash_attention_backward
-from tilepy.ops.attention_backward_kernel import BackwardConfig
+from tilepy.ops.attention_backward_mma_sync import BackwardConfig
 from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -427,7 +427,7 @@ def test_kernels_compile_without_spills():
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reports = {**run_in_subprocess("tilepy.ops.attention_backward_kernel:compile_reports"),
+    reports = {**run_in_subprocess("tilepy.ops.attention_backward_mma_sync:compile_reports"),
                **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
     # two of them the window + soft-cap variants, two the packed sequences (varlen: 68 B of
     # spill stores in the dK / dV kernel at head_dim 128, offline sm_90)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tilepy import flash_attention_varlen
-from tilepy.ops.attention_backward_kernel import BackwardConfig
-from tilepy.ops.attention_kernel import AttentionConfig
+from tilepy.ops.attention_backward_mma_sync import BackwardConfig
+from tilepy.ops.attention_mma_sync import AttentionConfig
 from tilepy.ops.attention_varlen import flash_attention_varlen_backward
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 

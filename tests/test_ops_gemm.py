@@ -372,7 +372,7 @@ def test_gpu_plan_cache_matches_numba_and_follows_new_data():
     # the parameter buffer against Numba's own packing of the same arguments
     from numba import cuda
 
-    from tilepy.ops import gemm_kernel as tc
+    from tilepy.ops import gemm_mma_sync as tc
 
     cfg = g.choose_config(300, 504, 200, 1, "float16")
     kern = tc.gemm_kernel(cfg, True, "float16")

@@ -18,8 +18,8 @@ from numba import cuda, types
 import tilepy
 from tilepy import arrays
 from tilepy.ops import gemm_softmax as gs
-from tilepy.ops import gemm_softmax_kernel as gsk
-from tilepy.ops.gemm_softmax_kernel import GemmSoftmaxConfig
+from tilepy.ops import gemm_softmax_mma_sync as gsk
+from tilepy.ops.gemm_softmax_mma_sync import GemmSoftmaxConfig
 from tilepy.ops.gemm_wgmma_ws import WsConfig
 from tilepy.ptx import global_addr, shared_addr
 from tilepy.ptx.cp_async import cp_async_wait_all
@@ -526,7 +526,7 @@ def test_gpu_configs_compile_for_sm90_without_spills():
 
     if find_ptxas() is None:
         pytest.skip("ptxas not found (install the test extra)")
-    reports = run_in_subprocess("tilepy.ops.gemm_softmax_kernel:compile_reports")
+    reports = run_in_subprocess("tilepy.ops.gemm_softmax_mma_sync:compile_reports")
     assert set(reports) == {name for name, *_ in gsk.compiled_configs()}
     for name, rep in reports.items():
         assert "error" not in rep, rep["error"]

@@ -1,4 +1,4 @@
-"""The tile generators composed into the mma.sync GEMM main loop (tilepy.ops.gemm_kernel).
+"""The tile generators composed into the mma.sync GEMM main loop (tilepy.ops.gemm_mma_sync).
 
 Simulator: small tiles, shapes that are not multiples of the tile, both B layouts, every output
 kind, bias and activations — against float64 NumPy, outputs poisoned beforehand.
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from tilepy.ops.gemm_kernel import gemm_kernel, launch
+from tilepy.ops.gemm_mma_sync import gemm_kernel, launch
 from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 
 SMALL = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tilepy
-from tilepy.ops.attention_kernel import AttentionConfig
+from tilepy.ops.attention_mma_sync import AttentionConfig
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
 from tilepy.testing.timing import preset_timer
 from tilepy.tune import attention_space as ats

@@ -73,7 +73,7 @@ def test_source_hash_follows_every_source_file_and_only_their_content(tmp_path):
 
 
 def test_subdirectories_per_source_folder():
-    assert kcache._subdir(os.path.join(ROOT, "tilepy", "ops", "gemm_kernel.py")) == "tilepy-ops"
+    assert kcache._subdir(os.path.join(ROOT, "tilepy", "ops", "gemm_mma_sync.py")) == "tilepy-ops"
     assert kcache._subdir(os.path.join(ROOT, "tilepy", "demo.py")) == "tilepy"
     user = kcache._subdir("/home/u/project/kernels.py")
     assert user.startswith(os.path.join("user", "project_"))
@@ -136,8 +136,8 @@ class FakeContext:
 
 
 def _kernels():
-    from tilepy.ops import attention_kernel, gemm_simt, softmax
-    from tilepy.ops.gemm_kernel import gemm_kernel
+    from tilepy.ops import attention_mma_sync, gemm_simt, softmax
+    from tilepy.ops.gemm_mma_sync import gemm_kernel
     from tilepy.ops.gemm_wgmma import WgmmaConfig, wgmma_gemm_kernel
     from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 
@@ -148,8 +148,8 @@ def _kernels():
         "gemm_small": gemm_kernel(small, True, "float16"),
         "gemm_bf16": gemm_kernel(GemmConfig(dtype="bfloat16"), True, "bfloat16"),
         "softmax": softmax.kernel_for(softmax.plan(4096, simulator=False), "float16", False),
-        "attention": attention_kernel.attention_kernel(
-            attention_kernel.AttentionConfig(64, dtype="float16"), False, False),
+        "attention": attention_mma_sync.attention_kernel(
+            attention_mma_sync.AttentionConfig(64, dtype="float16"), False, False),
         "simt": gemm_simt.simt_gemm_kernel("gelu", True, True),
         # the same batched kernel source as "gemm", around another block function
         "gemm_wgmma": wgmma_gemm_kernel(WgmmaConfig(), True, "float16"),
@@ -168,7 +168,7 @@ def probe(mode):
 
     from numba import config
 
-    from tilepy.ops.gemm_kernel import argtypes
+    from tilepy.ops.gemm_mma_sync import argtypes
 
     assert not config.ENABLE_CUDASIM
     warnings.simplefilter("always")
@@ -188,7 +188,7 @@ def probe(mode):
             kcache.source_hash.cache_clear()
             real = kcache.source_hash()
             kcache.source_hash = lambda *a: "0" * 16  # tilepy's sources changed
-            from tilepy.ops.gemm_kernel import gemm_kernel
+            from tilepy.ops.gemm_mma_sync import gemm_kernel
             from tilepy.tile.config import GemmConfig
 
             moved = gemm_kernel.__wrapped__(GemmConfig(), True, "float16")

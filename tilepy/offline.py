@@ -273,7 +273,7 @@ def inspect_targets() -> dict:
     out["mma_loop"] = mma_loop
 
     def gemm(dtype):
-        from .ops.gemm_kernel import argtypes, gemm_kernel
+        from .ops.gemm_mma_sync import argtypes, gemm_kernel
         from .tile.config import GemmConfig
 
         dtype = dtype or "float16"
@@ -301,7 +301,7 @@ def inspect_targets() -> dict:
             "launch_bounds": launch_bounds(p, dtype, natural_width(dtype))}
 
     def attention(dtype):
-        from .ops.attention_kernel import AttentionConfig, argtypes, attention_kernel
+        from .ops.attention_mma_sync import AttentionConfig, argtypes, attention_kernel
 
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):
@@ -312,7 +312,7 @@ def inspect_targets() -> dict:
 
     def gemm_softmax(dtype):
         from .ops.gemm_softmax import choose_config
-        from .ops.gemm_softmax_kernel import argtypes, gemm_softmax_kernel
+        from .ops.gemm_softmax_mma_sync import argtypes, gemm_softmax_kernel
 
         dtype = dtype or "float16"
         if dtype not in ("float16", "bfloat16"):

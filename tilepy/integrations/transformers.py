@@ -29,7 +29,7 @@ import torch
 
 import tilepy
 
-from ..ops.attention_kernel import HEAD_DIMS
+from ..ops.attention_mma_sync import HEAD_DIMS
 
 NAME = "tilepy"
 _WARNED: set = set()

@@ -1,7 +1,7 @@
 """``tilepy.flash_attention``: the FlashAttention-2 forward pass on tensor cores.
 
 Validation and layout handling on the host, then one launch of the mma.sync kernel of
-:mod:`tilepy.ops.attention_kernel` on the inputs' device and the caller's current stream.
+:mod:`tilepy.ops.attention_mma_sync` on the inputs' device and the caller's current stream.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from ..launch import PlanCache
 from ..tile import device_write
 from ..tile.attention import check_n_args, check_user_function, key_window, score_hook
 from .attention_tuned import tuned_attention_config
-from . import attention_kernel as fa
+from . import attention_mma_sync as fa
 from . import attention_wgmma as aw
-from .attention_kernel import HEAD_DIMS, AttentionConfig
+from .attention_mma_sync import HEAD_DIMS, AttentionConfig
 
 LAYOUTS = ("bhsd", "bshd")
 
@@ -137,7 +137,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
       that sees none.
-    * ``config``: an :class:`tilepy.ops.attention_kernel.AttentionConfig` to override the
+    * ``config``: an :class:`tilepy.ops.attention_mma_sync.AttentionConfig` to override the
       built-in choice (its ``head_dim`` and ``dtype`` must match the inputs).
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
@@ -357,7 +357,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
     device = arrays.same_device(Q, K, V, Out)
     if config is not None:
         if not isinstance(config, (AttentionConfig, aw.WgmmaAttentionConfig)):
-            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig "
+            raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig "
                             f"(mma.sync) or a tilepy.ops.attention_wgmma.WgmmaAttentionConfig "
                             f"(Hopper), got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, dtype):

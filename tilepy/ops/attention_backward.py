@@ -2,7 +2,7 @@
 
 Validation on the host, then three launches on the inputs' device and the caller's current
 stream (:mod:`tilepy.ops.attention_backward_wgmma` on sm_90, else
-:mod:`tilepy.ops.attention_backward_kernel`): the rows pre-pass, the dK / dV kernel, and the
+:mod:`tilepy.ops.attention_backward_mma_sync`): the rows pre-pass, the dK / dV kernel, and the
 dQ kernel (or, with a ``dq_atomic`` config and ``deterministic=False``, the conversion of dQ's
 float32 accumulator, which the dK / dV kernel filled).
 """
@@ -15,12 +15,12 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache, arg_at
 from ..tile import device_write
-from . import attention_backward_kernel as bk
+from . import attention_backward_mma_sync as bk
 from . import attention_backward_wgmma as bw
 from ..tile.attention_backward import check_functions
 from .attention import (bhsd_dims, bhsd_view, check_alibi, check_arguments, check_variant,
                         hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
-from .attention_backward_kernel import BackwardConfig
+from .attention_backward_mma_sync import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
 # GPU: 4 warps of 16 keys (64 keys per block) over query blocks of 64 rows up to head_dim 64,
@@ -114,7 +114,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       parameters). No gradient flows into them.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
-    * ``config``: a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig` (mma.sync)
+    * ``config``: a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (mma.sync)
       or :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` (Hopper; its
       ``head_dim`` and ``dtype`` must match) instead of the built-in choice.
     * ``dlse``: the loss's gradient in ``lse`` (float32, ``lse``'s shape) when the forward's
@@ -218,7 +218,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     device = arrays.same_device(Q, K, V, Out, dO, Lse, dLse, *grads)
     if config is not None:
         if not isinstance(config, (BackwardConfig, WgmmaBackwardConfig)):
-            raise TypeError(f"config must be a tilepy.ops.attention_backward_kernel."
+            raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
                             f"BackwardConfig (mma.sync) or a tilepy.ops.attention_backward_"
                             f"wgmma.WgmmaBackwardConfig (Hopper), got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, dtype):

@@ -1,5 +1,5 @@
 """FlashAttention-2's backward on Hopper warpgroup MMA (sm_90): the dK / dV and dQ kernels of
-:mod:`tilepy.ops.attention_backward_kernel` with every product on wgmma.
+:mod:`tilepy.ops.attention_backward_mma_sync` with every product on wgmma.
 
 The same algorithm, arrays and launch order as the mma.sync kernels (the rows pre-pass is
 shared); what changes is who multiplies:
@@ -69,7 +69,7 @@ from ..tile.roles import NamedBarriers, warpgroup_roles
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
-from . import attention_backward_kernel as bk
+from . import attention_backward_mma_sync as bk
 
 #: Head dims of the wgmma kernels (whole 64-element boxes of the 128-byte swizzle).
 HEAD_DIMS = (64, 128)
@@ -313,7 +313,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
 @functools.cache
 def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)`` (``dq_acc``
-    not read) — :func:`tilepy.ops.attention_backward_kernel.dkdv_kernel`'s contract; grid
+    not read) — :func:`tilepy.ops.attention_backward_mma_sync.dkdv_kernel`'s contract; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes`` of
     dynamic shared memory (1024-byte aligned)."""
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
@@ -700,7 +700,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
 @functools.cache
 def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)`` —
-    :func:`tilepy.ops.attention_backward_kernel.dq_kernel`'s contract; grid
+    :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads, ``cfg.dq_layout.nbytes`` of
     dynamic shared memory (1024-byte aligned)."""
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
@@ -813,7 +813,7 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
 def dq_convert_blocked(head_dim: int, dtype: str):
     """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``, from the
     blocked accumulator of :func:`dq_blocked_shape`; grid ``(ceil(Sq / 16), Hq, B)``,
-    :data:`~tilepy.ops.attention_backward_kernel.ROW_THREADS` threads."""
+    :data:`~tilepy.ops.attention_backward_mma_sync.ROW_THREADS` threads."""
     SL = head_dim // 64
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
@@ -848,7 +848,7 @@ def dq_acc_shape(cfg: WgmmaBackwardConfig, batch: int, heads: int, sqp: int) -> 
 def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
           scale: float):
     """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
-    kernels): :func:`tilepy.ops.attention_backward_kernel.plans`'s contract."""
+    kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract."""
     q, k = views["q"], views["k"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]

@@ -7,7 +7,7 @@ with :func:`config_from_fields`. Both sides use these functions, so the op needs
 ``tilepy.tune``.
 
 A stored choice names its kernel (``kind``, :data:`KINDS`): ``mma_sync``
-(:class:`~tilepy.ops.attention_kernel.AttentionConfig`) or ``wgmma``
+(:class:`~tilepy.ops.attention_mma_sync.AttentionConfig`) or ``wgmma``
 (:class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig`), with the config's fields.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..cache import StoredChoices, autotune_enabled, current_gpu_name, make_key, tilepy_version
-from .attention_kernel import AttentionConfig
+from .attention_mma_sync import AttentionConfig
 from .attention_wgmma import WgmmaAttentionConfig
 
 OP = "attention"

@@ -3,7 +3,7 @@
 FlashAttention-2's varlen API: the sequences of a batch lie one after another in ``q``
 (total_q, heads_q, head_dim) and ``k`` / ``v`` (total_k, heads_kv, head_dim), delimited by
 int32 cumulative lengths. One launch of the mma.sync forward kernel with its ``varlen``
-generator parameter (:func:`tilepy.ops.attention_kernel.attention_kernel`): grid z runs over
+generator parameter (:func:`tilepy.ops.attention_mma_sync.attention_kernel`): grid z runs over
 the sequences, each block reads its sequence's bounds on the device (no host round trip per
 call; :func:`flash_attention_varlen`'s ``check_seqlens`` reads them once on the host to
 validate).
@@ -19,12 +19,12 @@ from ..tile import device_write
 from ..tile.attention import score_hook
 from ..tile.attention_backward import check_functions
 from . import attention as at
-from . import attention_backward_kernel as bk
-from . import attention_kernel as fa
+from . import attention_backward_mma_sync as bk
+from . import attention_mma_sync as fa
 from . import attention_wgmma as aw
-from .attention_backward_kernel import BackwardConfig
+from .attention_backward_mma_sync import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
-from .attention_kernel import HEAD_DIMS, AttentionConfig
+from .attention_mma_sync import HEAD_DIMS, AttentionConfig
 
 
 def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -57,7 +57,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       ``b`` the sequence index and ``q_idx`` / ``kv_idx`` positions within the sequence.
     * ``return_lse=True``: ``(out, lse)`` with ``lse`` float32 (heads_q, total_q)
       (FlashAttention-2's varlen LSE layout); rows outside every sequence are not written.
-    * ``config``: an :class:`~tilepy.ops.attention_kernel.AttentionConfig`; the packed
+    * ``config``: an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig`; the packed
       sequences run the mma.sync kernel on every GPU (a ``WgmmaAttentionConfig`` is a
       ``NotImplementedError``).
     * No backward yet: ``NotImplementedError`` for PyTorch inputs that require grad.
@@ -175,7 +175,7 @@ def check_arguments(q, k, v, scale, out, config):
             raise NotImplementedError("flash_attention_varlen runs the mma.sync kernel; pass "
                                       "an AttentionConfig or leave config unset")
         if not isinstance(config, AttentionConfig):
-            raise TypeError(f"config must be a tilepy.ops.attention_kernel.AttentionConfig, "
+            raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig, "
                             f"got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, Q.dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
@@ -271,7 +271,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
     * dQ always comes from its own kernel (the same bits every run, whatever
       ``deterministic`` says; a config's ``dq_atomic`` is not used); ``check_seqlens`` and
-      ``config`` (a :class:`~tilepy.ops.attention_backward_kernel.BackwardConfig`: the
+      ``config`` (a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig`: the
       mma.sync backward kernels run packed sequences) as the forward's.
     """
     if out is None or lse is None:
@@ -312,7 +312,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             raise NotImplementedError("flash_attention_varlen_backward runs the mma.sync "
                                       "kernels; pass a BackwardConfig or leave config unset")
         if not isinstance(config, BackwardConfig):
-            raise TypeError(f"config must be a tilepy.ops.attention_backward_kernel."
+            raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
                             f"BackwardConfig, got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "

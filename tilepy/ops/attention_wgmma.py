@@ -1,6 +1,6 @@
 """A FlashAttention forward kernel on Hopper's warpgroup MMA (``wgmma``, sm_90a).
 
-Same contract as :func:`tilepy.ops.attention_kernel.attention_kernel` —
+Same contract as :func:`tilepy.ops.attention_mma_sync.attention_kernel` —
 ``kernel(q, k, v, o, lse, scale, scale_log2, hargs)`` on (B, H, S, D) uint16 views, GQA by head
 index, bottom-right causal alignment, keys past ``Sk`` masked, rows that see no key → 0 and
 LSE -inf — so the op wrapper can run either by the type of its config.
@@ -296,7 +296,7 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False, window=None, score_mod=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
-    Variants, generator parameters as in :func:`tilepy.ops.attention_kernel.attention_kernel`
+    Variants, generator parameters as in :func:`tilepy.ops.attention_mma_sync.attention_kernel`
     (the same :mod:`tilepy.tile.attention` pieces), on the TMA kernels (``cfg.tma``, grid or
     persistent) only — any other config with one raises ``NotImplementedError``:
 
@@ -1370,7 +1370,7 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
          sms: int | None = None, stream=0, alloc=None, hargs=()):
-    """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_kernel.plan`. A persistent
+    """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_mma_sync.plan`. A persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
     SM count). A TMA config's arguments end with the tensor maps of q, k and v, and a
     persistent one's then with its tile counter (:class:`ScheduledTmaPlan`): buffers from
@@ -1382,8 +1382,8 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     kernel's last (read by the TMA kernels' hook only; the others take ``()``)."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
-    from .attention_kernel import grid, kernel_args
-    from .attention_kernel import plan as grid_plan
+    from .attention_mma_sync import grid, kernel_args
+    from .attention_mma_sync import plan as grid_plan
 
     if not (cfg.persistent or cfg.tma):
         return grid_plan(kernel, cfg, q, k, v, o, lse, scale, hargs=hargs)
@@ -1419,9 +1419,9 @@ MAPS_ARG = 7
 
 def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
     """Numba argument types of the config's kernel (offline compilation): the attention
-    kernels' (:func:`tilepy.ops.attention_kernel.argtypes`), with TMA the tensor maps and,
+    kernels' (:func:`tilepy.ops.attention_mma_sync.argtypes`), with TMA the tensor maps and,
     persistent, the tile counter before the (empty) hook arguments."""
-    from .attention_kernel import argtypes
+    from .attention_mma_sync import argtypes
 
     return (argtypes()[:-1] + ((types.uint8[::1],) if cfg.tma else ())
             + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()) + argtypes()[-1:])
@@ -1515,7 +1515,7 @@ def compile_reports():
     and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
     (:data:`TMA_REPORTS`) and TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`)."""
     from ..offline import report_entry
-    from .attention_kernel import argtypes
+    from .attention_mma_sync import argtypes
 
     out = []
     for d, causal in ((64, False), (128, False), (128, True)):

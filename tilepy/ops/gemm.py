@@ -1,7 +1,7 @@
 """``tilepy.gemm``: ``act(alpha · a @ b + beta · c + bias)`` on tensor cores.
 
 Validation and layout handling on the host, then one launch of the mma.sync kernel of
-:mod:`tilepy.ops.gemm_kernel` (float16 / bfloat16) or of the float32 CUDA-core kernel of
+:mod:`tilepy.ops.gemm_mma_sync` (float16 / bfloat16) or of the float32 CUDA-core kernel of
 :mod:`tilepy.ops.gemm_simt`, on the inputs' device and the caller's current stream.
 """
 
@@ -18,7 +18,7 @@ from ..tile import device_write
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 from ..tile.epilogue import ACTIVATIONS
 from .gemm_tuned import tuned_gemm_config
-from . import gemm_kernel as tc
+from . import gemm_mma_sync as tc
 from . import gemm_simt as simt
 from . import gemm_wgmma as hw
 from . import gemm_wgmma_ws as ws

@@ -1,7 +1,7 @@
 """A float32 GEMM on the CUDA cores (no tensor cores): the exact path for float32 inputs.
 
 ``simt_gemm_kernel(activation, has_bias, has_c)`` returns ``kernel(a, b, out, c, bias, alpha,
-beta)`` with the operand conventions of :mod:`tilepy.ops.gemm_kernel` but float32 arrays of any
+beta)`` with the operand conventions of :mod:`tilepy.ops.gemm_mma_sync` but float32 arrays of any
 strides. 16 × 16 threads per block, each computing one element of a 16 × 16 output tile from
 16 × 16 shared tiles. Correct first; it is also the "plain Numba" baseline of the benchmarks.
 """

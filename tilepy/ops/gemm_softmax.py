@@ -1,7 +1,7 @@
 """``tilepy.gemm_softmax``: ``softmax(scale · a @ b, axis=-1)`` in one tensor-core kernel.
 
 Validation and layout handling on the host (the rules and errors of :func:`tilepy.gemm`), then
-one launch of :mod:`tilepy.ops.gemm_softmax_kernel` on the inputs' device and the caller's
+one launch of :mod:`tilepy.ops.gemm_softmax_mma_sync` on the inputs' device and the caller's
 current stream. The kernel and its two ways of parking the unnormalised rows are described
 there; this module picks the config:
 
@@ -29,10 +29,10 @@ from ..arrays import describe, kernel_view
 from ..launch import PlanCache
 from ..tile import device_write
 from ..tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
-from . import gemm_softmax_kernel as gsk
+from . import gemm_softmax_mma_sync as gsk
 from . import gemm_softmax_wgmma as gsw
 from . import gemm_wgmma_ws as ws
-from .gemm_softmax_kernel import GemmSoftmaxConfig
+from .gemm_softmax_mma_sync import GemmSoftmaxConfig
 from .gemm_wgmma_ws import WsConfig
 
 #: Rows longer than this never take the on-chip path, even where a config would fit.
@@ -132,7 +132,7 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
       place; other strides, or rows not 16-byte aligned (K or N not a multiple of 8 for
       row-major data), are first copied into an aligned buffer.
     * ``out``: (M, N) of the input dtype, any strides; must not overlap ``a`` or ``b``.
-    * ``config``: a :class:`tilepy.ops.gemm_softmax_kernel.GemmSoftmaxConfig` to override the
+    * ``config``: a :class:`tilepy.ops.gemm_softmax_mma_sync.GemmSoftmaxConfig` to override the
       built-in choice (its dtype must match; it must fit in shared memory for this N), or a
       :class:`tilepy.ops.gemm_wgmma_ws.WsConfig` (persistent, ``smem_epilogue``, 128 rows in
       two consumers) for the TMA + wgmma kernel's softmax mode (compute capability 9.0; N up
@@ -238,7 +238,7 @@ def _check(a, b, scale, out, config):
         _check_ws_config(config, dtype, n)
     elif config is not None:
         if not isinstance(config, GemmSoftmaxConfig):
-            raise TypeError(f"config must be a tilepy.ops.gemm_softmax_kernel."
+            raise TypeError(f"config must be a tilepy.ops.gemm_softmax_mma_sync."
                             f"GemmSoftmaxConfig or a tilepy.ops.gemm_wgmma_ws.WsConfig, got "
                             f"{type(config).__name__}")
         if config.gemm.dtype != dtype:

@@ -45,7 +45,7 @@ from ..tile.config import SMEM_LIMIT
 from ..tile.copy import copy_k_major_to_shared_128b, copy_mn_major_to_shared_128b
 from ..tile.epilogue import store_accumulators
 from ..tile.smem import allow_dynamic_shared
-from .gemm_kernel import BATCH_SPLIT, batched_kernel
+from .gemm_mma_sync import BATCH_SPLIT, batched_kernel
 
 BK = 64           # k elements per stage: one 128-byte swizzle row of 16-bit data
 WARPGROUP = 128
@@ -121,7 +121,7 @@ def _copy_functions(cfg: WgmmaConfig, b_row_major: bool):
 def wgmma_gemm_kernel(cfg: WgmmaConfig, b_row_major: bool, out_kind: str, activation=None,
                       has_bias: bool = False, has_c: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta)`` on 3-D uint16 views (batch
-    first; a batch of 1 broadcasts), like :func:`tilepy.ops.gemm_kernel.gemm_kernel`'s. With
+    first; a batch of 1 broadcasts), like :func:`tilepy.ops.gemm_mma_sync.gemm_kernel`'s. With
     ``b_row_major=False`` ``b`` is the (Z, N, K) row-major view of a column-major B."""
     BM, BN, ST = cfg.block_m, cfg.block_n, cfg.stages
     OVERLAP = cfg.overlap
@@ -237,7 +237,7 @@ def grid(cfg: WgmmaConfig, m: int, n: int, batch: int = 1):
 
 def plan(kernel, cfg: WgmmaConfig, a, b, out, c, bias, alpha=1.0, beta=0.0):
     """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_gemm_kernel`); a batch
-    past the grid's y limit launches in chunks (:data:`tilepy.ops.gemm_kernel.BATCH_SPLIT`)."""
+    past the grid's y limit launches in chunks (:data:`tilepy.ops.gemm_mma_sync.BATCH_SPLIT`)."""
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])

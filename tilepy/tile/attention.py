@@ -1,6 +1,6 @@
 """Attention's per-row key ranges, masking and score modification, as device-function generators.
 
-The FlashAttention forward kernels (:mod:`tilepy.ops.attention_kernel` on mma.sync,
+The FlashAttention forward kernels (:mod:`tilepy.ops.attention_mma_sync` on mma.sync,
 :mod:`tilepy.ops.attention_wgmma` on wgmma) are compositions of these pieces; a backward
 kernel, a sliding-window or soft-capped variant, or a user's own kernel compose the same ones.
 Each generator is cached on its arguments and returns a device function inlined into its
@@ -49,7 +49,7 @@ lanes); :func:`key_blocks` / :func:`block_bounds` any thread (the values are blo
 
 With ``window=None`` the generated code is what the kernels had before windows existed: no
 lower bound, no extra registers. Both forward kernel families take ``window`` and
-``score_mod`` as generator parameters (:func:`tilepy.ops.attention_kernel.attention_kernel`,
+``score_mod`` as generator parameters (:func:`tilepy.ops.attention_mma_sync.attention_kernel`,
 and :func:`tilepy.ops.attention_wgmma.wgmma_attention_kernel` on its TMA configs), and
 ``tilepy.flash_attention(..., window=, softcap=)`` passes them (the backward's counterparts are
 in :mod:`tilepy.tile.attention_backward`, on the mma.sync backward kernels).

@@ -2,7 +2,7 @@
 counterpart of :mod:`tilepy.tune.spaces` for ``tilepy.flash_attention``.
 
 * :func:`attention_space` — candidate configs for a head dimension: the mma.sync kernel's
-  (:class:`~tilepy.ops.attention_kernel.AttentionConfig`, block shapes that compile without
+  (:class:`~tilepy.ops.attention_mma_sync.AttentionConfig`, block shapes that compile without
   spilling) and, on compute capability 9.0, the wgmma kernel's
   (:class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig`) first. Invalid configs are pruned
   by their own validation before anything compiles.
