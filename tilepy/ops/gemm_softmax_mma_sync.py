@@ -64,6 +64,7 @@ score is NaN (as ``torch.softmax``). Any ``scale`` (negative and 0 included).
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 from dataclasses import dataclass
 
 import numpy as np
@@ -246,20 +247,20 @@ def softmax_tile(mi: int, ni: int, wn: int):
     return update
 
 
-@functools.cache
-def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pairs: bool = False):
+def _epilogue_parts(cfg: GemmSoftmaxConfig, out_pairs: bool):
+    """The kernel's sizes and its softmax epilogue (a namespace): ``park_tile`` after an N
+    tile's last k-step (the online softmax on the accumulators, the tile parked unnormalised:
+    in shared memory with park="smem", else staged and copied to ``out``), then after the last
+    tile ``row_stats`` (the warps' statistics -> one max and 1 / sum per row), ``factors``
+    (each segment's rescale factor) and ``final_rows`` (every row rescaled into ``out``)."""
     g = cfg.gemm
-    BM, BN, BK = g.block.m, g.block.n, g.block.k
-    STAGES = g.pipeline.stages
-    WAIT = STAGES - 2
+    BM, BN = g.block.m, g.block.n
     THREADS = g.threads
     WARPS = g.warps.count
     WARPS_N = g.warps.n
-    WM, WN = g.warp_m, g.warp_n
-    MI, NI, KI = g.mi, g.ni, g.ki
-    A_BYTES = BM * BK * 2
-    STAGE_BYTES = A_BYTES + BK * BN * 2
-    PIPE_BYTES = STAGES * STAGE_BYTES
+    WN = g.warp_n
+    MI, NI = g.mi, g.ni
+    PIPE_BYTES = g.pipeline.stages * (BM * g.block.k * 2 + g.block.k * BN * 2)
     # float32 indices into the dynamic buffer: per-warp row stats, then the block's row stats
     WARP_STATS = PIPE_BYTES // 4
     ROW_STATS = WARP_STATS + BM * WARPS_N * 2
@@ -270,18 +271,6 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
     _SEG_WORDS_U = np.uint64(SEG_WORDS)
     ROWS_PER_WARP = -(-BM // WARPS)
     ON_CHIP = cfg.park == "smem"
-
-    smem = dynamic_shared()
-    views = _shared_views()
-    setup_a, copy_a = tile_copy(BM, BK, THREADS, g.swizzle)
-    if b_k_major:
-        setup_b, copy_b = tile_copy(BK, BN, THREADS, g.swizzle)
-        setup_fb, load_b = load_b_fragments(NI, BN, True, g.swizzle)
-    else:
-        setup_b, copy_b = tile_copy(BN, BK, THREADS, g.swizzle)
-        setup_fb, load_b = load_b_fragments(NI, BK, False, g.swizzle)
-    setup_fa, load_a = load_a_fragments(MI, BK, g.swizzle)
-    mma = warp_mma(MI, NI, g.dtype)
     update = softmax_tile(MI, NI, WN)
     quad_sum = quad_row_reduce("sum")
     fmax = combine("max")
@@ -289,22 +278,6 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
         pack, unpack = cvt_f16x2_f32, unpack_f16x2_f32
     else:
         pack, unpack = cvt_bf16x2_f32, unpack_bf16x2_f32
-
-    @inline_device
-    def issue(cp, base, slot, j, kt, m_left, k, n, sa, sb, live):
-        """Copies of (N tile j, k-step kt) into pipeline slot ``slot`` (all zero-fill unless
-        ``live``). ``cp`` holds this thread's (source of A, source of B, r0 / chunk / shared
-        offset of A, of B) for step (0, 0)."""
-        a_addr = base + slot * STAGE_BYTES
-        k_left = k - kt * BK
-        copy_a(a_addr, cp[0] + kt * (BK * 2), cp[2], cp[3], cp[4], sa, m_left if live else 0,
-               k_left)
-        if b_k_major:  # rows = k, columns = n
-            copy_b(a_addr + A_BYTES, cp[1] + kt * BK * sb + j * (BN * 2), cp[5], cp[6], cp[7],
-                   sb, k_left if live else 0, n - j * BN)
-        else:          # rows = n, columns = k
-            copy_b(a_addr + A_BYTES, cp[1] + j * BN * sb + kt * (BK * 2), cp[5], cp[6], cp[7],
-                   sb, n - j * BN if live else 0, k_left)
 
     # Column pairs of one row of out (``orow = out[r]``): a uint32 word each with out_pairs
     # (N even), else two uint16 elements, the second one only if ``col + 1 < n``.
@@ -359,6 +332,173 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
                     word = get_pair(orow, cc, n)
                 lo, hi = unpack(word)
                 put_pair(orow, cc, n, pack(lo * fac, hi * fac))
+
+    @inline_device
+    def park_tile(acc, row_max, row_sum, old, f32, u32, out, seg_max, sign, c, row0, m, n, j,
+                  nseg, park0, park_words, wrow, wcol, wn, warp, lane, g4, t):
+        """N tile j's epilogue on this warp's WM x WN fragment (``g4``, ``t``: the lane's
+        fragment row and column pair): scale by ``sign``, the online softmax update, each
+        row's running max noted per segment, the tile parked; the accumulators zeroed for the
+        next tile."""
+        for i in range(MI):
+            for jj in range(NI):
+                for e in range(4):
+                    acc[i, jj, e] = acc[i, jj, e] * sign
+        update(acc, row_max, row_sum, old, c, n - j * BN - wcol, t)
+        seg = j * WARPS_N + wn
+        if ON_CHIP:  # the whole row is parked: this tile at its columns
+            pcol = j * BN + wcol
+            park_left = ((n + 15) // 16) * 16 - pcol - 2 * t
+        else:        # one tile is staged
+            pcol = wcol
+            park_left = BN
+        for i in range(MI):
+            for h in range(2):
+                rl = wrow + 16 * i + g4 + 8 * h
+                if t == 0:
+                    if ON_CHIP:
+                        f32[_u(SEGS + rl * nseg + seg)] = row_max[i, h]
+                    else:
+                        seg_max[_u(row0 + rl), _u(seg)] = row_max[i, h]
+                w0 = park0 + rl * park_words + pcol // 2 + t
+                for jj in range(NI):
+                    if 8 * jj < park_left:
+                        u32[_u(w0 + 4 * jj)] = pack(acc[i, jj, 2 * h], acc[i, jj, 2 * h + 1])
+        for i in range(MI):
+            for jj in range(NI):
+                for e in range(4):
+                    acc[i, jj, e] = _ZERO
+        if not ON_CHIP:
+            # The staged tile to global memory once every warp has written its part. The
+            # next tile is staged after the next step's barrier: the reads here are done by
+            # then.
+            cuda.syncthreads()
+            copy_out(u32, out, row0, m, n, j * BN, warp, lane)
+
+    @inline_device
+    def row_stats(f32, row_max, row_sum, c, wrow, wn, tid, g4, t):
+        """The warps' row statistics -> one (max, 1/sum) per row, in shared memory."""
+        for i in range(MI):
+            for h in range(2):
+                total_l = quad_sum(row_sum[i, h])
+                if t == 0:
+                    rl = wrow + 16 * i + g4 + 8 * h
+                    f32[_u(WARP_STATS + (rl * WARPS_N + wn) * 2)] = row_max[i, h]
+                    f32[_u(WARP_STATS + (rl * WARPS_N + wn) * 2 + 1)] = total_l
+        cuda.syncthreads()
+        for rl in range(tid, BM, THREADS):
+            mx = f32[_u(WARP_STATS + rl * WARPS_N * 2)]
+            for w in range(1, WARPS_N):
+                mx = fmax(mx, f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2)])
+            total_l = _ZERO
+            for w in range(WARPS_N):
+                mw = f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2)]
+                if mw != _NEG_INF:
+                    total_l += f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2 + 1)] * \
+                        ex2_approx((mw - mx) * c)
+            f32[_u(ROW_STATS + 2 * rl)] = mx
+            f32[_u(ROW_STATS + 2 * rl + 1)] = _ONE / total_l
+        cuda.syncthreads()
+
+    @inline_device
+    def factors(f32, seg_max, c, row0, nseg, tid):
+        """Segment maxima -> rescale factors 2^((m_j - m)·c) / l, in place."""
+        for idx in range(tid, BM * nseg, THREADS):
+            rl = idx // nseg
+            seg = idx - rl * nseg
+            mj = f32[_u(SEGS + idx)] if ON_CHIP else seg_max[_u(row0 + rl), _u(seg)]
+            fac = _ZERO
+            if mj != _NEG_INF:
+                fac = ex2_approx((mj - f32[_u(ROW_STATS + 2 * rl)]) * c) * \
+                    f32[_u(ROW_STATS + 2 * rl + 1)]
+            if ON_CHIP:
+                f32[_u(SEGS + idx)] = fac
+            else:
+                seg_max[_u(row0 + rl), _u(seg)] = fac
+        cuda.syncthreads()
+
+    @inline_device
+    def final_rows(f32, u32, out, seg_max, row0, m, n, nseg, park0, park_words, warp, lane):
+        """The final rows: one warp per row, segment by segment (one factor each), columns
+        past N checked in the last segment only; consecutive lanes, consecutive words."""
+        full = n // WN
+        for i in range(ROWS_PER_WARP):
+            rl = warp + WARPS * i
+            r = row0 + rl
+            if (BM % WARPS == 0 or rl < BM) and r < m:
+                orow = out[_u(r)]
+                pw = _u(park0 + rl * park_words)
+                fi = _u(SEGS + rl * nseg)
+                col = 0
+                for seg in range(full):
+                    if ON_CHIP:
+                        fac = f32[fi]
+                    else:
+                        fac = seg_max[_u(r), _u(seg)]
+                    finish_segment(u32, orow, fac, pw, col, n, lane, False)
+                    fi += _ONE_U
+                    pw += _SEG_WORDS_U
+                    col += WN
+                if col < n:
+                    if ON_CHIP:
+                        fac = f32[fi]
+                    else:
+                        fac = seg_max[_u(r), _u(full)]
+                    finish_segment(u32, orow, fac, pw, col, n, lane, True)
+
+    return SimpleNamespace(SEGS=SEGS, STAGED_WORDS=STAGED_WORDS, ON_CHIP=ON_CHIP,
+                           park_tile=park_tile, row_stats=row_stats, factors=factors,
+                           final_rows=final_rows)
+
+
+@functools.cache
+def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pairs: bool = False):
+    """The kernel ``kernel(a, b, out, seg_max, sign, c)``: a block owns BM rows of ``out`` and
+    sweeps every N tile of them (the cp.async pipeline runs on across tiles), the softmax
+    epilogue (:func:`_epilogue_parts`) after each tile's last k-step, then the rows' final
+    rescale. ``out_pairs``: N even, ``out`` viewed as uint32 column pairs."""
+    g = cfg.gemm
+    BM, BN, BK = g.block.m, g.block.n, g.block.k
+    STAGES = g.pipeline.stages
+    WAIT = STAGES - 2
+    THREADS = g.threads
+    WARPS_N = g.warps.n
+    WM, WN = g.warp_m, g.warp_n
+    MI, NI, KI = g.mi, g.ni, g.ki
+    A_BYTES = BM * BK * 2
+    STAGE_BYTES = A_BYTES + BK * BN * 2
+    ep = _epilogue_parts(cfg, out_pairs)
+    SEGS, STAGED_WORDS, ON_CHIP = ep.SEGS, ep.STAGED_WORDS, ep.ON_CHIP
+    park_tile, row_stats, factors, final_rows = ep.park_tile, ep.row_stats, ep.factors, \
+        ep.final_rows
+
+    smem = dynamic_shared()
+    views = _shared_views()
+    setup_a, copy_a = tile_copy(BM, BK, THREADS, g.swizzle)
+    if b_k_major:
+        setup_b, copy_b = tile_copy(BK, BN, THREADS, g.swizzle)
+        setup_fb, load_b = load_b_fragments(NI, BN, True, g.swizzle)
+    else:
+        setup_b, copy_b = tile_copy(BN, BK, THREADS, g.swizzle)
+        setup_fb, load_b = load_b_fragments(NI, BK, False, g.swizzle)
+    setup_fa, load_a = load_a_fragments(MI, BK, g.swizzle)
+    mma = warp_mma(MI, NI, g.dtype)
+
+    @inline_device
+    def issue(cp, base, slot, j, kt, m_left, k, n, sa, sb, live):
+        """Copies of (N tile j, k-step kt) into pipeline slot ``slot`` (all zero-fill unless
+        ``live``). ``cp`` holds this thread's (source of A, source of B, r0 / chunk / shared
+        offset of A, of B) for step (0, 0)."""
+        a_addr = base + slot * STAGE_BYTES
+        k_left = k - kt * BK
+        copy_a(a_addr, cp[0] + kt * (BK * 2), cp[2], cp[3], cp[4], sa, m_left if live else 0,
+               k_left)
+        if b_k_major:  # rows = k, columns = n
+            copy_b(a_addr + A_BYTES, cp[1] + kt * BK * sb + j * (BN * 2), cp[5], cp[6], cp[7],
+                   sb, k_left if live else 0, n - j * BN)
+        else:          # rows = n, columns = k
+            copy_b(a_addr + A_BYTES, cp[1] + j * BN * sb + kt * (BK * 2), cp[5], cp[6], cp[7],
+                   sb, n - j * BN if live else 0, k_left)
 
     @_kernel_jit(THREADS)
     def kernel(a, b, out, seg_max, sign, c):
@@ -453,108 +593,14 @@ def gemm_softmax_kernel(cfg: GemmSoftmaxConfig, b_k_major: bool = True, out_pair
 
             kt += 1
             if kt == ktiles:
-                # ---- softmax epilogue of N tile j: this warp's WM x WN fragment ----
-                for i in range(MI):
-                    for jj in range(NI):
-                        for e in range(4):
-                            acc[i, jj, e] = acc[i, jj, e] * sign
-                update(acc, row_max, row_sum, old, c, n - j * BN - wcol, t)
-                seg = j * WARPS_N + wn
-                if ON_CHIP:  # the whole row is parked: this tile at its columns
-                    pcol = j * BN + wcol
-                    park_left = ((n + 15) // 16) * 16 - pcol - 2 * t
-                else:        # one tile is staged
-                    pcol = wcol
-                    park_left = BN
-                for i in range(MI):
-                    for h in range(2):
-                        rl = wrow + 16 * i + g4 + 8 * h
-                        if t == 0:
-                            if ON_CHIP:
-                                f32[_u(SEGS + rl * nseg + seg)] = row_max[i, h]
-                            else:
-                                seg_max[_u(row0 + rl), _u(seg)] = row_max[i, h]
-                        w0 = park0 + rl * park_words + pcol // 2 + t
-                        for jj in range(NI):
-                            if 8 * jj < park_left:
-                                u32[_u(w0 + 4 * jj)] = pack(acc[i, jj, 2 * h], acc[i, jj, 2 * h + 1])
-                for i in range(MI):
-                    for jj in range(NI):
-                        for e in range(4):
-                            acc[i, jj, e] = _ZERO
-                if not ON_CHIP:
-                    # The staged tile to global memory once every warp has written its part.
-                    # The next tile is staged after the next step's barrier: the reads here
-                    # are done by then.
-                    cuda.syncthreads()
-                    copy_out(u32, out, row0, m, n, j * BN, warp, lane)
+                park_tile(acc, row_max, row_sum, old, f32, u32, out, seg_max, sign, c, row0, m,
+                          n, j, nseg, park0, park_words, wrow, wcol, wn, warp, lane, g4, t)
                 kt = 0
                 j += 1
 
-        # ---- the warps' row statistics -> one (max, 1/sum) per row ----
-        for i in range(MI):
-            for h in range(2):
-                total_l = quad_sum(row_sum[i, h])
-                if t == 0:
-                    rl = wrow + 16 * i + g4 + 8 * h
-                    f32[_u(WARP_STATS + (rl * WARPS_N + wn) * 2)] = row_max[i, h]
-                    f32[_u(WARP_STATS + (rl * WARPS_N + wn) * 2 + 1)] = total_l
-        cuda.syncthreads()
-        for rl in range(tid, BM, THREADS):
-            mx = f32[_u(WARP_STATS + rl * WARPS_N * 2)]
-            for w in range(1, WARPS_N):
-                mx = fmax(mx, f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2)])
-            total_l = _ZERO
-            for w in range(WARPS_N):
-                mw = f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2)]
-                if mw != _NEG_INF:
-                    total_l += f32[_u(WARP_STATS + (rl * WARPS_N + w) * 2 + 1)] * \
-                        ex2_approx((mw - mx) * c)
-            f32[_u(ROW_STATS + 2 * rl)] = mx
-            f32[_u(ROW_STATS + 2 * rl + 1)] = _ONE / total_l
-        cuda.syncthreads()
-
-        # ---- segment maxima -> rescale factors 2^((m_j - m)·c) / l ----
-        for idx in range(tid, BM * nseg, THREADS):
-            rl = idx // nseg
-            seg = idx - rl * nseg
-            mj = f32[_u(SEGS + idx)] if ON_CHIP else seg_max[_u(row0 + rl), _u(seg)]
-            fac = _ZERO
-            if mj != _NEG_INF:
-                fac = ex2_approx((mj - f32[_u(ROW_STATS + 2 * rl)]) * c) * \
-                    f32[_u(ROW_STATS + 2 * rl + 1)]
-            if ON_CHIP:
-                f32[_u(SEGS + idx)] = fac
-            else:
-                seg_max[_u(row0 + rl), _u(seg)] = fac
-        cuda.syncthreads()
-
-        # ---- final rows: one warp per row, segment by segment (one factor each), columns
-        # past N checked in the last segment only; consecutive lanes, consecutive words ----
-        full = n // WN
-        for i in range(ROWS_PER_WARP):
-            rl = warp + WARPS * i
-            r = row0 + rl
-            if (BM % WARPS == 0 or rl < BM) and r < m:
-                orow = out[_u(r)]
-                pw = _u(park0 + rl * park_words)
-                fi = _u(SEGS + rl * nseg)
-                col = 0
-                for seg in range(full):
-                    if ON_CHIP:
-                        fac = f32[fi]
-                    else:
-                        fac = seg_max[_u(r), _u(seg)]
-                    finish_segment(u32, orow, fac, pw, col, n, lane, False)
-                    fi += _ONE_U
-                    pw += _SEG_WORDS_U
-                    col += WN
-                if col < n:
-                    if ON_CHIP:
-                        fac = f32[fi]
-                    else:
-                        fac = seg_max[_u(r), _u(full)]
-                    finish_segment(u32, orow, fac, pw, col, n, lane, True)
+        row_stats(f32, row_max, row_sum, c, wrow, wn, tid, g4, t)
+        factors(f32, seg_max, c, row0, nseg, tid)
+        final_rows(f32, u32, out, seg_max, row0, m, n, nseg, park0, park_words, warp, lane)
 
     return kernel
 
