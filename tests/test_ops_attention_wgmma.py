@@ -240,42 +240,15 @@ def test_tma_variants_share_generators_and_others_refuse():
 
 
 @pytest.mark.sim
-def test_tma_persistent_tile_counter():
-    """The persistent TMA kernel's tiles come from a global ticket counter that the last block
-    out sets back to zero: a second call through the cached plan (6 tiles on 4 blocks again)
-    is right, the counter is 0 after each, and another stream gets a counter of its own."""
-    from tilepy.ops import attention as at
-    from tilepy.ops import attention_wgmma as aw
-
-    at._PLANS.clear()
-    cfg = WgmmaAttentionConfig(64, 128, 64, "float16", overlap=True, tma=True, producer=True,
-                               persistent=True)
-    rng = np.random.default_rng()
-    for _ in range(2):
-        run(rng, 1, 3, 1, 129, 64, 64, False, "bhsd", "float16", cfg)
-        (entry,) = at._PLANS.values()
-        plan = entry[0].plan
-        assert isinstance(plan, aw.ScheduledTmaPlan) and plan.grid[0] == 4
-        np.testing.assert_array_equal(plan.counter_for(0).copy_to_host(), [0, 0])
-    other = 0x5EED   # a raw stream handle (the simulator's streams have none)
-    assert plan.counter_for(other) is not plan.counter_for(0)
-    assert plan.counter_for(other) is plan.counter_for(other)
-    # the per-thread default stream (handle 2) is another stream in each host thread
-    theirs = []
-    worker = threading.Thread(target=lambda: theirs.append(plan.counter_for(2)))
-    worker.start()
-    worker.join()
-    assert theirs[0] is not plan.counter_for(2) and plan.counter_for(2) is plan.counter_for(2)
-
-
-@pytest.mark.sim
 def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
     """The persistent TMA kernel through tilepy.flash_attention, three calls with new q, k, v
     and out (6 tiles on the simulator's 4 blocks): one plan; the maps of each call's pointers
     written by the map writer into 64-byte-aligned buffers from the caller's allocator (NumPy
-    here); the stream's tile counter zeroed once and reused. The third call runs "during a
-    capture" (stream_capturing patched to say so): its maps and a tile counter of its own are
-    made, zeroed and kept, not cached, and the stream's counter is not touched."""
+    here); the stream's tile ticket counter zeroed once, set back to zero by the last block
+    out of each call and reused; another stream (and the per-thread default stream in
+    another host thread) gets a counter of its own. The third call runs "during a capture"
+    (stream_capturing patched to say so): its maps and a tile counter of its own are made,
+    zeroed and kept, not cached, and the stream's counter is not touched."""
     from tilepy.ops import attention as at
     from tilepy.ops import attention_wgmma as aw
     from tilepy.tile import device_write
@@ -305,6 +278,17 @@ def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
         assert buf.ptr % 64 == 0 and isinstance(buf.owner, np.ndarray)
     assert plan.counter_for(0) is counter and len(plan._counters) == 1
     np.testing.assert_array_equal(counter.copy_to_host(), [0, 0])
+    known = set(plan._counters)
+    other = 0x5EED   # a raw stream handle (the simulator's streams have none)
+    assert plan.counter_for(other) is not counter
+    assert plan.counter_for(other) is plan.counter_for(other)
+    theirs = []      # the per-thread default stream (handle 2): another stream per host thread
+    worker = threading.Thread(target=lambda: theirs.append(plan.counter_for(2)))
+    worker.start()
+    worker.join()
+    assert theirs[0] is not plan.counter_for(2) and plan.counter_for(2) is plan.counter_for(2)
+    for key in set(plan._counters) - known:   # the capture below counts the stream's only
+        del plan._counters[key]
     counter._ary[:] = 7   # a capture must not use (or zero) the stream's counter
     monkeypatch.setattr(device_write, "stream_capturing", lambda stream: True)
     call()

@@ -395,10 +395,10 @@ def test_cluster_config_and_grid():
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,b_layout,shape,batch,extra", [
     ("float16", "row", SMALL_CLUSTER, 2, {}),
-    ("bfloat16", "col", SMALL_CLUSTER, 2, {"persistent": True}),
+    ("bfloat16", "col", SMALL_CLUSTER, 1, {"persistent": True}),
     ("float16", "col", TWO, 1, {"persistent": True, "smem_epilogue": True,
                                 "tma_store": True})],
-    ids=["f16-row-batched", "bf16-col-batched-persistent", "f16-col-persistent-tma-store"])
+    ids=["f16-row-batched", "bf16-col-persistent", "f16-col-persistent-tma-store"])
 def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     """Clusters of two in the simulator (their blocks run at the same time there): each block
     loads half of every stage's B by multicast into both, stages are freed on both blocks'
