@@ -32,8 +32,10 @@
 #                host cost per call), the user soft cap with float32 constants against softcap=
 #   PART=s21b    the backward benchmark (fp16, bf16) and the training step, for issue 24's table
 #   PART=s21c    gemm_softmax's fused kernel against its pieces (gemm alone, softmax alone) in
-#                every softmax-mode config; the float64 warning of user functions; the
-#                attention and varlen op GPU tests after the file renames
+#                every softmax-mode config; gemm_softmax's GPU tests (the mma.sync generator
+#                split in two)
+#   PART=s21d    after the kernel files' renames: the attention op's GPU tests (the float64
+#                warning of user functions among them), varlen's, the GEMM op's
 #   PART=s20e    the varlen GPU tests with the PyTorch operator's autograd (eager, compiled),
 #                the user functions' benchmark with a float32 ALiBi score_mod
 #   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
@@ -174,8 +176,12 @@ if [[ " $PART " == *" s21b "* ]]; then
     bench_suite bench_attention_training 220 "attention_training_step"
 fi
 if [[ " $PART " == *" s21c "* ]]; then
-    step probe_gemm_softmax 200 "$PY" bench/probe_gemm_softmax.py --json "$OUT/probe_gemm_softmax.json"
+    step probe_gemm_softmax 240 "$PY" bench/probe_gemm_softmax.py --json "$OUT/probe_gemm_softmax.json"
+    gpu_tests gemm_softmax_gpu 200 tests/test_ops_gemm_softmax.py
+fi
+if [[ " $PART " == *" s21d "* ]]; then
     gpu_tests attention_op 200 tests/test_ops_attention.py tests/test_ops_attention_varlen.py
+    gpu_tests gemm_op 200 tests/test_ops_gemm.py tests/test_tile_gemm.py
 fi
 if [[ " $PART " == *" s20e "* ]]; then
     gpu_tests varlen_gpu 120 tests/test_ops_attention_varlen.py
