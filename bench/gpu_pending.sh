@@ -36,6 +36,9 @@
 #                split in two)
 #   PART=s21d    after the kernel files' renames: the attention op's GPU tests (the float64
 #                warning of user functions among them), varlen's, the GEMM op's
+#   PART=s21e    issue 23's A/B at S4096: the attention kernels and gemm_softmax of the tree before
+#                the Hopper tile layer (.ab/old from `git archive 17f9eea^ tilepy | tar -x -C
+#                .ab/old`, carried) against this one, 6 rounds, processes alternating
 #   PART=s20e    the varlen GPU tests with the PyTorch operator's autograd (eager, compiled),
 #                the user functions' benchmark with a float32 ALiBi score_mod
 #   PART=s20d    the benchmarks s20b / s20c ran without timings (--dist loadgroup disabled
@@ -182,6 +185,10 @@ fi
 if [[ " $PART " == *" s21d "* ]]; then
     gpu_tests attention_op 200 tests/test_ops_attention.py tests/test_ops_attention_varlen.py
     gpu_tests gemm_op 200 tests/test_ops_gemm.py tests/test_tile_gemm.py
+fi
+if [[ " $PART " == *" s21e "* ]]; then
+    step ab_attention 450 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 6 \
+        --suites attention,gemm_softmax --cases 4096 --json "$OUT/ab_attention.json"
 fi
 if [[ " $PART " == *" s20e "* ]]; then
     gpu_tests varlen_gpu 120 tests/test_ops_attention_varlen.py
