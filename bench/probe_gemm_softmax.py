@@ -64,8 +64,9 @@ def main(argv=None):
             lambda: tilepy.gemm_softmax(a, b, scale=scale, out=out), pair_ms=pair_ms)
         for bn in (128, 256):
             for stages in (2, 3, 4):
-                cfg = WsConfig(128, bn, stages, "float16", persistent=True, smem_epilogue=True)
-                try:
+                try:   # a config whose stages and buffers do not fit is skipped
+                    cfg = WsConfig(128, bn, stages, "float16", persistent=True,
+                                   smem_epilogue=True)
                     check_softmax_config(cfg, "float16")
                 except ValueError:
                     continue
