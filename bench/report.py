@@ -192,7 +192,7 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
     (:func:`latest_rows`). A sweep's or probe's case is a problem: all the configs or variants
     its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
     the whole file; any other row is a case of its own."""
-    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "clock", "att", "bwd_probe",
+    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "gs_pieces", "clock", "att", "bwd_probe",
                             "ncu",
                             "first", "host", "demo", "ab")}
     items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
@@ -264,6 +264,14 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
                 add.append(("sweep", ("sweep_gemm_shapes", problem),
                             (problem, r["config"], fmt(r["tflops"]), fmt(r["peer_tflops"]),
                              fmt(r["ratio"], "×"))))
+        elif "m" in data and all("gpu_ms" in r and "name" in r for r in data["rows"]):
+            # bench/probe_gemm_softmax.py: the fused kernel against its pieces, per N
+            for r in data["rows"]:
+                problem = f"{data['m']}×{r['n']}×{data['k']}"
+                add.append(("gs_pieces", (problem, r["name"]), (
+                    problem, r["name"], fmt(r["gpu_ms"] * 1e3),
+                    fmt(r["as_called_ms"] * 1e3) if r.get("as_called_ms") else "-",
+                    fmt(r["tflops"]))))
         elif all("variant" in r for r in data["rows"]) and "m" in data:
             # the gemm_softmax probe (session 6; its probe= mode has left tilepy): µs per
             # variant, per N
@@ -327,6 +335,9 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
         ("gs_probe", "Fused GEMM + softmax, piece by piece (session 6's probe, removed with "
                      "its measurement-only kernel mode; float16)",
          ("file", "M×N×K", "variant", "µs", "TFLOPS equivalent (2·M·N·K / µs)")),
+        ("gs_pieces", "Fused GEMM + softmax against its pieces (`bench/probe_gemm_softmax.py`: "
+                      "GPU-only and as-called µs, float16; TFLOPS 2·M·N·K over the slower)",
+         ("file", "M×N×K", "what", "µs GPU", "µs as called", "TFLOPS")),
         ("clock", "Sustained clocks and power (`bench/probe_clocks.py`: each case back to "
                   "back for seconds; throttle 0x4 is the software power cap)",
          ("file", "case", "TFLOPS", "SM MHz (median)", "SM MHz (min)", "power W (median)",
