@@ -494,3 +494,35 @@ def test_flash_attention_varlen_operator_gradients_and_compile():
     with pytest.raises(NotImplementedError, match="no autograd with score_mod"):
         tilepy.flash_attention_varlen(*ins, cu, cu, 7, 7,
                                       mask_mod=lambda b, h, i, j: i >= j)
+
+
+def test_flash_attention_with_kvcache_operator_writes_the_cache_and_compiles():
+    """PyTorch tensors through tilepy.flash_attention_with_kvcache: the ``tilepy::
+    flash_attention_with_kvcache`` operator (opcheck's schema and fake-tensor checks, the
+    caches declared written), the appended token in the paged cache and the result equal to
+    an eager call's, under torch.compile(fullgraph=True) too; inputs that require grad
+    refused (an inference op)."""
+    q = rand(2, 1, 2, 16)
+    kc, vc = rand(3, 16, 1, 16), rand(3, 16, 1, 16)
+    lens = torch.tensor([5, 16], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+    kn, vn = rand(2, 1, 1, 16), rand(2, 1, 1, 16)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_with_kvcache.default,
+                          (q, kc.clone(), vc.clone(), lens, kn, vn, table, True, None, -1, 0,
+                           0.0, True, True), test_utils=("test_schema", "test_faketensor"))
+    eager_k, eager_v = kc.clone(), vc.clone()
+    want = tilepy.flash_attention_with_kvcache(q, eager_k, eager_v, lens, k=kn, v=vn,
+                                               block_table=table)
+    assert torch.equal(eager_k[2, 5], kn[0, 0]) and torch.equal(eager_k[0, 0], kn[1, 0])
+
+    def step(q, kc, vc):
+        return tilepy.flash_attention_with_kvcache(q, kc, vc, lens, k=kn, v=vn,
+                                                   block_table=table) * 2
+
+    torch._dynamo.reset()
+    ck, cv = kc.clone(), vc.clone()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, ck, cv)
+    assert torch.equal(got, want * 2) and torch.equal(ck, eager_k) and torch.equal(cv, eager_v)
+    with pytest.raises(TypeError, match="q requires grad, but it has no backward"):
+        tilepy.flash_attention_with_kvcache(q.clone().requires_grad_(), kc, vc, lens,
+                                            block_table=table)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .ops import attention as _attention
 from .ops import attention_backward as _attention_backward
+from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import gemm_softmax as _gemm_softmax
@@ -136,6 +137,20 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out=out, check_seqlens=check_seqlens, config=config)
 
 
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
+                                 block_table=None, causal=True, scale=None, window=None,
+                                 softcap=0.0, num_splits=None, return_lse=False, out=None,
+                                 check_seqlens=True, config=None):
+    if _is_torch(q):
+        return (_front or _pytorch()).flash_attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, window,
+            softcap, num_splits, return_lse, out, check_seqlens, config)
+    return _attention_kvcache.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, causal=causal,
+        scale=scale, window=window, softcap=softcap, num_splits=num_splits,
+        return_lse=return_lse, out=out, check_seqlens=check_seqlens, config=config)
+
+
 for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
                   (log_softmax, _softmax.log_softmax),
                   (softmax_backward, _softmax_backward.softmax_backward),
@@ -143,9 +158,11 @@ for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
                   (gemm_softmax, _gemm_softmax.gemm_softmax),
                   (flash_attention, _attention.flash_attention),
                   (flash_attention_varlen, _attention_varlen.flash_attention_varlen),
+                  (flash_attention_with_kvcache, _attention_kvcache.flash_attention_with_kvcache),
                   (flash_attention_backward, _attention_backward.flash_attention_backward)):
     _api.__doc__ = _op.__doc__
 del _api, _op
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm",
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
+           "flash_attention_with_kvcache", "gemm",
            "gemm_softmax", "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]

@@ -35,6 +35,7 @@ import torch
 from .. import api
 from ..ops import attention as _attention
 from ..ops import attention_backward as _attention_backward
+from ..ops import attention_kvcache as _kvcache
 from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
 from ..ops import gemm_softmax as _gemm_softmax
@@ -91,6 +92,13 @@ _SCHEMAS = {
                               "int window_right, float softcap, bool return_lse, "
                               "bool check_seqlens, Tensor? alibi_slopes=None) "
                               "-> (Tensor, Tensor)",
+    # a KV cache (contiguous or paged), k / v appended into it first: the caches are written
+    "flash_attention_with_kvcache": "flash_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, "
+                                    "Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
+                                    "Tensor? v, Tensor? block_table, bool causal, "
+                                    "float? scale, int window_left, int window_right, "
+                                    "float softcap, bool return_lse, bool check_seqlens) "
+                                    "-> (Tensor, Tensor)",
     "flash_attention_varlen_backward": "flash_attention_varlen_backward(Tensor dout, "
                                        "Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                                        "Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -874,5 +882,55 @@ torch.library.register_autograd("tilepy::flash_attention_varlen", _varlen_grad,
                                 setup_context=_varlen_setup, lib=_lib)
 
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen", "gemm",
+# ---- flash_attention_with_kvcache -----------------------------------------------------------
+
+def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr,
+                  softcap, return_lse, check_seqlens):
+    res = _kvcache.flash_attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, causal=causal,
+        scale=scale, window=(wl, wr), softcap=softcap, return_lse=return_lse,
+        check_seqlens=check_seqlens)
+    return res if return_lse else (res, _no_lse(q))
+
+
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr,
+                  softcap, return_lse, check_seqlens):
+    shape, lse_shape = _kvcache.output_spec(q, k_cache, v_cache, cache_seqlens,
+                                            block_table=block_table, return_lse=return_lse)
+    return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
+                                else _no_lse(q))
+
+
+_kvcache_op = _register("flash_attention_with_kvcache", _kvcache_impl, _kvcache_fake)
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal,
+                                 scale, window, softcap, num_splits, return_lse, out,
+                                 check_seqlens, config):
+    """``tilepy.flash_attention_with_kvcache`` on PyTorch tensors: the ``tilepy::
+    flash_attention_with_kvcache`` operator (it writes the caches; fake tensors and
+    ``torch.compile`` without a graph break); with ``out=``, a ``config`` or ``num_splits``
+    an eager call. An inference op: no gradient (``TypeError`` for inputs that require
+    one)."""
+    op = "flash_attention_with_kvcache"
+    _no_grad_for(op, "it has no backward (an inference op)", q=q, k_cache=k_cache,
+                 v_cache=v_cache, k=k, v=v)
+    kwargs = dict(k=k, v=v, block_table=block_table, causal=causal, scale=scale,
+                  window=window, softcap=softcap, num_splits=num_splits,
+                  return_lse=return_lse, out=out, check_seqlens=check_seqlens, config=config)
+    args = (q, k_cache, v_cache, cache_seqlens)
+    if _direct(q, k_cache, v_cache, cache_seqlens, k, v, block_table, out):
+        return _kvcache.flash_attention_with_kvcache(*args, **kwargs)
+    if out is not None or config is not None or num_splits is not None:
+        return _eager_only()(_kvcache.flash_attention_with_kvcache, *args, **kwargs)
+    wl, wr, cap = _variant_args(causal, window, softcap)
+    if scale is not None:
+        scale = _float_arg(op, "scale", scale)
+    res, lse = _kvcache_op(*args, k, v, block_table, causal, scale, wl, wr, cap,
+                           bool(return_lse), bool(check_seqlens))
+    return (res, lse) if return_lse else res
+
+
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
+           "flash_attention_with_kvcache", "gemm",
            "gemm_softmax", "softmax", "softmax_backward"]

@@ -188,7 +188,7 @@ def _kernel_jit(threads: int, disk_cache: bool = True):
 
 
 def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False,
-                     window=None, score_mod=None, varlen: bool = False):
+                     window=None, score_mod=None, varlen: bool = False, cache=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters of one kernel (:mod:`tilepy.tile.attention`'s pieces):
@@ -214,16 +214,30 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
       within the sequence) and the hook gets ``hook_args + (Sk - Sq,)`` (ALiBi's shift per
       sequence). Grid (ceil(max_seqlen_q / BM), Hq, sequences): blocks past a sequence's rows
       return at once.
+    * ``cache``: keys and values from a KV cache (FlashAttention's ``flash_attn_with_kvcache``)
+      — ``"contiguous"``: ``k`` / ``v`` (B, Hkv, capacity, D); ``"paged"``: ``k`` / ``v``
+      (pages, Hkv, page_size, D) with ``page_size`` a multiple of BN. ``hargs`` is ``((seqlens,
+      added[, block_table]), hook_args)``: batch ``b`` sees its first ``min(seqlens[b] + added,
+      capacity)`` keys (int32 ``seqlens``, int64 ``added``; a paged cache's capacity is
+      ``block_table.shape[1] · page_size``), key ``j`` of a paged cache at row ``j %
+      page_size`` of page ``block_table[b, j // page_size]`` (int32; an entry outside ``0 …
+      pages - 1`` is clamped into that range, never read out of bounds). ``q`` / ``o``
+      (B, Hq, Sq, D) and ``lse`` as usual; masks and windows align to each batch's own
+      bottom-right diagonal. Not with ``varlen``.
 
     Without any of them the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
+    if cache not in (None, "contiguous", "paged"):
+        raise ValueError(f"cache must be None, 'contiguous' or 'paged', got {cache!r}")
+    if cache is not None and varlen:
+        raise ValueError("a kernel reads keys either packed (varlen) or from a cache")
     # a plain Python score_mod is wrapped (once per function) by modify_scores
-    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen))
+    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen), cache)
 
 
 @functools.cache
 def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
-                      score_mod, varlen: bool = False):
+                      score_mod, varlen: bool = False, cache=None):
     # D: the shared tiles' width (head_dim rounded up to 16, zero columns past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim   # copies zero-fill past it
@@ -242,6 +256,8 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or score_mod is not None
     CAUSAL = right == 0 and not VARIANT
     VARLEN = varlen
+    CACHE = cache is not None
+    PAGED = cache == "paged"
     WIN = (left, right)
     LIMITS = limits_shape(cfg.warp_rows // 16, False, WIN)
     v_bounds = key_blocks(BM, BN, False, WIN)
@@ -277,6 +293,21 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             sk = np.int64(cu_k[b + 1]) - k_start
             hook = hargs[1] + (sk - sq,)
             vb = 0
+            kvb = 0
+        elif CACHE:
+            # batch b sees its cache's first seqlens[b] + added keys (at most the capacity)
+            sq = q.shape[2]
+            if PAGED:
+                table = hargs[0][2]
+                cap = np.int64(table.shape[1]) * k.shape[2]
+            else:
+                cap = np.int64(k.shape[2])
+            sk = min(max(np.int64(hargs[0][0][b]) + hargs[0][1], np.int64(0)), cap)
+            q_start = 0
+            k_start = 0
+            hook = hargs[1]
+            vb = b
+            kvb = 0 if PAGED else b
         else:
             sq = q.shape[2]
             sk = k.shape[2]
@@ -284,6 +315,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             k_start = 0
             hook = hargs
             vb = b
+            kvb = b
         hk = h // (q.shape[1] // k.shape[1])
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -345,16 +377,31 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             vs = v.strides[2]
             q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, h, q_start + row0, 0))), qs,
                                       tid)
-            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start, 0))), ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start, 0))), vs, tid)
+            k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (kvb, hk, k_start, 0))), ks,
+                                       tid)
+            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (kvb, hk, k_start, 0))), vs,
+                                       tid)
             k_step = BN * ks
             v_step = BN * vs
+            if PAGED:   # byte shifts of key block kb: its page (clamped), its rows in it
+                page = k.shape[2]
+                last_page = np.int64(k.shape[0] - 1)
+                kp = k.strides[0]
+                vp = v.strides[0]
 
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             cp_async_commit_group()
             first = kv_base + (kb_first % 2) * STAGE
-            issue_kv(first, kb_first * k_step, k0, ksh, kr, kc, ks, sk - kb_first * BN)
-            issue_kv(first + TILE, kb_first * v_step, v0, vsh, vr, vc, vs, sk - kb_first * BN)
+            if PAGED:
+                pos = np.int64(kb_first) * BN
+                pg = min(max(np.int64(table[b, pos // page]), np.int64(0)), last_page)
+                k_shift = pg * kp + (pos % page) * ks
+                v_shift = pg * vp + (pos % page) * vs
+            else:
+                k_shift = kb_first * k_step
+                v_shift = kb_first * v_step
+            issue_kv(first, k_shift, k0, ksh, kr, kc, ks, sk - kb_first * BN)
+            issue_kv(first + TILE, v_shift, v0, vsh, vr, vc, vs, sk - kb_first * BN)
             cp_async_commit_group()
 
             fq_off, fq_x = setup_fq(wrow, lane)
@@ -377,8 +424,16 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
                 if kb + 1 < n_kb:
                     nxt = kv_base + ((kb + 1) % 2) * STAGE
                     left = sk - (kb + 1) * BN
-                    issue_kv(nxt, (kb + 1) * k_step, k0, ksh, kr, kc, ks, left)
-                    issue_kv(nxt + TILE, (kb + 1) * v_step, v0, vsh, vr, vc, vs, left)
+                    if PAGED:
+                        pos = np.int64(kb + 1) * BN
+                        pg = min(max(np.int64(table[b, pos // page]), np.int64(0)), last_page)
+                        k_shift = pg * kp + (pos % page) * ks
+                        v_shift = pg * vp + (pos % page) * vs
+                    else:
+                        k_shift = (kb + 1) * k_step
+                        v_shift = (kb + 1) * v_step
+                    issue_kv(nxt, k_shift, k0, ksh, kr, kc, ks, left)
+                    issue_kv(nxt + TILE, v_shift, v0, vsh, vr, vc, vs, left)
                 cp_async_commit_group()
                 k_addr = kv_base + (kb % 2) * STAGE
                 v_addr = k_addr + TILE
@@ -480,9 +535,10 @@ def launch(kernel, cfg: AttentionConfig, q, k, v, o, lse, scale: float, stream=0
     p.launch(stream, args)
 
 
-def argtypes(layout: str = "A", varlen: bool = False):
+def argtypes(layout: str = "A", varlen: bool = False, cache=None):
     """Numba argument types of :func:`attention_kernel`'s kernel (for offline compilation),
-    with no hook arguments (``varlen``: the cumulative lengths' int32 arrays before them)."""
+    with no hook arguments (``varlen``: the cumulative lengths' int32 arrays before them;
+    ``cache``: the lengths, the appended count and, paged, the block table)."""
     from numba import types
 
     u16 = types.Array(types.uint16, 4, layout)
@@ -490,12 +546,17 @@ def argtypes(layout: str = "A", varlen: bool = False):
     if varlen:
         cu = types.Array(types.int32, 1, layout)
         hargs = types.Tuple((types.Tuple((cu, cu)), hargs))
+    elif cache is not None:
+        keys = (types.Array(types.int32, 1, layout), types.int64)
+        if cache == "paged":
+            keys += (types.Array(types.int32, 2, layout),)
+        hargs = types.Tuple((types.Tuple(keys), hargs))
     return (u16, u16, u16, u16, types.Array(types.float32, 3, layout), types.float32,
             types.float32, hargs)
 
 
 #: The kernels the compile layer reports on: (name, config, causal, has_lse, window, softcap);
-#: names ending ``_varlen`` are the packed-sequence kernels.
+#: names ending ``_varlen`` are the packed-sequence kernels, ``_paged`` a paged KV cache's.
 COMPILED = (
     ("attention_d64_f16", AttentionConfig(64, 128, 64, 16, "float16"), False, False, None, 0),
     ("attention_d64_f16_causal_lse", AttentionConfig(64, 128, 64, 16, "float16"), True, True,
@@ -513,6 +574,10 @@ COMPILED = (
     # packed sequences (the bounds and offsets read from the cumulative lengths)
     ("attention_d128_f16_causal_lse_varlen", AttentionConfig(128, 64, 64, 16, "float16"), True,
      True, None, 0),
+    # a decoding step over a paged KV cache (one warp of query rows; lengths, pages read on
+    # the device)
+    ("attention_d128_f16_causal_lse_paged", AttentionConfig(128, 16, 64, 16, "float16"), True,
+     True, None, 0),
 )
 
 
@@ -525,12 +590,14 @@ def compile_reports(only=None):
     from ..offline import report_entry
     from ..tile.attention import softcap_score
 
-    def make(cfg, causal, has_lse, window, cap, varlen):
+    def make(cfg, causal, has_lse, window, cap, varlen, cache):
         return lambda: attention_kernel(cfg, causal, has_lse, window,
-                                        softcap_score(cap) if cap else None, varlen)
+                                        softcap_score(cap) if cap else None, varlen, cache)
 
-    return [report_entry(name, make(cfg, causal, has_lse, window, cap, name.endswith("varlen")),
-                         argtypes(varlen=name.endswith("varlen")), (9, 0),
+    return [report_entry(name, make(cfg, causal, has_lse, window, cap, name.endswith("varlen"),
+                                    "paged" if name.endswith("paged") else None),
+                         argtypes(varlen=name.endswith("varlen"),
+                                  cache="paged" if name.endswith("paged") else None), (9, 0),
                          threads=cfg.threads, config=cfg.describe(), causal=causal,
                          lse=has_lse, smem_bytes=cfg.smem_bytes)
             for name, cfg, causal, has_lse, window, cap in COMPILED

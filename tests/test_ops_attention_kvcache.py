@@ -1,0 +1,197 @@
+"""``tilepy.flash_attention_with_kvcache``: a few query rows per sequence against a KV cache
+(contiguous, or paged through a block table), new keys and values appended first, against a
+float64 reference that gathers each sequence's keys from its pages (ragged lengths with 0 and
+the full capacity, GQA and MQA, seq_q 1 and 3 aligned to each sequence's end, a window);
+out-of-range lengths and pages clamped, never read out of bounds; bad input refused before
+launch. The kernel's offline compile: test_ops_attention.py (``..._paged``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tilepy import flash_attention_with_kvcache as kvcache
+from tilepy.ops.attention_mma_sync import AttentionConfig
+
+from test_ops_attention import check, check_lse, rand, reference
+
+sim = pytest.mark.sim
+gpu = pytest.mark.gpu
+
+
+def gather(cache, lens, table=None):
+    """Each sequence's visible keys (its first ``lens[b]`` rows), from its pages if paged."""
+    out = []
+    for b, n in enumerate(lens):
+        j = np.arange(int(n))
+        out.append(cache[table[b, j // cache.shape[1]], j % cache.shape[1]] if table is not None
+                   else cache[b, j])
+    return out
+
+
+def kv_reference(q, kc, vc, lens, table=None, causal=True, window=(-1, -1)):
+    """float64 (out (B, Sq, Hq, D), lse (B, Hq, Sq)) of each sequence against its keys."""
+    b, sq, hq, d = q.shape
+    out, lse = np.zeros(q.shape), np.full((b, hq, sq), -np.inf)
+    for z, (k, v) in enumerate(zip(gather(kc, lens, table), gather(vc, lens, table))):
+        if len(k):
+            o, l = reference(q[z:z + 1], k[None], v[None], causal, None, "bshd", window)
+            out[z], lse[z] = o[0], l[0]
+    return out, lse
+
+
+def append_reference(kc, vc, kn, vn, lens, table=None):
+    kc, vc = kc.copy(), vc.copy()
+    for z in range(kn.shape[0]):
+        for i in range(kn.shape[1]):
+            pos = int(lens[z]) + i
+            at = (table[z, pos // kc.shape[1]], pos % kc.shape[1]) if table is not None \
+                else (z, pos)
+            kc[at], vc[at] = kn[z, i], vn[z, i]
+    return kc, vc
+
+
+@sim
+@pytest.mark.parametrize("sq,hq,hk,causal,window,dtype", [
+    (1, 4, 1, True, None, "float16"),          # decoding, MQA
+    (3, 4, 2, True, (20, 0), "bfloat16"),      # speculative rows, GQA, a sliding window
+    (3, 2, 2, False, None, "float16"),
+])
+def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype):
+    rng = np.random.default_rng()
+    b, cap, d = 3, 40, 32
+    q = rand(rng, (b, sq, hq, d), dtype)
+    kc, vc = rand(rng, (b, cap, hk, d), dtype), rand(rng, (b, cap, hk, d), dtype)
+    lens = np.array([0, 17, cap], np.int32)    # empty, ragged, full
+    out = np.full(q.shape, np.nan, q.dtype)
+    got, lse = kvcache(q, kc, vc, lens, causal=causal, window=window, return_lse=True, out=out)
+    assert got is out
+    want, wl = kv_reference(q, kc, vc, lens, None, causal, window or (-1, -1))
+    check(got, want, vc, dtype)
+    check_lse(lse, wl)
+
+
+@sim
+@pytest.mark.parametrize("page,sn", [(16, 0), (32, 2)])
+def test_paged_cache_with_appended_tokens(page, sn):
+    """Pages in a shuffled order, new tokens written through the block table at each
+    sequence's end (one lands on a new page) and attended to."""
+    rng = np.random.default_rng()
+    b, sq, hq, hk, d, per = 3, 2, 4, 2, 32, 3
+    pages = b * per + 1
+    q = rand(rng, (b, sq, hq, d), "float16")
+    kc, vc = rand(rng, (pages, page, hk, d), "float16"), rand(rng, (pages, page, hk, d),
+                                                              "float16")
+    table = rng.permutation(pages)[:b * per].reshape(b, per).astype(np.int32)
+    lens = np.array([page - 1, 5, per * page - sn], np.int32)
+    kn, vn = rand(rng, (b, sn, hk, d), "float16"), rand(rng, (b, sn, hk, d), "float16")
+    want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
+    got = kvcache(q, kc, vc, lens, k=kn if sn else None, v=vn if sn else None,
+                  block_table=table)
+    np.testing.assert_array_equal(kc, want_k)
+    np.testing.assert_array_equal(vc, want_v)
+    check(got, kv_reference(q, want_k, want_v, lens + sn, table)[0], vc, "float16")
+
+
+@sim
+def test_unchecked_lengths_and_pages_are_clamped():
+    """With check_seqlens=False a length past the capacity reads the whole cache and a page
+    past the pool reads the last page — never out of bounds (the simulator would raise)."""
+    rng = np.random.default_rng()
+    q = rand(rng, (2, 1, 2, 16), "float16")
+    kc, vc = rand(rng, (3, 16, 1, 16), "float16"), rand(rng, (3, 16, 1, 16), "float16")
+    table = np.array([[0, 1], [2, 7]], np.int32)
+    got = kvcache(q, kc, vc, np.array([99, 20], np.int32), block_table=table,
+                  check_seqlens=False)
+    want = kv_reference(q, kc, vc, [32, 20], np.array([[0, 1], [2, 2]], np.int32))[0]
+    check(got, want, vc, "float16")
+
+
+def test_errors_are_raised_before_launch():
+    x = np.zeros((2, 1, 2, 16), np.float16)
+    kc = np.zeros((2, 32, 1, 16), np.float16)
+    lens = np.array([3, 4], np.int32)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 33 exceeds the cache's "
+                                         r"capacity of 32 keys"):
+        kvcache(x, kc, kc, np.array([3, 33], np.int32))
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] = 31 plus 2 appended tokens"):
+        kvcache(x, kc, kc, np.array([31, 0], np.int32), k=kc[:, :2], v=kc[:, :2])
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 5 is not a page \(0 … 1\)"):
+        kvcache(x, kc, kc, lens, block_table=np.array([[0], [5]], np.int32))
+    with pytest.raises(ValueError, match="page size .* must be a positive multiple of 16"):
+        kvcache(x, kc[:, :24], kc[:, :24], lens, block_table=np.zeros((2, 1), np.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        kvcache(x, kc, kc, lens.astype(np.int64))
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        kvcache(x, kc, kc, lens[:1])
+    with pytest.raises(ValueError, match="k_cache has 2 sequences, q 1"):
+        kvcache(x[:1], kc, kc, lens[:1])
+    with pytest.raises(ValueError, match="pass both or neither"):
+        kvcache(x, kc, kc, lens, k=kc[:, :1])
+    with pytest.raises(NotImplementedError, match="split-KV"):
+        kvcache(x, kc, kc, lens, num_splits=4)
+    with pytest.raises(ValueError, match="block_n = 64 must divide the page size 32"):
+        kvcache(x, kc, kc, lens, block_table=np.zeros((2, 1), np.int32),
+                config=AttentionConfig(16, 16, 64, 16, "float16"))
+    with pytest.raises(ValueError, match="heads_q .3. must be a multiple of heads_kv .2."):
+        kvcache(np.zeros((2, 1, 3, 16), np.float16), np.zeros((2, 32, 2, 16), np.float16),
+                np.zeros((2, 32, 2, 16), np.float16), lens)
+
+
+@gpu
+@pytest.mark.parametrize("page", [None, 16, 256])
+def test_gpu_decoding_against_sdpa_and_a_graph_replay(page):
+    """Full size (B 8, 32 query heads over 8, head_dim 128, bf16, 4096 cached keys of ragged
+    lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys; then one CUDA
+    graph captured with k / v appended and replayed with new lengths and contents."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    b, hq, hk, d, cap = 8, 32, 8, 128, 4096
+    dev, dt = "cuda", torch.bfloat16
+    if page is None:
+        kc = torch.randn(b, cap, hk, d, device=dev, dtype=dt)
+        table = None
+    else:
+        kc = torch.randn(b * cap // page + 3, page, hk, d, device=dev, dtype=dt)
+        table = torch.randperm(kc.shape[0], device=dev)[:b * cap // page].view(b, -1).int()
+    vc = torch.randn_like(kc)
+
+    def want(q, lens):
+        outs = []
+        for z in range(b):
+            n = int(lens[z])
+            j = torch.arange(n, device=dev)
+            k = kc[table[z, j // page], j % page] if page else kc[z, :n]
+            v = vc[table[z, j // page], j % page] if page else vc[z, :n]
+            sq = q.shape[1]
+            mask = (torch.arange(n, device=dev)[None] <= torch.arange(sq, device=dev)[:, None]
+                    + n - sq)
+            outs.append(F.scaled_dot_product_attention(
+                q[z:z + 1].transpose(1, 2).float(), k[None].transpose(1, 2).float(),
+                v[None].transpose(1, 2).float(), attn_mask=mask,
+                enable_gqa=True).transpose(1, 2))
+        return torch.cat(outs)
+
+    for sq in (1, 4):
+        q = torch.randn(b, sq, hq, d, device=dev, dtype=dt)
+        lens = torch.randint(sq, cap + 1, (b,), device=dev, dtype=torch.int32)
+        lens[0] = cap
+        got = kvcache(q, kc, vc, lens, block_table=table)
+        assert (got.float() - want(q, lens)).abs().max().item() < 2e-2
+    # a captured decoding step: append one token, attend; replayed with new lengths
+    q = torch.randn(b, 1, hq, d, device=dev, dtype=dt)
+    kn, vn = torch.randn(b, 1, hk, d, device=dev, dtype=dt), torch.randn(b, 1, hk, d,
+                                                                         device=dev, dtype=dt)
+    lens = torch.full((b,), 100, device=dev, dtype=torch.int32)
+    out = torch.empty_like(q)
+    kvcache(q, kc, vc, lens, k=kn, v=vn, block_table=table, out=out)   # warm-up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kvcache(q, kc, vc, lens, k=kn, v=vn, block_table=table, out=out)
+    for step in range(2):
+        lens.copy_(torch.randint(0, cap - 1, (b,), device=dev, dtype=torch.int32))
+        q.normal_(), kn.normal_(), vn.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out.float() - want(q, lens + 1)).abs().max().item() < 2e-2, step

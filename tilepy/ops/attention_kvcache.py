@@ -1,0 +1,310 @@
+"""``tilepy.flash_attention_with_kvcache``: attention of a few new query rows per sequence
+against a KV cache, contiguous or paged (FlashAttention-2's ``flash_attn_with_kvcache``).
+
+One launch of the mma.sync forward kernel with its ``cache`` generator parameter
+(:func:`tilepy.ops.attention_mma_sync.attention_kernel`): each block reads its sequence's
+length (and, paged, its block table) on the device, so the same launch — and a CUDA graph
+that captured it — serves every step of a generation loop. New keys and values (``k`` /
+``v``) are first written into the cache by a small copy kernel (:func:`append_kernel`) on the
+same stream.
+
+Not yet: split-KV (``num_splits`` > 1), several query heads of a KV head in one tile, and
+the Hopper kernels; a decoding step runs one block per (query head, sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda
+
+from .. import arrays, launch
+from ..arrays import describe
+from ..kcache import cached_jit
+from ..launch import LaunchPlan
+from ..tile import device_write
+from ..tile.attention import score_hook
+from . import attention as at
+from . import attention_mma_sync as fa
+from .attention_mma_sync import HEAD_DIMS, AttentionConfig
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, v=None,
+                                 block_table=None, causal=True, scale=None, window=None,
+                                 softcap=0.0, num_splits=None, return_lse=False, out=None,
+                                 check_seqlens=True, config=None):
+    """Attention of ``q`` against the first ``cache_seqlens[b]`` keys of each sequence's
+    cache (plus the ``k`` / ``v`` appended by this call).
+
+    * ``q`` (batch, seq_q, heads_q, head_dim), float16 / bfloat16; ``out`` and the result
+      have its shape. ``seq_q`` is typically 1 (decoding) to ~16 (speculative decoding).
+    * ``k_cache`` / ``v_cache``: a contiguous cache (batch, capacity, heads_kv, head_dim), or
+      with ``block_table`` a paged one (pages, page_size, heads_kv, head_dim), ``page_size`` a
+      multiple of 16; ``heads_q`` a multiple of ``heads_kv`` (GQA / MQA).
+    * ``cache_seqlens`` (batch,) int32 on the inputs' device: the valid keys of each
+      sequence before this call (0: none; a row that sees no key gives zeros, LSE -inf).
+    * ``block_table`` (batch, max_pages) int32: key ``j`` of sequence ``b`` is row ``j %
+      page_size`` of page ``block_table[b, j // page_size]``; the capacity is ``max_pages ·
+      page_size``.
+    * ``k`` / ``v`` (batch, seq_new, heads_kv, head_dim): written into the cache at positions
+      ``cache_seqlens[b] … cache_seqlens[b] + seq_new - 1`` (through the block table when
+      paged) before the attention, which then sees ``cache_seqlens[b] + seq_new`` keys.
+      ``cache_seqlens`` itself is not changed (the caller advances it).
+    * ``causal`` (default True), ``window``, ``softcap``: as :func:`tilepy.flash_attention`'s,
+      aligned to each sequence's bottom-right diagonal: query row ``i`` sits at position
+      ``seqlen_b - seq_q + i`` of its sequence.
+    * ``check_seqlens=True`` copies ``cache_seqlens`` (and the block table) to the host once
+      per call and raises ``ValueError`` for a length past the capacity (with the appended
+      tokens) or a page outside ``0 … pages - 1`` — a synchronisation with the stream;
+      ``False`` skips it, as does a call being captured into a CUDA graph. Unchecked, the
+      kernels never read or write out of bounds: lengths are clamped into ``0 … capacity``,
+      table entries into ``0 … pages - 1``, and appended tokens past the capacity are
+      dropped.
+    * ``return_lse=True``: ``(out, lse)``, ``lse`` float32 (batch, heads_q, seq_q).
+    * ``num_splits``: None or 1 (split-KV is not implemented yet: ``NotImplementedError``).
+    * ``config``: an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` (its ``block_n``
+      must divide a paged cache's ``page_size``); by default one sized for ``seq_q``.
+    Errors are raised before anything is launched.
+    """
+    Q, K, V, Out, dims, device = check_arguments(q, k_cache, v_cache, out, block_table)
+    b, sq, hq, hk, d, paged = dims
+    scale = at.check_scale(scale, d)
+    Seq = check_seqlens_array(cache_seqlens, b, Q)
+    Table = describe_table(block_table, b, Q) if paged else None
+    Kn, Vn, sn = check_new(k, v, b, hk, d, Q)
+    win, cap = at.check_variant(causal, window, softcap)
+    if num_splits is not None and (isinstance(num_splits, bool) or num_splits != 1):
+        raise NotImplementedError(f"flash_attention_with_kvcache: split-KV (num_splits="
+                                  f"{num_splits!r}) is not implemented yet; pass None or 1")
+    page = K.shape[1] if paged else 0
+    capacity = Table.shape[1] * page if paged else K.shape[1]
+    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page)
+    check_config(cfg, d, Q.dtype, page)
+    if max(b, hq, hk) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(f"flash_attention_with_kvcache: at most "
+                                  f"{launch.MAX_GRID_YZ} sequences and heads (got {b} and "
+                                  f"{hq})")
+    stream = arrays.stream_handle(Q)
+    if check_seqlens and b and not device_write.stream_capturing(stream):
+        check_values(arrays.to_host(Seq), arrays.to_host(Table) if paged else None, sn,
+                     capacity, K.shape[0] if paged else 0)
+    if out is None:
+        out = arrays.empty(Q, Q.shape, Q.dtype)
+        Out = describe(out, "out")
+    lse = arrays.empty(Q, (b, hq, sq), "float32") if return_lse else None
+    with arrays.on_device(device):
+        seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
+        table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
+        caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
+        if sn and b:
+            append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")), seq_v,
+                   table_v, stream)
+        if b and hq and sq:
+            variant = at.is_variant(win, cap)
+            if variant:
+                kern = fa.attention_kernel(cfg, False, lse is not None, win,
+                                           score_hook(cap) if cap else None,
+                                           cache="paged" if paged else "contiguous")
+            else:
+                kern = fa.attention_kernel(cfg, bool(causal), lse is not None,
+                                           cache="paged" if paged else "contiguous")
+            lse_v = at.device_view(arrays.raw_view(describe(lse, "lse"))) \
+                if lse is not None else arrays.placeholder(3)
+            keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
+            plan, args = fa.plan(kern, cfg, at.bhsd_view(Q, "bshd"), *caches,
+                                 at.bhsd_view(Out, "bshd"), lse_v, scale,
+                                 hargs=(keys, ()), chunks=False)
+            plan.launch(stream, args)
+    return (out, lse) if return_lse else out
+
+
+def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_lse=False):
+    """``(out shape, lse shape or None)`` after the checks that read only metadata (the
+    registered operator's fake implementation)."""
+    Q, _, _, _, dims, _ = check_arguments(q, k_cache, v_cache, None, block_table, data=False)
+    b, sq, hq = dims[:3]
+    check_seqlens_array(cache_seqlens, b, Q)
+    return Q.shape, ((b, hq, sq) if return_lse else None)
+
+
+def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0) -> AttentionConfig:
+    """The mma.sync config of a decoding step: query blocks of 16 rows (one warp) for up to
+    16 query rows, else 64; 64-key blocks (16 in the simulator), fewer when a page is
+    smaller (``block_n`` must divide ``page_size``)."""
+    if arrays.SIMULATOR:
+        bm, bn = (16 if seq_q <= 16 else at.SIM_BLOCK_M), at.SIM_BLOCK_N
+    else:
+        bm, bn = (16 if seq_q <= 16 else 64), 64
+    while page_size and page_size % bn:
+        bn //= 2
+    return AttentionConfig(head_dim, bm, bn, 16, dtype)
+
+
+def check_config(cfg, d: int, dtype: str, page: int) -> None:
+    if not isinstance(cfg, AttentionConfig):
+        raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig, got "
+                        f"{type(cfg).__name__}")
+    if (cfg.head_dim, cfg.dtype) != (d, dtype):
+        raise ValueError(f"config is for head_dim {cfg.head_dim} {cfg.dtype}; the inputs are "
+                         f"head_dim {d} {dtype}")
+    if page and page % cfg.block_n:
+        raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page}")
+
+
+def check_arguments(q, k_cache, v_cache, out, block_table, data: bool = True):
+    """``(Q, K, V, Out, (batch, seq_q, heads_q, heads_kv, head_dim, paged), device)``;
+    errors name the argument. ``data=False``: metadata only (not the alignment of the data
+    pointers: fake tensors have none)."""
+    Q = describe(q, "q", allow_float32=False)
+    K = describe(k_cache, "k_cache", allow_float32=False)
+    V = describe(v_cache, "v_cache", allow_float32=False)
+    if not (Q.dtype == K.dtype == V.dtype):
+        raise TypeError(f"q, k_cache and v_cache must have the same dtype; got q {Q.dtype}, "
+                        f"k_cache {K.dtype}, v_cache {V.dtype}")
+    for op, what in ((Q, "(batch, seq_q, heads_q, head_dim)"),
+                     (K, "(batch, capacity, heads_kv, head_dim) or paged (pages, page_size, "
+                         "heads_kv, head_dim)"), (V, "like k_cache")):
+        if op.ndim != 4:
+            raise ValueError(f"{op.name} must be 4-D {what}, got shape {op.shape}")
+    if K.shape != V.shape:
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {K.shape} and "
+                         f"{V.shape}")
+    (b, sq, hq, d), (nb, page, hk, dk) = Q.shape, K.shape
+    paged = block_table is not None
+    if d != dk:
+        raise ValueError(f"head_dim differs: q {d}, k_cache {dk}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; supported: the multiples of 8 from "
+                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
+    if paged:
+        if page % 16 or page < 16:
+            raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a positive "
+                             f"multiple of 16")
+    elif nb != b:
+        raise ValueError(f"k_cache has {nb} sequences, q {b} (a paged cache needs "
+                         f"block_table)")
+    Out = describe(out, "out", allow_float32=False) if out is not None else None
+    if Out is not None and (Out.shape != Q.shape or Out.dtype != Q.dtype):
+        raise ValueError(f"out must have q's shape {Q.shape} and dtype {Q.dtype}, got "
+                         f"{Out.shape} {Out.dtype}")
+    for op in (Q, K, V) + ((Out,) if Out is not None else ()) if data else ():
+        if not at.readable(op):
+            raise ValueError(f"{op.name} must have a unit stride along head_dim and 16-byte "
+                             f"aligned other strides and start (a cache is read and written "
+                             f"in place), got strides {op.strides}")
+    device = arrays.same_device(Q, K, V, Out)
+    return Q, K, V, Out, (b, sq, hq, hk, d, paged), device
+
+
+def _int32(x, name: str, ndim: int, Q):
+    op = describe(x, name, dtypes=arrays.HOOK_DTYPES)
+    if op.dtype != "int32":
+        raise TypeError(f"{name} must be int32 (FlashAttention's convention), got {op.dtype}")
+    if op.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {op.shape}")
+    arrays.same_device(Q, op)
+    return op
+
+
+def check_seqlens_array(cache_seqlens, batch: int, Q):
+    op = _int32(cache_seqlens, "cache_seqlens", 1, Q)
+    if op.shape[0] != batch:
+        raise ValueError(f"cache_seqlens must have one entry per sequence ({batch}), got "
+                         f"shape {op.shape}")
+    return op
+
+
+def describe_table(block_table, batch: int, Q):
+    op = _int32(block_table, "block_table", 2, Q)
+    if op.shape[0] != batch or op.shape[1] < 1:
+        raise ValueError(f"block_table must be ({batch}, max_pages >= 1), got shape "
+                         f"{op.shape}")
+    return op
+
+
+def check_new(k, v, batch: int, hk: int, d: int, Q):
+    """``(Kn, Vn, seq_new)`` of the appended tokens (``(None, None, 0)`` without)."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: pass both or neither")
+    if k is None:
+        return None, None, 0
+    Kn = describe(k, "k", allow_float32=False)
+    Vn = describe(v, "v", allow_float32=False)
+    for op in (Kn, Vn):
+        if op.dtype != Q.dtype:
+            raise TypeError(f"{op.name} must have q's dtype {Q.dtype}, got {op.dtype}")
+        if op.ndim != 4 or op.shape[0] != batch or op.shape[2:] != (hk, d):
+            raise ValueError(f"{op.name} must be ({batch}, seq_new, {hk}, {d}), got shape "
+                             f"{op.shape}")
+    if Kn.shape != Vn.shape:
+        raise ValueError(f"k and v must have the same shape, got {Kn.shape} and {Vn.shape}")
+    arrays.same_device(Q, Kn, Vn)
+    return Kn, Vn, Kn.shape[1]
+
+
+def check_values(seqlens, table, seq_new: int, capacity: int, pages: int) -> None:
+    """``ValueError`` unless every ``seqlens + seq_new`` lies in ``0 … capacity`` and every
+    table entry (paged) in ``0 … pages - 1``."""
+    lens = seqlens.astype(np.int64)
+    if (lens < 0).any():
+        z = int(np.argmax(lens < 0))
+        raise ValueError(f"cache_seqlens[{z}] = {int(lens[z])} is negative")
+    if (lens + seq_new > capacity).any():
+        z = int(np.argmax(lens + seq_new > capacity))
+        raise ValueError(f"cache_seqlens[{z}] = {int(lens[z])}" + (
+            f" plus {seq_new} appended tokens" if seq_new else "") +
+            f" exceeds the cache's capacity of {capacity} keys")
+    if table is not None:
+        bad = (table < 0) | (table >= pages)
+        if bad.any():
+            z, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"block_table[{z}, {j}] = {int(table[z, j])} is not a page "
+                             f"(0 … {pages - 1})")
+
+
+@functools.cache
+def append_kernel(paged: bool):
+    """``kernel(k_cache, v_cache, k, v, seqlens, table)`` (caches and new tokens as 4-D
+    (B or pages, heads, S, D) 16-bit views, ``table`` a (B, max_pages) int32 view or, not
+    paged, unused): block ``(i, h, b)`` writes new token ``i`` of head ``h`` at position
+    ``seqlens[b] + i`` of sequence ``b``'s cache — through its page when ``paged``, the page
+    clamped into range — and nothing past the capacity; one thread per element."""
+
+    @cached_jit
+    def kernel(kc, vc, kn, vn, seqlens, table):
+        i = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        e = cuda.threadIdx.x
+        pos = np.int64(seqlens[b]) + i
+        if paged:
+            page = kc.shape[2]
+            cap = np.int64(table.shape[1]) * page
+        else:
+            cap = np.int64(kc.shape[2])
+        if pos < 0 or pos >= cap or e >= kc.shape[3]:
+            return
+        if paged:
+            pg = min(max(np.int64(table[b, pos // page]), np.int64(0)),
+                     np.int64(kc.shape[0] - 1))
+            r = pos % page
+            kc[pg, h, r, e] = kn[b, h, i, e]
+            vc[pg, h, r, e] = vn[b, h, i, e]
+        else:
+            kc[b, h, pos, e] = kn[b, h, i, e]
+            vc[b, h, pos, e] = vn[b, h, i, e]
+
+    return kernel
+
+
+def append(caches, new, seq_v, table_v, stream: int) -> None:
+    """Launch :func:`append_kernel` for the new tokens ``new`` into ``caches`` (4-D views)."""
+    kn = new[0]
+    b, hk, sn, d = kn.shape
+    paged = table_v is not None
+    table = table_v if paged else arrays.placeholder(2)
+    args = (*caches, *new, seq_v, table)
+    LaunchPlan(append_kernel(paged), args, (sn, hk, b), d).launch(stream, args)
