@@ -142,6 +142,8 @@ def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0) -> 
 
 
 def check_config(cfg, d: int, dtype: str, page: int) -> None:
+    """``TypeError`` / ``ValueError`` unless ``cfg`` is an mma.sync config of the inputs'
+    head_dim and dtype whose ``block_n`` divides a paged cache's ``page`` (0: not paged)."""
     if not isinstance(cfg, AttentionConfig):
         raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig, got "
                         f"{type(cfg).__name__}")
@@ -200,6 +202,7 @@ def check_arguments(q, k_cache, v_cache, out, block_table, data: bool = True):
 
 
 def _int32(x, name: str, ndim: int, Q):
+    """``x`` as an int32 Operand of ``ndim`` dimensions on q's device; errors name it."""
     op = describe(x, name, dtypes=arrays.HOOK_DTYPES)
     if op.dtype != "int32":
         raise TypeError(f"{name} must be int32 (FlashAttention's convention), got {op.dtype}")
@@ -210,6 +213,7 @@ def _int32(x, name: str, ndim: int, Q):
 
 
 def check_seqlens_array(cache_seqlens, batch: int, Q):
+    """``cache_seqlens`` as an Operand: int32, (batch,), on q's device."""
     op = _int32(cache_seqlens, "cache_seqlens", 1, Q)
     if op.shape[0] != batch:
         raise ValueError(f"cache_seqlens must have one entry per sequence ({batch}), got "
@@ -218,6 +222,7 @@ def check_seqlens_array(cache_seqlens, batch: int, Q):
 
 
 def describe_table(block_table, batch: int, Q):
+    """``block_table`` as an Operand: int32, (batch, max_pages >= 1), on q's device."""
     op = _int32(block_table, "block_table", 2, Q)
     if op.shape[0] != batch or op.shape[1] < 1:
         raise ValueError(f"block_table must be ({batch}, max_pages >= 1), got shape "
