@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s22a    the decoding kernel (split-KV, GQA packed; issue 26): its GPU tests, the probe of
+#                its configs and splits
+#   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA)
 #   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
 #                host cost per call), the user soft cap with float32 constants against softcap=
 #   PART=s21b    the backward benchmark (fp16, bf16) and the training step, for issue 24's table
@@ -169,6 +172,13 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s22a "* ]]; then
+    gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
+    step probe_decode 300 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"
+fi
+if [[ " $PART " == *" s22b "* ]]; then
+    bench_suite bench_attention_kvcache 450 "test_flash_attention_with_kvcache"
+fi
 if [[ " $PART " == *" s21a "* ]]; then
     bench_suite bench_gemm_softmax 150 "gemm_softmax_vs_unfused and builtin"
     step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"

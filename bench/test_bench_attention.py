@@ -349,3 +349,99 @@ def test_flash_attention_varlen(benchmark, record, torch, gpu_name, causal):
                       case=f"varlen 32x(128-4096) H{h} D{d} {mask} bfloat16",
                       figure=f"attention_varlen_{mask}", x=total, xlabel="tokens")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- decoding over a KV cache (issue 26) -----------------------------------------------------
+
+#: (batch, capacity) of the decoding cases; heads 32 / 8, head_dim 128, bf16.
+KV_SHAPES = [(b, s) for b in (1, 8, 64) for s in (4096, 32768, 131072)]
+_COPY = {}
+
+
+def copy_timing(torch, nbytes: int):
+    """A device-to-device copy that moves ``nbytes`` (reads half, writes half) as a Timing:
+    measured at that size up to 2 GiB moved, above it scaled from the 2 GiB copy (bandwidth
+    flat by then); once per size and process."""
+    from measure import Timing
+
+    moved = min(nbytes, 2 << 30)
+    if moved not in _COPY:
+        src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        _COPY[moved] = gpu_time(torch, lambda: dst.copy_(src))
+        del src, dst
+    t = _COPY[moved]
+    f = nbytes / moved
+    return Timing(t.ms * f, t.host_us, t.flushed, t.hidden,
+                  t.ms_as_called and t.ms_as_called * f, t.calls_as_called)
+
+
+@pytest.mark.parametrize("sq", [1, 4], ids=["q1", "q4"])
+@pytest.mark.parametrize("page", [None, 16, 256], ids=["contiguous", "page16", "page256"])
+@pytest.mark.parametrize("shape", KV_SHAPES, ids=lambda s: f"B{s[0]}_S{s[1]}")
+def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape, page, sq):
+    """``tilepy.flash_attention_with_kvcache`` (one decoding step: ``sq`` query rows per
+    sequence, 32 query heads over 8 KV heads, head_dim 128, bf16, every sequence at the
+    cache's capacity, ``num_splits`` chosen) as bandwidth: the bytes of K and V the visible
+    keys occupy over the time. Peers in the same run: a device-to-device copy moving as many
+    bytes (the main ratio: the fraction of copy bandwidth reached) and, on the contiguous
+    cache, ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over the whole cache (its
+    default backend; not causal for ``sq`` 4: four rows' mask is no work at these lengths;
+    left out above 8 GB of K and V). Correctness first: two sequences against SDPA in
+    float32 (the bottom-right causal mask)."""
+    import tilepy
+    import torch.nn.functional as F
+
+    b, cap = shape
+    hq, hk, d, dt = 32, 8, 128, torch.bfloat16
+    nbytes = 2 * b * cap * hk * d * 2
+    if page is None:
+        kc = torch.randn(b, cap, hk, d, device="cuda", dtype=dt)
+        table = None
+    else:
+        kc = torch.randn(b * cap // page, page, hk, d, device="cuda", dtype=dt)
+        table = torch.randperm(kc.shape[0], device="cuda").view(b, -1).int()
+    vc = torch.randn_like(kc)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt)
+    lens = torch.full((b,), cap, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def ours(check=False):
+        return tilepy.flash_attention_with_kvcache(q, kc, vc, lens, block_table=table, out=out,
+                                                   check_seqlens=check)
+
+    ours(True)
+    for z in sorted({0, b - 1}):
+        j = torch.arange(cap, device="cuda")
+        k = kc[table[z, j // page], j % page] if page else kc[z]
+        v = vc[table[z, j // page], j % page] if page else vc[z]
+        mask = j[None] <= torch.arange(sq, device="cuda")[:, None] + cap - sq
+        want = F.scaled_dot_product_attention(
+            q[z:z + 1].transpose(1, 2).float(), k[None].transpose(1, 2).float(),
+            v[None].transpose(1, 2).float(), attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        err = max_abs_err(out[z:z + 1], want)
+        assert err < tolerance("bfloat16") * v.abs().max().item(), (z, err)
+        del k, v
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours), "device copy": copy_timing(torch, nbytes)}
+    if page is None:
+        if nbytes <= 8 << 30:
+            qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+            timings["SDPA"] = try_peer(notes, "SDPA", lambda: gpu_time(
+                torch, lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)))
+        else:
+            notes["SDPA"] = "left out above 8 GB of K and V"
+    from tilepy.ops.attention_kvcache import choose_config
+
+    layout = "contiguous" if page is None else f"page {page}"
+    record_throughput(record, work=nbytes, unit="GB/s", timings=timings, main="device copy",
+                      notes=notes, gpu=gpu_name, dtype="bfloat16",
+                      shape=f"B{b} S{cap} Hq{hq}/Hkv{hk} D{d} q{sq}",
+                      config=choose_config(d, "bfloat16", sq, page or 0).describe(),
+                      table="Decoding over a KV cache",
+                      case=f"B{b} cache {cap} {layout} q{sq} bfloat16",
+                      figure=f"kvcache_{layout.replace(' ', '')}_q{sq}", x=nbytes,
+                      xlabel="bytes of K and V")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+    del kc, vc
+    torch.cuda.empty_cache()

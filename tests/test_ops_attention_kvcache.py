@@ -1,9 +1,11 @@
 """``tilepy.flash_attention_with_kvcache``: a few query rows per sequence against a KV cache
 (contiguous, or paged through a block table), new keys and values appended first, against a
 float64 reference that gathers each sequence's keys from its pages (ragged lengths with 0 and
-the full capacity, GQA and MQA, seq_q 1 and 3 aligned to each sequence's end, a window);
+the full capacity, GQA and MQA, seq_q 1, 2, 3 and 5 aligned to each sequence's end, a window,
+the keys split into runs and not, the forward kernel as the alternative config);
 out-of-range lengths and pages clamped, never read out of bounds; bad input refused before
-launch. The kernel's offline compile: test_ops_attention.py (``..._paged``)."""
+launch. The kernels' offline compile: test_ops_attention.py (``..._paged``) and the decoding kernel's
+below."""
 
 from __future__ import annotations
 
@@ -52,19 +54,23 @@ def append_reference(kc, vc, kn, vn, lens, table=None):
 
 
 @sim
-@pytest.mark.parametrize("sq,hq,hk,causal,window,dtype", [
-    (1, 4, 1, True, None, "float16"),          # decoding, MQA
-    (3, 4, 2, True, (20, 0), "bfloat16"),      # speculative rows, GQA, a sliding window
-    (3, 2, 2, False, None, "float16"),
+@pytest.mark.parametrize("sq,hq,hk,causal,window,dtype,splits", [
+    (1, 8, 1, True, None, "float16", 3),           # decoding, MQA, the keys split 3 ways
+    # speculative rows of GQA packed into two tiles (5 rows x 4 heads), a sliding window
+    (5, 8, 2, True, (20, 0), "bfloat16", None),
+    (3, 2, 2, False, None, "float16", "forward"),  # the forward kernel (an AttentionConfig)
 ])
-def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype):
+def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, splits):
     rng = np.random.default_rng()
-    b, cap, d = 3, 40, 32
+    b, cap, d = 3, 40, 40
     q = rand(rng, (b, sq, hq, d), dtype)
     kc, vc = rand(rng, (b, cap, hk, d), dtype), rand(rng, (b, cap, hk, d), dtype)
     lens = np.array([0, 17, cap], np.int32)    # empty, ragged, full
     out = np.full(q.shape, np.nan, q.dtype)
-    got, lse = kvcache(q, kc, vc, lens, causal=causal, window=window, return_lse=True, out=out)
+    extra = dict(config=AttentionConfig(d, 16, 16, 16, dtype)) if splits == "forward" \
+        else dict(num_splits=splits)
+    got, lse = kvcache(q, kc, vc, lens, causal=causal, window=window, return_lse=True, out=out,
+                       **extra)
     assert got is out
     want, wl = kv_reference(q, kc, vc, lens, None, causal, window or (-1, -1))
     check(got, want, vc, dtype)
@@ -72,7 +78,7 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype):
 
 
 @sim
-@pytest.mark.parametrize("page,sn", [(16, 0), (32, 2)])
+@pytest.mark.parametrize("page,sn", [(16, 0), (64, 2)])
 def test_paged_cache_with_appended_tokens(page, sn):
     """Pages in a shuffled order, new tokens written through the block table at each
     sequence's end (one lands on a new page) and attended to."""
@@ -87,7 +93,7 @@ def test_paged_cache_with_appended_tokens(page, sn):
     kn, vn = rand(rng, (b, sn, hk, d), "float16"), rand(rng, (b, sn, hk, d), "float16")
     want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
     got = kvcache(q, kc, vc, lens, k=kn if sn else None, v=vn if sn else None,
-                  block_table=table)
+                  block_table=table, num_splits=2 if sn else 1)
     np.testing.assert_array_equal(kc, want_k)
     np.testing.assert_array_equal(vc, want_v)
     check(got, kv_reference(q, want_k, want_v, lens + sn, table)[0], vc, "float16")
@@ -102,7 +108,7 @@ def test_unchecked_lengths_and_pages_are_clamped():
     kc, vc = rand(rng, (3, 16, 1, 16), "float16"), rand(rng, (3, 16, 1, 16), "float16")
     table = np.array([[0, 1], [2, 7]], np.int32)
     got = kvcache(q, kc, vc, np.array([99, 20], np.int32), block_table=table,
-                  check_seqlens=False)
+                  check_seqlens=False, num_splits=2)
     want = kv_reference(q, kc, vc, [32, 20], np.array([[0, 1], [2, 2]], np.int32))[0]
     check(got, want, vc, "float16")
 
@@ -128,8 +134,13 @@ def test_errors_are_raised_before_launch():
         kvcache(x[:1], kc, kc, lens[:1])
     with pytest.raises(ValueError, match="pass both or neither"):
         kvcache(x, kc, kc, lens, k=kc[:, :1])
-    with pytest.raises(NotImplementedError, match="split-KV"):
-        kvcache(x, kc, kc, lens, num_splits=4)
+    with pytest.raises(ValueError, match="num_splits must be in 1 … 1024"):
+        kvcache(x, kc, kc, lens, num_splits=0)
+    with pytest.raises(TypeError, match="num_splits must be an int or None"):
+        kvcache(x, kc, kc, lens, num_splits=True)
+    with pytest.raises(ValueError, match="num_splits > 1 needs the decoding kernel"):
+        kvcache(x, kc, kc, lens, num_splits=2, config=AttentionConfig(16, 16, 16, 16,
+                                                                      "float16"))
     with pytest.raises(ValueError, match="block_n = 64 must divide the page size 32"):
         kvcache(x, kc, kc, lens, block_table=np.zeros((2, 1), np.int32),
                 config=AttentionConfig(16, 16, 64, 16, "float16"))
@@ -137,6 +148,31 @@ def test_errors_are_raised_before_launch():
         kvcache(np.zeros((2, 1, 3, 16), np.float16), np.zeros((2, 32, 2, 16), np.float16),
                 np.zeros((2, 32, 2, 16), np.float16), lens)
 
+
+
+@pytest.mark.compile
+def test_decoding_kernels_compile_without_spills():
+    """The decoding kernel (the default 32-key config split and paged; 64-key blocks whole
+    and contiguous) and the combine kernel, offline for sm_90: per key block (head_dim 128)
+    BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
+    assert len(reports) == 3
+    for name, rep in reports.items():
+        assert "error" not in rep, rep.get("error")
+        c = rep["counts"]
+        if "combine" not in name:
+            bn = 32 if "paged" in name else 64
+            assert c["mma"] >= 2 * bn, (name, c)
+            assert c["cp.async"] >= 1 and c["cp.async.wait"] >= 2, (name, c)
+        assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+        assert rep["f64"] == 0, "64-bit float arithmetic in the kernel"
+        assert 0 < rep["registers"] <= 255
+        print(f"{name}: {rep['registers']} registers, {rep['config']}")
 
 @gpu
 @pytest.mark.parametrize("page", [None, 16, 256])

@@ -500,7 +500,8 @@ def test_flash_attention_with_kvcache_operator_writes_the_cache_and_compiles():
     """PyTorch tensors through tilepy.flash_attention_with_kvcache: the ``tilepy::
     flash_attention_with_kvcache`` operator (opcheck's schema and fake-tensor checks, the
     caches declared written), the appended token in the paged cache and the result equal to
-    an eager call's, under torch.compile(fullgraph=True) too; inputs that require grad
+    an eager call's, under torch.compile(fullgraph=True) too (the keys split two ways: the
+    schema's num_splits); inputs that require grad
     refused (an inference op)."""
     q = rand(2, 1, 2, 16)
     kc, vc = rand(3, 16, 1, 16), rand(3, 16, 1, 16)
@@ -509,15 +510,15 @@ def test_flash_attention_with_kvcache_operator_writes_the_cache_and_compiles():
     kn, vn = rand(2, 1, 1, 16), rand(2, 1, 1, 16)
     torch.library.opcheck(torch.ops.tilepy.flash_attention_with_kvcache.default,
                           (q, kc.clone(), vc.clone(), lens, kn, vn, table, True, None, -1, 0,
-                           0.0, True, True), test_utils=("test_schema", "test_faketensor"))
+                           0.0, True, True, 2), test_utils=("test_schema", "test_faketensor"))
     eager_k, eager_v = kc.clone(), vc.clone()
     want = tilepy.flash_attention_with_kvcache(q, eager_k, eager_v, lens, k=kn, v=vn,
-                                               block_table=table)
+                                               block_table=table, num_splits=2)
     assert torch.equal(eager_k[2, 5], kn[0, 0]) and torch.equal(eager_k[0, 0], kn[1, 0])
 
     def step(q, kc, vc):
         return tilepy.flash_attention_with_kvcache(q, kc, vc, lens, k=kn, v=vn,
-                                                   block_table=table) * 2
+                                                   block_table=table, num_splits=2) * 2
 
     torch._dynamo.reset()
     ck, cv = kc.clone(), vc.clone()

@@ -97,7 +97,8 @@ _SCHEMAS = {
                                     "Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
                                     "Tensor? v, Tensor? block_table, bool causal, "
                                     "float? scale, int window_left, int window_right, "
-                                    "float softcap, bool return_lse, bool check_seqlens) "
+                                    "float softcap, bool return_lse, bool check_seqlens, "
+                                    "int? num_splits=None) "
                                     "-> (Tensor, Tensor)",
     "flash_attention_varlen_backward": "flash_attention_varlen_backward(Tensor dout, "
                                        "Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -885,16 +886,17 @@ torch.library.register_autograd("tilepy::flash_attention_varlen", _varlen_grad,
 # ---- flash_attention_with_kvcache -----------------------------------------------------------
 
 def _kvcache_impl(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr,
-                  softcap, return_lse, check_seqlens):
+                  softcap, return_lse, check_seqlens, num_splits=None):
     res = _kvcache.flash_attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, causal=causal,
         scale=scale, window=(wl, wr), softcap=softcap, return_lse=return_lse,
-        check_seqlens=check_seqlens)
+        check_seqlens=check_seqlens, num_splits=num_splits)
     return res if return_lse else (res, _no_lse(q))
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, wl, wr,
-                  softcap, return_lse, check_seqlens):
+                  softcap, return_lse, check_seqlens, num_splits=None):
+    _kvcache.check_num_splits(num_splits)
     shape, lse_shape = _kvcache.output_spec(q, k_cache, v_cache, cache_seqlens,
                                             block_table=block_table, return_lse=return_lse)
     return q.new_empty(shape), (q.new_empty(lse_shape, dtype=torch.float32) if return_lse
@@ -909,8 +911,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block
                                  check_seqlens, config):
     """``tilepy.flash_attention_with_kvcache`` on PyTorch tensors: the ``tilepy::
     flash_attention_with_kvcache`` operator (it writes the caches; fake tensors and
-    ``torch.compile`` without a graph break); with ``out=``, a ``config`` or ``num_splits``
-    an eager call. An inference op: no gradient (``TypeError`` for inputs that require
+    ``torch.compile`` without a graph break); with ``out=`` or a ``config`` an eager call. An inference op: no gradient (``TypeError`` for inputs that require
     one)."""
     op = "flash_attention_with_kvcache"
     _no_grad_for(op, "it has no backward (an inference op)", q=q, k_cache=k_cache,
@@ -921,13 +922,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block
     args = (q, k_cache, v_cache, cache_seqlens)
     if _direct(q, k_cache, v_cache, cache_seqlens, k, v, block_table, out):
         return _kvcache.flash_attention_with_kvcache(*args, **kwargs)
-    if out is not None or config is not None or num_splits is not None:
+    if out is not None or config is not None:
         return _eager_only()(_kvcache.flash_attention_with_kvcache, *args, **kwargs)
     wl, wr, cap = _variant_args(causal, window, softcap)
     if scale is not None:
         scale = _float_arg(op, "scale", scale)
     res, lse = _kvcache_op(*args, k, v, block_table, causal, scale, wl, wr, cap,
-                           bool(return_lse), bool(check_seqlens))
+                           bool(return_lse), bool(check_seqlens),
+                           _kvcache.check_num_splits(num_splits))
     return (res, lse) if return_lse else res
 
 

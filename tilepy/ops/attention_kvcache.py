@@ -1,15 +1,18 @@
 """``tilepy.flash_attention_with_kvcache``: attention of a few new query rows per sequence
 against a KV cache, contiguous or paged (FlashAttention-2's ``flash_attn_with_kvcache``).
 
-One launch of the mma.sync forward kernel with its ``cache`` generator parameter
-(:func:`tilepy.ops.attention_mma_sync.attention_kernel`): each block reads its sequence's
-length (and, paged, its block table) on the device, so the same launch — and a CUDA graph
-that captured it — serves every step of a generation loop. New keys and values (``k`` /
+The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`, mma.sync): the query
+heads of one KV head packed into one 16-row tile (K and V read once for all of them), the keys
+cut into ``num_splits`` runs handled by separate blocks (flash-decoding), whose float32
+partials a second small kernel merges by their log-sum-exps. Each block reads its sequence's
+length (and, paged, its block table) on the device, so the same launches — and a CUDA graph
+that captured them — serve every step of a generation loop. New keys and values (``k`` /
 ``v``) are first written into the cache by a small copy kernel (:func:`append_kernel`) on the
-same stream.
+same stream. An :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` as ``config`` runs the
+forward kernel instead (its ``cache`` generator parameter: one block per query block and
+query head, no split).
 
-Not yet: split-KV (``num_splits`` > 1), several query heads of a KV head in one tile, and
-the Hopper kernels; a decoding step runs one block per (query head, sequence).
+Not yet: the Hopper (TMA / wgmma) kernels.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from ..tile import device_write
 from ..tile.attention import score_hook
 from . import attention as at
 from . import attention_mma_sync as fa
+from . import attention_decode_mma_sync as dec
+from .attention_decode_mma_sync import DecodeConfig
 from .attention_mma_sync import HEAD_DIMS, AttentionConfig
 
 
@@ -62,9 +67,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
       table entries into ``0 … pages - 1``, and appended tokens past the capacity are
       dropped.
     * ``return_lse=True``: ``(out, lse)``, ``lse`` float32 (batch, heads_q, seq_q).
-    * ``num_splits``: None or 1 (split-KV is not implemented yet: ``NotImplementedError``).
-    * ``config``: an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` (its ``block_n``
-      must divide a paged cache's ``page_size``); by default one sized for ``seq_q``.
+    * ``num_splits``: the keys of each sequence are cut into this many runs, each run by its
+      own blocks, merged afterwards (flash-decoding; ``1``: one pass, no merge). ``None``
+      chooses from the SM count, the batch, the KV heads and the capacity
+      (:func:`tilepy.ops.attention_decode_mma_sync.choose_splits`): enough blocks to fill
+      the GPU, each run at least 4 key blocks long. The results agree to rounding whatever the
+      value.
+    * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
+      blocks, four stages: :func:`choose_config`), or an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for
+      the forward kernel (no split); its ``block_n`` must divide a paged cache's
+      ``page_size``.
     Errors are raised before anything is launched.
     """
     Q, K, V, Out, dims, device = check_arguments(q, k_cache, v_cache, out, block_table)
@@ -74,13 +86,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     Table = describe_table(block_table, b, Q) if paged else None
     Kn, Vn, sn = check_new(k, v, b, hk, d, Q)
     win, cap = at.check_variant(causal, window, softcap)
-    if num_splits is not None and (isinstance(num_splits, bool) or num_splits != 1):
-        raise NotImplementedError(f"flash_attention_with_kvcache: split-KV (num_splits="
-                                  f"{num_splits!r}) is not implemented yet; pass None or 1")
     page = K.shape[1] if paged else 0
     capacity = Table.shape[1] * page if paged else K.shape[1]
     cfg = config if config is not None else choose_config(d, Q.dtype, sq, page)
     check_config(cfg, d, Q.dtype, page)
+    splits = check_splits(num_splits, cfg)
     if max(b, hq, hk) > launch.MAX_GRID_YZ:
         raise NotImplementedError(f"flash_attention_with_kvcache: at most "
                                   f"{launch.MAX_GRID_YZ} sequences and heads (got {b} and "
@@ -101,22 +111,65 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
             append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")), seq_v,
                    table_v, stream)
         if b and hq and sq:
-            variant = at.is_variant(win, cap)
-            if variant:
-                kern = fa.attention_kernel(cfg, False, lse is not None, win,
-                                           score_hook(cap) if cap else None,
-                                           cache="paged" if paged else "contiguous")
-            else:
-                kern = fa.attention_kernel(cfg, bool(causal), lse is not None,
-                                           cache="paged" if paged else "contiguous")
-            lse_v = at.device_view(arrays.raw_view(describe(lse, "lse"))) \
-                if lse is not None else arrays.placeholder(3)
             keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
-            plan, args = fa.plan(kern, cfg, at.bhsd_view(Q, "bshd"), *caches,
-                                 at.bhsd_view(Out, "bshd"), lse_v, scale,
-                                 hargs=(keys, ()), chunks=False)
-            plan.launch(stream, args)
+            if isinstance(cfg, DecodeConfig):
+                if splits is None:
+                    tiles = -(-(sq * (hq // hk)) // dec.ROWS)
+                    resident = 228 * 1024 // (cfg.smem_bytes + 1024)
+                    splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
+                                               launch.sm_count(launch.SIM_SMS), resident)
+                decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, stream)
+            else:
+                forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged,
+                        stream)
     return (out, lse) if return_lse else out
+
+
+def forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged, stream) -> None:
+    """One launch of the mma.sync forward kernel with its ``cache`` parameter: a block per
+    (query block, query head, sequence), all of the sequence's keys (an
+    :class:`AttentionConfig` given as ``config``)."""
+    kind = "paged" if paged else "contiguous"
+    if at.is_variant(win, cap):
+        kern = fa.attention_kernel(cfg, False, lse is not None, win,
+                                   score_hook(cap) if cap else None, cache=kind)
+    else:
+        kern = fa.attention_kernel(cfg, bool(causal), lse is not None, cache=kind)
+    lse_v = at.device_view(arrays.raw_view(describe(lse, "lse"))) \
+        if lse is not None else arrays.placeholder(3)
+    plan, args = fa.plan(kern, cfg, at.bhsd_view(Q, "bshd"), *caches,
+                         at.bhsd_view(Out, "bshd"), lse_v, scale, hargs=(keys, ()),
+                         chunks=False)
+    plan.launch(stream, args)
+
+
+def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, stream) -> None:
+    """The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a
+    KV head packed into one tile, the keys split ``splits`` ways; with more than one split,
+    float32 partials merged by the combine kernel."""
+    b, sq, hq, d = Q.shape
+    hk = caches[0].shape[1]
+    grp = hq // hk
+    q5 = at.device_view(dec.packed_view(arrays.raw_view(Q), hk))
+    o5 = at.device_view(dec.packed_view(arrays.raw_view(Out), hk))
+    lse4 = at.device_view(dec.lse_view(arrays.raw_view(describe(lse, "lse")), hk)) \
+        if lse is not None else arrays.placeholder(4)
+    split = splits > 1
+    kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged)
+    if split:
+        parts = arrays.empty(Q, (splits, b, hk, sq, grp, d), "float32")
+        part_lse = arrays.empty(Q, (splits, b, hk, grp, sq), "float32")
+        p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
+        pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
+        plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits)
+        plan.launch(stream, args)
+        comb = dec.combine_kernel(d, cfg.dtype, lse is not None)
+        cargs = (p_v, pl_v, o5, lse4)
+        LaunchPlan(comb, cargs, (sq * grp, hk, b), dec.combine_threads(d)).launch(stream,
+                                                                                  cargs)
+    else:
+        plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1)
+        plan.launch(stream, args)
 
 
 def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_lse=False):
@@ -128,30 +181,60 @@ def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_
     return Q.shape, ((b, hq, sq) if return_lse else None)
 
 
-def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0) -> AttentionConfig:
-    """The mma.sync config of a decoding step: query blocks of 16 rows (one warp) for up to
-    16 query rows, else 64; 64-key blocks (16 in the simulator), fewer when a page is
-    smaller (``block_n`` must divide ``page_size``)."""
-    if arrays.SIMULATOR:
-        bm, bn = (16 if seq_q <= 16 else at.SIM_BLOCK_M), at.SIM_BLOCK_N
-    else:
-        bm, bn = (16 if seq_q <= 16 else 64), 64
+def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0) -> DecodeConfig:
+    """The decoding kernel's config: 32-key blocks (16 in the simulator), fewer when a page
+    is smaller (``block_n`` must divide ``page_size``), four stages (three key blocks in
+    flight while one is computed)."""
+    bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 32
     while page_size and page_size % bn:
         bn //= 2
-    return AttentionConfig(head_dim, bm, bn, 16, dtype)
+    return DecodeConfig(head_dim, bn, 4, dtype)
 
 
 def check_config(cfg, d: int, dtype: str, page: int) -> None:
-    """``TypeError`` / ``ValueError`` unless ``cfg`` is an mma.sync config of the inputs'
-    head_dim and dtype whose ``block_n`` divides a paged cache's ``page`` (0: not paged)."""
-    if not isinstance(cfg, AttentionConfig):
-        raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig, got "
+    """``TypeError`` / ``ValueError`` unless ``cfg`` is a :class:`DecodeConfig` (the decoding
+    kernel) or an :class:`AttentionConfig` (the forward kernel, one block per query head) of
+    the inputs' head_dim and dtype whose ``block_n`` divides a paged cache's ``page`` (0: not
+    paged)."""
+    if not isinstance(cfg, (DecodeConfig, AttentionConfig)):
+        raise TypeError(f"config must be a tilepy.ops.attention_decode_mma_sync.DecodeConfig "
+                        f"or a tilepy.ops.attention_mma_sync.AttentionConfig, got "
                         f"{type(cfg).__name__}")
     if (cfg.head_dim, cfg.dtype) != (d, dtype):
         raise ValueError(f"config is for head_dim {cfg.head_dim} {cfg.dtype}; the inputs are "
                          f"head_dim {d} {dtype}")
     if page and page % cfg.block_n:
         raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page}")
+
+
+#: The most splits of the keys ``num_splits`` may ask for.
+MAX_SPLITS = 1024
+
+
+def check_num_splits(num_splits):
+    """``num_splits`` as an int, or None; ``TypeError`` / ``ValueError`` for anything but
+    None or an int in ``1 … MAX_SPLITS``."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an int or None, got "
+                        f"{type(num_splits).__name__} {num_splits!r}")
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in 1 … {MAX_SPLITS} (or None: chosen from the "
+                         f"SM count, batch and capacity), got {num_splits}")
+    return int(num_splits)
+
+
+def check_splits(num_splits, cfg):
+    """:func:`check_num_splits`, and ``ValueError`` above 1 with the forward kernel's config;
+    None (chosen per call) becomes 1 there."""
+    num_splits = check_num_splits(num_splits)
+    if num_splits is None:
+        return None if isinstance(cfg, DecodeConfig) else 1
+    if num_splits > 1 and not isinstance(cfg, DecodeConfig):
+        raise ValueError("num_splits > 1 needs the decoding kernel (a DecodeConfig); an "
+                         "AttentionConfig runs the forward kernel, which does not split")
+    return int(num_splits)
 
 
 def check_arguments(q, k_cache, v_cache, out, block_table, data: bool = True):

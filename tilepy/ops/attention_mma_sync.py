@@ -95,8 +95,30 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class KeyTiles:
+    """The shared tiles of a config with ``head_dim`` and ``block_n`` (the forward and the
+    decoding kernels' configs)."""
+
+    @property
+    def tile_dim(self) -> int:
+        """The shared tiles' row length: ``head_dim`` rounded up to a multiple of 16 (the
+        columns past ``head_dim`` are zeros)."""
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def swizzle(self) -> bool:
+        """XOR swizzle of the shared tiles where the row length allows it (tile_dim = 16, 32,
+        64, 128); other head dims use plain rows (correct; some bank conflicts)."""
+        chunks = self.tile_dim // 8
+        return chunks in (1, 2, 4) or chunks % 8 == 0
+
+    @property
+    def tile_bytes(self) -> int:
+        return self.block_n * self.tile_dim * 2
+
+
 @dataclass(frozen=True)
-class AttentionConfig:
+class AttentionConfig(KeyTiles):
     """One FlashAttention forward kernel: BM query rows per block, BN keys per step.
 
     ``warp_rows`` (16 or 32) query rows per warp, so ``block_m / warp_rows`` warps per block.
@@ -139,23 +161,6 @@ class AttentionConfig:
     @property
     def threads(self) -> int:
         return 32 * self.warps
-
-    @property
-    def tile_dim(self) -> int:
-        """The shared tiles' row length: ``head_dim`` rounded up to a multiple of 16 (the
-        columns past ``head_dim`` are zeros)."""
-        return -(-self.head_dim // 16) * 16
-
-    @property
-    def swizzle(self) -> bool:
-        """XOR swizzle of the shared tiles where the row length allows it (tile_dim = 16, 32,
-        64, 128); other head dims use plain rows (correct; some bank conflicts)."""
-        chunks = self.tile_dim // 8
-        return chunks in (1, 2, 4) or chunks % 8 == 0
-
-    @property
-    def tile_bytes(self) -> int:
-        return self.block_n * self.tile_dim * 2
 
     @property
     def q_bytes(self) -> int:

@@ -12,6 +12,8 @@ callers (:func:`tilepy.inline.inline_device`):
   :func:`copy_tile_to_shared` (bounded in rows and columns; whole passes,
   :func:`copy_tile_splits`) — the same tiles as :func:`copy_global_to_shared`, with a
   handful of integers per thread instead of a table per chunk (mma.sync kernels).
+* :func:`copy_grouped_rows_to_shared` — the same tile from rows that are two nested axes (the
+  query heads of one KV head at each query position: grouped-query packing).
 * :func:`copy_rows_to_shared_128b`, :func:`copy_k_major_to_shared_128b`,
   :func:`copy_mn_major_to_shared_128b` — tiles in the 128-byte-swizzled canonical layouts
   that wgmma reads (:mod:`tilepy.ptx.wgmma_layout`): K-major rows of 64-column sub-tiles, a
@@ -121,6 +123,21 @@ def copy_global_to_shared(rows: int, cols: int, threads: int, swizzle: bool = Tr
     return setup, issue
 
 
+def _row_chunks(name: str, cols: int, swizzle: bool, valid_cols):
+    """``(chunks, valid, swz)`` of a row copier: 16-byte chunks per tile row, those the
+    matrix rows hold (``valid_cols / 8``), the swizzle function; ``ValueError`` naming
+    ``name`` for rows that are not whole chunks or a bad ``valid_cols``."""
+    chunks = cols // 8
+    if cols % 8:
+        raise ValueError(f"{name}: rows of {cols} elements are not whole 16-byte chunks")
+    if valid_cols is not None and (valid_cols % 8 or not 0 < valid_cols <= cols):
+        raise ValueError(f"{name}: valid_cols={valid_cols!r} must be a positive multiple of 8 "
+                         f"up to cols={cols}")
+    layout.check_swizzle(chunks, swizzle)
+    return chunks, chunks if valid_cols is None else valid_cols // 8, swizzle_fn(chunks,
+                                                                                 swizzle)
+
+
 @functools.cache
 def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True,
                         valid_cols: int | None = None):
@@ -145,18 +162,9 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
     Every thread of the block calls both. Same swizzle as :func:`load_a_fragments` /
     :func:`load_b_fragments` of ``cols``.
     """
-    chunks = cols // 8
-    if cols % 8:
-        raise ValueError(f"copy_rows_to_shared: rows of {cols} elements are not whole 16-byte "
-                         "chunks")
-    valid = chunks if valid_cols is None else valid_cols // 8
-    if valid_cols is not None and (valid_cols % 8 or not 0 < valid_cols <= cols):
-        raise ValueError(f"copy_rows_to_shared: valid_cols={valid_cols!r} must be a positive "
-                         f"multiple of 8 up to cols={cols}")
+    chunks, valid, swz = _row_chunks("copy_rows_to_shared", cols, swizzle, valid_cols)
     PART = valid < chunks     # chunks past `valid` zero-filled
-    layout.check_swizzle(chunks, swizzle)
     row_bytes = chunks * 16
-    swz = swizzle_fn(chunks, swizzle)
 
     if threads % chunks == 0:
         per_pass = threads // chunks
@@ -210,6 +218,43 @@ def copy_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
                                    src + r * row_stride + c * 16, nbytes)
 
     return setup, issue
+
+
+@functools.cache
+def copy_grouped_rows_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True,
+                                valid_cols: int | None = None):
+    """``issue(tile_addr, src, first, inner, outer_stride, row_stride, rows_left, tid)``: a
+    block copies ``rows × cols`` 16-bit elements into the (swizzled) shared tile of
+    :func:`copy_rows_to_shared` (same layout, same ``valid_cols`` zero-fill), where tile row
+    ``r`` is matrix row ``m = first + r``, at byte ``src + (m // inner) · outer_stride + (m %
+    inner) · row_stride`` — rows that are two nested axes, e.g. the query heads of one KV head (inner,
+    ``inner`` of them) at each query position (outer): attention's grouped-query packing. Tile
+    rows ``>= rows_left`` are zero-filled, nothing is read there. ``inner >= 1`` is a run-time
+    value (one integer division per chunk: meant for a tile loaded once, not streamed).
+    Every thread of the block calls it; the caller commits and waits."""
+    chunks, valid, swz = _row_chunks("copy_grouped_rows_to_shared", cols, swizzle, valid_cols)
+    PART = valid < chunks
+    total = rows * chunks
+    passes = -(-total // threads)
+    exact = total % threads == 0
+
+    @inline_device
+    def issue(tile_addr, src, first, inner, outer_stride, row_stride, rows_left, tid):
+        for p in range(passes):
+            idx = tid + p * threads
+            if exact or idx < total:
+                r = idx // chunks
+                c = idx % chunks
+                nbytes = 16 if r < rows_left else 0
+                if PART and c >= valid:
+                    nbytes = 0
+                m = first + r
+                at = src + (m // inner) * outer_stride + (m % inner) * row_stride + c * 16
+                if nbytes == 0:
+                    at = src    # nothing is read: keep the address in bounds
+                cp_async_cg_16(tile_addr + (r * chunks + swz(r, c)) * 16, at, nbytes)
+
+    return issue
 
 
 def copy_tile_splits(rows: int, cols: int, threads: int) -> bool:

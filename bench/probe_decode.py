@@ -1,0 +1,88 @@
+"""The decoding kernel's configs and splits against a device copy: GPU-only microseconds and
+GB/s of K and V (``measure.gpu_time``) of ``tilepy.flash_attention_with_kvcache`` for each
+(block_n, stages) config and several ``num_splits`` (None: the built-in choice), the forward
+kernel's one-block-per-query-head path (an AttentionConfig) for reference, 32 query heads over
+8 KV heads, head_dim 128, bf16, one query row, every sequence at the capacity.
+
+Usage: python bench/probe_decode.py [--json FILE] [--shapes 8x32768,1x131072,64x4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CONFIGS = [(64, 2), (64, 3), (32, 3), (32, 4), (32, 6), (16, 4), (16, 8)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json")
+    p.add_argument("--shapes", default="8x32768,1x131072,64x4096")
+    args = p.parse_args(argv)
+
+    import torch
+
+    import tilepy
+    from measure import gpu_time
+    from tilepy.ops.attention_decode_mma_sync import DecodeConfig
+    from tilepy.ops.attention_mma_sync import AttentionConfig
+
+    hq, hk, d, dt = 32, 8, 128, torch.bfloat16
+    rows = []
+    for shape in args.shapes.split(","):
+        b, cap = map(int, shape.split("x"))
+        kc = torch.randn(b, cap, hk, d, device="cuda", dtype=dt)
+        vc = torch.randn_like(kc)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dt)
+        lens = torch.full((b,), cap, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        nbytes = 2 * kc.numel() * 2
+        src = torch.empty(min(nbytes, 2 << 30) // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        t = gpu_time(torch, lambda: dst.copy_(src), as_called=False)
+        copy_gbps = 2 * src.numel() / t.ms / 1e6
+        del src, dst
+        print(f"B{b} S{cap}: device copy {copy_gbps:.0f} GB/s", flush=True)
+        want = tilepy.flash_attention_with_kvcache(q, kc, vc, lens).float()
+
+        def add(name, cfg, splits):
+            def run():
+                tilepy.flash_attention_with_kvcache(q, kc, vc, lens, out=out, config=cfg,
+                                                    num_splits=splits, check_seqlens=False)
+            try:
+                run()
+                err = (out.float() - want).abs().max().item()
+                t = gpu_time(torch, run)
+            except Exception as e:  # noqa: BLE001 — a config that does not fit is a row too
+                print(f"  {name:40s} failed: {type(e).__name__}: {e}", flush=True)
+                rows.append(dict(batch=b, capacity=cap, name=name, error=str(e)))
+                return
+            gbps = nbytes / t.ms / 1e6
+            rows.append(dict(batch=b, capacity=cap, name=name, gpu_us=t.ms * 1e3,
+                             as_called_us=(t.ms_as_called or 0) * 1e3, gbps=gbps,
+                             copy_gbps=copy_gbps, of_copy=gbps / copy_gbps, max_err=err))
+            print(f"  {name:40s} {t.ms * 1e3:9.1f} µs  {gbps:6.0f} GB/s  "
+                  f"{gbps / copy_gbps:5.2f}x copy  (as called {(t.ms_as_called or 0) * 1e3:.1f}"
+                  f" µs, err {err:.1e})", flush=True)
+
+        add("forward kernel (AttentionConfig 16x64)", AttentionConfig(d, 16, 64, 16, "bfloat16"),
+            None)
+        for bn, st in CONFIGS:
+            for splits in (None, 1, 16, 64):
+                add(f"decode BN{bn} x{st} splits {splits}", DecodeConfig(d, bn, st, "bfloat16"),
+                    splits)
+        del kc, vc
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

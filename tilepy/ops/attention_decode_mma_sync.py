@@ -1,0 +1,487 @@
+"""Decoding attention on mma.sync: a few query rows per sequence against a long KV cache,
+split along the keys (flash-decoding), the query heads of one KV head packed into one tile.
+
+``decode_kernel(cfg, left, right, has_lse, split, softcap, paged)`` returns a ``@cuda.jit``
+kernel
+
+    kernel(q, k, v, o, lse, scale, scale_log2, keys)
+
+of one warp (``cfg.threads`` = 32) per block, grid :func:`grid` = (row tiles · splits, Hkv, B):
+
+* ``q`` (B, Hkv, Sq, G, D) uint16 bits of float16 / bfloat16 (``cfg.dtype``): query row ``i``
+  of query head ``hk · G + g`` at ``q[b, hk, i, g]`` — a strided view of the user's (B, Sq,
+  Hq, D) tensor (:func:`packed_view`), ``G = Hq / Hkv``. The block's tile holds 16 *packed
+  rows* ``r = i · G + g`` (row tile ``rt``: packed rows ``16 rt …``), so K and V are read once
+  for the G query heads of their KV head.
+* ``k`` / ``v``: the cache, as :func:`tilepy.ops.attention_mma_sync.attention_kernel`'s
+  ``cache`` parameter reads it — contiguous (B, Hkv, capacity, D), or ``paged`` (pages, Hkv,
+  page_size, D) with ``page_size`` a multiple of ``cfg.block_n``.
+* ``keys`` = ``(seqlens, added[, block_table])``: batch ``b`` sees its first ``min(max(
+  seqlens[b] + added, 0), capacity)`` keys (int32 ``seqlens``, int64 ``added``); paged, key
+  ``j`` at row ``j % page_size`` of page ``block_table[b, j // page_size]``, an entry outside
+  ``0 … pages - 1`` clamped into range (never read out of bounds).
+* The key window ``(left, right)`` (-1 unbounded; causal is ``right = 0``) aligns to each
+  batch's bottom-right diagonal: query row ``i`` sits at position ``sk - Sq + i``.
+  ``softcap > 0``: ``softcap · tanh(score / softcap)`` on the scaled scores.
+* Without ``split``: ``o`` (B, Hkv, Sq, G, D) uint16, the normalised output rows, and with
+  ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32, the natural-log LSE (-inf for a row that sees
+  no key, whose output row is 0).
+* With ``split``: block ``x = rt · splits + s`` takes the ``s``-th of ``splits = gridDim.x /
+  row tiles`` equal runs of the key blocks its rows see, and writes float32 partials —
+  ``o`` (splits, B, Hkv, Sq, G, D) normalised over its run, ``lse`` (splits, B, Hkv, G, Sq)
+  its run's LSE (-inf and a zero row for an empty run) — which :func:`combine_kernel`
+  merges. ``has_lse`` is then ignored (the partial LSE is always written).
+
+Per block (one warp): the Q tile (16 × D) by cp.async (:func:`tilepy.tile.copy.
+copy_grouped_rows_to_shared`), ldmatrix into A fragments kept in registers; key blocks of
+``block_n`` keys stream through a ``cfg.stages``-deep cp.async ring; S = Q·Kᵀ, mask,
+online softmax and O += P·V as in the forward kernel (the same :mod:`tilepy.tile` pieces).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from ..launch import LaunchPlan
+from ..ptx import global_addr, shared_addr
+from ..ptx.asm import SIMULATOR
+from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..tile.attention import limits_shape, mask_key_block, modify_scores, softcap_score
+from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.copy import (copy_grouped_rows_to_shared, copy_rows_to_shared, load_a_fragments,
+                         load_b_fragments)
+from ..tile.mma import _MMA
+from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
+from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..inline import inline_device
+from ..kcache import cached_jit
+from .attention_mma_sync import HEAD_DIMS, LOG2E, KeyTiles
+
+_NEG_INF = np.float32(-np.inf)
+_ZERO = np.float32(0.0)
+
+#: Packed rows of one tile (one warp, one m16 tile).
+ROWS = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig(KeyTiles):
+    """One decoding kernel: 16 packed query rows a block (one warp), ``block_n`` keys a step,
+    ``stages`` key blocks in flight. Shared memory: the Q tile plus ``stages`` K and V tiles,
+    ``(16 + 2 · stages · block_n) · tile_dim · 2`` bytes."""
+
+    head_dim: int
+    block_n: int = 64
+    stages: int = 2
+    dtype: str = "float16"
+    cc: tuple = (9, 0)
+
+    def __post_init__(self):
+        def need(ok, message):
+            if not ok:
+                raise ValueError(f"DecodeConfig: {message}")
+
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}, got "
+             f"{self.head_dim!r}")
+        need(isinstance(self.block_n, int) and self.block_n > 0 and self.block_n % 16 == 0,
+             f"block_n={self.block_n!r} is not a positive multiple of 16")
+        need(isinstance(self.stages, int) and 2 <= self.stages <= 8,
+             f"stages={self.stages!r} must be 2 … 8")
+        limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
+        need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
+             f"{limit} B a block may use on sm_{self.cc[0]}{self.cc[1]}")
+
+    threads = 32
+
+    @property
+    def q_bytes(self) -> int:
+        return ROWS * self.tile_dim * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.q_bytes + self.stages * 2 * self.tile_bytes
+
+    def describe(self) -> str:
+        return (f"decode BN={self.block_n} D={self.head_dim}, 1 warp x 16 packed rows, "
+                f"{self.stages} stages, {self.dtype}, {self.smem_bytes // 1024} KB smem")
+
+
+def _kernel_jit(disk_cache: bool):
+    if SIMULATOR:
+        return cuda.jit
+    return cached_jit(launch_bounds=32) if disk_cache else cuda.jit(launch_bounds=32)
+
+
+@functools.cache
+def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bool = False,
+                  split: bool = False, softcap: float = 0.0, paged: bool = False):
+    """The kernel of the module docstring for ``cfg``, generated once per argument set."""
+    BN, D, STAGES = cfg.block_n, cfg.tile_dim, cfg.stages
+    VALID = None if cfg.head_dim == D else cfg.head_dim
+    KD, NS, KN, NO = D // 16, BN // 8, BN // 16, D // 8
+    NO_STORE = cfg.head_dim // 8     # n8 tiles of O that are stored
+    SW = cfg.swizzle
+    Q_BYTES, TILE = cfg.q_bytes, cfg.tile_bytes
+    STAGE = 2 * TILE
+    WAIT_Q, WAIT_KV = STAGES - 1, STAGES - 2     # cp.async groups left in flight
+    UPPER, LOWER = right >= 0, left >= 0
+    R, L = right, left
+    WIN = (left, right)
+    LIMITS = limits_shape(1, False, WIN)
+    SPLIT, PAGED = bool(split), bool(paged)
+    HAS_LSE = bool(has_lse) or SPLIT
+    CAP = float(softcap) > 0
+
+    mma = _MMA[cfg.dtype]
+    pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
+    smem = dynamic_shared()
+    issue_q = copy_grouped_rows_to_shared(ROWS, D, 32, SW, VALID)
+    setup_kv, issue_kv = copy_rows_to_shared(BN, D, 32, SW, VALID)
+    setup_fq, load_q = load_a_fragments(1, D, SW)
+    setup_fk, load_k = load_b_fragments(NS, D, False, SW)
+    setup_fv, load_v = load_b_fragments(NO, D, True, SW)
+    update = online_softmax_update(1, NS)
+    finalize = online_softmax_finalize(1, NO)
+    mask = mask_key_block(1, NS, BN, WIN)
+    modify = modify_scores(1, NS, softcap_score(softcap) if CAP else None)
+
+    @inline_device
+    def issue_block(kb, lo, hi, kv_base, k, v, keys, b, sk, kp0, vp0):
+        # key block kb (if before hi) into its ring slot, then one commit either way; paged:
+        # its page from the block table, clamped into the pool
+        if kb < hi:
+            ks = k.strides[2]
+            vs = v.strides[2]
+            pos = kb * BN
+            if PAGED:
+                page = np.int64(k.shape[2])
+                pg = min(max(np.int64(keys[2][b, pos // page]), np.int64(0)),
+                         np.int64(k.shape[0] - 1))
+                k_shift = pg * k.strides[0] + (pos % page) * ks
+                v_shift = pg * v.strides[0] + (pos % page) * vs
+            else:
+                k_shift = pos * ks
+                v_shift = pos * vs
+            at = kv_base + ((kb - lo) % STAGES) * STAGE
+            issue_kv(at, k_shift, kp0[0], kp0[1], kp0[2], kp0[3], ks, sk - pos)
+            issue_kv(at + TILE, v_shift, vp0[0], vp0[1], vp0[2], vp0[3], vs, sk - pos)
+        cp_async_commit_group()
+
+    @_kernel_jit(not CAP)
+    def kernel(q, k, v, o, lse, scale, scale_log2, keys):
+        b = cuda.blockIdx.z
+        hk = cuda.blockIdx.y
+        lane = cuda.threadIdx.x
+        g = lane // 4
+        t = lane % 4
+        sq = np.int64(q.shape[2])
+        grp = np.int64(q.shape[3])
+        rows = sq * grp
+        tiles = (rows + ROWS - 1) // ROWS
+        nsplit = np.int64(cuda.gridDim.x) // tiles
+        rt = np.int64(cuda.blockIdx.x) // nsplit
+        sp = np.int64(cuda.blockIdx.x) % nsplit
+        row0 = rt * ROWS
+        if PAGED:
+            cap = np.int64(keys[2].shape[1]) * k.shape[2]
+            kvb = 0
+        else:
+            cap = np.int64(k.shape[2])
+            kvb = b
+        sk = min(max(np.int64(keys[0][b]) + keys[1], np.int64(0)), cap)
+        shift = sk - sq    # query row i sits at key position i + shift
+        i_lo = row0 // grp
+        i_hi = (min(row0 + ROWS, rows) - 1) // grp
+
+        # the key blocks any row of the tile sees, the keys every row sees
+        if UPPER:
+            last = min(sk, i_hi + shift + R + 1) - 1
+            kb_end = last // BN + 1 if last >= 0 else np.int64(0)
+            all_see = min(sk, i_lo + shift + R + 1) - 1
+        else:
+            kb_end = (sk + BN - 1) // BN
+            all_see = sk - 1
+        if LOWER:
+            kb_first = max(np.int64(0), i_lo + shift - L) // BN
+            all_first = max(np.int64(0), i_hi + shift - L)
+        else:
+            kb_first = np.int64(0)
+            all_first = np.int64(0)
+        # this block's run of them
+        n = max(kb_end - kb_first, np.int64(0))
+        per = (n + nsplit - 1) // nsplit
+        lo = kb_first + sp * per
+        hi = min(lo + per, kb_end)
+
+        row_max = cuda.local.array((1, 2), np.float32)
+        row_sum = cuda.local.array((1, 2), np.float32)
+        alpha = cuda.local.array((1, 2), np.float32)
+        limits = cuda.local.array(LIMITS, np.int64)
+        for hh in range(2):
+            row_max[0, hh] = _NEG_INF
+            row_sum[0, hh] = _ZERO
+            pos = (row0 + g + 8 * hh) // grp + shift
+            if UPPER:
+                end = min(sk, pos + R + 1) - 1
+            else:
+                end = sk - 1
+            if LOWER:
+                limits[0, hh, 0] = max(np.int64(0), pos - L)
+                limits[0, hh, 1] = end
+            else:
+                limits[0, hh] = end
+        acc = cuda.local.array((1, NO, 4), np.float32)
+        for j in range(NO):
+            for e in range(4):
+                acc[0, j, e] = _ZERO
+
+        if hi > lo:
+            base = shared_addr(smem(), 0)
+            kv_base = base + Q_BYTES
+            issue_q(base, np.int64(global_addr(q, (b, hk, 0, 0, 0))), row0, grp,
+                    q.strides[2], q.strides[3], rows - row0, lane)
+            cp_async_commit_group()
+            kp0 = setup_kv(np.int64(global_addr(k, (kvb, hk, 0, 0))), k.strides[2], lane)
+            vp0 = setup_kv(np.int64(global_addr(v, (kvb, hk, 0, 0))), v.strides[2], lane)
+            # the ring's first STAGES - 1 key blocks (empty groups past hi keep the count)
+            for st in range(STAGES - 1):
+                issue_block(lo + st, lo, hi, kv_base, k, v, keys, b, sk, kp0, vp0)
+
+            fq_off, fq_x = setup_fq(0, lane)
+            fk_off, fk_x, fk_u = setup_fk(0, lane)
+            fv_off, fv_c, fv_x = setup_fv(0, lane)
+            q_frag = cuda.local.array((KD, 1, 4), np.uint32)
+            k_frag = cuda.local.array((1, NS, 2), np.uint32)
+            v_frag = cuda.local.array((1, NO, 2), np.uint32)
+            s = cuda.local.array((1, NS, 4), np.float32)
+
+            cp_async_wait_group(WAIT_Q)     # the Q tile
+            cuda.syncthreads()
+            for kk in range(KD):
+                load_q(q_frag, kk, base, kk, fq_off, fq_x)
+
+            for kb in range(lo, hi):
+                cp_async_wait_group(WAIT_KV)        # key block kb has landed ...
+                cuda.syncthreads()                  # ... and its ring slot's last reader is done
+                issue_block(kb + STAGES - 1, lo, hi, kv_base, k, v, keys, b, sk, kp0, vp0)
+                k_addr = kv_base + ((kb - lo) % STAGES) * STAGE
+                v_addr = k_addr + TILE
+
+                for j in range(NS):
+                    for e in range(4):
+                        s[0, j, e] = _ZERO
+                for kk in range(KD):
+                    load_k(k_frag, 0, k_addr, kk, fk_off, fk_x, fk_u)
+                    for j in range(NS):
+                        s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3] = mma(
+                            q_frag[kk, 0, 0], q_frag[kk, 0, 1], q_frag[kk, 0, 2],
+                            q_frag[kk, 0, 3], k_frag[0, j, 0], k_frag[0, j, 1],
+                            s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
+                # the soft cap reads the score alone (its row / head arguments are unused)
+                modify(s, row0 + g, kb * BN + 2 * t, b, hk, scale, ())
+                mask(s, limits, kb, t, all_first, all_see)
+                update(s, row_max, row_sum, alpha, scale_log2)
+                for j in range(NO):
+                    for e in range(4):
+                        acc[0, j, e] = acc[0, j, e] * alpha[0, e // 2]
+                for kk in range(KN):
+                    load_v(v_frag, 0, v_addr, kk, fv_off, fv_c, fv_x)
+                    p0 = pack(s[0, 2 * kk, 0], s[0, 2 * kk, 1])
+                    p1 = pack(s[0, 2 * kk, 2], s[0, 2 * kk, 3])
+                    p2 = pack(s[0, 2 * kk + 1, 0], s[0, 2 * kk + 1, 1])
+                    p3 = pack(s[0, 2 * kk + 1, 2], s[0, 2 * kk + 1, 3])
+                    for j in range(NO):
+                        acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3] = mma(
+                            p0, p1, p2, p3, v_frag[0, j, 0], v_frag[0, j, 1],
+                            acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3])
+            cp_async_wait_group(0)
+
+        finalize(acc, row_sum)
+        for hh in range(2):
+            r = row0 + g + 8 * hh
+            if r < rows:
+                i = r // grp
+                gg = r % grp
+                for j in range(NO_STORE):
+                    c = 8 * j + 2 * t
+                    if SPLIT:
+                        o[sp, b, hk, i, gg, c] = acc[0, j, 2 * hh]
+                        o[sp, b, hk, i, gg, c + 1] = acc[0, j, 2 * hh + 1]
+                    else:
+                        word = pack(acc[0, j, 2 * hh], acc[0, j, 2 * hh + 1])
+                        o[b, hk, i, gg, c] = word & 0xFFFF
+                        o[b, hk, i, gg, c + 1] = word >> 16
+                if HAS_LSE and t == 0:
+                    total = row_sum[0, hh]
+                    if total > _ZERO:
+                        val = row_max[0, hh] * scale + math.log(total)
+                    else:
+                        val = _NEG_INF
+                    if SPLIT:
+                        lse[sp, b, hk, gg, i] = val
+                    else:
+                        lse[b, hk, gg, i] = val
+
+    return kernel
+
+
+@functools.cache
+def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
+    """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
+    (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
+    ``part_lse`` (S, B, Hkv, G, Sq) float32 — into ``o`` (B, Hkv, Sq, G, D) uint16 bits of
+    ``dtype``: ``o = Σ_s exp(lse_s - lse) · parts_s`` with ``lse = log Σ_s exp(lse_s)``
+    (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32 (-inf, and a zero row,
+    where no split saw a key). Grid (Sq · G, Hkv, B), :func:`combine_threads` threads, each
+    two columns."""
+    if dtype not in DTYPES:
+        raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
+    pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+    HALF = head_dim // 2
+    HAS_LSE = bool(has_lse)
+
+    @_kernel_jit(True)
+    def kernel(parts, part_lse, o, lse):
+        b = cuda.blockIdx.z
+        hk = cuda.blockIdx.y
+        r = np.int64(cuda.blockIdx.x)
+        grp = np.int64(o.shape[3])
+        i = r // grp
+        gg = r % grp
+        c = 2 * cuda.threadIdx.x
+        n = part_lse.shape[0]
+        top = _NEG_INF
+        for s in range(n):
+            top = max(top, part_lse[s, b, hk, gg, i])
+        x0 = _ZERO
+        x1 = _ZERO
+        if top == _NEG_INF:
+            total = _NEG_INF
+        else:
+            acc = _ZERO
+            for s in range(n):
+                acc += math.exp(part_lse[s, b, hk, gg, i] - top)
+            total = top + math.log(acc)
+            if cuda.threadIdx.x < HALF:
+                for s in range(n):
+                    w = math.exp(part_lse[s, b, hk, gg, i] - total)
+                    x0 += w * parts[s, b, hk, i, gg, c]
+                    x1 += w * parts[s, b, hk, i, gg, c + 1]
+        if cuda.threadIdx.x < HALF:
+            word = pack(x0, x1)
+            o[b, hk, i, gg, c] = word & 0xFFFF
+            o[b, hk, i, gg, c + 1] = word >> 16
+        if HAS_LSE and cuda.threadIdx.x == 0:
+            lse[b, hk, gg, i] = total
+
+    return kernel
+
+
+def combine_threads(head_dim: int) -> int:
+    """Threads of a :func:`combine_kernel` block: two columns each, whole warps."""
+    return -(-(head_dim // 2) // 32) * 32
+
+
+def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1) -> tuple:
+    """The decoding kernel's grid: (row tiles · splits, Hkv, B)."""
+    return (-(-(seq_q * group) // ROWS) * splits, heads_kv, batch)
+
+
+def packed_view(view, heads_kv: int):
+    """A (B, S, Hq, D) array (NumPy or Numba device) as the kernels' (B, Hkv, S, G, D) strided
+    view, ``G = Hq / Hkv``; no copy."""
+    from .. import arrays
+
+    bs, s, hq, d = view.shape
+    sb, ss, sh, sd = view.strides
+    grp = hq // heads_kv
+    return arrays.restride(view, (bs, heads_kv, s, grp, d), (sb, grp * sh, ss, sh, sd))
+
+
+def lse_view(view, heads_kv: int):
+    """A (B, Hq, S) float32 LSE array as the kernels' (B, Hkv, G, S) view; no copy."""
+    from .. import arrays
+
+    bs, hq, s = view.shape
+    sb, sh, ss = view.strides
+    grp = hq // heads_kv
+    return arrays.restride(view, (bs, heads_kv, grp, s), (sb, grp * sh, sh, ss))
+
+
+def choose_splits(batch: int, heads_kv: int, tiles: int, key_blocks: int, sms: int,
+                  resident: int) -> int:
+    """Splits of the keys (flash-decoding) for ``batch · heads_kv · tiles`` blocks over
+    ``key_blocks`` blocks of keys: enough blocks for ``sms · resident`` slots (the blocks an
+    SM holds at once), each split at least 4 key blocks long, at most 128 splits; 1 when the
+    blocks fill the slots already."""
+    pairs = max(batch * heads_kv * tiles, 1)
+    slots = sms * max(resident, 1)
+    want = -(-slots // pairs)
+    return int(max(1, min(want, key_blocks // 4, 128)))
+
+
+def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int):
+    """``(launch plan, arguments)`` of :func:`decode_kernel`'s kernel on its views."""
+    args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), tuple(keys))
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits)
+    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+
+
+def argtypes(split: bool, paged: bool, layout: str = "A"):
+    """Numba argument types of :func:`decode_kernel`'s kernel (offline compilation)."""
+    from numba import types
+
+    keys = (types.Array(types.int32, 1, layout), types.int64)
+    if paged:
+        keys += (types.Array(types.int32, 2, layout),)
+    if split:
+        o = types.Array(types.float32, 6, layout)
+        lse = types.Array(types.float32, 5, layout)
+    else:
+        o = types.Array(types.uint16, 5, layout)
+        lse = types.Array(types.float32, 4, layout)
+    u16_4 = types.Array(types.uint16, 4, layout)
+    return (types.Array(types.uint16, 5, layout), u16_4, u16_4, o, lse, types.float32,
+            types.float32, types.Tuple(keys))
+
+
+#: The decoding kernels the compile layer reports on: (name, config, (left, right), split,
+#: paged).
+COMPILED = (
+    # the default config (32-key blocks, four stages), split, paged
+    ("decode_d128_bf16_causal_split_paged", DecodeConfig(128, 32, 4, "bfloat16"), (-1, 0),
+     True, True),
+    ("decode_d128_f16_causal", DecodeConfig(128, 64, 2, "float16"), (-1, 0), False, False),
+)
+
+
+def compile_reports(only=None):
+    """Offline sm_90 reports of :data:`COMPILED` and of the combine kernel
+    (``decode_combine_d128_bf16_lse``; run with the simulator off:
+    ``tilepy.offline.run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")``)."""
+    from numba import types
+
+    from ..offline import report_entry
+
+    out = [report_entry(name, (lambda c=cfg, w=win, s=split, p=paged:
+                               decode_kernel(c, w[0], w[1], True, s, 0.0, p)),
+                        argtypes(split, paged), (9, 0), threads=32, config=cfg.describe(),
+                        smem_bytes=cfg.smem_bytes)
+           for name, cfg, win, split, paged in COMPILED if only is None or name in only]
+    name = "decode_combine_d128_bf16_lse"
+    if only is None or name in only:
+        f32 = types.float32
+        out.append(report_entry(name, lambda: combine_kernel(128, "bfloat16", True),
+                                (types.Array(f32, 6, "A"), types.Array(f32, 5, "A"),
+                                 types.Array(types.uint16, 5, "A"), types.Array(f32, 4, "A")),
+                                (9, 0), threads=combine_threads(128), config="combine d128",
+                                smem_bytes=0))
+    return out
