@@ -31,6 +31,8 @@
 #   PART=s22a    the decoding kernel (split-KV, GQA packed; issue 26): its GPU tests, the probe of
 #                its configs and splits
 #   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA)
+#   PART=s22c    grouped_gemm (issue 27): its GPU test, its benchmark against torch._grouped_mm
+#                and a loop of cuBLAS calls
 #   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
 #                host cost per call), the user soft cap with float32 constants against softcap=
 #   PART=s21b    the backward benchmark (fp16, bf16) and the training step, for issue 24's table
@@ -175,6 +177,10 @@ PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s22a "* ]]; then
     gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
     step probe_decode 300 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"
+fi
+if [[ " $PART " == *" s22c "* ]]; then
+    gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
+    bench_suite bench_grouped_gemm 200 "test_grouped_gemm"
 fi
 if [[ " $PART " == *" s22b "* ]]; then
     bench_suite bench_attention_kvcache 450 "test_flash_attention_with_kvcache"

@@ -210,3 +210,51 @@ def test_gemm_numba_simt_f32(benchmark, record, torch, gpu_name):
                       table="GEMM: plain Numba float32 (no tensor cores)", case=f"{n}³")
     benchmark.pedantic(lambda: (tilepy.gemm(a, b, out=out), torch.cuda.synchronize()),
                        rounds=3, iterations=1)
+
+
+def test_grouped_gemm(benchmark, record, torch, gpu_name):
+    """``tilepy.grouped_gemm`` (issue 27's grouped case): 8 experts, 32768 routed rows split
+    unevenly (multinomial over random weights, seed 0), K 4096, N 14336, bf16, the experts'
+    weights (E, N, K) read as their transposed view; against ``torch._grouped_mm`` (main
+    peer, where this PyTorch has it) and a loop of cuBLAS calls, one ``torch.matmul`` per
+    expert into slices of one output (the group sizes known on the host). Offsets checked on
+    the host once, outside the timing."""
+    import tilepy
+
+    e, m, k, n = 8, 32768, 4096, 14336
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(m, rng.dirichlet(np.ones(e)))
+    ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    bounds = [0] + np.cumsum(sizes).tolist()
+
+    def ours(check=False):
+        return tilepy.grouped_gemm(a, w.mT, ends, out=out, check_offsets=check)
+
+    ours(True)
+    for g in (0, e - 1):
+        s, t = bounds[g], bounds[g + 1]
+        assert max_rel_err(out[s:t], a[s:t] @ w[g].T) < 2e-2, g
+    ref = torch.empty_like(out)
+
+    def loop():
+        for g in range(e):
+            torch.matmul(a[bounds[g]:bounds[g + 1]], w[g].T, out=ref[bounds[g]:bounds[g + 1]])
+
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours), "cuBLAS loop": gpu_time(torch, loop)}
+    grouped_mm = getattr(torch, "_grouped_mm", None)
+    if grouped_mm is not None:
+        timings["torch._grouped_mm"] = try_peer(notes, "torch._grouped_mm", lambda: gpu_time(
+            torch, lambda: grouped_mm(a, w.mT, offs=ends)))
+    else:
+        notes["torch._grouped_mm"] = "not in this PyTorch"
+    main = "torch._grouped_mm" if timings.get("torch._grouped_mm") else "cuBLAS loop"
+    record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=main,
+                      notes=notes, gpu=gpu_name, dtype="bfloat16",
+                      shape=f"E{e} M{m} K{k} N{n}", table="Grouped GEMM",
+                      case=f"{e} experts, {m} rows, K{k} N{n} bfloat16",
+                      sizes=[int(x) for x in sizes])
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -424,14 +424,14 @@ def test_matrix_layout_needs_16_byte_aligned_batches():
     from numpy.lib.stride_tricks import as_strided
 
     from tilepy.arrays import describe
-    from tilepy.ops.gemm import _matrix_layout
+    from tilepy.ops.gemm import matrix_layout
 
     k, n, z = 16, 32, 3
     flat = np.ones(z * (k * n + 8), np.float16)
     ok = as_strided(flat, (z, k, n), ((k * n + 8) * 2, n * 2, 2))
     odd = as_strided(flat, (z, k, n), ((k * n + 1) * 2, n * 2, 2))
-    assert _matrix_layout(describe(ok, "b")) == "row"
-    assert _matrix_layout(describe(odd, "b")) == "other"
-    assert _matrix_layout(describe(odd[:1], "b")) == "row"     # one matrix: no batch stride
+    assert matrix_layout(describe(ok, "b")) == "row"
+    assert matrix_layout(describe(odd, "b")) == "other"
+    assert matrix_layout(describe(odd[:1], "b")) == "row"     # one matrix: no batch stride
     got = tilepy.gemm(np.ones((z, 4, k), np.float16), odd)
     assert np.array_equal(got, np.full((z, 4, n), k, np.float16))

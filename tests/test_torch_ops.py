@@ -56,7 +56,8 @@ def test_every_op_is_registered_and_import_does_not_load_torch():
                  "log_softmax_out", "softmax_backward", "log_softmax_backward",
                  "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
                  "gemm_softmax_out", "flash_attention", "flash_attention_out",
-                 "flash_attention_backward", "flash_attention_backward_out"):
+                 "flash_attention_backward", "flash_attention_backward_out", "grouped_gemm",
+                 "grouped_gemm_weight_grad"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -527,3 +528,31 @@ def test_flash_attention_with_kvcache_operator_writes_the_cache_and_compiles():
     with pytest.raises(TypeError, match="q requires grad, but it has no backward"):
         tilepy.flash_attention_with_kvcache(q.clone().requires_grad_(), kc, vc, lens,
                                             block_table=table)
+
+
+def test_grouped_gemm_operator_gradients_and_compile():
+    """PyTorch tensors through tilepy.grouped_gemm: the ``tilepy::grouped_gemm`` operator
+    (opcheck: schema, fake tensors, autograd registration), the gradients of ``a`` and of the
+    experts' (E, N, K) weights (read as their transposed view) against float64 autograd
+    with an empty group, and a fullgraph-compiled training step."""
+    ends = torch.tensor([3, 3, 20], dtype=torch.int32)
+    a, w = rand(20, 24, grad=True), rand(3, 16, 24, grad=True)
+    torch.library.opcheck(torch.ops.tilepy.grouped_gemm.default,
+                          (a.detach(), w.detach().mT, ends, True),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+    def ref(a, w):
+        bounds = [0] + ends.tolist()
+        return torch.cat([a[s:t] @ w[g].T for g, (s, t) in enumerate(zip(bounds, bounds[1:]))])
+
+    check_grads(lambda a, w: tilepy.grouped_gemm(a, w.mT, ends), ref, (a, w), torch.float16)
+    torch._dynamo.reset()
+    step = torch.compile(lambda a, w: tilepy.grouped_gemm(a, w.mT, ends).float().square().sum(),
+                         fullgraph=True, backend="aot_eager")
+    a.grad = w.grad = None
+    step(a, w).backward()
+    a64, w64 = a.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref(a64, w64).square().sum().backward()
+    close(a.grad, a64.grad, torch.float16, "da compiled")
+    close(w.grad, w64.grad, torch.float16, "dw compiled")

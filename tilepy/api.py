@@ -20,6 +20,7 @@ from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import gemm_softmax as _gemm_softmax
+from .ops import grouped_gemm as _grouped_gemm
 from .ops import softmax as _softmax
 from .ops import softmax_backward as _softmax_backward
 
@@ -45,6 +46,13 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
                                            out_dtype, config, allow_tf32)
     return _gemm.gemm(a, b, bias=bias, activation=activation, alpha=alpha, beta=beta, c=c,
                       out=out, out_dtype=out_dtype, config=config, allow_tf32=allow_tf32)
+
+
+def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
+    if _is_torch(a):
+        return (_front or _pytorch()).grouped_gemm(a, b, offsets, out, check_offsets, config)
+    return _grouped_gemm.grouped_gemm(a, b, offsets, out=out, check_offsets=check_offsets,
+                                      config=config)
 
 
 def softmax(x, axis=-1, *, out=None, config=None):
@@ -151,7 +159,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
         return_lse=return_lse, out=out, check_seqlens=check_seqlens, config=config)
 
 
-for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
+for _api, _op in ((gemm, _gemm.gemm), (grouped_gemm, _grouped_gemm.grouped_gemm),
+                  (softmax, _softmax.softmax),
                   (log_softmax, _softmax.log_softmax),
                   (softmax_backward, _softmax_backward.softmax_backward),
                   (log_softmax_backward, _softmax_backward.log_softmax_backward),
@@ -164,5 +173,5 @@ for _api, _op in ((gemm, _gemm.gemm), (softmax, _softmax.softmax),
 del _api, _op
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
-           "flash_attention_with_kvcache", "gemm",
-           "gemm_softmax", "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]
+           "flash_attention_with_kvcache", "gemm", "gemm_softmax", "grouped_gemm",
+           "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]

@@ -10,6 +10,7 @@ Each public op is a ``torch.library`` operator in the ``tilepy`` namespace with
   a bad argument raises the same error under compilation as in eager mode;
 * an autograd formula: ``gemm`` in ``a``, ``b``, ``bias`` and ``c`` (through its fused
   activation; the backward products run on ``tilepy.gemm`` itself, transposes as views),
+  ``grouped_gemm`` in ``a`` and ``b``,
   ``softmax`` / ``log_softmax`` through tilepy's backward kernels, ``gemm_softmax`` by both.
   ``flash_attention`` through ``flash_attention_backward`` (also an operator of its own, with
   the LSE's gradient when the forward's LSE is used downstream).
@@ -39,6 +40,7 @@ from ..ops import attention_kvcache as _kvcache
 from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
 from ..ops import gemm_softmax as _gemm_softmax
+from ..ops import grouped_gemm as _grouped
 from ..ops import softmax as _softmax
 from ..ops import softmax_backward as _softmax_backward
 
@@ -92,6 +94,10 @@ _SCHEMAS = {
                               "int window_right, float softcap, bool return_lse, "
                               "bool check_seqlens, Tensor? alibi_slopes=None) "
                               "-> (Tensor, Tensor)",
+    "grouped_gemm": "grouped_gemm(Tensor a, Tensor b, Tensor offsets, bool check_offsets) "
+                    "-> Tensor",
+    "grouped_gemm_weight_grad": "grouped_gemm_weight_grad(Tensor a, Tensor dout, "
+                                "Tensor offsets, int groups) -> Tensor",
     # a KV cache (contiguous or paged), k / v appended into it first: the caches are written
     "flash_attention_with_kvcache": "flash_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, "
                                     "Tensor(b!) v_cache, Tensor cache_seqlens, Tensor? k, "
@@ -314,6 +320,70 @@ def _gemm_backward(ctx, dy):
 
 torch.library.register_autograd("tilepy::gemm", _gemm_backward, setup_context=_gemm_setup,
                                 lib=_lib)
+
+
+# ---- grouped_gemm ---------------------------------------------------------------------------
+
+def _grouped_impl(a, b, offsets, check_offsets):
+    return _grouped.grouped_gemm(a, b, offsets, check_offsets=check_offsets)
+
+
+def _grouped_fake(a, b, offsets, check_offsets):
+    shape, dtype = _grouped.output_spec(a, b, offsets)
+    return a.new_empty(shape)
+
+
+def _grouped_wgrad_impl(a, dout, offsets, groups):
+    return _grouped.grouped_gemm_weight_grad(a, dout, offsets, groups)
+
+
+def _grouped_wgrad_fake(a, dout, offsets, groups):
+    return a.new_empty((groups, a.shape[1], dout.shape[1]))
+
+
+_grouped_op = _register("grouped_gemm", _grouped_impl, _grouped_fake)
+_grouped_wgrad_op = _register("grouped_gemm_weight_grad", _grouped_wgrad_impl,
+                              _grouped_wgrad_fake)
+
+
+def grouped_gemm(a, b, offsets, out, check_offsets, config):
+    """``tilepy.grouped_gemm`` on PyTorch tensors: the ``tilepy::grouped_gemm`` operator
+    (fake tensors, ``torch.compile``, autograd: ``a``'s gradient is a grouped GEMM against
+    ``b``'s transposed view, ``b``'s the ``tilepy::grouped_gemm_weight_grad`` operator, one
+    GEMM per group after reading the offsets on the host); with ``out=`` or a ``config`` an
+    eager call without a gradient."""
+    op = "grouped_gemm"
+    if config is not None:
+        return _configured(op, _grouped.grouped_gemm, dict(a=a, b=b, offsets=offsets,
+                                                           out=out),
+                           check_offsets=check_offsets, config=config)
+    if _direct(a, b, offsets, out):
+        return _written(_grouped.grouped_gemm(a, b, offsets, out=out,
+                                              check_offsets=check_offsets), out)
+    if out is not None:
+        _no_out_grad(op, out, a=a, b=b)
+        return _eager_only()(_grouped.grouped_gemm, a, b, offsets, out=out,
+                             check_offsets=check_offsets)
+    return _grouped_op(a, b, offsets, bool(check_offsets))
+
+
+def _grouped_setup(ctx, inputs, output):
+    a, b, offsets, _ = inputs
+    ctx.save_for_backward(a, b, offsets)
+
+
+def _grouped_backward(ctx, dy):
+    a, b, offsets = ctx.saved_tensors
+    da = db = None
+    if ctx.needs_input_grad[0]:
+        da = _grouped_op(dy, b.mT, offsets, False)
+    if ctx.needs_input_grad[1]:
+        db = _grouped_wgrad_op(a, dy, offsets, b.shape[0])
+    return da, db, None, None
+
+
+torch.library.register_autograd("tilepy::grouped_gemm", _grouped_backward,
+                                setup_context=_grouped_setup, lib=_lib)
 
 
 # ---- softmax, log_softmax and their backward ------------------------------------------------
@@ -935,4 +1005,4 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
            "flash_attention_with_kvcache", "gemm",
-           "gemm_softmax", "softmax", "softmax_backward"]
+           "gemm_softmax", "grouped_gemm", "softmax", "softmax_backward"]

@@ -466,7 +466,8 @@ COMPILED = (
 def compile_reports(only=None):
     """Offline sm_90 reports of :data:`COMPILED` and of the combine kernel
     (``decode_combine_d128_bf16_lse``; run with the simulator off:
-    ``tilepy.offline.run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")``)."""
+    ``tilepy.offline.run_in_subprocess(
+    "tilepy.ops.attention_decode_mma_sync:compile_reports")``)."""
     from numba import types
 
     from ..offline import report_entry

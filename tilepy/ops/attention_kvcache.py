@@ -74,8 +74,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
       the GPU, each run at least 4 key blocks long. The results agree to rounding whatever the
       value.
     * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
-      blocks, four stages: :func:`choose_config`), or an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for
-      the forward kernel (no split); its ``block_n`` must divide a paged cache's
+      blocks, four stages: :func:`choose_config`), or an
+      :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for the forward kernel (no
+      split); its ``block_n`` must divide a paged cache's
       ``page_size``.
     Errors are raised before anything is launched.
     """

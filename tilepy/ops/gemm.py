@@ -81,7 +81,7 @@ def choose_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
     return GemmConfig(base.block, base.warps, base.pipeline, dtype, base.swizzle, base.cc)
 
 
-def _matrix_layout(op) -> str:
+def matrix_layout(op) -> str:
     """'row' (unit column stride, 16-byte row stride), 'col' (its transpose), or 'other';
     'row' and 'col' also need 16-byte aligned matrices (pointer and batch strides)."""
     s_row, s_col = op.strides[-2], op.strides[-1]
@@ -252,9 +252,9 @@ def _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_
     return out
 
 
-def _aligned(op):
+def aligned_rows(op):
     """``op`` itself when its matrices are row-major and 16-byte aligned, else an aligned copy."""
-    if _matrix_layout(op) == "row":
+    if matrix_layout(op) == "row":
         return op
     return describe(arrays.copy_aligned(op), op.name)
 
@@ -286,9 +286,9 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
                 B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
                 k, reusable = 8, False
-            A2 = _aligned(A)
-            layout_b = _matrix_layout(B)
-            B2 = B if layout_b != "other" else _aligned(B)
+            A2 = aligned_rows(A)
+            layout_b = matrix_layout(B)
+            B2 = B if layout_b != "other" else aligned_rows(B)
             reusable = reusable and A2 is A and B2 is B
             layout_b = "row" if layout_b == "other" else layout_b
             # the caller's config, else a tuned choice persisted by `python -m tilepy tune

@@ -84,11 +84,7 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     @inline_device
     def gemm_block(a, b, out, c, bias, alpha, beta):
         m = a.shape[0]
-        k = a.shape[1]
         n = out.shape[1]
-        tid = cuda.threadIdx.x
-        lane = tid % 32
-        warp = tid // 32
         # Grouped order: consecutive blocks sweep GROUP_M block-rows before moving right, so
         # the A panels and B panels they read stay in L2 together.
         tiles_m = (m + BM - 1) // BM
@@ -99,6 +95,16 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
         rows_here = min(tiles_m - first_m, GROUP_M)
         row0 = (first_m + (pid % per_group) % rows_here) * BM
         col0 = ((pid % per_group) // rows_here) * BN
+        gemm_tile(a, b, out, c, bias, alpha, beta, row0, col0)
+
+    @inline_device
+    def gemm_tile(a, b, out, c, bias, alpha, beta, row0, col0):
+        m = a.shape[0]
+        k = a.shape[1]
+        n = out.shape[1]
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
         wrow = (warp // WARPS_N) * WM
         wcol = (warp % WARPS_N) * WN
         base = shared_addr(smem(), 0)
@@ -164,7 +170,59 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
         store(acc, out, row0 + wrow, col0 + wcol, m, n, alpha, bias, c, beta, lane)
 
-    return batched_kernel(gemm_block)
+    kernel = batched_kernel(gemm_block)
+    kernel.gemm_tile = gemm_tile
+    return kernel
+
+
+@functools.cache
+def grouped_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float16"):
+    """The grouped GEMM kernel (a mixture of experts' layers): ``kernel(a, b, out, offsets,
+    bias, alpha)`` computes ``out[rows of g] = alpha · a[rows of g] @ b[g]`` for every group
+    ``g`` in one launch — ``a`` (total_M, K) row-major and ``out`` (total_M, N) (``out_kind``;
+    16-bit as uint16 bits), ``b`` (E, K, N) row-major when ``b_k_major`` else (E, N, K)
+    row-major, ``offsets`` (E,) int32 cumulative row ends (``torch._grouped_mm``'s ``offs``):
+    group ``g`` is rows ``offsets[g - 1] … offsets[g] - 1`` (from 0 for the first). On the
+    device each end is clamped into ``previous end … total_M``, so decreasing or out-of-range
+    offsets never read or write out of bounds (rows past the last end are not written).
+    ``bias``: any float32 1-D array (unused). Grid :func:`grouped_grid`: block ``x`` is column
+    tile ``x % tiles_n`` of the ``x // tiles_n``-th row tile counted over the groups (each
+    group's rows in tiles of ``BM``); the blocks past the last group's tiles return at once.
+    Each block runs the plain kernel's main loop and epilogue on its group's rows
+    (:func:`gemm_kernel`'s ``gemm_tile``)."""
+    BM, BN = cfg.block.m, cfg.block.n
+    gemm_tile = gemm_kernel(cfg, b_k_major, out_kind).gemm_tile
+
+    @cached_jit
+    def kernel(a, b, out, offsets, bias, alpha):
+        total = np.int64(a.shape[0])
+        tiles_n = (out.shape[1] + BN - 1) // BN
+        pid = np.int64(cuda.blockIdx.x)
+        mt = pid // tiles_n
+        start = np.int64(0)
+        end = np.int64(0)
+        t0 = np.int64(0)
+        g = -1
+        for e in range(offsets.shape[0]):
+            end = min(max(np.int64(offsets[e]), start), total)
+            count = (end - start + BM - 1) // BM
+            if mt < t0 + count:
+                g = e
+                break
+            t0 += count
+            start = end
+        if g >= 0:
+            rows = out[start:end]
+            gemm_tile(a[start:end], b[g], rows, rows, bias, alpha, np.float32(0.0),
+                      (mt - t0) * BM, (pid % tiles_n) * BN)
+
+    return kernel
+
+
+def grouped_grid(cfg: GemmConfig, total_m: int, n: int, groups: int) -> tuple:
+    """:func:`grouped_kernel`'s grid: every group's row tiles at most (``ceil(total_m / BM) +
+    groups``, each group adding at most one partial tile) times the column tiles."""
+    return ((-(-total_m // cfg.block.m) + groups) * -(-n // cfg.block.n), 1)
 
 
 #: How :func:`batched_kernel`'s blocks along grid y index its arguments: a, b, out and c by
@@ -237,4 +295,25 @@ def compile_reports():
         d["config"] = cfg.describe()
         d.pop("ptx")
         out.append(d)
+    return out
+
+
+def grouped_compile_reports():
+    """Offline sm_90 reports of :func:`grouped_kernel` with the default 128×128×32 tile, ``b``
+    row-major and (E, N, K) row-major."""
+    from numba import types
+
+    from ..offline import report_entry
+
+    u16 = types.uint16
+    cfg = GemmConfig(dtype="bfloat16")
+    out = []
+    for b_k_major in (True, False):
+        argtypes = (types.Array(u16, 2, "A"), types.Array(u16, 3, "A"),
+                    types.Array(u16, 2, "A"), types.Array(types.int32, 1, "A"),
+                    types.float32[::1], types.float32)
+        out.append(report_entry(f"grouped_gemm_bf16_{'kn' if b_k_major else 'nk'}",
+                                lambda bkm=b_k_major: grouped_kernel(cfg, bkm, "bfloat16"),
+                                argtypes, (9, 0), threads=cfg.threads,
+                                config=cfg.describe()))
     return out

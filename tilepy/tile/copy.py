@@ -227,8 +227,9 @@ def copy_grouped_rows_to_shared(rows: int, cols: int, threads: int, swizzle: boo
     block copies ``rows × cols`` 16-bit elements into the (swizzled) shared tile of
     :func:`copy_rows_to_shared` (same layout, same ``valid_cols`` zero-fill), where tile row
     ``r`` is matrix row ``m = first + r``, at byte ``src + (m // inner) · outer_stride + (m %
-    inner) · row_stride`` — rows that are two nested axes, e.g. the query heads of one KV head (inner,
-    ``inner`` of them) at each query position (outer): attention's grouped-query packing. Tile
+    inner) · row_stride`` — rows that are two nested axes, e.g. the query heads of one KV
+    head (inner, ``inner`` of them) at each query position (outer): attention's grouped-query
+    packing. Tile
     rows ``>= rows_left`` are zero-filled, nothing is read there. ``inner >= 1`` is a run-time
     value (one integer division per chunk: meant for a tile loaded once, not streamed).
     Every thread of the block calls it; the caller commits and waits."""

@@ -1,0 +1,140 @@
+"""``tilepy.grouped_gemm``: one GEMM per group of rows against its own ``b`` in one launch —
+against float64 NumPy (groups of 1, 3, 17 rows and empty ones, K not a multiple of the tile,
+``b`` row-major and as a transposed view, both 16-bit dtypes), unchecked offsets clamped
+(never out of bounds), bad input refused before launch; its gradient in ``b``; the PyTorch
+operator's autograd and compile in test_torch_ops.py; the kernel's offline compile; the GPU
+at full size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilepy
+from tilepy.ops.grouped_gemm import grouped_gemm_weight_grad
+
+from test_ops_gemm import NP, check, f64, rand
+
+sim = pytest.mark.sim
+
+
+def reference(a, b, ends):
+    out, start = np.zeros((a.shape[0], b.shape[2])), 0
+    for g, end in enumerate(ends):
+        out[start:end] = f64(a[start:end]) @ f64(b[g])
+        start = end
+    return out
+
+
+@sim
+@pytest.mark.parametrize("dtype,sizes,b_transposed", [
+    ("float16", [1, 0, 3, 17], False),     # M = 1, an empty group, 3, 17 (two row tiles)
+    ("bfloat16", [0, 5, 33, 0], True),     # empty first and last groups; b as (E, N, K)ᵀ
+])
+def test_groups_against_float64(dtype, sizes, b_transposed):
+    rng = np.random.default_rng()
+    k, n, e = 40, 24, len(sizes)            # K: two and a half 16-wide k-tiles
+    ends = np.cumsum(sizes).astype(np.int32)
+    a = rand(rng, (int(ends[-1]), k), dtype)
+    b = rand(rng, (e, n, k), dtype).transpose(0, 2, 1) if b_transposed else \
+        rand(rng, (e, k, n), dtype)
+    out = np.full((a.shape[0], n), np.nan, NP[dtype])
+    assert tilepy.grouped_gemm(a, b, ends, out=out) is out
+    check(out, reference(a, b, ends), dtype)
+
+
+@sim
+def test_unchecked_offsets_are_clamped():
+    """check_offsets=False: an end past total_M reads no further than total_M, a decreasing
+    end makes an empty group; rows past the last end stay as they were."""
+    rng = np.random.default_rng()
+    a, b = rand(rng, (10, 16), "float16"), rand(rng, (3, 16, 8), "float16")
+    out = np.full((10, 8), 7.0, np.float16)
+    tilepy.grouped_gemm(a, b, np.array([6, 2, 99], np.int32), out=out, check_offsets=False)
+    check(out, reference(a, b, [6, 6, 10]), "float16")
+    out[:] = 7.0
+    tilepy.grouped_gemm(a, b, np.array([3, 4, 6], np.int32), out=out, check_offsets=False)
+    check(out[:6], reference(a[:6], b, [3, 4, 6]), "float16")
+    assert (out[6:] == 7.0).all()
+
+
+@sim
+def test_gradient_in_b():
+    rng = np.random.default_rng()
+    a, dout = rand(rng, (21, 24), "float16"), rand(rng, (21, 16), "float16")
+    ends = np.array([1, 1, 4, 21], np.int32)
+    got = grouped_gemm_weight_grad(a, dout, ends, 4)
+    start = 0
+    for g, end in enumerate(ends):
+        check(got[g], f64(a[start:end]).T @ f64(dout[start:end]), "float16") if end > start \
+            else np.testing.assert_array_equal(got[g], 0)
+        start = end
+
+
+def test_errors_are_raised_before_launch():
+    a = np.zeros((6, 16), np.float16)
+    b = np.zeros((2, 16, 8), np.float16)
+    ends = np.array([2, 6], np.int32)
+    with pytest.raises(ValueError, match=r"non-decreasing: offsets\[1\] = 1 < offsets\[0\] = 2"):
+        tilepy.grouped_gemm(a, b, np.array([2, 1], np.int32))
+    with pytest.raises(ValueError, match="must end at total_M = 6"):
+        tilepy.grouped_gemm(a, b, np.array([2, 5], np.int32))
+    with pytest.raises(ValueError, match=r"offsets\[0\] = -1 is negative"):
+        tilepy.grouped_gemm(a, b, np.array([-1, 6], np.int32))
+    with pytest.raises(TypeError, match="offsets must be int32"):
+        tilepy.grouped_gemm(a, b, ends.astype(np.int64))
+    with pytest.raises(ValueError, match=r"one end per group \(2,\)"):
+        tilepy.grouped_gemm(a, b, ends[:1])
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        tilepy.grouped_gemm(a, b[:, :8], ends)
+    with pytest.raises(ValueError, match="b must be 3-D"):
+        tilepy.grouped_gemm(a, b[0], ends)
+    with pytest.raises(TypeError, match="same dtype"):
+        tilepy.grouped_gemm(a, b.astype(NP["bfloat16"]), ends)
+    with pytest.raises(TypeError, match="b: dtype float32 is not supported"):
+        tilepy.grouped_gemm(a, b.astype(np.float32), ends)
+    with pytest.raises(ValueError, match=r"out must be \(6, 8\) float16"):
+        tilepy.grouped_gemm(a, b, ends, out=np.zeros((6, 9), np.float16))
+
+
+@pytest.mark.compile
+def test_grouped_kernel_compiles_without_spills():
+    """The grouped kernel (the plain kernel's main loop and epilogue per group, the group
+    found by a scan of the offsets) for sm_90: the mma of the default tile, no local memory."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reports = run_in_subprocess("tilepy.ops.gemm_mma_sync:grouped_compile_reports")
+    assert len(reports) == 2
+    for name, rep in reports.items():
+        assert "error" not in rep, rep.get("error")
+        c = rep["counts"]
+        assert c["mma"] >= 32 and c["ldmatrix"] >= 12 and c["cp.async"] >= 1, (name, c)
+        assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+        assert 0 < rep["registers"] <= 255
+
+
+@pytest.mark.gpu
+def test_gpu_experts_against_torch():
+    """8 experts, 4096 routed rows split unevenly (two groups empty), K 1024, N 2048, bf16,
+    ``b`` as the transposed view of (E, N, K) weights: against float32 products per group;
+    the gradients of a and b against the same."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([700, 0, 1300, 5, 1, 0, 1090, 1000])
+    ends = torch.cumsum(sizes, 0).int().cuda()
+    a = torch.randn(int(sizes.sum()), 1024, generator=g).bfloat16().cuda().requires_grad_()
+    w = torch.randn(8, 2048, 1024, generator=g).bfloat16().cuda().requires_grad_()
+    y = tilepy.grouped_gemm(a, w.mT, ends)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    bounds = [0] + ends.tolist()
+    for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+        want = a[s:t].float() @ w[e].float().T
+        assert (y[s:t].float() - want).abs().max().item() < 2e-2 * max(want.abs().max(), 1)
+        ga = dy[s:t].float() @ w[e].float()
+        assert (a.grad[s:t].float() - ga).abs().max().item() < 2e-2 * max(ga.abs().max(), 1)
+        gw = (a[s:t].float().T @ dy[s:t].float()).T
+        assert (w.grad[e].float() - gw).abs().max().item() < 2e-2 * max(gw.abs().max(), 1)

@@ -1,0 +1,173 @@
+"""``tilepy.grouped_gemm``: one GEMM per group of rows, each with its own ``b`` (the experts
+of a mixture-of-experts layer), in one launch.
+
+Validation on the host, then one launch of the mma.sync grouped kernel
+(:func:`tilepy.ops.gemm_mma_sync.grouped_kernel`), which finds each block's group from the
+offsets on the device — so the group sizes need not be known on the host and a CUDA graph
+that captured a call replays it for any routing.
+
+Not yet: a Hopper (wgmma / TMA) grouped kernel; the mma.sync kernel runs everywhere.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays
+from ..arrays import describe, kernel_view
+from ..launch import LaunchPlan
+from ..tile import device_write
+from ..tile.config import GemmConfig
+from ..tile.smem import allow_dynamic_shared
+from . import gemm as gm
+from . import gemm_mma_sync as tc
+
+
+def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
+    """``out[offsets[g-1]:offsets[g]] = a[offsets[g-1]:offsets[g]] @ b[g]`` for every group
+    ``g`` (from row 0 for the first), in one launch.
+
+    * ``a`` (total_M, K), float16 / bfloat16; ``b`` (E, K, N) of the same dtype — row-major,
+      or a transposed view of a row-major (E, N, K) (``w.transpose(-2, -1)``, as
+      ``torch._grouped_mm`` takes it), read in place; other strides are copied first.
+    * ``offsets`` (E,) int32 on the inputs' device: the cumulative row ends of the groups
+      (``torch._grouped_mm``'s ``offs``), non-decreasing, the last equal to total_M; a group
+      may be empty (two equal ends).
+    * ``out`` (total_M, N) of ``a``'s dtype, or None (a new array); float32 accumulation.
+    * ``check_offsets=True`` copies ``offsets`` to the host (a synchronisation with the
+      stream) and raises ``ValueError`` for a negative or decreasing end or a last end other
+      than total_M; ``False`` skips it, as does a call being captured into a CUDA graph.
+      Unchecked, the kernel clamps each end into ``previous end … total_M``: nothing is read
+      or written out of bounds, and rows past the last end are left as they were.
+    * ``config``: a :class:`tilepy.tile.GemmConfig` (mma.sync); by default the one
+      ``tilepy.gemm``'s heuristic picks for the average group.
+
+    CuPy arrays, PyTorch tensors (the ``torch.ops.tilepy.grouped_gemm`` operator, with
+    autograd), Numba device arrays (NumPy arrays in the simulator); errors are raised before
+    anything is launched.
+    """
+    A, B, Offs, Out, (m, k, n, e), device = check_arguments(a, b, offsets, out)
+    cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
+                                                             e, A.dtype)
+    if not isinstance(cfg, GemmConfig):
+        raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync), got "
+                        f"{type(cfg).__name__}")
+    if cfg.dtype != A.dtype:
+        raise ValueError(f"config is for {cfg.dtype}, inputs are {A.dtype}")
+    stream = arrays.stream_handle(A)
+    if check_offsets and e and not device_write.stream_capturing(stream):
+        check_values(arrays.to_host(Offs), m)
+    if out is None:
+        out = arrays.empty(A, (m, n), A.dtype)
+        Out = describe(out, "out")
+    if m == 0 or n == 0 or e == 0:
+        return out
+    with arrays.on_device(device):
+        if k == 0:
+            # an empty inner dimension: zeros, through the kernel on K = 8 of zeros
+            A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
+            B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+            k = 8
+        A2 = gm.aligned_rows(A)
+        layout_b = gm.matrix_layout(B)
+        B2 = B if layout_b != "other" else gm.aligned_rows(B)
+        layout_b = "row" if layout_b == "other" else layout_b
+        b_view = kernel_view(B2, 3, swap_last=layout_b == "col")
+        out_v = kernel_view(Out, 2)
+        kern = tc.grouped_kernel(cfg, layout_b == "row", A.dtype)
+        offs_v = kernel_view(Offs)
+        args = (kernel_view(A2, 2), b_view, out_v, offs_v, arrays.placeholder(1),
+                np.float32(1.0))
+        allow_dynamic_shared(kern, args, cfg.smem_bytes)
+        LaunchPlan(kern, args, tc.grouped_grid(cfg, m, n, e), cfg.threads,
+                   cfg.smem_bytes).launch(stream, args)
+        device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
+    return out
+
+
+def output_spec(a, b, offsets, *, out=None):
+    """``(out shape, dtype)`` after the checks that read only metadata (the registered
+    operator's fake implementation)."""
+    A, _, _, _, (m, _, n, _), _ = check_arguments(a, b, offsets, out, data=False)
+    return (m, n), A.dtype
+
+
+def check_arguments(a, b, offsets, out, data: bool = True):
+    """``(A, B, Offs, Out, (total_m, k, n, groups), device)``; errors name the argument.
+    ``data=False``: metadata only."""
+    A = describe(a, "a", allow_float32=False)
+    B = describe(b, "b", allow_float32=False)
+    if A.dtype != B.dtype:
+        raise TypeError(f"a and b must have the same dtype; got a {A.dtype} and b {B.dtype}")
+    if A.ndim != 2:
+        raise ValueError(f"a must be 2-D (total_M, K), got shape {A.shape}")
+    if B.ndim != 3:
+        raise ValueError(f"b must be 3-D (groups, K, N), got shape {B.shape}")
+    (m, k), (e, k2, n) = A.shape, B.shape
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: a {A.shape}, b {B.shape} ({k} != {k2})")
+    Offs = describe(offsets, "offsets", dtypes=arrays.HOOK_DTYPES)
+    if Offs.dtype != "int32":
+        raise TypeError(f"offsets must be int32 (torch._grouped_mm's convention), got "
+                        f"{Offs.dtype}")
+    if Offs.shape != (e,):
+        raise ValueError(f"offsets must have one end per group ({e},), got shape "
+                         f"{Offs.shape}")
+    Out = describe(out, "out", allow_float32=False) if out is not None else None
+    if Out is not None and (Out.shape != (m, n) or Out.dtype != A.dtype):
+        raise ValueError(f"out must be ({m}, {n}) {A.dtype}, got {Out.shape} {Out.dtype}")
+    device = arrays.same_device(A, B, Offs, Out)
+    return A, B, Offs, Out, (m, k, n, e), device
+
+
+def check_values(offsets, total_m: int) -> None:
+    """``ValueError`` unless ``offsets`` are non-decreasing ends in ``0 … total_m`` and the
+    last is ``total_m``."""
+    ends = offsets.astype(np.int64)
+    if (ends < 0).any():
+        g = int(np.argmax(ends < 0))
+        raise ValueError(f"offsets[{g}] = {int(ends[g])} is negative")
+    drops = np.diff(ends) < 0
+    if drops.any():
+        g = int(np.argmax(drops)) + 1
+        raise ValueError(f"offsets must be non-decreasing: offsets[{g}] = {int(ends[g])} < "
+                         f"offsets[{g - 1}] = {int(ends[g - 1])}")
+    if len(ends) and ends[-1] != total_m:
+        raise ValueError(f"offsets must end at total_M = {total_m} (a's rows), got "
+                         f"offsets[-1] = {int(ends[-1])}")
+
+
+def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None):
+    """``out[g] = a[rows of g]ᵀ @ dout[rows of g]`` (E = ``groups`` matrices (K, N)): the
+    gradient of :func:`grouped_gemm` in ``b`` (row-major (E, K, N)), zeros for an empty group.
+    ``a`` (total_M, K) and ``dout`` (total_M, N) of one 16-bit dtype, ``offsets`` as
+    :func:`grouped_gemm`'s (checked the same way).
+
+    Not yet one launch: the offsets are read on the host (a synchronisation with the stream,
+    so not inside a CUDA graph capture) and each group is one ``tilepy.gemm`` of a transposed
+    view (copied into a row-major buffer by ``gemm``)."""
+    from . import gemm as gm_op
+
+    A = describe(a, "a", allow_float32=False)
+    D = describe(dout, "dout", allow_float32=False)
+    if A.ndim != 2 or D.ndim != 2 or A.shape[0] != D.shape[0] or A.dtype != D.dtype:
+        raise ValueError(f"a (total_M, K) and dout (total_M, N) must share total_M and dtype, "
+                         f"got {A.shape} {A.dtype} and {D.shape} {D.dtype}")
+    Offs = describe(offsets, "offsets", dtypes=arrays.HOOK_DTYPES)
+    if Offs.dtype != "int32" or Offs.shape != (groups,):
+        raise ValueError(f"offsets must be int32 ({groups},), got {Offs.dtype} {Offs.shape}")
+    arrays.same_device(A, D, Offs)
+    stream = arrays.stream_handle(A)
+    if device_write.stream_capturing(stream):
+        raise NotImplementedError("grouped_gemm's gradient in b reads the offsets on the host: "
+                                  "it cannot be captured into a CUDA graph yet")
+    ends = arrays.to_host(Offs).astype(np.int64)
+    check_values(ends, A.shape[0])
+    (m, k), n = A.shape, D.shape[1]
+    if out is None:
+        out = arrays.empty(A, (groups, k, n), A.dtype)
+    start = 0
+    for g, end in enumerate(ends):
+        gm_op.gemm(a[start:end].T, dout[start:end], out=out[g])
+        start = int(end)
+    return out
