@@ -15,6 +15,10 @@ from numba import cuda
 
 from tilepy.ptx.math import (
     cvt_bf16x2_f32,
+    cvt_e4m3x2_f32,
+    cvt_e5m2x2_f32,
+    cvt_f16x2_e4m3x2,
+    cvt_f16x2_e5m2x2,
     cvt_f16x2_f32,
     cvt_tf32,
     ex2_approx,
@@ -650,3 +654,76 @@ def test_gpu_approx_results_are_never_subnormal():
     out = run_unary(k_rcp, x, np.float32)
     assert ((out == 0) | (np.abs(out) >= 2.0 ** -126)).all()
     assert (np.signbit(out) == np.signbit(x)).all()
+
+
+# ---- 8-bit floats: e4m3 / e5m2 pairs ---------------------------------------------------------
+
+@cuda.jit
+def k_fp8(lo, hi, e4m3, e5m2, up4, up5):
+    for j in range(cuda.threadIdx.x, lo.shape[0], cuda.blockDim.x):
+        e4m3[j] = cvt_e4m3x2_f32(lo[j], hi[j])
+        e5m2[j] = cvt_e5m2x2_f32(lo[j], hi[j])
+        up4[j] = cvt_f16x2_e4m3x2(np.uint16(j & 0xFFFF))
+        up5[j] = cvt_f16x2_e5m2x2(np.uint16(j & 0xFFFF))
+
+
+def fp8_inputs(seed=0, n=4000):
+    """float32 pairs: the specials and the saturation edges of both formats, ties between
+    neighbouring codes, then random magnitudes over both ranges."""
+    rng = np.random.default_rng(seed)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 448.0, 449.0, 464.0, 465.0, 480.0,
+                      -500.0, 57344.0, 61440.0, 61441.0, 1e30, 2.0 ** -9, 2.0 ** -10,
+                      3 * 2.0 ** -11, 2.0 ** -16, 2.0 ** -17, 1.0625, 1.1875, 1e-30],
+                     np.float32)
+    rand = (rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 5, n)).astype(np.float32)
+    x = np.concatenate([edges, -edges, rand])
+    return x, np.roll(x, 7)
+
+
+def run_fp8(lo, hi):
+    outs = [np.zeros(len(lo), np.uint16), np.zeros(len(lo), np.uint16),
+            np.zeros(len(lo), np.uint32), np.zeros(len(lo), np.uint32)]
+    k_fp8[1, NTHREADS](lo, hi, *outs)
+    return outs
+
+
+def check_fp8(lo, hi, e4m3, e5m2, up4, up5):
+    """Against ml_dtypes (round to nearest even) after saturating to the largest finite value;
+    NaN → 0x7f; the f16 pairs of every code exact (NaN → 0x7fff)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    codes = np.arange(len(lo)) & 0xFFFF
+    for got, up, (top, name) in ((e4m3, up4, (448.0, "float8_e4m3fn")),
+                                 (e5m2, up5, (57344.0, "float8_e5m2"))):
+        dt = getattr(ml_dtypes, name)
+        for half, x in ((got & 0xFF, lo), (got >> 8, hi)):
+            want = np.clip(x, -top, top).astype(dt).view(np.uint8).astype(np.uint16)
+            want = np.where(np.isnan(x), 0x7F, want)
+            bad = np.nonzero(half != want)[0]
+            assert not len(bad), (name, [(x[i], hex(half[i]), hex(want[i])) for i in bad[:5]])
+        for shift, part in ((0, up & 0xFFFF), (16, up >> 16)):
+            vals = ((codes >> (shift // 2)) & 0xFF).astype(np.uint8).view(dt).astype(np.float16)
+            want = np.where(np.isnan(vals), 0x7FFF, vals.view(np.uint16))
+            bad = np.nonzero(part != want)[0]
+            assert not len(bad), (name, "up", [(hex(codes[i]), hex(part[i])) for i in bad[:5]])
+
+
+def test_fp8_pairs_put_lo_in_the_low_byte():
+    assert int(cvt_e4m3x2_f32.twin(np.float32(1.0), np.float32(-2.0))) == 0x38 | (0xC0 << 8)
+    assert int(cvt_e5m2x2_f32.twin(np.float32(1.0), np.float32(-2.0))) == 0x3C | (0xC0 << 8)
+    assert int(cvt_f16x2_e4m3x2.twin(np.uint16(0xC038))) == 0x3C00 | (0xC000 << 16)
+    # cvt.rn.satfinite.{e4m3,e5m2}x2.f32 d, a, b puts a in the upper byte: a must be hi ($2)
+    for fn in (cvt_e4m3x2_f32, cvt_e5m2x2_f32):
+        assert fn.spec.template.endswith("$0, $2, $1;") and fn.spec.min_cc == (8, 9)
+
+
+@pytest.mark.sim
+def test_sim_fp8_conversions_round_saturate_and_widen_exactly():
+    lo, hi = fp8_inputs(n=1500)
+    check_fp8(lo, hi, *run_fp8(lo, hi))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_conversions_match_the_twins():
+    lo, hi = fp8_inputs(seed=9, n=60000)
+    outs = run_fp8(lo, hi)
+    check_fp8(lo, hi, *outs)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from numba import cuda, float32, uint16, uint32
+from numba import cuda, float32, uint8, uint16, uint32
 
 from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ptx import wgmma as W
@@ -528,3 +528,156 @@ def test_gpu_wgmma_matches_numpy(case, scale_d):
     d, ref, mag = run_case(n, ab, swz, ksteps=ksteps, rs=rs, trans_b=trans_b, scale_d=scale_d,
                            seed=seed)
     check(d, ref, mag, 1e-5)
+
+
+# ---- 8-bit floats (e4m3 / e5m2): m64nNk32, both operands K-major ------------------------------
+
+class KMajor8(KMajor):
+    """An MN×K operand of 1-byte elements, K-major: the same 16-byte core-matrix rows (16
+    elements each), the same atoms and chunk XOR; a k32 step moves the start by 32 bytes."""
+
+    def __init__(self, rows, k, swizzle):
+        self.rows, self.k, self.swizzle = rows, k, swizzle
+        if swizzle:
+            self.sbo = 8 * swizzle
+            self.kcol = (rows // 8) * self.sbo
+            self.lbo = 16
+            self.nbytes = -(-k // swizzle) * self.kcol
+        else:
+            self.lbo = 128
+            self.sbo = (k // 16) * 128
+            self.nbytes = max((rows // 8 - 1) * self.sbo + (k // 16 - 1) * self.lbo + 128, rows * k)
+
+    def byte(self, mn, k):
+        if not self.swizzle:
+            return (mn // 8) * self.sbo + (k // 16) * self.lbo + (mn % 8) * 16 + k % 16
+        base = (mn // 8) * self.sbo + (k // self.swizzle) * self.kcol + (mn % 8) * self.swizzle
+        chunk = ((k % self.swizzle) // 16) ^ chunk_xor(mn % 8, self.swizzle)
+        return base + chunk * 16 + k % 16
+
+    def step(self, s):
+        k0 = 32 * s
+        if not self.swizzle:
+            return (k0 // 16) * self.lbo
+        return (k0 // self.swizzle) * self.kcol + k0 % self.swizzle
+
+    def image(self, bits):
+        img = np.zeros(self.nbytes, np.uint8)
+        for mn in range(self.rows):
+            for k in range(self.k):
+                img[self.byte(mn, k)] = bits[mn, k]
+        return img
+
+
+def fp8_bits(rng, kind, shape):
+    """Random finite codes of ``kind`` (bits and their values, from the formats' definition)."""
+    exp_bits = 4 if kind == "e4m3" else 5
+    man = 7 - exp_bits
+    bias = (1 << (exp_bits - 1)) - 1
+    top = (1 << exp_bits) - 1
+    codes = rng.integers(0, 256, shape).astype(np.uint8)
+    e = (codes >> man) & top
+    m = codes & ((1 << man) - 1)
+    bad = (e == top) & ((m == (1 << man) - 1) if kind == "e4m3" else True)  # NaN / inf codes
+    codes = np.where(bad, codes & 0x80, codes).astype(np.uint8)
+    e = ((codes >> man) & top).astype(np.int64)
+    m = (codes & ((1 << man) - 1)).astype(np.int64)
+    mag = np.where(e == 0, m * 2.0 ** (1 - bias - man), (1 + m / (1 << man)) * 2.0 ** (e - bias))
+    return codes, np.where(codes & 0x80, -mag, mag)
+
+
+_KERNELS8: dict = {}
+
+
+def make_kernel8(n, ab, bt, la, lb, ksteps):
+    key = (n, ab, bt, la.swizzle, lb.swizzle, ksteps)
+    if key in _KERNELS8:
+        return _KERNELS8[key]
+    fn = W.wgmma(n, ab, b_type=bt)
+    nacc = n // 2
+    a_bytes, b_bytes = la.nbytes, lb.nbytes
+    swz_a, swz_b = la.swizzle, lb.swizzle
+    lbo_a, sbo_a, lbo_b, sbo_b = la.lbo, la.sbo, lb.lbo, lb.sbo
+    steps_a = tuple(la.step(s) for s in range(ksteps))
+    steps_b = tuple(lb.step(s) for s in range(ksteps))
+
+    @cuda.jit
+    def kernel(a_img, b_img, c_in, out):
+        tid = cuda.threadIdx.x
+        sa = cuda.shared.array(a_bytes, uint8, alignment=ALIGN)
+        sb = cuda.shared.array(b_bytes, uint8, alignment=ALIGN)
+        for i in range(tid, a_bytes, THREADS):
+            sa[i] = a_img[i]
+        for i in range(tid, b_bytes, THREADS):
+            sb[i] = b_img[i]
+        W.fence_proxy_async_shared()
+        cuda.syncthreads()
+        da = W.matrix_descriptor(shared_addr(sa, 0), lbo_a, sbo_a, swz_a)
+        db = W.matrix_descriptor(shared_addr(sb, 0), lbo_b, sbo_b, swz_b)
+        acc = cuda.local.array(nacc, float32)
+        for i in range(nacc):
+            acc[i] = c_in[tid, i]
+        W.wgmma_fence()
+        for s in range(ksteps):
+            fn(acc, W.descriptor_advance(da, steps_a[s]), W.descriptor_advance(db, steps_b[s]), 1)
+        W.wgmma_commit_group()
+        W.wgmma_wait_group(0)
+        W.wgmma_fence_operand(acc, nacc)
+        for i in range(nacc):
+            out[tid, i] = acc[i]
+
+    _KERNELS8[key] = kernel
+    return kernel
+
+
+def run_case8(n, ab, bt, swz, ksteps, seed=None):
+    rng = np.random.default_rng(seed)
+    k = 32 * ksteps
+    la, lb = KMajor8(64, k, swz), KMajor8(n, k, swz)
+    a_bits, a = fp8_bits(rng, ab, (64, k))
+    b_bits, b = fp8_bits(rng, bt, (n, k))
+    c = rng.standard_normal((64, n)).astype(np.float32)
+    c_in = np.zeros((THREADS, n // 2), np.float32)
+    for t in range(THREADS):
+        for i in range(n // 2):
+            c_in[t, i] = c[acc_position(t, i)]
+    out = np.full((THREADS, n // 2), np.nan, np.float32)
+    make_kernel8(n, ab, bt, la, lb, ksteps)[1, THREADS](la.image(a_bits), lb.image(b_bits), c_in,
+                                                         out)
+    d = np.zeros((64, n))
+    for t in range(THREADS):
+        for i in range(n // 2):
+            d[acc_position(t, i)] = out[t, i]
+    return d, a @ b.T + c, np.abs(a) @ np.abs(b.T) + np.abs(c)
+
+
+FP8_CASES = [(64, "e4m3", "e4m3", 128, 2), (32, "e5m2", "e5m2", 0, 1),
+             (64, "e4m3", "e5m2", 64, 1)]
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"n{c[0]}-{c[1]}.{c[2]}-swz{c[3]}")
+def test_fp8_twin_matches_numpy(case):
+    _, seed = fresh_rng()
+    check(*run_case8(*case, seed=seed), 1e-6)
+
+
+def test_fp8_forms_refuse_what_the_isa_does_not_have():
+    with pytest.raises(ValueError, match="K-major from shared memory"):
+        W.wgmma(64, "e4m3", trans_b=True)
+    with pytest.raises(ValueError, match="B must be e4m3 or e5m2"):
+        W.wgmma(64, "e4m3", b_type="f16")
+    with pytest.raises(ValueError, match="B of the same type"):
+        W.wgmma(64, "f16", b_type="bf16")
+    assert W.wgmma(64, "e4m3", b_type="e5m2").opcode == \
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e5m2"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"n{c[0]}-{c[1]}.{c[2]}-swz{c[3]}")
+def test_gpu_fp8_wgmma_matches_numpy(case):
+    """The hardware's 8-bit wgmma against float64: products exact, the sums within the
+    tensor cores' FP8 accumulation (narrower than float32: DeepGEMM's reason to promote every
+    128 of K)."""
+    _, seed = fresh_rng()
+    check(*run_case8(*case, seed=seed), 1e-3)

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import threading
 
+import functools
+
 import numpy as np
 
 WARP = 32
@@ -161,6 +163,50 @@ def f32_bits(x) -> int:
 
 def bits_f32(b) -> np.float32:
     return np.uint32(int(b) & 0xFFFFFFFF).view(np.float32)
+
+
+@functools.cache
+def fp8_values(exp_bits: int) -> np.ndarray:
+    """The 256 values (float64) of an 8-bit float code: ``exp_bits`` 4 is e4m3 (no inf,
+    S.1111.111 NaN), 5 is e5m2 (IEEE-like: inf and NaN at the top exponent)."""
+    man_bits = 7 - exp_bits
+    bias = (1 << (exp_bits - 1)) - 1
+    out = np.empty(256, dtype=np.float64)
+    for b in range(256):
+        sign = -1.0 if b & 0x80 else 1.0
+        e = (b >> man_bits) & ((1 << exp_bits) - 1)
+        m = b & ((1 << man_bits) - 1)
+        if exp_bits == 4 and e == 15 and m == 7:
+            out[b] = np.nan
+        elif exp_bits == 5 and e == 31:
+            out[b] = sign * np.inf if m == 0 else np.nan
+        elif e == 0:
+            out[b] = sign * m * 2.0 ** (1 - bias - man_bits)
+        else:
+            out[b] = sign * (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
+    out.flags.writeable = False
+    return out
+
+
+def f32_to_fp8_bits(x, exp_bits: int) -> int:
+    """``cvt.rn.satfinite`` of one float32 to an 8-bit float code: nearest, ties to the even
+    code; beyond the largest finite value (and ±inf) the largest finite value of that sign;
+    NaN → 0x7f; the sign kept (−0 → 0x80)."""
+    x = float(np.float32(x))
+    if x != x:
+        return 0x7F
+    vals = fp8_values(exp_bits)
+    top = 0x7E if exp_bits == 4 else 0x7B            # the largest finite positive code
+    pos = vals[:top + 1]
+    a = min(abs(x), pos[-1])
+    i = int(np.searchsorted(pos, a))
+    if i > top:
+        i = top
+    elif i > 0 and pos[i] != a:
+        lo, hi = pos[i - 1], pos[i]
+        if a - lo < hi - a or (a - lo == hi - a and (i - 1) % 2 == 0):
+            i -= 1
+    return i | (0x80 if np.signbit(x) else 0)
 
 
 def halves(word) -> tuple[int, int]:

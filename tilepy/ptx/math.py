@@ -1,4 +1,5 @@
-"""Per-thread PTX math and conversions: fast ex2 / rcp / tanh, and packing to and from 16-bit pairs.
+"""Per-thread PTX math and conversions: fast ex2 / rcp / tanh, packing to and from 16-bit pairs,
+and 8-bit floats (e4m3 / e5m2) to and from pairs.
 
 Each function is one inline-PTX instruction (or a small braces block) declared through
 :func:`tilepy.ptx.asm.instruction`; under ``NUMBA_ENABLE_CUDASIM=1`` its Python twin runs
@@ -175,6 +176,36 @@ def _unpack_bf16x2_f32_twin(word):
     return _sim.bf16_bits_to_f32(lo), _sim.bf16_bits_to_f32(hi)
 
 
+def _u16(x, who) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"tilepy.ptx.{who}: expected an integer (uint16), got {type(x).__name__}")
+    return int(x) & 0xFFFF
+
+
+def _fp8x2_twin(exp_bits, who):
+    def twin(lo, hi):
+        lo, hi = _f32(lo, who), _f32(hi, who)
+        return np.uint16(_sim.f32_to_fp8_bits(lo, exp_bits)
+                         | (_sim.f32_to_fp8_bits(hi, exp_bits) << 8))
+
+    twin.__name__ = f"_{who}_twin"
+    return twin
+
+
+def _f16x2_of_fp8x2_twin(exp_bits, who):
+    def twin(pair):
+        b = _u16(pair, who)
+        vals = _sim.fp8_values(exp_bits)
+        halves = []
+        for code in (b & 0xFF, b >> 8):
+            v = vals[code]
+            halves.append(CANONICAL_NAN["f16"] if v != v else _sim.f16_bits(np.float16(v)))
+        return _sim.join_halves(*halves)
+
+    twin.__name__ = f"_{who}_twin"
+    return twin
+
+
 def _cvt_tf32_twin(x):
     return np.uint32(f32_to_tf32_bits(_f32(x, "cvt_tf32")))
 
@@ -275,6 +306,41 @@ bits are 0; the largest finite values round to ±inf; subnormals kept; ±inf kep
 its low 13 bits cleared, so a payload only there gives the bits of ±inf), the operand format of
 the tf32 mma. Compute capability 8.0+.""")
 
+_FP8_DOC = """{name}(lo: float32, hi: float32) -> uint16  (cvt.rn.satfinite.{t}x2.f32)
+
+Rounds both to {t} (nearest, ties to even; a magnitude past the largest finite value, ±inf
+included, saturates to ±{top}; NaN → 0x7f; the sign kept, −0 included) and packs them: ``lo``
+in bits 0–7, ``hi`` in bits 8–15 (the order of consecutive bytes in memory). Compute
+capability 8.9+. The NaN code is the simulator's model (0x7f), not yet seen on a GPU."""
+
+cvt_e4m3x2_f32 = instruction(
+    # PTX puts operand a in the UPPER byte: pass hi ($2) first.
+    "cvt_e4m3x2_f32", "cvt.rn.satfinite.e4m3x2.f32 $0, $2, $1;", outs=("u16",),
+    ins=("f32", "f32"), min_cc=(8, 9), twin=_fp8x2_twin(4, "cvt_e4m3x2_f32"),
+    doc=_FP8_DOC.format(name="cvt_e4m3x2_f32", t="e4m3", top=448))
+
+cvt_e5m2x2_f32 = instruction(
+    "cvt_e5m2x2_f32", "cvt.rn.satfinite.e5m2x2.f32 $0, $2, $1;", outs=("u16",),
+    ins=("f32", "f32"), min_cc=(8, 9), twin=_fp8x2_twin(5, "cvt_e5m2x2_f32"),
+    doc=_FP8_DOC.format(name="cvt_e5m2x2_f32", t="e5m2", top=57344))
+
+_FP8_UP_DOC = """{name}(pair: uint16) -> uint32  (cvt.rn.f16x2.{t}x2)
+
+The two {t} codes of ``pair`` (bits 0–7 → bits 0–15, bits 8–15 → bits 16–31) as float16:
+exact (every {t} value is a float16), ±0 and ±inf kept, NaN → 0x7fff. Compute capability
+8.9+."""
+
+cvt_f16x2_e4m3x2 = instruction(
+    "cvt_f16x2_e4m3x2", "cvt.rn.f16x2.e4m3x2 $0, $1;", outs=("u32",), ins=("u16",),
+    min_cc=(8, 9), twin=_f16x2_of_fp8x2_twin(4, "cvt_f16x2_e4m3x2"),
+    doc=_FP8_UP_DOC.format(name="cvt_f16x2_e4m3x2", t="e4m3"))
+
+cvt_f16x2_e5m2x2 = instruction(
+    "cvt_f16x2_e5m2x2", "cvt.rn.f16x2.e5m2x2 $0, $1;", outs=("u32",), ins=("u16",),
+    min_cc=(8, 9), twin=_f16x2_of_fp8x2_twin(5, "cvt_f16x2_e5m2x2"),
+    doc=_FP8_UP_DOC.format(name="cvt_f16x2_e5m2x2", t="e5m2"))
+
 ALL = {f.spec.name: f for f in (
     ex2_approx, rcp_approx, tanh_approx, cvt_f16x2_f32, cvt_bf16x2_f32, pack_f16x2, unpack_f16x2,
-    unpack_f16x2_f32, unpack_bf16x2_f32, cvt_tf32)}
+    unpack_f16x2_f32, unpack_bf16x2_f32, cvt_tf32, cvt_e4m3x2_f32, cvt_e5m2x2_f32,
+    cvt_f16x2_e4m3x2, cvt_f16x2_e5m2x2)}

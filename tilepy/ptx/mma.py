@@ -41,24 +41,8 @@ def _dec_s8(regs):
     return regs.view(np.int8).astype(np.int64)
 
 
-@functools.cache
 def _fp8_table(exp_bits: int) -> np.ndarray:
-    man_bits = 7 - exp_bits
-    bias = (1 << (exp_bits - 1)) - 1
-    out = np.empty(256, dtype=np.float64)
-    for b in range(256):
-        sign = -1.0 if b & 0x80 else 1.0
-        e = (b >> man_bits) & ((1 << exp_bits) - 1)
-        m = b & ((1 << man_bits) - 1)
-        if exp_bits == 4 and e == 15 and m == 7:  # e4m3 has no inf; S.1111.111 is NaN
-            out[b] = np.nan
-        elif exp_bits == 5 and e == 31:  # e5m2 follows IEEE: inf and NaN
-            out[b] = sign * np.inf if m == 0 else np.nan
-        elif e == 0:
-            out[b] = sign * m * 2.0 ** (1 - bias - man_bits)
-        else:
-            out[b] = sign * (1 + m / (1 << man_bits)) * 2.0 ** (e - bias)
-    return out
+    return _sim.fp8_values(exp_bits)
 
 
 def _dec_e4m3(regs):

@@ -27,6 +27,8 @@ The pieces, in the order a kernel uses them:
   encoding in plain Python.
 * ``wgmma_fence()`` — before the first wgmma, and whenever the accumulator (or A-fragment)
   registers were touched by other instructions since the last wgmma.
+* ``wgmma(N, "e4m3" | "e5m2", b_type=...)`` — the 8-bit forms, m64nNk32 (both operands K-major
+  from shared memory, f32 accumulators; FP8 GEMMs and attention).
 * ``wgmma_m64n{N}k16_f32_{f16,bf16}(acc, desc_a, desc_b, scale_d)`` — ``acc`` is a
   ``cuda.local.array(N // 2, float32)`` (updated in place; keep every index a constant so it
   stays in registers), ``scale_d`` a run-time integer: 0 → D = A·B, otherwise D = A·B + D.
@@ -69,6 +71,8 @@ from . import _sim, address
 from .asm import SIMULATOR, UnsupportedTarget, call_asm, current_cc, instruction, pick
 from .wgmma_layout import (  # noqa: F401  (re-exported)
     _MODE,
+    TYPES_8,
+    k_of,
     SWIZZLES,
     WARPGROUP,
     Descriptor,
@@ -131,15 +135,19 @@ def host_view(window_addr: int, what: str):
                      "every shared array a descriptor was made for")
 
 
-def _fetch_u16(what):
+def _fetch(what, elem_bytes: int = 2):
+    """The twins' reader: the elements (uint16, or uint8 for ``elem_bytes`` 1) at an array
+    of simulated shared addresses, all in the shared array of the first one."""
     def fetch(addrs):
         addrs = np.asarray(addrs, dtype=np.int64)
         view, wlo = host_view(int(addrs.flat[0]), what)
         off = addrs - wlo
-        if off.min() < 0 or off.max() + 2 > view.size:
-            bad = int(addrs.flat[int(np.argmax((off < 0) | (off + 2 > view.size)))])
+        if off.min() < 0 or off.max() + elem_bytes > view.size:
+            bad = int(addrs.flat[int(np.argmax((off < 0) | (off + elem_bytes > view.size)))])
             raise IndexError(f"{what}: element at shared address {bad:#x} lies outside the "
                              f"shared array of the descriptor's start ({view.size} bytes)")
+        if elem_bytes == 1:
+            return view[off]
         if (off % 2).any():
             raise ValueError(f"{what}: odd element address")
         return view[off] | (view[off + 1].astype(np.uint16) << np.uint16(8))
@@ -193,9 +201,9 @@ def _as_acc(acc, name, nacc):
     return arr
 
 
-def _make_twin(name, n, model, rs):
+def _make_twin(name, n, model, rs, elem_bytes=2):
     nacc = n // 2
-    fetch = _fetch_u16(name)
+    fetch = _fetch(name, elem_bytes)
 
     def run(acc, a_regs, desc_a, desc_b, scale_d):
         st = _state()
@@ -271,8 +279,10 @@ def _acc_pointers(context, builder, aryty, ary_val, count):
     return [cgutils.gep_inbounds(builder, ary.data, i) for i in range(count)]
 
 
-def _wgmma_template(n, ab, rs, trans_a, trans_b):
+def _wgmma_template(n, ab, rs, trans_a, trans_b, b_type=None):
     nacc = n // 2
+    bt = ab if b_type is None else b_type
+    k = k_of(ab)
     d = ", ".join(f"${i}" for i in range(nacc))
     if rs:
         a = "{" + ", ".join(f"${nacc + i}" for i in range(4)) + "}"
@@ -281,18 +291,20 @@ def _wgmma_template(n, ab, rs, trans_a, trans_b):
     else:
         a, b, sd = f"${nacc}", f"${nacc + 1}", f"${nacc + 2}"
         tail = f"p, 1, 1, {int(trans_a)}, {int(trans_b)}"
+    if ab in TYPES_8:
+        tail = "p, 1, 1"        # 8-bit types: K-major only, no transpose operands
     return ("{\n.reg .pred p;\n"
             f"setp.ne.b32 p, {sd}, 0;\n"
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {{{d}}}, {a}, {b}, {tail};\n"
+            f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab}.{bt} {{{d}}}, {a}, {b}, {tail};\n"
             "}")
 
 
-def _make_wgmma_intrinsic(name, n, ab, rs, trans_a, trans_b):
+def _make_wgmma_intrinsic(name, n, ab, rs, trans_a, trans_b, b_type=None):
     from numba import types
     from numba.core.extending import intrinsic
 
     nacc = n // 2
-    template = _wgmma_template(n, ab, rs, trans_a, trans_b)
+    template = _wgmma_template(n, ab, rs, trans_a, trans_b, b_type)
     in_kinds = (("u32",) * 4 if rs else ("u64",)) + ("u64", "u32") + ("f32",) * nacc
     constraints = ",".join(["=f"] * nacc + ["r"] * (4 if rs else 0)
                            + ["l"] * (1 if rs else 2) + ["r"]
@@ -328,8 +340,10 @@ def _make_wgmma_intrinsic(name, n, ab, rs, trans_a, trans_b):
     return intrinsic(typer)
 
 
-def _variant_name(n, ab, rs, trans_a, trans_b):
-    name = f"wgmma_m64n{n}k16_f32_{ab}"
+def _variant_name(n, ab, rs, trans_a, trans_b, b_type=None):
+    name = f"wgmma_m64n{n}k{k_of(ab)}_f32_{ab}"
+    if b_type is not None and b_type != ab:
+        name += f"_{b_type}"
     if rs:
         name += "_rs"
     if trans_a:
@@ -341,26 +355,31 @@ def _variant_name(n, ab, rs, trans_a, trans_b):
 
 @functools.cache
 def wgmma(n: int, ab: str = "f16", *, a_in_registers: bool = False, trans_a: bool = False,
-          trans_b: bool = False):
-    """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}`` (cached per variant).
+          trans_b: bool = False, b_type: str | None = None):
+    """``wgmma.mma_async.sync.aligned.m64n{n}k{K}.f32.{ab}.{b_type}`` (cached per variant).
 
-    ``trans_a`` / ``trans_b``: the operand is MN-major in shared memory (``imm-trans`` 1)
-    instead of K-major. ``a_in_registers``: the rs form (no ``trans_a``).
-    Signatures: ``f(acc, desc_a, desc_b, scale_d)`` and, rs, ``f(acc, a0, a1, a2, a3, desc_b,
-    scale_d)``; see the module docstring.
+    ``ab``: ``"f16"`` / ``"bf16"`` (K = 16; B the same type), or ``"e4m3"`` / ``"e5m2"``
+    (K = 32: 64×32 A and 32×N B of 8-bit floats; ``b_type`` either 8-bit type, default
+    ``ab``; both operands K-major from shared memory — the 8-bit forms have no transpose, and
+    the registers form is not built here). ``trans_a`` / ``trans_b``: a 16-bit operand is
+    MN-major in shared memory (``imm-trans`` 1) instead of K-major. ``a_in_registers``: the
+    rs form (16-bit, no ``trans_a``). Signatures: ``f(acc, desc_a, desc_b, scale_d)`` and, rs,
+    ``f(acc, a0, a1, a2, a3, desc_b, scale_d)``; see the module docstring.
     """
     if a_in_registers and trans_a:
         raise ValueError("wgmma with A in registers has no trans_a")
-    name = _variant_name(n, ab, a_in_registers, trans_a, trans_b)
-    model = make_warpgroup_model(n, ab, a_in_registers, trans_a, trans_b)
-    twin = _make_twin(name, n, model, a_in_registers)
+    bt = ab if b_type is None else b_type
+    name = _variant_name(n, ab, a_in_registers, trans_a, trans_b, b_type)
+    model = make_warpgroup_model(n, ab, a_in_registers, trans_a, trans_b, bt)
+    twin = _make_twin(name, n, model, a_in_registers, 1 if ab in TYPES_8 else 2)
     fn = pick(None if SIMULATOR else _make_wgmma_intrinsic(name, n, ab, a_in_registers,
-                                                           trans_a, trans_b), twin)
+                                                           trans_a, trans_b, b_type), twin)
+    k = k_of(ab)
     try:
-        fn.opcode = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab}"
+        fn.opcode = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab}.{bt}"
         fn.variant = {"n": n, "ab": ab, "a_in_registers": a_in_registers, "trans_a": trans_a,
-                          "trans_b": trans_b}
-        fn.__doc__ = (f"``{name}``: D[64×{n}] f32 (+)= A[64×16] {ab} · B[16×{n}] {ab}, one "
+                      "trans_b": trans_b, "b_type": bt}
+        fn.__doc__ = (f"``{name}``: D[64×{n}] f32 (+)= A[64×{k}] {ab} · B[{k}×{n}] {bt}, one "
                       f"warpgroup; {'A from registers, ' if a_in_registers else ''}"
                       f"A {'MN' if trans_a else 'K'}-major, B {'MN' if trans_b else 'K'}-major. "
                       "See tilepy.ptx.wgmma.")
@@ -698,6 +717,12 @@ def _register_probes():
             pyfunc = gen(name, mma_probe(fn, rs), ("u32s", "u64s", "f32s"), fn=fn)
             probes.EXTRA[name] = (pyfunc, argtypes, fn.opcode, (9, 0))
             probes.ARCH_SPECIFIC.add(name)
+    for ab, bt in (("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")):
+        fn = wgmma(8, ab, b_type=bt)
+        name = _variant_name(8, ab, False, False, False, bt)
+        pyfunc = gen(name, mma_probe(fn, False), ("u32s", "u64s", "f32s"), fn=fn)
+        probes.EXTRA[name] = (pyfunc, argtypes, fn.opcode, (9, 0))
+        probes.ARCH_SPECIFIC.add(name)
     simple = {
         "wgmma_fence": (["wgmma_fence()", "u32s[0] = u32s[1]"], "wgmma.fence.sync.aligned"),
         "wgmma_commit_group": (["wgmma_commit_group()", "u32s[0] = u32s[1]"],

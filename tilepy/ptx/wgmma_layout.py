@@ -12,7 +12,8 @@ Register maps (``w = thread // 32``, ``l = thread % 32``, thread = index within 
   A[16w + l//4 + 8·(r%2), 2·(l%4) + h + 8·(r//2)] — the mma.m16n8k16 A fragment per warp, so
   a 64×16 slice of an accumulator converts to an A fragment with no shuffles.
 
-Shared memory (2-byte elements; offsets in bytes from the descriptor's start address before the
+Shared memory (2-byte elements — 1-byte e4m3 / e5m2 ones are K-major only, k 0 … 31, 16 to a
+core-matrix row: ``elem_bytes=1`` in :func:`canonical_offset`; offsets in bytes from the descriptor's start address before the
 swizzle, :func:`canonical_offset`; LBO / SBO the descriptor's leading / stride byte offsets;
 ``mn`` the row of A or the column of B, ``k`` 0 … 15):
 
@@ -112,19 +113,27 @@ def swizzle(addr, swizzle_bytes: int):
     return addr ^ (((addr >> 7) & mask) << 4)
 
 
-def canonical_offset(mn, k, *, swizzle: int, lbo: int, sbo: int, mn_major: bool = False):
-    """Byte offset (before the swizzle) of element (mn, k) of a 2-byte operand from the
+def canonical_offset(mn, k, *, swizzle: int, lbo: int, sbo: int, mn_major: bool = False,
+                     elem_bytes: int = 2):
+    """Byte offset (before the swizzle) of element (mn, k) of an operand from the
     descriptor's start address, in the canonical layout the descriptor describes.
 
-    ``mn`` is the row of A (0 … 63) or the column of B (0 … N-1); ``k`` is 0 … 15. Works on
-    ints and NumPy arrays. See the module docstring for the table.
+    ``mn`` is the row of A (0 … 63) or the column of B (0 … N-1); ``k`` is 0 … 15 for 2-byte
+    elements, 0 … 31 for 1-byte ones (``elem_bytes=1``: e4m3 / e5m2, K-major only — the same
+    16-byte core-matrix rows, 16 elements each). Works on ints and NumPy arrays. See the module
+    docstring for the table.
     """
     if swizzle not in _MODE:
         raise ValueError(f"swizzle is {swizzle!r}; it must be one of {SWIZZLES} (bytes)")
+    per_chunk = 16 // elem_bytes        # elements in a 16-byte core-matrix row
     if not mn_major:
         if swizzle == 0:
-            return (mn % 8) * 16 + (mn // 8) * sbo + (k % 8) * 2 + (k // 8) * lbo
-        return (mn % 8) * swizzle + (mn // 8) * sbo + k * 2
+            return (mn % 8) * 16 + (mn // 8) * sbo + (k % per_chunk) * elem_bytes + \
+                (k // per_chunk) * lbo
+        return (mn % 8) * swizzle + (mn // 8) * sbo + k * elem_bytes
+    if elem_bytes != 2:
+        raise ValueError("MN-major operands are 16-bit only (wgmma has no transpose for 8-bit "
+                         "types)")
     if swizzle == 0:
         return (mn % 8) * 2 + (mn // 8) * sbo + (k % 8) * 16 + (k // 8) * lbo
     per_row = swizzle // _ELEM_BYTES
@@ -164,39 +173,68 @@ def _a_index():
     return rows, cols
 
 
+#: Element types of wgmma operands: 16-bit (K = 16 an instruction) and 8-bit (K = 32).
+TYPES_16 = ("f16", "bf16")
+TYPES_8 = ("e4m3", "e5m2")
+
+
+def k_of(ab: str) -> int:
+    """The K of one wgmma instruction for element type ``ab``: 16, or 32 for 8-bit types."""
+    return 32 if ab in TYPES_8 else K
+
+
 def _decode_elements(bits: np.ndarray, ab: str) -> np.ndarray:
+    if ab in TYPES_8:
+        from ._sim import fp8_values
+
+        return fp8_values(4 if ab == "e4m3" else 5)[bits.astype(np.uint8)]
     bits = bits.astype(np.uint16)
     if ab == "f16":
         return bits.view(np.float16).astype(np.float64)
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
 
 
-def operand_addresses(desc: int, rows: int, mn_major: bool) -> np.ndarray:
-    """(rows, 16) int64 shared addresses of the elements an operand descriptor addresses."""
+def operand_addresses(desc: int, rows: int, mn_major: bool, elem_bytes: int = 2) -> np.ndarray:
+    """(rows, K) int64 shared addresses of the elements an operand descriptor addresses (K =
+    16 for 2-byte elements, 32 for 1-byte ones)."""
     d = decode_descriptor(desc)
     if d.base_offset and d.swizzle:
         raise ValueError(f"descriptor base offset {d.base_offset}: the simulator models base "
                          "offset 0 only (tiles that start where the swizzle pattern repeats)")
     mn = np.arange(rows, dtype=np.int64)[:, None]
-    k = np.arange(K, dtype=np.int64)[None, :]
-    off = canonical_offset(mn, k, swizzle=d.swizzle, lbo=d.lbo, sbo=d.sbo, mn_major=mn_major)
+    k = np.arange(32 if elem_bytes == 1 else K, dtype=np.int64)[None, :]
+    off = canonical_offset(mn, k, swizzle=d.swizzle, lbo=d.lbo, sbo=d.sbo, mn_major=mn_major,
+                           elem_bytes=elem_bytes)
     return swizzle(d.start + off, d.swizzle)
 
 
 def make_warpgroup_model(n: int, ab: str, a_in_registers: bool = False,
-                         trans_a: bool = False, trans_b: bool = False):
-    """Pure NumPy model of one ``wgmma.mma_async m64n{n}k16.f32.{ab}`` over a warpgroup.
+                         trans_a: bool = False, trans_b: bool = False, b_type: str | None = None):
+    """Pure NumPy model of one ``wgmma.mma_async m64n{n}k{K}.f32.{ab}.{b_type}`` over a
+    warpgroup (K = 16 for f16 / bf16, 32 for e4m3 / e5m2; ``b_type`` defaults to ``ab``; the
+    8-bit types mix, the 16-bit ones do not).
 
     ``model(threads, fetch)``: ``threads`` is the 128 threads' argument tuples
     ``(acc_values, a_regs or None, desc_a, desc_b, scale_d)``; ``fetch(addresses)`` returns the
-    uint16 elements at an int64 array of shared addresses. Returns the 128 threads' new
-    accumulator arrays (float32, n/2 each).
+    elements (uint16, or uint8 for 8-bit types) at an int64 array of shared addresses. Returns
+    the 128 threads' new accumulator arrays (float32, n/2 each).
     """
-    if ab not in ("f16", "bf16"):
-        raise ValueError(f"wgmma element type {ab!r}: f16 or bf16")
+    b_type = ab if b_type is None else b_type
+    if ab in TYPES_16:
+        if b_type != ab:
+            raise ValueError(f"wgmma {ab} takes B of the same type, got {b_type!r}")
+    elif ab in TYPES_8:
+        if b_type not in TYPES_8:
+            raise ValueError(f"wgmma {ab}: B must be e4m3 or e5m2, got {b_type!r}")
+        if a_in_registers or trans_a or trans_b:
+            raise ValueError("8-bit wgmma here takes both operands K-major from shared memory "
+                             "(no registers form, no transpose)")
+    else:
+        raise ValueError(f"wgmma element type {ab!r}: f16, bf16, e4m3 or e5m2")
     if n % 8 or not 8 <= n <= 256:
         raise ValueError(f"wgmma N is {n}; it must be a multiple of 8 in 8 … 256")
     rows, cols = _acc_index(n)
+    eb = 1 if ab in TYPES_8 else 2
 
     def model(threads, fetch):
         if len(threads) != WARPGROUP or any(v is None for v in threads):
@@ -218,8 +256,9 @@ def make_warpgroup_model(n: int, ab: str, a_in_registers: bool = False,
                 a_bits[ar, ac] = halves.astype(np.uint16)
                 a = _decode_elements(a_bits, ab)
             else:
-                a = _decode_elements(fetch(operand_addresses(desc_a, M, trans_a)), ab)
-            b = _decode_elements(fetch(operand_addresses(desc_b, n, trans_b)), ab).T  # (16, n)
+                a = _decode_elements(fetch(operand_addresses(desc_a, M, trans_a, eb)), ab)
+            b = _decode_elements(fetch(operand_addresses(desc_b, n, trans_b, eb)),
+                                 b_type).T  # (K, n)
             d = a @ b
             if scale_d:
                 c = np.zeros((M, n), np.float64)
