@@ -31,6 +31,8 @@
 #   PART=s22a    the decoding kernel (split-KV, GQA packed; issue 26): its GPU tests, the probe of
 #                its configs and splits
 #   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA)
+#   PART=s22d    the 8-bit float pieces (issue 28): the fp8 conversions and the e4m3 / e5m2 wgmma
+#                against their twins and NumPy
 #   PART=s22c    grouped_gemm (issue 27): its GPU test, its benchmark against torch._grouped_mm
 #                and a loop of cuBLAS calls
 #   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
@@ -177,6 +179,9 @@ PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s22a "* ]]; then
     gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
     step probe_decode 300 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"
+fi
+if [[ " $PART " == *" s22d "* ]]; then
+    gpu_tests fp8_ptx_gpu 120 tests/test_ptx_math.py tests/test_ptx_wgmma.py -k fp8
 fi
 if [[ " $PART " == *" s22c "* ]]; then
     gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
