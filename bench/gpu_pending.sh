@@ -30,7 +30,8 @@
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
 #   PART=s22a    the decoding kernel (split-KV, GQA packed; issue 26): its GPU tests, the probe of
 #                its configs and splits
-#   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA)
+#   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA), the Llama
+#                decoding step in a CUDA graph (tokens/s against transformers' SDPA path)
 #   PART=s22d    the 8-bit float pieces (issue 28): the fp8 conversions and the e4m3 / e5m2 wgmma
 #                against their twins and NumPy
 #   PART=s22c    grouped_gemm (issue 27): its GPU test, its benchmark against torch._grouped_mm
@@ -188,7 +189,8 @@ if [[ " $PART " == *" s22c "* ]]; then
     bench_suite bench_grouped_gemm 200 "test_grouped_gemm"
 fi
 if [[ " $PART " == *" s22b "* ]]; then
-    bench_suite bench_attention_kvcache 450 "test_flash_attention_with_kvcache"
+    bench_suite bench_attention_kvcache 400 "test_flash_attention_with_kvcache"
+    bench_suite bench_llama_decoding 150 "test_llama_decoding_step"
 fi
 if [[ " $PART " == *" s21a "* ]]; then
     bench_suite bench_gemm_softmax 150 "gemm_softmax_vs_unfused and builtin"
