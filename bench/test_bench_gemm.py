@@ -258,3 +258,41 @@ def test_grouped_gemm(benchmark, record, torch, gpu_name):
                       case=f"{e} experts, {m} rows, K{k} N{n} bfloat16",
                       sizes=[int(x) for x in sizes])
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row", (1, 128), (128, 128)],
+                         ids=["tensor", "row", "1x128", "128x128"])
+def test_quantize_fp8(benchmark, record, torch, gpu_name, gran):
+    """``tilepy.quantize_fp8`` of an 8192 × 8192 bf16 matrix to e4m3 as bandwidth (bf16 read
+    plus codes and scales written, per second) against a device-to-device copy moving as many
+    bytes (main ratio) and the same quantisation written in PyTorch (amax, scale, divide,
+    saturate, cast), same run."""
+    import tilepy
+
+    m = k = 8192
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gr, gc = {"tensor": (m, k), "row": (1, k)}.get(gran, gran)
+
+    def ours():
+        return tilepy.quantize_fp8(x, granularity=gran)
+
+    def eager():
+        g = x.float().view(m // gr, gr, k // gc, gc)
+        s = g.abs().amax(dim=(1, 3), keepdim=True) / 448.0
+        s = torch.where(s == 0, torch.ones_like(s), s)
+        return (g / s).clamp(-448, 448).to(torch.float8_e4m3fn), s
+
+    values, scales = ours()
+    want, _ = eager()
+    assert torch.equal(values.view(torch.uint8), want.view(m, k).view(torch.uint8))
+    nbytes = 3 * m * k + 4 * scales.numel()
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours),
+               "device copy": gpu_time(torch, lambda: dst.copy_(src)),
+               "torch": try_peer(notes, "torch", lambda: gpu_time(torch, eager))}
+    record_throughput(record, work=nbytes, unit="GB/s", timings=timings, main="device copy",
+                      notes=notes, gpu=gpu_name, dtype="bfloat16", table="FP8 quantisation",
+                      shape=f"{m}x{k}", case=f"quantize_fp8 {m}x{k} bf16 -> e4m3 {gran}")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

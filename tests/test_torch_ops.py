@@ -57,7 +57,7 @@ def test_every_op_is_registered_and_import_does_not_load_torch():
                  "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
                  "gemm_softmax_out", "flash_attention", "flash_attention_out",
                  "flash_attention_backward", "flash_attention_backward_out", "grouped_gemm",
-                 "grouped_gemm_weight_grad"):
+                 "grouped_gemm_weight_grad", "quantize_fp8"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -556,3 +556,22 @@ def test_grouped_gemm_operator_gradients_and_compile():
     ref(a64, w64).square().sum().backward()
     close(a.grad, a64.grad, torch.float16, "da compiled")
     close(w.grad, w64.grad, torch.float16, "dw compiled")
+
+
+def test_quantize_fp8_operator_and_compile():
+    """PyTorch tensors through tilepy.quantize_fp8: the ``tilepy::quantize_fp8`` operator
+    (opcheck: schema, fake tensors), float8 values and float32 scales equal to an eager call's
+    under torch.compile(fullgraph=True); an input that requires grad refused."""
+    x = rand(40, 300, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.tilepy.quantize_fp8.default, (x, "1x128", "e5m2"),
+                          test_utils=("test_schema", "test_faketensor"))
+    values, scales = tilepy.quantize_fp8(x, granularity=(1, 128), dtype="e5m2")
+    assert values.dtype == torch.float8_e5m2 and scales.shape == (40, 3)
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: tilepy.quantize_fp8(x, granularity=(1, 128), dtype="e5m2"),
+                         fullgraph=True, backend="aot_eager")
+    got_v, got_s = step(x)
+    assert torch.equal(got_v.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(got_s, scales)
+    with pytest.raises(TypeError, match="x requires grad"):
+        tilepy.quantize_fp8(x.clone().requires_grad_())

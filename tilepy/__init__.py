@@ -21,8 +21,8 @@ if SIMULATOR:
 from . import ptx  # noqa: E402
 from .api import (flash_attention, flash_attention_backward,  # noqa: E402
                   flash_attention_varlen, flash_attention_with_kvcache, gemm,
-                  gemm_softmax, grouped_gemm, log_softmax, log_softmax_backward, softmax,
-                  softmax_backward)
+                  gemm_softmax, grouped_gemm, log_softmax, log_softmax_backward,
+                  quantize_fp8, softmax, softmax_backward)
 
 if "torch" in _sys.modules:   # PyTorch in use: its operators (torch.ops.tilepy.*) now
     from .integrations import pytorch as _pytorch  # noqa: E402,F401
@@ -30,4 +30,4 @@ if "torch" in _sys.modules:   # PyTorch in use: its operators (torch.ops.tilepy.
 __all__ = ["SIMULATOR", "__version__", "flash_attention", "flash_attention_backward",
            "flash_attention_varlen", "flash_attention_with_kvcache", "gemm",
            "gemm_softmax", "grouped_gemm", "log_softmax", "log_softmax_backward", "ptx",
-           "softmax", "softmax_backward"]
+           "quantize_fp8", "softmax", "softmax_backward"]

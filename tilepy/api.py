@@ -21,6 +21,7 @@ from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
 from .ops import gemm_softmax as _gemm_softmax
 from .ops import grouped_gemm as _grouped_gemm
+from .ops import quantize as _quantize
 from .ops import softmax as _softmax
 from .ops import softmax_backward as _softmax_backward
 
@@ -53,6 +54,12 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
         return (_front or _pytorch()).grouped_gemm(a, b, offsets, out, check_offsets, config)
     return _grouped_gemm.grouped_gemm(a, b, offsets, out=out, check_offsets=check_offsets,
                                       config=config)
+
+
+def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
+    if _is_torch(x):
+        return (_front or _pytorch()).quantize_fp8(x, granularity, dtype)
+    return _quantize.quantize_fp8(x, granularity=granularity, dtype=dtype)
 
 
 def softmax(x, axis=-1, *, out=None, config=None):
@@ -160,6 +167,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
 
 
 for _api, _op in ((gemm, _gemm.gemm), (grouped_gemm, _grouped_gemm.grouped_gemm),
+                  (quantize_fp8, _quantize.quantize_fp8),
                   (softmax, _softmax.softmax),
                   (log_softmax, _softmax.log_softmax),
                   (softmax_backward, _softmax_backward.softmax_backward),
@@ -174,4 +182,5 @@ del _api, _op
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
            "flash_attention_with_kvcache", "gemm", "gemm_softmax", "grouped_gemm",
-           "log_softmax", "log_softmax_backward", "softmax", "softmax_backward"]
+           "log_softmax", "log_softmax_backward", "quantize_fp8", "softmax",
+           "softmax_backward"]

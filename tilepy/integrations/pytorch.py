@@ -41,6 +41,7 @@ from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
 from ..ops import gemm_softmax as _gemm_softmax
 from ..ops import grouped_gemm as _grouped
+from ..ops import quantize as _quantize
 from ..ops import softmax as _softmax
 from ..ops import softmax_backward as _softmax_backward
 
@@ -94,6 +95,7 @@ _SCHEMAS = {
                               "int window_right, float softcap, bool return_lse, "
                               "bool check_seqlens, Tensor? alibi_slopes=None) "
                               "-> (Tensor, Tensor)",
+    "quantize_fp8": "quantize_fp8(Tensor x, str granularity, str dtype) -> (Tensor, Tensor)",
     "grouped_gemm": "grouped_gemm(Tensor a, Tensor b, Tensor offsets, bool check_offsets) "
                     "-> Tensor",
     "grouped_gemm_weight_grad": "grouped_gemm_weight_grad(Tensor a, Tensor dout, "
@@ -384,6 +386,37 @@ def _grouped_backward(ctx, dy):
 
 torch.library.register_autograd("tilepy::grouped_gemm", _grouped_backward,
                                 setup_context=_grouped_setup, lib=_lib)
+
+
+# ---- quantize_fp8 ---------------------------------------------------------------------------
+
+_GRANULARITY = {"tensor": "tensor", "row": "row", (1, 128): "1x128", (128, 128): "128x128"}
+_GRANULARITY_BACK = {v: k for k, v in _GRANULARITY.items()}
+
+
+def _quantize_impl(x, granularity, dtype):
+    return _quantize.quantize_fp8(x, granularity=_GRANULARITY_BACK[granularity], dtype=dtype)
+
+
+def _quantize_fake(x, granularity, dtype):
+    shape, scales = _quantize.output_spec(x, granularity=_GRANULARITY_BACK[granularity],
+                                          dtype=dtype)
+    return (x.new_empty(shape, dtype=getattr(torch, _quantize.FORMATS[dtype])),
+            x.new_empty(scales, dtype=torch.float32))
+
+
+_quantize_op = _register("quantize_fp8", _quantize_impl, _quantize_fake)
+
+
+def quantize_fp8(x, granularity, dtype):
+    """``tilepy.quantize_fp8`` on PyTorch tensors: the ``tilepy::quantize_fp8`` operator (fake
+    tensors, ``torch.compile``); no gradient (``TypeError`` for an input that requires one)."""
+    op = "quantize_fp8"
+    _no_grad_for(op, "quantisation has no gradient here", x=x)
+    gran = granularity if isinstance(granularity, str) else tuple(granularity)
+    if _direct(x) or gran not in _GRANULARITY:
+        return _quantize.quantize_fp8(x, granularity=granularity, dtype=dtype)
+    return _quantize_op(x, _GRANULARITY[gran], dtype)
 
 
 # ---- softmax, log_softmax and their backward ------------------------------------------------
@@ -1005,4 +1038,4 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k, v, block
 
 __all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
            "flash_attention_with_kvcache", "gemm",
-           "gemm_softmax", "grouped_gemm", "softmax", "softmax_backward"]
+           "gemm_softmax", "grouped_gemm", "quantize_fp8", "softmax", "softmax_backward"]
