@@ -100,6 +100,21 @@ def test_paged_cache_with_appended_tokens(page, sn):
 
 
 @sim
+def test_padded_block_table_and_a_long_prefill():
+    """Table entries past the pages the lengths use are never read (-1 padding passes the
+    check); 17 query rows of 4 heads over one KV head (68 packed rows) take the forward
+    kernel by default, with the same results."""
+    rng = np.random.default_rng()
+    q = rand(rng, (2, 17, 4, 16), "float16")
+    kc, vc = rand(rng, (4, 16, 1, 16), "float16"), rand(rng, (4, 16, 1, 16), "float16")
+    table = np.array([[2, 0, -1], [3, 1, -1]], np.int32)
+    lens = np.array([20, 32], np.int32)
+    got = kvcache(q, kc, vc, lens, block_table=table)
+    want = kv_reference(q, kc, vc, lens, np.where(table < 0, 0, table))[0]
+    check(got, want, vc, "float16")
+
+
+@sim
 def test_unchecked_lengths_and_pages_are_clamped():
     """With check_seqlens=False a length past the capacity reads the whole cache and a page
     past the pool reads the last page — never out of bounds (the simulator would raise)."""

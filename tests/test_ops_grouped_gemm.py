@@ -87,6 +87,8 @@ def test_errors_are_raised_before_launch():
         tilepy.grouped_gemm(a, b, ends[:1])
     with pytest.raises(ValueError, match="inner dimensions differ"):
         tilepy.grouped_gemm(a, b[:, :8], ends)
+    with pytest.raises(ValueError, match="no groups"):
+        tilepy.grouped_gemm(a, b[:0], ends[:0])
     with pytest.raises(ValueError, match="b must be 3-D"):
         tilepy.grouped_gemm(a, b[0], ends)
     with pytest.raises(TypeError, match="same dtype"):

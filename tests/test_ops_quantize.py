@@ -27,8 +27,8 @@ def reference(x, gran, fmt):
     padded = np.zeros((gm * gr, gk * gc), np.float32)
     padded[:m, :k] = x32
     top = np.abs(padded.reshape(gm, gr, gk, gc)).max(axis=(1, 3))
-    scales = np.where(top != 0, (top * np.float32(1.0 / TOP[fmt])).astype(np.float32),
-                      np.float32(1.0)).astype(np.float32)
+    scales = np.where(top != 0, np.maximum((top * np.float32(1.0 / TOP[fmt])).astype(
+        np.float32), np.float32(2.0 ** -126)), np.float32(1.0)).astype(np.float32)
     full = np.repeat(np.repeat(scales, gr, 0), gc, 1)[:m, :k]
     codes = np.clip(x32 / full, -TOP[fmt], TOP[fmt]).astype(NP8[fmt])
     shaped = scales.reshape(()) if gran == "tensor" else scales[:, 0] if gran == "row" \
@@ -67,6 +67,19 @@ def test_nan_gives_the_nan_code_and_a_nan_scale():
     values, scales = tilepy.quantize_fp8(x, granularity="row")
     assert np.isnan(values.astype(np.float32)[1, 7]) and np.isnan(scales[1])
     assert scales[0] == np.float32(1.0 / 448.0) and (values[0].astype(np.float32) == 448).all()
+    _, scale = tilepy.quantize_fp8(x)        # one scale: the atomic max keeps the NaN
+    assert np.isnan(scale)
+
+
+@pytest.mark.sim
+def test_tiny_and_empty_inputs():
+    """A subnormal amax gets the smallest normal scale (never 0, which would make 0/0); an x
+    with no columns has scales of 1.0."""
+    x = np.full((1, 8), 1e-42, np.float32)
+    values, scales = tilepy.quantize_fp8(x, granularity="row")
+    assert scales[0] == np.float32(2.0 ** -126) and not np.isnan(values.astype(np.float32)).any()
+    values, scales = tilepy.quantize_fp8(np.zeros((3, 0), np.float16), granularity="row")
+    assert values.shape == (3, 0) and (scales == 1.0).all() and scales.shape == (3,)
 
 
 def test_errors_are_raised_before_launch():

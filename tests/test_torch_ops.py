@@ -573,5 +573,8 @@ def test_quantize_fp8_operator_and_compile():
     got_v, got_s = step(x)
     assert torch.equal(got_v.view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(got_s, scales)
+    values, scale = tilepy.quantize_fp8(x)        # one scale: the int32 atomic-max buffer
+    want = x.float().abs().max() * torch.tensor(1 / 448, dtype=torch.float32)
+    assert scale.shape == () and scale.item() == want.item()
     with pytest.raises(TypeError, match="x requires grad"):
         tilepy.quantize_fp8(x.clone().requires_grad_())

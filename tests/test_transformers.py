@@ -104,3 +104,22 @@ def test_static_cache_prefill_and_decoding_match_sdpa(monkeypatch):
     got = generate(name)
     assert calls == [(2, 5, 4, 32)] * 2 + [(2, 1, 4, 32)] * 6
     assert rel_err(got, ref) < 2e-2
+
+
+def test_cached_keys_without_2d_positions_or_with_a_gradient_run_sdpa():
+    """Keys longer than the queries (a cache) with no usable position_ids, or with inputs that
+    require grad, fall back to SDPA with a warning instead of reading unwritten slots or
+    failing."""
+    module = small_llama().model.layers[0].self_attn
+    q, k, v = (torch.randn(1, h, s, 32, dtype=torch.float16) for h, s in
+               ((4, 1), (2, 6), (2, 6)))
+    tilepy_transformers._WARNED.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilepy_transformers.attention_forward(module, q, k, v, None, scaling=0.2)
+    assert any("2-D position_ids" in str(w.message) for w in seen)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tilepy_transformers.attention_forward(module, q.requires_grad_(), k, v, None,
+                                              scaling=0.2, position_ids=torch.tensor([[5]]))
+    assert any("gradient through keys from a cache" in str(w.message) for w in seen)

@@ -169,6 +169,15 @@ def pointer(view) -> int:
     return int(ptr or 0)
 
 
+def launch_bound(dispatcher) -> int | None:
+    """The most threads a block of ``dispatcher``'s kernel may have, from its
+    ``launch_bounds`` (None: unbounded, or the simulator, which keeps none)."""
+    lb = getattr(dispatcher, "targetoptions", {}).get("launch_bounds")
+    if lb is None:
+        return None
+    return int(lb[0] if isinstance(lb, tuple) else lb)
+
+
 class LaunchPlan:
     """``dispatcher`` compiled for ``args`` (Numba device arrays and NumPy scalars), launched
     on ``grid`` × ``block`` with ``smem`` bytes of dynamic shared memory; ``cluster`` > 1:
@@ -195,6 +204,10 @@ class LaunchPlan:
                              f"dimension ({self.grid[0]})")
         self.block = tuple(int(b) for b in (block if isinstance(block, tuple) else (block,)))
         self.block += (1,) * (3 - len(self.block))
+        bound = launch_bound(dispatcher)
+        if bound is not None and self.block[0] * self.block[1] * self.block[2] > bound:
+            raise ValueError(f"a block of {self.block} threads exceeds the kernel's launch "
+                             f"bound of {bound} threads (the GPU refuses such a launch)")
         self.smem = int(smem)
         self.dispatcher = dispatcher
         self._arrays = []   # per array argument: (position, shape, strides, dtype, ptr at build)

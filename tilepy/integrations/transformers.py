@@ -12,10 +12,11 @@ Every attention call that tilepy can express runs ``tilepy.flash_attention``: ca
 decoder's self-attention, prefill and decoding: tilepy's causal mask is aligned to the
 bottom-right corner, as decoding with a KV cache needs) or not (``module.is_causal`` False),
 or, when the keys come from a cache (more keys than queries) and the model passes
-``position_ids``, ``tilepy.flash_attention_with_kvcache`` over the first ``position_ids[:, -1]
-+ 1`` keys — a ``StaticCache`` holds unwritten slots past them, which no call may read —
-with those lengths computed on the device (a CUDA graph of a decoding step replays for every
-position);
+2-D ``position_ids``, ``tilepy.flash_attention_with_kvcache`` over the first
+``position_ids[:, -1] + 1`` keys — a ``StaticCache`` holds unwritten slots past them, which no
+call may read — with those lengths computed on the device (a CUDA graph of a decoding step
+replays for every position); cached keys without such positions, or with a gradient, run
+SDPA;
 float16 / bfloat16, a head dim tilepy takes, grouped-query attention with K/V read once per
 key head (never repeated), and no mask beyond causality. The masks are built as for
 FlashAttention-2: none at all when there is no padding (so none under ``torch.compile``
@@ -77,11 +78,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     heads, head_dim), None)``."""
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     reason = _unsupported(query, key, value, attention_mask, dropout, kwargs)
-    positions = kwargs.get("position_ids")
-    if reason is None and key.shape[2] != query.shape[2] and positions is not None:
+    if reason is None and key.shape[2] != query.shape[2]:
         # keys from a cache: a static cache holds unwritten slots past the sequence, so the
         # keys seen are the first (last position + 1), read on the device
-        seqlens = _cache_seqlens(positions, query.shape[0])
+        reason = _cache_unsupported(query, key, value, kwargs.get("position_ids"))
+    if reason is None and key.shape[2] != query.shape[2]:
+        seqlens = _cache_seqlens(kwargs["position_ids"], query.shape[0])
         out = tilepy.flash_attention_with_kvcache(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), seqlens,
             causal=causal, scale=scaling, check_seqlens=False)
@@ -96,11 +98,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return _sdpa(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs)
 
 
+def _cache_unsupported(query, key, value, positions) -> str | None:
+    """Why a call whose keys come from a cache cannot run the KV-cache op (None: it can):
+    its lengths come from ``position_ids`` (batch or 1, seq_q), and it has no gradient."""
+    if positions is None or positions.dim() != 2 or positions.shape[-1] != query.shape[2] \
+            or positions.shape[0] not in (1, query.shape[0]):
+        return "keys from a cache without 2-D position_ids (batch or 1, seq_q)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return "a gradient through keys from a cache"
+    return None
+
+
 def _cache_seqlens(positions, batch: int):
     """The keys each sequence has in the cache, ``position_ids[:, -1] + 1`` as int32 (batch,),
     computed on the device (no synchronisation: capturable)."""
-    last = positions[:, -1] if positions.dim() == 2 else positions.reshape(1, -1)[:, -1]
-    return (last + 1).to(torch.int32).expand(batch).contiguous()
+    return (positions[:, -1] + 1).to(torch.int32).expand(batch).contiguous()
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout, scaling, causal, kwargs):

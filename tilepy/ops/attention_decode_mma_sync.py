@@ -113,10 +113,12 @@ class DecodeConfig(KeyTiles):
                 f"{self.stages} stages, {self.dtype}, {self.smem_bytes // 1024} KB smem")
 
 
-def _kernel_jit(disk_cache: bool):
+def _kernel_jit(disk_cache: bool, threads: int = 32):
+    """The jit decorator of a kernel launched with ``threads`` threads (its launch bound)."""
     if SIMULATOR:
         return cuda.jit
-    return cached_jit(launch_bounds=32) if disk_cache else cuda.jit(launch_bounds=32)
+    return cached_jit(launch_bounds=threads) if disk_cache else \
+        cuda.jit(launch_bounds=threads)
 
 
 @functools.cache
@@ -347,7 +349,7 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
     HALF = head_dim // 2
     HAS_LSE = bool(has_lse)
 
-    @_kernel_jit(True)
+    @_kernel_jit(True, combine_threads(head_dim))
     def kernel(parts, part_lse, o, lse):
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y

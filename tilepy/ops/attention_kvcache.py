@@ -89,7 +89,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     win, cap = at.check_variant(causal, window, softcap)
     page = K.shape[1] if paged else 0
     capacity = Table.shape[1] * page if paged else K.shape[1]
-    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page)
+    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
     check_config(cfg, d, Q.dtype, page)
     splits = check_splits(num_splits, cfg)
     if max(b, hq, hk) > launch.MAX_GRID_YZ:
@@ -182,14 +182,26 @@ def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_
     return Q.shape, ((b, hq, sq) if return_lse else None)
 
 
-def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0) -> DecodeConfig:
-    """The decoding kernel's config: 32-key blocks (16 in the simulator), fewer when a page
-    is smaller (``block_n`` must divide ``page_size``), four stages (three key blocks in
-    flight while one is computed)."""
+def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0, group: int = 1):
+    """The built-in config. Up to :data:`DECODE_ROWS` packed rows (``seq_q`` times the query
+    heads of a KV head, ``group``): the decoding kernel, 32-key blocks (16 in the simulator),
+    fewer when a page is smaller (``block_n`` must divide ``page_size``), four stages (three
+    key blocks in flight while one is computed). More (a prefill against a cache): the
+    forward kernel, 64-row query blocks of four warps."""
+    if seq_q * group > DECODE_ROWS:
+        bm, bn = (at.SIM_BLOCK_M, at.SIM_BLOCK_N) if arrays.SIMULATOR else (64, 64)
+        while page_size and page_size % bn:
+            bn //= 2
+        return AttentionConfig(head_dim, bm, bn, 16, dtype)
     bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 32
     while page_size and page_size % bn:
         bn //= 2
     return DecodeConfig(head_dim, bn, 4, dtype)
+
+
+#: The most packed rows (seq_q · query heads per KV head) the built-in config runs on the
+#: decoding kernel (four of its 16-row tiles); more run the forward kernel.
+DECODE_ROWS = 64
 
 
 def check_config(cfg, d: int, dtype: str, page: int) -> None:
@@ -336,7 +348,8 @@ def check_new(k, v, batch: int, hk: int, d: int, Q):
 
 def check_values(seqlens, table, seq_new: int, capacity: int, pages: int) -> None:
     """``ValueError`` unless every ``seqlens + seq_new`` lies in ``0 … capacity`` and every
-    table entry (paged) in ``0 … pages - 1``."""
+    table entry (paged) that those lengths use lies in ``0 … pages - 1`` (the entries past
+    them are never read: padding such as -1 is allowed)."""
     lens = seqlens.astype(np.int64)
     if (lens < 0).any():
         z = int(np.argmax(lens < 0))
@@ -347,7 +360,10 @@ def check_values(seqlens, table, seq_new: int, capacity: int, pages: int) -> Non
             f" plus {seq_new} appended tokens" if seq_new else "") +
             f" exceeds the cache's capacity of {capacity} keys")
     if table is not None:
-        bad = (table < 0) | (table >= pages)
+        # only the pages the lengths use: entries past them (padding, -1) are never read
+        page = capacity // table.shape[1]
+        used = np.arange(table.shape[1])[None, :] < -(-(lens + seq_new) // page)[:, None]
+        bad = used & ((table < 0) | (table >= pages))
         if bad.any():
             z, j = (int(i) for i in np.argwhere(bad)[0])
             raise ValueError(f"block_table[{z}, {j}] = {int(table[z, j])} is not a page "

@@ -113,6 +113,8 @@ def check_arguments(a, b, offsets, out, data: bool = True):
     if Offs.shape != (e,):
         raise ValueError(f"offsets must have one end per group ({e},), got shape "
                          f"{Offs.shape}")
+    if e == 0 and m != 0:
+        raise ValueError(f"b has no groups (E = 0), but a has {m} rows for them")
     Out = describe(out, "out", allow_float32=False) if out is not None else None
     if Out is not None and (Out.shape != (m, n) or Out.dtype != A.dtype):
         raise ValueError(f"out must be ({m}, {n}) {A.dtype}, got {Out.shape} {Out.dtype}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, launch
 from ..arrays import describe
 from ..launch import LaunchPlan, sm_count
 from . import quantize_simt as qs
@@ -48,6 +48,9 @@ def check_arguments(x, granularity, dtype):
     gran = granularity if isinstance(granularity, str) else tuple(granularity)
     if gran not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if isinstance(gran, tuple) and -(-X.shape[1] // gran[1]) > 65535:
+        raise NotImplementedError(f"quantize_fp8: at most 65535 groups along K (K = "
+                                  f"{X.shape[1]}, groups of {gran[1]})")
     return X, gran
 
 
@@ -63,8 +66,8 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
       ``"tensor"``: everything, a 0-d array; ``"row"``: each row, (M,); ``(1, 128)``: each
       1 × 128 block of a row, (M, ceil(K / 128)) (``scale_a`` of a block-scaled GEMM);
       ``(128, 128)``: each 128 × 128 block, (ceil(M / 128), ceil(K / 128)) (``scale_b``).
-    * Each scale is ``amax / largest finite value`` of the elements it covers, so the largest
-      of them becomes ± that value; ``values = round(x / scale)`` to nearest even (never past
+    * Each scale is ``amax · (1 / largest finite value)`` (float32; at least 2**-126) of the
+      elements it covers, so the largest of them becomes ± that value; ``values = round(x / scale)`` to nearest even (never past
       the largest finite value). A group of zeros gets scale 1.0 and zero codes. A NaN element
       gives the NaN code; a non-finite element makes its group's scale non-finite.
 
@@ -73,6 +76,10 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
     simulator); errors are raised before anything is launched.
     """
     X, gran = check_arguments(x, granularity, dtype)
+    if not arrays.SIMULATOR and launch.compute_capability() < (8, 9):
+        raise NotImplementedError(f"quantize_fp8 needs compute capability 8.9 or newer (the "
+                                  f"float8 conversions), this GPU is "
+                                  f"{'.'.join(map(str, launch.compute_capability()))}")
     m, k = X.shape
     values = _empty_codes(X, dtype)
     if gran == "tensor":
@@ -80,9 +87,8 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
     else:
         scales = arrays.empty(X, scales_shape(X.shape, gran), "float32")
     if m == 0 or k == 0:
-        if gran == "tensor":
-            scales[...] = 1.0   # nothing to scale (the groups of the others are empty too)
-        return values, scales
+        # nothing to scale: every scale (a row's of no column too) is 1.0
+        return values, _ones(X, scales_shape(X.shape, gran))
     src = X.dtype
     with arrays.on_device(X.device):
         stream = arrays.stream_handle(X)
@@ -93,8 +99,8 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
         threads = 32 * WARPS
         if gran == "tensor":
             sv2 = arrays.restride(sv, (1, 1), (4, 4))
-            amax = arrays.zeros(X, (1,), "float32")
-            av = arrays.raw_view(describe(amax, "amax"))
+            amax = arrays.zeros(X, (1,), "int32")
+            av = arrays.raw_view(describe(amax, "amax", dtypes=("int32",)))
             blocks = max(1, min(-(-(m * k) // (threads * 8)), 4 * sm_count(4)))
             for mode in ("amax", "apply"):
                 kern = qs.quantize_kernel(src, dtype, mode, WARPS)
@@ -107,9 +113,6 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
             args = (xv, vv, _wrap(sv2), _wrap(arrays.placeholder(1)), np.int64(gr),
                     np.int64(gc))
             grid = (-(-m // gr), -(-k // gc), 1)
-            if grid[1] > 65535:
-                raise NotImplementedError(f"quantize_fp8: at most 65535 column groups, got "
-                                          f"{grid[1]}")
             LaunchPlan(kern, args, grid, threads).launch(stream, args)
     return values, scales
 
@@ -147,3 +150,21 @@ def _codes_view(values):
     if type(values).__module__.split(".")[0] == "cupy":
         return arrays.import_device_array(values)
     return values
+
+
+def _ones(X, shape):
+    """A float32 array of ones of ``X``'s family and device."""
+    if X.family == "torch":
+        import torch
+
+        return torch.ones(shape, dtype=torch.float32, device=X.raw.device)
+    if X.family == "cupy":
+        import cupy
+
+        with cupy.cuda.Device(X.device):
+            return cupy.ones(shape, dtype=np.float32)
+    if X.family == "numba":
+        from numba import cuda
+
+        return cuda.to_device(np.ones(shape, np.float32))
+    return np.ones(shape, np.float32)

@@ -7,16 +7,18 @@
 
 over a 2-D ``x`` (M, K) — uint16 bits of float16 / bfloat16 (``src``), or float32 — writing
 ``values`` (M, K) uint8 codes of ``fmt`` and float32 ``scales`` such that ``values · scale ≈
-x`` (``scale = amax / FP8_MAX[fmt]`` of the elements it covers; 1.0 where they are all zero,
-whose codes are then zeros). ``mode``:
+x`` (``scale = amax · fl(1 / FP8_MAX[fmt])`` in float32 over the elements it covers, at least
+2**-126; 1.0 where they are all zero, whose codes are then zeros). ``mode``:
 
 * ``"group"``: block ``(i, j)`` of the grid (ceil(M / gr), ceil(K / gc)) owns the group of
   rows ``i·gr …`` and columns ``j·gc …``: its amax (a block reduction), ``scales[i, j]``,
   then its codes. Rows (``gr`` 1, ``gc`` K), 1 × 128 and 128 × 128 blocks are this mode.
-* ``"amax"``: every block strides over the whole of ``x`` and raises ``amax[0]`` (float32,
-  zero on entry) to the largest |element| with an atomic max (one per block).
+* ``"amax"``: every block strides over the whole of ``x`` and raises ``amax[0]`` (int32,
+  zero on entry: the bits of a non-negative float32) to the bits of the largest |element| with an integer
+  atomic max (one per block; a NaN wins).
 * ``"apply"``: every block strides over ``x`` writing the codes of ``x / scale`` for the one
-  scale of ``amax[0]``; thread 0 of block 0 writes ``scales[0, 0]``.
+  scale of the float32 whose bits are ``amax[0]``; thread 0 of block 0 writes
+  ``scales[0, 0]``.
 
 ``cfg``-free: ``warps`` warps a block (1 … 32). Conversions round to nearest even and
 saturate (:func:`tilepy.ptx.math.cvt_e4m3x2_f32`); a NaN element gives the NaN code, and a
@@ -33,7 +35,8 @@ from numba import cuda
 from ..inline import inline_device
 from ..kcache import cached_jit
 from ..ptx.asm import SIMULATOR
-from ..ptx.math import cvt_e4m3x2_f32, cvt_e5m2x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
+from ..ptx.math import (cvt_e4m3x2_f32, cvt_e5m2x2_f32, f32_as_u32, u32_as_f32,
+                        unpack_bf16x2_f32, unpack_f16x2_f32)
 from ..tile.reduce import block_row_reduce
 
 #: The largest finite value of each 8-bit format.
@@ -52,6 +55,7 @@ def quantize_kernel(src: str, fmt: str, mode: str, warps: int = 4):
     INV_MAX = np.float32(1.0 / FP8_MAX[fmt])
     ONE = np.float32(1.0)
     ZERO = np.float32(0.0)
+    TINY = np.float32(2.0 ** -126)
     cvt = cvt_e4m3x2_f32 if fmt == "e4m3" else cvt_e5m2x2_f32
     block_max = block_row_reduce("max", warps)
     F16, BF16 = src == "float16", src == "bfloat16"
@@ -98,11 +102,15 @@ def quantize_kernel(src: str, fmt: str, mode: str, warps: int = 4):
             top = block_max(top, scratch)
             if AMAX:
                 if tid == 0:
-                    cuda.atomic.max(amax, 0, top)
+                    # on the bits: a float atomic max drops NaN, the integer one keeps it
+                    # (top >= 0, so the bit order is the float order, NaN above +inf)
+                    cuda.atomic.max(amax, 0, np.int32(f32_as_u32(top)))
                 return
         else:
-            top = amax[0]
+            top = u32_as_f32(np.uint32(amax[0]))
         scale = top * INV_MAX if top != ZERO else ONE
+        if scale < TINY:
+            scale = TINY    # a subnormal amax: the smallest normal scale, never 0
         if tid == 0:
             if GROUP:
                 scales[cuda.blockIdx.x, cuda.blockIdx.y] = scale
@@ -122,7 +130,7 @@ def argtypes(src: str, layout: str = "A"):
 
     x = types.Array(types.float32 if src == "float32" else types.uint16, 2, layout)
     return (x, types.Array(types.uint8, 2, layout), types.Array(types.float32, 2, layout),
-            types.Array(types.float32, 1, layout), types.int64, types.int64)
+            types.Array(types.int32, 1, layout), types.int64, types.int64)
 
 
 def compile_reports():

@@ -206,6 +206,14 @@ def _f16x2_of_fp8x2_twin(exp_bits, who):
     return twin
 
 
+def _f32_as_u32_twin(x):
+    return np.uint32(_sim.f32_bits(_f32(x, "f32_as_u32")))
+
+
+def _u32_as_f32_twin(w):
+    return _sim.bits_f32(_u32(w, "u32_as_f32"))
+
+
 def _cvt_tf32_twin(x):
     return np.uint32(f32_to_tf32_bits(_f32(x, "cvt_tf32")))
 
@@ -327,7 +335,8 @@ cvt_e5m2x2_f32 = instruction(
 _FP8_UP_DOC = """{name}(pair: uint16) -> uint32  (cvt.rn.f16x2.{t}x2)
 
 The two {t} codes of ``pair`` (bits 0–7 → bits 0–15, bits 8–15 → bits 16–31) as float16:
-exact (every {t} value is a float16), ±0 and ±inf kept, NaN → 0x7fff. Compute capability
+exact (every {t} value is a float16), ±0 and ±inf kept, NaN → 0x7fff (the simulator's model;
+the hardware may keep a NaN's sign or payload: the GPU test says). Compute capability
 8.9+."""
 
 cvt_f16x2_e4m3x2 = instruction(
@@ -340,7 +349,21 @@ cvt_f16x2_e5m2x2 = instruction(
     min_cc=(8, 9), twin=_f16x2_of_fp8x2_twin(5, "cvt_f16x2_e5m2x2"),
     doc=_FP8_UP_DOC.format(name="cvt_f16x2_e5m2x2", t="e5m2"))
 
+f32_as_u32 = instruction(
+    "f32_as_u32", "mov.b32 $0, $1;", outs=("u32",), ins=("f32",), twin=_f32_as_u32_twin,
+    doc="""f32_as_u32(x: float32) -> uint32  (mov.b32)
+
+The bits of ``x``, every bit kept (NaN payloads, -0). For non-negative floats the integer
+order is the float order, and a positive NaN sorts above +inf: an integer ``atomic.max`` of
+these bits is a float max that keeps NaN.""")
+
+u32_as_f32 = instruction(
+    "u32_as_f32", "mov.b32 $0, $1;", outs=("f32",), ins=("u32",), twin=_u32_as_f32_twin,
+    doc="""u32_as_f32(bits: uint32) -> float32  (mov.b32)
+
+The float32 whose bits are ``bits``, every bit kept. Inverse of f32_as_u32.""")
+
 ALL = {f.spec.name: f for f in (
     ex2_approx, rcp_approx, tanh_approx, cvt_f16x2_f32, cvt_bf16x2_f32, pack_f16x2, unpack_f16x2,
     unpack_f16x2_f32, unpack_bf16x2_f32, cvt_tf32, cvt_e4m3x2_f32, cvt_e5m2x2_f32,
-    cvt_f16x2_e4m3x2, cvt_f16x2_e5m2x2)}
+    cvt_f16x2_e4m3x2, cvt_f16x2_e5m2x2, f32_as_u32, u32_as_f32)}
