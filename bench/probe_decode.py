@@ -1,7 +1,8 @@
 """The decoding kernel's configs and splits against a device copy: GPU-only microseconds and
 GB/s of K and V (``measure.gpu_time``) of ``tilepy.flash_attention_with_kvcache`` for each
 (block_n, stages) config and several ``num_splits`` (None: the built-in choice), the forward
-kernel's one-block-per-query-head path (an AttentionConfig) for reference, 32 query heads over
+kernel's one-block-per-query-head path (an AttentionConfig) for reference, blocks of one to four
+warps (each warp its own run of the keys), 32 query heads over
 8 KV heads, head_dim 128, bf16, one query row, every sequence at the capacity.
 
 Usage: python bench/probe_decode.py [--json FILE] [--shapes 8x32768,1x131072,64x4096]
@@ -17,7 +18,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-CONFIGS = [(64, 2), (64, 3), (32, 3), (32, 4), (32, 6), (16, 4), (16, 8)]
+#: (block_n, stages, warps a block)
+CONFIGS = [(64, 2, 1), (64, 3, 1), (32, 3, 1), (32, 4, 1), (32, 6, 1), (16, 4, 1), (16, 8, 1),
+           (32, 3, 2), (32, 3, 4), (64, 2, 2), (16, 4, 4)]
 
 
 def main(argv=None):
@@ -73,10 +76,10 @@ def main(argv=None):
 
         add("forward kernel (AttentionConfig 16x64)", AttentionConfig(d, 16, 64, 16, "bfloat16"),
             None)
-        for bn, st in CONFIGS:
-            for splits in (None, 1, 16, 64):
-                add(f"decode BN{bn} x{st} splits {splits}", DecodeConfig(d, bn, st, "bfloat16"),
-                    splits)
+        for bn, st, w in CONFIGS:
+            for splits in (None, 16, 64) if w > 1 else (None, 1, 16, 64):
+                add(f"decode BN{bn} x{st} {w}w splits {splits}",
+                    DecodeConfig(d, bn, st, "bfloat16", warps=w), splits)
         del kc, vc
         torch.cuda.empty_cache()
     if args.json:

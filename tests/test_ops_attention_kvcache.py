@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tilepy import flash_attention_with_kvcache as kvcache
+from tilepy.ops.attention_decode_mma_sync import DecodeConfig
 from tilepy.ops.attention_mma_sync import AttentionConfig
 
 from test_ops_attention import check, check_lse, rand, reference
@@ -81,7 +82,8 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, spl
 @pytest.mark.parametrize("page,sn", [(16, 0), (64, 2)])
 def test_paged_cache_with_appended_tokens(page, sn):
     """Pages in a shuffled order, new tokens written through the block table at each
-    sequence's end (one lands on a new page) and attended to."""
+    sequence's end (one lands on a new page) and attended to; with appends, blocks of two
+    warps, each on its own run of the keys."""
     rng = np.random.default_rng()
     b, sq, hq, hk, d, per = 3, 2, 4, 2, 32, 3
     pages = b * per + 1
@@ -93,7 +95,8 @@ def test_paged_cache_with_appended_tokens(page, sn):
     kn, vn = rand(rng, (b, sn, hk, d), "float16"), rand(rng, (b, sn, hk, d), "float16")
     want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
     got = kvcache(q, kc, vc, lens, k=kn if sn else None, v=vn if sn else None,
-                  block_table=table, num_splits=2 if sn else 1)
+                  block_table=table, num_splits=2 if sn else 1,
+                  config=DecodeConfig(32, 16, 3, "float16", warps=2) if sn else None)
     np.testing.assert_array_equal(kc, want_k)
     np.testing.assert_array_equal(vc, want_v)
     check(got, kv_reference(q, want_k, want_v, lens + sn, table)[0], vc, "float16")
@@ -167,20 +170,20 @@ def test_errors_are_raised_before_launch():
 
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
-    """The decoding kernel (the default 32-key config split and paged; 64-key blocks whole
-    and contiguous) and the combine kernel, offline for sm_90: per key block (head_dim 128)
+    """The decoding kernel (the default 32-key config split and paged; four warps a block;
+    64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per key block (head_dim 128)
     BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
-    assert len(reports) == 3
+    assert len(reports) == 4
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
         if "combine" not in name:
-            bn = 32 if "paged" in name else 64
+            bn = 64 if name == "decode_d128_f16_causal" else 32
             assert c["mma"] >= 2 * bn, (name, c)
             assert c["cp.async"] >= 1 and c["cp.async.wait"] >= 2, (name, c)
         assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)

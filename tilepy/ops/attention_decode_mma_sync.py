@@ -6,7 +6,7 @@ kernel
 
     kernel(q, k, v, o, lse, scale, scale_log2, keys)
 
-of one warp (``cfg.threads`` = 32) per block, grid :func:`grid` = (row tiles · splits, Hkv, B):
+of ``cfg.warps`` warps per block, grid :func:`grid` = (row tiles · splits / warps, Hkv, B):
 
 * ``q`` (B, Hkv, Sq, G, D) uint16 bits of float16 / bfloat16 (``cfg.dtype``): query row ``i``
   of query head ``hk · G + g`` at ``q[b, hk, i, g]`` — a strided view of the user's (B, Sq,
@@ -26,13 +26,15 @@ of one warp (``cfg.threads`` = 32) per block, grid :func:`grid` = (row tiles · 
 * Without ``split``: ``o`` (B, Hkv, Sq, G, D) uint16, the normalised output rows, and with
   ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32, the natural-log LSE (-inf for a row that sees
   no key, whose output row is 0).
-* With ``split``: block ``x = rt · splits + s`` takes the ``s``-th of ``splits = gridDim.x /
-  row tiles`` equal runs of the key blocks its rows see, and writes float32 partials —
+* With ``split``: warp ``w`` of block ``x = rt · (splits / warps) + j`` takes split ``s = j ·
+  warps + w``, the ``s``-th of ``splits`` equal runs of the key blocks its rows see (several
+  warps: each its own run, Q tile and ring, meeting only itself), and writes float32
+  partials —
   ``o`` (splits, B, Hkv, Sq, G, D) normalised over its run, ``lse`` (splits, B, Hkv, G, Sq)
   its run's LSE (-inf and a zero row for an empty run) — which :func:`combine_kernel`
   merges. ``has_lse`` is then ignored (the partial LSE is always written).
 
-Per block (one warp): the Q tile (16 × D) by cp.async (:func:`tilepy.tile.copy.
+Per warp: the Q tile (16 × D) by cp.async (:func:`tilepy.tile.copy.
 copy_grouped_rows_to_shared`), ldmatrix into A fragments kept in registers; key blocks of
 ``block_n`` keys stream through a ``cfg.stages``-deep cp.async ring; S = Q·Kᵀ, mask,
 online softmax and O += P·V as in the forward kernel (the same :mod:`tilepy.tile` pieces).
@@ -50,6 +52,7 @@ from numba import cuda
 from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
+from ..ptx.barrier import mark_warp_specialised, warp_sync
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.attention import limits_shape, mask_key_block, modify_scores, softcap_score
@@ -72,15 +75,17 @@ ROWS = 16
 
 @dataclass(frozen=True)
 class DecodeConfig(KeyTiles):
-    """One decoding kernel: 16 packed query rows a block (one warp), ``block_n`` keys a step,
-    ``stages`` key blocks in flight. Shared memory: the Q tile plus ``stages`` K and V tiles,
-    ``(16 + 2 · stages · block_n) · tile_dim · 2`` bytes."""
+    """One decoding kernel: 16 packed query rows a warp, ``block_n`` keys a step, ``stages``
+    key blocks in flight; ``warps`` warps a block, each on its own run of the keys (its own
+    split) with its own Q tile and ring. Shared memory: per warp the Q tile plus ``stages`` K
+    and V tiles, ``(16 + 2 · stages · block_n) · tile_dim · 2`` bytes."""
 
     head_dim: int
     block_n: int = 64
     stages: int = 2
     dtype: str = "float16"
     cc: tuple = (9, 0)
+    warps: int = 1
 
     def __post_init__(self):
         def need(ok, message):
@@ -94,23 +99,31 @@ class DecodeConfig(KeyTiles):
              f"block_n={self.block_n!r} is not a positive multiple of 16")
         need(isinstance(self.stages, int) and 2 <= self.stages <= 8,
              f"stages={self.stages!r} must be 2 … 8")
+        need(self.warps in (1, 2, 4, 8), f"warps={self.warps!r} must be 1, 2, 4 or 8")
         limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
         need(self.smem_bytes <= limit, f"{self.smem_bytes} B of shared memory exceeds the "
              f"{limit} B a block may use on sm_{self.cc[0]}{self.cc[1]}")
 
-    threads = 32
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     @property
     def q_bytes(self) -> int:
         return ROWS * self.tile_dim * 2
 
     @property
-    def smem_bytes(self) -> int:
+    def warp_bytes(self) -> int:
+        """Shared memory of one warp: its Q tile and its ring."""
         return self.q_bytes + self.stages * 2 * self.tile_bytes
 
+    @property
+    def smem_bytes(self) -> int:
+        return self.warps * self.warp_bytes
+
     def describe(self) -> str:
-        return (f"decode BN={self.block_n} D={self.head_dim}, 1 warp x 16 packed rows, "
-                f"{self.stages} stages, {self.dtype}, {self.smem_bytes // 1024} KB smem")
+        return (f"decode BN={self.block_n} D={self.head_dim}, {self.warps} warp(s) x 16 packed "
+                f"rows, {self.stages} stages, {self.dtype}, {self.smem_bytes // 1024} KB smem")
 
 
 def _kernel_jit(disk_cache: bool, threads: int = 32):
@@ -140,6 +153,9 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     SPLIT, PAGED = bool(split), bool(paged)
     HAS_LSE = bool(has_lse) or SPLIT
     CAP = float(softcap) > 0
+    WARPS, PER_WARP = cfg.warps, cfg.warp_bytes
+    if WARPS > 1 and not SPLIT:
+        raise ValueError("a decoding kernel of several warps writes split partials (split=True)")
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -176,20 +192,45 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
             issue_kv(at + TILE, v_shift, vp0[0], vp0[1], vp0[2], vp0[3], vs, sk - pos)
         cp_async_commit_group()
 
-    @_kernel_jit(not CAP)
+    if WARPS == 1:
+        @inline_device
+        def sync():
+            cuda.syncthreads()
+    else:   # the warps run runs of different lengths: each meets only itself
+        @inline_device
+        def sync():
+            warp_sync()
+
+    if SIMULATOR and WARPS > 1:
+        @inline_device
+        def per_warp():
+            mark_warp_specialised()     # the simulator's collectives then meet per warp
+    else:
+        @inline_device
+        def per_warp():
+            return None
+
+    @_kernel_jit(not CAP, cfg.threads)
     def kernel(q, k, v, o, lse, scale, scale_log2, keys):
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
-        lane = cuda.threadIdx.x
+        per_warp()
+        if WARPS == 1:
+            lane = cuda.threadIdx.x
+            warp = 0
+        else:
+            lane = cuda.threadIdx.x % 32
+            warp = cuda.threadIdx.x // 32
         g = lane // 4
         t = lane % 4
         sq = np.int64(q.shape[2])
         grp = np.int64(q.shape[3])
         rows = sq * grp
         tiles = (rows + ROWS - 1) // ROWS
-        nsplit = np.int64(cuda.gridDim.x) // tiles
-        rt = np.int64(cuda.blockIdx.x) // nsplit
-        sp = np.int64(cuda.blockIdx.x) % nsplit
+        blocks = np.int64(cuda.gridDim.x) // tiles      # blocks of WARPS splits a row tile
+        rt = np.int64(cuda.blockIdx.x) // blocks
+        sp = (np.int64(cuda.blockIdx.x) % blocks) * WARPS + warp
+        nsplit = blocks * WARPS
         row0 = rt * ROWS
         if PAGED:
             cap = np.int64(keys[2].shape[1]) * k.shape[2]
@@ -245,7 +286,7 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
                 acc[0, j, e] = _ZERO
 
         if hi > lo:
-            base = shared_addr(smem(), 0)
+            base = shared_addr(smem(), 0) + warp * PER_WARP
             kv_base = base + Q_BYTES
             issue_q(base, np.int64(global_addr(q, (b, hk, 0, 0, 0))), row0, grp,
                     q.strides[2], q.strides[3], rows - row0, lane)
@@ -265,13 +306,13 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
             s = cuda.local.array((1, NS, 4), np.float32)
 
             cp_async_wait_group(WAIT_Q)     # the Q tile
-            cuda.syncthreads()
+            sync()
             for kk in range(KD):
                 load_q(q_frag, kk, base, kk, fq_off, fq_x)
 
             for kb in range(lo, hi):
                 cp_async_wait_group(WAIT_KV)        # key block kb has landed ...
-                cuda.syncthreads()                  # ... and its ring slot's last reader is done
+                sync()                              # ... and its ring slot's last reader is done
                 issue_block(kb + STAGES - 1, lo, hi, kv_base, k, v, keys, b, sk, kp0, vp0)
                 k_addr = kv_base + ((kb - lo) % STAGES) * STAGE
                 v_addr = k_addr + TILE
@@ -391,9 +432,11 @@ def combine_threads(head_dim: int) -> int:
     return -(-(head_dim // 2) // 32) * 32
 
 
-def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1) -> tuple:
-    """The decoding kernel's grid: (row tiles · splits, Hkv, B)."""
-    return (-(-(seq_q * group) // ROWS) * splits, heads_kv, batch)
+def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1,
+         warps: int = 1) -> tuple:
+    """The decoding kernel's grid: (row tiles · splits / warps, Hkv, B); ``splits`` a multiple
+    of ``warps``."""
+    return (-(-(seq_q * group) // ROWS) * (splits // warps), heads_kv, batch)
 
 
 def packed_view(view, heads_kv: int):
@@ -433,7 +476,7 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
     """``(launch plan, arguments)`` of :func:`decode_kernel`'s kernel on its views."""
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), tuple(keys))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits)
+    g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits, cfg.warps)
     return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
 
 
@@ -461,6 +504,9 @@ COMPILED = (
     # the default config (32-key blocks, four stages), split, paged
     ("decode_d128_bf16_causal_split_paged", DecodeConfig(128, 32, 4, "bfloat16"), (-1, 0),
      True, True),
+    # four warps a block, each on its own run of the keys
+    ("decode_d128_bf16_causal_split_4warps", DecodeConfig(128, 32, 3, "bfloat16", warps=4),
+     (-1, 0), True, False),
     ("decode_d128_f16_causal", DecodeConfig(128, 64, 2, "float16"), (-1, 0), False, False),
 )
 
@@ -476,7 +522,8 @@ def compile_reports(only=None):
 
     out = [report_entry(name, (lambda c=cfg, w=win, s=split, p=paged:
                                decode_kernel(c, w[0], w[1], True, s, 0.0, p)),
-                        argtypes(split, paged), (9, 0), threads=32, config=cfg.describe(),
+                        argtypes(split, paged), (9, 0), threads=cfg.threads,
+                        config=cfg.describe(),
                         smem_bytes=cfg.smem_bytes)
            for name, cfg, win, split, paged in COMPILED if only is None or name in only]
     name = "decode_combine_d128_bf16_lse"

@@ -71,8 +71,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
       own blocks, merged afterwards (flash-decoding; ``1``: one pass, no merge). ``None``
       chooses from the SM count, the batch, the KV heads and the capacity
       (:func:`tilepy.ops.attention_decode_mma_sync.choose_splits`): enough blocks to fill
-      the GPU, each run at least 4 key blocks long. The results agree to rounding whatever the
-      value.
+      the GPU, each run at least 4 key blocks long; rounded up to a multiple of the config's
+      ``warps``. The results agree to rounding whatever the value.
     * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
       blocks, four stages: :func:`choose_config`), or an
       :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for the forward kernel (no
@@ -116,9 +116,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
             if isinstance(cfg, DecodeConfig):
                 if splits is None:
                     tiles = -(-(sq * (hq // hk)) // dec.ROWS)
-                    resident = 228 * 1024 // (cfg.smem_bytes + 1024)
+                    resident = 228 * 1024 // (cfg.smem_bytes + 1024) * cfg.warps
                     splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
                                                launch.sm_count(launch.SIM_SMS), resident)
+                splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
                 decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, stream)
             else:
                 forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged,
@@ -155,7 +156,7 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, strea
     o5 = at.device_view(dec.packed_view(arrays.raw_view(Out), hk))
     lse4 = at.device_view(dec.lse_view(arrays.raw_view(describe(lse, "lse")), hk)) \
         if lse is not None else arrays.placeholder(4)
-    split = splits > 1
+    split = splits > 1 or cfg.warps > 1
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged)
     if split:
         parts = arrays.empty(Q, (splits, b, hk, sq, grp, d), "float32")
