@@ -105,11 +105,15 @@ def test_pipeline_refuses_one_stage():
 
 # ---- simulator: a warp-specialised kernel from the pieces ---------------------------------------
 
-def make_kernel(n: int, k_steps: int, b_major: str, a_in_registers: bool):
+def make_kernel(n: int, k_steps: int, b_major: str, a_in_registers: bool,
+                dtype: str = "float16"):
     """Warpgroup 0's thread 0 loads A (64 × 64 k, K-major) and B (K-major: n × 64 k; MN-major:
     n / 64 boxes of 64 k × 64 n) per k step into a 2-stage ring; warpgroup 1 multiplies with
     the warpgroup MMA (A from the stage, or from ``a_regs``) and frees each stage. out[t, i] is
-    consumer thread t's accumulator register i."""
+    consumer thread t's accumulator register i. An 8-bit ``dtype`` has the same bytes: k steps
+    of 128 elements (one 128-byte box row)."""
+    eb = 1 if dtype.startswith("float8") else 2
+    BKE = BK * 2 // eb      # elements of a k step (128 bytes a row)
     lay = SmemLayout.of(("stages", 2 * (64 + n) * BK * 2, 1024), ("bars", 32, 8))
     STAGE = (64 + n) * BK * 2
     A_BYTES = 64 * BK * 2
@@ -118,8 +122,9 @@ def make_kernel(n: int, k_steps: int, b_major: str, a_in_registers: bool):
     roles = warpgroup_roles(1)
     load_a = tma_tile(1, A_BYTES)
     load_b = tma_tile(1, n * 128) if b_major == "k" else tma_tile(n // 64, 8192)
-    b_op = SmemOperand(n, BK, b_major)
-    wmma = warpgroup_mma(n, b_op, None if a_in_registers else SmemOperand(64, BK, "k"))
+    b_op = SmemOperand(n, BKE, b_major, eb)
+    wmma = warpgroup_mma(n, b_op, None if a_in_registers else SmemOperand(64, BKE, "k", eb),
+                         dtype)
     NACC = wmma.NACC
     RS = a_in_registers
     words = lay.nbytes // 2
@@ -151,9 +156,9 @@ def make_kernel(n: int, k_steps: int, b_major: str, a_in_registers: bool):
                     ring.acquire(bars, s, ph)
                     full = ring.commit(bars, s, STAGE)
                     stage = base + STAGES_OFF + s * STAGE
-                    load_a.load_2d(stage, ta, full, kt * BK, 0)
+                    load_a.load_2d(stage, ta, full, kt * BKE, 0)
                     if KMAJOR:
-                        load_b.load_2d(stage + A_BYTES, tb, full, kt * BK, 0)
+                        load_b.load_2d(stage + A_BYTES, tb, full, kt * BKE, 0)
                     else:
                         load_b.load_2d(stage + A_BYTES, tb, full, 0, kt * BK)
                     s, ph = ring.advance(s, ph)
@@ -238,6 +243,48 @@ def test_pieces_compose_a_warp_specialised_product(n, b_major, rs):
     ref = a.astype(np.float64) @ b.astype(np.float64)
     assert not np.isnan(d).any()
     assert np.abs(d - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_pieces_compose_an_fp8_product(fmt):
+    """The same composition on 8-bit floats: k32 wgmmas over 128-element (128-byte) boxes,
+    tensor maps of bytes; two k steps (k 256) against float64 of the codes' values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng()
+    n, k_steps = 64, 2
+    k = k_steps * 128
+    dt = getattr(ml_dtypes, fmt)
+    a = (rng.standard_normal((64, k)) * 4).astype(dt)
+    bt = (rng.standard_normal((n, k)) * 4).astype(dt)              # B stored as Bᵀ: K-major
+    keep_a, pa = device_tensor(a.view(np.uint8))
+    keep_b, pb = device_tensor(bt.view(np.uint8))
+    tma_a = host.encode_tiled(pa, "uint8", a.shape, a.strides, (64, 128), 128)
+    tma_b = host.encode_tiled(pb, "uint8", bt.shape, bt.strides, (n, 128), 128)
+    out = np.full((128, n // 2), np.nan, np.float32)
+    make_kernel(n, k_steps, "k", False, fmt)[1, 256](tma_a.to_device(), tma_b.to_device(),
+                                                     np.zeros((1, 1, 1), np.uint32), out)
+    del keep_a, keep_b
+    d = np.full((64, n), np.nan)
+    for t in range(128):
+        for i in range(n // 2):
+            d[accumulator_position(t, i)] = out[t, i]
+    ref = a.astype(np.float64) @ bt.astype(np.float64).T
+    assert not np.isnan(d).any()
+    assert np.abs(d - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_fp8_operands_are_k_major_from_shared_memory():
+    assert SmemOperand(64, 256, "k", 1).step(5) == 64 * 128 + 32   # box 2 (of 128), step 1
+    with pytest.raises(ValueError, match="K-major only"):
+        SmemOperand(64, 128, "mn", 1)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        SmemOperand(64, 48, "k", 1)
+    with pytest.raises(ValueError, match="1-byte elements"):
+        warpgroup_mma(64, SmemOperand(64, 128, "k"), SmemOperand(64, 128, "k"),
+                      "float8_e4m3fn")
+    with pytest.raises(ValueError, match="registers form"):
+        warpgroup_mma(64, SmemOperand(64, 128, "k", 1), None, "float8_e4m3fn")
 
 
 # ---- simulator: schedulers ---------------------------------------------------------------------

@@ -45,6 +45,8 @@ MAP_ALIGN = 64
 DTYPES = {
     "uint8": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
     "int8": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
+    "float8_e4m3fn": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),   # TMA moves the bytes
+    "float8_e5m2": ("CU_TENSOR_MAP_DATA_TYPE_UINT8", 1),
     "uint16": ("CU_TENSOR_MAP_DATA_TYPE_UINT16", 2),
     "int16": ("CU_TENSOR_MAP_DATA_TYPE_UINT16", 2),
     "float16": ("CU_TENSOR_MAP_DATA_TYPE_FLOAT16", 2),

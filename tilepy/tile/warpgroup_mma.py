@@ -42,30 +42,51 @@ from ..ptx import wgmma as W
 from ..ptx.wgmma_layout import accumulator_position  # noqa: F401  (re-exported: the view)
 
 SWIZZLE = 128            # bytes: the only swizzle the pieces use (64 16-bit elements a row)
-BOX = 64                 # elements of a box's inner dimension under that swizzle
-_AB = {"float16": "f16", "bfloat16": "bf16"}
+BOX = 64                 # 16-bit elements of a box's inner dimension under that swizzle
+_AB = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+#: Bytes per element of each dtype the piece takes.
+ELEM_BYTES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 @dataclass(frozen=True)
 class SmemOperand:
-    """A 16-bit operand tile in shared memory as 128-byte-swizzled boxes (module docstring):
-    ``rows`` along M (A) or N (B), ``k`` along K, ``major`` ``"k"`` or ``"mn"``."""
+    """An operand tile in shared memory as 128-byte-swizzled boxes (module docstring):
+    ``rows`` along M (A) or N (B), ``k`` along K (in elements), ``major`` ``"k"`` or
+    ``"mn"``; ``elem_bytes`` 2 (float16 / bfloat16: 64 elements a box row, k16 steps) or 1
+    (e4m3 / e5m2: 128 elements a box row, k32 steps — the same bytes; K-major only)."""
 
     rows: int
     k: int
     major: str = "k"
+    elem_bytes: int = 2
 
     def __post_init__(self):
         if self.major not in ("k", "mn"):
             raise ValueError(f"SmemOperand: major must be 'k' or 'mn', got {self.major!r}")
-        if self.k % 16 or self.k <= 0:
-            raise ValueError(f"SmemOperand: k must be a positive multiple of 16, got {self.k}")
+        if self.elem_bytes not in (1, 2):
+            raise ValueError(f"SmemOperand: elem_bytes must be 1 or 2, got {self.elem_bytes}")
+        if self.elem_bytes == 1 and self.major != "k":
+            raise ValueError("SmemOperand: 8-bit operands are K-major only (wgmma has no "
+                             "transpose for them)")
+        ks, box = self.k_step, self.box
+        if self.k % ks or self.k <= 0:
+            raise ValueError(f"SmemOperand: k must be a positive multiple of {ks}, got {self.k}")
         inner = self.k if self.major == "k" else self.rows
-        if inner % BOX and inner > BOX or inner % 16:
+        if inner % box and inner > box or inner % 16:
             raise ValueError(f"SmemOperand: the contiguous extent ({inner}) must be a multiple "
-                             f"of {BOX} (whole 128-byte boxes)")
+                             f"of {box} (whole 128-byte boxes)")
         if self.rows % 8:
             raise ValueError(f"SmemOperand: rows must be a multiple of 8, got {self.rows}")
+
+    @property
+    def box(self) -> int:
+        """Elements of a box row (128 bytes)."""
+        return SWIZZLE // self.elem_bytes
+
+    @property
+    def k_step(self) -> int:
+        """K of one wgmma: 16, or 32 for 8-bit elements (32 bytes of a row either way)."""
+        return 32 // self.elem_bytes
 
     @property
     def lbo(self) -> int:
@@ -90,14 +111,15 @@ class SmemOperand:
 
     @property
     def nbytes(self) -> int:
-        return self.rows * self.k * 2
+        return self.rows * self.k * self.elem_bytes
 
 
 @functools.cache
 def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
                   dtype: str = "float16", k: int | None = None):
     """Device functions of one warpgroup's ``acc[64 × n] (+)= A · B`` over ``k`` (default
-    ``b.k``) in k16 steps, B as ``b`` describes (``b.rows >= n``), A from shared memory as
+    ``b.k``) in k16 steps (k32 for the 8-bit ``dtype`` s ``"float8_e4m3fn"`` /
+    ``"float8_e5m2"``, whose operands are :class:`SmemOperand` s of ``elem_bytes=1``), B as ``b`` describes (``b.rows >= n``), A from shared memory as
     ``a`` describes or, ``a=None``, from registers.
 
     * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / 16`` wgmmas, A's 64 rows
@@ -117,14 +139,24 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
     Constants: ``NACC`` (accumulator floats per thread), ``K_STEPS``.
     """
     if dtype not in _AB:
-        raise ValueError(f"warpgroup_mma: dtype must be float16 or bfloat16, got {dtype!r}")
+        raise ValueError(f"warpgroup_mma: dtype must be one of {tuple(_AB)}, got {dtype!r}")
+    eb = ELEM_BYTES[dtype]
+    if b.elem_bytes != eb or (a is not None and a.elem_bytes != eb):
+        raise ValueError(f"warpgroup_mma: {dtype} operands have {eb}-byte elements; the "
+                         f"SmemOperands say {b.elem_bytes}" + (
+                             f" and {a.elem_bytes}" if a is not None else ""))
+    if eb == 1 and a is None:
+        raise ValueError("warpgroup_mma: 8-bit products take A from shared memory (the "
+                         "registers form is not built)")
+    KSTEP = b.k_step
     if n % 8 or not 8 <= n <= 256 or b.rows < n:
         raise ValueError(f"warpgroup_mma: n must be a multiple of 8 in 8 … 256 within B's "
                          f"{b.rows} rows, got {n}")
     K = b.k if k is None else k
-    if K % 16 or K > b.k or (a is not None and K > a.k):
-        raise ValueError(f"warpgroup_mma: k = {K} must be a multiple of 16 within the operands")
-    KS = K // 16
+    if K % KSTEP or K > b.k or (a is not None and K > a.k):
+        raise ValueError(f"warpgroup_mma: k = {K} must be a multiple of {KSTEP} within the "
+                         f"operands")
+    KS = K // KSTEP
     NACC = n // 2
     op = W.wgmma(n, _AB[dtype], a_in_registers=a is None, trans_b=b.major == "mn")
     LBO_B, SBO_B = b.lbo, b.sbo
