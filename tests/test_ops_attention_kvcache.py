@@ -2,9 +2,9 @@
 (contiguous, or paged through a block table), new keys and values appended first, against a
 float64 reference that gathers each sequence's keys from its pages (ragged lengths with 0 and
 the full capacity, GQA and MQA, seq_q 1, 2, 3 and 5 aligned to each sequence's end, a window,
-the keys split into runs and not, the forward kernel as the alternative config);
-out-of-range lengths and pages clamped, never read out of bounds; bad input refused before
-launch. The kernels' offline compile: test_ops_attention.py (``..._paged``) and the decoding kernel's
+the keys split into runs and not, the forward kernel as the alternative config); out-of-range
+lengths and pages clamped, never read out of bounds; bad input refused before launch. The
+kernels' offline compile: test_ops_attention.py (``..._paged``) and the decoding kernel's
 below."""
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def append_reference(kc, vc, kn, vn, lens, table=None):
 
 @sim
 @pytest.mark.parametrize("sq,hq,hk,causal,window,dtype,splits", [
-    (1, 8, 1, True, None, "float16", 3),           # decoding, MQA, the keys split 3 ways
+    # decoding, MQA, the keys split 3 ways on blocks of two warps: 4 runs, one empty
+    (1, 8, 1, True, None, "float16", 3),
     # speculative rows of GQA packed into two tiles (5 rows x 4 heads), a sliding window
     (5, 8, 2, True, (20, 0), "bfloat16", None),
     (3, 2, 2, False, None, "float16", "forward"),  # the forward kernel (an AttentionConfig)
@@ -69,7 +70,8 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, spl
     lens = np.array([0, 17, cap], np.int32)    # empty, ragged, full
     out = np.full(q.shape, np.nan, q.dtype)
     extra = dict(config=AttentionConfig(d, 16, 16, 16, dtype)) if splits == "forward" \
-        else dict(num_splits=splits)
+        else dict(num_splits=splits, config=DecodeConfig(d, 16, 3, dtype, warps=2)) \
+        if splits == 3 else dict(num_splits=splits)
     got, lse = kvcache(q, kc, vc, lens, causal=causal, window=window, return_lse=True, out=out,
                        **extra)
     assert got is out
@@ -171,8 +173,8 @@ def test_errors_are_raised_before_launch():
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
     """The decoding kernel (the default 32-key config split and paged; four warps a block;
-    64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per key block (head_dim 128)
-    BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
+    64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per key block
+    (head_dim 128) BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:

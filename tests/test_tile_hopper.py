@@ -280,7 +280,7 @@ def test_fp8_operands_are_k_major_from_shared_memory():
         SmemOperand(64, 128, "mn", 1)
     with pytest.raises(ValueError, match="multiple of 32"):
         SmemOperand(64, 48, "k", 1)
-    with pytest.raises(ValueError, match="1-byte elements"):
+    with pytest.raises(ValueError, match="1-byte elements; the SmemOperands say 2-byte"):
         warpgroup_mma(64, SmemOperand(64, 128, "k"), SmemOperand(64, 128, "k"),
                       "float8_e4m3fn")
     with pytest.raises(ValueError, match="registers form"):

@@ -435,7 +435,10 @@ def combine_threads(head_dim: int) -> int:
 def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1,
          warps: int = 1) -> tuple:
     """The decoding kernel's grid: (row tiles · splits / warps, Hkv, B); ``splits`` a multiple
-    of ``warps``."""
+    of ``warps`` (``ValueError`` otherwise: a warp would run a split nobody merges, or none)."""
+    if splits < warps or splits % warps:
+        raise ValueError(f"{splits} splits over blocks of {warps} warps: splits must be a "
+                         f"positive multiple of the warps")
     return (-(-(seq_q * group) // ROWS) * (splits // warps), heads_kv, batch)
 
 

@@ -156,7 +156,7 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, strea
     o5 = at.device_view(dec.packed_view(arrays.raw_view(Out), hk))
     lse4 = at.device_view(dec.lse_view(arrays.raw_view(describe(lse, "lse")), hk)) \
         if lse is not None else arrays.placeholder(4)
-    split = splits > 1 or cfg.warps > 1
+    split = splits > 1      # (several warps: at least that many splits)
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged)
     if split:
         parts = arrays.empty(Q, (splits, b, hk, sq, grp, d), "float32")

@@ -67,9 +67,10 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
       1 × 128 block of a row, (M, ceil(K / 128)) (``scale_a`` of a block-scaled GEMM);
       ``(128, 128)``: each 128 × 128 block, (ceil(M / 128), ceil(K / 128)) (``scale_b``).
     * Each scale is ``amax · (1 / largest finite value)`` (float32; at least 2**-126) of the
-      elements it covers, so the largest of them becomes ± that value; ``values = round(x / scale)`` to nearest even (never past
-      the largest finite value). A group of zeros gets scale 1.0 and zero codes. A NaN element
-      gives the NaN code; a non-finite element makes its group's scale non-finite.
+      elements it covers, so the largest of them becomes ± that value; ``values = round(x /
+      scale)`` to nearest even (never past the largest finite value). A group of zeros gets
+      scale 1.0 and zero codes. A NaN element gives the NaN code; a non-finite element makes its
+      group's scale non-finite.
 
     The absolute maxima are fused with the rounding: one pass over ``x`` per granularity, two
     for ``"tensor"``. CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the

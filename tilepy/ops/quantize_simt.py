@@ -13,12 +13,11 @@ x`` (``scale = amax · fl(1 / FP8_MAX[fmt])`` in float32 over the elements it co
 * ``"group"``: block ``(i, j)`` of the grid (ceil(M / gr), ceil(K / gc)) owns the group of
   rows ``i·gr …`` and columns ``j·gc …``: its amax (a block reduction), ``scales[i, j]``,
   then its codes. Rows (``gr`` 1, ``gc`` K), 1 × 128 and 128 × 128 blocks are this mode.
-* ``"amax"``: every block strides over the whole of ``x`` and raises ``amax[0]`` (int32,
-  zero on entry: the bits of a non-negative float32) to the bits of the largest |element| with an integer
-  atomic max (one per block; a NaN wins).
-* ``"apply"``: every block strides over ``x`` writing the codes of ``x / scale`` for the one
-  scale of the float32 whose bits are ``amax[0]``; thread 0 of block 0 writes
-  ``scales[0, 0]``.
+* ``"amax"``: every block strides over the whole of ``x`` and raises ``amax[0]`` (int32, zero on
+  entry: the bits of a non-negative float32) to the bits of the largest |element| with an
+  integer atomic max (one per block; a NaN wins). * ``"apply"``: every block strides over ``x``
+  writing the codes of ``x / scale`` for the one scale of the float32 whose bits are
+  ``amax[0]``; thread 0 of block 0 writes ``scales[0, 0]``.
 
 ``cfg``-free: ``warps`` warps a block (1 … 32). Conversions round to nearest even and
 saturate (:func:`tilepy.ptx.math.cvt_e4m3x2_f32`); a NaN element gives the NaN code, and a
@@ -104,7 +103,8 @@ def quantize_kernel(src: str, fmt: str, mode: str, warps: int = 4):
                 if tid == 0:
                     # on the bits: a float atomic max drops NaN, the integer one keeps it
                     # (top >= 0, so the bit order is the float order, NaN above +inf)
-                    cuda.atomic.max(amax, 0, np.int32(f32_as_u32(top)))
+                    # (the sign bit cleared: abs of a NaN may leave it set)
+                    cuda.atomic.max(amax, 0, np.int32(f32_as_u32(top) & np.uint32(0x7FFFFFFF)))
                 return
         else:
             top = u32_as_f32(np.uint32(amax[0]))

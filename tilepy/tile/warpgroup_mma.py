@@ -1,12 +1,12 @@
 """Warpgroup MMA: the wgmma counterpart of :func:`tilepy.tile.mma.warp_mma`.
 
 One warpgroup (128 threads, four consecutive warps from a warp index divisible by four)
-accumulates ``acc[64 × n] (+)= A[64 × k] · B[k × n]`` in float32 registers: ``k / 16``
-``wgmma.mma_async`` instructions (:mod:`tilepy.ptx.wgmma`), B from shared memory, A from
-shared memory or from registers. Everything about the operands' layout — the matrix
-descriptors' strides and the byte offset of each k16 step — is derived here from
-:class:`SmemOperand`, the layout TMA writes with 64-element boxes and the 128-byte swizzle
-(and :mod:`tilepy.tile.copy`'s swizzled cp.async copies write the same):
+accumulates ``acc[64 × n] (+)= A[64 × k] · B[k × n]`` in float32 registers: ``k / 16`` (8-bit
+types: ``k / 32``) ``wgmma.mma_async`` instructions (:mod:`tilepy.ptx.wgmma`), B from shared
+memory, A from shared memory or from registers. Everything about the operands' layout — the
+matrix descriptors' strides and the byte offset of each k step — is derived here from
+:class:`SmemOperand`, the layout TMA writes with 64-element boxes and the 128-byte swizzle (and
+:mod:`tilepy.tile.copy`'s swizzled cp.async copies write the same):
 
 * **K-major** (the operand's K is the contiguous dimension: A of a row-major A, B of a
   column-major B, K of ``Q·Kᵀ``): ``k / 64`` boxes, each ``rows`` rows × 64 k (128 bytes a
@@ -98,14 +98,15 @@ class SmemOperand:
 
     @property
     def steps(self) -> tuple[int, int]:
-        """``(per_box, per_k16)``: k16 step ``kk`` is ``(kk // 4) · per_box + (kk % 4) ·
-        per_k16`` bytes from the operand's start (four k16 steps per 64-element box)."""
+        """``(per_box, per_step)``: k step ``kk`` (k16, or k32 for 8-bit elements) is ``(kk //
+        4) · per_box + (kk % 4) · per_step`` bytes from the operand's start (four steps per
+        128-byte box row). A box row is 128 bytes even when ``k`` is less than a box."""
         if self.major == "k":
             return self.rows * SWIZZLE, 32
         return 4 * 16 * SWIZZLE, 16 * SWIZZLE
 
     def step(self, kk: int) -> int:
-        """Byte offset of k16 step ``kk`` from the operand's start."""
+        """Byte offset of k step ``kk`` from the operand's start."""
         per_box, per_k16 = self.steps
         return (kk // 4) * per_box + (kk % 4) * per_k16
 
@@ -119,10 +120,11 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
                   dtype: str = "float16", k: int | None = None):
     """Device functions of one warpgroup's ``acc[64 × n] (+)= A · B`` over ``k`` (default
     ``b.k``) in k16 steps (k32 for the 8-bit ``dtype`` s ``"float8_e4m3fn"`` /
-    ``"float8_e5m2"``, whose operands are :class:`SmemOperand` s of ``elem_bytes=1``), B as ``b`` describes (``b.rows >= n``), A from shared memory as
-    ``a`` describes or, ``a=None``, from registers.
+    ``"float8_e5m2"``, whose operands are :class:`SmemOperand` s of ``elem_bytes=1``), B as
+    ``b`` describes (``b.rows >= n``), A from shared memory as ``a`` describes or, ``a=None``,
+    from registers.
 
-    * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / 16`` wgmmas, A's 64 rows
+    * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / k_step`` wgmmas, A's 64 rows
       at shared address ``a_addr``, B at ``b_addr``. ``scale_d`` applies to the first step
       (0: overwrite the accumulators, 1: add to them); the others add.
     * ``mma_pair(acc0, a0, b0, acc1, a1, b1)`` (``a`` given): two products that overwrite
@@ -142,9 +144,9 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
         raise ValueError(f"warpgroup_mma: dtype must be one of {tuple(_AB)}, got {dtype!r}")
     eb = ELEM_BYTES[dtype]
     if b.elem_bytes != eb or (a is not None and a.elem_bytes != eb):
+        got = f"{b.elem_bytes}-byte" + (f" and {a.elem_bytes}-byte" if a is not None else "")
         raise ValueError(f"warpgroup_mma: {dtype} operands have {eb}-byte elements; the "
-                         f"SmemOperands say {b.elem_bytes}" + (
-                             f" and {a.elem_bytes}" if a is not None else ""))
+                         f"SmemOperands say {got}")
     if eb == 1 and a is None:
         raise ValueError("warpgroup_mma: 8-bit products take A from shared memory (the "
                          "registers form is not built)")
