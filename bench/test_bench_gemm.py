@@ -296,3 +296,36 @@ def test_quantize_fp8(benchmark, record, torch, gpu_name, gran):
                       notes=notes, gpu=gpu_name, dtype="bfloat16", table="FP8 quantisation",
                       shape=f"{m}x{k}", case=f"quantize_fp8 {m}x{k} bf16 -> e4m3 {gran}")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_gemm_fp8(benchmark, record, torch, gpu_name, n):
+    """``tilepy.gemm`` on e4m3 inputs with row- and column-wise scales (bf16 out) against
+    ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM) and the bf16 ``torch.matmul`` of the same
+    shape, M = N = K = ``n``."""
+    import tilepy
+
+    a = (torch.randn(n, n, device="cuda") * 3).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, n, device="cuda") * 3).to(torch.float8_e4m3fn)
+    sa = torch.rand(n, 1, device="cuda") + 0.5
+    sb = torch.rand(1, n, device="cuda") + 0.5
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    sa1, sb1 = sa[:, 0].contiguous(), sb[0].contiguous()
+
+    def ours():
+        return tilepy.gemm(a, w.t(), scale_a=sa1, scale_b=sb1, out=out)
+
+    want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    assert max_rel_err(ours(), want) < 2e-2
+    notes = {}
+    ab, wb = a.bfloat16(), w.bfloat16()
+    timings = {"tilepy": gpu_time(torch, ours),
+               "torch._scaled_mm": try_peer(notes, "torch._scaled_mm", lambda: gpu_time(
+                   torch, lambda: torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb,
+                                                   out_dtype=torch.bfloat16))),
+               "bf16 matmul": gpu_time(torch, lambda: torch.matmul(ab, wb.t()))}
+    record_throughput(record, work=2 * n ** 3, unit="TFLOPS", timings=timings,
+                      main="torch._scaled_mm", notes=notes, gpu=gpu_name, dtype="float8_e4m3fn",
+                      table="FP8 GEMM", shape=f"{n}^3",
+                      case=f"fp8 e4m3 {n}^3 row/col scales -> bf16")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -19,6 +19,7 @@ from .ops import attention_backward as _attention_backward
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
+from .ops import gemm_fp8 as _gemm_fp8
 from .ops import gemm_softmax as _gemm_softmax
 from .ops import grouped_gemm as _grouped_gemm
 from .ops import quantize as _quantize
@@ -41,7 +42,10 @@ def _pytorch():
 
 
 def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=None,
-         out_dtype=None, config=None, allow_tf32=False):
+         out_dtype=None, config=None, allow_tf32=False, scale_a=None, scale_b=None):
+    if scale_a is not None or scale_b is not None or _gemm_fp8.is_fp8(a):
+        return _fp8(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, scale_a,
+                    scale_b)
     if _is_torch(a):
         return (_front or _pytorch()).gemm(a, b, bias, activation, alpha, beta, c, out,
                                            out_dtype, config, allow_tf32)
@@ -60,6 +64,18 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
     if _is_torch(x):
         return (_front or _pytorch()).quantize_fp8(x, granularity, dtype)
     return _quantize.quantize_fp8(x, granularity=granularity, dtype=dtype)
+
+
+def _fp8(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, scale_a, scale_b):
+    """gemm on float8 inputs (eager on PyTorch tensors: no operator, no gradient yet)."""
+    if alpha != 1.0 or beta != 0 or c is not None:
+        raise NotImplementedError("gemm on float8 inputs: alpha, beta and c are not built yet "
+                                  "(scale_a / scale_b carry the scaling)")
+    if _is_torch(a) and any(getattr(t, "requires_grad", False) for t in (a, b)):
+        raise TypeError("gemm on float8 inputs has no gradient; detach the inputs or run "
+                        "under torch.no_grad()")
+    return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                              out=out, bias=bias, activation=activation, config=config)
 
 
 def softmax(x, axis=-1, *, out=None, config=None):

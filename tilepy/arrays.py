@@ -288,6 +288,21 @@ def zeros(like: Operand, shape, dtype: str):
     return np.zeros(shape, dtype=_np_dtype(dtype))
 
 
+def ones(like: Operand, shape, dtype: str = "float32"):
+    """A new array of ones of ``like``'s family and device (filled on the caller's current
+    stream for PyTorch and CuPy)."""
+    if like.family == "numba":
+        from numba import cuda
+
+        return cuda.to_device(np.ones(shape, dtype=_np_dtype(dtype)))
+    x = empty(like, shape, dtype)
+    if like.family == "torch":
+        x.fill_(1)
+    else:
+        x.fill(1)
+    return x
+
+
 def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes

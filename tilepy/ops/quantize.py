@@ -89,7 +89,7 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
         scales = arrays.empty(X, scales_shape(X.shape, gran), "float32")
     if m == 0 or k == 0:
         # nothing to scale: every scale (a row's of no column too) is 1.0
-        return values, _ones(X, scales_shape(X.shape, gran))
+        return values, arrays.ones(X, scales_shape(X.shape, gran))
     src = X.dtype
     with arrays.on_device(X.device):
         stream = arrays.stream_handle(X)
@@ -152,20 +152,3 @@ def _codes_view(values):
         return arrays.import_device_array(values)
     return values
 
-
-def _ones(X, shape):
-    """A float32 array of ones of ``X``'s family and device."""
-    if X.family == "torch":
-        import torch
-
-        return torch.ones(shape, dtype=torch.float32, device=X.raw.device)
-    if X.family == "cupy":
-        import cupy
-
-        with cupy.cuda.Device(X.device):
-            return cupy.ones(shape, dtype=np.float32)
-    if X.family == "numba":
-        from numba import cuda
-
-        return cuda.to_device(np.ones(shape, np.float32))
-    return np.ones(shape, np.float32)

@@ -1,0 +1,93 @@
+"""``tilepy.gemm`` on float8 inputs (the scaled FP8 GEMM): against float64 of the codes' values
+times the scales (per tensor, per row of a, per column of b), both formats, edges that are not
+multiples of the tile and K not a multiple of 128; out bfloat16 / float16 / float32; bad input
+refused before launch; the kernel's sm_90a compile; the GPU against ``torch._scaled_mm``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tilepy
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+
+
+def codes(rng, shape, fmt):
+    return (rng.standard_normal(shape) * 3).astype(getattr(ml_dtypes, fmt))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("fmt,rows,cols,out_dtype", [
+    ("float8_e4m3fn", True, False, "bfloat16"),
+    ("float8_e5m2", False, True, "float32"),
+    ("float8_e4m3fn", False, False, "float16"),
+])
+def test_scaled_product_against_float64(fmt, rows, cols, out_dtype):
+    rng = np.random.default_rng()
+    m, n, k = 130, 72, 208                  # 3 row tiles (one partial), K = 128 + 80
+    a = codes(rng, (m, k), fmt)
+    w = codes(rng, (n, k), fmt)             # b = wᵀ: K-major
+    sa = rng.uniform(0.5, 2, m).astype(np.float32) if rows else np.float32(0.75)
+    sb = rng.uniform(0.5, 2, n).astype(np.float32) if cols else np.float32(1.5)
+    out = np.full((m, n), np.nan, {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16,
+                                   "float32": np.float32}[out_dtype])
+    got = tilepy.gemm(a, w.T, scale_a=np.asarray(sa), scale_b=np.asarray(sb), out=out,
+                      out_dtype=out_dtype)
+    assert got is out
+    ref = (a.astype(np.float64) * np.reshape(sa, (-1, 1))) @ (
+        w.astype(np.float64).T * np.reshape(sb, (1, -1)))
+    tol = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-5}[out_dtype]
+    got64 = got.astype(np.float64)
+    assert not np.isnan(got64).any()
+    assert np.abs(got64 - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_errors_are_raised_before_launch():
+    a = np.zeros((4, 32), ml_dtypes.float8_e4m3fn)
+    w = np.zeros((8, 32), ml_dtypes.float8_e4m3fn)
+    with pytest.raises(ValueError, match="K must be a multiple of 16"):
+        tilepy.gemm(a[:, :24], w[:, :24].T)
+    with pytest.raises(ValueError, match="b must be K-major"):
+        tilepy.gemm(a, np.ascontiguousarray(w.T))
+    with pytest.raises(NotImplementedError, match="mixed formats"):
+        tilepy.gemm(a, w.astype(ml_dtypes.float8_e5m2).T)
+    with pytest.raises(NotImplementedError, match="block scales"):
+        tilepy.gemm(a, w.T, scale_a=np.ones((4, 2), np.float32))
+    with pytest.raises(ValueError, match=r"scale_b must be 0-d .* or \(8,\)"):
+        tilepy.gemm(a, w.T, scale_b=np.ones(5, np.float32))
+    with pytest.raises(TypeError, match="scale_a: dtype float64 is not supported"):
+        tilepy.gemm(a, w.T, scale_a=np.ones(4, np.float64))
+    with pytest.raises(NotImplementedError, match="bias and activation"):
+        tilepy.gemm(a, w.T, activation="relu")
+    with pytest.raises(NotImplementedError, match="alpha, beta and c"):
+        tilepy.gemm(a, w.T, alpha=2.0)
+
+
+@pytest.mark.compile
+def test_fp8_kernel_compiles_for_sm90a():
+    """k32 wgmmas on e4m3, no spill, no serialised-wgmma note."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    (rep,) = run_in_subprocess("tilepy.ops.gemm_fp8_wgmma:compile_reports").values()
+    assert "error" not in rep, rep.get("error")
+    assert rep["counts"]["wgmma.mma_async"] >= 4 and rep["counts"]["cp.async.bulk.tensor"] >= 2
+    assert rep["spill_stores"] == 0 and rep["f64"] == 0 and not rep["ptxas_wgmma_notes"], rep
+
+
+@pytest.mark.gpu
+def test_gpu_against_torch_scaled_mm():
+    """4096 × 4096 × 4096 e4m3 with row- and column-wise scales, bf16 out, against
+    ``torch._scaled_mm`` (cuBLASLt) in the same process."""
+    torch = pytest.importorskip("torch")
+    m = n = k = 4096
+    a = (torch.randn(m, k, device="cuda") * 3).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, device="cuda") * 3).to(torch.float8_e4m3fn)
+    sa = torch.rand(m, 1, device="cuda") + 0.5
+    sb = torch.rand(1, n, device="cuda") + 0.5
+    got = tilepy.gemm(a, w.t(), scale_a=sa[:, 0], scale_b=sb[0])
+    want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 2e-2 * want.float().abs().max().item(), err

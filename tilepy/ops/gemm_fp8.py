@@ -1,0 +1,151 @@
+"""``tilepy.gemm`` on 8-bit floats: ``out = (a · scale_a) @ (b · scale_b)`` for e4m3 / e5m2
+``a`` and ``b``, out in bfloat16, float16 or float32 (``torch._scaled_mm``'s contract).
+
+Validation on the host, then one launch of the FP8 kernel of
+:mod:`tilepy.ops.gemm_fp8_wgmma` (sm_90a: TMA + k32 wgmma) on the operands' bytes; the
+tensor maps are encoded per call and written through the caller's allocator and stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import arrays, launch
+from ..arrays import describe
+from ..launch import LaunchPlan
+from ..tile import device_write
+from ..tile import tma as host_tma
+from ..tile.smem import allow_dynamic_shared
+from . import gemm_fp8_wgmma as fk
+
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+_FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+
+
+def is_fp8(x) -> bool:
+    """Whether ``x`` (an array) holds 8-bit floats (by its dtype's name)."""
+    dt = getattr(x, "dtype", None)
+    return dt is not None and str(dt).replace("torch.", "") in FP8_DTYPES
+
+
+def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
+             activation=None, config=None):
+    """``out[i, j] = scale_a · scale_b · Σ_k a[i, k] b[k, j]`` with float32 accumulation.
+
+    * ``a`` (M, K) row-major, ``b`` (K, N) given K-major — the transposed view of a row-major
+      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``); e4m3 or e5m2, the same format for
+      both (mixed formats are not built yet).
+    * ``scale_a``: float32, a 0-d array (per tensor) or (M,) (per row); ``scale_b``: 0-d or
+      (N,) (per column); None is 1.0. Block scales ((M, ceil(K / 128)) …) are not built yet
+      (``NotImplementedError``).
+    * ``out_dtype``: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``; ``out`` (M, N)
+      of it, or None.
+    * ``bias`` / ``activation``: not yet (``NotImplementedError``).
+    Needs a compute capability 9.0 GPU (the simulator runs it too). Errors are raised before
+    anything is launched.
+    """
+    if bias is not None or activation is not None:
+        raise NotImplementedError("gemm on float8 inputs: bias and activation are not built "
+                                  "yet")
+    A = describe(a, "a", dtypes=FP8_DTYPES)
+    B = describe(b, "b", dtypes=FP8_DTYPES)
+    if A.dtype != B.dtype:
+        raise NotImplementedError(f"gemm on float8 inputs: mixed formats ({A.dtype} and "
+                                  f"{B.dtype}) are not built yet")
+    if A.ndim != 2 or B.ndim != 2:
+        raise ValueError(f"gemm on float8 inputs: a and b must be 2-D, got {A.shape} and "
+                         f"{B.shape}")
+    (m, k), (k2, n) = A.shape, B.shape
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: a {A.shape} @ b {B.shape} ({k} != {k2})")
+    if k % 16:
+        raise ValueError(f"gemm on float8 inputs: K must be a multiple of 16 (rows of whole "
+                         f"16-byte units, as torch._scaled_mm requires), got {k}")
+    if not (A.strides[1] == 1 and (A.strides[0] % 16 == 0 or m == 1)):
+        raise ValueError(f"a must be row-major with rows of a multiple of 16 bytes, got "
+                         f"strides {A.strides}")
+    if not (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1)):
+        raise ValueError(f"b must be K-major: the transposed view of a row-major (N, K) with "
+                         f"rows of a multiple of 16 bytes (torch._scaled_mm's layout), got "
+                         f"strides {B.strides}")
+    out_dtype = arrays.dtype_name(out_dtype) if out_dtype is not None else "bfloat16"
+    if out_dtype not in fk.OUT_KINDS:
+        raise TypeError(f"out_dtype must be one of {fk.OUT_KINDS}, got {out_dtype}")
+    Sa = _scale(scale_a, "scale_a", m, "row", A)
+    Sb = _scale(scale_b, "scale_b", n, "column", A)
+    Out = describe(out, "out") if out is not None else None
+    if Out is not None and (Out.shape != (m, n) or Out.dtype != out_dtype):
+        raise ValueError(f"out must be ({m}, {n}) {out_dtype}, got {Out.shape} {Out.dtype}")
+    device = arrays.same_device(A, B, Out, *(s for s in (Sa, Sb) if s is not None))
+    cfg = config if config is not None else fk.FP8Config()
+    if not isinstance(cfg, fk.FP8Config):
+        raise TypeError(f"config must be a tilepy.ops.gemm_fp8_wgmma.FP8Config, got "
+                        f"{type(cfg).__name__}")
+    if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
+        raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
+                                  "(wgmma); other GPUs are not supported yet")
+    if out is None:
+        out = arrays.empty(A, (m, n), out_dtype)
+        Out = describe(out, "out")
+    if m == 0 or n == 0:
+        return out
+    with arrays.on_device(device):
+        stream = arrays.stream_handle(A)
+        if k == 0:
+            a = arrays.zeros(A, (m, fk.BK), "uint8")
+            b = arrays.zeros(A, (n, fk.BK), "uint8")
+            k, pa, pb = fk.BK, describe(a, "a", dtypes=("uint8",)).byte_pointer(), \
+                describe(b, "b", dtypes=("uint8",)).byte_pointer()
+            sa_b, sb_b = (fk.BK, 1), (fk.BK, 1)
+        else:
+            pa, pb = A.byte_pointer(), B.byte_pointer()
+            sa_b, sb_b = (A.strides[0], 1), (B.strides[1], 1)
+        alloc = arrays.byte_allocator(A)
+        ma = host_tma.encode_tiled(pa, "uint8", (m, k), sa_b, (cfg.block_m, fk.BK), 128)
+        mb = host_tma.encode_tiled(pb, "uint8", (n, k), sb_b, (cfg.block_n, fk.BK), 128)
+        va, vb = ma.to_device(stream, alloc), mb.to_device(stream, alloc)
+        ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
+        sa_v = _scale_view(Sa if Sa is not None else describe(ones, "ones"))
+        sb_v = _scale_view(Sb if Sb is not None else describe(ones, "ones"))
+        kern = fk.fp8_gemm_kernel(cfg, _FMT[A.dtype], _FMT[B.dtype], out_dtype,
+                                  Sa is not None and Sa.ndim == 1,
+                                  Sb is not None and Sb.ndim == 1)
+        args = (va, vb, arrays.kernel_view(Out), sa_v, sb_v, np.int64(k))
+        allow_dynamic_shared(kern, args, cfg.smem_bytes)
+        LaunchPlan(kern, args, fk.grid(cfg, m, n), cfg.threads, cfg.smem_bytes).launch(
+            stream, args)
+        device_write.keep_during_capture(stream, va, vb, ones)
+    return out
+
+
+def _scale(s, name: str, length: int, what: str, A):
+    """``s`` as an Operand: float32, 0-d (per tensor) or (length,) (per {what}); None stays."""
+    if s is None:
+        return None
+    S = describe(s, name)
+    if S.dtype != "float32":
+        raise TypeError(f"{name} must be float32, got {S.dtype}")
+    if S.ndim == 2 and S.shape[1] != 1 and S.shape[0] != 1:
+        raise NotImplementedError(f"{name} of shape {S.shape}: block scales are not built "
+                                  f"yet; per tensor (0-d) or per {what} ({length},)")
+    if S.shape not in ((), (1,), (length,)):
+        raise ValueError(f"{name} must be 0-d (per tensor) or ({length},) (per {what}), got "
+                         f"shape {S.shape}")
+    arrays.same_device(A, S)
+    return S
+
+
+def _scale_view(S):
+    """A float32 scale as a 1-D kernel argument ((1,) for one scale)."""
+    view = arrays.raw_view(S)
+    if S.ndim == 0:
+        view = arrays.restride(view, (1,), (4,))
+    return arrays.kernel_view(S) if S.ndim == 1 else _wrap(view)
+
+
+def _wrap(view):
+    if isinstance(view, np.ndarray):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return FakeCUDAArray(view)
+    return view

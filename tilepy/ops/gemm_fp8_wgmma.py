@@ -1,0 +1,231 @@
+"""The FP8 GEMM on Hopper (sm_90a): e4m3 / e5m2 operands through TMA into an mbarrier ring,
+k32 wgmmas into float32 accumulators, the scales applied in the epilogue — composed from
+:mod:`tilepy.tile` pieces (roles, the TMA ring and tile loads, the warpgroup MMA on 1-byte
+operands).
+
+``fp8_gemm_kernel(cfg, fmt_a, fmt_b, out_kind, row_scale, col_scale)`` returns a kernel
+
+    kernel(maps_a, maps_b, out, scale_a, scale_b)
+
+computing ``out[i, j] = scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] · b[j, k]`` for ``a``
+(M, K) and ``b`` (N, K) row-major 8-bit codes (``b`` is Bᵀ: K-major, as
+``torch._scaled_mm`` takes it), whose tensor maps (uint8, 128-byte swizzle, boxes of
+``block_m`` / ``block_n`` rows × 128 k) are ``maps_a`` / ``maps_b``; ``out`` (M, N) float32, or
+uint16 bits of ``out_kind`` (float16 / bfloat16); ``scale_a`` float32 (M,) with
+``row_scale`` else (1,), ``scale_b`` (N,) with ``col_scale`` else (1,). Grid (tiles of the
+output, 1), :attr:`FP8Config.threads` threads, :attr:`FP8Config.smem_bytes` of dynamic shared
+memory. K need not be a multiple of 128 (TMA zero-fills).
+
+Warpgroup 0's thread 0 loads each k step's A box and B box into the next ring slot; warpgroups
+1 … ``consumers`` each take 64 rows of the tile: per k step their k32 wgmmas over the slot as
+one group, ``wait_group 0``, the slot released. The epilogue scales each accumulator and stores
+it (rows past M and columns past N skipped). Not persistent; no block scales (DeepGEMM's
+promotion every 128 of K) yet.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, types
+
+from ..inline import inline_device
+from ..kcache import cached_jit
+from ..ptx import mbarrier as MB
+from ..ptx import shared_addr
+from ..ptx import tma as T
+from ..ptx.asm import SIMULATOR
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..tile.config import SMEM_LIMIT
+from ..tile.pipeline import tma_pipeline
+from ..tile.roles import warpgroup_roles
+from ..tile.smem import dynamic_shared
+from ..tile.smem_layout import SmemLayout
+from ..tile.tma_copy import tma_tile
+from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
+
+BK = 128            # k elements (bytes) a stage: one 128-byte swizzle row
+FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+OUT_KINDS = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """``block_m`` (64 · ``consumers``) × ``block_n`` output tile, ``stages`` k steps of 128
+    in flight."""
+
+    block_n: int = 128
+    stages: int = 4
+    consumers: int = 2
+    cc: tuple = (9, 0)
+
+    def __post_init__(self):
+        if self.consumers not in (1, 2) or self.block_n not in (64, 128, 256) or \
+                not 2 <= self.stages <= 8:
+            raise ValueError(f"FP8Config: consumers 1 or 2, block_n 64 / 128 / 256, stages "
+                             f"2 … 8; got {self}")
+        limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
+        if self.smem_bytes > limit:
+            raise ValueError(f"FP8Config: {self.smem_bytes} B of shared memory exceeds {limit}")
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.block_m + self.block_n) * BK
+
+    @property
+    def layout(self):
+        return SmemLayout.of(("stages", self.stages * self.stage_bytes, 1024),
+                             ("bars", 16 * self.stages, 8))
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.layout.nbytes
+
+    def describe(self) -> str:
+        return (f"fp8 {self.block_m}x{self.block_n}x{BK}, {self.stages} stages, "
+                f"{self.consumers} consumer warpgroup(s)")
+
+
+def _jit(threads: int):
+    return cuda.jit if SIMULATOR else cached_jit(launch_bounds=threads)
+
+
+@functools.cache
+def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
+                    out_kind: str = "bfloat16", row_scale: bool = False,
+                    col_scale: bool = False):
+    """The kernel of the module docstring, generated once per argument set."""
+    if fmt_a not in FORMATS or fmt_b not in FORMATS or out_kind not in OUT_KINDS:
+        raise ValueError(f"fp8_gemm_kernel: formats of {tuple(FORMATS)}, out of {OUT_KINDS}; "
+                         f"got {fmt_a!r}, {fmt_b!r}, {out_kind!r}")
+    if fmt_a != fmt_b:
+        raise NotImplementedError("fp8_gemm_kernel: mixed e4m3 / e5m2 operands are not built "
+                                  "yet")
+    BM, BN, NC, ST = cfg.block_m, cfg.block_n, cfg.consumers, cfg.stages
+    A_BYTES = BM * BK
+    STAGE = cfg.stage_bytes
+    lay = cfg.layout
+    STAGES, BARS = lay.offset("stages"), lay.offset("bars")
+    ring = tma_pipeline(ST, 4 * NC)
+    roles = warpgroup_roles(NC)
+    load_a = tma_tile(1, A_BYTES)
+    load_b = tma_tile(1, BN * BK)
+    wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "k", 1), SmemOperand(64, BK, "k", 1),
+                         FORMATS[fmt_a])
+    NACC = wmma.NACC
+    F32 = out_kind == "float32"
+    pack = cvt_bf16x2_f32 if out_kind == "bfloat16" else cvt_f16x2_f32
+    ROWS, COLS = bool(row_scale), bool(col_scale)
+    smem = dynamic_shared(lay.align)
+    f32 = types.float32
+
+    @inline_device
+    def store(acc, out, scale_a, scale_b, row0, col0, lane, warp):
+        m = out.shape[0]
+        n = out.shape[1]
+        sa0 = scale_a[0]
+        sb0 = scale_b[0]
+        for i in range(0, NACC, 2):
+            r = row0 + 16 * warp + lane // 4 + 8 * ((i // 2) % 2)
+            c = col0 + 8 * (i // 4) + 2 * (lane % 4)
+            if r < m:
+                sa = scale_a[r] if ROWS else sa0
+                x0 = acc[i] * sa * (scale_b[c] if COLS and c < n else sb0)
+                x1 = acc[i + 1] * sa * (scale_b[c + 1] if COLS and c + 1 < n else sb0)
+                if F32:
+                    if c < n:
+                        out[r, c] = x0
+                    if c + 1 < n:
+                        out[r, c + 1] = x1
+                else:
+                    word = pack(x0, x1)
+                    if c < n:
+                        out[r, c] = word & 0xFFFF
+                    if c + 1 < n:
+                        out[r, c + 1] = word >> 16
+
+    @_jit(cfg.threads)
+    def kernel(maps_a, maps_b, out, scale_a, scale_b, k):
+        m = out.shape[0]
+        n = out.shape[1]
+        tiles_n = (n + BN - 1) // BN
+        bm0 = (cuda.blockIdx.x // tiles_n) * BM
+        bn0 = (cuda.blockIdx.x % tiles_n) * BN
+        ktiles = (k + BK - 1) // BK
+        base = shared_addr(smem(), 0)
+        bars = base + BARS
+        tid = cuda.threadIdx.x
+        wg = roles.warpgroup(tid)
+        if tid == 0:
+            ring.init(bars)
+            MB.fence_mbarrier_init()
+        cuda.syncthreads()
+        if wg == 0:
+            roles.enter_producer()
+            if tid == 0:
+                ta = T.tensor_map_address(maps_a)
+                tb = T.tensor_map_address(maps_b)
+                T.fence_proxy_tensormap_acquire(ta)
+                T.fence_proxy_tensormap_acquire(tb)
+                s = 0
+                ph = 0
+                for kt in range(ktiles):
+                    ring.acquire(bars, s, ph)
+                    full = ring.commit(bars, s, STAGE)
+                    stage = base + STAGES + s * STAGE
+                    load_a.load_2d(stage, ta, full, kt * BK, bm0)
+                    load_b.load_2d(stage + A_BYTES, tb, full, kt * BK, bn0)
+                    s, ph = ring.advance(s, ph)
+        else:
+            roles.enter_consumer()
+            cw = wg - 1
+            t = tid - 128 * wg
+            acc = cuda.local.array(NACC, f32)
+            for i in range(NACC):
+                acc[i] = f32(0)
+            for kt in range(ktiles):
+                s, ph = ring.at(kt)
+                ring.wait(bars, s, ph)
+                stage = base + STAGES + s * STAGE
+                wmma.fence()
+                wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
+                wmma.commit()
+                wmma.wait(0)
+                wmma.fence_operand(acc)
+                ring.release(bars, s, t % 32)
+            store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, t % 32, t // 32)
+
+    return kernel
+
+
+def grid(cfg: FP8Config, m: int, n: int) -> tuple:
+    return (-(-m // cfg.block_m) * -(-n // cfg.block_n), 1, 1)
+
+
+def argtypes(out_kind: str):
+    """Numba argument types of :func:`fp8_gemm_kernel`'s kernel (offline compilation)."""
+    u8 = types.Array(types.uint8, 1, "C")
+    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "A")
+    f32 = types.Array(types.float32, 1, "A")
+    return (u8, u8, out, f32, f32, types.int64)
+
+
+def compile_reports():
+    """Offline sm_90a reports: bf16 out with row and column scales, e4m3, the default."""
+    from ..offline import report_entry
+
+    cfg = FP8Config()
+    return [report_entry("gemm_fp8_e4m3_bf16_rowcol",
+                         lambda: fp8_gemm_kernel(cfg, "e4m3", "e4m3", "bfloat16", True, True),
+                         argtypes("bfloat16"), (9, 0, "a"), threads=cfg.threads,
+                         config=cfg.describe(), smem_bytes=cfg.smem_bytes)]
