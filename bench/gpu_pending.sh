@@ -33,8 +33,8 @@
 #   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA), the Llama
 #                decoding step in a CUDA graph (tokens/s against transformers' SDPA path)
 #   PART=s22d    the 8-bit float pieces (issue 28): the fp8 conversions and the e4m3 / e5m2 wgmma
-#                against their twins and NumPy, quantize_fp8 at full size and its benchmark, the
-#                FP8 GEMM against torch._scaled_mm (test and benchmark)
+#                against their twins and NumPy, quantize_fp8 at full size and its benchmark
+#   PART=s22e    the FP8 GEMM against torch._scaled_mm (test and benchmark)
 #   PART=s22c    grouped_gemm (issue 27): its GPU test, its benchmark against torch._grouped_mm
 #                and a loop of cuBLAS calls
 #   PART=s21a    issue 22's open figures (gemm_softmax as called against tilepy's own pair, the
@@ -186,8 +186,10 @@ if [[ " $PART " == *" s22d "* ]]; then
     gpu_tests fp8_ptx_gpu 120 tests/test_ptx_math.py tests/test_ptx_wgmma.py -k fp8
     gpu_tests quantize_gpu 150 tests/test_ops_quantize.py
     bench_suite bench_quantize 120 "test_quantize_fp8"
-    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py tests/test_tile_hopper.py -k fp8
-    bench_suite bench_gemm_fp8 100 "test_gemm_fp8"
+fi
+if [[ " $PART " == *" s22e "* ]]; then
+    gpu_tests gemm_fp8_gpu 150 tests/test_ops_gemm_fp8.py tests/test_tile_hopper.py -k fp8
+    bench_suite bench_gemm_fp8 150 "test_gemm_fp8"
 fi
 if [[ " $PART " == *" s22c "* ]]; then
     gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
