@@ -64,6 +64,23 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a, w.T, alpha=2.0)
 
 
+@pytest.mark.sim
+def test_one_row_one_scale_shapes_and_empty_k():
+    """M = 1 (its row stride never used), torch._scaled_mm's scale shapes ((M, 1), (1, N),
+    (1,)) and K = 0 (zeros)."""
+    rng = np.random.default_rng()
+    a = codes(rng, (1, 32), "float8_e4m3fn")
+    w = codes(rng, (8, 32), "float8_e4m3fn")
+    got = tilepy.gemm(a, w.T, scale_a=np.full((1, 1), 2, np.float32),
+                      scale_b=np.full((1, 8), 0.5, np.float32), out_dtype="float32")
+    np.testing.assert_allclose(got, a.astype(np.float64) @ w.astype(np.float64).T, rtol=1e-5)
+    one = tilepy.gemm(a, w.T, scale_a=np.full(1, 3, np.float32), out_dtype="float32")
+    np.testing.assert_allclose(one, 3 * got, rtol=1e-5)
+    out = np.full((1, 8), np.nan, np.float32)
+    tilepy.gemm(a[:, :0], w[:, :0].T, out=out)
+    assert (out == 0).all()
+
+
 @pytest.mark.compile
 def test_fp8_kernel_compiles_for_sm90a():
     """k32 wgmmas on e4m3, no spill, no serialised-wgmma note."""
@@ -87,7 +104,7 @@ def test_gpu_against_torch_scaled_mm():
     w = (torch.randn(n, k, device="cuda") * 3).to(torch.float8_e4m3fn)
     sa = torch.rand(m, 1, device="cuda") + 0.5
     sb = torch.rand(1, n, device="cuda") + 0.5
-    got = tilepy.gemm(a, w.t(), scale_a=sa[:, 0], scale_b=sb[0])
+    got = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb)     # torch._scaled_mm's shapes
     want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item(), err

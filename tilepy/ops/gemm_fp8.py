@@ -35,11 +35,12 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     * ``a`` (M, K) row-major, ``b`` (K, N) given K-major — the transposed view of a row-major
       (N, K), as ``torch._scaled_mm`` takes it (``w.t()``); e4m3 or e5m2, the same format for
       both (mixed formats are not built yet).
-    * ``scale_a``: float32, a 0-d array (per tensor) or (M,) (per row); ``scale_b``: 0-d or
-      (N,) (per column); None is 1.0. Block scales ((M, ceil(K / 128)) …) are not built yet
+    * ``scale_a``: float32, one scale (0-d, (1,)) or one per row ((M,), or (M, 1) as
+      ``torch._scaled_mm`` takes it); ``scale_b``: one scale, or one per column ((N,) or
+      (1, N)); None is 1.0. Block scales ((M, ceil(K / 128)) …) are not built yet
       (``NotImplementedError``).
-    * ``out_dtype``: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``; ``out`` (M, N)
-      of it, or None.
+    * ``out_dtype``: ``"bfloat16"`` (default; ``out``'s dtype when ``out`` is given),
+      ``"float16"`` or ``"float32"``; ``out`` (M, N) of it, or None. K = 0 gives zeros.
     * ``bias`` / ``activation``: not yet (``NotImplementedError``).
     Needs a compute capability 9.0 GPU (the simulator runs it too). Errors are raised before
     anything is launched.
@@ -61,13 +62,15 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     if k % 16:
         raise ValueError(f"gemm on float8 inputs: K must be a multiple of 16 (rows of whole "
                          f"16-byte units, as torch._scaled_mm requires), got {k}")
-    if not (A.strides[1] == 1 and (A.strides[0] % 16 == 0 or m == 1)):
+    if k and not (A.strides[1] == 1 and (A.strides[0] % 16 == 0 or m == 1)):
         raise ValueError(f"a must be row-major with rows of a multiple of 16 bytes, got "
                          f"strides {A.strides}")
-    if not (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1)):
+    if k and not (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1)):
         raise ValueError(f"b must be K-major: the transposed view of a row-major (N, K) with "
                          f"rows of a multiple of 16 bytes (torch._scaled_mm's layout), got "
                          f"strides {B.strides}")
+    if out_dtype is None and out is not None:
+        out_dtype = describe(out, "out").dtype
     out_dtype = arrays.dtype_name(out_dtype) if out_dtype is not None else "bfloat16"
     if out_dtype not in fk.OUT_KINDS:
         raise TypeError(f"out_dtype must be one of {fk.OUT_KINDS}, got {out_dtype}")
@@ -89,17 +92,16 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
         Out = describe(out, "out")
     if m == 0 or n == 0:
         return out
+    if k == 0:
+        # an empty inner dimension: zeros (NumPy's answer; the scales multiply nothing)
+        return _zero_fill(out, Out)
     with arrays.on_device(device):
         stream = arrays.stream_handle(A)
-        if k == 0:
-            a = arrays.zeros(A, (m, fk.BK), "uint8")
-            b = arrays.zeros(A, (n, fk.BK), "uint8")
-            k, pa, pb = fk.BK, describe(a, "a", dtypes=("uint8",)).byte_pointer(), \
-                describe(b, "b", dtypes=("uint8",)).byte_pointer()
-            sa_b, sb_b = (fk.BK, 1), (fk.BK, 1)
-        else:
-            pa, pb = A.byte_pointer(), B.byte_pointer()
-            sa_b, sb_b = (A.strides[0], 1), (B.strides[1], 1)
+        pa, pb = A.byte_pointer(), B.byte_pointer()
+        # a single row's stride is never used: its row length stands in (TMA wants 16-byte
+        # multiples)
+        sa_b = (A.strides[0] if m > 1 else k, 1)
+        sb_b = (B.strides[1] if n > 1 else k, 1)
         alloc = arrays.byte_allocator(A)
         ma = host_tma.encode_tiled(pa, "uint8", (m, k), sa_b, (cfg.block_m, fk.BK), 128)
         mb = host_tma.encode_tiled(pb, "uint8", (n, k), sb_b, (cfg.block_n, fk.BK), 128)
@@ -108,8 +110,7 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
         sa_v = _scale_view(Sa if Sa is not None else describe(ones, "ones"))
         sb_v = _scale_view(Sb if Sb is not None else describe(ones, "ones"))
         kern = fk.fp8_gemm_kernel(cfg, _FMT[A.dtype], _FMT[B.dtype], out_dtype,
-                                  Sa is not None and Sa.ndim == 1,
-                                  Sb is not None and Sb.ndim == 1)
+                                  _per_index(Sa, m), _per_index(Sb, n))
         args = (va, vb, arrays.kernel_view(Out), sa_v, sb_v, np.int64(k))
         allow_dynamic_shared(kern, args, cfg.smem_bytes)
         LaunchPlan(kern, args, fk.grid(cfg, m, n), cfg.threads, cfg.smem_bytes).launch(
@@ -119,28 +120,50 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
 
 
 def _scale(s, name: str, length: int, what: str, A):
-    """``s`` as an Operand: float32, 0-d (per tensor) or (length,) (per {what}); None stays."""
+    """``s`` as an Operand: float32, one scale (0-d, (1,) or (1, 1)) or one per {what}
+    ((length,), or torch._scaled_mm's (M, 1) / (1, N)); None stays."""
     if s is None:
         return None
     S = describe(s, name)
     if S.dtype != "float32":
         raise TypeError(f"{name} must be float32, got {S.dtype}")
-    if S.ndim == 2 and S.shape[1] != 1 and S.shape[0] != 1:
+    if S.ndim == 2 and 1 not in S.shape:
         raise NotImplementedError(f"{name} of shape {S.shape}: block scales are not built "
                                   f"yet; per tensor (0-d) or per {what} ({length},)")
-    if S.shape not in ((), (1,), (length,)):
+    size = int(np.prod(S.shape))
+    if S.ndim > 2 or size not in (1, length) or (S.ndim == 2 and size != 1 and (
+            S.shape != ((length, 1) if what == "row" else (1, length)))):
         raise ValueError(f"{name} must be 0-d (per tensor) or ({length},) (per {what}), got "
                          f"shape {S.shape}")
     arrays.same_device(A, S)
     return S
 
 
+def _per_index(S, length: int) -> bool:
+    """Whether scale ``S`` holds one value per row / column (not one for the tensor)."""
+    return S is not None and int(np.prod(S.shape)) == length and length > 1
+
+
 def _scale_view(S):
-    """A float32 scale as a 1-D kernel argument ((1,) for one scale)."""
+    """A float32 scale as a 1-D kernel argument: its values along the one axis that has them
+    ((1,) for one scale)."""
     view = arrays.raw_view(S)
-    if S.ndim == 0:
-        view = arrays.restride(view, (1,), (4,))
-    return arrays.kernel_view(S) if S.ndim == 1 else _wrap(view)
+    size = int(np.prod(S.shape))
+    stride = max((st for st, d in zip(S.strides, S.shape) if d > 1), default=1)
+    return _wrap(arrays.restride(view, (size,), (4 * stride,)))
+
+
+def _zero_fill(out, Out):
+    """``out`` set to zeros (any family)."""
+    if Out.family == "torch":
+        out.zero_()
+    elif Out.family == "numba":
+        from numba import cuda
+
+        out.copy_to_device(np.zeros(out.shape, out.dtype))
+    else:
+        out.fill(0)
+    return out
 
 
 def _wrap(view):

@@ -5,7 +5,7 @@ operands).
 
 ``fp8_gemm_kernel(cfg, fmt_a, fmt_b, out_kind, row_scale, col_scale)`` returns a kernel
 
-    kernel(maps_a, maps_b, out, scale_a, scale_b)
+    kernel(maps_a, maps_b, out, scale_a, scale_b, k)
 
 computing ``out[i, j] = scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] · b[j, k]`` for ``a``
 (M, K) and ``b`` (N, K) row-major 8-bit codes (``b`` is Bᵀ: K-major, as
@@ -62,10 +62,12 @@ class FP8Config:
     cc: tuple = (9, 0)
 
     def __post_init__(self):
-        if self.consumers not in (1, 2) or self.block_n not in (64, 128, 256) or \
+        # (block_n 256 would hold 128 accumulators a thread, past the 168 registers of a
+        # 384-thread block without a setmaxnreg split: not offered yet)
+        if self.consumers not in (1, 2) or self.block_n not in (64, 128) or \
                 not 2 <= self.stages <= 8:
-            raise ValueError(f"FP8Config: consumers 1 or 2, block_n 64 / 128 / 256, stages "
-                             f"2 … 8; got {self}")
+            raise ValueError(f"FP8Config: consumers 1 or 2, block_n 64 or 128, stages 2 … 8; "
+                             f"got {self}")
         limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
         if self.smem_bytes > limit:
             raise ValueError(f"FP8Config: {self.smem_bytes} B of shared memory exceeds {limit}")
@@ -193,6 +195,8 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
             acc = cuda.local.array(NACC, f32)
             for i in range(NACC):
                 acc[i] = f32(0)
+            # wait_group 0 each step (with wait_group 1 and the previous slot released, as the
+            # bf16 kernel does, ptxas serialised these wgmmas: C7514); the overlap is a next step
             for kt in range(ktiles):
                 s, ph = ring.at(kt)
                 ring.wait(bars, s, ph)
