@@ -168,6 +168,13 @@ def kernel_view(op: Operand, ndim: int | None = None, swap_last: bool = False):
         shape[-1], shape[-2] = shape[-2], shape[-1]
         strides[-1], strides[-2] = strides[-2], strides[-1]
         view = restride(view, tuple(shape), tuple(strides))
+    return device_view(view)
+
+
+def device_view(view):
+    """A kernel argument of a raw view: in the simulator a NumPy view wrapped as the
+    simulator's device array (so the kernel works on that memory itself), else the (Numba
+    device) view itself."""
     if isinstance(view, np.ndarray):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 

@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 
 from .. import arrays, launch
-from ..arrays import describe
+from ..arrays import device_view, describe
 from ..launch import PlanCache
 from ..tile import device_write
 from ..tile.attention import check_n_args, check_user_function, key_window, score_hook
@@ -259,16 +259,6 @@ def hook_args(alibi_slopes, mod_args, batch: int, heads: int, sq: int, sk: int):
     return tuple(hargs), ops
 
 
-def device_view(view):
-    """A kernel argument of a raw view: in the simulator a NumPy view wrapped as the
-    simulator's device array, else the (Numba device) view itself."""
-    if isinstance(view, np.ndarray):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(view)
-    return view
-
-
 def check_variant(causal, window, softcap):
     """``((left, right), cap)``: ``window`` and ``causal`` as the key window of
     :func:`tilepy.tile.attention.key_window` (-1 unbounded), ``softcap`` as a float (0.0:
@@ -453,11 +443,7 @@ def bhsd_view(op, layout: str):
         shape[1], shape[2] = shape[2], shape[1]
         strides[1], strides[2] = strides[2], strides[1]
         view = arrays.restride(view, tuple(shape), tuple(strides))
-    if isinstance(view, np.ndarray):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(view)
-    return view
+    return device_view(view)
 
 
 def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, variant=None,

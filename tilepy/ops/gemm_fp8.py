@@ -150,7 +150,7 @@ def _scale_view(S):
     view = arrays.raw_view(S)
     size = int(np.prod(S.shape))
     stride = max((st for st, d in zip(S.strides, S.shape) if d > 1), default=1)
-    return _wrap(arrays.restride(view, (size,), (4 * stride,)))
+    return arrays.device_view(arrays.restride(view, (size,), (4 * stride,)))
 
 
 def _zero_fill(out, Out):
@@ -165,10 +165,3 @@ def _zero_fill(out, Out):
         out.fill(0)
     return out
 
-
-def _wrap(view):
-    if isinstance(view, np.ndarray):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(view)
-    return view

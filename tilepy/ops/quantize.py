@@ -105,25 +105,18 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
             blocks = max(1, min(-(-(m * k) // (threads * 8)), 4 * sm_count(4)))
             for mode in ("amax", "apply"):
                 kern = qs.quantize_kernel(src, dtype, mode, WARPS)
-                args = (xv, vv, _wrap(sv2), _wrap(av), np.int64(m), np.int64(k))
+                args = (xv, vv, arrays.device_view(sv2), arrays.device_view(av), np.int64(m), np.int64(k))
                 LaunchPlan(kern, args, (blocks, 1, 1), threads).launch(stream, args)
         else:
             gr, gc = (1, k) if gran == "row" else gran
             sv2 = sv.reshape(m, 1) if gran == "row" else sv
             kern = qs.quantize_kernel(src, dtype, "group", WARPS)
-            args = (xv, vv, _wrap(sv2), _wrap(arrays.placeholder(1)), np.int64(gr),
+            args = (xv, vv, arrays.device_view(sv2), arrays.device_view(arrays.placeholder(1)), np.int64(gr),
                     np.int64(gc))
             grid = (-(-m // gr), -(-k // gc), 1)
             LaunchPlan(kern, args, grid, threads).launch(stream, args)
     return values, scales
 
-
-def _wrap(view):
-    if isinstance(view, np.ndarray):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(view)
-    return view
 
 
 def _empty_codes(X, fmt: str):
@@ -145,9 +138,9 @@ def _codes_view(values):
         import torch
 
         v = values.view(torch.uint8)
-        return _wrap(v.numpy()) if arrays.SIMULATOR else arrays.import_device_array(v)
+        return arrays.device_view(v.numpy()) if arrays.SIMULATOR else arrays.import_device_array(v)
     if isinstance(values, np.ndarray):
-        return _wrap(values.view(np.uint8))
+        return arrays.device_view(values.view(np.uint8))
     if type(values).__module__.split(".")[0] == "cupy":
         return arrays.import_device_array(values)
     return values

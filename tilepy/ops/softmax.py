@@ -833,12 +833,7 @@ def _view2d(op, rows: int, n: int, row_stride: int):
     """``op``'s data as a (rows, n) kernel argument with element strides (row_stride, 1)."""
     raw = arrays.raw_view(op)  # NumPy array (simulator) or Numba device array; no copy
     item = raw.dtype.itemsize
-    view = arrays.restride(raw, (rows, n), (row_stride * item, item))
-    if isinstance(view, np.ndarray):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(view)
-    return view
+    return arrays.device_view(arrays.restride(raw, (rows, n), (row_stride * item, item)))
 
 
 def _moved_shape(shape, ax):
