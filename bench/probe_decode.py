@@ -1,11 +1,12 @@
 """The decoding kernel's configs and splits against a device copy: GPU-only microseconds and
 GB/s of K and V (``measure.gpu_time``) of ``tilepy.flash_attention_with_kvcache`` for each
-(block_n, stages) config and several ``num_splits`` (None: the built-in choice), the forward
+(block_n, stages) config and several ``num_splits`` (the built-in rule's choice for the
+config, half and twice that, one split a sequence), the forward
 kernel's one-block-per-query-head path (an AttentionConfig) for reference, blocks of one to four
 warps (each warp its own run of the keys), 32 query heads over
 8 KV heads, head_dim 128, bf16, one query row, every sequence at the capacity.
 
-Usage: python bench/probe_decode.py [--json FILE] [--shapes 8x32768,1x131072,64x4096]
+Usage: python bench/probe_decode.py [--json FILE] [--shapes 8x32768,1x131072,...]
 """
 
 from __future__ import annotations
@@ -19,24 +20,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 #: (block_n, stages, warps a block)
-CONFIGS = [(64, 2, 1), (64, 3, 1), (32, 3, 1), (32, 4, 1), (32, 6, 1), (16, 4, 1), (16, 8, 1),
-           (32, 3, 2), (32, 3, 4), (64, 2, 2), (16, 4, 4)]
+CONFIGS = [(32, 3, 1), (32, 4, 1), (32, 6, 1), (16, 4, 1), (16, 6, 1), (32, 3, 4), (16, 4, 4)]
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
-    p.add_argument("--shapes", default="8x32768,1x131072,64x4096")
+    p.add_argument("--shapes", default="8x32768,1x131072,64x4096,8x131072,64x32768")
     args = p.parse_args(argv)
 
     import torch
 
     import tilepy
     from measure import gpu_time
-    from tilepy.ops.attention_decode_mma_sync import DecodeConfig
+    from tilepy.launch import sm_count
+    from tilepy.ops.attention_decode_mma_sync import (DecodeConfig, choose_splits,
+                                                      resident_splits)
     from tilepy.ops.attention_mma_sync import AttentionConfig
 
     hq, hk, d, dt = 32, 8, 128, torch.bfloat16
+    sms = sm_count(132)
     rows = []
     for shape in args.shapes.split(","):
         b, cap = map(int, shape.split("x"))
@@ -77,9 +80,12 @@ def main(argv=None):
         add("forward kernel (AttentionConfig 16x64)", AttentionConfig(d, 16, 64, 16, "bfloat16"),
             None)
         for bn, st, w in CONFIGS:
-            for splits in (None, 16, 64) if w > 1 else (None, 1, 16, 64):
-                add(f"decode BN{bn} x{st} {w}w splits {splits}",
-                    DecodeConfig(d, bn, st, "bfloat16", warps=w), splits)
+            cfg = DecodeConfig(d, bn, st, "bfloat16", warps=w)
+            # the built-in choice, then half and twice as many splits, and one
+            rule = choose_splits(b, hk, 1, -(-cap // bn), sms, resident_splits(cfg), w)
+            for splits in dict.fromkeys((rule, max(w, rule // 2 // w * w), 2 * rule, w)):
+                add(f"decode BN{bn} x{st} {w}w splits {splits}"
+                    + (" (rule)" if splits == rule else ""), cfg, splits)
         del kc, vc
         torch.cuda.empty_cache()
     if args.json:

@@ -85,23 +85,30 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, spl
 def test_paged_cache_with_appended_tokens(page, sn):
     """Pages in a shuffled order, new tokens written through the block table at each
     sequence's end (one lands on a new page) and attended to; with appends, blocks of two
-    warps, each on its own run of the keys."""
+    warps, each on its own run of the keys. Twice, on fresh arrays of the same signature: the
+    second call replays the first one's recorded launches (and still checks the lengths)."""
     rng = np.random.default_rng()
     b, sq, hq, hk, d, per = 3, 2, 4, 2, 32, 3
     pages = b * per + 1
-    q = rand(rng, (b, sq, hq, d), "float16")
-    kc, vc = rand(rng, (pages, page, hk, d), "float16"), rand(rng, (pages, page, hk, d),
-                                                              "float16")
-    table = rng.permutation(pages)[:b * per].reshape(b, per).astype(np.int32)
-    lens = np.array([page - 1, 5, per * page - sn], np.int32)
-    kn, vn = rand(rng, (b, sn, hk, d), "float16"), rand(rng, (b, sn, hk, d), "float16")
-    want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
-    got = kvcache(q, kc, vc, lens, k=kn if sn else None, v=vn if sn else None,
-                  block_table=table, num_splits=2 if sn else 1,
-                  config=DecodeConfig(32, 16, 3, "float16", warps=2) if sn else None)
-    np.testing.assert_array_equal(kc, want_k)
-    np.testing.assert_array_equal(vc, want_v)
-    check(got, kv_reference(q, want_k, want_v, lens + sn, table)[0], vc, "float16")
+    for _ in range(2):
+        q = rand(rng, (b, sq, hq, d), "float16")
+        kc, vc = rand(rng, (pages, page, hk, d), "float16"), rand(rng, (pages, page, hk, d),
+                                                                  "float16")
+        table = rng.permutation(pages)[:b * per].reshape(b, per).astype(np.int32)
+        lens = np.array([page - 1, rng.integers(0, 9), per * page - sn], np.int32)
+        kn, vn = rand(rng, (b, sn, hk, d), "float16"), rand(rng, (b, sn, hk, d), "float16")
+        want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
+        args = dict(k=kn if sn else None, v=vn if sn else None, block_table=table,
+                    num_splits=2 if sn else 1, return_lse=True,
+                    config=DecodeConfig(32, 16, 3, "float16", warps=2) if sn else None)
+        got, lse = kvcache(q, kc, vc, lens, **args)
+        np.testing.assert_array_equal(kc, want_k)
+        np.testing.assert_array_equal(vc, want_v)
+        want, wl = kv_reference(q, want_k, want_v, lens + sn, table)
+        check(got, want, vc, "float16")
+        check_lse(lse, wl)
+        with pytest.raises(ValueError, match="exceeds the cache's capacity"):
+            kvcache(q, kc, vc, lens + page, **args)
 
 
 @sim
@@ -251,3 +258,17 @@ def test_gpu_decoding_against_sdpa_and_a_graph_replay(page):
         graph.replay()
         torch.cuda.synchronize()
         assert (out.float() - want(q, lens + 1)).abs().max().item() < 2e-2, step
+
+
+def test_split_rule_fills_whole_waves():
+    """choose_splits: the fewest splits whose last wave of blocks is at least 95% full (132
+    SMs x 4 resident splits = 528 slots), a multiple of the warps, each split at least 4 key
+    blocks long."""
+    from tilepy.ops.attention_decode_mma_sync import choose_splits
+
+    assert choose_splits(64, 8, 1, 128, 132, 4) == 1           # 512 of 528 slots
+    assert choose_splits(8, 8, 1, 1024, 132, 4) == 8           # 8 x 64 = 512
+    assert choose_splits(1, 8, 1, 4096, 132, 4) == 63          # 504 of 528
+    assert choose_splits(1, 8, 1, 4096, 132, 4, step=4) == 64  # multiples of 4
+    assert choose_splits(1, 8, 1, 40, 132, 4) == 10            # capped: 4 key blocks a split
+    assert choose_splits(75, 8, 1, 1024, 132, 4) == 6          # 3600 of 3696: 7 waves

@@ -194,12 +194,20 @@ def restride(view, shape, strides):
 
 def raw_view(op: Operand, *, hook: bool = False):
     """The operand's data as a NumPy (simulator) or Numba device array, 16-bit float types as
-    uint16 bits (with ``hook``, float16 as float16: a score hook's argument), not wrapped for
+    uint16 bits (with ``hook``, float16 as float16: a score hook's argument), 8-bit floats as
+    uint8 codes, not wrapped for
     the simulator and not reshaped (see :func:`kernel_view`)."""
     x = op.raw
     if SIMULATOR and op.family == "numba":
         x = x._ary  # the simulator's device array is a NumPy array inside
     bits = op.dtype == "bfloat16" or (op.dtype == "float16" and not hook)
+    if op.dtype.startswith("float8"):   # 8-bit floats as their uint8 codes
+        if op.family == "torch":
+            import torch
+
+            x = x.detach().view(torch.uint8)
+            return x.numpy() if SIMULATOR else import_device_array(x)
+        return x.view(np.uint8) if isinstance(x, np.ndarray) else x
     if op.family == "numpy" or isinstance(x, np.ndarray):
         return x.view(np.uint16) if bits else x
     if op.family == "torch":

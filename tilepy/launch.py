@@ -680,3 +680,32 @@ class PlanCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class CallPlan:
+    """The launches of one call of an op, for later calls with the same signature (an op that
+    launches more than one kernel, or launches into arrays it makes per call).
+
+    Operands are numbered by the op: ``ptrs[k]`` is operand ``k``'s data pointer in this call
+    (0 for an absent one). ``allocs`` maps an operand index to an allocator
+    (:func:`tilepy.arrays.allocator`): that operand is made anew by each call (a result, a
+    temporary) and its pointer fills slot ``k``. ``steps`` are ``(BoundPlan, scalars)``
+    pairs launched in order on the caller's stream (``scalars`` as :meth:`LaunchPlan.launch`
+    takes them; ``()`` keeps the values the plan was built with).
+
+    ``plan(stream, ptrs)`` launches every step and returns ``{index: array}`` of the arrays it
+    made (kept alive by the caller as long as the launches need them: the arrays' allocators
+    order their reuse on the stream)."""
+
+    def __init__(self, steps, allocs=None):
+        self.steps = list(steps)
+        self.allocs = dict(allocs or {})
+
+    def __call__(self, stream, ptrs):
+        ptrs = list(ptrs)
+        made = {}
+        for k, alloc in self.allocs.items():
+            made[k], ptrs[k] = alloc()
+        for bound, scalars in self.steps:
+            bound(stream, ptrs, scalars)
+        return made

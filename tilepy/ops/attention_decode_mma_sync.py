@@ -463,16 +463,40 @@ def lse_view(view, heads_kv: int):
     return arrays.restride(view, (bs, heads_kv, grp, s), (sb, grp * sh, sh, ss))
 
 
+#: Shared memory an SM offers its blocks, and what the driver reserves per block (sm_90).
+SM_SHARED_BYTES = 228 * 1024
+BLOCK_RESERVED_BYTES = 1024
+
+
+def resident_splits(cfg: DecodeConfig) -> int:
+    """The splits of the keys an SM runs at once on ``cfg``'s kernel: the blocks its shared
+    memory holds (at most 32) times the warps of a block, each warp on its own split."""
+    blocks = SM_SHARED_BYTES // (cfg.smem_bytes + BLOCK_RESERVED_BYTES)
+    return max(1, min(blocks, 32)) * cfg.warps
+
+
 def choose_splits(batch: int, heads_kv: int, tiles: int, key_blocks: int, sms: int,
-                  resident: int) -> int:
-    """Splits of the keys (flash-decoding) for ``batch · heads_kv · tiles`` blocks over
-    ``key_blocks`` blocks of keys: enough blocks for ``sms · resident`` slots (the blocks an
-    SM holds at once), each split at least 4 key blocks long, at most 128 splits; 1 when the
-    blocks fill the slots already."""
+                  resident: int, step: int = 1) -> int:
+    """Splits of the keys (flash-decoding) for ``batch · heads_kv · tiles`` (sequence, KV head,
+    row tile) pairs over ``key_blocks`` blocks of keys, a multiple of ``step`` (the warps of a
+    block, each on its own split). The blocks run in waves of ``sms · resident`` slots
+    (``resident``: the splits an SM holds at once) and every split does the same work, so a
+    last wave that is partly empty leaves bandwidth unused: the fewest splits whose last wave
+    is at least 95% full, else the best-filled count; each split at least 4 key blocks long,
+    at most 128 splits (at least ``step``)."""
     pairs = max(batch * heads_kv * tiles, 1)
-    slots = sms * max(resident, 1)
-    want = -(-slots // pairs)
-    return int(max(1, min(want, key_blocks // 4, 128)))
+    slots = max(sms * max(resident, 1), 1)
+    step = max(int(step), 1)
+    top = max(step, min(key_blocks // 4, 128) // step * step)
+    best, best_fill = step, -1.0
+    for s in range(step, top + 1, step):
+        blocks = pairs * s
+        fill = blocks / (-(-blocks // slots) * slots)
+        if fill >= 0.95:
+            return s
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best
 
 
 def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int):

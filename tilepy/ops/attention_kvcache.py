@@ -70,16 +70,46 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     * ``num_splits``: the keys of each sequence are cut into this many runs, each run by its
       own blocks, merged afterwards (flash-decoding; ``1``: one pass, no merge). ``None``
       chooses from the SM count, the batch, the KV heads and the capacity
-      (:func:`tilepy.ops.attention_decode_mma_sync.choose_splits`): enough blocks to fill
-      the GPU, each run at least 4 key blocks long; rounded up to a multiple of the config's
-      ``warps``. The results agree to rounding whatever the value.
+      (:func:`tilepy.ops.attention_decode_mma_sync.choose_splits`): whole waves of blocks
+      over the SMs, each run at least 4 key blocks long, a multiple of the config's
+      ``warps``; a given count is rounded up to such a multiple. The results agree to
+      rounding whatever the value.
     * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
-      blocks, four stages: :func:`choose_config`), or an
+      blocks, three stages: :func:`choose_config`), or an
       :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for the forward kernel (no
       split); its ``block_n`` must divide a paged cache's
       ``page_size``.
     Errors are raised before anything is launched.
     """
+    ops = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, out)
+    fps = [arrays.fingerprint(x) for x in ops]
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), causal, scale, window, softcap,
+                                 num_splits, return_lse, config))
+    if cached is not None:
+        call, stream, checker = cached
+        if check_seqlens and checker is not None and not device_write.stream_capturing(
+                stream()):
+            checker(cache_seqlens, block_table)
+        made = call(stream(), [p for _, p in fps] + [0] * (len(SLOTS) - len(ops)))
+        out = made.get(OUT, out)
+        return (out, made[LSE]) if return_lse else out
+    return _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, window,
+                softcap, num_splits, return_lse, out, check_seqlens, config, key)
+
+
+#: The operand slots of a recorded call (:class:`tilepy.launch.CallPlan`): the caller's
+#: arrays in the order of the signature, then those each call makes.
+SLOTS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k", "v", "out", "lse",
+         "parts", "part_lse")
+Q_, KC, VC, SEQ, TABLE, KN, VN, OUT, LSE, PARTS, PLSE = range(len(SLOTS))
+
+_PLANS = launch.PlanCache()
+
+
+def _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, window, softcap,
+         num_splits, return_lse, out, check_seqlens, config, key):
+    """The first call of a signature: every check, the launches, and the recorded call
+    (:data:`_PLANS`) that later calls of the signature replay from their pointers."""
     Q, K, V, Out, dims, device = check_arguments(q, k_cache, v_cache, out, block_table)
     b, sq, hq, hk, d, paged = dims
     scale = at.check_scale(scale, d)
@@ -97,81 +127,112 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
                                   f"{launch.MAX_GRID_YZ} sequences and heads (got {b} and "
                                   f"{hq})")
     stream = arrays.stream_handle(Q)
+    checker = functools.partial(check_call_values, seq_new=sn, capacity=capacity,
+                                pages=K.shape[0] if paged else 0)
     if check_seqlens and b and not device_write.stream_capturing(stream):
-        check_values(arrays.to_host(Seq), arrays.to_host(Table) if paged else None, sn,
-                     capacity, K.shape[0] if paged else 0)
+        checker(cache_seqlens, block_table)
+    allocs = {}
     if out is None:
-        out = arrays.empty(Q, Q.shape, Q.dtype)
-        Out = describe(out, "out")
-    lse = arrays.empty(Q, (b, hq, sq), "float32") if return_lse else None
+        allocs[OUT] = arrays.allocator(Q, Q.shape, Q.dtype)
+    if return_lse:
+        allocs[LSE] = arrays.allocator(Q, (b, hq, sq), "float32")
+    steps = []      # (plan, args, sources)
+    made = {}
+    ptrs = {Q_: Q.byte_pointer(), KC: K.byte_pointer(), VC: V.byte_pointer(),
+            SEQ: Seq.byte_pointer()}
+    if paged:
+        ptrs[TABLE] = Table.byte_pointer()
     with arrays.on_device(device):
         seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
         table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
         caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
         if sn and b:
-            append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")), seq_v,
-                   table_v, stream)
+            ptrs[KN], ptrs[VN] = Kn.byte_pointer(), Vn.byte_pointer()
+            steps.append(append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")),
+                                seq_v, table_v))
         if b and hq and sq:
-            keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
             if isinstance(cfg, DecodeConfig):
                 if splits is None:
                     tiles = -(-(sq * (hq // hk)) // dec.ROWS)
-                    resident = 228 * 1024 // (cfg.smem_bytes + 1024) * cfg.warps
                     splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
-                                               launch.sm_count(launch.SIM_SMS), resident)
+                                               launch.sm_count(launch.SIM_SMS),
+                                               dec.resident_splits(cfg), cfg.warps)
                 splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
-                decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, stream)
+                if splits > 1:
+                    allocs[PARTS] = arrays.allocator(Q, (splits, b, hk, sq, hq // hk, d),
+                                                     "float32")
+                    allocs[PLSE] = arrays.allocator(Q, (splits, b, hk, hq // hk, sq),
+                                                    "float32")
+        for k_, alloc in allocs.items():
+            made[k_], ptrs[k_] = alloc()
+        if out is not None:
+            ptrs[OUT] = Out.byte_pointer()
+        O = describe(made.get(OUT, out), "out")
+        L = describe(made[LSE], "lse") if return_lse else None
+        if b and hq and sq:
+            keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
+            if isinstance(cfg, DecodeConfig):
+                steps += decode(cfg, Q, caches, O, L, keys, scale, win, cap, paged, splits,
+                                made.get(PARTS), made.get(PLSE))
             else:
-                forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged,
-                        stream)
-    return (out, lse) if return_lse else out
+                steps.append(forward(cfg, Q, caches, O, L, keys, scale, causal, win, cap,
+                                     paged))
+        for plan, args, _ in steps:
+            plan.launch(stream, args)
+    bound = [(plan.bind([None if s is None else (s, ptrs[s]) for s in sources]), ())
+             for plan, _, sources in steps]
+    _PLANS.put(key, (launch.CallPlan(bound, allocs), arrays.stream_getter(Q),
+                     checker if b else None))
+    out = made.get(OUT, out)
+    return (out, made[LSE]) if return_lse else out
 
 
-def forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged, stream) -> None:
-    """One launch of the mma.sync forward kernel with its ``cache`` parameter: a block per
-    (query block, query head, sequence), all of the sequence's keys (an
-    :class:`AttentionConfig` given as ``config``)."""
+def forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged):
+    """``(plan, args, sources)`` of the mma.sync forward kernel with its ``cache`` parameter: a
+    block per (query block, query head, sequence), all of the sequence's keys (an
+    :class:`AttentionConfig` given as ``config``); ``sources``: the slot (:data:`SLOTS`) of
+    each array argument, None for a constant one."""
     kind = "paged" if paged else "contiguous"
     if at.is_variant(win, cap):
         kern = fa.attention_kernel(cfg, False, lse is not None, win,
                                    score_hook(cap) if cap else None, cache=kind)
     else:
         kern = fa.attention_kernel(cfg, bool(causal), lse is not None, cache=kind)
-    lse_v = at.device_view(arrays.raw_view(describe(lse, "lse"))) \
-        if lse is not None else arrays.placeholder(3)
+    lse_v = at.device_view(arrays.raw_view(lse)) if lse is not None else arrays.placeholder(3)
     plan, args = fa.plan(kern, cfg, at.bhsd_view(Q, "bshd"), *caches,
                          at.bhsd_view(Out, "bshd"), lse_v, scale, hargs=(keys, ()),
                          chunks=False)
-    plan.launch(stream, args)
+    sources = [Q_, KC, VC, OUT, LSE if lse is not None else None, SEQ] + \
+        ([TABLE] if paged else [])
+    return plan, args, sources
 
 
-def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, stream) -> None:
-    """The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a
-    KV head packed into one tile, the keys split ``splits`` ways; with more than one split,
-    float32 partials merged by the combine kernel."""
+def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts, part_lse):
+    """``(plan, args, sources)`` of each launch of the decoding kernel
+    (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a KV head packed into one
+    tile, the keys split ``splits`` ways; with more than one split, into the float32
+    ``parts`` / ``part_lse``, then the combine kernel that merges them."""
     b, sq, hq, d = Q.shape
     hk = caches[0].shape[1]
-    grp = hq // hk
     q5 = at.device_view(dec.packed_view(arrays.raw_view(Q), hk))
     o5 = at.device_view(dec.packed_view(arrays.raw_view(Out), hk))
-    lse4 = at.device_view(dec.lse_view(arrays.raw_view(describe(lse, "lse")), hk)) \
+    lse4 = at.device_view(dec.lse_view(arrays.raw_view(lse), hk)) \
         if lse is not None else arrays.placeholder(4)
+    lse_src = LSE if lse is not None else None
+    keys_src = [SEQ] + ([TABLE] if paged else [])
     split = splits > 1      # (several warps: at least that many splits)
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged)
-    if split:
-        parts = arrays.empty(Q, (splits, b, hk, sq, grp, d), "float32")
-        part_lse = arrays.empty(Q, (splits, b, hk, grp, sq), "float32")
-        p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
-        pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
-        plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits)
-        plan.launch(stream, args)
-        comb = dec.combine_kernel(d, cfg.dtype, lse is not None)
-        cargs = (p_v, pl_v, o5, lse4)
-        LaunchPlan(comb, cargs, (sq * grp, hk, b), dec.combine_threads(d)).launch(stream,
-                                                                                  cargs)
-    else:
+    if not split:
         plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1)
-        plan.launch(stream, args)
+        return [(plan, args, [Q_, KC, VC, OUT, lse_src] + keys_src)]
+    p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
+    pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
+    plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits)
+    comb = dec.combine_kernel(d, cfg.dtype, lse is not None)
+    cargs = (p_v, pl_v, o5, lse4)
+    cplan = LaunchPlan(comb, cargs, (sq * (hq // hk), hk, b), dec.combine_threads(d))
+    return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src),
+            (cplan, cargs, [PARTS, PLSE, OUT, lse_src])]
 
 
 def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_lse=False):
@@ -197,7 +258,7 @@ def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0, gro
     bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 32
     while page_size and page_size % bn:
         bn //= 2
-    return DecodeConfig(head_dim, bn, 4, dtype)
+    return DecodeConfig(head_dim, bn, 3 if bn >= 32 else 4, dtype)
 
 
 #: The most packed rows (seq_q · query heads per KV head) the built-in config runs on the
@@ -347,6 +408,16 @@ def check_new(k, v, batch: int, hk: int, d: int, Q):
     return Kn, Vn, Kn.shape[1]
 
 
+def check_call_values(cache_seqlens, block_table, *, seq_new: int, capacity: int,
+                      pages: int) -> None:
+    """:func:`check_values` on the host copies of a call's lengths and block table (None: not
+    paged) — a synchronisation with the caller's stream."""
+    seqlens = arrays.to_host(describe(cache_seqlens, "cache_seqlens", dtypes=arrays.HOOK_DTYPES))
+    table = None if block_table is None else arrays.to_host(
+        describe(block_table, "block_table", dtypes=arrays.HOOK_DTYPES))
+    check_values(seqlens, table, seq_new, capacity, pages)
+
+
 def check_values(seqlens, table, seq_new: int, capacity: int, pages: int) -> None:
     """``ValueError`` unless every ``seqlens + seq_new`` lies in ``0 … capacity`` and every
     table entry (paged) that those lengths use lies in ``0 … pages - 1`` (the entries past
@@ -406,11 +477,13 @@ def append_kernel(paged: bool):
     return kernel
 
 
-def append(caches, new, seq_v, table_v, stream: int) -> None:
-    """Launch :func:`append_kernel` for the new tokens ``new`` into ``caches`` (4-D views)."""
+def append(caches, new, seq_v, table_v):
+    """``(plan, args, sources)`` of :func:`append_kernel` for the new tokens ``new`` into
+    ``caches`` (4-D views)."""
     kn = new[0]
     b, hk, sn, d = kn.shape
     paged = table_v is not None
     table = table_v if paged else arrays.placeholder(2)
     args = (*caches, *new, seq_v, table)
-    LaunchPlan(append_kernel(paged), args, (sn, hk, b), d).launch(stream, args)
+    return (LaunchPlan(append_kernel(paged), args, (sn, hk, b), d), args,
+            [KC, VC, KN, VN, SEQ, TABLE if paged else None])

@@ -2,8 +2,10 @@
 ``a`` and ``b``, out in bfloat16, float16 or float32 (``torch._scaled_mm``'s contract).
 
 Validation on the host, then one launch of the FP8 kernel of
-:mod:`tilepy.ops.gemm_fp8_wgmma` (sm_90a: TMA + k32 wgmma) on the operands' bytes; the
-tensor maps are encoded per call and written through the caller's allocator and stream.
+:mod:`tilepy.ops.gemm_fp8_wgmma` (sm_90a: TMA + k32 wgmma) on the operands' bytes. The first
+call of a signature (array kinds, dtypes, shapes, strides, device, alignment, arguments) builds
+the launch plan; later ones launch it with their pointers (tensor maps re-encoded only for new
+operand pointers, written through the caller's allocator and stream).
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ import numpy as np
 
 from .. import arrays, launch
 from ..arrays import describe
-from ..launch import LaunchPlan
+from ..launch import PlanCache
 from ..tile import device_write
-from ..tile import tma as host_tma
-from ..tile.smem import allow_dynamic_shared
 from . import gemm_fp8_wgmma as fk
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -45,6 +45,26 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     Needs a compute capability 9.0 GPU (the simulator runs it too). Errors are raised before
     anything is launched.
     """
+    fps = [arrays.fingerprint(x) for x in (a, b, scale_a, scale_b, out)]
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), out_dtype, config,
+                                 bias is None, activation))
+    if cached is not None:
+        bound, stream, alloc, keep = cached
+        ptrs = [p for _, p in fps]
+        if out is None:
+            out, ptrs[4] = alloc()
+        s = stream()
+        bound(s, ptrs)
+        if keep is not None:
+            device_write.keep_during_capture(s, keep)
+        return out
+    return _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key)
+
+
+_PLANS = PlanCache()
+
+
+def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
     if bias is not None or activation is not None:
         raise NotImplementedError("gemm on float8 inputs: bias and activation are not built "
                                   "yet")
@@ -87,6 +107,7 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
         raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
                                   "(wgmma); other GPUs are not supported yet")
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(A, (m, n), out_dtype)
         Out = describe(out, "out")
@@ -97,25 +118,28 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
         return _zero_fill(out, Out)
     with arrays.on_device(device):
         stream = arrays.stream_handle(A)
-        pa, pb = A.byte_pointer(), B.byte_pointer()
-        # a single row's stride is never used: its row length stands in (TMA wants 16-byte
-        # multiples)
-        sa_b = (A.strides[0] if m > 1 else k, 1)
-        sb_b = (B.strides[1] if n > 1 else k, 1)
-        alloc = arrays.byte_allocator(A)
-        ma = host_tma.encode_tiled(pa, "uint8", (m, k), sa_b, (cfg.block_m, fk.BK), 128)
-        mb = host_tma.encode_tiled(pb, "uint8", (n, k), sb_b, (cfg.block_n, fk.BK), 128)
-        va, vb = ma.to_device(stream, alloc), mb.to_device(stream, alloc)
         ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
-        sa_v = _scale_view(Sa if Sa is not None else describe(ones, "ones"))
-        sb_v = _scale_view(Sb if Sb is not None else describe(ones, "ones"))
+        One = describe(ones, "ones") if ones is not None else None
+        sa_v = _scale_view(Sa if Sa is not None else One)
+        sb_v = _scale_view(Sb if Sb is not None else One)
         kern = fk.fp8_gemm_kernel(cfg, _FMT[A.dtype], _FMT[B.dtype], out_dtype,
                                   _per_index(Sa, m), _per_index(Sb, n))
-        args = (va, vb, arrays.kernel_view(Out), sa_v, sb_v, np.int64(k))
-        allow_dynamic_shared(kern, args, cfg.smem_bytes)
-        LaunchPlan(kern, args, fk.grid(cfg, m, n), cfg.threads, cfg.smem_bytes).launch(
-            stream, args)
-        device_write.keep_during_capture(stream, va, vb, ones)
+        # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
+        a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
+                                                 (A.strides[0], 1)))
+        b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
+                                                 (B.strides[1], 1)))
+        plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v, k,
+                             arrays.byte_allocator(A))
+        plan.launch(stream, args)
+        device_write.keep_during_capture(stream, ones)
+    # operand slots: a, b, scale_a, scale_b, out (a None scale reads the kept ones)
+    src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
+           (4, Out.byte_pointer()),
+           (2, Sa.byte_pointer()) if Sa is not None else None,
+           (3, Sb.byte_pointer()) if Sb is not None else None]
+    _PLANS.put(key, (plan.bind(src), arrays.stream_getter(A),
+                     None if caller_out else arrays.allocator(A, (m, n), out_dtype), ones))
     return out
 
 

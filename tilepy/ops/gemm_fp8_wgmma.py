@@ -5,12 +5,14 @@ operands).
 
 ``fp8_gemm_kernel(cfg, fmt_a, fmt_b, out_kind, row_scale, col_scale)`` returns a kernel
 
-    kernel(maps_a, maps_b, out, scale_a, scale_b, k)
+    kernel(a, b, out, scale_a, scale_b, k, maps)
 
 computing ``out[i, j] = scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] · b[j, k]`` for ``a``
 (M, K) and ``b`` (N, K) row-major 8-bit codes (``b`` is Bᵀ: K-major, as
-``torch._scaled_mm`` takes it), whose tensor maps (uint8, 128-byte swizzle, boxes of
-``block_m`` / ``block_n`` rows × 128 k) are ``maps_a`` / ``maps_b``; ``out`` (M, N) float32, or
+``torch._scaled_mm`` takes it), read through their tensor maps in ``maps`` (uint8: A's map at
+byte 0, B's at :data:`MAP_B`; 128-byte swizzle, boxes of ``block_m`` / ``block_n`` rows × 128
+k) — ``a`` and ``b`` themselves (uint8 (M, K) / (N, K) views) are not read: their pointers
+tell a launch plan which maps to pass (:func:`plan`); ``out`` (M, N) float32, or
 uint16 bits of ``out_kind`` (float16 / bfloat16); ``scale_a`` float32 (M,) with
 ``row_scale`` else (1,), ``scale_b`` (N,) with ``col_scale`` else (1,). Grid (tiles of the
 output, 1), :attr:`FP8Config.threads` threads, :attr:`FP8Config.smem_bytes` of dynamic shared
@@ -47,6 +49,7 @@ from ..tile.tma_copy import tma_tile
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 
 BK = 128            # k elements (bytes) a stage: one 128-byte swizzle row
+MAP_B = 128         # B's tensor map's byte offset in the maps argument
 FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 OUT_KINDS = ("float32", "float16", "bfloat16")
 
@@ -157,7 +160,7 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
                         out[r, c + 1] = word >> 16
 
     @_jit(cfg.threads)
-    def kernel(maps_a, maps_b, out, scale_a, scale_b, k):
+    def kernel(a, b, out, scale_a, scale_b, k, maps):
         m = out.shape[0]
         n = out.shape[1]
         tiles_n = (n + BN - 1) // BN
@@ -175,8 +178,8 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
         if wg == 0:
             roles.enter_producer()
             if tid == 0:
-                ta = T.tensor_map_address(maps_a)
-                tb = T.tensor_map_address(maps_b)
+                ta = T.tensor_map_address(maps)
+                tb = ta + MAP_B
                 T.fence_proxy_tensormap_acquire(ta)
                 T.fence_proxy_tensormap_acquire(tb)
                 s = 0
@@ -219,9 +222,47 @@ def grid(cfg: FP8Config, m: int, n: int) -> tuple:
 def argtypes(out_kind: str):
     """Numba argument types of :func:`fp8_gemm_kernel`'s kernel (offline compilation)."""
     u8 = types.Array(types.uint8, 1, "C")
+    u8_2 = types.Array(types.uint8, 2, "A")
     out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "A")
     f32 = types.Array(types.float32, 1, "A")
-    return (u8, u8, out, f32, f32, types.int64)
+    return (u8_2, u8_2, out, f32, f32, types.int64, u8)
+
+
+#: The tensor maps' place in the kernel's arguments.
+MAPS_ARG = 6
+
+
+def plan(kernel, cfg: FP8Config, a, b, out, scale_a, scale_b, k: int, alloc=None):
+    """``(launch plan, arguments)`` of :func:`fp8_gemm_kernel`'s kernel on uint8 views ``a``
+    (M, K) and ``b`` (N, K) (rows of a multiple of 16 bytes, or a single row), ``out`` and
+    the 1-D scale views: a :class:`tilepy.tile.tma_plan.TmaLaunchPlan` whose maps follow the
+    pointers of ``a`` and ``b`` (encoded on the host, written on the launch stream into
+    memory from ``alloc(nbytes) -> (owner, pointer)``; a bound plan called with other pointers
+    makes theirs, capture-safe)."""
+    from ..tile import device_write
+    from ..tile import tma as host_tma
+    from ..tile.smem import allow_dynamic_shared
+    from ..tile.tma_plan import TmaLaunchPlan
+    from ..launch import pointer
+
+    (m, kk), n = a.shape, b.shape[0]
+    # a single row's stride is never used: its row length stands in (TMA wants multiples of
+    # 16 bytes)
+    sa = (a.strides[0] if m > 1 else kk, 1)
+    sb = (b.strides[0] if n > 1 else kk, 1)
+
+    def encoder(a_ptr, b_ptr):
+        ma = host_tma.encode_tiled(a_ptr, "uint8", (m, kk), sa, (cfg.block_m, BK), 128)
+        mb = host_tma.encode_tiled(b_ptr, "uint8", (n, kk), sb, (cfg.block_n, BK), 128)
+        return np.concatenate([ma.data, mb.data])
+
+    raw = encoder(pointer(a), pointer(b))
+    buf = device_write.allocate(alloc, raw.size, host_tma.MAP_ALIGN)
+    args = (a, b, out, scale_a, scale_b, np.int64(k), buf.view((raw.size,), np.uint8))
+    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    p = TmaLaunchPlan(kernel, args, grid(cfg, m, n), cfg.threads, cfg.smem_bytes, encoder,
+                      (0, 1), MAPS_ARG, alloc=alloc, initial=(buf, raw))
+    return p, args
 
 
 def compile_reports():
