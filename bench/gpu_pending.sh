@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23a    after the host-cost fixes (recorded launches) and the whole-wave split rule: the
+#                decoding GPU tests, the probe of configs x (rule, half, twice, one split), the
+#                decoding benchmark; the FP8 GEMM's GPU test and benchmark (its cached plan)
 #   PART=s22a    the decoding kernel (split-KV, GQA packed; issue 26): its GPU tests, the probe of
 #                its configs and splits
 #   PART=s22b    the decoding benchmark (bandwidth against a device copy and SDPA), the Llama
@@ -178,6 +181,13 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23a "* ]]; then
+    gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
+    step probe_decode 240 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"
+    bench_suite bench_attention_kvcache 150 "test_flash_attention_with_kvcache"
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    bench_suite bench_gemm_fp8 60 "test_gemm_fp8"
+fi
 if [[ " $PART " == *" s22a "* ]]; then
     gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
     step probe_decode 300 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"
