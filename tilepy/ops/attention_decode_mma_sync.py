@@ -61,6 +61,7 @@ from ..tile.copy import (copy_grouped_rows_to_shared, copy_rows_to_shared, load_
                          load_b_fragments)
 from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
+from ..tile.reduce import block_row_reduce
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..inline import inline_device
 from ..kcache import cached_jit
@@ -375,22 +376,39 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     return kernel
 
 
+#: The most splits the combine kernel merges (its weights sit in shared memory).
+MAX_COMBINE_SPLITS = 1024
+
+
 @functools.cache
 def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
     """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
     (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
-    ``part_lse`` (S, B, Hkv, G, Sq) float32 — into ``o`` (B, Hkv, Sq, G, D) uint16 bits of
-    ``dtype``: ``o = Σ_s exp(lse_s - lse) · parts_s`` with ``lse = log Σ_s exp(lse_s)``
-    (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32 (-inf, and a zero row,
-    where no split saw a key). Grid (Sq · G, Hkv, B), :func:`combine_threads` threads, each
-    two columns."""
+    ``part_lse`` (S, B, Hkv, G, Sq) float32, S at most :data:`MAX_COMBINE_SPLITS` — into ``o``
+    (B, Hkv, Sq, G, D) uint16 bits of ``dtype``: ``o = Σ_s exp(lse_s - lse) · parts_s`` with
+    ``lse = log Σ_s exp(lse_s)`` (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32
+    (-inf, and a zero row, where no split saw a key). Grid (Sq · G, Hkv, B),
+    :func:`combine_threads` threads: the block's threads share the LSE reductions (one split
+    each per step) and put the weights in shared memory; then :func:`combine_ways` groups of
+    threads, each thread two columns, sum every ``ways``-th split, and the groups' sums are
+    added in shared memory (in a fixed order: the same bits every run). Every load of a pass
+    is independent of the others, so a long split list costs latency once, not per split."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     HALF = head_dim // 2
+    CT = _combine_column_threads(head_dim)
+    WAYS = combine_ways(head_dim)
+    THREADS = CT * WAYS
+    WARPS = THREADS // 32
     HAS_LSE = bool(has_lse)
+    MAXS = MAX_COMBINE_SPLITS
+    SUMS = WAYS * 2 * CT
+    red_max = block_row_reduce("max", WARPS)
+    red_sum = block_row_reduce("sum", WARPS)
+    f32 = np.float32
 
-    @_kernel_jit(True, combine_threads(head_dim))
+    @_kernel_jit(True, THREADS)
     def kernel(parts, part_lse, o, lse):
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
@@ -398,38 +416,65 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
         grp = np.int64(o.shape[3])
         i = r // grp
         gg = r % grp
-        c = 2 * cuda.threadIdx.x
+        tid = cuda.threadIdx.x
         n = part_lse.shape[0]
+        scratch = cuda.shared.array(32, f32)
+        weights = cuda.shared.array(MAXS, f32)
+        sums = cuda.shared.array(SUMS, f32)
         top = _NEG_INF
-        for s in range(n):
+        for s in range(tid, n, THREADS):
             top = max(top, part_lse[s, b, hk, gg, i])
+        top = red_max(top, scratch)
+        acc = _ZERO
+        if top != _NEG_INF:
+            for s in range(tid, n, THREADS):
+                acc += math.exp(part_lse[s, b, hk, gg, i] - top)
+        acc = red_sum(acc, scratch)
+        total = top + math.log(acc) if top != _NEG_INF else _NEG_INF
+        for s in range(tid, n, THREADS):
+            weights[s] = math.exp(part_lse[s, b, hk, gg, i] - total) \
+                if total != _NEG_INF else _ZERO
+        cuda.syncthreads()
+        way = tid // CT
+        col = tid % CT
+        c = 2 * col
         x0 = _ZERO
         x1 = _ZERO
-        if top == _NEG_INF:
-            total = _NEG_INF
-        else:
-            acc = _ZERO
-            for s in range(n):
-                acc += math.exp(part_lse[s, b, hk, gg, i] - top)
-            total = top + math.log(acc)
-            if cuda.threadIdx.x < HALF:
-                for s in range(n):
-                    w = math.exp(part_lse[s, b, hk, gg, i] - total)
-                    x0 += w * parts[s, b, hk, i, gg, c]
-                    x1 += w * parts[s, b, hk, i, gg, c + 1]
-        if cuda.threadIdx.x < HALF:
+        if col < HALF:
+            for s in range(way, n, WAYS):
+                w = weights[s]
+                x0 += w * parts[s, b, hk, i, gg, c]
+                x1 += w * parts[s, b, hk, i, gg, c + 1]
+        sums[way * 2 * CT + c] = x0
+        sums[way * 2 * CT + c + 1] = x1
+        cuda.syncthreads()
+        if way == 0 and col < HALF:
+            for w_ in range(1, WAYS):
+                x0 += sums[w_ * 2 * CT + c]
+                x1 += sums[w_ * 2 * CT + c + 1]
             word = pack(x0, x1)
             o[b, hk, i, gg, c] = word & 0xFFFF
             o[b, hk, i, gg, c + 1] = word >> 16
-        if HAS_LSE and cuda.threadIdx.x == 0:
+        if HAS_LSE and tid == 0:
             lse[b, hk, gg, i] = total
 
     return kernel
 
 
-def combine_threads(head_dim: int) -> int:
-    """Threads of a :func:`combine_kernel` block: two columns each, whole warps."""
+def _combine_column_threads(head_dim: int) -> int:
+    """Threads of one column group of the combine kernel: two columns each, whole warps."""
     return -(-(head_dim // 2) // 32) * 32
+
+
+def combine_ways(head_dim: int) -> int:
+    """Column groups of a combine block, each summing every ``ways``-th split: 512 threads in
+    all on a GPU (two in the simulator, where every thread is a Python thread)."""
+    return 2 if SIMULATOR else max(1, 512 // _combine_column_threads(head_dim))
+
+
+def combine_threads(head_dim: int) -> int:
+    """Threads of a :func:`combine_kernel` block."""
+    return _combine_column_threads(head_dim) * combine_ways(head_dim)
 
 
 def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1,

@@ -283,7 +283,7 @@ def check_config(cfg, d: int, dtype: str, page: int) -> None:
 
 
 #: The most splits of the keys ``num_splits`` may ask for.
-MAX_SPLITS = 1024
+MAX_SPLITS = dec.MAX_COMBINE_SPLITS
 
 
 def check_num_splits(num_splits):
