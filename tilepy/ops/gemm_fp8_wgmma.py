@@ -20,9 +20,12 @@ memory. K need not be a multiple of 128 (TMA zero-fills).
 
 Warpgroup 0's thread 0 loads each k step's A box and B box into the next ring slot; warpgroups
 1 … ``consumers`` each take 64 rows of the tile: per k step their k32 wgmmas over the slot as
-one group, ``wait_group 0``, the slot released. The epilogue scales each accumulator and stores
-it (rows past M and columns past N skipped). Not persistent; no block scales (DeepGEMM's
-promotion every 128 of K) yet.
+one group (the first with scale-d 0: no zeroing of the accumulators), ``wait_group 1``, the
+previous step's slot released — one group stays in flight across the wait. The epilogue
+(:func:`tilepy.tile.epilogue.store_scaled_accumulators`, constant accumulator indices: the
+accumulators stay in registers) scales each accumulator and stores it (rows past M and
+columns past N skipped). Not persistent; no block scales (DeepGEMM's promotion every 128 of
+K) yet.
 """
 
 from __future__ import annotations
@@ -33,14 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
-from ..inline import inline_device
 from ..kcache import cached_jit
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
 from ..ptx.asm import SIMULATOR
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.config import SMEM_LIMIT
+from ..tile.epilogue import store_scaled_accumulators
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import warpgroup_roles
 from ..tile.smem import dynamic_shared
@@ -128,36 +130,9 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
     wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "k", 1), SmemOperand(64, BK, "k", 1),
                          FORMATS[fmt_a])
     NACC = wmma.NACC
-    F32 = out_kind == "float32"
-    pack = cvt_bf16x2_f32 if out_kind == "bfloat16" else cvt_f16x2_f32
-    ROWS, COLS = bool(row_scale), bool(col_scale)
+    store = store_scaled_accumulators(BN // 8, out_kind, row_scale, col_scale)
     smem = dynamic_shared(lay.align)
     f32 = types.float32
-
-    @inline_device
-    def store(acc, out, scale_a, scale_b, row0, col0, lane, warp):
-        m = out.shape[0]
-        n = out.shape[1]
-        sa0 = scale_a[0]
-        sb0 = scale_b[0]
-        for i in range(0, NACC, 2):
-            r = row0 + 16 * warp + lane // 4 + 8 * ((i // 2) % 2)
-            c = col0 + 8 * (i // 4) + 2 * (lane % 4)
-            if r < m:
-                sa = scale_a[r] if ROWS else sa0
-                x0 = acc[i] * sa * (scale_b[c] if COLS and c < n else sb0)
-                x1 = acc[i + 1] * sa * (scale_b[c + 1] if COLS and c + 1 < n else sb0)
-                if F32:
-                    if c < n:
-                        out[r, c] = x0
-                    if c + 1 < n:
-                        out[r, c + 1] = x1
-                else:
-                    word = pack(x0, x1)
-                    if c < n:
-                        out[r, c] = word & 0xFFFF
-                    if c + 1 < n:
-                        out[r, c + 1] = word >> 16
 
     @_jit(cfg.threads)
     def kernel(a, b, out, scale_a, scale_b, k, maps):
@@ -196,21 +171,33 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
             cw = wg - 1
             t = tid - 128 * wg
             acc = cuda.local.array(NACC, f32)
-            for i in range(NACC):
-                acc[i] = f32(0)
-            # wait_group 0 each step (with wait_group 1 and the previous slot released, as the
-            # bf16 kernel does, ptxas serialised these wgmmas: C7514); the overlap is a next step
-            for kt in range(ktiles):
+            # the first k step writes the accumulators (scale-d 0: no zeroing instructions
+            # while wgmmas are in flight, which would make ptxas serialise them, C7515); each
+            # later step: wait for its slot, its wgmmas as one group, wait_group 1 (the
+            # previous step's group has retired) and free the previous slot (K >= 16: at
+            # least one step)
+            s, ph = ring.at(0)
+            ring.wait(bars, s, ph)
+            stage = base + STAGES + s * STAGE
+            wmma.fence()
+            wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 0)
+            wmma.commit()
+            prev = s
+            for kt in range(1, ktiles):
                 s, ph = ring.at(kt)
                 ring.wait(bars, s, ph)
                 stage = base + STAGES + s * STAGE
                 wmma.fence()
                 wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
                 wmma.commit()
-                wmma.wait(0)
-                wmma.fence_operand(acc)
-                ring.release(bars, s, t % 32)
-            store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, t % 32, t // 32)
+                wmma.wait(1)
+                ring.release(bars, prev, t % 32)
+                prev = s
+            wmma.wait(0)
+            wmma.fence_operand(acc)
+            ring.release(bars, prev, t % 32)
+            store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, out.shape[0], out.shape[1],
+                  t % 32, t // 32)
 
     return kernel
 

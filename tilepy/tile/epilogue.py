@@ -232,6 +232,46 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
         {"store_n8": store_n8}, f"store_accumulators {mi}x{ni}")
 
 
+@functools.cache
+def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale: bool):
+    """The epilogue of one warp's share of an m64 × (8·``ni``) wgmma accumulator with the
+    scales of a scaled (FP8) GEMM: ``store(acc, out, scale_a, scale_b, row0, col0, m, n,
+    lane, warp)`` writes ``acc[i] · scale_a[r] · scale_b[c]`` for the warp's rows ``row0 + 16 ·
+    warp …`` (``acc`` float32[4·ni] in the wgmma fragment order: per n8 block ``j``, columns
+    ``(c, c + 1)`` of rows ``r`` and ``r + 8``); ``scale_a`` float32, one per row with
+    ``row_scale`` (else ``scale_a[0]``), ``scale_b`` one per column with ``col_scale`` (else
+    ``scale_b[0]``); ``out`` (M, N) float32 or uint16 bits of ``out_kind``; rows past ``m``
+    and columns past ``n`` are skipped (their scales never read). Written out with constant
+    accumulator indices, so the accumulators stay in registers (a loop that does not unroll
+    puts them in local memory, and ptxas then serialises the wgmmas that write them)."""
+    put_pair = _pair_io(out_kind)[1]
+    ROWS, COLS = bool(row_scale), bool(col_scale)
+
+    @inline_device
+    def row_scale_at(scale_a, r, m):
+        return scale_a[min(r, m - 1)] if ROWS else scale_a[0]
+
+    @inline_device
+    def store_n8(a0, a1, a2, a3, out, r, c, sa0, sa1, scale_b, sb, m, n):
+        if c < n:
+            b0 = scale_b[c] if COLS else sb
+            b1 = (scale_b[c + 1] if c + 1 < n else sb) if COLS else sb
+            if r < m:
+                put_pair(out, r, c, n, a0 * sa0 * b0, a1 * sa0 * b1)
+            if r + 8 < m:
+                put_pair(out, r + 8, c, n, a2 * sa1 * b0, a3 * sa1 * b1)
+
+    return _written_out(
+        "store(acc, out, scale_a, scale_b, row0, col0, m, n, lane, warp)",
+        ["r0 = row0 + 16 * warp + lane // 4", "c0 = col0 + 2 * (lane % 4)",
+         "sa0 = row_scale_at(scale_a, r0, m)", "sa1 = row_scale_at(scale_a, r0 + 8, m)",
+         "sb = scale_b[0]"] +
+        [f"store_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], out, "
+         f"r0, c0 + {8 * j}, sa0, sa1, scale_b, sb, m, n)" for j in range(ni)],
+        {"store_n8": store_n8, "row_scale_at": row_scale_at},
+        f"store_scaled_accumulators {ni}")
+
+
 def _plain(activation, has_bias: bool, has_c: bool) -> bool:
     """Whether an epilogue is small enough to stay a loop. With a bias, ``c`` or an
     activation, the loop body over the (mi × ni) n8 blocks is large enough that LLVM stops
