@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23b    the combine kernel's parallel merge (decoding GPU tests and benchmark), the FP8
+#                GEMM's overlapped main loop and 128 x 256 tiles (GPU tests, probe of configs
+#                against torch._scaled_mm, benchmark)
 #   PART=s23a    after the host-cost fixes (recorded launches) and the whole-wave split rule: the
 #                decoding GPU tests, the probe of configs x (rule, half, twice, one split), the
 #                decoding benchmark; the FP8 GEMM's GPU test and benchmark (its cached plan)
@@ -181,6 +184,13 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23b "* ]]; then
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    bench_suite bench_gemm_fp8 60 "test_gemm_fp8"
+    gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
+    bench_suite bench_attention_kvcache 150 "test_flash_attention_with_kvcache"
+fi
 if [[ " $PART " == *" s23a "* ]]; then
     gpu_tests kvcache_gpu 120 tests/test_ops_attention_kvcache.py
     step probe_decode 240 "$PY" bench/probe_decode.py --json "$OUT/probe_decode.json"

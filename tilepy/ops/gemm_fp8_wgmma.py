@@ -59,23 +59,33 @@ OUT_KINDS = ("float32", "float16", "bfloat16")
 @dataclass(frozen=True)
 class FP8Config:
     """``block_m`` (64 · ``consumers``) × ``block_n`` output tile, ``stages`` k steps of 128
-    in flight."""
+    in flight. ``block_n`` 256 (128 accumulators a consumer thread) needs two consumers and
+    the ``setmaxnreg`` split: the producer warpgroup lowers its register limit to
+    ``producer_regs`` and the consumers raise theirs to ``consumer_regs``."""
 
     block_n: int = 128
     stages: int = 4
     consumers: int = 2
     cc: tuple = (9, 0)
+    producer_regs: int = 40
+    consumer_regs: int = 232
 
     def __post_init__(self):
-        # (block_n 256 would hold 128 accumulators a thread, past the 168 registers of a
-        # 384-thread block without a setmaxnreg split: not offered yet)
-        if self.consumers not in (1, 2) or self.block_n not in (64, 128) or \
+        if self.consumers not in (1, 2) or self.block_n not in (64, 128, 256) or \
                 not 2 <= self.stages <= 8:
-            raise ValueError(f"FP8Config: consumers 1 or 2, block_n 64 or 128, stages 2 … 8; "
-                             f"got {self}")
+            raise ValueError(f"FP8Config: consumers 1 or 2, block_n 64, 128 or 256, stages "
+                             f"2 … 8; got {self}")
+        if self.block_n == 256 and self.consumers != 2:
+            raise ValueError(f"FP8Config: block_n 256 needs two consumers (the setmaxnreg "
+                             f"split); got {self}")
         limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
         if self.smem_bytes > limit:
             raise ValueError(f"FP8Config: {self.smem_bytes} B of shared memory exceeds {limit}")
+
+    @property
+    def setmaxnreg(self) -> bool:
+        """Whether the roles move registers with ``setmaxnreg`` (``block_n`` 256)."""
+        return self.block_n == 256
 
     @property
     def block_m(self) -> int:
@@ -100,11 +110,14 @@ class FP8Config:
 
     def describe(self) -> str:
         return (f"fp8 {self.block_m}x{self.block_n}x{BK}, {self.stages} stages, "
-                f"{self.consumers} consumer warpgroup(s)")
+                f"{self.consumers} consumer warpgroup(s)"
+                + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
+                   if self.setmaxnreg else ""))
 
 
 def _jit(threads: int):
-    return cuda.jit if SIMULATOR else cached_jit(launch_bounds=threads)
+    # one block an SM: setmaxnreg redistributes the registers the block was allocated
+    return cuda.jit if SIMULATOR else cached_jit(launch_bounds=(threads, 1))
 
 
 @functools.cache
@@ -124,7 +137,8 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
     lay = cfg.layout
     STAGES, BARS = lay.offset("stages"), lay.offset("bars")
     ring = tma_pipeline(ST, 4 * NC)
-    roles = warpgroup_roles(NC)
+    roles = warpgroup_roles(NC, producer_regs=cfg.producer_regs if cfg.setmaxnreg else 0,
+                            consumer_regs=cfg.consumer_regs if cfg.setmaxnreg else 0)
     load_a = tma_tile(1, A_BYTES)
     load_b = tma_tile(1, BN * BK)
     wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "k", 1), SmemOperand(64, BK, "k", 1),
@@ -252,12 +266,19 @@ def plan(kernel, cfg: FP8Config, a, b, out, scale_a, scale_b, k: int, alloc=None
     return p, args
 
 
+#: The kernels the compile layer reports on: (name, config).
+COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", FP8Config()),
+            ("gemm_fp8_e4m3_bf16_rowcol_n256", FP8Config(block_n=256, stages=4)))
+
+
 def compile_reports():
-    """Offline sm_90a reports: bf16 out with row and column scales, e4m3, the default."""
+    """Offline sm_90a reports of :data:`COMPILED`: bf16 out with row and column scales, e4m3."""
     from ..offline import report_entry
 
-    cfg = FP8Config()
-    return [report_entry("gemm_fp8_e4m3_bf16_rowcol",
-                         lambda: fp8_gemm_kernel(cfg, "e4m3", "e4m3", "bfloat16", True, True),
+    return [report_entry(name,
+                         lambda cfg=cfg: fp8_gemm_kernel(cfg, "e4m3", "e4m3", "bfloat16", True,
+                                                         True),
                          argtypes("bfloat16"), (9, 0, "a"), threads=cfg.threads,
-                         config=cfg.describe(), smem_bytes=cfg.smem_bytes)]
+                         launch_bounds=(cfg.threads, 1), config=cfg.describe(),
+                         smem_bytes=cfg.smem_bytes)
+            for name, cfg in COMPILED]
