@@ -16,8 +16,8 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-#: (block_n, stages)
-CONFIGS = [(128, 4), (128, 6), (256, 3), (256, 4)]
+#: (block_n, stages, persistent)
+CONFIGS = [(128, 4, True), (256, 3, True), (256, 4, True), (256, 4, False)]
 SHAPES = "4096x4096x4096,8192x8192x8192,2048x14336x4096,4096x4096x14336,8192x28672x8192"
 
 
@@ -50,10 +50,10 @@ def main(argv=None):
         peer_tf = flop / t.ms / 1e9
         print(f"{shape}: torch._scaled_mm {peer_tf:.0f} TFLOPS", flush=True)
         rows.append(dict(shape=shape, name="torch._scaled_mm", tflops=peer_tf, gpu_us=t.ms * 1e3))
-        for bn, st in CONFIGS:
-            name = f"tilepy fp8 128x{bn} x{st}"
+        for bn, st, pers in CONFIGS:
+            name = f"tilepy fp8 128x{bn} x{st}" + (" persistent" if pers else "")
             try:
-                cfg = FP8Config(block_n=bn, stages=st)
+                cfg = FP8Config(block_n=bn, stages=st, persistent=pers)
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
                 def run():

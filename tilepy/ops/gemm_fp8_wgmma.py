@@ -14,18 +14,20 @@ byte 0, B's at :data:`MAP_B`; 128-byte swizzle, boxes of ``block_m`` / ``block_n
 k) — ``a`` and ``b`` themselves (uint8 (M, K) / (N, K) views) are not read: their pointers
 tell a launch plan which maps to pass (:func:`plan`); ``out`` (M, N) float32, or
 uint16 bits of ``out_kind`` (float16 / bfloat16); ``scale_a`` float32 (M,) with
-``row_scale`` else (1,), ``scale_b`` (N,) with ``col_scale`` else (1,). Grid (tiles of the
-output, 1), :attr:`FP8Config.threads` threads, :attr:`FP8Config.smem_bytes` of dynamic shared
-memory. K need not be a multiple of 128 (TMA zero-fills).
+``row_scale`` else (1,), ``scale_b`` (N,) with ``col_scale`` else (1,). Grid :func:`grid`
+(a block per output tile, or persistent: at most one per SM, each striding over the tiles in
+grouped order, :mod:`tilepy.tile.schedule`), :attr:`FP8Config.threads` threads,
+:attr:`FP8Config.smem_bytes` of dynamic shared memory. K need not be a multiple of 128 (TMA
+zero-fills).
 
-Warpgroup 0's thread 0 loads each k step's A box and B box into the next ring slot; warpgroups
+Warpgroup 0's thread 0 loads each k step's A box and B box into the next ring slot, running on
+across the block's tiles (the next tile's loads overlap this one's epilogue); warpgroups
 1 … ``consumers`` each take 64 rows of the tile: per k step their k32 wgmmas over the slot as
 one group (the first with scale-d 0: no zeroing of the accumulators), ``wait_group 1``, the
 previous step's slot released — one group stays in flight across the wait. The epilogue
 (:func:`tilepy.tile.epilogue.store_scaled_accumulators`, constant accumulator indices: the
 accumulators stay in registers) scales each accumulator and stores it (rows past M and
-columns past N skipped). Not persistent; no block scales (DeepGEMM's promotion every 128 of
-K) yet.
+columns past N skipped). No block scales (DeepGEMM's promotion every 128 of K) yet.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 from numba import cuda, types
 
 from ..kcache import cached_jit
+from ..launch import sm_count
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
@@ -45,6 +48,7 @@ from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import store_scaled_accumulators
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import warpgroup_roles
+from ..tile.schedule import grouped_raster, static_persistent
 from ..tile.smem import dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.tma_copy import tma_tile
@@ -61,14 +65,16 @@ class FP8Config:
     """``block_m`` (64 · ``consumers``) × ``block_n`` output tile, ``stages`` k steps of 128
     in flight. ``block_n`` 256 (128 accumulators a consumer thread) needs two consumers and
     the ``setmaxnreg`` split: the producer warpgroup lowers its register limit to
-    ``producer_regs`` and the consumers raise theirs to ``consumer_regs``."""
+    ``producer_regs`` and the consumers raise theirs to ``consumer_regs``. ``persistent``: a
+    block per SM striding over the tiles (in grouped order), else a block per tile."""
 
-    block_n: int = 128
+    block_n: int = 256
     stages: int = 4
     consumers: int = 2
     cc: tuple = (9, 0)
     producer_regs: int = 40
     consumer_regs: int = 232
+    persistent: bool = True
 
     def __post_init__(self):
         if self.consumers not in (1, 2) or self.block_n not in (64, 128, 256) or \
@@ -111,6 +117,7 @@ class FP8Config:
     def describe(self) -> str:
         return (f"fp8 {self.block_m}x{self.block_n}x{BK}, {self.stages} stages, "
                 f"{self.consumers} consumer warpgroup(s)"
+                + (", persistent" if self.persistent else "")
                 + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
                    if self.setmaxnreg else ""))
 
@@ -137,6 +144,8 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
     lay = cfg.layout
     STAGES, BARS = lay.offset("stages"), lay.offset("bars")
     ring = tma_pipeline(ST, 4 * NC)
+    order = grouped_raster(BM, BN, GROUP_M)
+    sched = static_persistent()
     roles = warpgroup_roles(NC, producer_regs=cfg.producer_regs if cfg.setmaxnreg else 0,
                             consumer_regs=cfg.consumer_regs if cfg.setmaxnreg else 0)
     load_a = tma_tile(1, A_BYTES)
@@ -152,10 +161,11 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
     def kernel(a, b, out, scale_a, scale_b, k, maps):
         m = out.shape[0]
         n = out.shape[1]
+        tiles_m = (m + BM - 1) // BM
         tiles_n = (n + BN - 1) // BN
-        bm0 = (cuda.blockIdx.x // tiles_n) * BM
-        bn0 = (cuda.blockIdx.x % tiles_n) * BN
+        total = tiles_m * tiles_n
         ktiles = (k + BK - 1) // BK
+        w0, step = sched.first_and_step()
         base = shared_addr(smem(), 0)
         bars = base + BARS
         tid = cuda.threadIdx.x
@@ -173,51 +183,67 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
                 T.fence_proxy_tensormap_acquire(tb)
                 s = 0
                 ph = 0
-                for kt in range(ktiles):
-                    ring.acquire(bars, s, ph)
-                    full = ring.commit(bars, s, STAGE)
-                    stage = base + STAGES + s * STAGE
-                    load_a.load_2d(stage, ta, full, kt * BK, bm0)
-                    load_b.load_2d(stage + A_BYTES, tb, full, kt * BK, bn0)
-                    s, ph = ring.advance(s, ph)
+                # the ring runs on across the block's tiles: the next tile's first k steps
+                # load while the consumers run this one's epilogue
+                for w in range(w0, total, step):
+                    _, bm0, bn0 = order.tile_origin(w, tiles_m, tiles_n)
+                    for kt in range(ktiles):
+                        ring.acquire(bars, s, ph)
+                        full = ring.commit(bars, s, STAGE)
+                        stage = base + STAGES + s * STAGE
+                        load_a.load_2d(stage, ta, full, kt * BK, bm0)
+                        load_b.load_2d(stage + A_BYTES, tb, full, kt * BK, bn0)
+                        s, ph = ring.advance(s, ph)
         else:
             roles.enter_consumer()
             cw = wg - 1
             t = tid - 128 * wg
             acc = cuda.local.array(NACC, f32)
-            # the first k step writes the accumulators (scale-d 0: no zeroing instructions
-            # while wgmmas are in flight, which would make ptxas serialise them, C7515); each
-            # later step: wait for its slot, its wgmmas as one group, wait_group 1 (the
-            # previous step's group has retired) and free the previous slot (K >= 16: at
-            # least one step)
-            s, ph = ring.at(0)
-            ring.wait(bars, s, ph)
-            stage = base + STAGES + s * STAGE
-            wmma.fence()
-            wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 0)
-            wmma.commit()
-            prev = s
-            for kt in range(1, ktiles):
-                s, ph = ring.at(kt)
+            s = 0
+            ph = 0
+            for w in range(w0, total, step):
+                _, bm0, bn0 = order.tile_origin(w, tiles_m, tiles_n)
+                # the first k step writes the accumulators (scale-d 0: no zeroing instructions
+                # while wgmmas are in flight, which would make ptxas serialise them, C7515);
+                # each later step: wait for its slot, its wgmmas as one group, wait_group 1
+                # (the previous step's group has retired) and free the previous slot (K >= 16:
+                # at least one step)
                 ring.wait(bars, s, ph)
                 stage = base + STAGES + s * STAGE
                 wmma.fence()
-                wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
+                wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 0)
                 wmma.commit()
-                wmma.wait(1)
-                ring.release(bars, prev, t % 32)
                 prev = s
-            wmma.wait(0)
-            wmma.fence_operand(acc)
-            ring.release(bars, prev, t % 32)
-            store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, out.shape[0], out.shape[1],
-                  t % 32, t // 32)
+                s, ph = ring.advance(s, ph)
+                for kt in range(1, ktiles):
+                    ring.wait(bars, s, ph)
+                    stage = base + STAGES + s * STAGE
+                    wmma.fence()
+                    wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
+                    wmma.commit()
+                    wmma.wait(1)
+                    ring.release(bars, prev, t % 32)
+                    prev = s
+                    s, ph = ring.advance(s, ph)
+                wmma.wait(0)
+                wmma.fence_operand(acc)
+                ring.release(bars, prev, t % 32)
+                store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, m, n, t % 32, t // 32)
 
     return kernel
 
 
-def grid(cfg: FP8Config, m: int, n: int) -> tuple:
-    return (-(-m // cfg.block_m) * -(-n // cfg.block_n), 1, 1)
+#: Block rows walked together by the grouped raster (their blocks share B's panels in L2).
+GROUP_M = 8
+
+
+def grid(cfg: FP8Config, m: int, n: int, sms: int | None = None) -> tuple:
+    """One block per output tile, or with ``persistent`` at most ``sms`` blocks (default: the
+    device's SMs) that stride over the tiles."""
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if cfg.persistent:
+        tiles = min(tiles, sms if sms is not None else sm_count(132))
+    return (max(tiles, 1), 1, 1)
 
 
 def argtypes(out_kind: str):
@@ -268,7 +294,7 @@ def plan(kernel, cfg: FP8Config, a, b, out, scale_a, scale_b, k: int, alloc=None
 
 #: The kernels the compile layer reports on: (name, config).
 COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", FP8Config()),
-            ("gemm_fp8_e4m3_bf16_rowcol_n256", FP8Config(block_n=256, stages=4)))
+            ("gemm_fp8_e4m3_bf16_rowcol_n128", FP8Config(block_n=128)))
 
 
 def compile_reports():
