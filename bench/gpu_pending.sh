@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23c    the FP8 GEMM persistent in grouped order, 128 x 256 by default (GPU tests, the
+#                probe, the benchmark); the decoding op's kernels under torch.profiler at the
+#                134 MB shapes (what the time beyond a copy is); quantize_fp8 (GPU test, bench)
 #   PART=s23b    the combine kernel's parallel merge (decoding GPU tests and benchmark), the FP8
 #                GEMM's overlapped main loop and 128 x 256 tiles (GPU tests, probe of configs
 #                against torch._scaled_mm, benchmark)
@@ -184,6 +187,15 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23c "* ]]; then
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    bench_suite bench_gemm_fp8 60 "test_gemm_fp8"
+    step profile_decode 90 "$PY" bench/probe_decode.py --profile --shapes 1x32768,8x4096,8x32768 \
+        --json "$OUT/profile_decode.json"
+    gpu_tests quantize_gpu 120 tests/test_ops_quantize.py
+    bench_suite bench_quantize 90 "test_quantize_fp8"
+fi
 if [[ " $PART " == *" s23b "* ]]; then
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
     step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"

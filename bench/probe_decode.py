@@ -27,7 +27,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
     p.add_argument("--shapes", default="8x32768,1x131072,64x4096,8x131072,64x32768")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: the built-in call's kernels under torch.profiler (device "
+                        "microseconds per kernel and the span of one call), per shape")
     args = p.parse_args(argv)
+    if args.profile:
+        return profile(args)
 
     import torch
 
@@ -91,6 +96,64 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rows=rows), f, indent=1)
+
+
+def profile(args):
+    """Per shape: the built-in call (contiguous cache, one query row) run 20 times under
+    torch.profiler; each kernel's mean device time, and the mean span from a call's first
+    kernel start to its last kernel end (launch gaps included), against a device copy."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    import tilepy
+    from measure import gpu_time
+
+    hq, hk, d, dt = 32, 8, 128, torch.bfloat16
+    rows = []
+    for shape in args.shapes.split(","):
+        b, cap = map(int, shape.split("x"))
+        kc = torch.randn(b, cap, hk, d, device="cuda", dtype=dt)
+        vc = torch.randn_like(kc)
+        q = torch.randn(b, 1, hq, d, device="cuda", dtype=dt)
+        lens = torch.full((b,), cap, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        nbytes = 2 * kc.numel() * 2
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        # (a copy of nbytes / 2 reads and writes nbytes: the bytes the kernel reads)
+        copy_us = gpu_time(torch, lambda: dst.copy_(src), as_called=False).ms * 1e3
+
+        def run():
+            tilepy.flash_attention_with_kvcache(q, kc, vc, lens, out=out, check_seqlens=False)
+
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                run()
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        per = {}
+        for e in kernels:
+            per.setdefault(e.name[:60], []).append(e.device_time)
+        starts = sorted(kernels, key=lambda e: e.time_range.start)
+        n = max(1, len(per))
+        spans = [starts[i + n - 1].time_range.end - starts[i].time_range.start
+                 for i in range(0, len(starts) - n + 1, n)]
+        span = sum(spans) / max(len(spans), 1)
+        print(f"B{b} S{cap}: {nbytes / 1e6:.0f} MB, device copy {copy_us:.1f} µs, one call "
+              f"{span:.1f} µs from first kernel start to last kernel end", flush=True)
+        for name, ts in per.items():
+            print(f"  {name:60s} {sum(ts) / len(ts):8.1f} µs", flush=True)
+        rows.append(dict(batch=b, capacity=cap, copy_us=copy_us, span_us=span,
+                         kernels={k: sum(v) / len(v) for k, v in per.items()}))
+        del kc, vc, src, dst
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(profile=rows), f, indent=1)
 
 
 if __name__ == "__main__":
