@@ -1,7 +1,8 @@
 """The FP8 GEMM's configs against ``torch._scaled_mm`` in one process: GPU-only TFLOPS
 (``measure.gpu_time``) of ``tilepy.gemm`` on e4m3 operands with row / column scales and bf16
 out, for each :class:`~tilepy.ops.gemm_fp8_wgmma.FP8Config` below, at square and Llama layer
-shapes; the error against ``_scaled_mm`` per row.
+shapes; the error against ``_scaled_mm`` per row; then block scales (1 × 128 / 128 × 128)
+against ``_scaled_mm``'s blockwise form where this PyTorch has it.
 
 Usage: python bench/probe_gemm_fp8.py [--json FILE] [--shapes 4096x4096x4096,...]
 """
@@ -73,6 +74,41 @@ def main(argv=None):
             print(f"  {name:28s} {tf:7.0f} TFLOPS  {tf / peer_tf:5.2f}x  (as called "
                   f"{(t.ms_as_called or 0) * 1e3:.1f} µs, GPU {t.ms * 1e3:.1f} µs, rel err "
                   f"{err:.1e})", flush=True)
+        # block scales (DeepGEMM's recipe): 128-column tiles; _scaled_mm's blockwise form where
+        # this PyTorch takes it (scales outer-dimension-major, as cuBLASLt wants them)
+        kb, nb = -(-k // 128), -(-n // 128)
+        sa_blk = torch.rand(m, kb, device="cuda") + 0.5
+        sw_blk = torch.rand(nb, kb, device="cuda") + 0.5
+        try:
+            def peer_blk():
+                return torch._scaled_mm(a, w.t(), scale_a=sa_blk.t().contiguous().t(),
+                                        scale_b=sw_blk.t(), out_dtype=torch.bfloat16)
+            want_blk = peer_blk().float()
+            t = gpu_time(torch, peer_blk)
+            ptf = flop / t.ms / 1e9
+            print(f"  torch._scaled_mm block scales {ptf:7.0f} TFLOPS", flush=True)
+            rows.append(dict(shape=shape, name="torch._scaled_mm block", tflops=ptf))
+        except Exception as e:  # noqa: BLE001 — a PyTorch without blockwise scaling
+            want_blk, ptf = None, None
+            print(f"  torch._scaled_mm block scales: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:120]}", flush=True)
+        for bn, st in ((128, 4), (128, 6)):
+            cfg = FP8Config(block_n=bn, stages=st)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+
+            def run_blk():
+                tilepy.gemm(a, w.t(), scale_a=sa_blk, scale_b=sw_blk.t(), out=out, config=cfg)
+
+            run_blk()
+            err = ((out.float() - want_blk).abs().max() / want_blk.abs().max()).item() \
+                if want_blk is not None else float("nan")
+            t = gpu_time(torch, run_blk)
+            tf = flop / t.ms / 1e9
+            name = f"tilepy fp8 block scales 128x{bn} x{st}"
+            rows.append(dict(shape=shape, name=name, tflops=tf, gpu_us=t.ms * 1e3,
+                             of_peer=tf / (ptf or peer_tf), rel_err=err))
+            print(f"  {name:36s} {tf:7.0f} TFLOPS  {tf / (ptf or peer_tf):5.2f}x "
+                  f"{'block' if ptf else 'per-row'} _scaled_mm  (rel err {err:.1e})", flush=True)
         del a, w
         torch.cuda.empty_cache()
     if args.json:

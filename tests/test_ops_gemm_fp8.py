@@ -59,9 +59,17 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a, np.ascontiguousarray(w.T))
     with pytest.raises(NotImplementedError, match="mixed formats"):
         tilepy.gemm(a, w.astype(ml_dtypes.float8_e5m2).T)
-    with pytest.raises(NotImplementedError, match="block scales"):
+    with pytest.raises(ValueError, match="or a block scale"):
         tilepy.gemm(a, w.T, scale_a=np.ones((4, 2), np.float32))
-    with pytest.raises(ValueError, match=r"scale_b must be 0-d .* or \(8,\)"):
+    a2, w2 = np.zeros((4, 256), a.dtype), np.zeros((8, 256), w.dtype)
+    with pytest.raises(ValueError, match="block scales come in pairs"):
+        tilepy.gemm(a2, w2.T, scale_a=np.ones((4, 2), np.float32),
+                    scale_b=np.ones((1, 8), np.float32))
+    from tilepy.ops.gemm_fp8_wgmma import FP8Config
+    with pytest.raises(ValueError, match="block scales need config.block_n <= 128"):
+        tilepy.gemm(a2, w2.T, scale_a=np.ones((4, 2), np.float32),
+                    scale_b=np.ones((2, 1), np.float32), config=FP8Config(block_n=256))
+    with pytest.raises(ValueError, match=r"scale_b must be 0-d .*, \(8,\) \(per column\)"):
         tilepy.gemm(a, w.T, scale_b=np.ones(5, np.float32))
     with pytest.raises(TypeError, match="scale_a: dtype float64 is not supported"):
         tilepy.gemm(a, w.T, scale_a=np.ones(4, np.float64))
@@ -69,6 +77,28 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a, w.T, activation="relu")
     with pytest.raises(NotImplementedError, match="alpha, beta and c"):
         tilepy.gemm(a, w.T, alpha=2.0)
+
+
+@pytest.mark.sim
+def test_block_scales_against_float64():
+    """DeepGEMM's recipe: scale_a per 1 x 128 block of a, scale_b per 128 x 128 block of b
+    (given as the transposed view of (N blocks, K blocks), as quantize_fp8 of w (N, K) makes
+    it); K = 336 (three k blocks, the last partial), N = 200 (two column blocks, the second
+    partial), M = 130."""
+    rng = np.random.default_rng()
+    m, n, k = 130, 200, 336
+    kb, nb = 3, 2
+    a = codes(rng, (m, k), "float8_e4m3fn")
+    w = codes(rng, (n, k), "float8_e4m3fn")
+    sa = rng.uniform(0.25, 4, (m, kb)).astype(np.float32)
+    sw = rng.uniform(0.25, 4, (nb, kb)).astype(np.float32)     # per (N block, K block)
+    out = np.full((m, n), np.nan, np.float32)
+    got = tilepy.gemm(a, w.T, scale_a=sa, scale_b=sw.T, out=out, out_dtype="float32")
+    a64 = a.astype(np.float64) * np.repeat(sa, 128, axis=1)[:, :k]
+    w64 = w.astype(np.float64) * np.repeat(np.repeat(sw, 128, axis=0), 128, axis=1)[:n, :k]
+    ref = a64 @ w64.T
+    assert not np.isnan(got).any()
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.sim
@@ -96,7 +126,7 @@ def test_fp8_kernel_compiles_for_sm90a():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.gemm_fp8_wgmma:compile_reports")
-    assert len(reps) == 2        # 128 x 128 tiles, and 128 x 256 with the setmaxnreg split
+    assert len(reps) == 3        # 128 x 256 (setmaxnreg split), 128 x 128, block scales
     for rep in reps.values():
         assert "error" not in rep, rep.get("error")
         assert rep["counts"]["wgmma.mma_async"] >= 4 and \
@@ -123,3 +153,28 @@ def test_gpu_against_torch_scaled_mm(block_n):
     want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item(), err
+
+
+@pytest.mark.gpu
+def test_gpu_block_scales_against_float32():
+    """Block scales at 1000 × 1400 × 4160 (partial k, row and column blocks) against float32
+    products of the dequantised operands (no TF32) on the GPU."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 1000, 1400, 4160
+    kb, nb = -(-k // 128), -(-n // 128)
+    a = (torch.randn(m, k, device="cuda") * 3).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, device="cuda") * 3).to(torch.float8_e4m3fn)
+    sa = torch.rand(m, kb, device="cuda") + 0.25
+    sw = torch.rand(nb, kb, device="cuda") + 0.25
+    got = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sw.t(), out_dtype="float32")
+    a32 = a.float() * sa.repeat_interleave(128, 1)[:, :k]
+    w32 = w.float() * sw.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = a32 @ w32.t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    assert not torch.isnan(got).any()
+    err = (got - want).abs().max().item()
+    assert err <= 1e-4 * want.abs().max().item(), err

@@ -37,8 +37,11 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
       both (mixed formats are not built yet).
     * ``scale_a``: float32, one scale (0-d, (1,)) or one per row ((M,), or (M, 1) as
       ``torch._scaled_mm`` takes it); ``scale_b``: one scale, or one per column ((N,) or
-      (1, N)); None is 1.0. Block scales ((M, ceil(K / 128)) …) are not built yet
-      (``NotImplementedError``).
+      (1, N)); None is 1.0. Or block scales (DeepGEMM's recipe): ``scale_a`` (M, ceil(K /
+      128)) per 1 × 128 block of a row of ``a`` and ``scale_b`` (ceil(K / 128), ceil(N /
+      128)) per 128 × 128 block of ``b`` (:func:`tilepy.quantize_fp8`'s ``(1, 128)`` and
+      ``(128, 128)`` granularities, the latter of ``b``'s (N, K) storage transposed), each
+      k block's partial product scaled and summed in float32; 128-column tiles.
     * ``out_dtype``: ``"bfloat16"`` (default; ``out``'s dtype when ``out`` is given),
       ``"float16"`` or ``"float32"``; ``out`` (M, N) of it, or None. K = 0 gives zeros.
     * ``bias`` / ``activation``: not yet (``NotImplementedError``).
@@ -94,16 +97,24 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
     out_dtype = arrays.dtype_name(out_dtype) if out_dtype is not None else "bfloat16"
     if out_dtype not in fk.OUT_KINDS:
         raise TypeError(f"out_dtype must be one of {fk.OUT_KINDS}, got {out_dtype}")
-    Sa = _scale(scale_a, "scale_a", m, "row", A)
-    Sb = _scale(scale_b, "scale_b", n, "column", A)
+    block = _block_scales(scale_a, scale_b, m, n, k, A)
+    if block is not None:
+        Sa, Sb = block
+    else:
+        Sa = _scale(scale_a, "scale_a", m, "row", A)
+        Sb = _scale(scale_b, "scale_b", n, "column", A)
     Out = describe(out, "out") if out is not None else None
     if Out is not None and (Out.shape != (m, n) or Out.dtype != out_dtype):
         raise ValueError(f"out must be ({m}, {n}) {out_dtype}, got {Out.shape} {Out.dtype}")
     device = arrays.same_device(A, B, Out, *(s for s in (Sa, Sb) if s is not None))
-    cfg = config if config is not None else fk.FP8Config()
+    cfg = config if config is not None else fk.FP8Config(
+        block_n=fk.BLOCK_SCALE if block is not None else fk.FP8Config.block_n)
     if not isinstance(cfg, fk.FP8Config):
         raise TypeError(f"config must be a tilepy.ops.gemm_fp8_wgmma.FP8Config, got "
                         f"{type(cfg).__name__}")
+    if block is not None and cfg.block_n > fk.BLOCK_SCALE:
+        raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
+                         f"columns in one scale block), got {cfg.block_n}")
     if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
         raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
                                   "(wgmma); other GPUs are not supported yet")
@@ -120,10 +131,14 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         stream = arrays.stream_handle(A)
         ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
         One = describe(ones, "ones") if ones is not None else None
-        sa_v = _scale_view(Sa if Sa is not None else One)
-        sb_v = _scale_view(Sb if Sb is not None else One)
+        if block is not None:   # 2-D (M, K blocks) and (K blocks, N blocks)
+            sa_v, sb_v = arrays.kernel_view(Sa, 2), arrays.kernel_view(Sb, 2)
+        else:
+            sa_v = _scale_view(Sa if Sa is not None else One)
+            sb_v = _scale_view(Sb if Sb is not None else One)
         kern = fk.fp8_gemm_kernel(cfg, _FMT[A.dtype], _FMT[B.dtype], out_dtype,
-                                  _per_index(Sa, m), _per_index(Sb, n))
+                                  _per_index(Sa, m) and block is None,
+                                  _per_index(Sb, n) and block is None, block is not None)
         # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
         a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
                                                  (A.strides[0], 1)))
@@ -151,16 +166,38 @@ def _scale(s, name: str, length: int, what: str, A):
     S = describe(s, name)
     if S.dtype != "float32":
         raise TypeError(f"{name} must be float32, got {S.dtype}")
-    if S.ndim == 2 and 1 not in S.shape:
-        raise NotImplementedError(f"{name} of shape {S.shape}: block scales are not built "
-                                  f"yet; per tensor (0-d) or per {what} ({length},)")
     size = int(np.prod(S.shape))
     if S.ndim > 2 or size not in (1, length) or (S.ndim == 2 and size != 1 and (
             S.shape != ((length, 1) if what == "row" else (1, length)))):
-        raise ValueError(f"{name} must be 0-d (per tensor) or ({length},) (per {what}), got "
-                         f"shape {S.shape}")
+        raise ValueError(f"{name} must be 0-d (per tensor), ({length},) (per {what}) or a "
+                         f"block scale (with the other one), got shape {S.shape}")
     arrays.same_device(A, S)
     return S
+
+
+def _block_scales(scale_a, scale_b, m: int, n: int, k: int, A):
+    """``(Sa, Sb)`` when the scales are block scales — ``scale_a`` (M, ceil(K / 128)) and
+    ``scale_b`` (ceil(K / 128), ceil(N / 128)), float32 — else None (the other forms, checked
+    by :func:`_scale`). Where a shape is both (one k block: (M, 1) is also one per row), the
+    two readings give the same product. ``ValueError`` for a block ``scale_a`` without a block
+    ``scale_b`` or the reverse (beyond one k block)."""
+    if scale_a is None or scale_b is None:
+        return None
+    Sa, Sb = describe(scale_a, "scale_a"), describe(scale_b, "scale_b")
+    kb, nb = -(-k // fk.BLOCK_SCALE), -(-n // fk.BLOCK_SCALE)
+    a_block = Sa.ndim == 2 and Sa.shape == (m, kb)
+    b_block = Sb.ndim == 2 and Sb.shape == (kb, nb)
+    if a_block and b_block and not (Sa.shape == (1, 1) and Sb.shape == (1, 1)):
+        for S in (Sa, Sb):
+            if S.dtype != "float32":
+                raise TypeError(f"{S.name} must be float32, got {S.dtype}")
+        arrays.same_device(A, Sa, Sb)
+        return Sa, Sb
+    if (a_block and kb > 1) or (b_block and kb > 1):
+        raise ValueError(f"block scales come in pairs: scale_a ({m}, {kb}) per 1 x 128 block "
+                         f"of a and scale_b ({kb}, {nb}) per 128 x 128 block of b; got "
+                         f"{Sa.shape} and {Sb.shape}")
+    return None
 
 
 def _per_index(S, length: int) -> bool:

@@ -45,7 +45,7 @@ from ..ptx import shared_addr
 from ..ptx import tma as T
 from ..ptx.asm import SIMULATOR
 from ..tile.config import SMEM_LIMIT
-from ..tile.epilogue import store_scaled_accumulators
+from ..tile.epilogue import accumulate_scaled, store_scaled_accumulators
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import warpgroup_roles
 from ..tile.schedule import grouped_raster, static_persistent
@@ -56,6 +56,7 @@ from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 
 BK = 128            # k elements (bytes) a stage: one 128-byte swizzle row
 MAP_B = 128         # B's tensor map's byte offset in the maps argument
+BLOCK_SCALE = 128   # the side of a block scale's block (1 x 128 of a, 128 x 128 of b)
 FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 OUT_KINDS = ("float32", "float16", "bfloat16")
 
@@ -130,14 +131,23 @@ def _jit(threads: int):
 @functools.cache
 def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
                     out_kind: str = "bfloat16", row_scale: bool = False,
-                    col_scale: bool = False):
-    """The kernel of the module docstring, generated once per argument set."""
+                    col_scale: bool = False, block_scale: bool = False):
+    """The kernel of the module docstring, generated once per argument set. ``block_scale``:
+    ``scale_a`` (M, ceil(K / 128)) per 1 × 128 block of ``a`` and ``scale_b`` (ceil(K / 128),
+    ceil(N / 128)) per 128 × 128 block of Bᵀ (2-D float32), DeepGEMM's recipe: each k step
+    (128 of K, one scale block) is a separate wgmma product (scale-d 0), waited for and added to
+    the float32 sum times its two scales (:func:`tilepy.tile.epilogue.accumulate_scaled`);
+    ``block_n`` at most 128 (a tile's columns in one scale block)."""
     if fmt_a not in FORMATS or fmt_b not in FORMATS or out_kind not in OUT_KINDS:
         raise ValueError(f"fp8_gemm_kernel: formats of {tuple(FORMATS)}, out of {OUT_KINDS}; "
                          f"got {fmt_a!r}, {fmt_b!r}, {out_kind!r}")
     if fmt_a != fmt_b:
         raise NotImplementedError("fp8_gemm_kernel: mixed e4m3 / e5m2 operands are not built "
                                   "yet")
+    BLOCK = bool(block_scale)
+    if BLOCK and (row_scale or col_scale or cfg.block_n > BLOCK_SCALE):
+        raise ValueError(f"fp8_gemm_kernel: block scales take no row / column scales and "
+                         f"block_n <= {BLOCK_SCALE}; got {cfg}")
     BM, BN, NC, ST = cfg.block_m, cfg.block_n, cfg.consumers, cfg.stages
     A_BYTES = BM * BK
     STAGE = cfg.stage_bytes
@@ -153,7 +163,9 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
     wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "k", 1), SmemOperand(64, BK, "k", 1),
                          FORMATS[fmt_a])
     NACC = wmma.NACC
-    store = store_scaled_accumulators(BN // 8, out_kind, row_scale, col_scale)
+    store = store_scaled_accumulators(BN // 8, out_kind, row_scale, col_scale,
+                                      scaled=not BLOCK)
+    promote = accumulate_scaled(BN // 8)
     smem = dynamic_shared(lay.align)
     f32 = types.float32
 
@@ -199,36 +211,62 @@ def fp8_gemm_kernel(cfg: FP8Config, fmt_a: str = "e4m3", fmt_b: str = "e4m3",
             cw = wg - 1
             t = tid - 128 * wg
             acc = cuda.local.array(NACC, f32)
+            part = cuda.local.array(NACC if BLOCK else 1, f32)
+            lane = t % 32
             s = 0
             ph = 0
             for w in range(w0, total, step):
                 _, bm0, bn0 = order.tile_origin(w, tiles_m, tiles_n)
-                # the first k step writes the accumulators (scale-d 0: no zeroing instructions
-                # while wgmmas are in flight, which would make ptxas serialise them, C7515);
-                # each later step: wait for its slot, its wgmmas as one group, wait_group 1
-                # (the previous step's group has retired) and free the previous slot (K >= 16:
-                # at least one step)
-                ring.wait(bars, s, ph)
-                stage = base + STAGES + s * STAGE
-                wmma.fence()
-                wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 0)
-                wmma.commit()
-                prev = s
-                s, ph = ring.advance(s, ph)
-                for kt in range(1, ktiles):
+                if BLOCK:
+                    # per k step (one scale block): the product alone (scale-d 0), waited for,
+                    # its slot freed, then added to the sum times the block's scales (the
+                    # other consumer's wgmmas keep the tensor cores busy meanwhile)
+                    for i in range(NACC):
+                        acc[i] = f32(0)
+                    r0 = min(bm0 + 64 * cw + 16 * (t // 32) + lane // 4, m - 1)
+                    r1 = min(r0 + 8, m - 1)
+                    nb = min(bn0 // BLOCK_SCALE, scale_b.shape[1] - 1)
+                    for kt in range(ktiles):
+                        sb = scale_b[kt, nb]
+                        f0 = scale_a[r0, kt] * sb
+                        f1 = scale_a[r1, kt] * sb
+                        ring.wait(bars, s, ph)
+                        stage = base + STAGES + s * STAGE
+                        wmma.fence()
+                        wmma.mma(part, stage + cw * 64 * BK, stage + A_BYTES, 0)
+                        wmma.commit()
+                        wmma.wait(0)
+                        wmma.fence_operand(part)
+                        ring.release(bars, s, lane)
+                        promote(acc, part, f0, f1)
+                        s, ph = ring.advance(s, ph)
+                else:
+                    # the first k step writes the accumulators (scale-d 0: no zeroing
+                    # instructions while wgmmas are in flight, which would make ptxas
+                    # serialise them, C7515); each later step: wait for its slot, its wgmmas
+                    # as one group, wait_group 1 (the previous step's group has retired) and
+                    # free the previous slot (K >= 16: at least one step)
                     ring.wait(bars, s, ph)
                     stage = base + STAGES + s * STAGE
                     wmma.fence()
-                    wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
+                    wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 0)
                     wmma.commit()
-                    wmma.wait(1)
-                    ring.release(bars, prev, t % 32)
                     prev = s
                     s, ph = ring.advance(s, ph)
-                wmma.wait(0)
-                wmma.fence_operand(acc)
-                ring.release(bars, prev, t % 32)
-                store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, m, n, t % 32, t // 32)
+                    for kt in range(1, ktiles):
+                        ring.wait(bars, s, ph)
+                        stage = base + STAGES + s * STAGE
+                        wmma.fence()
+                        wmma.mma(acc, stage + cw * 64 * BK, stage + A_BYTES, 1)
+                        wmma.commit()
+                        wmma.wait(1)
+                        ring.release(bars, prev, lane)
+                        prev = s
+                        s, ph = ring.advance(s, ph)
+                    wmma.wait(0)
+                    wmma.fence_operand(acc)
+                    ring.release(bars, prev, lane)
+                store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, m, n, lane, t // 32)
 
     return kernel
 
@@ -246,12 +284,12 @@ def grid(cfg: FP8Config, m: int, n: int, sms: int | None = None) -> tuple:
     return (max(tiles, 1), 1, 1)
 
 
-def argtypes(out_kind: str):
+def argtypes(out_kind: str, block_scale: bool = False):
     """Numba argument types of :func:`fp8_gemm_kernel`'s kernel (offline compilation)."""
     u8 = types.Array(types.uint8, 1, "C")
     u8_2 = types.Array(types.uint8, 2, "A")
     out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "A")
-    f32 = types.Array(types.float32, 1, "A")
+    f32 = types.Array(types.float32, 2 if block_scale else 1, "A")
     return (u8_2, u8_2, out, f32, f32, types.int64, u8)
 
 
@@ -293,18 +331,20 @@ def plan(kernel, cfg: FP8Config, a, b, out, scale_a, scale_b, k: int, alloc=None
 
 
 #: The kernels the compile layer reports on: (name, config).
-COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", FP8Config()),
-            ("gemm_fp8_e4m3_bf16_rowcol_n128", FP8Config(block_n=128)))
+COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", FP8Config(), False),
+            ("gemm_fp8_e4m3_bf16_rowcol_n128", FP8Config(block_n=128), False),
+            ("gemm_fp8_e4m3_bf16_block", FP8Config(block_n=128), True))
 
 
 def compile_reports():
-    """Offline sm_90a reports of :data:`COMPILED`: bf16 out with row and column scales, e4m3."""
+    """Offline sm_90a reports of :data:`COMPILED`: e4m3, bf16 out, row and column scales or
+    block scales."""
     from ..offline import report_entry
 
     return [report_entry(name,
-                         lambda cfg=cfg: fp8_gemm_kernel(cfg, "e4m3", "e4m3", "bfloat16", True,
-                                                         True),
-                         argtypes("bfloat16"), (9, 0, "a"), threads=cfg.threads,
+                         lambda cfg=cfg, blk=blk: fp8_gemm_kernel(
+                             cfg, "e4m3", "e4m3", "bfloat16", not blk, not blk, blk),
+                         argtypes("bfloat16", blk), (9, 0, "a"), threads=cfg.threads,
                          launch_bounds=(cfg.threads, 1), config=cfg.describe(),
                          smem_bytes=cfg.smem_bytes)
-            for name, cfg in COMPILED]
+            for name, cfg, blk in COMPILED]

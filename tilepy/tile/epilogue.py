@@ -233,7 +233,8 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
 
 
 @functools.cache
-def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale: bool):
+def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale: bool,
+                              scaled: bool = True):
     """The epilogue of one warp's share of an m64 × (8·``ni``) wgmma accumulator with the
     scales of a scaled (FP8) GEMM: ``store(acc, out, scale_a, scale_b, row0, col0, m, n,
     lane, warp)`` writes ``acc[i] · scale_a[r] · scale_b[c]`` for the warp's rows ``row0 + 16 ·
@@ -241,15 +242,23 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
     ``(c, c + 1)`` of rows ``r`` and ``r + 8``); ``scale_a`` float32, one per row with
     ``row_scale`` (else ``scale_a[0]``), ``scale_b`` one per column with ``col_scale`` (else
     ``scale_b[0]``); ``out`` (M, N) float32 or uint16 bits of ``out_kind``; rows past ``m``
-    and columns past ``n`` are skipped (their scales never read). Written out with constant
-    accumulator indices, so the accumulators stay in registers (a loop that does not unroll
-    puts them in local memory, and ptxas then serialises the wgmmas that write them)."""
+    and columns past ``n`` are skipped (their scales never read). ``scaled=False``: the
+    accumulators as they are (scales applied already, e.g. per k block; the scale arguments
+    are not read). Written out with constant accumulator indices, so the accumulators stay in
+    registers (a loop that does not unroll puts them in local memory, and ptxas then
+    serialises the wgmmas that write them)."""
     put_pair = _pair_io(out_kind)[1]
-    ROWS, COLS = bool(row_scale), bool(col_scale)
+    SCALED = bool(scaled)
+    ROWS, COLS = bool(row_scale) and SCALED, bool(col_scale) and SCALED
+    ONE = np.float32(1.0)
+
+    @inline_device
+    def first_scale(scale):
+        return scale[0] if SCALED else ONE
 
     @inline_device
     def row_scale_at(scale_a, r, m):
-        return scale_a[min(r, m - 1)] if ROWS else scale_a[0]
+        return scale_a[min(r, m - 1)] if ROWS else first_scale(scale_a)
 
     @inline_device
     def store_n8(a0, a1, a2, a3, out, r, c, sa0, sa1, scale_b, sb, m, n):
@@ -265,11 +274,24 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
         "store(acc, out, scale_a, scale_b, row0, col0, m, n, lane, warp)",
         ["r0 = row0 + 16 * warp + lane // 4", "c0 = col0 + 2 * (lane % 4)",
          "sa0 = row_scale_at(scale_a, r0, m)", "sa1 = row_scale_at(scale_a, r0 + 8, m)",
-         "sb = scale_b[0]"] +
+         "sb = first_scale(scale_b)"] +
         [f"store_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], out, "
          f"r0, c0 + {8 * j}, sa0, sa1, scale_b, sb, m, n)" for j in range(ni)],
-        {"store_n8": store_n8, "row_scale_at": row_scale_at},
+        {"store_n8": store_n8, "row_scale_at": row_scale_at, "first_scale": first_scale},
         f"store_scaled_accumulators {ni}")
+
+
+@functools.cache
+def accumulate_scaled(ni: int):
+    """``add(acc, part, f0, f1)``: ``acc[i] += part[i] · f`` over one warp's share of an m64 ×
+    (8·``ni``) wgmma accumulator (both float32[4·ni], the wgmma fragment order), ``f0`` for the
+    lane's rows ``r`` and ``f1`` for ``r + 8`` — the promotion of a block-scaled GEMM's partial
+    product (one k block, its scales ``f``) into the float32 sum. Written out with constant
+    indices (the arrays stay in registers)."""
+    return _written_out(
+        "add(acc, part, f0, f1)",
+        [f"acc[{4 * j + q}] += part[{4 * j + q}] * f{q // 2}"
+         for j in range(ni) for q in range(4)], {}, f"accumulate_scaled {ni}")
 
 
 def _plain(activation, has_bias: bool, has_c: bool) -> bool:
