@@ -57,7 +57,7 @@ def test_every_op_is_registered_and_import_does_not_load_torch():
                  "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
                  "gemm_softmax_out", "flash_attention", "flash_attention_out",
                  "flash_attention_backward", "flash_attention_backward_out", "grouped_gemm",
-                 "grouped_gemm_weight_grad", "quantize_fp8"):
+                 "grouped_gemm_weight_grad", "quantize_fp8", "gemm_fp8"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -556,6 +556,30 @@ def test_grouped_gemm_operator_gradients_and_compile():
     ref(a64, w64).square().sum().backward()
     close(a.grad, a64.grad, torch.float16, "da compiled")
     close(w.grad, w64.grad, torch.float16, "dw compiled")
+
+
+def test_gemm_fp8_operator_and_compile():
+    """tilepy.gemm on float8 tensors: the ``tilepy::gemm_fp8`` operator (opcheck: fake tensors;
+    its schema check compares the inputs with CPU arithmetic float8 lacks) with row / column
+    scales, the same bits under torch.compile(fullgraph=True) as
+    eager, out_dtype as a torch dtype; an input that requires grad refused."""
+    a = (rand(40, 96, dtype=torch.float32) * 3).to(torch.float8_e4m3fn)
+    w = (rand(24, 96, dtype=torch.float32) * 3).to(torch.float8_e4m3fn)
+    sa, sb = rand(40, 1, dtype=torch.float32).abs() + 0.5, rand(1, 24, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.tilepy.gemm_fp8.default, (a, w.t(), sa, sb, torch.float16),
+                          test_utils=("test_faketensor",))
+    want = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb)
+    ref = (a.double() * sa.double()) @ (w.double().t() * sb.double())
+    close(want, ref, torch.bfloat16, "eager")
+    torch._dynamo.reset()
+    step = torch.compile(lambda a, w: tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb,
+                                                  out_dtype=torch.float32),
+                         fullgraph=True, backend="aot_eager")
+    got = step(a, w)
+    assert got.dtype == torch.float32
+    close(got, ref, torch.float32, "compiled")
+    with pytest.raises(TypeError, match="a requires grad"):
+        tilepy.gemm(a.float().requires_grad_().to(torch.float8_e4m3fn), w.t(), scale_a=sa)
 
 
 def test_quantize_fp8_operator_and_compile():

@@ -67,13 +67,13 @@ def quantize_fp8(x, *, granularity="tensor", dtype="e4m3"):
 
 
 def _fp8(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, scale_a, scale_b):
-    """gemm on float8 inputs (eager on PyTorch tensors: no operator, no gradient yet)."""
+    """gemm on float8 inputs (on PyTorch tensors the ``tilepy::gemm_fp8`` operator; no
+    gradient)."""
     if alpha != 1.0 or beta != 0 or c is not None:
         raise NotImplementedError("gemm on float8 inputs: alpha, beta and c are not built yet "
                                   "(scale_a / scale_b carry the scaling)")
-    if _is_torch(a) and any(getattr(t, "requires_grad", False) for t in (a, b)):
-        raise TypeError("gemm on float8 inputs has no gradient; detach the inputs or run "
-                        "under torch.no_grad()")
+    if _is_torch(a) and bias is None and activation is None:
+        return (_front or _pytorch()).gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config)
     return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                               out=out, bias=bias, activation=activation, config=config)
 

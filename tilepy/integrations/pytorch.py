@@ -39,6 +39,7 @@ from ..ops import attention_backward as _attention_backward
 from ..ops import attention_kvcache as _kvcache
 from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
+from ..ops import gemm_fp8 as _gemm_fp8
 from ..ops import gemm_softmax as _gemm_softmax
 from ..ops import grouped_gemm as _grouped
 from ..ops import quantize as _quantize
@@ -96,6 +97,9 @@ _SCHEMAS = {
                               "bool check_seqlens, Tensor? alibi_slopes=None) "
                               "-> (Tensor, Tensor)",
     "quantize_fp8": "quantize_fp8(Tensor x, str granularity, str dtype) -> (Tensor, Tensor)",
+    # float8 a (M, K), b (K, N) K-major; scales per tensor, row / column or block
+    "gemm_fp8": "gemm_fp8(Tensor a, Tensor b, Tensor? scale_a, Tensor? scale_b, "
+                "ScalarType? out_dtype) -> Tensor",
     "grouped_gemm": "grouped_gemm(Tensor a, Tensor b, Tensor offsets, bool check_offsets) "
                     "-> Tensor",
     "grouped_gemm_weight_grad": "grouped_gemm_weight_grad(Tensor a, Tensor dout, "
@@ -386,6 +390,36 @@ def _grouped_backward(ctx, dy):
 
 torch.library.register_autograd("tilepy::grouped_gemm", _grouped_backward,
                                 setup_context=_grouped_setup, lib=_lib)
+
+
+# ---- gemm on float8 inputs ------------------------------------------------------------------
+
+def _gemm_fp8_impl(a, b, scale_a, scale_b, out_dtype):
+    return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _gemm_fp8_fake(a, b, scale_a, scale_b, out_dtype):
+    shape, dtype = _gemm_fp8.output_spec(a, b, scale_a=scale_a, scale_b=scale_b,
+                                         out_dtype=out_dtype)
+    return a.new_empty(shape, dtype=_DTYPES[dtype])
+
+
+_gemm_fp8_op = _register("gemm_fp8", _gemm_fp8_impl, _gemm_fp8_fake)
+
+
+def gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config):
+    """``tilepy.gemm`` on float8 PyTorch tensors: the ``tilepy::gemm_fp8`` operator (fake
+    tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an input that
+    requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
+    _no_grad_for("gemm", "float8 inputs have no gradient here", a=a, b=b)
+    if out is not None or config is not None or _direct(a, b, scale_a, scale_b):
+        return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                  out=out, config=config)
+    if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+        from ..arrays import dtype_name
+
+        out_dtype = _DTYPES.get(dtype_name(out_dtype), out_dtype)
+    return _gemm_fp8_op(a, b, scale_a, scale_b, out_dtype)
 
 
 # ---- quantize_fp8 ---------------------------------------------------------------------------

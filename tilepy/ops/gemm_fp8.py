@@ -67,7 +67,10 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
 _PLANS = PlanCache()
 
 
-def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
+def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config):
+    """Every check :func:`gemm_fp8` makes before launching, on metadata only (so fake tensors
+    pass through it too): ``(A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device)``,
+    ``block`` None or the block scales' pair."""
     if bias is not None or activation is not None:
         raise NotImplementedError("gemm on float8 inputs: bias and activation are not built "
                                   "yet")
@@ -115,6 +118,20 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
     if block is not None and cfg.block_n > fk.BLOCK_SCALE:
         raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
                          f"columns in one scale block), got {cfg.block_n}")
+    return A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device
+
+
+def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None):
+    """``((M, N), out dtype name)`` after every check :func:`gemm_fp8` makes before launching
+    (the registered operator's fake implementation)."""
+    _, _, _, _, _, (m, n, _), out_dtype, _, _, _ = check_arguments(
+        a, b, scale_a, scale_b, out_dtype, out, None, None, None)
+    return (m, n), out_dtype
+
+
+def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
+    A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device = check_arguments(
+        a, b, scale_a, scale_b, out_dtype, out, bias, activation, config)
     if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
         raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
                                   "(wgmma); other GPUs are not supported yet")
