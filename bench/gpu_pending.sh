@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23d    quantize_fp8's vector kernels (GPU tests, benchmark), the FP8 GEMM's block scales
+#                and operator (GPU tests, the probe with block scales, the benchmark), the
+#                float8 CUDA-graph captures, the torch operators' GPU tests
 #   PART=s23c    the FP8 GEMM persistent in grouped order, 128 x 256 by default (GPU tests, the
 #                probe, the benchmark); the decoding op's kernels under torch.profiler at the
 #                134 MB shapes (what the time beyond a copy is); quantize_fp8 (GPU test, bench)
@@ -187,6 +190,15 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23d "* ]]; then
+    gpu_tests quantize_gpu 120 tests/test_ops_quantize.py
+    bench_suite bench_quantize 90 "test_quantize_fp8"
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    gpu_tests fp8_graphs 90 tests/test_cuda_graphs.py -k fp8
+    gpu_tests torch_ops_fp8 90 tests/test_torch_ops.py -k "fp8 or kvcache"
+    step probe_gemm_fp8 200 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    bench_suite bench_gemm_fp8 60 "test_gemm_fp8"
+fi
 if [[ " $PART " == *" s23c "* ]]; then
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
     step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"

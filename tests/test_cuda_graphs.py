@@ -236,6 +236,40 @@ def test_softmax(torch, op, warmup):
     check(run(), reference())
 
 
+# ---- float8: quantize_fp8, then the FP8 GEMM ---------------------------------------------------
+
+@pytest.mark.parametrize("scales", ["row", "block"])
+@pytest.mark.parametrize("warmup", [True, False], ids=["warm", "first-call"])
+def test_quantize_and_fp8_gemm(torch, scales, warmup):
+    """x and w quantised per row (or per 1 x 128 / 128 x 128 block) and multiplied, captured
+    together: the recorded quantiser calls (per-call codes and scales from the graph's pool)
+    and the FP8 GEMM's tensor maps for pointers first seen in the capture."""
+    if not hopper(torch):
+        pytest.skip("the FP8 GEMM needs sm_90")
+    m = 2048 if warmup else 2048 + 128 + 64 * (scales == "row")
+    n, k = 1024, 1536
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    gx, gw = ("row", "row") if scales == "row" else ((1, 128), (128, 128))
+
+    def run():
+        xq, xs = tilepy.quantize_fp8(x, granularity=gx)
+        wq, ws = tilepy.quantize_fp8(w, granularity=gw)
+        return tilepy.gemm(xq, wq.t(), scale_a=xs, scale_b=ws.t() if scales == "block" else ws)
+
+    def reference():
+        return x.float() @ w.float().t()
+
+    if not warmup:
+        run()      # the kernels compiled; then a signature first seen in the capture
+        x = torch.randn(m + 64, k, device="cuda", dtype=torch.bfloat16)
+    graph, out = capture(torch, run, warmup)
+    # e4m3 codes of both operands: a few per cent of the product's scale
+    check = lambda got, want: close(got.float(), want, 6e-2)   # noqa: E731
+    replay_and_check(torch, graph, out, (x, w), reference, check)
+    check(run(), reference())
+
+
 # ---- CuPy: capture on a cupy.cuda.Stream -----------------------------------------------------
 
 @pytest.fixture(scope="module")
