@@ -55,7 +55,7 @@ def main(argv=None):
             name = f"tilepy fp8 128x{bn} x{st}" + (" persistent" if pers else "")
             try:
                 cfg = FP8Config(block_n=bn, stages=st, persistent=pers)
-                out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
                 def run():
                     tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, out=out, config=cfg)
@@ -94,7 +94,7 @@ def main(argv=None):
                   f"{str(e).splitlines()[0][:120]}", flush=True)
         for bn, st in ((128, 4), (128, 6)):
             cfg = FP8Config(block_n=bn, stages=st)
-            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
             def run_blk():
                 tilepy.gemm(a, w.t(), scale_a=sa_blk, scale_b=sw_blk.t(), out=out, config=cfg)

@@ -158,7 +158,8 @@ def test_gpu_against_torch_scaled_mm(block_n):
 @pytest.mark.gpu
 def test_gpu_block_scales_against_float32():
     """Block scales at 1000 × 1400 × 4160 (partial k, row and column blocks) against float32
-    products of the dequantised operands (no TF32) on the GPU."""
+    products of the dequantised operands (no TF32) on the GPU: within float32 summation noise
+    (a misapplied scale is off by its whole size)."""
     torch = pytest.importorskip("torch")
     m, n, k = 1000, 1400, 4160
     kb, nb = -(-k // 128), -(-n // 128)
@@ -177,4 +178,4 @@ def test_gpu_block_scales_against_float32():
         torch.backends.cuda.matmul.allow_tf32 = prev
     assert not torch.isnan(got).any()
     err = (got - want).abs().max().item()
-    assert err <= 1e-4 * want.abs().max().item(), err
+    assert err <= 1e-3 * want.abs().max().item(), err
