@@ -28,6 +28,9 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23e    the grouped GEMM on the K-major TMA / wgmma kernel (GPU test, benchmark against
+#                torch._grouped_mm), the FP8 GEMM after the kernel's generalisation (GPU tests,
+#                CUDA graphs, benchmark)
 #   PART=s23d    quantize_fp8's vector kernels (GPU tests, benchmark), the FP8 GEMM's block scales
 #                and operator (GPU tests, the probe with block scales, the benchmark), the
 #                float8 CUDA-graph captures, the torch operators' GPU tests
@@ -190,6 +193,13 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23e "* ]]; then
+    gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
+    bench_suite bench_grouped_gemm 150 "test_grouped_gemm"
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    gpu_tests fp8_graphs 90 tests/test_cuda_graphs.py -k fp8
+    bench_suite bench_gemm_fp8 60 "test_gemm_fp8"
+fi
 if [[ " $PART " == *" s23d "* ]]; then
     gpu_tests quantize_gpu 120 tests/test_ops_quantize.py
     bench_suite bench_quantize 90 "test_quantize_fp8"

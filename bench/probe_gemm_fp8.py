@@ -1,6 +1,6 @@
 """The FP8 GEMM's configs against ``torch._scaled_mm`` in one process: GPU-only TFLOPS
 (``measure.gpu_time``) of ``tilepy.gemm`` on e4m3 operands with row / column scales and bf16
-out, for each :class:`~tilepy.ops.gemm_fp8_wgmma.FP8Config` below, at square and Llama layer
+out, for each :class:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig` below, at square and Llama layer
 shapes; the error against ``_scaled_mm`` per row; then block scales (1 × 128 / 128 × 128)
 against ``_scaled_mm``'s blockwise form where this PyTorch has it.
 
@@ -32,7 +32,7 @@ def main(argv=None):
 
     import tilepy
     from measure import gpu_time
-    from tilepy.ops.gemm_fp8_wgmma import FP8Config
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
     rows = []
     for shape in args.shapes.split(","):
@@ -54,7 +54,7 @@ def main(argv=None):
         for bn, st, pers in CONFIGS:
             name = f"tilepy fp8 128x{bn} x{st}" + (" persistent" if pers else "")
             try:
-                cfg = FP8Config(block_n=bn, stages=st, persistent=pers)
+                cfg = KMajorConfig(block_n=bn, stages=st, persistent=pers)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
                 def run():
@@ -93,7 +93,7 @@ def main(argv=None):
             print(f"  torch._scaled_mm block scales: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:120]}", flush=True)
         for bn, st in ((128, 4), (128, 6)):
-            cfg = FP8Config(block_n=bn, stages=st)
+            cfg = KMajorConfig(block_n=bn, stages=st)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
             def run_blk():

@@ -27,7 +27,7 @@ def test_scaled_product_against_float64(fmt, rows, cols, out_dtype):
     """(The first case twice, on fresh arrays: the second call launches the first one's plan
     with new pointers and new tensor maps. The last on 64-column tiles: 6 tiles over the
     simulator's 4 SMs, so a persistent block takes two, its ring running on.)"""
-    from tilepy.ops.gemm_fp8_wgmma import FP8Config
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
     rng = np.random.default_rng()
     m, n, k = 130, 72, 208                  # 3 row tiles (one partial), K = 128 + 80
@@ -40,7 +40,7 @@ def test_scaled_product_against_float64(fmt, rows, cols, out_dtype):
                                        "float32": np.float32}[out_dtype])
         got = tilepy.gemm(a, w.T, scale_a=np.asarray(sa), scale_b=np.asarray(sb), out=out,
                           out_dtype=out_dtype,
-                          config=FP8Config(block_n=64) if out_dtype == "float16" else None)
+                          config=KMajorConfig(block_n=64) if out_dtype == "float16" else None)
         assert got is out
         ref = (a.astype(np.float64) * np.reshape(sa, (-1, 1))) @ (
             w.astype(np.float64).T * np.reshape(sb, (1, -1)))
@@ -65,10 +65,10 @@ def test_errors_are_raised_before_launch():
     with pytest.raises(ValueError, match="block scales come in pairs"):
         tilepy.gemm(a2, w2.T, scale_a=np.ones((4, 2), np.float32),
                     scale_b=np.ones((1, 8), np.float32))
-    from tilepy.ops.gemm_fp8_wgmma import FP8Config
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
     with pytest.raises(ValueError, match="block scales need config.block_n <= 128"):
         tilepy.gemm(a2, w2.T, scale_a=np.ones((4, 2), np.float32),
-                    scale_b=np.ones((2, 1), np.float32), config=FP8Config(block_n=256))
+                    scale_b=np.ones((2, 1), np.float32), config=KMajorConfig(block_n=256))
     with pytest.raises(ValueError, match=r"scale_b must be 0-d .*, \(8,\) \(per column\)"):
         tilepy.gemm(a, w.T, scale_b=np.ones(5, np.float32))
     with pytest.raises(TypeError, match="scale_a: dtype float64 is not supported"):
@@ -125,8 +125,8 @@ def test_fp8_kernel_compiles_for_sm90a():
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reps = run_in_subprocess("tilepy.ops.gemm_fp8_wgmma:compile_reports")
-    assert len(reps) == 3        # 128 x 256 (setmaxnreg split), 128 x 128, block scales
+    reps = run_in_subprocess("tilepy.ops.gemm_kmajor_wgmma:compile_reports")
+    assert len(reps) == 4        # 128 x 256 (setmaxnreg split), 128 x 128, block scales, grouped
     for rep in reps.values():
         assert "error" not in rep, rep.get("error")
         assert rep["counts"]["wgmma.mma_async"] >= 4 and \
@@ -141,7 +141,7 @@ def test_gpu_against_torch_scaled_mm(block_n):
     """4096 × 4096 × 4096 e4m3 with row- and column-wise scales, bf16 out, against
     ``torch._scaled_mm`` (cuBLASLt) in the same process; both tile widths."""
     torch = pytest.importorskip("torch")
-    from tilepy.ops.gemm_fp8_wgmma import FP8Config
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
     m = n = k = 4096
     a = (torch.randn(m, k, device="cuda") * 3).to(torch.float8_e4m3fn)
@@ -149,7 +149,7 @@ def test_gpu_against_torch_scaled_mm(block_n):
     sa = torch.rand(m, 1, device="cuda") + 0.5
     sb = torch.rand(1, n, device="cuda") + 0.5
     got = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb,     # torch._scaled_mm's shapes
-                      config=FP8Config(block_n=block_n))
+                      config=KMajorConfig(block_n=block_n))
     want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item(), err

@@ -27,11 +27,16 @@ def reference(a, b, ends):
 
 
 @sim
-@pytest.mark.parametrize("dtype,sizes,b_transposed", [
-    ("float16", [1, 0, 3, 17], False),     # M = 1, an empty group, 3, 17 (two row tiles)
-    ("bfloat16", [0, 5, 33, 0], True),     # empty first and last groups; b as (E, N, K)ᵀ
+@pytest.mark.parametrize("dtype,sizes,b_transposed,hopper", [
+    ("float16", [1, 0, 3, 17], False, False),  # M = 1, an empty group, 3, 17 (two row tiles)
+    ("bfloat16", [0, 5, 33, 0], True, False),  # empty first and last groups; b as (E, N, K)ᵀ
+    # the Hopper kernel (TMA, wgmma): 5 tiles over the simulator's 4 SMs (a block takes two),
+    # groups ending inside a row tile whose other rows belong to the next group
+    ("bfloat16", [0, 5, 33, 0, 1, 2, 3], True, True),
 ])
-def test_groups_against_float64(dtype, sizes, b_transposed):
+def test_groups_against_float64(dtype, sizes, b_transposed, hopper):
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
     rng = np.random.default_rng()
     k, n, e = 40, 24, len(sizes)            # K: two and a half 16-wide k-tiles
     ends = np.cumsum(sizes).astype(np.int32)
@@ -39,7 +44,8 @@ def test_groups_against_float64(dtype, sizes, b_transposed):
     b = rand(rng, (e, n, k), dtype).transpose(0, 2, 1) if b_transposed else \
         rand(rng, (e, k, n), dtype)
     out = np.full((a.shape[0], n), np.nan, NP[dtype])
-    assert tilepy.grouped_gemm(a, b, ends, out=out) is out
+    cfg = KMajorConfig(block_n=64) if hopper else None
+    assert tilepy.grouped_gemm(a, b, ends, out=out, config=cfg) is out
     check(out, reference(a, b, ends), dtype)
 
 

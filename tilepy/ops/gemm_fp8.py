@@ -2,7 +2,7 @@
 ``a`` and ``b``, out in bfloat16, float16 or float32 (``torch._scaled_mm``'s contract).
 
 Validation on the host, then one launch of the FP8 kernel of
-:mod:`tilepy.ops.gemm_fp8_wgmma` (sm_90a: TMA + k32 wgmma) on the operands' bytes. The first
+:mod:`tilepy.ops.gemm_kmajor_wgmma` (sm_90a: TMA + k32 wgmma) on the operands' bytes. The first
 call of a signature (array kinds, dtypes, shapes, strides, device, alignment, arguments) builds
 the launch plan; later ones launch it with their pointers (tensor maps re-encoded only for new
 operand pointers, written through the caller's allocator and stream).
@@ -16,7 +16,7 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tile import device_write
-from . import gemm_fp8_wgmma as fk
+from . import gemm_kmajor_wgmma as fk
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 _FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -110,10 +110,10 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if Out is not None and (Out.shape != (m, n) or Out.dtype != out_dtype):
         raise ValueError(f"out must be ({m}, {n}) {out_dtype}, got {Out.shape} {Out.dtype}")
     device = arrays.same_device(A, B, Out, *(s for s in (Sa, Sb) if s is not None))
-    cfg = config if config is not None else fk.FP8Config(
-        block_n=fk.BLOCK_SCALE if block is not None else fk.FP8Config.block_n)
-    if not isinstance(cfg, fk.FP8Config):
-        raise TypeError(f"config must be a tilepy.ops.gemm_fp8_wgmma.FP8Config, got "
+    cfg = config if config is not None else fk.KMajorConfig(
+        block_n=fk.BLOCK_SCALE if block is not None else fk.KMajorConfig.block_n)
+    if not isinstance(cfg, fk.KMajorConfig):
+        raise TypeError(f"config must be a tilepy.ops.gemm_kmajor_wgmma.KMajorConfig, got "
                         f"{type(cfg).__name__}")
     if block is not None and cfg.block_n > fk.BLOCK_SCALE:
         raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
@@ -153,23 +153,24 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         else:
             sa_v = _scale_view(Sa if Sa is not None else One)
             sb_v = _scale_view(Sb if Sb is not None else One)
-        kern = fk.fp8_gemm_kernel(cfg, _FMT[A.dtype], _FMT[B.dtype], out_dtype,
-                                  _per_index(Sa, m) and block is None,
-                                  _per_index(Sb, n) and block is None, block is not None)
+        kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
+                                     _per_index(Sa, m) and block is None,
+                                     _per_index(Sb, n) and block is None, block is not None)
         # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
         a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
                                                  (A.strides[0], 1)))
         b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
                                                  (B.strides[1], 1)))
-        plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v, k,
-                             arrays.byte_allocator(A))
+        plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v,
+                             arrays.placeholder(1), k, _FMT[A.dtype], arrays.byte_allocator(A))
         plan.launch(stream, args)
         device_write.keep_during_capture(stream, ones)
     # operand slots: a, b, scale_a, scale_b, out (a None scale reads the kept ones)
     src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
            (4, Out.byte_pointer()),
            (2, Sa.byte_pointer()) if Sa is not None else None,
-           (3, Sb.byte_pointer()) if Sb is not None else None]
+           (3, Sb.byte_pointer()) if Sb is not None else None,
+           None]      # offsets: a placeholder
     _PLANS.put(key, (plan.bind(src), arrays.stream_getter(A),
                      None if caller_out else arrays.allocator(A, (m, n), out_dtype), ones))
     return out

@@ -1,12 +1,15 @@
 """``tilepy.grouped_gemm``: one GEMM per group of rows, each with its own ``b`` (the experts
 of a mixture-of-experts layer), in one launch.
 
-Validation on the host, then one launch of the mma.sync grouped kernel
-(:func:`tilepy.ops.gemm_mma_sync.grouped_kernel`), which finds each block's group from the
-offsets on the device — so the group sizes need not be known on the host and a CUDA graph
-that captured a call replays it for any routing.
+Validation on the host, then one launch of a grouped kernel that finds each block's group
+from the offsets on the device — so the group sizes need not be known on the host and a CUDA
+graph that captured a call replays it for any routing:
 
-Not yet: a Hopper (wgmma / TMA) grouped kernel; the mma.sync kernel runs everywhere.
+* on sm_90, with ``b`` K-major (a transposed view of (E, N, K), ``torch._grouped_mm``'s
+  layout) and rows of 16-byte multiples, the K-major TMA / wgmma kernel
+  (:func:`tilepy.ops.gemm_kmajor_wgmma.kmajor_gemm_kernel` with ``grouped``: persistent, the
+  tiles of each group in turn, B's 3-D tensor map indexed by the group);
+* otherwise the mma.sync kernel (:func:`tilepy.ops.gemm_mma_sync.grouped_kernel`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from ..launch import LaunchPlan
 from ..tile import device_write
 from ..tile.config import GemmConfig
 from ..tile.smem import allow_dynamic_shared
+from .. import launch
 from . import gemm as gm
+from . import gemm_kmajor_wgmma as kw
 from . import gemm_mma_sync as tc
 
 
@@ -39,20 +44,31 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
       than total_M; ``False`` skips it, as does a call being captured into a CUDA graph.
       Unchecked, the kernel clamps each end into ``previous end … total_M``: nothing is read
       or written out of bounds, and rows past the last end are left as they were.
-    * ``config``: a :class:`tilepy.tile.GemmConfig` (mma.sync); by default the one
-      ``tilepy.gemm``'s heuristic picks for the average group.
+    * ``config``: a :class:`tilepy.tile.GemmConfig` (the mma.sync kernel) or a
+      :class:`tilepy.ops.gemm_kmajor_wgmma.KMajorConfig` (the Hopper kernel; ``b`` K-major);
+      by default on sm_90 the Hopper kernel's 128 × 256 tiles where ``b`` is K-major, else the
+      config ``tilepy.gemm``'s heuristic picks for the average group.
 
     CuPy arrays, PyTorch tensors (the ``torch.ops.tilepy.grouped_gemm`` operator, with
     autograd), Numba device arrays (NumPy arrays in the simulator); errors are raised before
     anything is launched.
     """
     A, B, Offs, Out, (m, k, n, e), device = check_arguments(a, b, offsets, out)
+    hopper = isinstance(config, kw.KMajorConfig)
+    if hopper and not _kmajor_ready(A, B, k):
+        raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
+                         "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
+                         "16-byte aligned rows")
+    if config is None and k and not arrays.SIMULATOR and \
+            launch.compute_capability() == (9, 0) and _kmajor_ready(A, B, k):
+        hopper, config = True, kw.KMajorConfig()
     cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
                                                              e, A.dtype)
-    if not isinstance(cfg, GemmConfig):
-        raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync), got "
+    if not isinstance(cfg, (GemmConfig, kw.KMajorConfig)):
+        raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync) or a "
+                        f"tilepy.ops.gemm_kmajor_wgmma.KMajorConfig (Hopper), got "
                         f"{type(cfg).__name__}")
-    if cfg.dtype != A.dtype:
+    if not hopper and cfg.dtype != A.dtype:
         raise ValueError(f"config is for {cfg.dtype}, inputs are {A.dtype}")
     stream = arrays.stream_handle(A)
     if check_offsets and e and not device_write.stream_capturing(stream):
@@ -68,6 +84,15 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
             A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
             B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
             k = 8
+            hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
+        if hopper:
+            kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
+            one = arrays.placeholder(1)
+            plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
+                                 kernel_view(B, 3, swap_last=True), kernel_view(Out, 2), one,
+                                 one, kernel_view(Offs), k, A.dtype, arrays.byte_allocator(A))
+            plan.launch(stream, args)
+            return out
         A2 = gm.aligned_rows(A)
         layout_b = gm.matrix_layout(B)
         B2 = B if layout_b != "other" else gm.aligned_rows(B)
@@ -83,6 +108,16 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
                    cfg.smem_bytes).launch(stream, args)
         device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
     return out
+
+
+def _kmajor_ready(A, B, k: int) -> bool:
+    """Whether the Hopper grouped kernel can read ``a`` (row-major) and ``b`` (K-major: the
+    transposed view of a row-major (E, N, K)) through tensor maps: unit k strides, the other
+    strides and both starts 16-byte aligned, K a multiple of 8."""
+    (m, _), (e, _, n) = A.shape, B.shape
+    aligned = all(s * 2 % 16 == 0 for s in (A.strides[0], B.strides[0], B.strides[2]))
+    return (k % 8 == 0 and A.strides[1] == 1 and B.strides[1] == 1 and aligned
+            and A.byte_pointer() % 16 == 0 and B.byte_pointer() % 16 == 0)
 
 
 def output_spec(a, b, offsets, *, out=None):
