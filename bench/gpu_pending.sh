@@ -28,6 +28,8 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23f    the grouped GEMM's GPU test again (an empty group's comparison; the capture query
+#                on autograd's thread)
 #   PART=s23e    the grouped GEMM on the K-major TMA / wgmma kernel (GPU test, benchmark against
 #                torch._grouped_mm), the FP8 GEMM after the kernel's generalisation (GPU tests,
 #                CUDA graphs, benchmark)
@@ -193,6 +195,9 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23f "* ]]; then
+    gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
+fi
 if [[ " $PART " == *" s23e "* ]]; then
     gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
     bench_suite bench_grouped_gemm 150 "test_grouped_gemm"

@@ -214,7 +214,9 @@ def keep_during_capture(stream, *arrays) -> None:
 def stream_capturing(stream) -> bool:
     """Whether ``stream`` (a raw handle or a Numba stream) is being captured into a CUDA graph
     (``cuStreamIsCapturing``; an invalidated capture counts, and so does a query the driver
-    refuses). Always False in the simulator."""
+    refuses — except for want of a current context: a thread that has none, such as
+    PyTorch's autograd thread before its first runtime call, is capturing nothing). Always
+    False in the simulator."""
     if SIMULATOR:
         return False
     return _capture_query()(_stream_handle(stream))
@@ -226,10 +228,13 @@ def _capture_query():
 
     none = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
     ok = driver.CUresult.CUDA_SUCCESS
+    no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
     is_capturing = driver.cuStreamIsCapturing
 
     def query(handle: int) -> bool:
         err, status = is_capturing(handle)
+        if err == no_context:
+            return False
         return err != ok or status != none
 
     return query
