@@ -28,6 +28,8 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s23g    FP8 block scales with two alternating partial accumulators (GPU tests, the probe),
+#                setmaxnreg with every two-consumer config; the grouped GEMM benchmark again
 #   PART=s23f    the grouped GEMM's GPU test again (an empty group's comparison; the capture query
 #                on autograd's thread)
 #   PART=s23e    the grouped GEMM on the K-major TMA / wgmma kernel (GPU test, benchmark against
@@ -195,6 +197,11 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s23g "* ]]; then
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 200 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    bench_suite bench_grouped_gemm 100 "test_grouped_gemm"
+fi
 if [[ " $PART " == *" s23f "* ]]; then
     gpu_tests grouped_gemm_gpu 120 tests/test_ops_grouped_gemm.py
 fi

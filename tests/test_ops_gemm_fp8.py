@@ -80,14 +80,15 @@ def test_errors_are_raised_before_launch():
 
 
 @pytest.mark.sim
-def test_block_scales_against_float64():
+@pytest.mark.parametrize("k", [336, 464])
+def test_block_scales_against_float64(k):
     """DeepGEMM's recipe: scale_a per 1 x 128 block of a, scale_b per 128 x 128 block of b
     (given as the transposed view of (N blocks, K blocks), as quantize_fp8 of w (N, K) makes
-    it); K = 336 (three k blocks, the last partial), N = 200 (two column blocks, the second
-    partial), M = 130."""
+    it); K = 336 or 464 (three or four k blocks, the last partial: the main loop's odd and
+    even ends), N = 200 (two column blocks, the second partial), M = 130."""
     rng = np.random.default_rng()
-    m, n, k = 130, 200, 336
-    kb, nb = 3, 2
+    m, n = 130, 200
+    kb, nb = -(-k // 128), 2
     a = codes(rng, (m, k), "float8_e4m3fn")
     w = codes(rng, (n, k), "float8_e4m3fn")
     sa = rng.uniform(0.25, 4, (m, kb)).astype(np.float32)

@@ -52,6 +52,7 @@ from ..launch import sm_count
 from ..ptx import mbarrier as MB
 from ..ptx import shared_addr
 from ..ptx import tma as T
+from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..tile.config import SMEM_LIMIT
 from ..tile.epilogue import accumulate_scaled, store_scaled_accumulators
@@ -108,8 +109,9 @@ class KMajorConfig:
 
     @property
     def setmaxnreg(self) -> bool:
-        """Whether the roles move registers with ``setmaxnreg`` (``block_n`` 256)."""
-        return self.block_n == 256
+        """Whether the roles move registers with ``setmaxnreg`` (two consumers: needed by
+        ``block_n`` 256 and by block scales' two partial accumulators)."""
+        return self.consumers == 2
 
     @property
     def block_m(self) -> int:
@@ -226,6 +228,15 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         local = w - seen
         return g, start + (local // tiles_n) * BM, (local % tiles_n) * BN, end
 
+    @inline_device
+    def issue(part, bars, base, s, ph, cw):
+        # a k step's product alone (scale-d 0) from ring slot s, as one group
+        ring.wait(bars, s, ph)
+        stage = base + STAGES + s * STAGE
+        wmma.fence()
+        wmma.mma(part, stage + cw * 64 * BK, stage + A_BYTES, 0)
+        wmma.commit()
+
     @_jit(cfg.threads)
     def kernel(a, b, out, scale_a, scale_b, offsets, k, maps):
         m = out.shape[0]
@@ -272,34 +283,74 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
             t = tid - 128 * wg
             acc = cuda.local.array(NACC, f32)
             part = cuda.local.array(NACC if BLOCK else 1, f32)
+            part2 = cuda.local.array(NACC if BLOCK else 1, f32)
             lane = t % 32
             s = 0
             ph = 0
             for w in range(w0, total, step):
                 _, bm0, bn0, rows_end = locate(w, offsets, tiles_m, tiles_n, m)
                 if BLOCK:
-                    # per k step (one scale block): the product alone (scale-d 0), waited for,
-                    # its slot freed, then added to the sum times the block's scales (the
-                    # other consumer's wgmmas keep the tensor cores busy meanwhile)
+                    # per k step (one scale block) a product of its own (scale-d 0) into one of
+                    # two partial accumulators, alternating: step j's wgmmas run while step
+                    # j - 1's partial, retired by wait_group 1, is added to the sum times its
+                    # scales and its slot freed. Unrolled by two so each step's partial is
+                    # fixed; every path ends with nothing in flight (ptxas serialises wgmmas
+                    # at a merge of paths with different groups in flight, C7514 / C7517).
                     for i in range(NACC):
                         acc[i] = f32(0)
                     r0 = min(bm0 + 64 * cw + 16 * (t // 32) + lane // 4, m - 1)
                     r1 = min(r0 + 8, m - 1)
                     nb = min(bn0 // BLOCK_SCALE, scale_b.shape[1] - 1)
-                    for kt in range(ktiles):
-                        sb = scale_b[kt, nb]
-                        f0 = scale_a[r0, kt] * sb
-                        f1 = scale_a[r1, kt] * sb
-                        ring.wait(bars, s, ph)
-                        stage = base + STAGES + s * STAGE
-                        wmma.fence()
-                        wmma.mma(part, stage + cw * 64 * BK, stage + A_BYTES, 0)
-                        wmma.commit()
+                    sb = scale_b[0, nb]
+                    g0 = scale_a[r0, 0] * sb
+                    g1 = scale_a[r1, 0] * sb
+                    issue(part, bars, base, s, ph, cw)
+                    s_p = s
+                    s, ph = ring.advance(s, ph)
+                    for q in range((ktiles - 1) // 2):
+                        j = 2 * q + 1
+                        sb = scale_b[j, nb]
+                        h0 = scale_a[r0, j] * sb
+                        h1 = scale_a[r1, j] * sb
+                        issue(part2, bars, base, s, ph, cw)
+                        wmma.wait(1)
+                        wmma.fence_operand(part)
+                        ring.release(bars, s_p, lane)
+                        promote(acc, part, g0, g1)
+                        s_p = s
+                        s, ph = ring.advance(s, ph)
+                        sb = scale_b[j + 1, nb]
+                        g0 = scale_a[r0, j + 1] * sb
+                        g1 = scale_a[r1, j + 1] * sb
+                        issue(part, bars, base, s, ph, cw)
+                        wmma.wait(1)
+                        W.wgmma_fence_operand(part2, NACC)
+                        ring.release(bars, s_p, lane)
+                        promote(acc, part2, h0, h1)
+                        s_p = s
+                        s, ph = ring.advance(s, ph)
+                    if ktiles % 2 == 0:
+                        # one more step (the last, odd) into the second partial
+                        j = ktiles - 1
+                        sb = scale_b[j, nb]
+                        h0 = scale_a[r0, j] * sb
+                        h1 = scale_a[r1, j] * sb
+                        issue(part2, bars, base, s, ph, cw)
+                        wmma.wait(1)
+                        wmma.fence_operand(part)
+                        ring.release(bars, s_p, lane)
+                        promote(acc, part, g0, g1)
+                        s_p = s
+                        s, ph = ring.advance(s, ph)
+                        wmma.wait(0)
+                        W.wgmma_fence_operand(part2, NACC)
+                        ring.release(bars, s_p, lane)
+                        promote(acc, part2, h0, h1)
+                    else:
                         wmma.wait(0)
                         wmma.fence_operand(part)
-                        ring.release(bars, s, lane)
-                        promote(acc, part, f0, f1)
-                        s, ph = ring.advance(s, ph)
+                        ring.release(bars, s_p, lane)
+                        promote(acc, part, g0, g1)
                 else:
                     # the first k step writes the accumulators (scale-d 0: no zeroing
                     # instructions while wgmmas are in flight, which would make ptxas
