@@ -50,18 +50,32 @@ def test_groups_against_float64(dtype, sizes, b_transposed, hopper):
 
 
 @sim
-def test_unchecked_offsets_are_clamped():
+@pytest.mark.parametrize("hopper", [False, True])
+def test_unchecked_offsets_are_clamped(hopper):
     """check_offsets=False: an end past total_M reads no further than total_M, a decreasing
-    end makes an empty group; rows past the last end stay as they were."""
+    end makes an empty group (the next group starts at the previous end: groups never
+    overlap); rows past the last end stay as they were. On the mma.sync kernel and the Hopper
+    one (b K-major); with the Hopper config, K = 0 gives zeros."""
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
     rng = np.random.default_rng()
-    a, b = rand(rng, (10, 16), "float16"), rand(rng, (3, 16, 8), "float16")
+    a = rand(rng, (10, 16), "float16")
+    b = rand(rng, (3, 8, 16), "float16").transpose(0, 2, 1) if hopper else \
+        rand(rng, (3, 16, 8), "float16")
+    cfg = KMajorConfig(block_n=64) if hopper else None
     out = np.full((10, 8), 7.0, np.float16)
-    tilepy.grouped_gemm(a, b, np.array([6, 2, 99], np.int32), out=out, check_offsets=False)
+    tilepy.grouped_gemm(a, b, np.array([6, 2, 99], np.int32), out=out, check_offsets=False,
+                        config=cfg)
     check(out, reference(a, b, [6, 6, 10]), "float16")
     out[:] = 7.0
-    tilepy.grouped_gemm(a, b, np.array([3, 4, 6], np.int32), out=out, check_offsets=False)
+    tilepy.grouped_gemm(a, b, np.array([3, 4, 6], np.int32), out=out, check_offsets=False,
+                        config=cfg)
     check(out[:6], reference(a[:6], b, [3, 4, 6]), "float16")
     assert (out[6:] == 7.0).all()
+    if hopper:
+        got = tilepy.grouped_gemm(a[:, :0], b[:, :0], np.array([3, 4, 10], np.int32),
+                                  config=cfg)
+        assert (np.asarray(got) == 0).all()
 
 
 @sim

@@ -171,8 +171,11 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
            (2, Sa.byte_pointer()) if Sa is not None else None,
            (3, Sb.byte_pointer()) if Sb is not None else None,
            None]      # offsets: a placeholder
-    _PLANS.put(key, (plan.bind(src), arrays.stream_getter(A),
-                     None if caller_out else arrays.allocator(A, (m, n), out_dtype), ones))
+    if ones is None or not device_write.stream_capturing(stream):
+        # (ones made during a capture are written only when the graph runs: not kept for
+        # eager calls)
+        _PLANS.put(key, (plan.bind(src), arrays.stream_getter(A),
+                         None if caller_out else arrays.allocator(A, (m, n), out_dtype), ones))
     return out
 
 
@@ -196,8 +199,8 @@ def _scale(s, name: str, length: int, what: str, A):
 def _block_scales(scale_a, scale_b, m: int, n: int, k: int, A):
     """``(Sa, Sb)`` when the scales are block scales — ``scale_a`` (M, ceil(K / 128)) and
     ``scale_b`` (ceil(K / 128), ceil(N / 128)), float32 — else None (the other forms, checked
-    by :func:`_scale`). Where a shape is both (one k block: (M, 1) is also one per row), the
-    two readings give the same product. ``ValueError`` for a block ``scale_a`` without a block
+    by :func:`_scale`). Where the shapes read both ways (one k block and one column block:
+    (M, 1) and (1, 1)), they are taken as per row / per tensor (the same product). ``ValueError`` for a block ``scale_a`` without a block
     ``scale_b`` or the reverse (beyond one k block)."""
     if scale_a is None or scale_b is None:
         return None
@@ -205,7 +208,10 @@ def _block_scales(scale_a, scale_b, m: int, n: int, k: int, A):
     kb, nb = -(-k // fk.BLOCK_SCALE), -(-n // fk.BLOCK_SCALE)
     a_block = Sa.ndim == 2 and Sa.shape == (m, kb)
     b_block = Sb.ndim == 2 and Sb.shape == (kb, nb)
-    if a_block and b_block and not (Sa.shape == (1, 1) and Sb.shape == (1, 1)):
+    # one k block and N within one column block (or N = 1): the shapes read as per row / per
+    # tensor too, with the same product — those forms, which take any tile width
+    ambiguous = kb == 1 and nb in (1, n)
+    if a_block and b_block and not ambiguous:
         for S in (Sa, Sb):
             if S.dtype != "float32":
                 raise TypeError(f"{S.name} must be float32, got {S.dtype}")

@@ -196,17 +196,15 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     f32 = types.float32
 
     @inline_device
-    def group_tiles(offsets, g, tiles_n, m):
-        # (first row, row end, tiles) of group g: its end clamped into previous end … m
-        start = min(max(np.int64(offsets[g - 1]), np.int64(0)), m) if g > 0 else np.int64(0)
-        end = min(max(np.int64(offsets[g]), start), m)
-        return start, end, (end - start + BM - 1) // BM * tiles_n
-
-    @inline_device
     def count_tiles(offsets, tiles_n, m):
+        # the groups' tiles; group g's rows run from the previous group's end to its own,
+        # clamped into that end … m (so groups never overlap)
         total = np.int64(0)
+        start = np.int64(0)
         for g in range(offsets.shape[0]):
-            total += group_tiles(offsets, g, tiles_n, m)[2]
+            end = min(max(np.int64(offsets[g]), start), m)
+            total += (end - start + BM - 1) // BM * tiles_n
+            start = end
         return total
 
     @inline_device
@@ -220,11 +218,13 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         start = np.int64(0)
         end = np.int64(0)
         for gi in range(offsets.shape[0]):
-            start, end, t = group_tiles(offsets, gi, tiles_n, m)
+            end = min(max(np.int64(offsets[gi]), start), m)
+            t = (end - start + BM - 1) // BM * tiles_n
             g = gi
             if w < seen + t:
                 break
             seen += t
+            start = end
         local = w - seen
         return g, start + (local // tiles_n) * BM, (local % tiles_n) * BN, end
 

@@ -55,7 +55,7 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     """
     A, B, Offs, Out, (m, k, n, e), device = check_arguments(a, b, offsets, out)
     hopper = isinstance(config, kw.KMajorConfig)
-    if hopper and not _kmajor_ready(A, B, k):
+    if hopper and k and not _kmajor_ready(A, B, k):
         raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
                          "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
                          "16-byte aligned rows")
@@ -113,9 +113,10 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
 def _kmajor_ready(A, B, k: int) -> bool:
     """Whether the Hopper grouped kernel can read ``a`` (row-major) and ``b`` (K-major: the
     transposed view of a row-major (E, N, K)) through tensor maps: unit k strides, the other
-    strides and both starts 16-byte aligned, K a multiple of 8."""
-    (m, _), (e, _, n) = A.shape, B.shape
-    aligned = all(s * 2 % 16 == 0 for s in (A.strides[0], B.strides[0], B.strides[2]))
+    strides positive (a tensor map has no broadcast axis) and, like both starts, 16-byte
+    aligned, K a multiple of 8."""
+    strides = (A.strides[0], B.strides[0], B.strides[2])
+    aligned = all(s > 0 and s * 2 % 16 == 0 for s in strides)
     return (k % 8 == 0 and A.strides[1] == 1 and B.strides[1] == 1 and aligned
             and A.byte_pointer() % 16 == 0 and B.byte_pointer() % 16 == 0)
 

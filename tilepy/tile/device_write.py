@@ -214,9 +214,9 @@ def keep_during_capture(stream, *arrays) -> None:
 def stream_capturing(stream) -> bool:
     """Whether ``stream`` (a raw handle or a Numba stream) is being captured into a CUDA graph
     (``cuStreamIsCapturing``; an invalidated capture counts, and so does a query the driver
-    refuses — except for want of a current context: a thread that has none, such as
-    PyTorch's autograd thread before its first runtime call, is capturing nothing). Always
-    False in the simulator."""
+    refuses — except for the legacy default stream (handle 0, which cannot be captured) on a
+    thread without a current context, such as PyTorch's autograd thread before its first
+    runtime call). Always False in the simulator."""
     if SIMULATOR:
         return False
     return _capture_query()(_stream_handle(stream))
@@ -233,7 +233,7 @@ def _capture_query():
 
     def query(handle: int) -> bool:
         err, status = is_capturing(handle)
-        if err == no_context:
+        if err == no_context and handle == 0:
             return False
         return err != ok or status != none
 
