@@ -28,6 +28,15 @@
 #   PART=s11a    GEMM clusters of two (B multicast): cluster PTX + TMA GEMM GPU tests, the A/B
 #                against the one-block configs (--cluster --quick --rounds 3)
 #   PART=s11e    the GEMM op's GPU tests on the new default, the cluster GPU tests
+#   PART=s24a    head dims past 128 and not multiples of 64 on the TMA attention kernels (issue
+#                25): the Hopper attention GPU tests, the backward's at 200 / 256, the key-block
+#                A/B at 96 / 192 / 256, the attention forward benchmark
+#   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
+#                GPU tests of the Hopper attention, the attention op's GPU tests
+#   PART=s24c    V's head dim other than Q's (GPU tests, benchmark against cuDNN), the head-dim
+#                GPU tests again, the key-block A/B at 96 / 192 / 256
+#   PART=s24b    what s24a left: the head-dim GPU tests alone, the key-block A/B, the rest of the
+#                Hopper attention GPU tests
 #   PART=s23g    FP8 block scales with two alternating partial accumulators (GPU tests, the probe),
 #                setmaxnreg with every two-consumer config; the grouped GEMM benchmark again
 #   PART=s23f    the grouped GEMM's GPU test again (an empty group's comparison; the capture query
@@ -197,6 +206,28 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
 }
 
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
+if [[ " $PART " == *" s24a "* ]]; then
+    gpu_tests attention_wgmma_gpu 150 tests/test_ops_attention_wgmma.py
+    gpu_tests attention_backward_wide 120 tests/test_attention_backward_gpu.py -k "D256 or D200"
+    step sweep_wide 150 "$PY" bench/sweep_attention.py --wide-ab --json "$OUT/sweep_wide.json"
+    bench_suite bench_attention 200 "test_flash_attention and (D96 or D192 or D256)"
+fi
+if [[ " $PART " == *" s24d "* ]]; then
+    gpu_tests attention_head_dims_gpu 150 tests/test_ops_attention_wgmma.py -k "head_dim or \
+persistent"
+    gpu_tests attention_op_gpu 200 tests/test_ops_attention.py
+fi
+if [[ " $PART " == *" s24c "* ]]; then
+    gpu_tests attention_head_dim_v_gpu 120 tests/test_ops_attention_wgmma.py -k "head_dim"
+    step sweep_wide 200 "$PY" bench/sweep_attention.py --wide-ab --json "$OUT/sweep_wide.json"
+    bench_suite bench_attention_dv 90 "test_flash_attention_head_dim_v"
+fi
+if [[ " $PART " == *" s24b "* ]]; then
+    gpu_tests attention_head_dims_gpu 150 tests/test_ops_attention_wgmma.py -k head_dims
+    step sweep_wide 200 "$PY" bench/sweep_attention.py --wide-ab --json "$OUT/sweep_wide.json"
+    gpu_tests attention_wgmma_rest 200 tests/test_ops_attention_wgmma.py -k "not head_dims and \
+not against_sdpa"
+fi
 if [[ " $PART " == *" s23g "* ]]; then
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
     step probe_gemm_fp8 200 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"

@@ -93,6 +93,9 @@ def main():
                    help="the --grid shapes, the built-in config against persistent TMA "
                         "variants (ping-pong on and off; at head_dim 64 also 128-row and "
                         "64-key tiles)")
+    p.add_argument("--wide-ab", action="store_true",
+                   help="head dims 96, 192 and 256 (B4 H16 S4096): the built-in TMA config "
+                        "against other key-block sizes, ping-pong on and off")
     p.add_argument("--causal-only", action="store_true", help="only the causal cases")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--block-m", type=int,
@@ -110,6 +113,8 @@ def main():
     shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
     if args.grid or args.tma_ab or args.schedule_ab or args.persistent_ab or args.variants_ab:
         shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
+    if args.wide_ab:
+        shapes = [(4, 16, 4096, d) for d in (96, 192, 256)]
     if args.head_dim:
         shapes = [sh for sh in shapes if sh[3] == args.head_dim]
     rows = []
@@ -134,9 +139,25 @@ def main():
             # warpgroups): the A/Bs' starting point; the built-in ones are TMA-fed, 192-row at
             # d64 and some persistent since sessions 8 and 10, which the A/Bs' own replacements
             # of them no longer passed validation for
-            plain = dataclasses.replace(builtin, block_m=min(builtin.block_m, 128), tma=False,
-                                        pingpong=False, producer=False, persistent=False)
-            if args.tma_ab:
+            plain = None if args.wide_ab else dataclasses.replace(
+                builtin, block_m=min(builtin.block_m, 128), tma=False, pingpong=False,
+                producer=False, persistent=False)
+            if args.wide_ab:
+                # the key blocks whose two stages fit beside Q (OVERLAP_FITS), ping-pong on
+                # and off
+                from tilepy.ops.attention_wgmma import OVERLAP_FITS
+
+                cfgs = [builtin]
+                for bn in sorted(n for t, n in OVERLAP_FITS if t == builtin.tile_dim):
+                    for pp in (True, False):
+                        for persistent in (False, True):
+                            try:
+                                cfgs.append(dataclasses.replace(
+                                    builtin, block_n=bn, pingpong=pp, persistent=persistent))
+                            except ValueError:        # (the persistent kernel's fits)
+                                pass
+                cfgs = list(dict.fromkeys(cfgs))
+            elif args.tma_ab:
                 base = dataclasses.replace(plain, overlap=True)
                 cfgs = [builtin, base, dataclasses.replace(base, tma=True)]
                 cfgs = list(dict.fromkeys(cfgs))      # the built-in one may be `base`

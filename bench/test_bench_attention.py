@@ -34,8 +34,10 @@ from measure import (
 SEQ_SWEEP = [(4, 32, 32, s, 128) for s in (1024, 2048, 4096, 8192)]
 D64 = (8, 16, 16, 2048, 64)
 GQA = (4, 32, 8, 4096, 128)
-CASES = ([(s, "float16") for s in SEQ_SWEEP + [D64, GQA]]
-         + [(s, "bfloat16") for s in (SEQ_SWEEP[2], D64)])
+# head dims past the two classic ones (issue 25: 96, 192, 256 at S4096, fp16 and bf16)
+HEAD_DIMS = [(4, 16, 16, 4096, d) for d in (96, 192, 256)]
+CASES = ([(s, "float16") for s in SEQ_SWEEP + [D64, GQA] + HEAD_DIMS]
+         + [(s, "bfloat16") for s in [SEQ_SWEEP[2], D64] + HEAD_DIMS])
 FA2 = "SDPA FA2"
 
 
@@ -106,6 +108,48 @@ def test_flash_attention(benchmark, record, torch, gpu_name, case, causal):
                       table="Attention forward",
                       case=f"B{b} H{hq}{gqa} S{s} D{d} {mask} {dtype}",
                       figure=figure, x=s, xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- V's head dim other than Q's (issue 25: DeepSeek's 192 / 128) ------------------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", [(192, 128)], ids=lambda d: f"D{d[0]}_V{d[1]}")
+def test_flash_attention_head_dim_v(benchmark, record, torch, gpu_name, dims, causal):
+    import tilepy
+    from tilepy.ops.attention import choose_config
+
+    (d, dv), (b, h, s) = dims, (4, 16, 4096)
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, h, s, dv, device="cuda", dtype=torch.bfloat16)
+    out = q.new_empty(b, h, s, dv)
+
+    def ours():
+        return tilepy.flash_attention(q, k, v, causal=causal, out=out)
+
+    ours()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    limit = tolerance("bfloat16") * v.abs().max().item()
+    err = max_abs_err(out, want)
+    assert err < limit, err
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    for label, backend in (("SDPA cuDNN", "CUDNN_ATTENTION"), (FA2, "FLASH_ATTENTION"),
+                           ("SDPA efficient", "EFFICIENT_ATTENTION")):
+        timings[label] = try_peer(notes, label,
+                                  lambda b=backend: sdpa_timing(torch, b, q, k, v, causal))
+    mask = "causal" if causal else "full"
+    # Q·Kᵀ over d, P·V over dv: 2·B·H·S²·(d + dv), halved when causal
+    record_throughput(record, work=2 * b * h * s * s * (d + dv) / (2 if causal else 1),
+                      unit="TFLOPS", timings=timings, main="SDPA cuDNN", notes=notes,
+                      gpu=gpu_name, shape=f"B={b} H={h} S={s} D={d} Dv={dv}",
+                      dtype="bfloat16", causal=causal, max_abs_err=err,
+                      config=choose_config(d, "bfloat16", causal, head_dim_v=dv).describe(),
+                      table="Attention forward, V's head dim other than Q's",
+                      case=f"B{b} H{h} S{s} D{d} Dv{dv} {mask} bfloat16",
+                      figure=f"attention_head_dim_v_D{d}_V{dv}_{mask}", x=s,
+                      xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 

@@ -40,6 +40,8 @@ CASES = [
     (2, 8, 2, 1000, 1536, 64, True, "bhsd", F16, None),
     (2, 8, 8, 1024, 1024, 128, True, "bshd", F16, 0.2),
     (2, 8, 2, 1024, 1024, 64, False, "bhsd", BF16, None),
+    (1, 4, 2, 1000, 1100, 256, True, "bshd", BF16, None),     # past 128: mma.sync kernels
+    (1, 4, 4, 700, 900, 200, False, "bhsd", F16, None),
 ]
 
 

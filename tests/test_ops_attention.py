@@ -168,6 +168,7 @@ def test_against_float64(b, hq, sq, sk, d, causal, dtype):
     (8, True, "bhsd", "float16", {}),                       # tiles of 16: half zeros
     (40, False, "bshd", "bfloat16", {"window": (9, 3)}),     # 48-column tiles, a variant
     (24, True, "bhsd", "float16", {"alibi_slopes": np.array([0.3, 0.1], np.float32)}),
+    (200, True, "bshd", "bfloat16", {}),                     # past 128: 208-column tiles
 ])
 def test_head_dims_padded_in_shared_memory(d, causal, layout, dtype, kw):
     """head_dim a multiple of 8 but not of 16: the tiles zero-padded to the next multiple of
@@ -326,11 +327,11 @@ def test_errors_are_raised_before_launch():
     h = np.ones((1, 2, 8, 16), np.float16)
     kv = np.ones((1, 1, 8, 16), np.float16)
     with pytest.raises(ValueError, match="head_dim 20 is not supported; supported: the "
-                                         "multiples of 8 from 8 to 128"):
+                                         "multiples of 8 from 8 to 256"):
         x = np.ones((1, 1, 8, 20), np.float16)
         flash_attention(x, x, x)
-    with pytest.raises(ValueError, match="head_dim 136 is not supported"):
-        x = np.ones((1, 1, 8, 136), np.float16)
+    with pytest.raises(ValueError, match="head_dim 264 is not supported"):
+        x = np.ones((1, 1, 8, 264), np.float16)
         flash_attention(x, x, x)
     with pytest.raises(ValueError, match="head_dim differs: q 16, k 32"):
         flash_attention(h, np.ones((1, 1, 8, 32), np.float16), kv)
@@ -407,7 +408,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="shared memory"):
         AttentionConfig(128, block_m=256, block_n=256, warp_rows=32)
     assert AttentionConfig(128).smem_bytes == 96 * 1024
-    assert tuple(HEAD_DIMS) == tuple(range(8, 129, 8))
+    assert tuple(HEAD_DIMS) == tuple(range(8, 257, 8))
     assert AttentionConfig(40).tile_dim == 48 and AttentionConfig(8).tile_dim == 16
     assert AttentionConfig(40, 64, 64).smem_bytes == (64 + 4 * 64) * 48 * 2
 

@@ -266,6 +266,7 @@ def test_keys_past_the_end_stay_out_of_dq(atomic):
     (1, 2, 2, 30, 37, 40, False, "bfloat16", "bshd", {"config": BackwardConfig(
         40, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32, dq_block_n=32,
         dq_atomic=True)}),                                  # 48 columns, dQ by atomics
+    (1, 2, 1, 21, 30, 200, True, "bfloat16", "bshd", {}),    # past 128: 208 columns
 ])
 def test_padded_head_dims(b, hq, hk, sq, sk, d, causal, dtype, layout, kw):
     """head_dim a multiple of 8 but not of 16: both backward kernels' tiles zero-padded to

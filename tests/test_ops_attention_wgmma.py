@@ -13,6 +13,7 @@ from test_ops_attention import NP, check, check_lse, rand, reference
 import tilepy
 from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ops.attention_wgmma import (
+    HEAD_DIM_V_REPORTS,
     OVERLAP_REPORTS,
     PERSISTENT_REPORTS,
     PERSISTENT_TMA_REPORTS,
@@ -119,15 +120,66 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
     # causal: a warpgroup stops at its own last key block and releases the rest (drain)
     (1, 1, 1, 192, 192, True, "bhsd", "float16", 64, 64, 192, False, True),  # 1, 2, 3 blocks
     (1, 1, 1, 128, 128, True, "bshd", "bfloat16", 64, 64, 128, False, False),  # thread 0 loads
+    # head dims other than 64 / 128: 64-column sub-tiles, TMA's zero fill past head_dim
+    (1, 2, 1, 70, 150, True, "bshd", "bfloat16", 40, 64, 64, False, False),  # odd n8 count
+    (1, 2, 1, 70, 150, False, "bhsd", "float16", 96, 80, 64, False, False),  # 80-key blocks
+    (1, 2, 1, 70, 150, True, "bshd", "bfloat16", 200, 80, 128, True, True),  # 256-col tiles
 ])
 def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn, bm,
                                        pingpong, producer):
     """The TMA kernel's schedules: the consumer warpgroups (two, or three at block_m 192)
     taking turns to issue their wgmmas (pingpong), the loads from a producer warpgroup of
-    their own (producer)."""
+    their own (producer); and head dims that are not whole 64-column sub-tiles (Q·Kᵀ over
+    ceil(d / 16) k16 steps, P·V m64n{d}, O stored from the fragments where d / 8 is odd)."""
     run(np.random.default_rng(), b, hq, hk, sq, sk, d, causal, layout, dtype,
         WgmmaAttentionConfig(d, bm, bn, dtype, overlap=True, tma=True, pingpong=pingpong,
                              producer=producer))
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("d,dv,sq,sk,causal,layout,dtype", [
+    (40, 72, 70, 100, True, "bshd", "bfloat16"),    # V wider: 64- and 128-column tiles, odd NO
+    (136, 64, 20, 70, False, "bhsd", "float16"),    # V narrower: 192- and 64-column tiles
+])
+def test_head_dim_v_against_float64(d, dv, sq, sk, causal, layout, dtype):
+    """V's head dim other than Q's and K's (head_dim_v, e.g. DeepSeek's 192 / 128) through
+    the op's default (the simulator picks a TMA config for it): out ends in V's head dim,
+    against float64; GQA 2/1; the backward refuses it before launch."""
+    rng = np.random.default_rng()
+    shq = (1, 2, sq, d) if layout == "bhsd" else (1, sq, 2, d)
+    shk = (1, 1, sk, d) if layout == "bhsd" else (1, sk, 1, d)
+    q, k = rand(rng, shq, dtype), rand(rng, shk, dtype)
+    v = rand(rng, shk[:-1] + (dv,), dtype)
+    out = np.full(shq[:-1] + (dv,), np.nan, NP[dtype])
+    o, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, layout=layout,
+                                    out=out)
+    assert o is out
+    ro, rl = reference(q, k, v, causal, None, layout)
+    check(o, ro, v, dtype)
+    check_lse(lse, rl)
+    with pytest.raises(NotImplementedError, match="the backward does not yet"):
+        tilepy.flash_attention_backward(out, q, k, v, out, lse, causal=causal, layout=layout)
+
+
+@pytest.mark.sim
+def test_head_dim_v_errors():
+    q = np.zeros((1, 2, 8, 64), np.float16)
+    v = np.zeros((1, 2, 8, 32), np.float16)
+    with pytest.raises(ValueError, match=r"out must have shape \(1, 2, 8, 32\) \(that of q "
+                                         r"with v's head_dim 32\)"):
+        tilepy.flash_attention(q, q, v, out=np.zeros_like(q))
+    with pytest.raises(ValueError, match="config is for v's head_dim 64"):
+        tilepy.flash_attention(q, q, v, config=WgmmaAttentionConfig(64, 64, 64, overlap=True,
+                                                                    tma=True))
+    with pytest.raises(ValueError, match="v's head_dim 260 is not supported"):
+        tilepy.flash_attention(q, q, np.zeros((1, 2, 8, 260), np.float16))
+    with pytest.raises(ValueError, match="head_dim_v needs tma=True"):
+        WgmmaAttentionConfig(64, head_dim_v=32)
+    cfg = WgmmaAttentionConfig(192, 128, 112, overlap=True, tma=True, producer=True,
+                               head_dim_v=128)
+    assert (cfg.dv, cfg.tile_dim_v, cfg.fit_dim) == (128, 128, 192)
+    assert cfg.smem_bytes == 128 * 192 * 2 + 2 * 112 * (192 + 128) * 2 + 16 + 9 * 8
+    assert "d192/v128" in cfg.describe()
 
 
 @pytest.mark.sim
@@ -326,7 +378,7 @@ def test_tma_config():
         WgmmaAttentionConfig(64, 64, 64, overlap=True, tma=True, pingpong=True)
     with pytest.raises(ValueError, match="block_m=192 needs producer=True"):
         WgmmaAttentionConfig(64, 192, 128, overlap=True, tma=True, pingpong=True)
-    with pytest.raises(ValueError, match="block_m=192 needs head_dim 64"):
+    with pytest.raises(ValueError, match="block_m=192 needs tile_dim 64"):
         WgmmaAttentionConfig(128, 192, 128, overlap=True, tma=True, producer=True)
     with pytest.raises(ValueError, match="block_m must be 64, 128 or 192"):
         WgmmaAttentionConfig(64, 256, 128, overlap=True, tma=True, producer=True)
@@ -361,6 +413,16 @@ def test_config_validation():
     with pytest.raises(ValueError, match="block_n must be 64 or 128"):
         WgmmaAttentionConfig(64, 128, 32)
     assert WgmmaAttentionConfig(128).threads == 256
+    # the TMA kernels: any multiple of 8 up to 256, tiles of whole 64-column sub-tiles
+    wide = WgmmaAttentionConfig(200, 128, 80, overlap=True, tma=True, producer=True)
+    assert wide.tile_dim == 256 and wide.q_bytes == 128 * 256 * 2
+    assert WgmmaAttentionConfig(40, 64, 64, overlap=True, tma=True).tile_dim == 64
+    for bad, what in (((264,), "multiple of 8 from 8 to 256"), ((36,), "multiple of 8"),
+                      ((128, 128, 72), "block_n must be one of"),
+                      ((256, 128, 128), "overlap needs"),         # the stages do not fit
+                      ((160, 192, 64), "block_m=192 needs tile_dim 64")):
+        with pytest.raises(ValueError, match=what):
+            WgmmaAttentionConfig(*bad, overlap=True, tma=True, producer=True)
     q = np.zeros((1, 1, 8, 64), np.float16)
     with pytest.raises(ValueError, match="config is for head_dim 128"):
         tilepy.flash_attention(q, q, q, config=WgmmaAttentionConfig(128))
@@ -372,7 +434,8 @@ def test_compiles_for_sm90a_without_spills():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
     assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
-                         + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS))
+                         + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS)
+                         + len(HEAD_DIM_V_REPORTS))
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / 16 for S, block_n / 16 for P·V
@@ -520,6 +583,49 @@ def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("d,causal", [(40, True), (80, False), (96, False), (96, True),
+                                      (160, True), (192, False), (192, True), (200, False),
+                                      (256, False), (256, True)])
+def test_gpu_head_dims_on_the_defaults_against_sdpa(d, causal):
+    """Every head dim class through the built-in Hopper choice (a TMA kernel of the head dim
+    rounded up to 64 columns, zero-filled by TMA), GQA, seq_q != seq_k, against SDPA."""
+    from tilepy.launch import compute_capability
+    from tilepy.ops.attention import choose_config
+
+    if compute_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    cfg = choose_config(d, "float16", causal)
+    assert isinstance(cfg, WgmmaAttentionConfig) and cfg.tma and cfg.head_dim == d
+    gpu_against_sdpa(d, causal, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dv,causal", [(192, 128, True), (192, 128, False), (64, 256, False)])
+def test_gpu_head_dim_v_against_sdpa(d, dv, causal):
+    """V's head dim other than Q's (DeepSeek's 192 / 128) through the built-in Hopper choice,
+    GQA, seq_q != seq_k, bf16, against SDPA (which takes a different V head dim)."""
+    torch = pytest.importorskip("torch")
+    from tilepy.launch import compute_capability
+
+    if compute_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    dt = torch.bfloat16
+    q = torch.randn(2, 8, 1000, d, device="cuda", dtype=dt)
+    k = torch.randn(2, 4, 1100, d, device="cuda", dtype=dt)
+    v = torch.randn(2, 4, 1100, dv, device="cuda", dtype=dt)
+    got = tilepy.flash_attention(q, k, v, causal=causal)
+    assert got.shape == (2, 8, 1000, dv)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    mask = None
+    if causal:   # bottom-right alignment, as tilepy documents
+        i = torch.arange(1000, device="cuda")[:, None]
+        mask = torch.arange(1100, device="cuda")[None, :] <= i + 100
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), kk.float(), vv.float(),
+                                                            attn_mask=mask)
+    assert (got.float() - want).abs().max().item() < 3e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d,causal", [(128, False), (64, True)])
 def test_gpu_user_functions_on_the_defaults_against_sdpa(d, causal):
     """score_mod= (ALiBi's shape) and mask_mod= (prefix-LM) through the built-in Hopper configs
@@ -606,7 +712,8 @@ def test_tma_default_falls_back_when_maps_cannot_be_encoded(monkeypatch):
     # runs the cp.async kernel with two
     cfg = WgmmaAttentionConfig(64, 192, 64, "float16", overlap=True, tma=True, producer=True)
     monkeypatch.setattr(host_tma, "encode_tiled", refuse)
-    monkeypatch.setattr(A, "choose_config", lambda d, dtype, causal=False, variant=False: cfg)
+    monkeypatch.setattr(A, "choose_config", lambda d, dtype, causal=False, variant=False,
+                        head_dim_v=None: cfg)
     rng = np.random.default_rng()
     q, k, v = (rand(rng, (1, 1, 40, 64), "float16") for _ in range(3))
     out = tilepy.flash_attention(q, k, v, causal=True)

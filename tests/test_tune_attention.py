@@ -35,9 +35,12 @@ def test_space_per_head_dim_and_device():
     a100 = ats.attention_space(64, "float16", (8, 0))
     assert all(isinstance(c, AttentionConfig) for c in a100)
     assert any(c.warp_rows == 32 for c in a100)
-    # no wgmma kernel for head_dim 96: only mma.sync candidates, nothing invalid
+    # head_dim 96: the TMA wgmma kernels only (the cp.async ones are 64 / 128) — the built-in
+    # choice among them — and mma.sync; nothing invalid
     d96, rejected = ats.attention_space(96, "float16", (9, 0), with_rejected=True)
-    assert d96 and all(isinstance(c, AttentionConfig) for c in d96)
+    wg96 = [c for c in d96 if isinstance(c, WgmmaAttentionConfig)]
+    assert wg96 and all(c.tma for c in wg96) and any(isinstance(c, AttentionConfig) for c in d96)
+    assert WgmmaAttentionConfig(96, dtype="float16", **HOPPER_CHOICE[(128, False)]) in d96
     assert any("wgmma" in what for what, _ in rejected)
 
 

@@ -50,6 +50,18 @@ def inline_device(fn=None, *, ir: bool = False):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
+def written_out(signature: str, body: list, namespace: dict, name: str):
+    """An inlined device function ``def <signature>:`` with the given body lines, made from
+    source. For loops over a thread's register arrays (accumulators, fragments) with
+    constant indices: NVVM unrolls a loop fully only below a size threshold (about 80
+    iterations of a multiply and an index), and an array indexed by a loop it keeps stays in
+    local memory until ptxas promotes it — the copies between it and a wgmma's registers
+    then serialise the wgmmas (ptxas note C7514). Written out, every index is a constant."""
+    src = "\n".join([f"def {signature}:"] + ["    " + line for line in body])
+    exec(compile(src, f"<{name}>", "exec"), namespace)  # noqa: S102 - our own generated source
+    return inline_device(namespace[signature.split("(")[0]])
+
+
 def device_namespace(name: str, **members):
     """A module object holding a piece's device functions and constants, so that kernels call
     them as attributes (``ring.wait(bars, s, ph)``, ``ring.STAGES``): Numba resolves an

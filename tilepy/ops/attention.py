@@ -33,7 +33,9 @@ LAYOUTS = ("bhsd", "bshd")
 # the H200 (bench/NOTES.md: attention configs, non-causal fp16). Head dims without a
 # measurement take the nearest measured one's shape (<= 64 -> the first, else the second);
 # warp_rows 32 spills at head_dim 128 (offline compile), so it is not used above 64.
-GPU_CONFIGS = {64: (128, 64, 32), 128: (64, 64, 16)}
+# Past 128 (the portable fallback; on Hopper the TMA kernels run): 64 × 32 tiles, 96 KB of
+# shared memory at head_dim 256, within sm_80's and sm_86's limits.
+GPU_CONFIGS = {64: (128, 64, 32), 128: (64, 64, 16), 256: (64, 32, 16)}
 # Simulator: every thread is a Python thread: 2 warps, 16-key blocks, still a real pipeline
 # (several key blocks per query block) with masked edges.
 SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
@@ -46,30 +48,55 @@ SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS = 32, 16, 16
 # ping-pong at d128, three consumer warpgroups at d64, the persistent ticket-scheduled kernel
 # where it won: d64 and causal d128). TILEPY_HOPPER=0 keeps mma.sync. Values:
 # WgmmaAttentionConfig's keyword arguments.
+# Keys: (tile_dim, causal), tile_dim the head dim rounded up to 64 columns (every head dim
+# runs the TMA kernel of its tile_dim, TMA filling the columns past it with zeros). Past 128,
+# FlashAttention-3's tiles: 128 query rows over 112 (96 causal) keys at 192 and 80 keys at 256
+# (two K/V stages beside Q fill the shared memory; no room for the persistent kernel's second
+# Q buffer).
 _D128 = dict(block_m=128, block_n=128, overlap=True, tma=True, pingpong=True, producer=True)
 _D64 = dict(block_m=192, block_n=128, overlap=True, tma=True, producer=True, persistent=True)
+_WIDE = dict(block_m=128, overlap=True, tma=True, pingpong=True, producer=True)
 HOPPER_CHOICE = {(128, False): _D128, (128, True): dict(_D128, persistent=True),
-                 (64, False): _D64, (64, True): _D64}
+                 (64, False): _D64, (64, True): _D64,
+                 (192, False): dict(_WIDE, block_n=112), (192, True): dict(_WIDE, block_n=96),
+                 (256, False): dict(_WIDE, block_n=80), (256, True): dict(_WIDE, block_n=80)}
 
 
-def hopper_config(head_dim: int, dtype: str, causal: bool = False):
-    """The wgmma kernel's built-in config (:data:`HOPPER_CHOICE`) for head_dim 64 or 128."""
+def hopper_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=None):
+    """The wgmma kernel's built-in config (:data:`HOPPER_CHOICE`) for a head dim (a multiple
+    of 8 up to 256: the config of its 64-column tile width; with a different ``head_dim_v``,
+    of the wider of the two)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    tile_dim = -(-max(head_dim, dv) // 64) * 64
     return aw.WgmmaAttentionConfig(head_dim, dtype=dtype,
-                                   **HOPPER_CHOICE[(head_dim, bool(causal))])
+                                   head_dim_v=None if dv == head_dim else dv,
+                                   **HOPPER_CHOICE[(tile_dim, bool(causal))])
 
 
-def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool = False):
+def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool = False,
+                  head_dim_v=None):
     """The built-in config for a head dimension, dtype and masking on the current device: the
     wgmma kernel's on a compute capability 9.0 GPU for head_dim 64 and 128
     (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one).
     ``variant`` (a window other than causal / full, or a soft cap): the same choice — the
     Hopper configs are TMA ones, whose kernels take variants; the argument is kept for the
-    callers that pass it."""
+    callers that pass it. ``head_dim_v`` (v's head dim, when it differs): the TMA kernels
+    only — in the simulator a small TMA config, on a GPU other than sm_90 a
+    ``NotImplementedError``."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     if arrays.SIMULATOR:
+        if dv != head_dim:
+            return aw.WgmmaAttentionConfig(head_dim, 64, 64, dtype, overlap=True, tma=True,
+                                           head_dim_v=dv)
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
-    if head_dim in aw.HEAD_DIMS and launch.is_hopper():
-        return hopper_config(head_dim, dtype, causal)
-    return AttentionConfig(head_dim, *GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
+    if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
+        return hopper_config(head_dim, dtype, causal, dv)
+    if dv != head_dim:
+        raise NotImplementedError(
+            f"flash_attention: v's head_dim {dv} differing from q's and k's {head_dim} runs on "
+            f"the Hopper (sm_90) TMA kernels only; this GPU is compute capability "
+            f"{launch.compute_capability()}")
+    return mma_sync_config(head_dim, dtype)
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
@@ -80,12 +107,16 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
       heads_kv, seq_k, head_dim). ``layout="bshd"``: (batch, seq, heads, head_dim) instead,
       read and written in place (no transposing copy). ``out`` and the result have ``q``'s
-      shape and layout.
+      shape (with v's head dim) and layout.
     * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
       ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
-    * ``head_dim``: a multiple of 8 from 8 to 128, the same for q, k and v (one not a
-      multiple of 16 runs the mma.sync kernels, forward and backward, with their shared
-      tiles zero-padded to the next multiple of 16).
+    * ``head_dim``: a multiple of 8 from 8 to 256, the same for q and k. On sm_90 every one
+      runs the TMA wgmma kernel of its 64-column class (64, 128, 192, 256), TMA filling the
+      columns past it with zeros in shared memory (no padded copy); elsewhere the mma.sync
+      kernel, its tiles zero-padded to the next multiple of 16 (past 128 it spills: a
+      portable fallback). ``v`` may have another head dim (``head_dim_v``, e.g. 192 / 128),
+      a multiple of 8 up to 256: ``out`` then ends in v's; the TMA kernels only (sm_90 and
+      the simulator), forward only (the backward raises ``NotImplementedError``).
     * Any ``seq_q`` and ``seq_k`` (not multiples of a block; ``seq_q != seq_k`` allowed).
     * Grouped-query / multi-query attention: ``heads_q`` a multiple of ``heads_kv``; query
       head ``h`` uses key/value head ``h // (heads_q // heads_kv)``.
@@ -178,12 +209,13 @@ def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
     float32), after every check it makes before launching (the same errors); reads only
     metadata, so it also takes PyTorch fake tensors (the registered operator's meta
     function)."""
-    Q, dtype, (bq, hq, sq, _, _), *_ = check_arguments(q, k, v, causal, scale, out, layout, config)
+    Q, dtype, (bq, hq, sq, _, _), (_, V, _), *_ = check_arguments(
+        q, k, v, causal, scale, out, layout, config, head_dim_v=True)
     check_config_variant(config, *check_variant(causal, window, softcap),
                          alibi_slopes is not None)
     if alibi_slopes is not None:
         arrays.same_device(Q, check_alibi(alibi_slopes, bq, hq))
-    return Q.shape, (bq, hq, sq), dtype
+    return out_shape(Q, V), (bq, hq, sq), dtype
 
 
 def n_mod_args(mod_args) -> int:
@@ -302,10 +334,12 @@ def check_config_variant(config, win, cap, user=False) -> None:
                                   "(mma.sync)")
 
 
-def check_arguments(q, k, v, causal, scale, out, layout, config):
+def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=False):
     """Validate flash_attention's arguments (the backward's too,
     :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
-    head_dim), (K, V, Out), scale as a float, device)``."""
+    head_dim), (K, V, Out), scale as a float, device)``. ``head_dim_v``: v's head dim may
+    differ from q's and k's (the forward; ``out`` then ends in v's, :func:`out_shape`);
+    otherwise a different one is a ``NotImplementedError``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q = describe(q, "q", allow_float32=False)
@@ -324,24 +358,32 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
     if not (bq == bk == bv):
         raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
                          f"(layout {layout!r}: {_axes(layout)})")
-    if not (d == dk == dv):
+    if d != dk:
         raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
                          f"k {K.shape}, v {V.shape}, layout {layout!r})")
+    if dv != d and not head_dim_v:
+        raise NotImplementedError(
+            f"v's head_dim {dv} differs from q's and k's {d}: the forward "
+            f"(tilepy.flash_attention) takes it; the backward does not yet")
     if (hk, sk) != (hv, sv):
         raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
     if hk < 1 or hq % hk:
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk}) (shapes q "
                          f"{Q.shape}, k {K.shape}, layout {layout!r})")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported; supported: the multiples of 8 from "
-                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    for name, x in (("head_dim", d), ("v's head_dim", dv)):
+        if x not in HEAD_DIMS:
+            raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
+                             f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     scale = check_scale(scale, d)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
     if Out is not None:
-        if Out.shape != Q.shape:
-            raise ValueError(f"out must have shape {Q.shape} (that of q), got {Out.shape}")
+        want = out_shape(Q, V)
+        if Out.shape != want:
+            raise ValueError(f"out must have shape {want} (that of q"
+                             + (f" with v's head_dim {dv}" if dv != d else "")
+                             + f"), got {Out.shape}")
         if Out.dtype != dtype:
             raise ValueError(f"out must have dtype {dtype} (that of q), got {Out.dtype}")
     device = arrays.same_device(Q, K, V, Out)
@@ -353,7 +395,16 @@ def check_arguments(q, k, v, causal, scale, out, layout, config):
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
+        if getattr(config, "dv", d) != dv:
+            raise ValueError(f"config is for v's head_dim {getattr(config, 'dv', d)}; v's is "
+                             f"{dv} (a WgmmaAttentionConfig with tma=True and head_dim_v="
+                             f"{dv} takes it)")
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
+
+
+def out_shape(Q, V) -> tuple:
+    """The forward's output shape: q's, ending in v's head dim (both layouts end in it)."""
+    return tuple(Q.shape[:-1]) + (V.shape[-1],)
 
 
 def check_scale(scale, head_dim: int) -> float:
@@ -373,7 +424,8 @@ def check_scale(scale, head_dim: int) -> float:
 def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,
                      config, key):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
-        q, k, v, causal, scale, out, layout, config)
+        q, k, v, causal, scale, out, layout, config, head_dim_v=True)
+    dv = V.shape[-1]
     win, cap = check_variant(causal, window, softcap)
     score_mod, mask_mod, alibi_slopes, mod_args = mods
     n_args = n_mod_args(mod_args)
@@ -388,16 +440,16 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     variant = is_variant(win, cap) or user or alibi
     caller_out = out is not None
     if out is None:
-        out = arrays.empty(Q, Q.shape, dtype)
+        out = arrays.empty(Q, out_shape(Q, V), dtype)
         Out = describe(out, "out")
     lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
     if bq and hq and sq:
         # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
         # else the built-in one
         # (a tuned choice is for the plain kernels: a variant takes the built-in one)
-        cfg = config or (None if variant else tuned_attention_config(
+        cfg = config or (None if variant or dv != d else tuned_attention_config(
             bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
-                                                                         variant)
+                                                                         variant, dv)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
                      fallback=config is None,
                      variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
@@ -405,7 +457,8 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
                      hargs=hargs, hops=hops)
         if bound is not None:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
-                           None if caller_out else arrays.allocator(Q, Q.shape, dtype),
+                           None if caller_out else arrays.allocator(Q, out_shape(Q, V),
+                                                                    dtype),
                            arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
                            (scale, scale * fa.LOG2E,
                             *(x for x in hargs if isinstance(x, np.generic)))))
@@ -477,7 +530,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         batch, heads = bhsd_dims(Q.shape, layout)[:2]
         cfg = _grid_safe(cfg, batch, heads)
         if variant is not None and isinstance(cfg, aw.WgmmaAttentionConfig) and not cfg.tma:
-            cfg = _mma_sync_config(cfg)     # (past the grid limit: see _grid_safe)
+            cfg = mma_sync_config(cfg.head_dim, cfg.dtype)   # past the grid limit
         stream = arrays.stream_handle(Q)
         run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q, tuple(hargs))
         with user_errors(variant):
@@ -486,8 +539,10 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
             except (ValueError, RuntimeError):
                 if not (fallback and getattr(cfg, "tma", False)):
                     raise
-                if variant is not None:
-                    cfg = _mma_sync_config(cfg)
+                if getattr(cfg, "dv", cfg.head_dim) != cfg.head_dim:
+                    raise
+                if variant is not None or cfg.head_dim not in aw.HEAD_DIMS:
+                    cfg = mma_sync_config(cfg.head_dim, cfg.dtype)
                 else:
                     # the cp.async kernel: no producer warpgroup, so at most two consumer
                     # warpgroups
@@ -528,10 +583,10 @@ def user_errors(variant):
                         f"kv_idx) integers, a float32 score and the mod_args): {first}") from e
 
 
-def _mma_sync_config(cfg) -> AttentionConfig:
-    """The built-in mma.sync config of ``cfg``'s head_dim and dtype."""
-    d = cfg.head_dim
-    return AttentionConfig(d, *GPU_CONFIGS[64 if d <= 64 else 128], cfg.dtype)
+def mma_sync_config(head_dim: int, dtype: str) -> AttentionConfig:
+    """The built-in mma.sync config of a head_dim and dtype (:data:`GPU_CONFIGS`)."""
+    return AttentionConfig(head_dim, *GPU_CONFIGS[min(d for d in GPU_CONFIGS if d >= head_dim)],
+                           dtype)
 
 
 def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, hargs):
@@ -618,7 +673,8 @@ def _grid_safe(cfg, batch: int, heads: int):
     one-dimensional grid, the same results), or where that config is invalid (no producer
     warpgroup, a (head_dim, block_n) the persistent overlap kernel does not fit) as the same
     tile without TMA (cp.async loads, at most two consumer warpgroups), whose grid launches
-    in chunks."""
+    in chunks — for a head dim without a cp.async wgmma kernel (not 64 or 128), the mma.sync
+    kernel's built-in config."""
     limit = launch.MAX_GRID_YZ
     if not (isinstance(cfg, aw.WgmmaAttentionConfig) and cfg.tma and not cfg.persistent
             and max(batch, heads) > limit):
@@ -626,8 +682,17 @@ def _grid_safe(cfg, batch: int, heads: int):
     try:
         return dataclasses.replace(cfg, persistent=True)
     except ValueError:
-        return dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
-                                   pingpong=False, producer=False)
+        pass
+    if cfg.dv != cfg.head_dim:
+        raise NotImplementedError(
+            f"flash_attention: v's head_dim {cfg.dv} differing from q's and k's "
+            f"{cfg.head_dim} with more than {limit} batches or heads (batch {batch}, heads "
+            f"{heads}): its TMA kernel cannot run persistent ({cfg.describe()}); split the "
+            f"batch")
+    if cfg.head_dim not in aw.HEAD_DIMS:      # no cp.async wgmma kernel of this head dim
+        return mma_sync_config(cfg.head_dim, cfg.dtype)
+    return dataclasses.replace(cfg, block_m=min(cfg.block_m, 128), tma=False,
+                               pingpong=False, producer=False)
 
 
 __all__ = ["choose_config", "flash_attention"]

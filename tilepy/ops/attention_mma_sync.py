@@ -78,12 +78,14 @@ from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..kcache import cached_jit
 
-#: Head dimensions the kernel supports: multiples of 8 up to 128 (Q's fragments stay in
-#: registers next to O's accumulators: D/4 + D/2 registers per thread for 16 rows a warp).
+#: Head dimensions the kernel supports: multiples of 8 up to 256 (Q's fragments stay in
+#: registers next to O's accumulators: D/4 + D/2 registers per thread for 16 rows a warp, so
+#: past 128 a GPU compile spills: there the Hopper TMA kernels are the fast path and this
+#: kernel the portable fallback).
 #: The shared tiles are :attr:`AttentionConfig.tile_dim` wide — the next multiple of 16, for
 #: the k16 steps of Q·Kᵀ and the pairs of n8 tiles of P·V — with the columns past head_dim
 #: zero-filled by the copies (no padded copy of the inputs).
-HEAD_DIMS = tuple(range(8, 129, 8))
+HEAD_DIMS = tuple(range(8, 257, 8))
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)

@@ -138,7 +138,7 @@ def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, at.SIM_BLOCK_M, at.SIM_BLOCK_N, at.SIM_WARP_ROWS,
                                dtype)
-    return AttentionConfig(head_dim, *at.GPU_CONFIGS[64 if head_dim <= 64 else 128], dtype)
+    return at.mma_sync_config(head_dim, dtype)
 
 
 def check_arguments(q, k, v, scale, out, config):

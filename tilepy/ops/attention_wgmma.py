@@ -97,7 +97,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, types
 
-from ..inline import inline_device
+from ..inline import inline_device, written_out
 from ..launch import pointer
 from ..ptx import barrier as BAR
 from ..ptx import global_addr, shared_addr
@@ -136,8 +136,20 @@ from ..kcache import cached_jit
 
 WARPGROUP = 128
 HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the P·V wgmma
-#: (head_dim, block_n) whose overlap kernel compiles for sm_90a without spills (offline ptxas).
-OVERLAP_FITS = frozenset({(64, 64), (64, 128), (128, 64), (128, 128)})
+#: Head dims of the TMA kernels (``tma=True``): every multiple of 8 up to 256. The shared
+#: tiles are :attr:`WgmmaAttentionConfig.tile_dim` wide (64-column sub-tiles); TMA fills the
+#: columns past head_dim with zeros (its out-of-bounds fill), Q·Kᵀ runs ceil(head_dim / 16)
+#: k16 steps and P·V is m64n{head_dim}: no padded copy of the inputs, no padded output.
+TMA_HEAD_DIMS = tuple(range(8, 257, 8))
+#: block_n of the TMA kernels (the cp.async kernels: 64 or 128): multiples of 16 (the P·V
+#: k16 steps) from 64 to 128, so that a head dim past 128 finds a key block whose two K/V
+#: stages fit beside Q.
+TMA_BLOCK_NS = (64, 80, 96, 112, 128)
+#: (tile_dim, block_n) whose overlap kernel compiles for sm_90a without spills (offline ptxas).
+#: Up to 128 every block_n fits (the registers grow with block_n; 128 fits); past 128, the
+#: key blocks whose stages fit in shared memory.
+OVERLAP_FITS = frozenset({(d, n) for d in (64, 128) for n in TMA_BLOCK_NS}
+                         | {(192, 64), (192, 80), (192, 96), (192, 112), (256, 64), (256, 80)})
 OVERLAP_WHY = ("at head_dim 128 with 128-key blocks the S (64), O (64) and P (32) registers "
                "are live together; it fits (216-218 registers) since the copies address one "
                "column per thread (offline sm_90a compile)")
@@ -165,8 +177,9 @@ _ONE = np.float32(1.0)
 @dataclass(frozen=True)
 class WgmmaAttentionConfig:
     """``block_m`` query rows (64, 128, or with ``producer`` 192: one warpgroup per 64),
-    ``block_n`` keys per step
-    (64 or 128), ``head_dim`` (64 or 128), ``dtype``; ``overlap``: pipeline the softmax of
+    ``block_n`` keys per step (64 or 128; the TMA kernels :data:`TMA_BLOCK_NS`),
+    ``head_dim`` (64 or 128; the TMA kernels every multiple of 8 up to 256, in shared tiles
+    :attr:`tile_dim` wide), ``dtype``; ``overlap``: pipeline the softmax of
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`)."""
 
@@ -179,6 +192,7 @@ class WgmmaAttentionConfig:
     tma: bool = False
     pingpong: bool = False
     producer: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         def need(ok, what):
@@ -186,21 +200,34 @@ class WgmmaAttentionConfig:
                 raise ValueError(f"WgmmaAttentionConfig({self.head_dim}, {self.block_m}, "
                                  f"{self.block_n}, {self.dtype!r}, overlap={self.overlap!r}, "
                                  f"persistent={self.persistent!r}, tma={self.tma!r}, "
-                                 f"pingpong={self.pingpong!r}, producer={self.producer!r}): "
-                                 f"{what}")
+                                 f"pingpong={self.pingpong!r}, producer={self.producer!r}"
+                                 + (f", head_dim_v={self.head_dim_v!r}"
+                                    if self.head_dim_v is not None else "") + f"): {what}")
 
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
-        need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS}")
+        if self.head_dim_v is not None:
+            need(self.tma, "head_dim_v needs tma=True (the TMA kernels)")
+            need(self.head_dim_v in TMA_HEAD_DIMS, "head_dim_v must be a multiple of 8 from 8 "
+                 "to 256")
+        if self.tma:
+            need(self.head_dim in TMA_HEAD_DIMS, "head_dim must be a multiple of 8 from 8 to "
+                 "256 (TMA kernels)")
+        else:
+            need(self.head_dim in HEAD_DIMS, f"head_dim must be one of {HEAD_DIMS} (the "
+                 f"cp.async kernels; tma=True takes every multiple of 8 up to 256)")
         need(self.block_m in (64, 128, 192), "block_m must be 64, 128 or 192")
         need(self.block_m >= 128 or not self.producer,
              "producer needs block_m of 128 or 192 (two or three consumer warpgroups)")
-        need(self.block_m != 192 or self.head_dim == 64,
-             "block_m=192 needs head_dim 64 (at 512 threads a consumer gets 160 registers; "
-             "head_dim 128 needs about 220)")
+        need(self.block_m != 192 or self.tile_dim == 64,
+             "block_m=192 needs tile_dim 64, head_dim up to 64 (at 512 threads a consumer "
+             "gets 160 registers; head_dim 128 needs about 220)")
         need(self.block_m != 192 or self.producer,
              "block_m=192 needs producer=True (three consumer warpgroups and a producer: "
              "setmaxnreg shares the registers)")
-        need(self.block_n in (64, 128), "block_n must be 64 or 128")
+        if self.tma:
+            need(self.block_n in TMA_BLOCK_NS, f"block_n must be one of {TMA_BLOCK_NS}")
+        else:
+            need(self.block_n in (64, 128), "block_n must be 64 or 128 (cp.async kernels)")
         need(isinstance(self.overlap, bool), "overlap must be a bool")
         need(isinstance(self.persistent, bool), "persistent must be a bool")
         need(isinstance(self.tma, bool), "tma must be a bool")
@@ -217,11 +244,11 @@ class WgmmaAttentionConfig:
                  "persistent with tma needs producer=True (its warpgroup walks the tiles "
                  "ahead of the consumers)")
         if self.overlap:
-            need((self.head_dim, self.block_n) in OVERLAP_FITS,
-                 f"overlap needs (head_dim, block_n) in {sorted(OVERLAP_FITS)}: "
+            need((self.fit_dim, self.block_n) in OVERLAP_FITS,
+                 f"overlap needs (tile_dim, block_n) in {sorted(OVERLAP_FITS)}: "
                  f"{OVERLAP_WHY}")
         if self.overlap and self.persistent:
-            need((self.head_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
+            need((self.fit_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
                  f"persistent with overlap needs (head_dim, block_n) in "
                  f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 with 64-key blocks it "
                  f"spills")
@@ -246,12 +273,39 @@ class WgmmaAttentionConfig:
         return WARPGROUP * (self.block_m // 64)
 
     @property
+    def tile_dim(self) -> int:
+        """The shared tiles' row length: head_dim rounded up to whole 64-column sub-tiles (the
+        columns past head_dim are TMA's zero fill)."""
+        return -(-self.head_dim // 64) * 64
+
+    @property
+    def dv(self) -> int:
+        """V's and O's head dim: ``head_dim_v``, or ``head_dim`` when it is None."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def tile_dim_v(self) -> int:
+        """The V tile's row length: dv rounded up to whole 64-column sub-tiles."""
+        return -(-self.dv // 64) * 64
+
+    @property
+    def fit_dim(self) -> int:
+        """The wider tile, the key of :data:`OVERLAP_FITS`."""
+        return max(self.tile_dim, self.tile_dim_v)
+
+    @property
     def q_bytes(self) -> int:
-        return self.block_m * self.head_dim * 2
+        return self.block_m * self.tile_dim * 2
 
     @property
     def tile_bytes(self) -> int:
-        return self.block_n * self.head_dim * 2
+        """Bytes of a K tile (block_n × tile_dim); V's follows it in its stage."""
+        return self.block_n * self.tile_dim * 2
+
+    @property
+    def v_bytes(self) -> int:
+        """Bytes of a V tile (block_n × tile_dim_v)."""
+        return self.block_n * self.tile_dim_v * 2
 
     @property
     def smem_bytes(self) -> int:
@@ -259,7 +313,7 @@ class WgmmaAttentionConfig:
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
         # persistent TMA: after the barriers, the two Q buffers' tile numbers (int32 each)
-        return (q + 4 * self.tile_bytes + (16 if self.overlap else 0)
+        return (q + 2 * (self.tile_bytes + self.v_bytes) + (16 if self.overlap else 0)
                 + (self.tma_barriers * 8 + (8 if self.persistent else 0) if self.tma else 0))
 
     @property
@@ -276,10 +330,12 @@ class WgmmaAttentionConfig:
     @property
     def scratch_offset(self) -> int:
         """Byte offset of the overlap kernel's scratch word (after the K/V stages)."""
-        return self.kv_offset + 4 * self.tile_bytes
+        return self.kv_offset + 2 * (self.tile_bytes + self.v_bytes)
 
     def describe(self) -> str:
-        return (f"wgmma attention d{self.head_dim} {self.block_m}x{self.block_n}, "
+        return (f"wgmma attention d{self.head_dim}"
+                + (f"/v{self.head_dim_v}" if self.head_dim_v is not None else "")
+                + f" {self.block_m}x{self.block_n}, "
                 f"{self.block_m // 64} warpgroups, {self.smem_bytes // 1024} KB smem"
                 + (", softmax overlapped with P·V" if self.overlap else "")
                 + (", persistent (next tile's Q, K, V loaded ahead)" if self.persistent
@@ -341,25 +397,25 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     window's mask and the score hook, P packed for the P·V wgmmas, the O epilogue (staged
     through a freed K/V stage where it fits) and the persistent kernels' tile space (causal
     tiles heaviest first). The kernel generators below compose them."""
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BM, BN, D, DV = cfg.block_m, cfg.block_n, cfg.head_dim, cfg.dv
     WIN = (left, right)           # the key window (tilepy.tile.attention.key_window's)
     UPPER = right >= 0            # a last visible key per row (causal is right = 0)
     THREADS = cfg.threads
     CONSUMERS = cfg.consumers   # the computing threads (THREADS less a producer warpgroup)
     PRODUCER, PINGPONG = cfg.producer, cfg.pingpong
-    KD = D // 16          # k16 steps of Q·Kᵀ
+    KD = -(-D // 16)      # k16 steps of Q·Kᵀ (the columns past D are zeros in shared memory)
     KN = BN // 16         # k16 steps of P·V
     NS = BN // 8          # n8 tiles of S per warp
-    NO = D // 8           # n8 tiles of O per warp
-    NACC_S, NACC_O = BN // 2, D // 2
+    NO = DV // 8          # n8 tiles of O per warp
+    NACC_S, NACC_O = BN // 2, DV // 2
     P_REGS = 4 * KN       # P as the A registers of the P·V wgmmas
-    Q_BYTES, TILE = cfg.q_bytes, cfg.tile_bytes
-    STAGE = 2 * TILE
+    Q_BYTES, TILE, VTILE = cfg.q_bytes, cfg.tile_bytes, cfg.v_bytes
+    STAGE = TILE + VTILE  # a stage: K's tile, then V's
     SCRATCH = cfg.scratch_offset
     KV = cfg.kv_offset
     ab = "f16" if cfg.dtype == "float16" else "bf16"
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
-    mma_o = W.wgmma(D, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
+    mma_o = W.wgmma(DV, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
     # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
     copy_q = None if cfg.tma else copy_rows_to_shared_128b(BM, D, CONSUMERS)
@@ -377,10 +433,18 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     mask = mask_key_block(1, NS, BN, WIN)
     modify = modify_scores(1, NS, score_mod)
     to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
-    o_fragment, o_accumulators = accumulator_fragment(D)   # O as the (1, NO, 4) fragment
+    o_fragment, o_accumulators = accumulator_fragment(DV)  # O as the (1, NO, 4) fragment
     store = store_rows(1, NO, cfg.dtype, has_lse)
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
+
+    # O's loops written out (tilepy.inline.written_out): past head_dim 160 NVVM keeps them
+    # as loops, O stays a local array and ptxas serialises the P·V wgmmas
+    zero_o = written_out("zero_o(acc_o)", [f"acc_o[{i}] = _ZERO" for i in range(NACC_O)],
+                         {"_ZERO": _ZERO}, "attention zero_o")
+    scale_o = written_out("scale_o(acc_o, a0, a1)",
+                          [f"acc_o[{i}] = acc_o[{i}] * a{(i // 2) % 2}" for i in range(NACC_O)],
+                          {}, "attention scale_o")
 
     @inline_device
     def thread_rows(tid):
@@ -399,8 +463,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     def start_rows(acc_o, limit, row_max, row_sum, rows0, g, sq, sk):
         """A tile's start: its rows' key limits and softmax state, O zeroed."""
         init_rows(limit, row_max, row_sum, rows0, g, sq, sk)
-        for i in range(NACC_O):
-            acc_o[i] = _ZERO
+        zero_o(acc_o)
 
     @inline_device
     def issue_s(s, q_rows, k_addr):
@@ -444,8 +507,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         """O's rows times alpha; skipped where both of the thread's rows keep their max
         (alpha exactly 1, see RESCALE_THRESHOLD)."""
         if alpha[0, 0] != _ONE or alpha[0, 1] != _ONE:
-            for i in range(NACC_O):
-                acc_o[i] = acc_o[i] * alpha[0, (i // 2) % 2]
+            scale_o(acc_o, alpha[0, 0], alpha[0, 1])
 
     @inline_device
     def to_p(p, s3):
@@ -464,10 +526,11 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a
     # persistent kernel has one stage: 16 KB at head_dim 64 with 64-key blocks; a grid kernel
     # may use both stages), 16-bit stores from the fragments as before.
-    STAGED = staged_bytes(1, NO)
+    STAGED = staged_bytes(1, NO + NO % 2)
     ROOM = STAGE if cfg.persistent else 2 * STAGE
-    STAGE_O = (BM // 64) * STAGED <= ROOM
-    store_o = store_accumulators_smem(1, NO, cfg.dtype)
+    STAGE_O = NO % 2 == 0 and (BM // 64) * STAGED <= ROOM   # (an odd count of n8 tiles:
+    # head dims 8, 24, …, whose rows are not whole 16-byte vectors, store from the fragments)
+    store_o = store_accumulators_smem(1, NO, cfg.dtype) if STAGE_O else None
     store_lse = store_rows(1, 0, cfg.dtype, has_lse)
 
     @inline_device
@@ -487,7 +550,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         if STAGE_O:
             o_accumulators(acc_o, o3)
             consumers_sync()            # the last block's K and V are read by every warpgroup
-            store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, D,
+            store_o(acc_o, acc_o, free_stage + wg * STAGED, o2, row0 + wg * 64, 0, sq, DV,
                     _ONE, o2, o2, _ZERO, tid % WARPGROUP, 1 + wg)
             store_lse(o3, row_max, row_sum, o2, lse, b, h, row0 + wrow, sq, scale, g, t)
         else:
@@ -501,7 +564,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         store(o3, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)
 
     # ---- persistent: one block per SM slot walks tiles (batch, head, query block) ----------
-    tile_at = heavy_first(D, UPPER).at
+    tile_at = heavy_first((D + DV) // 2, UPPER).at
     block_at = block_bounds(BM, BN, False, WIN)
 
     @inline_device
@@ -928,7 +991,9 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     # gives warpgroup 0 the first turn and does not pass on its last: n_kb turns each, and
     # every turn barrier completes with 256 threads (its owner and the one before it).
     BARS = SCRATCH + 16
-    KV_BOXES = D // 64                 # 64-column boxes (128-byte rows) per tile
+    KV_BOXES = cfg.tile_dim // 64      # 64-column boxes (128-byte rows) per K tile …
+    V_BOXES = cfg.tile_dim_v // 64     # … and per V tile
+    VTILE = c.VTILE
     Q_BOX = BM * 128
     KV_BOX = BN * 128
     CWG = CONSUMERS // WARPGROUP       # consumer warpgroups; a producer warpgroup is CWG
@@ -942,8 +1007,16 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
 
     @inline_device
     def load_kv(dst, tm, bar, row, hk, b):
+        """A K tile (see load_v)."""
         MB.mbarrier_arrive_expect_tx(bar, TILE)
         for c in range(KV_BOXES):
+            T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
+
+    @inline_device
+    def load_v(dst, tm, bar, row, hk, b):
+        """A V tile: tile_dim_v wide (head_dim_v may differ from head_dim)."""
+        MB.mbarrier_arrive_expect_tx(bar, VTILE)
+        for c in range(V_BOXES):
             T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
 
     @inline_device
@@ -985,7 +1058,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         T.fence_proxy_tensormap_acquire(tv)
         load_q(base, tq, bars, row0, h, b)
         load_kv(kv_base, tk, bars + 8, key0, hk, b)                       # K(0)
-        load_kv(kv_base + TILE, tv, bars + 16, key0, hk, b)               # V(0)
+        load_v(kv_base + TILE, tv, bars + 16, key0, hk, b)                # V(0)
         if n_kb > 1:
             load_kv(kv_base + STAGE, tk, bars + 8 + 32, key0 + BN, hk, b)  # K(1)
 
@@ -998,8 +1071,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         nxt = 1 - cur
         if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) >> 1) & 1)
-        load_kv(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, key0 + (kb + 1) * BN,
-                hk, b)
+        load_v(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, key0 + (kb + 1) * BN,
+               hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
             MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
             load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, key0 + (kb + 2) * BN, hk,
@@ -1200,6 +1273,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     tile_space = c.tile_space
     BARS, CREGS, CWG, PREGS, QE0, QF1 = t.BARS, t.CREGS, t.CWG, t.PREGS, t.QE0, t.QF1
     init_ring, load_kv, load_q, tjit = t.init_ring, t.load_kv, t.load_q, t.tjit
+    load_v = t.load_v
     tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
 
     # ---- persistent TMA: one block per SM slot takes tiles until none is left ------------
@@ -1255,8 +1329,8 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
                 load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, (kb0 + kb) * BN, hk, b)
                 if gk >= 2:
                     MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
-                load_kv(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, (kb0 + kb) * BN,
-                        hk, b)
+                load_v(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, (kb0 + kb) * BN,
+                       hk, b)
                 gk += 1
             j += 1
             tile = nxt
@@ -1481,7 +1555,13 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
 TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
                (128, 128, True, True, False), (128, 128, False, False, True),
                (128, 128, True, True, True), (64, 128, False, True, True),
-               (64, 128, True, True, True, 192))
+               (64, 128, True, True, True, 192),
+               # past 128 (the built-in choices) and a head dim not a multiple of 64
+               (256, 80, True, True, True), (192, 112, False, True, True),
+               (96, 128, True, True, True))
+#: TMA kernels with V's head dim other than Q's and K's (the built-in choice, ping-pong and a
+#: producer warpgroup): (head_dim, head_dim_v, block_n, causal with LSE).
+HEAD_DIM_V_REPORTS = ((192, 128, 112, True),)
 #: The persistent TMA kernels of :func:`compile_reports` (producer warpgroup, 128-key blocks):
 #: (head_dim, causal with LSE, pingpong, block_m).
 PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
@@ -1513,7 +1593,8 @@ def compile_reports():
     """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
     and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
-    (:data:`TMA_REPORTS`) and TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`)."""
+    (:data:`TMA_REPORTS`), TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`) and
+    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`)."""
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
@@ -1549,4 +1630,10 @@ def compile_reports():
                 f"{bm}x128{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     out.extend(_variant_entry(*v) for v in VARIANT_REPORTS)
+    for d, dv, bn, causal in HEAD_DIM_V_REPORTS:
+        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=True,
+                                   producer=True, head_dim_v=dv)
+        name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
+                f"{'_causal_lse' if causal else ''}")
+        out.append(_overlap_entry(name, cfg, causal, causal))
     return out

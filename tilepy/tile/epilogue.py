@@ -28,7 +28,7 @@ import math
 
 import numpy as np
 
-from ..inline import inline_device
+from ..inline import inline_device, written_out
 from ..ptx import barrier as BAR
 from ..ptx import vector as VEC
 from ..ptx.address import global_addr
@@ -223,7 +223,7 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
                              r0 + 16 * i, c0 + 8 * j, m, n, alpha, bias, c_in, beta)
 
         return store
-    return _written_out(
+    return written_out(
         "store(acc, out, row0, col0, m, n, alpha, bias, c_in, beta, lane)",
         ["r0 = row0 + lane // 4", "c0 = col0 + 2 * (lane % 4)"] +
         [f"store_n8(acc[{i}, {j}, 0], acc[{i}, {j}, 1], acc[{i}, {j}, 2], acc[{i}, {j}, 3], "
@@ -270,7 +270,7 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
             if r + 8 < m:
                 put_pair(out, r + 8, c, n, a2 * sa1 * b0, a3 * sa1 * b1)
 
-    return _written_out(
+    return written_out(
         "store(acc, out, scale_a, scale_b, row0, col0, m, n, lane, warp)",
         ["r0 = row0 + 16 * warp + lane // 4", "c0 = col0 + 2 * (lane % 4)",
          "sa0 = row_scale_at(scale_a, r0, m)", "sa1 = row_scale_at(scale_a, r0 + 8, m)",
@@ -288,7 +288,7 @@ def accumulate_scaled(ni: int):
     lane's rows ``r`` and ``f1`` for ``r + 8`` — the promotion of a block-scaled GEMM's partial
     product (one k block, its scales ``f``) into the float32 sum. Written out with constant
     indices (the arrays stay in registers)."""
-    return _written_out(
+    return written_out(
         "add(acc, part, f0, f1)",
         [f"acc[{4 * j + q}] += part[{4 * j + q}] * f{q // 2}"
          for j in range(ni) for q in range(4)], {}, f"accumulate_scaled {ni}")
@@ -305,15 +305,6 @@ def _plain(activation, has_bias: bool, has_c: bool) -> bool:
     return activation is None and not has_bias and not has_c
 
 
-def _written_out(signature: str, body: list, namespace: dict, name: str):
-    """An inlined device function ``def <signature>:`` with the given body lines, made from
-    source: the epilogues write their per-fragment calls out with constant accumulator
-    indices instead of looping (see :func:`store_accumulators`)."""
-    src = "\n".join([f"def {signature}:"] + ["    " + line for line in body])
-    exec(compile(src, f"<{name}>", "exec"), namespace)  # noqa: S102 - our own generated source
-    return inline_device(namespace[signature.split("(")[0]])
-
-
 # ---- the shared-memory-staged epilogue of a wgmma warpgroup ------------------------------------
 
 _U15 = np.uint64(15)
@@ -327,11 +318,14 @@ def _staging_geometry(ni: int, out_kind: str):
     16-bit outputs stage all ``ni·8`` columns at once, rows padded by 16 bytes (a row's pitch is
     4 banks off a multiple of 128 bytes: the 8 rows × 4 lanes of one 4-byte fragment store hit
     32 different banks). float32 stages half the columns per pass (the same bytes per row),
-    rows padded by 32 bytes (8 banks: the 8-byte stores of a half-warp hit 32 banks)."""
+    rows padded by 32 bytes (8 banks: the 8-byte stores of a half-warp hit 32 banks). That
+    bank arithmetic holds for ``ni`` a multiple of 8; other even ``ni`` (e.g. an attention
+    head dim of 96) stage correctly with some bank conflicts."""
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
-    if ni % 8:
-        raise ValueError(f"the staged epilogue needs ni (n8 blocks) a multiple of 8, got {ni}")
+    if ni % 2 or ni <= 0:
+        raise ValueError(f"the staged epilogue needs ni (n8 blocks) even and positive, got "
+                         f"{ni}")
     if out_kind == "float32":
         return 2, ni // 2, 4, ni * 16 + 32
     return 1, ni, 2, ni * 16 + 16
@@ -438,7 +432,7 @@ def store_accumulators_smem(mw: int, ni: int, out_kind: str, activation=None, ha
 
             return write
         # written out with constant accumulator indices (see _plain)
-        return _written_out(
+        return written_out(
             "write(acc, r_base, stage, row0, col0, m, n, alpha, bias, c_in, beta, g, t)",
             ["rl = r_base + g", "c0 = col0 + 2 * t"]
             + (["bt = bias + 8 * t"] if bias_in_smem and has_bias else ["bt = bias"]) +
@@ -639,7 +633,7 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
                  f"acc[{4 * j + 7}], col0 + {8 * j + 8} + 2 * t, r, m, n, alpha, bias, c_in, "
                  "beta)",
                  "stmatrix_x4(stage + addr, r0, r1, r2, r3)"]
-    return _written_out(
+    return written_out(
         "write(acc, stage, row0, col0, m, n, alpha, bias, c_in, beta, thread)", body,
         {"n8_values": n8_values, "stmatrix_x4": stmatrix_x4,
          "swizzled_pair_offset": swizzled_pair_offset},

@@ -41,7 +41,7 @@ import functools
 import numpy as np
 from numba import cuda
 
-from ..inline import inline_device
+from ..inline import inline_device, written_out
 from ..ptx.math import ex2_approx
 from .reduce import _check_count, fragment_row_reduce, quad_row_reduce
 
@@ -144,6 +144,11 @@ def online_softmax_finalize(mi: int, ni: int, quad_sum: bool = True):
     _check_count("online_softmax_finalize", "ni", ni)
     across = quad_row_reduce("sum")
     quad_sum = bool(quad_sum)
+    # row i's half h of the output times inv, written out (tilepy.inline.written_out)
+    scale_row = written_out("scale_row(acc_o, i, h, inv)",
+                            [f"acc_o[i, {j}, 2 * h + {e}] = acc_o[i, {j}, 2 * h + {e}] * inv"
+                             for j in range(ni) for e in range(2)],
+                            {}, f"online_softmax_finalize({mi}, {ni}) scale_row")
 
     @inline_device
     def finalize(acc_o, row_sum):
@@ -154,9 +159,7 @@ def online_softmax_finalize(mi: int, ni: int, quad_sum: bool = True):
                     s = across(s)
                     row_sum[i, h] = s
                 inv = _ONE / s if s != _ZERO else _ZERO
-                for j in range(ni):
-                    acc_o[i, j, 2 * h] = acc_o[i, j, 2 * h] * inv
-                    acc_o[i, j, 2 * h + 1] = acc_o[i, j, 2 * h + 1] * inv
+                scale_row(acc_o, i, h, inv)
 
     return finalize
 
@@ -183,19 +186,14 @@ def accumulator_fragment(n: int):
         raise ValueError(f"accumulator_fragment: n={n!r} is not a positive multiple of 8 "
                          "(the wgmma N)")
     NT = n // 8
-
-    @inline_device
-    def to_fragment(frag, acc):
-        for j in range(NT):
-            for e in range(4):
-                frag[0, j, e] = acc[4 * j + e]
-
-    @inline_device
-    def to_accumulators(acc, frag):
-        for j in range(NT):
-            for e in range(4):
-                acc[4 * j + e] = frag[0, j, e]
-
+    # written out: constant indices at any n (tilepy.inline.written_out)
+    pairs = [(j, e) for j in range(NT) for e in range(4)]
+    to_fragment = written_out("to_fragment(frag, acc)",
+                              [f"frag[0, {j}, {e}] = acc[{4 * j + e}]" for j, e in pairs],
+                              {}, f"accumulator_fragment({n}) to_fragment")
+    to_accumulators = written_out("to_accumulators(acc, frag)",
+                                  [f"acc[{4 * j + e}] = frag[0, {j}, {e}]" for j, e in pairs],
+                                  {}, f"accumulator_fragment({n}) to_accumulators")
     return to_fragment, to_accumulators
 
 
