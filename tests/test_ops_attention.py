@@ -413,6 +413,21 @@ def test_config_validation():
     assert AttentionConfig(40, 64, 64).smem_bytes == (64 + 4 * 64) * 48 * 2
 
 
+def test_fallback_configs_past_128_fit_the_smaller_gpus():
+    """The mma.sync fallbacks past head_dim 128 (forward, backward, a decoding step and a
+    prefill against a cache) fit the 99 KB of shared memory of sm_86 / sm_89."""
+    from tilepy.ops.attention import GPU_CONFIGS
+    from tilepy.ops.attention_backward import GPU_BLOCKS
+    from tilepy.ops.attention_backward_mma_sync import BackwardConfig
+    from tilepy.ops.attention_decode_mma_sync import DecodeConfig
+
+    for d in (136, 200, 256):
+        AttentionConfig(d, *GPU_CONFIGS[256], cc=(8, 6))
+        BackwardConfig(d, **GPU_BLOCKS[256], cc=(8, 6))
+        DecodeConfig(d, 16, 4, "bfloat16", cc=(8, 6))      # attention_kvcache's choice
+        AttentionConfig(d, 64, 32, 16, cc=(8, 6))
+
+
 # ---- compile layer: the real kernels, offline, sm_90 -------------------------------------
 
 @pytest.mark.compile

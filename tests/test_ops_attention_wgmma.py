@@ -137,22 +137,26 @@ def test_tma_schedules_against_float64(b, hq, hk, sq, sk, causal, layout, dtype,
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("d,dv,sq,sk,causal,layout,dtype", [
-    (40, 72, 70, 100, True, "bshd", "bfloat16"),    # V wider: 64- and 128-column tiles, odd NO
-    (136, 64, 20, 70, False, "bhsd", "float16"),    # V narrower: 192- and 64-column tiles
+@pytest.mark.parametrize("d,dv,sq,sk,causal,layout,dtype,persistent", [
+    # V wider: 64- and 128-column tiles, odd NO; the persistent kernel (its own V loads)
+    (40, 72, 70, 100, True, "bshd", "bfloat16", True),
+    (136, 64, 20, 70, False, "bhsd", "float16", False),   # V narrower: 192 and 64 columns
 ])
-def test_head_dim_v_against_float64(d, dv, sq, sk, causal, layout, dtype):
+def test_head_dim_v_against_float64(d, dv, sq, sk, causal, layout, dtype, persistent):
     """V's head dim other than Q's and K's (head_dim_v, e.g. DeepSeek's 192 / 128) through
-    the op's default (the simulator picks a TMA config for it): out ends in V's head dim,
-    against float64; GQA 2/1; the backward refuses it before launch."""
+    the op's default (the simulator picks a TMA config for it) or the persistent TMA kernel
+    with a producer warpgroup: out ends in V's head dim, against float64; GQA 2/1; the
+    backward refuses it before launch."""
     rng = np.random.default_rng()
     shq = (1, 2, sq, d) if layout == "bhsd" else (1, sq, 2, d)
     shk = (1, 1, sk, d) if layout == "bhsd" else (1, sk, 1, d)
     q, k = rand(rng, shq, dtype), rand(rng, shk, dtype)
     v = rand(rng, shk[:-1] + (dv,), dtype)
     out = np.full(shq[:-1] + (dv,), np.nan, NP[dtype])
+    cfg = WgmmaAttentionConfig(d, 128, 128, dtype, overlap=True, tma=True, producer=True,
+                               persistent=True, head_dim_v=dv) if persistent else None
     o, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, layout=layout,
-                                    out=out)
+                                    out=out, config=cfg)
     assert o is out
     ro, rl = reference(q, k, v, causal, None, layout)
     check(o, ro, v, dtype)
@@ -423,6 +427,8 @@ def test_config_validation():
                       ((160, 192, 64), "block_m=192 needs tile_dim 64")):
         with pytest.raises(ValueError, match=what):
             WgmmaAttentionConfig(*bad, overlap=True, tma=True, producer=True)
+    with pytest.raises(ValueError, match="block_m=192 needs tile_dim 64"):   # V's width too
+        WgmmaAttentionConfig(64, 192, 64, overlap=True, tma=True, producer=True, head_dim_v=128)
     q = np.zeros((1, 1, 8, 64), np.float16)
     with pytest.raises(ValueError, match="config is for head_dim 128"):
         tilepy.flash_attention(q, q, q, config=WgmmaAttentionConfig(128))
@@ -600,7 +606,8 @@ def test_gpu_head_dims_on_the_defaults_against_sdpa(d, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dv,causal", [(192, 128, True), (192, 128, False), (64, 256, False)])
+@pytest.mark.parametrize("d,dv,causal", [(192, 128, True), (192, 128, False), (64, 256, False),
+                                         (128, 64, True)])   # the persistent kernel
 def test_gpu_head_dim_v_against_sdpa(d, dv, causal):
     """V's head dim other than Q's (DeepSeek's 192 / 128) through the built-in Hopper choice,
     GQA, seq_q != seq_k, bf16, against SDPA (which takes a different V head dim)."""

@@ -76,8 +76,9 @@ def hopper_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=No
 def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool = False,
                   head_dim_v=None):
     """The built-in config for a head dimension, dtype and masking on the current device: the
-    wgmma kernel's on a compute capability 9.0 GPU for head_dim 64 and 128
-    (:data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small one).
+    TMA wgmma kernel's on a compute capability 9.0 GPU for every head dim (that of its
+    64-column class, :data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small
+    one).
     ``variant`` (a window other than causal / full, or a soft cap): the same choice — the
     Hopper configs are TMA ones, whose kernels take variants; the argument is kept for the
     callers that pass it. ``head_dim_v`` (v's head dim, when it differs): the TMA kernels
@@ -92,11 +93,16 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
     if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
         return hopper_config(head_dim, dtype, causal, dv)
     if dv != head_dim:
-        raise NotImplementedError(
-            f"flash_attention: v's head_dim {dv} differing from q's and k's {head_dim} runs on "
-            f"the Hopper (sm_90) TMA kernels only; this GPU is compute capability "
-            f"{launch.compute_capability()}")
+        raise NotImplementedError(hopper_only(head_dim, dv))
     return mma_sync_config(head_dim, dtype)
+
+
+def hopper_only(d: int, dv: int) -> str:
+    """Why v's head dim ``dv`` other than ``d`` cannot run here."""
+    return (f"flash_attention: v's head_dim {dv} differing from q's and k's {d} runs on the "
+            f"Hopper TMA kernels only (compute capability 9.0, TILEPY_HOPPER not 0); this "
+            f"GPU is compute capability {launch.compute_capability()}"
+            + (" with TILEPY_HOPPER=0" if launch.compute_capability()[0] == 9 else ""))
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
@@ -105,9 +111,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
-      heads_kv, seq_k, head_dim). ``layout="bshd"``: (batch, seq, heads, head_dim) instead,
-      read and written in place (no transposing copy). ``out`` and the result have ``q``'s
-      shape (with v's head dim) and layout.
+      heads_kv, seq_k, head_dim; v's may differ, below). ``layout="bshd"``: (batch, seq,
+      heads, head_dim) instead, read and written in place (no transposing copy). ``out`` and
+      the result have ``q``'s shape (with v's head dim) and layout.
     * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
       ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
     * ``head_dim``: a multiple of 8 from 8 to 256, the same for q and k. On sm_90 every one
@@ -374,6 +380,8 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
                              f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    if dv != d and not arrays.SIMULATOR and not launch.is_hopper():
+        raise NotImplementedError(hopper_only(d, dv))
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     scale = check_scale(scale, d)
@@ -505,9 +513,10 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     later call with the same signature can reuse it), else None. ``fallback`` (a config the
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
     runs as the same config without TMA (cp.async loads) instead of failing — or, for a
-    variant, as the mma.sync kernel, since only the TMA wgmma kernels take one. ``variant``:
-    ``((left, right), cap, score_mod, mask_mod, n_args, alibi)``, the kernels' window, soft
-    cap, user functions, their number of ``mod_args`` and ALiBi
+    variant or a head dim without a cp.async wgmma kernel (not 64 or 128), as the mma.sync
+    kernel; with v's head dim other than q's (TMA kernels only) the error is raised.
+    ``variant``: ``((left, right), cap, score_mod, mask_mod, n_args, alibi)``, the kernels'
+    window, soft cap, user functions, their number of ``mod_args`` and ALiBi
     (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
     arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays among them, whose
     pointers a bound plan takes after out's and lse's."""

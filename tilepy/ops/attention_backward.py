@@ -29,8 +29,11 @@ from .attention_backward_wgmma import WgmmaBackwardConfig
 # at head_dim 128 it spills 24 B (dK and dV hold D/2 registers each per thread), and 16-row
 # steps that do not spill were slower. Simulator: 2 warps, 32 × 32 tiles (several query and
 # key blocks per problem, masked edges).
+# Past 128 (the portable fallback): 32-row, 32-key tiles, whose dK / dV and dQ kernels take at
+# most 97 KB of shared memory at head_dim 256 (within sm_86's and sm_89's 99 KB).
 GPU_BLOCKS = {64: dict(block_m=64, block_n=64, dq_block_m=64, dq_block_n=64),
-              128: dict(block_m=32, block_n=64, dq_block_m=64, dq_block_n=64)}
+              128: dict(block_m=32, block_n=64, dq_block_m=64, dq_block_n=64),
+              256: dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)}
 SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 
 
@@ -61,8 +64,8 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
-    blocks = GPU_BLOCKS[64 if head_dim <= 64 else 128]
-    if head_dim > 64 and (-(-head_dim // 16) * 2) % 4:
+    blocks = GPU_BLOCKS[min(d for d in GPU_BLOCKS if d >= head_dim)]
+    if 64 < head_dim <= 128 and (-(-head_dim // 16) * 2) % 4:
         # 80- and 112-column tiles (head_dim 72, 80, 104, 112): their 10 / 14 n8 tiles do not
         # split over GPU_BLOCKS[128]'s two column groups of warps; 32 keys a block (two warps,
         # each its own 16 rows of dQ and every column) — offline sm_90: 234 registers at 72,

@@ -249,13 +249,17 @@ def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0, gro
     heads of a KV head, ``group``): the decoding kernel, 32-key blocks (16 in the simulator),
     fewer when a page is smaller (``block_n`` must divide ``page_size``), four stages (three
     key blocks in flight while one is computed). More (a prefill against a cache): the
-    forward kernel, 64-row query blocks of four warps."""
+    forward kernel, 64-row query blocks of four warps. Past head_dim 128 the key blocks are
+    halved (16 keys, four stages; the forward's 32), so that shared memory stays within the
+    99 KB of sm_86 / sm_89 (72 KB and 96 KB at head_dim 256)."""
+    wide = head_dim > 128
     if seq_q * group > DECODE_ROWS:
-        bm, bn = (at.SIM_BLOCK_M, at.SIM_BLOCK_N) if arrays.SIMULATOR else (64, 64)
+        bm, bn = (at.SIM_BLOCK_M, at.SIM_BLOCK_N) if arrays.SIMULATOR else (64, 32 if wide
+                                                                              else 64)
         while page_size and page_size % bn:
             bn //= 2
         return AttentionConfig(head_dim, bm, bn, 16, dtype)
-    bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 32
+    bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 16 if wide else 32
     while page_size and page_size % bn:
         bn //= 2
     return DecodeConfig(head_dim, bn, 3 if bn >= 32 else 4, dtype)

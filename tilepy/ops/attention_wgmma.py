@@ -21,7 +21,7 @@ warpgroup that only loads). Per key block of
    :mod:`tilepy.tile.online_softmax`).
 4. P is rounded to 16 bits in registers and is directly the A operand of the register form
    of wgmma (the S accumulators of keys 16s … 16s+15 are the four A registers of k16 step
-   s), so O += P·V is ``block_n / 16`` wgmmas m64n{D}k16 with V (B, MN-major) from shared
+   s), so O += P·V is ``block_n / 16`` wgmmas m64n{Dv}k16 with V (B, MN-major) from shared
    memory — P never goes through shared memory (the FlashAttention-3 arrangement).
 
 By default each wgmma batch is waited for (S, wait, softmax, P·V, wait: the tensor cores idle
@@ -179,7 +179,9 @@ class WgmmaAttentionConfig:
     """``block_m`` query rows (64, 128, or with ``producer`` 192: one warpgroup per 64),
     ``block_n`` keys per step (64 or 128; the TMA kernels :data:`TMA_BLOCK_NS`),
     ``head_dim`` (64 or 128; the TMA kernels every multiple of 8 up to 256, in shared tiles
-    :attr:`tile_dim` wide), ``dtype``; ``overlap``: pipeline the softmax of
+    :attr:`tile_dim` wide), ``dtype``; ``head_dim_v`` (TMA kernels): V's and O's head dim
+    when it differs from Q's and K's (None: the same; V's tiles :attr:`tile_dim_v` wide);
+    ``overlap``: pipeline the softmax of
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`)."""
 
@@ -218,9 +220,9 @@ class WgmmaAttentionConfig:
         need(self.block_m in (64, 128, 192), "block_m must be 64, 128 or 192")
         need(self.block_m >= 128 or not self.producer,
              "producer needs block_m of 128 or 192 (two or three consumer warpgroups)")
-        need(self.block_m != 192 or self.tile_dim == 64,
-             "block_m=192 needs tile_dim 64, head_dim up to 64 (at 512 threads a consumer "
-             "gets 160 registers; head_dim 128 needs about 220)")
+        need(self.block_m != 192 or self.fit_dim == 64,
+             "block_m=192 needs tile_dim 64, head_dim (and head_dim_v) up to 64 (at 512 "
+             "threads a consumer gets 160 registers; head_dim 128 needs about 220)")
         need(self.block_m != 192 or self.producer,
              "block_m=192 needs producer=True (three consumer warpgroups and a producer: "
              "setmaxnreg shares the registers)")
@@ -245,11 +247,12 @@ class WgmmaAttentionConfig:
                  "ahead of the consumers)")
         if self.overlap:
             need((self.fit_dim, self.block_n) in OVERLAP_FITS,
-                 f"overlap needs (tile_dim, block_n) in {sorted(OVERLAP_FITS)}: "
+                 f"overlap needs (the wider of tile_dim and tile_dim_v, block_n) in "
+                 f"{sorted(OVERLAP_FITS)}: "
                  f"{OVERLAP_WHY}")
         if self.overlap and self.persistent:
             need((self.fit_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
-                 f"persistent with overlap needs (head_dim, block_n) in "
+                 f"persistent with overlap needs (tile width, block_n) in "
                  f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 with 64-key blocks it "
                  f"spills")
         limit = SMEM_LIMIT[(9, 0)]
@@ -520,7 +523,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
 
 
     # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
-    # Each warpgroup stages its 64 × D rows (padded, store_accumulators_smem) in its own part
+    # Each warpgroup stages its 64 × DV rows (padded, store_accumulators_smem) in its own part
     # of the stage the tile's last key block used, after a barrier of the consumer threads
     # (the other warpgroups may still read that block's K and V); a persistent kernel's next
     # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a

@@ -38,7 +38,8 @@ from .spaces import TuneResult, _device_cc, _module, _synchronize, conclude, tim
 #: warp_rows 32 spills at head_dim > 64 in the offline compile).
 MMA_SYNC_SHAPES = ((128, 64, 16), (128, 128, 16), (64, 64, 16), (128, 32, 16), (192, 64, 16))
 MMA_SYNC_SHAPES_D64 = ((64, 128, 16), (128, 64, 32), (256, 64, 32))
-#: (block_m, block_n) of the wgmma kernel (sm_90; head_dim 64 and 128), each without and with
+#: (block_m, block_n) of the wgmma kernel (sm_90; every head dim, the cp.async kernels at 64
+#: and 128 only; the built-in choice is a candidate too), each without and with
 #: the softmax overlapped with P·V, on a grid and persistent, with cp.async or TMA loads, the
 #: TMA ones with and without ping-pong and a producer warpgroup (where those are valid and
 #: compile without spilling).
