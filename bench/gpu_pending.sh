@@ -31,6 +31,9 @@
 #   PART=s24a    head dims past 128 and not multiples of 64 on the TMA attention kernels (issue
 #                25): the Hopper attention GPU tests, the backward's at 200 / 256, the key-block
 #                A/B at 96 / 192 / 256, the attention forward benchmark
+#   PART=s25a    what session 24 left: head_dim_v's GPU tests with the persistent default (128 /
+#                64 causal), the backward past 128 after its 32 x 32 blocks, the d256 key-block
+#                A/B
 #   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
 #                GPU tests of the Hopper attention, the attention op's GPU tests
 #   PART=s24c    V's head dim other than Q's (GPU tests, benchmark against cuDNN), the head-dim
@@ -211,6 +214,12 @@ if [[ " $PART " == *" s24a "* ]]; then
     gpu_tests attention_backward_wide 120 tests/test_attention_backward_gpu.py -k "D256 or D200"
     step sweep_wide 150 "$PY" bench/sweep_attention.py --wide-ab --json "$OUT/sweep_wide.json"
     bench_suite bench_attention 200 "test_flash_attention and (D96 or D192 or D256)"
+fi
+if [[ " $PART " == *" s25a "* ]]; then
+    gpu_tests attention_head_dim_v_gpu 120 tests/test_ops_attention_wgmma.py -k "head_dim_v"
+    gpu_tests attention_backward_wide 150 tests/test_attention_backward_gpu.py -k "D256 or D200"
+    step sweep_wide 300 "$PY" bench/sweep_attention.py --wide-ab --head-dim 256 \
+        --json "$OUT/sweep_wide.json"
 fi
 if [[ " $PART " == *" s24d "* ]]; then
     gpu_tests attention_head_dims_gpu 150 tests/test_ops_attention_wgmma.py -k "head_dim or \
