@@ -23,17 +23,22 @@ from tilepy.ops.attention_wgmma import (
 )
 
 
-def run(rng, b, hq, hk, sq, sk, d, causal, layout, dtype, cfg):
+def run(rng, b, hq, hk, sq, sk, d, causal, layout, dtype, cfg, dv=None):
+    """One call against float64 (poisoned out; ``dv``: V's head dim, default d); returns
+    ``(q, k, v, out, lse)``."""
     shq = (b, hq, sq, d) if layout == "bhsd" else (b, sq, hq, d)
     shk = (b, hk, sk, d) if layout == "bhsd" else (b, sk, hk, d)
-    q, k, v = rand(rng, shq, dtype), rand(rng, shk, dtype), rand(rng, shk, dtype)
-    out = np.full(shq, np.nan, NP[dtype])
+    dv = d if dv is None else dv
+    q, k = rand(rng, shq, dtype), rand(rng, shk, dtype)
+    v = rand(rng, shk[:-1] + (dv,), dtype)
+    out = np.full(shq[:-1] + (dv,), np.nan, NP[dtype])
     o, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, layout=layout,
                                     out=out, config=cfg)
     assert o is out
     ro, rl = reference(q, k, v, causal, None, layout)
     check(o, ro, v, dtype)
     check_lse(lse, rl)
+    return q, k, v, out, lse
 
 
 @pytest.mark.sim
@@ -147,20 +152,10 @@ def test_head_dim_v_against_float64(d, dv, sq, sk, causal, layout, dtype, persis
     the op's default (the simulator picks a TMA config for it) or the persistent TMA kernel
     with a producer warpgroup: out ends in V's head dim, against float64; GQA 2/1; the
     backward refuses it before launch."""
-    rng = np.random.default_rng()
-    shq = (1, 2, sq, d) if layout == "bhsd" else (1, sq, 2, d)
-    shk = (1, 1, sk, d) if layout == "bhsd" else (1, sk, 1, d)
-    q, k = rand(rng, shq, dtype), rand(rng, shk, dtype)
-    v = rand(rng, shk[:-1] + (dv,), dtype)
-    out = np.full(shq[:-1] + (dv,), np.nan, NP[dtype])
     cfg = WgmmaAttentionConfig(d, 128, 128, dtype, overlap=True, tma=True, producer=True,
                                persistent=True, head_dim_v=dv) if persistent else None
-    o, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, layout=layout,
-                                    out=out, config=cfg)
-    assert o is out
-    ro, rl = reference(q, k, v, causal, None, layout)
-    check(o, ro, v, dtype)
-    check_lse(lse, rl)
+    q, k, v, out, lse = run(np.random.default_rng(), 1, 2, 1, sq, sk, d, causal, layout,
+                            dtype, cfg, dv)
     with pytest.raises(NotImplementedError, match="the backward does not yet"):
         tilepy.flash_attention_backward(out, q, k, v, out, lse, causal=causal, layout=layout)
 

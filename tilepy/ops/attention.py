@@ -67,7 +67,7 @@ def hopper_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=No
     of 8 up to 256: the config of its 64-column tile width; with a different ``head_dim_v``,
     of the wider of the two)."""
     dv = head_dim if head_dim_v is None else head_dim_v
-    tile_dim = -(-max(head_dim, dv) // 64) * 64
+    tile_dim = aw.tile_width(max(head_dim, dv))
     return aw.WgmmaAttentionConfig(head_dim, dtype=dtype,
                                    head_dim_v=None if dv == head_dim else dv,
                                    **HOPPER_CHOICE[(tile_dim, bool(causal))])
@@ -548,7 +548,7 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
             except (ValueError, RuntimeError):
                 if not (fallback and getattr(cfg, "tma", False)):
                     raise
-                if getattr(cfg, "dv", cfg.head_dim) != cfg.head_dim:
+                if cfg.dv != cfg.head_dim:     # (a TMA config: no other kernel takes it)
                     raise
                 if variant is not None or cfg.head_dim not in aw.HEAD_DIMS:
                     cfg = mma_sync_config(cfg.head_dim, cfg.dtype)

@@ -141,6 +141,13 @@ HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the 
 #: columns past head_dim with zeros (its out-of-bounds fill), Q·Kᵀ runs ceil(head_dim / 16)
 #: k16 steps and P·V is m64n{head_dim}: no padded copy of the inputs, no padded output.
 TMA_HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+def tile_width(head_dim: int) -> int:
+    """A TMA kernel's shared tile row length for ``head_dim``: whole 64-column sub-tiles."""
+    return -(-head_dim // 64) * 64
+
+
 #: block_n of the TMA kernels (the cp.async kernels: 64 or 128): multiples of 16 (the P·V
 #: k16 steps) from 64 to 128, so that a head dim past 128 finds a key block whose two K/V
 #: stages fit beside Q.
@@ -279,7 +286,7 @@ class WgmmaAttentionConfig:
     def tile_dim(self) -> int:
         """The shared tiles' row length: head_dim rounded up to whole 64-column sub-tiles (the
         columns past head_dim are TMA's zero fill)."""
-        return -(-self.head_dim // 64) * 64
+        return tile_width(self.head_dim)
 
     @property
     def dv(self) -> int:
@@ -289,7 +296,7 @@ class WgmmaAttentionConfig:
     @property
     def tile_dim_v(self) -> int:
         """The V tile's row length: dv rounded up to whole 64-column sub-tiles."""
-        return -(-self.dv // 64) * 64
+        return tile_width(self.dv)
 
     @property
     def fit_dim(self) -> int:
@@ -529,10 +536,10 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     # tile loads into the other stage. Where the warpgroups' staged parts do not fit (a
     # persistent kernel has one stage: 16 KB at head_dim 64 with 64-key blocks; a grid kernel
     # may use both stages), 16-bit stores from the fragments as before.
-    STAGED = staged_bytes(1, NO + NO % 2)
+    # (an odd count of n8 tiles — head dims 8, 24, … — stores from the fragments)
+    STAGED = staged_bytes(1, NO) if NO % 2 == 0 else 0
     ROOM = STAGE if cfg.persistent else 2 * STAGE
-    STAGE_O = NO % 2 == 0 and (BM // 64) * STAGED <= ROOM   # (an odd count of n8 tiles:
-    # head dims 8, 24, …, whose rows are not whole 16-byte vectors, store from the fragments)
+    STAGE_O = 0 < (BM // 64) * STAGED <= ROOM
     store_o = store_accumulators_smem(1, NO, cfg.dtype) if STAGE_O else None
     store_lse = store_rows(1, 0, cfg.dtype, has_lse)
 
@@ -1008,25 +1015,20 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     wg_bounds = block_bounds(64, BN, False, WIN)
     PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
-    @inline_device
-    def load_kv(dst, tm, bar, row, hk, b):
-        """A K tile (see load_v)."""
-        MB.mbarrier_arrive_expect_tx(bar, TILE)
-        for c in range(KV_BOXES):
-            T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
+    def tile_load(nbytes, boxes, box_bytes):
+        """``load(dst, tm, bar, row, head, b)``: one tile of ``boxes`` 64-column boxes of
+        ``box_bytes`` each into ``dst``, its ``nbytes`` expected on ``bar``."""
+        @inline_device
+        def load(dst, tm, bar, row, head, b):
+            MB.mbarrier_arrive_expect_tx(bar, nbytes)
+            for c in range(boxes):
+                T.tma_load_4d(dst + c * box_bytes, tm, bar, c * 64, row, head, b)
 
-    @inline_device
-    def load_v(dst, tm, bar, row, hk, b):
-        """A V tile: tile_dim_v wide (head_dim_v may differ from head_dim)."""
-        MB.mbarrier_arrive_expect_tx(bar, VTILE)
-        for c in range(V_BOXES):
-            T.tma_load_4d(dst + c * KV_BOX, tm, bar, c * 64, row, hk, b)
+        return load
 
-    @inline_device
-    def load_q(dst, tq, bar, row0, h, b):
-        MB.mbarrier_arrive_expect_tx(bar, Q_BYTES)
-        for c in range(KV_BOXES):
-            T.tma_load_4d(dst + c * Q_BOX, tq, bar, c * 64, row0, h, b)
+    load_q = tile_load(Q_BYTES, KV_BOXES, Q_BOX)
+    load_kv = tile_load(TILE, KV_BOXES, KV_BOX)     # a K tile
+    load_v = tile_load(VTILE, V_BOXES, KV_BOX)      # a V tile, tile_dim_v wide
 
     @inline_device
     def init_ring(bars):
