@@ -32,8 +32,11 @@
 #                25): the Hopper attention GPU tests, the backward's at 200 / 256, the key-block
 #                A/B at 96 / 192 / 256, the attention forward benchmark
 #   PART=s25a    what session 24 left: head_dim_v's GPU tests with the persistent default (128 /
-#                64 causal), the backward past 128 after its 32 x 32 blocks, the d256 key-block
-#                A/B
+#                64 causal), the backward past 128 after its 32 x 32 blocks, the attention op's
+#                GPU tests (after the one TMA tile loader)
+#   PART=s25b    split-K in the warp-specialised GEMM (issue 27): its GPU tests, the sweep of tile
+#                shapes x splits over the issue's shape grid against cuBLAS (CUDA-graph replays)
+#   PART=s25s    the d256 key-block A/B
 #   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
 #                GPU tests of the Hopper attention, the attention op's GPU tests
 #   PART=s24c    V's head dim other than Q's (GPU tests, benchmark against cuDNN), the head-dim
@@ -218,6 +221,13 @@ fi
 if [[ " $PART " == *" s25a "* ]]; then
     gpu_tests attention_head_dim_v_gpu 120 tests/test_ops_attention_wgmma.py -k "head_dim_v"
     gpu_tests attention_backward_wide 150 tests/test_attention_backward_gpu.py -k "D256 or D200"
+    gpu_tests attention_op_gpu 200 tests/test_ops_attention.py
+fi
+if [[ " $PART " == *" s25b "* ]]; then
+    gpu_tests gemm_split_k_gpu 150 tests/test_ops_gemm_wgmma_ws.py -k "split"
+    step sweep_gemm_grid 330 "$PY" bench/sweep_gemm_grid.py --json "$OUT/sweep_gemm_grid.json"
+fi
+if [[ " $PART " == *" s25s "* ]]; then
     step sweep_wide 300 "$PY" bench/sweep_attention.py --wide-ab --head-dim 256 \
         --json "$OUT/sweep_wide.json"
 fi

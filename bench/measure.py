@@ -222,6 +222,41 @@ def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: in
     return Timing(ms, host_us, flush, all_hidden, ms_called, calls)
 
 
+def graph_ms(torch, fn, calls: int = 20, replays: int = 5) -> float:
+    """Milliseconds per call of ``fn`` from CUDA-graph replays of ``calls`` calls (the GPU work
+    only: no host cost inside the graph): events around one replay, median of ``replays``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        stop = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / calls)
+    return statistics.median(times)
+
+
+def graph_timing(torch, fn, calls: int = 20) -> Timing:
+    """A :class:`Timing` whose GPU-only time is :func:`graph_ms` of ``calls`` calls and whose
+    as-called time and host cost are :func:`gpu_time`'s."""
+    t = gpu_time(torch, fn, repeat=3)
+    return Timing(graph_ms(torch, fn, calls), t.host_us, False, True, t.ms_as_called,
+                  t.calls_as_called)
+
+
 def max_rel_err(got, want) -> float:
     """max |got - want| / max |want|, in float32."""
     g, w = got.float(), want.float()

@@ -5,6 +5,9 @@
 * ``test_gemm_op_square``: the public op ``tilepy.gemm(a, b, out=out)`` on PyTorch tensors,
   fp16 and bf16, M = N = K ∈ {4096, 8192}.
 * ``test_gemm_op_llm``: fp16, M ∈ {4096, 16384} × (N, K) of LLM projections.
+* ``test_gemm_shape_grid``: bf16, M ∈ {1 … 4096} × Llama-3's (N, K) pairs, and 2048³: the
+  GPU time of both sides from CUDA-graph replays of 20 calls (``measure.graph_ms``), and
+  as called.
 * ``test_gemm_op_small``: 512³ (inputs fit in L2: flushed before each run); the CPU cost of
   one call (``host_us``) matters as much as the GPU time here.
 * ``test_gemm_bias_gelu``: the fused epilogue ``gemm(a, b, bias=bias, activation="gelu")``
@@ -28,6 +31,7 @@ from measure import (
     checked_timing,
     fits_in_l2,
     gpu_time,
+    graph_timing,
     max_rel_err,
     optional_module,
     record_throughput,
@@ -148,6 +152,32 @@ def test_gemm_op_llm(benchmark, record, torch, gpu_name, m, nk):
                   table="GEMM: tilepy.gemm, LLM shapes (float16)", case=f"{m}x{n}x{k}",
                   figure=f"gemm_llm_M{m}_float16", x=f"N={n} K={k}", xlabel="(N, K)")
     benchmark.pedantic(run, rounds=3, iterations=1)
+
+
+GRID_M = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096]
+GRID_NK = [(4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192)]
+GRID = [(m, n, k) for n, k in GRID_NK for m in GRID_M] + [(2048, 2048, 2048)]
+
+
+@pytest.mark.parametrize("mnk", GRID, ids=lambda s: "x".join(map(str, s)))
+def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
+    import tilepy
+
+    m, n, k = mnk
+    a, b, out = operands(torch, m, n, k, "bfloat16")
+    out.fill_(float("nan"))
+    tilepy.gemm(a, b, out=out)
+    err = max_rel_err(out, torch.matmul(a.float(), b.float()))
+    assert err < TOLERANCE, err
+    peer = torch.empty_like(out)
+    timings = {"tilepy": graph_timing(torch, lambda: tilepy.gemm(a, b, out=out)),
+               CUBLAS: graph_timing(torch, lambda: torch.matmul(a, b, out=peer))}
+    record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
+                      gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
+                      table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "
+                            "replays of 20 calls)", case=f"{m}x{n}x{k}")
+    benchmark.pedantic(lambda: (tilepy.gemm(a, b, out=out), torch.cuda.synchronize()),
+                       rounds=3, iterations=1)
 
 
 def test_gemm_op_small(benchmark, record, torch, gpu_name):

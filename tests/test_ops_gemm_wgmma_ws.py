@@ -107,6 +107,51 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     check(out, ref, "float16")
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,shape,splits,extra", [
+    ("float16", "row", SMALL, 4, {}),
+    ("bfloat16", "col", TWO, 8, {"persistent": True, "smem_epilogue": True,
+                                 "tma_store": True}),
+    ("float16", "col", SMALL, 3, {"persistent": True, "epilogue": True})],
+    ids=["4-splits", "more-splits-than-k-steps-tma-store", "persistent-3-blocks-fused"])
+def test_split_k(dtype, b_layout, shape, splits, extra):
+    """Split-K: M, N, K = 70, 136, 328 (six k steps of 64, the last partial), the tiles' k
+    ranges as separate items — 4 splits of 1-2 k steps; 8 splits of six steps (two items
+    empty: zero partials) with the TMA-store epilogue; 3 splits on a persistent grid of 3
+    blocks, with bias, c, alpha, beta and GELU into float32 — summed by each tile's last item.
+    The result is right, two launches give the same bits, and the semaphores are back at
+    zero after each."""
+    rng = np.random.default_rng()
+    m, n, k = 70, 136, 328
+    fused = extra.pop("epilogue", False)
+    cfg = WsConfig(stages=2, dtype=dtype, splits=splits, **shape, **extra)
+    a = padded(rng, (m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    kw, ref = {}, matmul64(a, b)
+    out_dtype = np.float32 if fused else NP[dtype]
+    if fused:
+        bias = rng.standard_normal(n).astype(np.float32)
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        kw = dict(bias=bias, c=c, alpha=2.0, beta=0.5, activation="gelu", sms=3)
+        pre = 2.0 * ref + 0.5 * c + bias
+        ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    out = np.full((m, n), np.nan, out_dtype)
+    plan, args = run(cfg, a, b, out, b_layout, **kw)
+    check(out, ref, dtype)
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+    if not cfg.persistent:
+        assert plan.grid[0] == tiles * splits      # a block per item
+    elif fused:
+        assert plan.grid[0] == 3
+    counters = np.asarray(plan.counter_for(0))
+    assert counters.shape[0] >= tiles and not counters.any()
+    first = out.copy()
+    out[:] = np.nan
+    plan.launch(0, args)
+    assert np.array_equal(out.view(np.uint8), first.view(np.uint8))
+    assert not np.asarray(plan.counter_for(0)).any()
+
+
 def padded_out(shape, np_dtype, pad=4):
     """NaN-poisoned output whose rows are 16-byte multiples (the vector stores' case)."""
     *lead, rows, cols = shape
@@ -464,10 +509,11 @@ def test_compiles_for_sm90a_without_spills(reports):
                               "gemm_ws_128x128_brow_smemepi_softmax_overlap",
                               "gemm_ws_128x256_brow_persistent_tmastore",
                               "gemm_ws_128x256_brow_persistent_tmastore_bias_gelu",
-                              "gemm_ws_128x256_brow_smemepi_softmax_tmaout"}
+                              "gemm_ws_128x256_brow_smemepi_softmax_tmaout",
+                              "gemm_ws_64x256_bcol_splitk3"}
     for name, rep in with_regs.items():
-        if "smemepi" in name or "tmastore" in name:
-            continue           # test_smem_epilogue_compiles_without_spills
+        if "smemepi" in name or "tmastore" in name or "splitk" in name:
+            continue           # test_smem_epilogue_compiles_without_spills, test_split_k_...
         assert rep["arch"].startswith("sm_90a")
         c = rep["counts"]
         assert c["wgmma.mma_async"] >= 4 and c["cp.async.bulk.tensor"] >= 2, (name, c)
@@ -487,6 +533,23 @@ def test_compiles_for_sm90a_without_spills(reports):
                 "wgmma.wait_group.sync.aligned"} <= ops, (name, ops)
         n = 128 if name.startswith(("gemm_ws_256x128", "gemm_ws_128x128")) else 256
         assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16" in ops
+
+
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_split_k_compiles_without_spills(reports):
+    """Split-K (64 x 256, one consumer, staged epilogue): no serialised wgmmas, spills bounded
+    (the reduction tail's), the partials' 16-byte stores."""
+    rep = reports["gemm_ws_64x256_bcol_splitk3"]
+    assert "error" not in rep, rep.get("error")
+    c = rep["counts"]
+    # The main loop's accumulators stay in registers (no C75xx note: no serialised wgmma);
+    # the reduction's written-out sum of every partial spills ~170 bytes at 255 registers
+    # (a known cost of the tail, run once per tile by its last item).
+    assert rep["spill_stores"] <= 256 and rep["spill_loads"] <= 256, rep["spill_stores"]
+    assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+    assert c["wgmma.mma_async"] >= 4, c
+    assert "st.global.v4.f32" in set(rep["ops"]), rep["ops"]
 
 
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
@@ -657,11 +720,15 @@ GPU_CASES = [((4096, 4096, 4096), False), ((4096, 4096, 4096), True), ((3000, 20
     dict(CLUSTER_KW), dict(CLUSTER_KW, smem_epilogue=False),
     dict(CLUSTER_KW, persistent=True, stages=3),
     dict(CLUSTER_KW, persistent=True, tma_store=True),
-    dict(CLUSTER_KW, block_m=256, block_n=128, smem_epilogue=False)],
+    dict(CLUSTER_KW, block_m=256, block_n=128, smem_epilogue=False),
+    {"splits": 4}, {"block_m": 64, "consumers": 1, "stages": 5, "splits": 3,
+                    "smem_epilogue": True},
+    {"persistent": True, "smem_epilogue": True, "tma_store": True, "splits": 2}],
     ids=["128x256", "256x128", "persistent", "128x256-smem-epilogue", "256x128-smem-epilogue",
          "persistent-s3-smem-epilogue",
          "cluster2-smem-epilogue", "cluster2", "cluster2-persistent-s3-smem-epilogue",
-         "cluster2-persistent-tma-store", "cluster2-256x128"])
+         "cluster2-persistent-tma-store", "cluster2-256x128", "split4", "64x256-split3",
+         "persistent-tma-store-split2"])
 def test_gpu_against_torch(dtype, cfg_kw):
     """The shared-memory epilogue cases meet odd N (edge element stores) and 70 × 100, whose
     200-byte output rows are only 8-byte aligned (element stores on odd rows)."""
@@ -680,6 +747,24 @@ def test_gpu_against_torch(dtype, cfg_kw):
         ref = a.double() @ b.double() + bias.double()
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < TOL[dtype], (m, n, k, b_col, err)
+
+
+@pytest.mark.gpu
+def test_gpu_split_k_same_bits_every_run():
+    """Split-K at a decode shape (M 16, K 4096 cut in 8): ten launches give the same bits (the
+    partials are added in split order whichever block finishes a tile last)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    cfg = WsConfig(64, 256, 5, "bfloat16", consumers=1, smem_epilogue=True, splits=8)
+    a = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    first = tilepy.gemm(a, b, config=cfg)
+    ref = a.double() @ b.double()
+    assert ((first.double() - ref).abs().max() / ref.abs().max()).item() < TOL["bfloat16"]
+    for _ in range(10):
+        assert torch.equal(tilepy.gemm(a, b, config=cfg).view(torch.int16),
+                           first.view(torch.int16))
 
 
 @pytest.mark.gpu

@@ -390,20 +390,21 @@ def on_device(device):
 _PLACEHOLDERS: dict = {}
 
 
-def placeholder(ndim: int):
-    """A float32 array of ``ndim`` ones-sized axes for a kernel argument the kernel never
-    touches (no bias, no LSE): made once per device, not per call (an allocation per call
-    costs a cuMemAlloc on the host path); in the simulator a fresh simulator array."""
+def placeholder(ndim: int, dtype: str = "float32"):
+    """An array of ``ndim`` ones-sized axes (``dtype``: float32 or int32) for a kernel argument
+    the kernel never touches (no bias, no LSE, no split-K scratch): made once per device, not
+    per call (an allocation per call costs a cuMemAlloc on the host path); in the simulator a
+    fresh simulator array."""
     shape = (1,) * ndim
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-        return FakeCUDAArray(np.zeros(shape, np.float32))
+        return FakeCUDAArray(np.zeros(shape, dtype))
     from numba import cuda
 
-    key = (cuda.get_current_device().id, ndim)
+    key = (cuda.get_current_device().id, ndim, dtype)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = cuda.device_array(shape, np.float32)
+        _PLACEHOLDERS[key] = cuda.device_array(shape, dtype)
     return _PLACEHOLDERS[key]
 
 

@@ -42,17 +42,57 @@ SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(
 HOPPER_WS = (128, 256, 4)
 HOPPER_LARGE = (256, 128, 4)
 HOPPER_MEDIUM = (128, 128, 4)
+#: Problems of fewer 128 × 256 tiles than SMs: the warp-specialised kernel's tiles (block_m,
+#: block_n, stages), tried in this order for each split-K factor of ONE_WAVE_SPLITS.
+ONE_WAVE_TILES = ((128, 256, 4), (128, 128, 6), (64, 256, 5), (64, 128, 8))
+ONE_WAVE_SPLITS = (1, 2, 4)
+#: ... the first whose work items fill at least this share of the SMs, in one wave
+ONE_WAVE_FILL = 0.75
 
 
-def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True):
-    """The wgmma kernel's config on a compute capability 9.0 GPU for a problem big enough to
-    fill the SMs with its tiles; None elsewhere (and always with ``TILEPY_HOPPER=0``).
+def one_wave_config(m: int, n: int, k: int, batch: int, dtype: str, tma_store: bool = True):
+    """The warp-specialised config for a problem too small for 128 × 256 tiles on every SM
+    (bench/NOTES.md: the GEMM shape grid): the first of :data:`ONE_WAVE_TILES` × split-K
+    factors :data:`ONE_WAVE_SPLITS` — fewer splits first, then larger tiles; 128-row tiles
+    only for M > 64 — whose work items fill one wave of the SMs to at least
+    :data:`ONE_WAVE_FILL`, each split at least two k steps; None when none does (the caller's
+    next rule). The swept alternatives measured: one-wave fill beats larger tiles in a
+    partial wave, and a split item costs its partials' round trip, so splitting comes last."""
+    sms = SMS
+    ksteps = -(-k // ws.BK)
+    for s in ONE_WAVE_SPLITS:
+        if s > 1 and ksteps < 2 * s:
+            break
+        for bm, bn, st in ONE_WAVE_TILES:
+            if bm == 128 and m <= 64:
+                continue
+            items = -(-m // bm) * -(-n // bn) * batch * s
+            if not ONE_WAVE_FILL * sms <= items <= sms:
+                continue
+            if (bm, bn, s) == (128, 256, 1) and tma_store:
+                return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
+                                   tma_store=True)
+            return ws.WsConfig(bm, bn, st, dtype, consumers=1 if bm == 64 else 2,
+                               smem_epilogue=True, splits=s)
+    return None
+
+
+def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True,
+                  k: int | None = None):
+    """The wgmma kernel's config on a compute capability 9.0 GPU; None elsewhere (and always
+    with ``TILEPY_HOPPER=0``). A problem of fewer 128 × 256 tiles than SMs takes
+    :func:`one_wave_config` when ``k`` is given and a config fills a wave; else a problem big
+    enough to fill the SMs with this kernel's tiles takes them; else None (mma.sync).
     ``tma_store=False``: the staged epilogue of 16-byte stores instead of the TMA-store one —
     for an output TMA cannot store (float32, rows not 16-byte aligned), and for epilogues with
     a bias, ``c`` or an activation (the staged epilogue keeps the tile's bias columns in
     shared memory; the TMA-store epilogue was slower there)."""
     if arrays.SIMULATOR or dtype == "float32" or not launch.is_hopper():
         return None
+    if k is not None and -(-m // 128) * -(-n // 256) * batch < SMS:
+        cfg = one_wave_config(m, n, k, batch, dtype, tma_store)
+        if cfg is not None:
+            return cfg
     for bm, bn, st in (HOPPER_WS, HOPPER_LARGE, HOPPER_MEDIUM):
         # at least one whole tile each way (a batch of small matrices would leave most of
         # every 128-row tile empty), and enough tiles for every SM
@@ -305,14 +345,14 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             plain = Bias is None and C is None and activation is None
             storable = _tma_storable(out_v)
             cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \
-                hopper_config(m, n, batch, dtype, tma_store=plain and storable) or mma_cfg
+                hopper_config(m, n, batch, dtype, tma_store=plain and storable, k=k) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
             a_view = kernel_view(A2, 3)
             if isinstance(cfg, ws.WsConfig) and cfg.tma_store and not (plain and storable):
                 if config is None:
                     # a tuned choice (timed on plain products) for a fused epilogue, or an out
                     # TMA cannot store: the staged epilogue instead
-                    cfg = hopper_config(m, n, batch, dtype, tma_store=False) or mma_cfg
+                    cfg = hopper_config(m, n, batch, dtype, tma_store=False, k=k) or mma_cfg
                 elif not storable:
                     raise ValueError("config: tma_store needs a 16-bit out whose rows TMA can "
                                      "store (unit column stride, rows and start 16-byte "

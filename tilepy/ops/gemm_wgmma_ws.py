@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, types
 
+from .. import arrays
 from ..inline import device_namespace, inline_device
 from ..launch import pointer, sm_count
 from ..ptx import barrier as BAR
@@ -71,8 +72,9 @@ from ..tile.roles import NamedBarriers, warpgroup_roles
 from ..tile.schedule import grouped_raster, static_persistent
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
+from ..tile.split_k import split_k_reduce
 from ..tile.tma_copy import tma_tile
-from ..tile.tma_plan import TmaLaunchPlan
+from ..tile.tma_plan import ScheduledTmaPlan, TmaLaunchPlan
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from ..kcache import cached_jit
 
@@ -121,6 +123,14 @@ class WsConfig:
     instead of 48 (128 × 256), as cuBLAS's Hopper kernels do with their 2-block clusters.
     ``block_n`` a multiple of 128. In the simulator the blocks of a cluster run at the same
     time (:mod:`tilepy.ptx._simcluster`).
+
+    ``splits`` (split-K; not with clusters): each tile's K steps are cut into ``splits``
+    balanced ranges, each a work item of its own (so a problem of few tiles still fills the
+    SMs). Every item writes its float32 partial sums to a workspace and counts itself in the
+    tile's semaphore; the item that arrives last adds the tile's partials in split order —
+    the same order whoever arrives last, so the result is the same bits on every run — and
+    runs the epilogue. No block waits on another. The workspace and semaphores are the
+    plan's (:func:`plan`): one per stream, the semaphores left at zero by every launch.
     """
 
     block_m: int = 128
@@ -134,6 +144,7 @@ class WsConfig:
     smem_epilogue: bool = False
     tma_store: bool = False
     cluster: int = 1
+    splits: int = 1
 
     def __post_init__(self):
         def need(ok, what):
@@ -143,6 +154,9 @@ class WsConfig:
 
         need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
         need(self.cluster in (1, 2), "cluster must be 1 or 2")
+        need(isinstance(self.splits, int) and 1 <= self.splits <= 64,
+             "splits must be an int in 1 … 64")
+        need(self.splits == 1 or self.cluster == 1, "splits > 1 needs cluster=1")
         need(self.block_n % (64 * self.cluster) == 0, f"cluster={self.cluster}: block_n must "
              f"be a multiple of {64 * self.cluster} (each block loads an equal share of B's "
              "64-column boxes)")
@@ -209,12 +223,14 @@ class WsConfig:
     def layout(self) -> SmemLayout:
         """The dynamic shared memory: the stage buffers; the epilogue's staging (in the stage
         buffers without ``persistent``, a buffer after them with it); the ring's mbarriers;
-        the tile's bias columns (:attr:`bias_in_smem`)."""
+        the tile's bias columns (:attr:`bias_in_smem`); with ``splits``, the word that tells
+        the consumers whether their item is its tile's last."""
         return SmemLayout.of(
             ("stages", self.stages * self.stage_bytes, 1024),
             ("staging", self.epilogue_bytes, 1024, None if self.persistent else "stages"),
             ("barriers", self.barrier_bytes, 8),
-            ("bias", 4 * self.block_n if self.bias_in_smem else 0, 16))
+            ("bias", 4 * self.block_n if self.bias_in_smem else 0, 16),
+            ("split_flag", 16 if self.splits > 1 else 0, 16))
 
     @property
     def named_barriers(self) -> NamedBarriers:
@@ -255,6 +271,7 @@ class WsConfig:
                 + (", persistent" if self.persistent else "")
                 + (", TMA-store epilogue" if self.tma_store else "")
                 + (f", clusters of {self.cluster} (B multicast)" if self.cluster > 1 else "")
+                + (f", split-K {self.splits}" if self.splits > 1 else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -272,8 +289,9 @@ def kernel_jit(cfg: WsConfig):
 def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     """The producer thread of a :class:`WsConfig` kernel: ``produce(base, maps, za, zb,
     m_tiles, n_tiles, total, ktiles, w0, step)`` loads every k step of work items ``w0, w0 +
-    step, … < total`` into the stage ring (``ring`` of :func:`stage_ring`), each item's
-    origin from ``order.tile_origin(w, m_tiles, n_tiles) -> (z, row0, col0)`` (a
+    step, … < total`` into the stage ring (``ring`` of :func:`stage_ring`) — with
+    ``cfg.splits`` an item is a tile's k range (:func:`split_range`) — each item's
+    origin from ``order.tile_origin(tile, m_tiles, n_tiles) -> (z, row0, col0)`` (a
     :mod:`tilepy.tile.schedule` namespace). ``za`` / ``zb``: the operands' batch extents (1:
     a 2-D map, broadcast). A stage is the A box (``block_m`` × 64 k, K-major) then B's
     (row-major B: ``block_n / 64`` boxes of 64 k × 64 n; column-major: ``block_n`` × 64 k),
@@ -291,6 +309,7 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     ring = stage_ring(cfg)
     load_a = tma_tile(1, A_BYTES)
     load_b = tma_tile(NJ_CL, 8192) if b_row_major else tma_tile(1, B_SHARE)
+    item = split_range(cfg.splits)
 
     @inline_device
     def produce(base, maps, za, zb, m_tiles, n_tiles, total, ktiles, w0, step):
@@ -303,10 +322,11 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
         s = 0
         ph = 0
         for w in range(w0, total, step):
-            z, bm0, bn0 = order.tile_origin(w, m_tiles, n_tiles)
+            tile, _, k_begin, k_end = item(w, ktiles)
+            z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
             z_a = min(z, za - 1)
             z_b = min(z, zb - 1)
-            for kt in range(ktiles):
+            for kt in range(k_begin, k_end):
                 ring.acquire(bars, s, ph)
                 full = ring.commit(bars, s, STAGE_BYTES)
                 stage = base + STAGES + s * STAGE_BYTES
@@ -322,6 +342,25 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
                 s, ph = ring.advance(s, ph)
 
     return produce
+
+
+@functools.cache
+def split_range(splits: int):
+    """``item(w, ktiles) -> (tile, split, k_begin, k_end)``: work item ``w`` of a kernel of
+    ``splits`` items per tile (split-K) is split ``w % splits`` of tile ``w // splits``, the
+    k steps ``k_begin … k_end - 1`` of its ``ktiles`` — balanced ranges, empty ones only where
+    ``ktiles < splits``. With ``splits == 1`` the item is the tile, every k step."""
+    S = splits
+
+    @inline_device
+    def item(w, ktiles):
+        if S == 1:
+            return w, 0, 0, ktiles
+        tile = w // S
+        split = w - tile * S
+        return tile, split, (split * ktiles) // S, ((split + 1) * ktiles) // S
+
+    return item
 
 
 def stage_ring(cfg: WsConfig):
@@ -382,12 +421,15 @@ def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
                          has_bias: bool = False, has_c: bool = False):
-    """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps)`` (see the module docstring);
-    launch it through :func:`plan`. A composition: the roles
-    (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer (:func:`tma_producer`: the
-    stage ring and TMA tile loads), the grouped raster and static persistent schedule
-    (:mod:`tilepy.tile.schedule`), each consumer's main loop (:func:`consumer_mainloop`: the
-    warpgroup MMA) and one of three epilogues (:func:`_epilogue`)."""
+    """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials)`` (see
+    the module docstring; ``counters`` / ``partials``: split-K's tile semaphores and partial
+    sums, placeholders without ``splits``); launch it through :func:`plan`. A composition:
+    the roles (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer
+    (:func:`tma_producer`: the stage ring and TMA tile loads), the grouped raster and static
+    persistent schedule (:mod:`tilepy.tile.schedule`), each consumer's main loop
+    (:func:`consumer_mainloop`: the warpgroup MMA), with ``splits`` the reduction of
+    :func:`tilepy.tile.split_k.split_k_reduce`, and one of three epilogues
+    (:func:`_epilogue`)."""
     BM, BN, NC, CL = cfg.block_m, cfg.block_n, cfg.consumers, cfg.cluster
     CM = cfg.rows_per_consumer
     NACC = BN // 2
@@ -406,12 +448,18 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     BIAS_SMEM = has_bias and cfg.bias_in_smem
     BIAS = lay.offset("bias") if BIAS_SMEM else 0
     CONSUMER_THREADS = roles.CONSUMER_THREADS
+    S = cfg.splits
+    item = split_range(S)
+    if S > 1:
+        split_k = split_k_reduce(S, NACC // 4, NACC1 // 4 if CM == 128 else 0,
+                                 CONSUMER_THREADS, cfg.named_barriers.ids["consumers"])
+        FLAG = lay.offset("split_flag")
     dynamic_shared_buffer = dynamic_shared(lay.align)
     f32 = types.float32
 
     @inline_device
     def consume(base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total, ktiles,
-                w0, step, maps):
+                w0, step, maps, counters, partials):
         """Consumer warpgroup ``cw``: rows ``cw · CM …`` of every work item of the block."""
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
@@ -423,7 +471,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         s = 0
         ph = 0
         for w in range(w0, total, step):
-            z, bm0, bn0 = order.tile_origin(w, m_tiles, n_tiles)
+            tile, split, k_begin, k_end = item(w, ktiles)
+            z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
             for i in range(NACC):
                 acc0[i] = f32(0)
             if CM == 128:
@@ -437,18 +486,22 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     b0 = bias[col] if col < n else f32(0)
                     b1 = bias[col + 1] if col + 1 < n else f32(0)
                     VEC.st_shared_v2_f32(base + BIAS + 4 * i, b0, b1)
-            s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane)
-            epilogue.store(acc0, acc1, base, maps, out, c, bias, z, bm0 + cw * CM, bn0, m, n,
-                           alpha, beta, cw, tid)
+            if S == 1 or k_end > k_begin:
+                s, ph = mainloop(acc0, acc1, base, s, ph, cw, k_end - k_begin, lane)
+            # split-K: only the tile's last item (its partials summed) stores it
+            if S == 1 or split_k.reduce(acc0, acc1, partials, counters, tile, split,
+                                        tid - WARPGROUP, base + FLAG):
+                epilogue.store(acc0, acc1, base, maps, out, c, bias, z, bm0 + cw * CM, bn0,
+                               m, n, alpha, beta, cw, tid)
         epilogue.end(tid)
 
     @kernel_jit(cfg)
-    def kernel(a, b, out, c, bias, alpha, beta, maps):
+    def kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials):
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
         m_tiles = (m + BM * CL - 1) // (BM * CL)   # (blocks of a cluster's rows)
         n_tiles = (n + BN - 1) // BN
-        total = m_tiles * n_tiles * out.shape[0]
+        total = m_tiles * n_tiles * out.shape[0] * S
         ktiles = (a.shape[2] + BK - 1) // BK
         w0, step = sched.first_and_step()
         base = shared_addr(dynamic_shared_buffer(), 0)
@@ -470,7 +523,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         else:
             roles.enter_consumer()
             consume(base, a, b, out, c, bias, alpha, beta, roles.consumer(wg), m_tiles,
-                    n_tiles, total, ktiles, w0, step, maps)
+                    n_tiles, total, ktiles, w0, step, maps, counters, partials)
         if CL > 1:
             # no block leaves while another of its cluster may still arrive on its barriers
             CLU.cluster_arrive()
@@ -479,6 +532,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     kernel.config = cfg
     kernel.b_row_major = b_row_major
     kernel.tma_out = cfg.tma_store     # the maps end with the output's
+    kernel.split_scratch = True        # counters and partials follow the maps (plan)
     return kernel
 
 
@@ -668,11 +722,12 @@ def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:
 
 def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
          clusters: int | None = None):
-    """The launch grid: a block per tile (x) and batch (y), or a persistent grid of ``sms``
-    blocks (at most one per tile). With clusters, x counts whole clusters' blocks, and a
-    persistent grid is at most ``clusters`` clusters (those the device runs at once)."""
+    """The launch grid: a block per work item (x: a tile, or with ``splits`` a tile's k range)
+    and batch (y), or a persistent grid of ``sms`` blocks (at most one per item). With
+    clusters, x counts whole clusters' blocks, and a persistent grid is at most ``clusters``
+    clusters (those the device runs at once)."""
     cl = cfg.cluster
-    tiles = -(-m // (cfg.block_m * cl)) * -(-n // cfg.block_n)   # per cluster
+    tiles = -(-m // (cfg.block_m * cl)) * -(-n // cfg.block_n) * cfg.splits  # per cluster
     if not cfg.persistent:
         return (tiles * cl, batch)
     n_cl = min((sms or SMS) // cl, tiles * batch)
@@ -718,6 +773,15 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     buf = device_write.allocate(alloc, raw.size, host_tma.MAP_ALIGN)
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta),
             buf.view((raw.size,), np.uint8))
+    kind, extra = TmaLaunchPlan, {}
+    if getattr(kernel, "split_scratch", False):
+        scratch = split_scratch(cfg, a.shape[1], out.shape[2], out.shape[0], alloc)
+        if scratch is None:
+            args += (arrays.placeholder(1, "int32"), arrays.placeholder(2))
+        else:
+            kind = ScheduledTmaPlan
+            extra, views = scratch
+            args += views
     smem = getattr(kernel, "smem_bytes", cfg.smem_bytes)
     allow_dynamic_shared(kernel, args, smem)
     g = getattr(kernel, "grid", None)
@@ -726,8 +790,8 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
-    p = TmaLaunchPlan(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG,
-                      cfg.cluster, alloc=alloc, initial=(buf, raw))
+    p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG, cfg.cluster,
+             alloc=alloc, initial=(buf, raw), **extra)
     if cfg.persistent and cfg.cluster > 1:
         # a persistent grid of more clusters than run at once would leave the last ones for
         # a second wave (SMs per GPC need not be even)
@@ -747,12 +811,36 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
 MAPS_ARG = 7
 
 
-def argtypes(out_kind: str):
-    """Numba argument types (for offline compilation)."""
+def split_scratch(cfg: WsConfig, m: int, n: int, batch: int, alloc=None):
+    """None without ``cfg.splits``; else ``(ScheduledTmaPlan keywords, (counters,
+    partials))``: one buffer from ``alloc`` holding the tiles' int32 semaphores (zeroed by the
+    plan on each stream before its first launch, left at zero by every launch) and then the
+    float32 partial sums (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of
+    every item's tile)."""
+    if cfg.splits == 1:
+        return None
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
+    counter_bytes = -(-4 * tiles // 256) * 256
+    row = 4 * WARPGROUP * cfg.consumers            # floats per partials row
+    rows = tiles * cfg.splits * cfg.block_m * cfg.block_n // row
+    buf = device_write.allocate(alloc, counter_bytes + 4 * row * rows, 256)
+    counters = buf.view((counter_bytes // 4,), np.int32)
+    partials = device_write.DeviceBuffer(buf, buf.ptr + counter_bytes, 4 * row * rows).view(
+        (rows, row), np.float32)
+    return ({"counter": buf, "counter_bytes": counter_bytes,
+             "workspace_offset": counter_bytes}, (counters, partials))
+
+
+def argtypes(out_kind: str, split_scratch: bool = True):
+    """Numba argument types (for offline compilation); ``split_scratch=False``: without the
+    split-K counters and partials (gemm_softmax's kernel)."""
     u16 = types.Array(types.uint16, 3, "C")
     out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 3, "C")
-    return (u16, u16, out, out, types.float32[::1], types.float32, types.float32,
+    base = (u16, u16, out, out, types.float32[::1], types.float32, types.float32,
             types.uint8[::1])
+    if not split_scratch:
+        return base
+    return base + (types.int32[::1], types.Array(types.float32, 2, "C"))
 
 
 #: The TMA-store epilogue's config in the reports and sweeps: persistent 128 × 256, 3 stages.
@@ -777,6 +865,10 @@ def _report_kernels():
             ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
             ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
             ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
+             "float16"),
+            # split-K: partials to the workspace, the last item's ordered sum
+            ("ws_64x256_bcol_splitk3",
+             WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3), False,
              "float16"))
     epilogues = (
         # a bias and an activation make the epilogue big enough that LLVM may stop unrolling
@@ -816,7 +908,8 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
     instructions it uses (``ops``)."""
     from ..offline import compile_kernel
 
-    rep = compile_kernel(f"gemm_{name}", kern.py_func, argtypes(out_kind), (9, 0, "a"),
+    rep = compile_kernel(f"gemm_{name}", kern.py_func,
+                         argtypes(out_kind, getattr(kern, "split_scratch", False)), (9, 0, "a"),
                          launch_bounds=(cfg.threads, 1))
     d = dict(rep.__dict__)
     d["config"] = cfg.describe()

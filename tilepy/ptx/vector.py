@@ -7,6 +7,7 @@ Per thread (no warp exchange); addresses are byte addresses from
 * ``st_shared_b32(addr, w)`` — 4 bytes (``st.shared.b32``);
 * ``st_shared_v2_f32(addr, x, y)`` — 8 bytes, x first (``st.shared.v2.f32``);
 * ``ld_shared_f32(addr) -> x`` — 4 bytes as a float32 (``ld.shared.f32``);
+  ``ld_shared_b32(addr) -> w`` the same as a uint32 (``ld.shared.b32``);
 * ``ld_shared_v2_f32(addr) -> (x, y)`` — 8 bytes as two float32 (``ld.shared.v2.f32``);
 * ``ld_shared_v4_b32(addr) -> (w0, w1, w2, w3)`` — 16 bytes as four uint32, lowest address
   first (``ld.shared.v4.b32``); ``ld_shared_v4_f32`` the same as float32;
@@ -49,6 +50,11 @@ def _st_shared_v2_f32_twin(addr, x, y):
 def _ld_shared_f32_twin(addr):
     addr = _check("shared", "ld_shared_f32", addr, 4)
     return np.frombuffer(address.read_bytes(addr, 4), np.float32)[0]
+
+
+def _ld_shared_b32_twin(addr):
+    addr = _check("shared", "ld_shared_b32", addr, 4)
+    return np.frombuffer(address.read_bytes(addr, 4), np.uint32)[0]
 
 
 def _st_shared_v4_b32_twin(addr, w0, w1, w2, w3):
@@ -106,6 +112,12 @@ ld_shared_f32 = instruction(
     twin=_ld_shared_f32_twin,
     doc="``ld_shared_f32(addr) -> x``: load a float32 from shared address addr (4-byte "
         "aligned).")
+
+ld_shared_b32 = instruction(
+    "ld_shared_b32", "ld.shared.b32 $0, [$1];", outs=("u32",), ins=("u32",), **_MEM,
+    twin=_ld_shared_b32_twin,
+    doc="``ld_shared_b32(addr) -> w``: load 4 bytes from shared address addr (4-byte aligned) "
+        "as a uint32.")
 
 st_shared_v4_b32 = instruction(
     "st_shared_v4_b32", "st.shared.v4.b32 [$0], {$1, $2, $3, $4};",

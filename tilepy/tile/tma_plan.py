@@ -170,13 +170,15 @@ def _held_buffer(array):
 COUNTER_BYTES = 8
 
 
-def _tile_counter(alloc, stream):
-    """``(DeviceBuffer, int32[2] view)``: a tile counter from ``alloc``, zeroed by a writer
-    launch on ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile
-    tickets and finished blocks, which its last block out sets back to zero."""
-    buf = device_write.allocate(alloc, COUNTER_BYTES)
-    device_write.zero(stream, buf.ptr, COUNTER_BYTES)
-    return buf, buf.view((2,), np.int32)
+def _tile_counter(alloc, stream, nbytes: int = COUNTER_BYTES, zeroed: int = COUNTER_BYTES):
+    """``(DeviceBuffer, int32 view of its first zeroed bytes)``: a tile counter from ``alloc``
+    (``nbytes``, 256-byte aligned), its first ``zeroed`` bytes zeroed by a writer launch on
+    ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile tickets and
+    finished blocks, which its last block out sets back to zero (or the split-K GEMM's tile
+    semaphores, then its partial sums' workspace)."""
+    buf = device_write.allocate(alloc, nbytes, 256)
+    device_write.zero(stream, buf.ptr, zeroed)
+    return buf, buf.view((zeroed // 4,), np.int32)
 
 
 class ScheduledTmaPlan(TmaLaunchPlan):
@@ -191,17 +193,30 @@ class ScheduledTmaPlan(TmaLaunchPlan):
 
     A launch during a CUDA-graph capture gets a counter of its own, zeroed in the graph just
     before it and kept for the plan's lifetime: the graph's launches then share no counter
-    with launches outside it or with other graphs (which may run at the same time)."""
+    with launches outside it or with other graphs (which may run at the same time).
 
-    def __init__(self, kernel, args, *rest, counter=None, **kw):
+    ``counter_bytes`` (a multiple of 8): the counter's size, all of it zeroed (a launch leaves
+    it at zero). ``workspace_offset``: the argument after the counter is a workspace that
+    needs no zeroing, at that byte offset in the same per-stream buffer (``counter`` then
+    spans both: the split-K GEMM's tile semaphores and its partial sums)."""
+
+    def __init__(self, kernel, args, *rest, counter=None, counter_bytes=COUNTER_BYTES,
+                 workspace_offset=None, **kw):
         super().__init__(kernel, args, *rest, **kw)
         self._counter_array = self.array_index(self.maps_arg + 1)
-        self._counters = {}   # stream key -> (DeviceBuffer, int32[2] view)
+        self._counter_bytes = int(counter_bytes)
+        self._workspace = None
+        if workspace_offset is not None:
+            if counter is None:
+                raise ValueError("ScheduledTmaPlan: a workspace needs the counter's buffer")
+            self._workspace = (self.array_index(self.maps_arg + 2), int(workspace_offset))
+        self._buffer_bytes = counter.nbytes if counter is not None else self._counter_bytes
+        self._counters = {}   # stream key -> (DeviceBuffer, int32 view)
         self._counters_lock = threading.Lock()
         held = args[self.maps_arg + 1]
         # the first stream's counter, and whether it still has to be zeroed
-        self._built_counter = (counter or DeviceBuffer(held, pointer(held), COUNTER_BYTES),
-                               held)
+        self._built_counter = (counter or DeviceBuffer(held, pointer(held),
+                                                       self._counter_bytes), held)
         self._built_zeroed = counter is None
 
     def counter_for(self, stream):
@@ -212,9 +227,10 @@ class ScheduledTmaPlan(TmaLaunchPlan):
     def _counter(self, handle: int, capturing: bool):
         from ..arrays import on_device
 
+        size = (self._buffer_bytes, self._counter_bytes)
         if capturing:
             with on_device(self._device):
-                entry = _tile_counter(self._alloc, handle)
+                entry = _tile_counter(self._alloc, handle, *size)
             with self._maps_lock:
                 self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
             return entry
@@ -226,14 +242,17 @@ class ScheduledTmaPlan(TmaLaunchPlan):
             built, self._built_counter = self._built_counter, None
         with on_device(self._device):
             if built is None:
-                entry = _tile_counter(self._alloc, handle)
+                entry = _tile_counter(self._alloc, handle, *size)
             else:
                 entry = built
                 if not self._built_zeroed:
-                    device_write.zero(handle, entry[0].ptr, COUNTER_BYTES)
+                    device_write.zero(handle, entry[0].ptr, self._counter_bytes)
         with self._counters_lock:
             entry = self._counters.setdefault(key, entry)
         return entry
 
     def _fill(self, ptrs, stream: int, capturing: bool) -> None:
-        ptrs[self._counter_array] = self._counter(stream, capturing)[0].ptr
+        ptr = self._counter(stream, capturing)[0].ptr
+        ptrs[self._counter_array] = ptr
+        if self._workspace is not None:
+            ptrs[self._workspace[0]] = ptr + self._workspace[1]

@@ -1,0 +1,104 @@
+"""Time warp-specialised GEMM configs — tile shapes and split-K — over the issue's shape grid
+(M from 1 to 4096 against Llama-3's (N, K) pairs), beside cuBLAS (torch.matmul) in the same
+run: what ``gemm.hopper_config`` should pick for which shape.
+
+    python bench/sweep_gemm_grid.py [--json FILE] [--dtype bfloat16] [--ms 1,16,128]
+        [--nk 4096x4096,14336x4096]
+
+Both sides are timed as CUDA-graph replays of 20 calls (the GPU work only, no host cost):
+events around one replay, median of 5 replays, per call. Every config is checked against a
+float32 product once per shape before it is timed (a failure is recorded; the sweep goes on).
+"""
+# ruff: noqa: B023  (closures are timed inside the iteration that makes them)
+
+import argparse
+import json
+
+MS = (1, 16, 64, 128, 256, 512, 1024, 2048, 4096)
+NKS = ((4096, 4096), (14336, 4096), (4096, 14336), (28672, 8192))
+CALLS = 20   # calls per graph replay (bench/measure.py graph_ms)
+
+
+def candidates(dtype, m):
+    """(name, config) pairs: 64- and 128-row tiles of 128 or 256 columns, split-K by 1-8
+    (small M only), and the built-in large-shape default."""
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    out = []
+    for bm, bn, st in ((64, 128, 8), (64, 256, 5), (128, 128, 6), (128, 256, 4)):
+        one = {"consumers": 1} if bm == 64 else {}
+        for s in ((1, 2, 4, 8) if m <= 512 else (1,)):
+            out.append((f"{bm}x{bn} s{st} split{s}",
+                        WsConfig(bm, bn, st, dtype, smem_epilogue=True, splits=s, **one)))
+    out.append(("default 128x256 persistent tma-store",
+                WsConfig(128, 256, 4, dtype, persistent=True, smem_epilogue=True,
+                         tma_store=True)))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--ms", help="comma-separated M values (default: the grid's)")
+    p.add_argument("--nk", help="comma-separated NxK pairs (default: the grid's)")
+    args = p.parse_args()
+    ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else MS
+    nks = tuple(tuple(int(v) for v in x.split("x")) for x in args.nk.split(",")) \
+        if args.nk else NKS
+    import torch
+    from measure import graph_ms
+
+    import tilepy
+
+    tdt = getattr(torch, args.dtype)
+    x = torch.randn(8192, 8192, device="cuda", dtype=tdt)
+    for _ in range(50):
+        torch.matmul(x, x)     # clocks up
+    del x
+    rows, errors = [], []
+    for n, k in nks:
+        b = torch.randn(k, n, device="cuda", dtype=tdt)
+        for m in ms:
+            a = torch.randn(m, k, device="cuda", dtype=tdt)
+            out = torch.empty(m, n, device="cuda", dtype=tdt)
+            ref = torch.matmul(a.float(), b.float())
+            flop = 2 * m * n * k
+            peer_ms = graph_ms(torch, lambda: torch.matmul(a, b, out=out))
+            best = None
+            for name, cfg in candidates(args.dtype, m):
+                try:
+                    out.fill_(float("nan"))
+                    tilepy.gemm(a, b, out=out, config=cfg)
+                    torch.cuda.synchronize()
+                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                    if not err < 2e-2:
+                        raise AssertionError(f"relative error {err}")
+                    t = graph_ms(torch, lambda: tilepy.gemm(a, b, out=out, config=cfg))
+                except Exception as e:  # noqa: BLE001 - recorded; the sweep goes on
+                    errors.append({"shape": [m, n, k], "config": name, "error": repr(e)[:300]})
+                    print(f"{m}x{n}x{k} {name}: FAILED {e!r}"[:300], flush=True)
+                    if "ILLEGAL" in repr(e) or "LAUNCH_FAILED" in repr(e):
+                        raise SystemExit(1) from e
+                    continue
+                row = {"shape": [m, n, k], "dtype": args.dtype, "config": name,
+                       "describe": cfg.describe(), "ms": t, "tflops": flop / t / 1e9,
+                       "peer": "torch.matmul (cuBLAS)", "peer_ms": peer_ms,
+                       "peer_tflops": flop / peer_ms / 1e9, "ratio": peer_ms / t,
+                       "rel_err": err, "timing": f"CUDA-graph replays of {CALLS} calls"}
+                rows.append(row)
+                if best is None or row["ratio"] > best["ratio"]:
+                    best = row
+            if best is not None:
+                print(f"{m}x{n}x{k}: best {best['config']} {best['ratio']:.3f}x cuBLAS "
+                      f"({best['tflops']:.0f} / {best['peer_tflops']:.0f} TFLOPS)", flush=True)
+            del a, out, ref
+        del b
+        if args.json:   # after every (N, K): a time-out keeps what was measured
+            with open(args.json, "w") as f:
+                json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows,
+                           "errors": errors}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
