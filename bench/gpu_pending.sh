@@ -36,6 +36,15 @@
 #                GPU tests (after the one TMA tile loader)
 #   PART=s25b    split-K in the warp-specialised GEMM (issue 27): its GPU tests, the sweep of tile
 #                shapes x splits over the issue's shape grid against cuBLAS (CUDA-graph replays)
+#   PART=s25c    split-K after its written-out reduction, the memset zeroing: GPU tests, CUDA-graph
+#                captures (split-K, attention's persistent counter), the shape-grid benchmark
+#   PART=s25d    where a small GEMM's time goes (torch.profiler: kernels and graph nodes per call),
+#                the split-K GPU tests s25c's time limit cut off, the split-K capture
+#   PART=s25e    the model-based small-GEMM rule and captures reading settled tensor maps: the shape
+#                grid benchmark, the CUDA-graph tests, the GEMM op's GPU tests, split-K's same
+#                bits, the small-GEMM profile again
+#   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
+#                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
 #   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
 #                GPU tests of the Hopper attention, the attention op's GPU tests
@@ -226,6 +235,29 @@ fi
 if [[ " $PART " == *" s25b "* ]]; then
     gpu_tests gemm_split_k_gpu 150 tests/test_ops_gemm_wgmma_ws.py -k "split"
     step sweep_gemm_grid 330 "$PY" bench/sweep_gemm_grid.py --json "$OUT/sweep_gemm_grid.json"
+fi
+if [[ " $PART " == *" s25c "* ]]; then
+    gpu_tests gemm_split_k_gpu 150 tests/test_ops_gemm_wgmma_ws.py -k "split"
+    gpu_tests graphs_gpu 90 tests/test_cuda_graphs.py -k "gemm or flash_attention"
+    bench_suite bench_gemm_grid 290 "test_gemm_shape_grid"
+fi
+if [[ " $PART " == *" s25d "* ]]; then
+    step probe_gemm_small 200 "$PY" bench/probe_gemm_small.py --json "$OUT/probe_gemm_small.json"
+    gpu_tests gemm_split_k_gpu 170 tests/test_ops_gemm_wgmma_ws.py -k "same_bits or split2 or \
+split3"
+    gpu_tests graphs_split_k_gpu 60 tests/test_cuda_graphs.py -k "split_k"
+fi
+if [[ " $PART " == *" s25e "* ]]; then
+    bench_suite bench_gemm_grid 120 "test_gemm_shape_grid"
+    gpu_tests graphs_gpu 110 tests/test_cuda_graphs.py -k "gemm or flash_attention"
+    gpu_tests gemm_op_gpu 80 tests/test_ops_gemm_wgmma.py
+    gpu_tests gemm_split_k_gpu 45 tests/test_ops_gemm_wgmma_ws.py -k "same_bits"
+    step probe_gemm_small 60 "$PY" bench/probe_gemm_small.py --json "$OUT/probe_gemm_small.json"
+fi
+if [[ " $PART " == *" s25f "* ]]; then
+    bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
+    gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
+    gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
 fi
 if [[ " $PART " == *" s25s "* ]]; then
     step sweep_wide 300 "$PY" bench/sweep_attention.py --wide-ab --head-dim 256 \

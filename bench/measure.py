@@ -222,9 +222,9 @@ def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: in
     return Timing(ms, host_us, flush, all_hidden, ms_called, calls)
 
 
-def graph_ms(torch, fn, calls: int = 20, replays: int = 5) -> float:
-    """Milliseconds per call of ``fn`` from CUDA-graph replays of ``calls`` calls (the GPU work
-    only: no host cost inside the graph): events around one replay, median of ``replays``."""
+def capture_calls(torch, fn, calls: int = 20):
+    """A CUDA graph of ``calls`` calls of ``fn``, captured after three warm-up calls on a side
+    stream (PyTorch's recipe)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -235,6 +235,13 @@ def graph_ms(torch, fn, calls: int = 20, replays: int = 5) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def graph_ms(torch, fn, calls: int = 20, replays: int = 5) -> float:
+    """Milliseconds per call of ``fn`` from CUDA-graph replays of ``calls`` calls (the GPU work
+    only: no host cost inside the graph): events around one replay, median of ``replays``."""
+    graph = capture_calls(torch, fn, calls)
     graph.replay()
     torch.cuda.synchronize()
     times = []

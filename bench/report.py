@@ -192,7 +192,7 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
     (:func:`latest_rows`). A sweep's or probe's case is a problem: all the configs or variants
     its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
     the whole file; any other row is a case of its own."""
-    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "gs_pieces", "clock", "att", "bwd_probe",
+    rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "gs_pieces", "clock", "att", "gemm_small", "bwd_probe",
                             "ncu",
                             "first", "host", "demo", "ab")}
     items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
@@ -257,6 +257,16 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
                           + (", producer warpgroup" if r.get("producer") else ""))
                 add.append(("att", problem,
                             (problem, config, fmt(r["tflops"]), fmt(r["ratio"], "×"))))
+        elif all("kernels_us" in r and "impl" in r for r in data["rows"]):
+            # bench/probe_gemm_small.py: GPU kernels per call under torch.profiler
+            for r in data["rows"]:
+                problem = "×".join(map(str, r["shape"]))
+                how = "CUDA graph" if r["graph"] else "eager"
+                kernels = "; ".join(f"{k.split('::')[-1][:28]} {v:.1f}"
+                                    for k, v in r["kernels_us"].items())
+                add.append(("gemm_small", (problem, r["impl"], how), (
+                    problem, r["impl"], how, fmt(r["sum_us"]),
+                    fmt(r["replay_us"]) if r.get("replay_us") else "-", kernels)))
         elif all("shape" in r and "config" in r for r in data["rows"]):
             # bench/sweep_gemm_shapes.py: configs through the op, peer re-timed per row
             for r in data["rows"]:
@@ -338,6 +348,10 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
         ("gs_pieces", "Fused GEMM + softmax against its pieces (`bench/probe_gemm_softmax.py`: "
                       "GPU-only and as-called µs, float16; TFLOPS 2·M·N·K over the slower)",
          ("file", "M×N×K", "what", "µs GPU", "µs as called", "TFLOPS")),
+        ("gemm_small", "Small GEMMs, kernel by kernel (`bench/probe_gemm_small.py`: "
+                       "torch.profiler's GPU µs per call, bfloat16; a graph replays 20 calls)",
+         ("file", "M×N×K", "implementation", "run", "kernels µs", "replay µs per call",
+          "kernels (µs)")),
         ("clock", "Sustained clocks and power (`bench/probe_clocks.py`: each case back to "
                   "back for seconds; throttle 0x4 is the software power cap)",
          ("file", "case", "TFLOPS", "SM MHz (median)", "SM MHz (min)", "power W (median)",

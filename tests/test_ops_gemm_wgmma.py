@@ -134,17 +134,19 @@ def test_gpu_batch_strides_not_16_byte_multiples():
 
 @pytest.mark.parametrize("m,n,k,want", [
     (16, 4096, 4096, (64, 128, 4)),       # 32 column tiles, K in 4: 128 items
+    (128, 4096, 4096, (64, 128, 2)),
     (128, 4096, 14336, (64, 128, 2)),     # 2 x 32 tiles, K in 2
+    (256, 4096, 14336, (128, 128, 2)),    # fewer operand bytes per item than 64 x 128 whole
     (16, 14336, 4096, (64, 128, 1)),      # 112 tiles without a split
+    (1, 4096, 14336, (64, 128, 4)),       # bandwidth wants many items
     (512, 4096, 4096, (128, 128, 1)),
     (1, 28672, 8192, (64, 256, 1)),
     (2048, 2048, 2048, (128, 256, 1)),    # 128 tiles: the persistent TMA-store default
-    (1, 4096, 256, None),                 # 4 k steps: no split of 2 steps or more fills a wave
     (4096, 4096, 4096, None)])            # a full wave of 128 x 256 tiles: not this rule's
 def test_one_wave_config(m, n, k, want):
-    """The small-problem rule of tilepy.gemm on sm_90 (gemm.one_wave_config): fewer splits
-    first, then larger tiles, 128-row tiles only past M = 64; work items fill 75-100% of one
-    wave of the SMs."""
+    """The small-problem rule of tilepy.gemm on sm_90 (gemm.one_wave_config, choices the s25
+    measurements favoured): the modelled fastest of the tile x split-K candidates whose items
+    fit one wave, 128-row tiles only past M = 64, splits of two k steps or more."""
     from tilepy.ops import gemm as g
 
     cfg = g.one_wave_config(m, n, k, 1, "bfloat16")
@@ -153,6 +155,6 @@ def test_one_wave_config(m, n, k, want):
         return
     assert (cfg.block_m, cfg.block_n, cfg.splits) == want
     items = -(-m // cfg.block_m) * -(-n // cfg.block_n) * cfg.splits
-    assert g.ONE_WAVE_FILL * g.SMS <= items <= g.SMS
+    assert items <= g.SMS
     assert cfg.consumers == (1 if cfg.block_m == 64 else 2)
     assert cfg.tma_store == (want == (128, 256, 1))

@@ -392,6 +392,39 @@ def test_tensor_maps_through_the_allocator_and_the_map_writer(monkeypatch):
     assert plan._maps[(0, (a2.ctypes.data, b2.ctypes.data))] in plan._kept.values()
 
 
+@pytest.mark.sim
+def test_capture_reads_settled_maps(monkeypatch):
+    """Maps an eager launch wrote, once that write is known to have run (in the simulator at
+    the next launch), are read by a capture on another stream with the same pointers: nothing
+    encoded or written in the graph, the buffer kept for the process. A capture with other
+    pointers still writes its own."""
+    from tilepy.tile import device_write
+
+    rng = np.random.default_rng()
+    m, n, k = 40, 64, 72
+    cfg = WsConfig(stages=2, **SMALL)
+    a, b = padded(rng, (m, k), "float16"), padded(rng, (k, n), "float16")
+    out = np.full((m, n), np.nan, np.float16)
+    va, vb, vo, vc = views(a, b, out, "row")
+    kern = ws.wgmma_ws_gemm_kernel(cfg, True, "float16")
+    plan, args = ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1), 1.0, 0.0)
+    plan.launch(0, args)               # the maps encoded at build, written on stream 0
+    plan.launch(0, args)               # a hit, which finds that write done
+    (eager,) = plan._maps.values()
+    assert plan._settled and not plan._unsettled
+    monkeypatch.setattr(device_write, "stream_capturing", lambda stream: True)
+    out[:] = np.nan
+    plan.launch(7, args)               # captured on another stream
+    check(out, matmul64(a, b), "float16")
+    assert plan.maps_encoded == 1 and list(plan._kept.values()) == [eager]
+    b2 = padded(rng, (k, n), "float16")
+    bound = plan.bind([(0, a.ctypes.data), (1, b.ctypes.data), (2, out.ctypes.data),
+                       (2, out.ctypes.data), None])
+    bound(7, [a.ctypes.data, b2.ctypes.data, out.ctypes.data], (1.0, 0.0))
+    check(out, matmul64(a, b2), "float16")
+    assert plan.maps_encoded == 2 and len(plan._kept) == 2
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="rows per consumer warpgroup"):
         WsConfig(block_m=64, consumers=2)

@@ -147,6 +147,17 @@ def test_the_hopper_space_comes_first_on_sm90_only():
                    for c in spaces.gemm_space("float16", (9, 0), 4096, 4096, 4096))
     # no 256-wide tile for a 64-column output
     assert all(c.block_n <= 128 for c in spaces.hopper_space("float16", 4096, 64))
+    # a decode-sized problem: the op's small-problem candidates (tiles x split-K) first, the
+    # op's own choice among them
+    from tilepy.ops import gemm as g
+
+    small = spaces.hopper_space("bfloat16", 16, 4096, 4096)
+    first = [c for _, c in g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")]
+    assert any(c.splits > 1 for c in first) and small[:len(first)] == first
+    assert g.one_wave_config(16, 4096, 4096, 1, "bfloat16") in first
+    assert len(small) == len(set(small))
+    assert not any(getattr(c, "splits", 1) > 1
+                   for c in spaces.hopper_space("bfloat16", 4096, 4096, 4096))
 
 
 def test_a_persisted_hopper_choice_round_trips_and_needs_sm90():

@@ -42,39 +42,70 @@ SIMULATOR_CONFIG = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(
 HOPPER_WS = (128, 256, 4)
 HOPPER_LARGE = (256, 128, 4)
 HOPPER_MEDIUM = (128, 128, 4)
-#: Problems of fewer 128 × 256 tiles than SMs: the warp-specialised kernel's tiles (block_m,
-#: block_n, stages), tried in this order for each split-K factor of ONE_WAVE_SPLITS.
+#: Problems of fewer 128 × 256 tiles than SMs (:func:`one_wave_config`): the warp-specialised
+#: kernel's tiles (block_m, block_n, stages) and split-K factors it weighs, and its time model's
+#: constants, fitted to the split-K sweep and the kernel profiles on the H200 (bench/NOTES.md:
+#: the GEMM shape grid) — microseconds: a launch's fixed cost, one k step of a tile (the larger
+#: of its MMAs and its operand loads at one SM's share of L2 bandwidth), a split's reduction
+#: (``a + b · splits · tile elements / 8192``); HBM bytes per microsecond, reached with this
+#: many work items or more (fewer items: proportionally less).
 ONE_WAVE_TILES = ((128, 256, 4), (128, 128, 6), (64, 256, 5), (64, 128, 8))
-ONE_WAVE_SPLITS = (1, 2, 4)
-#: ... the first whose work items fill at least this share of the SMs, in one wave
-ONE_WAVE_FILL = 0.75
+ONE_WAVE_SPLITS = (1, 2, 4)         # the factors measured
+ONE_WAVE_FIXED_US = 6.5
+ONE_WAVE_STEP_US = {(64, 128): 0.22, (128, 128): 0.30, (64, 256): 0.37, (128, 256): 0.56}
+ONE_WAVE_SPLIT_US = (1.0, 0.8)
+HBM_BYTES_PER_US = 3.5e6
+HBM_FULL_ITEMS = 100
 
 
-def one_wave_config(m: int, n: int, k: int, batch: int, dtype: str, tma_store: bool = True):
-    """The warp-specialised config for a problem too small for 128 × 256 tiles on every SM
-    (bench/NOTES.md: the GEMM shape grid): the first of :data:`ONE_WAVE_TILES` × split-K
-    factors :data:`ONE_WAVE_SPLITS` — fewer splits first, then larger tiles; 128-row tiles
-    only for M > 64 — whose work items fill one wave of the SMs to at least
-    :data:`ONE_WAVE_FILL`, each split at least two k steps; None when none does (the caller's
-    next rule). The swept alternatives measured: one-wave fill beats larger tiles in a
-    partial wave, and a split item costs its partials' round trip, so splitting comes last."""
-    sms = SMS
+def one_wave_time_us(m: int, n: int, k: int, batch: int, bm: int, bn: int, splits: int):
+    """:func:`one_wave_config`'s model of a one-wave launch's time: fixed cost, plus the larger
+    of one work item's k steps and the operands' bytes at the HBM bandwidth its items reach,
+    plus the split's reduction; None when the items exceed one wave (:data:`SMS`)."""
+    items = -(-m // bm) * -(-n // bn) * batch * splits
+    if items > SMS:
+        return None
+    steps = -(-k // ws.BK) / splits * ONE_WAVE_STEP_US[(bm, bn)]
+    nbytes = 2 * batch * (m * k + k * n)
+    memory = nbytes / (HBM_BYTES_PER_US * min(1.0, items / HBM_FULL_ITEMS))
+    a, b = ONE_WAVE_SPLIT_US
+    reduce = a + b * splits * bm * bn / 8192 if splits > 1 else 0.0
+    return ONE_WAVE_FIXED_US + max(steps, memory) + reduce
+
+
+def one_wave_candidates(m: int, n: int, k: int, batch: int, dtype: str):
+    """``(modelled µs, config)`` of every warp-specialised config :func:`one_wave_config`
+    weighs for this problem — :data:`ONE_WAVE_TILES` × :data:`ONE_WAVE_SPLITS` whose work
+    items fit one wave, 128-row tiles only past M = 64, each split at least two k steps —
+    fewer splits first (also the tuner's small-problem candidates)."""
     ksteps = -(-k // ws.BK)
+    out = []
     for s in ONE_WAVE_SPLITS:
         if s > 1 and ksteps < 2 * s:
             break
         for bm, bn, st in ONE_WAVE_TILES:
             if bm == 128 and m <= 64:
                 continue
-            items = -(-m // bm) * -(-n // bn) * batch * s
-            if not ONE_WAVE_FILL * sms <= items <= sms:
-                continue
-            if (bm, bn, s) == (128, 256, 1) and tma_store:
-                return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
-                                   tma_store=True)
-            return ws.WsConfig(bm, bn, st, dtype, consumers=1 if bm == 64 else 2,
-                               smem_epilogue=True, splits=s)
-    return None
+            t = one_wave_time_us(m, n, k, batch, bm, bn, s)
+            if t is not None:
+                out.append((t, ws.WsConfig(bm, bn, st, dtype, consumers=1 if bm == 64 else 2,
+                                           smem_epilogue=True, splits=s)))
+    return out
+
+
+def one_wave_config(m: int, n: int, k: int, batch: int, dtype: str, tma_store: bool = True):
+    """The warp-specialised config for a problem too small for 128 × 256 tiles on every SM:
+    of :func:`one_wave_candidates` the one of least modelled time (:func:`one_wave_time_us`;
+    ties to fewer splits); None when there is none. 128 × 256 without a split is the
+    persistent TMA-store config of large problems (with ``tma_store``)."""
+    cands = one_wave_candidates(m, n, k, batch, dtype)
+    if not cands:
+        return None
+    cfg = min(cands, key=lambda c: c[0])[1]
+    if (cfg.block_m, cfg.block_n, cfg.splits) == (128, 256, 1) and tma_store:
+        return ws.WsConfig(128, 256, cfg.stages, dtype, persistent=True, smem_epilogue=True,
+                           tma_store=True)
+    return cfg
 
 
 def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True,

@@ -17,6 +17,9 @@ So here:
   (or when it is captured, into the graph), so no host buffer has to outlive the call. The
   kernel is compiled once (and kept in tilepy's kernel disk cache) and launched through a
   :class:`tilepy.launch.LaunchPlan` per device and word count;
+* :func:`zero` clears bytes with one driver memset on the stream (capturable too);
+* :func:`record_done` / :func:`is_done` tell when a write has run (so a buffer written on one
+  stream can be read by any other, a capture included, with no write of its own);
 * :func:`stream_capturing` says whether a stream is being captured, for callers that must not
   cache what a capture creates (its writes run only when the graph is replayed).
 
@@ -180,8 +183,53 @@ def write(stream, ptr: int, data) -> None:
 
 
 def zero(stream, ptr: int, nbytes: int) -> None:
-    """:func:`write` of ``nbytes`` zero bytes (a multiple of 8) at ``ptr``."""
-    write(stream, ptr, bytes(int(nbytes)))
+    """``nbytes`` zero bytes (a multiple of 8) at ``ptr``, enqueued on ``stream``: one
+    ``cuMemsetD8Async`` (capturable: a memset node in a graph, however many bytes); in the
+    simulator :func:`write` of zeros."""
+    if SIMULATOR:
+        write(stream, ptr, bytes(int(nbytes)))
+        return
+    if nbytes % 8 or int(ptr) % 8:
+        raise ValueError(f"zero: {nbytes} bytes at {int(ptr):#x}; a multiple of 8 bytes at an "
+                         "8-byte aligned address is needed")
+    from cuda.bindings import driver
+
+    (err,) = driver.cuMemsetD8Async(int(ptr), 0, int(nbytes), _stream_handle(stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemsetD8Async of {nbytes} bytes failed: {err}")
+
+
+def record_done(stream):
+    """A token that :func:`is_done` turns true once the work enqueued on ``stream`` so far has
+    run (a driver event recorded there, no timing); None in the simulator, where everything
+    has run when the call returns. Not during a capture of ``stream``."""
+    if SIMULATOR:
+        return None
+    from cuda.bindings import driver
+
+    err, event = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuEventCreate failed: {err}")
+    (err,) = driver.cuEventRecord(event, _stream_handle(stream))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        driver.cuEventDestroy(event)
+        raise RuntimeError(f"cuEventRecord failed: {err}")
+    return event
+
+
+def is_done(token) -> bool:
+    """Whether the work before :func:`record_done`'s ``token`` has run (``cuEventQuery``: no
+    waiting); a token found done is released, and must not be asked again. Never call it
+    while the calling thread captures a stream (an event query is not allowed then)."""
+    if token is None:
+        return True
+    from cuda.bindings import driver
+
+    (err,) = driver.cuEventQuery(token)
+    if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    driver.cuEventDestroy(token)
+    return err == driver.CUresult.CUDA_SUCCESS
 
 
 #: Buffers that captured CUDA graphs may read (tensor maps, tile counters), by address: kept

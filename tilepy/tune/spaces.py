@@ -67,14 +67,18 @@ HOPPER_CANDIDATES = (
 )
 
 
-def hopper_space(dtype: str = "float16", m=None, n=None):
+def hopper_space(dtype: str = "float16", m=None, n=None, k=None, batch: int = 1):
     """The Hopper candidates for ``dtype`` (compute capability 9.0 only), without tiles far
-    larger than an (m, n) output."""
+    larger than an (m, n) output; with ``k`` too, a problem of fewer 128 × 256 tiles than
+    SMs also gets the tile × split-K configs the op's small-problem rule weighs
+    (:func:`tilepy.ops.gemm.one_wave_candidates`), first."""
     out = []
+    if None not in (m, n, k) and -(-m // 128) * -(-n // 256) * batch < _gemm_op.SMS:
+        out += [cfg for _, cfg in _gemm_op.one_wave_candidates(m, n, k, batch, dtype)]
     for kind, kw in HOPPER_CANDIDATES:
         cfg = HOPPER_KINDS[kind](dtype=dtype, **kw)
         if (m is None or cfg.block_m <= max(64, 2 * m)) and \
-                (n is None or cfg.block_n <= max(64, 2 * n)):
+                (n is None or cfg.block_n <= max(64, 2 * n)) and cfg not in out:
             out.append(cfg)
     return out
 
@@ -100,7 +104,7 @@ def gemm_space(dtype: str = "float16", cc=None, m=None, n=None, k=None, *,
     cc = tuple(cc) if cc is not None else _device_cc()
     kept, rejected = [], []
     if hopper and cc[:2] == (9, 0):
-        kept += hopper_space(dtype, m, n)
+        kept += hopper_space(dtype, m, n, k)
     for (bm, bn, bk), (wm, wn) in GEMM_TILES:
         for stages in GEMM_STAGES:
             what = f"{bm}x{bn}x{bk} block, {wm}x{wn} warps, {stages} stages"
@@ -252,7 +256,7 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
                          f"{dtype!r}")
     mma_heuristic = _gemm_op.choose_config(m, n, k, batch, dtype)
     # the reference is what the op runs untuned: the Hopper default where it applies
-    heuristic = _gemm_op.hopper_config(m, n, batch, dtype) or mma_heuristic
+    heuristic = _gemm_op.hopper_config(m, n, batch, dtype, k=k) or mma_heuristic
     rejected = []
     if configs is None:
         configs, rejected = gemm_space(dtype, mma_heuristic.cc, m, n, k, with_rejected=True,
