@@ -188,7 +188,8 @@ def test_gemm(torch, epilogue, warmup):
 @pytest.mark.parametrize("warmup", [True, False], ids=["warm", "first-call"])
 def test_gemm_split_k(torch, warmup):
     """A decode-sized product (on sm_90 split-K: the tiles' semaphores and partials, a
-    capture's own, zeroed in the graph; every replay leaves the semaphores at zero)."""
+    capture's own, zeroed in the graph). Every replay is right, which needs the semaphores
+    left at zero by the one before."""
     m = 16 if warmup else 17
     a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)

@@ -119,10 +119,12 @@ def test_split_k(dtype, b_layout, shape, splits, extra):
     ranges as separate items — 4 splits of 1-2 k steps; 8 splits of six steps (two items
     empty: zero partials) with the TMA-store epilogue; 3 splits on a persistent grid of 3
     blocks, with bias, c, alpha, beta and GELU into float32 — summed by each tile's last item.
-    The result is right, two launches give the same bits, and the semaphores are back at
-    zero after each."""
+    The result is right and the semaphores are back at zero after a launch, so a second
+    launch finds its last items again and gives the same bits (in the simulator's fixed block
+    order; the order-independence of the sum is the GPU test's)."""
     rng = np.random.default_rng()
     m, n, k = 70, 136, 328
+    extra = dict(extra)
     fused = extra.pop("epilogue", False)
     cfg = WsConfig(stages=2, dtype=dtype, splits=splits, **shape, **extra)
     a = padded(rng, (m, k), dtype)
@@ -423,6 +425,22 @@ def test_capture_reads_settled_maps(monkeypatch):
     bound(7, [a.ctypes.data, b2.ctypes.data, out.ctypes.data], (1.0, 0.0))
     check(out, matmul64(a, b2), "float16")
     assert plan.maps_encoded == 2 and len(plan._kept) == 2
+
+
+def test_split_k_config_validation():
+    """splits: an int 1 … 64 (not a bool), not with clusters; gemm_softmax's mode (whose
+    consumers walk every k step of a chunk) refuses it."""
+    from tilepy.ops.gemm_softmax_wgmma import check_softmax_config
+
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(ValueError, match="splits"):
+            WsConfig(splits=bad)
+    with pytest.raises(ValueError, match="cluster"):
+        WsConfig(splits=2, **CLUSTER_KW)
+    with pytest.raises(ValueError, match="split-K"):
+        check_softmax_config(WsConfig(128, 128, 3, persistent=True, smem_epilogue=True,
+                                      splits=2), "float16")
+    assert "split-K 3" in WsConfig(splits=3).describe()
 
 
 def test_config_validation():

@@ -390,7 +390,10 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                                      f"aligned); got {out_dtype} with strides {Out.strides}")
             if config is None and isinstance(cfg, ws.WsConfig) and not ws.tma_ready(
                     cfg, layout_b == "row", a_view, b_view):
-                cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype)
+                # operands TMA cannot describe: the cp.async wgmma kernel where its 256 x 128
+                # tiles fill the SMs, else the mma.sync heuristic
+                big = -(-m // HOPPER_LARGE[0]) * -(-n // HOPPER_LARGE[1]) * batch >= SMS
+                cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype) if big else mma_cfg
             # a TMA grid kernel cannot launch a batch past the grid's y limit in chunks: its
             # persistent variant, else the cp.async wgmma kernel (see _grid_safe)
             cfg = _grid_safe(cfg, batch)

@@ -69,9 +69,11 @@ def check_softmax_config(cfg: WsConfig, out_kind, activation=None, has_bias=Fals
     """Raise ValueError unless ``cfg`` (and a 16-bit output, no epilogue extras) suits the
     softmax mode."""
     if not (cfg.persistent and cfg.smem_epilogue and cfg.consumers == 2
-            and cfg.rows_per_consumer == 64 and not cfg.tma_store and cfg.cluster == 1):
+            and cfg.rows_per_consumer == 64 and not cfg.tma_store and cfg.cluster == 1
+            and cfg.splits == 1):
         raise ValueError("softmax mode needs WsConfig(128, block_n, persistent=True, "
-                         f"smem_epilogue=True) with two consumers of 64 rows, got {cfg}")
+                         f"smem_epilogue=True) with two consumers of 64 rows (no clusters, no "
+                         f"split-K), got {cfg}")
     if out_kind not in ("float16", "bfloat16") or activation or has_bias or has_c:
         raise ValueError("softmax mode: 16-bit output, no activation, bias or c")
     if cfg.smem_bytes + softmax_stats_bytes(cfg) > SMEM_LIMIT[(9, 0)]:

@@ -2,12 +2,13 @@
 and an mbarrier stage ring, composed from :mod:`tilepy.tile` pieces.
 
 Kernel contract — the one of :mod:`tilepy.ops.gemm_wgmma`: ``kernel(a, b, out, c, bias, alpha,
-beta, maps)`` on 3-D uint16 views (batch first, a batch of 1 broadcasts; ``b`` is the (Z, K, N)
+beta, maps, counters, partials)`` on 3-D uint16 views (batch first, a batch of 1 broadcasts; ``b`` is the (Z, K, N)
 view of a row-major B or the (Z, N, K) view of a column-major one), ``out = act(alpha · a @ b
 + bias + beta · c)`` (:func:`tilepy.tile.epilogue.store_accumulators`' math) — plus ``maps``,
 a device buffer of the TMA tensor maps of A (bytes 0–127), B (128–255) and, with the
 TMA-store epilogue, ``out`` (256–383), which :func:`plan` encodes from the operands'
-pointers, shapes and strides.
+pointers, shapes and strides; ``counters`` (int32) and ``partials`` (float32, 2-D): split-K's
+tile semaphores and partial sums (:attr:`WsConfig.splits`; placeholders without it).
 
 The pieces (each documented where it lives):
 
@@ -21,10 +22,13 @@ The pieces (each documented where it lives):
 * each consumer's main loop (:func:`consumer_mainloop`): per k step, wait for the slot, its
   k16 wgmmas (:func:`tilepy.tile.warpgroup_mma.warpgroup_mma`) as one group, ``wait_group 1``
   and free the previous slot — one group stays in flight across the wait;
-* the schedule (:mod:`tilepy.tile.schedule`): work items in grouped raster order; a block per
-  tile (grid (tiles, batch)), or ``persistent=True``: ``min(SMs, tiles)`` blocks striding over
-  the items, the ring running on across tiles so the producer loads the next tile while the
-  consumers run the epilogue;
+* the schedule (:mod:`tilepy.tile.schedule`): work items — tiles, or with ``splits`` a tile's
+  k ranges (:func:`split_range`) — in grouped raster order; a block per item (grid (items,
+  batch)), or ``persistent=True``: ``min(SMs, items)`` blocks striding over the items, the
+  ring running on across them so the producer loads the next item while the consumers run
+  the epilogue;
+* with ``splits``, the reduction (:func:`tilepy.tile.split_k.split_k_reduce`): the tile's last
+  item adds every item's partials in split order and alone runs the epilogue;
 * the epilogue (:func:`_epilogue`): from registers, staged through shared memory, or staged
   swizzled and stored with TMA.
 
@@ -154,7 +158,8 @@ class WsConfig:
 
         need(self.dtype in ("float16", "bfloat16"), "dtype must be float16 or bfloat16")
         need(self.cluster in (1, 2), "cluster must be 1 or 2")
-        need(isinstance(self.splits, int) and 1 <= self.splits <= 64,
+        need(isinstance(self.splits, int) and not isinstance(self.splits, bool)
+             and 1 <= self.splits <= 64,
              "splits must be an int in 1 … 64")
         need(self.splits == 1 or self.cluster == 1, "splits > 1 needs cluster=1")
         need(self.block_n % (64 * self.cluster) == 0, f"cluster={self.cluster}: block_n must "

@@ -217,25 +217,43 @@ def record_done(stream):
     return event
 
 
-def is_done(token) -> bool:
+def is_done(token):
     """Whether the work before :func:`record_done`'s ``token`` has run (``cuEventQuery``: no
-    waiting); a token found done is released, and must not be asked again. Never call it
-    while the calling thread captures a stream (an event query is not allowed then)."""
+    waiting): True (the token is released), False (not yet; ask again later), or None (the
+    query failed: the token is released, the work must be taken as never done). Not for a
+    thread that is capturing a stream; the query runs in the relaxed capture mode, so another
+    thread's capture (PyTorch's default global mode) is not invalidated by it. One caller
+    per token at a time."""
     if token is None:
         return True
     from cuda.bindings import driver
 
-    (err,) = driver.cuEventQuery(token)
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    err, mode = driver.cuThreadExchangeStreamCaptureMode(relaxed)
+    try:
+        (err,) = driver.cuEventQuery(token)
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(mode)
     if err == driver.CUresult.CUDA_ERROR_NOT_READY:
         return False
     driver.cuEventDestroy(token)
-    return err == driver.CUresult.CUDA_SUCCESS
+    return True if err == driver.CUresult.CUDA_SUCCESS else None
 
 
-#: Buffers that captured CUDA graphs may read (tensor maps, tile counters), by address: kept
-#: for the life of the process. A graph holds no reference to them, and freeing one — when a
-#: plan is dropped from its op's cache — would let a later allocation (the graph's own pool
-#: included) reuse memory a replay still reads. A few hundred bytes per captured launch.
+def release(token) -> None:
+    """Release a :func:`record_done` token that will not be asked again."""
+    if token is not None:
+        from cuda.bindings import driver
+
+        driver.cuEventDestroy(token)
+
+
+#: Buffers that captured CUDA graphs may read (tensor maps, tile counters, split-K
+#: workspaces), by address: kept for the life of the process. A graph holds no reference to
+#: them, and freeing one — when a plan is dropped from its op's cache — would let a later
+#: allocation (the graph's own pool included) reuse memory a replay still reads. A few hundred
+#: bytes per captured launch, except a split-K GEMM's workspace (4 bytes per element of its
+#: items' tiles: megabytes).
 GRAPH_BUFFERS: dict = {}
 
 

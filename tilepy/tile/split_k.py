@@ -81,5 +81,5 @@ def split_k_reduce(splits: int, n0: int, n1: int, threads: int, barrier_id: int)
             add_up(acc0, acc1, partials, tile * S * NV, 4 * t)
         return is_last
 
-    return device_namespace(f"split_k_reduce({splits}, {n0}, {n1}, {threads})",
+    return device_namespace(f"split_k_reduce({splits}, {n0}, {n1}, {threads}, {barrier_id})",
                             reduce=reduce)

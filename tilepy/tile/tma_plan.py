@@ -56,8 +56,8 @@ class TmaLaunchPlan(LaunchPlan):
     without it ``args[maps_arg]`` must already hold those maps.
 
     CUDA-graph capture: during a capture of the launch stream nothing is allocated outside
-    ``alloc``, nothing is copied or synchronised, and only kernels are enqueued on that
-    stream. A map buffer made during a capture is written only when the graph runs, so it is
+    ``alloc``, nothing is copied or synchronised, and only kernels and memsets are enqueued on
+    that stream. A map buffer made during a capture is written only when the graph runs, so it is
     not cached; it and every cached buffer a capture used are kept for the life of the
     process (:data:`tilepy.tile.device_write.GRAPH_BUFFERS`: the graph reads them at each
     replay, after the cache, or the plan itself, may have dropped them).
@@ -140,6 +140,7 @@ class TmaLaunchPlan(LaunchPlan):
                 raw = self._encoder(*key)
                 buf = host_tma.maps_to_device(raw, stream, self._alloc)
             token = None if capturing else device_write.record_done(stream)
+        old = None
         with self._maps_lock:
             if pending is None:
                 self.maps_encoded += 1
@@ -149,19 +150,30 @@ class TmaLaunchPlan(LaunchPlan):
                 self._maps[ckey] = buf
                 while len(self._maps) > MAP_CACHE:
                     self._maps.popitem(last=False)
+                old = self._unsettled.pop(ckey, None)
                 self._unsettled[ckey] = (buf, token)
+        if old is not None:
+            device_write.release(old[1])
         return buf
 
     def _settle(self) -> None:
-        """Move the map writes that have run to the settled buffers (outside captures only)."""
+        """Move the map writes that have run to the settled buffers (outside captures only).
+        The entries are taken out under the lock before their events are asked, so no two
+        threads ask (or release) one event; those not done yet go back."""
         with self._maps_lock:
-            waiting = list(self._unsettled.items())
-        done = [(ckey, buf) for ckey, (buf, token) in waiting if device_write.is_done(token)]
+            waiting, self._unsettled = self._unsettled, {}
+        states = [(ckey, buf, token, device_write.is_done(token))
+                  for ckey, (buf, token) in waiting.items()]
         with self._maps_lock:
-            for ckey, buf in done:
-                self._unsettled.pop(ckey, None)
-                self._settled[ckey[1]] = buf
-                self._settled.move_to_end(ckey[1])
+            for ckey, buf, token, done in states:
+                if done:
+                    self._settled[ckey[1]] = buf
+                    self._settled.move_to_end(ckey[1])
+                elif done is False:
+                    if ckey in self._unsettled:      # written again meanwhile
+                        device_write.release(token)
+                    else:
+                        self._unsettled[ckey] = (buf, token)
             while len(self._settled) > MAP_CACHE:
                 self._settled.popitem(last=False)
 
@@ -249,8 +261,9 @@ class ScheduledTmaPlan(TmaLaunchPlan):
         self._built_zeroed = counter is None
 
     def counter_for(self, stream):
-        """The tile counter (int32[2] device array) of launches in ``stream``, made and
-        zeroed on that stream the first time it is seen."""
+        """The tile counter (an int32 device array: [2] for the ticket scheduler, one per tile
+        for split-K) of launches in ``stream``, made and zeroed on that stream the first time
+        it is seen."""
         return self._counter(_stream_handle(stream), False)[1]
 
     def _counter(self, handle: int, capturing: bool):

@@ -95,16 +95,17 @@ def _device_cc():
 
 
 def gemm_space(dtype: str = "float16", cc=None, m=None, n=None, k=None, *,
-               with_rejected: bool = False, hopper: bool = False):
+               with_rejected: bool = False, hopper: bool = False, batch: int = 1):
     """Candidate GEMM configs for ``dtype`` on compute capability ``cc`` (default: the current
     device's), that fit the device; with ``m``, ``n``, ``k`` also only those that fit the
     problem. ``hopper=True`` (and cc 9.0) puts the wgmma kernels' configs
-    (:func:`hopper_space`) first. ``with_rejected=True`` returns
+    (:func:`hopper_space`, for a problem of ``batch`` matrices) first. ``with_rejected=True``
+    returns
     ``(configs, [(what, why), …])``."""
     cc = tuple(cc) if cc is not None else _device_cc()
     kept, rejected = [], []
     if hopper and cc[:2] == (9, 0):
-        kept += hopper_space(dtype, m, n, k)
+        kept += hopper_space(dtype, m, n, k, batch)
     for (bm, bn, bk), (wm, wn) in GEMM_TILES:
         for stages in GEMM_STAGES:
             what = f"{bm}x{bn}x{bk} block, {wm}x{wn} warps, {stages} stages"
@@ -260,7 +261,7 @@ def tune_gemm(m: int, n: int, k: int, dtype: str = "float16", batch: int = 1, co
     rejected = []
     if configs is None:
         configs, rejected = gemm_space(dtype, mma_heuristic.cc, m, n, k, with_rejected=True,
-                                       hopper=heuristic is not mma_heuristic)
+                                       hopper=heuristic is not mma_heuristic, batch=batch)
     candidates = [heuristic] + [c for c in configs if c != heuristic]
     kinds = (GemmConfig, *HOPPER_KINDS.values())
     for c in candidates:
