@@ -264,6 +264,18 @@ def graph_timing(torch, fn, calls: int = 20) -> Timing:
                   t.calls_as_called)
 
 
+def poisoned_check(torch, run, out, want, tolerance=2e-2) -> float:
+    """``out`` filled with NaN, ``run()`` (which writes it), then max |out - want| / max |want|
+    in float32; AssertionError when it is not below ``tolerance`` (NaN never is)."""
+    out.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    err = max_rel_err(out, want)
+    if not err < tolerance:
+        raise AssertionError(f"relative error {err}")
+    return err
+
+
 def max_rel_err(got, want) -> float:
     """max |got - want| / max |want|, in float32."""
     g, w = got.float(), want.float()

@@ -58,11 +58,34 @@ HBM_BYTES_PER_US = 3.5e6
 HBM_FULL_ITEMS = 100
 
 
+def tile_count(m: int, n: int, bm: int, bn: int, batch: int = 1) -> int:
+    """The ``bm`` × ``bn`` tiles of ``batch`` (m, n) outputs."""
+    return -(-m // bm) * -(-n // bn) * batch
+
+
+def few_tiles(m: int, n: int, batch: int = 1) -> bool:
+    """Whether the default 128 × 256 tiles would leave SMs idle: the problems
+    :func:`one_wave_config` (and the tuner's small-problem candidates) are for."""
+    return tile_count(m, n, *HOPPER_WS[:2], batch) < SMS
+
+
+def ws_default(dtype: str, tma_store: bool = True):
+    """The warp-specialised 128 × 256 config of problems that fill the SMs: persistent with
+    the TMA-store epilogue (staged with stmatrix), ahead of the staged epilogue of 16-byte
+    stores over the benchmark shapes, which was ahead of the register one (bench/NOTES.md:
+    GEMM epilogues); ``tma_store=False``: the staged epilogue, one block per tile."""
+    bm, bn, st = HOPPER_WS
+    if tma_store:
+        return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
+                           tma_store=True)
+    return ws.WsConfig(bm, bn, st, dtype, smem_epilogue=True)
+
+
 def one_wave_time_us(m: int, n: int, k: int, batch: int, bm: int, bn: int, splits: int):
     """:func:`one_wave_config`'s model of a one-wave launch's time: fixed cost, plus the larger
     of one work item's k steps and the operands' bytes at the HBM bandwidth its items reach,
     plus the split's reduction; None when the items exceed one wave (:data:`SMS`)."""
-    items = -(-m // bm) * -(-n // bn) * batch * splits
+    items = tile_count(m, n, bm, bn, batch) * splits
     if items > SMS:
         return None
     steps = -(-k // ws.BK) / splits * ONE_WAVE_STEP_US[(bm, bn)]
@@ -102,9 +125,8 @@ def one_wave_config(m: int, n: int, k: int, batch: int, dtype: str, tma_store: b
     if not cands:
         return None
     cfg = min(cands, key=lambda c: c[0])[1]
-    if (cfg.block_m, cfg.block_n, cfg.splits) == (128, 256, 1) and tma_store:
-        return ws.WsConfig(128, 256, cfg.stages, dtype, persistent=True, smem_epilogue=True,
-                           tma_store=True)
+    if (cfg.block_m, cfg.block_n, cfg.splits) == HOPPER_WS[:2] + (1,):
+        return ws_default(dtype, tma_store)
     return cfg
 
 
@@ -120,22 +142,16 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
     shared memory; the TMA-store epilogue was slower there)."""
     if arrays.SIMULATOR or dtype == "float32" or not launch.is_hopper():
         return None
-    if k is not None and -(-m // 128) * -(-n // 256) * batch < SMS:
+    if k is not None and few_tiles(m, n, batch):
         cfg = one_wave_config(m, n, k, batch, dtype, tma_store)
         if cfg is not None:
             return cfg
     for bm, bn, st in (HOPPER_WS, HOPPER_LARGE, HOPPER_MEDIUM):
         # at least one whole tile each way (a batch of small matrices would leave most of
         # every 128-row tile empty), and enough tiles for every SM
-        if m >= bm and n >= bn and -(-m // bm) * -(-n // bn) * batch >= SMS:
+        if m >= bm and n >= bn and tile_count(m, n, bm, bn, batch) >= SMS:
             if (bm, bn, st) == HOPPER_WS:
-                # persistent, the TMA-store epilogue (staged with stmatrix): ahead of the
-                # staged epilogue of 16-byte stores over the benchmark shapes, which was ahead
-                # of the register one (bench/NOTES.md: GEMM epilogues)
-                if tma_store:
-                    return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True,
-                                       tma_store=True)
-                return ws.WsConfig(bm, bn, st, dtype, smem_epilogue=True)
+                return ws_default(dtype, tma_store)
             return hw.WgmmaConfig(bm, bn, st, dtype)
     return None
 
@@ -146,7 +162,7 @@ def choose_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
         base = SIMULATOR_CONFIG
     else:
         def tiles(cfg):
-            return -(-m // cfg.block.m) * -(-n // cfg.block.n) * batch
+            return tile_count(m, n, cfg.block.m, cfg.block.n, batch)
 
         base = LARGE if tiles(LARGE) >= 2 * SMS else MEDIUM if tiles(MEDIUM) >= SMS else SMALL
     return GemmConfig(base.block, base.warps, base.pipeline, dtype, base.swizzle, base.cc)
@@ -392,7 +408,7 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                     cfg, layout_b == "row", a_view, b_view):
                 # operands TMA cannot describe: the cp.async wgmma kernel where its 256 x 128
                 # tiles fill the SMs, else the mma.sync heuristic
-                big = -(-m // HOPPER_LARGE[0]) * -(-n // HOPPER_LARGE[1]) * batch >= SMS
+                big = tile_count(m, n, *HOPPER_LARGE[:2], batch) >= SMS
                 cfg = hw.WgmmaConfig(*HOPPER_LARGE, dtype) if big else mma_cfg
             # a TMA grid kernel cannot launch a batch past the grid's y limit in chunks: its
             # persistent variant, else the cp.async wgmma kernel (see _grid_safe)

@@ -2,9 +2,9 @@
 and an mbarrier stage ring, composed from :mod:`tilepy.tile` pieces.
 
 Kernel contract — the one of :mod:`tilepy.ops.gemm_wgmma`: ``kernel(a, b, out, c, bias, alpha,
-beta, maps, counters, partials)`` on 3-D uint16 views (batch first, a batch of 1 broadcasts; ``b`` is the (Z, K, N)
-view of a row-major B or the (Z, N, K) view of a column-major one), ``out = act(alpha · a @ b
-+ bias + beta · c)`` (:func:`tilepy.tile.epilogue.store_accumulators`' math) — plus ``maps``,
+beta, maps, counters, partials)`` on 3-D uint16 views (batch first, a batch of 1 broadcasts;
+``b`` is the (Z, K, N) view of a row-major B or the (Z, N, K) view of a column-major one),
+``out = act(alpha · a @ b + bias + beta · c)`` (:func:`tilepy.tile.epilogue.store_accumulators`' math) — plus ``maps``,
 a device buffer of the TMA tensor maps of A (bytes 0–127), B (128–255) and, with the
 TMA-store epilogue, ``out`` (256–383), which :func:`plan` encodes from the operands'
 pointers, shapes and strides; ``counters`` (int32) and ``partials`` (float32, 2-D): split-K's

@@ -170,16 +170,23 @@ def write(stream, ptr: int, data) -> None:
     writer launch per :data:`WORDS` words, on the current device. Returns when the launches
     are enqueued (in the simulator: done); the host bytes need not outlive the call."""
     raw = data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
-    ptr = int(ptr)
-    if len(raw) % 8 or ptr % 8:
-        raise ValueError(f"write: {len(raw)} bytes at {ptr:#x}; a multiple of 8 bytes at an "
-                         "8-byte aligned address is needed")
+    ptr = _word_span("write", ptr, len(raw))
     words = np.frombuffer(raw, "<u8").tolist()
     handle = _stream_handle(stream)
     for i in range(0, len(words), WORDS):
         chunk = words[i:i + WORDS]
         at = ptr + 8 * i
         _writer(len(chunk), at)(handle, [at], chunk + [0] * (WORDS - len(chunk)))
+
+
+def _word_span(who: str, ptr, nbytes: int) -> int:
+    """``ptr`` as an int, after checking that ``nbytes`` at it are whole aligned 8-byte words
+    (ValueError otherwise)."""
+    ptr = int(ptr)
+    if nbytes % 8 or ptr % 8:
+        raise ValueError(f"{who}: {nbytes} bytes at {ptr:#x}; a multiple of 8 bytes at an "
+                         "8-byte aligned address is needed")
+    return ptr
 
 
 def zero(stream, ptr: int, nbytes: int) -> None:
@@ -189,12 +196,10 @@ def zero(stream, ptr: int, nbytes: int) -> None:
     if SIMULATOR:
         write(stream, ptr, bytes(int(nbytes)))
         return
-    if nbytes % 8 or int(ptr) % 8:
-        raise ValueError(f"zero: {nbytes} bytes at {int(ptr):#x}; a multiple of 8 bytes at an "
-                         "8-byte aligned address is needed")
+    ptr = _word_span("zero", ptr, nbytes)
     from cuda.bindings import driver
 
-    (err,) = driver.cuMemsetD8Async(int(ptr), 0, int(nbytes), _stream_handle(stream))
+    (err,) = driver.cuMemsetD8Async(ptr, 0, int(nbytes), _stream_handle(stream))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemsetD8Async of {nbytes} bytes failed: {err}")
 

@@ -213,8 +213,8 @@ COUNTER_BYTES = 8
 
 def _tile_counter(alloc, stream, nbytes: int = COUNTER_BYTES, zeroed: int = COUNTER_BYTES):
     """``(DeviceBuffer, int32 view of its first zeroed bytes)``: a tile counter from ``alloc``
-    (``nbytes``, 256-byte aligned), its first ``zeroed`` bytes zeroed by a writer launch on
-    ``stream`` (:mod:`tilepy.tile.device_write`): the persistent TMA kernel's tile tickets and
+    (``nbytes``, 256-byte aligned), its first ``zeroed`` bytes zeroed on ``stream``
+    (:func:`tilepy.tile.device_write.zero`): the persistent TMA kernel's tile tickets and
     finished blocks, which its last block out sets back to zero (or the split-K GEMM's tile
     semaphores, then its partial sums' workspace)."""
     buf = device_write.allocate(alloc, nbytes, 256)

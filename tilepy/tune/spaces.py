@@ -73,7 +73,7 @@ def hopper_space(dtype: str = "float16", m=None, n=None, k=None, batch: int = 1)
     SMs also gets the tile × split-K configs the op's small-problem rule weighs
     (:func:`tilepy.ops.gemm.one_wave_candidates`), first."""
     out = []
-    if None not in (m, n, k) and -(-m // 128) * -(-n // 256) * batch < _gemm_op.SMS:
+    if None not in (m, n, k) and _gemm_op.few_tiles(m, n, batch):
         out += [cfg for _, cfg in _gemm_op.one_wave_candidates(m, n, k, batch, dtype)]
     for kind, kw in HOPPER_CANDIDATES:
         cfg = HOPPER_KINDS[kind](dtype=dtype, **kw)
