@@ -46,6 +46,9 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
+#   PART=s26a    what sessions 25 and 26 left unverified: the FP8 GEMM's GPU tests (mixed formats,
+#                bias + GELU), the FP8 probe (the epilogue's bias / activation arguments must not
+#                cost the plain path), then s25e's shape grid, CUDA-graph and GEMM op tests
 #   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
 #                GPU tests of the Hopper attention, the attention op's GPU tests
 #   PART=s24c    V's head dim other than Q's (GPU tests, benchmark against cuDNN), the head-dim
@@ -258,6 +261,13 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s26a "* ]]; then
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 90 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    gpu_tests graphs_gpu 150 tests/test_cuda_graphs.py -k "gemm or flash_attention or fp8"
+    gpu_tests gemm_op_gpu 120 tests/test_ops_gemm_wgmma.py
+    bench_suite bench_gemm_grid 130 "test_gemm_shape_grid"
 fi
 if [[ " $PART " == *" s25s "* ]]; then
     step sweep_wide 300 "$PY" bench/sweep_attention.py --wide-ab --head-dim 256 \

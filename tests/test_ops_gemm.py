@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 
 import tilepy
+from tilepy.testing.reference import ACTIVATIONS
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 NP = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
-ACT = {None: lambda v: v, "relu": lambda v: np.maximum(v, 0),
-       "gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
-       "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))),
-       "silu": lambda v: v / (1 + np.exp(-v))}
+ACT = ACTIVATIONS
 
 
 def rand(rng, shape, dtype):

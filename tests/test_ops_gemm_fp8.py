@@ -57,8 +57,8 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a[:, :24], w[:, :24].T)
     with pytest.raises(ValueError, match="b must be K-major"):
         tilepy.gemm(a, np.ascontiguousarray(w.T))
-    with pytest.raises(NotImplementedError, match="mixed formats"):
-        tilepy.gemm(a, w.astype(ml_dtypes.float8_e5m2).T)
+    with pytest.raises(TypeError, match="b: dtype float16 is not supported"):
+        tilepy.gemm(a, w.astype(np.float16).T)
     with pytest.raises(ValueError, match="or a block scale"):
         tilepy.gemm(a, w.T, scale_a=np.ones((4, 2), np.float32))
     a2, w2 = np.zeros((4, 256), a.dtype), np.zeros((8, 256), w.dtype)
@@ -73,10 +73,53 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a, w.T, scale_b=np.ones(5, np.float32))
     with pytest.raises(TypeError, match="scale_a: dtype float64 is not supported"):
         tilepy.gemm(a, w.T, scale_a=np.ones(4, np.float64))
-    with pytest.raises(NotImplementedError, match="bias and activation"):
-        tilepy.gemm(a, w.T, activation="relu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        tilepy.gemm(a, w.T, activation="tanh")
+    with pytest.raises(ValueError, match=r"bias must have shape \(8,\)"):
+        tilepy.gemm(a, w.T, bias=np.zeros(4, np.float32))
+    with pytest.raises(TypeError, match="bias: dtype float64 is not supported"):
+        tilepy.gemm(a, w.T, bias=np.zeros(8, np.float64))
     with pytest.raises(NotImplementedError, match="alpha, beta and c"):
         tilepy.gemm(a, w.T, alpha=2.0)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("fmt_a,fmt_b,bias_dtype,activation,block", [
+    ("float8_e4m3fn", "float8_e5m2", "bfloat16", "gelu", False),
+    ("float8_e5m2", "float8_e4m3fn", "float32", "silu", True),
+    ("float8_e4m3fn", "float8_e4m3fn", "float16", None, False),
+])
+def test_mixed_formats_bias_and_activation(fmt_a, fmt_b, bias_dtype, activation, block):
+    """``act((a · scale_a) @ (b · scale_b) + bias)`` against float64: e4m3 · e5m2 and the
+    reverse, bias float32 / float16 / bfloat16 (added after the scales), an activation, with
+    row and column scales or block scales (K = 208: two k blocks, the second partial); M = 70,
+    N = 72 (edges inside a 64-column tile, on one consumer)."""
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+    from tilepy.testing.reference import reference_activation
+
+    rng = np.random.default_rng()
+    m, n, k = 70, 72, 208
+    a = codes(rng, (m, k), fmt_a)
+    w = codes(rng, (n, k), fmt_b)
+    if block:
+        sa = rng.uniform(0.25, 4, (m, 2)).astype(np.float32)
+        sw = rng.uniform(0.25, 4, (1, 2)).astype(np.float32)
+        scale_a, scale_b = sa, sw.T
+        a64 = a.astype(np.float64) * np.repeat(sa, 128, axis=1)[:, :k]
+        w64 = w.astype(np.float64) * np.repeat(sw, 128, axis=1)[:, :k]
+    else:
+        scale_a = rng.uniform(0.5, 2, m).astype(np.float32)
+        scale_b = rng.uniform(0.5, 2, n).astype(np.float32)
+        a64 = a.astype(np.float64) * scale_a[:, None]
+        w64 = w.astype(np.float64) * scale_b[:, None]
+    bias = (rng.standard_normal(n) * 50).astype(getattr(ml_dtypes, bias_dtype, bias_dtype))
+    out = np.full((m, n), np.nan, np.float32)
+    got = tilepy.gemm(a, w.T, scale_a=scale_a, scale_b=scale_b, bias=bias,
+                      activation=activation, out=out,
+                      config=KMajorConfig(block_n=64, consumers=1))
+    ref = reference_activation(a64 @ w64.T + bias.astype(np.float64), activation)
+    assert not np.isnan(got).any()
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.sim
@@ -117,6 +160,9 @@ def test_one_row_one_scale_shapes_and_empty_k():
     out = np.full((1, 8), np.nan, np.float32)
     tilepy.gemm(a[:, :0], w[:, :0].T, out=out)
     assert (out == 0).all()
+    bias = np.linspace(-2, 2, 8).astype(np.float32)     # K = 0 with a bias: relu(bias)
+    tilepy.gemm(a[:, :0], w[:, :0].T, bias=bias, activation="relu", out=out)
+    np.testing.assert_array_equal(out[0], np.maximum(bias, 0))
 
 
 @pytest.mark.compile
@@ -127,7 +173,9 @@ def test_fp8_kernel_compiles_for_sm90a():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.gemm_kmajor_wgmma:compile_reports")
-    assert len(reps) == 4        # 128 x 256 (setmaxnreg split), 128 x 128, block scales, grouped
+    # 128 x 256 (setmaxnreg split), 128 x 128, block scales, e4m3 · e5m2 with bias + GELU,
+    # grouped
+    assert len(reps) == 5
     for rep in reps.values():
         assert "error" not in rep, rep.get("error")
         assert rep["counts"]["wgmma.mma_async"] >= 4 and \
@@ -180,3 +228,29 @@ def test_gpu_block_scales_against_float32():
     assert not torch.isnan(got).any()
     err = (got - want).abs().max().item()
     assert err <= 1e-3 * want.abs().max().item(), err
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_formats_bias_gelu_against_float32():
+    """e4m3 · e5m2 with row / column scales, a bfloat16 bias and GELU at 2000 × 3000 × 4096
+    (partial tiles) against float32 products of the dequantised operands (no TF32), the
+    bias and ``F.gelu`` applied after; outputs poisoned with NaN first."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 2000, 3000, 4096
+    a = (torch.randn(m, k, device="cuda") * 3).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, device="cuda") * 3).to(torch.float8_e5m2)
+    sa = torch.rand(m, 1, device="cuda") * 0.01 + 0.005
+    sb = torch.rand(1, n, device="cuda") + 0.5
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, bias=bias, activation="gelu", out=out)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        want = torch.nn.functional.gelu((a.float() * sa) @ (w.float() * sb.t()).t()
+                                        + bias.float())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    assert got is out and not torch.isnan(got).any()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item(), err

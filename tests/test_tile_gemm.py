@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tilepy.ops.gemm_mma_sync import gemm_kernel, launch
+from tilepy.testing.reference import ACTIVATIONS
 from tilepy.tile.config import BlockTile, GemmConfig, Pipeline, WarpLayout
 
 SMALL = GemmConfig(BlockTile(32, 32, 16), WarpLayout(2, 1), Pipeline(2))
@@ -31,10 +32,7 @@ def from_bits(bits, dtype):
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-ACT = {None: lambda v: v, "relu": lambda v: np.maximum(v, 0),
-       "gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
-       "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))),
-       "silu": lambda v: v / (1 + np.exp(-v))}
+ACT = ACTIVATIONS
 
 
 def run_case(cfg, m, n, k, *, dtype="float16", out_kind="float32", b_k_major=True,

@@ -561,10 +561,10 @@ def test_grouped_gemm_operator_gradients_and_compile():
 def test_gemm_fp8_operator_and_compile():
     """tilepy.gemm on float8 tensors: the ``tilepy::gemm_fp8`` operator (opcheck: fake tensors;
     its schema check compares the inputs with CPU arithmetic float8 lacks) with row / column
-    scales, the same bits under torch.compile(fullgraph=True) as
-    eager, out_dtype as a torch dtype; an input that requires grad refused."""
+    scales and mixed formats (e4m3 · e5m2), under torch.compile(fullgraph=True) with a bias
+    and an activation, out_dtype as a torch dtype; an input that requires grad refused."""
     a = (rand(40, 96, dtype=torch.float32) * 3).to(torch.float8_e4m3fn)
-    w = (rand(24, 96, dtype=torch.float32) * 3).to(torch.float8_e4m3fn)
+    w = (rand(24, 96, dtype=torch.float32) * 3).to(torch.float8_e5m2)
     sa, sb = rand(40, 1, dtype=torch.float32).abs() + 0.5, rand(1, 24, dtype=torch.float32)
     torch.library.opcheck(torch.ops.tilepy.gemm_fp8.default, (a, w.t(), sa, sb, torch.float16),
                           test_utils=("test_faketensor",))
@@ -572,12 +572,13 @@ def test_gemm_fp8_operator_and_compile():
     ref = (a.double() * sa.double()) @ (w.double().t() * sb.double())
     close(want, ref, torch.bfloat16, "eager")
     torch._dynamo.reset()
-    step = torch.compile(lambda a, w: tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb,
-                                                  out_dtype=torch.float32),
+    bias = rand(24, dtype=torch.bfloat16)
+    step = torch.compile(lambda a, w: tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, bias=bias,
+                                                  activation="relu", out_dtype=torch.float32),
                          fullgraph=True, backend="aot_eager")
     got = step(a, w)
     assert got.dtype == torch.float32
-    close(got, ref, torch.float32, "compiled")
+    close(got, (ref + bias.double()).clamp_min(0), torch.float32, "compiled")
     with pytest.raises(TypeError, match="a requires grad"):
         tilepy.gemm(a.float().requires_grad_().to(torch.float8_e4m3fn), w.t(), scale_a=sa)
 

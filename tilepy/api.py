@@ -72,8 +72,9 @@ def _fp8(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, scale_a
     if alpha != 1.0 or beta != 0 or c is not None:
         raise NotImplementedError("gemm on float8 inputs: alpha, beta and c are not built yet "
                                   "(scale_a / scale_b carry the scaling)")
-    if _is_torch(a) and bias is None and activation is None:
-        return (_front or _pytorch()).gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config)
+    if _is_torch(a):
+        return (_front or _pytorch()).gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config,
+                                               bias, activation)
     return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                               out=out, bias=bias, activation=activation, config=config)
 

@@ -99,7 +99,7 @@ _SCHEMAS = {
     "quantize_fp8": "quantize_fp8(Tensor x, str granularity, str dtype) -> (Tensor, Tensor)",
     # float8 a (M, K), b (K, N) K-major; scales per tensor, row / column or block
     "gemm_fp8": "gemm_fp8(Tensor a, Tensor b, Tensor? scale_a, Tensor? scale_b, "
-                "ScalarType? out_dtype) -> Tensor",
+                "ScalarType? out_dtype, Tensor? bias=None, str? activation=None) -> Tensor",
     "grouped_gemm": "grouped_gemm(Tensor a, Tensor b, Tensor offsets, bool check_offsets) "
                     "-> Tensor",
     "grouped_gemm_weight_grad": "grouped_gemm_weight_grad(Tensor a, Tensor dout, "
@@ -394,32 +394,33 @@ torch.library.register_autograd("tilepy::grouped_gemm", _grouped_backward,
 
 # ---- gemm on float8 inputs ------------------------------------------------------------------
 
-def _gemm_fp8_impl(a, b, scale_a, scale_b, out_dtype):
-    return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+def _gemm_fp8_impl(a, b, scale_a, scale_b, out_dtype, bias=None, activation=None):
+    return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                              bias=bias, activation=activation)
 
 
-def _gemm_fp8_fake(a, b, scale_a, scale_b, out_dtype):
+def _gemm_fp8_fake(a, b, scale_a, scale_b, out_dtype, bias=None, activation=None):
     shape, dtype = _gemm_fp8.output_spec(a, b, scale_a=scale_a, scale_b=scale_b,
-                                         out_dtype=out_dtype)
+                                         out_dtype=out_dtype, bias=bias, activation=activation)
     return a.new_empty(shape, dtype=_DTYPES[dtype])
 
 
 _gemm_fp8_op = _register("gemm_fp8", _gemm_fp8_impl, _gemm_fp8_fake)
 
 
-def gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config):
+def gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config, bias=None, activation=None):
     """``tilepy.gemm`` on float8 PyTorch tensors: the ``tilepy::gemm_fp8`` operator (fake
     tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an input that
     requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
-    _no_grad_for("gemm", "float8 inputs have no gradient here", a=a, b=b)
-    if out is not None or config is not None or _direct(a, b, scale_a, scale_b):
+    _no_grad_for("gemm", "float8 inputs have no gradient here", a=a, b=b, bias=bias)
+    if out is not None or config is not None or _direct(a, b, scale_a, scale_b, bias):
         return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                  out=out, config=config)
+                                  out=out, config=config, bias=bias, activation=activation)
     if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
         from ..arrays import dtype_name
 
         out_dtype = _DTYPES.get(dtype_name(out_dtype), out_dtype)
-    return _gemm_fp8_op(a, b, scale_a, scale_b, out_dtype)
+    return _gemm_fp8_op(a, b, scale_a, scale_b, out_dtype, bias, activation)
 
 
 # ---- quantize_fp8 ---------------------------------------------------------------------------

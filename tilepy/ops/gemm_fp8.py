@@ -16,6 +16,7 @@ from .. import arrays, launch
 from ..arrays import describe
 from ..launch import PlanCache
 from ..tile import device_write
+from ..tile.epilogue import ACTIVATIONS
 from . import gemm_kmajor_wgmma as fk
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -30,11 +31,13 @@ def is_fp8(x) -> bool:
 
 def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
              activation=None, config=None):
-    """``out[i, j] = scale_a · scale_b · Σ_k a[i, k] b[k, j]`` with float32 accumulation.
+    """``out[i, j] = act(scale_a · scale_b · Σ_k a[i, k] b[k, j] + bias[j])`` with float32
+    accumulation.
 
     * ``a`` (M, K) row-major, ``b`` (K, N) given K-major — the transposed view of a row-major
-      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``); e4m3 or e5m2, the same format for
-      both (mixed formats are not built yet).
+      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``); each e4m3 or e5m2, in any
+      combination (k32 wgmmas take the two formats separately; ``torch._scaled_mm`` refuses
+      e5m2 · e5m2, this takes it).
     * ``scale_a``: float32, one scale (0-d, (1,)) or one per row ((M,), or (M, 1) as
       ``torch._scaled_mm`` takes it); ``scale_b``: one scale, or one per column ((N,) or
       (1, N)); None is 1.0. Or block scales (DeepGEMM's recipe): ``scale_a`` (M, ceil(K /
@@ -44,13 +47,14 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
       k block's partial product scaled and summed in float32; 128-column tiles.
     * ``out_dtype``: ``"bfloat16"`` (default; ``out``'s dtype when ``out`` is given),
       ``"float16"`` or ``"float32"``; ``out`` (M, N) of it, or None. K = 0 gives zeros.
-    * ``bias`` / ``activation``: not yet (``NotImplementedError``).
+    * ``bias``: None or (N,) float32, float16 or bfloat16, added in float32 after the scales;
+      ``activation``: None, ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"`` or ``"silu"``,
+      applied last (before the cast to ``out_dtype``).
     Needs a compute capability 9.0 GPU (the simulator runs it too). Errors are raised before
     anything is launched.
     """
-    fps = [arrays.fingerprint(x) for x in (a, b, scale_a, scale_b, out)]
-    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), out_dtype, config,
-                                 bias is None, activation))
+    fps = [arrays.fingerprint(x) for x in (a, b, scale_a, scale_b, out, bias)]
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), out_dtype, config, activation))
     if cached is not None:
         bound, stream, alloc, keep = cached
         ptrs = [p for _, p in fps]
@@ -69,16 +73,12 @@ _PLANS = PlanCache()
 
 def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config):
     """Every check :func:`gemm_fp8` makes before launching, on metadata only (so fake tensors
-    pass through it too): ``(A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device)``,
-    ``block`` None or the block scales' pair."""
-    if bias is not None or activation is not None:
-        raise NotImplementedError("gemm on float8 inputs: bias and activation are not built "
-                                  "yet")
+    pass through it too): ``(A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg,
+    device)``, ``block`` None or the block scales' pair, ``Bias`` None without one."""
     A = describe(a, "a", dtypes=FP8_DTYPES)
     B = describe(b, "b", dtypes=FP8_DTYPES)
-    if A.dtype != B.dtype:
-        raise NotImplementedError(f"gemm on float8 inputs: mixed formats ({A.dtype} and "
-                                  f"{B.dtype}) are not built yet")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if A.ndim != 2 or B.ndim != 2:
         raise ValueError(f"gemm on float8 inputs: a and b must be 2-D, got {A.shape} and "
                          f"{B.shape}")
@@ -109,7 +109,10 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     Out = describe(out, "out") if out is not None else None
     if Out is not None and (Out.shape != (m, n) or Out.dtype != out_dtype):
         raise ValueError(f"out must be ({m}, {n}) {out_dtype}, got {Out.shape} {Out.dtype}")
-    device = arrays.same_device(A, B, Out, *(s for s in (Sa, Sb) if s is not None))
+    Bias = describe(bias, "bias", dtypes=fk.OUT_KINDS) if bias is not None else None
+    if Bias is not None and Bias.shape != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {Bias.shape}")
+    device = arrays.same_device(A, B, Out, *(s for s in (Sa, Sb, Bias) if s is not None))
     cfg = config if config is not None else fk.KMajorConfig(
         block_n=fk.BLOCK_SCALE if block is not None else fk.KMajorConfig.block_n)
     if not isinstance(cfg, fk.KMajorConfig):
@@ -118,19 +121,20 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if block is not None and cfg.block_n > fk.BLOCK_SCALE:
         raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
                          f"columns in one scale block), got {cfg.block_n}")
-    return A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device
+    return A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device
 
 
-def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None):
+def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
+                activation=None):
     """``((M, N), out dtype name)`` after every check :func:`gemm_fp8` makes before launching
     (the registered operator's fake implementation)."""
-    _, _, _, _, _, (m, n, _), out_dtype, _, _, _ = check_arguments(
-        a, b, scale_a, scale_b, out_dtype, out, None, None, None)
+    _, _, _, _, _, _, (m, n, _), out_dtype, _, _, _ = check_arguments(
+        a, b, scale_a, scale_b, out_dtype, out, bias, activation, None)
     return (m, n), out_dtype
 
 
 def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
-    A, B, Sa, Sb, Out, (m, n, k), out_dtype, block, cfg, device = check_arguments(
+    A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device = check_arguments(
         a, b, scale_a, scale_b, out_dtype, out, bias, activation, config)
     if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
         raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
@@ -141,9 +145,17 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         Out = describe(out, "out")
     if m == 0 or n == 0:
         return out
-    if k == 0:
+    zeros = k == 0
+    if zeros and Bias is None and activation is None:
         # an empty inner dimension: zeros (NumPy's answer; the scales multiply nothing)
         return _zero_fill(out, Out)
+    if zeros:
+        # ... with a bias or an activation: act(0 + bias), through the kernel on K = 16 of
+        # zeros (the scales multiply zeros)
+        a, b = _zero_operands(A, B, m, n)
+        A, B = describe(a, "a", dtypes=FP8_DTYPES), describe(b, "b", dtypes=FP8_DTYPES)
+        k = 16
+        Sa = Sb = block = None
     with arrays.on_device(device):
         stream = arrays.stream_handle(A)
         ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
@@ -153,24 +165,32 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         else:
             sa_v = _scale_view(Sa if Sa is not None else One)
             sb_v = _scale_view(Sb if Sb is not None else One)
+        bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
         kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
                                      _per_index(Sa, m) and block is None,
-                                     _per_index(Sb, n) and block is None, block is not None)
+                                     _per_index(Sb, n) and block is None, block is not None,
+                                     b_fmt=_FMT[B.dtype], activation=activation,
+                                     bias_kind=Bias.dtype if Bias is not None else None)
         # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
         a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
                                                  (A.strides[0], 1)))
         b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
                                                  (B.strides[1], 1)))
         plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v,
-                             arrays.placeholder(1), k, _FMT[A.dtype], arrays.byte_allocator(A))
+                             arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
+                             arrays.byte_allocator(A))
         plan.launch(stream, args)
-        device_write.keep_during_capture(stream, ones)
-    # operand slots: a, b, scale_a, scale_b, out (a None scale reads the kept ones)
+        device_write.keep_during_capture(stream, ones, *((a, b) if zeros else ()))
+    # operand slots: a, b, scale_a, scale_b, out, bias (a None scale reads the kept ones)
     src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
            (4, Out.byte_pointer()),
            (2, Sa.byte_pointer()) if Sa is not None else None,
            (3, Sb.byte_pointer()) if Sb is not None else None,
-           None]      # offsets: a placeholder
+           None,      # offsets: a placeholder
+           (5, Bias.byte_pointer()) if Bias is not None else None]
+    if zeros:
+        # (the zero operands are this call's: a later call makes its own)
+        return out
     if ones is None or not device_write.stream_capturing(stream):
         # (ones made during a capture are written only when the graph runs: not kept for
         # eager calls)
@@ -236,6 +256,12 @@ def _scale_view(S):
     size = int(np.prod(S.shape))
     stride = max((st for st, d in zip(S.strides, S.shape) if d > 1), default=1)
     return arrays.device_view(arrays.restride(view, (size,), (4 * stride,)))
+
+
+def _zero_operands(A, B, m: int, n: int):
+    """``(a, b)``: zero codes of ``A``'s and ``B``'s formats, family and device, (M, 16) and
+    the K-major (16, N) view of an (N, 16)."""
+    return arrays.zeros_like_matrix(A, m, 16), arrays.zeros_like_matrix(B, n, 16).T
 
 
 def _zero_fill(out, Out):

@@ -7,13 +7,14 @@ schedules, the scaled epilogue). Two uses, as generator parameters: the scaled F
 grouped 16-bit GEMM (float16 / bfloat16, one ``b`` per group of rows, the groups' row ends read
 on the device).
 
-``kmajor_gemm_kernel(cfg, fmt, out_kind, row_scale, col_scale, block_scale, grouped)``
-returns a kernel
+``kmajor_gemm_kernel(cfg, fmt, out_kind, row_scale, col_scale, block_scale, grouped, b_fmt,
+activation, bias_kind)`` returns a kernel
 
-    kernel(a, b, out, scale_a, scale_b, offsets, k, maps)
+    kernel(a, b, out, scale_a, scale_b, offsets, bias, k, maps)
 
-computing ``out[i, j] = scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] · b[j, k]`` for ``a``
-(M, K) and ``b`` (N, K) — or, ``grouped``, ``out[i, j] = Σ_k a[i, k] · b[g, j, k]`` for the
+computing ``out[i, j] = act(scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] · b[j, k] +
+bias[j])`` for ``a`` (M, K) and ``b`` (N, K) (``b`` of format ``b_fmt``, by default ``fmt``;
+``bias`` (N,) of ``bias_kind``, or a placeholder without one) — or, ``grouped``, ``out[i, j] = Σ_k a[i, k] · b[g, j, k]`` for the
 rows ``i`` of group ``g`` (``offsets`` (E,) int32: the groups' cumulative row ends, clamped
 into ``previous end … M``; ``b`` (E, N, K)) — read through their tensor maps in ``maps``
 (uint8: A's map at byte 0, B's at :data:`MAP_B`; 128-byte swizzle, boxes of ``block_m`` /
@@ -22,7 +23,8 @@ and ``b`` themselves (uint8 / uint16 views) are not read: their pointers tell a 
 which maps to pass (:func:`plan`). ``out`` (M, N) float32, or uint16 bits of ``out_kind``
 (float16 / bfloat16); ``scale_a`` float32 (M,) with ``row_scale`` else (1,), ``scale_b``
 (N,) with ``col_scale`` else (1,), or both 2-D with ``block_scale`` (see
-:func:`kmajor_gemm_kernel`); ``offsets`` a placeholder unless ``grouped``. Grid :func:`grid`
+:func:`kmajor_gemm_kernel`); ``offsets`` a placeholder unless ``grouped``; ``bias`` float32 or
+uint16 bits of ``bias_kind``. Grid :func:`grid`
 (a block per output tile, or persistent: at most one per SM, each striding over the tiles —
 in grouped raster order, or group by group), :attr:`KMajorConfig.threads` threads,
 :attr:`KMajorConfig.smem_bytes` of dynamic shared memory. K need not be a multiple of the
@@ -150,10 +152,14 @@ def _jit(threads: int):
 @functools.cache
 def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bfloat16",
                        row_scale: bool = False, col_scale: bool = False,
-                       block_scale: bool = False, grouped: bool = False):
+                       block_scale: bool = False, grouped: bool = False, b_fmt: str | None = None,
+                       activation=None, bias_kind: str | None = None):
     """The kernel of the module docstring, generated once per argument set; ``fmt`` the
     operands' format (one of :data:`FORMATS`: the 8-bit ones scaled, the 16-bit ones
-    ``grouped``, without scales). ``block_scale``: ``scale_a`` (M, ceil(K / 128)) per 1 × 128
+    ``grouped``, without scales); ``b_fmt`` B's, another 8-bit format with 8-bit ``fmt``
+    (mixed e4m3 / e5m2), else ``fmt``. ``activation`` (of
+    :data:`tilepy.tile.epilogue.ACTIVATIONS`) and ``bias_kind`` (None, or the bias's
+    ``"float32"`` / ``"float16"`` / ``"bfloat16"``): the epilogue's, scaled GEMM only. ``block_scale``: ``scale_a`` (M, ceil(K / 128)) per 1 × 128
     block of ``a`` and ``scale_b`` (ceil(K / 128), ceil(N / 128)) per 128 × 128 block of Bᵀ
     (2-D float32), DeepGEMM's recipe: each k step (128 of K, one scale block) is a separate
     wgmma product (scale-d 0), waited for and added to the float32 sum times its two scales
@@ -164,6 +170,13 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         raise ValueError(f"kmajor_gemm_kernel: format of {tuple(FORMATS)}, out of "
                          f"{OUT_KINDS}; got {fmt!r}, {out_kind!r}")
     FP8 = fmt in FP8_FORMATS
+    b_fmt = fmt if b_fmt is None else b_fmt
+    if b_fmt != fmt and not (FP8 and b_fmt in FP8_FORMATS):
+        raise ValueError(f"kmajor_gemm_kernel: B's format may differ from A's only between "
+                         f"the 8-bit formats; got {fmt!r} and {b_fmt!r}")
+    if not FP8 and (activation is not None or bias_kind is not None):
+        raise NotImplementedError("kmajor_gemm_kernel: bias and activation are the scaled "
+                                  "GEMM's only")
     BLOCK, GROUPED = bool(block_scale), bool(grouped)
     if GROUPED == FP8 or (not FP8 and (row_scale or col_scale or BLOCK)):
         raise NotImplementedError(f"kmajor_gemm_kernel: the 8-bit formats run scaled and "
@@ -187,10 +200,11 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     load_a = tma_tile(1, A_BYTES)
     load_b = tma_tile(1, BN * BK)
     wmma = warpgroup_mma(BN, SmemOperand(BN, BKE, "k", EB), SmemOperand(64, BKE, "k", EB),
-                         FORMATS[fmt])
+                         FORMATS[fmt], b_dtype=FORMATS[b_fmt])
     NACC = wmma.NACC
     store = store_scaled_accumulators(BN // 8, out_kind, row_scale, col_scale,
-                                      scaled=FP8 and not BLOCK)
+                                      scaled=FP8 and not BLOCK, activation=activation,
+                                      bias_kind=bias_kind)
     promote = accumulate_scaled(BN // 8)
     smem = dynamic_shared(lay.align)
     f32 = types.float32
@@ -238,7 +252,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         wmma.commit()
 
     @_jit(cfg.threads)
-    def kernel(a, b, out, scale_a, scale_b, offsets, k, maps):
+    def kernel(a, b, out, scale_a, scale_b, offsets, bias, k, maps):
         m = out.shape[0]
         n = out.shape[1]
         tiles_m = (m + BM - 1) // BM
@@ -377,7 +391,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                     wmma.wait(0)
                     wmma.fence_operand(acc)
                     ring.release(bars, prev, lane)
-                store(acc, out, scale_a, scale_b, bm0 + 64 * cw, bn0, rows_end, n, lane,
+                store(acc, out, scale_a, scale_b, bias, bm0 + 64 * cw, bn0, rows_end, n, lane,
                       t // 32)
 
     return kernel
@@ -400,7 +414,8 @@ def grid(cfg: KMajorConfig, m: int, n: int, sms: int | None = None, groups: int 
     return (max(tiles, 1), 1, 1)
 
 
-def argtypes(out_kind: str, block_scale: bool = False, grouped: bool = False):
+def argtypes(out_kind: str, block_scale: bool = False, grouped: bool = False,
+             bias_kind: str | None = None):
     """Numba argument types of :func:`kmajor_gemm_kernel`'s kernel (offline compilation)."""
     u8 = types.Array(types.uint8, 1, "C")
     ops = (types.Array(types.uint16, 2, "A"), types.Array(types.uint16, 3, "A")) if grouped \
@@ -408,19 +423,22 @@ def argtypes(out_kind: str, block_scale: bool = False, grouped: bool = False):
     out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "A")
     f32 = types.Array(types.float32, 2 if block_scale else 1, "A")
     offs = types.Array(types.int32 if grouped else types.float32, 1, "A")
-    return (*ops, out, f32, f32, offs, types.int64, u8)
+    bias = types.Array(types.uint16 if bias_kind in ("float16", "bfloat16") else types.float32,
+                       1, "A")
+    return (*ops, out, f32, f32, offs, bias, types.int64, u8)
 
 
 #: The tensor maps' place in the kernel's arguments.
-MAPS_ARG = 7
+MAPS_ARG = 8
 
 
-def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, k: int, fmt: str,
-         alloc=None):
+def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, k: int,
+         fmt: str, alloc=None):
     """``(launch plan, arguments)`` of :func:`kmajor_gemm_kernel`'s kernel on views ``a``
     (M, K) and ``b`` (N, K), or grouped (E, N, K) — uint8 codes (8-bit formats) or uint16 bits,
     rows of a multiple of 16 bytes (or a single row) — ``out``, the scale views and
-    ``offsets`` (int32 (E,) grouped, else a placeholder): a
+    ``offsets`` (int32 (E,) grouped, else a placeholder), ``bias`` (its view, or a
+    placeholder): a
     :class:`tilepy.tile.tma_plan.TmaLaunchPlan` whose maps follow the pointers of ``a`` and
     ``b`` (encoded on the host, written on the launch stream into memory from ``alloc(nbytes)
     -> (owner, pointer)``; a bound plan called with other pointers makes theirs,
@@ -453,7 +471,7 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, k: int
 
     raw = encoder(pointer(a), pointer(b))
     buf = device_write.allocate(alloc, raw.size, host_tma.MAP_ALIGN)
-    args = (a, b, out, scale_a, scale_b, offsets, np.int64(k),
+    args = (a, b, out, scale_a, scale_b, offsets, bias, np.int64(k),
             buf.view((raw.size,), np.uint8))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, m, n, groups=b.shape[0] if grouped else 0)
@@ -462,13 +480,17 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, k: int
     return p, args
 
 
-#: The kernels the compile layer reports on: (name, config, format, scales, grouped) —
-#: scales "rowcol" or "block".
-COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", KMajorConfig(), "e4m3", "rowcol", False),
+#: The kernels the compile layer reports on: (name, config, format, scales, grouped, B's
+#: format, activation, bias kind) — scales "rowcol" or "block".
+COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", KMajorConfig(), "e4m3", "rowcol", False, None, None,
+             None),
             ("gemm_fp8_e4m3_bf16_rowcol_n128", KMajorConfig(block_n=128), "e4m3", "rowcol",
-             False),
-            ("gemm_fp8_e4m3_bf16_block", KMajorConfig(block_n=128), "e4m3", "block", False),
-            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True))
+             False, None, None, None),
+            ("gemm_fp8_e4m3_bf16_block", KMajorConfig(block_n=128), "e4m3", "block", False,
+             None, None, None),
+            ("gemm_fp8_e4m3_e5m2_bias_gelu", KMajorConfig(), "e4m3", "rowcol", False, "e5m2",
+             "gelu", "bfloat16"),
+            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None))
 
 
 def compile_reports():
@@ -476,10 +498,10 @@ def compile_reports():
     from ..offline import report_entry
 
     return [report_entry(name,
-                         lambda cfg=cfg, fmt=fmt, sc=sc, gr=gr: kmajor_gemm_kernel(
-                             cfg, fmt, "bfloat16", sc == "rowcol", sc == "rowcol",
-                             sc == "block", gr),
-                         argtypes("bfloat16", sc == "block", gr), (9, 0, "a"),
+                         lambda cfg=cfg, fmt=fmt, sc=sc, gr=gr, bf=bf, act=act, bk=bk:
+                         kmajor_gemm_kernel(cfg, fmt, "bfloat16", sc == "rowcol",
+                                            sc == "rowcol", sc == "block", gr, bf, act, bk),
+                         argtypes("bfloat16", sc == "block", gr, bk), (9, 0, "a"),
                          threads=cfg.threads, launch_bounds=(cfg.threads, 1),
                          config=cfg.describe(), smem_bytes=cfg.smem_bytes)
-            for name, cfg, fmt, sc, gr in COMPILED]
+            for name, cfg, fmt, sc, gr, bf, act, bk in COMPILED]

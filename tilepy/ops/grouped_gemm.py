@@ -90,7 +90,8 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
             one = arrays.placeholder(1)
             plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
                                  kernel_view(B, 3, swap_last=True), kernel_view(Out, 2), one,
-                                 one, kernel_view(Offs), k, A.dtype, arrays.byte_allocator(A))
+                                 one, kernel_view(Offs), one, k, A.dtype,
+                                 arrays.byte_allocator(A))
             plan.launch(stream, args)
             return out
         A2 = gm.aligned_rows(A)

@@ -112,7 +112,9 @@ def activation_fn(name):
     elif name == "silu":
         @inline_device
         def act(v):
-            return v / (_ONE + math.exp(-v))
+            # exp of -|v| only: no overflow to inf (which the simulator's math.exp raises on)
+            e = math.exp(-abs(v))
+            return v / (_ONE + e) if v >= _ZERO else v * e / (_ONE + e)
     else:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {name!r}")
     return act
@@ -234,20 +236,27 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
 
 @functools.cache
 def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale: bool,
-                              scaled: bool = True):
+                              scaled: bool = True, activation=None, bias_kind=None):
     """The epilogue of one warp's share of an m64 × (8·``ni``) wgmma accumulator with the
-    scales of a scaled (FP8) GEMM: ``store(acc, out, scale_a, scale_b, row0, col0, m, n,
-    lane, warp)`` writes ``acc[i] · scale_a[r] · scale_b[c]`` for the warp's rows ``row0 + 16 ·
-    warp …`` (``acc`` float32[4·ni] in the wgmma fragment order: per n8 block ``j``, columns
-    ``(c, c + 1)`` of rows ``r`` and ``r + 8``); ``scale_a`` float32, one per row with
-    ``row_scale`` (else ``scale_a[0]``), ``scale_b`` one per column with ``col_scale`` (else
-    ``scale_b[0]``); ``out`` (M, N) float32 or uint16 bits of ``out_kind``; rows past ``m``
-    and columns past ``n`` are skipped (their scales never read). ``scaled=False``: the
-    accumulators as they are (scales applied already, e.g. per k block; the scale arguments
-    are not read). Written out with constant accumulator indices, so the accumulators stay in
-    registers (a loop that does not unroll puts them in local memory, and ptxas then
-    serialises the wgmmas that write them)."""
+    scales of a scaled (FP8) GEMM: ``store(acc, out, scale_a, scale_b, bias, row0, col0, m, n,
+    lane, warp)`` writes ``act(acc[i] · scale_a[r] · scale_b[c] + bias[c])`` for the warp's
+    rows ``row0 + 16 · warp …`` (``acc`` float32[4·ni] in the wgmma fragment order: per n8
+    block ``j``, columns ``(c, c + 1)`` of rows ``r`` and ``r + 8``); ``scale_a`` float32, one
+    per row with ``row_scale`` (else ``scale_a[0]``), ``scale_b`` one per column with
+    ``col_scale`` (else ``scale_b[0]``); ``out`` (M, N) float32 or uint16 bits of ``out_kind``;
+    rows past ``m`` and columns past ``n`` are skipped (their scales and bias never read).
+    ``scaled=False``: the accumulators as they are (scales applied already, e.g. per k block;
+    the scale arguments are not read). ``activation``: one of :data:`ACTIVATIONS`;
+    ``bias_kind``: None (``bias`` not read) or the kind of the (N,) ``bias`` — float32, or
+    uint16 bits of float16 / bfloat16 — added after the scales, before the activation, in
+    float32 (``torch._scaled_mm``'s order). Written out with constant accumulator indices, so
+    the accumulators stay in registers (a loop that does not unroll puts them in local
+    memory, and ptxas then serialises the wgmmas that write them)."""
     put_pair = _pair_io(out_kind)[1]
+    if bias_kind is not None and bias_kind not in OUT_KINDS:
+        raise ValueError(f"bias_kind must be None or one of {OUT_KINDS}, got {bias_kind!r}")
+    get_bias = _bias_pair(bias_kind)
+    act = activation_fn(activation)
     SCALED = bool(scaled)
     ROWS, COLS = bool(row_scale) and SCALED, bool(col_scale) and SCALED
     ONE = np.float32(1.0)
@@ -261,24 +270,51 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
         return scale_a[min(r, m - 1)] if ROWS else first_scale(scale_a)
 
     @inline_device
-    def store_n8(a0, a1, a2, a3, out, r, c, sa0, sa1, scale_b, sb, m, n):
+    def store_n8(a0, a1, a2, a3, out, r, c, sa0, sa1, scale_b, sb, bias, m, n):
         if c < n:
             b0 = scale_b[c] if COLS else sb
             b1 = (scale_b[c + 1] if c + 1 < n else sb) if COLS else sb
+            d0, d1 = get_bias(bias, c, n)
             if r < m:
-                put_pair(out, r, c, n, a0 * sa0 * b0, a1 * sa0 * b1)
+                put_pair(out, r, c, n, act(a0 * sa0 * b0 + d0), act(a1 * sa0 * b1 + d1))
             if r + 8 < m:
-                put_pair(out, r + 8, c, n, a2 * sa1 * b0, a3 * sa1 * b1)
+                put_pair(out, r + 8, c, n, act(a2 * sa1 * b0 + d0), act(a3 * sa1 * b1 + d1))
 
     return written_out(
-        "store(acc, out, scale_a, scale_b, row0, col0, m, n, lane, warp)",
+        "store(acc, out, scale_a, scale_b, bias, row0, col0, m, n, lane, warp)",
         ["r0 = row0 + 16 * warp + lane // 4", "c0 = col0 + 2 * (lane % 4)",
          "sa0 = row_scale_at(scale_a, r0, m)", "sa1 = row_scale_at(scale_a, r0 + 8, m)",
          "sb = first_scale(scale_b)"] +
         [f"store_n8(acc[{4 * j}], acc[{4 * j + 1}], acc[{4 * j + 2}], acc[{4 * j + 3}], out, "
-         f"r0, c0 + {8 * j}, sa0, sa1, scale_b, sb, m, n)" for j in range(ni)],
+         f"r0, c0 + {8 * j}, sa0, sa1, scale_b, sb, bias, m, n)" for j in range(ni)],
         {"store_n8": store_n8, "row_scale_at": row_scale_at, "first_scale": first_scale},
         f"store_scaled_accumulators {ni}")
+
+
+@functools.cache
+def _bias_pair(bias_kind):
+    """``get(bias, c, n) -> (b0, b1)``: float32 values of a 1-D bias at columns ``c`` and
+    ``c + 1`` (the second zero past ``n``) — float32, or uint16 bits of float16 / bfloat16;
+    zeros without a bias (``bias_kind`` None: not read)."""
+    if bias_kind is None:
+        @inline_device
+        def get(bias, c, n):
+            return _ZERO, _ZERO
+    elif bias_kind == "float32":
+        @inline_device
+        def get(bias, c, n):
+            b1 = bias[c + 1] if c + 1 < n else _ZERO
+            return bias[c], b1
+    else:
+        unpack = unpack_f16x2_f32 if bias_kind == "float16" else unpack_bf16x2_f32
+
+        @inline_device
+        def get(bias, c, n):
+            word = np.uint32(bias[c])
+            if c + 1 < n:
+                word = word | (np.uint32(bias[c + 1]) << np.uint32(16))
+            return unpack(word)
+    return get
 
 
 @functools.cache

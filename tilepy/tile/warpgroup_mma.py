@@ -117,12 +117,13 @@ class SmemOperand:
 
 @functools.cache
 def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
-                  dtype: str = "float16", k: int | None = None):
+                  dtype: str = "float16", k: int | None = None, b_dtype: str | None = None):
     """Device functions of one warpgroup's ``acc[64 × n] (+)= A · B`` over ``k`` (default
     ``b.k``) in k16 steps (k32 for the 8-bit ``dtype`` s ``"float8_e4m3fn"`` /
     ``"float8_e5m2"``, whose operands are :class:`SmemOperand` s of ``elem_bytes=1``), B as
     ``b`` describes (``b.rows >= n``), A from shared memory as ``a`` describes or, ``a=None``,
-    from registers.
+    from registers. ``b_dtype``: B's dtype where it differs from A's (only between the 8-bit
+    formats: e4m3 · e5m2 and the reverse); default ``dtype``.
 
     * ``mma(acc, a_addr, b_addr, scale_d)`` (``a`` given): the ``k / k_step`` wgmmas, A's 64 rows
       at shared address ``a_addr``, B at ``b_addr``. ``scale_d`` applies to the first step
@@ -143,6 +144,10 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
     if dtype not in _AB:
         raise ValueError(f"warpgroup_mma: dtype must be one of {tuple(_AB)}, got {dtype!r}")
     eb = ELEM_BYTES[dtype]
+    b_dtype = dtype if b_dtype is None else b_dtype
+    if b_dtype != dtype and not (eb == 1 and ELEM_BYTES.get(b_dtype) == 1):
+        raise ValueError(f"warpgroup_mma: A and B may differ only between the 8-bit formats, "
+                         f"got {dtype!r} and {b_dtype!r}")
     if b.elem_bytes != eb or (a is not None and a.elem_bytes != eb):
         got = f"{b.elem_bytes}-byte" + (f" and {a.elem_bytes}-byte" if a is not None else "")
         raise ValueError(f"warpgroup_mma: {dtype} operands have {eb}-byte elements; the "
@@ -160,7 +165,8 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
                          f"operands")
     KS = K // KSTEP
     NACC = n // 2
-    op = W.wgmma(n, _AB[dtype], a_in_registers=a is None, trans_b=b.major == "mn")
+    op = W.wgmma(n, _AB[dtype], a_in_registers=a is None, trans_b=b.major == "mn",
+                 b_type=_AB[b_dtype] if b_dtype != dtype else None)
     LBO_B, SBO_B = b.lbo, b.sbo
     BOX_B, K16_B = b.steps
     if a is not None:
@@ -217,7 +223,7 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
         W.wgmma_fence_operand(acc, NACC)
 
     return device_namespace(
-        f"warpgroup_mma({n}, {b}, {a}, {dtype!r}, {K})", mma=mma, mma2=mma2, mma_pair=mma_pair,
+        f"warpgroup_mma({n}, {b}, {a}, {dtype!r}, {K}, {b_dtype!r})", mma=mma, mma2=mma2, mma_pair=mma_pair,
         mma_rs=mma_rs,
         fence=W.wgmma_fence, commit=W.wgmma_commit_group, wait=W.wgmma_wait_group,
         fence_operand=fence_operand, NACC=NACC, K_STEPS=KS)

@@ -1,0 +1,23 @@
+"""Float64 references the tests compare kernels with."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: The epilogue activations of :data:`tilepy.tile.epilogue.ACTIVATIONS` in float64 (``gelu``
+#: the erf form).
+ACTIVATIONS = {
+    None: lambda v: v,
+    "relu": lambda v: np.maximum(v, 0),
+    "gelu": lambda v: 0.5 * v * (1 + np.vectorize(math.erf)(v / math.sqrt(2))),
+    "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(math.sqrt(2 / math.pi)
+                                                  * (v + 0.044715 * v**3))),
+    "silu": lambda v: v / (1 + np.exp(-v)),
+}
+
+
+def reference_activation(v, name):
+    """``name``'s activation of the float64 array ``v`` (None: ``v``)."""
+    return ACTIVATIONS[name](np.asarray(v, np.float64))
