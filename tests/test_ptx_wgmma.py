@@ -203,6 +203,11 @@ def test_canonical_offsets_match_the_staging_layouts(swz, mn_major):
 
 
 def test_register_maps_are_bijections_and_match_the_isa():
+    cells8 = {W.a_fragment_position(t, r, j, 1) for t in range(128) for r in range(4)
+              for j in range(4)}
+    assert cells8 == {(r, c) for r in range(64) for c in range(32)}
+    assert all(W.a_fragment_position(t, r, j, 1) == a_position8(t, r, j)
+               for t in range(128) for r in range(4) for j in range(4))
     for n in (8, 64, 256):
         cells = {W.accumulator_position(t, i) for t in range(128) for i in range(n // 2)}
         assert cells == {(r, c) for r in range(64) for c in range(n)}
@@ -532,6 +537,13 @@ def test_gpu_wgmma_matches_numpy(case, scale_d):
 
 # ---- 8-bit floats (e4m3 / e5m2): m64nNk32, both operands K-major ------------------------------
 
+def a_position8(t, r, j):
+    """Byte j of A register r (8-bit rs form): the m16n8k32 A fragment of each warp (four
+    consecutive k a register), rows + 16·warp."""
+    warp, lane = divmod(t, 32)
+    return 16 * warp + lane // 4 + 8 * (r % 2), 4 * (lane % 4) + j + 16 * (r // 2)
+
+
 class KMajor8(KMajor):
     """An MN×K operand of 1-byte elements, K-major: the same 16-byte core-matrix rows (16
     elements each), the same atoms and chunk XOR; a k32 step moves the start by 32 bytes."""
@@ -589,11 +601,12 @@ def fp8_bits(rng, kind, shape):
 _KERNELS8: dict = {}
 
 
-def make_kernel8(n, ab, bt, la, lb, ksteps):
-    key = (n, ab, bt, la.swizzle, lb.swizzle, ksteps)
+def make_kernel8(n, ab, bt, la, lb, ksteps, rs=False):
+    key = (n, ab, bt, la.swizzle, lb.swizzle, ksteps, rs)
     if key in _KERNELS8:
         return _KERNELS8[key]
-    fn = W.wgmma(n, ab, b_type=bt)
+    fn = W.wgmma(n, ab, b_type=bt, a_in_registers=rs)
+    n_regs = 4 * ksteps
     nacc = n // 2
     a_bytes, b_bytes = la.nbytes, lb.nbytes
     swz_a, swz_b = la.swizzle, lb.swizzle
@@ -602,7 +615,7 @@ def make_kernel8(n, ab, bt, la, lb, ksteps):
     steps_b = tuple(lb.step(s) for s in range(ksteps))
 
     @cuda.jit
-    def kernel(a_img, b_img, c_in, out):
+    def kernel(a_img, b_img, a_regs, c_in, out):
         tid = cuda.threadIdx.x
         sa = cuda.shared.array(a_bytes, uint8, alignment=ALIGN)
         sb = cuda.shared.array(b_bytes, uint8, alignment=ALIGN)
@@ -617,9 +630,17 @@ def make_kernel8(n, ab, bt, la, lb, ksteps):
         acc = cuda.local.array(nacc, float32)
         for i in range(nacc):
             acc[i] = c_in[tid, i]
+        areg = cuda.local.array(n_regs, uint32)  # A fragments: written before the fence
+        for i in range(n_regs):
+            areg[i] = a_regs[i // 4, tid, i % 4] if rs else 0
         W.wgmma_fence()
         for s in range(ksteps):
-            fn(acc, W.descriptor_advance(da, steps_a[s]), W.descriptor_advance(db, steps_b[s]), 1)
+            if rs:
+                fn(acc, areg[4 * s], areg[4 * s + 1], areg[4 * s + 2], areg[4 * s + 3],
+                   W.descriptor_advance(db, steps_b[s]), 1)
+            else:
+                fn(acc, W.descriptor_advance(da, steps_a[s]), W.descriptor_advance(db, steps_b[s]),
+                   1)
         W.wgmma_commit_group()
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc, nacc)
@@ -630,7 +651,7 @@ def make_kernel8(n, ab, bt, la, lb, ksteps):
     return kernel
 
 
-def run_case8(n, ab, bt, swz, ksteps, seed=None):
+def run_case8(n, ab, bt, swz, ksteps, rs=False, seed=None):
     rng = np.random.default_rng(seed)
     k = 32 * ksteps
     la, lb = KMajor8(64, k, swz), KMajor8(n, k, swz)
@@ -641,9 +662,16 @@ def run_case8(n, ab, bt, swz, ksteps, seed=None):
     for t in range(THREADS):
         for i in range(n // 2):
             c_in[t, i] = c[acc_position(t, i)]
+    a_regs = np.zeros((ksteps, THREADS, 4), np.uint32)
+    for s in range(ksteps):
+        for t in range(THREADS):
+            for r in range(4):
+                a_regs[s, t, r] = sum(int(a_bits[a_position8(t, r, j)[0],
+                                                 32 * s + a_position8(t, r, j)[1]]) << (8 * j)
+                                      for j in range(4))
     out = np.full((THREADS, n // 2), np.nan, np.float32)
-    make_kernel8(n, ab, bt, la, lb, ksteps)[1, THREADS](la.image(a_bits), lb.image(b_bits), c_in,
-                                                         out)
+    make_kernel8(n, ab, bt, la, lb, ksteps, rs)[1, THREADS](
+        la.image(a_bits), lb.image(b_bits), a_regs, c_in, out)
     d = np.zeros((64, n))
     for t in range(THREADS):
         for i in range(n // 2):
@@ -652,18 +680,24 @@ def run_case8(n, ab, bt, swz, ksteps, seed=None):
 
 
 FP8_CASES = [(64, "e4m3", "e4m3", 128, 2), (32, "e5m2", "e5m2", 0, 1),
-             (64, "e4m3", "e5m2", 64, 1)]
+             (64, "e4m3", "e5m2", 64, 1),
+             # A from registers (the attention's P · V): two k32 steps in one swizzle row
+             (128, "e4m3", "e4m3", 128, 2, True), (64, "e4m3", "e5m2", 128, 1, True)]
+
+
+def _fp8_id(c):
+    return f"n{c[0]}-{c[1]}.{c[2]}-swz{c[3]}-k{32 * c[4]}" + ("-rs" if c[5:] else "")
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"n{c[0]}-{c[1]}.{c[2]}-swz{c[3]}")
+@pytest.mark.parametrize("case", FP8_CASES, ids=_fp8_id)
 def test_fp8_twin_matches_numpy(case):
     _, seed = fresh_rng()
     check(*run_case8(*case, seed=seed), 1e-6)
 
 
 def test_fp8_forms_refuse_what_the_isa_does_not_have():
-    with pytest.raises(ValueError, match="K-major from shared memory"):
+    with pytest.raises(ValueError, match="K-major"):
         W.wgmma(64, "e4m3", trans_b=True)
     with pytest.raises(ValueError, match="B must be e4m3 or e5m2"):
         W.wgmma(64, "e4m3", b_type="f16")
@@ -674,7 +708,7 @@ def test_fp8_forms_refuse_what_the_isa_does_not_have():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: f"n{c[0]}-{c[1]}.{c[2]}-swz{c[3]}")
+@pytest.mark.parametrize("case", FP8_CASES, ids=_fp8_id)
 def test_gpu_fp8_wgmma_matches_numpy(case):
     """The hardware's 8-bit wgmma against float64: products exact, the sums within the
     tensor cores' FP8 accumulation (narrower than float32: DeepGEMM's reason to promote every

@@ -27,8 +27,8 @@ The pieces, in the order a kernel uses them:
   encoding in plain Python.
 * ``wgmma_fence()`` — before the first wgmma, and whenever the accumulator (or A-fragment)
   registers were touched by other instructions since the last wgmma.
-* ``wgmma(N, "e4m3" | "e5m2", b_type=...)`` — the 8-bit forms, m64nNk32 (both operands K-major
-  from shared memory, f32 accumulators; FP8 GEMMs and attention).
+* ``wgmma(N, "e4m3" | "e5m2", b_type=...)`` — the 8-bit forms, m64nNk32 (both operands K-major,
+  A from shared memory or registers, f32 accumulators; FP8 GEMMs and attention).
 * ``wgmma_m64n{N}k16_f32_{f16,bf16}(acc, desc_a, desc_b, scale_d)`` — ``acc`` is a
   ``cuda.local.array(N // 2, float32)`` (updated in place; keep every index a constant so it
   stays in registers), ``scale_d`` a run-time integer: 0 → D = A·B, otherwise D = A·B + D.
@@ -360,10 +360,11 @@ def wgmma(n: int, ab: str = "f16", *, a_in_registers: bool = False, trans_a: boo
 
     ``ab``: ``"f16"`` / ``"bf16"`` (K = 16; B the same type), or ``"e4m3"`` / ``"e5m2"``
     (K = 32: 64×32 A and 32×N B of 8-bit floats; ``b_type`` either 8-bit type, default
-    ``ab``; both operands K-major from shared memory — the 8-bit forms have no transpose, and
-    the registers form is not built here). ``trans_a`` / ``trans_b``: a 16-bit operand is
+    ``ab``; both operands K-major — the 8-bit forms have no transpose; A from shared memory
+    or, ``a_in_registers``, four registers of four k each,
+    :func:`tilepy.ptx.wgmma_layout.a_fragment_position` with ``elem_bytes=1``). ``trans_a`` / ``trans_b``: a 16-bit operand is
     MN-major in shared memory (``imm-trans`` 1) instead of K-major. ``a_in_registers``: the
-    rs form (16-bit, no ``trans_a``). Signatures: ``f(acc, desc_a, desc_b, scale_d)`` and, rs,
+    rs form (no ``trans_a``). Signatures: ``f(acc, desc_a, desc_b, scale_d)`` and, rs,
     ``f(acc, a0, a1, a2, a3, desc_b, scale_d)``; see the module docstring.
     """
     if a_in_registers and trans_a:
@@ -717,10 +718,11 @@ def _register_probes():
             pyfunc = gen(name, mma_probe(fn, rs), ("u32s", "u64s", "f32s"), fn=fn)
             probes.EXTRA[name] = (pyfunc, argtypes, fn.opcode, (9, 0))
             probes.ARCH_SPECIFIC.add(name)
-    for ab, bt in (("e4m3", "e4m3"), ("e5m2", "e5m2"), ("e4m3", "e5m2")):
-        fn = wgmma(8, ab, b_type=bt)
-        name = _variant_name(8, ab, False, False, False, bt)
-        pyfunc = gen(name, mma_probe(fn, False), ("u32s", "u64s", "f32s"), fn=fn)
+    for ab, bt, rs in (("e4m3", "e4m3", False), ("e5m2", "e5m2", False),
+                       ("e4m3", "e5m2", False), ("e4m3", "e4m3", True)):
+        fn = wgmma(8, ab, b_type=bt, a_in_registers=rs)
+        name = _variant_name(8, ab, rs, False, False, bt)
+        pyfunc = gen(name, mma_probe(fn, rs), ("u32s", "u64s", "f32s"), fn=fn)
         probes.EXTRA[name] = (pyfunc, argtypes, fn.opcode, (9, 0))
         probes.ARCH_SPECIFIC.add(name)
     simple = {

@@ -146,9 +146,14 @@ def accumulator_position(thread: int, i: int) -> tuple[int, int]:
     return 16 * w + lane // 4 + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * (lane % 4) + i % 2
 
 
-def a_fragment_position(thread: int, reg: int, half: int) -> tuple[int, int]:
-    """(row, col) in the 64×16 A tile of half ``half`` of A register ``reg`` (rs form)."""
+def a_fragment_position(thread: int, reg: int, half: int, elem_bytes: int = 2) -> tuple[int, int]:
+    """(row, col) in the 64×16 A tile of half ``half`` of A register ``reg`` (rs form); with
+    ``elem_bytes=1`` (e4m3 / e5m2) in the 64×32 A tile of byte ``half`` (0 … 3, bits 8·half …)
+    of register ``reg``: each register holds four consecutive k of one row (mma.sync
+    m16n8k32's A layout per warp)."""
     w, lane = divmod(thread, 32)
+    if elem_bytes == 1:
+        return 16 * w + lane // 4 + 8 * (reg % 2), 4 * (lane % 4) + half + 16 * (reg // 2)
     return 16 * w + lane // 4 + 8 * (reg % 2), 2 * (lane % 4) + half + 8 * (reg // 2)
 
 
@@ -163,13 +168,14 @@ def _acc_index(n: int):
 
 
 @functools.cache
-def _a_index():
-    rows = np.empty((WARPGROUP, 4, 2), np.int64)
-    cols = np.empty((WARPGROUP, 4, 2), np.int64)
+def _a_index(elem_bytes: int = 2):
+    per = 4 // elem_bytes           # elements a register
+    rows = np.empty((WARPGROUP, 4, per), np.int64)
+    cols = np.empty((WARPGROUP, 4, per), np.int64)
     for t in range(WARPGROUP):
         for r in range(4):
-            for h in range(2):
-                rows[t, r, h], cols[t, r, h] = a_fragment_position(t, r, h)
+            for h in range(per):
+                rows[t, r, h], cols[t, r, h] = a_fragment_position(t, r, h, elem_bytes)
     return rows, cols
 
 
@@ -226,9 +232,8 @@ def make_warpgroup_model(n: int, ab: str, a_in_registers: bool = False,
     elif ab in TYPES_8:
         if b_type not in TYPES_8:
             raise ValueError(f"wgmma {ab}: B must be e4m3 or e5m2, got {b_type!r}")
-        if a_in_registers or trans_a or trans_b:
-            raise ValueError("8-bit wgmma here takes both operands K-major from shared memory "
-                             "(no registers form, no transpose)")
+        if trans_a or trans_b:
+            raise ValueError("8-bit wgmma takes its operands K-major (no transpose)")
     else:
         raise ValueError(f"wgmma element type {ab!r}: f16, bf16, e4m3 or e5m2")
     if n % 8 or not 8 <= n <= 256:
@@ -250,10 +255,13 @@ def make_warpgroup_model(n: int, ab: str, a_in_registers: bool = False,
         with np.errstate(invalid="ignore", over="ignore"):
             if a_in_registers:
                 regs = np.array([v[1] for v in threads], dtype=np.uint32)  # (128, 4)
-                halves = np.stack([regs & np.uint32(0xFFFF), regs >> np.uint32(16)], axis=-1)
-                ar, ac = _a_index()
-                a_bits = np.zeros((M, K), np.uint16)
-                a_bits[ar, ac] = halves.astype(np.uint16)
+                width = 8 * eb                                            # bits an element
+                mask = np.uint32((1 << width) - 1)
+                parts = np.stack([(regs >> np.uint32(width * j)) & mask
+                                  for j in range(4 // eb)], axis=-1)
+                ar, ac = _a_index(eb)
+                a_bits = np.zeros((M, k_of(ab)), np.uint16)
+                a_bits[ar, ac] = parts.astype(np.uint16)
                 a = _decode_elements(a_bits, ab)
             else:
                 a = _decode_elements(fetch(operand_addresses(desc_a, M, trans_a, eb)), ab)

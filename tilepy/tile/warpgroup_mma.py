@@ -135,7 +135,8 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
     * ``mma2(acc0, acc1, a_addr, b_addr, scale_d)``: two m64 row blocks (A rows 64 … 127 at
       ``a_addr + 64 · 128``) sharing each B step, issued in turn (a 128-row warpgroup tile).
     * ``mma_rs(acc, a_regs, b_addr, scale_d)`` (``a=None``): A from ``a_regs``, a uint32
-      array of ``k / 4`` registers (four per k16 step, the rs-form fragment layout of
+      array of four registers per k step (k16, or k32 for 8-bit types: ``k / 4`` or ``k / 8``
+      registers; the rs-form fragment layout of
       :func:`tilepy.ptx.wgmma_layout.a_fragment_position`).
     * ``fence()``, ``commit()``, ``wait(n)``, ``fence_operand(acc)``: the ptx discipline.
 
@@ -152,9 +153,6 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
         got = f"{b.elem_bytes}-byte" + (f" and {a.elem_bytes}-byte" if a is not None else "")
         raise ValueError(f"warpgroup_mma: {dtype} operands have {eb}-byte elements; the "
                          f"SmemOperands say {got}")
-    if eb == 1 and a is None:
-        raise ValueError("warpgroup_mma: 8-bit products take A from shared memory (the "
-                         "registers form is not built)")
     KSTEP = b.k_step
     if n % 8 or not 8 <= n <= 256 or b.rows < n:
         raise ValueError(f"warpgroup_mma: n must be a multiple of 8 in 8 … 256 within B's "
