@@ -103,10 +103,11 @@ from ..ptx import barrier as BAR
 from ..ptx import global_addr, shared_addr
 from ..ptx import mbarrier as MB
 from ..ptx import tma as T
+from ..ptx import vector as VEC
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.math import cvt_bf16x2_f32, cvt_e4m3x2_f32, cvt_f16x2_f32
 from ..ptx.shuffle import shfl_idx
 from ..ptx.tma import MAP_BYTES
 from ..tile import device_write
@@ -143,9 +144,25 @@ HEAD_DIMS = (64, 128)   # 64-column sub-tiles of the 128-byte swizzle; N of the 
 TMA_HEAD_DIMS = tuple(range(8, 257, 8))
 
 
-def tile_width(head_dim: int) -> int:
-    """A TMA kernel's shared tile row length for ``head_dim``: whole 64-column sub-tiles."""
-    return -(-head_dim // 64) * 64
+def tile_width(head_dim: int, cols: int = 64) -> int:
+    """A TMA kernel's shared tile row length for ``head_dim``: whole sub-tiles of ``cols``
+    columns (128 bytes: 64 16-bit or 128 8-bit elements)."""
+    return -(-head_dim // cols) * cols
+
+
+#: The 8-bit input dtype of the FP8 TMA kernels (bfloat16 out).
+FP8_DTYPES = ("float8_e4m3fn",)
+#: Lazy rescaling of the FP8 kernels (log2 units): P is scaled by :data:`FP8_P_SCALE` before
+#: its e4m3 rounding, so that small probabilities keep e4m3's normal range (its smallest
+#: normal is 2**-6); p stays below 2**0.5 with this threshold, 256 · 2**0.5 = 362 below
+#: e4m3's largest finite 448.
+FP8_RESCALE_THRESHOLD = 0.5
+FP8_P_SCALE = np.float32(256.0)
+#: Vᵀ's key order inside each 16 keys for the FP8 kernels: position ``j`` holds key
+#: ``FP8_KEY_ORDER[j]``. The S accumulators give a thread keys (2t, 2t + 1, 8 + 2t, 9 + 2t) of
+#: each 16 (t = lane % 4) and an 8-bit A register is four consecutive k (4t … 4t + 3): with
+#: Vᵀ's keys in this order, those four accumulators, rounded, are the register as they are.
+FP8_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
 #: block_n of the TMA kernels (the cp.async kernels: 64 or 128): multiples of 16 (the P·V
@@ -190,7 +207,14 @@ class WgmmaAttentionConfig:
     when it differs from Q's and K's (None: the same; V's tiles :attr:`tile_dim_v` wide);
     ``overlap``: pipeline the softmax of
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
-    intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`)."""
+    intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`).
+
+    ``dtype="float8_e4m3fn"`` (:data:`FP8_DTYPES`): the FP8 kernel (``tma=True``, 128-key
+    blocks, head dims multiples of 16): Q and K as e4m3 (128-column sub-tiles, k32 wgmmas),
+    V given transposed — Vᵀ (batch, heads, head_dim_v, keys rounded up to 16), each 16 keys
+    in the order of :data:`FP8_KEY_ORDER` — so that P, rounded to e4m3 in registers, is the
+    A operand of the P·V wgmmas as it stands; the descales arrive in ``hargs`` (see
+    :func:`wgmma_attention_kernel`); O and the LSE as bfloat16 / float32."""
 
     head_dim: int
     block_m: int = 128
@@ -213,7 +237,17 @@ class WgmmaAttentionConfig:
                                  + (f", head_dim_v={self.head_dim_v!r}"
                                     if self.head_dim_v is not None else "") + f"): {what}")
 
-        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
+        need(self.dtype in DTYPES + FP8_DTYPES, f"dtype must be one of {DTYPES + FP8_DTYPES}")
+        if self.fp8:
+            need(self.tma and self.producer, "an 8-bit dtype needs tma=True and producer=True "
+                 "(the TMA kernels with a producer warpgroup)")
+            need(self.block_n in (64, 128), "an 8-bit dtype needs block_n 64 or 128 (Vᵀ's tile "
+                 "rows are block_n bytes, a 64- or 128-byte swizzle's row)")
+            need(not self.persistent, "an 8-bit dtype runs the grid TMA kernel (the persistent "
+                 "one's producer spills with the descales; not built)")
+            need(self.head_dim % 16 == 0 and self.dv % 16 == 0,
+                 "an 8-bit dtype needs head dims that are multiples of 16 (rows of whole "
+                 "16-byte units for TMA)")
         if self.head_dim_v is not None:
             need(self.tma, "head_dim_v needs tma=True (the TMA kernels)")
             need(self.head_dim_v in TMA_HEAD_DIMS, "head_dim_v must be a multiple of 8 from 8 "
@@ -252,12 +286,18 @@ class WgmmaAttentionConfig:
             need(self.producer or not self.persistent,
                  "persistent with tma needs producer=True (its warpgroup walks the tiles "
                  "ahead of the consumers)")
-        if self.overlap:
+        if self.overlap and self.fp8:
+            # (P takes a quarter of block_n registers where 16-bit P takes half: the 16-bit
+            # fits at 128 hold; past 128, O's registers leave room for 64-key blocks)
+            need(self.fit_dim <= 128 or self.block_n == 64,
+                 "an 8-bit dtype past head_dim 128 needs block_n=64 (the registers: offline "
+                 "sm_90a compile)")
+        elif self.overlap:
             need((self.fit_dim, self.block_n) in OVERLAP_FITS,
                  f"overlap needs (the wider of tile_dim and tile_dim_v, block_n) in "
                  f"{sorted(OVERLAP_FITS)}: "
                  f"{OVERLAP_WHY}")
-        if self.overlap and self.persistent:
+        if self.overlap and self.persistent and not self.fp8:
             need((self.fit_dim, self.block_n) in PERSISTENT_OVERLAP_FITS,
                  f"persistent with overlap needs (tile width, block_n) in "
                  f"{sorted(PERSISTENT_OVERLAP_FITS)}: at head_dim 128 with 64-key blocks it "
@@ -283,10 +323,29 @@ class WgmmaAttentionConfig:
         return WARPGROUP * (self.block_m // 64)
 
     @property
+    def fp8(self) -> bool:
+        """Whether the inputs are 8-bit (:data:`FP8_DTYPES`)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def elem_bytes(self) -> int:
+        return 1 if self.fp8 else 2
+
+    @property
+    def box_cols(self) -> int:
+        """Elements in a 128-byte sub-tile row (a TMA box's width): 64, or 128 for 8-bit."""
+        return 128 // self.elem_bytes
+
+    @property
+    def out_dtype(self) -> str:
+        """O's dtype: the inputs', bfloat16 for 8-bit ones."""
+        return "bfloat16" if self.fp8 else self.dtype
+
+    @property
     def tile_dim(self) -> int:
-        """The shared tiles' row length: head_dim rounded up to whole 64-column sub-tiles (the
+        """The shared tiles' row length: head_dim rounded up to whole 128-byte sub-tiles (the
         columns past head_dim are TMA's zero fill)."""
-        return tile_width(self.head_dim)
+        return tile_width(self.head_dim, self.box_cols)
 
     @property
     def dv(self) -> int:
@@ -295,8 +354,9 @@ class WgmmaAttentionConfig:
 
     @property
     def tile_dim_v(self) -> int:
-        """The V tile's row length: dv rounded up to whole 64-column sub-tiles."""
-        return tile_width(self.dv)
+        """The V tile's row length: dv rounded up to whole 64-column sub-tiles; 8-bit: Vᵀ's
+        rows, dv (each 128 keys of 128 bytes)."""
+        return self.dv if self.fp8 else tile_width(self.dv)
 
     @property
     def fit_dim(self) -> int:
@@ -305,17 +365,17 @@ class WgmmaAttentionConfig:
 
     @property
     def q_bytes(self) -> int:
-        return self.block_m * self.tile_dim * 2
+        return self.block_m * self.tile_dim * self.elem_bytes
 
     @property
     def tile_bytes(self) -> int:
         """Bytes of a K tile (block_n × tile_dim); V's follows it in its stage."""
-        return self.block_n * self.tile_dim * 2
+        return self.block_n * self.tile_dim * self.elem_bytes
 
     @property
     def v_bytes(self) -> int:
         """Bytes of a V tile (block_n × tile_dim_v)."""
-        return self.block_n * self.tile_dim_v * 2
+        return self.block_n * self.tile_dim_v * self.elem_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -323,8 +383,17 @@ class WgmmaAttentionConfig:
         # persistent: a second Q buffer, which the next tile's Q is loaded into
         q = self.q_bytes * (2 if self.persistent else 1)
         # persistent TMA: after the barriers, the two Q buffers' tile numbers (int32 each)
+        # FP8: after them, the descale factors (two float32 per Q buffer)
         return (q + 2 * (self.tile_bytes + self.v_bytes) + (16 if self.overlap else 0)
-                + (self.tma_barriers * 8 + (8 if self.persistent else 0) if self.tma else 0))
+                + (self.tma_barriers * 8 + (8 if self.persistent else 0) if self.tma else 0)
+                + (16 if self.fp8 else 0))
+
+    @property
+    def descale_offset(self) -> int:
+        """Byte offset of the FP8 kernel's descale factors (8 bytes per Q buffer), after the
+        barriers and the persistent kernel's tile numbers."""
+        return (self.scratch_offset + 16 + 8 * self.tma_barriers
+                + (8 if self.persistent else 0))
 
     @property
     def tma_barriers(self) -> int:
@@ -344,6 +413,7 @@ class WgmmaAttentionConfig:
 
     def describe(self) -> str:
         return (f"wgmma attention d{self.head_dim}"
+                + (f" {self.dtype}" if self.fp8 else "")
                 + (f"/v{self.head_dim_v}" if self.head_dim_v is not None else "")
                 + f" {self.block_m}x{self.block_n}, "
                 f"{self.block_m // 64} warpgroups, {self.smem_bytes // 1024} KB smem"
@@ -413,8 +483,10 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     THREADS = cfg.threads
     CONSUMERS = cfg.consumers   # the computing threads (THREADS less a producer warpgroup)
     PRODUCER, PINGPONG = cfg.producer, cfg.pingpong
-    KD = -(-D // 16)      # k16 steps of Q·Kᵀ (the columns past D are zeros in shared memory)
-    KN = BN // 16         # k16 steps of P·V
+    FP8 = cfg.fp8
+    KSTEP = 32 if FP8 else 16   # k a wgmma
+    KD = -(-D // KSTEP)   # k steps of Q·Kᵀ (the columns past D are zeros in shared memory)
+    KN = BN // KSTEP      # k steps of P·V
     NS = BN // 8          # n8 tiles of S per warp
     NO = DV // 8          # n8 tiles of O per warp
     NACC_S, NACC_O = BN // 2, DV // 2
@@ -423,18 +495,21 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     STAGE = TILE + VTILE  # a stage: K's tile, then V's
     SCRATCH = cfg.scratch_offset
     KV = cfg.kv_offset
-    ab = "f16" if cfg.dtype == "float16" else "bf16"
+    ab = "e4m3" if FP8 else "f16" if cfg.dtype == "float16" else "bf16"
     mma_s = W.wgmma(BN, ab)                                  # S = Q Kᵀ (B K-major)
-    mma_o = W.wgmma(DV, ab, a_in_registers=True, trans_b=True)  # O += P V (B MN-major)
+    # O += P V: B MN-major (V as stored), or 8-bit K-major (Vᵀ)
+    mma_o = W.wgmma(DV, ab, a_in_registers=True, trans_b=not FP8)
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
+    OUT = cfg.out_dtype
     # the cp.async kernels' copies (the TMA kernel, possibly of three warpgroups, has none)
     copy_q = None if cfg.tma else copy_rows_to_shared_128b(BM, D, CONSUMERS)
     copy_kv = None if cfg.tma else copy_rows_to_shared_128b(BN, D, CONSUMERS)
     # row sums quad-reduced at the end; the row max in two chains (registers to spare); lazy
     # rescaling: a row's max moves only when a block raises it by more than 2**8, so O is
     # rescaled on few blocks (the rest skip rescale's NACC_O multiplies)
-    update = online_softmax_update(1, NS, quad_sum=False, max_chains=2,
-                                   rescale_threshold=RESCALE_THRESHOLD)
+    update = online_softmax_update(
+        1, NS, quad_sum=False, max_chains=2,
+        rescale_threshold=FP8_RESCALE_THRESHOLD if FP8 else RESCALE_THRESHOLD)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     # without a lower bound (window left -1) kb_first and all_first are the constant 0
     bounds = key_blocks(BM, BN, False, WIN)
@@ -444,7 +519,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     modify = modify_scores(1, NS, score_mod)
     to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
     o_fragment, o_accumulators = accumulator_fragment(DV)  # O as the (1, NO, 4) fragment
-    store = store_rows(1, NO, cfg.dtype, has_lse)
+    store = store_rows(1, NO, OUT, has_lse)
     align = None if SIMULATOR else 1024
     f32, i64 = types.float32, types.int64
 
@@ -486,13 +561,77 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
             db = W.descriptor_advance(dk, (kk // 4) * (BN * 128) + (kk % 4) * 32)
             mma_s(s, da, db, 0 if kk == 0 else 1)
 
-    @inline_device
-    def issue_o(acc_o, p, v_addr):
-        """O += P · V, P from registers: the k16 wgmmas (not committed)."""
-        dv0 = W.matrix_descriptor(v_addr, BN * 128, 1024, 128)
-        for st in range(KN):
-            dv = W.descriptor_advance(dv0, st * 2048)
-            mma_o(acc_o, p[4 * st], p[4 * st + 1], p[4 * st + 2], p[4 * st + 3], dv, 1)
+    if FP8:
+        VSW = BN   # Vᵀ's rows: BN bytes, swizzled by as many (64 or 128)
+
+        @inline_device
+        def issue_o(acc_o, p, v_addr):
+            """O += P · V, P from registers, Vᵀ K-major (BN keys a row, BN-byte swizzle): the
+            k32 wgmmas (not committed)."""
+            dv0 = W.matrix_descriptor(v_addr, 16, 8 * VSW, VSW)
+            for st in range(KN):
+                dv = W.descriptor_advance(dv0, st * 32)
+                mma_o(acc_o, p[4 * st], p[4 * st + 1], p[4 * st + 2], p[4 * st + 3], dv, 1)
+    else:
+        @inline_device
+        def issue_o(acc_o, p, v_addr):
+            """O += P · V, P from registers: the k16 wgmmas (not committed)."""
+            dv0 = W.matrix_descriptor(v_addr, BN * 128, 1024, 128)
+            for st in range(KN):
+                dv = W.descriptor_advance(dv0, st * 2048)
+                mma_o(acc_o, p[4 * st], p[4 * st + 1], p[4 * st + 2], p[4 * st + 3], dv, 1)
+
+    # ---- the descales of the FP8 kernels (the 16-bit ones: identities) --------------------
+    # The thread that loads a tile's Q writes the tile's two factors — descale_q · descale_k
+    # and descale_v / FP8_P_SCALE — into shared memory (DSC, 8 bytes per Q buffer) before
+    # its Q load, so the consumers read them after Q full like the tile number; the key loop
+    # reads the first per key block (a factor kept in a register across the loop spills at
+    # head_dim 128, offline sm_90a compile).
+    DSC = cfg.descale_offset
+    if FP8:
+        @inline_device
+        def split_hargs(hargs):
+            """``(descales, hook arguments)``: an FP8 kernel's hargs are both."""
+            return hargs[0], hargs[1]
+
+        @inline_device
+        def put_descales(addr, dsc, b, hk):
+            VEC.st_shared_v2_f32(addr, dsc[0][b, hk] * dsc[1][b, hk],
+                                 dsc[2][b, hk] / FP8_P_SCALE)
+
+        @inline_device
+        def scale_source(addr, scale):
+            """What the key loop takes for ``scale`` (or scale · log2 e): the factors'
+            shared address with it (:func:`resolve`)."""
+            return addr, scale
+
+        @inline_device
+        def resolve(src):
+            return src[1] * VEC.ld_shared_f32(src[0])
+
+        @inline_device
+        def o_factor(addr):
+            return VEC.ld_shared_f32(addr + 4)
+    else:
+        @inline_device
+        def split_hargs(hargs):
+            return (), hargs
+
+        @inline_device
+        def put_descales(addr, dsc, b, hk):
+            pass
+
+        @inline_device
+        def scale_source(addr, scale):
+            return scale
+
+        @inline_device
+        def resolve(src):
+            return src
+
+        @inline_device
+        def o_factor(addr):
+            return _ONE
 
     @inline_device
     def softmax(s, s3, limit, row_max, row_sum, alpha, kb, all_see, t, scale_log2):
@@ -506,11 +645,11 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
                    scale_log2, rows, b, h, scale, hargs):
         """:func:`softmax` with the score hook (``rows``: the lane's first row; ``hargs`` its
         run-time arguments) and the window's first key every row sees (``all_first``): the
-        TMA kernels'."""
+        TMA kernels'. ``scale_log2`` / ``scale``: as :func:`scale_source` gives them."""
         to_fragment(s3, s)
-        modify(s3, rows, kb * BN + 2 * t, b, h, scale, hargs)
+        modify(s3, rows, kb * BN + 2 * t, b, h, resolve(scale), hargs)
         mask(s3, limit, kb, t, all_first, all_see)
-        update(s3, row_max, row_sum, alpha, scale_log2)
+        update(s3, row_max, row_sum, alpha, resolve(scale_log2))
 
     @inline_device
     def rescale(acc_o, alpha):
@@ -519,14 +658,39 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         if alpha[0, 0] != _ONE or alpha[0, 1] != _ONE:
             scale_o(acc_o, alpha[0, 0], alpha[0, 1])
 
-    @inline_device
-    def to_p(p, s3):
-        """p rounded to 16 bits: the A registers of the P·V wgmmas."""
-        for st in range(KN):
-            p[4 * st] = pack(s3[0, 2 * st, 0], s3[0, 2 * st, 1])
-            p[4 * st + 1] = pack(s3[0, 2 * st, 2], s3[0, 2 * st, 3])
-            p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
-            p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
+    if FP8:
+        @inline_device
+        def e4m3x4(a, b, c, d):
+            """Four p times FP8_P_SCALE rounded to e4m3, a in the low byte."""
+            lo = np.uint32(cvt_e4m3x2_f32(a * FP8_P_SCALE, b * FP8_P_SCALE))
+            hi = np.uint32(cvt_e4m3x2_f32(c * FP8_P_SCALE, d * FP8_P_SCALE))
+            return lo | (hi << np.uint32(16))
+
+        @inline_device
+        def to_p(p, s3):
+            """p · 256 rounded to e4m3: the A registers of the k32 P·V wgmmas (n8 tiles 4st,
+            4st + 1 of a row are register 4st (row g) / 4st + 1 (row g + 8); 4st + 2, 4st + 3
+            the next two: Vᵀ's key order, FP8_KEY_ORDER, matches)."""
+            for st in range(KN):
+                p[4 * st] = e4m3x4(s3[0, 4 * st, 0], s3[0, 4 * st, 1],
+                                   s3[0, 4 * st + 1, 0], s3[0, 4 * st + 1, 1])
+                p[4 * st + 1] = e4m3x4(s3[0, 4 * st, 2], s3[0, 4 * st, 3],
+                                       s3[0, 4 * st + 1, 2], s3[0, 4 * st + 1, 3])
+                p[4 * st + 2] = e4m3x4(s3[0, 4 * st + 2, 0], s3[0, 4 * st + 2, 1],
+                                       s3[0, 4 * st + 3, 0], s3[0, 4 * st + 3, 1])
+                p[4 * st + 3] = e4m3x4(s3[0, 4 * st + 2, 2], s3[0, 4 * st + 2, 3],
+                                       s3[0, 4 * st + 3, 2], s3[0, 4 * st + 3, 3])
+
+    else:
+        @inline_device
+        def to_p(p, s3):
+            """p rounded to 16 bits: the A registers of the P·V wgmmas."""
+            for st in range(KN):
+                p[4 * st] = pack(s3[0, 2 * st, 0], s3[0, 2 * st, 1])
+                p[4 * st + 1] = pack(s3[0, 2 * st, 2], s3[0, 2 * st, 3])
+                p[4 * st + 2] = pack(s3[0, 2 * st + 1, 0], s3[0, 2 * st + 1, 1])
+                p[4 * st + 3] = pack(s3[0, 2 * st + 1, 2], s3[0, 2 * st + 1, 3])
+
 
 
     # ---- the epilogue: O staged through a freed K/V stage, 16-byte stores ------------------
@@ -540,8 +704,8 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     STAGED = staged_bytes(1, NO) if NO % 2 == 0 else 0
     ROOM = STAGE if cfg.persistent else 2 * STAGE
     STAGE_O = 0 < (BM // 64) * STAGED <= ROOM
-    store_o = store_accumulators_smem(1, NO, cfg.dtype) if STAGE_O else None
-    store_lse = store_rows(1, 0, cfg.dtype, has_lse)
+    store_o = store_accumulators_smem(1, NO, OUT) if STAGE_O else None
+    store_lse = store_rows(1, 0, OUT, has_lse)
 
     @inline_device
     def consumers_sync():
@@ -554,7 +718,9 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
 
     @inline_device
     def epilogue(acc_o, o3, row_max, row_sum, o2, lse, b, h, row0, wrow, sq, scale, g, t, tid,
-                 wg, free_stage):
+                 wg, free_stage, o_scale):
+        if FP8:
+            scale_o(acc_o, o_scale, o_scale)
         o_fragment(o3, acc_o)
         finalize(o3, row_sum)
         if STAGE_O:
@@ -914,7 +1080,7 @@ def _cp_async_persistent_kernel(cfg: WgmmaAttentionConfig, c, loops):
             # the stage of the last key block (free once every warpgroup is done with it;
             # st0 has moved on to the next tile's first); any stage when nothing was visited
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
-                     g, t, tid, wg, kv_base + (1 - st0) * STAGE)
+                     g, t, tid, wg, kv_base + (1 - st0) * STAGE, _ONE)
             tile = nxt_tile
 
     return pkernel
@@ -962,7 +1128,7 @@ def _cp_async_grid_kernel(cfg: WgmmaAttentionConfig, c, loops):
             loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, k0, i64(k.strides[2]),
                  v0, i64(v.strides[2]), q_rows, sk, n_kb, all_see, t, tid, scale_log2)
             epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq, scale,
-                     g, t, tid, wg, base + KV)
+                     g, t, tid, wg, base + KV, _ONE)
         else:
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
@@ -1001,8 +1167,9 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     # gives warpgroup 0 the first turn and does not pass on its last: n_kb turns each, and
     # every turn barrier completes with 256 threads (its owner and the one before it).
     BARS = SCRATCH + 16
-    KV_BOXES = cfg.tile_dim // 64      # 64-column boxes (128-byte rows) per K tile …
-    V_BOXES = cfg.tile_dim_v // 64     # … and per V tile
+    BOXC = cfg.box_cols                # elements a 128-byte box row
+    KV_BOXES = cfg.tile_dim // BOXC    # boxes (128-byte rows) per K tile …
+    V_BOXES = cfg.tile_dim_v // BOXC   # … and per V tile (16-bit)
     VTILE = c.VTILE
     Q_BOX = BM * 128
     KV_BOX = BN * 128
@@ -1016,19 +1183,26 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
     def tile_load(nbytes, boxes, box_bytes):
-        """``load(dst, tm, bar, row, head, b)``: one tile of ``boxes`` 64-column boxes of
+        """``load(dst, tm, bar, row, head, b)``: one tile of ``boxes`` 128-byte-wide boxes of
         ``box_bytes`` each into ``dst``, its ``nbytes`` expected on ``bar``."""
         @inline_device
         def load(dst, tm, bar, row, head, b):
             MB.mbarrier_arrive_expect_tx(bar, nbytes)
             for c in range(boxes):
-                T.tma_load_4d(dst + c * box_bytes, tm, bar, c * 64, row, head, b)
+                T.tma_load_4d(dst + c * box_bytes, tm, bar, c * BOXC, row, head, b)
 
         return load
 
     load_q = tile_load(Q_BYTES, KV_BOXES, Q_BOX)
     load_kv = tile_load(TILE, KV_BOXES, KV_BOX)     # a K tile
-    load_v = tile_load(VTILE, V_BOXES, KV_BOX)      # a V tile, tile_dim_v wide
+    if cfg.fp8:
+        @inline_device
+        def load_v(dst, tm, bar, key, head, b):
+            """Vᵀ's (dv rows × 128 keys) box of the key block at ``key``."""
+            MB.mbarrier_arrive_expect_tx(bar, VTILE)
+            T.tma_load_4d(dst, tm, bar, key, 0, head, b)
+    else:
+        load_v = tile_load(VTILE, V_BOXES, KV_BOX)  # a V tile, tile_dim_v wide
 
     @inline_device
     def init_ring(bars):
@@ -1207,6 +1381,8 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     NACC_S, NO, NS, PRODUCER, P_REGS, align = c.NACC_S, c.NO, c.NS, c.PRODUCER, c.P_REGS, c.align
     bounds, epilogue, f32, i64, no_keys = c.bounds, c.epilogue, c.f32, c.i64, c.no_keys
     start_rows, thread_rows = c.start_rows, c.thread_rows
+    DSC, o_factor, put_descales = c.DSC, c.o_factor, c.put_descales
+    resolve, scale_source, split_hargs = c.resolve, c.scale_source, c.split_hargs
     BARS, CREGS, CWG, PREGS, init_ring = t.BARS, t.CREGS, t.CWG, t.PREGS, t.init_ring
     produce_first, produce_step, tjit = t.produce_first, t.produce_step, t.tjit
     tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
@@ -1214,6 +1390,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
+        dsc, hook = split_hargs(hargs)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
         row0, kb0, kb_end, all_first, all_see = bounds(sq, sk)
@@ -1243,6 +1420,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
             if PRODUCER and wg == CWG:
                 W.setmaxnreg_dec(PREGS)
                 if tid == CONSUMERS:
+                    put_descales(base + DSC, dsc, b, hk)   # before Q full can complete
                     produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, kb0 * BN)
                     for kb in range(n_kb - 1):
                         produce_step(base, tk, tv, b, hk, kb, n_kb, kb0 * BN)
@@ -1255,11 +1433,14 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
                                                   sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
                          h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid, wg,
-                         scale_log2, 0, base + BARS, 0, row0 + wrow + g, scale, hargs)
+                         scale_source(base + DSC, scale_log2), 0, base + BARS, 0,
+                         row0 + wrow + g, scale_source(base + DSC, scale), hook)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
-                         scale, g, t, tid, wg, base + KV)
+                         resolve(scale_source(base + DSC, scale)), g, t, tid, wg, base + KV,
+                         o_factor(base + DSC))
         elif wg < CWG:
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
+            # (no key: zeros and LSE -inf, whatever the scale)
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
@@ -1275,7 +1456,8 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     NACC_S, NO, NS, P_REGS, Q_BYTES, STAGE = c.NACC_S, c.NO, c.NS, c.P_REGS, c.Q_BYTES, c.STAGE
     TILE, align, epilogue, f32, i64, no_keys = c.TILE, c.align, c.epilogue, c.f32, c.i64, c.no_keys
     start_rows, thread_rows, tile_coords = c.start_rows, c.thread_rows, c.tile_coords
-    tile_space = c.tile_space
+    tile_space, DSC, o_factor, put_descales = c.tile_space, c.DSC, c.o_factor, c.put_descales
+    resolve, scale_source, split_hargs = c.resolve, c.scale_source, c.split_hargs
     BARS, CREGS, CWG, PREGS, QE0, QF1 = t.BARS, t.CREGS, t.CWG, t.PREGS, t.QE0, t.QF1
     init_ring, load_kv, load_q, tjit = t.init_ring, t.load_kv, t.load_q, t.tjit
     load_v = t.load_v
@@ -1303,7 +1485,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
 
     @inline_device
     def produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch, group,
-                      n_tiles):
+                      n_tiles, dsc):
         kv_base = base + KV
         bars = base + BARS
         T.fence_proxy_tensormap_acquire(tq)
@@ -1324,6 +1506,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
             b, h, hk, row0, kb0, n_kb, _, _ = tile_coords(tile, n_qb, heads, batch, group, sq,
                                                           sk)
             if n_kb > 0:
+                put_descales(base + DSC + 8 * qi, dsc, b, hk)   # read after Q full
                 load_q(base + qi * Q_BYTES, tq, q_full(bars, qi), row0, h, b)
             else:
                 MB.mbarrier_arrive(q_full(bars, qi))
@@ -1350,6 +1533,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     @tjit
     def tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched, hargs):
         sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
+        dsc, hook = split_hargs(hargs)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
 
@@ -1383,7 +1567,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
             W.setmaxnreg_dec(PREGS)
             if tid == CONSUMERS:
                 produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch,
-                              group, n_tiles)
+                              group, n_tiles, dsc)
         else:
             W.setmaxnreg_inc(CREGS)
             j = 0
@@ -1403,12 +1587,16 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
                     q_rows = base + qi * Q_BYTES + wg * (64 * 128)
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
                              tv, b, h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid,
-                             wg, scale_log2, gk, q_full(bars, qi), (j >> 1) & 1,
-                             row0 + wrow + g, scale, hargs)
+                             wg, scale_source(base + DSC + 8 * qi, scale_log2), gk,
+                             q_full(bars, qi), (j >> 1) & 1, row0 + wrow + g,
+                             scale_source(base + DSC + 8 * qi, scale), hook)
+                    # the tile's factors, read before Q's buffer (and theirs) is released
+                    scale_t = resolve(scale_source(base + DSC + 8 * qi, scale))
+                    o_scale = o_factor(base + DSC + 8 * qi)
                     MB.mbarrier_arrive(bars + QE0 + 8 * qi)              # Q read
                     last = (gk + n_kb - 1) & 1
                     epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
-                             scale, g, t, tid, wg, kv_base + last * STAGE)
+                             scale_t, g, t, tid, wg, kv_base + last * STAGE, o_scale)
                     W.fence_proxy_async_shared()   # O's smem traffic before the TMA reloads
                     MB.mbarrier_arrive(bars + 32 * last + 24)             # the last K, V
                     MB.mbarrier_arrive(bars + 32 * last + 32)
@@ -1502,14 +1690,23 @@ def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
     persistent, the tile counter before the (empty) hook arguments."""
     from .attention_mma_sync import argtypes
 
-    return (argtypes()[:-1] + ((types.uint8[::1],) if cfg.tma else ())
-            + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()) + argtypes()[-1:])
+    base = argtypes()
+    hargs = base[-1]
+    if cfg.fp8:    # uint8 q, k and Vᵀ; hargs (descales (batch, heads_kv) float32, the hook's)
+        u8 = types.Array(types.uint8, 4, "A")
+        f32 = types.Array(types.float32, 2, "A")
+        base = (u8, u8, u8) + base[3:]
+        hargs = types.Tuple((types.Tuple((f32, f32, f32)), hargs))
+    return (base[:-1] + ((types.uint8[::1],) if cfg.tma else ())
+            + ((types.int32[::1],) if cfg.tma and cfg.persistent else ()) + (hargs,))
 
 
 def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
     """``encoder(q_ptr, k_ptr, v_ptr)``: the three tensor maps (uint8, 3 × 128) of the TMA
     kernel for views shaped and strided as q, k and v: 4-D (batch, head, seq, head_dim),
-    64-column boxes of block_m (q) or block_n (k, v) rows, 128-byte swizzle."""
+    boxes 128 bytes wide (64 16-bit or 128 8-bit columns) of block_m (q) or block_n (k, v)
+    rows, 128-byte swizzle; 8-bit, ``v`` is Vᵀ (batch, head, head_dim_v, keys): boxes of
+    head_dim_v rows × block_n keys, block_n-byte swizzle."""
     from ..tile import tma as host_tma
 
     def strides_of(x):
@@ -1521,14 +1718,18 @@ def _tma_encoder(cfg: WgmmaAttentionConfig, q, k, v):
                 st[i] = -(-st[i + 1] * x.shape[i + 1] // 16) * 16
         return tuple(st)
 
-    layouts = [(tuple(x.shape), strides_of(x), rows)
-               for x, rows in ((q, cfg.block_m), (k, cfg.block_n), (v, cfg.block_n))]
+    cols = cfg.box_cols
+    v_box = (cfg.dv, cfg.block_n) if cfg.fp8 else (cfg.block_n, cols)
+    v_swizzle = cfg.block_n if cfg.fp8 else 128      # Vᵀ's rows: block_n bytes
+    layouts = [(tuple(x.shape), strides_of(x), box, swz)
+               for x, box, swz in ((q, (cfg.block_m, cols), 128), (k, (cfg.block_n, cols), 128),
+                                   (v, v_box, v_swizzle))]
+    kind = "uint8" if cfg.fp8 else cfg.dtype
 
     def encoder(q_ptr, k_ptr, v_ptr):
         return np.concatenate([
-            host_tma.encode_tiled(ptr, cfg.dtype, shape, strides, (1, 1, rows, 64),
-                                  swizzle=128).data
-            for ptr, (shape, strides, rows) in zip((q_ptr, k_ptr, v_ptr), layouts)])
+            host_tma.encode_tiled(ptr, kind, shape, strides, (1, 1) + box, swizzle=swz).data
+            for ptr, (shape, strides, box, swz) in zip((q_ptr, k_ptr, v_ptr), layouts)])
 
     return encoder
 
@@ -1577,6 +1778,11 @@ PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
 VARIANT_REPORTS = ((128, 128, True, False, (255, 0), 50.0), (64, 192, False, True, (255, 0), 0.0))
 
 
+#: FP8 TMA kernels of :func:`compile_reports` (ping-pong, a producer warpgroup, 128 query
+#: rows): (head_dim, block_n, causal with LSE).
+FP8_REPORTS = ((128, 128, True), (128, 128, False), (256, 64, False), (64, 128, True))
+
+
 def _variant_entry(d, bm, pingpong, persistent, window, cap):
     from ..offline import report_entry
     from ..tile.attention import softcap_score
@@ -1599,7 +1805,8 @@ def compile_reports():
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
     and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
     (:data:`TMA_REPORTS`), TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`) and
-    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`)."""
+    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`), and the FP8 ones
+    (:data:`FP8_REPORTS`)."""
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
@@ -1639,6 +1846,12 @@ def compile_reports():
         cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=True,
                                    producer=True, head_dim_v=dv)
         name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
+                f"{'_causal_lse' if causal else ''}")
+        out.append(_overlap_entry(name, cfg, causal, causal))
+    for d, bn, causal in FP8_REPORTS:
+        cfg = WgmmaAttentionConfig(d, 128, bn, "float8_e4m3fn", overlap=True, tma=True,
+                                   pingpong=True, producer=True)
+        name = (f"attention_wgmma_tma_pingpong_producer_fp8_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     return out

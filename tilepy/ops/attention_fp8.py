@@ -1,0 +1,231 @@
+"""``tilepy.flash_attention`` on float8 (e4m3) inputs: FlashAttention-3's FP8 forward.
+
+``softmax(scale · (q · dq) (k · dk)ᵀ) · (v · dv)`` with the descales ``dq``, ``dk``, ``dv``
+float32 per tensor or per (batch, K/V head), out in bfloat16. Two launches:
+
+1. V's transpose (:func:`transpose_v_kernel`): Vᵀ (batch, heads_kv, head_dim_v, keys rounded
+   up to 16) uint8, each 16 keys in the order of
+   :data:`tilepy.ops.attention_wgmma.FP8_KEY_ORDER`, keys past seq_k zero. The 8-bit P·V
+   wgmma takes its B operand K-major only; with the keys in that order the S accumulators,
+   rounded to e4m3, are P's A registers as they stand (no shuffle in the kernel). It reads and
+   writes V once: at B4 H32 S8192 D128 about 1.5 % of the attention's time at 1000 TFLOPS.
+2. The Hopper TMA attention kernel with its 8-bit generator parameter
+   (:class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig` ``dtype="float8_e4m3fn"``):
+   k32 wgmmas on e4m3 Q, K and Vᵀ, the descales folded into the softmax's scale and O's
+   final factor, P scaled by 256 before its e4m3 rounding (e4m3's normal range covers the
+   small probabilities; the factor cancels in O's normalisation).
+
+Needs a compute capability 9.0 GPU (the simulator runs it too). Errors are raised before
+anything is launched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, types
+
+from .. import arrays, launch
+from ..arrays import describe, device_view
+from ..kcache import cached_jit
+from ..launch import LaunchPlan
+from ..tile import device_write
+from ..tile.attention import score_hook
+from . import attention_wgmma as aw
+from .attention import LAYOUTS, _axes, bhsd_dims, bhsd_view, check_scale, check_variant
+
+DTYPES = aw.FP8_DTYPES
+#: Head dims the FP8 kernel takes: multiples of 16 (TMA's 16-byte rows) up to 256.
+HEAD_DIMS = tuple(range(16, 257, 16))
+
+
+def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                        descale_q=None, descale_k=None, descale_v=None, return_lse=False,
+                        out=None, layout="bhsd", config=None):
+    """FlashAttention on float8_e4m3fn ``q``, ``k``, ``v`` (FlashAttention-3's FP8 forward).
+
+    * Shapes, layouts, GQA, ``causal`` (bottom-right aligned), ``scale``, ``window`` and
+      ``softcap`` as :func:`tilepy.flash_attention`; head dims multiples of 16 up to 256
+      (``v``'s may differ).
+    * ``descale_q``, ``descale_k``, ``descale_v``: float32, one value (0-d or (1,)) or one per
+      (batch, K/V head) ((batch, heads_kv)); None is 1.0. The scores are ``scale · dq · dk ·
+      q kᵀ`` and O is ``dv · softmax(...) · v`` (FlashAttention-3's ``descale_*``). Read on
+      the GPU at run time.
+    * ``out``: bfloat16 of q's shape (ending in v's head dim), or None; ``return_lse``: also
+      the float32 (batch, heads_q, seq_q) natural-log LSE of the descaled scores.
+    * ``config``: a :class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig` of dtype
+      ``"float8_e4m3fn"`` (``tma=True``, ``block_n=128``) to override the built-in one.
+
+    P is rounded to e4m3 for the P·V product (as FlashAttention-3 does): expect errors of a
+    few per cent of O's scale against a float64 reference on the dequantised inputs. No
+    ``alibi_slopes``, user functions or backward (``NotImplementedError``)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    Q, K, V = (describe(x, n, dtypes=DTYPES) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    for op in (Q, K, V):
+        if op.ndim != 4:
+            raise ValueError(f"{op.name} must be 4-D ({_axes(layout)}), got shape {op.shape}")
+    bq, hq, sq, d = bhsd_dims(Q.shape, layout)
+    bk, hk, sk, dk = bhsd_dims(K.shape, layout)
+    bv, hv, sv, dv = bhsd_dims(V.shape, layout)
+    if not (bq == bk == bv) or d != dk or (hk, sk) != (hv, sv):
+        raise ValueError(f"q, k and v must agree in batch, k and v in heads and length, q "
+                         f"and k in head_dim; got q {Q.shape}, k {K.shape}, v {V.shape} "
+                         f"(layout {layout!r}: {_axes(layout)})")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
+    for name, x in (("head_dim", d), ("v's head_dim", dv)):
+        if x not in HEAD_DIMS:
+            raise ValueError(f"{name} {x} is not supported on float8 inputs: the multiples of "
+                             f"16 from 16 to 256")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    scale = check_scale(scale, d)
+    win, cap = check_variant(causal, window, softcap)
+    want = tuple(Q.shape[:-1]) + (dv,)
+    Out = describe(out, "out") if out is not None else None
+    if Out is not None and (Out.shape != want or Out.dtype != "bfloat16"):
+        raise ValueError(f"out must be bfloat16 of shape {want}, got {Out.dtype} {Out.shape}")
+    descales = [_descale(x, n, bq, hk, Q) for x, n in ((descale_q, "descale_q"),
+                                                       (descale_k, "descale_k"),
+                                                       (descale_v, "descale_v"))]
+    device = arrays.same_device(Q, K, V, Out, *(s for s in descales if s is not None))
+    cfg = config if config is not None else default_config(d, dv)
+    if not isinstance(cfg, aw.WgmmaAttentionConfig) or not cfg.fp8 or \
+            (cfg.head_dim, cfg.dv) != (d, dv):
+        raise ValueError(f"config must be a WgmmaAttentionConfig of dtype float8_e4m3fn for "
+                         f"head_dim {d} / {dv}, got {config!r}")
+    if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
+        raise NotImplementedError("flash_attention on float8 inputs needs a compute "
+                                  "capability 9.0 GPU (wgmma); other GPUs are not supported")
+    if max(bq, hq) > launch.MAX_GRID_YZ and not cfg.persistent:
+        raise NotImplementedError(f"flash_attention on float8 inputs: more than "
+                                  f"{launch.MAX_GRID_YZ} batches or heads needs a persistent "
+                                  f"config (WgmmaAttentionConfig(..., persistent=True))")
+    if out is None:
+        out = arrays.empty(Q, want, "bfloat16")
+        Out = describe(out, "out")
+    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
+    if bq and hq and sq:
+        _run(Q, K, V, Out, lse, descales, cfg, bool(causal), win, cap, scale, layout, device)
+    return (out, lse) if return_lse else out
+
+
+def default_config(d: int, dv: int) -> aw.WgmmaAttentionConfig:
+    """The built-in FP8 config: 128 query rows × 128 keys (64 past head_dim 128: the
+    registers), two consumer warpgroups in ping-pong and a producer warpgroup (the 16-bit
+    kernels' schedule at head_dim 128)."""
+    return aw.WgmmaAttentionConfig(d, 128, 128 if max(d, dv) <= 128 else 64, "float8_e4m3fn",
+                                   overlap=True, tma=True, pingpong=True, producer=True,
+                                   head_dim_v=None if dv == d else dv)
+
+
+def _descale(x, name: str, batch: int, heads_kv: int, Q):
+    """A descale's Operand (None stays): float32, one value or (batch, heads_kv)."""
+    if x is None:
+        return None
+    S = describe(x, name)
+    if S.dtype != "float32":
+        raise TypeError(f"{name} must be float32, got {S.dtype}")
+    if int(np.prod(S.shape)) != 1 and tuple(S.shape) != (batch, heads_kv):
+        raise ValueError(f"{name} must hold one value (0-d or (1,)) or one per (batch, "
+                         f"heads_kv) = ({batch}, {heads_kv}), got shape {S.shape}")
+    return S
+
+
+def _descale_view(S, ones, batch: int, heads_kv: int):
+    """A descale as the kernel's (batch, heads_kv) float32 view (zero strides for one value;
+    ``ones`` for None)."""
+    if S is None:
+        view = arrays.raw_view(describe(ones, "ones"))
+        return device_view(arrays.restride(view, (batch, heads_kv), (0, 0)))
+    view = arrays.raw_view(S)
+    if int(np.prod(S.shape)) == 1:
+        return device_view(arrays.restride(view, (batch, heads_kv), (0, 0)))
+    item = view.dtype.itemsize
+    return device_view(arrays.restride(view, (batch, heads_kv),
+                                       tuple(st * item for st in S.strides)))
+
+
+def _tma_ready(op) -> bool:
+    """TMA reads ``op`` in place: unit stride along head_dim, every other stride (of an axis
+    longer than 1) and the base 16-byte aligned (1-byte elements)."""
+    if op.shape[-1] > 1 and op.strides[-1] != 1:
+        return False
+    if any(st % 16 for n, st in zip(op.shape[:-1], op.strides[:-1]) if n > 1):
+        return False
+    return op.byte_pointer() % 16 == 0
+
+
+def _run(Q, K, V, Out, lse, descales, cfg, causal, win, cap, scale, layout, device):
+    with arrays.on_device(device):
+        stream = arrays.stream_handle(Q)
+        keep = []
+        views = []
+        for op in (Q, K):
+            if not _tma_ready(op):
+                op = describe(arrays.copy_aligned(op), op.name)
+                keep.append(op.raw)
+            views.append(bhsd_view(op, layout))
+        v_v = bhsd_view(V, layout)
+        b, hk, sk, dv = v_v.shape
+        vt = arrays.empty(Q, (b, hk, dv, -(-sk // 16) * 16), "uint8")
+        vt_v = device_view(arrays.raw_view(describe(vt, "vt", dtypes=("uint8",))))
+        transpose_v(v_v, vt_v, stream)
+        keep.append(vt)
+        ones = arrays.ones(Q, (1,)) if any(s is None for s in descales) else None
+        dsc = tuple(_descale_view(s, ones, b, hk) for s in descales)
+        o_v = bhsd_view(Out, layout)
+        lse_v = bhsd_view(describe(lse, "lse"), "bhsd") if lse is not None else \
+            arrays.placeholder(3)
+        # (the window includes causal's upper bound: check_variant's)
+        kern = aw.wgmma_attention_kernel(cfg, False, lse is not None, win,
+                                         score_hook(cap) if cap else None)
+        plan, args = aw.plan(kern, cfg, *views, vt_v, o_v, lse_v, scale, stream=stream,
+                             alloc=arrays.byte_allocator(Q), hargs=(dsc, ()))
+        plan.launch(stream, args)
+        device_write.keep_during_capture(stream, ones, *keep)
+
+
+# ---- V's transpose -----------------------------------------------------------------------------
+
+THREADS = 128
+
+
+@cached_jit
+def transpose_v_kernel(v, vt):
+    """``vt[b, h, d, 16 g + j] = v[b, h, 16 g + FP8_KEY_ORDER[j], d]`` (zero past v's keys)
+    for ``v`` (B, H, S, D) uint8 (any strides) and ``vt`` (B, H, D, S16) uint8, S16 = S
+    rounded up to 16. Grid (ceil(D · S16 / 16 / THREADS), H, B): a thread per (d, 16-key
+    group), the groups of one d on neighbouring threads (their 16-byte rows of vt are
+    adjacent)."""
+    b = cuda.blockIdx.z
+    h = cuda.blockIdx.y
+    sk = v.shape[2]
+    groups = vt.shape[3] // 16
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < groups * vt.shape[2]:
+        d = i // groups
+        g = i % groups
+        for j in range(16):
+            # FP8_KEY_ORDER[j]: 0, 1, 8, 9, 2, 3, 10, 11, ...
+            key = 16 * g + 8 * ((j % 4) // 2) + 2 * (j // 4) + j % 2
+            vt[b, h, d, 16 * g + j] = v[b, h, key, d] if key < sk else types.uint8(0)
+
+
+def transpose_v(v, vt, stream):
+    """Launch :func:`transpose_v_kernel` on views ``v`` and ``vt`` (see there) on
+    ``stream``."""
+    bsz, heads, dv, s16 = vt.shape
+    if not (bsz and heads and dv and s16):
+        return
+    args = (v, vt)
+    blocks = (-(-(dv * s16 // 16) // THREADS), heads, bsz)
+    LaunchPlan(transpose_v_kernel, args, blocks, THREADS, 0).launch(stream, args)
+
+
+def reference_key_order(sk: int) -> np.ndarray:
+    """For tests: the key each position of Vᵀ's last axis holds (−1 past ``sk``)."""
+    s16 = -(-sk // 16) * 16
+    order = np.array(aw.FP8_KEY_ORDER, np.int64)
+    keys = (np.arange(s16) // 16) * 16 + order[np.arange(s16) % 16]
+    return np.where(keys < sk, keys, -1)
