@@ -46,9 +46,11 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
-#   PART=s26a    what sessions 25 and 26 left unverified: the FP8 GEMM's GPU tests (mixed formats,
-#                bias + GELU), the FP8 probe (the epilogue's bias / activation arguments must not
-#                cost the plain path), then s25e's shape grid, CUDA-graph and GEMM op tests
+#   PART=s26a    the FP8 attention forward (issue 28): the 8-bit rs wgmma's GPU test, the FP8
+#                attention GPU tests, its benchmark against tilepy's bf16 attention; the FP8
+#                GEMM's GPU tests (mixed formats, bias + GELU) and probe
+#   PART=s26b    what session 25 left unverified: the CUDA-graph tests, the GEMM op's GPU
+#                tests, the shape-grid benchmark
 #   PART=s24d    after the persistent TMA kernel's V loads were mended: the head-dim and persistent
 #                GPU tests of the Hopper attention, the attention op's GPU tests
 #   PART=s24c    V's head dim other than Q's (GPU tests, benchmark against cuDNN), the head-dim
@@ -263,8 +265,13 @@ if [[ " $PART " == *" s25f "* ]]; then
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
 fi
 if [[ " $PART " == *" s26a "* ]]; then
+    gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"
+    gpu_tests attention_fp8_gpu 120 tests/test_ops_attention_fp8.py
+    bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
     step probe_gemm_fp8 90 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+fi
+if [[ " $PART " == *" s26b "* ]]; then
     gpu_tests graphs_gpu 150 tests/test_cuda_graphs.py -k "gemm or flash_attention or fp8"
     gpu_tests gemm_op_gpu 120 tests/test_ops_gemm_wgmma.py
     bench_suite bench_gemm_grid 130 "test_gemm_shape_grid"

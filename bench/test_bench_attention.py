@@ -153,6 +153,54 @@ def test_flash_attention_head_dim_v(benchmark, record, torch, gpu_name, dims, ca
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
+# ---- FP8 (issue 28): e4m3 q, k, v against tilepy's own bfloat16 attention -------------------
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128, 256], ids=lambda d: f"D{d}")
+def test_flash_attention_fp8(benchmark, record, torch, gpu_name, d, causal):
+    """The issue's shapes (B4 H32 S8192, D128 and D256): tilepy on e4m3 inputs with per-tensor
+    descales (V's transpose included in its time) against tilepy's bfloat16 attention and
+    SDPA's cuDNN backend on the same dequantised values, same run; error against the bfloat16
+    result (e4m3's P rounding)."""
+    import tilepy
+    from tilepy.ops.attention_fp8 import default_config
+
+    b, h, s = 4, 32, 8192
+    f8 = torch.float8_e4m3fn
+    q, k, v = ((torch.randn(b, h, s, d, device="cuda") * 2).to(f8) for _ in range(3))
+    dq, dk, dv = (torch.tensor(x, device="cuda") for x in (0.3, 0.5, 1.5))
+    out = torch.empty(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+
+    def ours():
+        return tilepy.flash_attention(q, k, v, causal=causal, descale_q=dq, descale_k=dk,
+                                      descale_v=dv, out=out)
+
+    ours()
+    qb, kb, vb = (x.to(torch.bfloat16) * f for x, f in ((q, dq), (k, dk), (v, dv)))
+    out_bf = torch.empty_like(qb)
+
+    def bf16():
+        return tilepy.flash_attention(qb, kb, vb, causal=causal, out=out_bf)
+
+    bf16()
+    limit = 0.015 * vb.abs().max().item()
+    err = max_abs_err(out, out_bf)
+    assert err < limit, err
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours), "tilepy bf16": gpu_time(torch, bf16)}
+    timings["SDPA cuDNN"] = try_peer(notes, "SDPA cuDNN", lambda: sdpa_timing(
+        torch, "CUDNN_ATTENTION", qb, kb, vb, causal))
+    mask = "causal" if causal else "full"
+    record_throughput(record, work=4 * b * h * s * s * d / (2 if causal else 1),
+                      unit="TFLOPS", timings=timings, main="tilepy bf16", notes=notes,
+                      gpu=gpu_name, shape=f"B={b} H={h} S={s} D={d}", dtype="float8_e4m3fn",
+                      causal=causal, max_abs_err=err, config=default_config(d, d).describe(),
+                      table="Attention forward, FP8",
+                      case=f"B{b} H{h} S{s} D{d} {mask} e4m3",
+                      figure=f"attention_fp8_D{d}_{mask}", x=s, xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
 # ---- the variants (issue 25): a sliding window and a soft cap -------------------------------
 
 def flex_timing(torch, q, k, v, score_mod=None, mask_mod=None):

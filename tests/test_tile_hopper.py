@@ -274,7 +274,7 @@ def test_pieces_compose_an_fp8_product(fmt):
     assert np.abs(d - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
-def test_fp8_operands_are_k_major_from_shared_memory():
+def test_fp8_operands_are_k_major():
     assert SmemOperand(64, 256, "k", 1).step(5) == 64 * 128 + 32   # box 2 (of 128), step 1
     with pytest.raises(ValueError, match="K-major only"):
         SmemOperand(64, 128, "mn", 1)
@@ -283,8 +283,11 @@ def test_fp8_operands_are_k_major_from_shared_memory():
     with pytest.raises(ValueError, match="1-byte elements; the SmemOperands say 2-byte"):
         warpgroup_mma(64, SmemOperand(64, 128, "k"), SmemOperand(64, 128, "k"),
                       "float8_e4m3fn")
-    with pytest.raises(ValueError, match="registers form"):
-        warpgroup_mma(64, SmemOperand(64, 128, "k", 1), None, "float8_e4m3fn")
+    rs = warpgroup_mma(64, SmemOperand(64, 128, "k", 1), None, "float8_e4m3fn")  # A in regs
+    assert rs.mma is None and rs.mma_rs is not None and rs.K_STEPS == 4
+    with pytest.raises(ValueError, match="differ only between the 8-bit formats"):
+        warpgroup_mma(64, SmemOperand(64, 128, "k"), SmemOperand(64, 128, "k"), "float16",
+                      b_dtype="bfloat16")
 
 
 # ---- simulator: schedulers ---------------------------------------------------------------------

@@ -57,7 +57,8 @@ def test_every_op_is_registered_and_import_does_not_load_torch():
                  "softmax_backward_out", "log_softmax_backward_out", "gemm_softmax",
                  "gemm_softmax_out", "flash_attention", "flash_attention_out",
                  "flash_attention_backward", "flash_attention_backward_out", "grouped_gemm",
-                 "grouped_gemm_weight_grad", "quantize_fp8", "gemm_fp8"):
+                 "grouped_gemm_weight_grad", "quantize_fp8", "gemm_fp8",
+                 "flash_attention_fp8"):
         assert hasattr(torch.ops.tilepy, name), name
     code = "import sys, tilepy; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -581,6 +582,32 @@ def test_gemm_fp8_operator_and_compile():
     close(got, (ref + bias.double()).clamp_min(0), torch.float32, "compiled")
     with pytest.raises(TypeError, match="a requires grad"):
         tilepy.gemm(a.float().requires_grad_().to(torch.float8_e4m3fn), w.t(), scale_a=sa)
+
+
+def test_flash_attention_fp8_operator_and_compile():
+    """tilepy.flash_attention on float8 tensors: the ``tilepy::flash_attention_fp8`` operator
+    (opcheck: fake tensors) in the bshd layout with GQA, per-(batch, head) descales and the
+    LSE; the same bits under torch.compile(fullgraph=True) as eager; bfloat16 out; an input
+    that requires grad refused."""
+    q = (rand(1, 40, 2, 64, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+    k = (rand(1, 50, 1, 64, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+    v = (rand(1, 50, 1, 64, dtype=torch.float32) * 2).to(torch.float8_e4m3fn)
+    dq = rand(1, 1, dtype=torch.float32).abs() + 0.2
+    dk, dv = torch.tensor(0.5), torch.tensor(2.0)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_fp8.default,
+                          (q, k, v, True, None, -1, 0, 0.0, dq, dk, dv, True, "bshd"),
+                          test_utils=("test_faketensor",))
+    want, want_lse = tilepy.flash_attention(q, k, v, causal=True, descale_q=dq, descale_k=dk,
+                                            descale_v=dv, return_lse=True, layout="bshd")
+    assert want.dtype == torch.bfloat16 and want.shape == (1, 40, 2, 64)
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, k, v: tilepy.flash_attention(
+        q, k, v, causal=True, descale_q=dq, descale_k=dk, descale_v=dv, return_lse=True,
+        layout="bshd"), fullgraph=True, backend="aot_eager")
+    got, lse = step(q, k, v)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    with pytest.raises(TypeError, match="q requires grad"):
+        tilepy.flash_attention(q.float().requires_grad_().to(torch.float8_e4m3fn), k, v)
 
 
 def test_quantize_fp8_operator_and_compile():

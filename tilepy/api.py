@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .ops import attention as _attention
 from .ops import attention_backward as _attention_backward
+from .ops import attention_fp8 as _attention_fp8
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
 from .ops import gemm as _gemm
@@ -111,7 +112,25 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                     alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None):
+                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None,
+                    descale_q=None, descale_k=None, descale_v=None):
+    if _gemm_fp8.is_fp8(q):
+        if alibi_slopes is not None or score_mod is not None or mask_mod is not None or \
+                score_mod_grad is not None or (mod_args is not None and (
+                    type(mod_args) not in (tuple, list) or len(mod_args))):
+            raise NotImplementedError("flash_attention on float8 inputs: alibi_slopes, "
+                                      "score_mod, mask_mod and mod_args are not built yet")
+        if _is_torch(q):
+            return (_front or _pytorch()).flash_attention_fp8(
+                q, k, v, causal, scale, window, softcap, (descale_q, descale_k, descale_v),
+                return_lse, out, layout, config)
+        return _attention_fp8.flash_attention_fp8(
+            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+            descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+            return_lse=return_lse, out=out, layout=layout, config=config)
+    if descale_q is not None or descale_k is not None or descale_v is not None:
+        raise TypeError("flash_attention: descale_q / descale_k / descale_v are for float8 "
+                        "inputs (float8_e4m3fn q, k and v)")
     if _is_torch(q):
         if score_mod is not None or mask_mod is not None or score_mod_grad is not None \
                 or (mod_args is not None and (type(mod_args) not in (tuple, list)

@@ -39,6 +39,7 @@ from ..ops import attention_backward as _attention_backward
 from ..ops import attention_kvcache as _kvcache
 from ..ops import attention_varlen as _varlen
 from ..ops import gemm as _gemm
+from ..ops import attention_fp8 as _attention_fp8
 from ..ops import gemm_fp8 as _gemm_fp8
 from ..ops import gemm_softmax as _gemm_softmax
 from ..ops import grouped_gemm as _grouped
@@ -97,6 +98,11 @@ _SCHEMAS = {
                               "bool check_seqlens, Tensor? alibi_slopes=None) "
                               "-> (Tensor, Tensor)",
     "quantize_fp8": "quantize_fp8(Tensor x, str granularity, str dtype) -> (Tensor, Tensor)",
+    # float8_e4m3fn q, k, v; descales one value or (batch, heads_kv); bfloat16 out
+    "flash_attention_fp8": "flash_attention_fp8(Tensor q, Tensor k, Tensor v, bool causal, "
+                           "float? scale, int window_left, int window_right, float softcap, "
+                           "Tensor? descale_q, Tensor? descale_k, Tensor? descale_v, "
+                           "bool return_lse, str layout) -> (Tensor, Tensor)",
     # float8 a (M, K), b (K, N) K-major; scales per tensor, row / column or block
     "gemm_fp8": "gemm_fp8(Tensor a, Tensor b, Tensor? scale_a, Tensor? scale_b, "
                 "ScalarType? out_dtype, Tensor? bias=None, str? activation=None) -> Tensor",
@@ -421,6 +427,48 @@ def gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config, bias=None, activati
 
         out_dtype = _DTYPES.get(dtype_name(out_dtype), out_dtype)
     return _gemm_fp8_op(a, b, scale_a, scale_b, out_dtype, bias, activation)
+
+
+# ---- flash_attention on float8 inputs ------------------------------------------------------
+
+def _attention_fp8_impl(q, k, v, causal, scale, wl, wr, softcap, dq, dk, dv, return_lse,
+                        layout):
+    res = _attention_fp8.flash_attention_fp8(
+        q, k, v, causal=causal, scale=scale, window=(wl, wr), softcap=softcap, descale_q=dq,
+        descale_k=dk, descale_v=dv, return_lse=return_lse, layout=layout)
+    return res if return_lse else (res, _no_lse(q))
+
+
+def _attention_fp8_fake(q, k, v, causal, scale, wl, wr, softcap, dq, dk, dv, return_lse,
+                        layout):
+    shape, lse_shape = _attention_fp8.output_spec(
+        q, k, v, causal=causal, scale=scale, window=(wl, wr), softcap=softcap, descale_q=dq,
+        descale_k=dk, descale_v=dv, layout=layout)
+    return (q.new_empty(shape, dtype=torch.bfloat16),
+            q.new_empty(lse_shape, dtype=torch.float32) if return_lse else _no_lse(q))
+
+
+_attention_fp8_op = _register("flash_attention_fp8", _attention_fp8_impl, _attention_fp8_fake)
+
+
+def flash_attention_fp8(q, k, v, causal, scale, window, softcap, descales, return_lse, out,
+                        layout, config):
+    """``tilepy.flash_attention`` on float8 PyTorch tensors: the ``tilepy::flash_attention_fp8``
+    operator (fake tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an
+    input that requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
+    dq, dk, dv = descales
+    _no_grad_for("flash_attention", "float8 inputs have no gradient here", q=q, k=k, v=v)
+    if out is not None or config is not None or _direct(q, k, v, dq, dk, dv):
+        return _attention_fp8.flash_attention_fp8(
+            q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, descale_q=dq,
+            descale_k=dk, descale_v=dv, return_lse=return_lse, out=out, layout=layout,
+            config=config)
+    wl, wr, cap = _variant_args(causal, window, softcap)
+    if scale is not None:
+        scale = _float_arg("flash_attention", "scale", scale)
+    res, lse = _attention_fp8_op(q, k, v, causal, scale, wl, wr, cap, dq, dk, dv, return_lse,
+                                 layout)
+    return (res, lse) if return_lse else res
 
 
 # ---- quantize_fp8 ---------------------------------------------------------------------------

@@ -116,6 +116,10 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       the result have ``q``'s shape (with v's head dim) and layout.
     * float16 or bfloat16, the same for all three; float32 accumulation and softmax inside,
       ``p`` rounded to the input dtype for the ``p · v`` product (as FlashAttention does).
+      Or float8_e4m3fn (``tilepy.flash_attention`` only): FlashAttention-3's FP8 forward with
+      ``descale_q``, ``descale_k``, ``descale_v`` (float32, one value or one per (batch,
+      heads_kv)), bfloat16 out, on sm_90 — :func:`tilepy.ops.attention_fp8.flash_attention_fp8`
+      (no ALiBi, user functions or backward yet).
     * ``head_dim``: a multiple of 8 from 8 to 256, the same for q and k. On sm_90 every one
       runs the TMA wgmma kernel of its 64-column class (64, 128, 192, 256), TMA filling the
       columns past it with zeros in shared memory (no padded copy); elsewhere the mma.sync

@@ -53,11 +53,36 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
     * ``out``: bfloat16 of q's shape (ending in v's head dim), or None; ``return_lse``: also
       the float32 (batch, heads_q, seq_q) natural-log LSE of the descaled scores.
     * ``config``: a :class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig` of dtype
-      ``"float8_e4m3fn"`` (``tma=True``, ``block_n=128``) to override the built-in one.
+      ``"float8_e4m3fn"`` (``tma=True``, ``producer=True``, ``block_n`` 64 or 128) to
+      override the built-in one (:func:`default_config`).
 
     P is rounded to e4m3 for the P·V product (as FlashAttention-3 does): expect errors of a
     few per cent of O's scale against a float64 reference on the dequantised inputs. No
     ``alibi_slopes``, user functions or backward (``NotImplementedError``)."""
+    Q, K, V, Out, descales, (bq, hq, sq), want, scale, win, cap, cfg, device = \
+        check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_k,
+                        descale_v, out, layout, config)
+    if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
+        raise NotImplementedError("flash_attention on float8 inputs needs a compute "
+                                  "capability 9.0 GPU (wgmma); other GPUs are not supported")
+    if max(bq, hq) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(f"flash_attention on float8 inputs: more than "
+                                  f"{launch.MAX_GRID_YZ} batches or query heads (the grid "
+                                  f"kernel's limit; got {bq}, {hq}); split the batch")
+    if out is None:
+        out = arrays.empty(Q, want, "bfloat16")
+        Out = describe(out, "out")
+    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
+    if bq and hq and sq:
+        _run(Q, K, V, Out, lse, descales, cfg, bool(causal), win, cap, scale, layout, device)
+    return (out, lse) if return_lse else out
+
+
+def check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_k, descale_v,
+                    out, layout, config):
+    """Every check :func:`flash_attention_fp8` makes before launching, on metadata only (fake
+    tensors too): ``(Q, K, V, Out, descales, (batch, heads_q, seq_q), out shape, scale,
+    window, softcap, config, device)``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q, K, V = (describe(x, n, dtypes=DTYPES) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -94,20 +119,17 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
             (cfg.head_dim, cfg.dv) != (d, dv):
         raise ValueError(f"config must be a WgmmaAttentionConfig of dtype float8_e4m3fn for "
                          f"head_dim {d} / {dv}, got {config!r}")
-    if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
-        raise NotImplementedError("flash_attention on float8 inputs needs a compute "
-                                  "capability 9.0 GPU (wgmma); other GPUs are not supported")
-    if max(bq, hq) > launch.MAX_GRID_YZ and not cfg.persistent:
-        raise NotImplementedError(f"flash_attention on float8 inputs: more than "
-                                  f"{launch.MAX_GRID_YZ} batches or heads needs a persistent "
-                                  f"config (WgmmaAttentionConfig(..., persistent=True))")
-    if out is None:
-        out = arrays.empty(Q, want, "bfloat16")
-        Out = describe(out, "out")
-    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
-    if bq and hq and sq:
-        _run(Q, K, V, Out, lse, descales, cfg, bool(causal), win, cap, scale, layout, device)
-    return (out, lse) if return_lse else out
+    return Q, K, V, Out, descales, (bq, hq, sq), want, scale, win, cap, cfg, device
+
+
+def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
+                descale_q=None, descale_k=None, descale_v=None, out=None, layout="bhsd"):
+    """``(out shape, lse shape)`` after every check :func:`flash_attention_fp8` makes (O
+    bfloat16, the LSE float32): the registered operator's fake implementation."""
+    _, _, _, _, _, (bq, hq, sq), want, *_ = check_arguments(
+        q, k, v, causal, scale, window, softcap, descale_q, descale_k, descale_v, out, layout,
+        None)
+    return want, (bq, hq, sq)
 
 
 def default_config(d: int, dv: int) -> aw.WgmmaAttentionConfig:

@@ -78,6 +78,17 @@ bound behaves as causal does above, and the score hook runs on each key block's 
 before the mask. Lazy rescaling (:data:`RESCALE_THRESHOLD`): O is rescaled only when a row's
 max grows by more than 2**8 in p.
 
+8-bit inputs (``WgmmaAttentionConfig(dtype="float8_e4m3fn")``, the grid TMA kernel with a
+producer warpgroup): Q and K e4m3 in 128-column sub-tiles (the same 128-byte rows), S by k32
+wgmmas; V arrives transposed (Vᵀ: head_dim_v rows × keys, :mod:`tilepy.ops.attention_fp8`
+makes it) with each 16 keys in :data:`FP8_KEY_ORDER`, so that P — times
+:data:`FP8_P_SCALE`, rounded to e4m3 four to a register — is the A operand of the k32 P·V
+wgmmas (B = Vᵀ, K-major) without shuffles. ``hargs`` is then ``(descales, hook arguments)``,
+the descales three float32 (batch, heads_kv) views (q, k, v); the producer writes the tile's
+descale_q · descale_k and descale_v / FP8_P_SCALE into shared memory before its Q load and
+the consumers fold them into the softmax's scale per key block and into O at the end. O is
+bfloat16.
+
 How the generators compose (each one short enough to read alone): :func:`_common_parts` makes
 the pieces every kernel shares (sizes, the S and O wgmmas, the softmax with mask and score
 hook, P's packing, the epilogue, the persistent tile space); the cp.async kernels add
@@ -447,7 +458,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       :func:`tilepy.tile.attention.modify_scores`). A kernel with one is not kept in the disk
       cache.
 
-    Without either the generated code is the plain causal / full kernel's."""
+    Without either the generated code is the plain causal / full kernel's. An 8-bit config
+    (``cfg.fp8``) takes ``hargs = (descales, hook arguments)`` (module docstring)."""
     left, right = key_window(causal, window)
     if ((left, right) not in ((-1, -1), (-1, 0)) or score_mod is not None) and not cfg.tma:
         raise NotImplementedError(
