@@ -148,6 +148,40 @@ def test_flash_attention(torch, d, causal, warmup):
     check(run(), reference())
 
 
+@pytest.mark.parametrize("warmup", [True, False], ids=["warm", "first-call"])
+def test_flash_attention_fp8(torch, warmup):
+    """e4m3 q, k, v with per-(batch, head) descales (inputs of the graph too: new values
+    replayed), causal GQA: V's transpose into a per-call buffer and the attention kernel's
+    tensor maps for it, captured."""
+    if not hopper(torch):
+        pytest.skip("FP8 attention needs sm_90")
+    b, h, hk, d = 2, 8, 2, 128
+    s = 1024 if warmup else 777
+    f8 = torch.float8_e4m3fn
+    q = (torch.randn(b, h, s, d, device="cuda") * 2).to(f8)
+    k, v = ((torch.randn(b, hk, s, d, device="cuda") * 2).to(f8) for _ in range(2))
+    dq, dk, dv = (torch.rand(b, hk, device="cuda") + 0.5 for _ in range(3))
+
+    def run():
+        return tilepy.flash_attention(q, k, v, causal=True, descale_q=dq, descale_k=dk,
+                                      descale_v=dv)
+
+    def reference():
+        def deq(x, f):    # dequantised, K/V heads repeated for their query heads
+            return (x.float() * f[:, :, None, None]).repeat_interleave(h // x.shape[1], 1)
+
+        return torch.nn.functional.scaled_dot_product_attention(
+            deq(q, dq.repeat_interleave(h // hk, 1)), deq(k, dk), deq(v, dv), is_causal=True)
+
+    if not warmup:
+        run()      # compiled; the capture then makes new maps for its own buffers
+    graph, out = capture(torch, run, warmup)
+    # P rounded to e4m3: about a per cent of V's scale
+    check = lambda got, want: close(got.float(), want, 2e-2)   # noqa: E731
+    replay_and_check(torch, graph, out, (q, k, v, dq, dk, dv), reference, check)
+    check(run(), reference())
+
+
 # ---- gemm ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu"])
