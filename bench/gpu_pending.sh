@@ -267,6 +267,7 @@ fi
 if [[ " $PART " == *" s26a "* ]]; then
     gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"
     gpu_tests attention_fp8_gpu 120 tests/test_ops_attention_fp8.py
+    gpu_tests graphs_fp8_gpu 90 tests/test_cuda_graphs.py -k "fp8"
     bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
     step probe_gemm_fp8 90 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
