@@ -361,13 +361,13 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
     dtype = Q.dtype
     for op in (Q, K, V):
         if op.ndim != 4:
-            raise ValueError(f"{op.name} must be 4-D ({_axes(layout)}), got shape {op.shape}")
+            raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
     bq, hq, sq, d = bhsd_dims(Q.shape, layout)
     bk, hk, sk, dk = bhsd_dims(K.shape, layout)
     bv, hv, sv, dv = bhsd_dims(V.shape, layout)
     if not (bq == bk == bv):
         raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
-                         f"(layout {layout!r}: {_axes(layout)})")
+                         f"(layout {layout!r}: {axes(layout)})")
     if d != dk:
         raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
                          f"k {K.shape}, v {V.shape}, layout {layout!r})")
@@ -477,7 +477,8 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     return (out, lse) if return_lse else out
 
 
-def _axes(layout: str) -> str:
+def axes(layout: str) -> str:
+    """The axes of ``layout``, for messages."""
     return ("batch, heads, seq, head_dim" if layout == "bhsd"
             else "batch, seq, heads, head_dim")
 

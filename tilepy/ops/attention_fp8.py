@@ -3,7 +3,7 @@
 ``softmax(scale · (q · dq) (k · dk)ᵀ) · (v · dv)`` with the descales ``dq``, ``dk``, ``dv``
 float32 per tensor or per (batch, K/V head), out in bfloat16. Two launches:
 
-1. V's transpose (:func:`transpose_v_kernel`): Vᵀ (batch, heads_kv, head_dim_v, keys rounded
+1. V's transpose (:func:`tilepy.tile.transpose.transpose_bytes_kernel`): Vᵀ (batch, heads_kv, head_dim_v, keys rounded
    up to 16) uint8, each 16 keys in the order of
    :data:`tilepy.ops.attention_wgmma.FP8_KEY_ORDER`, keys past seq_k zero. The 8-bit P·V
    wgmma takes its B operand K-major only; with the keys in that order the S accumulators,
@@ -22,16 +22,15 @@ anything is launched.
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, types
 
 from .. import arrays, launch
 from ..arrays import describe, device_view
-from ..kcache import cached_jit
 from ..launch import LaunchPlan
 from ..tile import device_write
+from ..tile import transpose as TR
 from ..tile.attention import score_hook
 from . import attention_wgmma as aw
-from .attention import LAYOUTS, _axes, bhsd_dims, bhsd_view, check_scale, check_variant
+from .attention import LAYOUTS, axes, bhsd_dims, bhsd_view, check_scale, check_variant
 
 DTYPES = aw.FP8_DTYPES
 #: Head dims the FP8 kernel takes: multiples of 16 (TMA's 16-byte rows) up to 256.
@@ -58,7 +57,23 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
 
     P is rounded to e4m3 for the P·V product (as FlashAttention-3 does): expect errors of a
     few per cent of O's scale against a float64 reference on the dequantised inputs. No
-    ``alibi_slopes``, user functions or backward (``NotImplementedError``)."""
+    ``alibi_slopes``, user functions or backward (``NotImplementedError``).
+
+    The first call of a signature (array kinds, dtypes, shapes, strides, device, alignment,
+    arguments) records its launches; later ones replay them from their pointers (no checks,
+    views or plans built; V's transpose buffer, ``out`` and the LSE made anew per call)."""
+    fps = [arrays.fingerprint(x) for x in (q, k, v, out, None, descale_q, descale_k,
+                                            descale_v)]
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), causal, scale, window, softcap,
+                                 return_lse, layout, config))
+    if cached is not None:
+        call, stream, keep = cached
+        s = stream()
+        made = call(s, [p for _, p in fps] + [0])
+        if device_write.stream_capturing(s):
+            device_write.keep_during_capture(s, keep, *made.values())
+        res = made.get(OUT, out)
+        return (res, made[LSE]) if return_lse else res
     Q, K, V, Out, descales, (bq, hq, sq), want, scale, win, cap, cfg, device = \
         check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_k,
                         descale_v, out, layout, config)
@@ -69,13 +84,33 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
         raise NotImplementedError(f"flash_attention on float8 inputs: more than "
                                   f"{launch.MAX_GRID_YZ} batches or query heads (the grid "
                                   f"kernel's limit; got {bq}, {hq}); split the batch")
+    allocs = {}
     if out is None:
-        out = arrays.empty(Q, want, "bfloat16")
-        Out = describe(out, "out")
-    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
+        allocs[OUT] = arrays.allocator(Q, want, "bfloat16")
+    if return_lse:
+        allocs[LSE] = arrays.allocator(Q, (bq, hq, sq), "float32")
+    made = {k_: alloc() for k_, alloc in allocs.items()}
+    out = made[OUT][0] if out is None else out
+    lse = made[LSE][0] if return_lse else None
     if bq and hq and sq:
-        _run(Q, K, V, Out, lse, descales, cfg, bool(causal), win, cap, scale, layout, device)
+        ptrs = [Q.byte_pointer(), K.byte_pointer(), V.byte_pointer(),
+                describe(out, "out").byte_pointer(),
+                made[LSE][1] if return_lse else 0] + \
+            [S.byte_pointer() if S is not None else 0 for S in descales]
+        recorded = _run(Q, K, V, describe(out, "out"), lse, descales, cfg, win, cap, scale,
+                        layout, device, ptrs)
+        if recorded is not None:
+            steps, vt_alloc, keep = recorded
+            _PLANS.put(key, (launch.CallPlan(steps, {**allocs, VT: vt_alloc}),
+                             arrays.stream_getter(Q), keep))
     return (out, lse) if return_lse else out
+
+
+#: The operand slots of a recorded call (:class:`tilepy.launch.CallPlan`): the caller's
+#: arrays in the order of the signature, then V's transpose (made per call).
+SLOTS = ("q", "k", "v", "out", "lse", "descale_q", "descale_k", "descale_v", "vt")
+OUT, LSE, VT = 3, 4, 8
+_PLANS = launch.PlanCache()
 
 
 def check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_k, descale_v,
@@ -88,14 +123,14 @@ def check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_
     Q, K, V = (describe(x, n, dtypes=DTYPES) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     for op in (Q, K, V):
         if op.ndim != 4:
-            raise ValueError(f"{op.name} must be 4-D ({_axes(layout)}), got shape {op.shape}")
+            raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
     bq, hq, sq, d = bhsd_dims(Q.shape, layout)
     bk, hk, sk, dk = bhsd_dims(K.shape, layout)
     bv, hv, sv, dv = bhsd_dims(V.shape, layout)
     if not (bq == bk == bv) or d != dk or (hk, sk) != (hv, sv):
         raise ValueError(f"q, k and v must agree in batch, k and v in heads and length, q "
                          f"and k in head_dim; got q {Q.shape}, k {K.shape}, v {V.shape} "
-                         f"(layout {layout!r}: {_axes(layout)})")
+                         f"(layout {layout!r}: {axes(layout)})")
     if hk < 1 or hq % hk:
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
     for name, x in (("head_dim", d), ("v's head_dim", dv)):
@@ -178,22 +213,29 @@ def _tma_ready(op) -> bool:
     return op.byte_pointer() % 16 == 0
 
 
-def _run(Q, K, V, Out, lse, descales, cfg, causal, win, cap, scale, layout, device):
+def _run(Q, K, V, Out, lse, descales, cfg, win, cap, scale, layout, device, ptrs):
+    """Launch V's transpose and the attention kernel; return ``(steps, V's transpose
+    allocator, kept array)`` for a :class:`tilepy.launch.CallPlan` over :data:`SLOTS` (``ptrs``
+    their pointers in this call, V's transpose's added here), or None when an input needed
+    an aligned copy (such a call is not recorded)."""
     with arrays.on_device(device):
         stream = arrays.stream_handle(Q)
-        keep = []
+        copies = []
         views = []
         for op in (Q, K):
             if not _tma_ready(op):
                 op = describe(arrays.copy_aligned(op), op.name)
-                keep.append(op.raw)
+                copies.append(op.raw)
             views.append(bhsd_view(op, layout))
         v_v = bhsd_view(V, layout)
         b, hk, sk, dv = v_v.shape
-        vt = arrays.empty(Q, (b, hk, dv, -(-sk // 16) * 16), "uint8")
+        vt_alloc = arrays.allocator(Q, (b, hk, dv, -(-sk // 16) * 16), "uint8")
+        vt, vt_ptr = vt_alloc()
+        ptrs = list(ptrs) + [vt_ptr]
         vt_v = device_view(arrays.raw_view(describe(vt, "vt", dtypes=("uint8",))))
-        transpose_v(v_v, vt_v, stream)
-        keep.append(vt)
+        t_plan, t_args = transpose_plan(v_v, vt_v)
+        if t_plan is not None:
+            t_plan.launch(stream, t_args)
         ones = arrays.ones(Q, (1,)) if any(s is None for s in descales) else None
         dsc = tuple(_descale_view(s, ones, b, hk) for s in descales)
         o_v = bhsd_view(Out, layout)
@@ -205,49 +247,51 @@ def _run(Q, K, V, Out, lse, descales, cfg, causal, win, cap, scale, layout, devi
         plan, args = aw.plan(kern, cfg, *views, vt_v, o_v, lse_v, scale, stream=stream,
                              alloc=arrays.byte_allocator(Q), hargs=(dsc, ()))
         plan.launch(stream, args)
-        device_write.keep_during_capture(stream, ones, *keep)
+        device_write.keep_during_capture(stream, ones, vt, *copies)
+    if copies:
+        return None
+    # the attention's arrays: q, k, Vᵀ, out, lse, what the plan supplies (tensor maps), then
+    # the three descales (a None one reads the kept ones: constant)
+    src = [(0, ptrs[0]), (1, ptrs[1]), (VT, vt_ptr), (OUT, ptrs[OUT]),
+           (LSE, ptrs[LSE]) if lse is not None else None]
+    hook = [(5 + i, ptrs[5 + i]) if S is not None else None for i, S in enumerate(descales)]
+    n_plan = len(plan.array_positions()) - len(src) - len(hook)
+    steps = [(plan.bind(src + [None] * n_plan + hook), ())]
+    if t_plan is not None:
+        steps.insert(0, (t_plan.bind([(2, ptrs[2]), (VT, vt_ptr)]), ()))
+    return steps, vt_alloc, ones
 
 
 # ---- V's transpose -----------------------------------------------------------------------------
 
-THREADS = 128
-
-
-@cached_jit
-def transpose_v_kernel(v, vt):
-    """``vt[b, h, d, 16 g + j] = v[b, h, 16 g + FP8_KEY_ORDER[j], d]`` (zero past v's keys)
-    for ``v`` (B, H, S, D) uint8 (any strides) and ``vt`` (B, H, D, S16) uint8, S16 = S
-    rounded up to 16. Grid (ceil(D · S16 / 16 / THREADS), H, B): a thread per (d, 16-key
-    group), the groups of one d on neighbouring threads (their 16-byte rows of vt are
-    adjacent)."""
-    b = cuda.blockIdx.z
-    h = cuda.blockIdx.y
-    sk = v.shape[2]
-    groups = vt.shape[3] // 16
-    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-    if i < groups * vt.shape[2]:
-        d = i // groups
-        g = i % groups
-        for j in range(16):
-            # FP8_KEY_ORDER[j]: 0, 1, 8, 9, 2, 3, 10, 11, ...
-            key = 16 * g + 8 * ((j % 4) // 2) + 2 * (j // 4) + j % 2
-            vt[b, h, d, 16 * g + j] = v[b, h, key, d] if key < sk else types.uint8(0)
+def transpose_plan(v, vt):
+    """``(plan, args)`` of V's transpose (:func:`tilepy.tile.transpose.transpose_bytes_kernel`
+    with the FP8 key order) from view ``v`` (B, H, S, D) into ``vt`` (B, H, D, S16);
+    ``(None, None)`` when there is nothing to do."""
+    if not all(vt.shape):
+        return None, None
+    args = (v, vt)
+    return LaunchPlan(TR.transpose_bytes_kernel(True), args, TR.grid(vt.shape), TR.BLOCK,
+                      0), args
 
 
 def transpose_v(v, vt, stream):
-    """Launch :func:`transpose_v_kernel` on views ``v`` and ``vt`` (see there) on
-    ``stream``."""
-    bsz, heads, dv, s16 = vt.shape
-    if not (bsz and heads and dv and s16):
-        return
-    args = (v, vt)
-    blocks = (-(-(dv * s16 // 16) // THREADS), heads, bsz)
-    LaunchPlan(transpose_v_kernel, args, blocks, THREADS, 0).launch(stream, args)
+    """Launch V's transpose (:func:`transpose_plan`) on ``stream``."""
+    plan, args = transpose_plan(v, vt)
+    if plan is not None:
+        plan.launch(stream, args)
 
 
-def reference_key_order(sk: int) -> np.ndarray:
-    """For tests: the key each position of Vᵀ's last axis holds (−1 past ``sk``)."""
-    s16 = -(-sk // 16) * 16
-    order = np.array(aw.FP8_KEY_ORDER, np.int64)
-    keys = (np.arange(s16) // 16) * 16 + order[np.arange(s16) % 16]
-    return np.where(keys < sk, keys, -1)
+def compile_reports():
+    """Offline sm_90a reports of the byte transpose (V's, with the key order; and the plain
+    one the FP8 GEMM uses for a b that is not K-major)."""
+    from numba import types
+
+    from ..offline import report_entry
+
+    u8 = types.Array(types.uint8, 4, "A")
+    threads = TR.BLOCK[0] * TR.BLOCK[1]
+    return [report_entry(f"transpose_bytes{'_key_order' if order else ''}",
+                         lambda order=order: TR.transpose_bytes_kernel(order), (u8, u8),
+                         (9, 0), threads=threads)
+            for order in (True, False)]

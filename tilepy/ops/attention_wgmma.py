@@ -144,6 +144,7 @@ from ..tile.online_softmax import (
     online_softmax_update,
 )
 from ..tile.tma import MAP_ALIGN
+from ..tile.transpose import KEY_ORDER
 from ..kcache import cached_jit
 
 WARPGROUP = 128
@@ -173,7 +174,7 @@ FP8_P_SCALE = np.float32(256.0)
 #: ``FP8_KEY_ORDER[j]``. The S accumulators give a thread keys (2t, 2t + 1, 8 + 2t, 9 + 2t) of
 #: each 16 (t = lane % 4) and an 8-bit A register is four consecutive k (4t … 4t + 3): with
 #: Vᵀ's keys in this order, those four accumulators, rounded, are the register as they are.
-FP8_KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+FP8_KEY_ORDER = KEY_ORDER    # (tilepy.tile.transpose's, which makes Vᵀ)
 
 
 #: block_n of the TMA kernels (the cp.async kernels: 64 or 128): multiples of 16 (the P·V

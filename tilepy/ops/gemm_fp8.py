@@ -34,10 +34,12 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     """``out[i, j] = act(scale_a · scale_b · Σ_k a[i, k] b[k, j] + bias[j])`` with float32
     accumulation.
 
-    * ``a`` (M, K) row-major, ``b`` (K, N) given K-major — the transposed view of a row-major
-      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``); each e4m3 or e5m2, in any
-      combination (k32 wgmmas take the two formats separately; ``torch._scaled_mm`` refuses
-      e5m2 · e5m2, this takes it).
+    * ``a`` (M, K) row-major, ``b`` (K, N) K-major — the transposed view of a row-major
+      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``) — is read in place; a ``b`` of any
+      other layout (row-major (K, N), say) is first transposed into a K-major copy on the
+      GPU (one more pass over ``b`` each call, and such calls are not recorded for replay);
+      each e4m3 or e5m2, in any combination (k32 wgmmas take the two formats separately;
+      ``torch._scaled_mm`` refuses e5m2 · e5m2, this takes it).
     * ``scale_a``: float32, one scale (0-d, (1,)) or one per row ((M,), or (M, 1) as
       ``torch._scaled_mm`` takes it); ``scale_b``: one scale, or one per column ((N,) or
       (1, N)); None is 1.0. Or block scales (DeepGEMM's recipe): ``scale_a`` (M, ceil(K /
@@ -91,10 +93,9 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if k and not (A.strides[1] == 1 and (A.strides[0] % 16 == 0 or m == 1)):
         raise ValueError(f"a must be row-major with rows of a multiple of 16 bytes, got "
                          f"strides {A.strides}")
-    if k and not (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1)):
-        raise ValueError(f"b must be K-major: the transposed view of a row-major (N, K) with "
-                         f"rows of a multiple of 16 bytes (torch._scaled_mm's layout), got "
-                         f"strides {B.strides}")
+    # b K-major (torch._scaled_mm's layout) is read in place; any other layout is
+    # transposed into a K-major copy first (:func:`_k_major_copy`)
+    b_in_place = not k or (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1))
     if out_dtype is None and out is not None:
         out_dtype = describe(out, "out").dtype
     out_dtype = arrays.dtype_name(out_dtype) if out_dtype is not None else "bfloat16"
@@ -121,21 +122,21 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if block is not None and cfg.block_n > fk.BLOCK_SCALE:
         raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
                          f"columns in one scale block), got {cfg.block_n}")
-    return A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device
+    return A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device, b_in_place
 
 
 def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
                 activation=None):
     """``((M, N), out dtype name)`` after every check :func:`gemm_fp8` makes before launching
     (the registered operator's fake implementation)."""
-    _, _, _, _, _, _, (m, n, _), out_dtype, _, _, _ = check_arguments(
+    _, _, _, _, _, _, (m, n, _), out_dtype, *_ = check_arguments(
         a, b, scale_a, scale_b, out_dtype, out, bias, activation, None)
     return (m, n), out_dtype
 
 
 def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
-    A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device = check_arguments(
-        a, b, scale_a, scale_b, out_dtype, out, bias, activation, config)
+    A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device, b_in_place = \
+        check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config)
     if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
         raise NotImplementedError("gemm on float8 inputs needs a compute capability 9.0 GPU "
                                   "(wgmma); other GPUs are not supported yet")
@@ -174,13 +175,17 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
         a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
                                                  (A.strides[0], 1)))
-        b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
-                                                 (B.strides[1], 1)))
+        if b_in_place:
+            b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
+                                                     (B.strides[1], 1)))
+            bt = None
+        else:
+            bt, b_v = _k_major_copy(A, B, n, k, stream)
         plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v,
                              arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
                              arrays.byte_allocator(A))
         plan.launch(stream, args)
-        device_write.keep_during_capture(stream, ones, *((a, b) if zeros else ()))
+        device_write.keep_during_capture(stream, ones, bt, *((a, b) if zeros else ()))
     # operand slots: a, b, scale_a, scale_b, out, bias (a None scale reads the kept ones)
     src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
            (4, Out.byte_pointer()),
@@ -188,8 +193,8 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
            (3, Sb.byte_pointer()) if Sb is not None else None,
            None,      # offsets: a placeholder
            (5, Bias.byte_pointer()) if Bias is not None else None]
-    if zeros:
-        # (the zero operands are this call's: a later call makes its own)
+    if zeros or not b_in_place:
+        # (the zero operands, b's K-major copy are this call's: a later call makes its own)
         return out
     if ones is None or not device_write.stream_capturing(stream):
         # (ones made during a capture are written only when the graph runs: not kept for
@@ -256,6 +261,23 @@ def _scale_view(S):
     size = int(np.prod(S.shape))
     stride = max((st for st, d in zip(S.strides, S.shape) if d > 1), default=1)
     return arrays.device_view(arrays.restride(view, (size,), (4 * stride,)))
+
+
+def _k_major_copy(A, B, n: int, k: int, stream):
+    """``(copy, view)``: ``B`` (K, N) of any layout transposed into a new row-major (N, K)
+    uint8 array (:mod:`tilepy.tile.transpose`) on ``stream``, and its (N, K) kernel view."""
+    from ..launch import LaunchPlan
+    from ..tile import transpose as TR
+
+    bt = arrays.empty(A, (n, k), "uint8")
+    src = arrays.device_view(arrays.restride(arrays.raw_view(B), (1, 1, k, n),
+                                             (0, 0, B.strides[0], B.strides[1])))
+    raw = arrays.raw_view(describe(bt, "b", dtypes=("uint8",)))
+    dst = arrays.device_view(arrays.restride(raw, (1, 1, n, k), (0, 0, k, 1)))
+    args = (src, dst)
+    LaunchPlan(TR.transpose_bytes_kernel(False), args, TR.grid(dst.shape), TR.BLOCK,
+               0).launch(stream, args)
+    return bt, arrays.device_view(raw)
 
 
 def _zero_operands(A, B, m: int, n: int):

@@ -1,0 +1,85 @@
+"""Byte transposes through shared memory: ``dst[b, h, c, r] = src[b, h, row(r), c]``.
+
+``transpose_bytes_kernel(key_order)`` returns a kernel ``kernel(src, dst)`` for ``src`` (B, H,
+R, C) and ``dst`` (B, H, C, R') uint8 arrays of any strides (R' ≥ R; positions whose row is
+past R are written as zeros). ``row(r)`` is ``r``, or with ``key_order`` the FP8 attention's
+key order inside each 16 (:data:`KEY_ORDER`: position ``j`` of a 16 holds row
+``KEY_ORDER[j]``), which makes the rounded S accumulators of a thread the A registers of the
+8-bit P·V wgmma as they stand (:mod:`tilepy.ops.attention_wgmma`).
+
+Grid :func:`grid` (tiles of :data:`ROWS` rows × :data:`COLS` columns, H, B), block
+:data:`BLOCK`: a tile is read row by row (a warp reads 32 consecutive bytes of a row) into
+shared memory, then written as COLS rows of ``dst`` (a warp writes 32 consecutive bytes): every
+global access a whole 32-byte sector. Bytes only, so the 1-byte formats (e4m3, e5m2) and any
+alignment go through it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba import cuda, types
+
+from ..kcache import cached_jit
+
+#: Rows (of ``src``) × columns of a block's tile, and its threads (TX = COLS).
+ROWS, COLS = 64, 32
+TX, TY = 32, 8
+BLOCK = (TX, TY)
+PITCH = COLS + 1    # shared tile row bytes (+1: fewer bank conflicts)
+#: The FP8 attention's key order inside each 16 keys (``key_order=True``).
+KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+
+@functools.cache
+def transpose_bytes_kernel(key_order: bool = False):
+    """The kernel of the module docstring, generated once per ``key_order``."""
+    ORDER = bool(key_order)
+
+    @cached_jit
+    def kernel(src, dst):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        rows = src.shape[2]
+        cols = dst.shape[2]
+        out_rows = dst.shape[3]
+        col_tiles = (cols + COLS - 1) // COLS
+        r0 = (cuda.blockIdx.x // col_tiles) * ROWS
+        c0 = (cuda.blockIdx.x % col_tiles) * COLS
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tile = cuda.shared.array((ROWS, PITCH), types.uint8)
+        for r in range(ty, ROWS, TY):
+            row = r0 + r
+            inside = row < rows and c0 + tx < cols
+            tile[r, tx] = src[b, h, row, c0 + tx] if inside else types.uint8(0)
+        cuda.syncthreads()
+        for cc in range(ty, COLS, TY):
+            if c0 + cc < cols:
+                for half in range(ROWS // TX):
+                    j = half * TX + tx
+                    if r0 + j < out_rows:
+                        r = j
+                        if ORDER:
+                            # KEY_ORDER[j % 16]: 0, 1, 8, 9, 2, 3, 10, 11, ...
+                            jj = j % 16
+                            r = j - jj + 8 * ((jj % 4) // 2) + 2 * (jj // 4) + jj % 2
+                        dst[b, h, c0 + cc, r0 + j] = tile[r, cc]
+
+    return kernel
+
+
+def grid(dst_shape) -> tuple:
+    """The launch grid for ``dst`` of shape (B, H, C, R')."""
+    bsz, heads, cols, out_rows = dst_shape
+    return (-(-out_rows // ROWS) * -(-cols // COLS), heads, bsz)
+
+
+def reference_rows(out_rows: int, rows: int, key_order: bool = True):
+    """For tests: the ``src`` row each of ``dst``'s ``out_rows`` positions holds (-1: zero)."""
+    import numpy as np
+
+    r = np.arange(out_rows)
+    if key_order:
+        r = (r // 16) * 16 + np.array(KEY_ORDER)[r % 16]
+    return np.where(r < rows, r, -1)
