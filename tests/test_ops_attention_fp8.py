@@ -107,6 +107,26 @@ def check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head):
 
 
 @pytest.mark.sim
+def test_edges():
+    """No key (zeros and LSE -inf, no launch); a q whose rows are not 16-byte aligned (an
+    aligned copy first); a non-positive descale_q · descale_k (NaN for that head, never a
+    silently wrong result)."""
+    rng = np.random.default_rng()
+    q, k, v = codes(rng, (1, 2, 16, 16)), codes(rng, (1, 2, 0, 16)), codes(rng, (1, 2, 0, 16))
+    o, lse = tilepy.flash_attention(q, k, v, return_lse=True)
+    assert (o.astype(np.float32) == 0).all() and np.isneginf(lse).all()
+    k, v = codes(rng, (1, 2, 20, 16)), codes(rng, (1, 2, 20, 16))
+    buf = codes(rng, (1 + 2 * 16 * 16,))
+    q = buf[1:].reshape(1, 2, 16, 16)                      # base 1 byte past an aligned one
+    got = tilepy.flash_attention(q, k, v).astype(np.float64)
+    want, _, vmax = reference(q, k, v, 1.0, 1.0, 1.0)
+    assert np.abs(got - want).max() <= 0.015 * vmax
+    dk = np.array([[1.0, -1.0]], np.float32)               # head 1's product negative
+    got = tilepy.flash_attention(q, k, v, descale_k=dk).astype(np.float64)
+    assert np.isnan(got[:, 1]).all() and np.abs(got[:, 0] - want[:, 0]).max() <= 0.015 * vmax
+
+
+@pytest.mark.sim
 def test_v_transpose_orders_the_keys():
     """Vᵀ's last axis holds the keys in FP8_KEY_ORDER per 16, zeros past seq_k; a strided
     (bshd) V read in place."""

@@ -457,12 +457,13 @@ def flash_attention_fp8(q, k, v, causal, scale, window, softcap, descales, retur
     operator (fake tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an
     input that requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
     dq, dk, dv = descales
-    _no_grad_for("flash_attention", "float8 inputs have no gradient here", q=q, k=k, v=v)
+    _no_grad_for("flash_attention", "float8 inputs have no gradient here", q=q, k=k, v=v,
+                 descale_q=dq, descale_k=dk, descale_v=dv)
     if out is not None or config is not None or _direct(q, k, v, dq, dk, dv):
-        return _attention_fp8.flash_attention_fp8(
+        return _written(_attention_fp8.flash_attention_fp8(
             q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, descale_q=dq,
             descale_k=dk, descale_v=dv, return_lse=return_lse, out=out, layout=layout,
-            config=config)
+            config=config), out)
     wl, wr, cap = _variant_args(causal, window, softcap)
     if scale is not None:
         scale = _float_arg("flash_attention", "scale", scale)

@@ -48,7 +48,8 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
     * ``descale_q``, ``descale_k``, ``descale_v``: float32, one value (0-d or (1,)) or one per
       (batch, K/V head) ((batch, heads_kv)); None is 1.0. The scores are ``scale · dq · dk ·
       q kᵀ`` and O is ``dv · softmax(...) · v`` (FlashAttention-3's ``descale_*``). Read on
-      the GPU at run time.
+      the GPU at run time, so not checked on the host: ``dq · dk`` must be positive and
+      finite (quantiser scales are); a (batch, head) where it is not gives NaN there.
     * ``out``: bfloat16 of q's shape (ending in v's head dim), or None; ``return_lse``: also
       the float32 (batch, heads_q, seq_q) natural-log LSE of the descaled scores.
     * ``config``: a :class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig` of dtype
@@ -92,6 +93,12 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
     made = {k_: alloc() for k_, alloc in allocs.items()}
     out = made[OUT][0] if out is None else out
     lse = made[LSE][0] if return_lse else None
+    if bq and hq and sq and not K.shape[-2 if layout == "bhsd" else 1]:
+        # no key: zeros and LSE -inf (the 16-bit kernels' answer), without a launch
+        _fill(out, 0.0)
+        if lse is not None:
+            _fill(lse, -np.inf)
+        return (out, lse) if return_lse else out
     if bq and hq and sq:
         ptrs = [Q.byte_pointer(), K.byte_pointer(), V.byte_pointer(),
                 describe(out, "out").byte_pointer(),
@@ -99,7 +106,10 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
             [S.byte_pointer() if S is not None else 0 for S in descales]
         recorded = _run(Q, K, V, describe(out, "out"), lse, descales, cfg, win, cap, scale,
                         layout, device, ptrs)
-        if recorded is not None:
+        # (ones made during a capture are written only when the graph runs: not kept for
+        # eager calls)
+        if recorded is not None and (recorded[2] is None or not device_write.stream_capturing(
+                arrays.stream_handle(Q))):
             steps, vt_alloc, keep = recorded
             _PLANS.put(key, (launch.CallPlan(steps, {**allocs, VT: vt_alloc}),
                              arrays.stream_getter(Q), keep))
@@ -176,6 +186,17 @@ def default_config(d: int, dv: int) -> aw.WgmmaAttentionConfig:
                                    head_dim_v=None if dv == d else dv)
 
 
+def _fill(x, value: float) -> None:
+    """Set every element of array ``x`` (any family) to ``value``."""
+    op = describe(x, "out", dtypes=("bfloat16", "float32"))
+    if op.family == "torch":
+        x.fill_(value)
+    elif op.family == "numba":
+        x.copy_to_device(np.full(x.shape, value, x.dtype))
+    else:
+        x.fill(value)
+
+
 def _descale(x, name: str, batch: int, heads_kv: int, Q):
     """A descale's Operand (None stays): float32, one value or (batch, heads_kv)."""
     if x is None:
@@ -224,7 +245,7 @@ def _run(Q, K, V, Out, lse, descales, cfg, win, cap, scale, layout, device, ptrs
         views = []
         for op in (Q, K):
             if not _tma_ready(op):
-                op = describe(arrays.copy_aligned(op), op.name)
+                op = describe(arrays.copy_aligned(op), op.name, dtypes=DTYPES)
                 copies.append(op.raw)
             views.append(bhsd_view(op, layout))
         v_v = bhsd_view(V, layout)

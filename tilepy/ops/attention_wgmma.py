@@ -221,8 +221,8 @@ class WgmmaAttentionConfig:
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`).
 
-    ``dtype="float8_e4m3fn"`` (:data:`FP8_DTYPES`): the FP8 kernel (``tma=True``, 128-key
-    blocks, head dims multiples of 16): Q and K as e4m3 (128-column sub-tiles, k32 wgmmas),
+    ``dtype="float8_e4m3fn"`` (:data:`FP8_DTYPES`): the FP8 kernel (``tma=True`` with
+    ``producer=True``, 64- or 128-key blocks, head dims multiples of 16): Q and K as e4m3 (128-column sub-tiles, k32 wgmmas),
     V given transposed — Vᵀ (batch, heads, head_dim_v, keys rounded up to 16), each 16 keys
     in the order of :data:`FP8_KEY_ORDER` — so that P, rounded to e4m3 in registers, is the
     A operand of the P·V wgmmas as it stands; the descales arrive in ``hargs`` (see
@@ -609,8 +609,12 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
 
         @inline_device
         def put_descales(addr, dsc, b, hk):
-            VEC.st_shared_v2_f32(addr, dsc[0][b, hk] * dsc[1][b, hk],
-                                 dsc[2][b, hk] / FP8_P_SCALE)
+            f = dsc[0][b, hk] * dsc[1][b, hk]
+            # the row max is taken over the raw scores: a factor that is not positive would
+            # flip it; NaN then, never a silently wrong result
+            if not (f > _ZERO and f < np.float32(np.inf)):
+                f = np.float32(np.nan)
+            VEC.st_shared_v2_f32(addr, f, dsc[2][b, hk] / FP8_P_SCALE)
 
         @inline_device
         def scale_source(addr, scale):

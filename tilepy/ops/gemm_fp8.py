@@ -48,7 +48,8 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
       ``(128, 128)`` granularities, the latter of ``b``'s (N, K) storage transposed), each
       k block's partial product scaled and summed in float32; 128-column tiles.
     * ``out_dtype``: ``"bfloat16"`` (default; ``out``'s dtype when ``out`` is given),
-      ``"float16"`` or ``"float32"``; ``out`` (M, N) of it, or None. K = 0 gives zeros.
+      ``"float16"`` or ``"float32"``; ``out`` (M, N) of it, or None. K = 0 gives zeros
+      (``act(bias)`` with a bias or an activation).
     * ``bias``: None or (N,) float32, float16 or bfloat16, added in float32 after the scales;
       ``activation``: None, ``"relu"``, ``"gelu"`` (erf form), ``"gelu_tanh"`` or ``"silu"``,
       applied last (before the cast to ``out_dtype``).

@@ -257,6 +257,11 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
         raise ValueError(f"bias_kind must be None or one of {OUT_KINDS}, got {bias_kind!r}")
     get_bias = _bias_pair(bias_kind)
     act = activation_fn(activation)
+    HAS_BIAS = bias_kind is not None
+
+    @inline_device
+    def biased(v, d):
+        return v + d if HAS_BIAS else v     # (no + 0.0 without a bias: -0 stays -0)
     SCALED = bool(scaled)
     ROWS, COLS = bool(row_scale) and SCALED, bool(col_scale) and SCALED
     ONE = np.float32(1.0)
@@ -276,9 +281,11 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
             b1 = (scale_b[c + 1] if c + 1 < n else sb) if COLS else sb
             d0, d1 = get_bias(bias, c, n)
             if r < m:
-                put_pair(out, r, c, n, act(a0 * sa0 * b0 + d0), act(a1 * sa0 * b1 + d1))
+                put_pair(out, r, c, n, act(biased(a0 * sa0 * b0, d0)),
+                         act(biased(a1 * sa0 * b1, d1)))
             if r + 8 < m:
-                put_pair(out, r + 8, c, n, act(a2 * sa1 * b0 + d0), act(a3 * sa1 * b1 + d1))
+                put_pair(out, r + 8, c, n, act(biased(a2 * sa1 * b0, d0)),
+                         act(biased(a3 * sa1 * b1, d1)))
 
     return written_out(
         "store(acc, out, scale_a, scale_b, bias, row0, col0, m, n, lane, warp)",
