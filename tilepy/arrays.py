@@ -318,6 +318,19 @@ def ones(like: Operand, shape, dtype: str = "float32"):
     return x
 
 
+def fill(op: Operand, value: float):
+    """Set every element of ``op``'s array to ``value`` (on the caller's current stream for
+    PyTorch and CuPy); returns the array."""
+    x = op.raw
+    if op.family == "torch":
+        x.fill_(value)
+    elif op.family == "numba":
+        x.copy_to_device(np.full(x.shape, value, x.dtype))
+    else:
+        x.fill(value)
+    return x
+
+
 def _np_dtype(dtype: str):
     if dtype == "bfloat16":
         import ml_dtypes

@@ -359,27 +359,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         raise TypeError(f"q, k and v must have the same dtype; got q {Q.dtype}, k {K.dtype}, "
                         f"v {V.dtype}")
     dtype = Q.dtype
-    for op in (Q, K, V):
-        if op.ndim != 4:
-            raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
-    bq, hq, sq, d = bhsd_dims(Q.shape, layout)
-    bk, hk, sk, dk = bhsd_dims(K.shape, layout)
-    bv, hv, sv, dv = bhsd_dims(V.shape, layout)
-    if not (bq == bk == bv):
-        raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
-                         f"(layout {layout!r}: {axes(layout)})")
-    if d != dk:
-        raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
-                         f"k {K.shape}, v {V.shape}, layout {layout!r})")
-    if dv != d and not head_dim_v:
-        raise NotImplementedError(
-            f"v's head_dim {dv} differs from q's and k's {d}: the forward "
-            f"(tilepy.flash_attention) takes it; the backward does not yet")
-    if (hk, sk) != (hv, sv):
-        raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
-    if hk < 1 or hq % hk:
-        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk}) (shapes q "
-                         f"{Q.shape}, k {K.shape}, layout {layout!r})")
+    bq, hq, sq, sk, d, dv = check_shapes(Q, K, V, layout, head_dim_v)
     for name, x in (("head_dim", d), ("v's head_dim", dv)):
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
@@ -412,6 +392,35 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
                              f"{dv} (a WgmmaAttentionConfig with tma=True and head_dim_v="
                              f"{dv} takes it)")
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
+
+
+def check_shapes(Q, K, V, layout: str, head_dim_v: bool = True):
+    """``(batch, heads_q, seq_q, seq_k, head_dim, v's head_dim)`` of ``Q``, ``K``, ``V`` in
+    ``layout`` after the shape checks every attention forward makes (4-D; batches, k's and v's
+    heads and lengths agree; q's and k's head dims agree; heads_q a multiple of heads_kv).
+    ``head_dim_v=False``: v's head dim other than q's is a ``NotImplementedError``."""
+    for op in (Q, K, V):
+        if op.ndim != 4:
+            raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
+    bq, hq, sq, d = bhsd_dims(Q.shape, layout)
+    bk, hk, sk, dk = bhsd_dims(K.shape, layout)
+    bv, hv, sv, dv = bhsd_dims(V.shape, layout)
+    if not (bq == bk == bv):
+        raise ValueError(f"batch sizes differ: q {Q.shape}, k {K.shape}, v {V.shape} "
+                         f"(layout {layout!r}: {axes(layout)})")
+    if d != dk:
+        raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
+                         f"k {K.shape}, v {V.shape}, layout {layout!r})")
+    if dv != d and not head_dim_v:
+        raise NotImplementedError(
+            f"v's head_dim {dv} differs from q's and k's {d}: the forward "
+            f"(tilepy.flash_attention) takes it; the backward does not yet")
+    if (hk, sk) != (hv, sv):
+        raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
+    if hk < 1 or hq % hk:
+        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk}) (shapes q "
+                         f"{Q.shape}, k {K.shape}, layout {layout!r})")
+    return bq, hq, sq, sk, d, dv
 
 
 def out_shape(Q, V) -> tuple:
@@ -492,11 +501,13 @@ def bhsd_dims(shape, layout: str):
 
 
 def readable(op) -> bool:
-    """The kernel's cp.async reads ``op`` in place: unit stride along head_dim, every other
-    stride (of an axis longer than 1) and the base 16-byte aligned."""
+    """The kernels' cp.async / TMA read ``op`` in place: unit stride along head_dim, every
+    other stride (of an axis longer than 1, in bytes: 2-byte elements, 1-byte float8) and the
+    base 16-byte aligned."""
     if op.shape[-1] > 1 and op.strides[-1] != 1:
         return False
-    if any(s % 8 for n, s in zip(op.shape[:-1], op.strides[:-1]) if n > 1):
+    item = 1 if op.dtype.startswith("float8") else 2
+    if any(s * item % 16 for n, s in zip(op.shape[:-1], op.strides[:-1]) if n > 1):
         return False
     return op.byte_pointer() % 16 == 0
 

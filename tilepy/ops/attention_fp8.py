@@ -25,12 +25,19 @@ import numpy as np
 
 from .. import arrays, launch
 from ..arrays import describe, device_view
-from ..launch import LaunchPlan
 from ..tile import device_write
 from ..tile import transpose as TR
 from ..tile.attention import score_hook
 from . import attention_wgmma as aw
-from .attention import LAYOUTS, axes, bhsd_dims, bhsd_view, check_scale, check_variant
+from .attention import (
+    LAYOUTS,
+    bhsd_dims,
+    bhsd_view,
+    check_scale,
+    check_shapes,
+    check_variant,
+    readable,
+)
 
 DTYPES = aw.FP8_DTYPES
 #: Head dims the FP8 kernel takes: multiples of 16 (TMA's 16-byte rows) up to 256.
@@ -95,9 +102,9 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
     lse = made[LSE][0] if return_lse else None
     if bq and hq and sq and not K.shape[-2 if layout == "bhsd" else 1]:
         # no key: zeros and LSE -inf (the 16-bit kernels' answer), without a launch
-        _fill(out, 0.0)
+        arrays.fill(describe(out, "out"), 0.0)
         if lse is not None:
-            _fill(lse, -np.inf)
+            arrays.fill(describe(lse, "lse"), -np.inf)
         return (out, lse) if return_lse else out
     if bq and hq and sq:
         ptrs = [Q.byte_pointer(), K.byte_pointer(), V.byte_pointer(),
@@ -131,18 +138,8 @@ def check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q, K, V = (describe(x, n, dtypes=DTYPES) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    for op in (Q, K, V):
-        if op.ndim != 4:
-            raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
-    bq, hq, sq, d = bhsd_dims(Q.shape, layout)
-    bk, hk, sk, dk = bhsd_dims(K.shape, layout)
-    bv, hv, sv, dv = bhsd_dims(V.shape, layout)
-    if not (bq == bk == bv) or d != dk or (hk, sk) != (hv, sv):
-        raise ValueError(f"q, k and v must agree in batch, k and v in heads and length, q "
-                         f"and k in head_dim; got q {Q.shape}, k {K.shape}, v {V.shape} "
-                         f"(layout {layout!r}: {axes(layout)})")
-    if hk < 1 or hq % hk:
-        raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
+    bq, hq, sq, _, d, dv = check_shapes(Q, K, V, layout)
+    hk = bhsd_dims(K.shape, layout)[1]
     for name, x in (("head_dim", d), ("v's head_dim", dv)):
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported on float8 inputs: the multiples of "
@@ -186,17 +183,6 @@ def default_config(d: int, dv: int) -> aw.WgmmaAttentionConfig:
                                    head_dim_v=None if dv == d else dv)
 
 
-def _fill(x, value: float) -> None:
-    """Set every element of array ``x`` (any family) to ``value``."""
-    op = describe(x, "out", dtypes=("bfloat16", "float32"))
-    if op.family == "torch":
-        x.fill_(value)
-    elif op.family == "numba":
-        x.copy_to_device(np.full(x.shape, value, x.dtype))
-    else:
-        x.fill(value)
-
-
 def _descale(x, name: str, batch: int, heads_kv: int, Q):
     """A descale's Operand (None stays): float32, one value or (batch, heads_kv)."""
     if x is None:
@@ -224,16 +210,6 @@ def _descale_view(S, ones, batch: int, heads_kv: int):
                                        tuple(st * item for st in S.strides)))
 
 
-def _tma_ready(op) -> bool:
-    """TMA reads ``op`` in place: unit stride along head_dim, every other stride (of an axis
-    longer than 1) and the base 16-byte aligned (1-byte elements)."""
-    if op.shape[-1] > 1 and op.strides[-1] != 1:
-        return False
-    if any(st % 16 for n, st in zip(op.shape[:-1], op.strides[:-1]) if n > 1):
-        return False
-    return op.byte_pointer() % 16 == 0
-
-
 def _run(Q, K, V, Out, lse, descales, cfg, win, cap, scale, layout, device, ptrs):
     """Launch V's transpose and the attention kernel; return ``(steps, V's transpose
     allocator, kept array)`` for a :class:`tilepy.launch.CallPlan` over :data:`SLOTS` (``ptrs``
@@ -244,7 +220,7 @@ def _run(Q, K, V, Out, lse, descales, cfg, win, cap, scale, layout, device, ptrs
         copies = []
         views = []
         for op in (Q, K):
-            if not _tma_ready(op):
+            if not readable(op):
                 op = describe(arrays.copy_aligned(op), op.name, dtypes=DTYPES)
                 copies.append(op.raw)
             views.append(bhsd_view(op, layout))
@@ -286,14 +262,10 @@ def _run(Q, K, V, Out, lse, descales, cfg, win, cap, scale, layout, device, ptrs
 # ---- V's transpose -----------------------------------------------------------------------------
 
 def transpose_plan(v, vt):
-    """``(plan, args)`` of V's transpose (:func:`tilepy.tile.transpose.transpose_bytes_kernel`
-    with the FP8 key order) from view ``v`` (B, H, S, D) into ``vt`` (B, H, D, S16);
-    ``(None, None)`` when there is nothing to do."""
-    if not all(vt.shape):
-        return None, None
-    args = (v, vt)
-    return LaunchPlan(TR.transpose_bytes_kernel(True), args, TR.grid(vt.shape), TR.BLOCK,
-                      0), args
+    """``(plan, args)`` of V's transpose (:func:`tilepy.tile.transpose.launch_plan` with the
+    FP8 key order) from view ``v`` (B, H, S, D) into ``vt`` (B, H, D, S16); ``(None, None)``
+    when there is nothing to do."""
+    return TR.launch_plan(v, vt, key_order=True)
 
 
 def transpose_v(v, vt, stream):

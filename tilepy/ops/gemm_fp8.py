@@ -150,7 +150,7 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
     zeros = k == 0
     if zeros and Bias is None and activation is None:
         # an empty inner dimension: zeros (NumPy's answer; the scales multiply nothing)
-        return _zero_fill(out, Out)
+        return arrays.fill(Out, 0)
     if zeros:
         # ... with a bias or an activation: act(0 + bias), through the kernel on K = 16 of
         # zeros (the scales multiply zeros)
@@ -267,7 +267,6 @@ def _scale_view(S):
 def _k_major_copy(A, B, n: int, k: int, stream):
     """``(copy, view)``: ``B`` (K, N) of any layout transposed into a new row-major (N, K)
     uint8 array (:mod:`tilepy.tile.transpose`) on ``stream``, and its (N, K) kernel view."""
-    from ..launch import LaunchPlan
     from ..tile import transpose as TR
 
     bt = arrays.empty(A, (n, k), "uint8")
@@ -275,9 +274,9 @@ def _k_major_copy(A, B, n: int, k: int, stream):
                                              (0, 0, B.strides[0], B.strides[1])))
     raw = arrays.raw_view(describe(bt, "b", dtypes=("uint8",)))
     dst = arrays.device_view(arrays.restride(raw, (1, 1, n, k), (0, 0, k, 1)))
-    args = (src, dst)
-    LaunchPlan(TR.transpose_bytes_kernel(False), args, TR.grid(dst.shape), TR.BLOCK,
-               0).launch(stream, args)
+    plan, args = TR.launch_plan(src, dst)
+    if plan is not None:
+        plan.launch(stream, args)
     return bt, arrays.device_view(raw)
 
 
@@ -285,17 +284,4 @@ def _zero_operands(A, B, m: int, n: int):
     """``(a, b)``: zero codes of ``A``'s and ``B``'s formats, family and device, (M, 16) and
     the K-major (16, N) view of an (N, 16)."""
     return arrays.zeros_like_matrix(A, m, 16), arrays.zeros_like_matrix(B, n, 16).T
-
-
-def _zero_fill(out, Out):
-    """``out`` set to zeros (any family)."""
-    if Out.family == "torch":
-        out.zero_()
-    elif Out.family == "numba":
-        from numba import cuda
-
-        out.copy_to_device(np.zeros(out.shape, out.dtype))
-    else:
-        out.fill(0)
-    return out
 

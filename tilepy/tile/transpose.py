@@ -21,6 +21,7 @@ import functools
 from numba import cuda, types
 
 from ..kcache import cached_jit
+from ..launch import LaunchPlan
 
 #: Rows (of ``src``) × columns of a block's tile, and its threads (TX = COLS).
 ROWS, COLS = 64, 32
@@ -73,6 +74,16 @@ def grid(dst_shape) -> tuple:
     """The launch grid for ``dst`` of shape (B, H, C, R')."""
     bsz, heads, cols, out_rows = dst_shape
     return (-(-out_rows // ROWS) * -(-cols // COLS), heads, bsz)
+
+
+def launch_plan(src, dst, key_order: bool = False):
+    """``(plan, args)`` of :func:`transpose_bytes_kernel` from ``src`` into ``dst`` (views as
+    the module docstring says); ``(None, None)`` when ``dst`` is empty."""
+    if not all(dst.shape):
+        return None, None
+    args = (src, dst)
+    return LaunchPlan(transpose_bytes_kernel(key_order), args, grid(dst.shape), BLOCK,
+                      0), args
 
 
 def reference_rows(out_rows: int, rows: int, key_order: bool = True):
