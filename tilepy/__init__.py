@@ -19,7 +19,8 @@ if SIMULATOR:
     _simpatch.install()
 
 from . import ptx  # noqa: E402
-from .api import (flash_attention, flash_attention_backward,  # noqa: E402
+from .api import (BlockMask, create_block_mask, flash_attention,  # noqa: E402
+                  flash_attention_backward,
                   flash_attention_varlen, flash_attention_with_kvcache, gemm,
                   gemm_softmax, grouped_gemm, log_softmax, log_softmax_backward,
                   quantize_fp8, softmax, softmax_backward)
@@ -27,7 +28,7 @@ from .api import (flash_attention, flash_attention_backward,  # noqa: E402
 if "torch" in _sys.modules:   # PyTorch in use: its operators (torch.ops.tilepy.*) now
     from .integrations import pytorch as _pytorch  # noqa: E402,F401
 
-__all__ = ["SIMULATOR", "__version__", "flash_attention", "flash_attention_backward",
+__all__ = ["SIMULATOR", "__version__", "BlockMask", "create_block_mask", "flash_attention", "flash_attention_backward",
            "flash_attention_varlen", "flash_attention_with_kvcache", "gemm",
            "gemm_softmax", "grouped_gemm", "log_softmax", "log_softmax_backward", "ptx",
            "quantize_fp8", "softmax", "softmax_backward"]

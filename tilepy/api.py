@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .ops import attention as _attention
 from .ops import attention_backward as _attention_backward
+from .ops import attention_block_mask as _attention_block_mask
 from .ops import attention_fp8 as _attention_fp8
 from .ops import attention_kvcache as _attention_kvcache
 from .ops import attention_varlen as _attention_varlen
@@ -112,14 +113,16 @@ def gemm_softmax(a, b, *, scale=1.0, out=None, config=None):
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                     alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None,
-                    descale_q=None, descale_k=None, descale_v=None):
+                    mod_args=(), block_mask=None, return_lse=False, out=None, layout="bhsd",
+                    config=None, descale_q=None, descale_k=None, descale_v=None):
     if _gemm_fp8.is_fp8(q):
         if alibi_slopes is not None or score_mod is not None or mask_mod is not None or \
-                score_mod_grad is not None or (mod_args is not None and (
-                    type(mod_args) not in (tuple, list) or len(mod_args))):
+                score_mod_grad is not None or block_mask is not None or (
+                    mod_args is not None and (type(mod_args) not in (tuple, list)
+                                              or len(mod_args))):
             raise NotImplementedError("flash_attention on float8 inputs: alibi_slopes, "
-                                      "score_mod, mask_mod and mod_args are not built yet")
+                                      "score_mod, mask_mod, mod_args and block_mask are not "
+                                      "built yet")
         if _is_torch(q):
             return (_front or _pytorch()).flash_attention_fp8(
                 q, k, v, causal, scale, window, softcap, (descale_q, descale_k, descale_v),
@@ -133,12 +136,12 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
                         "inputs (float8_e4m3fn q, k and v)")
     if _is_torch(q):
         if score_mod is not None or mask_mod is not None or score_mod_grad is not None \
-                or (mod_args is not None and (type(mod_args) not in (tuple, list)
-                                              or len(mod_args))):
+                or block_mask is not None or (mod_args is not None and (
+                    type(mod_args) not in (tuple, list) or len(mod_args))):
             return (_front or _pytorch()).flash_attention_mods(
                 q, k, v, causal, scale, window, softcap,
-                (score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args), return_lse, out,
-                layout, config)
+                (score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args, block_mask),
+                return_lse, out, layout, config)
         return (_front or _pytorch()).flash_attention(q, k, v, causal, scale, window, softcap,
                                                       return_lse, out, layout, config,
                                                       alibi_slopes)
@@ -146,18 +149,20 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
                                       softcap=softcap, alibi_slopes=alibi_slopes,
                                       score_mod=score_mod, score_mod_grad=score_mod_grad,
                                       mask_mod=mask_mod, mod_args=mod_args,
-                                      return_lse=return_lse, out=out, layout=layout,
-                                      config=config)
+                                      block_mask=block_mask, return_lse=return_lse, out=out,
+                                      layout=layout, config=config)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                              window=None, softcap=0.0, alibi_slopes=None, score_mod=None,
-                             score_mod_grad=None, mask_mod=None, mod_args=(), layout="bhsd",
-                             deterministic=False, dq=None, dk=None, dv=None, config=None):
+                             score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None,
+                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
+                             config=None):
     mods = dict(score_mod=score_mod, score_mod_grad=score_mod_grad, mask_mod=mask_mod,
-                alibi_slopes=alibi_slopes, mod_args=mod_args)
+                alibi_slopes=alibi_slopes, mod_args=mod_args, block_mask=block_mask)
     if _is_torch(q):
-        if any(mods[n] is not None for n in ("score_mod", "score_mod_grad", "mask_mod")) \
+        if any(mods[n] is not None
+               for n in ("score_mod", "score_mod_grad", "mask_mod", "block_mask")) \
                 or (mod_args is not None and (type(mod_args) not in (tuple, list)
                                               or len(mod_args))):
             return (_front or _pytorch()).flash_attention_backward_mods(
@@ -216,7 +221,19 @@ for _api, _op in ((gemm, _gemm.gemm), (grouped_gemm, _grouped_gemm.grouped_gemm)
     _api.__doc__ = _op.__doc__
 del _api, _op
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_varlen",
+__all__ = ["BlockMask", "create_block_mask", "flash_attention", "flash_attention_backward",
+           "flash_attention_varlen",
            "flash_attention_with_kvcache", "gemm", "gemm_softmax", "grouped_gemm",
            "log_softmax", "log_softmax_backward", "quantize_fp8", "softmax",
            "softmax_backward"]
+
+
+def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_args=(),
+                      block_size=_attention_block_mask.BLOCK_SIZE):
+    return _attention_block_mask.create_block_mask(mask_mod, batch, heads, seq_q, seq_k,
+                                                   like=like, mod_args=mod_args,
+                                                   block_size=block_size)
+
+
+create_block_mask.__doc__ = _attention_block_mask.create_block_mask.__doc__
+BlockMask = _attention_block_mask.BlockMask

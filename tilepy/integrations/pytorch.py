@@ -765,15 +765,16 @@ def flash_attention(q, k, v, causal, scale, window, softcap, return_lse, out, la
 def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_lse, out,
                          layout, config):
     """``tilepy.flash_attention`` with user functions or ALiBi (``mods``: ``(score_mod,
-    score_mod_grad, mask_mod, alibi_slopes, mod_args)``) on PyTorch tensors: outside compiled
-    graphs (a Python function is no operator argument), differentiable in q, k and v through
-    :func:`tilepy.flash_attention_backward` with the same functions (not in the slopes or
-    ``mod_args``: a tensor among them that requires grad is a ``NotImplementedError``)."""
-    score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
+    score_mod_grad, mask_mod, alibi_slopes, mod_args, block_mask)``) on PyTorch tensors:
+    outside compiled graphs (a Python function is no operator argument), differentiable in q,
+    k and v through :func:`tilepy.flash_attention_backward` with the same functions (not in
+    the slopes or ``mod_args``: a tensor among them that requires grad is a
+    ``NotImplementedError``)."""
+    score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args, block_mask = mods
     kwargs = dict(causal=causal, scale=scale, window=window, softcap=softcap,
                   alibi_slopes=alibi_slopes, score_mod=score_mod,
                   score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
-                  layout=layout)
+                  block_mask=block_mask, layout=layout)
     _no_hook_arg_grads("flash_attention", alibi_slopes, mod_args)
     if not _wants_grad(q, k, v):
         res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,

@@ -19,6 +19,7 @@ from ..arrays import device_view, describe
 from ..launch import PlanCache
 from ..tile import device_write
 from ..tile.attention import check_n_args, check_user_function, key_window, score_hook
+from . import attention_block_mask as abm
 from .attention_tuned import tuned_attention_config
 from . import attention_mma_sync as fa
 from . import attention_wgmma as aw
@@ -107,7 +108,8 @@ def hopper_only(d: int, dv: int) -> str:
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
                     alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None,
-                    mod_args=(), return_lse=False, out=None, layout="bhsd", config=None):
+                    mod_args=(), block_mask=None, return_lse=False, out=None, layout="bhsd",
+                    config=None):
     """``softmax(scale · q kᵀ + mask) · v`` per (batch, head), FlashAttention-2 style.
 
     * ``layout="bhsd"``: ``q`` (batch, heads_q, seq_q, head_dim), ``k`` and ``v`` (batch,
@@ -157,9 +159,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       score after the soft cap; ``mask_mod`` False hides the key (a row that sees no key gives
       zeros, LSE -inf). ``b`` / ``h`` are the batch and query head, ``q_idx`` / ``kv_idx``
       positions in the sequences (in edge tiles also past ``seq_q`` / ``seq_k``: those results
-      are discarded). Key blocks outside ``causal`` / ``window`` are skipped first; a
-      ``mask_mod`` alone visits every other block (no block mask yet). Contract, order and
-      examples: :func:`tilepy.tile.attention.score_hook` and ``docs/attention.md``.
+      are discarded). Key blocks outside ``causal`` / ``window`` are skipped first. Contract,
+      order and examples: :func:`tilepy.tile.attention.score_hook` and ``docs/attention.md``.
       ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``, the derivative of
       ``score_mod`` in ``score``, is what the backward needs (not read here):
       :func:`tilepy.flash_attention_backward` takes the same three, and on PyTorch tensors
@@ -174,6 +175,18 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       so that a document id per token or a bias table is read inside the kernel; at most
       :data:`tilepy.tile.attention.MAX_MOD_ARGS`. A new array of the same signature reuses the
       compiled kernel and launch plan; a number is part of the plan's key.
+    * ``block_mask``: a :class:`tilepy.BlockMask` (:func:`tilepy.create_block_mask`, FlexAttention's
+      ``BlockMask``): each query block visits only the key blocks the mask lists, and
+      evaluates ``mask_mod`` only on its partial ones (not on the full ones). Its ``mask_mod``
+      is used (a different ``mask_mod`` given here is a ``ValueError``), and its ``mod_args``
+      unless this call gives some; with ``causal`` or ``window`` a ``ValueError`` (write them
+      in ``mask_mod``). Without one, a ``mask_mod`` whose ``mod_args`` hold no array gets a
+      block mask made on the GPU the first time a shape is seen and kept
+      (:func:`tilepy.ops.attention_block_mask.cached_block_mask`; not while a CUDA graph is
+      being captured, which then visits every block); with arrays among the ``mod_args``
+      (whose contents may change from call to call) every key block is visited — pass a
+      ``block_mask`` made for their contents to skip. The kernel's tiles are chosen to divide
+      the mask's block size (``ValueError`` when no config of this GPU does).
     * ``return_lse=True``: return ``(out, lse)`` with ``lse`` float32 (batch, heads_q, seq_q)
       (always in this order, whatever the layout): the natural-log
       ``log Σ_j exp(scale · q_i · k_j)`` over the keys row ``i`` sees; ``-inf`` for a row
@@ -191,23 +204,29 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
+    if isinstance(block_mask, abm.BlockMask):     # its function and arguments, unless given
+        mask_mod = block_mask.mask_mod if mask_mod is None else mask_mod
+        if not (isinstance(mod_args, (tuple, list)) and mod_args):
+            mod_args = block_mask.mod_args if mod_args is None or isinstance(
+                mod_args, (tuple, list)) else mod_args
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
+    fb, pb = mask_fingerprints(block_mask)
     cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
-                                 mask_mod, fh, return_lse, layout, config))
+                                 mask_mod, fh, fb, return_lse, layout, config))
     if cached is not None:
-        bound, stream, alloc_out, alloc_lse, scalars = cached
+        bound, stream, alloc_out, alloc_lse, scalars, own_mask = cached
         if out is None:
             out, po = alloc_out()
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
-        bound(stream(), (pq, pk, pv, po, pl, *ph), scalars)
+        bound(stream(), (pq, pk, pv, po, pl, *ph, *pb, *own_mask[1]), scalars)
         return (out, lse) if return_lse else out
     if score_mod_grad is not None:
         check_user_function(score_mod_grad, "score_mod_grad", 5, n_mod_args(mod_args))
         if score_mod is None:
             raise TypeError("flash_attention: score_mod_grad was given without score_mod")
     return _flash_attention(q, k, v, causal, scale, window, softcap,
-                            (score_mod, mask_mod, alibi_slopes, mod_args), return_lse, out,
-                            layout, config, key)
+                            (score_mod, mask_mod, alibi_slopes, mod_args, block_mask),
+                            return_lse, out, layout, config, key)
 
 
 _PLANS = PlanCache()
@@ -258,6 +277,24 @@ def hook_fingerprints(alibi_slopes, mod_args):
             sigs.append(f)
             ptrs.append(p)
     return tuple(sigs), tuple(ptrs)
+
+
+def mask_fingerprints(block_mask):
+    """``(signature, pointers)`` of a caller's block mask for the plan cache: its block size,
+    lengths, function and arguments' signature, and its four arrays
+    (:func:`tilepy.arrays.fingerprint`); ``(None, ())`` for none (or not a BlockMask: the
+    op's checks refuse it)."""
+    if not isinstance(block_mask, abm.BlockMask):
+        return (None if block_mask is None else id(block_mask)), ()
+    sigs, ptrs = [], []
+    for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices):
+        f, p = arrays.fingerprint(x)
+        sigs.append(f)
+        ptrs.append(p)
+    fm, _ = hook_fingerprints(None, block_mask.mod_args)
+    return (tuple(sigs), tuple(block_mask.block_size), tuple(block_mask.seq_lengths),
+            block_mask.mask_mod, fm), tuple(ptrs)
 
 
 def check_alibi(alibi_slopes, batch: int, heads: int):
@@ -448,7 +485,12 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
         q, k, v, causal, scale, out, layout, config, head_dim_v=True)
     dv = V.shape[-1]
     win, cap = check_variant(causal, window, softcap)
-    score_mod, mask_mod, alibi_slopes, mod_args = mods
+    score_mod, mask_mod, alibi_slopes, mod_args, block_mask = mods
+    mask_ops = None
+    if block_mask is not None:
+        mask_mod, mod_args, mask_ops = abm.check_block_mask(
+            block_mask, mask_mod, mod_args, bq, hq, sq, sk, causal, window, Q.raw)
+        mask_block = abm.block_sizes(block_mask.block_size)
     n_args = n_mod_args(mod_args)
     user = check_user_functions(score_mod, mask_mod, n_args)
     if n_args and not user:
@@ -460,6 +502,21 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     arrays.same_device(Q, *hops)
     variant = is_variant(win, cap) or user or alibi
     caller_out = out is not None
+    # a block mask: the caller's, else one made here for a mask_mod of no array argument
+    own_mask, recordable = (None, ()), True
+    auto = block_mask is None and mask_mod is not None and not hops and tuple(win) == (-1, -1)
+    if auto and bq and hq and sq and sk:
+        mask_block = sparse_block(config or choose_config(d, dtype, False, True, dv))
+        made = abm.cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, mask_block, Q.raw)
+        if made is None:
+            recordable = False      # (being captured: every block visited, no plan kept)
+        else:
+            mask_ops = [describe(x, "block_mask", dtypes=("int32",)) for x in (
+                made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                made.full_kv_indices)]
+            own_mask = (made, tuple(op.byte_pointer() for op in mask_ops))
+    sparse = None if mask_ops is None else (mask_block, abm.mask_views(mask_ops, bq, hq),
+                                            mask_ops)
     if out is None:
         out = arrays.empty(Q, out_shape(Q, V), dtype)
         Out = describe(out, "out")
@@ -471,18 +528,20 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
         cfg = config or (None if variant or dv != d else tuned_attention_config(
             bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
                                                                          variant, dv)
+        if sparse is not None:
+            cfg = sparse_config(cfg, sparse[0], given=config is not None)
         bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
                      fallback=config is None,
                      variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
                               else None),
-                     hargs=hargs, hops=hops)
-        if bound is not None:
+                     hargs=hargs, hops=hops, sparse=sparse)
+        if bound is not None and recordable:
             _PLANS.put(key, (bound, arrays.stream_getter(Q),
                            None if caller_out else arrays.allocator(Q, out_shape(Q, V),
                                                                     dtype),
                            arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
                            (scale, scale * fa.LOG2E,
-                            *(x for x in hargs if isinstance(x, np.generic)))))
+                            *(x for x in hargs if isinstance(x, np.generic))), own_mask))
     return (out, lse) if return_lse else out
 
 
@@ -524,7 +583,7 @@ def bhsd_view(op, layout: str):
 
 
 def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, variant=None,
-         hargs=(), hops=()):
+         hargs=(), hops=(), sparse=None):
     """Launch; return the plan bound to (q, k, v, out, lse) when no input needed a copy (a
     later call with the same signature can reuse it), else None. ``fallback`` (a config the
     caller did not give): a TMA config whose tensor maps cannot be encoded for these views
@@ -535,7 +594,9 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     window, soft cap, user functions, their number of ``mod_args`` and ALiBi
     (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
     arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays among them, whose
-    pointers a bound plan takes after out's and lse's."""
+    pointers a bound plan takes after out's and lse's. ``sparse``: ``(mask_block, views,
+    Operands)`` of a block mask (the block-sparse kernel; its arrays' pointers after the
+    hook's), or None."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):
@@ -556,8 +617,11 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         cfg = _grid_safe(cfg, batch, heads)
         if variant is not None and isinstance(cfg, aw.WgmmaAttentionConfig) and not cfg.tma:
             cfg = mma_sync_config(cfg.head_dim, cfg.dtype)   # past the grid limit
+            if sparse is not None:
+                cfg = sparse_config(cfg, sparse[0])
         stream = arrays.stream_handle(Q)
-        run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q, tuple(hargs))
+        run = (variant, lse is not None, views, o_v, lse_v, scale, stream, Q, tuple(hargs),
+               sparse)
         with user_errors(variant):
             try:
                 plan, args = _plan(cfg, causal, *run)
@@ -568,6 +632,8 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
                     raise
                 if variant is not None or cfg.head_dim not in aw.HEAD_DIMS:
                     cfg = mma_sync_config(cfg.head_dim, cfg.dtype)
+                    if sparse is not None:
+                        cfg = sparse_config(cfg, sparse[0])
                 else:
                     # the cp.async kernel: no producer warpgroup, so at most two consumer
                     # warpgroups
@@ -581,7 +647,8 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
         return None
     # the plan's arrays: the five operands, any the plan supplies (TMA maps, tile counter),
     # then the hook's
-    hook_src = [(5 + i, op.byte_pointer()) for i, op in enumerate(hops)]
+    hook_src = [(5 + i, op.byte_pointer())
+                for i, op in enumerate(list(hops) + list(sparse[2] if sparse else ()))]
     n_plan = len(plan.array_positions()) - 5 - len(hook_src)
     return plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()), (2, V.byte_pointer()),
                       (3, Out.byte_pointer()), lse_src] + [None] * n_plan + hook_src)
@@ -608,22 +675,66 @@ def user_errors(variant):
                         f"kv_idx) integers, a float32 score and the mod_args): {first}") from e
 
 
+def sparse_block(cfg) -> tuple:
+    """The block size of the mask the op makes for ``cfg``'s kernel: its (sparse) tiles."""
+    cfg = sparse_config(cfg, None)
+    return cfg.block_m, cfg.block_n
+
+
+def sparse_config(cfg, mask_block, given: bool = False):
+    """``cfg`` as a block-sparse kernel takes it: a TMA config not persistent (the grid TMA
+    kernel) and, for a mask of block size ``mask_block`` (None: any), tiles that divide it —
+    ``block_m`` the config's, else 128 or 64 rows (TMA) / 16 (mma.sync), ``block_n`` the
+    config's or the largest multiple of 16 below it that divides the mask's. ``ValueError``
+    when ``given`` (the caller's config) does not divide it, or no tile does."""
+    bq, bk = (None, None) if mask_block is None else mask_block
+    if isinstance(cfg, aw.WgmmaAttentionConfig):
+        if not cfg.tma:
+            raise NotImplementedError(f"flash_attention: a block mask runs on the TMA kernels "
+                                      f"(tma=True) on sm_90; got {cfg.describe()}")
+        rows = [cfg.block_m, 128, 64]
+        fields = dict(persistent=False)
+    else:
+        rows = [cfg.block_m, 16]
+        fields = {}
+    bm = next((r for r in rows if bq is None or bq % r == 0), None)
+    bn = next((n for n in range(cfg.block_n, 15, -16) if bk is None or bk % n == 0), None)
+    if given and (bm, bn) != (cfg.block_m, cfg.block_n):
+        raise ValueError(f"flash_attention: config {cfg.describe()} has tiles "
+                         f"{cfg.block_m} x {cfg.block_n}, which do not divide the block mask's "
+                         f"{mask_block}")
+    if bm is None:
+        raise ValueError(f"flash_attention: a block mask's query block {bq} must be a multiple "
+                         f"of {rows[-1]} rows here")
+    if isinstance(cfg, aw.WgmmaAttentionConfig):
+        if bm != cfg.block_m:
+            fields.update(block_m=bm, pingpong=cfg.pingpong and bm > 64)
+        return dataclasses.replace(cfg, block_n=bn, **fields)
+    if bm != cfg.block_m:
+        return dataclasses.replace(cfg, block_m=bm, block_n=bn, warp_rows=16)
+    return dataclasses.replace(cfg, block_n=bn)
+
+
 def mma_sync_config(head_dim: int, dtype: str) -> AttentionConfig:
     """The built-in mma.sync config of a head_dim and dtype (:data:`GPU_CONFIGS`)."""
     return AttentionConfig(head_dim, *GPU_CONFIGS[min(d for d in GPU_CONFIGS if d >= head_dim)],
                            dtype)
 
 
-def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, hargs):
-    """``(plan, args)`` of ``cfg``'s kernel (the variant's when ``variant`` is not None) for
-    the views (see :func:`_run`)."""
+def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, hargs,
+          sparse=None):
+    """``(plan, args)`` of ``cfg``'s kernel (the variant's when ``variant`` is not None; the
+    block-sparse one over ``sparse``'s mask) for the views (see :func:`_run`)."""
     gen = aw if isinstance(cfg, aw.WgmmaAttentionConfig) else fa
     kernel = aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel
     reads_bh = False
     if variant is not None:
         win, cap, score_mod, mask_mod, n_args, alibi = variant
         kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod,
-                                                           n_args=n_args, alibi=alibi))
+                                                           n_args=n_args, alibi=alibi),
+                      mask_block=sparse[0] if sparse else None)
+        if sparse:
+            hargs = (tuple(hargs), sparse[1])
         reads_bh = score_mod is not None or mask_mod is not None or alibi
     else:
         kern = kernel(cfg, causal, has_lse)

@@ -18,6 +18,7 @@ from ..tile import device_write
 from . import attention_backward_mma_sync as bk
 from . import attention_backward_wgmma as bw
 from ..tile.attention_backward import check_functions
+from .attention_block_mask import check_block_mask
 from .attention import (bhsd_dims, bhsd_view, check_alibi, check_arguments, check_variant,
                         hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
 from .attention_backward_mma_sync import BackwardConfig
@@ -76,9 +77,9 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
                              window=None, softcap=0.0, alibi_slopes=None, score_mod=None,
-                             score_mod_grad=None, mask_mod=None, mod_args=(), layout="bhsd",
-                             deterministic=False, dq=None, dk=None, dv=None, config=None,
-                             dlse=None):
+                             score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None,
+                             layout="bhsd", deterministic=False, dq=None, dk=None, dv=None,
+                             config=None, dlse=None):
     """Gradients ``(dq, dk, dv)`` of ``out = flash_attention(q, k, v, causal=causal,
     scale=scale, window=window, softcap=softcap, layout=layout)`` for the output gradient
     ``dout``.
@@ -115,6 +116,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     * ``alibi_slopes`` and ``mod_args``: the forward's (ALiBi's bias has derivative 1; the
       user functions, ``score_mod_grad`` included, take the ``mod_args`` after their fixed
       parameters). No gradient flows into them.
+    * ``block_mask``: the forward's :class:`tilepy.BlockMask`, checked as there; its
+      ``mask_mod`` and ``mod_args`` are used as the forward used them. The backward kernels
+      visit every key block the window allows (they do not skip the mask's empty blocks yet).
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (mma.sync)
@@ -126,6 +130,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       before anything is launched. A call with the same signature as an earlier one reuses its
       launch plans.
     """
+    if block_mask is not None:
+        Q = describe(q, "q")
+        b, hq, sq, _ = bhsd_dims(Q.shape, layout) if layout in ("bhsd", "bshd") else (0,) * 4
+        sk = bhsd_dims(describe(k, "k").shape, layout)[2] if layout in ("bhsd", "bshd") else 0
+        mask_mod, mod_args, _ = check_block_mask(block_mask, mask_mod, mod_args, b, hq, sq, sk,
+                                                 causal, window, q)
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     mods = (score_mod, score_mod_grad, mask_mod)

@@ -69,8 +69,9 @@ from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..tile.attention import (key_blocks, key_window, limits_shape, mask_key_block,
-                              mask_scores, modify_scores, row_limits, store_rows)
+from ..tile.attention import (block_mask_row, check_mask_block, key_block_at, key_blocks, key_window,
+                              limits_shape, mask_key_block, mask_scores, modify_scores,
+                              row_limits, store_rows)
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared, load_a_fragments, load_b_fragments
 from ..tile.mma import _MMA
@@ -195,7 +196,8 @@ def _kernel_jit(threads: int, disk_cache: bool = True):
 
 
 def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False,
-                     window=None, score_mod=None, varlen: bool = False, cache=None):
+                     window=None, score_mod=None, varlen: bool = False, cache=None,
+                     mask_block=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters of one kernel (:mod:`tilepy.tile.attention`'s pieces):
@@ -231,6 +233,13 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
       pages - 1`` is clamped into that range, never read out of bounds). ``q`` / ``o``
       (B, Hq, Sq, D) and ``lse`` as usual; masks and windows align to each batch's own
       bottom-right diagonal. Not with ``varlen``.
+    * ``mask_block=(block_q, block_k)``: block-sparse, over a block mask of that block size
+      (multiples of ``block_m`` / ``block_n``; :class:`tilepy.ops.attention_block_mask.
+      BlockMask`): ``hargs`` is ``(hook_args, (num, idx, full_num, full_idx))``, the mask's
+      arrays as (B, Hq, …) views; a block of query rows visits the key blocks of its mask
+      query block's partial, then full lists (:func:`tilepy.tile.attention.block_mask_row`),
+      in that order, and no other. With a ``score_mod`` (the mask function in it) and no
+      window, ``varlen`` or ``cache``.
 
     Without any of them the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
@@ -238,13 +247,19 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
         raise ValueError(f"cache must be None, 'contiguous' or 'paged', got {cache!r}")
     if cache is not None and varlen:
         raise ValueError("a kernel reads keys either packed (varlen) or from a cache")
+    if mask_block is not None:
+        mask_block = check_mask_block(mask_block, cfg.block_m, cfg.block_n)
+        if varlen or cache is not None or (left, right) != (-1, -1) or score_mod is None:
+            raise ValueError("a block-sparse kernel (mask_block) takes a score_mod and no "
+                             "window, varlen or cache")
     # a plain Python score_mod is wrapped (once per function) by modify_scores
-    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen), cache)
+    return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen), cache,
+                             mask_block)
 
 
 @functools.cache
 def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
-                      score_mod, varlen: bool = False, cache=None):
+                      score_mod, varlen: bool = False, cache=None, mask_block=None):
     # D: the shared tiles' width (head_dim rounded up to 16, zero columns past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim   # copies zero-fill past it
@@ -271,6 +286,10 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     v_rows = row_limits(cfg.warp_rows // 16, False, WIN)
     v_mask = mask_key_block(cfg.warp_rows // 16, BN // 8, BN, WIN)
     v_modify = modify_scores(cfg.warp_rows // 16, BN // 8, score_mod)
+    # block-sparse (a block mask): the key loop's step j visits key block at(blocks, j)
+    SPARSE = mask_block is not None
+    at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
+    mask_row = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -320,7 +339,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             sk = k.shape[2]
             q_start = 0
             k_start = 0
-            hook = hargs
+            hook = hargs[0] if SPARSE else hargs
             vb = b
             kvb = b
         hk = h // (q.shape[1] // k.shape[1])
@@ -336,11 +355,17 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
         alpha = cuda.local.array((MI, 2), np.float32)
         if VARIANT:
             # key blocks kb_first … n_kb - 1, per-row first / last keys: the pieces
-            row0, kb_first, n_kb, all_first, all_see = v_bounds(sq, sk)
+            if SPARSE:   # the block mask's lists of this query block
+                row0, kb_first, _, all_first, all_see = v_bounds(sq, sk)
+                n_kb, blocks = mask_row(hargs[1], cuda.blockIdx.x, b, h)
+            else:        # step j visits key block j
+                row0, kb_first, n_kb, all_first, all_see = v_bounds(sq, sk)
+                blocks = 0
             limits = cuda.local.array(LIMITS, np.int64)
             v_rows(limits, row_max, row_sum, row0 + wrow, g, sq, sk)
         else:
             kb_first = 0
+            blocks = 0
             if CAUSAL:
                 # Heavier blocks (more keys below the diagonal) first.
                 row0 = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BM
@@ -399,16 +424,17 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             cp_async_commit_group()
             first = kv_base + (kb_first % 2) * STAGE
+            kb0 = at(blocks, kb_first)
             if PAGED:
-                pos = np.int64(kb_first) * BN
+                pos = np.int64(kb0) * BN
                 pg = min(max(np.int64(table[b, pos // page]), np.int64(0)), last_page)
                 k_shift = pg * kp + (pos % page) * ks
                 v_shift = pg * vp + (pos % page) * vs
             else:
-                k_shift = kb_first * k_step
-                v_shift = kb_first * v_step
-            issue_kv(first, k_shift, k0, ksh, kr, kc, ks, sk - kb_first * BN)
-            issue_kv(first + TILE, v_shift, v0, vsh, vr, vc, vs, sk - kb_first * BN)
+                k_shift = kb0 * k_step
+                v_shift = kb0 * v_step
+            issue_kv(first, k_shift, k0, ksh, kr, kc, ks, sk - kb0 * BN)
+            issue_kv(first + TILE, v_shift, v0, vsh, vr, vc, vs, sk - kb0 * BN)
             cp_async_commit_group()
 
             fq_off, fq_x = setup_fq(wrow, lane)
@@ -425,24 +451,26 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
             for kk in range(KD):
                 load_q(q_frag, kk, base, kk, fq_off, fq_x)
 
-            for kb in range(kb_first, n_kb):
+            for jb in range(kb_first, n_kb):   # step jb: key block kb (jb but block-sparse)
+                kb = at(blocks, jb)
                 cp_async_wait_group(0)  # K, V of block kb have landed ...
-                cuda.syncthreads()      # ... for every thread, and stage (kb+1)%2 is free
-                if kb + 1 < n_kb:
-                    nxt = kv_base + ((kb + 1) % 2) * STAGE
-                    left = sk - (kb + 1) * BN
+                cuda.syncthreads()      # ... for every thread, and stage (jb+1)%2 is free
+                if jb + 1 < n_kb:
+                    nxt = kv_base + ((jb + 1) % 2) * STAGE
+                    kn = at(blocks, jb + 1)
+                    left = sk - kn * BN
                     if PAGED:
-                        pos = np.int64(kb + 1) * BN
+                        pos = np.int64(kn) * BN
                         pg = min(max(np.int64(table[b, pos // page]), np.int64(0)), last_page)
                         k_shift = pg * kp + (pos % page) * ks
                         v_shift = pg * vp + (pos % page) * vs
                     else:
-                        k_shift = (kb + 1) * k_step
-                        v_shift = (kb + 1) * v_step
+                        k_shift = kn * k_step
+                        v_shift = kn * v_step
                     issue_kv(nxt, k_shift, k0, ksh, kr, kc, ks, left)
                     issue_kv(nxt + TILE, v_shift, v0, vsh, vr, vc, vs, left)
                 cp_async_commit_group()
-                k_addr = kv_base + (kb % 2) * STAGE
+                k_addr = kv_base + (jb % 2) * STAGE
                 v_addr = k_addr + TILE
 
                 # S = Q · Kᵀ

@@ -125,6 +125,9 @@ from ..tile import device_write
 from ..tile.attention import (
     block_bounds,
     block_coords,
+    block_mask_row,
+    check_mask_block,
+    key_block_at,
     key_blocks,
     key_window,
     limits_shape,
@@ -441,7 +444,8 @@ class WgmmaAttentionConfig:
 
 
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
-                           has_lse: bool = False, window=None, score_mod=None):
+                           has_lse: bool = False, window=None, score_mod=None,
+                           mask_block=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters as in :func:`tilepy.ops.attention_mma_sync.attention_kernel`
@@ -459,6 +463,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       :func:`tilepy.tile.attention.modify_scores`). A kernel with one is not kept in the disk
       cache.
 
+    * ``mask_block=(block_q, block_k)``: block-sparse over a block mask of that block size
+      (multiples of ``block_m`` / ``block_n``), on the grid TMA kernel of a 16-bit config,
+      with a ``score_mod`` (the mask function in it) and no window: ``hargs`` is
+      ``(hook_args, (num, idx, full_num, full_idx))``, the mask's arrays as (B, Hq, …) views;
+      a tile's producer loads, and its consumers compute, the key blocks of its mask query
+      block's partial then full lists (:func:`tilepy.tile.attention.block_mask_row`), no
+      other.
+
     Without either the generated code is the plain causal / full kernel's. An 8-bit config
     (``cfg.fp8``) takes ``hargs = (descales, hook arguments)`` (module docstring)."""
     left, right = key_window(causal, window)
@@ -466,15 +478,21 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         raise NotImplementedError(
             f"wgmma attention: a window or score_mod runs on the TMA kernels only "
             f"(WgmmaAttentionConfig(..., tma=True)); got {cfg.describe()}")
-    return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod)
+    if mask_block is not None:
+        mask_block = check_mask_block(mask_block, cfg.block_m, cfg.block_n)
+        if cfg.persistent or cfg.fp8 or (left, right) != (-1, -1) or score_mod is None:
+            raise NotImplementedError(
+                f"wgmma attention: a block-sparse kernel (mask_block) is the grid TMA kernel "
+                f"of a 16-bit config with a score_mod and no window; got {cfg.describe()}")
+    return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod, mask_block)
 
 
 @functools.cache
 def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
-                            score_mod):
+                            score_mod, mask_block=None):
     """The kernel of :func:`wgmma_attention_kernel`'s arguments: the shared pieces, then the
     TMA pieces and the grid or persistent TMA kernel, or the cp.async loops and kernel."""
-    c = _common_parts(cfg, has_lse, left, right, score_mod)
+    c = _common_parts(cfg, has_lse, left, right, score_mod, mask_block)
     if cfg.tma:
         t = _tma_parts(cfg, c)
         return (_tma_persistent_kernel if cfg.persistent else _tma_grid_kernel)(cfg, c, t)
@@ -484,7 +502,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
 
 
 def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
-                  score_mod):
+                  score_mod, mask_block=None):
     """The pieces every wgmma attention kernel of ``cfg`` shares, as a namespace of its sizes
     and device functions: the S and O wgmmas, the online softmax on S's accumulators with the
     window's mask and the score hook, P packed for the P·V wgmmas, the O epilogue (staged
@@ -530,6 +548,10 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     LIMITS = limits_shape(1, False, WIN)
     mask = mask_key_block(1, NS, BN, WIN)
     modify = modify_scores(1, NS, score_mod)
+    # block-sparse (a block mask): a tile's step j visits key block at(blocks, j)
+    SPARSE = mask_block is not None
+    at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
+    mask_row = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
     to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
     o_fragment, o_accumulators = accumulator_fragment(DV)  # O as the (1, NO, 4) fragment
     store = store_rows(1, NO, OUT, has_lse)
@@ -1164,6 +1186,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     NACC_S, PINGPONG, PRODUCER, Q_BYTES = c.NACC_S, c.PINGPONG, c.PRODUCER, c.Q_BYTES
     SCRATCH, STAGE, THREADS, TILE, UPPER = c.SCRATCH, c.STAGE, c.THREADS, c.TILE, c.UPPER
     WIN, issue_o, issue_s, rescale, score_mod = c.WIN, c.issue_o, c.issue_s, c.rescale, c.score_mod
+    at = c.at
     softmax_at, to_p = c.softmax_at, c.to_p
 
     # ---- TMA: one thread loads Q, K and V with TMA into the same swizzled layout ----------
@@ -1243,23 +1266,25 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         return n_kb, all_first, all_see
 
     @inline_device
-    def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, key0):
-        """Q, K(0), V(0) and K(1): the loads before the first step (key block j of the tile
-        starts at key ``key0 + j·BN``). The tensor maps are fenced first by the thread that
-        issues the loads (as :mod:`tilepy.ptx.tma` asks)."""
+    def produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, blocks):
+        """Q, K(0), V(0) and K(1): the loads before the first step (step j of the tile loads
+        key block ``at(blocks, j)``: :func:`tilepy.tile.attention.key_block_at`). The tensor
+        maps are fenced first by the thread that issues the loads (as :mod:`tilepy.ptx.tma`
+        asks)."""
         kv_base = base + KV
         bars = base + BARS
         T.fence_proxy_tensormap_acquire(tq)
         T.fence_proxy_tensormap_acquire(tk)
         T.fence_proxy_tensormap_acquire(tv)
         load_q(base, tq, bars, row0, h, b)
+        key0 = at(blocks, 0) * BN
         load_kv(kv_base, tk, bars + 8, key0, hk, b)                       # K(0)
         load_v(kv_base + TILE, tv, bars + 16, key0, hk, b)                # V(0)
         if n_kb > 1:
-            load_kv(kv_base + STAGE, tk, bars + 8 + 32, key0 + BN, hk, b)  # K(1)
+            load_kv(kv_base + STAGE, tk, bars + 8 + 32, at(blocks, 1) * BN, hk, b)  # K(1)
 
     @inline_device
-    def produce_step(base, tk, tv, b, hk, kb, n_kb, key0):
+    def produce_step(base, tk, tv, b, hk, kb, n_kb, blocks):
         """Step kb's loads: V(kb+1) and K(kb+2), each once its slot is released."""
         kv_base = base + KV
         bars = base + BARS
@@ -1267,11 +1292,11 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         nxt = 1 - cur
         if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) >> 1) & 1)
-        load_v(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, key0 + (kb + 1) * BN,
+        load_v(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, at(blocks, kb + 1) * BN,
                hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
             MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
-            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, key0 + (kb + 2) * BN, hk,
+            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, at(blocks, kb + 2) * BN, hk,
                     b)
 
     @inline_device
@@ -1285,7 +1310,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
             BAR.bar_arrive(BAR_TURN + (wg + 1) % CWG, 2 * WARPGROUP)
 
     @inline_device
-    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, key0):
+    def drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, blocks):
         """Causal: the key blocks past this warpgroup's last key (``n_wg`` … ``n_kb - 1``,
         fully masked for its rows) are not computed. Their slots are still released, each
         once its load has landed (so no release runs ahead of the other warpgroups' releases
@@ -1300,7 +1325,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
             gk = g0 + kb
             st = gk & 1
             if not PRODUCER and tid == 0:
-                produce_step(base, tk, tv, b, hk, kb - 1, n_kb, key0)
+                produce_step(base, tk, tv, b, hk, kb - 1, n_kb, blocks)
             take_turn(wg)
             pass_turn(wg, kb == n_kb - 1)
             hold = PERSIST and kb == n_kb - 1
@@ -1313,11 +1338,13 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
 
     @inline_device
     def tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b, h,
-                 hk, row0, q_rows, kb0, n_kb, n_wg, all_first, all_see, t, tid, wg,
+                 hk, row0, q_rows, blocks, n_kb, n_wg, all_first, all_see, t, tid, wg,
                  scale_log2, g0, q_bar, q_phase, rows, scale, hargs):
-        """The consumer warpgroup's key blocks ``kb0`` … ``kb0 + n_wg - 1`` (``n_wg`` ≤
-        ``n_kb``, the tile's count: less for a causal warpgroup whose rows end before the
-        tile's last key block, see :func:`drain`); ping-pong turns count the tile's ``n_kb``.
+        """The consumer warpgroup's key blocks of steps 0 … ``n_wg - 1``, step j's
+        ``at(blocks, j)`` (dense: ``blocks`` is the first key block, step j the block
+        ``blocks + j``; block-sparse: the block mask's row) (``n_wg`` ≤ ``n_kb``, the tile's
+        count: less for a causal warpgroup whose rows end before the tile's last key block,
+        see :func:`drain`); ping-pong turns count the tile's ``n_kb``.
         The tile's j-th key block is the ring's block ``g0 + j`` (slot ``& 1``, use ``>> 1``;
         g0 = 0 in the grid kernel); Q is complete at phase ``q_phase`` of ``q_bar``.
         Persistent: the tile's last K slot is not released here (its stage holds O in the
@@ -1325,9 +1352,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         (:func:`softmax_at`)."""
         kv_base = base + KV
         bars = base + BARS
-        key0 = kb0 * BN
         if not PRODUCER and tid == 0:
-            produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, key0)
+            produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, blocks)
         if PINGPONG and wg == CWG - 1:
             BAR.bar_arrive(BAR_TURN, 2 * WARPGROUP)                      # warpgroup 0 first
         s0 = g0 & 1
@@ -1342,15 +1368,15 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         W.wgmma_fence_operand(s, NACC_S)
         if not (PERSIST and n_kb == 1):
             MB.mbarrier_arrive(bars + 32 * s0 + 24)                      # K(0) read
-        softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0, all_first, all_see, t,
-                   scale_log2, rows, b, h, scale, hargs)
+        softmax_at(s, s3, limit, row_max, row_sum, alpha, at(blocks, 0), all_first, all_see,
+                   t, scale_log2, rows, b, h, scale, hargs)
         to_p(p, s3)                                       # O is 0: no rescale
         for kb in range(n_wg - 1):
             gk = g0 + kb
             cur = gk & 1
             nxt = 1 - cur
             if not PRODUCER and tid == 0:
-                produce_step(base, tk, tv, b, hk, kb, n_kb, key0)
+                produce_step(base, tk, tv, b, hk, kb, n_kb, blocks)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((gk + 1) >> 1) & 1)  # K(kb+1)
             MB.mbarrier_wait_parity(bars + 32 * cur + 16, (gk >> 1) & 1)         # V(kb)
             take_turn(wg)
@@ -1364,7 +1390,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
             W.wgmma_fence_operand(s, NACC_S)
             if not (PERSIST and kb + 2 == n_kb):
                 MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
-            softmax_at(s, s3, limit, row_max, row_sum, alpha, kb0 + kb + 1, all_first,
+            softmax_at(s, s3, limit, row_max, row_sum, alpha, at(blocks, kb + 1), all_first,
                        all_see, t, scale_log2, rows, b, h, scale, hargs)
             W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
@@ -1379,7 +1405,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         W.wgmma_wait_group(0)
         W.wgmma_fence_operand(acc_o, NACC_O)
         if WG_BOUNDS:
-            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, key0)
+            drain(base, tk, tv, b, hk, tid, wg, n_wg, n_kb, g0, blocks)
 
     if score_mod is not None and not SIMULATOR:   # its closure holds the caller's function
         tjit = cuda.jit(launch_bounds=(THREADS, 1)) if PRODUCER else cuda.jit   # no disk cache
@@ -1400,6 +1426,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     start_rows, thread_rows = c.start_rows, c.thread_rows
     DSC, o_factor, put_descales = c.DSC, c.o_factor, c.put_descales
     resolve, scale_source, split_hargs = c.resolve, c.scale_source, c.split_hargs
+    SPARSE, mask_row = c.SPARSE, c.mask_row
     BARS, CREGS, CWG, PREGS, init_ring = t.BARS, t.CREGS, t.CWG, t.PREGS, t.init_ring
     produce_first, produce_step, tjit = t.produce_first, t.produce_step, t.tjit
     tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
@@ -1407,11 +1434,17 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     @tjit
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
-        dsc, hook = split_hargs(hargs)
+        dsc, both = split_hargs(hargs)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
         row0, kb0, kb_end, all_first, all_see = bounds(sq, sk)
-        n_kb = kb_end - kb0
+        if SPARSE:     # hargs (hook arguments, the block mask): the mask's lists
+            hook = both[0]
+            n_kb, blocks = mask_row(both[1], cuda.blockIdx.x, b, h)
+        else:          # step j visits key block kb0 + j
+            hook = both
+            n_kb = kb_end - kb0
+            blocks = kb0
 
         acc_o = cuda.local.array(NACC_O, f32)
         s = cuda.local.array(NACC_S, f32)
@@ -1438,9 +1471,9 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
                 W.setmaxnreg_dec(PREGS)
                 if tid == CONSUMERS:
                     put_descales(base + DSC, dsc, b, hk)   # before Q full can complete
-                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, kb0 * BN)
+                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, blocks)
                     for kb in range(n_kb - 1):
-                        produce_step(base, tk, tv, b, hk, kb, n_kb, kb0 * BN)
+                        produce_step(base, tk, tv, b, hk, kb, n_kb, blocks)
             else:
                 if PRODUCER:
                     W.setmaxnreg_inc(CREGS)
@@ -1449,7 +1482,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
                 n_wg, first, see = warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see, sq,
                                                   sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
-                         h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid, wg,
+                         h, hk, row0, q_rows, blocks, n_kb, n_wg, first, see, t, tid, wg,
                          scale_source(base + DSC, scale_log2), 0, base + BARS, 0,
                          row0 + wrow + g, scale_source(base + DSC, scale), hook)
                 epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,

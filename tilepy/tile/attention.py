@@ -552,6 +552,118 @@ def _mask_key_block(mi: int, ns: int, block_n: int, lower: bool):
 # ---- the output rows -----------------------------------------------------------------------
 
 @functools.cache
+# ---- block-sparse key loops (a block mask) -------------------------------------------------
+
+def key_block_at(sparse: bool = False, ratio: int = 1):
+    """``at(blocks, j) -> kb``: the key block (of the kernel's ``block_n`` keys) a key loop
+    visits at its step ``j``.
+
+    * ``sparse=False``: ``blocks`` is the first key block (an int, :func:`block_bounds`'
+      ``kb_first``) and step ``j`` visits ``blocks + j`` — the dense loops' code.
+    * ``sparse=True``: ``blocks`` is :func:`block_mask_row`'s ``(n_partial, partial, full)``:
+      the first ``n_partial`` steps visit the key blocks of the row ``partial`` of a block
+      mask's ``kv_indices``, the rest those of ``full`` (``full_kv_indices``). A mask block of
+      ``ratio`` kernel key blocks (its key block size over the kernel's ``block_n``) is visited
+      as ``ratio`` consecutive steps: step ``j`` of a list is kernel key block
+      ``list[j // ratio] · ratio + j % ratio``; a list entry outside ``0 … len(list) - 1`` is
+      clamped into that range (a hand-made mask never makes a kernel read out of bounds).
+
+    Any thread; the value is block-uniform."""
+    return _key_block_at(bool(sparse), int(ratio))
+
+
+@functools.cache
+def _key_block_at(sparse: bool, ratio: int):
+    R = np.int64(ratio)
+    if not sparse:
+        @inline_device
+        def dense(blocks, j):
+            return blocks + j
+
+        return dense
+
+    @inline_device
+    def at(blocks, j):
+        n_partial, partial, full = blocks
+        last = np.int64(partial.shape[0] - 1)
+        if j < n_partial:
+            m = np.int64(partial[j // R])
+            r = j % R
+        else:
+            f = j - n_partial
+            m = np.int64(full[f // R])
+            r = f % R
+        return min(max(m, np.int64(0)), last) * R + r
+
+    return at
+
+
+def block_mask_row(block_m: int, mask_block_q: int, ratio: int = 1):
+    """``row(mask, qb, b, h) -> (n_kb, blocks)``: the key blocks a block of ``block_m`` query
+    rows (query block ``qb``, batch ``b``, query head ``h``) visits under a block mask, for
+    :func:`key_block_at` ``(sparse=True, ratio)``.
+
+    ``mask`` is ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``
+    (FlexAttention's ``BlockMask`` arrays, int32, (batch, heads, mask query blocks[, mask key
+    blocks]); a mask made for one batch or head is passed with a zero stride there): the
+    kernel's query block lies in mask query block ``qb // (mask_block_q // block_m)``
+    (``mask_block_q`` a multiple of ``block_m``). ``n_kb`` is the number of key loop steps —
+    the partial and full mask blocks, ``ratio`` steps each — and ``blocks`` is
+    ``(n_partial, partial, full)``: the steps before ``n_partial`` are the partial blocks
+    (the mask function is evaluated on their scores), the others full (every pair visible).
+    Counts are clamped to ``0 … mask key blocks``. Any thread; block-uniform values."""
+    if block_m <= 0 or mask_block_q % block_m:
+        raise ValueError(f"block_mask_row: the mask's query block {mask_block_q} must be a "
+                         f"multiple of the kernel's block_m {block_m}")
+    return _block_mask_row(mask_block_q // block_m, int(ratio))
+
+
+@functools.cache
+def _block_mask_row(q_ratio: int, ratio: int):
+    QR, R = q_ratio, np.int64(ratio)
+
+    @inline_device
+    def row(mask, qb, b, h):
+        num, idx, full_num, full_idx = mask
+        qm = qb // QR
+        top = np.int64(idx.shape[3])
+        n_partial = min(max(np.int64(num[b, h, qm]), np.int64(0)), top) * R
+        n_full = min(max(np.int64(full_num[b, h, qm]), np.int64(0)), top) * R
+        return n_partial + n_full, (n_partial, idx[b, h, qm], full_idx[b, h, qm])
+
+    return row
+
+
+def check_mask_block(mask_block, block_m: int, block_n: int) -> tuple:
+    """``(block_q, block_k)`` of a block mask as ints (a kernel generator's ``mask_block``);
+    ``ValueError`` unless multiples of the kernel's ``block_m`` and ``block_n``."""
+    bq, bk = (int(x) for x in mask_block)
+    if bq <= 0 or bk <= 0 or bq % block_m or bk % block_n:
+        raise ValueError(f"a block mask of block size ({bq}, {bk}) needs kernel tiles that "
+                         f"divide it; this kernel's are block_m {block_m}, block_n {block_n}")
+    return bq, bk
+
+
+def mask_visible(mask_mod, n_args: int = 0):
+    """``visible(b, h, q_idx, kv_idx, args) -> bool``: a user's ``mask_mod(b, h, q_idx, kv_idx,
+    *mod_args)`` (:func:`score_hook`'s contract; ``args[:n_args]`` are the ``mod_args``) as an
+    inlined device function — what a block mask is computed from. ``TypeError`` as
+    :func:`check_user_function`."""
+    n_args = check_n_args(n_args)
+    if mask_mod is None:
+        raise TypeError("mask_visible: mask_mod is None")
+    return _mask_visible(_user_function(mask_mod, "mask_mod", 4, _see_all, n_args))
+
+
+@functools.cache
+def _mask_visible(mm):
+    @inline_device
+    def visible(b, h, q_idx, kv_idx, args):
+        return mm(_ZERO, b, h, q_idx, kv_idx, args)
+
+    return visible
+
+
 def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     """``store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)``, each lane of a
     warp: its finalised O fragment ``acc`` ((mi, no, 4) float32, m16n8 layout: ``8·no``
@@ -588,8 +700,9 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     return store
 
 
-__all__ = ["block_bounds", "block_coords", "check_user_function", "key_blocks", "key_window",
-           "limits_shape",
+__all__ = ["block_bounds", "block_coords", "block_mask_row", "check_mask_block",
+           "check_user_function",
+           "key_block_at", "key_blocks", "key_window", "limits_shape", "mask_visible",
            "mask_key_block", "mask_scores", "modify_scores", "row_limits", "score_hook",
            "MAX_MOD_ARGS", "check_n_args",
            "softcap_score", "store_rows"]

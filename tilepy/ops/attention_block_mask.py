@@ -1,0 +1,317 @@
+"""Block masks for ``tilepy.flash_attention``'s ``mask_mod`` (FlexAttention's ``BlockMask``):
+which (query block, key block) pairs a mask function leaves any key visible in, and which it
+leaves wholly visible, so that the attention kernels visit only the first and evaluate the
+function only on the blocks that are not wholly visible.
+
+* :func:`create_block_mask` computes one on the GPU from ``mask_mod`` (every pair evaluated
+  once: one block of threads per query block, one thread per query row).
+* :class:`BlockMask` holds it: FlexAttention's four int32 arrays and the sizes they were made
+  for, plus the ``mask_mod`` and ``mod_args`` the attention call then uses.
+* :func:`check_block_mask` is what ``flash_attention(..., block_mask=)`` checks before launch;
+  :func:`cached_block_mask` the mask it makes itself for a ``mask_mod`` that reads no array.
+
+The kernels' side is :func:`tilepy.tile.attention.block_mask_row` and
+:func:`tilepy.tile.attention.key_block_at`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections import OrderedDict
+
+import numpy as np
+from numba import cuda
+
+from .. import arrays
+from ..arrays import describe, device_view
+from ..launch import MAX_GRID_YZ, LaunchPlan
+from ..tile.attention import check_n_args, check_user_function, mask_visible
+from ..tile.device_write import stream_capturing
+
+#: The default block size (query rows, keys) of :func:`create_block_mask`: FlexAttention's.
+BLOCK_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMask:
+    """Which key blocks each query block visits (FlexAttention's ``BlockMask`` layout).
+
+    * ``kv_num_blocks`` int32 ``(batch, heads, ceil(seq_q / block_q))``: per query block, the
+      number of *partial* key blocks (some pair visible, not all), listed first in
+      ``kv_indices`` int32 ``(batch, heads, query blocks, ceil(seq_k / block_k))``;
+    * ``full_kv_num_blocks`` / ``full_kv_indices``: the same for the *full* key blocks (every
+      pair of the block's rows before ``seq_q`` and keys before ``seq_k`` visible), on which
+      ``mask_mod`` is not evaluated;
+    * ``batch`` or ``heads`` of 1 is one mask for every batch / query head (``create_block_mask``
+      with ``batch=None`` / ``heads=None``);
+    * ``block_size`` ``(block_q, block_k)``, ``seq_lengths`` ``(seq_q, seq_k)``;
+    * ``mask_mod`` / ``mod_args``: the mask function and its arguments, which
+      ``flash_attention(..., block_mask=)`` applies on the partial blocks.
+
+    Arrays of the caller's kind (CuPy, PyTorch, Numba; NumPy in the simulator) on one device.
+    A hand-made mask must list each key block at most once per query block across both lists
+    and must not list one that has a visible pair as neither (it would be skipped); an index
+    outside ``0 … ceil(seq_k / block_k) - 1`` is clamped into it and a count past the index
+    arrays' length is cut to it (never read out of bounds)."""
+
+    kv_num_blocks: object
+    kv_indices: object
+    full_kv_num_blocks: object
+    full_kv_indices: object
+    block_size: tuple
+    seq_lengths: tuple
+    mask_mod: object = None
+    mod_args: tuple = ()
+
+    @property
+    def shape(self) -> tuple:
+        """``(batch, heads, seq_q, seq_k)`` it was made for (batch / heads 1: broadcast)."""
+        return tuple(self.kv_num_blocks.shape[:2]) + tuple(self.seq_lengths)
+
+    def __repr__(self):
+        b, h, sq, sk = self.shape
+        return (f"BlockMask(batch={b}, heads={h}, seq_q={sq}, seq_k={sk}, "
+                f"block_size={self.block_size}, mask_mod={_name(self.mask_mod)})")
+
+
+def _name(fn) -> str:
+    return getattr(getattr(fn, "py_func", fn), "__qualname__", repr(fn))
+
+
+def block_sizes(block_size) -> tuple:
+    """``(block_q, block_k)`` from an int or a pair; ``ValueError`` unless multiples of 16
+    from 16 to 1024 (one thread per query row of a block when the mask is made)."""
+    pair = (block_size, block_size) if isinstance(block_size, (int, np.integer)) \
+        else tuple(block_size)
+    if len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, np.integer))
+                             or not 16 <= x <= 1024 or x % 16 for x in pair):
+        raise ValueError(f"block_size must be an int or a (query, key) pair of multiples of "
+                         f"16 from 16 to 1024, got {block_size!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _dim(x, name: str) -> int:
+    if x is None:
+        return 1
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 1:
+        raise ValueError(f"create_block_mask: {name} must be a positive int or None (one mask "
+                         f"for every {name}), got {x!r}")
+    return int(x)
+
+
+def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_args=(),
+                      block_size=BLOCK_SIZE):
+    """The :class:`BlockMask` of ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``
+    (``flash_attention``'s contract) over ``batch`` × ``heads`` × ``seq_q`` × ``seq_k``,
+    FlexAttention's ``create_block_mask``.
+
+    * ``batch`` / ``heads``: ints, or None for one mask shared by every batch / query head
+      (``mask_mod`` then called with ``b = 0`` / ``h = 0``: it must not depend on them).
+    * ``like``: an array whose kind and device the mask's arrays take (e.g. ``q``); may be
+      left out when ``mod_args`` holds an array.
+    * ``block_size``: ``block_q`` and ``block_k`` (an int for both), multiples of 16 up to
+      1024; 128 by default. The attention kernel's tiles must divide them (its config is
+      chosen so, or a ``ValueError`` says which sizes fit).
+    * ``mod_args``: as ``flash_attention``'s (arrays on the device, numbers); kept in the
+      mask, and used by ``flash_attention(..., block_mask=)`` unless that call gives its own.
+
+    Every pair is evaluated once on the caller's current stream (no host synchronisation);
+    the result is valid for the ``mod_args`` contents it saw — make a new one when they
+    change. Errors (a function of the wrong arity, bad sizes) before anything is launched."""
+    n_args = check_n_args(_n_mod_args(mod_args))
+    check_user_function(mask_mod, "mask_mod", 4, n_args)
+    if mask_mod is None:
+        raise TypeError("create_block_mask: mask_mod is None")
+    bq, bk = block_sizes(block_size)
+    b, h = _dim(batch, "batch"), _dim(heads, "heads")
+    for name, x in (("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+            raise ValueError(f"create_block_mask: {name} must be an int >= 0, got {x!r}")
+    sq, sk = int(seq_q), int(seq_k)
+    from . import attention as at    # (its module imports this one)
+
+    hargs, hops = at.hook_args(None, mod_args, b, h, sq, sk)
+    if like is None:
+        if not hops:
+            raise TypeError("create_block_mask: pass like= (an array whose kind and device "
+                            "the mask takes, e.g. q)")
+        L = hops[0]
+    else:
+        L = describe(like, "like", dtypes=arrays.HOOK_DTYPES + arrays.DTYPES
+                     + ("float8_e4m3fn", "float8_e5m2"))
+    arrays.same_device(L, *hops)
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    if max(b, h) > MAX_GRID_YZ:
+        raise ValueError(f"create_block_mask: at most {MAX_GRID_YZ} batches and heads, got "
+                         f"batch {b}, heads {h}")
+    with arrays.on_device(L.device):
+        outs = [arrays.zeros(L, shape, "int32")
+                for shape in ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk))]
+        if nq and nk:
+            views = [device_view(arrays.raw_view(describe(x, "mask", dtypes=("int32",))))
+                     for x in outs]
+            kern = block_mask_kernel(mask_visible(mask_mod, n_args), bq, bk)
+            args = (np.int64(sq), np.int64(sk), *views, tuple(hargs))
+            LaunchPlan(kern, args, (nq, h, b), bq).launch(arrays.stream_handle(L), args)
+    return BlockMask(*outs, (bq, bk), (sq, sk), mask_mod, tuple(mod_args or ()))
+
+
+def _n_mod_args(mod_args) -> int:
+    if mod_args is None:
+        return 0
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays and numbers, got "
+                        f"{type(mod_args).__name__}")
+    return len(mod_args)
+
+
+@functools.cache
+def block_mask_kernel(visible, block_q: int, block_k: int):
+    """``kernel(sq, sk, num, idx, full_num, full_idx, args)``: grid (query blocks, heads,
+    batch), ``block_q`` threads, thread ``r`` for query row ``qb · block_q + r``. Per key block
+    (in order) each thread tests its row's keys with ``visible(b, h, q, kv, args)`` — stopping
+    once it has seen a visible and a hidden key — and the block's threads vote (rows past
+    ``sq`` and keys past ``sk`` do not count): some pair visible → partial, every pair → full;
+    thread 0 appends the key block to its list and writes the counts at the end. Not disk-cached
+    (its closure holds the user's function)."""
+    BQ, BK = block_q, block_k
+
+    @cuda.jit
+    def kernel(sq, sk, num, idx, full_num, full_idx, args):
+        qb = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        r = np.int64(qb) * BQ + cuda.threadIdx.x
+        n_kb = (sk + BK - 1) // BK
+        n_part = 0
+        n_full = 0
+        for kb in range(n_kb):
+            seen = False
+            hidden = False
+            if r < sq:
+                key0 = np.int64(kb) * BK
+                for c in range(min(BK, sk - key0)):
+                    if visible(b, h, r, key0 + c, args):
+                        seen = True
+                    else:
+                        hidden = True
+                    if seen and hidden:
+                        break
+            any_seen = cuda.syncthreads_or(seen)
+            any_hidden = cuda.syncthreads_or(hidden)
+            if cuda.threadIdx.x == 0 and any_seen:
+                if any_hidden:
+                    idx[b, h, qb, n_part] = kb
+                    n_part += 1
+                else:
+                    full_idx[b, h, qb, n_full] = kb
+                    n_full += 1
+        if cuda.threadIdx.x == 0:
+            num[b, h, qb] = n_part
+            full_num[b, h, qb] = n_full
+
+    return kernel
+
+
+def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq: int, sk: int,
+                     causal, window, like):
+    """``(mask_mod, mod_args, (num, idx, full_num, full_idx) Operands)`` of
+    ``flash_attention(..., block_mask=)``: the mask's function unless the call gives the same
+    one (another is a ``ValueError``), the call's ``mod_args`` or else the mask's; ``TypeError``
+    / ``ValueError`` for a mask that is not a :class:`BlockMask` of int32 arrays on the inputs'
+    device made for these sequence lengths, this batch (or 1) and these query heads (or 1), or
+    for one given with ``causal`` / ``window`` (a block mask's function says which keys each
+    row sees: write causal or a window in it)."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a tilepy BlockMask (tilepy.create_block_mask), "
+                        f"got {type(block_mask).__name__}")
+    if causal or window is not None:
+        raise ValueError("flash_attention: block_mask with causal=True or a window; the block "
+                         "mask's mask_mod says which keys each row sees (write causal or the "
+                         "window in it)")
+    if mask_mod is None:
+        mask_mod = block_mask.mask_mod
+    elif block_mask.mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        raise ValueError(f"flash_attention: mask_mod {_name(mask_mod)!r} is not the block "
+                         f"mask's ({_name(block_mask.mask_mod)!r})")
+    if mask_mod is None:
+        raise ValueError("flash_attention: a block_mask needs its mask_mod (none in the mask "
+                         "and none given)")
+    if not (mod_args is not None and len(mod_args)) and block_mask.mod_args:
+        mod_args = block_mask.mod_args
+    if tuple(block_mask.seq_lengths) != (sq, sk):
+        raise ValueError(f"block_mask was made for (seq_q, seq_k) = "
+                         f"{tuple(block_mask.seq_lengths)}, the inputs have ({sq}, {sk})")
+    bq, bk = block_sizes(block_mask.block_size)
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    ops = []
+    for name, n in (("kv_num_blocks", 3), ("kv_indices", 4), ("full_kv_num_blocks", 3),
+                    ("full_kv_indices", 4)):
+        op = describe(getattr(block_mask, name), f"block_mask.{name}", dtypes=("int32",))
+        mb, mh = op.shape[:2] if op.ndim == n else (0, 0)
+        want = (nq, nk)[:n - 2]
+        if op.ndim != n or mb not in (1, batch) or mh not in (1, heads) \
+                or op.shape[2:] != want:
+            raise ValueError(f"block_mask.{name} must have shape (batch {batch} or 1, heads "
+                             f"{heads} or 1, {', '.join(map(str, want))}) for block size "
+                             f"{(bq, bk)}, got {op.shape}")
+        ops.append(op)
+    if len({op.shape[:2] for op in ops}) != 1:
+        raise ValueError(f"block_mask: its arrays' (batch, heads) differ: "
+                         f"{[op.shape[:2] for op in ops]}")
+    arrays.same_device(describe(like, "q", dtypes=arrays.DTYPES), *ops)
+    return mask_mod, mod_args, ops
+
+
+def mask_views(ops, batch: int, heads: int):
+    """The block mask's arrays as the kernels' ``(num, idx, full_num, full_idx)`` views over
+    (batch, heads, …), a zero stride along a dimension of 1 (one mask for all)."""
+    views = []
+    for op in ops:
+        view = arrays.raw_view(op)
+        shape = (batch, heads) + tuple(view.shape[2:])
+        strides = tuple(0 if n == 1 and want > 1 else s
+                        for n, want, s in zip(view.shape[:2], (batch, heads),
+                                              view.strides[:2])) + tuple(view.strides[2:])
+        views.append(device_view(arrays.restride(view, shape, strides)))
+    return tuple(views)
+
+
+# ---- masks made by the op itself --------------------------------------------------------------
+
+#: The most block masks :func:`cached_block_mask` keeps (least recently used dropped first).
+CACHE_SIZE = 32
+_CACHE: OrderedDict = OrderedDict()
+_LOCK = threading.Lock()
+
+
+def cached_block_mask(mask_mod, mod_args, batch: int, heads: int, sq: int, sk: int,
+                      block_size, like):
+    """The block mask ``flash_attention`` makes for a ``mask_mod`` whose ``mod_args`` hold no
+    array (numbers only: a function of the indices and those, so one mask per shape serves
+    every call): made once per (function, numbers, shape, block size, device) and kept
+    (:data:`CACHE_SIZE` at most). None while the caller's stream is being captured into a
+    CUDA graph and no mask is kept yet (the attention then visits every key block: a mask
+    made inside a capture would live in the graph's memory)."""
+    L = describe(like, "q", dtypes=arrays.DTYPES)
+    key = (mask_mod, tuple((type(x), x) for x in (mod_args or ())), batch, heads, sq, sk,
+           tuple(block_size), L.family, L.device)
+    with _LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    if stream_capturing(arrays.stream_handle(L)):
+        return None
+    mask = create_block_mask(mask_mod, batch, heads, sq, sk, like=like, mod_args=mod_args,
+                             block_size=block_size)
+    with _LOCK:
+        _CACHE[key] = mask
+        while len(_CACHE) > CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return mask
+
+
+__all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
+           "cached_block_mask", "check_block_mask", "create_block_mask", "mask_views"]
