@@ -46,6 +46,11 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
+#   PART=s27     block masks (issue 25): the block-sparse kernels' GPU test (document masking
+#                by a block mask against SDPA, causal as mask_mod against causal=True), the
+#                user-function benchmark with the block-mask cases (causal and a window as
+#                mask_mod against the built-in arguments and compiled FlexAttention, document
+#                masking with its block mask); then what s26a and s26b left.
 #   PART=s26a    the FP8 attention forward (issue 28): the 8-bit rs wgmma's GPU test, the FP8
 #                attention GPU tests, its benchmark against tilepy's bf16 attention; the FP8
 #                GEMM's GPU tests (mixed formats, bias + GELU) and probe
@@ -263,6 +268,10 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s27 "* ]]; then
+    gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
+    bench_suite bench_attention_user 240 "test_flash_attention_user_functions"
 fi
 if [[ " $PART " == *" s26a "* ]]; then
     gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"

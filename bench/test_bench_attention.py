@@ -311,6 +311,28 @@ def _documents(torch, b, s):
     return ids.to(torch.int32).cuda()
 
 
+def _causal_mask(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _window1024(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx and q_idx - kv_idx < 1024
+
+
+def _document_causal(b, h, q_idx, kv_idx, doc):
+    return kv_idx <= q_idx and doc[b, min(q_idx, 8191)] == doc[b, min(kv_idx, 8191)]
+
+
+def _document_block_mask(torch, b, h, s):
+    """tilepy's keywords for causal document masking with a block mask made once (outside
+    the timing), as a FlexAttention user makes one with create_block_mask."""
+    import tilepy
+
+    doc = _documents(torch, b, s)
+    return dict(causal=False, block_mask=tilepy.create_block_mask(
+        _document_causal, b, None, s, s, mod_args=(doc,)))
+
+
 def _alibi_slopes(torch, h):
     return torch.tensor([2.0 ** (-(i + 1) * 0.5) for i in range(h)], device="cuda")
 
@@ -341,6 +363,19 @@ USER_FUNCTIONS = [
      None,
      lambda torch, b, h, s: (lambda doc: dict(mask_mod=lambda bb, hh, qi, kj: (
          doc[bb, qi] == doc[bb, kj]) & (kj <= qi)))(_documents(torch, b, s))),
+    # block masks (made by tilepy for a mask_mod of no array, kept per shape; or by the user
+    # with tilepy.create_block_mask): causal and a causal 1024-key window written as mask_mod
+    # against the built-in arguments, and the document mask above with its block mask
+    ("causal_mask_mod", True, lambda torch, b, h, s: dict(causal=False, mask_mod=_causal_mask),
+     lambda torch, b, h, s: dict(causal=True),
+     lambda torch, b, h, s: dict(mask_mod=lambda bb, hh, qi, kj: kj <= qi)),
+    ("window1024_mask_mod", True,
+     lambda torch, b, h, s: dict(causal=False, mask_mod=_window1024),
+     lambda torch, b, h, s: dict(causal=True, window=(1023, 0)),
+     lambda torch, b, h, s: dict(mask_mod=lambda bb, hh, qi, kj: (kj <= qi) & (qi - kj < 1024))),
+    ("document_block_mask", True, _document_block_mask, None,
+     lambda torch, b, h, s: (lambda doc: dict(mask_mod=lambda bb, hh, qi, kj: (
+         doc[bb, qi] == doc[bb, kj]) & (kj <= qi)))(_documents(torch, b, s))),
 ]
 
 
@@ -366,10 +401,11 @@ def test_flash_attention_user_functions(benchmark, record, torch, gpu_name, case
     else:
         flex_causal = dict(flex, mask_mod=(lambda bb, hh, qi, kj: kj <= qi) if causal else None)
 
-    def ours():
-        return tilepy.flash_attention(q, k, v, causal=causal, out=out, **mods)
+    def ours():   # (a case's keywords may say causal themselves: its mask_mod is causal)
+        return tilepy.flash_attention(q, k, v, out=out, **dict(dict(causal=causal), **mods))
 
     ours()
+    kind = "mask_mod" if "mask_mod" in mods or "block_mask" in mods else "score_mod"
     pairs = h * b * (s * (s + 1) // 2 if causal else s * s)
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours)}
@@ -377,13 +413,12 @@ def test_flash_attention_user_functions(benchmark, record, torch, gpu_name, case
         torch, q, k, v, **flex_causal))
     if builtin is not None:
         timings["tilepy built-in"] = gpu_time(torch, lambda: tilepy.flash_attention(
-            q, k, v, causal=causal, out=out, **builtin))
+            q, k, v, out=out, **dict(dict(causal=causal), **builtin)))
     record_throughput(record, work=4 * pairs * d, unit="TFLOPS", timings=timings,
                       main="FlexAttention", notes=notes, gpu=gpu_name,
                       shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=causal,
                       table="Attention user functions",
-                      case=f"B{b} H{h} S{s} D{d} {name} "
-                           f"{'mask_mod' if 'mask_mod' in mods else 'score_mod'} bfloat16",
+                      case=f"B{b} H{h} S{s} D{d} {name} {kind} bfloat16",
                       figure=f"attention_user_{name}", x=s, xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 

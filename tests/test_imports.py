@@ -253,9 +253,10 @@ def test_kernel_files_are_named_by_mechanism_and_the_former_names_alias_them():
                "attention_backward_kernel"}
     with_kernels = {p.stem for p in ops.glob("*.py") if p.stem not in aliases
                     and any(m in p.read_text() for m in ("cuda.jit", "kernel_jit(", "def kernel"))}
-    # the row kernels (CUDA cores, no matrix instruction) and the KV cache's append copy live
-    # with their op
+    # the row kernels (CUDA cores, no matrix instruction), the KV cache's append copy and the
+    # block mask's vote live with their op
     unnamed = {s for s in with_kernels if not s.endswith(("_mma_sync", "_wgmma", "_wgmma_ws",
                                                           "_simt"))}
-    assert unnamed == {"softmax", "softmax_backward", "attention_kvcache"}, unnamed
+    assert unnamed == {"softmax", "softmax_backward", "attention_kvcache",
+                       "attention_block_mask"}, unnamed
     assert len(with_kernels) >= 10

@@ -13,6 +13,7 @@ import pytest
 
 import tilepy
 from tilepy.ops import attention_fp8 as af
+from tilepy.testing.reference import softmax_rows
 from tilepy.tile.transpose import reference_rows
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -50,16 +51,9 @@ def reference(q, k, v, dq, dk, dv, causal=False, window=None, softcap=0.0, scale
         seen &= j <= i + right
     if left is not None and left >= 0:
         seen &= j >= i - left
-    s = np.where(seen, s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0)
-    p = np.exp(s - m)
-    total = p.sum(-1, keepdims=True)
-    safe = np.where(total > 0, total, 1)
-    o = np.where(total > 0, (p / safe) @ vd, 0)
-    lse = np.where(total[..., 0] > 0, (m + np.log(safe))[..., 0], -np.inf)
-    mag = np.where(total > 0, (p / safe) @ np.abs(vd), 0)
-    return o, lse, 2.0**-4 * mag + 2.0**-8 * np.abs(o) + 1e-3 * np.abs(vd).max()
+    p, lse = softmax_rows(np.where(seen, s, -np.inf))
+    o = p @ vd
+    return o, lse, 2.0**-4 * (p @ np.abs(vd)) + 2.0**-8 * np.abs(o) + 1e-3 * np.abs(vd).max()
 
 
 def codes(rng, shape):

@@ -257,7 +257,8 @@ def test_flash_attention_window_and_softcap_gradients_and_compile():
 
 def test_flash_attention_user_functions_on_tensors():
     """score_mod= / mask_mod= on PyTorch tensors: gradients through autograd (the user's
-    derivative of score_mod) against float64 autograd of the same attention, torch.compile
+    derivative of score_mod) against float64 autograd of the same attention (the mask as
+    mask_mod and as a block mask), torch.compile
     running the call eagerly, and a clear NotImplementedError for a score_mod without its
     derivative when a gradient is wanted."""
     def bias(score, b, h, q_idx, kv_idx):
@@ -281,6 +282,13 @@ def test_flash_attention_user_functions_on_tensors():
                                                        score_mod_grad=bias_grad,
                                                        mask_mod=prefix),
                 ref, ins, torch.float16)
+    # the same through a block mask (made from the tensors' kind: CPU tensors here), which
+    # the backward takes as well
+    bm = tilepy.create_block_mask(prefix, None, None, 19, 19, like=ins[0], block_size=16)
+    assert isinstance(bm.kv_indices, torch.Tensor) and bm.kv_indices.dtype == torch.int32
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, score_mod=bias,
+                                                       score_mod_grad=bias_grad, block_mask=bm),
+                ref, [x.detach().clone().requires_grad_() for x in ins], torch.float16)
     q, k, v = (x.detach() for x in ins)
     compiled = torch.compile(lambda q, k, v: tilepy.flash_attention(q, k, v, mask_mod=prefix),
                              backend="eager")

@@ -693,19 +693,21 @@ def sparse_config(cfg, mask_block, given: bool = False):
             raise NotImplementedError(f"flash_attention: a block mask runs on the TMA kernels "
                                       f"(tma=True) on sm_90; got {cfg.describe()}")
         rows = [cfg.block_m, 128, 64]
+        keys = [cfg.block_n] + [n for n in aw.TMA_BLOCK_NS[::-1] if n < cfg.block_n]
         fields = dict(persistent=False)
     else:
         rows = [cfg.block_m, 16]
+        keys = list(range(cfg.block_n, 15, -16))
         fields = {}
     bm = next((r for r in rows if bq is None or bq % r == 0), None)
-    bn = next((n for n in range(cfg.block_n, 15, -16) if bk is None or bk % n == 0), None)
+    bn = next((n for n in keys if bk is None or bk % n == 0), None)
     if given and (bm, bn) != (cfg.block_m, cfg.block_n):
         raise ValueError(f"flash_attention: config {cfg.describe()} has tiles "
                          f"{cfg.block_m} x {cfg.block_n}, which do not divide the block mask's "
                          f"{mask_block}")
-    if bm is None:
-        raise ValueError(f"flash_attention: a block mask's query block {bq} must be a multiple "
-                         f"of {rows[-1]} rows here")
+    if bm is None or bn is None:
+        raise ValueError(f"flash_attention: a block mask's block size {mask_block} must be "
+                         f"multiples of {rows[-1]} rows and {keys[-1]} keys here")
     if isinstance(cfg, aw.WgmmaAttentionConfig):
         if bm != cfg.block_m:
             fields.update(block_m=bm, pingpong=cfg.pingpong and bm > 64)
@@ -732,7 +734,9 @@ def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, ha
         win, cap, score_mod, mask_mod, n_args, alibi = variant
         kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod,
                                                            n_args=n_args, alibi=alibi),
-                      mask_block=sparse[0] if sparse else None)
+                      mask_block=sparse[0] if sparse else None,
+                      full_score_mod=score_hook(cap, score_mod, None, n_args=n_args,
+                                                alibi=alibi) if sparse else None)
         if sparse:
             hargs = (tuple(hargs), sparse[1])
         reads_bh = score_mod is not None or mask_mod is not None or alibi

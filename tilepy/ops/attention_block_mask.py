@@ -188,15 +188,15 @@ def block_mask_kernel(visible, block_q: int, block_k: int):
         n_part = 0
         n_full = 0
         for kb in range(n_kb):
-            seen = False
-            hidden = False
+            seen = np.int32(0)
+            hidden = np.int32(0)
             if r < sq:
                 key0 = np.int64(kb) * BK
                 for c in range(min(BK, sk - key0)):
                     if visible(b, h, r, key0 + c, args):
-                        seen = True
+                        seen = np.int32(1)
                     else:
-                        hidden = True
+                        hidden = np.int32(1)
                     if seen and hidden:
                         break
             any_seen = cuda.syncthreads_or(seen)
@@ -313,5 +313,69 @@ def cached_block_mask(mask_mod, mod_args, batch: int, heads: int, sq: int, sk: i
     return mask
 
 
+# ---- offline compile reports ------------------------------------------------------------------
+
+def _probe_causal(b, h, q_idx, kv_idx):
+    """The compile reports' mask function (causal, written as a user would)."""
+    return kv_idx <= q_idx
+
+
+def _sparse_argtypes(base, layout: str = "A"):
+    """``base`` (a kernel's argument types, empty hook arguments last) with a block-sparse
+    kernel's hargs: (the empty hook arguments, the mask's four int32 arrays)."""
+    from numba import types
+
+    n3, n4 = types.Array(types.int32, 3, layout), types.Array(types.int32, 4, layout)
+    return base[:-1] + (types.Tuple((base[-1], types.Tuple((n3, n4, n3, n4)))),)
+
+
+#: Block-sparse kernels of :func:`compile_reports`: (name, head_dim, tile rows, tile keys,
+#: mask block) — the grid TMA kernel of the built-in d128 config (ping-pong, producer) under
+#: 128 × 128 mask blocks and under 128 × 256 ones (two key tiles a mask block), and the
+#: mma.sync kernel of the built-in d128 config.
+SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 128, 128, 128,
+                   (128, 128)),
+                  ("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128_mask256", 128,
+                   128, 128, (128, 256)),
+                  ("attention_sparse_d128_f16_lse", 128, 64, 64, (128, 128)))
+
+
+def compile_reports():
+    """Offline sm_90a reports of the block-sparse attention kernels (:data:`SPARSE_REPORTS`,
+    a causal mask function, LSE) and of the block mask's own kernel for it."""
+    from numba import types
+
+    from ..offline import report_entry
+    from ..tile.attention import score_hook
+    from . import attention_mma_sync as fa
+    from . import attention_wgmma as aw
+
+    hook = score_hook(0.0, None, _probe_causal)
+    out = []
+    for name, d, bm, bn, block in SPARSE_REPORTS:
+        if name.startswith("attention_wgmma"):
+            cfg = aw.WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True, pingpong=True,
+                                          producer=True)
+            out.append(report_entry(
+                name, lambda cfg=cfg, block=block: aw.wgmma_attention_kernel(
+                    cfg, False, True, None, hook, mask_block=block),
+                _sparse_argtypes(aw.kernel_argtypes(cfg)), (9, 0, "a"), threads=cfg.threads,
+                launch_bounds=(cfg.threads, 1), config=cfg.describe(),
+                smem_bytes=cfg.smem_bytes))
+        else:
+            cfg = fa.AttentionConfig(d, bm, bn, 16, "float16")
+            out.append(report_entry(
+                name, lambda cfg=cfg, block=block: fa.attention_kernel(
+                    cfg, False, True, None, hook, mask_block=block),
+                _sparse_argtypes(fa.argtypes()), (9, 0), threads=cfg.threads,
+                config=cfg.describe(), smem_bytes=cfg.smem_bytes))
+    n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
+    out.append(report_entry(
+        "block_mask_128x128", lambda: block_mask_kernel(mask_visible(_probe_causal), 128, 128),
+        (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(())), (9, 0), threads=128))
+    return out
+
+
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
-           "cached_block_mask", "check_block_mask", "create_block_mask", "mask_views"]
+           "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
+           "mask_views", "SPARSE_REPORTS"]

@@ -69,7 +69,7 @@ from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
-from ..tile.attention import (block_mask_row, check_mask_block, key_block_at, key_blocks, key_window,
+from ..tile.attention import (block_mask_row, check_mask_block, key_block_at, key_block_partial, key_blocks, key_window,
                               limits_shape, mask_key_block, mask_scores, modify_scores,
                               row_limits, store_rows)
 from ..tile.config import DTYPES, SMEM_LIMIT
@@ -197,7 +197,7 @@ def _kernel_jit(threads: int, disk_cache: bool = True):
 
 def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool = False,
                      window=None, score_mod=None, varlen: bool = False, cache=None,
-                     mask_block=None):
+                     mask_block=None, full_score_mod=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters of one kernel (:mod:`tilepy.tile.attention`'s pieces):
@@ -239,7 +239,8 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
       arrays as (B, Hq, …) views; a block of query rows visits the key blocks of its mask
       query block's partial, then full lists (:func:`tilepy.tile.attention.block_mask_row`),
       in that order, and no other. With a ``score_mod`` (the mask function in it) and no
-      window, ``varlen`` or ``cache``.
+      window, ``varlen`` or ``cache``; the full blocks' scores take ``full_score_mod``
+      instead (the same hook without the mask function; None: nothing).
 
     Without any of them the generated code is the plain causal / full kernel's."""
     left, right = key_window(causal, window)
@@ -253,13 +254,16 @@ def attention_kernel(cfg: AttentionConfig, causal: bool = False, has_lse: bool =
             raise ValueError("a block-sparse kernel (mask_block) takes a score_mod and no "
                              "window, varlen or cache")
     # a plain Python score_mod is wrapped (once per function) by modify_scores
+    else:
+        full_score_mod = None
     return _attention_kernel(cfg, bool(has_lse), left, right, score_mod, bool(varlen), cache,
-                             mask_block)
+                             mask_block, full_score_mod)
 
 
 @functools.cache
 def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int,
-                      score_mod, varlen: bool = False, cache=None, mask_block=None):
+                      score_mod, varlen: bool = False, cache=None, mask_block=None,
+                      full_score_mod=None):
     # D: the shared tiles' width (head_dim rounded up to 16, zero columns past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim   # copies zero-fill past it
@@ -290,6 +294,8 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
     SPARSE = mask_block is not None
     at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
     mask_row = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
+    partial = key_block_partial(SPARSE)
+    v_modify_full = modify_scores(cfg.warp_rows // 16, BN // 8, full_score_mod)
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -489,7 +495,10 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
 
                 # Mask keys past Sk and above the diagonal, in the blocks that have any.
                 if VARIANT:
-                    v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hook)
+                    if SPARSE and not partial(blocks, jb):   # a full block: no mask function
+                        v_modify_full(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hook)
+                    else:
+                        v_modify(s, row0 + wrow + g, kb * BN + 2 * t, b, h, scale, hook)
                     v_mask(s, limits, kb, t, all_first, all_see)
                 elif (kb + 1) * BN - 1 > all_see:
                     mask(s, limit, kb * BN + 2 * t)

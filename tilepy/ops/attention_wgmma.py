@@ -128,6 +128,7 @@ from ..tile.attention import (
     block_mask_row,
     check_mask_block,
     key_block_at,
+    key_block_partial,
     key_blocks,
     key_window,
     limits_shape,
@@ -167,6 +168,10 @@ def tile_width(head_dim: int, cols: int = 64) -> int:
 
 #: The 8-bit input dtype of the FP8 TMA kernels (bfloat16 out).
 FP8_DTYPES = ("float8_e4m3fn",)
+#: Block-sparse TMA kernels: the bit of a ring slot's step word (its K tile's key block, written
+#: by the producer into shared memory with the load) that marks a full block of the mask.
+FULL_STEP = np.uint32(1 << 31)
+
 #: Lazy rescaling of the FP8 kernels (log2 units): P is scaled by :data:`FP8_P_SCALE` before
 #: its e4m3 rounding, so that small probabilities keep e4m3's normal range (its smallest
 #: normal is 2**-6); p stays below 2**0.5 with this threshold, 256 · 2**0.5 = 362 below
@@ -445,7 +450,7 @@ class WgmmaAttentionConfig:
 
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False, window=None, score_mod=None,
-                           mask_block=None):
+                           mask_block=None, full_score_mod=None):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters as in :func:`tilepy.ops.attention_mma_sync.attention_kernel`
@@ -469,7 +474,8 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       ``(hook_args, (num, idx, full_num, full_idx))``, the mask's arrays as (B, Hq, …) views;
       a tile's producer loads, and its consumers compute, the key blocks of its mask query
       block's partial then full lists (:func:`tilepy.tile.attention.block_mask_row`), no
-      other.
+      other; the full blocks' scores take ``full_score_mod`` (the hook without the mask
+      function; None: nothing).
 
     Without either the generated code is the plain causal / full kernel's. An 8-bit config
     (``cfg.fp8``) takes ``hargs = (descales, hook arguments)`` (module docstring)."""
@@ -484,15 +490,18 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             raise NotImplementedError(
                 f"wgmma attention: a block-sparse kernel (mask_block) is the grid TMA kernel "
                 f"of a 16-bit config with a score_mod and no window; got {cfg.describe()}")
-    return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod, mask_block)
+    else:
+        full_score_mod = None
+    return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod, mask_block,
+                                   full_score_mod)
 
 
 @functools.cache
 def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
-                            score_mod, mask_block=None):
+                            score_mod, mask_block=None, full_score_mod=None):
     """The kernel of :func:`wgmma_attention_kernel`'s arguments: the shared pieces, then the
     TMA pieces and the grid or persistent TMA kernel, or the cp.async loops and kernel."""
-    c = _common_parts(cfg, has_lse, left, right, score_mod, mask_block)
+    c = _common_parts(cfg, has_lse, left, right, score_mod, mask_block, full_score_mod)
     if cfg.tma:
         t = _tma_parts(cfg, c)
         return (_tma_persistent_kernel if cfg.persistent else _tma_grid_kernel)(cfg, c, t)
@@ -502,7 +511,7 @@ def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int,
 
 
 def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
-                  score_mod, mask_block=None):
+                  score_mod, mask_block=None, full_score_mod=None):
     """The pieces every wgmma attention kernel of ``cfg`` shares, as a namespace of its sizes
     and device functions: the S and O wgmmas, the online softmax on S's accumulators with the
     window's mask and the score hook, P packed for the P·V wgmmas, the O epilogue (staged
@@ -552,6 +561,8 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     SPARSE = mask_block is not None
     at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
     mask_row = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
+    partial = key_block_partial(SPARSE)
+    modify_full = modify_scores(1, NS, full_score_mod)   # a full block's: no mask function
     to_fragment = accumulator_fragment(BN)[0]              # S as the (1, NS, 4) fragment
     o_fragment, o_accumulators = accumulator_fragment(DV)  # O as the (1, NO, 4) fragment
     store = store_rows(1, NO, OUT, has_lse)
@@ -680,15 +691,28 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         update(s3, row_max, row_sum, alpha, scale_log2)
 
     @inline_device
-    def softmax_at(s, s3, limit, row_max, row_sum, alpha, kb, all_first, all_see, t,
+    def softmax_at(s, s3, limit, row_max, row_sum, alpha, step, all_first, all_see, t,
                    scale_log2, rows, b, h, scale, hargs):
-        """:func:`softmax` with the score hook (``rows``: the lane's first row; ``hargs`` its
-        run-time arguments) and the window's first key every row sees (``all_first``): the
-        TMA kernels'. ``scale_log2`` / ``scale``: as :func:`scale_source` gives them."""
-        to_fragment(s3, s)
-        modify(s3, rows, kb * BN + 2 * t, b, h, resolve(scale), hargs)
-        mask(s3, limit, kb, t, all_first, all_see)
-        update(s3, row_max, row_sum, alpha, resolve(scale_log2))
+        """:func:`softmax` of a step's key block with the score hook (``rows``: the lane's
+        first row; ``hargs`` its run-time arguments) and the window's first key every row sees
+        (``all_first``): the TMA kernels'. ``step``: the key block, or block-sparse the step
+        word of :func:`tilepy.ops.attention_wgmma._tma_parts` (the block, and
+        :data:`FULL_STEP` for a full one: the hook without the mask function).
+        ``scale_log2`` / ``scale``: as :func:`scale_source` gives them."""
+        if SPARSE:
+            kb = i64(step & ~FULL_STEP)
+        else:
+            kb = step
+        if SPARSE and (step & FULL_STEP) != 0:
+            to_fragment(s3, s)
+            modify_full(s3, rows, kb * BN + 2 * t, b, h, resolve(scale), hargs)
+            mask(s3, limit, kb, t, all_first, all_see)
+            update(s3, row_max, row_sum, alpha, resolve(scale_log2))
+        else:
+            to_fragment(s3, s)
+            modify(s3, rows, kb * BN + 2 * t, b, h, resolve(scale), hargs)
+            mask(s3, limit, kb, t, all_first, all_see)
+            update(s3, row_max, row_sum, alpha, resolve(scale_log2))
 
     @inline_device
     def rescale(acc_o, alpha):
@@ -1186,7 +1210,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     NACC_S, PINGPONG, PRODUCER, Q_BYTES = c.NACC_S, c.PINGPONG, c.PRODUCER, c.Q_BYTES
     SCRATCH, STAGE, THREADS, TILE, UPPER = c.SCRATCH, c.STAGE, c.THREADS, c.TILE, c.UPPER
     WIN, issue_o, issue_s, rescale, score_mod = c.WIN, c.issue_o, c.issue_s, c.rescale, c.score_mod
-    at = c.at
+    at, partial = c.at, c.partial
     softmax_at, to_p = c.softmax_at, c.to_p
 
     # ---- TMA: one thread loads Q, K and V with TMA into the same swizzled layout ----------
@@ -1244,6 +1268,31 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     else:
         load_v = tile_load(VTILE, V_BOXES, KV_BOX)  # a V tile, tile_dim_v wide
 
+    # Block-sparse: the producer writes each K tile's key block (FULL_STEP set for a full block
+    # of the mask) into its ring slot's step word (STEPS, after the config's shared memory: the
+    # kernel's ``tilepy_smem_bytes``) before that load, and the consumers read it once the K
+    # tile has landed, before they release the slot: they keep no block list in registers.
+    STEPS = cfg.smem_bytes
+    if c.SPARSE:
+        @inline_device
+        def put_step(base, slot, blocks, j):
+            w = np.uint32(at(blocks, j))
+            if not partial(blocks, j):
+                w = w | FULL_STEP
+            VEC.st_shared_b32(base + STEPS + 4 * slot, w)
+
+        @inline_device
+        def get_step(base, slot, blocks, j):
+            return VEC.ld_shared_b32(base + STEPS + 4 * slot)
+    else:
+        @inline_device
+        def put_step(base, slot, blocks, j):
+            pass
+
+        @inline_device
+        def get_step(base, slot, blocks, j):
+            return blocks + j
+
     @inline_device
     def init_ring(bars):
         """Q full (buffer 0) and the K/V ring's barriers; the caller fences the init."""
@@ -1278,9 +1327,11 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         T.fence_proxy_tensormap_acquire(tv)
         load_q(base, tq, bars, row0, h, b)
         key0 = at(blocks, 0) * BN
+        put_step(base, 0, blocks, 0)
         load_kv(kv_base, tk, bars + 8, key0, hk, b)                       # K(0)
         load_v(kv_base + TILE, tv, bars + 16, key0, hk, b)                # V(0)
         if n_kb > 1:
+            put_step(base, 1, blocks, 1)
             load_kv(kv_base + STAGE, tk, bars + 8 + 32, at(blocks, 1) * BN, hk, b)  # K(1)
 
     @inline_device
@@ -1296,6 +1347,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
                hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
             MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
+            put_step(base, cur, blocks, kb + 2)
             load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, at(blocks, kb + 2) * BN, hk,
                     b)
 
@@ -1359,6 +1411,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         s0 = g0 & 1
         MB.mbarrier_wait_parity(q_bar, q_phase)
         MB.mbarrier_wait_parity(bars + 32 * s0 + 8, (g0 >> 1) & 1)
+        step = get_step(base, s0, blocks, 0)             # (read before K(0) is released)
         take_turn(wg)
         W.wgmma_fence()
         issue_s(s, q_rows, kv_base + s0 * STAGE)
@@ -1368,8 +1421,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         W.wgmma_fence_operand(s, NACC_S)
         if not (PERSIST and n_kb == 1):
             MB.mbarrier_arrive(bars + 32 * s0 + 24)                      # K(0) read
-        softmax_at(s, s3, limit, row_max, row_sum, alpha, at(blocks, 0), all_first, all_see,
-                   t, scale_log2, rows, b, h, scale, hargs)
+        softmax_at(s, s3, limit, row_max, row_sum, alpha, step, all_first, all_see, t,
+                   scale_log2, rows, b, h, scale, hargs)
         to_p(p, s3)                                       # O is 0: no rescale
         for kb in range(n_wg - 1):
             gk = g0 + kb
@@ -1378,6 +1431,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
             if not PRODUCER and tid == 0:
                 produce_step(base, tk, tv, b, hk, kb, n_kb, blocks)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 8, ((gk + 1) >> 1) & 1)  # K(kb+1)
+            step = get_step(base, nxt, blocks, kb + 1)
             MB.mbarrier_wait_parity(bars + 32 * cur + 16, (gk >> 1) & 1)         # V(kb)
             take_turn(wg)
             W.wgmma_fence()
@@ -1390,8 +1444,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
             W.wgmma_fence_operand(s, NACC_S)
             if not (PERSIST and kb + 2 == n_kb):
                 MB.mbarrier_arrive(bars + 32 * nxt + 24)  # K(kb+1) read
-            softmax_at(s, s3, limit, row_max, row_sum, alpha, at(blocks, kb + 1), all_first,
-                       all_see, t, scale_log2, rows, b, h, scale, hargs)
+            softmax_at(s, s3, limit, row_max, row_sum, alpha, step, all_first, all_see, t,
+                       scale_log2, rows, b, h, scale, hargs)
             W.wgmma_wait_after_store(base + SCRATCH, row_sum[0, 0], row_sum[0, 1])
             W.wgmma_fence_operand(acc_o, NACC_O)
             MB.mbarrier_arrive(bars + 32 * cur + 32)      # V(kb) read
@@ -1494,7 +1548,15 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
             no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
                     t)
 
+    if SPARSE:   # the ring slots' step words after the config's shared memory (_tma_parts)
+        tkernel.tilepy_smem_bytes = cfg.smem_bytes + 8
     return tkernel
+
+
+def smem_bytes_of(kernel, cfg: WgmmaAttentionConfig) -> int:
+    """The dynamic shared memory ``kernel`` (of ``cfg``) launches with: the config's, or what
+    its generator recorded as ``tilepy_smem_bytes`` (a block-sparse kernel's step words)."""
+    return getattr(kernel, "tilepy_smem_bytes", cfg.smem_bytes)
 
 
 def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
@@ -1716,7 +1778,8 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
             args += (counter.view((2,), np.int32),)
             extra["counter"] = counter
     args += (tuple(hargs),)
-    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    smem = smem_bytes_of(kernel, cfg)
+    allow_dynamic_shared(kernel, args, smem)
     if cfg.persistent:
         tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
         slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
@@ -1725,9 +1788,9 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
         blocks = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     if cfg.tma:
         kind = ScheduledTmaPlan if cfg.persistent else TmaLaunchPlan
-        return kind(kernel, args, blocks, cfg.threads, cfg.smem_bytes, encoder,
+        return kind(kernel, args, blocks, cfg.threads, smem, encoder,
                     (0, 1, 2), MAPS_ARG, **extra), args
-    return LaunchPlan(kernel, args, blocks, cfg.threads, cfg.smem_bytes), args
+    return LaunchPlan(kernel, args, blocks, cfg.threads, smem), args
 
 
 #: The tensor maps' place in the TMA kernels' arguments (after q … scale·log2e).

@@ -30,6 +30,9 @@ The pieces, in the order a kernel uses them
 * :func:`key_blocks` / :func:`block_bounds` — a block of ``block_m`` query rows: its first row,
   the key blocks (of ``block_n`` keys) any of its rows sees, and the keys every one of its rows
   sees (the key blocks wholly inside those need no mask).
+* :func:`key_block_at` / :func:`key_block_partial` / :func:`block_mask_row` — the key block
+  a key loop visits at each step: the range above, or a block mask's lists (block-sparse
+  kernels; :func:`mask_visible` is the mask function a block mask is made from).
 * :func:`row_limits` — per lane: the first / last key of each of its rows (a local array of
   :func:`limits_shape`), and the online softmax's start (row max -inf, row sum 0).
 * :func:`modify_scores` — an optional score function on the scores of one key block, before
@@ -343,7 +346,8 @@ def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None, *, n_args: int =
     ``seq_k`` too, whose results are never used (a function that reads memory at these
     indices must bound them itself). The functions run after the window's and the causal
     mask's key ranges are chosen and before they are applied: key blocks outside those ranges
-    are skipped, the rest see every score. Each is a Numba CUDA device function or a plain
+    are skipped, the rest see every score — or, in a block-sparse kernel, the key blocks a
+    block mask lists, the full ones with the hook made without ``mask_mod``. Each is a Numba CUDA device function or a plain
     Python function (compiled as one, inlined); they must not have side effects. None with
     nothing to do. ``TypeError`` for a non-callable or a function whose positional parameters
     do not number ``5 + n_args`` (score_mod) / ``4 + n_args`` (mask_mod); ``ValueError`` for
@@ -598,6 +602,30 @@ def _key_block_at(sparse: bool, ratio: int):
     return at
 
 
+def key_block_partial(sparse: bool = False):
+    """``partial(blocks, j) -> bool``: whether step ``j`` of a key loop (:func:`key_block_at`'s
+    ``blocks``) visits a partial block, whose scores the mask function must see — always
+    (True) when not ``sparse``; under a block mask the steps before ``n_partial``. A full
+    block's scores take the score hook without the mask function."""
+    return _key_block_partial(bool(sparse))
+
+
+@functools.cache
+def _key_block_partial(sparse: bool):
+    if not sparse:
+        @inline_device
+        def always(blocks, j):
+            return True
+
+        return always
+
+    @inline_device
+    def partial(blocks, j):
+        return j < blocks[0]
+
+    return partial
+
+
 def block_mask_row(block_m: int, mask_block_q: int, ratio: int = 1):
     """``row(mask, qb, b, h) -> (n_kb, blocks)``: the key blocks a block of ``block_m`` query
     rows (query block ``qb``, batch ``b``, query head ``h``) visits under a block mask, for
@@ -702,7 +730,8 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
 
 __all__ = ["block_bounds", "block_coords", "block_mask_row", "check_mask_block",
            "check_user_function",
-           "key_block_at", "key_blocks", "key_window", "limits_shape", "mask_visible",
+           "key_block_at", "key_block_partial", "key_blocks", "key_window", "limits_shape",
+           "mask_visible",
            "mask_key_block", "mask_scores", "modify_scores", "row_limits", "score_hook",
            "MAX_MOD_ARGS", "check_n_args",
            "softcap_score", "store_rows"]

@@ -1,0 +1,320 @@
+"""Block masks (FlexAttention's ``BlockMask``): ``tilepy.create_block_mask`` against the
+block lists NumPy derives from the full mask matrix; ``flash_attention(block_mask=)`` on the
+mma.sync kernel and the grid TMA kernel against float64 attention with the mask; that the
+kernels visit exactly the listed blocks and skip the mask function on full ones; the mask the
+op makes and keeps for a ``mask_mod`` of no array; bad input refused before launch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import tilepy
+from tilepy.ops import attention_block_mask as abm
+from tilepy.ops import attention_wgmma as aw
+from tilepy.testing.reference import softmax_rows
+
+
+def causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def same_document(b, h, q_idx, kv_idx, doc):
+    """Document masking over a (batch, seq) id table; bounds the indices itself (edge tiles
+    pass positions past the sequences)."""
+    n = doc.shape[1]
+    return q_idx < n and kv_idx < n and doc[b, q_idx] == doc[b, kv_idx]
+
+
+def matrix(mask_mod, b, h, sq, sk, mod_args=()):
+    """The (b, h, sq, sk) bool mask of ``mask_mod``."""
+    out = np.zeros((b, h, sq, sk), bool)
+    for z in range(b):
+        for y in range(h):
+            for i in range(sq):
+                for j in range(sk):
+                    out[z, y, i, j] = mask_mod(z, y, i, j, *mod_args)
+    return out
+
+
+def lists(visible, bq, bk):
+    """Per (b, h, query block): the partial and the full key blocks, ascending."""
+    b, h, sq, sk = visible.shape
+    res = {}
+    for z in range(b):
+        for y in range(h):
+            for qb in range(-(-sq // bq)):
+                part, full = [], []
+                for kb in range(-(-sk // bk)):
+                    blk = visible[z, y, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk]
+                    if blk.all():
+                        full.append(kb)
+                    elif blk.any():
+                        part.append(kb)
+                res[z, y, qb] = (part, full)
+    return res
+
+
+def mask_lists(bm):
+    num, idx, fnum, fidx = (np.asarray(x) for x in (bm.kv_num_blocks, bm.kv_indices,
+                                                    bm.full_kv_num_blocks, bm.full_kv_indices))
+    return {(z, y, qb): (list(idx[z, y, qb, :num[z, y, qb]]),
+                         list(fidx[z, y, qb, :fnum[z, y, qb]]))
+            for z in range(num.shape[0]) for y in range(num.shape[1])
+            for qb in range(num.shape[2])}
+
+
+def reference(q, k, v, visible, scale=None):
+    """(O, LSE) in float64, (B, H, S, D), GQA by repeating K / V heads."""
+    g = q.shape[1] // k.shape[1]
+    kd = np.repeat(k.astype(np.float64), g, axis=1)
+    vd = np.repeat(v.astype(np.float64), g, axis=1)
+    s = q.astype(np.float64) @ kd.transpose(0, 1, 3, 2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    p, lse = softmax_rows(np.where(visible, s, -np.inf))
+    return p @ vd, lse
+
+
+def check(got, lse, want, want_lse):
+    got = got.astype(np.float64)
+    assert not np.isnan(got).any()
+    assert np.abs(got - want).max() <= 2e-3 * max(1.0, np.abs(want).max())
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
+    fin = np.isfinite(want_lse)
+    assert np.abs(lse[fin] - want_lse[fin]).max() <= 1e-4 * max(1, np.abs(want_lse).max())
+
+
+def documents(rng, b, s):
+    """int32 (b, s) ids of consecutive documents of random lengths (some of one token)."""
+    ids = np.zeros((b, s), np.int32)
+    for z in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, s), size=min(4, s - 1), replace=False))
+        ids[z] = np.searchsorted(cuts, np.arange(s), side="right")
+    return ids
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("batch,heads,block", [(2, None, (16, 32)), (None, 3, 32)])
+def test_create_block_mask_lists_partial_and_full_blocks(batch, heads, block):
+    """Lengths that are not multiples of a block; a mask shared by every batch or head (None);
+    per-batch ids through mod_args; counts and lists as NumPy derives them."""
+    rng = np.random.default_rng()
+    sq, sk = 45, 70
+    doc = documents(rng, 2, 70)
+    if batch is None:   # one mask for every batch: the first batch's documents
+        doc = doc[:1]
+    bm = tilepy.create_block_mask(same_document, batch, heads, sq, sk, mod_args=(doc,),
+                                  block_size=block)
+    b, h = batch or 1, heads or 1
+    assert bm.shape == (b, h, sq, sk)
+    assert bm.block_size == (tuple(block) if isinstance(block, tuple) else (block, block))
+    assert np.asarray(bm.kv_indices).dtype == np.int32
+    bq, bk = bm.block_size
+    want = lists(matrix(same_document, b, h, sq, sk, (doc,)), bq, bk)
+    assert mask_lists(bm) == want
+    again = tilepy.create_block_mask(causal, 1, 1, 0, 5, like=doc)        # no query: empty
+    assert np.asarray(again.kv_num_blocks).shape == (1, 1, 0)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("kernel", ["mma_sync", "tma"])
+def test_block_sparse_attention_against_float64(kernel):
+    """Document masking with a block mask: GQA, lengths not multiples of a block, LSE; on the
+    mma.sync kernel (16-row tiles under 32-row mask blocks) and the grid TMA kernel (64-key
+    tiles, two per 128-key mask block); out poisoned with NaN first."""
+    rng = np.random.default_rng()
+    if kernel == "tma":
+        b, hq, hk, s, d, block = 1, 2, 1, 150, 64, (64, 128)
+        cfg = aw.WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True)
+    else:
+        b, hq, hk, s, d, block = 2, 2, 1, 53, 32, (32, 16)
+        cfg = None
+    q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
+    doc = documents(rng, b, s)
+    bm = tilepy.create_block_mask(same_document, b, None, s, s, mod_args=(doc,),
+                                  block_size=block)
+    out = np.full(q.shape, np.nan, np.float16)
+    got, lse = tilepy.flash_attention(q, k, v, block_mask=bm, out=out, return_lse=True,
+                                      config=cfg)
+    assert got is out
+    vis = matrix(same_document, b, 1, s, s, (doc,))
+    check(got, lse, *reference(q, k, v, vis))
+
+
+def hand_mask(like, block, seq, partial, full, n_kb):
+    """A BlockMask of one query block per list entry: ``partial`` / ``full`` lists of key
+    blocks per query block (with ``n_kb`` entries per row)."""
+    nq = len(partial)
+    arr = [np.zeros((1, 1, nq), np.int32), np.zeros((1, 1, nq, n_kb), np.int32),
+           np.zeros((1, 1, nq), np.int32), np.zeros((1, 1, nq, n_kb), np.int32)]
+    for qb in range(nq):
+        for cnt, ix, lst in ((arr[0], arr[1], partial[qb]), (arr[2], arr[3], full[qb])):
+            cnt[0, 0, qb] = len(lst)
+            ix[0, 0, qb, :len(lst)] = lst
+    return abm.BlockMask(*arr, block, seq, mask_mod=None)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("kernel", ["mma_sync", "tma"])
+def test_kernels_visit_exactly_the_listed_blocks(kernel):
+    """A hand-made mask is obeyed: a key block listed nowhere is never seen (even where the
+    mask function sees it), a full block skips the mask function (which hides the odd keys
+    here), a partial one applies it; on the mma.sync kernel also an out-of-range index
+    (clamped) and a count past the lists (cut) — never read out of bounds."""
+    rng = np.random.default_rng()
+    if kernel == "tma":     # 64-row query blocks over 64-key blocks (the TMA kernel's tiles)
+        s, d, bq, bk = 192, 64, 64, 64
+        cfg = aw.WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True)
+    else:
+        s, d, bq, bk = 96, 16, 32, 16
+        cfg = None
+    q, k, v = (rng.standard_normal((1, 1, s, d)).astype(np.float16) for _ in range(3))
+
+    def nothing_but_even(b, h, q_idx, kv_idx):
+        return kv_idx % 2 == 0
+
+    # query block 0 sees key block 0 (partial: even keys) and 1 (full: every key, though the
+    # function hides the odd ones); query block 1 sees block 2 (partial) then 0 (partial) and
+    # 1 (full); query block 2 sees nothing (zeros, LSE -inf); other key blocks listed nowhere
+    n_kb = s // bk
+    bm = hand_mask(q, (bq, bk), (s, s), [[0], [2, 0], []], [[1], [1], []], n_kb)
+    bm = abm.BlockMask(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                       bm.full_kv_indices, bm.block_size, bm.seq_lengths, nothing_but_even)
+    got, lse = tilepy.flash_attention(q, k, v, block_mask=bm, return_lse=True, config=cfg)
+    vis = np.zeros((1, 1, s, s), bool)
+    vis[..., :2 * bq, 0:bk:2] = True                     # partial block 0: even keys
+    vis[..., :2 * bq, bk:2 * bk] = True                  # full block 1: every key
+    vis[..., bq:2 * bq, 2 * bk:3 * bk:2] = True          # second query block: partial block 2
+    check(got, lse, *reference(q, k, v, vis))
+    assert (got[..., 2 * bq:, :].astype(np.float32) == 0).all()
+    if kernel == "tma":
+        return
+    # an index past the last key block (clamped to block 3) and a count past the list's
+    # length (cut to 4 entries): no fault, the clamped blocks' keys seen
+    bm2 = hand_mask(q, (32, 16), (s, s), [[], [], []], [[9], [1], [0]], n_kb)
+    bm2.full_kv_num_blocks[0, 0, 1] = 99
+    bm2 = abm.BlockMask(bm2.kv_num_blocks, bm2.kv_indices, bm2.full_kv_num_blocks,
+                        bm2.full_kv_indices, bm2.block_size, bm2.seq_lengths, causal)
+    got = tilepy.flash_attention(q, k, v, block_mask=bm2)
+    assert not np.isnan(got.astype(np.float32)).any()
+
+
+@pytest.mark.sim
+def test_mask_made_and_kept_per_shape():
+    """A mask_mod of no array argument: the op makes the block mask once per shape (kept:
+    the next call makes none), with numbers among mod_args part of its key; results against
+    float64 on both calls."""
+    rng = np.random.default_rng()
+    s, d = 40, 16
+    q, k, v = (rng.standard_normal((1, 2, s, d)).astype(np.float16) for _ in range(3))
+
+    def prefix(b, h, q_idx, kv_idx, n):
+        return kv_idx <= q_idx or kv_idx < n
+
+    abm._CACHE.clear()
+    vis = matrix(prefix, 1, 1, s, s, (7,))
+    for _ in range(2):
+        got, lse = tilepy.flash_attention(q, k, v, mask_mod=prefix, mod_args=(7,),
+                                          return_lse=True)
+        check(got, lse, *reference(q, k, v, vis))
+        assert len(abm._CACHE) == 1
+    tilepy.flash_attention(q, k, v, mask_mod=prefix, mod_args=(9,))
+    assert len(abm._CACHE) == 2
+    mask = list(abm._CACHE.values())[0]
+    assert mask_lists(mask) == lists(matrix(prefix, 1, 2, s, s, (7,)), *mask.block_size)
+
+
+@pytest.mark.sim
+def test_bad_block_masks_are_refused_before_launch():
+    x = np.zeros((1, 2, 40, 16), np.float16)
+    bm = tilepy.create_block_mask(causal, None, None, 40, 40, like=x, block_size=16)
+    with pytest.raises(ValueError, match="causal=True or a window"):
+        tilepy.flash_attention(x, x, x, block_mask=bm, causal=True)
+    with pytest.raises(ValueError, match="is not the block mask's"):
+        tilepy.flash_attention(x, x, x, block_mask=bm, mask_mod=lambda b, h, i, j: True)
+    with pytest.raises(ValueError, match=r"made for \(seq_q, seq_k\) = \(40, 40\)"):
+        tilepy.flash_attention(x[:, :, :30], x, x, block_mask=bm)
+    with pytest.raises(TypeError, match="must be a tilepy BlockMask"):
+        tilepy.flash_attention(x, x, x, block_mask=object())
+    wrong = abm.BlockMask(*(np.asarray(a, np.int64) for a in (
+        bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)),
+        bm.block_size, bm.seq_lengths, causal)
+    with pytest.raises(TypeError, match="block_mask.kv_num_blocks: dtype int64"):
+        tilepy.flash_attention(x, x, x, block_mask=wrong)
+    three = tilepy.create_block_mask(causal, 1, 3, 40, 40, like=x, block_size=16)
+    with pytest.raises(ValueError, match=r"heads 2 or 1"):
+        tilepy.flash_attention(x, x, x, block_mask=three)
+    for size in (8, 24, (16, 2000), (True, 16)):
+        with pytest.raises(ValueError, match="multiples of 16"):
+            tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, block_size=size)
+    with pytest.raises(TypeError, match="must take 4 positional parameters"):
+        tilepy.create_block_mask(lambda b, h, i: True, 1, 1, 40, 40, like=x)
+    with pytest.raises(TypeError, match="pass like="):
+        tilepy.create_block_mask(causal, 1, 1, 40, 40)
+    with pytest.raises(ValueError, match="batch must be a positive int or None"):
+        tilepy.create_block_mask(causal, 0, 1, 40, 40, like=x)
+    cfg = aw.WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True)
+    y = np.zeros((1, 1, 40, 64), np.float16)
+    m32 = tilepy.create_block_mask(causal, 1, 1, 40, 40, like=y, block_size=32)
+    with pytest.raises(ValueError, match="do not divide the block mask's"):
+        tilepy.flash_attention(y, y, y, block_mask=m32, config=cfg)
+
+
+@pytest.mark.compile
+def test_block_sparse_kernels_compile_without_spills():
+    """Offline sm_90a: the block-sparse grid TMA kernel (d128, ping-pong, producer; one and two
+    key tiles a mask block) and the block-sparse mma.sync kernel (d128) with a causal mask
+    function and LSE, and the block mask's kernel: no spill, no local memory, the TMA kernel's
+    wgmmas and TMA loads present, no serialised wgmmas."""
+    from tilepy.offline import find_ptxas, run_in_subprocess
+
+    if find_ptxas() is None:
+        pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
+    reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports")
+    assert len(reps) == len(abm.SPARSE_REPORTS) + 1
+    for name, rep in reps.items():
+        assert "error" not in rep, rep
+        assert rep["local_bytes"] == 0 and rep["counts"]["ld.local"] == 0, rep
+        if "producer" in name:
+            # as the dense kernel's (tests/test_ops_attention_wgmma.py): setmaxnreg's 168 at
+            # entry; values computed before the warpgroups part may be spilled there
+            assert rep["registers"] == 168 and rep["spill_stores"] <= 64, rep
+            assert rep["counts"]["wgmma.mma_async"] >= 128 // 16 + 128 // 16
+            assert rep["counts"]["cp.async.bulk.tensor"] >= 3
+            assert not rep["ptxas_wgmma_notes"], rep["ptxas_wgmma_notes"]
+        else:
+            assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_block_masks_against_sdpa(d):
+    """B2 H8 S3000 (partial blocks) bf16 on the built-in configs (sm_90: the block-sparse grid
+    TMA kernel): causal document masking through a block mask made by create_block_mask,
+    against SDPA with the explicit mask in float32; causal written as mask_mod (the op's own
+    block mask) against the built-in causal=True; out poisoned with NaN first."""
+    torch = pytest.importorskip("torch")
+    b, h, s = 2, 8, 3000
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    doc = torch.from_numpy(documents(np.random.default_rng(0), b, s)).cuda()
+
+    def doc_causal(bb, hh, q_idx, kv_idx, ids):
+        return kv_idx <= q_idx and q_idx < ids.shape[1] and kv_idx < ids.shape[1] and \
+            ids[bb, q_idx] == ids[bb, kv_idx]
+
+    bm = tilepy.create_block_mask(doc_causal, b, None, s, s, mod_args=(doc,))
+    out = torch.full_like(q, float("nan"))
+    got = tilepy.flash_attention(q, k, v, block_mask=bm, out=out)
+    i = torch.arange(s, device="cuda")
+    vis = (i[None, :] <= i[:, None])[None] & (doc[:, :, None] == doc[:, None, :])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=vis[:, None])
+    assert got is out and not torch.isnan(got).any()
+    assert (got.float() - want).abs().max().item() <= 2e-2
+    mine = tilepy.flash_attention(q, k, v, mask_mod=causal)
+    builtin = tilepy.flash_attention(q, k, v, causal=True)
+    assert (mine.float() - builtin.float()).abs().max().item() <= 1e-2
