@@ -50,7 +50,8 @@
 #                by a block mask against SDPA, causal as mask_mod against causal=True), the
 #                user-function benchmark with the block-mask cases (causal and a window as
 #                mask_mod against the built-in arguments and compiled FlexAttention, document
-#                masking with its block mask); then what s26a and s26b left.
+#                masking with its block mask); packed sequences on the grid TMA kernel (the
+#                varlen GPU tests and benchmark); then what s26a and s26b left.
 #   PART=s26a    the FP8 attention forward (issue 28): the 8-bit rs wgmma's GPU test, the FP8
 #                attention GPU tests, its benchmark against tilepy's bf16 attention; the FP8
 #                GEMM's GPU tests (mixed formats, bias + GELU) and probe
@@ -271,6 +272,8 @@ if [[ " $PART " == *" s25f "* ]]; then
 fi
 if [[ " $PART " == *" s27 "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
+    gpu_tests varlen_gpu 150 tests/test_ops_attention_varlen.py
+    bench_suite bench_attention_varlen 120 "test_flash_attention_varlen"
     bench_suite bench_attention_user 240 "test_flash_attention_user_functions"
 fi
 if [[ " $PART " == *" s26a "* ]]; then

@@ -91,6 +91,26 @@ def test_variants_per_sequence():
         mask_mod=same_segment, mod_args=(seg,))
 
 
+@sim
+@pytest.mark.parametrize("dtype,causal,variant", [("bfloat16", True, False),
+                                                  ("float16", False, True)])
+def test_tma_kernel_against_float64(dtype, causal, variant):
+    """The grid TMA wgmma kernel (sm_90's choice) on packed sequences: TMA loads each tile at
+    its sequence's packed offset, so the rows and keys past a sequence's end are the next
+    sequence's (or TMA's zeros past the tensor) — masked, never written; a zero-length query
+    or key sequence, a sequence shorter than the grid's x (causal, heavy-first blocks past it
+    return), GQA; with a window on both sides, a soft cap, ALiBi per (sequence, head) and a
+    user mask reading mod_args (the hook's batch the sequence index)."""
+    cfg = WgmmaAttentionConfig(64, 64, 64, dtype, overlap=True, tma=True)
+    if variant:
+        slopes = np.random.default_rng().uniform(0.05, 0.5, (3, 2)).astype(np.float32)
+        run([70, 6, 41], [66, 6, 90], 2, 1, 64, dtype, causal, config=cfg, window=(30, 9),
+            softcap=5.0, alibi_slopes=slopes, mask_mod=same_segment,
+            mod_args=(np.array([30, 3, 20], np.int64),))
+    else:
+        run([70, 0, 130, 5], [90, 3, 120, 0], 2, 1, 64, dtype, causal, config=cfg)
+
+
 def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, alibi=None):
     """float64 (dq, dk, dv) of each sequence alone
     (:func:`test_ops_attention_backward.reference` on a batch of one), packed; rows outside
@@ -173,8 +193,11 @@ def test_bad_input_is_refused_before_launch():
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, alibi_slopes=np.ones(3, np.float32))
     with pytest.raises(ValueError, match="window"):
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, window=(-2, 0))
-    with pytest.raises(NotImplementedError, match="mma.sync"):
+    with pytest.raises(NotImplementedError, match="grid TMA wgmma kernel"):
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=WgmmaAttentionConfig(64))
+    with pytest.raises(NotImplementedError, match="grid TMA wgmma kernel"):
+        flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=WgmmaAttentionConfig(
+            64, 192, 128, overlap=True, tma=True, producer=True, persistent=True))
     with pytest.raises(ValueError, match="config is for head_dim 64"):
         flash_attention_varlen(x, x, x, cu, cu, 6, 6, config=AttentionConfig(64))
     lse = np.zeros((2, 10), np.float32)

@@ -20,6 +20,7 @@ from tilepy.ops.attention_wgmma import (
     PERSISTENT_TMA_REPORTS,
     TMA_REPORTS,
     VARIANT_REPORTS,
+    VARLEN_REPORTS,
     WgmmaAttentionConfig,
 )
 
@@ -437,7 +438,7 @@ def test_compiles_for_sm90a_without_spills():
     reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
     assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
                          + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS)
-                         + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS))
+                         + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS) + len(VARLEN_REPORTS))
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / k for S, block_n / k for P·V (k 16, 32

@@ -2,14 +2,18 @@
 
 FlashAttention-2's varlen API: the sequences of a batch lie one after another in ``q``
 (total_q, heads_q, head_dim) and ``k`` / ``v`` (total_k, heads_kv, head_dim), delimited by
-int32 cumulative lengths. One launch of the mma.sync forward kernel with its ``varlen``
-generator parameter (:func:`tilepy.ops.attention_mma_sync.attention_kernel`): grid z runs over
+int32 cumulative lengths. One launch of a forward kernel with its ``varlen`` generator
+parameter — on sm_90 the grid TMA wgmma kernel
+(:func:`tilepy.ops.attention_wgmma.wgmma_attention_kernel`), elsewhere the mma.sync one
+(:func:`tilepy.ops.attention_mma_sync.attention_kernel`): grid z runs over
 the sequences, each block reads its sequence's bounds on the device (no host round trip per
 call; :func:`flash_attention_varlen`'s ``check_seqlens`` reads them once on the host to
 validate).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -57,9 +61,11 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       ``b`` the sequence index and ``q_idx`` / ``kv_idx`` positions within the sequence.
     * ``return_lse=True``: ``(out, lse)`` with ``lse`` float32 (heads_q, total_q)
       (FlashAttention-2's varlen LSE layout); rows outside every sequence are not written.
-    * ``config``: an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig`; the packed
-      sequences run the mma.sync kernel on every GPU (a ``WgmmaAttentionConfig`` is a
-      ``NotImplementedError``).
+    * ``config``: an :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` (the mma.sync
+      kernel) or a :class:`~tilepy.ops.attention_wgmma.WgmmaAttentionConfig` with ``tma=True``
+      and not persistent (the grid TMA kernel; another is a ``NotImplementedError``). Unset:
+      on sm_90 the built-in Hopper config's grid TMA kernel for every head dim (the mma.sync
+      kernel where TMA cannot describe the views), elsewhere the mma.sync kernel.
     * No backward yet: ``NotImplementedError`` for PyTorch inputs that require grad.
     * head_dim, dtypes, GQA, ``scale`` and the accepted array kinds: as
       :func:`tilepy.flash_attention`'s. Errors are raised before anything is launched.
@@ -90,7 +96,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         Out = describe(out, "out")
     lse = arrays.empty(Q, (hq, Q.shape[0]), "float32") if return_lse else None
     if n and hq and mq:
-        cfg = config or choose_config(d, dtype)
+        cfg = config or choose_config(d, dtype, causal)
         variant = at.is_variant(win, cap) or user or alibi
         hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
             if variant else None
@@ -106,13 +112,16 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 else arrays.placeholder(3)
             seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
                     at.device_view(arrays.raw_view(CuK, hook=True)))
-            if variant:
-                kern = fa.attention_kernel(cfg, False, lse is not None, win, hook, varlen=True)
-            else:
-                kern = fa.attention_kernel(cfg, bool(causal), lse is not None, varlen=True)
             stream = arrays.stream_handle(Q)
-            plan, args = fa.plan(kern, cfg, *views, packed_view(Out), lse_v, scale,
-                                 hargs=(seqs, tuple(hargs)), varlen=(n, mq))
+            run = (views, packed_view(Out), lse_v, scale, (seqs, tuple(hargs)), (n, mq),
+                   causal, win, hook if variant else None, lse is not None, Q)
+            try:
+                plan, args = _plan(cfg, *run)
+            except (ValueError, RuntimeError):
+                # TMA cannot describe these views (tensor-map limits): the mma.sync kernel
+                if config is not None or not isinstance(cfg, aw.WgmmaAttentionConfig):
+                    raise
+                plan, args = _plan(at.mma_sync_config(d, dtype), *run)
             plan.launch(stream, args)
             device_write.keep_during_capture(stream, *copies)
     return (out, lse) if return_lse else out
@@ -132,12 +141,34 @@ def output_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return Q.shape, (hq, Q.shape[0])
 
 
-def choose_config(head_dim: int, dtype: str) -> AttentionConfig:
-    """The mma.sync config packed sequences run with: the simulator's small one, else the
-    built-in GPU config of the head_dim (:data:`tilepy.ops.attention.GPU_CONFIGS`)."""
+def _plan(cfg, views, o_v, lse_v, scale, hargs, varlen, causal, win, hook, has_lse, Q):
+    """``(plan, args)`` of ``cfg``'s varlen kernel (the variant's when ``hook`` is not None:
+    the window ``win`` and the score hook) over the packed views."""
+    if isinstance(cfg, aw.WgmmaAttentionConfig):
+        if hook is not None:
+            kern = aw.wgmma_attention_kernel(cfg, False, has_lse, win, hook, varlen=True)
+        else:
+            kern = aw.wgmma_attention_kernel(cfg, bool(causal), has_lse, varlen=True)
+        return aw.plan(kern, cfg, *views, o_v, lse_v, scale, hargs=hargs, varlen=varlen,
+                       alloc=arrays.byte_allocator(Q))
+    if hook is not None:
+        kern = fa.attention_kernel(cfg, False, has_lse, win, hook, varlen=True)
+    else:
+        kern = fa.attention_kernel(cfg, bool(causal), has_lse, varlen=True)
+    return fa.plan(kern, cfg, *views, o_v, lse_v, scale, hargs=hargs, varlen=varlen)
+
+
+def choose_config(head_dim: int, dtype: str, causal: bool = False):
+    """The config packed sequences run with: on sm_90 (head dims of the TMA kernels) the
+    built-in Hopper config's grid TMA kernel (:func:`tilepy.ops.attention.hopper_config`, not
+    persistent: a block per (query block, head, sequence)); elsewhere the built-in mma.sync
+    config of the head_dim (:data:`tilepy.ops.attention.GPU_CONFIGS`); in the simulator the
+    small mma.sync one."""
     if arrays.SIMULATOR:
         return AttentionConfig(head_dim, at.SIM_BLOCK_M, at.SIM_BLOCK_N, at.SIM_WARP_ROWS,
                                dtype)
+    if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
+        return dataclasses.replace(at.hopper_config(head_dim, dtype, causal), persistent=False)
     return at.mma_sync_config(head_dim, dtype)
 
 
@@ -172,10 +203,13 @@ def check_arguments(q, k, v, scale, out, config):
     device = arrays.same_device(Q, K, V, Out)
     if config is not None:
         if isinstance(config, aw.WgmmaAttentionConfig):
-            raise NotImplementedError("flash_attention_varlen runs the mma.sync kernel; pass "
-                                      "an AttentionConfig or leave config unset")
-        if not isinstance(config, AttentionConfig):
-            raise TypeError(f"config must be a tilepy.ops.attention_mma_sync.AttentionConfig, "
+            if not config.tma or config.persistent or config.fp8 or config.dv != d:
+                raise NotImplementedError(
+                    f"flash_attention_varlen runs the grid TMA wgmma kernel (tma=True, not "
+                    f"persistent, v's head dim q's) or the mma.sync kernel; got "
+                    f"{config.describe()}")
+        elif not isinstance(config, AttentionConfig):
+            raise TypeError(f"config must be an AttentionConfig or a WgmmaAttentionConfig, "
                             f"got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, Q.dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "

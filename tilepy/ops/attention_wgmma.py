@@ -450,7 +450,7 @@ class WgmmaAttentionConfig:
 
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
                            has_lse: bool = False, window=None, score_mod=None,
-                           mask_block=None, full_score_mod=None):
+                           mask_block=None, full_score_mod=None, varlen: bool = False):
     """The kernel for ``cfg`` (see the module docstring), generated once per argument set.
 
     Variants, generator parameters as in :func:`tilepy.ops.attention_mma_sync.attention_kernel`
@@ -476,6 +476,13 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       block's partial then full lists (:func:`tilepy.tile.attention.block_mask_row`), no
       other; the full blocks' scores take ``full_score_mod`` (the hook without the mask
       function; None: nothing).
+    * ``varlen``: packed sequences of different lengths, on the grid TMA kernel of a 16-bit
+      config (not with ``mask_block``) — :func:`tilepy.ops.attention_mma_sync.
+      attention_kernel`'s contract: views of batch 1, ``hargs`` ``((cu_seqlens_q,
+      cu_seqlens_k), hook_args)``, grid z over the sequences, every mask, window and hook
+      relative to the sequence (the hook's batch is its index; ALiBi's shift its own). TMA
+      loads a sequence's tiles at its packed offsets; rows and keys past its end (the next
+      sequence's, or TMA's zeros past the tensor) are masked or not stored.
 
     Without either the generated code is the plain causal / full kernel's. An 8-bit config
     (``cfg.fp8``) takes ``hargs = (descales, hook arguments)`` (module docstring)."""
@@ -484,6 +491,10 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
         raise NotImplementedError(
             f"wgmma attention: a window or score_mod runs on the TMA kernels only "
             f"(WgmmaAttentionConfig(..., tma=True)); got {cfg.describe()}")
+    if varlen and (not cfg.tma or cfg.persistent or cfg.fp8 or mask_block is not None):
+        raise NotImplementedError(
+            f"wgmma attention: packed sequences (varlen) run on the grid TMA kernel of a "
+            f"16-bit config without a block mask; got {cfg.describe()}")
     if mask_block is not None:
         mask_block = check_mask_block(mask_block, cfg.block_m, cfg.block_n)
         if cfg.persistent or cfg.fp8 or (left, right) != (-1, -1) or score_mod is None:
@@ -493,15 +504,17 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
     else:
         full_score_mod = None
     return _wgmma_attention_kernel(cfg, bool(has_lse), left, right, score_mod, mask_block,
-                                   full_score_mod)
+                                   full_score_mod, bool(varlen))
 
 
 @functools.cache
 def _wgmma_attention_kernel(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: int,
-                            score_mod, mask_block=None, full_score_mod=None):
+                            score_mod, mask_block=None, full_score_mod=None,
+                            varlen: bool = False):
     """The kernel of :func:`wgmma_attention_kernel`'s arguments: the shared pieces, then the
     TMA pieces and the grid or persistent TMA kernel, or the cp.async loops and kernel."""
     c = _common_parts(cfg, has_lse, left, right, score_mod, mask_block, full_score_mod)
+    c.VARLEN = varlen
     if cfg.tma:
         t = _tma_parts(cfg, c)
         return (_tma_persistent_kernel if cfg.persistent else _tma_grid_kernel)(cfg, c, t)
@@ -1246,6 +1259,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     wg_bounds = block_bounds(64, BN, False, WIN)
     PREGS, CREGS = cfg.registers if PRODUCER else (0, 0)
 
+    VARLEN = c.VARLEN   # packed sequences: views of batch 1, every load at batch 0
+
     def tile_load(nbytes, boxes, box_bytes):
         """``load(dst, tm, bar, row, head, b)``: one tile of ``boxes`` 128-byte-wide boxes of
         ``box_bytes`` each into ``dst``, its ``nbytes`` expected on ``bar``."""
@@ -1253,7 +1268,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         def load(dst, tm, bar, row, head, b):
             MB.mbarrier_arrive_expect_tx(bar, nbytes)
             for c in range(boxes):
-                T.tma_load_4d(dst + c * box_bytes, tm, bar, c * BOXC, row, head, b)
+                T.tma_load_4d(dst + c * box_bytes, tm, bar, c * BOXC, row, head,
+                              0 if VARLEN else b)
 
         return load
 
@@ -1264,7 +1280,7 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         def load_v(dst, tm, bar, key, head, b):
             """Vᵀ's (dv rows × 128 keys) box of the key block at ``key``."""
             MB.mbarrier_arrive_expect_tx(bar, VTILE)
-            T.tma_load_4d(dst, tm, bar, key, 0, head, b)
+            T.tma_load_4d(dst, tm, bar, key, 0, head, 0 if VARLEN else b)
     else:
         load_v = tile_load(VTILE, V_BOXES, KV_BOX)  # a V tile, tile_dim_v wide
 
@@ -1273,6 +1289,15 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
     # kernel's ``tilepy_smem_bytes``) before that load, and the consumers read it once the K
     # tile has landed, before they release the slot: they keep no block list in registers.
     STEPS = cfg.smem_bytes
+    if VARLEN:   # ``blocks`` is (first key block, the sequence's first key in the packed k)
+        @inline_device
+        def key_of(blocks, j):
+            return (blocks[0] + j) * BN + blocks[1]
+    else:
+        @inline_device
+        def key_of(blocks, j):
+            return at(blocks, j) * BN
+
     if c.SPARSE:
         @inline_device
         def put_step(base, slot, blocks, j):
@@ -1291,6 +1316,8 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
 
         @inline_device
         def get_step(base, slot, blocks, j):
+            if VARLEN:
+                return blocks[0] + j
             return blocks + j
 
     @inline_device
@@ -1326,13 +1353,13 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         T.fence_proxy_tensormap_acquire(tk)
         T.fence_proxy_tensormap_acquire(tv)
         load_q(base, tq, bars, row0, h, b)
-        key0 = at(blocks, 0) * BN
+        key0 = key_of(blocks, 0)
         put_step(base, 0, blocks, 0)
         load_kv(kv_base, tk, bars + 8, key0, hk, b)                       # K(0)
         load_v(kv_base + TILE, tv, bars + 16, key0, hk, b)                # V(0)
         if n_kb > 1:
             put_step(base, 1, blocks, 1)
-            load_kv(kv_base + STAGE, tk, bars + 8 + 32, at(blocks, 1) * BN, hk, b)  # K(1)
+            load_kv(kv_base + STAGE, tk, bars + 8 + 32, key_of(blocks, 1), hk, b)  # K(1)
 
     @inline_device
     def produce_step(base, tk, tv, b, hk, kb, n_kb, blocks):
@@ -1343,12 +1370,12 @@ def _tma_parts(cfg: WgmmaAttentionConfig, c):
         nxt = 1 - cur
         if kb >= 1:   # V(kb+1) into the slot of V(kb-1)
             MB.mbarrier_wait_parity(bars + 32 * nxt + 32, ((kb - 1) >> 1) & 1)
-        load_v(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, at(blocks, kb + 1) * BN,
+        load_v(kv_base + nxt * STAGE + TILE, tv, bars + 32 * nxt + 16, key_of(blocks, kb + 1),
                hk, b)
         if kb + 2 < n_kb:   # K(kb+2) into the slot of K(kb)
             MB.mbarrier_wait_parity(bars + 32 * cur + 24, (kb >> 1) & 1)
             put_step(base, cur, blocks, kb + 2)
-            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, at(blocks, kb + 2) * BN, hk,
+            load_kv(kv_base + cur * STAGE, tk, bars + 32 * cur + 8, key_of(blocks, kb + 2), hk,
                     b)
 
     @inline_device
@@ -1480,7 +1507,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     start_rows, thread_rows = c.start_rows, c.thread_rows
     DSC, o_factor, put_descales = c.DSC, c.o_factor, c.put_descales
     resolve, scale_source, split_hargs = c.resolve, c.scale_source, c.split_hargs
-    SPARSE, mask_row = c.SPARSE, c.mask_row
+    SPARSE, mask_row, VARLEN = c.SPARSE, c.mask_row, c.VARLEN
     BARS, CREGS, CWG, PREGS, init_ring = t.BARS, t.CREGS, t.CWG, t.PREGS, t.init_ring
     produce_first, produce_step, tjit = t.produce_first, t.produce_step, t.tjit
     tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
@@ -1489,10 +1516,26 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
     def tkernel(q, k, v, o, lse, scale, scale_log2, maps, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         dsc, both = split_hargs(hargs)
+        if VARLEN:     # sequence b: rows q_start … of the packed q / o, keys k_start …
+            cu_q, cu_k = both[0]
+            q_start = i64(cu_q[b])
+            k_start = i64(cu_k[b])
+            sq = i64(cu_q[b + 1]) - q_start
+            sk = i64(cu_k[b + 1]) - k_start
+            vb = 0
+        else:
+            q_start = 0
+            vb = b
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
         row0, kb0, kb_end, all_first, all_see = bounds(sq, sk)
-        if SPARSE:     # hargs (hook arguments, the block mask): the mask's lists
+        if VARLEN:
+            if row0 >= sq:
+                return  # past this sequence's rows (the grid fits the longest): the block
+            hook = both[1] + (sk - sq,)
+            n_kb = kb_end - kb0
+            blocks = (kb0, k_start)
+        elif SPARSE:   # hargs (hook arguments, the block mask): the mask's lists
             hook = both[0]
             n_kb, blocks = mask_row(both[1], cuda.blockIdx.x, b, h)
         else:          # step j visits key block kb0 + j
@@ -1525,7 +1568,7 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
                 W.setmaxnreg_dec(PREGS)
                 if tid == CONSUMERS:
                     put_descales(base + DSC, dsc, b, hk)   # before Q full can complete
-                    produce_first(base, tq, tk, tv, b, h, hk, row0, n_kb, blocks)
+                    produce_first(base, tq, tk, tv, b, h, hk, q_start + row0, n_kb, blocks)
                     for kb in range(n_kb - 1):
                         produce_step(base, tk, tv, b, hk, kb, n_kb, blocks)
             else:
@@ -1536,17 +1579,25 @@ def _tma_grid_kernel(cfg: WgmmaAttentionConfig, c, t):
                 n_wg, first, see = warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see, sq,
                                                   sk)
                 tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk, tv, b,
-                         h, hk, row0, q_rows, blocks, n_kb, n_wg, first, see, t, tid, wg,
-                         scale_source(base + DSC, scale_log2), 0, base + BARS, 0,
+                         h, hk, q_start + row0, q_rows, blocks, n_kb, n_wg, first, see, t, tid,
+                         wg, scale_source(base + DSC, scale_log2), 0, base + BARS, 0,
                          row0 + wrow + g, scale_source(base + DSC, scale), hook)
-                epilogue(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0, wrow, sq,
-                         resolve(scale_source(base + DSC, scale)), g, t, tid, wg, base + KV,
-                         o_factor(base + DSC))
+                # (varlen: rows counted from the packed start, bounded by the sequence's end;
+                # the bounds read again rather than kept in registers across the key loop)
+                if VARLEN:
+                    o_start = i64(both[0][0][b])
+                    o_end = i64(both[0][0][b + 1])
+                else:
+                    o_start = 0
+                    o_end = sq
+                epilogue(acc_o, o3, row_max, row_sum, o[vb, h], lse, vb, h, o_start + row0,
+                         wrow, o_end, resolve(scale_source(base + DSC, scale)), g, t, tid, wg,
+                         base + KV, o_factor(base + DSC))
         elif wg < CWG:
             start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
             # (no key: zeros and LSE -inf, whatever the scale)
-            no_keys(acc_o, o3, row_max, row_sum, o[b, h], lse, b, h, row0 + wrow, sq, scale, g,
-                    t)
+            no_keys(acc_o, o3, row_max, row_sum, o[vb, h], lse, vb, h, q_start + row0 + wrow,
+                    q_start + sq, scale, g, t)
 
     if SPARSE:   # the ring slots' step words after the config's shared memory (_tma_parts)
         tkernel.tilepy_smem_bytes = cfg.smem_bytes + 8
@@ -1748,7 +1799,7 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
 
 def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
-         sms: int | None = None, stream=0, alloc=None, hargs=()):
+         sms: int | None = None, stream=0, alloc=None, hargs=(), varlen=None):
     """``(launch plan, arguments)`` as :func:`tilepy.ops.attention_mma_sync.plan`. A persistent
     config launches ``min(tiles, blocks_per_sm × sms)`` blocks (``sms``: default the device's
     SM count). A TMA config's arguments end with the tensor maps of q, k and v, and a
@@ -1758,7 +1809,9 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
     plan's first launch on its stream (as the TMA GEMM's :class:`~tilepy.tile.tma_plan.
     TmaLaunchPlan`, which also makes the maps of other pointers). ``stream``: accepted for
     the callers' sake (nothing is enqueued here). ``hargs``: the score hook's arguments, every
-    kernel's last (read by the TMA kernels' hook only; the others take ``()``)."""
+    kernel's last (read by the TMA kernels' hook only; the others take ``()``). ``varlen``:
+    ``(sequences, max_seqlen_q)`` for the grid TMA kernel's packed sequences (views of batch
+    1): grid z the sequences, x the longest's query blocks."""
     from ..launch import LaunchPlan, sm_count
     from ..tile.smem import allow_dynamic_shared
     from .attention_mma_sync import grid, kernel_args
@@ -1784,6 +1837,8 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
         tiles = -(-q.shape[2] // cfg.block_m) * q.shape[1] * q.shape[0]
         slots = blocks_per_sm(kernel, args, cfg) * (sms if sms is not None else sm_count(SMS))
         blocks = (max(1, min(tiles, slots)), 1, 1)
+    elif varlen is not None:
+        blocks = grid(cfg, varlen[1], q.shape[1], varlen[0])
     else:
         blocks = grid(cfg, q.shape[2], q.shape[1], q.shape[0])
     if cfg.tma:
@@ -1797,13 +1852,14 @@ def plan(kernel, cfg: WgmmaAttentionConfig, q, k, v, o, lse, scale: float, *,
 MAPS_ARG = 7
 
 
-def kernel_argtypes(cfg: WgmmaAttentionConfig) -> tuple:
+def kernel_argtypes(cfg: WgmmaAttentionConfig, varlen: bool = False) -> tuple:
     """Numba argument types of the config's kernel (offline compilation): the attention
-    kernels' (:func:`tilepy.ops.attention_mma_sync.argtypes`), with TMA the tensor maps and,
-    persistent, the tile counter before the (empty) hook arguments."""
+    kernels' (:func:`tilepy.ops.attention_mma_sync.argtypes`; ``varlen``: the cumulative
+    lengths first in the hook arguments), with TMA the tensor maps and, persistent, the tile
+    counter before the (empty) hook arguments."""
     from .attention_mma_sync import argtypes
 
-    base = argtypes()
+    base = argtypes(varlen=varlen)
     hargs = base[-1]
     if cfg.fp8:    # uint8 q, k and Vᵀ; hargs (descales (batch, heads_kv) float32, the hook's)
         u8 = types.Array(types.uint8, 4, "A")
@@ -1891,6 +1947,10 @@ PERSISTENT_TMA_REPORTS = ((128, True, True, 128), (64, False, False, 192))
 VARIANT_REPORTS = ((128, 128, True, False, (255, 0), 50.0), (64, 192, False, True, (255, 0), 0.0))
 
 
+#: Packed-sequence (varlen) grid TMA kernels of :func:`compile_reports` (the built-in
+#: Hopper configs, not persistent): (head_dim, causal with LSE).
+VARLEN_REPORTS = ((128, True), (64, False))
+
 #: FP8 TMA kernels of :func:`compile_reports` (ping-pong, a producer warpgroup, 128 query
 #: rows): (head_dim, block_n, causal with LSE).
 FP8_REPORTS = ((128, 128, True), (128, 128, False), (256, 64, False), (64, 128, True))
@@ -1918,8 +1978,8 @@ def compile_reports():
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
     and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
     (:data:`TMA_REPORTS`), TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`) and
-    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`), and the FP8 ones
-    (:data:`FP8_REPORTS`)."""
+    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`), the FP8 ones
+    (:data:`FP8_REPORTS`) and the packed-sequence ones (:data:`VARLEN_REPORTS`)."""
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
@@ -1967,4 +2027,14 @@ def compile_reports():
         name = (f"attention_wgmma_tma_pingpong_producer_fp8_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
+    from .attention import HOPPER_CHOICE
+
+    for d, causal in VARLEN_REPORTS:
+        cfg = WgmmaAttentionConfig(d, **dict(HOPPER_CHOICE[(d, causal)], persistent=False))
+        name = (f"attention_wgmma_tma{'_pingpong' if cfg.pingpong else ''}_producer_varlen_d{d}_"
+                f"{cfg.block_m}x{cfg.block_n}{'_causal_lse' if causal else ''}")
+        out.append(report_entry(name, lambda cfg=cfg, causal=causal: wgmma_attention_kernel(
+            cfg, causal, causal, varlen=True), kernel_argtypes(cfg, varlen=True), (9, 0, "a"),
+            threads=cfg.threads, launch_bounds=(cfg.threads, 1), sass=True,
+            config=cfg.describe(), smem_bytes=cfg.smem_bytes))
     return out
