@@ -191,8 +191,8 @@ def test_kernels_visit_exactly_the_listed_blocks(kernel):
     assert (got[..., 2 * bq:, :].astype(np.float32) == 0).all()
     if kernel == "tma":
         return
-    # an index past the last key block (clamped to block 3) and a count past the list's
-    # length (cut to 4 entries): no fault, the clamped blocks' keys seen
+    # an index past the last key block (clamped to the last, 5) and a count past the list's
+    # length (cut to its 6 entries): no fault, no NaN
     bm2 = hand_mask(q, (32, 16), (s, s), [[], [], []], [[9], [1], [0]], n_kb)
     bm2.full_kv_num_blocks[0, 0, 1] = 99
     bm2 = abm.BlockMask(bm2.kv_num_blocks, bm2.kv_indices, bm2.full_kv_num_blocks,
@@ -213,9 +213,12 @@ def test_mask_made_and_kept_per_shape():
     def prefix(b, h, q_idx, kv_idx, n):
         return kv_idx <= q_idx or kv_idx < n
 
+    from tilepy.ops import attention as at
+
     abm._CACHE.clear()
     vis = matrix(prefix, 1, 1, s, s, (7,))
     for _ in range(2):
+        at._PLANS.clear()      # (the mask cache itself, not a recorded plan, serves the next)
         got, lse = tilepy.flash_attention(q, k, v, mask_mod=prefix, mod_args=(7,),
                                           return_lse=True)
         check(got, lse, *reference(q, k, v, vis))
@@ -318,3 +321,16 @@ def test_gpu_block_masks_against_sdpa(d):
     mine = tilepy.flash_attention(q, k, v, mask_mod=causal)
     builtin = tilepy.flash_attention(q, k, v, causal=True)
     assert (mine.float() - builtin.float()).abs().max().item() <= 1e-2
+
+
+def test_sparse_configs_divide_the_mask_and_stay_valid():
+    """The Hopper configs a block mask of 64, 128 or 192 query rows gets: tiles that divide it,
+    a producer warpgroup and ping-pong only at 128 rows or more, never persistent."""
+    from tilepy.ops import attention as at
+
+    for d in (64, 128, 192, 256):
+        for block in ((64, 64), (128, 128), (192, 128), (64, 256)):
+            cfg = at.sparse_config(at.hopper_config(d, "bfloat16", False), block)
+            assert block[0] % cfg.block_m == 0 and block[1] % cfg.block_n == 0
+            assert not cfg.persistent and (cfg.block_m >= 128 or not cfg.producer)
+

@@ -775,7 +775,9 @@ def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_l
                   alibi_slopes=alibi_slopes, score_mod=score_mod,
                   score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
                   block_mask=block_mask, layout=layout)
-    _no_hook_arg_grads("flash_attention", alibi_slopes, mod_args)
+    _no_hook_arg_grads("flash_attention", alibi_slopes,
+                       mod_args if mod_args or block_mask is None
+                       else getattr(block_mask, "mod_args", ()))
     if not _wants_grad(q, k, v):
         res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,
                             out=out, config=config, **kwargs)

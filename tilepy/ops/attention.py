@@ -504,7 +504,9 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     caller_out = out is not None
     # a block mask: the caller's, else one made here for a mask_mod of no array argument
     own_mask, recordable = (None, ()), True
-    auto = block_mask is None and mask_mod is not None and not hops and tuple(win) == (-1, -1)
+    # (ALiBi's slopes may come with it: they do not change which keys are seen)
+    auto = (block_mask is None and mask_mod is not None and tuple(win) == (-1, -1)
+            and all(isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()))
     if auto and bq and hq and sq and sk:
         mask_block = sparse_block(config or choose_config(d, dtype, False, True, dv))
         made = abm.cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, mask_block, Q.raw)
@@ -709,8 +711,9 @@ def sparse_config(cfg, mask_block, given: bool = False):
         raise ValueError(f"flash_attention: a block mask's block size {mask_block} must be "
                          f"multiples of {rows[-1]} rows and {keys[-1]} keys here")
     if isinstance(cfg, aw.WgmmaAttentionConfig):
-        if bm != cfg.block_m:
-            fields.update(block_m=bm, pingpong=cfg.pingpong and bm > 64)
+        if bm != cfg.block_m:   # (a producer warpgroup and ping-pong need 128 rows or more)
+            fields.update(block_m=bm, pingpong=cfg.pingpong and bm >= 128,
+                          producer=cfg.producer and bm >= 128)
         return dataclasses.replace(cfg, block_n=bn, **fields)
     if bm != cfg.block_m:
         return dataclasses.replace(cfg, block_m=bm, block_n=bn, warp_rows=16)

@@ -118,7 +118,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       parameters). No gradient flows into them.
     * ``block_mask``: the forward's :class:`tilepy.BlockMask`, checked as there; its
       ``mask_mod`` and ``mod_args`` are used as the forward used them. The backward kernels
-      visit every key block the window allows (they do not skip the mask's empty blocks yet).
+      visit every key block the window allows and apply ``mask_mod`` on every score (they do
+      not skip the mask's blocks yet), so the gradients are those of the forward only for a
+      mask that agrees with its function — one made by :func:`tilepy.create_block_mask` from
+      it; a hand-made mask that lists fewer blocks, or calls full a block the function partly
+      hides, gives a forward the backward does not match.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (mma.sync)

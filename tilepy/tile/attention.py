@@ -553,9 +553,6 @@ def _mask_key_block(mi: int, ns: int, block_n: int, lower: bool):
     return mask_block
 
 
-# ---- the output rows -----------------------------------------------------------------------
-
-@functools.cache
 # ---- block-sparse key loops (a block mask) -------------------------------------------------
 
 def key_block_at(sparse: bool = False, ratio: int = 1):
@@ -692,6 +689,9 @@ def _mask_visible(mm):
     return visible
 
 
+# ---- the output rows -----------------------------------------------------------------------
+
+@functools.cache
 def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     """``store(acc, row_max, row_sum, o2, lse, b, h, rows0, sq, scale, g, t)``, each lane of a
     warp: its finalised O fragment ``acc`` ((mi, no, 4) float32, m16n8 layout: ``8·no``
