@@ -292,7 +292,8 @@ def cached_block_mask(mask_mod, mod_args, batch: int, heads: int, sq: int, sk: i
     """The block mask ``flash_attention`` makes for a ``mask_mod`` whose ``mod_args`` hold no
     array (numbers only: a function of the indices and those, so one mask per shape serves
     every call): made once per (function, numbers, shape, block size, device) and kept
-    (:data:`CACHE_SIZE` at most). None while the caller's stream is being captured into a
+    (:data:`CACHE_SIZE` at most), the device synchronised once after making it so that calls
+    on any stream read it whole. None while the caller's stream is being captured into a
     CUDA graph and no mask is kept yet (the attention then visits every key block: a mask
     made inside a capture would live in the graph's memory)."""
     L = describe(like, "q", dtypes=arrays.DTYPES)
@@ -306,6 +307,11 @@ def cached_block_mask(mask_mod, mod_args, batch: int, heads: int, sq: int, sk: i
         return None
     mask = create_block_mask(mask_mod, batch, heads, sq, sk, like=like, mod_args=mod_args,
                              block_size=block_size)
+    # kept for calls on any stream: made on this one, so finished before any other reads it
+    # (once per shape; the device synchronisation costs nothing per call)
+    if not arrays.SIMULATOR:
+        with arrays.on_device(L.device):
+            cuda.synchronize()
     with _LOCK:
         _CACHE[key] = mask
         while len(_CACHE) > CACHE_SIZE:
