@@ -776,8 +776,8 @@ def flash_attention_mods(q, k, v, causal, scale, window, softcap, mods, return_l
                   score_mod_grad=score_mod_grad, mask_mod=mask_mod, mod_args=mod_args,
                   block_mask=block_mask, layout=layout)
     _no_hook_arg_grads("flash_attention", alibi_slopes,
-                       mod_args if mod_args or block_mask is None
-                       else getattr(block_mask, "mod_args", ()))
+                       block_mask.function(None, mod_args)[1]
+                       if hasattr(block_mask, "function") else mod_args)
     if not _wants_grad(q, k, v):
         res = _eager_only()(_attention.flash_attention, q=q, k=k, v=v, return_lse=return_lse,
                             out=out, config=config, **kwargs)

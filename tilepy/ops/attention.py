@@ -205,10 +205,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
     if isinstance(block_mask, abm.BlockMask):     # its function and arguments, unless given
-        mask_mod = block_mask.mask_mod if mask_mod is None else mask_mod
-        if not (isinstance(mod_args, (tuple, list)) and mod_args):
-            mod_args = block_mask.mod_args if mod_args is None or isinstance(
-                mod_args, (tuple, list)) else mod_args
+        mask_mod, mod_args = block_mask.function(mask_mod, mod_args)
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     fb, pb = mask_fingerprints(block_mask)
     cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
@@ -287,8 +284,7 @@ def mask_fingerprints(block_mask):
     if not isinstance(block_mask, abm.BlockMask):
         return (None if block_mask is None else id(block_mask)), ()
     sigs, ptrs = [], []
-    for x in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-              block_mask.full_kv_indices):
+    for x in block_mask.arrays:
         f, p = arrays.fingerprint(x)
         sigs.append(f)
         ptrs.append(p)
@@ -513,9 +509,7 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
         if made is None:
             recordable = False      # (being captured: every block visited, no plan kept)
         else:
-            mask_ops = [describe(x, "block_mask", dtypes=("int32",)) for x in (
-                made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
-                made.full_kv_indices)]
+            mask_ops = [describe(x, "block_mask", dtypes=("int32",)) for x in made.arrays]
             own_mask = (made, tuple(op.byte_pointer() for op in mask_ops))
     sparse = None if mask_ops is None else (mask_block, abm.mask_views(mask_ops, bq, hq),
                                             mask_ops)

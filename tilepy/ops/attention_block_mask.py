@@ -66,6 +66,23 @@ class BlockMask:
     mod_args: tuple = ()
 
     @property
+    def arrays(self) -> tuple:
+        """``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``: the kernels'
+        order."""
+        return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+                self.full_kv_indices)
+
+    def function(self, mask_mod, mod_args) -> tuple:
+        """``(mask_mod, mod_args)`` of a call given this mask: the call's, else the mask's
+        (``mod_args`` the mask's when the call's are None or empty; another kind is left for
+        the op's checks to refuse)."""
+        if mask_mod is None:
+            mask_mod = self.mask_mod
+        if mod_args is None or (isinstance(mod_args, (tuple, list)) and not mod_args):
+            mod_args = self.mod_args
+        return mask_mod, mod_args
+
+    @property
     def shape(self) -> tuple:
         """``(batch, heads, seq_q, seq_k)`` it was made for (batch / heads 1: broadcast)."""
         return tuple(self.kv_num_blocks.shape[:2]) + tuple(self.seq_lengths)
@@ -231,25 +248,24 @@ def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq:
         raise ValueError("flash_attention: block_mask with causal=True or a window; the block "
                          "mask's mask_mod says which keys each row sees (write causal or the "
                          "window in it)")
-    if mask_mod is None:
-        mask_mod = block_mask.mask_mod
-    elif block_mask.mask_mod is not None and mask_mod is not block_mask.mask_mod:
+    if mask_mod is not None and block_mask.mask_mod is not None \
+            and mask_mod is not block_mask.mask_mod:
         raise ValueError(f"flash_attention: mask_mod {_name(mask_mod)!r} is not the block "
                          f"mask's ({_name(block_mask.mask_mod)!r})")
+    mask_mod, mod_args = block_mask.function(mask_mod, mod_args)
     if mask_mod is None:
         raise ValueError("flash_attention: a block_mask needs its mask_mod (none in the mask "
                          "and none given)")
-    if not (mod_args is not None and len(mod_args)) and block_mask.mod_args:
-        mod_args = block_mask.mod_args
     if tuple(block_mask.seq_lengths) != (sq, sk):
         raise ValueError(f"block_mask was made for (seq_q, seq_k) = "
                          f"{tuple(block_mask.seq_lengths)}, the inputs have ({sq}, {sk})")
     bq, bk = block_sizes(block_mask.block_size)
     nq, nk = -(-sq // bq), -(-sk // bk)
     ops = []
-    for name, n in (("kv_num_blocks", 3), ("kv_indices", 4), ("full_kv_num_blocks", 3),
-                    ("full_kv_indices", 4)):
-        op = describe(getattr(block_mask, name), f"block_mask.{name}", dtypes=("int32",))
+    for x, name, n in zip(block_mask.arrays, ("kv_num_blocks", "kv_indices",
+                                              "full_kv_num_blocks", "full_kv_indices"),
+                          (3, 4, 3, 4)):
+        op = describe(x, f"block_mask.{name}", dtypes=("int32",))
         mb, mh = op.shape[:2] if op.ndim == n else (0, 0)
         want = (nq, nk)[:n - 2]
         if op.ndim != n or mb not in (1, batch) or mh not in (1, heads) \
