@@ -51,7 +51,8 @@
 #                user-function benchmark with the block-mask cases (causal and a window as
 #                mask_mod against the built-in arguments and compiled FlexAttention, document
 #                masking with its block mask); packed sequences on the grid TMA kernel (the
-#                varlen GPU tests and benchmark); then what s26a and s26b left.
+#                varlen GPU tests and benchmark); then what s26a and s26b left. s27a: its GPU
+#                tests and the varlen benchmark, s27b: the user-function benchmark (one call each)
 #   PART=s26a    the FP8 attention forward (issue 28): the 8-bit rs wgmma's GPU test, the FP8
 #                attention GPU tests, its benchmark against tilepy's bf16 attention; the FP8
 #                GEMM's GPU tests (mixed formats, bias + GELU) and probe
@@ -270,10 +271,12 @@ if [[ " $PART " == *" s25f "* ]]; then
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
 fi
-if [[ " $PART " == *" s27 "* ]]; then
+if [[ " $PART " == *" s27 "* || " $PART " == *" s27a "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
     gpu_tests varlen_gpu 150 tests/test_ops_attention_varlen.py
     bench_suite bench_attention_varlen 120 "test_flash_attention_varlen"
+fi
+if [[ " $PART " == *" s27 "* || " $PART " == *" s27b "* ]]; then
     bench_suite bench_attention_user 240 "test_flash_attention_user_functions"
 fi
 if [[ " $PART " == *" s26a "* ]]; then
