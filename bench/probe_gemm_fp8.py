@@ -17,8 +17,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-#: (block_n, stages, persistent)
-CONFIGS = [(128, 4, True), (256, 3, True), (256, 4, True), (256, 4, False)]
+#: (block_n, stages, persistent, TMA-store epilogue)
+CONFIGS = [(128, 4, True, False), (256, 4, True, False), (256, 4, False, False),
+           (128, 4, True, True), (256, 4, True, True), (256, 4, False, True)]
 SHAPES = "4096x4096x4096,8192x8192x8192,2048x14336x4096,4096x4096x14336,8192x28672x8192"
 
 
@@ -51,10 +52,11 @@ def main(argv=None):
         peer_tf = flop / t.ms / 1e9
         print(f"{shape}: torch._scaled_mm {peer_tf:.0f} TFLOPS", flush=True)
         rows.append(dict(shape=shape, name="torch._scaled_mm", tflops=peer_tf, gpu_us=t.ms * 1e3))
-        for bn, st, pers in CONFIGS:
-            name = f"tilepy fp8 128x{bn} x{st}" + (" persistent" if pers else "")
+        for bn, st, pers, tma in CONFIGS:
+            name = f"tilepy fp8 128x{bn} x{st}" + (" persistent" if pers else "") + \
+                (" tma-store" if tma else "")
             try:
-                cfg = KMajorConfig(block_n=bn, stages=st, persistent=pers)
+                cfg = KMajorConfig(block_n=bn, stages=st, persistent=pers, tma_store=tma)
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
                 def run():
@@ -92,8 +94,8 @@ def main(argv=None):
             want_blk, ptf = None, None
             print(f"  torch._scaled_mm block scales: {type(e).__name__}: "
                   f"{str(e).splitlines()[0][:120]}", flush=True)
-        for bn, st in ((128, 4), (128, 6)):
-            cfg = KMajorConfig(block_n=bn, stages=st)
+        for bn, st, tma in ((128, 4, False), (128, 6, False), (128, 4, True)):
+            cfg = KMajorConfig(block_n=bn, stages=st, tma_store=tma)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
 
             def run_blk():
@@ -104,7 +106,7 @@ def main(argv=None):
                 if want_blk is not None else float("nan")
             t = gpu_time(torch, run_blk)
             tf = flop / t.ms / 1e9
-            name = f"tilepy fp8 block scales 128x{bn} x{st}"
+            name = f"tilepy fp8 block scales 128x{bn} x{st}" + (" tma-store" if tma else "")
             rows.append(dict(shape=shape, name=name, tflops=tf, gpu_us=t.ms * 1e3,
                              of_peer=tf / (ptf or peer_tf), rel_err=err))
             print(f"  {name:36s} {tf:7.0f} TFLOPS  {tf / (ptf or peer_tf):5.2f}x "

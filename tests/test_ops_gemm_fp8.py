@@ -52,6 +52,35 @@ def test_scaled_product_against_float64(fmt, rows, cols, out_dtype):
         assert np.abs(got64 - ref).max() <= tol * np.abs(ref).max()
 
 
+@pytest.mark.sim
+def test_tma_store_epilogue_writes_the_register_epilogues_bits():
+    """The default TMA-store epilogue (per-row and per-column scales, a bfloat16 bias and
+    GELU; 130 x 200: a partial row tile and a partial second pass of columns) against the
+    register epilogue (``KMajorConfig(tma_store=False)``): the same operations in the same
+    order, so the same bits; and an output whose rows TMA cannot store (a 202-column view:
+    404-byte rows) falls back to the register epilogue, equal on its columns."""
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    rng = np.random.default_rng()
+    m, n, k = 130, 200, 96
+    a = codes(rng, (m, k), "float8_e4m3fn")
+    w = codes(rng, (n, k), "float8_e5m2")
+    sa = rng.uniform(0.5, 2, m).astype(np.float32)
+    sb = rng.uniform(0.5, 2, n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(ml_dtypes.bfloat16)
+    kw = dict(scale_a=sa, scale_b=sb, bias=bias, activation="gelu")
+    bf = ml_dtypes.bfloat16
+    got = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf), **kw)
+    want = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf),
+                       config=KMajorConfig(tma_store=False), **kw)
+    assert not np.isnan(want.astype(np.float32)).any()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    wide = np.full((m, n + 2), np.nan, bf)
+    tilepy.gemm(a, w.T, out=wide[:, :n], **kw)
+    np.testing.assert_array_equal(wide[:, :n].view(np.uint16), want.view(np.uint16))
+    assert np.isnan(wide[:, n:].astype(np.float32)).all()
+
+
 def test_errors_are_raised_before_launch():
     a = np.zeros((4, 32), ml_dtypes.float8_e4m3fn)
     w = np.zeros((8, 32), ml_dtypes.float8_e4m3fn)
@@ -174,10 +203,12 @@ def test_fp8_kernel_compiles_for_sm90a():
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.gemm_kmajor_wgmma:compile_reports")
     # 128 x 256 (setmaxnreg split), 128 x 128, block scales, e4m3 · e5m2 with bias + GELU,
-    # grouped
-    assert len(reps) == 5
-    for rep in reps.values():
+    # grouped; the TMA-store epilogue (per-row scales, bias + GELU)
+    assert len(reps) == 7
+    for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
+        if name.endswith("tmastore"):     # 256 columns: two passes of 8 stmatrix.x4 each
+            assert rep["counts"]["stmatrix"] == 16, rep["counts"]
         assert rep["counts"]["wgmma.mma_async"] >= 4 and \
             rep["counts"]["cp.async.bulk.tensor"] >= 2
         assert rep["spill_stores"] == 0 and rep["f64"] == 0 and rep["stack_frame"] == 0 and \

@@ -10,6 +10,8 @@ operand pointers, written through the caller's allocator and stream).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import arrays, launch
@@ -168,6 +170,12 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
             sa_v = _scale_view(Sa if Sa is not None else One)
             sb_v = _scale_view(Sb if Sb is not None else One)
         bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
+        out_v = arrays.kernel_view(Out)
+        if config is None and out_dtype != "float32" and block is None and \
+                fk.tma_storable(out_v):
+            # the default: the TMA-store epilogue wherever TMA can store the output (not with
+            # block scales: their two partial accumulators leave it too few registers)
+            cfg = dataclasses.replace(cfg, tma_store=True)
         kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
                                      _per_index(Sa, m) and block is None,
                                      _per_index(Sb, n) and block is None, block is not None,
@@ -182,7 +190,7 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
             bt = None
         else:
             bt, b_v = _k_major_copy(A, B, n, k, stream)
-        plan, args = fk.plan(kern, cfg, a_v, b_v, arrays.kernel_view(Out), sa_v, sb_v,
+        plan, args = fk.plan(kern, cfg, a_v, b_v, out_v, sa_v, sb_v,
                              arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
                              arrays.byte_allocator(A))
         plan.launch(stream, args)

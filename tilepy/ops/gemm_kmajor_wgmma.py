@@ -57,7 +57,14 @@ from ..ptx import tma as T
 from ..ptx import wgmma as W
 from ..ptx.asm import SIMULATOR
 from ..tile.config import SMEM_LIMIT
-from ..tile.epilogue import accumulate_scaled, store_scaled_accumulators
+from ..tile.epilogue import (
+    SWIZZLED_BOX_BYTES,
+    accumulate_scaled,
+    stage_scaled_accumulators_swizzled,
+    staging_acquire,
+    staging_store,
+    store_scaled_accumulators,
+)
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import warpgroup_roles
 from ..tile.schedule import grouped_raster, static_persistent
@@ -68,6 +75,9 @@ from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 
 BK = 128            # k bytes a stage: one 128-byte swizzle row
 MAP_B = 128         # B's tensor map's byte offset in the maps argument
+MAP_OUT = 256       # tma_store: the output's tensor map's byte offset
+STAGING_BYTES = 2 * SWIZZLED_BOX_BYTES   # tma_store: a consumer's staging (64 × 128 columns)
+PASS_NI = 16        # tma_store: n8 blocks a staging pass (128 columns)
 BLOCK_SCALE = 128   # the side of a block scale's block (1 x 128 of a, 128 x 128 of b)
 FORMATS = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2", "float16": "float16",
            "bfloat16": "bfloat16"}
@@ -96,6 +106,7 @@ class KMajorConfig:
     producer_regs: int = 40
     consumer_regs: int = 232
     persistent: bool = True
+    tma_store: bool = False
 
     def __post_init__(self):
         if self.consumers not in (1, 2) or self.block_n not in (64, 128, 256) or \
@@ -129,8 +140,10 @@ class KMajorConfig:
 
     @property
     def layout(self):
-        return SmemLayout.of(("stages", self.stages * self.stage_bytes, 1024),
-                             ("bars", 16 * self.stages, 8))
+        parts = [("stages", self.stages * self.stage_bytes, 1024)]
+        if self.tma_store:
+            parts.append(("staging", self.consumers * STAGING_BYTES, 1024))
+        return SmemLayout.of(*parts, ("bars", 16 * self.stages, 8))
 
     @property
     def smem_bytes(self) -> int:
@@ -140,6 +153,7 @@ class KMajorConfig:
         return (f"k-major {self.block_m}x{self.block_n}, 128-byte k steps, {self.stages} stages, "
                 f"{self.consumers} consumer warpgroup(s)"
                 + (", persistent" if self.persistent else "")
+                + (", TMA-store epilogue" if self.tma_store else "")
                 + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
                    if self.setmaxnreg else ""))
 
@@ -185,6 +199,11 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     if BLOCK and (row_scale or col_scale or cfg.block_n > BLOCK_SCALE):
         raise ValueError(f"kmajor_gemm_kernel: block scales take no row / column scales and "
                          f"block_n <= {BLOCK_SCALE}; got {cfg}")
+    TMA_OUT = bool(cfg.tma_store)
+    if TMA_OUT and (GROUPED or out_kind not in ("float16", "bfloat16")):
+        raise ValueError(f"kmajor_gemm_kernel: tma_store takes the scaled GEMM's 16-bit "
+                         f"outputs (a group's rows end inside a tile); got {out_kind!r}, "
+                         f"grouped={grouped}")
     BM, BN, NC, ST = cfg.block_m, cfg.block_n, cfg.consumers, cfg.stages
     EB = 1 if FP8 else 2            # bytes an element
     BKE = BK // EB                  # k elements a stage
@@ -206,6 +225,16 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                                       scaled=FP8 and not BLOCK, activation=activation,
                                       bias_kind=bias_kind)
     promote = accumulate_scaled(BN // 8)
+    NI = BN // 8
+    PASSES = -(-NI // PASS_NI)
+    if TMA_OUT:
+        stage_pass = [stage_scaled_accumulators_swizzled(
+            NI, out_kind, row_scale, col_scale, scaled=not BLOCK, activation=activation,
+            bias_kind=bias_kind, first=PASS_NI * p, count=min(PASS_NI, NI - PASS_NI * p))
+            for p in range(PASSES)]
+        stage0, stage1 = stage_pass[0], stage_pass[-1]
+        STAGING = lay.offset("staging")
+    WG_BAR = 1            # named barriers 1 … NC: one per consumer warpgroup (tma_store)
     smem = dynamic_shared(lay.align)
     f32 = types.float32
 
@@ -251,6 +280,24 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         wmma.mma(part, stage + cw * 64 * BK, stage + A_BYTES, 0)
         wmma.commit()
 
+    @inline_device
+    def epilogue(acc, base, maps, out, scale_a, scale_b, bias, row0, col0, m, n, t, lane, cw):
+        # the consumer's 64 rows of the tile: staged and stored with TMA, or from registers
+        if TMA_OUT:
+            omap = T.tensor_map_address(maps) + MAP_OUT
+            stg = base + STAGING + cw * STAGING_BYTES
+            staging_acquire(t, WG_BAR + cw)
+            stage0(acc, stg, row0, col0, m, n, scale_a, scale_b, bias, t)
+            staging_store(omap, stg, col0, row0, 0, n, min(PASS_NI, NI) // 8, t, WG_BAR + cw,
+                          False)
+            if PASSES > 1:
+                staging_acquire(t, WG_BAR + cw)
+                stage1(acc, stg, row0, col0, m, n, scale_a, scale_b, bias, t)
+                staging_store(omap, stg, col0 + 8 * PASS_NI, row0, 0, n,
+                              (NI - PASS_NI) // 8, t, WG_BAR + cw, False)
+        else:
+            store(acc, out, scale_a, scale_b, bias, row0, col0, m, n, lane, t // 32)
+
     @_jit(cfg.threads)
     def kernel(a, b, out, scale_a, scale_b, offsets, bias, k, maps):
         m = out.shape[0]
@@ -295,6 +342,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
             roles.enter_consumer()
             cw = wg - 1
             t = tid - 128 * wg
+            if TMA_OUT and t == 0:
+                T.fence_proxy_tensormap_acquire(T.tensor_map_address(maps) + MAP_OUT)
             acc = cuda.local.array(NACC, f32)
             part = cuda.local.array(NACC if BLOCK else 1, f32)
             part2 = cuda.local.array(NACC if BLOCK else 1, f32)
@@ -391,9 +440,12 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                     wmma.wait(0)
                     wmma.fence_operand(acc)
                     ring.release(bars, prev, lane)
-                store(acc, out, scale_a, scale_b, bias, bm0 + 64 * cw, bn0, rows_end, n, lane,
-                      t // 32)
+                epilogue(acc, base, maps, out, scale_a, scale_b, bias, bm0 + 64 * cw, bn0,
+                         rows_end, n, t, lane, cw)
+            if TMA_OUT and t == 0:
+                T.bulk_wait_group_read(0)   # no store still reads the staging at exit
 
+    kernel.tma_out = TMA_OUT      # the maps end with the output's (plan)
     return kernel
 
 
@@ -464,20 +516,59 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, 
     else:
         b_shape, b_strides, b_box = (n, kk), sb, (cfg.block_n, bke)
 
-    def encoder(a_ptr, b_ptr):
+    def ab_maps(a_ptr, b_ptr):
         ma = host_tma.encode_tiled(a_ptr, kind, (m, kk), sa, (cfg.block_m, bke), 128)
         mb = host_tma.encode_tiled(b_ptr, kind, b_shape, b_strides, b_box, 128)
-        return np.concatenate([ma.data, mb.data])
+        return [ma.data, mb.data]
 
-    raw = encoder(pointer(a), pointer(b))
+    if getattr(kernel, "tma_out", False):
+        o_layout = out_layout(out)
+        map_args = (0, 1, 2)
+
+        def encoder(a_ptr, b_ptr, o_ptr):
+            om = host_tma.encode_tiled(o_ptr, "uint16", *o_layout, 128)
+            return np.concatenate(ab_maps(a_ptr, b_ptr) + [om.data])
+    else:
+        map_args = (0, 1)
+
+        def encoder(a_ptr, b_ptr):
+            return np.concatenate(ab_maps(a_ptr, b_ptr))
+
+    raw = encoder(*(pointer(x) for x in (a, b, out)[:len(map_args)]))
     buf = device_write.allocate(alloc, raw.size, host_tma.MAP_ALIGN)
     args = (a, b, out, scale_a, scale_b, offsets, bias, np.int64(k),
             buf.view((raw.size,), np.uint8))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
     g = grid(cfg, m, n, groups=b.shape[0] if grouped else 0)
-    p = TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder, (0, 1),
+    p = TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder, map_args,
                       MAPS_ARG, alloc=alloc, initial=(buf, raw))
     return p, args
+
+
+def out_layout(out):
+    """(shape, byte strides, box) of the tensor map TMA stores ``out`` (a 2-D uint16 view)
+    through: boxes of 64 rows × 64 columns; ValueError where TMA cannot describe it (rows or
+    start not 16-byte aligned)."""
+    from ..launch import pointer
+
+    m, n = (int(d) for d in out.shape)
+    srow = int(out.strides[0]) if m > 1 else -(-2 * n // 16) * 16
+    if out.dtype.itemsize != 2 or (n > 1 and int(out.strides[1]) != 2):
+        raise ValueError(f"out: TMA stores take 16-bit outputs with contiguous rows, got "
+                         f"{out.dtype} with byte strides {tuple(out.strides)}")
+    if srow % 16 or srow <= 0 or pointer(out) % 16:
+        raise ValueError(f"out: TMA stores need 16-byte-aligned rows and start, got byte "
+                         f"strides {tuple(out.strides)}")
+    return (m, n), (srow, 2), (64, 64)
+
+
+def tma_storable(out) -> bool:
+    """Whether a ``tma_store`` kernel can store ``out`` (a 2-D uint16 view) as it is."""
+    try:
+        out_layout(out)
+    except ValueError:
+        return False
+    return True
 
 
 #: The kernels the compile layer reports on: (name, config, format, scales, grouped, B's
@@ -490,7 +581,11 @@ COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", KMajorConfig(), "e4m3", "rowcol", Fals
              None, None, None),
             ("gemm_fp8_e4m3_e5m2_bias_gelu", KMajorConfig(), "e4m3", "rowcol", False, "e5m2",
              "gelu", "bfloat16"),
-            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None))
+            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None),
+            ("gemm_fp8_e4m3_bf16_rowcol_tmastore", KMajorConfig(tma_store=True), "e4m3",
+             "rowcol", False, None, None, None),
+            ("gemm_fp8_e4m3_e5m2_bias_gelu_tmastore", KMajorConfig(tma_store=True), "e4m3",
+             "rowcol", False, "e5m2", "gelu", "bfloat16"))
 
 
 def compile_reports():

@@ -68,6 +68,8 @@ from ..tile.epilogue import (
     SWIZZLED_BOX_BYTES,
     stage_accumulators_swizzled,
     staged_bytes,
+    staging_acquire,
+    staging_store,
     store_accumulators,
     store_accumulators_smem,
 )
@@ -596,24 +598,13 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
                  batched):
         """One staging pass — columns ``col0 + 128·part …`` — swizzled into ``stg`` and
         stored by the warpgroup's thread 0 with TMA (2-D map, or 3-D ``batched``)."""
-        if tw == 0:
-            T.bulk_wait_group_read(0)   # the previous pass's store has read stg
-        BAR.bar_sync(WG0 + cw, WARPGROUP)
+        staging_acquire(tw, WG0 + cw)
         if part == 0:
             stage0(acc, stg, row0, col0, m, n, alpha, bias, c_in, beta, tw)
         else:
             stage1(acc, stg, row0, col0, m, n, alpha, bias, c_in, beta, tw)
-        W.fence_proxy_async_shared()
-        BAR.bar_sync(WG0 + cw, WARPGROUP)
-        if tw == 0:
-            for bx in range(PASS_NI // 8):
-                x = col0 + 8 * PASS_NI * part + 64 * bx
-                if x < n and 8 * PASS_NI * part + 64 * bx < BN:
-                    if batched:
-                        T.tma_store_3d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0, z)
-                    else:
-                        T.tma_store_2d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0)
-            T.bulk_commit_group()
+        staging_store(omap, stg, col0 + 8 * PASS_NI * part, row0, z, n,
+                      min(PASS_NI, NI - PASS_NI * part) // 8, tw, WG0 + cw, batched)
 
     @inline_device
     def store_tile(acc0, acc1, base, maps, out, c, bias, z, row0, col0, m, n, alpha, beta, cw,

@@ -30,6 +30,8 @@ import numpy as np
 
 from ..inline import inline_device, written_out
 from ..ptx import barrier as BAR
+from ..ptx import tma as T
+from ..ptx import wgmma as FN
 from ..ptx import vector as VEC
 from ..ptx.address import global_addr
 from ..ptx.ldmatrix import stmatrix_x4
@@ -262,17 +264,8 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
     @inline_device
     def biased(v, d):
         return v + d if HAS_BIAS else v     # (no + 0.0 without a bias: -0 stays -0)
-    SCALED = bool(scaled)
-    ROWS, COLS = bool(row_scale) and SCALED, bool(col_scale) and SCALED
-    ONE = np.float32(1.0)
-
-    @inline_device
-    def first_scale(scale):
-        return scale[0] if SCALED else ONE
-
-    @inline_device
-    def row_scale_at(scale_a, r, m):
-        return scale_a[min(r, m - 1)] if ROWS else first_scale(scale_a)
+    COLS = bool(col_scale) and scaled
+    first_scale, row_scale_at = _scale_readers(scaled, row_scale)
 
     @inline_device
     def store_n8(a0, a1, a2, a3, out, r, c, sa0, sa1, scale_b, sb, bias, m, n):
@@ -296,6 +289,25 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
          f"r0, c0 + {8 * j}, sa0, sa1, scale_b, sb, bias, m, n)" for j in range(ni)],
         {"store_n8": store_n8, "row_scale_at": row_scale_at, "first_scale": first_scale},
         f"store_scaled_accumulators {ni}")
+
+
+@functools.cache
+def _scale_readers(scaled: bool, row_scale: bool):
+    """``(first_scale(scale), row_scale_at(scale_a, r, m))`` of a scaled GEMM's epilogue:
+    ``scale[0]`` (1.0 unless ``scaled``: the scales are not read), and row ``r``'s scale
+    (clamped below ``m``; ``scale_a[0]`` without ``row_scale``)."""
+    SCALED = bool(scaled)
+    ROWS = bool(row_scale) and SCALED
+
+    @inline_device
+    def first_scale(scale):
+        return scale[0] if SCALED else _ONE
+
+    @inline_device
+    def row_scale_at(scale_a, r, m):
+        return scale_a[min(r, m - 1)] if ROWS else first_scale(scale_a)
+
+    return first_scale, row_scale_at
 
 
 @functools.cache
@@ -681,3 +693,115 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
         {"n8_values": n8_values, "stmatrix_x4": stmatrix_x4,
          "swizzled_pair_offset": swizzled_pair_offset},
         "stage_accumulators_swizzled write")
+
+
+@functools.cache
+def stage_scaled_accumulators_swizzled(ni: int, out_kind: str, row_scale: bool,
+                                       col_scale: bool, scaled: bool = True, activation=None,
+                                       bias_kind=None, first: int = 0,
+                                       count: int | None = None):
+    """The scaled GEMM's epilogue math (:func:`store_scaled_accumulators`:
+    ``act(acc · scale_a[r] · scale_b[c] + bias[c])``, the same arguments and reads) on one
+    warpgroup's m64n{8·ni} accumulator, cast to 16 bits and staged as
+    :func:`stage_accumulators_swizzled` stages (128-byte-swizzled boxes of 64 × 64 for a TMA
+    store, ``stmatrix.x4``, the same ``first`` / ``count`` passes and the same bracketing by
+    the caller).
+
+    Returns ``write(acc, stage, row0, col0, m, n, scale_a, scale_b, bias, thread)`` for the
+    warpgroup's 128 threads (``thread`` 0 … 127), tile ``out[row0 : row0 + 64, col0 : col0 +
+    8·ni]``. Each 64-column box's column scales and bias are loaded before its first
+    ``stmatrix`` (whose inline assembly orders memory: loads between them would each wait
+    their latency out); scales and bias are read only inside (m, n), elements outside are staged unscaled
+    (TMA drops them). Written out with constant accumulator indices."""
+    if out_kind not in ("float16", "bfloat16"):
+        raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
+    count = ni - first if count is None else count
+    if ni % 8 or first % 8 or count % 8 or count <= 0 or first + count > ni:
+        raise ValueError(f"ni {ni}, first {first}, count {count}: whole boxes of 8 n8 blocks")
+    if bias_kind is not None and bias_kind not in OUT_KINDS:
+        raise ValueError(f"bias_kind must be None or one of {OUT_KINDS}, got {bias_kind!r}")
+    pack = _pair_io(out_kind)[2]
+    get_bias = _bias_pair(bias_kind)
+    act = activation_fn(activation)
+    HAS_BIAS = bias_kind is not None
+    COLS = bool(col_scale) and scaled
+    first_scale, row_scale_at = _scale_readers(scaled, row_scale)
+
+    @inline_device
+    def column_factors(scale_b, bias, c, n, sb):
+        """(scale, scale, bias, bias) of columns c and c + 1 (sb / zeros past n)."""
+        b0 = sb
+        b1 = sb
+        d0 = _ZERO
+        d1 = _ZERO
+        if c < n:
+            if COLS:
+                b0 = scale_b[c]
+                if c + 1 < n:
+                    b1 = scale_b[c + 1]
+            if HAS_BIAS:
+                d0, d1 = get_bias(bias, c, n)
+        return b0, b1, d0, d1
+
+    @inline_device
+    def value(a, sa, sb, d):
+        # store_scaled_accumulators' order of operations (the same bits)
+        return act(a * sa * sb + d) if HAS_BIAS else act(a * sa * sb)   # (-0 stays -0)
+
+    body = ["lane = thread % 32", "t = lane % 4", "r = row0 + (thread // 32) * 16 + lane // 4",
+            "q = lane // 8", "rs = lane % 8", "rl = (thread // 32) * 16 + rs + 8 * (q % 2)",
+            "second = q // 2", "sa0 = row_scale_at(scale_a, r, m)",
+            "sa1 = row_scale_at(scale_a, r + 8, m)", "sb = first_scale(scale_b)"]
+    for jj in range(0, count, 2):
+        if (COLS or HAS_BIAS) and jj % 8 == 0:
+            # a 64-column box's factors at a time: fewer live registers than the pass's
+            for j in range(first + jj, first + jj + 8):
+                body.append(f"b{j}_0, b{j}_1, d{j}_0, d{j}_1 = column_factors(scale_b, bias, "
+                            f"col0 + {8 * j} + 2 * t, n, sb)")
+        words = []
+        for j in (first + jj, first + jj + 1):
+            s0, s1 = (f"b{j}_0", f"b{j}_1") if COLS or HAS_BIAS else ("sb", "sb")
+            d0, d1 = (f"d{j}_0", f"d{j}_1") if COLS or HAS_BIAS else ("_ZERO", "_ZERO")
+            for rq, sa in ((0, "sa0"), (2, "sa1")):
+                words.append(f"pack(value(acc[{4 * j + rq}], {sa}, {s0}, {d0}), "
+                             f"value(acc[{4 * j + rq + 1}], {sa}, {s1}, {d1}))")
+        body += [f"addr = swizzled_pair_offset({jj} + second, rl, rs, 0)",
+                 f"stmatrix_x4(stage + addr, {', '.join(words)})"]
+    return written_out(
+        "write(acc, stage, row0, col0, m, n, scale_a, scale_b, bias, thread)", body,
+        {"row_scale_at": row_scale_at, "first_scale": first_scale,
+         "column_factors": column_factors, "value": value, "pack": pack,
+         "stmatrix_x4": stmatrix_x4, "swizzled_pair_offset": swizzled_pair_offset,
+         "_ZERO": _ZERO}, f"stage_scaled_accumulators_swizzled {ni} {first}")
+
+
+@inline_device
+def staging_acquire(tw, bar):
+    """Before a warpgroup writes its TMA-store staging (:func:`stage_accumulators_swizzled`):
+    its thread ``tw == 0``, which issued the previous stores from it, waits until they have
+    read it, then the warpgroup meets at named barrier ``bar`` (128 threads)."""
+    if tw == 0:
+        T.bulk_wait_group_read(0)
+    BAR.bar_sync(bar, 128)
+
+
+@inline_device
+def staging_store(omap, stg, x0, row0, z, n, boxes, tw, bar, batched):
+    """After a warpgroup staged ``boxes`` 64 × 64 boxes at ``stg`` (8192 bytes apart) for
+    ``out[z, row0 : row0 + 64, x0 : x0 + 64·boxes]``: every thread's shared-memory writes are
+    made visible to the async proxy and the warpgroup meets at ``bar``; then thread ``tw ==
+    0`` stores the boxes that start below column ``n`` with TMA through the map at ``omap``
+    (2-D, or 3-D with the batch ``z`` outermost where ``batched``) as one bulk group, which
+    drains while the warpgroup goes on. Before its block exits, that thread waits for the
+    group's reads (``T.bulk_wait_group_read(0)``)."""
+    FN.fence_proxy_async_shared()
+    BAR.bar_sync(bar, 128)
+    if tw == 0:
+        for bx in range(boxes):
+            x = x0 + 64 * bx
+            if x < n:
+                if batched:
+                    T.tma_store_3d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0, z)
+                else:
+                    T.tma_store_2d(omap, stg + bx * SWIZZLED_BOX_BYTES, x, row0)
+        T.bulk_commit_group()
