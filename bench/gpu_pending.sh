@@ -47,7 +47,9 @@
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
 #   PART=s28a    the FP8 GEMM's TMA-store epilogue (issue 28): its GPU tests, the probe of the
-#                configs with and without it against torch._scaled_mm
+#                configs with and without it against torch._scaled_mm (run first; then s26b)
+#   PART=s28b    the block-sparse backward (issue 25): the block-mask and backward GPU tests,
+#                the document-mask backward benchmark against the dense walk and FlexAttention
 #   PART=s27     block masks (issue 25): the block-sparse kernels' GPU test (document masking
 #                by a block mask against SDPA, causal as mask_mod against causal=True), the
 #                user-function benchmark with the block-mask cases (causal and a window as
@@ -272,6 +274,11 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s28b "* ]]; then
+    gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
+    gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
+    bench_suite bench_backward_block_mask 200 "test_flash_attention_backward_block_mask"
 fi
 if [[ " $PART " == *" s28a "* ]]; then
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py

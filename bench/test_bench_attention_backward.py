@@ -251,3 +251,79 @@ def test_attention_training_step(benchmark, record, torch, gpu_name, case, causa
                       case=row, figure=f"attention_training_step_{tag}", x=s,
                       xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- block masks (issue 25): the block-sparse backward ---------------------------------------
+
+def _documents(torch, b, s):
+    """(b, s) int32 ids of 8 documents of random lengths per row (fixed seed; the forward
+    benchmark's)."""
+    g = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randint(1, s, (b, 7), generator=g), dim=1).values
+    ids = torch.searchsorted(cuts, torch.arange(s).expand(b, s).contiguous(), right=True)
+    return ids.to(torch.int32).cuda()
+
+
+def _document_causal(b, h, q_idx, kv_idx, doc):
+    return kv_idx <= q_idx and doc[b, min(q_idx, doc.shape[1] - 1)] == \
+        doc[b, min(kv_idx, doc.shape[1] - 1)]
+
+
+def test_flash_attention_backward_block_mask(benchmark, record, torch, gpu_name):
+    """Causal document masking (8 documents a row) at B4 H16 S8192 D128 bf16 with a block
+    mask made once by ``tilepy.create_block_mask``: tilepy's block-sparse backward against
+    the same backward walking every block (the mask without its transposed lists) and
+    compiled FlexAttention's backward (its own block mask; autograd of a compiled forward).
+    TFLOPS count 2.5× the forward's work over the causal pairs for every implementation."""
+    import dataclasses
+
+    import tilepy
+
+    b, h, s, d = 4, 16, 8192, 128
+    q, k, v, dout = inputs(torch, b, h, s, d, "bfloat16")
+    doc = _documents(torch, b, s)
+    bm = tilepy.create_block_mask(_document_causal, b, None, s, s, mod_args=(doc,))
+    dense = dataclasses.replace(bm, q_num_blocks=None, q_indices=None, full_q_num_blocks=None,
+                                full_q_indices=None)
+    out, lse = tilepy.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    grads = poisoned(torch, q, k, v)
+
+    def ours(mask=bm):
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, block_mask=mask,
+                                               dq=grads[0], dk=grads[1], dv=grads[2])
+
+    ours()
+    torch.cuda.synchronize()
+    want = [g.clone() for g in grads]
+    for g in grads:
+        g.fill_(float("nan"))
+    ours(dense)
+    torch.cuda.synchronize()
+    err = grad_error(torch, grads, want, tolerance("bfloat16"), "tilepy dense walk")
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours),
+               "tilepy dense walk": gpu_time(torch, lambda: ours(dense))}
+
+    def flex():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        fbm = create_block_mask(lambda bb, hh, qi, kj: (doc[bb, qi] == doc[bb, kj]) & (kj <= qi),
+                                b, h, s, s, device="cuda", _compile=True)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        fo = torch.compile(flex_attention)(qg, kg, vg, block_mask=fbm)
+
+        def step():
+            return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
+
+        step()
+        return gpu_time(torch, step)
+
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", flex)
+    record_throughput(record, work=work_of(b, h, s, d, True, 5), unit="TFLOPS",
+                      timings=timings, main="FlexAttention", notes=notes, gpu=gpu_name,
+                      shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=True,
+                      max_rel_err=err, table="Attention backward, block masks",
+                      case=f"B{b} H{h} S{s} D{d} document block mask bfloat16",
+                      figure="attention_backward_document_block_mask", x=s,
+                      xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -1,7 +1,8 @@
 """Block masks (FlexAttention's ``BlockMask``): ``tilepy.create_block_mask`` against the
 block lists NumPy derives from the full mask matrix; ``flash_attention(block_mask=)`` on the
 mma.sync kernel and the grid TMA kernel against float64 attention with the mask; that the
-kernels visit exactly the listed blocks and skip the mask function on full ones; the mask the
+kernels visit exactly the listed blocks and skip the mask function on full ones; the
+block-sparse backward (lists and transposed lists) against float64 gradients; the mask the
 op makes and keeps for a ``mask_mod`` of no array; bad input refused before launch."""
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def mask_lists(bm):
             for qb in range(num.shape[2])}
 
 
+def mask_lists_transposed(bm):
+    num, idx, fnum, fidx = (np.asarray(x) for x in bm.q_arrays)
+    return {(z, y, kb): (list(idx[z, y, kb, :num[z, y, kb]]),
+                         list(fidx[z, y, kb, :fnum[z, y, kb]]))
+            for z in range(num.shape[0]) for y in range(num.shape[1])
+            for kb in range(num.shape[2])}
+
+
 def reference(q, k, v, visible, scale=None):
     """(O, LSE) in float64, (B, H, S, D), GQA by repeating K / V heads."""
     g = q.shape[1] // k.shape[1]
@@ -113,6 +122,12 @@ def test_create_block_mask_lists_partial_and_full_blocks(batch, heads, block):
     bq, bk = bm.block_size
     want = lists(matrix(same_document, b, h, sq, sk, (doc,)), bq, bk)
     assert mask_lists(bm) == want
+    # the transposed lists (the backward's): per key block, the query blocks listing it
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    transposed = {(z, y, kb): tuple([qb for qb in range(nq) if kb in want[z, y, qb][i]]
+                                    for i in (0, 1))
+                  for z in range(b) for y in range(h) for kb in range(nk)}
+    assert mask_lists_transposed(bm) == transposed
     again = tilepy.create_block_mask(causal, 1, 1, 0, 5, like=doc)        # no query: empty
     assert np.asarray(again.kv_num_blocks).shape == (1, 1, 0)
 
@@ -141,6 +156,64 @@ def test_block_sparse_attention_against_float64(kernel):
     assert got is out
     vis = matrix(same_document, b, 1, s, s, (doc,))
     check(got, lse, *reference(q, k, v, vis))
+
+
+def document_and_not_32_to_63(b, h, q_idx, kv_idx, doc):
+    """Document masking in which no query sees keys 32 … 63 (a key block no list names)."""
+    return (kv_idx < 32 or kv_idx >= 64) and same_document(b, h, q_idx, kv_idx, doc)
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("made", ["caller", "op"])
+def test_block_sparse_backward_against_float64(made):
+    """The backward under a block mask walks its lists (dQ) and its transposed lists (dK /
+    dV): gradients against a float64 derivation — GQA 2 / 1, 85 rows (a mask query block past
+    the last row), document masking in which no query sees keys 32 … 63, whose K and V are NaN
+    (a kernel visiting their block would spread NaN: dS = P · (dP − D) with dP = dO · Vᵀ), dK
+    and dV of those keys zero. ``made``: the caller's mask (``create_block_mask``, 64 × 32
+    blocks) through the PyTorch-free op, or the op's own for a ``mask_mod`` of no array (the
+    ids as a closure constant)."""
+    rng = np.random.default_rng()
+    b, hq, hk, s, d = 1, 2, 1, 85, 32
+    q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
+    k[:, :, 32:64] = np.nan
+    v[:, :, 32:64] = np.nan
+    doc = documents(rng, b, s)
+    do = rng.standard_normal(q.shape).astype(np.float16)
+    if made == "caller":
+        bm = tilepy.create_block_mask(document_and_not_32_to_63, b, None, s, s, mod_args=(doc,),
+                                      block_size=(64, 32))
+        kw = dict(block_mask=bm)
+    else:
+        ids = doc.copy()
+
+        def own(bb, h, q_idx, kv_idx):
+            return (kv_idx < 32 or kv_idx >= 64) and q_idx < s and kv_idx < s and \
+                ids[bb, q_idx] == ids[bb, kv_idx]
+
+        kw = dict(mask_mod=own)
+    vis = matrix(document_and_not_32_to_63, b, hq, s, s, (doc,))
+    out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
+    check(out, lse, *reference(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v), vis))
+    dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, **kw)
+    # float64: P from the rows' visible keys, dP = dO Vᵀ, dS = P (dP − rowsum(dO ∘ O))
+    g = hq // hk
+    kd = np.repeat(np.nan_to_num(k).astype(np.float64), g, axis=1)
+    vd = np.repeat(np.nan_to_num(v).astype(np.float64), g, axis=1)
+    sc = 1 / math.sqrt(d)
+    p, _ = softmax_rows(np.where(vis, q.astype(np.float64) @ kd.transpose(0, 1, 3, 2) * sc,
+                                 -np.inf))
+    o = p @ vd
+    dod = do.astype(np.float64)
+    ds = p * (dod @ vd.transpose(0, 1, 3, 2) - (dod * o).sum(-1, keepdims=True))
+    want = (ds @ kd * sc, (ds.transpose(0, 1, 3, 2) @ q.astype(np.float64) * sc).reshape(
+        b, hk, g, s, d).sum(2), (p.transpose(0, 1, 3, 2) @ dod).reshape(b, hk, g, s, d).sum(2))
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = got.astype(np.float64)
+        assert not np.isnan(got).any(), name
+        assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max()), name
+    assert (dk[:, :, 32:64] == 0).all() and (dv[:, :, 32:64] == 0).all()
 
 
 def hand_mask(like, block, seq, partial, full, n_kb):
@@ -235,6 +308,13 @@ def test_bad_block_masks_are_refused_before_launch():
     bm = tilepy.create_block_mask(causal, None, None, 40, 40, like=x, block_size=16)
     with pytest.raises(ValueError, match="causal=True or a window"):
         tilepy.flash_attention(x, x, x, block_mask=bm, causal=True)
+    with pytest.raises(ValueError, match="flash_attention_backward: block_mask with causal"):
+        tilepy.flash_attention_backward(x, x, x, x, x, np.zeros((1, 2, 40), np.float32),
+                                        block_mask=bm, window=(3, 0))
+    # FlashAttention's "no window", (-1, -1), is no window
+    np.testing.assert_array_equal(tilepy.flash_attention(x, x, x, block_mask=bm),
+                                  tilepy.flash_attention(x, x, x, block_mask=bm,
+                                                         window=(-1, -1)))
     with pytest.raises(ValueError, match="is not the block mask's"):
         tilepy.flash_attention(x, x, x, block_mask=bm, mask_mod=lambda b, h, i, j: True)
     with pytest.raises(ValueError, match=r"made for \(seq_q, seq_k\) = \(40, 40\)"):
@@ -270,17 +350,25 @@ def test_block_sparse_kernels_compile_without_spills():
     """Offline sm_90a: the block-sparse grid TMA kernel (d128, ping-pong, producer; one and two
     key tiles a mask block) and the block-sparse mma.sync kernel (d128) with a causal mask
     function and LSE, and the block mask's kernel: no spill, no local memory, the TMA kernel's
-    wgmmas and TMA loads present, no serialised wgmmas."""
+    wgmmas and TMA loads present, no serialised wgmmas; the backward's block-sparse dK / dV
+    and dQ kernels (d64, d128) spill at most 64 B more than the dense ones with the hook."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports")
-    assert len(reps) == len(abm.SPARSE_REPORTS) + 1
+    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 1
     for name, rep in reps.items():
         assert "error" not in rep, rep
         assert rep["local_bytes"] == 0 and rep["counts"]["ld.local"] == 0, rep
-        if "producer" in name:
+        if name.startswith("attention_backward") and name.endswith("_sparse"):
+            # the backward's block-sparse kernels against the dense ones with the same hook
+            # (at head_dim 128 those spill already): at most 64 B more
+            dense = reps[name.replace("_sparse", "_dense")]
+            assert rep["spill_stores"] <= dense["spill_stores"] + 64, (rep, dense)
+        elif name.startswith("attention_backward"):
+            continue
+        elif "producer" in name:
             # as the dense kernel's (tests/test_ops_attention_wgmma.py): setmaxnreg's 168 at
             # entry; values computed before the warpgroups part may be spilled there
             assert rep["registers"] == 168 and rep["spill_stores"] <= 64, rep

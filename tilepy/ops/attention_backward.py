@@ -18,7 +18,8 @@ from ..tile import device_write
 from . import attention_backward_mma_sync as bk
 from . import attention_backward_wgmma as bw
 from ..tile.attention_backward import check_functions
-from .attention_block_mask import check_block_mask
+from . import attention_block_mask as abm
+from .attention_block_mask import block_sizes, cached_block_mask, check_block_mask
 from .attention import (bhsd_dims, bhsd_view, check_alibi, check_arguments, check_variant,
                         hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
 from .attention_backward_mma_sync import BackwardConfig
@@ -117,12 +118,17 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       user functions, ``score_mod_grad`` included, take the ``mod_args`` after their fixed
       parameters). No gradient flows into them.
     * ``block_mask``: the forward's :class:`tilepy.BlockMask`, checked as there; its
-      ``mask_mod`` and ``mod_args`` are used as the forward used them. The backward kernels
-      visit every key block the window allows and apply ``mask_mod`` on every score (they do
-      not skip the mask's blocks yet), so the gradients are those of the forward only for a
-      mask that agrees with its function — one made by :func:`tilepy.create_block_mask` from
-      it; a hand-made mask that lists fewer blocks, or calls full a block the function partly
-      hides, gives a forward the backward does not match.
+      ``mask_mod`` and ``mod_args`` are used as the forward used them. Block-sparse: the dQ
+      kernel visits the key blocks the mask lists for each query block and the dK / dV kernel
+      the query blocks its transposed lists (:attr:`tilepy.BlockMask.q_arrays`, made by
+      :func:`tilepy.create_block_mask`) list for each key block, ``mask_mod`` applied on every
+      visited score; a ``mask_mod`` of no array argument gets the op's own mask at the
+      kernels' tiles (:func:`tilepy.ops.attention_block_mask.cached_block_mask`). A mask
+      without transposed lists, or whose blocks the kernels' tiles do not divide, has every
+      block visited, ``mask_mod`` on every score. Either way the gradients are the forward's
+      for a mask that agrees with its function (one made by ``create_block_mask`` from it); a
+      hand-made mask that calls full a block the function partly hides gives a forward the
+      backward does not match.
     * float32 accumulation; ``P`` and ``dS`` rounded to the input dtype for their products (as
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (mma.sync)
@@ -139,15 +145,16 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         b, hq, sq, _ = bhsd_dims(Q.shape, layout) if layout in ("bhsd", "bshd") else (0,) * 4
         sk = bhsd_dims(describe(k, "k").shape, layout)[2] if layout in ("bhsd", "bshd") else 0
         mask_mod, mod_args, _ = check_block_mask(block_mask, mask_mod, mod_args, b, hq, sq, sk,
-                                                 causal, window, q)
+                                                 causal, window, q, "flash_attention_backward")
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
+    fm, pm = _mask_fingerprints(block_mask)
     mods = (score_mod, score_mod_grad, mask_mod)
-    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, fh, layout,
+    key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, fh, fm, layout,
            deterministic, config)
     cached, key = _PLANS.lookup(key)
     if cached is not None:
-        bound, stream, makers = cached
+        bound, stream, makers, _ = cached
         ptrs = [p for _, p in fps]
         results, scratch = [dq, dk, dv], []
         for slot, make in makers:   # new outputs the caller did not give, then the scratch
@@ -158,7 +165,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
             else:
                 scratch.append(arr)   # alive until the launches are queued (stream-ordered
                 ptrs.append(p)        # allocators may reuse it after that, not before)
-        ptrs += [0] * (len(_OPERANDS) - len(ptrs)) + list(ph)   # the hook's arrays last
+        # the hook's arrays, then the block mask's
+        ptrs += [0] * (len(_OPERANDS) - len(ptrs)) + list(ph) + list(pm)
         s = stream()
         for plan in bound:
             plan(s, ptrs)
@@ -167,10 +175,59 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         return tuple(results)
     return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap,
                      mods + (alibi_slopes, mod_args), layout, deterministic, dq, dk, dv,
-                     config, dlse, key)
+                     config, dlse, key, block_mask)
 
 
 _PLANS = PlanCache()
+
+
+def _mask_fingerprints(block_mask):
+    """``(signature, pointers)`` of a caller's block mask for the plan cache: its sizes and
+    its arrays — the lists and the transposed lists (:attr:`tilepy.BlockMask.q_arrays`), in
+    the order the plans bind them; ``(None, ())`` for none."""
+    if block_mask is None:
+        return None, ()
+    sigs, ptrs = [], []
+    for x in _mask_arrays(block_mask):
+        f, p = arrays.fingerprint(x)
+        sigs.append(f)
+        ptrs.append(p)
+    return (tuple(sigs), tuple(block_mask.block_size), tuple(block_mask.seq_lengths)), \
+        tuple(ptrs)
+
+
+def _mask_arrays(block_mask) -> tuple:
+    """The arrays of a block mask the backward reads: the lists and, where it has them, the
+    transposed lists (without them it is not block-sparse: none)."""
+    qa = block_mask.q_arrays
+    return () if qa is None else tuple(block_mask.arrays) + tuple(qa)
+
+
+def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
+    """``(mask, caller's, recordable)``: the block mask the backward's kernels walk — the caller's, or for
+    a ``mask_mod`` of no array argument (and no window) the op's own, made once per shape at
+    the kernels' tiles (:func:`tilepy.ops.attention_block_mask.cached_block_mask`) — or
+    ``(None, False, …)``: every block visited (a mask without transposed lists, tiles that do
+    not divide its blocks, the wgmma kernels, or a capture with no mask kept yet — then not
+    ``recordable``: the plans are not kept, so a later call gets the op's mask)."""
+    _, _, mask_mod, _, mod_args = mods
+    if not isinstance(cfg, BackwardConfig) or not (bq and hq and sq and sk):
+        return None, False, True
+    tiles = (max(cfg.block_m, cfg.dq_block_m), max(cfg.block_n, cfg.dq_block_n))
+    if block_mask is None:
+        if mask_mod is None or tuple(win) != (-1, -1) or not all(
+                isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()):
+            return None, False, True
+        block_mask = cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, tiles, like)
+        if block_mask is None:
+            return None, False, False
+        caller = False
+    else:
+        caller = True
+    bm, bn = block_sizes(block_mask.block_size)
+    if block_mask.q_arrays is None or bm % tiles[0] or bn % tiles[1]:
+        return None, False, True
+    return block_mask, caller, True
 #: The operands of one call in the order bound plans take their pointers: the arguments as
 #: passed, then the float32 scratch (``dq_acc`` only on the atomic path; its slot is 0
 #: without), then the score hook's arrays (``mod_args``' and the ALiBi slopes).
@@ -259,7 +316,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
-              deterministic, dq, dk, dv, config, dlse, key):
+              deterministic, dq, dk, dv, config, dlse, key, block_mask=None):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
         (win, cap, user, kmods) = _validate(
             dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
@@ -279,7 +336,12 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
     gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
+    mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, Q.raw)
     sqp = bk.row_pad(cfg, sq)
+    if mask is not None:
+        # a mask's last query block may reach past seq_q: the rows' scratch covers it whole
+        bm = block_sizes(mask.block_size)[0]
+        sqp = bk.row_pad(cfg, -(-sq // bm) * bm)
     scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
     if bk.uses_atomics(cfg, deterministic):
         scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
@@ -308,11 +370,19 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
         for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
             views[f"hook{i}"], ops[f"hook{i}"] = view, op
+        sparse = None
+        if mask is not None:
+            mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
+            mviews = abm.mask_views(mops, bq, hq)
+            if caller_mask:      # bound after the hook's arrays (the caller's pointers)
+                for i, (view, op) in enumerate(zip(mviews, mops)):
+                    views[f"mask{i}"], ops[f"mask{i}"] = view, op
+            sparse = (block_sizes(mask.block_size), mviews[:4], mviews[4:])
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
         plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
-                           hargs)
+                           hargs, sparse=sparse)
                  if gen is bk else gen.plans(cfg, bool(causal), bool(deterministic), views,
                                              scale))
         for plan, args in plans:
@@ -321,8 +391,9 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
                                          *(ops[n] for n in ("q", "k", "v", "o", "do")
                                            if not reusable))
-    if reusable:
-        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers))
+    if reusable and recordable:
+        # (the op's own mask kept with the plans that read it)
+        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers, mask))
     return tuple(a for a, _ in results)
 
 
@@ -330,7 +401,8 @@ def _bind(plans, views, ops):
     """The plans bound to the operands of :data:`_OPERANDS` (a later call passes their
     pointers): each array argument found by identity among the views; anything else (the
     placeholder) stays constant."""
-    names = _OPERANDS + tuple(n for n in views if n.startswith("hook"))
+    names = _OPERANDS + tuple(n for n in views if n.startswith("hook")) + \
+        tuple(n for n in views if n.startswith("mask"))
     index = {name: i for i, name in enumerate(names)}
     by_view = {id(views[name]): name for name in names if name in views}
     bound = []

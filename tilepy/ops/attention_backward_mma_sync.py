@@ -47,8 +47,9 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import (block_coords, key_blocks, key_window, limits_shape,
-                              mask_key_block, softcap_score)
+from ..tile.attention import (block_coords, block_mask_row, check_mask_block, key_block_at,
+                              key_blocks, key_window, limits_shape, mask_key_block,
+                              softcap_score)
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -386,7 +387,8 @@ def dq_convert(head_dim: int, dtype: str):
 # ---- 2. dK / dV (and dQ by atomics) ----------------------------------------------------------
 
 def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
-                softcap: float = 0.0, mods=(None, None, None), varlen: bool = False):
+                softcap: float = 0.0, mods=(None, None, None), varlen: bool = False,
+                mask_block=None):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``; grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``32 · cfg.warps`` threads, ``cfg.dkdv_layout(atomic_dq)
     .nbytes`` of dynamic shared memory. ``dk``, ``dv`` (B, Hkv, Sk, D) 16-bit (any strides);
@@ -403,11 +405,27 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     (:func:`~tilepy.ops.attention_mma_sync.attention_kernel`): views of batch 1 holding the
     sequences along the sequence axis (``lse2`` / ``delta`` padded past the last row by at
     least ``block_m``), ``hargs`` ``((cu_seqlens_q, cu_seqlens_k), hook_args)``, grid z the
-    sequences and x the key blocks of the longest. Without them the code is the plain
-    kernel's."""
+    sequences and x the key blocks of the longest. ``mask_block=(block_q, block_k)``
+    (multiples of ``block_m`` / ``block_n``): block-sparse over a block mask's transposed lists
+    — ``hargs`` ``(hook_args, (q_num, q_idx, full_q_num, full_q_idx))`` (views over (batch,
+    query heads, mask key blocks[, mask query blocks])); each query head of the group visits
+    the query blocks its lists name for this key block (``block_q / block_m`` steps a mask
+    block, :func:`tilepy.tile.attention.key_block_at`), the mask function on every visited
+    score; not with ``varlen`` or a window. Without them the code is the plain kernel's."""
     left, right = key_window(causal, window)
     return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), _mods(mods),
-                        bool(varlen))
+                        bool(varlen), _sparse(mask_block, cfg.block_m, cfg.block_n, varlen,
+                                              (left, right)))
+
+
+def _sparse(mask_block, block_m: int, block_n: int, varlen, win):
+    """A kernel generator's ``mask_block`` as a pair of ints (or None), checked."""
+    if mask_block is None:
+        return None
+    if varlen or tuple(win) != (-1, -1):
+        raise NotImplementedError("the block-sparse backward kernels take neither packed "
+                                  "sequences nor a window / causal (write them in mask_mod)")
+    return check_mask_block(mask_block, block_m, block_n)
 
 
 def _mods(mods) -> tuple:
@@ -433,7 +451,7 @@ def _cap(softcap) -> float:
 
 @functools.cache
 def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, cap: float,
-                 mods: tuple, varlen: bool = False):
+                 mods: tuple, varlen: bool = False, mask_block=None):
     # D: the shared tiles' width (head_dim rounded up to 16; the copies zero-fill past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
     VALID = None if cfg.head_dim == D else cfg.head_dim
@@ -485,6 +503,35 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                              alibi=mods[4]) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, False, WIN, BN)
+    # block-sparse: each head's query blocks from the transposed lists of this key block
+    SPARSE = mask_block is not None
+    QR = mask_block[0] // BM if SPARSE else 1
+    q_list = block_mask_row(BN, mask_block[1], QR) if SPARSE else None
+    q_at = key_block_at(SPARSE, QR)
+
+    @inline_device
+    def sparse_steps(qmask, kb, b, hq0, group):
+        total = np.int64(0)
+        for i in range(group):
+            total += q_list(qmask, kb, b, hq0 + i)[0]
+        return total
+
+    @inline_device
+    def step_of(n, qb0, per_head, qmask, kb, b, hq0, group):
+        """(query head offset in the group, query block) of step n."""
+        if not SPARSE:
+            return n // per_head, qb0 + n % per_head
+        rem = np.int64(n)
+        head = 0
+        qb = np.int64(0)
+        for i in range(group):
+            cnt, blocks = q_list(qmask, kb, b, hq0 + i)
+            if 0 <= rem < cnt:
+                head = i
+                qb = q_at(blocks, rem)
+            rem -= cnt
+        return head, qb
+
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
     store = store_accumulators(1, cfg.head_dim // 8, cfg.dtype)   # head_dim's columns only
@@ -509,7 +556,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             q_start = 0
             k_start = 0
             r_start = 0
-            hook = hargs
+            hook = hargs[0] if SPARSE else hargs
             vb = b
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -518,9 +565,17 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
         t = lane % 4
         shift = sk - sq
 
-        # query blocks that see any key of this block: causal, from the diagonal down
+        # query blocks that see any key of this block: causal, from the diagonal down (or,
+        # block-sparse, those the mask lists for each head of the group)
         qb0, per_head = qblocks(key0, sq, sk)
-        steps = group * per_head
+        hq0 = hk * group
+        kbx = cuda.blockIdx.x
+        if SPARSE:
+            qmask = hargs[1]
+            steps = sparse_steps(qmask, kbx, b, hq0, group)
+        else:
+            qmask = 0
+            steps = group * per_head
 
         dk_acc = cuda.local.array((1, NO, 4), np.float32)
         dv_acc = cuda.local.array((1, NO, 4), np.float32)
@@ -543,7 +598,6 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                                        vs, tid)
             issue_kv(k_tile, 0, k0, ksh, kr, kc, ks, sk - key0)
             issue_kv(v_tile, 0, v0, vsh, vr, vc, vs, sk - key0)
-            hq0 = hk * group
             q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, hq0, q_start, 0))), qs, tid)
             d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (vb, hq0, q_start, 0))), ds_,
                                       tid)
@@ -554,11 +608,12 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             hstep_r = lse2.strides[1]
 
             # step 0's Q, dO, lse2, delta in the same group as K and V
-            row = qb0 * BM
-            issue_q(base + Q_OFF, row * qs, q0, qsh, qr, qc, qs, sq - row)
-            issue_q(base + DO_OFF, row * ds_, d0, dsh, dr, dc, ds_, sq - row)
-            issue_r(base + L_OFF, row * 4, l0, lsh, lr, lc, 0, 1)
-            issue_r(base + DL_OFF, row * 4, e0, esh, er, ec, 0, 1)
+            nh, qbn = step_of(0, qb0, per_head, qmask, kbx, b, hq0, group)
+            row = qbn * BM
+            issue_q(base + Q_OFF, nh * hstep_q + row * qs, q0, qsh, qr, qc, qs, sq - row)
+            issue_q(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)
+            issue_r(base + L_OFF, nh * hstep_r + row * 4, l0, lsh, lr, lc, 0, 1)
+            issue_r(base + DL_OFF, nh * hstep_r + row * 4, e0, esh, er, ec, 0, 1)
             cp_async_commit_group()
 
             ka_off, ka_x = setup_ka(warp * 16, lane)
@@ -585,11 +640,12 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             for n in range(steps):
                 cp_async_wait_group(0)   # step n's tiles (and K, V) have landed …
                 cuda.syncthreads()       # … for all; the other stage and dS are free
-                hq = hq0 + n // per_head
-                row = (qb0 + n % per_head) * BM
+                ch, cqb = step_of(n, qb0, per_head, qmask, kbx, b, hq0, group)
+                hq = hq0 + ch
+                row = cqb * BM
                 if n + 1 < steps:
-                    nh = (n + 1) // per_head
-                    nrow = (qb0 + (n + 1) % per_head) * BM
+                    nh, qbn = step_of(n + 1, qb0, per_head, qmask, kbx, b, hq0, group)
+                    nrow = qbn * BM
                     so = ((n + 1) % 2)
                     issue_q(base + Q_OFF + so * Q_TILE, nh * hstep_q + nrow * qs,
                             q0, qsh, qr, qc, qs, sq - nrow)
@@ -696,20 +752,25 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 # ---- 3. dQ alone (no atomics) --------------------------------------------------------------
 
 def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0.0,
-              mods=(None, None, None), varlen: bool = False):
+              mods=(None, None, None), varlen: bool = False, mask_block=None):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs)``; grid
     ``(ceil(Sq / dq_block_m), Hq, B)``, ``32 · cfg.dq_warps`` threads, ``cfg.dq_smem_bytes``
     of dynamic shared memory. ``dq`` (B, Hq, Sq, D) 16-bit, any strides. ``window`` and
     ``softcap``, ``mods`` as :func:`dkdv_kernel`'s (key blocks outside the window are
     skipped), ``varlen`` as :func:`dkdv_kernel`'s (grid x the query blocks of the longest
-    sequence)."""
+    sequence). ``mask_block``: block-sparse as the forward's key loop — ``hargs``
+    ``(hook_args, (num, idx, full_num, full_idx))``, the block mask's own lists
+    (:func:`tilepy.tile.attention.block_mask_row`); a multiple of ``dq_block_m`` /
+    ``dq_block_n``."""
     left, right = key_window(causal, window)
-    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods), bool(varlen))
+    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods), bool(varlen),
+                      _sparse(mask_block, cfg.dq_block_m, cfg.dq_block_n, varlen,
+                              (left, right)))
 
 
 @functools.cache
 def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple,
-               varlen: bool = False):
+               varlen: bool = False, mask_block=None):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.tile_dim    # as the dK / dV kernel's
     VALID = None if cfg.head_dim == D else cfg.head_dim
     THREADS = 32 * cfg.dq_warps
@@ -740,6 +801,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                              alibi=mods[4]) if CAPPED else None
     mask = mask_key_block(1, NS, BN, WIN)
     kblocks = key_blocks(BM, BN, False, WIN)
+    SPARSE = mask_block is not None
+    at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
+    kv_list = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
     afrag = a_fragment(cfg.dtype)
@@ -763,7 +827,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
         else:
             q_start = 0
             k_start = 0
-            hook = hargs
+            hook = hargs[0] if SPARSE else hargs
             vb = b
             lse2_rows = lse2
             delta_rows = delta
@@ -773,6 +837,11 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
         g = lane // 4
         t = lane % 4
         row0, kb_first, n_kb, all_first, all_see = kblocks(sq, sk)
+        if SPARSE:   # step j visits the key block at(blocks, j) of the mask's lists
+            kb_first = 0
+            n_kb, blocks = kv_list(hargs[1], cuda.blockIdx.x, b, h)
+        else:        # step j visits key block j
+            blocks = 0
         wrow = row0 + warp * 16
         if VARLEN and row0 >= sq:
             return      # past this sequence's rows (the grid fits the longest)
@@ -802,9 +871,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
             issue_q(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
             first = kv_base + (kb_first % 2) * STAGE
-            issue_kv(first, kb_first * BN * ks, k0, ksh, kr, kc, ks, sk - kb_first * BN)
-            issue_kv(first + KV_TILE, kb_first * BN * vs, v0, vsh, vr, vc, vs,
-                     sk - kb_first * BN)
+            kb0 = at(blocks, kb_first)
+            issue_kv(first, kb0 * BN * ks, k0, ksh, kr, kc, ks, sk - kb0 * BN)
+            issue_kv(first + KV_TILE, kb0 * BN * vs, v0, vsh, vr, vc, vs, sk - kb0 * BN)
             cp_async_commit_group()
 
             a_off, a_x = setup_a(warp * 16, lane)
@@ -818,16 +887,18 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             if CAPPED:
                 dfac = cuda.local.array((1, NS, 4), np.float32)
 
-            for kb in range(kb_first, n_kb):
+            for jb in range(kb_first, n_kb):   # step jb: key block kb (jb but block-sparse)
+                kb = at(blocks, jb)
                 cp_async_wait_group(0)
                 cuda.syncthreads()
-                if kb + 1 < n_kb:
-                    nxt = kv_base + ((kb + 1) % 2) * STAGE
-                    left = sk - (kb + 1) * BN
-                    issue_kv(nxt, (kb + 1) * BN * ks, k0, ksh, kr, kc, ks, left)
-                    issue_kv(nxt + KV_TILE, (kb + 1) * BN * vs, v0, vsh, vr, vc, vs, left)
+                if jb + 1 < n_kb:
+                    nxt = kv_base + ((jb + 1) % 2) * STAGE
+                    kn = at(blocks, jb + 1)
+                    left = sk - kn * BN
+                    issue_kv(nxt, kn * BN * ks, k0, ksh, kr, kc, ks, left)
+                    issue_kv(nxt + KV_TILE, kn * BN * vs, v0, vsh, vr, vc, vs, left)
                 cp_async_commit_group()
-                k_tile = kv_base + (kb % 2) * STAGE
+                k_tile = kv_base + (jb % 2) * STAGE
                 v_tile = k_tile + KV_TILE
 
                 for j in range(NS):
@@ -916,7 +987,8 @@ def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
 
 
 def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, scale: float,
-          window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(), varlen=None):
+          window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(), varlen=None,
+          sparse=None):
     """The launch plans of one backward call, in order, as ``[(plan, args)]`` (a kernel with
     nothing to do — no query rows, or no keys — left out). ``views``: the
     kernel views ``q k v o do lse delta lse2 dq dk dv``, ``placeholder3`` / ``placeholder4``
@@ -930,7 +1002,11 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     ``((cu_seqlens_q, cu_seqlens_k), hook_args)``, ``delta`` / ``lse2`` of
     :func:`varlen_rows` rows): every grid runs over the sequences, dQ by its own kernel (no
     atomics: they would need the float32 accumulator's rows outside every sequence
-    cleared); never in chunks."""
+    cleared); never in chunks. ``sparse``: ``(mask_block, kv_views, q_views)`` of a block
+    mask (:func:`tilepy.ops.attention_block_mask.mask_views` of its lists and of its
+    transposed lists): the dK / dV kernel walks the transposed lists, the dQ kernel the
+    lists (``delta`` / ``lse2`` / ``dq_acc`` padded to whole mask query blocks: a mask block
+    may reach past the last row)."""
     q, k, v = views["q"], views["k"], views["v"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -958,9 +1034,11 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     mods = _mods(mods)
     chunks = not _reads_hook(mods) and varlen is None
     hargs = tuple(hargs)
-    kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods, varlen is not None)
+    mask_block, kv_mask, q_mask = sparse if sparse is not None else (None, None, None)
+    kern = dkdv_kernel(cfg, causal, atomic, window, softcap, mods, varlen is not None,
+                       mask_block)
     args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dk"], views["dv"],
-            dq_acc, scale32, slog2, hargs)
+            dq_acc, scale32, slog2, hargs if sparse is None else (hargs, q_mask))
     smem = cfg.dkdv_layout(atomic).nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk_blocks // cfg.block_n), hk, batch), 32 * cfg.warps,
@@ -974,9 +1052,9 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
         out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, q.shape[0]),
                                ROW_THREADS, split=heads_split((0, 1), (), 1, False)), args))
     else:
-        kern = dq_kernel(cfg, causal, window, softcap, mods, varlen is not None)
+        kern = dq_kernel(cfg, causal, window, softcap, mods, varlen is not None, mask_block)
         args = (q, k, v, views["do"], views["lse2"], views["delta"], views["dq"], scale32, slog2,
-                hargs)
+                hargs if sparse is None else (hargs, kv_mask))
         allow_dynamic_shared(kern, args, cfg.dq_smem_bytes)
         out.append((LaunchPlan(kern, args, (-(-sq_blocks // cfg.dq_block_m), hq, batch),
                                32 * cfg.dq_warps, cfg.dq_smem_bytes,

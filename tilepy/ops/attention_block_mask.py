@@ -26,6 +26,7 @@ from numba import cuda
 
 from .. import arrays
 from ..arrays import describe, device_view
+from ..inline import inline_device
 from ..launch import MAX_GRID_YZ, LaunchPlan
 from ..tile.attention import check_n_args, check_user_function, mask_visible
 from ..tile.device_write import stream_capturing
@@ -48,7 +49,12 @@ class BlockMask:
       with ``batch=None`` / ``heads=None``);
     * ``block_size`` ``(block_q, block_k)``, ``seq_lengths`` ``(seq_q, seq_k)``;
     * ``mask_mod`` / ``mod_args``: the mask function and its arguments, which
-      ``flash_attention(..., block_mask=)`` applies on the partial blocks.
+      ``flash_attention(..., block_mask=)`` applies on the partial blocks;
+    * ``q_num_blocks`` / ``q_indices`` / ``full_q_num_blocks`` / ``full_q_indices``
+      (FlexAttention's names; ``(batch, heads, key blocks[, query blocks])``): the same lists
+      transposed — per key block, the query blocks that see it, in ascending order — which the
+      backward's dK / dV kernel walks. :func:`create_block_mask` makes them; a mask without
+      them (None) has its backward visit every query block for each key block.
 
     Arrays of the caller's kind (CuPy, PyTorch, Numba; NumPy in the simulator) on one device.
     A hand-made mask must list each key block at most once per query block across both lists
@@ -64,6 +70,10 @@ class BlockMask:
     seq_lengths: tuple
     mask_mod: object = None
     mod_args: tuple = ()
+    q_num_blocks: object = None
+    q_indices: object = None
+    full_q_num_blocks: object = None
+    full_q_indices: object = None
 
     @property
     def arrays(self) -> tuple:
@@ -71,6 +81,13 @@ class BlockMask:
         order."""
         return (self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
                 self.full_kv_indices)
+
+    @property
+    def q_arrays(self):
+        """``(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices)``, or None when the
+        mask has no transposed lists."""
+        qa = (self.q_num_blocks, self.q_indices, self.full_q_num_blocks, self.full_q_indices)
+        return None if any(x is None for x in qa) else qa
 
     def function(self, mask_mod, mod_args) -> tuple:
         """``(mask_mod, mod_args)`` of a call given this mask: the call's, else the mask's
@@ -165,14 +182,19 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
                          f"batch {b}, heads {h}")
     with arrays.on_device(L.device):
         outs = [arrays.zeros(L, shape, "int32")
-                for shape in ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk))]
+                for shape in ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk),
+                              (b, h, nk), (b, h, nk, nq), (b, h, nk), (b, h, nk, nq))]
         if nq and nk:
             views = [device_view(arrays.raw_view(describe(x, "mask", dtypes=("int32",))))
                      for x in outs]
+            stream = arrays.stream_handle(L)
             kern = block_mask_kernel(mask_visible(mask_mod, n_args), bq, bk)
-            args = (np.int64(sq), np.int64(sk), *views, tuple(hargs))
-            LaunchPlan(kern, args, (nq, h, b), bq).launch(arrays.stream_handle(L), args)
-    return BlockMask(*outs, (bq, bk), (sq, sk), mask_mod, tuple(mod_args or ()))
+            args = (np.int64(sq), np.int64(sk), *views[:4], tuple(hargs))
+            LaunchPlan(kern, args, (nq, h, b), bq).launch(stream, args)
+            args = tuple(views)
+            LaunchPlan(transpose_kernel(), args, (-(-nk // 32), h, b), 32).launch(stream, args)
+    return BlockMask(*outs[:4], (bq, bk), (sq, sk), mask_mod, tuple(mod_args or ()),
+                     *outs[4:])
 
 
 def _n_mod_args(mod_args) -> int:
@@ -232,29 +254,79 @@ def block_mask_kernel(visible, block_q: int, block_k: int):
     return kernel
 
 
+@functools.cache
+def transpose_kernel():
+    """``kernel(num, idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx)``: grid
+    (ceil(key blocks / 32), heads, batch), 32 threads, a thread per key block ``kb``: for each
+    query block in order, whether ``kb`` is in its partial list (``idx[b, h, qm, :num]``) or
+    its full one (binary searches: :func:`block_mask_kernel` lists ascending), appended to
+    ``kb``'s transposed partial / full list, and the counts written at the end. Masks of
+    :func:`create_block_mask` only (hand-made lists need not be sorted)."""
+
+    @inline_device
+    def listed(row, count, kb):
+        n = min(max(np.int64(count), np.int64(0)), np.int64(row.shape[0]))
+        lo = np.int64(0)
+        hi = n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if row[mid] < kb:
+                lo = mid + 1
+            else:
+                hi = mid
+        found = False
+        if lo < n:
+            found = row[lo] == kb
+        return found
+
+    @cuda.jit
+    def kernel(num, idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx):
+        kb = cuda.blockIdx.x * 32 + cuda.threadIdx.x
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        if kb >= q_num.shape[2]:
+            return
+        n_part = 0
+        n_full = 0
+        for qm in range(num.shape[2]):
+            if listed(idx[b, h, qm], num[b, h, qm], kb):
+                q_idx[b, h, kb, n_part] = qm
+                n_part += 1
+            elif listed(full_idx[b, h, qm], full_num[b, h, qm], kb):
+                full_q_idx[b, h, kb, n_full] = qm
+                n_full += 1
+        q_num[b, h, kb] = n_part
+        full_q_num[b, h, kb] = n_full
+
+    return kernel
+
+
 def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq: int, sk: int,
-                     causal, window, like):
+                     causal, window, like, op: str = "flash_attention"):
     """``(mask_mod, mod_args, (num, idx, full_num, full_idx) Operands)`` of
     ``flash_attention(..., block_mask=)``: the mask's function unless the call gives the same
     one (another is a ``ValueError``), the call's ``mod_args`` or else the mask's; ``TypeError``
     / ``ValueError`` for a mask that is not a :class:`BlockMask` of int32 arrays on the inputs'
     device made for these sequence lengths, this batch (or 1) and these query heads (or 1), or
-    for one given with ``causal`` / ``window`` (a block mask's function says which keys each
-    row sees: write causal or a window in it)."""
+    for one given with ``causal`` / a bounded ``window`` (a block mask's function says which
+    keys each row sees: write causal or a window in it; ``(-1, -1)`` is no window). ``op``: the function the messages name."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a tilepy BlockMask (tilepy.create_block_mask), "
                         f"got {type(block_mask).__name__}")
-    if causal or window is not None:
-        raise ValueError("flash_attention: block_mask with causal=True or a window; the block "
+    unbounded = window is None or (isinstance(window, (tuple, list)) and len(window) == 2 and
+                                   all(x is None or (not isinstance(x, bool) and x == -1)
+                                       for x in window))
+    if causal or not unbounded:
+        raise ValueError(f"{op}: block_mask with causal=True or a window; the block "
                          "mask's mask_mod says which keys each row sees (write causal or the "
                          "window in it)")
     if mask_mod is not None and block_mask.mask_mod is not None \
             and mask_mod is not block_mask.mask_mod:
-        raise ValueError(f"flash_attention: mask_mod {_name(mask_mod)!r} is not the block "
+        raise ValueError(f"{op}: mask_mod {_name(mask_mod)!r} is not the block "
                          f"mask's ({_name(block_mask.mask_mod)!r})")
     mask_mod, mod_args = block_mask.function(mask_mod, mod_args)
     if mask_mod is None:
-        raise ValueError("flash_attention: a block_mask needs its mask_mod (none in the mask "
+        raise ValueError(f"{op}: a block_mask needs its mask_mod (none in the mask "
                          "and none given)")
     if tuple(block_mask.seq_lengths) != (sq, sk):
         raise ValueError(f"block_mask was made for (seq_q, seq_k) = "
@@ -362,9 +434,19 @@ SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 
                   ("attention_sparse_d128_f16_lse", 128, 64, 64, (128, 128)))
 
 
+#: Block-sparse backward kernels of :func:`compile_reports` (mma.sync, a causal mask function,
+#: 128 × 128 mask blocks): (name, kernel, head_dim, sparse) — the dK / dV kernel (atomic dQ)
+#: and the dQ kernel of the GPU configs, each also dense with the same hook (the reference
+#: for their registers and spills).
+SPARSE_BACKWARD_REPORTS = tuple(
+    (f"attention_backward_{kind}_d{d}{'_sparse' if sparse else '_dense'}", kind, d, sparse)
+    for d in (64, 128) for kind in ("dkdv", "dq") for sparse in (True, False))
+
+
 def compile_reports():
     """Offline sm_90a reports of the block-sparse attention kernels (:data:`SPARSE_REPORTS`,
-    a causal mask function, LSE) and of the block mask's own kernel for it."""
+    a causal mask function, LSE), of the block-sparse backward kernels
+    (:data:`SPARSE_BACKWARD_REPORTS`) and of the block mask's own kernel for it."""
     from numba import types
 
     from ..offline import report_entry
@@ -391,6 +473,25 @@ def compile_reports():
                     cfg, False, True, None, hook, mask_block=block),
                 _sparse_argtypes(fa.argtypes()), (9, 0), threads=cfg.threads,
                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
+    from . import attention_backward as ab
+    from . import attention_backward_mma_sync as bk
+
+    mods = (None, None, _probe_causal)
+    for name, kind, d, sparse in SPARSE_BACKWARD_REPORTS:
+        cfg = bk.BackwardConfig(d, dtype="float16", **ab.GPU_BLOCKS[d])
+        block = (128, 128) if sparse else None
+        base = bk.argtypes(kind)
+        if kind == "dkdv":
+            make = (lambda cfg=cfg, block=block: bk.dkdv_kernel(cfg, False, True, None, 0.0,
+                                                                 mods, mask_block=block))
+            threads, smem = 32 * cfg.warps, cfg.dkdv_layout(True).nbytes
+        else:
+            make = (lambda cfg=cfg, block=block: bk.dq_kernel(cfg, False, None, 0.0, mods,
+                                                              mask_block=block))
+            threads, smem = 32 * cfg.dq_warps, cfg.dq_smem_bytes
+        out.append(report_entry(name, make, _sparse_argtypes(base) if sparse else base,
+                                (9, 0), threads=threads, config=cfg.describe(),
+                                smem_bytes=smem))
     n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
     out.append(report_entry(
         "block_mask_128x128", lambda: block_mask_kernel(mask_visible(_probe_causal), 128, 128),
@@ -400,4 +501,4 @@ def compile_reports():
 
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
            "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
-           "mask_views", "SPARSE_REPORTS"]
+           "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel"]
