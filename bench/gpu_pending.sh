@@ -48,6 +48,9 @@
 #   PART=s25s    the d256 key-block A/B
 #   PART=s28a    the FP8 GEMM's TMA-store epilogue (issue 28): its GPU tests, the probe of the
 #                configs with and without it against torch._scaled_mm (run first; then s26b)
+#   PART=s28c    Nsight Compute of the FP8 GEMM (with and without the TMA-store epilogue:
+#                `--configs` of bench/profile_gemm_fp8.py) and of the FP8 attention against
+#                tilepy's bf16 (bench/profile_attention.py --fp8)
 #   PART=s28b    the block-sparse backward (issue 25): the block-mask and backward GPU tests,
 #                the document-mask backward benchmark against the dense walk and FlexAttention
 #   PART=s27     block masks (issue 25): the block-sparse kernels' GPU test (document masking
@@ -279,6 +282,12 @@ if [[ " $PART " == *" s28b "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
     gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
     bench_suite bench_backward_block_mask 200 "test_flash_attention_backward_block_mask"
+fi
+if [[ " $PART " == *" s28c "* ]]; then
+    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8 280 \
+        bash bench/profile_attention.sh "$OUT" \
+        --configs 256x4p,256x4pt
+    step ncu_attention_fp8 280 bash bench/profile_attention.sh "$OUT" --fp8 --head-dims 128
 fi
 if [[ " $PART " == *" s28a "* ]]; then
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py

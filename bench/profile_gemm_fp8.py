@@ -5,9 +5,10 @@ ncu): where the FP8 kernel's time goes against cuBLASLt's — tensor-pipe use, L
 (the FP8 tile moves as many bytes per k step as the 16-bit one at twice the MMA rate), warp
 stalls.
 
-    python bench/profile_gemm_fp8.py [--shape 4096x4096x4096] [--configs 256x4p,128x4p]
+    python bench/profile_gemm_fp8.py [--shape 4096x4096x4096] [--configs 256x4p,256x4pt]
 
-A config is ``<block_n>x<stages>`` with ``p`` for persistent (KMajorConfig).
+A config is ``<block_n>x<stages>`` then ``p`` for persistent and ``t`` for the TMA-store
+epilogue (KMajorConfig).
 """
 
 import argparse
@@ -16,7 +17,7 @@ import argparse
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096x4096")
-    p.add_argument("--configs", default="256x4p")
+    p.add_argument("--configs", default="256x4p,256x4pt")
     args = p.parse_args()
     import torch
 
@@ -31,8 +32,10 @@ def main():
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     cfgs = []
     for c in args.configs.split(","):
-        bn, st = c.rstrip("p").split("x")
-        cfgs.append(KMajorConfig(block_n=int(bn), stages=int(st), persistent=c.endswith("p")))
+        bn, st = c.rstrip("pt").split("x")
+        flags = c[len(bn) + 1 + len(st):]
+        cfgs.append(KMajorConfig(block_n=int(bn), stages=int(st), persistent="p" in flags,
+                                 tma_store="t" in flags))
 
     def peer():
         return torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)

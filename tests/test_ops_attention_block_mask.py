@@ -158,42 +158,46 @@ def test_block_sparse_attention_against_float64(kernel):
     check(got, lse, *reference(q, k, v, vis))
 
 
-def document_and_not_32_to_63(b, h, q_idx, kv_idx, doc):
-    """Document masking in which no query sees keys 32 … 63 (a key block no list names)."""
-    return (kv_idx < 32 or kv_idx >= 64) and same_document(b, h, q_idx, kv_idx, doc)
+def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
+    """Document masking in which no query sees keys lo … hi - 1 (a key block no list names)
+    and head 1 no key from 80 on (per-head lists under GQA)."""
+    return (kv_idx < lo or kv_idx >= hi) and (h == 0 or kv_idx < 80) and \
+        same_document(b, h, q_idx, kv_idx, doc)
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("made", ["caller", "op"])
+@pytest.mark.parametrize("made", ["caller", "caller64", "op"])
 def test_block_sparse_backward_against_float64(made):
     """The backward under a block mask walks its lists (dQ) and its transposed lists (dK /
-    dV): gradients against a float64 derivation — GQA 2 / 1, 85 rows (a mask query block past
-    the last row), document masking in which no query sees keys 32 … 63, whose K and V are NaN
-    (a kernel visiting their block would spread NaN: dS = P · (dP − D) with dP = dO · Vᵀ), dK
-    and dV of those keys zero. ``made``: the caller's mask (``create_block_mask``, 64 × 32
-    blocks) through the PyTorch-free op, or the op's own for a ``mask_mod`` of no array (the
-    ids as a closure constant)."""
+    dV): gradients against a float64 derivation — GQA 2 / 1 with a mask per query head, 85
+    rows (a mask query block past the last row), document masking in which no query sees one
+    key block, whose K and V are NaN (a kernel visiting it would spread NaN: dS = P · (dP − D)
+    with dP = dO · Vᵀ), dK and dV of those keys zero. ``made``: the caller's mask
+    (``create_block_mask``) of 64 × 32 blocks (keys 32 … 63 hidden), of 64 × 64 (keys 0 … 63
+    hidden; two 32-key kernel blocks a mask block, the last wholly past seq_k), or the op's own
+    for a ``mask_mod`` of no array (the ids a closure constant; keys 32 … 63 hidden)."""
     rng = np.random.default_rng()
     b, hq, hk, s, d = 1, 2, 1, 85, 32
+    lo, hi, block = (0, 64, (64, 64)) if made == "caller64" else (32, 64, (64, 32))
     q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
     k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
-    k[:, :, 32:64] = np.nan
-    v[:, :, 32:64] = np.nan
+    k[:, :, lo:hi] = np.nan
+    v[:, :, lo:hi] = np.nan
     doc = documents(rng, b, s)
     do = rng.standard_normal(q.shape).astype(np.float16)
-    if made == "caller":
-        bm = tilepy.create_block_mask(document_and_not_32_to_63, b, None, s, s, mod_args=(doc,),
-                                      block_size=(64, 32))
-        kw = dict(block_mask=bm)
-    else:
+    if made == "op":
         ids = doc.copy()
 
         def own(bb, h, q_idx, kv_idx):
-            return (kv_idx < 32 or kv_idx >= 64) and q_idx < s and kv_idx < s and \
-                ids[bb, q_idx] == ids[bb, kv_idx]
+            return (kv_idx < 32 or kv_idx >= 64) and (h == 0 or kv_idx < 80) and \
+                q_idx < s and kv_idx < s and ids[bb, q_idx] == ids[bb, kv_idx]
 
         kw = dict(mask_mod=own)
-    vis = matrix(document_and_not_32_to_63, b, hq, s, s, (doc,))
+    else:
+        bm = tilepy.create_block_mask(document_hidden, b, hq, s, s, mod_args=(doc, lo, hi),
+                                      block_size=block)
+        kw = dict(block_mask=bm)
+    vis = matrix(document_hidden, b, hq, s, s, (doc, lo, hi))
     out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
     check(out, lse, *reference(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v), vis))
     dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, **kw)
@@ -213,7 +217,7 @@ def test_block_sparse_backward_against_float64(made):
         got = got.astype(np.float64)
         assert not np.isnan(got).any(), name
         assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max()), name
-    assert (dk[:, :, 32:64] == 0).all() and (dv[:, :, 32:64] == 0).all()
+    assert (dk[:, :, lo:hi] == 0).all() and (dv[:, :, lo:hi] == 0).all()
 
 
 def hand_mask(like, block, seq, partial, full, n_kb):
@@ -311,6 +315,10 @@ def test_bad_block_masks_are_refused_before_launch():
     with pytest.raises(ValueError, match="flash_attention_backward: block_mask with causal"):
         tilepy.flash_attention_backward(x, x, x, x, x, np.zeros((1, 2, 40), np.float32),
                                         block_mask=bm, window=(3, 0))
+    import dataclasses
+    short = dataclasses.replace(bm, q_indices=np.zeros((1, 1, 3, 2), np.int32))
+    with pytest.raises(ValueError, match=r"block_mask.q_indices must have shape .*3, 3"):
+        tilepy.flash_attention(x, x, x, block_mask=short)
     # FlashAttention's "no window", (-1, -1), is no window
     np.testing.assert_array_equal(tilepy.flash_attention(x, x, x, block_mask=bm),
                                   tilepy.flash_attention(x, x, x, block_mask=bm,

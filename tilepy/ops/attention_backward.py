@@ -9,6 +9,8 @@ float32 accumulator, which the dK / dV kernel filled).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .. import arrays, launch
@@ -213,7 +215,8 @@ def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
     _, _, mask_mod, _, mod_args = mods
     if not isinstance(cfg, BackwardConfig) or not (bq and hq and sq and sk):
         return None, False, True
-    tiles = (max(cfg.block_m, cfg.dq_block_m), max(cfg.block_n, cfg.dq_block_n))
+    # the mask's blocks must be multiples of both kernels' tiles
+    tiles = (math.lcm(cfg.block_m, cfg.dq_block_m), math.lcm(cfg.block_n, cfg.dq_block_n))
     if block_mask is None:
         if mask_mod is None or tuple(win) != (-1, -1) or not all(
                 isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()):
@@ -393,7 +396,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
                                            if not reusable))
     if reusable and recordable:
         # (the op's own mask kept with the plans that read it)
-        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers, mask))
+        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers,
+                         None if caller_mask else mask))
     return tuple(a for a, _ in results)
 
 

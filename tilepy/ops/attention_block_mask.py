@@ -54,7 +54,9 @@ class BlockMask:
       (FlexAttention's names; ``(batch, heads, key blocks[, query blocks])``): the same lists
       transposed — per key block, the query blocks that see it, in ascending order — which the
       backward's dK / dV kernel walks. :func:`create_block_mask` makes them; a mask without
-      them (None) has its backward visit every query block for each key block.
+      them (None) has its backward visit every block. They must be the transpose of the
+      ``kv_*`` lists: a mask whose lists are replaced (``dataclasses.replace``) must have
+      them replaced too, or set to None.
 
     Arrays of the caller's kind (CuPy, PyTorch, Numba; NumPy in the simulator) on one device.
     A hand-made mask must list each key block at most once per query block across both lists
@@ -303,13 +305,16 @@ def transpose_kernel():
 
 def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq: int, sk: int,
                      causal, window, like, op: str = "flash_attention"):
-    """``(mask_mod, mod_args, (num, idx, full_num, full_idx) Operands)`` of
+    """``(mask_mod, mod_args, (num, idx, full_num, full_idx) Operands)`` (the transposed
+    lists, where the mask has them, checked likewise: int32, (batch, heads) as the others,
+    (key blocks[, query blocks]) after them, on the same device) of
     ``flash_attention(..., block_mask=)``: the mask's function unless the call gives the same
     one (another is a ``ValueError``), the call's ``mod_args`` or else the mask's; ``TypeError``
     / ``ValueError`` for a mask that is not a :class:`BlockMask` of int32 arrays on the inputs'
     device made for these sequence lengths, this batch (or 1) and these query heads (or 1), or
     for one given with ``causal`` / a bounded ``window`` (a block mask's function says which
-    keys each row sees: write causal or a window in it; ``(-1, -1)`` is no window). ``op``: the function the messages name."""
+    keys each row sees: write causal or a window in it; ``(-1, -1)`` is no window). ``op``:
+    the function the messages name."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask must be a tilepy BlockMask (tilepy.create_block_mask), "
                         f"got {type(block_mask).__name__}")
@@ -346,11 +351,22 @@ def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq:
                              f"{heads} or 1, {', '.join(map(str, want))}) for block size "
                              f"{(bq, bk)}, got {op.shape}")
         ops.append(op)
+    if block_mask.q_arrays is not None:   # the transposed lists: (…, key blocks[, query])
+        for x, name, n in zip(block_mask.q_arrays, ("q_num_blocks", "q_indices",
+                                                    "full_q_num_blocks", "full_q_indices"),
+                              (3, 4, 3, 4)):
+            op = describe(x, f"block_mask.{name}", dtypes=("int32",))
+            want = (nk, nq)[:n - 2]
+            if op.ndim != n or op.shape[2:] != want:
+                raise ValueError(f"block_mask.{name} must have shape (batch, heads, "
+                                 f"{', '.join(map(str, want))}) for block size {(bq, bk)}, "
+                                 f"got {op.shape}")
+            ops.append(op)
     if len({op.shape[:2] for op in ops}) != 1:
         raise ValueError(f"block_mask: its arrays' (batch, heads) differ: "
                          f"{[op.shape[:2] for op in ops]}")
     arrays.same_device(describe(like, "q", dtypes=arrays.DTYPES), *ops)
-    return mask_mod, mod_args, ops
+    return mask_mod, mod_args, ops[:4]
 
 
 def mask_views(ops, batch: int, heads: int):

@@ -66,7 +66,7 @@ from ..tile.epilogue import (
     store_scaled_accumulators,
 )
 from ..tile.pipeline import tma_pipeline
-from ..tile.roles import warpgroup_roles
+from ..tile.roles import NamedBarriers, warpgroup_roles
 from ..tile.schedule import grouped_raster, static_persistent
 from ..tile.smem import dynamic_shared
 from ..tile.smem_layout import SmemLayout
@@ -234,7 +234,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
             for p in range(PASSES)]
         stage0, stage1 = stage_pass[0], stage_pass[-1]
         STAGING = lay.offset("staging")
-    WG_BAR = 1            # named barriers 1 … NC: one per consumer warpgroup (tma_store)
+    # tma_store: a named barrier per consumer warpgroup (its staging's writes and reads)
+    WG_BAR = NamedBarriers().take("warpgroup", 128, count=NC)
     smem = dynamic_shared(lay.align)
     f32 = types.float32
 
