@@ -53,13 +53,18 @@ def test_scaled_product_against_float64(fmt, rows, cols, out_dtype):
 
 
 @pytest.mark.sim
-def test_tma_store_epilogue_writes_the_register_epilogues_bits():
-    """The default TMA-store epilogue (per-row and per-column scales, a bfloat16 bias and
-    GELU; 130 x 200: a partial row tile and a partial second pass of columns) against the
-    register epilogue (``KMajorConfig(tma_store=False)``): the same operations in the same
-    order, so the same bits; and an output whose rows TMA cannot store (a 202-column view:
-    404-byte rows) falls back to the register epilogue, equal on its columns."""
+def test_tma_store_epilogue_writes_the_register_epilogues_bits(monkeypatch):
+    """The TMA-store epilogue (per-row and per-column scales, a bfloat16 bias and GELU; 130 x
+    200: a partial row tile and a partial second pass of columns), as the built-in choice
+    (``gemm_fp8.TMA_STORE``), against the register epilogue (``KMajorConfig(tma_store=False)``):
+    the same operations in the same order, so the same bits; and an output whose rows TMA
+    cannot store (a 202-column view: 404-byte rows) falls back to the register epilogue,
+    equal on its columns."""
+    from tilepy.ops import gemm_fp8
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    monkeypatch.setattr(gemm_fp8, "TMA_STORE", True)
+    gemm_fp8._PLANS.clear()
 
     rng = np.random.default_rng()
     m, n, k = 130, 200, 96
@@ -79,6 +84,10 @@ def test_tma_store_epilogue_writes_the_register_epilogues_bits():
     tilepy.gemm(a, w.T, out=wide[:, :n], **kw)
     np.testing.assert_array_equal(wide[:, :n].view(np.uint16), want.view(np.uint16))
     assert np.isnan(wide[:, n:].astype(np.float32)).all()
+    again = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf),
+                        config=KMajorConfig(tma_store=True), **kw)   # asked for by config
+    np.testing.assert_array_equal(again.view(np.uint16), want.view(np.uint16))
+    gemm_fp8._PLANS.clear()     # (plans of the patched choice not left to later tests)
 
 
 def test_errors_are_raised_before_launch():
@@ -216,21 +225,26 @@ def test_fp8_kernel_compiles_for_sm90a():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n", [128, 256])
-def test_gpu_against_torch_scaled_mm(block_n):
-    """4096 × 4096 × 4096 e4m3 with row- and column-wise scales, bf16 out, against
-    ``torch._scaled_mm`` (cuBLASLt) in the same process; both tile widths."""
+@pytest.mark.parametrize("block_n,tma_store,shape", [
+    (128, False, (4096, 4096, 4096)), (256, False, (4096, 4096, 4096)),
+    (256, True, (4096, 4096, 4096)), (256, True, (1000, 1400, 4160))])
+def test_gpu_against_torch_scaled_mm(block_n, tma_store, shape):
+    """e4m3 with row- and column-wise scales, bf16 out, against ``torch._scaled_mm``
+    (cuBLASLt) in the same process; both tile widths, and the TMA-store epilogue (also at
+    edges: partial row and column tiles, a partial 64-column box), out poisoned first."""
     torch = pytest.importorskip("torch")
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
-    m = n = k = 4096
+    m, n, k = shape
     a = (torch.randn(m, k, device="cuda") * 3).to(torch.float8_e4m3fn)
     w = (torch.randn(n, k, device="cuda") * 3).to(torch.float8_e4m3fn)
     sa = torch.rand(m, 1, device="cuda") + 0.5
     sb = torch.rand(1, n, device="cuda") + 0.5
-    got = tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb,     # torch._scaled_mm's shapes
-                      config=KMajorConfig(block_n=block_n))
+    got = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, out=got,     # torch._scaled_mm's shapes
+                config=KMajorConfig(block_n=block_n, tma_store=tma_store))
     want = torch._scaled_mm(a, w.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    assert not got.isnan().any()
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 2e-2 * want.float().abs().max().item(), err
 

@@ -22,6 +22,11 @@ from ..tile.epilogue import ACTIVATIONS
 from . import gemm_kmajor_wgmma as fk
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: Whether the built-in config takes the TMA-store epilogue
+#: (:attr:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig.tma_store`) for 16-bit outputs TMA can
+#: store. Off until it has run on a GPU (it is checked in the simulator and offline only);
+#: ``config=KMajorConfig(tma_store=True)`` asks for it.
+TMA_STORE = False
 _FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
@@ -171,10 +176,10 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
             sb_v = _scale_view(Sb if Sb is not None else One)
         bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
         out_v = arrays.kernel_view(Out)
-        if config is None and out_dtype != "float32" and block is None and \
+        if TMA_STORE and config is None and out_dtype != "float32" and block is None and \
                 fk.tma_storable(out_v):
-            # the default: the TMA-store epilogue wherever TMA can store the output (not with
-            # block scales: their two partial accumulators leave it too few registers)
+            # the TMA-store epilogue wherever TMA can store the output (not with block
+            # scales: their two partial accumulators leave it too few registers)
             cfg = dataclasses.replace(cfg, tma_store=True)
         kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
                                      _per_index(Sa, m) and block is None,
