@@ -276,15 +276,16 @@ def hook_fingerprints(alibi_slopes, mod_args):
     return tuple(sigs), tuple(ptrs)
 
 
-def mask_fingerprints(block_mask):
+def mask_fingerprints(block_mask, mask_arrays=None):
     """``(signature, pointers)`` of a caller's block mask for the plan cache: its block size,
-    lengths, function and arguments' signature, and its four arrays
-    (:func:`tilepy.arrays.fingerprint`); ``(None, ())`` for none (or not a BlockMask: the
-    op's checks refuse it)."""
+    lengths, function and arguments' signature, and its arrays
+    (:func:`tilepy.arrays.fingerprint`) — ``mask_arrays``, by default its four lists, in the
+    order the plans bind them; ``(None, ())`` for none (or not a BlockMask: the op's checks
+    refuse it)."""
     if not isinstance(block_mask, abm.BlockMask):
         return (None if block_mask is None else id(block_mask)), ()
     sigs, ptrs = [], []
-    for x in block_mask.arrays:
+    for x in block_mask.arrays if mask_arrays is None else mask_arrays:
         f, p = arrays.fingerprint(x)
         sigs.append(f)
         ptrs.append(p)
@@ -501,8 +502,7 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
     # a block mask: the caller's, else one made here for a mask_mod of no array argument
     own_mask, recordable = (None, ()), True
     # (ALiBi's slopes may come with it: they do not change which keys are seen)
-    auto = (block_mask is None and mask_mod is not None and tuple(win) == (-1, -1)
-            and all(isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()))
+    auto = block_mask is None and abm.makes_own_mask(mask_mod, mod_args, win)
     if auto and bq and hq and sq and sk:
         mask_block = sparse_block(config or choose_config(d, dtype, False, True, dv))
         made = abm.cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, mask_block, Q.raw)

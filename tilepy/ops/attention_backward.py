@@ -23,7 +23,8 @@ from ..tile.attention_backward import check_functions
 from . import attention_block_mask as abm
 from .attention_block_mask import block_sizes, cached_block_mask, check_block_mask
 from .attention import (bhsd_dims, bhsd_view, check_alibi, check_arguments, check_variant,
-                        hook_args, hook_fingerprints, is_variant, n_mod_args, readable)
+                        hook_args, hook_fingerprints, is_variant, mask_fingerprints,
+                        n_mod_args, readable)
 from .attention_backward_mma_sync import BackwardConfig
 from .attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -150,7 +151,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
                                                  causal, window, q, "flash_attention_backward")
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
-    fm, pm = _mask_fingerprints(block_mask)
+    # (the arrays the plans bind: the lists and transposed lists, none without the latter)
+    fm, pm = mask_fingerprints(block_mask, _mask_arrays(block_mask)) \
+        if block_mask is not None else (None, ())
     mods = (score_mod, score_mod_grad, mask_mod)
     key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, fh, fm, layout,
            deterministic, config)
@@ -183,21 +186,6 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
 _PLANS = PlanCache()
 
 
-def _mask_fingerprints(block_mask):
-    """``(signature, pointers)`` of a caller's block mask for the plan cache: its sizes and
-    its arrays — the lists and the transposed lists (:attr:`tilepy.BlockMask.q_arrays`), in
-    the order the plans bind them; ``(None, ())`` for none."""
-    if block_mask is None:
-        return None, ()
-    sigs, ptrs = [], []
-    for x in _mask_arrays(block_mask):
-        f, p = arrays.fingerprint(x)
-        sigs.append(f)
-        ptrs.append(p)
-    return (tuple(sigs), tuple(block_mask.block_size), tuple(block_mask.seq_lengths)), \
-        tuple(ptrs)
-
-
 def _mask_arrays(block_mask) -> tuple:
     """The arrays of a block mask the backward reads: the lists and, where it has them, the
     transposed lists (without them it is not block-sparse: none)."""
@@ -206,9 +194,10 @@ def _mask_arrays(block_mask) -> tuple:
 
 
 def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
-    """``(mask, caller's, recordable)``: the block mask the backward's kernels walk — the caller's, or for
-    a ``mask_mod`` of no array argument (and no window) the op's own, made once per shape at
-    the kernels' tiles (:func:`tilepy.ops.attention_block_mask.cached_block_mask`) — or
+    """``(mask, caller's, recordable)``: the block mask the backward's kernels walk — the
+    caller's, or for a ``mask_mod`` of no array argument (and no window) the op's own, made
+    once per shape at the kernels' tiles
+    (:func:`tilepy.ops.attention_block_mask.cached_block_mask`) — or
     ``(None, False, …)``: every block visited (a mask without transposed lists, tiles that do
     not divide its blocks, the wgmma kernels, or a capture with no mask kept yet — then not
     ``recordable``: the plans are not kept, so a later call gets the op's mask)."""
@@ -218,8 +207,7 @@ def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
     # the mask's blocks must be multiples of both kernels' tiles
     tiles = (math.lcm(cfg.block_m, cfg.dq_block_m), math.lcm(cfg.block_n, cfg.dq_block_n))
     if block_mask is None:
-        if mask_mod is None or tuple(win) != (-1, -1) or not all(
-                isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()):
+        if not abm.makes_own_mask(mask_mod, mod_args, win):
             return None, False, True
         block_mask = cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, tiles, like)
         if block_mask is None:
@@ -339,12 +327,13 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     if not (bq and hq and hk and (sq or sk)):
         return tuple(a for a, _ in results)
     gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
-    mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, Q.raw)
+    mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk,
+                                                 Q.raw)
     sqp = bk.row_pad(cfg, sq)
     if mask is not None:
         # a mask's last query block may reach past seq_q: the rows' scratch covers it whole
-        bm = block_sizes(mask.block_size)[0]
-        sqp = bk.row_pad(cfg, -(-sq // bm) * bm)
+        mask_block = block_sizes(mask.block_size)
+        sqp = bk.row_pad(cfg, -(-sq // mask_block[0]) * mask_block[0])
     scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
     if bk.uses_atomics(cfg, deterministic):
         scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
@@ -380,7 +369,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
             if caller_mask:      # bound after the hook's arrays (the caller's pointers)
                 for i, (view, op) in enumerate(zip(mviews, mops)):
                     views[f"mask{i}"], ops[f"mask{i}"] = view, op
-            sparse = (block_sizes(mask.block_size), mviews[:4], mviews[4:])
+            sparse = (mask_block, mviews[:4], mviews[4:])
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)

@@ -391,6 +391,14 @@ _CACHE: OrderedDict = OrderedDict()
 _LOCK = threading.Lock()
 
 
+def makes_own_mask(mask_mod, mod_args, window) -> bool:
+    """Whether an attention call without a block mask gets one made by the op
+    (:func:`cached_block_mask`): a ``mask_mod`` whose ``mod_args`` hold no array (numbers
+    only), and no window (``window`` the checked ``(left, right)``)."""
+    return (mask_mod is not None and tuple(window) == (-1, -1)
+            and all(isinstance(x, (bool, int, float, np.generic)) for x in mod_args or ()))
+
+
 def cached_block_mask(mask_mod, mod_args, batch: int, heads: int, sq: int, sk: int,
                       block_size, like):
     """The block mask ``flash_attention`` makes for a ``mask_mod`` whose ``mod_args`` hold no
@@ -517,4 +525,5 @@ def compile_reports():
 
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
            "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
+           "makes_own_mask",
            "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel"]

@@ -390,7 +390,7 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             # staged one (bias columns in shared memory), faster on the fused bias + GELU
             # benchmark (bench/NOTES.md: GEMM epilogues)
             plain = Bias is None and C is None and activation is None
-            storable = _tma_storable(out_v)
+            storable = ws.tma_storable(out_v)
             cfg = config or tuned_gemm_config(m, n, k, batch, dtype, mma_cfg, device) or \
                 hopper_config(m, n, batch, dtype, tma_store=plain and storable, k=k) or mma_cfg
             b_view = kernel_view(B2, 3, swap_last=layout_b == "col")  # col: (Z, N, K) row-major
@@ -454,15 +454,6 @@ def _grid_safe(cfg, batch: int):
         return hw.WgmmaConfig(cfg.block_m, cfg.block_n, cfg.stages, cfg.dtype)
     except ValueError:
         return hw.WgmmaConfig(*HOPPER_LARGE, cfg.dtype)
-
-
-def _tma_storable(out_v) -> bool:
-    """Whether TMA stores can write the kernel view of ``out`` (WsConfig.tma_store)."""
-    try:
-        ws.out_layout(out_v)
-    except ValueError:
-        return False
-    return True
 
 
 def _converted_bias(bias):

@@ -20,6 +20,7 @@ from ..launch import PlanCache
 from ..tile import device_write
 from ..tile.epilogue import ACTIVATIONS
 from . import gemm_kmajor_wgmma as fk
+from . import gemm_wgmma_ws as ws
 
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Whether the built-in config takes the TMA-store epilogue
@@ -177,7 +178,7 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
         out_v = arrays.kernel_view(Out)
         if TMA_STORE and config is None and out_dtype != "float32" and block is None and \
-                fk.tma_storable(out_v):
+                ws.tma_storable(out_v):
             # the TMA-store epilogue wherever TMA can store the output (not with block
             # scales: their two partial accumulators leave it too few registers)
             cfg = dataclasses.replace(cfg, tma_store=True)

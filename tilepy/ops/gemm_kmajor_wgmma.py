@@ -72,6 +72,7 @@ from ..tile.smem import dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.tma_copy import tma_tile
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
+from .gemm_wgmma_ws import out_layout
 
 BK = 128            # k bytes a stage: one 128-byte swizzle row
 MAP_B = 128         # B's tensor map's byte offset in the maps argument
@@ -523,7 +524,7 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, 
         return [ma.data, mb.data]
 
     if getattr(kernel, "tma_out", False):
-        o_layout = out_layout(out)
+        o_layout = out_layout(out)   # (the bf16 kernel's checks and 64 x 64 boxes)
         map_args = (0, 1, 2)
 
         def encoder(a_ptr, b_ptr, o_ptr):
@@ -544,32 +545,6 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, 
     p = TmaLaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, encoder, map_args,
                       MAPS_ARG, alloc=alloc, initial=(buf, raw))
     return p, args
-
-
-def out_layout(out):
-    """(shape, byte strides, box) of the tensor map TMA stores ``out`` (a 2-D uint16 view)
-    through: boxes of 64 rows × 64 columns; ValueError where TMA cannot describe it (rows or
-    start not 16-byte aligned)."""
-    from ..launch import pointer
-
-    m, n = (int(d) for d in out.shape)
-    srow = int(out.strides[0]) if m > 1 else -(-2 * n // 16) * 16
-    if out.dtype.itemsize != 2 or (n > 1 and int(out.strides[1]) != 2):
-        raise ValueError(f"out: TMA stores take 16-bit outputs with contiguous rows, got "
-                         f"{out.dtype} with byte strides {tuple(out.strides)}")
-    if srow % 16 or srow <= 0 or pointer(out) % 16:
-        raise ValueError(f"out: TMA stores need 16-byte-aligned rows and start, got byte "
-                         f"strides {tuple(out.strides)}")
-    return (m, n), (srow, 2), (64, 64)
-
-
-def tma_storable(out) -> bool:
-    """Whether a ``tma_store`` kernel can store ``out`` (a 2-D uint16 view) as it is."""
-    try:
-        out_layout(out)
-    except ValueError:
-        return False
-    return True
 
 
 #: The kernels the compile layer reports on: (name, config, format, scales, grouped, B's

@@ -652,11 +652,16 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
 # ---- host side: tensor maps, grid, launch plans ------------------------------------------------
 
 def _map_layout(view, box_rows: int):
-    """(shape, byte strides, box) of the tensor map of a 3-D uint16 kernel view: 2-D when the
-    view holds one matrix, else 3-D with the batch outermost. Strides of length-1 dimensions
-    are free; they are set to what the encoder accepts."""
-    z, rows, cols = (int(d) for d in view.shape)
-    sz, srow, scol = (int(s) for s in view.strides)
+    """(shape, byte strides, box) of the tensor map of a 3-D uint16 kernel view (or a 2-D one:
+    one matrix): 2-D when the view holds one matrix, else 3-D with the batch outermost.
+    Strides of length-1 dimensions are free; they are set to what the encoder accepts."""
+    if len(view.shape) == 2:
+        z, sz = 1, 0
+        rows, cols = (int(d) for d in view.shape)
+        srow, scol = (int(s) for s in view.strides)
+    else:
+        z, rows, cols = (int(d) for d in view.shape)
+        sz, srow, scol = (int(s) for s in view.strides)
     if cols == 1:
         scol = 2
     if rows == 1:
@@ -694,8 +699,9 @@ def layouts(cfg: WsConfig, b_row_major: bool, a, b):
 
 
 def out_layout(out):
-    """(shape, strides, box) of the tensor map of a 3-D uint16 output view that TMA stores go
-    through (the softmax mode's ``tma_out``, :attr:`WsConfig.tma_store`; boxes of 64 rows × 64
+    """(shape, strides, box) of the tensor map of a 3-D (or 2-D) uint16 output view that TMA
+    stores go through (the softmax mode's ``tma_out``, :attr:`WsConfig.tma_store`, the FP8
+    GEMM's :attr:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig.tma_store`; boxes of 64 rows × 64
     columns); ValueError if TMA cannot describe it."""
     if out.dtype.itemsize != 2:
         raise ValueError(f"out: TMA stores take 16-bit outputs, got {out.dtype}")
@@ -704,6 +710,15 @@ def out_layout(out):
         raise ValueError(f"out: 16-byte-aligned rows (and batches) and start needed for TMA "
                          f"stores, got byte strides {strides}")
     return shape, strides, box
+
+
+def tma_storable(out) -> bool:
+    """Whether TMA stores can write the kernel view ``out`` as it is (:func:`out_layout`)."""
+    try:
+        out_layout(out)
+    except ValueError:
+        return False
+    return True
 
 
 def tma_ready(cfg: WsConfig, b_row_major: bool, a, b) -> bool:

@@ -586,6 +586,29 @@ def swizzled_pair_offset(jj, rl, g, t):
     return (jj // 8) * SWIZZLED_BOX_BYTES + rl * 128 + (((jj % 8) ^ g) * 16) + 4 * t
 
 
+#: The written-out stagings' per-thread values: ``t`` (the lane's column pair), ``r`` (its
+#: first row), and for its ``stmatrix.x4`` address the matrix ``q = lane // 8`` (bit 0: rows
+#: 8–15, bit 1: the second n8 block), its row ``rs`` (whose 128-byte swizzle is ``rs``), the
+#: local row ``rl`` and ``second``.
+_SWIZZLED_LANES = ("lane = thread % 32", "g = lane // 4", "t = lane % 4",
+                   "r = row0 + (thread // 32) * 16 + g", "q = lane // 8", "rs = lane % 8",
+                   "rl = (thread // 32) * 16 + rs + 8 * (q % 2)", "second = q // 2")
+
+
+def _swizzled_pass(ni: int, out_kind: str, first: int, count) -> int:
+    """The n8 blocks a swizzled staging pass takes (``count``, default all from ``first``),
+    checked: 16-bit outputs, whole boxes of 8 n8 blocks within ``ni``."""
+    if out_kind not in ("float16", "bfloat16"):
+        raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
+    if ni % 8:
+        raise ValueError(f"ni (n8 blocks) must be a multiple of 8 (whole boxes), got {ni}")
+    count = ni - first if count is None else count
+    if first % 8 or count % 8 or count <= 0 or first + count > ni:
+        raise ValueError(f"first {first} and count {count}: whole boxes of 8 n8 blocks "
+                         f"within {ni}")
+    return count
+
+
 @functools.cache
 def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bias=False,
                                 has_c=False, first: int = 0, count: int | None = None):
@@ -616,14 +639,7 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     (``bulk_wait_group_read``) and a barrier before; ``fence_proxy_async_shared`` and a barrier
     after, then one thread issues the stores. 16-bit outputs only.
     """
-    if out_kind not in ("float16", "bfloat16"):
-        raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
-    if ni % 8:
-        raise ValueError(f"ni (n8 blocks) must be a multiple of 8 (whole boxes), got {ni}")
-    count = ni - first if count is None else count
-    if first % 8 or count % 8 or count <= 0 or first + count > ni:
-        raise ValueError(f"first {first} and count {count}: whole boxes of 8 n8 blocks "
-                         f"within {ni}")
+    count = _swizzled_pass(ni, out_kind, first, count)
     pack = _pair_io(out_kind)[2]
     load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
     plain = _plain(activation, has_bias, has_c)
@@ -676,9 +692,7 @@ def stage_accumulators_swizzled(ni: int, out_kind: str, activation=None, has_bia
     if plain:
         return write
     # written out with constant accumulator indices (see _plain)
-    body = ["lane = thread % 32", "g = lane // 4", "t = lane % 4",
-            "r = row0 + (thread // 32) * 16 + g", "q = lane // 8", "rs = lane % 8",
-            "rl = (thread // 32) * 16 + rs + 8 * (q % 2)", "second = q // 2"]
+    body = list(_SWIZZLED_LANES)
     for jj in range(0, count, 2):
         j = first + jj
         body += [f"addr = swizzled_pair_offset({jj} + second, rl, rs, 0)",
@@ -711,13 +725,9 @@ def stage_scaled_accumulators_swizzled(ni: int, out_kind: str, row_scale: bool,
     warpgroup's 128 threads (``thread`` 0 … 127), tile ``out[row0 : row0 + 64, col0 : col0 +
     8·ni]``. Each 64-column box's column scales and bias are loaded before its first
     ``stmatrix`` (whose inline assembly orders memory: loads between them would each wait
-    their latency out); scales and bias are read only inside (m, n), elements outside are staged unscaled
-    (TMA drops them). Written out with constant accumulator indices."""
-    if out_kind not in ("float16", "bfloat16"):
-        raise ValueError(f"the swizzled staging holds 16-bit outputs, got {out_kind!r}")
-    count = ni - first if count is None else count
-    if ni % 8 or first % 8 or count % 8 or count <= 0 or first + count > ni:
-        raise ValueError(f"ni {ni}, first {first}, count {count}: whole boxes of 8 n8 blocks")
+    their latency out); scales and bias are read only inside (m, n), elements outside are
+    staged unscaled (TMA drops them). Written out with constant accumulator indices."""
+    count = _swizzled_pass(ni, out_kind, first, count)
     if bias_kind is not None and bias_kind not in OUT_KINDS:
         raise ValueError(f"bias_kind must be None or one of {OUT_KINDS}, got {bias_kind!r}")
     pack = _pair_io(out_kind)[2]
@@ -748,10 +758,9 @@ def stage_scaled_accumulators_swizzled(ni: int, out_kind: str, row_scale: bool,
         # store_scaled_accumulators' order of operations (the same bits)
         return act(a * sa * sb + d) if HAS_BIAS else act(a * sa * sb)   # (-0 stays -0)
 
-    body = ["lane = thread % 32", "t = lane % 4", "r = row0 + (thread // 32) * 16 + lane // 4",
-            "q = lane // 8", "rs = lane % 8", "rl = (thread // 32) * 16 + rs + 8 * (q % 2)",
-            "second = q // 2", "sa0 = row_scale_at(scale_a, r, m)",
-            "sa1 = row_scale_at(scale_a, r + 8, m)", "sb = first_scale(scale_b)"]
+    body = list(_SWIZZLED_LANES) + ["sa0 = row_scale_at(scale_a, r, m)",
+                                    "sa1 = row_scale_at(scale_a, r + 8, m)",
+                                    "sb = first_scale(scale_b)"]
     for jj in range(0, count, 2):
         if (COLS or HAS_BIAS) and jj % 8 == 0:
             # a 64-column box's factors at a time: fewer live registers than the pass's
