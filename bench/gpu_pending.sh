@@ -46,6 +46,9 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
+#   PART=s29a    where a warp-specialised GEMM launch's time goes (issue 27): the traced kernel's
+#                GPU test, then bench/trace_gemm.py (phase marks of the built-in config per shape
+#                beside cuBLAS); then the FP8 GEMM's TMA-store epilogue (s28a's tests and probe)
 #   PART=s28a    the FP8 GEMM's TMA-store epilogue (issue 28): its GPU tests, the probe of the
 #                configs with and without it against torch._scaled_mm (run first; then s26b)
 #   PART=s28c    Nsight Compute of the FP8 GEMM (with and without the TMA-store epilogue:
@@ -277,6 +280,12 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s29a "* ]]; then
+    gpu_tests gemm_ws_trace_gpu 60 tests/test_ops_gemm_wgmma_ws.py -k "gpu_traced"
+    step trace_gemm 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm.json"
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
 fi
 if [[ " $PART " == *" s28b "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py

@@ -154,6 +154,66 @@ def test_split_k(dtype, b_layout, shape, splits, extra):
     assert not np.asarray(plan.counter_for(0)).any()
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("extra,sms", [({"splits": 2}, None), ({"persistent": True}, 2)],
+                         ids=["split-k-grid", "persistent-2-blocks"])
+def test_traced_kernel_marks_its_phases_and_computes_the_same(extra, sms):
+    """``trace=True``: the kernel takes a trace array and marks every block's phases
+    (tilepy.tile.trace) in order — entry, barriers met, first stage landed, first item's
+    main loop, its split-K step, its epilogue, the block's end —
+    counts each block's items (all the grid's items once), and computes what the untraced
+    kernel does. Over M, N, K = 70, 72, 200: 2 × 2 tiles of 64, 4 k steps."""
+    from tilepy.tile import trace as TR
+
+    rng = np.random.default_rng()
+    m, n, k = 70, 72, 200
+    a, b = padded(rng, (m, k), "float16"), padded(rng, (k, n), "float16")
+    cfg = WsConfig(stages=2, **SMALL, **extra)
+    out = np.full((m, n), np.nan, np.float16)
+    va, vb, vo, vc = views(a, b, out, "row")
+    kern = ws.wgmma_ws_gemm_kernel(cfg, True, "float16", trace=True)
+    g = ws.grid(cfg, m, n, 1, sms)
+    rows = g[0] * g[1]
+    trace = np.zeros((rows, TR.WIDTH), np.uint64)
+    with pytest.raises(ValueError, match="trace"):
+        ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1), sms=sms)
+    with pytest.raises(ValueError, match="rows"):
+        ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1), sms=sms,
+                trace=np.zeros((rows - 1, TR.WIDTH), np.uint64))
+    from numba import cuda
+
+    d_trace = cuda.to_device(trace)
+    plan, args = ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1), sms=sms,
+                         trace=d_trace)
+    plan.launch(0, args)
+    check(out, matmul64(a, b), "float16")
+    trace = d_trace.copy_to_host()
+
+    mk = ws.TRACE_MARKS
+    t = trace[:, :TR.SLOTS].astype(np.int64)
+    values = trace[:, 2 * TR.SLOTS:]
+    items = 4 * cfg.splits
+    assert values[:, mk["items"]].sum() == items
+    order = ["entry", "ready", "first_stage", "first_loop_end", "first_reduced",
+             "first_item_end", "consumer_end"]
+    for r in range(rows):
+        times = [t[r, mk[name]] for name in order]
+        assert all(x > 0 for x in times) and times == sorted(times), (r, times)
+        assert t[r, mk["last_loop_start"]] <= t[r, mk["last_loop_end"]] \
+            <= t[r, mk["last_item_end"]] <= t[r, mk["consumer_end"]]
+        assert t[r, mk["producer_end"]] >= t[r, mk["ready"]]
+        assert trace[r, TR.SLOTS + mk["entry"]] > 0      # the clock columns too
+    s = TR.summary(trace, mk, [("main loop", "first_stage", "first_loop_end")],
+                   {"items": mk["items"]})
+    assert s["blocks"] == rows and s["phases"]["main loop"]["blocks"] == rows
+    assert s["values"]["items"] == sorted(set(values[:, mk["items"]].tolist()))
+
+    # the untraced kernel takes no trace
+    untraced = ws.wgmma_ws_gemm_kernel(cfg, True, "float16")
+    with pytest.raises(ValueError, match="trace"):
+        ws.plan(untraced, cfg, va, vb, vo, vc, arrays.placeholder(1), sms=sms, trace=trace)
+
+
 def padded_out(shape, np_dtype, pad=4):
     """NaN-poisoned output whose rows are 16-byte multiples (the vector stores' case)."""
     *lead, rows, cols = shape
@@ -603,6 +663,26 @@ def test_split_k_compiles_without_spills(reports):
     assert "st.global.v4.f32" in set(rep["ops"]), rep["ops"]
 
 
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_traced_kernels_compile_and_untraced_ones_read_no_timer(reports):
+    """Tracing off leaves no timer read in any kernel; on, the marks compile into the
+    persistent TMA-store kernel and the split-K one without serialised wgmmas and with no
+    spill that the untraced kernels lack."""
+    assert all(rep["timer_reads"] == 0 for rep in reports.values() if "timer_reads" in rep)
+    traced = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_trace")
+    for name, rep in traced.items():
+        assert "error" not in rep, rep.get("error")
+        assert rep["timer_reads"] >= 8, (name, rep["timer_reads"])
+        assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+    rep = traced["gemm_ws_128x256_brow_persistent_tmastore_trace"]
+    assert rep["registers"] <= 168
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_frame"] == 0
+    # split-K's one consumer at 255 registers: the marks add no spill to its tail's
+    split = traced["gemm_ws_64x256_bcol_splitk3_trace"]
+    assert split["spill_stores"] <= reports["gemm_ws_64x256_bcol_splitk3"]["spill_stores"]
+
+
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
 # stages (not persistent), and two per staging pass (float32 out: two passes)
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
@@ -816,6 +896,49 @@ def test_gpu_split_k_same_bits_every_run():
     for _ in range(10):
         assert torch.equal(tilepy.gemm(a, b, config=cfg).view(torch.int16),
                            first.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg,m", [
+    (dataclasses.replace(ws.TMA_STORE, dtype="bfloat16"), 2048),
+    (WsConfig(64, 128, 8, "bfloat16", consumers=1, smem_epilogue=True, splits=4), 16)],
+    ids=["persistent-tma-store", "split-k"])
+def test_gpu_traced_kernel_same_bits_and_ordered_marks(cfg, m):
+    """The traced kernel at full size (N = K = 4096) gives the untraced kernel's bits, and
+    every block's marks are on the global timer in order (bench/trace_gemm.py reads them)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    from numba import cuda
+
+    from tilepy.tile import trace as TR
+
+    a = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    outs, trace = [], None
+    for traced in (False, True):
+        out = torch.full((m, 4096), float("nan"), device="cuda", dtype=torch.bfloat16)
+        va, vb, vo, vc = views(a, b, out, "row")
+        kern = ws.wgmma_ws_gemm_kernel(cfg, True, "bfloat16", trace=traced)
+        g = ws.grid(cfg, m, 4096, 1, ws.sm_count(ws.SMS) if cfg.persistent else None)
+        if traced:
+            trace = cuda.to_device(np.zeros((g[0] * g[1], 40), np.uint64))
+        plan, args = ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1),
+                             alloc=arrays.byte_allocator(a), trace=trace)
+        plan.launch(torch.cuda.current_stream().cuda_stream, args)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    ref = a.double() @ b.double()
+    assert ((outs[0].double() - ref).abs().max() / ref.abs().max()).item() < TOL["bfloat16"]
+    t = trace.copy_to_host()[:, :TR.SLOTS].astype(np.int64)
+    mk = ws.TRACE_MARKS
+    order = [mk[x] for x in ("entry", "ready", "first_stage", "first_loop_end",
+                             "first_reduced", "consumer_end")]
+    assert (t[:, order] > 0).all()
+    assert (np.diff(t[:, order], axis=1) >= 0).all()
+    assert trace.copy_to_host()[:, 2 * TR.SLOTS + mk["items"]].sum() == \
+        -(-m // cfg.block_m) * (4096 // cfg.block_n) * cfg.splits
 
 
 @pytest.mark.gpu

@@ -81,6 +81,9 @@ from ..tile.smem_layout import SmemLayout
 from ..tile.split_k import split_k_reduce
 from ..tile.tma_copy import tma_tile
 from ..tile.tma_plan import ScheduledTmaPlan, TmaLaunchPlan
+from ..tile.trace import SCRATCH_BYTES
+from ..tile.trace import WIDTH as TRACE_WIDTH
+from ..tile.trace import phase_marks
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from ..kcache import cached_jit
 
@@ -425,12 +428,30 @@ def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
     return run
 
 
+#: The phase marks of a traced kernel (``wgmma_ws_gemm_kernel(..., trace=True)``; columns of
+#: :mod:`tilepy.tile.trace`): timestamps by the first consumer thread — ``entry``, ``ready``
+#: (barriers initialised, the block met), ``first_stage`` (the first work item's first stage
+#: has landed), ``first_loop_end`` / ``first_reduced`` (split-K's step done: the item's
+#: partial stored and counted, and for a tile's last item the sum; without splits the loop's
+#: end) / ``first_item_end`` (its epilogue issued, if it stores), ``last_loop_start``
+#: / ``last_loop_end`` / ``last_item_end`` (the block's last item), ``consumer_end`` (after the
+#: epilogue's last wait) — and by the producer thread ``producer_end`` (its last load issued);
+#: values ``smid`` and ``items`` (work items the block ran).
+TRACE_MARKS = {"entry": 0, "ready": 1, "first_stage": 2, "first_loop_end": 3,
+               "first_reduced": 4, "first_item_end": 5, "last_loop_start": 6,
+               "last_loop_end": 7, "last_item_end": 8, "consumer_end": 9, "producer_end": 10,
+               "smid": 0, "items": 1}
+
+
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
-                         has_bias: bool = False, has_c: bool = False):
+                         has_bias: bool = False, has_c: bool = False, trace: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials)`` (see
     the module docstring; ``counters`` / ``partials``: split-K's tile semaphores and partial
-    sums, placeholders without ``splits``); launch it through :func:`plan`. A composition:
+    sums, placeholders without ``splits``); launch it through :func:`plan`. ``trace``: the
+    kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace` rows (one per
+    block), and marks the phases of :data:`TRACE_MARKS` in it (``plan(..., trace=array)``);
+    nothing else changes. A composition:
     the roles (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer
     (:func:`tma_producer`: the stage ring and TMA tile loads), the grouped raster and static
     persistent schedule (:mod:`tilepy.tile.schedule`), each consumer's main loop
@@ -463,22 +484,39 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         FLAG = lay.offset("split_flag")
     dynamic_shared_buffer = dynamic_shared(lay.align)
     f32 = types.float32
+    TR = phase_marks(trace)
+    MK = device_namespace("ws trace marks", **TRACE_MARKS)
+    TRACE_OFF = -(-cfg.smem_bytes // 16) * 16    # the traced kernel's row, after the layout
+
+    if trace:
+        @inline_device
+        def first_stage(bars, s, ph, scratch):
+            ring.wait(bars, s, ph)      # the stage the main loop waits for first
+            TR.note(scratch, MK.first_stage)
+    else:
+        @inline_device
+        def first_stage(bars, s, ph, scratch):
+            pass
 
     @inline_device
     def consume(base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total, ktiles,
-                w0, step, maps, counters, partials):
+                w0, step, maps, counters, partials, tr):
         """Consumer warpgroup ``cw``: rows ``cw · CM …`` of every work item of the block."""
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
         tid = cuda.threadIdx.x
         lane = tid % 32
+        scratch = base + TRACE_OFF
+        leader = tid == WARPGROUP      # the first consumer thread notes the block's phases
         acc0 = cuda.local.array(NACC, f32)
         acc1 = cuda.local.array(NACC1, f32)
         epilogue.begin(maps, tid)
         s = 0
         ph = 0
+        items = 0
         for w in range(w0, total, step):
             tile, split, k_begin, k_end = item(w, ktiles)
+            last_item = w + step >= total
             z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
             for i in range(NACC):
                 acc0[i] = f32(0)
@@ -493,17 +531,40 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     b0 = bias[col] if col < n else f32(0)
                     b1 = bias[col + 1] if col + 1 < n else f32(0)
                     VEC.st_shared_v2_f32(base + BIAS + 4 * i, b0, b1)
+            if leader:
+                if items == 0 and k_end > k_begin:
+                    first_stage(base + BARS, s, ph, scratch)
+                if last_item:
+                    TR.note(scratch, MK.last_loop_start)
             if S == 1 or k_end > k_begin:
                 s, ph = mainloop(acc0, acc1, base, s, ph, cw, k_end - k_begin, lane)
+            if leader:
+                if items == 0:
+                    TR.note(scratch, MK.first_loop_end)
+                if last_item:
+                    TR.note(scratch, MK.last_loop_end)
             # split-K: only the tile's last item (its partials summed) stores it
-            if S == 1 or split_k.reduce(acc0, acc1, partials, counters, tile, split,
-                                        tid - WARPGROUP, base + FLAG):
+            stores = S == 1 or split_k.reduce(acc0, acc1, partials, counters, tile, split,
+                                              tid - WARPGROUP, base + FLAG)
+            if leader and items == 0:
+                TR.note(scratch, MK.first_reduced)
+            if stores:
                 epilogue.store(acc0, acc1, base, maps, out, c, bias, z, bm0 + cw * CM, bn0,
                                m, n, alpha, beta, cw, tid)
+            if leader:
+                if items == 0:
+                    TR.note(scratch, MK.first_item_end)
+                if last_item:
+                    TR.note(scratch, MK.last_item_end)
+            items += 1
         epilogue.end(tid)
+        if leader:
+            TR.note(scratch, MK.consumer_end)
+            TR.note_value(scratch, MK.items, items)
+            TR.flush(tr, TR.row(), scratch)
 
-    @kernel_jit(cfg)
-    def kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials):
+    @inline_device
+    def body(a, b, out, c, bias, alpha, beta, maps, counters, partials, tr):
         m = a.shape[1]
         n = b.shape[2] if b_row_major else b.shape[1]
         m_tiles = (m + BM * CL - 1) // (BM * CL)   # (blocks of a cluster's rows)
@@ -514,6 +575,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         base = shared_addr(dynamic_shared_buffer(), 0)
         tid = cuda.threadIdx.x
         wg = roles.warpgroup(tid)
+        if tid == WARPGROUP:
+            TR.start(base + TRACE_OFF)
+            TR.note(base + TRACE_OFF, MK.entry)
+            TR.note_value(base + TRACE_OFF, MK.smid, TR.smid())
         if tid == 0:
             ring.init(base + BARS)
             MB.fence_mbarrier_init()
@@ -522,21 +587,36 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             CLU.cluster_wait()
         else:
             cuda.syncthreads()
+        if tid == WARPGROUP:
+            TR.note(base + TRACE_OFF, MK.ready)
         if wg == 0:
             roles.enter_producer()
             if tid == 0:
                 produce(base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total, ktiles,
                         w0, step)
+                TR.mark(tr, TR.row(), MK.producer_end)
         else:
             roles.enter_consumer()
             consume(base, a, b, out, c, bias, alpha, beta, roles.consumer(wg), m_tiles,
-                    n_tiles, total, ktiles, w0, step, maps, counters, partials)
+                    n_tiles, total, ktiles, w0, step, maps, counters, partials, tr)
         if CL > 1:
             # no block leaves while another of its cluster may still arrive on its barriers
             CLU.cluster_arrive()
             CLU.cluster_wait()
 
+    if trace:
+        @kernel_jit(cfg)
+        def kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials, tr):
+            body(a, b, out, c, bias, alpha, beta, maps, counters, partials, tr)
+    else:
+        @kernel_jit(cfg)
+        def kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials):
+            body(a, b, out, c, bias, alpha, beta, maps, counters, partials, 0)
+
     kernel.config = cfg
+    kernel.trace = trace
+    if trace:
+        kernel.smem_bytes = TRACE_OFF + SCRATCH_BYTES
     kernel.b_row_major = b_row_major
     kernel.tma_out = cfg.tma_store     # the maps end with the output's
     kernel.split_scratch = True        # counters and partials follow the maps (plan)
@@ -748,7 +828,7 @@ def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
 
 
 def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
-         sms: int | None = None, stream=0, alloc=None):
+         sms: int | None = None, stream=0, alloc=None, trace=None):
     """``(launch plan, arguments)`` for 3-D operands (see :func:`wgmma_ws_gemm_kernel`), the
     same call as :func:`tilepy.ops.gemm_wgmma.plan`.
 
@@ -759,7 +839,10 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     stream (:class:`TmaLaunchPlan`, which also makes the maps of other pointers) — so building
     a plan neither waits for the GPU nor copies from host memory, and may run during a
     CUDA-graph capture. ``sms``: the persistent grid's block count (default: the device's
-    SMs). ``stream``: accepted for the callers' sake (nothing is enqueued here).
+    SMs). ``stream``: accepted for the callers' sake (nothing is enqueued here). ``trace``:
+    for a kernel generated with ``trace=True``, the uint64 array of
+    :mod:`tilepy.tile.trace` rows it marks (at least one row per block of the plan's grid,
+    :func:`grid`); ValueError when it is given to a kernel without tracing or missing.
     Raises ValueError for operands whose strides TMA cannot describe."""
     check = getattr(kernel, "check_operands", None)
     if check is not None:   # refused before any map is encoded or copied
@@ -793,6 +876,11 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
             kind = ScheduledTmaPlan
             extra, views = scratch
             args += views
+    if getattr(kernel, "trace", False) != (trace is not None):
+        raise ValueError("plan: a trace array goes with a kernel generated with trace=True, "
+                         "and only with one")
+    if trace is not None:
+        args += (trace,)
     smem = getattr(kernel, "smem_bytes", cfg.smem_bytes)
     allow_dynamic_shared(kernel, args, smem)
     g = getattr(kernel, "grid", None)
@@ -803,6 +891,10 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
     p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG, cfg.cluster,
              alloc=alloc, initial=(buf, raw), **extra)
+    if trace is not None and (len(trace.shape) != 2 or trace.shape[0] < g[0] * g[1]
+                              or trace.shape[1] != TRACE_WIDTH):
+        raise ValueError(f"plan: the trace needs ({g[0] * g[1]}, {TRACE_WIDTH}) rows and "
+                         f"columns at least (a row per block); got {tuple(trace.shape)}")
     if cfg.persistent and cfg.cluster > 1:
         # a persistent grid of more clusters than run at once would leave the last ones for
         # a second wave (SMs per GPC need not be even)
@@ -919,8 +1011,10 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
     instructions it uses (``ops``)."""
     from ..offline import compile_kernel
 
-    rep = compile_kernel(f"gemm_{name}", kern.py_func,
-                         argtypes(out_kind, getattr(kern, "split_scratch", False)), (9, 0, "a"),
+    types_ = argtypes(out_kind, getattr(kern, "split_scratch", False))
+    if getattr(kern, "trace", False):
+        types_ += (types.Array(types.uint64, 2, "C"),)
+    rep = compile_kernel(f"gemm_{name}", kern.py_func, types_, (9, 0, "a"),
                          launch_bounds=(cfg.threads, 1))
     d = dict(rep.__dict__)
     d["config"] = cfg.describe()
@@ -930,8 +1024,21 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
                                          "fence.", "bar.", "st.global", "ld.shared",
                                          "st.shared", "barrier.cluster", "mapa.",
                                          "stmatrix"))})
+    d["timer_reads"] = rep.ptx.count("%globaltimer")   # a traced kernel's marks only
     d.pop("ptx")
     return d
+
+
+def compile_reports_trace():
+    """Offline reports of traced kernels (``trace=True``): the persistent TMA-store config and
+    split-K's 64 × 256 one."""
+    split = WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3)
+    return [kernel_report("ws_128x256_brow_persistent_tmastore_trace",
+                          wgmma_ws_gemm_kernel(TMA_STORE, True, "float16", trace=True),
+                          TMA_STORE, "float16"),
+            kernel_report("ws_64x256_bcol_splitk3_trace",
+                          wgmma_ws_gemm_kernel(split, False, "float16", trace=True), split,
+                          "float16")]
 
 
 def compile_reports_epilogues():

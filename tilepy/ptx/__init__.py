@@ -23,6 +23,7 @@ the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). M
 * :mod:`~tilepy.ptx.vector` — 4/8/16-byte shared and global vector moves
 * :mod:`~tilepy.ptx.global_vector` — 16-byte global loads / stores and 8-byte stores at
   ``a[r, c]`` (LLVM vector accesses, not inline PTX)
+* :mod:`~tilepy.ptx.timer` — the global nanosecond timer, the SM cycle counter, the SM id
 * :mod:`~tilepy.ptx.probes` — each intrinsic alone in a tiny kernel, for offline compile checks
 """
 
