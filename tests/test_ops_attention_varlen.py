@@ -224,6 +224,34 @@ def test_unchecked_lengths_and_an_empty_batch():
     assert np.isnan(f64(out)).all()
 
 
+@sim
+def test_a_call_of_the_same_signature_reuses_the_plan(monkeypatch):
+    """A second call with new arrays of the same shapes and new lengths (the same totals and
+    longest sequences), ALiBi slopes and the LSE launches the first call's plan (no plan is
+    built: building one fails here) and computes the new sequences; check_seqlens still
+    checks that call's lengths; a new longest sequence is a new plan."""
+    from tilepy.ops import attention_varlen as av
+
+    av._PLANS.clear()
+    slopes = np.array([0.5, 0.25], np.float32)
+    run([5, 20], [9, 30], 2, 1, 16, "float16", True, alibi_slopes=slopes)
+    assert len(av._PLANS) == 1
+
+    def no_new_plan(*a, **kw):
+        raise AssertionError("a new plan was built")
+
+    monkeypatch.setattr(av, "_plan", no_new_plan)
+    run([20, 5], [30, 9], 2, 1, 16, "float16", True, alibi_slopes=slopes.copy())
+    x = np.zeros((28, 2, 16), np.float16)
+    kv = np.zeros((42, 1, 16), np.float16)
+    with pytest.raises(ValueError, match="must not decrease"):
+        flash_attention_varlen(x, kv, kv, np.array([0, 20, 5], np.int32),
+                               np.array([0, 30, 39], np.int32), 20, 30, causal=True,
+                               out=np.zeros_like(x), return_lse=True, alibi_slopes=slopes)
+    with pytest.raises(AssertionError, match="new plan"):
+        run([21, 4], [30, 9], 2, 1, 16, "float16", True, alibi_slopes=slopes)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,dtype", [(128, True, "bfloat16"), (64, False, "float16"),
                                             (72, True, "float16")])

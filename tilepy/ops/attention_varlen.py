@@ -66,10 +66,30 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
       and not persistent (the grid TMA kernel; another is a ``NotImplementedError``). Unset:
       on sm_90 the built-in Hopper config's grid TMA kernel for every head dim (the mma.sync
       kernel where TMA cannot describe the views), elsewhere the mma.sync kernel.
-    * No backward yet: ``NotImplementedError`` for PyTorch inputs that require grad.
     * head_dim, dtypes, GQA, ``scale`` and the accepted array kinds: as
       :func:`tilepy.flash_attention`'s. Errors are raised before anything is launched.
+    * A call with the same array kinds, dtypes, shapes, strides, device, alignment and
+      arguments (``max_seqlen_q`` / ``max_seqlen_k`` included; the cumulative lengths'
+      values may differ) as an earlier one reuses its launch plan (:mod:`tilepy.launch`);
+      ``check_seqlens`` still reads and checks the lengths of every call.
     """
+    fps = [arrays.fingerprint(x) for x in (q, k, v, out, cu_seqlens_q, cu_seqlens_k)]
+    fh, ph = at.hook_fingerprints(alibi_slopes, mod_args)
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), max_seqlen_q, max_seqlen_k, causal,
+                                 scale, window, softcap, score_mod, mask_mod, fh, return_lse,
+                                 config))
+    if cached is not None:
+        bound, stream, alloc_out, alloc_lse, sizes = cached
+        pq, pk, pv, po, pcq, pck = (p for _, p in fps)
+        if check_seqlens and not device_write.stream_capturing(stream()):
+            cq, ck = (describe(x, name, dtypes=("int32",)) for x, name in (
+                (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")))
+            check_seqlen_values(arrays.to_host(cq), arrays.to_host(ck), *sizes)
+        if out is None:
+            out, po = alloc_out()
+        lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
+        bound(stream(), (pq, pk, pv, po, pl, pcq, pck, *ph))
+        return (out, lse) if return_lse else out
     Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
                                                                          config)
     CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
@@ -91,6 +111,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
         check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
                             mq, mk)
+    caller_out = out is not None
     if out is None:
         out = arrays.empty(Q, Q.shape, dtype)
         Out = describe(out, "out")
@@ -124,7 +145,25 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                 plan, args = _plan(at.mma_sync_config(d, dtype), *run)
             plan.launch(stream, args)
             device_write.keep_during_capture(stream, *copies)
+            if not copies and not device_write.stream_capturing(stream):
+                # the plan's arrays: the five operands, any the plan supplies (TMA maps),
+                # then the lengths and the hook's, as operands 5, 6, ...
+                lse_src = (4, describe(lse, "lse").byte_pointer()) if lse is not None \
+                    else None
+                hook_src = [(5 + i, op.byte_pointer()) for i, op in enumerate([CuQ, CuK, *hops])]
+                n_plan = len(plan.array_positions()) - 5 - len(hook_src)
+                bound = plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()),
+                                   (2, V.byte_pointer()), (3, Out.byte_pointer()), lse_src]
+                                  + [None] * n_plan + hook_src)
+                _PLANS.put(key, (bound, arrays.stream_getter(Q),
+                                 None if caller_out else arrays.allocator(Q, Q.shape, dtype),
+                                 arrays.allocator(Q, (hq, Q.shape[0]), "float32")
+                                 if return_lse else None,
+                                 (Q.shape[0], K.shape[0], mq, mk)))
     return (out, lse) if return_lse else out
+
+
+_PLANS = launch.PlanCache()
 
 
 def output_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
