@@ -46,9 +46,10 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
-#   PART=s29a    where a warp-specialised GEMM launch's time goes (issue 27): the traced kernel's
-#                GPU test, then bench/trace_gemm.py (phase marks of the built-in config per shape
-#                beside cuBLAS); then the FP8 GEMM's TMA-store epilogue (s28a's tests and probe)
+#   PART=s29a    where a launch's time goes, from the traced kernels' phase marks: the
+#                warp-specialised GEMM (issue 27; its GPU test, bench/trace_gemm.py per shape
+#                beside cuBLAS) and the decoding kernel (issue 26; bench/trace_decode.py beside
+#                a device copy); then s28a (the FP8 GEMM's TMA-store epilogue)
 #   PART=s28a    the FP8 GEMM's TMA-store epilogue (issue 28): its GPU tests, the probe of the
 #                configs with and without it against torch._scaled_mm (run first; then s26b)
 #   PART=s28c    Nsight Compute of the FP8 GEMM (with and without the TMA-store epilogue:
@@ -283,9 +284,8 @@ if [[ " $PART " == *" s25f "* ]]; then
 fi
 if [[ " $PART " == *" s29a "* ]]; then
     gpu_tests gemm_ws_trace_gpu 60 tests/test_ops_gemm_wgmma_ws.py -k "gpu_traced"
-    step trace_gemm 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm.json"
-    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
-    step probe_gemm_fp8 150 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    step trace_gemm 170 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm.json"
+    step trace_decode 170 "$PY" bench/trace_decode.py --json "$OUT/trace_decode.json"
 fi
 if [[ " $PART " == *" s28b "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py

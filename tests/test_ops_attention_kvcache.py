@@ -177,26 +177,76 @@ def test_errors_are_raised_before_launch():
 
 
 
+@sim
+@pytest.mark.parametrize("splits,warps", [(4, 2), (1, 1)], ids=["split-2-warps", "whole"])
+def test_traced_decoding_kernel_marks_each_warp(splits, warps):
+    """The decoding kernel generated with ``trace=True`` (decode_launches: the op's launches
+    built for a measuring tool) computes what the op does and marks each warp's phases in
+    order — entry, Q landed, first key block landed, loop end, stored — with its split and
+    key blocks; a warp with no keys marks entry and stored only."""
+    from numba import cuda
+
+    from tilepy.ops import attention_decode_mma_sync as dec
+    from tilepy.ops.attention_kvcache import decode_launches
+    from tilepy.tile import trace as TR
+
+    rng = np.random.default_rng()
+    b, sq, hq, hk, d, cap = 2, 1, 4, 2, 32, 40
+    q = rand(rng, (b, sq, hq, d), "float16")
+    kc, vc = rand(rng, (b, cap, hk, d), "float16"), rand(rng, (b, cap, hk, d), "float16")
+    lens = np.array([0, 37], np.int32)
+    cfg = DecodeConfig(d, 16, 3, "float16", warps=warps)
+    g = dec.grid(sq, hq // hk, hk, b, splits, warps)
+    trace = cuda.to_device(np.zeros((g[0] * g[1] * g[2] * warps, TR.WIDTH), np.uint64))
+    steps, out, _, got_splits, keep = decode_launches(q, kc, vc, lens, num_splits=splits,
+                                                      config=cfg, trace=trace)
+    assert got_splits == splits and len(steps) == (2 if splits > 1 else 1)
+    for plan, args in steps:
+        plan.launch(0, args)
+    want = kvcache(q, kc, vc, lens, num_splits=splits, config=cfg)
+    np.testing.assert_array_equal(out, want)
+    t = trace.copy_to_host()
+    mk = dec.TRACE_MARKS
+    times = t[:, :TR.SLOTS].astype(np.int64)
+    vals = t[:, 2 * TR.SLOTS:]
+    order = [mk[x] for x in ("entry", "q_landed", "first_kv", "loop_end", "stored")]
+    busy = vals[:, mk["key_blocks"]] > 0
+    assert busy.any() and (~busy).any()         # batch 0 has no keys
+    assert (times[busy][:, order] > 0).all() and (np.diff(times[busy][:, order]) >= 0).all()
+    idle = times[~busy]
+    assert (idle[:, mk["entry"]] > 0).all() and (idle[:, mk["q_landed"]] == 0).all()
+    assert (idle[:, mk["stored"]] >= idle[:, mk["entry"]]).all()
+    assert sorted(set(vals[:, mk["split"]].tolist())) == list(range(splits))
+    # the three key blocks of batch 1 (37 keys of 16) over its splits, each KV head
+    assert vals[busy, mk["key_blocks"]].sum() == 3 * hk
+
+
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
-    """The decoding kernel (the default 32-key config split and paged; four warps a block;
-    64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per key block
+    """The decoding kernel (the default 32-key config split and paged; four warps a block, also
+    traced; 64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per
+    key block
     (head_dim 128) BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
-    assert len(reports) == 4
+    assert len(reports) == 5
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
+        # the traced kernel's phase marks, and no timer read in the others
+        assert (rep["timer_reads"] > 0) == name.endswith("_trace"), (name, rep["timer_reads"])
         c = rep["counts"]
         if "combine" not in name:
             bn = 64 if name == "decode_d128_f16_causal" else 32
             assert c["mma"] >= 2 * bn, (name, c)
             assert c["cp.async"] >= 1 and c["cp.async.wait"] >= 2, (name, c)
         assert c["ld.local"] == 0 and c["st.local"] == 0, (name, c)
-        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+        # the kernel sits at 255 registers: the traced one's shared-memory row address spills
+        # a few bytes (a measuring tool's cost)
+        most = 32 if name.endswith("_trace") else 0
+        assert rep["spill_stores"] <= most and rep["spill_loads"] <= most, rep
         assert rep["f64"] == 0, "64-bit float arithmetic in the kernel"
         assert 0 < rep["registers"] <= 255
         print(f"{name}: {rep['registers']} registers, {rep['config']}")

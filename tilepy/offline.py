@@ -199,6 +199,7 @@ def report_entry(name, build, argtypes, cc=(9, 0), *, threads, launch_bounds=Non
                  ex2=len(re.findall(r"^\s*ex2\.approx", rep.ptx, re.MULTILINE)),
                  f64=len(re.findall(r"^\s*\w+(\.\w+)*\.f64\b", rep.ptx, re.MULTILINE)),
                  ptxas_wgmma_notes=re.findall(r"\(C75\d\d\)[^\n]*", rep.ptxas_log),
+                 timer_reads=rep.ptx.count("%globaltimer"),   # a traced kernel's marks
                  compile_seconds=time.perf_counter() - t0)
     return entry
 

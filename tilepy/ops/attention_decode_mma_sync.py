@@ -63,7 +63,10 @@ from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.reduce import block_row_reduce
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
-from ..inline import inline_device
+from ..tile.trace import SCRATCH_BYTES
+from ..tile.trace import WIDTH as TRACE_WIDTH
+from ..tile.trace import phase_marks
+from ..inline import device_namespace, inline_device
 from ..kcache import cached_jit
 from .attention_mma_sync import HEAD_DIMS, LOG2E, KeyTiles
 
@@ -135,10 +138,23 @@ def _kernel_jit(disk_cache: bool, threads: int = 32):
         cuda.jit(launch_bounds=threads)
 
 
+#: The phase marks of a traced decoding kernel (``decode_kernel(..., trace=True)``; columns
+#: of :mod:`tilepy.tile.trace`, a row per warp: block row · warps + warp), noted by each warp's
+#: lane 0 in a shared-memory row of its own (the kernel's ``smem_bytes`` grow by
+#: ``warps · SCRATCH_BYTES``) and written out at its end: ``entry``, ``q_landed`` (its Q tile in shared memory), ``first_kv`` (its first key block
+#: landed), ``loop_end`` (its last key block done), ``stored`` (its rows / partials written);
+#: values ``smid``, ``key_blocks`` (of its run) and ``split``.
+TRACE_MARKS = {"entry": 0, "q_landed": 1, "first_kv": 2, "loop_end": 3, "stored": 4,
+               "smid": 0, "key_blocks": 1, "split": 2}
+
+
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bool = False,
-                  split: bool = False, softcap: float = 0.0, paged: bool = False):
-    """The kernel of the module docstring for ``cfg``, generated once per argument set."""
+                  split: bool = False, softcap: float = 0.0, paged: bool = False,
+                  trace: bool = False):
+    """The kernel of the module docstring for ``cfg``, generated once per argument set.
+    ``trace``: the kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace`
+    rows (one per warp of the grid), and marks :data:`TRACE_MARKS` in it."""
     BN, D, STAGES = cfg.block_n, cfg.tile_dim, cfg.stages
     VALID = None if cfg.head_dim == D else cfg.head_dim
     KD, NS, KN, NO = D // 16, BN // 8, BN // 16, D // 8
@@ -211,8 +227,11 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
         def per_warp():
             return None
 
-    @_kernel_jit(not CAP, cfg.threads)
-    def kernel(q, k, v, o, lse, scale, scale_log2, keys):
+    TR = phase_marks(trace)
+    MK = device_namespace("decode trace marks", **TRACE_MARKS)
+
+    @inline_device
+    def body(q, k, v, o, lse, scale, scale_log2, keys, tr):
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
         per_warp()
@@ -222,6 +241,12 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
         else:
             lane = cuda.threadIdx.x % 32
             warp = cuda.threadIdx.x // 32
+        # a traced warp notes its marks in its shared-memory row (past every warp's tiles)
+        scratch = shared_addr(smem(), 0) + WARPS * PER_WARP + warp * SCRATCH_BYTES
+        if lane == 0:
+            TR.start(scratch)
+            TR.note(scratch, MK.entry)
+            TR.note_value(scratch, MK.smid, TR.smid())
         g = lane // 4
         t = lane % 4
         sq = np.int64(q.shape[2])
@@ -263,6 +288,9 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
         per = (n + nsplit - 1) // nsplit
         lo = kb_first + sp * per
         hi = min(lo + per, kb_end)
+        if lane == 0:
+            TR.note_value(scratch, MK.key_blocks, max(hi - lo, np.int64(0)))
+            TR.note_value(scratch, MK.split, sp)
 
         row_max = cuda.local.array((1, 2), np.float32)
         row_sum = cuda.local.array((1, 2), np.float32)
@@ -308,12 +336,16 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
 
             cp_async_wait_group(WAIT_Q)     # the Q tile
             sync()
+            if lane == 0:
+                TR.note(scratch, MK.q_landed)
             for kk in range(KD):
                 load_q(q_frag, kk, base, kk, fq_off, fq_x)
 
             for kb in range(lo, hi):
                 cp_async_wait_group(WAIT_KV)        # key block kb has landed ...
                 sync()                              # ... and its ring slot's last reader is done
+                if lane == 0 and kb == lo:
+                    TR.note(scratch, MK.first_kv)
                 issue_block(kb + STAGES - 1, lo, hi, kv_base, k, v, keys, b, sk, kp0, vp0)
                 k_addr = kv_base + ((kb - lo) % STAGES) * STAGE
                 v_addr = k_addr + TILE
@@ -346,6 +378,8 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
                             p0, p1, p2, p3, v_frag[0, j, 0], v_frag[0, j, 1],
                             acc[0, j, 0], acc[0, j, 1], acc[0, j, 2], acc[0, j, 3])
             cp_async_wait_group(0)
+            if lane == 0:
+                TR.note(scratch, MK.loop_end)
 
         finalize(acc, row_sum)
         for hh in range(2):
@@ -372,7 +406,23 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
                         lse[sp, b, hk, gg, i] = val
                     else:
                         lse[b, hk, gg, i] = val
+        if lane == 0:
+            TR.note(scratch, MK.stored)
+            TR.flush(tr, (cuda.blockIdx.x + cuda.gridDim.x * (hk + cuda.gridDim.y * b))
+                     * WARPS + warp, scratch)
 
+    if trace:
+        @_kernel_jit(not CAP, cfg.threads)
+        def kernel(q, k, v, o, lse, scale, scale_log2, keys, tr):
+            body(q, k, v, o, lse, scale, scale_log2, keys, tr)
+    else:
+        @_kernel_jit(not CAP, cfg.threads)
+        def kernel(q, k, v, o, lse, scale, scale_log2, keys):
+            body(q, k, v, o, lse, scale, scale_log2, keys, 0)
+
+    kernel.trace = trace
+    if trace:
+        kernel.smem_bytes = cfg.smem_bytes + WARPS * SCRATCH_BYTES
     return kernel
 
 
@@ -544,12 +594,26 @@ def choose_splits(batch: int, heads_kv: int, tiles: int, key_blocks: int, sms: i
     return best
 
 
-def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int):
-    """``(launch plan, arguments)`` of :func:`decode_kernel`'s kernel on its views."""
+def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int,
+         trace=None):
+    """``(launch plan, arguments)`` of :func:`decode_kernel`'s kernel on its views.
+    ``trace``: the uint64 array of :mod:`tilepy.tile.trace` rows (a row per warp of the grid)
+    of a kernel generated with ``trace=True`` (ValueError otherwise, or when it is too
+    short)."""
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), tuple(keys))
-    allow_dynamic_shared(kernel, args, cfg.smem_bytes)
+    if getattr(kernel, "trace", False) != (trace is not None):
+        raise ValueError("plan: a trace array goes with a kernel generated with trace=True, "
+                         "and only with one")
+    smem_bytes = getattr(kernel, "smem_bytes", cfg.smem_bytes)
+    allow_dynamic_shared(kernel, args, smem_bytes)
     g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits, cfg.warps)
-    return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes), args
+    if trace is not None:
+        warps = g[0] * g[1] * g[2] * cfg.warps
+        if len(trace.shape) != 2 or trace.shape[0] < warps or trace.shape[1] != TRACE_WIDTH:
+            raise ValueError(f"plan: the trace needs ({warps}, {TRACE_WIDTH}) rows and "
+                             f"columns at least (a row per warp); got {tuple(trace.shape)}")
+        args += (trace,)
+    return LaunchPlan(kernel, args, g, cfg.threads, smem_bytes), args
 
 
 def argtypes(split: bool, paged: bool, layout: str = "A"):
@@ -598,6 +662,14 @@ def compile_reports(only=None):
                         config=cfg.describe(),
                         smem_bytes=cfg.smem_bytes)
            for name, cfg, win, split, paged in COMPILED if only is None or name in only]
+    name = "decode_d128_bf16_causal_split_4warps_trace"     # the phase marks compiled in
+    if only is None or name in only:
+        cfg = DecodeConfig(128, 32, 3, "bfloat16", warps=4)
+        out.append(report_entry(name, lambda: decode_kernel(cfg, -1, 0, True, True, 0.0, False,
+                                                            trace=True),
+                                argtypes(True, False) + (types.Array(types.uint64, 2, "C"),),
+                                (9, 0), threads=cfg.threads, config=cfg.describe(),
+                                smem_bytes=cfg.smem_bytes))
     name = "decode_combine_d128_bf16_lse"
     if only is None or name in only:
         f32 = types.float32

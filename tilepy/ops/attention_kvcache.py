@@ -207,11 +207,14 @@ def forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged):
     return plan, args, sources
 
 
-def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts, part_lse):
+def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts, part_lse,
+           trace=None):
     """``(plan, args, sources)`` of each launch of the decoding kernel
     (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a KV head packed into one
     tile, the keys split ``splits`` ways; with more than one split, into the float32
-    ``parts`` / ``part_lse``, then the combine kernel that merges them."""
+    ``parts`` / ``part_lse``, then the combine kernel that merges them. ``trace``: the
+    decoding kernel is the traced one, marking into this array (``decode_kernel(...,
+    trace=True)``; a measuring tool's, not the op's)."""
     b, sq, hq, d = Q.shape
     hk = caches[0].shape[1]
     q5 = at.device_view(dec.packed_view(arrays.raw_view(Q), hk))
@@ -221,18 +224,62 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     lse_src = LSE if lse is not None else None
     keys_src = [SEQ] + ([TABLE] if paged else [])
     split = splits > 1      # (several warps: at least that many splits)
-    kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged)
+    kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged,
+                             trace=trace is not None)
     if not split:
-        plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1)
+        plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1, trace=trace)
         return [(plan, args, [Q_, KC, VC, OUT, lse_src] + keys_src)]
     p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
     pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
-    plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits)
+    plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
     comb = dec.combine_kernel(d, cfg.dtype, lse is not None)
     cargs = (p_v, pl_v, o5, lse4)
     cplan = LaunchPlan(comb, cargs, (sq * (hq // hk), hk, b), dec.combine_threads(d))
     return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src),
             (cplan, cargs, [PARTS, PLSE, OUT, lse_src])]
+
+
+def decode_launches(q, k_cache, v_cache, cache_seqlens, *, block_table=None, causal=True,
+                    num_splits=None, config=None, trace=None):
+    """What :func:`flash_attention_with_kvcache` launches for these arguments (no new keys,
+    no LSE), built but not launched, for a measuring tool: ``(steps, out, cfg, splits,
+    keep)`` with
+    ``steps`` the ``(plan, args)`` of the decoding kernel — the traced one writing into
+    ``trace`` when given (a uint64 array of :mod:`tilepy.tile.trace` rows, one per warp:
+    ``dec.grid(...)`` blocks times ``cfg.warps``) — and, with splits, the combine kernel;
+    ``out`` the new output array they write, ``keep`` the split partials' arrays they also
+    write (hold them as long as the plans are used). The op's checks and choices (config,
+    splits)."""
+    Q, K, V, _, dims, device = check_arguments(q, k_cache, v_cache, None, block_table)
+    b, sq, hq, hk, d, paged = dims
+    scale = at.check_scale(None, d)
+    Seq = check_seqlens_array(cache_seqlens, b, Q)
+    Table = describe_table(block_table, b, Q) if paged else None
+    page = K.shape[1] if paged else 0
+    capacity = Table.shape[1] * page if paged else K.shape[1]
+    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
+    check_config(cfg, d, Q.dtype, page)
+    if not isinstance(cfg, DecodeConfig):
+        raise ValueError("decode_launches: the decoding kernel's config (a DecodeConfig)")
+    splits = check_splits(num_splits, cfg)
+    if splits is None:
+        splits = dec.choose_splits(b, hk, -(-(sq * (hq // hk)) // dec.ROWS),
+                                   -(-capacity // cfg.block_n), launch.sm_count(launch.SIM_SMS),
+                                   dec.resident_splits(cfg), cfg.warps)
+    splits = -(-splits // cfg.warps) * cfg.warps
+    win, cap = at.check_variant(causal, None, 0.0)
+    with arrays.on_device(device):
+        out = arrays.empty(Q, Q.shape, Q.dtype)
+        parts = arrays.empty(Q, (splits, b, hk, sq, hq // hk, d), "float32") \
+            if splits > 1 else None
+        part_lse = arrays.empty(Q, (splits, b, hk, hq // hk, sq), "float32") \
+            if splits > 1 else None
+        keys = (at.device_view(arrays.raw_view(Seq, hook=True)), np.int64(0)) + (
+            (at.device_view(arrays.raw_view(Table, hook=True)),) if paged else ())
+        steps = decode(cfg, Q, (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd")),
+                       describe(out, "out"), None, keys, scale, win, cap, paged, splits,
+                       parts, part_lse, trace=trace)
+    return [(plan, args) for plan, args, _ in steps], out, cfg, splits, (parts, part_lse)
 
 
 def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_lse=False):
