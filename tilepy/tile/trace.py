@@ -9,7 +9,9 @@ or 2-D grid). ``mark(trace, row, slot)`` writes the global nanosecond timer
 SM's cycle counter to column ``SLOTS + slot`` (``slot < SLOTS``); ``put(trace, row, i,
 value)`` writes a number (an SM id, a count of work items) to column ``2 · SLOTS + i`` (``i <
 VALUES``). Columns a kernel never writes keep what the caller put there (zeros, say). One
-thread calls them for each slot (the kernel's choice, stated with its slot names).
+thread calls them for each slot (the kernel's choice, stated with its slot names). A thread
+short of registers notes its row in shared memory instead and writes it out at its end
+(``start`` / ``note`` / ``note_value`` / ``flush``: :func:`phase_marks`).
 
 ``phase_marks(False)`` gives the same functions as no-ops that never touch ``trace``: a kernel
 generated without tracing compiles to what it would be without the calls. :func:`summary`
