@@ -11,6 +11,7 @@ from numba import cuda
 from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ptx import _sim
 from tilepy.ptx import barrier as B
+from tilepy.ptx import global_vector as GV
 from tilepy.ptx import vector as V
 from tilepy.ptx.address import global_addr, shared_addr
 
@@ -194,6 +195,39 @@ def test_vector_twin_refuses_misaligned_address():
         cuda.jit(misaligned)[1, 1](np.zeros(1, np.int32))
 
 
+def pair_stores(out, aligned):
+    """Thread t writes the pair (t, t + 1000) at column 2 · (t % 4) of row t // 4 of a uint16
+    array whose rows are 9 elements wide: one 4-byte store where the pair's address is
+    4-byte aligned (even rows), two 2-byte stores where not."""
+    t = cuda.threadIdx.x
+    r, c = t // 4, 2 * (t % 4)
+    word = np.uint32(t) | (np.uint32(t + 1000) << np.uint32(16))
+    ok = GV.pair_aligned(out, r, c)
+    aligned[t] = 1 if ok else 0
+    if ok:
+        GV.st_global_pair(out, r, c, word)
+    else:
+        out[r, c] = t
+        out[r, c + 1] = t + 1000
+
+
+@pytest.mark.sim
+def test_pair_store_where_aligned():
+    """``pair_aligned`` tells the 4-byte aligned pairs of an odd-width uint16 array (every
+    other row) and ``st_global_pair`` writes both halves, the low one at the lower column;
+    its twin refuses a misaligned pair."""
+    out = np.zeros((8, 9), np.uint16)
+    aligned = np.zeros(32, np.int32)
+    cuda.jit(pair_stores)[1, 32](out, aligned)
+    t = np.arange(32)
+    np.testing.assert_array_equal(aligned, (t // 4 + 1) % 2)
+    np.testing.assert_array_equal(out[t // 4, 2 * (t % 4)], t)
+    np.testing.assert_array_equal(out[t // 4, 2 * (t % 4) + 1], t + 1000)
+    assert not out[:, 8].any()
+    with pytest.raises(ValueError, match="4-byte alignment"):
+        GV.st_global_pair.twin(np.zeros((2, 9), np.uint16), 1, 0, 1)
+
+
 # ---- offline compile -------------------------------------------------------------------------
 
 def compile_report():
@@ -223,6 +257,10 @@ def compile_report():
                          (9, 0, "a"))
     out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
                              if ln.strip().startswith("ld.global")]
+    rep = compile_kernel("pair_stores", pair_stores,
+                         (types.Array(types.uint16, 2, "C"), types.int32[::1]), (9, 0, "a"))
+    out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
+                             if ln.strip().startswith("st.global")]
     rep = compile_kernel("wide_shared_moves", wide_shared_moves,
                          (u32[::1], u32[::1], types.float32[::1]), (9, 0, "a"))
     out[-1]["ptx_lines"] += [ln.strip() for ln in rep.ptx.splitlines()
@@ -242,5 +280,5 @@ def test_compiles_to_bar_sync_and_bar_arrive():
     vec = " ".join(rep["vector"]["ptx_lines"])
     for op in ("st.shared.b32", "st.shared.v2.f32", "ld.shared.v2.f32", "ld.shared.v4.b32",
                "ld.shared.v4.f32", "st.global.v4.b32", "st.global.v4.f32", "ld.global.v4.b32",
-               "st.shared.v4.b32", "ld.shared.f32"):
+               "st.shared.v4.b32", "ld.shared.f32", "st.global.u32"):
         assert op in vec, (op, vec)

@@ -9,7 +9,11 @@ stride, any row stride; :func:`tilepy.arrays.kernel_view`):
 * ``st_global_v4(a, r, c, w0, w1, w2, w3)`` — the reverse (``w0`` first);
 * ``st_global_v2(a, r, c, w0, w1)`` — the 8 bytes at ``a[r, c]`` (``w0`` first), for a 2-D
   float32 (two float32), uint16 or uint8 array (two uint32 words, the lowest byte the lowest
-  column: eight 8-bit codes, say).
+  column: eight 8-bit codes, say);
+* ``st_global_pair(a, r, c, w)`` — the 4 bytes at ``a[r, c]`` of a 2-D uint16 array: one
+  uint32 word, ``a[r, c]`` its low half (two adjacent 16-bit results in one store);
+* ``pair_aligned(a, r, c) -> bool`` — whether ``a[r, c]`` of a 2-D uint16 array is 4-byte
+  aligned (what ``st_global_pair`` needs, decided per access where the host cannot vouch).
 
 The address is ``data + r·strides[0] + c·itemsize`` (a unit element stride is assumed) and
 must be aligned to the bytes moved: the caller checks the base pointer and row stride on the
@@ -74,6 +78,18 @@ def _st_global_v2_twin(a, r, c, w0, w1):
         seg[:] = np.array([w0, w1], np.float32)
     else:
         seg.view(np.uint32)[:] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1)], np.uint32)
+
+
+def _st_global_pair_twin(a, r, c, w):
+    seg = _sim_vector_slice(a, r, c, 4)
+    seg.view(np.uint32)[0] = np.uint32(int(w) & 0xFFFFFFFF)
+
+
+def _pair_aligned_twin(a, r, c):
+    arr = _sim_ndarray(a)
+    r, c = int(r), int(c)
+    addr = arr.ctypes.data + r * arr.strides[0] + c * arr.strides[1]
+    return addr % 4 == 0
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -153,17 +169,51 @@ def _make_intrinsics():
 
         return types.none(arr, r, c, w0, w1), codegen
 
-    return ld_global_v4, st_global_v4, st_global_v2
+    @intrinsic
+    def st_global_pair(typingctx, arr, r, c, w):
+        element("st_global_pair", arr, (types.uint16,))
+
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                          args[2], sig.args[2], i32, 1)
+            v = context.cast(builder, args[3], sig.args[3], types.uint32)
+            vec = builder.insert_element(ir.Constant(ir.VectorType(i32, 1), ir.Undefined), v,
+                                         ir.Constant(i32, 0))
+            builder.store(vec, ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.none(arr, r, c, w), codegen
+
+    @intrinsic
+    def pair_aligned(typingctx, arr, r, c):
+        element("pair_aligned", arr, (types.uint16,))
+
+        def codegen(context, builder, sig, args):
+            i64 = ir.IntType(64)
+            ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
+                          args[2], sig.args[2], ir.IntType(32), 1)
+            low = builder.and_(builder.ptrtoint(ptr, i64), ir.Constant(i64, 3))
+            return builder.icmp_unsigned("==", low, ir.Constant(i64, 0))
+
+        return types.boolean(arr, r, c), codegen
+
+    return ld_global_v4, st_global_v4, st_global_v2, st_global_pair, pair_aligned
 
 
 if SIMULATOR:
     ld_global_v4 = pick(None, _ld_global_v4_twin)
     st_global_v4 = pick(None, _st_global_v4_twin)
     st_global_v2 = pick(None, _st_global_v2_twin)
+    st_global_pair = pick(None, _st_global_pair_twin)
+    pair_aligned = pick(None, _pair_aligned_twin)
 else:
-    _ld, _st, _st2 = _make_intrinsics()
+    _ld, _st, _st2, _stp, _pa = _make_intrinsics()
     ld_global_v4 = pick(_ld, _ld_global_v4_twin)
     st_global_v4 = pick(_st, _st_global_v4_twin)
     st_global_v2 = pick(_st2, _st_global_v2_twin)
+    st_global_pair = pick(_stp, _st_global_pair_twin)
+    pair_aligned = pick(_pa, _pair_aligned_twin)
 
-__all__ = ["VECTOR_BYTES", "ld_global_v4", "st_global_v2", "st_global_v4"]
+__all__ = ["VECTOR_BYTES", "ld_global_v4", "pair_aligned", "st_global_pair", "st_global_v2",
+           "st_global_v4"]

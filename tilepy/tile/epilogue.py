@@ -30,6 +30,7 @@ import numpy as np
 
 from ..inline import inline_device, written_out
 from ..ptx import barrier as BAR
+from ..ptx import global_vector as GV
 from ..ptx import tma as T
 from ..ptx import wgmma as FN
 from ..ptx import vector as VEC
@@ -123,10 +124,13 @@ def activation_fn(name):
 
 
 @functools.cache
-def _pair_io(out_kind: str):
+def _pair_io(out_kind: str, pair_stores: bool = False):
     """``(get_pair, put_pair, pack)`` for an output kind: read / write two adjacent elements
     of a 2-D array (the second only when its column is below ``n``), and the packing of two
-    float32 into one uint32 of 16-bit bits (None for float32)."""
+    float32 into one uint32 of 16-bit bits (None for float32). ``pair_stores``: a 16-bit pair
+    whose address is 4-byte aligned goes in one store (a branch per pair: for epilogues
+    written out with constant indices — in a loop it made LLVM stop unrolling the 128 × 256
+    kernel's, sending its accumulators to local memory)."""
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     if out_kind == "float16":
@@ -158,9 +162,12 @@ def _pair_io(out_kind: str):
         @inline_device
         def put_pair(out, r, c, n, v0, v1):
             word = pack(v0, v1)
-            out[r, c] = word & 0xFFFF
-            if c + 1 < n:
-                out[r, c + 1] = word >> 16
+            if pair_stores and c + 1 < n and GV.pair_aligned(out, r, c):
+                GV.st_global_pair(out, r, c, word)      # both halves in one 4-byte store
+            else:
+                out[r, c] = word & 0xFFFF
+                if c + 1 < n:
+                    out[r, c + 1] = word >> 16
 
     return get_pair, put_pair, pack
 
@@ -253,8 +260,9 @@ def store_scaled_accumulators(ni: int, out_kind: str, row_scale: bool, col_scale
     uint16 bits of float16 / bfloat16 — added after the scales, before the activation, in
     float32 (``torch._scaled_mm``'s order). Written out with constant accumulator indices, so
     the accumulators stay in registers (a loop that does not unroll puts them in local
-    memory, and ptxas then serialises the wgmmas that write them)."""
-    put_pair = _pair_io(out_kind)[1]
+    memory, and ptxas then serialises the wgmmas that write them). A 16-bit pair whose address
+    is 4-byte aligned is stored at once."""
+    put_pair = _pair_io(out_kind, True)[1]
     if bias_kind is not None and bias_kind not in OUT_KINDS:
         raise ValueError(f"bias_kind must be None or one of {OUT_KINDS}, got {bias_kind!r}")
     get_bias = _bias_pair(bias_kind)
