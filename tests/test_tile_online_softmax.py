@@ -34,10 +34,11 @@ C_HEAD64 = np.float32(LOG2E / 8.0)  # softmax scale 1/sqrt(64), in log2 units
 
 
 @functools.cache
-def stream_kernel(mi, ni, nb, quad_sum, threshold=None):
+def stream_kernel(mi, ni, nb, quad_sum, threshold=None, shift=0):
     """kernel(S, scale_log2[1], out, stats): out = finalized softmax of S (mi·16 × nb·ni·8);
     stats[kb, (m, l, alpha), lane, i, h] after block kb, stats[nb, 1] = l after finalize."""
-    update = online_softmax_update(mi, ni, quad_sum, rescale_threshold=threshold)
+    update = online_softmax_update(mi, ni, quad_sum, rescale_threshold=threshold,
+                                   p_scale_log2=shift)
     finalize = online_softmax_finalize(mi, nb * ni, quad_sum)
     no = nb * ni
     neg_inf = np.float32(-np.inf)
@@ -89,8 +90,8 @@ def stream_kernel(mi, ni, nb, quad_sum, threshold=None):
     return k
 
 
-def run_stream(s, c, mi, ni, nb, quad_sum, threshold=None):
-    kern = stream_kernel(mi, ni, nb, quad_sum, threshold)
+def run_stream(s, c, mi, ni, nb, quad_sum, threshold=None, shift=0):
+    kern = stream_kernel(mi, ni, nb, quad_sum, threshold, shift)
     args = [s, np.array([c], np.float32), np.full(s.shape, 7.0, np.float32),
             np.full((nb + 1, 3, 32, mi, 2), 7.0, np.float32)]
     dev = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
@@ -350,6 +351,23 @@ def test_lazy_rescaling_equals_full_softmax(target, quad_sum):
     moved = np.array([st[3] for st in steps])
     assert moved[2:, 2].sum() == 0 and moved[3, 3] and moved[1, 6] and not moved[2:, 6].any()
     assert stats[:nb, 2].max() == 1 and (stats[1:nb, 2] < 1).any()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_p_scaled_in_the_exponent(target):
+    """p_scale_log2=8 (the FP8 attention's P scale): the sums come out 2**8 times the plain
+    ones, block by block, and the finalized softmax is the same (masked rows too), with the
+    lazy rescaling of the FP8 kernels."""
+    mi, ni, nb = 1, 2, 3
+    s = masked_scores(mi, ni, nb, seed=21)
+    out, stats = run_stream(s, C_HEAD64, mi, ni, nb, False, 0.5, shift=8)
+    plain_out, plain = run_stream(s, C_HEAD64, mi, ni, nb, False, 0.5)
+    rtol = tolerance(s, C_HEAD64, nb, ni)
+    assert_close(out, plain_out, rtol, "softmax")
+    assert_close(stats[:, 1], 256 * plain[:, 1].astype(np.float64), rtol, "row sums")
+    np.testing.assert_array_equal(stats[:nb, 0], plain[:nb, 0])      # the max in use
+    with pytest.raises(ValueError, match="p_scale_log2 must be an int"):
+        online_softmax_update(1, 2, p_scale_log2=0.5)
 
 
 def test_lazy_threshold_is_checked():

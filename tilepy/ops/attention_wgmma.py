@@ -82,12 +82,12 @@ max grows by more than 2**8 in p.
 producer warpgroup): Q and K e4m3 in 128-column sub-tiles (the same 128-byte rows), S by k32
 wgmmas; V arrives transposed (Vᵀ: head_dim_v rows × keys, :mod:`tilepy.ops.attention_fp8`
 makes it) with each 16 keys in :data:`FP8_KEY_ORDER`, so that P — times
-:data:`FP8_P_SCALE`, rounded to e4m3 four to a register — is the A operand of the k32 P·V
-wgmmas (B = Vᵀ, K-major) without shuffles. ``hargs`` is then ``(descales, hook arguments)``,
-the descales three float32 (batch, heads_kv) views (q, k, v); the producer writes the tile's
-descale_q · descale_k and descale_v / FP8_P_SCALE into shared memory before its Q load and
-the consumers fold them into the softmax's scale per key block and into O at the end. O is
-bfloat16.
+:data:`FP8_P_SCALE` (in the softmax's exponent), rounded to e4m3 four to a register — is the
+A operand of the k32 P·V wgmmas (B = Vᵀ, K-major) without shuffles. ``hargs`` is then
+``(descales, hook arguments)``, the descales three float32 (batch, heads_kv) views (q, k, v);
+the producer writes the tile's descale_q · descale_k and descale_v into shared memory before
+its Q load and the consumers fold them into the softmax's scale per key block and into O at
+the end. O is bfloat16.
 
 How the generators compose (each one short enough to read alone): :func:`_common_parts` makes
 the pieces every kernel shares (sizes, the S and O wgmmas, the softmax with mask and score
@@ -175,9 +175,12 @@ FULL_STEP = np.uint32(1 << 31)
 #: Lazy rescaling of the FP8 kernels (log2 units): P is scaled by :data:`FP8_P_SCALE` before
 #: its e4m3 rounding, so that small probabilities keep e4m3's normal range (its smallest
 #: normal is 2**-6); p stays below 2**0.5 with this threshold, 256 · 2**0.5 = 362 below
-#: e4m3's largest finite 448.
+#: e4m3's largest finite 448. The scale is folded into the softmax's exponent
+#: (``online_softmax_update(p_scale_log2=8)``), so the row sums carry it too: O needs no
+#: compensation, the LSE divides it out.
 FP8_RESCALE_THRESHOLD = 0.5
-FP8_P_SCALE = np.float32(256.0)
+FP8_P_SCALE_LOG2 = 8
+FP8_P_SCALE = np.float32(2.0 ** FP8_P_SCALE_LOG2)
 #: Vᵀ's key order inside each 16 keys for the FP8 kernels: position ``j`` holds key
 #: ``FP8_KEY_ORDER[j]``. The S accumulators give a thread keys (2t, 2t + 1, 8 + 2t, 9 + 2t) of
 #: each 16 (t = lane % 4) and an 8-bit A register is four consecutive k (4t … 4t + 3): with
@@ -560,9 +563,11 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     # row sums quad-reduced at the end; the row max in two chains (registers to spare); lazy
     # rescaling: a row's max moves only when a block raises it by more than 2**8, so O is
     # rescaled on few blocks (the rest skip rescale's NACC_O multiplies)
+    # FP8: P (and the row sums) come out times FP8_P_SCALE, folded into the exponent
     update = online_softmax_update(
         1, NS, quad_sum=False, max_chains=2,
-        rescale_threshold=FP8_RESCALE_THRESHOLD if FP8 else RESCALE_THRESHOLD)
+        rescale_threshold=FP8_RESCALE_THRESHOLD if FP8 else RESCALE_THRESHOLD,
+        p_scale_log2=FP8_P_SCALE_LOG2 if FP8 else 0)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     # without a lower bound (window left -1) kb_first and all_first are the constant 0
     bounds = key_blocks(BM, BN, False, WIN)
@@ -642,7 +647,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
 
     # ---- the descales of the FP8 kernels (the 16-bit ones: identities) --------------------
     # The thread that loads a tile's Q writes the tile's two factors — descale_q · descale_k
-    # and descale_v / FP8_P_SCALE — into shared memory (DSC, 8 bytes per Q buffer) before
+    # and descale_v — into shared memory (DSC, 8 bytes per Q buffer) before
     # its Q load, so the consumers read them after Q full like the tile number; the key loop
     # reads the first per key block (a factor kept in a register across the loop spills at
     # head_dim 128, offline sm_90a compile).
@@ -660,7 +665,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
             # flip it; NaN then, never a silently wrong result
             if not (f > _ZERO and f < np.float32(np.inf)):
                 f = np.float32(np.nan)
-            VEC.st_shared_v2_f32(addr, f, dsc[2][b, hk] / FP8_P_SCALE)
+            VEC.st_shared_v2_f32(addr, f, dsc[2][b, hk])
 
         @inline_device
         def scale_source(addr, scale):
@@ -737,14 +742,14 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     if FP8:
         @inline_device
         def e4m3x4(a, b, c, d):
-            """Four p times FP8_P_SCALE rounded to e4m3, a in the low byte."""
-            lo = np.uint32(cvt_e4m3x2_f32(a * FP8_P_SCALE, b * FP8_P_SCALE))
-            hi = np.uint32(cvt_e4m3x2_f32(c * FP8_P_SCALE, d * FP8_P_SCALE))
+            """Four p (already times FP8_P_SCALE) rounded to e4m3, a in the low byte."""
+            lo = np.uint32(cvt_e4m3x2_f32(a, b))
+            hi = np.uint32(cvt_e4m3x2_f32(c, d))
             return lo | (hi << np.uint32(16))
 
         @inline_device
         def to_p(p, s3):
-            """p · 256 rounded to e4m3: the A registers of the k32 P·V wgmmas (n8 tiles 4st,
+            """p (times 256 by the update) rounded to e4m3: the A registers of the k32 P·V wgmmas (n8 tiles 4st,
             4st + 1 of a row are register 4st (row g) / 4st + 1 (row g + 8); 4st + 2, 4st + 3
             the next two: Vᵀ's key order, FP8_KEY_ORDER, matches)."""
             for st in range(KN):
@@ -799,6 +804,10 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
             scale_o(acc_o, o_scale, o_scale)
         o_fragment(o3, acc_o)
         finalize(o3, row_sum)
+        if FP8:
+            # the sums carry FP8_P_SCALE (the update's exponent): the LSE wants the true ones
+            for hh in range(2):
+                row_sum[0, hh] = row_sum[0, hh] * (_ONE / FP8_P_SCALE)
         if STAGE_O:
             o_accumulators(acc_o, o3)
             consumers_sync()            # the last block's K and V are read by every warpgroup

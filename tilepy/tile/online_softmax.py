@@ -52,7 +52,7 @@ _ONE = np.float32(1.0)
 
 @functools.cache
 def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: int = 1,
-                          rescale_threshold: float | None = None):
+                          rescale_threshold: float | None = None, p_scale_log2: int = 0):
     """``update(scores, row_max, row_sum, out_acc_scale, scale_log2)`` for one key block; one warp.
 
     * ``scores``: (mi, ni, 4) float32 fragment of S for this key block (``mi*16`` rows,
@@ -76,6 +76,12 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
       stale max's sum at the end, so the result is the same softmax). ``row_max`` is the max
       in use, which the LSE and later blocks take as it is.
 
+    * ``p_scale_log2`` (an int ``e``, 0 … 16): ``p`` and the row sums come out scaled by
+      ``2**e`` (``p = exp2(s·c - m_new·c + e)``: folded into the subtraction each score has
+      anyway, no extra instruction) — for a P rounded to a format whose normal range starts
+      above the small probabilities (e4m3). The caller divides what it derives by ``2**e``
+      where it needs the true sums (the LSE); the output ``Σ p·v / Σ p`` needs nothing.
+
     Shuffles: ``mi*4`` for the max, ``mi*4`` more for the sum with ``quad_sum``. ex2:
     ``mi * (ni*4 + 2)``.
     """
@@ -87,6 +93,10 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
                          "units: p is at most about 2**threshold, which float16 must hold); "
                          f"got {rescale_threshold!r}")
     THRESHOLD = np.float32(rescale_threshold if LAZY else 0)
+    if not (isinstance(p_scale_log2, (int, np.integer)) and 0 <= p_scale_log2 <= 16):
+        raise ValueError("online_softmax_update: p_scale_log2 must be an int in 0 … 16, got "
+                         f"{p_scale_log2!r}")
+    SHIFT = np.float32(p_scale_log2)
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=max_chains)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
 
@@ -111,14 +121,14 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
                     row_max[i, h] = m_new
                     if m_new == _NEG_INF:
                         alpha = _ONE
-                    m_scaled = m_new * c if m_new != _NEG_INF else _ZERO
+                    m_scaled = m_new * c - SHIFT if m_new != _NEG_INF else _ZERO
                 elif m_new == _NEG_INF:
                     # Nothing unmasked yet: exp2(-inf - -inf) would be NaN.
                     alpha = _ONE
                     m_scaled = _ZERO
                 else:
                     alpha = ex2_approx((out_acc_scale[i, h] - m_new) * c)
-                    m_scaled = m_new * c
+                    m_scaled = m_new * c - SHIFT
                 out_acc_scale[i, h] = alpha
                 row_sum[i, h] = row_sum[i, h] * alpha
                 for j in range(ni):
