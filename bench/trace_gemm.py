@@ -79,7 +79,7 @@ def main():
         va = kernel_view(describe(a, "a"), 3)
         vb = kernel_view(describe(b, "b"), 3)
         vo = kernel_view(describe(out, "out"), 3)
-        alloc = arrays.byte_allocator(a)
+        alloc = arrays.byte_allocator(describe(a, "a"))
         plans = {}
         for traced in (False, True):
             kern = ws.wgmma_ws_gemm_kernel(cfg, True, dtype, trace=traced)

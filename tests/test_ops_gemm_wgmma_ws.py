@@ -924,7 +924,7 @@ def test_gpu_traced_kernel_same_bits_and_ordered_marks(cfg, m):
         if traced:
             trace = cuda.to_device(np.zeros((g[0] * g[1], 40), np.uint64))
         plan, args = ws.plan(kern, cfg, va, vb, vo, vc, arrays.placeholder(1),
-                             alloc=arrays.byte_allocator(a), trace=trace)
+                             alloc=arrays.byte_allocator(describe(a, "a")), trace=trace)
         plan.launch(torch.cuda.current_stream().cuda_stream, args)
         outs.append(out)
     torch.cuda.synchronize()

@@ -605,7 +605,6 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
         raise ValueError("plan: a trace array goes with a kernel generated with trace=True, "
                          "and only with one")
     smem_bytes = getattr(kernel, "smem_bytes", cfg.smem_bytes)
-    allow_dynamic_shared(kernel, args, smem_bytes)
     g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits, cfg.warps)
     if trace is not None:
         warps = g[0] * g[1] * g[2] * cfg.warps
@@ -613,6 +612,7 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
             raise ValueError(f"plan: the trace needs ({warps}, {TRACE_WIDTH}) rows and "
                              f"columns at least (a row per warp); got {tuple(trace.shape)}")
         args += (trace,)
+    allow_dynamic_shared(kernel, args, smem_bytes)
     return LaunchPlan(kernel, args, g, cfg.threads, smem_bytes), args
 
 
