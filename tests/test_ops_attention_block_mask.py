@@ -7,6 +7,7 @@ op makes and keeps for a ``mask_mod`` of no array; bad input refused before laun
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -276,6 +277,63 @@ def test_kernels_visit_exactly_the_listed_blocks(kernel):
                         bm2.full_kv_indices, bm2.block_size, bm2.seq_lengths, causal)
     got = tilepy.flash_attention(q, k, v, block_mask=bm2)
     assert not np.isnan(got.astype(np.float32)).any()
+
+
+def with_transposed(bm, n_qb):
+    """``bm`` (one batch and head, NumPy lists) with its transposed lists made in NumPy: per
+    key block the query blocks that list it, partial and full, ascending."""
+    n_kb = bm.kv_indices.shape[-1]
+    arrs = []
+    for cnt, idx in ((bm.kv_num_blocks, bm.kv_indices),
+                     (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        num = np.zeros((1, 1, n_kb), np.int32)
+        ix = np.zeros((1, 1, n_kb, n_qb), np.int32)
+        for kb in range(n_kb):
+            qbs = [qb for qb in range(n_qb) if kb in idx[0, 0, qb, :cnt[0, 0, qb]]]
+            num[0, 0, kb] = len(qbs)
+            ix[0, 0, kb, :len(qbs)] = qbs
+        arrs += [num, ix]
+    return dataclasses.replace(bm, q_num_blocks=arrs[0], q_indices=arrs[1],
+                               full_q_num_blocks=arrs[2], full_q_indices=arrs[3])
+
+
+@pytest.mark.sim
+def test_backward_skips_the_mask_function_on_full_blocks():
+    """The backward treats a mask's blocks as the forward does: a full block's scores are all
+    visible whatever mask_mod says of them (here it hides the odd keys), a partial block's
+    take mask_mod, an unlisted block is never seen — in both kernels (dQ walks the lists,
+    dK / dV the transposed ones). Gradients against a float64 derivation of that visibility
+    (with mask_mod applied on the full block too, dK / dV of its odd keys would be zero and
+    the test fails)."""
+    rng = np.random.default_rng()
+    s, d, bq, bk = 96, 16, 32, 32
+    q, k, v, do = (rng.standard_normal((1, 1, s, d)).astype(np.float16) for _ in range(4))
+
+    def nothing_but_even(b, h, q_idx, kv_idx):
+        return kv_idx % 2 == 0
+
+    bm = hand_mask(q, (bq, bk), (s, s), [[0], [2, 0], []], [[1], [1], []], s // bk)
+    bm = with_transposed(dataclasses.replace(bm, mask_mod=nothing_but_even), s // bq)
+    vis = np.zeros((1, 1, s, s), bool)
+    vis[..., :2 * bq, 0:bk:2] = True                     # partial block 0: even keys
+    vis[..., :2 * bq, bk:2 * bk] = True                  # full block 1: every key
+    vis[..., bq:2 * bq, 2 * bk:3 * bk:2] = True          # second query block: partial block 2
+    out, lse = tilepy.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    check(out, lse, *reference(q, k, v, vis))
+    dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=bm)
+    sc = 1 / math.sqrt(d)
+    qd, kd, vd, dod = (x.astype(np.float64) for x in (q, k, v, do))
+    with np.errstate(invalid="ignore"):
+        p, _ = softmax_rows(np.where(vis, qd @ kd.transpose(0, 1, 3, 2) * sc, -np.inf))
+    p = np.nan_to_num(p)                                  # the third query block sees nothing
+    o = p @ vd
+    ds = p * (dod @ vd.transpose(0, 1, 3, 2) - (dod * o).sum(-1, keepdims=True))
+    want = (ds @ kd * sc, ds.transpose(0, 1, 3, 2) @ qd * sc, p.transpose(0, 1, 3, 2) @ dod)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
+        got = got.astype(np.float64)
+        assert not np.isnan(got).any(), name
+        assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max()), name
+    assert np.abs(dk[..., bk + 1:2 * bk:2, :].astype(np.float64)).max() > 0   # odd keys seen
 
 
 @pytest.mark.sim

@@ -48,8 +48,8 @@ from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile.attention import (block_coords, block_mask_row, check_mask_block, key_block_at,
-                              key_blocks, key_window, limits_shape, mask_key_block,
-                              softcap_score)
+                              key_block_partial, key_blocks, key_window, limits_shape,
+                              mask_key_block, softcap_score)
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -503,6 +503,10 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                              alibi=mods[4]) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, False, WIN, BN)
+    # block-sparse: a full block of the mask takes the hook without mask_mod, as the forward
+    FULL_HOOK = mask_block is not None and CAPPED and mods[2] is not None
+    capped_full = score_functions(1, NQ, cap, mods[0], mods[1], None, transposed=True,
+                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
     QR = mask_block[0] // BM if SPARSE else 1
@@ -518,19 +522,22 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
 
     @inline_device
     def step_of(n, qb0, per_head, qmask, kb, b, hq0, group):
-        """(query head offset in the group, query block) of step n."""
+        """(query head offset in the group, query block, whether the mask lists the block as
+        partial — always True when not block-sparse) of step n."""
         if not SPARSE:
-            return n // per_head, qb0 + n % per_head
+            return n // per_head, qb0 + n % per_head, True
         rem = np.int64(n)
         head = 0
         qb = np.int64(0)
+        part = True
         for i in range(group):
             cnt, blocks = q_list(qmask, kb, b, hq0 + i)
             if 0 <= rem < cnt:
                 head = i
                 qb = q_at(blocks, rem)
+                part = rem < blocks[0]
             rem -= cnt
-        return head, qb
+        return head, qb, part
 
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
@@ -608,7 +615,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             hstep_r = lse2.strides[1]
 
             # step 0's Q, dO, lse2, delta in the same group as K and V
-            nh, qbn = step_of(0, qb0, per_head, qmask, kbx, b, hq0, group)
+            nh, qbn, _ = step_of(0, qb0, per_head, qmask, kbx, b, hq0, group)
             row = qbn * BM
             issue_q(base + Q_OFF, nh * hstep_q + row * qs, q0, qsh, qr, qc, qs, sq - row)
             issue_q(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)
@@ -640,11 +647,11 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             for n in range(steps):
                 cp_async_wait_group(0)   # step n's tiles (and K, V) have landed …
                 cuda.syncthreads()       # … for all; the other stage and dS are free
-                ch, cqb = step_of(n, qb0, per_head, qmask, kbx, b, hq0, group)
+                ch, cqb, cpart = step_of(n, qb0, per_head, qmask, kbx, b, hq0, group)
                 hq = hq0 + ch
                 row = cqb * BM
                 if n + 1 < steps:
-                    nh, qbn = step_of(n + 1, qb0, per_head, qmask, kbx, b, hq0, group)
+                    nh, qbn, _ = step_of(n + 1, qb0, per_head, qmask, kbx, b, hq0, group)
                     nrow = qbn * BM
                     so = ((n + 1) % 2)
                     issue_q(base + Q_OFF + so * Q_TILE, nh * hstep_q + nrow * qs,
@@ -676,7 +683,9 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
                 if VARIANT:
-                    if CAPPED:
+                    if FULL_HOOK and not cpart:     # a full block: no mask function
+                        capped_full.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hook)
+                    elif CAPPED:
                         capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hook)
                     if WINDOWED:
                         mask_window(st, my_key - shift - (row + 2 * t))
@@ -803,6 +812,11 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     kblocks = key_blocks(BM, BN, False, WIN)
     SPARSE = mask_block is not None
     at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
+    # a full block of the mask takes the hook without mask_mod, as the forward
+    partial = key_block_partial(SPARSE)
+    FULL_HOOK = SPARSE and CAPPED and mods[2] is not None
+    capped_full = score_functions(1, NS, cap, mods[0], mods[1], None, n_args=mods[3],
+                                  alibi=mods[4]) if FULL_HOOK else None
     kv_list = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
@@ -913,7 +927,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
-                if CAPPED:
+                if FULL_HOOK and not partial(blocks, jb):    # a full block: no mask function
+                    capped_full.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hook)
+                elif CAPPED:
                     capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hook)
                 # past a row's last key (or sk), or (a window) before its first
                 mask(s, limit, kb, t, all_first, all_see)
