@@ -193,7 +193,7 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
     its latest run compared on it (their ratios hold within one run); an ``ncu`` export's,
     the whole file; any other row is a case of its own."""
     rows = {k: [] for k in ("bench", "sweep", "probe", "gs_probe", "gs_pieces", "clock", "att", "gemm_small", "bwd_probe",
-                            "ncu",
+                            "ncu", "trace_gemm", "trace_decode", "fp8_probe",
                             "first", "host", "demo", "ab")}
     items = sorted(results_data.entries(gpu_dir), key=lambda e: run_key(e.file))
     shown = latest(results_data.legacy(items))
@@ -217,7 +217,38 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
         if not isinstance(data, dict) or "benchmarks" in data or "rows" not in data:
             continue
         add = []  # (section, case, row)
-        if "peer_tflops" in data:                            # bench/sweep_gemm.py
+        if all("spans_us" in r and "cublas_graph_us" in r for r in data["rows"]):
+            # bench/trace_gemm.py: the traced GEMM kernel's phases, per block (means)
+            for r in data["rows"]:
+                problem = "×".join(map(str, r["shape"]))
+                ph = r["median_run"]["phases"]
+                mean = lambda k: fmt(ph[k]["mean_us"]) if k in ph else "-"  # noqa: E731
+                add.append(("trace_gemm", problem, (
+                    problem, fmt(r["op_graph_us"]), fmt(r["cublas_graph_us"]),
+                    fmt(r["median_run"]["span_us"]), mean("first wait"),
+                    mean("first main loop"), mean("split-K step"), mean("first epilogue"),
+                    mean("entry to end"))))
+        elif all("copy_graph_us" in r and "median_run" in r for r in data["rows"]):
+            # bench/trace_decode.py: the traced decoding kernel's phases, per warp (means)
+            for r in data["rows"]:
+                problem = f"B{r['batch']} S{r['seq']}" + (f" page {r['page']}" if r["page"]
+                                                          else "")
+                ph = r["median_run"]["phases"]
+                add.append(("trace_decode", problem, (
+                    problem, f"{r['mb']:.0f}", str(r["splits"]), fmt(r["op_graph_us"]),
+                    fmt(r["copy_graph_us"]), fmt(r["median_run"]["span_us"]),
+                    fmt(ph["Q load"]["mean_us"]), fmt(ph["key loop"]["mean_us"]),
+                    fmt(ph["store"]["mean_us"]))))
+        elif all({"shape", "name", "tflops"} <= set(r) and "config" not in r
+                 for r in data["rows"]):
+            # bench/probe_gemm_fp8.py: FP8 GEMM configs against torch._scaled_mm
+            for r in data["rows"]:
+                problem = (r["shape"].replace("x", "×") if isinstance(r["shape"], str)
+                           else "×".join(map(str, r["shape"])))
+                add.append(("fp8_probe", (problem, r["name"]), (
+                    problem, r["name"], fmt(r["tflops"]), fmt(r.get("gpu_us")),
+                    fmt(r.get("as_called_us")), fmt(r.get("of_peer"), "×"))))
+        elif "peer_tflops" in data:                            # bench/sweep_gemm.py
             for r in data["rows"]:
                 if "tflops" in r:
                     extra = ""
@@ -374,6 +405,19 @@ def tool_sections(gpu_dir: pathlib.Path) -> list:
                "a fresh process per tree, in turn; medians)",
          ("file", "suite", "case", "A TFLOPS", "B TFLOPS", "B / A", "A / peer", "B / peer",
           "rounds")),
+        ("trace_gemm", "Phase marks of the GEMM (`bench/trace_gemm.py`: a traced launch's "
+                       "blocks, mean µs of each phase; op and cuBLAS per call in a graph)",
+         ("file", "M×N×K", "op µs", "cuBLAS µs", "span µs", "first wait", "first main loop",
+          "split-K step", "first epilogue", "entry to end")),
+        ("trace_decode", "Phase marks of decoding (`bench/trace_decode.py`: bfloat16 D128, "
+                         "a traced launch's warps, mean µs; op and a copy of the cache per "
+                         "call in a graph)",
+         ("file", "shape", "cache MB", "splits", "op µs", "copy µs", "span µs", "Q load",
+          "key loop", "store")),
+        ("fp8_probe", "FP8 GEMM configurations (`bench/probe_gemm_fp8.py`: GPU µs, "
+                      "e4m3 with row and column scales, bf16 out)",
+         ("file", "M×N×K", "implementation", "TFLOPS", "µs GPU", "µs as called",
+          "ratio to its torch._scaled_mm")),
         ("demo", "`python -m tilepy demo`",
          ("file", "what", "size", "tilepy", "peer", "ratio")),
     ]

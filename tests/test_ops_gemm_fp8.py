@@ -227,11 +227,12 @@ def test_fp8_kernel_compiles_for_sm90a():
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_n,tma_store,shape", [
     (128, False, (4096, 4096, 4096)), (256, False, (4096, 4096, 4096)),
-    (256, True, (4096, 4096, 4096)), (256, True, (1000, 1400, 4160))])
+    (256, True, (4096, 4096, 4096)), (256, True, (1000, 1424, 4160))])
 def test_gpu_against_torch_scaled_mm(block_n, tma_store, shape):
     """e4m3 with row- and column-wise scales, bf16 out, against ``torch._scaled_mm``
     (cuBLASLt) in the same process; both tile widths, and the TMA-store epilogue (also at
-    edges: partial row and column tiles, a partial 64-column box), out poisoned first."""
+    edges: partial row and column tiles, a partial 64-column box; N a multiple of 16, as
+    ``_scaled_mm`` requires), out poisoned first."""
     torch = pytest.importorskip("torch")
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 

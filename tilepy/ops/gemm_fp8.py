@@ -25,9 +25,9 @@ from . import gemm_wgmma_ws as ws
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Whether the built-in config takes the TMA-store epilogue
 #: (:attr:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig.tma_store`) for 16-bit outputs TMA can
-#: store. Off until it has run on a GPU (it is checked in the simulator and offline only);
-#: ``config=KMajorConfig(tma_store=True)`` asks for it.
-TMA_STORE = False
+#: store, with per-tensor / per-row / per-column scales (not block scales). Set to ``False``
+#: for the register epilogue; ``config=KMajorConfig(tma_store=...)`` chooses per call.
+TMA_STORE = True
 _FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 
