@@ -59,7 +59,7 @@ def test_tma_store_epilogue_writes_the_register_epilogues_bits(monkeypatch):
     (``gemm_fp8.TMA_STORE``), against the register epilogue (``KMajorConfig(tma_store=False)``):
     the same operations in the same order, so the same bits; and an output whose rows TMA
     cannot store (a 202-column view: 404-byte rows) falls back to the register epilogue,
-    equal on its columns."""
+    equal on its columns. Block scales likewise."""
     from tilepy.ops import gemm_fp8
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
@@ -87,6 +87,14 @@ def test_tma_store_epilogue_writes_the_register_epilogues_bits(monkeypatch):
     again = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf),
                         config=KMajorConfig(tma_store=True), **kw)   # asked for by config
     np.testing.assert_array_equal(again.view(np.uint16), want.view(np.uint16))
+    # block scales (one k block, two column blocks) take it too
+    blk = dict(scale_a=rng.uniform(0.5, 2, (m, 1)).astype(np.float32),
+               scale_b=rng.uniform(0.5, 2, (2, 1)).astype(np.float32).T)
+    got = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf), **blk)
+    want = tilepy.gemm(a, w.T, out=np.full((m, n), np.nan, bf),
+                       config=KMajorConfig(block_n=128, tma_store=False), **blk)
+    assert not np.isnan(want.astype(np.float32)).any()
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
     gemm_fp8._PLANS.clear()     # (plans of the patched choice not left to later tests)
 
 

@@ -25,7 +25,7 @@ from . import gemm_wgmma_ws as ws
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Whether the built-in config takes the TMA-store epilogue
 #: (:attr:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig.tma_store`) for 16-bit outputs TMA can
-#: store, with per-tensor / per-row / per-column scales (not block scales). Set to ``False``
+#: store, whatever the scales. Set to ``False``
 #: for the register epilogue; ``config=KMajorConfig(tma_store=...)`` chooses per call.
 TMA_STORE = True
 _FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
@@ -177,10 +177,11 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
             sb_v = _scale_view(Sb if Sb is not None else One)
         bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
         out_v = arrays.kernel_view(Out)
-        if TMA_STORE and config is None and out_dtype != "float32" and block is None and \
+        if TMA_STORE and config is None and out_dtype != "float32" and \
                 ws.tma_storable(out_v):
-            # the TMA-store epilogue wherever TMA can store the output (not with block
-            # scales: their two partial accumulators leave it too few registers)
+            # the TMA-store epilogue wherever TMA can store the output (with block scales
+            # too: their two partial accumulators make it spill a little, and it is still
+            # the faster epilogue)
             cfg = dataclasses.replace(cfg, tma_store=True)
         kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
                                      _per_index(Sa, m) and block is None,
