@@ -5,6 +5,9 @@
   simulator (no GPU needed);
 * ``gpu``     — real hardware; skipped with a reason where there is no GPU.
 
+``extended`` marks further cases (more shapes, more kernel variants) of tests whose core cases
+run by default; they are deselected unless ``--extended`` is given.
+
 With no GPU, ``NUMBA_ENABLE_CUDASIM=1`` is set here, before anything imports Numba. A run in
 which no test executed (everything skipped, or nothing collected) fails.
 """
@@ -27,6 +30,12 @@ def pytest_report_header(config):
     return f"tilepy target: {'CUDA simulator (no GPU)' if SIMULATOR else 'GPU'}"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--extended", action="store_true",
+                     help="also run the extended cases (marked `extended`): further shapes and "
+                          "kernel variants of tests whose core cases run by default")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none found; ran in the simulator)")
     skip_sim = pytest.mark.skip(reason="simulator-only test; this run uses the GPU")
@@ -37,6 +46,12 @@ def pytest_collection_modifyitems(config, items):
             # Simulator tests need NUMBA_ENABLE_CUDASIM in this process; on a GPU machine
             # run them with NUMBA_ENABLE_CUDASIM=1 python -m pytest -m sim.
             item.add_marker(skip_sim)
+    if not config.getoption("--extended"):
+        # deselected (reported as such), not skipped: the default run is the core tier
+        extended = [item for item in items if "extended" in item.keywords]
+        if extended:
+            config.hook.pytest_deselected(items=extended)
+            items[:] = [item for item in items if "extended" not in item.keywords]
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -52,6 +52,7 @@ def test_inspect_reports_the_gemm_kernel_offline():
 
 
 @pytest.mark.compile
+@pytest.mark.extended   # (the kernels' own compile tests check them; this, the CLI and the time)
 def test_inspect_reports_the_hopper_defaults_offline():
     # the TMA GEMM with bias + GELU was the slowest kernel to compile (~100 s with Numba's
     # IR inlining); with LLVM-level inlining it takes seconds

@@ -30,6 +30,7 @@ def _min_cc(name):
     return probes.EXTRA[name][3]
 
 
+@pytest.mark.xdist_group("probe_reports")   # one worker compiles them (-n 2)
 @pytest.mark.parametrize("cc", probes.CCS, ids=lambda cc: f"sm_{cc[0]}{cc[1]}")
 @pytest.mark.parametrize("name", NAMES)
 def test_probe_compiles_to_the_instruction(reports, name, cc):
@@ -46,6 +47,7 @@ def test_probe_compiles_to_the_instruction(reports, name, cc):
     assert 0 < entry["registers"] <= 64
 
 
+@pytest.mark.xdist_group("probe_reports")
 def test_every_probe_was_compiled(reports):
     assert {r["probe"] for r in reports.values()} == set(NAMES)
 
@@ -55,6 +57,7 @@ def gemm_reports():
     return run_in_subprocess("tilepy.ops.gemm_mma_sync:compile_reports")
 
 
+@pytest.mark.xdist_group("gemm_mma_sync_reports")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_gemm_main_loop_128x128x32_3_stages_8_warps(gemm_reports, dtype):
     rep = gemm_reports[f"gemm_{dtype}"]
@@ -78,6 +81,7 @@ def typing_errors():
     ("mma_with_array_operand", "mma_m16n8k16_f16_f32(u32"),
     ("shared_addr_of_scalar", "shared_addr(array, index)"),
 ])
+@pytest.mark.xdist_group("typing_errors")
 def test_wrong_operand_types_name_the_intrinsic(typing_errors, case, expect):
     msg = typing_errors[case]["message"]
     assert msg is not None and "TypingError" in msg and expect in msg, msg
@@ -102,6 +106,7 @@ def _softmax_backward_kernels():
     return [name for name, *_ in softmax_backward.compile_plans()]
 
 
+@pytest.mark.xdist_group("softmax_backward_reports")
 @pytest.mark.parametrize("name", _softmax_backward_kernels())
 def test_softmax_backward_kernel_compiles_without_spills(softmax_backward_reports, name):
     """Every warp / block bucket and the two-pass kernel of softmax_backward and

@@ -148,11 +148,11 @@ def test_repeated_calls_reuse_the_plan_with_new_data():
 @pytest.mark.parametrize("b,hq,sq,sk,d,causal,dtype", [
     (1, 1, 1, 1, 16, False, "float16"),      # one query, one key
     (1, 1, 7, 7, 32, True, "bfloat16"),
-    (1, 1, 65, 65, 64, False, "float16"),    # one row and one key past the blocks
-    (1, 1, 65, 65, 32, True, "bfloat16"),
+    (1, 1, 33, 33, 64, False, "float16"),    # one row and one key past the blocks
+    pytest.param(1, 1, 65, 65, 32, True, "bfloat16", marks=pytest.mark.extended),
     (2, 1, 17, 40, 32, True, "float16"),     # seq_q < seq_k: bottom-right diagonal
     (1, 2, 40, 17, 16, True, "bfloat16"),    # seq_q > seq_k: rows 0..22 see no key -> 0
-    (1, 1, 23, 70, 64, False, "bfloat16"),
+    pytest.param(1, 1, 23, 70, 64, False, "bfloat16", marks=pytest.mark.extended),
     (1, 1, 70, 9, 16, False, "float16"),
     (1, 1, 20, 20, 128, True, "float16"),    # the largest head_dim
     (1, 1, 30, 26, 48, True, "bfloat16"),    # 6 chunks a row: unswizzled tiles
@@ -271,8 +271,8 @@ def plans_cleared():
 
 @sim
 @pytest.mark.parametrize("b,hq,hk,layout,causal,limit", [
-    (5, 2, 2, "bhsd", True, 3),    # batch (grid z) past the limit
-    (1, 7, 7, "bshd", False, 3),   # heads (grid y) past the limit
+    pytest.param(5, 2, 2, "bhsd", True, 3, marks=pytest.mark.extended),   # batch past it
+    pytest.param(1, 7, 7, "bshd", False, 3, marks=pytest.mark.extended),  # heads past it
     (1, 6, 2, "bhsd", True, 4),    # GQA: chunks of whole groups (3 query heads per K/V head)
     (1, 6, 1, "bshd", True, 4),    # one K/V head for all (it stays put)
     (3, 6, 2, "bhsd", True, 2),    # a group (3) larger than the limit, and the batch past it
@@ -608,7 +608,8 @@ def test_gpu_heads_and_batches_past_the_grid_limit():
 @pytest.mark.parametrize("sq,sk,causal,window,cap,dtype,layout", [
     (45, 29, True, (7, None), 0.0, "float16", "bhsd"),    # Mistral's window; rows without keys
     (23, 51, False, (5, 9), 0.0, "bfloat16", "bshd"),     # both sides bounded
-    (37, 37, False, None, 3.0, "float16", "bhsd"),        # soft cap alone (every key)
+    pytest.param(37, 37, False, None, 3.0, "float16", "bhsd",   # soft cap alone
+                 marks=pytest.mark.extended),
     (40, 53, False, (16, -1), 2.5, "bfloat16", "bhsd"),   # left only, with a soft cap
 ])
 def test_windows_and_softcap(sq, sk, causal, window, cap, dtype, layout):
@@ -694,7 +695,8 @@ def documents(rng, b, s, n):
 
 @sim
 @pytest.mark.parametrize("sq,sk,causal,layout,bias", [
-    (45, 45, True, "bhsd", False),      # document mask under causal: packed self-attention
+    pytest.param(45, 45, True, "bhsd", False,   # document mask under causal
+                 marks=pytest.mark.extended),
     (37, 50, False, "bshd", True),      # + a bias table and a scalar, seq_q != seq_k
 ])
 def test_mod_args_document_mask_and_bias_table(sq, sk, causal, layout, bias):
@@ -725,7 +727,8 @@ def test_mod_args_document_mask_and_bias_table(sq, sk, causal, layout, bias):
 
 @sim
 @pytest.mark.parametrize("sq,sk,causal,per_batch,cap,layout", [
-    (45, 45, True, False, 0.0, "bhsd"),     # BLOOM / MPT: causal, one slope per head
+    pytest.param(45, 45, True, False, 0.0, "bhsd",   # BLOOM / MPT: one slope per head
+                 marks=pytest.mark.extended),
     (29, 52, False, True, 4.0, "bshd"),     # per (batch, head), bidirectional, with a cap
 ])
 def test_alibi_slopes(sq, sk, causal, per_batch, cap, layout):

@@ -129,7 +129,7 @@ def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=
 @pytest.mark.parametrize("b, hq, hk, sq, sk, d, causal, dtype, layout", [
     (1, 2, 1, 40, 50, 32, False, "float16", "bhsd"),     # seq_q < seq_k, GQA 2/1
     (1, 2, 2, 50, 37, 32, True, "bfloat16", "bshd"),     # seq_q > seq_k: rows see no key
-    (1, 6, 2, 33, 47, 16, True, "float16", "bhsd"),      # GQA 6/2
+    pytest.param(1, 6, 2, 33, 47, 16, True, "float16", "bhsd", marks=pytest.mark.extended),
     (2, 6, 1, 19, 24, 16, False, "bfloat16", "bhsd"),    # MQA 6/1, two batches
     (1, 1, 1, 21, 70, 64, True, "float16", "bshd"),      # head_dim 64, several key blocks
 ])
@@ -144,7 +144,7 @@ def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
     (1, 2, 1, 40, 77, False, (9, 4), 0.0, "bshd", {"config": BackwardConfig(
         32, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)}),
     # a soft cap alone, and with a left-only window, bfloat16 in the second
-    (1, 2, 2, 37, 37, False, None, 3.0, "bhsd", {}),
+    pytest.param(1, 2, 2, 37, 37, False, None, 3.0, "bhsd", {}, marks=pytest.mark.extended),
     (1, 2, 1, 40, 53, False, (16, -1), 2.5, "bhsd", {"dtype": "bfloat16"}),
 ])
 def test_windows_and_softcap(b, hq, hk, sq, sk, causal, window, softcap, layout, kw):
@@ -190,7 +190,7 @@ def table_bias_grad(score, b, h, q_idx, kv_idx, doc_q, doc_k, table, span):
 
 @pytest.mark.parametrize("b, hq, hk, sq, sk, causal, layout, kw", [
     # ALiBi per head under causal, GQA; a second call with other slopes through the plan
-    (1, 2, 1, 45, 45, True, "bhsd", {}),
+    pytest.param(1, 2, 1, 45, 45, True, "bhsd", {}, marks=pytest.mark.extended),
     # per (batch, head) slopes, seq_q < seq_k, a cap, bshd; dQ by atomics
     (2, 2, 1, 30, 50, False, "bshd", {"config": BackwardConfig(
         32, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)}),
@@ -262,7 +262,8 @@ def test_keys_past_the_end_stay_out_of_dq(atomic):
 
 
 @pytest.mark.parametrize("b, hq, hk, sq, sk, d, causal, dtype, layout, kw", [
-    (1, 2, 1, 33, 41, 24, True, "float16", "bhsd", {}),      # 32-column tiles, dQ's kernel
+    pytest.param(1, 2, 1, 33, 41, 24, True, "float16", "bhsd", {},   # 32-column tiles
+                 marks=pytest.mark.extended),
     (1, 2, 2, 30, 37, 40, False, "bfloat16", "bshd", {"config": BackwardConfig(
         40, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32, dq_block_n=32,
         dq_atomic=True)}),                                  # 48 columns, dQ by atomics
@@ -275,6 +276,7 @@ def test_padded_head_dims(b, hq, hk, sq, sk, d, causal, dtype, layout, kw):
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout, **kw)
 
 
+@pytest.mark.extended   # (the atomic dQ path also runs in windows, user functions, ALiBi)
 def test_dq_by_atomics():
     cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
                          dq_block_n=32, dq_atomic=True)
@@ -287,20 +289,22 @@ def test_dq_by_atomics():
      (1, 2, 1, 90, 50, True, "bfloat16", "bshd")),
     # dQ through stmatrix, wgmma partials and bulk reductions, both 64-column slices of
     # head_dim 128 from one warpgroup
-    (128, dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=32, dq_atomic=True),
-     (1, 2, 2, 40, 70, False, "float16", "bhsd")),
+    pytest.param(128, dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=32,
+                           dq_atomic=True),
+                 (1, 2, 2, 40, 70, False, "float16", "bhsd"), marks=pytest.mark.extended),
     # the warp-specialised kernel (cp.async producer ring, two consumer warpgroups, per-warp
     # bulk reductions): head_dim 128 splits dQ's columns between the consumers (causal, the
     # default; GQA: 4 query blocks per key block, the ring wraps), head_dim 64 gives each
     # consumer its own keys
     (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
      (1, 2, 1, 70, 100, True, "float16", "bhsd")),
-    (64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
-     (1, 1, 1, 150, 90, True, "bfloat16", "bshd")),
+    pytest.param(64, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
+                 (1, 1, 1, 150, 90, True, "bfloat16", "bshd"), marks=pytest.mark.extended),
     # head_dim 128 with each consumer's dQ over its own keys and all columns (no barrier
     # between the consumers; two slices staged and reduced per warp)
-    (128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True, dq_own_keys=True),
-     (1, 1, 1, 90, 140, False, "bfloat16", "bshd")),
+    pytest.param(128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True,
+                           dq_own_keys=True),
+                 (1, 1, 1, 90, 140, False, "bfloat16", "bshd"), marks=pytest.mark.extended),
 ])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
@@ -340,7 +344,7 @@ def test_empty_key_sequence_and_cached_plan():
 @pytest.mark.parametrize("b, hq, hk, limit", [
     (3, 1, 1, 2),    # batch (grid z) past the limit
     (1, 6, 2, 2),    # GQA: the dQ kernel's groups (3 heads) larger than the limit
-    (1, 6, 1, 4),    # query heads past it, one K/V head for all
+    pytest.param(1, 6, 1, 4, marks=pytest.mark.extended),   # one K/V head for all
 ])
 def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
     """Every backward launch with more heads or batches than the grid's y / z limit
@@ -420,7 +424,8 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.compile
-def test_kernels_compile_without_spills():
+@pytest.mark.parametrize("part", ["core", pytest.param("rest", marks=pytest.mark.extended)])
+def test_kernels_compile_without_spills(part):
     """mma.sync kernels for sm_90, wgmma ones for sm_90a: no local memory, spills only where
     measured and accepted (the mma.sync dK / dV kernel at head_dim 128, the wgmma atomic
     path at head_dim 128), no serialised wgmmas, every product on wgmma there."""
@@ -428,11 +433,17 @@ def test_kernels_compile_without_spills():
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reports = {**run_in_subprocess("tilepy.ops.attention_backward_mma_sync:compile_reports"),
-               **run_in_subprocess("tilepy.ops.attention_backward_wgmma:compile_reports")}
-    # two of them the window + soft-cap variants, two the packed sequences (varlen: 68 B of
-    # spill stores in the dK / dV kernel at head_dim 128, offline sm_90)
-    assert len(reports) == 23
+    from tilepy.ops import attention_backward_wgmma as bwg
+
+    # core: the mma.sync kernels (two of them the window + soft-cap variants, two the packed
+    # sequences: 68 B of spill stores in the dK / dV kernel at head_dim 128, offline sm_90)
+    # and the wgmma ones of the built-in choices' shapes; rest: the other wgmma ones
+    reports = run_in_subprocess(f"tilepy.ops.attention_backward_wgmma:compile_reports_{part}")
+    if part == "core":
+        reports.update(run_in_subprocess(
+            "tilepy.ops.attention_backward_mma_sync:compile_reports"))
+    assert len(reports) == (10 + len(bwg.CORE_COMPILED) if part == "core"
+                            else len(bwg.COMPILED) - len(bwg.CORE_COMPILED))
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]

@@ -167,7 +167,8 @@ def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("made", ["caller", "caller64", "op"])
+@pytest.mark.parametrize("made", ["caller", pytest.param("caller64", marks=pytest.mark.extended),
+                                  "op"])
 def test_block_sparse_backward_against_float64(made):
     """The backward under a block mask walks its lists (dQ) and its transposed lists (dK /
     dV): gradients against a float64 derivation — GQA 2 / 1 with a mask per query head, 85

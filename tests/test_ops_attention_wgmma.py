@@ -24,6 +24,8 @@ from tilepy.ops.attention_wgmma import (
     WgmmaAttentionConfig,
 )
 
+EXT = pytest.mark.extended   # deselected unless --extended (tests/conftest.py)
+
 
 def run(rng, b, hq, hk, sq, sk, d, causal, layout, dtype, cfg, dv=None):
     """One call against float64 (poisoned out; ``dv``: V's head dim, default d); returns
@@ -46,9 +48,9 @@ def run(rng, b, hq, hk, sq, sk, d, causal, layout, dtype, cfg, dv=None):
 @pytest.mark.sim
 @pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,bm,bn", [
     (1, 2, 1, 65, 70, True, "bhsd", "float16", 64, 64),      # GQA, seq_q != seq_k, causal
-    (1, 1, 1, 40, 130, False, "bshd", "bfloat16", 64, 64),   # three key blocks, bshd
-    (1, 1, 1, 70, 9, True, "bhsd", "float16", 64, 64),       # rows that see no key
-    (1, 1, 1, 33, 150, False, "bhsd", "float16", 64, 128),   # 128-key blocks
+    pytest.param(1, 1, 1, 40, 130, False, "bshd", "bfloat16", 64, 64, marks=EXT),  # three key blocks, bshd
+    pytest.param(1, 1, 1, 70, 9, True, "bhsd", "float16", 64, 64, marks=EXT),  # rows that see no key
+    pytest.param(1, 1, 1, 33, 150, False, "bhsd", "float16", 64, 128, marks=EXT),  # 128-key blocks
 ])
 def test_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bm, bn):
     run(np.random.default_rng(), b, hq, hk, sq, sk, 64, causal, layout, dtype,
@@ -58,12 +60,12 @@ def test_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bm, bn):
 @pytest.mark.sim
 @pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,d,bn", [
     (1, 1, 1, 1, 1, False, "bhsd", "float16", 64, 64),         # seq 1: one block, no loop
-    (1, 1, 1, 1, 7, True, "bshd", "bfloat16", 128, 64),        # one query row, causal
-    (1, 2, 1, 7, 7, True, "bshd", "bfloat16", 64, 64),         # GQA, seq 7
+    pytest.param(1, 1, 1, 1, 7, True, "bshd", "bfloat16", 128, 64, marks=EXT),  # one query row, causal
+    pytest.param(1, 2, 1, 7, 7, True, "bshd", "bfloat16", 64, 64, marks=EXT),  # GQA, seq 7
     (1, 1, 1, 65, 200, True, "bhsd", "float16", 64, 64),       # four key blocks, causal
-    (1, 2, 1, 65, 200, False, "bhsd", "float16", 128, 64),     # GQA, d128, four key blocks
-    (1, 1, 1, 200, 65, True, "bhsd", "bfloat16", 128, 64),     # seq_q > seq_k, no-key rows
-    (1, 1, 1, 70, 9, True, "bhsd", "float16", 64, 128),        # rows that see no key
+    pytest.param(1, 2, 1, 65, 200, False, "bhsd", "float16", 128, 64, marks=EXT),  # GQA, d128, four key blocks
+    pytest.param(1, 1, 1, 200, 65, True, "bhsd", "bfloat16", 128, 64, marks=EXT),  # seq_q > seq_k, no-key rows
+    pytest.param(1, 1, 1, 70, 9, True, "bhsd", "float16", 64, 128, marks=EXT),  # rows that see no key
     (1, 1, 1, 33, 200, False, "bshd", "bfloat16", 64, 128),    # 128-key blocks, ragged end
 ])
 def test_overlap_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
@@ -87,11 +89,11 @@ def test_overlap_config():
 
 @pytest.mark.sim
 @pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,bn,overlap", [
-    (1, 2, 1, 130, 70, False, "bhsd", "float16", 64, False),    # 6 tiles over 4 blocks
-    (1, 3, 1, 100, 9, True, "bhsd", "bfloat16", 64, False),     # tiles that see no key
+    pytest.param(1, 2, 1, 130, 70, False, "bhsd", "float16", 64, False, marks=EXT),  # 6 tiles over 4 blocks
+    pytest.param(1, 3, 1, 100, 9, True, "bhsd", "bfloat16", 64, False, marks=EXT),  # tiles that see no key
     (1, 3, 1, 150, 60, True, "bhsd", "float16", 64, True),      # overlap, no-key tiles
-    (1, 2, 2, 130, 140, True, "bshd", "float16", 64, True),     # overlap, bshd, 3 key blocks
-    (1, 3, 1, 70, 130, False, "bhsd", "bfloat16", 128, True),   # GQA, 128-key blocks
+    pytest.param(1, 2, 2, 130, 140, True, "bshd", "float16", 64, True, marks=EXT),  # overlap, bshd, 3 key blocks
+    pytest.param(1, 3, 1, 70, 130, False, "bhsd", "bfloat16", 128, True, marks=EXT),  # GQA, 128-key blocks
 ])
 def test_persistent_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, bn, overlap):
     """The persistent kernel: the simulator's 4 SM slots walk several tiles each, loading the
@@ -119,11 +121,11 @@ def test_tma_against_float64(b, hq, hk, sq, sk, causal, layout, dtype, d, bn):
 @pytest.mark.parametrize("b,hq,hk,sq,sk,causal,layout,dtype,d,bn,bm,pingpong,producer", [
     (1, 1, 1, 130, 200, True, "bshd", "bfloat16", 64, 64, 128, True, True),  # 4 key blocks
     (1, 1, 1, 150, 60, True, "bhsd", "float16", 64, 64, 128, True, False),   # no-key block
-    (1, 1, 1, 40, 60, False, "bhsd", "float16", 64, 64, 128, True, False),   # one turn each
+    pytest.param(1, 1, 1, 40, 60, False, "bhsd", "float16", 64, 64, 128, True, False, marks=EXT),  # one turn each
     (1, 1, 1, 33, 300, True, "bshd", "float16", 64, 128, 128, False, True),  # producer alone
     (1, 1, 1, 200, 200, True, "bhsd", "float16", 64, 128, 192, True, True),   # 3 consumers
-    (1, 1, 1, 70, 9, False, "bshd", "bfloat16", 64, 64, 192, False, True),   # 3, no-key rows
-    (1, 1, 1, 40, 100, False, "bhsd", "float16", 64, 128, 192, True, True),  # 3, one turn each
+    pytest.param(1, 1, 1, 70, 9, False, "bshd", "bfloat16", 64, 64, 192, False, True, marks=EXT),  # 3, no-key rows
+    pytest.param(1, 1, 1, 40, 100, False, "bhsd", "float16", 64, 128, 192, True, True, marks=EXT),  # 3, one turn each
     # causal: a warpgroup stops at its own last key block and releases the rest (drain)
     (1, 1, 1, 192, 192, True, "bhsd", "float16", 64, 64, 192, False, True),  # 1, 2, 3 blocks
     (1, 1, 1, 128, 128, True, "bshd", "bfloat16", 64, 64, 128, False, False),  # thread 0 loads
@@ -432,13 +434,17 @@ def test_config_validation():
 
 
 @pytest.mark.compile
-def test_compiles_for_sm90a_without_spills():
+@pytest.mark.parametrize("group", [
+    "tma",                                              # the built-in choices' family
+    pytest.param("cp_async", marks=pytest.mark.extended)])   # config= only
+def test_compiles_for_sm90a_without_spills(group):
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reps = run_in_subprocess("tilepy.ops.attention_wgmma:compile_reports")
-    assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) + len(TMA_REPORTS)
-                         + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS)
-                         + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS) + len(VARLEN_REPORTS))
+    reps = run_in_subprocess(f"tilepy.ops.attention_wgmma:compile_reports_{group}")
+    assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) if group != "tma"
+                         else len(TMA_REPORTS) + len(PERSISTENT_TMA_REPORTS)
+                         + len(VARIANT_REPORTS) + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS)
+                         + len(VARLEN_REPORTS))
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / k for S, block_n / k for P·V (k 16, 32

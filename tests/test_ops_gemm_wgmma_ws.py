@@ -73,7 +73,7 @@ def matmul64(a, b):
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,b_layout,shape", [
     ("float16", "row", SMALL), ("bfloat16", "col", SMALL), ("float16", "col", TWO),
-    ("bfloat16", "row", TWO)])
+    pytest.param("bfloat16", "row", TWO, marks=pytest.mark.extended)])
 def test_odd_shapes_both_b_layouts(dtype, b_layout, shape):
     """M, N, K = 70, 100, 258: partial tiles on every edge (TMA zero fill), five k steps through
     a two-stage ring (it wraps, both parities), out poisoned with NaN."""
@@ -155,7 +155,8 @@ def test_split_k(dtype, b_layout, shape, splits, extra):
 
 
 @pytest.mark.sim
-@pytest.mark.parametrize("extra,sms", [({"splits": 2}, None), ({"persistent": True}, 2)],
+@pytest.mark.parametrize("extra,sms", [({"splits": 2}, None), pytest.param(
+    {"persistent": True}, 2, marks=pytest.mark.extended)],
                          ids=["split-k-grid", "persistent-2-blocks"])
 def test_traced_kernel_marks_its_phases_and_computes_the_same(extra, sms):
     """``trace=True``: the kernel takes a trace array and marks every block's phases
@@ -224,10 +225,10 @@ def padded_out(shape, np_dtype, pad=4):
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,b_layout,shape,persistent,out_kind,out_rows16", [
     ("float16", "row", SMALL, False, "same", True),
-    ("bfloat16", "col", TWO, False, "same", True),
+    pytest.param("bfloat16", "col", TWO, False, "same", True, marks=pytest.mark.extended),
     ("float16", "col", SMALL, True, "float32", True),
     ("bfloat16", "row", {"block_m": 128, "block_n": 64, "consumers": 1}, True, "same", False),
-    ("float16", "row", TWO, True, "float32", False)],
+    pytest.param("float16", "row", TWO, True, "float32", False, marks=pytest.mark.extended)],
     ids=["f16-row-64x64", "bf16-col-128x128", "f16-col-64x64-persistent-f32out",
          "bf16-row-128x64-persistent-misaligned-rows", "f16-row-128x128-persistent-f32out"])
 def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persistent, out_kind,

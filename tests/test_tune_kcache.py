@@ -243,6 +243,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("kcache_saved")   # one worker makes the fixture
 def test_generated_kernels_get_the_cache_with_stable_distinct_keys(saved):
     d, first, second = saved
     assert first["warnings"] == [] and second["warnings"] == []
@@ -260,6 +261,7 @@ def test_generated_kernels_get_the_cache_with_stable_distinct_keys(saved):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("kcache_saved")   # one worker makes the fixture
 def test_a_second_process_loads_what_the_first_saved(saved):
     _, _, second = saved
     assert second["loaded"] == {"cubin": "\x7fELFgemm", "name": "gemm"}
@@ -269,6 +271,7 @@ def test_a_second_process_loads_what_the_first_saved(saved):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("kcache_saved")   # one worker makes the fixture
 def test_a_source_change_starts_a_new_directory(saved):
     _, _, second = saved
     path, loaded = second["after_source_change"]
@@ -276,6 +279,7 @@ def test_a_source_change_starts_a_new_directory(saved):
 
 
 @pytest.mark.compile
+@pytest.mark.xdist_group("kcache_saved")   # one worker makes the fixture
 def test_a_corrupt_index_is_set_aside_and_rebuilt(saved):
     d, _, _ = saved
     res = run_probe("corrupt", d)

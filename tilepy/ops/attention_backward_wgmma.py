@@ -910,6 +910,23 @@ COMPILED = (
 )
 
 
+#: The :data:`COMPILED` kernels of the built-in choices' shapes (the others: further tile
+#: shapes and dQ paths that ``config=`` reaches).
+CORE_COMPILED = ("bwd_wgmma_dkdv_d128_bf16_causal", "bwd_wgmma_dkdv_d64_f16",
+                 "bwd_wgmma_ws_d128_f16", "bwd_wgmma_ws_d128_bf16_causal",
+                 "bwd_wgmma_dq_d128_f16_causal", "bwd_wgmma_dq_d64_f16")
+
+
+def compile_reports_core():
+    """:func:`compile_reports` of :data:`CORE_COMPILED` (a target for ``run_in_subprocess``)."""
+    return compile_reports(CORE_COMPILED)
+
+
+def compile_reports_rest():
+    """:func:`compile_reports` of the rest of :data:`COMPILED`."""
+    return compile_reports([c[0] for c in COMPILED if c[0] not in CORE_COMPILED])
+
+
 def compile_reports(only=None):
     """Offline sm_90a reports (registers, spills, instruction counts) of :data:`COMPILED`.
 

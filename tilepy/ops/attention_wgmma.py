@@ -1982,17 +1982,26 @@ def _variant_entry(d, bm, pingpong, persistent, window, cap):
         smem_bytes=cfg.smem_bytes)
 
 
-def compile_reports():
+def compile_reports(group: str = "all"):
     """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
     overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
     and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
     (:data:`TMA_REPORTS`), TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`) and
     with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`), the FP8 ones
-    (:data:`FP8_REPORTS`) and the packed-sequence ones (:data:`VARLEN_REPORTS`)."""
+    (:data:`FP8_REPORTS`) and the packed-sequence ones (:data:`VARLEN_REPORTS`).
+    ``group``: "all", "tma" (the TMA kernels, the built-in choices' family) or "cp_async"
+    (the kernels that load with cp.async: the first three, overlap and persistent)."""
+    if group not in ("all", "tma", "cp_async"):
+        raise ValueError(f"compile_reports: group must be 'all', 'tma' or 'cp_async', "
+                         f"got {group!r}")
+    if group == "all":
+        return compile_reports("cp_async") + compile_reports("tma")
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
     out = []
+    if group == "tma":
+        return _tma_reports(out, report_entry)
     for d, causal in ((64, False), (128, False), (128, True)):
         cfg = WgmmaAttentionConfig(d)
         out.append(report_entry(f"attention_wgmma_d{d}{'_causal_lse' if causal else ''}",
@@ -2010,6 +2019,21 @@ def compile_reports():
         name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
+    return out
+
+
+def compile_reports_tma():
+    """:func:`compile_reports` of the TMA group (a target for ``run_in_subprocess``)."""
+    return compile_reports("tma")
+
+
+def compile_reports_cp_async():
+    """:func:`compile_reports` of the cp.async group (a target for ``run_in_subprocess``)."""
+    return compile_reports("cp_async")
+
+
+def _tma_reports(out, report_entry):
+    """:func:`compile_reports`' TMA group, appended to ``out``."""
     for d, bn, causal, pingpong, producer, *bm in TMA_REPORTS:
         cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
                                    pingpong=pingpong, producer=producer)
