@@ -112,7 +112,8 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     ("float16", "row", SMALL, 4, {}),
     ("bfloat16", "col", TWO, 8, {"persistent": True, "smem_epilogue": True,
                                  "tma_store": True}),
-    ("float16", "col", SMALL, 3, {"persistent": True, "epilogue": True})],
+    pytest.param("float16", "col", SMALL, 3, {"persistent": True, "epilogue": True},
+                 marks=pytest.mark.extended)],
     ids=["4-splits", "more-splits-than-k-steps-tma-store", "persistent-3-blocks-fused"])
 def test_split_k(dtype, b_layout, shape, splits, extra):
     """Split-K: M, N, K = 70, 136, 328 (six k steps of 64, the last partial), the tiles' k
@@ -553,8 +554,8 @@ def test_cluster_config_and_grid():
 @pytest.mark.parametrize("dtype,b_layout,shape,batch,extra", [
     ("float16", "row", SMALL_CLUSTER, 2, {}),
     ("bfloat16", "col", SMALL_CLUSTER, 1, {"persistent": True}),
-    ("float16", "col", TWO, 1, {"persistent": True, "smem_epilogue": True,
-                                "tma_store": True})],
+    pytest.param("float16", "col", TWO, 1, {"persistent": True, "smem_epilogue": True,
+                                            "tma_store": True}, marks=pytest.mark.extended)],
     ids=["f16-row-batched", "bf16-col-persistent", "f16-col-persistent-tma-store"])
 def test_cluster_of_two_shares_b(dtype, b_layout, shape, batch, extra):
     """Clusters of two in the simulator (their blocks run at the same time there): each block
