@@ -503,12 +503,12 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                              alibi=mods[4]) if CAPPED else None
     mask_past = mask_keys_past(1, NQ)
     qblocks = query_blocks(BM, False, WIN, BN)
-    # block-sparse: a full block of the mask takes the hook without mask_mod, as the forward
-    FULL_HOOK = mask_block is not None and CAPPED and mods[2] is not None
-    capped_full = score_functions(1, NQ, cap, mods[0], mods[1], None, transposed=True,
-                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
+    # a full block of the mask takes the hook without mask_mod, as the forward
+    FULL_HOOK = SPARSE and CAPPED and mods[2] is not None
+    capped_full = score_functions(1, NQ, cap, mods[0], mods[1], None, transposed=True,
+                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
     QR = mask_block[0] // BM if SPARSE else 1
     q_list = block_mask_row(BN, mask_block[1], QR) if SPARSE else None
     q_at = key_block_at(SPARSE, QR)

@@ -1999,9 +1999,9 @@ def compile_reports(group: str = "all"):
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
-    out = []
     if group == "tma":
-        return _tma_reports(out, report_entry)
+        return _tma_reports()
+    out = []
     for d, causal in ((64, False), (128, False), (128, True)):
         cfg = WgmmaAttentionConfig(d)
         out.append(report_entry(f"attention_wgmma_d{d}{'_causal_lse' if causal else ''}",
@@ -2032,8 +2032,11 @@ def compile_reports_cp_async():
     return compile_reports("cp_async")
 
 
-def _tma_reports(out, report_entry):
-    """:func:`compile_reports`' TMA group, appended to ``out``."""
+def _tma_reports():
+    """:func:`compile_reports`' TMA group."""
+    from ..offline import report_entry
+
+    out = []
     for d, bn, causal, pingpong, producer, *bm in TMA_REPORTS:
         cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
                                    pingpong=pingpong, producer=producer)

@@ -25,8 +25,8 @@ from . import gemm_wgmma_ws as ws
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Whether the built-in config takes the TMA-store epilogue
 #: (:attr:`~tilepy.ops.gemm_kmajor_wgmma.KMajorConfig.tma_store`) for 16-bit outputs TMA can
-#: store, whatever the scales. Set to ``False``
-#: for the register epilogue; ``config=KMajorConfig(tma_store=...)`` chooses per call.
+#: store, whatever the scales. ``False``: the register epilogue;
+#: ``config=KMajorConfig(tma_store=...)`` chooses per call.
 TMA_STORE = True
 _FMT = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
