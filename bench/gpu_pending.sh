@@ -46,6 +46,9 @@
 #   PART=s25f    s25e cut to the device time left after its machine was taken back: the shape grid
 #                benchmark, the CUDA-graph tests, the GEMM op's GPU tests
 #   PART=s25s    the d256 key-block A/B
+#   PART=s31a    what s26a left (never run): the 8-bit rs wgmma's GPU test, the FP8 attention
+#                GPU tests and CUDA-graph tests, its benchmark against tilepy's bf16 attention;
+#                then the FP8 GEMM's GPU tests again (the N = 1424 case of s28a's mend)
 #   PART=s29a    where a launch's time goes, from the traced kernels' phase marks: the
 #                warp-specialised GEMM (issue 27; its GPU test, bench/trace_gemm.py per shape
 #                beside cuBLAS) and the decoding kernel (issue 26; bench/trace_decode.py beside
@@ -281,6 +284,13 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s31a "* ]]; then
+    gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"
+    gpu_tests attention_fp8_gpu 120 tests/test_ops_attention_fp8.py
+    gpu_tests graphs_fp8_gpu 90 tests/test_cuda_graphs.py -k "fp8"
+    bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
+    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
 fi
 if [[ " $PART " == *" s29a "* ]]; then
     gpu_tests gemm_ws_trace_gpu 60 tests/test_ops_gemm_wgmma_ws.py -k "gpu_traced"
