@@ -86,3 +86,58 @@ def test_a_block_reads_what_its_threads_wrote():
         out = np.full(1, np.nan, np.float32)
         _block_sum[1, 256](x, out)
         assert out[0] == x.sum()
+
+
+def test_the_barrier_is_counted_by_the_threads():
+    from numba.cuda.simulator.kernel import BlockManager, BlockThread
+
+    assert getattr(BlockManager.run, "_tilepy_counted", False)
+    assert getattr(BlockThread.syncthreads, "_tilepy_counted", False)
+
+
+@cuda.jit
+def _rounds_with_early_exits(out, rounds):
+    # threads t >= 40 leave at once, t in 20 … 39 after two rounds: the barrier is among the
+    # threads still running, as in the simulator without the patch
+    t = cuda.threadIdx.x
+    if t >= 40:
+        return
+    tile = cuda.shared.array(64, np.int32)
+    for r in range(rounds):
+        if t >= 20 and r == 2:
+            return
+        tile[t] = r * 100 + t
+        cuda.syncthreads()
+        # read a neighbour's value of this round, then wait before it is overwritten
+        live = 40 if r < 2 else 20
+        out[r, t] = tile[(t + 1) % live]
+        cuda.syncthreads()
+
+
+def test_threads_that_exit_leave_the_barrier_to_the_others():
+    rounds = 5
+    out = np.full((rounds, 64), -1, np.int32)
+    _rounds_with_early_exits[1, 64](out, rounds)
+    for r in range(rounds):
+        live = 40 if r < 2 else 20
+        np.testing.assert_array_equal(out[r, :live], r * 100 + (np.arange(live) + 1) % live)
+        assert (out[r, live:] == -1).all()
+
+
+@cuda.jit
+def _one_thread_raises(out):
+    t = cuda.threadIdx.x
+    cuda.syncthreads()
+    if t == 5:
+        out[100] = 1            # out of bounds: an IndexError in one thread
+    cuda.syncthreads()          # the others wait here and are aborted
+    out[t] = 1
+
+
+def test_an_exception_in_one_thread_is_raised_at_the_launch_without_a_hang():
+    out = np.zeros(32, np.int32)
+    start = time.monotonic()
+    with pytest.raises(IndexError):
+        _one_thread_raises[1, 32](out)
+    assert time.monotonic() - start < 30
+    assert (out == 0).all()     # nobody got past the second barrier

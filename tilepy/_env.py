@@ -61,10 +61,8 @@ def choose_target() -> bool:
     if requested is None:
         requested = gpu_count() == 0
         os.environ[SIM_ENV] = "1" if requested else "0"
-    if requested:
-        # Each simulated thread is a Python thread; a short switch interval makes the
-        # simulator's barriers much cheaper (shared/numba-cuda-notes.md).
-        sys.setswitchinterval(1e-4)
+    # The interpreter's switch interval is left as it is: with the simulator's barrier counted
+    # by its threads (tilepy._simpatch), a short one only adds lock traffic.
     return requested
 
 

@@ -21,12 +21,25 @@ site from the caller's frame instead of an extracted stack (same key: file name 
 simulator's documented aliasing of two arrays made on one line is unchanged). It patches only
 when the method is the one it knows (the dynamic-shared-memory and ``alignment`` cases are
 passed to the original), and does nothing when the simulator is not in use.
+
+:func:`install` also replaces how a block meets at ``cuda.syncthreads``. The simulator's
+``BlockManager.run`` polls its threads in a loop (every thread's flags, then ``is_alive`` of
+each) on the launching thread, which therefore always wants the interpreter lock: profiled on
+a wgmma attention kernel, that loop held the lock for more than half of the run, and every
+warp-collective twin (which meets at ``syncthreads``) waited on it. With the patch the threads
+count themselves: the last one to reach the barrier — or to exit while all others wait —
+wakes each waiting thread through that thread's own event (no lock every thread contends
+for), and the launching thread sleeps until every thread has exited or one has raised. The
+semantics are the simulator's: the barrier is among the block's threads still running; an
+exception in one thread aborts the threads waiting at the barrier and is raised at the launch.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+
+import numpy as np
 
 _lock = threading.Lock()
 
@@ -50,11 +63,110 @@ def static_array(allocations: dict, caller, shape, dtype):
     return res
 
 
+def _run_block(self, grid_point, *args):
+    """``BlockManager.run`` without polling: start the block's threads, sleep until all have
+    exited (or one raised), raise the first exception as the simulator does."""
+    from numba.cuda.simulator.kernel import BlockThread
+
+    points = list(np.ndindex(*self._block_dim))
+    self._tp_cv = threading.Condition(threading.Lock())
+    self._tp_live = len(points)
+    self._tp_waiting = []
+    self._tp_failed = False
+    threads = []
+    for block_point in points:
+
+        def target():
+            self._f(*args)
+
+        t = BlockThread(target, self, grid_point, block_point, self._debug)
+        threads.append(t)
+        t.start()
+    with self._tp_cv:
+        while self._tp_live and not self._tp_failed:
+            self._tp_cv.wait()
+    for t in threads:
+        if t.exception:
+            for other in threads:     # abort the threads waiting at the barrier
+                other.abort = True
+                other.syncthreads_blocked = False
+                other.syncthreads_event.set()
+            raise t.exception[0].with_traceback(t.exception[1])
+
+
+def _release(waiting, me=None) -> None:
+    for t in waiting:
+        if t is not me:
+            t.syncthreads_blocked = False
+            t.syncthreads_event.set()
+
+
+def _syncthreads(self):
+    """``BlockThread.syncthreads`` counted by the threads themselves (see the module
+    docstring)."""
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    m = self._manager
+    with m._tp_cv:
+        m._tp_waiting.append(self)
+        last = len(m._tp_waiting) == m._tp_live
+        if last:
+            waiting, m._tp_waiting = m._tp_waiting, []
+        else:
+            self.syncthreads_blocked = True
+    if last:
+        _release(waiting, self)
+    else:
+        self.syncthreads_event.wait()
+        self.syncthreads_event.clear()
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_run(original):
+    def run(self):
+        try:
+            original(self)     # records an exception in self.exception
+        finally:
+            m = self._manager
+            waiting = ()
+            with m._tp_cv:
+                m._tp_live -= 1
+                if self.exception:
+                    m._tp_failed = True
+                elif m._tp_waiting and len(m._tp_waiting) == m._tp_live:
+                    waiting, m._tp_waiting = m._tp_waiting, []
+                m._tp_cv.notify()
+            _release(waiting)
+
+    return run
+
+
+def _install_barrier() -> bool:
+    from numba.cuda.simulator import kernel as K
+
+    manager, thread = getattr(K, "BlockManager", None), getattr(K, "BlockThread", None)
+    if manager is None or thread is None or not hasattr(thread, "syncthreads"):
+        return False
+    if getattr(manager.run, "_tilepy_counted", False):
+        return True
+    run = _thread_run(thread.run)
+    for f in (_run_block, _syncthreads, run):
+        f._tilepy_counted = True
+    manager.run = _run_block
+    thread.syncthreads = _syncthreads
+    thread.run = run
+    return True
+
+
 def install() -> bool:
-    """Make the simulator's static shared-array creation atomic; True if the patch is on."""
+    """Make the simulator's static shared-array creation atomic and its ``syncthreads``
+    counted by the threads (module docstring); True if the patches are on."""
     try:
         from numba.cuda.simulator import kernelapi
     except ImportError:
+        return False
+    if not _install_barrier():
         return False
     cls = getattr(kernelapi, "FakeCUDAShared", None)
     original = getattr(cls, "array", None)
