@@ -49,6 +49,9 @@
 #   PART=s31a    what s26a left (never run): the 8-bit rs wgmma's GPU test, the FP8 attention
 #                GPU tests and CUDA-graph tests, its benchmark against tilepy's bf16 attention;
 #                then the FP8 GEMM's GPU tests again (the N = 1424 case of s28a's mend)
+#   PART=s31b    issue 27's shapes whose 128 x 256 tiles leave the last wave part empty: the
+#                persistent tile shapes (bench/sweep_gemm_grid.py --large) over M 256 … 4096
+#                and 2048^3, beside cuBLAS
 #   PART=s29a    where a launch's time goes, from the traced kernels' phase marks: the
 #                warp-specialised GEMM (issue 27; its GPU test, bench/trace_gemm.py per shape
 #                beside cuBLAS) and the decoding kernel (issue 26; bench/trace_decode.py beside
@@ -291,6 +294,12 @@ if [[ " $PART " == *" s31a "* ]]; then
     gpu_tests graphs_fp8_gpu 90 tests/test_cuda_graphs.py -k "fp8"
     bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
+fi
+if [[ " $PART " == *" s31b "* ]]; then
+    step sweep_gemm_large 300 "$PY" bench/sweep_gemm_grid.py --large --ms 256,512,1024,2048,4096 \
+        --json "$OUT/sweep_gemm_large.json"
+    step sweep_gemm_large_2048 90 "$PY" bench/sweep_gemm_grid.py --large --ms 2048 --nk 2048x2048 \
+        --json "$OUT/sweep_gemm_large_2048.json"
 fi
 if [[ " $PART " == *" s29a "* ]]; then
     gpu_tests gemm_ws_trace_gpu 60 tests/test_ops_gemm_wgmma_ws.py -k "gpu_traced"

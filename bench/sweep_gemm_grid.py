@@ -3,7 +3,12 @@
 run: what ``gemm.hopper_config`` should pick for which shape.
 
     python bench/sweep_gemm_grid.py [--json FILE] [--dtype bfloat16] [--ms 1,16,128]
-        [--nk 4096x4096,14336x4096]
+        [--nk 4096x4096,14336x4096] [--large]
+
+``--large``: instead of the small-problem candidates, the persistent tile shapes a problem of
+many tiles could take — 128 × 256 (the default), 128 × 192 and 128 × 128 with the TMA-store
+epilogue, 256 × 128 with the staged one — for shapes whose 128 × 256 tiles leave the last
+wave part empty (e.g. 448 tiles over 132 SMs).
 
 Both sides are timed as CUDA-graph replays of 20 calls (the GPU work only, no host cost):
 events around one replay, median of 5 replays, per call. Every config is checked against a
@@ -36,12 +41,26 @@ def candidates(dtype, m):
     return out
 
 
+def large_candidates(dtype):
+    """(name, config) pairs: persistent tile shapes for problems of many tiles."""
+    from tilepy.ops.gemm_wgmma_ws import WsConfig
+
+    tma = dict(persistent=True, smem_epilogue=True, tma_store=True)
+    return [("default 128x256 persistent tma-store", WsConfig(128, 256, 4, dtype, **tma)),
+            ("128x192 s4 persistent tma-store", WsConfig(128, 192, 4, dtype, **tma)),
+            ("128x128 s6 persistent tma-store", WsConfig(128, 128, 6, dtype, **tma)),
+            ("256x128 s3 persistent", WsConfig(256, 128, 3, dtype, persistent=True,
+                                                smem_epilogue=True))]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--json")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--ms", help="comma-separated M values (default: the grid's)")
     p.add_argument("--nk", help="comma-separated NxK pairs (default: the grid's)")
+    p.add_argument("--large", action="store_true",
+                   help="the persistent tile shapes of problems of many tiles")
     args = p.parse_args()
     ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else MS
     nks = tuple(tuple(int(v) for v in x.split("x")) for x in args.nk.split(",")) \
@@ -66,7 +85,8 @@ def main():
             flop = 2 * m * n * k
             peer_ms = graph_ms(torch, lambda: torch.matmul(a, b, out=out))
             best = None
-            for name, cfg in candidates(args.dtype, m):
+            for name, cfg in (large_candidates(args.dtype) if args.large
+                              else candidates(args.dtype, m)):
                 try:
                     err = poisoned_check(
                         torch, lambda: tilepy.gemm(a, b, out=out, config=cfg), out, ref)
