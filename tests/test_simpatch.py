@@ -141,3 +141,33 @@ def test_an_exception_in_one_thread_is_raised_at_the_launch_without_a_hang():
         _one_thread_raises[1, 32](out)
     assert time.monotonic() - start < 30
     assert (out == 0).all()     # nobody got past the second barrier
+
+
+@cuda.jit(device=True)
+def _lane_plus(x):
+    return x + cuda.threadIdx.x          # `cuda` here is the launch's fake module
+
+
+@cuda.jit
+def _calls_a_device_function(out, fail):
+    t = cuda.threadIdx.x
+    out[t] = _lane_plus(t)
+    if fail and t == 3:
+        out[100] = 0                     # out of bounds: the launch raises
+
+
+def test_device_calls_swap_the_module_once_and_the_launch_restores_it():
+    import numba.cuda.simulator.kernel as K
+
+    assert getattr(K.FakeCUDAKernel.__call__, "_tilepy_held", False)
+    real = globals()["cuda"]
+    out = np.zeros(32, np.int64)
+    _calls_a_device_function[1, 32](out, False)
+    np.testing.assert_array_equal(out, 2 * np.arange(32))
+    assert globals()["cuda"] is real
+    with pytest.raises(IndexError):
+        _calls_a_device_function[1, 32](out, True)
+    assert globals()["cuda"] is real     # restored after a launch that raised, too
+    out[:] = 0
+    _calls_a_device_function[1, 32](out, False)
+    np.testing.assert_array_equal(out, 2 * np.arange(32))

@@ -32,10 +32,19 @@ wakes each waiting thread through that thread's own event (no lock every thread 
 for), and the launching thread sleeps until every thread has exited or one has raised. The
 semantics are the simulator's: the barrier is among the block's threads still running; an
 exception in one thread aborts the threads waiting at the barrier and is raised at the launch.
+
+And how a device function is called inside a simulated kernel. The simulator swaps the
+module-level name of ``numba.cuda`` in the function's module for the launch's fake module on
+*every* call (``swapped_cuda_module``: two locks, a context manager and, whenever no other
+thread is inside that module at that moment, a scan of all its globals) — about a sixth of a
+wgmma GEMM's simulated time. With the patch the first call of a launch into a module swaps it
+and the swap is held until the launch ends; later calls go straight to the function. The
+simulator runs one launch at a time, so nothing outside the launch sees the swapped names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 
@@ -159,14 +168,57 @@ def _install_barrier() -> bool:
     return True
 
 
+_held = contextlib.ExitStack()     # the module swaps held for the running launch
+_held_modules: set = set()          # id() of the swapped modules' globals
+_held_lock = threading.Lock()
+
+
+def _install_device_calls() -> bool:
+    from numba.cuda.simulator import kernel as K
+    from numba.cuda.simulator import kernelapi
+
+    cls = getattr(K, "FakeCUDAKernel", None)
+    original = getattr(cls, "__call__", None)
+    swap = getattr(kernelapi, "swapped_cuda_module", None)
+    if original is None or swap is None or not hasattr(K, "_kernel_context"):
+        return False
+    if getattr(original, "_tilepy_held", False):
+        return True
+
+    def call(self, *args):
+        ctx = K._kernel_context
+        if ctx is None:
+            if self._device:            # a device function called from the host
+                return original(self, *args)
+            try:                        # a launch: its swaps are released at its end
+                return original(self, *args)
+            finally:
+                with _held_lock:
+                    _held_modules.clear()
+                    _held.close()
+        gid = id(self.fn.__globals__)
+        if gid not in _held_modules:
+            with _held_lock:
+                if gid not in _held_modules:
+                    _held.enter_context(swap(self.fn, ctx))
+                    _held_modules.add(gid)
+        return self.fn(*args)
+
+    call._tilepy_held = True
+    call.__doc__ = original.__doc__
+    cls.__call__ = call
+    return True
+
+
 def install() -> bool:
-    """Make the simulator's static shared-array creation atomic and its ``syncthreads``
-    counted by the threads (module docstring); True if the patches are on."""
+    """Make the simulator's static shared-array creation atomic, its ``syncthreads`` counted
+    by the threads and its device calls cheap (module docstring); True if the patches are
+    on."""
     try:
         from numba.cuda.simulator import kernelapi
     except ImportError:
         return False
-    if not _install_barrier():
+    if not (_install_barrier() and _install_device_calls()):
         return False
     cls = getattr(kernelapi, "FakeCUDAShared", None)
     original = getattr(cls, "array", None)
