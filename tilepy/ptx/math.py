@@ -38,6 +38,10 @@ CANONICAL_NAN = {"f16": 0x7FFF, "bf16": 0x7FFF, "f32": 0x7FFFFFFF}
 _F32_MIN_NORMAL = np.float32(2.0 ** -126)
 
 
+#: The smallest float32 magnitude that cvt.rn.f16.f32 rounds to infinity (65504 + half an ulp).
+_F16_TO_INF = np.float32(65520.0)
+
+
 # ---- twin helpers -------------------------------------------------------------------------
 
 def _f32(x, who) -> np.float32:
@@ -74,8 +78,9 @@ def f32_to_f16_bits(x) -> int:
     x = np.float32(x)
     if np.isnan(x):
         return CANONICAL_NAN["f16"]
-    with np.errstate(over="ignore"):
-        return int(x.astype(np.float16).view(np.uint16))
+    if abs(x) >= _F16_TO_INF:    # rounds to ±inf (decided here: no overflow warning to hush)
+        return 0xFC00 if x < 0 else 0x7C00
+    return int(x.astype(np.float16).view(np.uint16))
 
 
 def f32_to_bf16_bits(x) -> int:
@@ -106,9 +111,9 @@ def _ex2_twin(x):
     x = _ftz(_f32(x, "ex2_approx"))
     if np.isnan(x):
         return np.float32(np.nan)
-    with np.errstate(over="ignore", under="ignore"):
-        r = np.float32(np.exp2(np.float64(x)))
-    return _ftz(r)
+    if x >= 128:                 # past float32's range (decided here: no warning to hush)
+        return np.float32(np.inf)
+    return _ftz(np.float32(np.exp2(np.float64(x))))
 
 
 def _fmax_nan_twin(a, b):
