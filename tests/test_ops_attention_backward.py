@@ -424,7 +424,7 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("part", ["core", pytest.param("rest", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("part", ["core", "rest"])
 def test_kernels_compile_without_spills(part):
     """mma.sync kernels for sm_90, wgmma ones for sm_90a: no local memory, spills only where
     measured and accepted (the mma.sync dK / dV kernel at head_dim 128, the wgmma atomic

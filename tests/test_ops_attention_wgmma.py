@@ -436,7 +436,7 @@ def test_config_validation():
 @pytest.mark.compile
 @pytest.mark.parametrize("group", [
     "tma",                                              # the built-in choices' family
-    pytest.param("cp_async", marks=pytest.mark.extended)])   # config= only
+    "cp_async"])                                        # config= only
 def test_compiles_for_sm90a_without_spills(group):
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
