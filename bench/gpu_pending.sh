@@ -288,13 +288,6 @@ if [[ " $PART " == *" s25f "* ]]; then
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
 fi
-if [[ " $PART " == *" s31a "* ]]; then
-    gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"
-    gpu_tests attention_fp8_gpu 120 tests/test_ops_attention_fp8.py
-    gpu_tests graphs_fp8_gpu 90 tests/test_cuda_graphs.py -k "fp8"
-    bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
-    gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
-fi
 if [[ " $PART " == *" s31b "* ]]; then
     step sweep_gemm_large 300 "$PY" bench/sweep_gemm_grid.py --large --ms 256,512,1024,2048,4096 \
         --json "$OUT/sweep_gemm_large.json"
@@ -329,13 +322,15 @@ fi
 if [[ " $PART " == *" s27 "* || " $PART " == *" s27b "* ]]; then
     bench_suite bench_attention_user 240 "test_flash_attention_user_functions"
 fi
-if [[ " $PART " == *" s26a "* ]]; then
+if [[ " $PART " == *" s26a "* || " $PART " == *" s31a "* ]]; then   # s31a: without the probe
     gpu_tests wgmma_fp8_gpu 60 tests/test_ptx_wgmma.py -k "fp8"
     gpu_tests attention_fp8_gpu 120 tests/test_ops_attention_fp8.py
     gpu_tests graphs_fp8_gpu 90 tests/test_cuda_graphs.py -k "fp8"
     bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
     gpu_tests gemm_fp8_gpu 90 tests/test_ops_gemm_fp8.py
-    step probe_gemm_fp8 90 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    if [[ " $PART " == *" s26a "* ]]; then
+        step probe_gemm_fp8 90 "$PY" bench/probe_gemm_fp8.py --json "$OUT/probe_gemm_fp8.json"
+    fi
 fi
 if [[ " $PART " == *" s26b "* ]]; then
     gpu_tests graphs_gpu 150 tests/test_cuda_graphs.py -k "gemm or flash_attention or fp8"

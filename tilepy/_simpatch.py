@@ -98,8 +98,7 @@ def _run_block(self, grid_point, *args):
         if t.exception:
             for other in threads:     # abort the threads waiting at the barrier
                 other.abort = True
-                other.syncthreads_blocked = False
-                other.syncthreads_event.set()
+            _release(threads)
             raise t.exception[0].with_traceback(t.exception[1])
 
 
