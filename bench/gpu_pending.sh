@@ -49,6 +49,17 @@
 #   PART=s31a    what s26a left (never run): the 8-bit rs wgmma's GPU test, the FP8 attention
 #                GPU tests and CUDA-graph tests, its benchmark against tilepy's bf16 attention;
 #                then the FP8 GEMM's GPU tests again (the N = 1424 case of s28a's mend)
+#   PART=s32a    the backward's variants and block masks on the wgmma kernels (issue 25): the
+#                backward GPU tests (window / soft cap autograd now on wgmma), the block-mask
+#                GPU tests, the variants benchmark (window, soft cap, ALiBi against the mma.sync
+#                kernels and FlexAttention)
+#   PART=s32c    s32a's backward GPU tests stopping at the first failure (traceback), the
+#                variants benchmark again (FlexAttention's score_mod without a captured tensor)
+#   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
+#                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
+#                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s32b    the block-mask backward benchmark against FlexAttention, and the dense
+#                backward at B4 H32 S4096 D128 (the refactored wgmma kernels' plain path)
 #   PART=s31b    issue 27's shapes whose 128 x 256 tiles leave the last wave part empty: the
 #                persistent tile shapes (bench/sweep_gemm_grid.py --large) over M 256 … 4096
 #                and 2048^3, beside cuBLAS
@@ -287,6 +298,27 @@ if [[ " $PART " == *" s25f "* ]]; then
     bench_suite bench_gemm_grid 110 "test_gemm_shape_grid"
     gpu_tests graphs_gpu 100 tests/test_cuda_graphs.py -k "gemm or flash_attention"
     gpu_tests gemm_op_gpu 60 tests/test_ops_gemm_wgmma.py
+fi
+if [[ " $PART " == *" s32a "* ]]; then
+    gpu_tests attention_backward_gpu 200 tests/test_attention_backward_gpu.py
+    gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
+    bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s32c "* ]]; then
+    step attention_backward_gpu_x 200 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x -rf \
+        --tb=short tests/test_attention_backward_gpu.py --deselect \
+        tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
+    bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s32d "* ]]; then
+    gpu_tests gemm_op_gpu 80 tests/test_ops_gemm_wgmma.py
+    bench_suite bench_gemm_grid 130 "test_gemm_shape_grid"
+    bench_suite bench_backward_variants 150 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s32b "* ]]; then
+    bench_suite bench_backward_block_mask 200 "test_flash_attention_backward_block_mask"
+    bench_suite bench_backward_d128 150 \
+        "test_flash_attention_backward and B4_H32_S4096_D128 and bfloat16 and not variants and not block_mask"
 fi
 if [[ " $PART " == *" s31b "* ]]; then
     step sweep_gemm_large 300 "$PY" bench/sweep_gemm_grid.py --large --ms 256,512,1024,2048,4096 \

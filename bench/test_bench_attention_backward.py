@@ -327,3 +327,92 @@ def test_flash_attention_backward_block_mask(benchmark, record, torch, gpu_name)
                       figure="attention_backward_document_block_mask", x=s,
                       xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- variants (issue 25): window, soft cap, ALiBi on the wgmma kernels ----------------------
+
+#: (name, window, softcap, alibi, seq): B4 H32 D128 bfloat16, causal.
+VARIANTS = [("window", (1023, 0), 0.0, False, 8192), ("softcap", None, 50.0, False, 4096),
+            ("alibi", None, 0.0, True, 4096)]
+
+
+def _visible_pairs(s, window):
+    """Causal (query, key) pairs of one head, within ``window`` (left, 0) when given."""
+    left = window[0] if window is not None else s
+    return sum(min(i + 1, left + 1) for i in range(s))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_flash_attention_backward_variants(benchmark, record, torch, gpu_name, variant):
+    """The forward's built-in variants through the backward at B4 H32 D128 bf16, causal — a
+    sliding window of 1024 keys (S 8192), Gemma 2's soft cap 50 (S 4096), ALiBi (S 4096):
+    tilepy's built-in choice (on sm_90 the wgmma kernels) against the mma.sync kernels of the
+    same op (``config=`` the portable choice; the gradients compared, bf16 tolerance) and
+    compiled FlexAttention's backward with the same score / mask functions. TFLOPS count
+    2.5× the forward's work over the visible pairs for every implementation."""
+    import tilepy
+    from tilepy.ops import attention_backward as ab
+
+    name, window, cap, alibi, s = variant
+    b, h, d = 4, 32, 128
+    q, k, v, dout = inputs(torch, b, h, s, d, "bfloat16")
+    slopes = (torch.exp2(-8 * torch.arange(1, h + 1, device="cuda", dtype=torch.float32) / h)
+              if alibi else None)
+    kw = dict(causal=True, window=window, softcap=cap, alibi_slopes=slopes)
+    out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = poisoned(torch, q, k, v)
+    portable = ab.BackwardConfig(d, dtype="bfloat16", **ab.GPU_BLOCKS[d])
+
+    def ours(config=None):
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, config=config,
+                                               dq=grads[0], dk=grads[1], dv=grads[2], **kw)
+
+    ours(portable)
+    torch.cuda.synchronize()
+    want = [g.clone() for g in grads]
+    for g in grads:
+        g.fill_(float("nan"))
+    ours()
+    torch.cuda.synchronize()
+    err = grad_error(torch, grads, want, tolerance("bfloat16"), "tilepy")
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours),
+               "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
+
+    def flex():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        left = window[0] if window is not None else s
+
+        def mask(bb, hh, qi, kj):
+            return (kj <= qi) & (qi - kj <= left)
+
+        # no captured tensor (compiled FlexAttention's backward refuses one): ALiBi's slope
+        # from the head index, as `slopes` above
+        score = (lambda x, bb, hh, qi, kj: cap * torch.tanh(x / cap)) if cap else \
+            (lambda x, bb, hh, qi, kj: x - torch.exp2(-8.0 * (hh + 1) / h) * (qi - kj).abs()) \
+            if alibi else None
+
+        fbm = create_block_mask(mask, None, None, s, s, device="cuda", _compile=True)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        # a compiled backward that donates buffers refuses retain_graph (the timed backward
+        # runs again on one forward's graph)
+        with torch._functorch.config.patch(donated_buffer=False):
+            fo = torch.compile(flex_attention)(qg, kg, vg, score_mod=score, block_mask=fbm)
+
+            def step():
+                return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
+
+            step()
+        return gpu_time(torch, step)
+
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", flex)
+    pairs = _visible_pairs(s, window)
+    record_throughput(record, work=2.5 * 4 * b * h * d * pairs, unit="TFLOPS",
+                      timings=timings, main="FlexAttention", notes=notes, gpu=gpu_name,
+                      shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=True,
+                      max_rel_err=err, table="Attention backward, variants",
+                      case=f"B{b} H{h} S{s} D{d} causal {name} bfloat16",
+                      figure=f"attention_backward_variant_{name}", x=s,
+                      xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)

@@ -166,9 +166,19 @@ def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
         same_document(b, h, q_idx, kv_idx, doc)
 
 
+#: The wgmma backward kernels under a block mask (their twins): dK / dV over 64 keys then
+#: dQ's own kernel over 64-key steps, 64 x 64 mask blocks; the warp-specialised kernel (two
+#: 64-key consumers, dQ by bulk reductions) with 64 x 128 blocks.
+WGMMA_SPARSE = {
+    "wgmma": (dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64), (64, 64), 85),
+    "wgmma_ws": (dict(block_m=64, key_groups=2, dq_groups=1, dq_atomic=True, producer=True),
+                 (64, 128), 170),
+}
+
+
 @pytest.mark.sim
 @pytest.mark.parametrize("made", ["caller", pytest.param("caller64", marks=pytest.mark.extended),
-                                  "op"])
+                                  "op", "wgmma", "wgmma_ws"])
 def test_block_sparse_backward_against_float64(made):
     """The backward under a block mask walks its lists (dQ) and its transposed lists (dK /
     dV): gradients against a float64 derivation — GQA 2 / 1 with a mask per query head, 85
@@ -177,10 +187,19 @@ def test_block_sparse_backward_against_float64(made):
     with dP = dO · Vᵀ), dK and dV of those keys zero. ``made``: the caller's mask
     (``create_block_mask``) of 64 × 32 blocks (keys 32 … 63 hidden), of 64 × 64 (keys 0 … 63
     hidden; two 32-key kernel blocks a mask block, the last wholly past seq_k), or the op's own
-    for a ``mask_mod`` of no array (the ids a closure constant; keys 32 … 63 hidden)."""
+    for a ``mask_mod`` of no array (the ids a closure constant; keys 32 … 63 hidden); or the
+    caller's mask on the wgmma kernels (:data:`WGMMA_SPARSE`; the last mask key block
+    hidden)."""
+    from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
+
     rng = np.random.default_rng()
     b, hq, hk, s, d = 1, 2, 1, 85, 32
     lo, hi, block = (0, 64, (64, 64)) if made == "caller64" else (32, 64, (64, 32))
+    bw_kw = {}
+    if made in WGMMA_SPARSE:
+        fields, block, s = WGMMA_SPARSE[made]
+        d, lo, hi = 64, block[1], 2 * block[1]
+        bw_kw = dict(config=WgmmaBackwardConfig(64, **fields))
     q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
     k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
     k[:, :, lo:hi] = np.nan
@@ -202,7 +221,7 @@ def test_block_sparse_backward_against_float64(made):
     vis = matrix(document_hidden, b, hq, s, s, (doc, lo, hi))
     out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
     check(out, lse, *reference(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v), vis))
-    dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, **kw)
+    dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, **kw, **bw_kw)
     # float64: P from the rows' visible keys, dP = dO Vᵀ, dS = P (dP − rowsum(dO ∘ O))
     g = hq // hk
     kd = np.repeat(np.nan_to_num(k).astype(np.float64), g, axis=1)

@@ -156,3 +156,19 @@ def test_one_wave_config(m, n, k, want):
     assert (cfg.block_m, cfg.block_n, cfg.splits) == want
     assert cfg.consumers == (1 if cfg.block_m == 64 else 2)
     assert cfg.tma_store == (want == (128, 256, 1))
+
+
+@pytest.mark.parametrize("m,n,want", [
+    (1024, 14336, (128, 128)),    # 448 tiles of 128 x 256: 3.4 waves; 6.8 of 128 x 128
+    (512, 28672, (128, 128)),
+    (2048, 14336, (128, 256)),    # 896 tiles: 6.8 waves, 13.6 of 128 x 128
+    (4096, 4096, (128, 256)),
+    (2048, 4096, (128, 256))])    # two whole waves
+def test_waves_config(m, n, want):
+    """The many-tile rule of tilepy.gemm on sm_90 (gemm.waves_config): the persistent
+    TMA-store tile of fewest modelled k-step time over its waves."""
+    from tilepy.ops import gemm as g
+
+    cfg = g.waves_config(m, n, 1, "bfloat16")
+    assert (cfg.block_m, cfg.block_n) == want
+    assert cfg.persistent and cfg.tma_store

@@ -55,17 +55,23 @@ HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64)
 HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True)}
 
 
+#: Whether the built-in choice on sm_90 runs a variant (window, soft cap, ALiBi, user
+#: functions, block masks) on the wgmma kernels (True) or the mma.sync ones.
+WGMMA_VARIANTS = True
+
+
 def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
                   variant: bool = False):
     """The built-in backward config for a head dimension and dtype on the current device: on a
     compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
     :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
     :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles).
-    ``variant`` (a window other than causal / full, or a soft cap): the mma.sync kernels',
-    which are the ones that take them."""
+    ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
+    sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
+    kernels'. Both kernel families take every variant and block mask."""
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
-    if head_dim in bw.HEAD_DIMS and launch.is_hopper() and not variant:
+    if head_dim in bw.HEAD_DIMS and launch.is_hopper() and (WGMMA_VARIANTS or not variant):
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
@@ -108,13 +114,12 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       design), elsewhere dQ's own kernel. ``deterministic=True`` always takes dQ's own kernel
       (on the H200 at head_dim 128 about 10 % slower: ``bench/NOTES.md``). A config with
       ``dq_atomic=True`` asks for the atomic way (unless ``deterministic=True``).
-    * ``window`` / ``softcap`` (the forward's variants): the mma.sync kernels with the window's
-      query and key ranges and the cap's derivative (``dS`` times ``1 - tanh²``); on sm_90 they
-      are slower than the wgmma kernels, which do not take variants yet (a
-      :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` given with a variant is
-      a ``NotImplementedError``).
-    * ``score_mod`` / ``mask_mod``: the forward's user functions, on the same mma.sync kernels
-      (:func:`tilepy.tile.attention_backward.score_functions`); a ``score_mod`` needs
+    * ``window`` / ``softcap`` (the forward's variants): the same kernels with the window's
+      query and key ranges and the cap's derivative (``dS`` times ``1 - tanh²``) — on sm_90
+      at head_dim 64 and 128 the wgmma kernels, elsewhere the mma.sync ones (both take every
+      variant: :func:`tilepy.tile.attention_backward.key_block_scores`).
+    * ``score_mod`` / ``mask_mod``: the forward's user functions, inlined into the same
+      kernels (:func:`tilepy.tile.attention_backward.score_functions`); a ``score_mod`` needs
       ``score_mod_grad(score, b, h, q_idx, kv_idx) -> float``, its derivative in ``score``
       (``TypeError`` without it). The indices and the order are the forward's.
     * ``alibi_slopes`` and ``mod_args``: the forward's (ALiBi's bias has derivative 1; the
@@ -199,10 +204,10 @@ def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
     once per shape at the kernels' tiles
     (:func:`tilepy.ops.attention_block_mask.cached_block_mask`) — or
     ``(None, False, …)``: every block visited (a mask without transposed lists, tiles that do
-    not divide its blocks, the wgmma kernels, or a capture with no mask kept yet — then not
+    not divide its blocks, or a capture with no mask kept yet — then not
     ``recordable``: the plans are not kept, so a later call gets the op's mask)."""
     _, _, mask_mod, _, mod_args = mods
-    if not isinstance(cfg, BackwardConfig) or not (bq and hq and sq and sk):
+    if not (bq and hq and sq and sk):
         return None, False, True
     # the mask's blocks must be multiples of both kernels' tiles
     tiles = (math.lcm(cfg.block_m, cfg.dq_block_m), math.lcm(cfg.block_n, cfg.dq_block_n))
@@ -289,11 +294,6 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
-        if (is_variant(win, cap) or user) and isinstance(config, WgmmaBackwardConfig):
-            raise NotImplementedError("flash_attention_backward: the wgmma kernels do not take "
-                                      "a window, a soft cap, ALiBi or user functions yet; "
-                                      "leave config unset (the mma.sync kernels run them) or "
-                                      "pass a BackwardConfig")
     if user and max(bq, hq) > launch.MAX_GRID_YZ:
         raise NotImplementedError(
             f"flash_attention_backward: score_mod / mask_mod / alibi_slopes with more than "
@@ -373,10 +373,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)
-        plans = (gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
-                           hargs, sparse=sparse)
-                 if gen is bk else gen.plans(cfg, bool(causal), bool(deterministic), views,
-                                             scale))
+        plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
+                          hargs, sparse=sparse)
         for plan, args in plans:
             plan.launch(stream, args)
         # the scratch and any copies, when a CUDA graph captured the launches

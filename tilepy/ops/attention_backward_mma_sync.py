@@ -47,20 +47,21 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import (block_coords, block_mask_row, check_mask_block, key_block_at,
-                              key_block_partial, key_blocks, key_window, limits_shape,
-                              mask_key_block, softcap_score)
+from ..tile.attention import (block_coords, check_mask_block, key_window, limits_shape,
+                              softcap_score)
 from ..tile.attention_backward import (
     LOG2E,
+    _variant_mods,
+    key_block_scores,
+    key_steps,
+    query_block_scores,
+    query_steps,
+    reads_hook,
     a_fragment,
     atomic_add_accumulators,
     key_block_coords,
-    mask_keys_past,
-    mask_transposed,
-    mask_transposed_window,
     query_blocks,
     row_state,
-    score_functions,
     softmax_gradient,
     store_accumulators,
 )
@@ -428,18 +429,8 @@ def _sparse(mask_block, block_m: int, block_n: int, varlen, win):
     return check_mask_block(mask_block, block_m, block_n)
 
 
-def _mods(mods) -> tuple:
-    """``(score_mod, score_mod_grad, mask_mod, n_args, alibi)`` from 3 or 5 entries."""
-    mods = tuple(mods)
-    if len(mods) == 3:
-        mods += (0, False)
-    sm, smg, mm, n_args, alibi = mods
-    return sm, smg, mm, int(n_args), bool(alibi)
-
-
-def _reads_hook(mods) -> bool:
-    """Whether :func:`_mods`' entries make a score hook (user functions or ALiBi)."""
-    return any(f is not None for f in mods[:3]) or mods[4]
+_mods = _variant_mods
+_reads_hook = reads_hook
 
 
 def _cap(softcap) -> float:
@@ -472,12 +463,10 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     SW = cfg.swizzle
     # a window other than plain causal / full, a soft cap or user functions: the variant's
     # masking
-    USER = _reads_hook(mods)
-    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
-    CAUSAL, ATOMIC = right == 0 and not VARIANT, bool(atomic_dq)
+    USER = reads_hook(mods)
+    ATOMIC = bool(atomic_dq)
     VARLEN = varlen
     row_start = varlen_row_start(varlen_pad(cfg))
-    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
     WIN = (left, right)
     lay = cfg.dkdv_layout(atomic_dq)
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
@@ -497,47 +486,11 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     setup_dsa, load_dsa = load_a_fragments_k_major(MIQ, BM, True)   # dS from the dSᵀ tile
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
-    mask = mask_transposed(1, NQ)
-    mask_window = mask_transposed_window(1, NQ, False, WIN)
-    capped = score_functions(1, NQ, cap, *mods[:3], transposed=True, n_args=mods[3],
-                             alibi=mods[4]) if CAPPED else None
-    mask_past = mask_keys_past(1, NQ)
+    key_scores, chain = key_block_scores(NQ, False, WIN, cap, mods, mask_block is not None)
     qblocks = query_blocks(BM, False, WIN, BN)
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
-    # a full block of the mask takes the hook without mask_mod, as the forward
-    FULL_HOOK = SPARSE and CAPPED and mods[2] is not None
-    capped_full = score_functions(1, NQ, cap, mods[0], mods[1], None, transposed=True,
-                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
-    QR = mask_block[0] // BM if SPARSE else 1
-    q_list = block_mask_row(BN, mask_block[1], QR) if SPARSE else None
-    q_at = key_block_at(SPARSE, QR)
-
-    @inline_device
-    def sparse_steps(qmask, kb, b, hq0, group):
-        total = np.int64(0)
-        for i in range(group):
-            total += q_list(qmask, kb, b, hq0 + i)[0]
-        return total
-
-    @inline_device
-    def step_of(n, qb0, per_head, qmask, kb, b, hq0, group):
-        """(query head offset in the group, query block, whether the mask lists the block as
-        partial — always True when not block-sparse) of step n."""
-        if not SPARSE:
-            return n // per_head, qb0 + n % per_head, True
-        rem = np.int64(n)
-        head = 0
-        qb = np.int64(0)
-        part = True
-        for i in range(group):
-            cnt, blocks = q_list(qmask, kb, b, hq0 + i)
-            if 0 <= rem < cnt:
-                head = i
-                qb = q_at(blocks, rem)
-                part = rem < blocks[0]
-            rem -= cnt
-        return head, qb, part
+    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
 
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
@@ -579,10 +532,9 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
         kbx = cuda.blockIdx.x
         if SPARSE:
             qmask = hargs[1]
-            steps = sparse_steps(qmask, kbx, b, hq0, group)
         else:
             qmask = 0
-            steps = group * per_head
+        steps = count_steps(qmask, kbx, b, hq0, group, per_head)
 
         dk_acc = cuda.local.array((1, NO, 4), np.float32)
         dv_acc = cuda.local.array((1, NO, 4), np.float32)
@@ -615,7 +567,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             hstep_r = lse2.strides[1]
 
             # step 0's Q, dO, lse2, delta in the same group as K and V
-            nh, qbn, _ = step_of(0, qb0, per_head, qmask, kbx, b, hq0, group)
+            nh, qbn, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
             row = qbn * BM
             issue_q(base + Q_OFF, nh * hstep_q + row * qs, q0, qsh, qr, qc, qs, sq - row)
             issue_q(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)
@@ -631,8 +583,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             qk_frag = cuda.local.array((1, NO, 2), np.uint32)
             st = cuda.local.array((1, NQ, 4), np.float32)
             dpt = cuda.local.array((1, NQ, 4), np.float32)
-            if CAPPED:
-                dfac = cuda.local.array((1, NQ, 4), np.float32)
+            dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
             if ATOMIC:
                 wr = warp % WR
                 wc = warp // WR
@@ -682,19 +633,10 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             ka_frag[0, 0, 0], ka_frag[0, 0, 1], ka_frag[0, 0, 2],
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
-                if VARIANT:
-                    if FULL_HOOK and not cpart:     # a full block: no mask function
-                        capped_full.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hook)
-                    elif CAPPED:
-                        capped.apply(st, dfac, scale, my_key, row + 2 * t, b, hq, hook)
-                    if WINDOWED:
-                        mask_window(st, my_key - shift - (row + 2 * t))
-                elif CAUSAL:
-                    # a query block starting left of the diagonal of the block's last key
-                    if row + shift < key0 + BN - 1:
-                        mask(st, my_key - shift - (row + 2 * t))
-                if edge:
-                    mask_past(st, my_key, sk)
+                # the variant's modifications and masks, or causal's near the diagonal
+                key_scores(st, dfac, scale, my_key, row + 2 * t, b, hq, hook, cpart,
+                           row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), edge,
+                           sk)
                 grad.probabilities(st, l_addr, scale_log2, t)
 
                 # dV += Pᵀ · dO
@@ -716,8 +658,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             dpt[0, j, 0], dpt[0, j, 1], dpt[0, j, 2], dpt[0, j, 3])
                 grad.gradients(dpt, st, d_addr, t)
-                if CAPPED:
-                    capped.chain(dpt, dfac)
+                chain(dpt, dfac)
 
                 # dK += dSᵀ · Q
                 for kk in range(KQ):
@@ -802,22 +743,12 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
     grad = softmax_gradient(1, NS, "rows")
     WIN = (left, right)
-    USER = _reads_hook(mods)
-    CAPPED = cap > 0 or USER
+    USER = reads_hook(mods)
     VARLEN = varlen
     row_start = varlen_row_start(varlen_pad(cfg))
-    capped = score_functions(1, NS, cap, *mods[:3], n_args=mods[3],
-                             alibi=mods[4]) if CAPPED else None
-    mask = mask_key_block(1, NS, BN, WIN)
-    kblocks = key_blocks(BM, BN, False, WIN)
     SPARSE = mask_block is not None
-    at = key_block_at(SPARSE, mask_block[1] // BN if SPARSE else 1)
-    # a full block of the mask takes the hook without mask_mod, as the forward
-    partial = key_block_partial(SPARSE)
-    FULL_HOOK = SPARSE and CAPPED and mods[2] is not None
-    capped_full = score_functions(1, NS, cap, mods[0], mods[1], None, n_args=mods[3],
-                                  alibi=mods[4]) if FULL_HOOK else None
-    kv_list = block_mask_row(BM, mask_block[0], mask_block[1] // BN) if SPARSE else None
+    row_scores, chain = query_block_scores(NS, BN, False, WIN, cap, mods, SPARSE)
+    key_bounds, at, partial = key_steps(BM, BN, False, WIN, mask_block)
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
     afrag = a_fragment(cfg.dtype)
@@ -850,12 +781,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
         warp = tid // 32
         g = lane // 4
         t = lane % 4
-        row0, kb_first, n_kb, all_first, all_see = kblocks(sq, sk)
-        if SPARSE:   # step j visits the key block at(blocks, j) of the mask's lists
-            kb_first = 0
-            n_kb, blocks = kv_list(hargs[1], cuda.blockIdx.x, b, h)
-        else:        # step j visits key block j
-            blocks = 0
+        # steps kb_first … n_kb - 1: key block at(blocks, j) (j but block-sparse)
+        row0, kb_first, n_kb, all_first, all_see, blocks = key_bounds(
+            sq, sk, hargs[1] if SPARSE else 0, b, h)
         wrow = row0 + warp * 16
         if VARLEN and row0 >= sq:
             return      # past this sequence's rows (the grid fits the longest)
@@ -898,8 +826,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             kk_frag = cuda.local.array((1, NO, 2), np.uint32)
             s = cuda.local.array((1, NS, 4), np.float32)
             dp = cuda.local.array((1, NS, 4), np.float32)
-            if CAPPED:
-                dfac = cuda.local.array((1, NS, 4), np.float32)
+            dfac = cuda.local.array((1, NS, 4), np.float32)   # (read by variants only)
 
             for jb in range(kb_first, n_kb):   # step jb: key block kb (jb but block-sparse)
                 kb = at(blocks, jb)
@@ -927,12 +854,10 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             a_frag[0, 0, 0], a_frag[0, 0, 1], a_frag[0, 0, 2], a_frag[0, 0, 3],
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             s[0, j, 0], s[0, j, 1], s[0, j, 2], s[0, j, 3])
-                if FULL_HOOK and not partial(blocks, jb):    # a full block: no mask function
-                    capped_full.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hook)
-                elif CAPPED:
-                    capped.apply(s, dfac, scale, wrow + g, kb * BN + 2 * t, b, h, hook)
-                # past a row's last key (or sk), or (a window) before its first
-                mask(s, limit, kb, t, all_first, all_see)
+                # the variant's modifications; keys past a row's last (or sk), or (a
+                # window) before its first
+                row_scores(s, dfac, scale, wrow + g, kb, t, b, h, hook, partial(blocks, jb),
+                           limit, all_first, all_see)
                 grad.probabilities(s, l2, scale_log2)
                 for kk in range(KD):
                     load_a(a_frag, 0, base + Q_TILE, kk, a_off, a_x)
@@ -943,8 +868,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                             kn_frag[0, j, 0], kn_frag[0, j, 1],
                             dp[0, j, 0], dp[0, j, 1], dp[0, j, 2], dp[0, j, 3])
                 grad.gradients(dp, s, dl)
-                if CAPPED:
-                    capped.chain(dp, dfac)
+                chain(dp, dfac)
                 for kk in range(KN):
                     p0, p1, p2, p3 = afrag(dp, 0, kk)
                     load_kk(kk_frag, 0, k_tile, kk, kk_off, kk_c, kk_x)
@@ -1082,8 +1006,8 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
 def argtypes(kind: str, varlen: bool = False):
     """Numba argument types of a backward kernel (offline compilation): ``kind`` one of
     ``dkdv``, ``dq``, ``prepass``, ``convert``; the first two end with the (empty) hook
-    arguments, which the wgmma kernels of the same contract do not take (``varlen``: the
-    cumulative lengths' int32 arrays before them)."""
+    arguments, as the wgmma kernels of the same contract do (``varlen``: the cumulative
+    lengths' int32 arrays before them)."""
     from numba import types
 
     if varlen:

@@ -47,14 +47,16 @@ from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
                             mbarrier_wait_parity)
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.wgmma import fence_proxy_async_shared
-from ..tile.attention import block_coords, key_blocks, mask_scores
+from ..tile.attention import block_coords, key_window, limits_shape
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
     key_block_coords,
-    mask_keys_past,
-    mask_transposed,
+    key_block_scores,
+    key_steps,
+    query_block_scores,
     query_blocks,
+    query_steps,
     row_state,
     softmax_gradient,
     stage_float32,
@@ -237,54 +239,64 @@ def _jit(threads: int):
     return bk.kernel_jit(threads)
 
 
-@functools.cache
-def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
+def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=None,
+                       softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
     """``(products, g_mma)``: one query block's work for a warpgroup's 64 keys, issued up to
     the dK product (still in flight on return: ``g_mma.wait(0)`` then
     ``g_mma.fence_operand(dk_acc)`` before reading ``dk_acc``, or a later wait that covers
     its group).
 
-    ``products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
-    l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane, warp4, t,
-    scale_log2)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A: the warpgroup's K / V rows at ``k_wg``
-    / ``v_wg``, B: the block's Q / dO tiles, ``cfg.block_m`` rows), the causal mask where
-    ``near_diagonal`` (key ``my_key`` of the lane's row against query ``q + 2t`` masked past
-    ``key_shift = my_key - shift - (row0 + 2t)``), with ``edge`` the keys at or past ``sk``
-    masked, ``P = exp2(scale_log2 · Sᵀ - lse2)`` (``l_addr``: the block's lse2 in shared
-    memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ - delta)`` (``d_addr``), with ``cfg.dq_atomic``
-    written transposed into the dS box at ``ds_box`` (stmatrix by lane ``lane`` of the
-    warpgroup's warp ``warp4``; the caller fences and synchronises before a wgmma reads it),
-    then ``dK += dSᵀ Q`` issued. ``st`` / ``dpt``:
-    (block_m / 2) float32 accumulators, ``st3`` / ``dpt3`` their (1, block_m / 8, 4)
-    fragments; ``a_p`` / ``a_ds`` (block_m / 4) uint32: ``Pᵀ`` and ``dSᵀ`` rounded to 16 bits
-    as A operands (two arrays, so dK's is written while dV's product still reads the other;
-    registers an issued wgmma reads are not touched until a wait retires it). On return
-    ``st``, ``dpt`` and their fragments are free. A product still reading ``a_p`` or ``a_ds``
-    from the step before must have retired."""
+    ``products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
+    do_tile, l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane, warp4,
+    t, scale_log2, scale, col0, b, hq, hook, part)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A:
+    the warpgroup's K / V rows at ``k_wg`` / ``v_wg``, B: the block's Q / dO tiles,
+    ``cfg.block_m`` rows); the variant's score modifications and masks
+    (:func:`tilepy.tile.attention_backward.key_block_scores`: key ``my_key`` of the lane's row
+    against query ``col0 = row0 + 2t``, ``key_shift = my_key - (sk - sq) - col0``; plain
+    causal masks only where ``near_diagonal``; ``edge``: the keys at or past ``sk``;
+    ``scale``, ``b``, ``hq``, ``hook``, ``part`` and ``dfac`` — a (1, block_m / 8, 4) float32
+    array — read by the variants that modify scores), ``P = exp2(scale_log2 · Sᵀ - lse2)``
+    (``l_addr``: the block's lse2 in shared memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ -
+    delta)`` (``d_addr``) times the variant's derivative, with ``cfg.dq_atomic`` written
+    transposed into the dS box at ``ds_box`` (stmatrix by lane ``lane`` of the warpgroup's
+    warp ``warp4``; the caller fences and synchronises before a wgmma reads it), then ``dK +=
+    dSᵀ Q`` issued. ``st`` / ``dpt``: (block_m / 2) float32 accumulators, ``st3`` / ``dpt3``
+    their (1, block_m / 8, 4) fragments; ``a_p`` / ``a_ds`` (block_m / 4) uint32: ``Pᵀ`` and
+    ``dSᵀ`` rounded to 16 bits as A operands (two arrays, so dK's is written while dV's
+    product still reads the other; registers an issued wgmma reads are not touched until a
+    wait retires it). On return ``st``, ``dpt`` and their fragments are free. A product still
+    reading ``a_p`` or ``a_ds`` from the step before must have retired.
+
+    ``causal``, ``window``, ``softcap``, ``mods`` (``(score_mod, score_mod_grad, mask_mod[,
+    n_args, alibi])``), ``sparse``: the variant, as
+    :func:`tilepy.tile.attention_backward.key_block_scores` takes it."""
+    left, right = key_window(causal, window)
+    return _key_block_products(cfg, left, right, bk._cap(softcap), bk._mods(mods),
+                               bool(sparse))
+
+
+@functools.cache
+def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
+                        mods: tuple, sparse: bool):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     NQ = BM // 8
-    CAUSAL = bool(causal)
     s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
     g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
     to_frag_s, _ = accumulator_fragment(BM)
     grad = softmax_gradient(1, NQ, "cols")
-    mask = mask_transposed(1, NQ)
-    mask_past = mask_keys_past(1, NQ)
+    key_scores, chain = key_block_scores(NQ, False, (left, right), cap, mods, sparse)
     afrag = a_fragment(cfg.dtype)
     STORE_DS = cfg.dq_atomic
     to_ds = transpose_to_shared(NQ)
 
     @inline_device
-    def products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile, do_tile,
-                 l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane,
-                 warp4, t, scale_log2):
+    def products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
+                 do_tile, l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box,
+                 lane, warp4, t, scale_log2, scale, col0, b, hq, hook, part):
         s_mma.mma_pair(st, k_wg, q_tile, dpt, v_wg, do_tile)   # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
         to_frag_s(st3, st)
-        if CAUSAL:
-            if near_diagonal:
-                mask(st3, key_shift)
-        if edge:
-            mask_past(st3, my_key, sk)
+        key_scores(st3, dfac, scale, my_key, col0, b, hq, hook, part, near_diagonal,
+                   key_shift, edge, sk)
         grad.probabilities(st3, l_addr, scale_log2, t)
 
         # dV += Pᵀ dO (A = Pᵀ from registers)
@@ -297,6 +309,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
         s_mma.fence_operand(dpt)
         to_frag_s(dpt3, dpt)
         grad.gradients(dpt3, st3, d_addr, t)
+        chain(dpt3, dfac)
         # dK += dSᵀ Q, issued behind dV
         for kk in range(BM // 16):
             a_ds[4 * kk], a_ds[4 * kk + 1], a_ds[4 * kk + 2], a_ds[4 * kk + 3] = \
@@ -310,13 +323,32 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool):
     return products, g_mma
 
 
-@functools.cache
-def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
-    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)`` (``dq_acc``
-    not read) — :func:`tilepy.ops.attention_backward_mma_sync.dkdv_kernel`'s contract; grid
+def _variant(cfg, causal, window, softcap, mods, mask_block, block_m, block_n):
+    """A kernel generator's variant arguments, normalised and checked: ``(left, right, cap,
+    mods, mask_block)``."""
+    left, right = key_window(causal, window)
+    return (left, right, bk._cap(softcap), bk._mods(mods),
+            bk._sparse(mask_block, block_m, block_n, False, (left, right)))
+
+
+def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
+                mods=(None, None, None), mask_block=None):
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``
+    (``dq_acc`` read with ``cfg.dq_atomic``) —
+    :func:`tilepy.ops.attention_backward_mma_sync.dkdv_kernel`'s contract and variants
+    (``window``, ``softcap``, ``mods``, ``mask_block``; not packed sequences); grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes`` of
     dynamic shared memory (1024-byte aligned)."""
+    return _dkdv_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
+                                       cfg.block_m, cfg.block_n))
+
+
+@functools.cache
+def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
+                 mask_block):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    WIN = (left, right)
+    SPARSE = mask_block is not None
     THREADS = cfg.threads
     NQ = BM // 8
     NO = D // 8
@@ -351,15 +383,19 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
                            k=KDQ) if ATOMIC else None
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
-    products, g_mma = key_block_products(cfg, causal)
+    products, g_mma = key_block_products(cfg, False, WIN, cap, mods, SPARSE)
     to_frag_o, _ = accumulator_fragment(D)
-    qblocks = query_blocks(BM, causal)
+    qblocks = query_blocks(BM, False, WIN, BN)
+    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
-    @_jit(THREADS)
-    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+    @bk.kernel_jit(THREADS, disk_cache=not bk._reads_hook(mods))
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        hook = hargs[0] if SPARSE else hargs
+        qmask = hargs[1] if SPARSE else 0
+        kbx = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -369,8 +405,8 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         issuer = tid % 128 == 0      # thread 0 of each warpgroup issues its bulk reductions
         shift = sk - sq
         qb0, per_head = qblocks(key0, sq, sk)
-        steps = group * per_head
-
+        hq0 = hk * group
+        steps = count_steps(qmask, kbx, b, hq0, group, per_head)
         dk_acc = cuda.local.array(ACC_O, np.float32)
         dv_acc = cuda.local.array(ACC_O, np.float32)
         for i in range(ACC_O):
@@ -385,22 +421,24 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             ds_ = do_.strides[2]
             issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), ks, sk - key0, tid)
             issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), vs, sk - key0, tid)
-            hq0 = hk * group
             l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
             e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
             hstep_r = lse2.strides[1]
-            row = qb0 * BM
-            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, hq0, row, 0))), qs, sq - row, tid)
-            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, hq0, row, 0))), ds_, sq - row,
+            fh, fqb, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
+            row = fqb * BM
+            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, hq0 + fh, row, 0))), qs, sq - row,
                     tid)
-            issue_r(base + L_OFF, row * 4, l0, lsh, lr, lc, 0, 1)
-            issue_r(base + DL_OFF, row * 4, e0, esh, er, ec, 0, 1)
+            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, hq0 + fh, row, 0))), ds_,
+                    sq - row, tid)
+            issue_r(base + L_OFF, fh * hstep_r + row * 4, l0, lsh, lr, lc, 0, 1)
+            issue_r(base + DL_OFF, fh * hstep_r + row * 4, e0, esh, er, ec, 0, 1)
             cp_async_commit_group()
 
             st = cuda.local.array(ACC_S, np.float32)
             dpt = cuda.local.array(ACC_S, np.float32)
             st3 = cuda.local.array((1, NQ, 4), np.float32)
             dpt3 = cuda.local.array((1, NQ, 4), np.float32)
+            dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
             a_p = cuda.local.array(A_REGS, np.uint32)
             a_ds = cuda.local.array(A_REGS, np.uint32)
             k_wg = base + K_OFF + wg * WG_ROWS
@@ -416,11 +454,13 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 cp_async_wait_group(0)
                 fence_proxy_async_shared()   # the copies (generic proxy) before wgmma reads
                 cuda.syncthreads()
-                row = (qb0 + n % per_head) * BM
-                hq = hq0 + n // per_head
+                ch, cqb, cpart = step_of(n, qb0, per_head, qmask, kbx, b, hq0, group)
+                row = cqb * BM
+                hq = hq0 + ch
                 if n + 1 < steps:
-                    nh = hq0 + (n + 1) // per_head
-                    nrow = (qb0 + (n + 1) % per_head) * BM
+                    nh, nqb, _ = step_of(n + 1, qb0, per_head, qmask, kbx, b, hq0, group)
+                    nh += hq0
+                    nrow = nqb * BM
                     so = (n + 1) % 2
                     issue_q(base + Q_OFF + so * Q_TILE,
                             np.int64(global_addr(q, (b, nh, nrow, 0))), qs, sq - nrow, tid)
@@ -437,10 +477,10 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 l_addr = base + L_OFF + sgo * ROW_BYTES
                 d_addr = base + DL_OFF + sgo * ROW_BYTES
 
-                products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-                         do_tile, l_addr, d_addr, row + shift < key0 + BN - 1,
+                products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
+                         q_tile, do_tile, l_addr, d_addr, row + shift < key0 + BN - 1,
                          my_key - shift - (row + 2 * t), edge, my_key, sk, ds_wg, lane,
-                         warp % 4, t, scale_log2)
+                         warp % 4, t, scale_log2, scale, row + 2 * t, b, hq, hook, cpart)
 
                 if ATOMIC:   # dS is in this warpgroup's box (products)
                     fence_proxy_async_shared()
@@ -488,9 +528,9 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool):
 WS_REGISTERS = (24, 240)
 
 
-@functools.cache
-def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
-    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2)`` — the
+def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
+                   mods=(None, None, None), mask_block=None):
+    """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)`` — the
     warp-specialised dK / dV / dQ kernel of a ``producer`` config (FlashAttention-3's backward
     design): :func:`dkdv_kernel`'s contract with dQ always reduced into ``dq_acc``
     (:func:`dq_blocked_shape`); grid ``(ceil(Sk / 128), Hkv, B)``, ``cfg.threads`` (384)
@@ -511,8 +551,21 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
       warp for its 16 rows, issued by the warp's lane 0 after a warp_sync. Lane 0 waits for
       a reduction's reads one step later, before the dS barrier, which every lane passes
       before it rewrites the staging.
+
+    Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
+    producer and the consumers walk the same steps (:func:`tilepy.tile.attention_backward.
+    query_steps`).
     """
+    return _dkdv_ws_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
+                                          cfg.block_m, cfg.block_n))
+
+
+@functools.cache
+def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
+                    mask_block):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    WIN = (left, right)
+    SPARSE = mask_block is not None
     KG, SL = cfg.key_groups, cfg.slices
     THREADS = cfg.threads
     PT = 128                 # producer threads
@@ -544,25 +597,30 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     issue_kv = copy_rows_to_shared_128b(BN, D, PT)
     issue_q = copy_rows_to_shared_128b(BM, D, PT)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
-    products, g_mma = key_block_products(cfg, causal)
+    products, g_mma = key_block_products(cfg, False, WIN, cap, mods, SPARSE)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"),
                            cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(D)
-    qblocks = query_blocks(BM, causal)
+    qblocks = query_blocks(BM, False, WIN, BN)
+    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
     @inline_device
-    def next_block(hq, qb, qb0, per_head):
-        """The step after (head hq, query block qb): the next block, or the next head's
-        first."""
+    def next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group):
+        """``(head, query block, partial)`` of step ``n + 1`` after step ``n``'s (head hq,
+        query block qb): dense, the next block or the next head's first (no division per
+        step); block-sparse, from the mask's lists."""
+        if SPARSE:
+            nh, nqb, part = step_of(n + 1, qb0, per_head, qmask, kb, b, hq0, group)
+            return hq0 + nh, nqb, part
         if qb + 1 == qb0 + per_head:
-            return hq + 1, qb0
-        return hq, qb + 1
+            return hq + 1, qb0, True
+        return hq, qb + 1, True
 
     @inline_device
     def produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps, group,
-                sq, sk, tid):
+                sq, sk, tid, qmask, kb):
         bars = base + BAR_OFF
         issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), k.strides[2],
                  sk - key0, tid)
@@ -572,7 +630,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
         e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
         s, ph = 0, 0
-        hq, qb = hq0, qb0      # step n's head and query block (no division per step)
+        fh, qb, _ = first_step(qb0, per_head, qmask, kb, b, hq0, group)
+        hq = hq0 + fh          # step n's head and query block
         for n in range(steps):
             row = qb * BM
             ring.acquire(bars, s, ph)
@@ -587,11 +646,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             if n == 0:
                 mbarrier_arrive(bars + KV_BAR)
             s, ph = ring.advance(s, ph)
-            hq, qb = next_block(hq, qb, qb0, per_head)
+            hq, qb, _ = next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group)
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
-                sk, c, tid, scale_log2):
+                sk, c, tid, scale_log2, scale, hook, qmask, kb):
         bars = base + BAR_OFF
         lane = tid % 32
         cw = tid // 32 - 4       # the consumer warp, 0 … 4 KG - 1
@@ -613,20 +672,24 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
         dpt = cuda.local.array(ACC_S, np.float32)
         st3 = cuda.local.array((1, NQ, 4), np.float32)
         dpt3 = cuda.local.array((1, NQ, 4), np.float32)
+        dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
-        hq, qb = hk * group, qb0
+        hq0 = hk * group
+        fh, qb, part = first_step(qb0, per_head, qmask, kb, b, hq0, group)
+        hq = hq0 + fh
         for n in range(steps):
             row = qb * BM
             ring.wait(bars, s, ph)
             buf = (n % DS_BUFFERS) * DS_BYTES
-            products(st, dpt, st3, dpt3, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
+            products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                      base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
                      row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), edge, my_key,
-                     sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2)
+                     sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2,
+                     scale, row + 2 * t, b, hq, hook, part)
             fence_proxy_async_shared()
             if issuer:   # the warp's last partial has been read; the barrier below tells
                 bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
@@ -654,17 +717,20 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                         stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
-            hq, qb = next_block(hq, qb, qb0, per_head)
+            hq, qb, part = next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group)
         if issuer:
             bulk_wait_group(0)
 
-    @bk.kernel_jit(THREADS, 1)
-    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2):
+    @bk.kernel_jit(THREADS, 1, disk_cache=not bk._reads_hook(mods))
+    def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        hook = hargs[0] if SPARSE else hargs
+        qmask = hargs[1] if SPARSE else 0
+        kb = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         c = roles.consumer(roles.warpgroup(tid))
         qb0, per_head = qblocks(key0, sq, sk)
-        steps = group * per_head
+        steps = count_steps(qmask, kb, b, hk * group, group, per_head)
         base = shared_addr(smem(), 0)
         if tid == 0:
             ring.init(base + BAR_OFF)
@@ -675,7 +741,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             roles.enter_producer()
             if steps > 0:
                 produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps,
-                        group, sq, sk, tid)
+                        group, sq, sk, tid, qmask, kb)
         else:
             roles.enter_consumer()
             dk_acc = cuda.local.array(ACC_O, np.float32)
@@ -685,7 +751,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                 dv_acc[i] = _ZERO
             if steps > 0:
                 consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps,
-                        group, sq, sk, c, tid, scale_log2)
+                        group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb)
             lane = tid % 32
             cw = tid // 32 - 4
             out3 = cuda.local.array((1, NO, 4), np.float32)
@@ -697,13 +763,22 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     return kernel
 
 
+def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
+              mods=(None, None, None), mask_block=None):
+    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs)`` —
+    :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract and variants (not
+    packed sequences); grid ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads,
+    ``cfg.dq_layout.nbytes`` of dynamic shared memory (1024-byte aligned)."""
+    return _dq_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
+                                     cfg.dq_block_m, cfg.dq_block_n))
+
+
 @functools.cache
-def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
-    """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2)`` —
-    :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract; grid
-    ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads, ``cfg.dq_layout.nbytes`` of
-    dynamic shared memory (1024-byte aligned)."""
+def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
+               mask_block):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
+    WIN = (left, right)
+    SPARSE = mask_block is not None
     THREADS = cfg.dq_threads
     NS = BN // 8
     NO = D // 8
@@ -722,22 +797,26 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
     to_frag_s, _ = accumulator_fragment(BN)
     to_frag_o, _ = accumulator_fragment(D)
     grad = softmax_gradient(1, NS, "rows")
-    mask = mask_scores(1, NS)
-    kblocks = key_blocks(BM, BN, causal)
-    rows = row_state(causal)
+    row_scores, chain = query_block_scores(NS, BN, False, WIN, cap, mods, SPARSE)
+    key_bounds, at, partial = key_steps(BM, BN, False, WIN, mask_block)
+    rows = row_state(False, WIN)
+    LIMITS = limits_shape(1, False, WIN)
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
-    @_jit(THREADS)
-    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2):
+    @bk.kernel_jit(THREADS, disk_cache=not bk._reads_hook(mods))
+    def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
+        hook = hargs[0] if SPARSE else hargs
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
         wg = warp // 4
         g = lane // 4
         t = lane % 4
-        row0, _, n_kb, _, all_see = kblocks(sq, sk)
+        # steps kb_first … n_kb - 1: key block at(blocks, j) (j but block-sparse)
+        row0, kb_first, n_kb, all_first, all_see, blocks = key_bounds(
+            sq, sk, hargs[1] if SPARSE else 0, b, h)
         wrow = row0 + warp * 16
 
         acc = cuda.local.array(ACC_O, np.float32)
@@ -745,10 +824,10 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
             acc[i] = _ZERO
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
-        limit = cuda.local.array((1, 2), np.int64)
+        limit = cuda.local.array(LIMITS, np.int64)
         rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
 
-        if n_kb > 0:
+        if n_kb > kb_first:
             base = shared_addr(smem(), 0)
             kv_base = base + KV_OFF
             ks = k.strides[2]
@@ -759,40 +838,48 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool):
                     do_.strides[2], sq - row0, tid)
             k0 = np.int64(global_addr(k, (b, hk, 0, 0)))
             v0 = np.int64(global_addr(v, (b, hk, 0, 0)))
-            issue_kv(kv_base, k0, ks, sk, tid)
-            issue_kv(kv_base + KV_TILE, v0, vs, sk, tid)
+            first = kv_base + (kb_first % 2) * STAGE
+            kbf = at(blocks, kb_first)
+            issue_kv(first, k0 + kbf * BN * ks, ks, sk - kbf * BN, tid)
+            issue_kv(first + KV_TILE, v0 + kbf * BN * vs, vs, sk - kbf * BN, tid)
             cp_async_commit_group()
 
             s = cuda.local.array(ACC_S, np.float32)
             dp = cuda.local.array(ACC_S, np.float32)
             s3 = cuda.local.array((1, NS, 4), np.float32)
             dp3 = cuda.local.array((1, NS, 4), np.float32)
+            dfac = cuda.local.array((1, NS, 4), np.float32)   # (read by variants only)
             a_regs = cuda.local.array(A_REGS, np.uint32)
             q_wg = base + Q_OFF + wg * WG_ROWS
             do_wg = base + DO_OFF + wg * WG_ROWS
 
-            for kb in range(n_kb):
+            for jb in range(kb_first, n_kb):   # step jb: key block kb (jb but block-sparse)
+                kb = at(blocks, jb)
                 cp_async_wait_group(0)
                 fence_proxy_async_shared()
                 cuda.syncthreads()
-                if kb + 1 < n_kb:
-                    nxt = kv_base + ((kb + 1) % 2) * STAGE
-                    left = sk - (kb + 1) * BN
-                    issue_kv(nxt, k0 + (kb + 1) * BN * ks, ks, left, tid)
-                    issue_kv(nxt + KV_TILE, v0 + (kb + 1) * BN * vs, vs, left, tid)
+                if jb + 1 < n_kb:
+                    nxt = kv_base + ((jb + 1) % 2) * STAGE
+                    kn = at(blocks, jb + 1)
+                    left = sk - kn * BN
+                    issue_kv(nxt, k0 + kn * BN * ks, ks, left, tid)
+                    issue_kv(nxt + KV_TILE, v0 + kn * BN * vs, vs, left, tid)
                 cp_async_commit_group()
-                k_tile = kv_base + (kb % 2) * STAGE
+                k_tile = kv_base + (jb % 2) * STAGE
                 v_tile = k_tile + KV_TILE
 
                 s_mma.mma_pair(s, q_wg, k_tile, dp, do_wg, v_tile)   # S = Q Kᵀ, dP = dO Vᵀ
                 to_frag_s(s3, s)
-                if (kb + 1) * BN - 1 > all_see:   # past a row's last key (or sk)
-                    mask(s3, limit, kb * BN + 2 * t)
+                # the variant's modifications; keys past a row's last (or sk), or (a
+                # window) before its first
+                row_scores(s3, dfac, scale, wrow + g, kb, t, b, h, hook, partial(blocks, jb),
+                           limit, all_first, all_see)
                 grad.probabilities(s3, l2, scale_log2)
                 s_mma.wait(0)
                 s_mma.fence_operand(dp)
                 to_frag_s(dp3, dp)
                 grad.gradients(dp3, s3, dl)
+                chain(dp3, dfac)
                 for kk in range(BN // 16):
                     a_regs[4 * kk], a_regs[4 * kk + 1], a_regs[4 * kk + 2], \
                         a_regs[4 * kk + 3] = afrag(dp3, 0, kk)
@@ -846,9 +933,15 @@ def dq_acc_shape(cfg: WgmmaBackwardConfig, batch: int, heads: int, sqp: int) -> 
 
 
 def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
-          scale: float):
+          scale: float, window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(),
+          varlen=None, sparse=None):
     """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
-    kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract."""
+    kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract, variants and
+    block masks included; packed sequences (``varlen``) are a ``NotImplementedError``."""
+    if varlen is not None:
+        raise NotImplementedError("the wgmma backward kernels do not take packed sequences; "
+                                  "use a tilepy.ops.attention_backward_mma_sync."
+                                  "BackwardConfig")
     q, k = views["q"], views["k"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
@@ -857,34 +950,41 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
     atomic = bk.uses_atomics(cfg, deterministic)
     out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
+    mods = bk._mods(mods)
+    chunks = not bk._reads_hook(mods)    # a hook reads b and h: no grid chunks (they shift)
+    hargs = tuple(hargs)
+    mask_block, kv_mask, q_mask = sparse if sparse is not None else (None, None, None)
+    variant = (window, softcap, mods, mask_block)
 
     # without atomics (deterministic): the dK / dV kernel without its dQ part
     kcfg = cfg if atomic else dataclasses.replace(cfg, dq_atomic=False, producer=False)
-    kern = (dkdv_ws_kernel if kcfg.producer else dkdv_kernel)(kcfg, causal)
+    kern = (dkdv_ws_kernel if kcfg.producer else dkdv_kernel)(kcfg, causal, *variant)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
-            views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2)
+            views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2,
+            hargs if sparse is None else (hargs, q_mask))
     smem = kcfg.dkdv_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sk // cfg.block_n), hk, batch), kcfg.threads, smem,
-                           split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)), args))
+                           split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
+                           if chunks else ()), args))
     if atomic:
         conv = dq_convert_blocked(d, cfg.dtype)
         args = (views["dq_acc"], views["dq"], scale32)
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
                                bk.ROW_THREADS, split=bk.heads_split((0, 1), (), 1, False)), args))
         return [(p, a) for p, a in out if p.grid[0] > 0]
-    kern = dq_kernel(cfg, causal)
+    kern = dq_kernel(cfg, causal, *variant)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dq"], scale32,
-            slog2)
+            slog2, hargs if sparse is None else (hargs, kv_mask))
     smem = cfg.dq_layout.nbytes
     allow_dynamic_shared(kern, args, smem)
     out.append((LaunchPlan(kern, args, (-(-sq // cfg.dq_block_m), hq, batch), cfg.dq_threads,
-                           smem, split=bk.heads_split((0, 3, 4, 5, 6), (1, 2), group, False)),
-                args))
+                           smem, split=bk.heads_split((0, 3, 4, 5, 6), (1, 2), group, False)
+                           if chunks else ()), args))
     return [(p, a) for p, a in out if p.grid[0] > 0]
 
 
-#: The kernels the compile layer reports on: (name, kind, config, causal).
+#: The kernels the compile layer reports on: (name, kind, config, causal[, window, softcap]).
 COMPILED = (
     ("bwd_wgmma_dkdv_d128_f16", "dkdv", WgmmaBackwardConfig(128), False),
     ("bwd_wgmma_dkdv_d128_bf16_causal", "dkdv", WgmmaBackwardConfig(128, dtype="bfloat16"),
@@ -907,6 +1007,16 @@ COMPILED = (
         128, dq_atomic=True, producer=True, dq_own_keys=True), False),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
+    # the variants: a sliding window under causal with a soft cap (Gemma 2's layers) on the
+    # built-in choices — the warp-specialised kernel, and the deterministic pair
+    ("bwd_wgmma_ws_d128_bf16_window_softcap", "ws", WgmmaBackwardConfig(
+        128, dtype="bfloat16", dq_atomic=True, producer=True), True, (4095, 0), 50.0),
+    ("bwd_wgmma_dkdv_d128_f16_window_softcap", "dkdv", WgmmaBackwardConfig(128, key_groups=1,
+                                                                           dq_groups=1), True,
+     (4095, 0), 50.0),
+    ("bwd_wgmma_dq_d128_f16_window_softcap", "dq", WgmmaBackwardConfig(128, key_groups=1,
+                                                                       dq_groups=1), True,
+     (4095, 0), 50.0),
 )
 
 
@@ -914,7 +1024,8 @@ COMPILED = (
 #: shapes and dQ paths that ``config=`` reaches).
 CORE_COMPILED = ("bwd_wgmma_dkdv_d128_bf16_causal", "bwd_wgmma_dkdv_d64_f16",
                  "bwd_wgmma_ws_d128_f16", "bwd_wgmma_ws_d128_bf16_causal",
-                 "bwd_wgmma_dq_d128_f16_causal", "bwd_wgmma_dq_d64_f16")
+                 "bwd_wgmma_dq_d128_f16_causal", "bwd_wgmma_dq_d64_f16",
+                 "bwd_wgmma_ws_d128_bf16_window_softcap")
 
 
 def compile_reports_core():
@@ -935,15 +1046,16 @@ def compile_reports(only=None):
     from ..offline import report_entry
 
     out = []
-    for name, kind, cfg, causal in COMPILED:
+    for name, kind, cfg, causal, *variant in COMPILED:
         if only is not None and name not in only:
             continue
         build = {"dkdv": dkdv_kernel, "ws": dkdv_ws_kernel, "dq": dq_kernel}[kind]
         threads = cfg.dq_threads if kind == "dq" else cfg.threads
         smem = (cfg.dq_layout if kind == "dq" else cfg.dkdv_layout).nbytes
-        out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal:
-                                build(cfg, causal), bk.argtypes(
-                                    "dq" if kind == "dq" else "dkdv")[:-1], (9, 0, "a"),
+        out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal,
+                                variant=tuple(variant): build(cfg, causal, *variant),
+                                bk.argtypes(
+                                    "dq" if kind == "dq" else "dkdv"), (9, 0, "a"),
                                 launch_bounds=(threads, 1) if kind == "ws" else None,
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))

@@ -81,6 +81,26 @@ def ws_default(dtype: str, tma_store: bool = True):
     return ws.WsConfig(bm, bn, st, dtype, smem_epilogue=True)
 
 
+#: Problems that fill the SMs with 128 × 256 tiles: the persistent TMA-store tiles weighed by
+#: their waves (:func:`waves_config`), with :data:`ONE_WAVE_STEP_US`' per-k-step cost of a tile.
+WAVE_TILES = ((128, 256, 4), (128, 128, 6))
+
+
+def waves_config(m: int, n: int, batch: int, dtype: str):
+    """The persistent TMA-store config of a problem of at least one wave of 128 × 256 tiles:
+    of :data:`WAVE_TILES` the one of fewest modelled k-step time — its waves
+    (``ceil(tiles / SMS)``) times its tile's step cost. 128 × 256 unless its last wave is
+    so empty that twice the 128 × 128 tiles finish sooner (448 tiles: 3.4 waves of 128 × 256,
+    6.8 of 128 × 128 — 1024 × 14336 and 512 × 28672 rows of issue 27's grid; the H100 sweep of
+    bench/sweep_gemm_grid.py --large measured 0.84 → 0.96 and 0.92 → 1.00 × cuBLAS there)."""
+    def cost(tile):
+        bm, bn, _ = tile
+        return -(-tile_count(m, n, bm, bn, batch) // SMS) * ONE_WAVE_STEP_US[(bm, bn)]
+
+    bm, bn, st = min(WAVE_TILES, key=cost)     # ties to the first (128 × 256)
+    return ws.WsConfig(bm, bn, st, dtype, persistent=True, smem_epilogue=True, tma_store=True)
+
+
 def one_wave_time_us(m: int, n: int, k: int, batch: int, bm: int, bn: int, splits: int):
     """:func:`one_wave_config`'s model of a one-wave launch's time: fixed cost, plus the larger
     of one work item's k steps and the operands' bytes at the HBM bandwidth its items reach,
@@ -135,7 +155,8 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
     """The wgmma kernel's config on a compute capability 9.0 GPU; None elsewhere (and always
     with ``TILEPY_HOPPER=0``). A problem of fewer 128 × 256 tiles than SMs takes
     :func:`one_wave_config` when ``k`` is given and a config fills a wave; else a problem big
-    enough to fill the SMs with this kernel's tiles takes them; else None (mma.sync).
+    enough to fill the SMs with this kernel's tiles takes them (128 × 256 or, where its last
+    wave would be mostly empty, 128 × 128: :func:`waves_config`); else None (mma.sync).
     ``tma_store=False``: the staged epilogue of 16-byte stores instead of the TMA-store one —
     for an output TMA cannot store (float32, rows not 16-byte aligned), and for epilogues with
     a bias, ``c`` or an activation (the staged epilogue keeps the tile's bias columns in
@@ -151,7 +172,8 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
         # every 128-row tile empty), and enough tiles for every SM
         if m >= bm and n >= bn and tile_count(m, n, bm, bn, batch) >= SMS:
             if (bm, bn, st) == HOPPER_WS:
-                return ws_default(dtype, tma_store)
+                return waves_config(m, n, batch, dtype) if tma_store else \
+                    ws_default(dtype, tma_store)
             return hw.WgmmaConfig(bm, bn, st, dtype)
     return None
 

@@ -40,6 +40,12 @@ Generators (each cached on its arguments):
   the K-major shared tile of ``dS`` (stmatrix.trans): the A operand of ``dQ = dS K``.
 * :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded rows,
   the source of a bulk reduction into global memory.
+* :func:`key_block_scores` / :func:`query_block_scores` — a variant's whole treatment of one
+  block of scores (causal or window masks, the soft cap, ALiBi, user functions, the keys past
+  the end) in a dK / dV kernel (``Sᵀ``) and a dQ kernel (``S``), with the derivative chained
+  into ``dS``; :func:`query_steps` — a dK / dV kernel's (query head, query block) steps, dense
+  or over a block mask's transposed lists. Every backward kernel family (mma.sync, wgmma)
+  takes its variants from these.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ from ..inline import device_namespace, inline_device
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx
 from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
-from .attention import key_window
+from .attention import (block_mask_row, key_block_at, key_block_partial, key_blocks, key_window,
+                        mask_key_block)
 from .config import DTYPES
 
 _NEG_INF = np.float32(-np.inf)
@@ -527,9 +534,254 @@ def stage_float32(n: int, row_floats: int):
 
     return store
 
+
+def _variant_mods(mods) -> tuple:
+    """``(score_mod, score_mod_grad, mask_mod, n_args, alibi)`` from 3 or 5 entries."""
+    mods = tuple(mods)
+    if len(mods) == 3:
+        mods += (0, False)
+    sm, smg, mm, n_args, alibi = mods
+    return sm, smg, mm, int(n_args), bool(alibi)
+
+
+def reads_hook(mods) -> bool:
+    """Whether a variant's ``mods`` (:func:`key_block_scores`) make a score hook — user
+    functions or ALiBi, which read the batch and head indices and the hook's arguments."""
+    mods = _variant_mods(mods)
+    return any(f is not None for f in mods[:3]) or mods[4]
+
+
+def key_block_scores(nq: int, causal: bool = False, window=None, softcap: float = 0.0,
+                     mods=(None, None, None), sparse: bool = False):
+    """``(scores, chain)``: a variant's treatment of a dK / dV kernel's transposed score
+    fragment ``Sᵀ`` (1, nq, 4) — a warp's 16 key rows against ``8 nq`` query columns — before
+    :func:`softmax_gradient`'s ``probabilities``, and of ``dSᵀ`` after its ``gradients``.
+
+    * ``scores(st, dfac, scale, my_key, col0, b, h, hook, part, near_diagonal, diag, edge,
+      sk)``: the score modifications of :func:`score_functions` (soft cap, ALiBi, ``score_mod``,
+      ``mask_mod``; ``dfac`` their derivative, a (1, nq, 4) float32 array; ``my_key`` the
+      lane's first key row, ``col0`` its first query column ``query0 + 2t``; ``hook`` the
+      kernel's hook arguments; ``part`` False for a block a block mask lists as full, whose
+      scores skip ``mask_mod``), then a window's mask on every block (``diag``: ``my_key -
+      (sk - sq) - col0``, :func:`mask_transposed_window`) — or, for plain causal attention,
+      the causal mask where ``near_diagonal`` (the query block starts left of the diagonal of
+      the key block's last key) — then, where ``edge`` (the key block passes ``sk``), the
+      zero-filled keys past the end (:func:`mask_keys_past`).
+    * ``chain(ds, dfac)``: ``dS ← dS · dfac`` where the variant modifies scores (nothing
+      otherwise).
+
+    ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`; ``softcap`` a float >= 0;
+    ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi])``; ``sparse``: under a
+    block mask (``part`` read). With none of them the code is plain causal's or full
+    attention's. Arguments a variant does not need are not read."""
+    left, right = key_window(causal, window)
+    return _key_block_scores(int(nq), left, right, float(softcap or 0.0), _variant_mods(mods),
+                             bool(sparse))
+
+
+@functools.cache
+def _key_block_scores(nq: int, left: int, right: int, cap: float, mods: tuple, sparse: bool):
+    USER = reads_hook(mods)
+    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
+    CAUSAL = right == 0 and not VARIANT
+    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
+    mask = mask_transposed(1, nq)
+    mask_window = _mask_transposed_window(1, nq, left, right)
+    mask_past = mask_keys_past(1, nq)
+    capped = score_functions(1, nq, cap, *mods[:3], transposed=True, n_args=mods[3],
+                             alibi=mods[4]) if CAPPED else None
+    # a full block of a block mask takes the hook without mask_mod, as the forward
+    FULL_HOOK = sparse and CAPPED and mods[2] is not None
+    capped_full = score_functions(1, nq, cap, mods[0], mods[1], None, transposed=True,
+                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
+
+    @inline_device
+    def scores(st, dfac, scale, my_key, col0, b, h, hook, part, near_diagonal, diag, edge, sk):
+        if VARIANT:
+            if FULL_HOOK and not part:
+                capped_full.apply(st, dfac, scale, my_key, col0, b, h, hook)
+            elif CAPPED:
+                capped.apply(st, dfac, scale, my_key, col0, b, h, hook)
+            if WINDOWED:
+                mask_window(st, diag)
+        elif CAUSAL:
+            if near_diagonal:
+                mask(st, diag)
+        if edge:
+            mask_past(st, my_key, sk)
+
+    @inline_device
+    def chain(ds, dfac):
+        if CAPPED:
+            capped.chain(ds, dfac)
+
+    return scores, chain
+
+
+def query_block_scores(ns: int, block_n: int, causal: bool = False, window=None,
+                       softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
+    """``(scores, chain)``: :func:`key_block_scores` for a dQ kernel's score fragment ``S``
+    (1, ns, 4) — a warp's 16 query rows against key block ``kb`` of ``block_n`` keys.
+
+    * ``scores(s, dfac, scale, row, kb, t, b, h, hook, part, limit, all_first, all_see)``: the
+      score modifications (``row`` the lane's first query row; keys from ``kb · block_n +
+      2t``), then the keys outside each row's range (``limit`` of :func:`row_state`) where the
+      block needs it (:func:`tilepy.tile.attention.mask_key_block`: ``all_first`` /
+      ``all_see`` of :func:`tilepy.tile.attention.key_blocks`) — causal, a window, and the
+      keys past ``sk``.
+    * ``chain(ds, dfac)`` as :func:`key_block_scores`'."""
+    left, right = key_window(causal, window)
+    return _query_block_scores(int(ns), int(block_n), left, right, float(softcap or 0.0),
+                               _variant_mods(mods), bool(sparse))
+
+
+@functools.cache
+def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float, mods: tuple,
+                        sparse: bool):
+    BN = block_n
+    CAPPED = cap > 0 or reads_hook(mods)
+    mask = mask_key_block(1, ns, block_n, (left, right))
+    capped = score_functions(1, ns, cap, *mods[:3], n_args=mods[3],
+                             alibi=mods[4]) if CAPPED else None
+    FULL_HOOK = sparse and CAPPED and mods[2] is not None
+    capped_full = score_functions(1, ns, cap, mods[0], mods[1], None, n_args=mods[3],
+                                  alibi=mods[4]) if FULL_HOOK else None
+
+    @inline_device
+    def scores(s, dfac, scale, row, kb, t, b, h, hook, part, limit, all_first, all_see):
+        if FULL_HOOK and not part:
+            capped_full.apply(s, dfac, scale, row, kb * BN + 2 * t, b, h, hook)
+        elif CAPPED:
+            capped.apply(s, dfac, scale, row, kb * BN + 2 * t, b, h, hook)
+        mask(s, limit, kb, t, all_first, all_see)
+
+    @inline_device
+    def chain(ds, dfac):
+        if CAPPED:
+            capped.chain(ds, dfac)
+
+    return scores, chain
+
+
+def query_steps(block_m: int, block_n: int, mask_block=None):
+    """``(count, step, first)``: a dK / dV kernel's loop over the (query head of the K/V
+    head's group, query block of ``block_m`` rows) pairs that see its key block (of
+    ``block_n`` keys).
+
+    * ``count(qmask, kb, b, hq0, group, per_head) -> steps``;
+    * ``step(n, qb0, per_head, qmask, kb, b, hq0, group) -> (head, qb, part)``: step ``n``'s
+      query head offset within the group, query block, and whether its scores need the mask
+      function (always True when dense);
+    * ``first(qb0, per_head, qmask, kb, b, hq0, group)``: ``step(0, …)`` (dense: no
+      division).
+
+    Dense (``mask_block`` None): ``group · per_head`` steps, head by head, each over the
+    query blocks ``qb0 …`` (:func:`query_blocks`); ``qmask`` and ``kb`` are not read. Under a
+    block mask of ``mask_block = (block_q, block_k)`` (multiples of ``block_m`` / ``block_n``):
+    ``qmask`` is its transposed lists (:func:`tilepy.tile.attention.block_mask_row`'s
+    ``mask`` over key blocks), ``kb`` the kernel's key block, and each head visits the query
+    blocks its lists name, partial ones first. Any thread; block-uniform."""
+    if mask_block is None:
+        return _dense_steps()
+    return _sparse_steps(int(block_n), int(mask_block[1]), int(mask_block[0]) // int(block_m))
+
+
+@functools.cache
+def _dense_steps():
+    @inline_device
+    def count(qmask, kb, b, hq0, group, per_head):
+        return group * per_head
+
+    @inline_device
+    def step(n, qb0, per_head, qmask, kb, b, hq0, group):
+        return n // per_head, qb0 + n % per_head, True
+
+    @inline_device
+    def first(qb0, per_head, qmask, kb, b, hq0, group):
+        return 0, qb0, True
+
+    return count, step, first
+
+
+@functools.cache
+def _sparse_steps(block_n: int, mask_block_k: int, q_ratio: int):
+    q_list = block_mask_row(block_n, mask_block_k, q_ratio)
+    q_at = key_block_at(True, q_ratio)
+
+    @inline_device
+    def count(qmask, kb, b, hq0, group, per_head):
+        total = np.int64(0)
+        for i in range(group):
+            total += q_list(qmask, kb, b, hq0 + i)[0]
+        return total
+
+    @inline_device
+    def step(n, qb0, per_head, qmask, kb, b, hq0, group):
+        rem = np.int64(n)
+        head = 0
+        qb = np.int64(0)
+        part = True
+        for i in range(group):
+            cnt, blocks = q_list(qmask, kb, b, hq0 + i)
+            if 0 <= rem < cnt:
+                head = i
+                qb = q_at(blocks, rem)
+                part = rem < blocks[0]
+            rem -= cnt
+        return head, qb, part
+
+    @inline_device
+    def first(qb0, per_head, qmask, kb, b, hq0, group):
+        return step(0, qb0, per_head, qmask, kb, b, hq0, group)
+
+    return count, step, first
+
+
+def key_steps(block_m: int, block_n: int, causal: bool = False, window=None,
+              mask_block=None):
+    """``(bounds, at, partial)``: a dQ kernel's loop over the key blocks (of ``block_n`` keys)
+    its block of ``block_m`` query rows sees (grid x the query blocks).
+
+    * ``bounds(sq, sk, kvmask, b, h) -> (row0, kb_first, kb_end, all_first, all_see,
+      blocks)``: :func:`tilepy.tile.attention.key_blocks`' bounds (causal or a window), the
+      loop's steps ``kb_first … kb_end - 1``; under a block mask of ``mask_block = (block_q,
+      block_k)`` (multiples of ``block_m`` / ``block_n``) the steps ``0 …`` of the lists
+      ``kvmask`` names for the query block (:func:`tilepy.tile.attention.block_mask_row`;
+      not read when dense), ``blocks`` what ``at`` / ``partial`` read (dense: the first
+      key block, 0);
+    * ``at(blocks, j) -> kb`` and ``partial(blocks, j) -> bool``: step ``j``'s key block and
+      whether its scores take the mask function (:func:`tilepy.tile.attention.key_block_at`,
+      :func:`tilepy.tile.attention.key_block_partial`).
+
+    Any thread; block-uniform."""
+    left, right = key_window(causal, window)
+    mb = None if mask_block is None else (int(mask_block[0]), int(mask_block[1]))
+    return _key_steps(int(block_m), int(block_n), left, right, mb)
+
+
+@functools.cache
+def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
+    SPARSE = mask_block is not None
+    kblocks = key_blocks(block_m, block_n, False, (left, right))
+    at = key_block_at(SPARSE, mask_block[1] // block_n if SPARSE else 1)
+    partial = key_block_partial(SPARSE)
+    kv_list = block_mask_row(block_m, mask_block[0], mask_block[1] // block_n) \
+        if SPARSE else None
+
+    @inline_device
+    def bounds(sq, sk, kvmask, b, h):
+        row0, kb_first, n_kb, all_first, all_see = kblocks(sq, sk)
+        if SPARSE:   # step j visits the key block at(blocks, j) of the mask's lists
+            n_kb, blocks = kv_list(kvmask, cuda.blockIdx.x, b, h)
+            return row0, 0, n_kb, all_first, all_see, blocks
+        return row0, kb_first, n_kb, all_first, all_see, 0
+
+    return bounds, at, partial
+
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
            "mask_keys_past", "mask_transposed", "mask_transposed_window",
-           "check_functions", "query_blocks", "row_state", "score_functions", "softcap_scores",
+           "check_functions", "key_block_scores", "key_steps", "query_block_scores", "query_blocks",
+           "query_steps", "reads_hook", "row_state", "score_functions", "softcap_scores",
            "softmax_gradient",
            "stage_float32",
            "store_accumulators", "transpose_to_shared"]
