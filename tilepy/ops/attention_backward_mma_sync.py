@@ -486,7 +486,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     setup_dsa, load_dsa = load_a_fragments_k_major(MIQ, BM, True)   # dS from the dSᵀ tile
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
-    key_scores, chain = key_block_scores(NQ, False, WIN, cap, mods, mask_block is not None)
+    key_scores, chain = key_block_scores(NQ, BN, False, WIN, cap, mods, mask_block is not None)
     qblocks = query_blocks(BM, False, WIN, BN)
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
@@ -635,8 +635,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
                 # the variant's modifications and masks, or causal's near the diagonal
                 key_scores(st, dfac, scale, my_key, row + 2 * t, b, hq, hook, cpart,
-                           row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), edge,
-                           sk)
+                           row + shift - key0, my_key - shift - (row + 2 * t), edge, sk)
                 grad.probabilities(st, l_addr, scale_log2, t)
 
                 # dV += Pᵀ · dO

@@ -247,13 +247,14 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
     its group).
 
     ``products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-    do_tile, l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box, lane, warp4,
+    do_tile, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk, ds_box, lane, warp4,
     t, scale_log2, scale, col0, b, hq, hook, part)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A:
     the warpgroup's K / V rows at ``k_wg`` / ``v_wg``, B: the block's Q / dO tiles,
     ``cfg.block_m`` rows); the variant's score modifications and masks
     (:func:`tilepy.tile.attention_backward.key_block_scores`: key ``my_key`` of the lane's row
-    against query ``col0 = row0 + 2t``, ``key_shift = my_key - (sk - sq) - col0``; plain
-    causal masks only where ``near_diagonal``; ``edge``: the keys at or past ``sk``;
+    against query ``col0 = row0 + 2t``, ``key_shift = my_key - (sk - sq) - col0``; the masks
+    only where a bound crosses the block, ``block_diag = row0 + (sk - sq) - key0``; ``edge``:
+    the keys at or past ``sk``;
     ``scale``, ``b``, ``hq``, ``hook``, ``part`` and ``dfac`` — a (1, block_m / 8, 4) float32
     array — read by the variants that modify scores), ``P = exp2(scale_log2 · Sᵀ - lse2)``
     (``l_addr``: the block's lse2 in shared memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ -
@@ -284,19 +285,19 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
     g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
     to_frag_s, _ = accumulator_fragment(BM)
     grad = softmax_gradient(1, NQ, "cols")
-    key_scores, chain = key_block_scores(NQ, False, (left, right), cap, mods, sparse)
+    key_scores, chain = key_block_scores(NQ, BN, False, (left, right), cap, mods, sparse)
     afrag = a_fragment(cfg.dtype)
     STORE_DS = cfg.dq_atomic
     to_ds = transpose_to_shared(NQ)
 
     @inline_device
     def products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-                 do_tile, l_addr, d_addr, near_diagonal, key_shift, edge, my_key, sk, ds_box,
+                 do_tile, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk, ds_box,
                  lane, warp4, t, scale_log2, scale, col0, b, hq, hook, part):
         s_mma.mma_pair(st, k_wg, q_tile, dpt, v_wg, do_tile)   # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
         to_frag_s(st3, st)
-        key_scores(st3, dfac, scale, my_key, col0, b, hq, hook, part, near_diagonal,
-                   key_shift, edge, sk)
+        key_scores(st3, dfac, scale, my_key, col0, b, hq, hook, part, block_diag, key_shift,
+                   edge, sk)
         grad.probabilities(st3, l_addr, scale_log2, t)
 
         # dV += Pᵀ dO (A = Pᵀ from registers)
@@ -478,7 +479,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                 d_addr = base + DL_OFF + sgo * ROW_BYTES
 
                 products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
-                         q_tile, do_tile, l_addr, d_addr, row + shift < key0 + BN - 1,
+                         q_tile, do_tile, l_addr, d_addr, row + shift - key0,
                          my_key - shift - (row + 2 * t), edge, my_key, sk, ds_wg, lane,
                          warp % 4, t, scale_log2, scale, row + 2 * t, b, hq, hook, cpart)
 
@@ -687,7 +688,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                      base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
-                     row + shift < key0 + BN - 1, my_key - shift - (row + 2 * t), edge, my_key,
+                     row + shift - key0, my_key - shift - (row + 2 * t), edge, my_key,
                      sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2,
                      scale, row + 2 * t, b, hq, hook, part)
             fence_proxy_async_shared()

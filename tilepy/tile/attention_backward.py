@@ -551,21 +551,22 @@ def reads_hook(mods) -> bool:
     return any(f is not None for f in mods[:3]) or mods[4]
 
 
-def key_block_scores(nq: int, causal: bool = False, window=None, softcap: float = 0.0,
-                     mods=(None, None, None), sparse: bool = False):
+def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
+                     softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
     """``(scores, chain)``: a variant's treatment of a dK / dV kernel's transposed score
     fragment ``Sᵀ`` (1, nq, 4) — a warp's 16 key rows against ``8 nq`` query columns — before
     :func:`softmax_gradient`'s ``probabilities``, and of ``dSᵀ`` after its ``gradients``.
 
-    * ``scores(st, dfac, scale, my_key, col0, b, h, hook, part, near_diagonal, diag, edge,
+    * ``scores(st, dfac, scale, my_key, col0, b, h, hook, part, block_diag, diag, edge,
       sk)``: the score modifications of :func:`score_functions` (soft cap, ALiBi, ``score_mod``,
       ``mask_mod``; ``dfac`` their derivative, a (1, nq, 4) float32 array; ``my_key`` the
       lane's first key row, ``col0`` its first query column ``query0 + 2t``; ``hook`` the
       kernel's hook arguments; ``part`` False for a block a block mask lists as full, whose
-      scores skip ``mask_mod``), then a window's mask on every block (``diag``: ``my_key -
-      (sk - sq) - col0``, :func:`mask_transposed_window`) — or, for plain causal attention,
-      the causal mask where ``near_diagonal`` (the query block starts left of the diagonal of
-      the key block's last key) — then, where ``edge`` (the key block passes ``sk``), the
+      scores skip ``mask_mod``), then the causal or window mask (``diag``: ``my_key -
+      (sk - sq) - col0``, :func:`mask_transposed` / :func:`mask_transposed_window`) on the
+      blocks a bound crosses — ``block_diag = row0 + (sk - sq) - key0`` (block-uniform: the
+      query block's first row ``row0``, the key block's first key ``key0``, ``block_n`` keys,
+      ``8 nq`` rows) tells which — then, where ``edge`` (the key block passes ``sk``), the
       zero-filled keys past the end (:func:`mask_keys_past`).
     * ``chain(ds, dfac)``: ``dS ← dS · dfac`` where the variant modifies scores (nothing
       otherwise).
@@ -575,12 +576,19 @@ def key_block_scores(nq: int, causal: bool = False, window=None, softcap: float 
     block mask (``part`` read). With none of them the code is plain causal's or full
     attention's. Arguments a variant does not need are not read."""
     left, right = key_window(causal, window)
-    return _key_block_scores(int(nq), left, right, float(softcap or 0.0), _variant_mods(mods),
-                             bool(sparse))
+    return _key_block_scores(int(nq), int(block_n), left, right, float(softcap or 0.0),
+                             _variant_mods(mods), bool(sparse))
 
 
 @functools.cache
-def _key_block_scores(nq: int, left: int, right: int, cap: float, mods: tuple, sparse: bool):
+def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, mods: tuple,
+                      sparse: bool):
+    # a bound crosses the block when a pair of it lies past it: the upper (right) bound when
+    # key0 + block_n - 1 > row0 + shift + right, the lower (left) one when key0 < row0 +
+    # 8 nq - 1 + shift - left; with block_diag = row0 + shift - key0:
+    UPPER = block_n - 1 - max(right, 0)     # upper crossed when block_diag < UPPER
+    LOWER = left + 1 - 8 * nq               # lower crossed when block_diag > LOWER
+    HAS_UPPER, HAS_LOWER = right >= 0, left >= 0
     USER = reads_hook(mods)
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL = right == 0 and not VARIANT
@@ -596,16 +604,17 @@ def _key_block_scores(nq: int, left: int, right: int, cap: float, mods: tuple, s
                                   n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
 
     @inline_device
-    def scores(st, dfac, scale, my_key, col0, b, h, hook, part, near_diagonal, diag, edge, sk):
+    def scores(st, dfac, scale, my_key, col0, b, h, hook, part, block_diag, diag, edge, sk):
         if VARIANT:
             if FULL_HOOK and not part:
                 capped_full.apply(st, dfac, scale, my_key, col0, b, h, hook)
             elif CAPPED:
                 capped.apply(st, dfac, scale, my_key, col0, b, h, hook)
             if WINDOWED:
-                mask_window(st, diag)
+                if (HAS_UPPER and block_diag < UPPER) or (HAS_LOWER and block_diag > LOWER):
+                    mask_window(st, diag)
         elif CAUSAL:
-            if near_diagonal:
+            if block_diag < UPPER:
                 mask(st, diag)
         if edge:
             mask_past(st, my_key, sk)
