@@ -568,8 +568,10 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
       query block's first row ``row0``, the key block's first key ``key0``, ``block_n`` keys,
       ``8 nq`` rows) tells which — then, where ``edge`` (the key block passes ``sk``), the
       zero-filled keys past the end (:func:`mask_keys_past`).
-    * ``chain(ds, dfac)``: ``dS ← dS · dfac`` where the variant modifies scores (nothing
-      otherwise).
+    * ``chain(ds, dfac)``: ``dS ← dS · dfac`` where the variant's derivative is not 1 — a
+      soft cap or a ``score_mod`` (ALiBi's bias has derivative 1, and the scores a mask hides
+      have ``P = 0``, so ``dS = P ∘ (dP - D)`` is 0 there already); nothing otherwise, and
+      ``dfac`` is then left unread.
 
     ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`; ``softcap`` a float >= 0;
     ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi])``; ``sparse``: under a
@@ -593,6 +595,7 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL = right == 0 and not VARIANT
     WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
+    CHAIN = cap > 0 or mods[0] is not None
     mask = mask_transposed(1, nq)
     mask_window = _mask_transposed_window(1, nq, left, right)
     mask_past = mask_keys_past(1, nq)
@@ -621,7 +624,7 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
 
     @inline_device
     def chain(ds, dfac):
-        if CAPPED:
+        if CHAIN:
             capped.chain(ds, dfac)
 
     return scores, chain
@@ -649,6 +652,7 @@ def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float
                         sparse: bool):
     BN = block_n
     CAPPED = cap > 0 or reads_hook(mods)
+    CHAIN = cap > 0 or mods[0] is not None
     mask = mask_key_block(1, ns, block_n, (left, right))
     capped = score_functions(1, ns, cap, *mods[:3], n_args=mods[3],
                              alibi=mods[4]) if CAPPED else None
@@ -666,7 +670,7 @@ def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float
 
     @inline_device
     def chain(ds, dfac):
-        if CAPPED:
+        if CHAIN:
             capped.chain(ds, dfac)
 
     return scores, chain
