@@ -58,6 +58,8 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s32e    s32d cut to the device time left: the grid's two shapes the wave rule moves
+#                (and 2048 x 14336 x 4096 it keeps), the backward variants benchmark
 #   PART=s32b    the block-mask backward benchmark against FlexAttention, and the dense
 #                backward at B4 H32 S4096 D128 (the refactored wgmma kernels' plain path)
 #   PART=s31b    issue 27's shapes whose 128 x 256 tiles leave the last wave part empty: the
@@ -309,6 +311,11 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s32e "* ]]; then
+    bench_suite bench_gemm_grid_waves 90 \
+        "test_gemm_shape_grid and (1024x14336x4096 or 512x28672x8192 or 2048x14336x4096)"
+    bench_suite bench_backward_variants 150 "test_flash_attention_backward_variants"
 fi
 if [[ " $PART " == *" s32d "* ]]; then
     gpu_tests gemm_op_gpu 80 tests/test_ops_gemm_wgmma.py
