@@ -486,7 +486,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     setup_dsa, load_dsa = load_a_fragments_k_major(MIQ, BM, True)   # dS from the dSᵀ tile
     setup_kk, load_kk = load_b_fragments(NOQ, D, True, SW)    # K as k = key, n = d
     grad = softmax_gradient(1, NQ, "cols")
-    key_scores, chain = key_block_scores(NQ, BN, False, WIN, cap, mods, mask_block is not None)
+    key_scores, chain, (DF_SHAPE, DF_TYPE) = key_block_scores(NQ, BN, False, WIN, cap, mods,
+                                                              mask_block is not None)
     qblocks = query_blocks(BM, False, WIN, BN)
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
@@ -583,7 +584,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             qk_frag = cuda.local.array((1, NO, 2), np.uint32)
             st = cuda.local.array((1, NQ, 4), np.float32)
             dpt = cuda.local.array((1, NQ, 4), np.float32)
-            dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
+            dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
             if ATOMIC:
                 wr = warp % WR
                 wc = warp // WR
@@ -746,7 +747,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     VARLEN = varlen
     row_start = varlen_row_start(varlen_pad(cfg))
     SPARSE = mask_block is not None
-    row_scores, chain = query_block_scores(NS, BN, False, WIN, cap, mods, SPARSE)
+    row_scores, chain, (DF_SHAPE, DF_TYPE) = query_block_scores(NS, BN, False, WIN, cap, mods,
+                                                                SPARSE)
     key_bounds, at, partial = key_steps(BM, BN, False, WIN, mask_block)
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
@@ -825,7 +827,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             kk_frag = cuda.local.array((1, NO, 2), np.uint32)
             s = cuda.local.array((1, NS, 4), np.float32)
             dp = cuda.local.array((1, NS, 4), np.float32)
-            dfac = cuda.local.array((1, NS, 4), np.float32)   # (read by variants only)
+            dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
 
             for jb in range(kb_first, n_kb):   # step jb: key block kb (jb but block-sparse)
                 kb = at(blocks, jb)

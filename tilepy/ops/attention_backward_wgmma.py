@@ -241,7 +241,8 @@ def _jit(threads: int):
 
 def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=None,
                        softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
-    """``(products, g_mma)``: one query block's work for a warpgroup's 64 keys, issued up to
+    """``(products, g_mma, (shape, dtype))``: one query block's work for a warpgroup's 64
+    keys, issued up to
     the dK product (still in flight on return: ``g_mma.wait(0)`` then
     ``g_mma.fence_operand(dk_acc)`` before reading ``dk_acc``, or a later wait that covers
     its group).
@@ -254,10 +255,10 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
     (:func:`tilepy.tile.attention_backward.key_block_scores`: key ``my_key`` of the lane's row
     against query ``col0 = row0 + 2t``, ``key_shift = my_key - (sk - sq) - col0``; the masks
     only where a bound crosses the block, ``block_diag = row0 + (sk - sq) - key0``; ``edge``:
-    the keys at or past ``sk``;
-    ``scale``, ``b``, ``hq``, ``hook``, ``part`` and ``dfac`` — a (1, block_m / 8, 4) float32
-    array — read by the variants that modify scores), ``P = exp2(scale_log2 · Sᵀ - lse2)``
-    (``l_addr``: the block's lse2 in shared memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ -
+    the keys at or past ``sk``; ``scale``, ``b``, ``hq``, ``hook``, ``part`` and ``dfac`` — a
+    local array of the returned ``(shape, dtype)`` — read by the variants that modify
+    scores), ``P = exp2(scale_log2 · Sᵀ - lse2)`` (``l_addr``: the block's lse2 in shared
+    memory), ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ -
     delta)`` (``d_addr``) times the variant's derivative, with ``cfg.dq_atomic`` written
     transposed into the dS box at ``ds_box`` (stmatrix by lane ``lane`` of the warpgroup's
     warp ``warp4``; the caller fences and synchronises before a wgmma reads it), then ``dK +=
@@ -285,7 +286,8 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
     g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
     to_frag_s, _ = accumulator_fragment(BM)
     grad = softmax_gradient(1, NQ, "cols")
-    key_scores, chain = key_block_scores(NQ, BN, False, (left, right), cap, mods, sparse)
+    key_scores, chain, dfac_layout = key_block_scores(NQ, BN, False, (left, right), cap, mods,
+                                                      sparse)
     afrag = a_fragment(cfg.dtype)
     STORE_DS = cfg.dq_atomic
     to_ds = transpose_to_shared(NQ)
@@ -321,7 +323,7 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
         g_mma.mma_rs(dk_acc, a_ds, q_tile, 1)
         g_mma.commit()
 
-    return products, g_mma
+    return products, g_mma, dfac_layout
 
 
 def _variant(cfg, causal, window, softcap, mods, mask_block, block_m, block_n):
@@ -384,7 +386,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
                            k=KDQ) if ATOMIC else None
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
-    products, g_mma = key_block_products(cfg, False, WIN, cap, mods, SPARSE)
+    products, g_mma, (DF_SHAPE, DF_TYPE) = key_block_products(cfg, False, WIN, cap, mods,
+                                                                    SPARSE)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, False, WIN, BN)
     count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
@@ -439,7 +442,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             dpt = cuda.local.array(ACC_S, np.float32)
             st3 = cuda.local.array((1, NQ, 4), np.float32)
             dpt3 = cuda.local.array((1, NQ, 4), np.float32)
-            dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
+            dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
             a_p = cuda.local.array(A_REGS, np.uint32)
             a_ds = cuda.local.array(A_REGS, np.uint32)
             k_wg = base + K_OFF + wg * WG_ROWS
@@ -598,7 +601,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     issue_kv = copy_rows_to_shared_128b(BN, D, PT)
     issue_q = copy_rows_to_shared_128b(BM, D, PT)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
-    products, g_mma = key_block_products(cfg, False, WIN, cap, mods, SPARSE)
+    products, g_mma, (DF_SHAPE, DF_TYPE) = key_block_products(cfg, False, WIN, cap, mods,
+                                                                    SPARSE)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"),
                            cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(D)
@@ -673,7 +677,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         dpt = cuda.local.array(ACC_S, np.float32)
         st3 = cuda.local.array((1, NQ, 4), np.float32)
         dpt3 = cuda.local.array((1, NQ, 4), np.float32)
-        dfac = cuda.local.array((1, NQ, 4), np.float32)   # (read by variants only)
+        dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
@@ -798,7 +802,8 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     to_frag_s, _ = accumulator_fragment(BN)
     to_frag_o, _ = accumulator_fragment(D)
     grad = softmax_gradient(1, NS, "rows")
-    row_scores, chain = query_block_scores(NS, BN, False, WIN, cap, mods, SPARSE)
+    row_scores, chain, (DF_SHAPE, DF_TYPE) = query_block_scores(NS, BN, False, WIN, cap, mods,
+                                                                SPARSE)
     key_bounds, at, partial = key_steps(BM, BN, False, WIN, mask_block)
     rows = row_state(False, WIN)
     LIMITS = limits_shape(1, False, WIN)
@@ -849,7 +854,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
             dp = cuda.local.array(ACC_S, np.float32)
             s3 = cuda.local.array((1, NS, 4), np.float32)
             dp3 = cuda.local.array((1, NS, 4), np.float32)
-            dfac = cuda.local.array((1, NS, 4), np.float32)   # (read by variants only)
+            dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
             a_regs = cuda.local.array(A_REGS, np.uint32)
             q_wg = base + Q_OFF + wg * WG_ROWS
             do_wg = base + DO_OFF + wg * WG_ROWS

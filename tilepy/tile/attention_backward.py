@@ -56,7 +56,8 @@ import numpy as np
 from numba import cuda
 
 from ..inline import device_namespace, inline_device
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx
+from ..ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx,
+                        unpack_f16x2_f32)
 from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
 from .attention import (block_mask_row, key_block_at, key_block_partial, key_blocks, key_window,
@@ -266,7 +267,7 @@ def _mask_transposed_window(mi: int, ns: int, left: int, right: int):
 
 def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mod_grad=None,
                     mask_mod=None, transposed: bool = False, n_args: int = 0,
-                    alibi: bool = False):
+                    alibi: bool = False, packed: bool = False):
     """The forward's score modifications (:func:`tilepy.tile.attention.score_hook`: a soft
     cap, ALiBi, a user ``score_mod``, then a ``mask_mod``) on one lane's (mi, ns, 4) raw score
     fragment, with their derivative, for the backward: a namespace of
@@ -284,6 +285,11 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
     * ``chain(ds, dfac)``: ``ds ← ds · dfac`` — the gradient in the scaled raw score from the
       one in the modified score (``dS = P ∘ (dP - D)``), before the ``dQ`` / ``dK`` products.
 
+    ``packed``: ``dfac`` holds each lane's pairs of derivatives as float16 pairs (an (mi, ns,
+    2) uint32 array, half the registers) — for derivatives in [0, 1] (the cap's and a mask's,
+    not a ``score_mod``'s: ``ValueError``), whose float16 rounding (2⁻¹¹) is below the
+    16-bit rounding ``dS`` takes before its products.
+
     ``score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args) -> float``: the derivative of
     ``score_mod`` in its first argument, required with a ``score_mod`` (``TypeError``
     otherwise). With the cap alone the code is the cap's and the indices are not read. ``cap``
@@ -294,12 +300,15 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
         softcap_score(cap)   # the same validation
     n_args = check_n_args(n_args)
     check_functions(score_mod, score_mod_grad, mask_mod, n_args=n_args)
+    if packed and score_mod is not None:
+        raise ValueError("score_functions: packed derivatives take no score_mod (its "
+                         "derivative may leave [0, 1])")
     return _score_functions(mi, ns, float(cap or 0.0),
                             _user_function(score_mod, "score_mod", 5, _keep_score, n_args),
                             _user_function(score_mod_grad, "score_mod_grad", 5, _one_grad,
                                            n_args),
                             _user_function(mask_mod, "mask_mod", 4, _see_all, n_args),
-                            bool(transposed), bool(alibi), n_args)
+                            bool(transposed), bool(alibi), n_args, bool(packed))
 
 
 def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward",
@@ -340,7 +349,8 @@ def _defaults():
 
 @functools.cache
 def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, mask_mod,
-                     transposed: bool, alibi: bool = False, n_args: int = 0):
+                     transposed: bool, alibi: bool = False, n_args: int = 0,
+                     packed: bool = False):
     from .attention import _alibi_slope
 
     CAPPED = cap > 0
@@ -353,46 +363,76 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
     ALIBI = alibi
     slopes_at = _alibi_slope(n_args) if alibi else None
 
+    PACKED = packed
+
+    @inline_device
+    def one_score(s, i, j, e, c, inv_scale, row0, col0, b, h, args):
+        """s[i, j, e] modified in place; its derivative returned."""
+        r = row0 + 16 * i + 8 * (e // 2)
+        col = col0 + 8 * j + (e % 2)
+        qi = col if T else r
+        kj = r if T else col
+        x = s[i, j, e] * c
+        d = one
+        if CAPPED:
+            th = tanh_approx(x * INV)
+            x = C * th
+            d = one - th * th
+        if ALIBI:
+            slope, shift = slopes_at(args, b, h)
+            x = x - slope * np.float32(abs(qi + shift - kj))
+        d = d * np.float32(smg(x, b, h, qi, kj, args))
+        x = np.float32(sm(x, b, h, qi, kj, args))
+        if not mm(x, b, h, qi, kj, args):
+            x = _NEG_INF
+            d = zero
+        s[i, j, e] = x * inv_scale
+        return d
+
     @inline_device
     def apply(s, dfac, scale, row0, col0, b, h, args):
         c = np.float32(scale)
         inv_scale = one / c
         for i in range(mi):
             for j in range(ns):
-                for e in range(4):
-                    r = row0 + 16 * i + 8 * (e // 2)
-                    col = col0 + 8 * j + (e % 2)
-                    qi = col if T else r
-                    kj = r if T else col
-                    x = s[i, j, e] * c
-                    d = one
-                    if CAPPED:
-                        th = tanh_approx(x * INV)
-                        x = C * th
-                        d = one - th * th
-                    if ALIBI:
-                        slope, shift = slopes_at(args, b, h)
-                        x = x - slope * np.float32(abs(qi + shift - kj))
-                    d = d * np.float32(smg(x, b, h, qi, kj, args))
-                    x = np.float32(sm(x, b, h, qi, kj, args))
-                    if not mm(x, b, h, qi, kj, args):
-                        x = _NEG_INF
-                        d = zero
-                    s[i, j, e] = x * inv_scale
-                    dfac[i, j, e] = d
+                for hh in range(2):
+                    d0 = one_score(s, i, j, 2 * hh, c, inv_scale, row0, col0, b, h, args)
+                    d1 = one_score(s, i, j, 2 * hh + 1, c, inv_scale, row0, col0, b, h, args)
+                    if PACKED:
+                        dfac[i, j, hh] = cvt_f16x2_f32(d0, d1)
+                    else:
+                        dfac[i, j, 2 * hh] = d0
+                        dfac[i, j, 2 * hh + 1] = d1
 
     @inline_device
-    def chain(ds, dfac):
+    def chain_packed(ds, dfac):
+        for i in range(mi):
+            for j in range(ns):
+                for hh in range(2):
+                    d0, d1 = unpack_f16x2_f32(dfac[i, j, hh])
+                    ds[i, j, 2 * hh] = ds[i, j, 2 * hh] * d0
+                    ds[i, j, 2 * hh + 1] = ds[i, j, 2 * hh + 1] * d1
+
+    @inline_device
+    def chain_plain(ds, dfac):
         for i in range(mi):
             for j in range(ns):
                 for e in range(4):
                     ds[i, j, e] = ds[i, j, e] * dfac[i, j, e]
 
+    @inline_device
+    def chain(ds, dfac):
+        if PACKED:
+            chain_packed(ds, dfac)
+        else:
+            chain_plain(ds, dfac)
+
     # a name of its own per configuration: the kernel disk cache keys a closure's modules by
     # name (kernels with user functions are not disk-cached; their ids keep names apart here)
     user = "" if (sm, smg, mm) == _defaults() else f"_user{id(sm)}_{id(smg)}_{id(mm)}"
     user += f"_alibi{n_args}" if alibi else ""
-    name = f"score_functions_{mi}x{ns}_{cap!r}{'_t' if T else ''}{user}".replace(".", "_")
+    name = f"score_functions_{mi}x{ns}_{cap!r}{'_t' if T else ''}{'_p' if packed else ''}" \
+        f"{user}".replace(".", "_")
     return device_namespace(name, apply=apply, chain=chain, CAP=cap)
 
 
@@ -553,7 +593,8 @@ def reads_hook(mods) -> bool:
 
 def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
                      softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
-    """``(scores, chain)``: a variant's treatment of a dK / dV kernel's transposed score
+    """``(scores, chain, (shape, dtype))``: a variant's treatment of a dK / dV kernel's
+    transposed score
     fragment ``Sᵀ`` (1, nq, 4) — a warp's 16 key rows against ``8 nq`` query columns — before
     :func:`softmax_gradient`'s ``probabilities``, and of ``dSᵀ`` after its ``gradients``.
 
@@ -572,6 +613,9 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
       soft cap or a ``score_mod`` (ALiBi's bias has derivative 1, and the scores a mask hides
       have ``P = 0``, so ``dS = P ∘ (dP - D)`` is 0 there already); nothing otherwise, and
       ``dfac`` is then left unread.
+    * ``(shape, dtype)``: the local array ``dfac`` the caller allocates — float16 pairs
+      ((1, nq, 2) uint32) for the soft cap's derivative (:func:`score_functions`'
+      ``packed``), else (1, nq, 4) float32.
 
     ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`; ``softcap`` a float >= 0;
     ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi])``; ``sparse``: under a
@@ -595,16 +639,17 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
     VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
     CAUSAL = right == 0 and not VARIANT
     WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
-    CHAIN = cap > 0 or mods[0] is not None
+    CHAIN, PACKED = _chain_kind(cap, mods)
     mask = mask_transposed(1, nq)
     mask_window = _mask_transposed_window(1, nq, left, right)
     mask_past = mask_keys_past(1, nq)
     capped = score_functions(1, nq, cap, *mods[:3], transposed=True, n_args=mods[3],
-                             alibi=mods[4]) if CAPPED else None
+                             alibi=mods[4], packed=PACKED) if CAPPED else None
     # a full block of a block mask takes the hook without mask_mod, as the forward
     FULL_HOOK = sparse and CAPPED and mods[2] is not None
     capped_full = score_functions(1, nq, cap, mods[0], mods[1], None, transposed=True,
-                                  n_args=mods[3], alibi=mods[4]) if FULL_HOOK else None
+                                  n_args=mods[3], alibi=mods[4],
+                                  packed=PACKED) if FULL_HOOK else None
 
     @inline_device
     def scores(st, dfac, scale, my_key, col0, b, h, hook, part, block_diag, diag, edge, sk):
@@ -627,12 +672,25 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
         if CHAIN:
             capped.chain(ds, dfac)
 
-    return scores, chain
+    return scores, chain, _dfac_layout(nq, PACKED)
+
+
+def _chain_kind(cap: float, mods: tuple) -> tuple:
+    """``(chain, packed)``: whether a variant's derivative multiplies dS (a soft cap or a
+    ``score_mod``), and whether it fits float16 pairs (the cap's, in [0, 1])."""
+    chain = cap > 0 or mods[0] is not None
+    return chain, chain and mods[0] is None
+
+
+def _dfac_layout(n8: int, packed: bool) -> tuple:
+    """(shape, dtype) of the derivative fragment ``dfac`` beside a (1, n8, 4) score one."""
+    return ((1, n8, 2), np.uint32) if packed else ((1, n8, 4), np.float32)
 
 
 def query_block_scores(ns: int, block_n: int, causal: bool = False, window=None,
                        softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
-    """``(scores, chain)``: :func:`key_block_scores` for a dQ kernel's score fragment ``S``
+    """``(scores, chain, (shape, dtype))``: :func:`key_block_scores` for a dQ kernel's
+    score fragment ``S``
     (1, ns, 4) — a warp's 16 query rows against key block ``kb`` of ``block_n`` keys.
 
     * ``scores(s, dfac, scale, row, kb, t, b, h, hook, part, limit, all_first, all_see)``: the
@@ -652,13 +710,13 @@ def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float
                         sparse: bool):
     BN = block_n
     CAPPED = cap > 0 or reads_hook(mods)
-    CHAIN = cap > 0 or mods[0] is not None
+    CHAIN, PACKED = _chain_kind(cap, mods)
     mask = mask_key_block(1, ns, block_n, (left, right))
-    capped = score_functions(1, ns, cap, *mods[:3], n_args=mods[3],
-                             alibi=mods[4]) if CAPPED else None
+    capped = score_functions(1, ns, cap, *mods[:3], n_args=mods[3], alibi=mods[4],
+                             packed=PACKED) if CAPPED else None
     FULL_HOOK = sparse and CAPPED and mods[2] is not None
     capped_full = score_functions(1, ns, cap, mods[0], mods[1], None, n_args=mods[3],
-                                  alibi=mods[4]) if FULL_HOOK else None
+                                  alibi=mods[4], packed=PACKED) if FULL_HOOK else None
 
     @inline_device
     def scores(s, dfac, scale, row, kb, t, b, h, hook, part, limit, all_first, all_see):
@@ -673,7 +731,7 @@ def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float
         if CHAIN:
             capped.chain(ds, dfac)
 
-    return scores, chain
+    return scores, chain, _dfac_layout(ns, PACKED)
 
 
 def query_steps(block_m: int, block_n: int, mask_block=None):
