@@ -47,16 +47,16 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import (block_coords, check_mask_block, key_window, limits_shape,
-                              softcap_score)
+from ..tile.attention import block_coords, limits_shape
 from ..tile.attention_backward import (
     LOG2E,
-    _variant_mods,
+    kernel_variant,
     key_block_scores,
     key_steps,
     query_block_scores,
     query_steps,
     reads_hook,
+    variant_mods,
     a_fragment,
     atomic_add_accumulators,
     key_block_coords,
@@ -413,31 +413,14 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     the query blocks its lists name for this key block (``block_q / block_m`` steps a mask
     block, :func:`tilepy.tile.attention.key_block_at`), the mask function on every visited
     score; not with ``varlen`` or a window. Without them the code is the plain kernel's."""
-    left, right = key_window(causal, window)
-    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, _cap(softcap), _mods(mods),
-                        bool(varlen), _sparse(mask_block, cfg.block_m, cfg.block_n, varlen,
-                                              (left, right)))
+    left, right, cap, mods, mask_block = kernel_variant(causal, window, softcap, mods,
+                                                        mask_block, cfg.block_m, cfg.block_n,
+                                                        varlen)
+    return _dkdv_kernel(cfg, bool(atomic_dq), left, right, cap, mods, bool(varlen), mask_block)
 
 
-def _sparse(mask_block, block_m: int, block_n: int, varlen, win):
-    """A kernel generator's ``mask_block`` as a pair of ints (or None), checked."""
-    if mask_block is None:
-        return None
-    if varlen or tuple(win) != (-1, -1):
-        raise NotImplementedError("the block-sparse backward kernels take neither packed "
-                                  "sequences nor a window / causal (write them in mask_mod)")
-    return check_mask_block(mask_block, block_m, block_n)
-
-
-_mods = _variant_mods
+_mods = variant_mods
 _reads_hook = reads_hook
-
-
-def _cap(softcap) -> float:
-    """The soft cap as a float (0: none), checked as the forward checks it."""
-    if softcap:
-        softcap_score(softcap)
-    return float(softcap or 0.0)
 
 
 @functools.cache
@@ -712,10 +695,10 @@ def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0
     ``(hook_args, (num, idx, full_num, full_idx))``, the block mask's own lists
     (:func:`tilepy.tile.attention.block_mask_row`); a multiple of ``dq_block_m`` /
     ``dq_block_n``."""
-    left, right = key_window(causal, window)
-    return _dq_kernel(cfg, left, right, _cap(softcap), _mods(mods), bool(varlen),
-                      _sparse(mask_block, cfg.dq_block_m, cfg.dq_block_n, varlen,
-                              (left, right)))
+    left, right, cap, mods, mask_block = kernel_variant(causal, window, softcap, mods,
+                                                        mask_block, cfg.dq_block_m,
+                                                        cfg.dq_block_n, varlen)
+    return _dq_kernel(cfg, left, right, cap, mods, bool(varlen), mask_block)
 
 
 @functools.cache

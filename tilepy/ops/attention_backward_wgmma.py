@@ -47,21 +47,24 @@ from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
                             mbarrier_wait_parity)
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.wgmma import fence_proxy_async_shared
-from ..tile.attention import block_coords, key_window, limits_shape
+from ..tile.attention import block_coords, limits_shape
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
+    kernel_variant,
     key_block_coords,
     key_block_scores,
     key_steps,
     query_block_scores,
     query_blocks,
     query_steps,
+    reads_hook,
     row_state,
     softmax_gradient,
     stage_float32,
     store_accumulators,
     transpose_to_shared,
+    variant_mods,
 )
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared, copy_rows_to_shared_128b
@@ -272,9 +275,8 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
     ``causal``, ``window``, ``softcap``, ``mods`` (``(score_mod, score_mod_grad, mask_mod[,
     n_args, alibi])``), ``sparse``: the variant, as
     :func:`tilepy.tile.attention_backward.key_block_scores` takes it."""
-    left, right = key_window(causal, window)
-    return _key_block_products(cfg, left, right, bk._cap(softcap), bk._mods(mods),
-                               bool(sparse))
+    left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
+    return _key_block_products(cfg, left, right, cap, mods, bool(sparse))
 
 
 @functools.cache
@@ -329,9 +331,7 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
 def _variant(cfg, causal, window, softcap, mods, mask_block, block_m, block_n):
     """A kernel generator's variant arguments, normalised and checked: ``(left, right, cap,
     mods, mask_block)``."""
-    left, right = key_window(causal, window)
-    return (left, right, bk._cap(softcap), bk._mods(mods),
-            bk._sparse(mask_block, block_m, block_n, False, (left, right)))
+    return kernel_variant(causal, window, softcap, mods, mask_block, block_m, block_n)
 
 
 def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
@@ -394,7 +394,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
-    @bk.kernel_jit(THREADS, disk_cache=not bk._reads_hook(mods))
+    @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         hook = hargs[0] if SPARSE else hargs
@@ -726,7 +726,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         if issuer:
             bulk_wait_group(0)
 
-    @bk.kernel_jit(THREADS, 1, disk_cache=not bk._reads_hook(mods))
+    @bk.kernel_jit(THREADS, 1, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         hook = hargs[0] if SPARSE else hargs
@@ -810,7 +810,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     afrag = a_fragment(cfg.dtype)
     store = store_accumulators(1, NO, cfg.dtype)
 
-    @bk.kernel_jit(THREADS, disk_cache=not bk._reads_hook(mods))
+    @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         hook = hargs[0] if SPARSE else hargs
@@ -956,8 +956,8 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
     atomic = bk.uses_atomics(cfg, deterministic)
     out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
-    mods = bk._mods(mods)
-    chunks = not bk._reads_hook(mods)    # a hook reads b and h: no grid chunks (they shift)
+    mods = variant_mods(mods)
+    chunks = not reads_hook(mods)    # a hook reads b and h: no grid chunks (they shift)
     hargs = tuple(hargs)
     mask_block, kv_mask, q_mask = sparse if sparse is not None else (None, None, None)
     variant = (window, softcap, mods, mask_block)

@@ -575,7 +575,7 @@ def stage_float32(n: int, row_floats: int):
     return store
 
 
-def _variant_mods(mods) -> tuple:
+def variant_mods(mods) -> tuple:
     """``(score_mod, score_mod_grad, mask_mod, n_args, alibi)`` from 3 or 5 entries."""
     mods = tuple(mods)
     if len(mods) == 3:
@@ -584,10 +584,33 @@ def _variant_mods(mods) -> tuple:
     return sm, smg, mm, int(n_args), bool(alibi)
 
 
+
+def kernel_variant(causal: bool, window, softcap, mods, mask_block=None, block_m: int = 0,
+                   block_n: int = 0, varlen: bool = False) -> tuple:
+    """A backward kernel generator's variant arguments, normalised and checked: ``(left,
+    right, cap, mods, mask_block)`` — the window's bounds
+    (:func:`tilepy.tile.attention.key_window`), the soft cap as a float (0: none; checked as
+    the forward checks it), :func:`variant_mods`, and the block mask's ``(block_q, block_k)``
+    as ints (multiples of the kernel's ``block_m`` / ``block_n``) or None.
+    ``NotImplementedError`` for a block mask with packed sequences (``varlen``) or a window."""
+    from .attention import check_mask_block, softcap_score
+
+    left, right = key_window(causal, window)
+    if softcap:
+        softcap_score(softcap)
+    if mask_block is not None:
+        if varlen or (left, right) != (-1, -1):
+            raise NotImplementedError("the block-sparse backward kernels take neither packed "
+                                      "sequences nor a window / causal (write them in "
+                                      "mask_mod)")
+        mask_block = check_mask_block(mask_block, block_m, block_n)
+    return left, right, float(softcap or 0.0), variant_mods(mods), mask_block
+
+
 def reads_hook(mods) -> bool:
     """Whether a variant's ``mods`` (:func:`key_block_scores`) make a score hook — user
     functions or ALiBi, which read the batch and head indices and the hook's arguments."""
-    mods = _variant_mods(mods)
+    mods = variant_mods(mods)
     return any(f is not None for f in mods[:3]) or mods[4]
 
 
@@ -623,7 +646,7 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
     attention's. Arguments a variant does not need are not read."""
     left, right = key_window(causal, window)
     return _key_block_scores(int(nq), int(block_n), left, right, float(softcap or 0.0),
-                             _variant_mods(mods), bool(sparse))
+                             variant_mods(mods), bool(sparse))
 
 
 @functools.cache
@@ -702,7 +725,7 @@ def query_block_scores(ns: int, block_n: int, causal: bool = False, window=None,
     * ``chain(ds, dfac)`` as :func:`key_block_scores`'."""
     left, right = key_window(causal, window)
     return _query_block_scores(int(ns), int(block_n), left, right, float(softcap or 0.0),
-                               _variant_mods(mods), bool(sparse))
+                               variant_mods(mods), bool(sparse))
 
 
 @functools.cache
@@ -851,8 +874,8 @@ def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
            "mask_keys_past", "mask_transposed", "mask_transposed_window",
-           "check_functions", "key_block_scores", "key_steps", "query_block_scores", "query_blocks",
+           "check_functions", "kernel_variant", "key_block_scores", "key_steps", "query_block_scores", "query_blocks",
            "query_steps", "reads_hook", "row_state", "score_functions", "softcap_scores",
-           "softmax_gradient",
+           "softmax_gradient", "variant_mods",
            "stage_float32",
            "store_accumulators", "transpose_to_shared"]
