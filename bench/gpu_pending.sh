@@ -60,6 +60,8 @@
 #                backward variants benchmark again (FlexAttention without donated buffers)
 #   PART=s32e    s32d cut to the device time left: the grid's two shapes the wave rule moves
 #                (and 2048 x 14336 x 4096 it keeps), the backward variants benchmark
+#   PART=s32f    the backward of the user functions (score_mod with score_mod_grad, mask_mod,
+#                a block mask) against the built-in arguments and FlexAttention's backward
 #   PART=s32b    the block-mask backward benchmark against FlexAttention, and the dense
 #                backward at B4 H32 S4096 D128 (the refactored wgmma kernels' plain path)
 #   PART=s31b    issue 27's shapes whose 128 x 256 tiles leave the last wave part empty: the
@@ -311,6 +313,9 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s32f "* ]]; then
+    bench_suite bench_backward_user 300 "test_flash_attention_backward_user_functions"
 fi
 if [[ " $PART " == *" s32e "* ]]; then
     bench_suite bench_gemm_grid_waves 90 \

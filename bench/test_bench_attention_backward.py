@@ -38,8 +38,10 @@ H=32, D=128, S ∈ {1024, 8192} in float16; causal and not; Sq = Sk, no GQA. Sel
 ``-k``: ``-k backward``, ``-k training_step``, ``-k "not bfloat16"``, ``-k causal``, ``-k S8192``…
 """
 
+import numpy as np
 import pytest
 from measure import gpu_time, max_rel_err, record_throughput, try_peer
+from tilepy.ptx.math import tanh_approx
 
 # (batch, heads, seq, head_dim)
 MAIN = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
@@ -414,5 +416,95 @@ def test_flash_attention_backward_variants(benchmark, record, torch, gpu_name, v
                       max_rel_err=err, table="Attention backward, variants",
                       case=f"B{b} H{h} S{s} D{d} causal {name} bfloat16",
                       figure=f"attention_backward_variant_{name}", x=s,
+                      xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+# ---- user functions (issue 25): score_mod / mask_mod through the backward --------------------
+
+def _softcap50_grad(score, b, h, q_idx, kv_idx):
+    # d/dx 50 tanh(x / 50), float32 on tanh.approx as the forward's _softcap50_f32
+    t = tanh_approx(score * np.float32(0.02))
+    return np.float32(1.0) - t * t
+
+
+def _one(score, b, h, q_idx, kv_idx):
+    return np.float32(1.0)
+
+
+#: (name of the forward benchmark's USER_FUNCTIONS case, score_mod_grad or None)
+USER_BACKWARD = [("softcap50_f32", _softcap50_grad), ("alibi32", _one),
+                 ("causal_mask_mod", None), ("window1024_mask_mod", None),
+                 ("document_block_mask", None)]
+
+
+@pytest.mark.parametrize("case", USER_BACKWARD, ids=lambda c: c[0])
+def test_flash_attention_backward_user_functions(benchmark, record, torch, gpu_name, case):
+    """The forward benchmark's user functions (``test_bench_attention.USER_FUNCTIONS``, B4
+    H16 S8192 D128 bf16) through the backward: ``tilepy.flash_attention_backward`` with the
+    same ``score_mod`` (and its ``score_mod_grad``) / ``mask_mod`` / block mask, against the
+    built-in argument's backward where there is one (the gradients compared, bf16 tolerance)
+    and compiled FlexAttention's backward with the same functions (its own block mask). TFLOPS
+    count 2.5× the forward's work over the causal (or all) pairs for every implementation."""
+    import tilepy
+    from test_bench_attention import USER_FUNCTIONS
+
+    name, grad = case
+    _, causal, mods, builtin, flex_mods = next(c for c in USER_FUNCTIONS if c[0] == name)
+    b, h, s, d = 4, 16, 8192, 128
+    q, k, v, dout = inputs(torch, b, h, s, d, "bfloat16")
+    kw = dict(dict(causal=causal), **mods(torch, b, h, s))
+    if grad is not None:
+        kw["score_mod_grad"] = grad
+    out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
+    grads = poisoned(torch, q, k, v)
+
+    def ours(args=kw, o=out, l2=lse):
+        return tilepy.flash_attention_backward(dout, q, k, v, o, l2, dq=grads[0], dk=grads[1],
+                                               dv=grads[2], **args)
+
+    ours()
+    torch.cuda.synchronize()
+    got = [g.clone() for g in grads]
+    notes, err = {}, None
+    timings = {"tilepy": gpu_time(torch, ours)}
+    if builtin is not None:
+        bkw = dict(dict(causal=causal), **builtin(torch, b, h, s))
+        bout, blse = tilepy.flash_attention(q, k, v, return_lse=True, **bkw)
+        ours(bkw, bout, blse)
+        torch.cuda.synchronize()
+        err = grad_error(torch, got, grads, tolerance("bfloat16"), "tilepy against built-in")
+        timings["tilepy built-in"] = gpu_time(torch, lambda: ours(bkw, bout, blse))
+    elif any(torch.isnan(g).any().item() for g in got):
+        raise AssertionError("tilepy: NaN in the gradients")
+    flex = flex_mods(torch, b, h, s)
+    if "mask_mod" not in flex:
+        flex = dict(flex, mask_mod=(lambda bb, hh, qi, kj: kj <= qi) if causal else None)
+
+    def flex_backward():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        fbm = (create_block_mask(flex["mask_mod"], b, h, s, s, device="cuda", _compile=True)
+               if flex["mask_mod"] is not None else None)
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        with torch._functorch.config.patch(donated_buffer=False):
+            fo = torch.compile(flex_attention)(qg, kg, vg, score_mod=flex.get("score_mod"),
+                                               block_mask=fbm)
+
+            def step():
+                return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
+
+            step()
+        return gpu_time(torch, step)
+
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", flex_backward)
+    pairs = h * b * (s * (s + 1) // 2 if causal else s * s)
+    kind = "mask_mod" if "mask_mod" in kw or "block_mask" in kw else "score_mod"
+    record_throughput(record, work=2.5 * 4 * pairs * d, unit="TFLOPS", timings=timings,
+                      main="FlexAttention", notes=notes, gpu=gpu_name,
+                      shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=causal,
+                      max_rel_err=err, table="Attention backward, user functions",
+                      case=f"B{b} H{h} S{s} D{d} {name} {kind} bfloat16",
+                      figure=f"attention_backward_user_{name}", x=s,
                       xlabel="sequence length")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
