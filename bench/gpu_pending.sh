@@ -58,8 +58,11 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
-#   PART=s32e    s32d cut to the device time left: the grid's two shapes the wave rule moves
-#                (and 2048 x 14336 x 4096 it keeps), the backward variants benchmark
+#   PART=s32e    what session 32 left unmeasured (no device time): the backward GPU tests and
+#                the block-mask ones after the soft cap's float16 derivative pairs, the chain
+#                skipped for ALiBi / masks and the window mask on crossed blocks only; the
+#                grid's two shapes the wave rule moves (and 2048 x 14336 x 4096 it keeps); the
+#                backward variants benchmark (FlexAttention's score_mod backward mended)
 #   PART=s32f    the backward of the user functions (score_mod with score_mod_grad, mask_mod,
 #                a block mask) against the built-in arguments and FlexAttention's backward
 #   PART=s32b    the block-mask backward benchmark against FlexAttention, and the dense
@@ -318,6 +321,10 @@ if [[ " $PART " == *" s32f "* ]]; then
     bench_suite bench_backward_user 300 "test_flash_attention_backward_user_functions"
 fi
 if [[ " $PART " == *" s32e "* ]]; then
+    step attention_backward_gpu_x 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x -rf \
+        --tb=short tests/test_attention_backward_gpu.py --deselect \
+        tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
+    gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
     bench_suite bench_gemm_grid_waves 90 \
         "test_gemm_shape_grid and (1024x14336x4096 or 512x28672x8192 or 2048x14336x4096)"
     bench_suite bench_backward_variants 150 "test_flash_attention_backward_variants"
