@@ -404,6 +404,13 @@ def test_config_choice_and_checks(monkeypatch):
     assert choose_config(128, "bfloat16").producer
     assert not choose_config(128, "bfloat16", deterministic=True).dq_atomic
     assert not choose_config(64, "float16").dq_atomic
+    # variants on the wgmma kernels there too; packed sequences on the mma.sync ones (the
+    # only kernels that take them)
+    assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
+    from tilepy.ops.attention_varlen import choose_backward_config
+
+    for d in (64, 128):
+        assert isinstance(choose_backward_config(d, "bfloat16", False), BackwardConfig)
     with pytest.raises(ValueError, match="producer"):
         WgmmaBackwardConfig(128, producer=True)
     with pytest.raises(ValueError, match="dq_own_keys"):

@@ -61,17 +61,19 @@ WGMMA_VARIANTS = True
 
 
 def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
-                  variant: bool = False):
+                  variant: bool = False, wgmma: bool = True):
     """The built-in backward config for a head dimension and dtype on the current device: on a
     compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
     :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
     :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles).
     ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
-    kernels'. Both kernel families take every variant and block mask."""
+    kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
+    mma.sync kernels' choice whatever the device (packed sequences, which only they take)."""
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
-    if head_dim in bw.HEAD_DIMS and launch.is_hopper() and (WGMMA_VARIANTS or not variant):
+    if wgmma and head_dim in bw.HEAD_DIMS and launch.is_hopper() and \
+            (WGMMA_VARIANTS or not variant):
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])

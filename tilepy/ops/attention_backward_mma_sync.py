@@ -208,11 +208,12 @@ def kernel_jit(threads: int, blocks_per_sm: int | None = None, disk_cache: bool 
     """The backward kernels' decorator: ``cuda.jit`` in the simulator, else the disk-cached
     jit with ``threads`` as the launch bound (and ``blocks_per_sm`` its minimum blocks per
     SM when given: ``setmaxnreg`` kernels pass 1). ``disk_cache=False`` (a kernel whose
-    closure holds a user's function): plain ``cuda.jit`` with the bound."""
+    closure holds a user's function): plain ``cuda.jit`` with the same bounds."""
     if SIMULATOR:
         return cuda.jit
     if not disk_cache:
-        return cuda.jit(launch_bounds=int(threads))
+        return cuda.jit(launch_bounds=int(threads) if blocks_per_sm is None
+                        else (int(threads), int(blocks_per_sm)))
     if blocks_per_sm is None:
         return cached_jit(launch_bounds=int(threads))
     return cached_jit(launch_bounds=(int(threads), int(blocks_per_sm)))
@@ -444,9 +445,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     NOQ = 4 if NOQ_ALL % 4 == 0 else 2
     PASSES = NOQ_ALL // NOQ
     SW = cfg.swizzle
-    # a window other than plain causal / full, a soft cap or user functions: the variant's
-    # masking
-    USER = reads_hook(mods)
+    USER = reads_hook(mods)      # user functions or ALiBi: no disk cache, no grid chunks
     ATOMIC = bool(atomic_dq)
     VARLEN = varlen
     row_start = varlen_row_start(varlen_pad(cfg))
@@ -617,7 +616,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                             ka_frag[0, 0, 0], ka_frag[0, 0, 1], ka_frag[0, 0, 2],
                             ka_frag[0, 0, 3], qn_frag[0, j, 0], qn_frag[0, j, 1],
                             st[0, j, 0], st[0, j, 1], st[0, j, 2], st[0, j, 3])
-                # the variant's modifications and masks, or causal's near the diagonal
+                # the variant's modifications, the causal / window mask where a bound
+                # crosses the block, the keys past sk
                 key_scores(st, dfac, scale, my_key, row + 2 * t, b, hq, hook, cpart,
                            row + shift - key0, my_key - shift - (row + 2 * t), edge, sk)
                 grad.probabilities(st, l_addr, scale_log2, t)

@@ -450,7 +450,7 @@ def choose_backward_config(head_dim: int, dtype: str, deterministic: bool) -> Ba
     :func:`tilepy.ops.attention_backward.choose_config`)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, deterministic, variant=True)
+    return backward_choice(head_dim, dtype, deterministic, variant=True, wgmma=False)
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]

@@ -287,8 +287,9 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
 
     ``packed``: ``dfac`` holds each lane's pairs of derivatives as float16 pairs (an (mi, ns,
     2) uint32 array, half the registers) — for derivatives in [0, 1] (the cap's and a mask's,
-    not a ``score_mod``'s: ``ValueError``), whose float16 rounding (2⁻¹¹) is below the
-    16-bit rounding ``dS`` takes before its products.
+    not a ``score_mod``'s: ``ValueError``), whose float16 rounding (2⁻¹¹ relative; about
+    3·10⁻⁸ absolute for the subnormal ones) is no larger than the 16-bit rounding ``dS``
+    takes before its products.
 
     ``score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args) -> float``: the derivative of
     ``score_mod`` in its first argument, required with a ``score_mod`` (``TypeError``
@@ -617,18 +618,18 @@ def reads_hook(mods) -> bool:
 def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
                      softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
     """``(scores, chain, (shape, dtype))``: a variant's treatment of a dK / dV kernel's
-    transposed score
-    fragment ``Sᵀ`` (1, nq, 4) — a warp's 16 key rows against ``8 nq`` query columns — before
-    :func:`softmax_gradient`'s ``probabilities``, and of ``dSᵀ`` after its ``gradients``.
+    transposed score fragment ``Sᵀ`` (1, nq, 4) — a warp's 16 key rows against ``8 nq`` query
+    columns — before :func:`softmax_gradient`'s ``probabilities``, and of ``dSᵀ`` after its
+    ``gradients``.
 
     * ``scores(st, dfac, scale, my_key, col0, b, h, hook, part, block_diag, diag, edge,
       sk)``: the score modifications of :func:`score_functions` (soft cap, ALiBi, ``score_mod``,
-      ``mask_mod``; ``dfac`` their derivative, a (1, nq, 4) float32 array; ``my_key`` the
-      lane's first key row, ``col0`` its first query column ``query0 + 2t``; ``hook`` the
-      kernel's hook arguments; ``part`` False for a block a block mask lists as full, whose
-      scores skip ``mask_mod``), then the causal or window mask (``diag``: ``my_key -
-      (sk - sq) - col0``, :func:`mask_transposed` / :func:`mask_transposed_window`) on the
-      blocks a bound crosses — ``block_diag = row0 + (sk - sq) - key0`` (block-uniform: the
+      ``mask_mod``; ``dfac`` their derivative, a local array of the returned layout;
+      ``my_key`` the lane's first key row, ``col0`` its first query column ``query0 +
+      2t``; ``hook`` the kernel's hook arguments; ``part`` False for a block a block mask
+      lists as full, whose scores skip ``mask_mod``), then the causal or window mask
+      (``diag``: ``my_key - (sk - sq) - col0``, :func:`mask_transposed` /
+      :func:`mask_transposed_window`) on the blocks a bound crosses — ``block_diag = row0 + (sk - sq) - key0`` (block-uniform: the
       query block's first row ``row0``, the key block's first key ``key0``, ``block_n`` keys,
       ``8 nq`` rows) tells which — then, where ``edge`` (the key block passes ``sk``), the
       zero-filled keys past the end (:func:`mask_keys_past`).
@@ -841,8 +842,8 @@ def key_steps(block_m: int, block_n: int, causal: bool = False, window=None,
       loop's steps ``kb_first … kb_end - 1``; under a block mask of ``mask_block = (block_q,
       block_k)`` (multiples of ``block_m`` / ``block_n``) the steps ``0 …`` of the lists
       ``kvmask`` names for the query block (:func:`tilepy.tile.attention.block_mask_row`;
-      not read when dense), ``blocks`` what ``at`` / ``partial`` read (dense: the first
-      key block, 0);
+      not read when dense), ``blocks`` what ``at`` / ``partial`` read (dense: 0, step ``j``
+      visiting key block ``j``);
     * ``at(blocks, j) -> kb`` and ``partial(blocks, j) -> bool``: step ``j``'s key block and
       whether its scores take the mask function (:func:`tilepy.tile.attention.key_block_at`,
       :func:`tilepy.tile.attention.key_block_partial`).
@@ -872,10 +873,9 @@ def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
 
     return bounds, at, partial
 
-__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "key_block_coords",
-           "mask_keys_past", "mask_transposed", "mask_transposed_window",
-           "check_functions", "kernel_variant", "key_block_scores", "key_steps", "query_block_scores", "query_blocks",
-           "query_steps", "reads_hook", "row_state", "score_functions", "softcap_scores",
-           "softmax_gradient", "variant_mods",
-           "stage_float32",
-           "store_accumulators", "transpose_to_shared"]
+__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions",
+           "kernel_variant", "key_block_coords", "key_block_scores", "key_steps",
+           "mask_keys_past", "mask_transposed", "mask_transposed_window", "query_block_scores",
+           "query_blocks", "query_steps", "reads_hook", "row_state", "score_functions",
+           "softcap_scores", "softmax_gradient", "stage_float32", "store_accumulators",
+           "transpose_to_shared", "variant_mods"]
