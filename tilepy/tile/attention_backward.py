@@ -631,8 +631,9 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
       (``diag``: ``my_key - (sk - sq) - col0``, :func:`mask_transposed` /
       :func:`mask_transposed_window`) on the blocks a bound crosses — ``block_diag = row0 +
       (sk - sq) - key0`` (block-uniform: the query block's first row ``row0``, the key
-      block's first key ``key0``, ``block_n`` keys, ``8 nq`` rows) tells which — then, where ``edge`` (the key block passes ``sk``), the
-      zero-filled keys past the end (:func:`mask_keys_past`).
+      block's first key ``key0``, ``block_n`` keys, ``8 nq`` rows) tells which — then,
+      where ``edge`` (the key block passes ``sk``), the zero-filled keys past the end
+      (:func:`mask_keys_past`).
     * ``chain(ds, dfac)``: ``dS ← dS · dfac`` where the variant's derivative is not 1 — a
       soft cap or a ``score_mod`` (ALiBi's bias has derivative 1, and the scores a mask hides
       have ``P = 0``, so ``dS = P ∘ (dP - D)`` is 0 there already); nothing otherwise, and
