@@ -438,3 +438,57 @@ def test_pieces_compile_for_sm90a_in_registers():
         assert rep["spill_stores"] == 0, rep
         assert rep["counts"]["ld.local"] == 0 and rep["counts"]["st.local"] == 0, rep
         assert rep["ex2"] >= 64 // 2, rep          # p of every score, one ex2 each
+
+
+@pytest.mark.sim
+def test_query_steps_walk_equals_random_access():
+    """tilepy.tile.attention_backward.query_steps under a block mask: the one-after-the-other
+    walk (first / advance, the warp-specialised backward's) visits the same (head, query
+    block, partial) steps as random access (step) and as the transposed lists say — heads
+    with empty lists skipped, a mask query block of two kernel query blocks, list entries
+    past the end clamped; dense: head by head over the query blocks."""
+    from tilepy.tile.attention_backward import query_steps
+
+    group, n_kb, n_qm, ratio = 4, 3, 5, 2          # mask (64, 32) blocks, kernel 32 x 32
+    rng = np.random.default_rng(3)
+    num = rng.integers(0, 3, (1, group, n_kb)).astype(np.int32)
+    full = rng.integers(0, 3, (1, group, n_kb)).astype(np.int32)
+    num[0, 1, :] = 0                               # head 1: nothing, either list
+    full[0, 1, :] = 0
+    idx = rng.integers(0, n_qm + 2, (1, group, n_kb, n_qm)).astype(np.int32)  # some past end
+    fidx = rng.integers(0, n_qm, (1, group, n_kb, n_qm)).astype(np.int32)
+    lists = (num, idx, full, fidx)
+    count, step, first, advance = query_steps(32, 32, (64, 32))
+    dcount, dstep, dfirst, dadvance = query_steps(32, 32)
+
+    @cuda.jit
+    def kernel(qmask, kb, n_max, walked, random, dense):
+        steps = count(qmask, kb, 0, 0, group, 0)
+        walked[0, 0] = steps
+        w = first(0, 0, qmask, kb, 0, 0, group)
+        for n in range(steps):
+            walked[n + 1, 0], walked[n + 1, 1], walked[n + 1, 2] = w[0], w[1], w[2]
+            h, qb, part = step(n, 0, 0, qmask, kb, 0, 0, group)
+            random[n + 1, 0], random[n + 1, 1], random[n + 1, 2] = h, qb, part
+            w = advance(w, 0, 0, qmask, kb, 0, 0, group)
+        d = dfirst(2, 3, qmask, kb, 0, 0, group)  # query blocks 2, 3, 4 of each head
+        for n in range(dcount(qmask, kb, 0, 0, group, 3)):
+            dense[n, 0], dense[n, 1] = d[0], d[1]
+            d = dadvance(d, 2, 3, qmask, kb, 0, 0, group)
+
+    for kb in range(n_kb):
+        walked = np.full((64, 3), -1, np.int64)
+        random = np.full((64, 3), -1, np.int64)
+        dense = np.full((group * 3, 2), -1, np.int64)
+        kernel[1, 1](lists, kb, 64, walked, random, dense)
+        want = []
+        for h in range(group):
+            for lst, cnt, part in ((idx, num, 1), (fidx, full, 0)):
+                for j in range(int(cnt[0, h, kb])):
+                    m = min(max(int(lst[0, h, kb, j]), 0), n_qm - 1)
+                    want += [(h, m * ratio + r, part) for r in range(ratio)]
+        steps = int(walked[0, 0])
+        assert steps == len(want)
+        assert [tuple(x) for x in walked[1:steps + 1]] == want, kb
+        assert [tuple(x) for x in random[1:steps + 1]] == want, kb
+        assert [tuple(x) for x in dense] == [(h, 2 + i) for h in range(group) for i in range(3)]

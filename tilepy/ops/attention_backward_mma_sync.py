@@ -473,7 +473,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     qblocks = query_blocks(BM, False, WIN, BN)
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
-    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
+    count_steps, step_of, first_step, _ = query_steps(BM, BN, mask_block)
 
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
@@ -550,7 +550,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             hstep_r = lse2.strides[1]
 
             # step 0's Q, dO, lse2, delta in the same group as K and V
-            nh, qbn, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
+            nh, qbn, _, _, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
             row = qbn * BM
             issue_q(base + Q_OFF, nh * hstep_q + row * qs, q0, qsh, qr, qc, qs, sq - row)
             issue_q(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)

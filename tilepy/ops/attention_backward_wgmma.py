@@ -390,7 +390,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                                                                     SPARSE)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, False, WIN, BN)
-    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
+    count_steps, step_of, first_step, _ = query_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
@@ -428,7 +428,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
             e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
             hstep_r = lse2.strides[1]
-            fh, fqb, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
+            fh, fqb, _, _, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
             row = fqb * BM
             issue_q(base + Q_OFF, np.int64(global_addr(q, (b, hq0 + fh, row, 0))), qs, sq - row,
                     tid)
@@ -557,8 +557,9 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
       before it rewrites the staging.
 
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
-    producer and the consumers walk the same steps (:func:`tilepy.tile.attention_backward.
-    query_steps`).
+    producer and the consumers walk the same steps one after the other
+    (:func:`tilepy.tile.attention_backward.query_steps`' ``first`` / ``advance``: a few
+    integers and scalar loads a step, within the producer's 24 registers).
     """
     return _dkdv_ws_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
                                           cfg.block_m, cfg.block_n))
@@ -607,21 +608,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                            cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, False, WIN, BN)
-    count_steps, step_of, first_step = query_steps(BM, BN, mask_block)
+    count_steps, _, first_step, advance = query_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
-
-    @inline_device
-    def next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group):
-        """``(head, query block, partial)`` of step ``n + 1`` after step ``n``'s (head hq,
-        query block qb): dense, the next block or the next head's first (no division per
-        step); block-sparse, from the mask's lists."""
-        if SPARSE:
-            nh, nqb, part = step_of(n + 1, qb0, per_head, qmask, kb, b, hq0, group)
-            return hq0 + nh, nqb, part
-        if qb + 1 == qb0 + per_head:
-            return hq + 1, qb0, True
-        return hq, qb + 1, True
 
     @inline_device
     def produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps, group,
@@ -635,10 +624,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
         e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
         s, ph = 0, 0
-        fh, qb, _ = first_step(qb0, per_head, qmask, kb, b, hq0, group)
-        hq = hq0 + fh          # step n's head and query block
+        walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # step n's
         for n in range(steps):
-            row = qb * BM
+            hq = hq0 + walk[0]
+            row = walk[1] * BM
             ring.acquire(bars, s, ph)
             issue_q(base + Q_OFF + s * Q_TILE, np.int64(global_addr(q, (b, hq, row, 0))),
                     q.strides[2], sq - row, tid)
@@ -651,7 +640,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             if n == 0:
                 mbarrier_arrive(bars + KV_BAR)
             s, ph = ring.advance(s, ph)
-            hq, qb, _ = next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group)
+            walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
@@ -683,10 +672,11 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
         hq0 = hk * group
-        fh, qb, part = first_step(qb0, per_head, qmask, kb, b, hq0, group)
-        hq = hq0 + fh
+        walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # the producer's steps
         for n in range(steps):
-            row = qb * BM
+            hq = hq0 + walk[0]
+            row = walk[1] * BM
+            part = walk[2]
             ring.wait(bars, s, ph)
             buf = (n % DS_BUFFERS) * DS_BYTES
             products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
@@ -722,7 +712,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                         stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
-            hq, qb, part = next_block(n, hq, qb, qb0, per_head, qmask, kb, b, hq0, group)
+            walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
         if issuer:
             bulk_wait_group(0)
 

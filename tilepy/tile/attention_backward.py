@@ -760,16 +760,21 @@ def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float
 
 
 def query_steps(block_m: int, block_n: int, mask_block=None):
-    """``(count, step, first)``: a dK / dV kernel's loop over the (query head of the K/V
-    head's group, query block of ``block_m`` rows) pairs that see its key block (of
+    """``(count, step, first, advance)``: a dK / dV kernel's loop over the (query head of
+    the K/V head's group, query block of ``block_m`` rows) pairs that see its key block (of
     ``block_n`` keys).
 
     * ``count(qmask, kb, b, hq0, group, per_head) -> steps``;
     * ``step(n, qb0, per_head, qmask, kb, b, hq0, group) -> (head, qb, part)``: step ``n``'s
       query head offset within the group, query block, and whether its scores need the mask
-      function (always True when dense);
-    * ``first(qb0, per_head, qmask, kb, b, hq0, group)``: ``step(0, …)`` (dense: no
-      division).
+      function (always True when dense) — random access (block-sparse: a walk over the
+      group's lists);
+    * ``first(qb0, per_head, qmask, kb, b, hq0, group) -> state`` and ``advance(state, qb0,
+      per_head, qmask, kb, b, hq0, group) -> state``: the same steps one after the other,
+      ``state = (head, qb, part, rem, cnt)`` (the first three as ``step``'s; ``rem`` / ``cnt``
+      the walk's place in the head's list) — a few integers and scalar loads a step, for
+      kernels whose registers are few (a producer warpgroup). Advancing past the last step
+      reads nothing out of bounds (its state is not a step).
 
     Dense (``mask_block`` None): ``group · per_head`` steps, head by head, each over the
     query blocks ``qb0 …`` (:func:`query_blocks`); ``qmask`` and ``kb`` are not read. Under a
@@ -794,15 +799,25 @@ def _dense_steps():
 
     @inline_device
     def first(qb0, per_head, qmask, kb, b, hq0, group):
-        return 0, qb0, True
+        return 0, qb0, True, 0, per_head
 
-    return count, step, first
+    @inline_device
+    def advance(state, qb0, per_head, qmask, kb, b, hq0, group):
+        head, qb, part, rem, cnt = state
+        if qb + 1 == qb0 + per_head:
+            return head + 1, qb0, True, 0, cnt
+        return head, qb + 1, True, rem + 1, cnt
+
+    return count, step, first, advance
 
 
 @functools.cache
 def _sparse_steps(block_n: int, mask_block_k: int, q_ratio: int):
     q_list = block_mask_row(block_n, mask_block_k, q_ratio)
     q_at = key_block_at(True, q_ratio)
+    KR = mask_block_k // block_n         # kernel key blocks a mask key block
+    R = np.int64(q_ratio)                # kernel query blocks a mask query block
+    zero = np.int64(0)
 
     @inline_device
     def count(qmask, kb, b, hq0, group, per_head):
@@ -827,10 +842,53 @@ def _sparse_steps(block_n: int, mask_block_k: int, q_ratio: int):
         return head, qb, part
 
     @inline_device
-    def first(qb0, per_head, qmask, kb, b, hq0, group):
-        return step(0, qb0, per_head, qmask, kb, b, hq0, group)
+    def head_count(qmask, kb, b, h):
+        """(steps, partial steps) of head h's list: block_mask_row's counts, scalar loads."""
+        num, idx, full_num, _ = qmask
+        qm = kb // KR
+        top = np.int64(idx.shape[3])
+        n_partial = min(max(np.int64(num[b, h, qm]), zero), top) * R
+        n_full = min(max(np.int64(full_num[b, h, qm]), zero), top) * R
+        return n_partial + n_full, n_partial
 
-    return count, step, first
+    @inline_device
+    def entry(qmask, kb, b, h, rem, n_partial):
+        """(query block, partial) of step rem of head h's list (key_block_at's clamping);
+        positions past the list read its last entry."""
+        _, idx, _, full_idx = qmask
+        qm = kb // KR
+        last = np.int64(idx.shape[3] - 1)
+        if rem < n_partial:
+            m = np.int64(idx[b, h, qm, min(rem // R, last)])
+            r = rem % R
+        else:
+            f = rem - n_partial
+            m = np.int64(full_idx[b, h, qm, min(f // R, last)])
+            r = f % R
+        return min(max(m, zero), last) * R + r, rem < n_partial
+
+    @inline_device
+    def settle(head, rem, cnt, n_partial, qmask, kb, b, hq0, group):
+        """The walk moved on to the next head while the current one's list is done."""
+        while rem >= cnt and head + 1 < group:
+            head += 1
+            rem = zero
+            cnt, n_partial = head_count(qmask, kb, b, hq0 + head)
+        qb, part = entry(qmask, kb, b, hq0 + head, rem, n_partial)
+        return head, qb, part, rem, cnt
+
+    @inline_device
+    def first(qb0, per_head, qmask, kb, b, hq0, group):
+        cnt, n_partial = head_count(qmask, kb, b, hq0)
+        return settle(0, zero, cnt, n_partial, qmask, kb, b, hq0, group)
+
+    @inline_device
+    def advance(state, qb0, per_head, qmask, kb, b, hq0, group):
+        head, qb, part, rem, cnt = state
+        _, n_partial = head_count(qmask, kb, b, hq0 + head)
+        return settle(head, rem + 1, cnt, n_partial, qmask, kb, b, hq0, group)
+
+    return count, step, first, advance
 
 
 def key_steps(block_m: int, block_n: int, causal: bool = False, window=None,
