@@ -168,11 +168,11 @@ def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
 
 #: The wgmma backward kernels under a block mask (their twins): dK / dV over 64 keys then
 #: dQ's own kernel over 64-key steps, 64 x 64 mask blocks; the warp-specialised kernel (two
-#: 64-key consumers, dQ by bulk reductions) with 64 x 128 blocks.
+#: 64-key consumers, dQ by bulk reductions; its unused dQ kernel's 128 rows do not count)
+#: with 64 x 128 blocks.
 WGMMA_SPARSE = {
     "wgmma": (dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64), (64, 64), 85),
-    "wgmma_ws": (dict(block_m=64, key_groups=2, dq_groups=1, dq_atomic=True, producer=True),
-                 (64, 128), 170),
+    "wgmma_ws": (dict(block_m=64, key_groups=2, dq_atomic=True, producer=True), (64, 128), 170),
 }
 
 

@@ -200,19 +200,21 @@ def _mask_arrays(block_mask) -> tuple:
     return () if qa is None else tuple(block_mask.arrays) + tuple(qa)
 
 
-def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
+def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like, deterministic=False):
     """``(mask, caller's, recordable)``: the block mask the backward's kernels walk — the
     caller's, or for a ``mask_mod`` of no array argument (and no window) the op's own, made
-    once per shape at the kernels' tiles
+    once per shape at both kernels' tiles
     (:func:`tilepy.ops.attention_block_mask.cached_block_mask`) — or
-    ``(None, False, …)``: every block visited (a mask without transposed lists, tiles that do
-    not divide its blocks, or a capture with no mask kept yet — then not
-    ``recordable``: the plans are not kept, so a later call gets the op's mask)."""
+    ``(None, False, …)``: every block visited (a mask without transposed lists, tiles of the
+    kernels that run that do not divide its blocks — the dK / dV kernel's alone when dQ comes
+    by atomics — or a capture with no mask kept yet — then not ``recordable``: the plans are
+    not kept, so a later call gets the op's mask)."""
     _, _, mask_mod, _, mod_args = mods
     if not (bq and hq and sq and sk):
         return None, False, True
-    # the mask's blocks must be multiples of both kernels' tiles
+    # the mask's blocks must be multiples of the tiles of the kernels that run
     tiles = (math.lcm(cfg.block_m, cfg.dq_block_m), math.lcm(cfg.block_n, cfg.dq_block_n))
+    runs = (cfg.block_m, cfg.block_n) if bk.uses_atomics(cfg, deterministic) else tiles
     if block_mask is None:
         if not abm.makes_own_mask(mask_mod, mod_args, win):
             return None, False, True
@@ -223,7 +225,7 @@ def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like):
     else:
         caller = True
     bm, bn = block_sizes(block_mask.block_size)
-    if block_mask.q_arrays is None or bm % tiles[0] or bn % tiles[1]:
+    if block_mask.q_arrays is None or bm % runs[0] or bn % runs[1]:
         return None, False, True
     return block_mask, caller, True
 #: The operands of one call in the order bound plans take their pointers: the arguments as
@@ -330,7 +332,7 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         return tuple(a for a, _ in results)
     gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
     mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk,
-                                                 Q.raw)
+                                                 Q.raw, bool(deterministic))
     sqp = bk.row_pad(cfg, sq)
     if mask is not None:
         # a mask's last query block may reach past seq_q: the rows' scratch covers it whole
