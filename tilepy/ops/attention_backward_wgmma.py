@@ -328,12 +328,6 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
     return products, g_mma, dfac_layout
 
 
-def _variant(cfg, causal, window, softcap, mods, mask_block, block_m, block_n):
-    """A kernel generator's variant arguments, normalised and checked: ``(left, right, cap,
-    mods, mask_block)``."""
-    return kernel_variant(causal, window, softcap, mods, mask_block, block_m, block_n)
-
-
 def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
                 mods=(None, None, None), mask_block=None):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``
@@ -342,8 +336,8 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: fl
     (``window``, ``softcap``, ``mods``, ``mask_block``; not packed sequences); grid
     ``(ceil(Sk / block_n), Hkv, B)``, ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes`` of
     dynamic shared memory (1024-byte aligned)."""
-    return _dkdv_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
-                                       cfg.block_m, cfg.block_n))
+    return _dkdv_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
+                                             cfg.block_m, cfg.block_n))
 
 
 @functools.cache
@@ -561,8 +555,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     (:func:`tilepy.tile.attention_backward.query_steps`' ``first`` / ``advance``: a few
     integers and scalar loads a step, within the producer's 24 registers).
     """
-    return _dkdv_ws_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
-                                          cfg.block_m, cfg.block_n))
+    return _dkdv_ws_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
+                                                cfg.block_m, cfg.block_n))
 
 
 @functools.cache
@@ -764,8 +758,8 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: floa
     :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract and variants (not
     packed sequences); grid ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads,
     ``cfg.dq_layout.nbytes`` of dynamic shared memory (1024-byte aligned)."""
-    return _dq_kernel(cfg, *_variant(cfg, causal, window, softcap, mods, mask_block,
-                                     cfg.dq_block_m, cfg.dq_block_n))
+    return _dq_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
+                                           cfg.dq_block_m, cfg.dq_block_n))
 
 
 @functools.cache

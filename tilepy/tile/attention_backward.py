@@ -646,9 +646,8 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
     ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi])``; ``sparse``: under a
     block mask (``part`` read). With none of them the code is plain causal's or full
     attention's. Arguments a variant does not need are not read."""
-    left, right = key_window(causal, window)
-    return _key_block_scores(int(nq), int(block_n), left, right, float(softcap or 0.0),
-                             variant_mods(mods), bool(sparse))
+    left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
+    return _key_block_scores(int(nq), int(block_n), left, right, cap, mods, bool(sparse))
 
 
 @functools.cache
@@ -660,21 +659,14 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
     UPPER = block_n - 1 - max(right, 0)     # upper crossed when block_diag < UPPER
     LOWER = left + 1 - 8 * nq               # lower crossed when block_diag > LOWER
     HAS_UPPER, HAS_LOWER = right >= 0, left >= 0
-    USER = reads_hook(mods)
-    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or cap > 0 or USER
+    CAPPED, CHAIN, PACKED, FULL_HOOK, capped, capped_full = _hooks(nq, cap, mods, sparse,
+                                                                    True)
+    VARIANT = (left, right) not in ((-1, -1), (-1, 0)) or CAPPED
     CAUSAL = right == 0 and not VARIANT
-    WINDOWED, CAPPED = VARIANT and max(left, right) >= 0, cap > 0 or USER
-    CHAIN, PACKED = _chain_kind(cap, mods)
+    WINDOWED = VARIANT and max(left, right) >= 0
     mask = mask_transposed(1, nq)
     mask_window = _mask_transposed_window(1, nq, left, right)
     mask_past = mask_keys_past(1, nq)
-    capped = score_functions(1, nq, cap, *mods[:3], transposed=True, n_args=mods[3],
-                             alibi=mods[4], packed=PACKED) if CAPPED else None
-    # a full block of a block mask takes the hook without mask_mod, as the forward
-    FULL_HOOK = sparse and CAPPED and mods[2] is not None
-    capped_full = score_functions(1, nq, cap, mods[0], mods[1], None, transposed=True,
-                                  n_args=mods[3], alibi=mods[4],
-                                  packed=PACKED) if FULL_HOOK else None
 
     @inline_device
     def scores(st, dfac, scale, my_key, col0, b, h, hook, part, block_diag, diag, edge, sk):
@@ -700,11 +692,21 @@ def _key_block_scores(nq: int, block_n: int, left: int, right: int, cap: float, 
     return scores, chain, _dfac_layout(nq, PACKED)
 
 
-def _chain_kind(cap: float, mods: tuple) -> tuple:
-    """``(chain, packed)``: whether a variant's derivative multiplies dS (a soft cap or a
-    ``score_mod``), and whether it fits float16 pairs (the cap's, in [0, 1])."""
+def _hooks(n8: int, cap: float, mods: tuple, sparse: bool, transposed: bool) -> tuple:
+    """``(capped, chain, packed, full_hook, hook, full)`` of a (1, n8, 4) score fragment:
+    whether the variant modifies scores (a cap or a score hook), whether its derivative
+    multiplies dS (a soft cap or a ``score_mod``) and fits float16 pairs (the cap's, in
+    [0, 1]), whether a block mask's full blocks take the hook without ``mask_mod`` (as the
+    forward), and those :func:`score_functions` (None where not needed)."""
+    capped = cap > 0 or reads_hook(mods)
     chain = cap > 0 or mods[0] is not None
-    return chain, chain and mods[0] is None
+    packed = chain and mods[0] is None
+    full_hook = sparse and capped and mods[2] is not None
+    hook = score_functions(1, n8, cap, *mods[:3], transposed=transposed, n_args=mods[3],
+                           alibi=mods[4], packed=packed) if capped else None
+    full = score_functions(1, n8, cap, mods[0], mods[1], None, transposed=transposed,
+                           n_args=mods[3], alibi=mods[4], packed=packed) if full_hook else None
+    return capped, chain, packed, full_hook, hook, full
 
 
 def _dfac_layout(n8: int, packed: bool) -> tuple:
@@ -725,23 +727,17 @@ def query_block_scores(ns: int, block_n: int, causal: bool = False, window=None,
       ``all_see`` of :func:`tilepy.tile.attention.key_blocks`) — causal, a window, and the
       keys past ``sk``.
     * ``chain(ds, dfac)`` as :func:`key_block_scores`'."""
-    left, right = key_window(causal, window)
-    return _query_block_scores(int(ns), int(block_n), left, right, float(softcap or 0.0),
-                               variant_mods(mods), bool(sparse))
+    left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
+    return _query_block_scores(int(ns), int(block_n), left, right, cap, mods, bool(sparse))
 
 
 @functools.cache
 def _query_block_scores(ns: int, block_n: int, left: int, right: int, cap: float, mods: tuple,
                         sparse: bool):
     BN = block_n
-    CAPPED = cap > 0 or reads_hook(mods)
-    CHAIN, PACKED = _chain_kind(cap, mods)
+    CAPPED, CHAIN, PACKED, FULL_HOOK, capped, capped_full = _hooks(ns, cap, mods, sparse,
+                                                                    False)
     mask = mask_key_block(1, ns, block_n, (left, right))
-    capped = score_functions(1, ns, cap, *mods[:3], n_args=mods[3], alibi=mods[4],
-                             packed=PACKED) if CAPPED else None
-    FULL_HOOK = sparse and CAPPED and mods[2] is not None
-    capped_full = score_functions(1, ns, cap, mods[0], mods[1], None, n_args=mods[3],
-                                  alibi=mods[4], packed=PACKED) if FULL_HOOK else None
 
     @inline_device
     def scores(s, dfac, scale, row, kb, t, b, h, hook, part, limit, all_first, all_see):
