@@ -105,6 +105,43 @@ def grad_error(torch, got, want, limit, who):
     return max(errs.values())
 
 
+def checked_pair(torch, grads, reference, run, who):
+    """``reference()`` then ``run()``, both writing ``grads``: the larger relative error of
+    ``run``'s gradients against ``reference``'s (``grads`` NaN-filled between the two, so an
+    element ``run`` does not write fails; :func:`grad_error` at the bfloat16 tolerance)."""
+    reference()
+    torch.cuda.synchronize()
+    want = [g.clone() for g in grads]
+    for g in grads:
+        g.fill_(float("nan"))
+    run()
+    torch.cuda.synchronize()
+    return grad_error(torch, grads, want, tolerance("bfloat16"), who)
+
+
+def flex_backward_timing(torch, q, k, v, dout, score_mod=None, mask_mod=None, b=None,
+                         h=None):
+    """Compiled FlexAttention's backward of the same problem: its forward once (a block mask
+    from ``mask_mod`` over ``b`` / ``h``, None: every batch / head alike), then
+    ``torch.autograd.grad`` timed. Buffer donation is off while compiling: a compiled backward
+    that donates buffers refuses ``retain_graph``, which the timed backward on one forward's
+    graph needs."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s, sk = q.shape[2], k.shape[2]
+    fbm = (create_block_mask(mask_mod, b, h, s, sk, device="cuda", _compile=True)
+           if mask_mod is not None else None)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    with torch._functorch.config.patch(donated_buffer=False):
+        fo = torch.compile(flex_attention)(qg, kg, vg, score_mod=score_mod, block_mask=fbm)
+
+        def step():
+            return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
+
+        step()
+    return gpu_time(torch, step)
+
+
 def checked_grad_timing(torch, run, want, limit, who):
     """``run()`` (returns dq, dk, dv) checked once against ``want``, then timed."""
     got = run()
@@ -294,14 +331,7 @@ def test_flash_attention_backward_block_mask(benchmark, record, torch, gpu_name)
         return tilepy.flash_attention_backward(dout, q, k, v, out, lse, block_mask=mask,
                                                dq=grads[0], dk=grads[1], dv=grads[2])
 
-    ours()
-    torch.cuda.synchronize()
-    want = [g.clone() for g in grads]
-    for g in grads:
-        g.fill_(float("nan"))
-    ours(dense)
-    torch.cuda.synchronize()
-    err = grad_error(torch, grads, want, tolerance("bfloat16"), "tilepy dense walk")
+    err = checked_pair(torch, grads, ours, lambda: ours(dense), "tilepy dense walk")
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours),
                "tilepy dense walk": gpu_time(torch, lambda: ours(dense))}
@@ -369,46 +399,23 @@ def test_flash_attention_backward_variants(benchmark, record, torch, gpu_name, v
         return tilepy.flash_attention_backward(dout, q, k, v, out, lse, config=config,
                                                dq=grads[0], dk=grads[1], dv=grads[2], **kw)
 
-    ours(portable)
-    torch.cuda.synchronize()
-    want = [g.clone() for g in grads]
-    for g in grads:
-        g.fill_(float("nan"))
-    ours()
-    torch.cuda.synchronize()
-    err = grad_error(torch, grads, want, tolerance("bfloat16"), "tilepy")
+    err = checked_pair(torch, grads, lambda: ours(portable), ours, "tilepy")
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours),
                "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
 
-    def flex():
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    left = window[0] if window is not None else s
 
-        left = window[0] if window is not None else s
+    def mask(bb, hh, qi, kj):
+        return (kj <= qi) & (qi - kj <= left)
 
-        def mask(bb, hh, qi, kj):
-            return (kj <= qi) & (qi - kj <= left)
-
-        # no captured tensor (compiled FlexAttention's backward refuses one): ALiBi's slope
-        # from the head index, as `slopes` above
-        score = (lambda x, bb, hh, qi, kj: cap * torch.tanh(x / cap)) if cap else \
-            (lambda x, bb, hh, qi, kj: x - torch.exp2(-8.0 * (hh + 1) / h) * (qi - kj).abs()) \
-            if alibi else None
-
-        fbm = create_block_mask(mask, None, None, s, s, device="cuda", _compile=True)
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        # a compiled backward that donates buffers refuses retain_graph (the timed backward
-        # runs again on one forward's graph)
-        with torch._functorch.config.patch(donated_buffer=False):
-            fo = torch.compile(flex_attention)(qg, kg, vg, score_mod=score, block_mask=fbm)
-
-            def step():
-                return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
-
-            step()
-        return gpu_time(torch, step)
-
-    timings["FlexAttention"] = try_peer(notes, "FlexAttention", flex)
+    # no captured tensor (compiled FlexAttention's backward refuses one): ALiBi's slope from
+    # the head index, as `slopes` above
+    score = (lambda x, bb, hh, qi, kj: cap * torch.tanh(x / cap)) if cap else \
+        (lambda x, bb, hh, qi, kj: x - torch.exp2(-8.0 * (hh + 1) / h) * (qi - kj).abs()) \
+        if alibi else None
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", lambda: flex_backward_timing(
+        torch, q, k, v, dout, score, mask))
     pairs = _visible_pairs(s, window)
     record_throughput(record, work=2.5 * 4 * b * h * d * pairs, unit="TFLOPS",
                       timings=timings, main="FlexAttention", notes=notes, gpu=gpu_name,
@@ -463,41 +470,26 @@ def test_flash_attention_backward_user_functions(benchmark, record, torch, gpu_n
         return tilepy.flash_attention_backward(dout, q, k, v, o, l2, dq=grads[0], dk=grads[1],
                                                dv=grads[2], **args)
 
-    ours()
-    torch.cuda.synchronize()
-    got = [g.clone() for g in grads]
     notes, err = {}, None
-    timings = {"tilepy": gpu_time(torch, ours)}
     if builtin is not None:
         bkw = dict(dict(causal=causal), **builtin(torch, b, h, s))
         bout, blse = tilepy.flash_attention(q, k, v, return_lse=True, **bkw)
-        ours(bkw, bout, blse)
+        err = checked_pair(torch, grads, ours, lambda: ours(bkw, bout, blse),
+                           "tilepy built-in against the user functions")
+    else:
+        ours()
         torch.cuda.synchronize()
-        err = grad_error(torch, got, grads, tolerance("bfloat16"), "tilepy against built-in")
+        if any(torch.isnan(g).any().item() for g in grads):
+            raise AssertionError("tilepy: NaN in the gradients")
+    timings = {"tilepy": gpu_time(torch, ours)}
+    if builtin is not None:
         timings["tilepy built-in"] = gpu_time(torch, lambda: ours(bkw, bout, blse))
-    elif any(torch.isnan(g).any().item() for g in got):
-        raise AssertionError("tilepy: NaN in the gradients")
     flex = flex_mods(torch, b, h, s)
     if "mask_mod" not in flex:
         flex = dict(flex, mask_mod=(lambda bb, hh, qi, kj: kj <= qi) if causal else None)
 
-    def flex_backward():
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        fbm = (create_block_mask(flex["mask_mod"], b, h, s, s, device="cuda", _compile=True)
-               if flex["mask_mod"] is not None else None)
-        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
-        with torch._functorch.config.patch(donated_buffer=False):
-            fo = torch.compile(flex_attention)(qg, kg, vg, score_mod=flex.get("score_mod"),
-                                               block_mask=fbm)
-
-            def step():
-                return torch.autograd.grad(fo, (qg, kg, vg), dout, retain_graph=True)
-
-            step()
-        return gpu_time(torch, step)
-
-    timings["FlexAttention"] = try_peer(notes, "FlexAttention", flex_backward)
+    timings["FlexAttention"] = try_peer(notes, "FlexAttention", lambda: flex_backward_timing(
+        torch, q, k, v, dout, flex.get("score_mod"), flex["mask_mod"], b, h))
     pairs = h * b * (s * (s + 1) // 2 if causal else s * s)
     kind = "mask_mod" if "mask_mod" in kw or "block_mask" in kw else "score_mod"
     record_throughput(record, work=2.5 * 4 * pairs * d, unit="TFLOPS", timings=timings,
