@@ -203,7 +203,9 @@ def test_traced_kernel_marks_its_phases_and_computes_the_same(extra, sms):
         assert all(x > 0 for x in times) and times == sorted(times), (r, times)
         assert t[r, mk["last_loop_start"]] <= t[r, mk["last_loop_end"]] \
             <= t[r, mk["last_item_end"]] <= t[r, mk["consumer_end"]]
-        assert t[r, mk["producer_end"]] >= t[r, mk["ready"]]
+        # the producer starts after the barrier that precedes the consumer's "ready" note,
+        # and may issue its last load before that note (few k steps): order it after "entry"
+        assert t[r, mk["producer_end"]] >= t[r, mk["entry"]]
         assert trace[r, TR.SLOTS + mk["entry"]] > 0      # the clock columns too
     s = TR.summary(trace, mk, [("main loop", "first_stage", "first_loop_end")],
                    {"items": mk["items"]})
