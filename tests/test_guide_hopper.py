@@ -88,9 +88,9 @@ def test_edges_and_the_ring_across_persistent_tiles(monkeypatch):
     2 stages (the ring and its parities run on across a block's tiles); out poisoned with NaN.
     A second call with new operands and no ``out`` goes through the cached plan (the maps
     re-encoded for the new pointers) into a new array."""
-    from tilepy import launch
+    from tilepy import devices
 
-    monkeypatch.setattr(launch, "SIM_SMS", 2)
+    monkeypatch.setattr(devices, "SIM_SMS", 2)
     hg = example()
     rng = np.random.default_rng(1)
     m, n, k = 130, 120, 136

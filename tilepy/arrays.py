@@ -13,12 +13,14 @@ bits for 16-bit types, ``float32`` otherwise — without copying.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
 
 import numpy as np
 
+from . import devices
 from ._env import choose_target
 
 SIMULATOR = choose_target()
@@ -111,18 +113,22 @@ def describe(x, name: str, *, allow_float32: bool = True, dtypes=None) -> Operan
         device = x.device.id
     elif fam == "numba":
         strides = tuple(s // x.dtype.itemsize for s in x.strides)
-        device = _numba_device(x)
+        device = devices.array_device(x) if SIMULATOR else _numba_device(x)
     else:
         strides = tuple(s // x.itemsize for s in x.strides)
-        device = None
+        device = devices.array_device(x)   # None but on tilepy.devices.fake's devices
     return Operand(name, fam, dt, tuple(x.shape), strides, device, x)
 
 
 def _numba_device(x):
+    """The device a Numba device array's memory belongs to (its context's), else the current
+    one."""
+    ctx = getattr(getattr(x, "gpu_data", None), "context", None)
+    dev = getattr(getattr(ctx, "device", None), "id", None)
+    if dev is not None:
+        return int(dev)
     try:
-        from numba import cuda
-
-        return cuda.get_current_device().id
+        return devices.current_id()
     except Exception:  # noqa: BLE001
         return None
 
@@ -265,14 +271,24 @@ def empty(like: Operand, shape, dtype: str):
 
         with cupy.cuda.Device(like.device):
             return cupy.empty(shape, dtype=_np_dtype(dtype))
-    if fam == "numba":
-        from numba import cuda
+    if fam == "numba" and dtype == "bfloat16":
+        raise TypeError("Numba device arrays have no bfloat16 dtype; pass out_dtype="
+                        "'float32' or use CuPy / PyTorch arrays")
+    with _allocating(like):
+        if fam == "numba":
+            from numba import cuda
 
-        if dtype == "bfloat16":
-            raise TypeError("Numba device arrays have no bfloat16 dtype; pass out_dtype="
-                            "'float32' or use CuPy / PyTorch arrays")
-        return cuda.device_array(shape, dtype=_np_dtype(dtype))
-    return np.empty(shape, dtype=_np_dtype(dtype))
+            return cuda.device_array(shape, dtype=_np_dtype(dtype))
+        return np.empty(shape, dtype=_np_dtype(dtype))
+
+
+@contextlib.contextmanager
+def _allocating(like: Operand):
+    """Context of a Numba (or simulator) allocation like ``like``: on its device (Numba
+    allocates on the current one), logged on :func:`tilepy.devices.fake`'s devices."""
+    with devices.use(like.device):
+        devices.note("alloc")
+        yield
 
 
 def zeros(like: Operand, shape, dtype: str):
@@ -296,11 +312,12 @@ def zeros(like: Operand, shape, dtype: str):
             cuda.driver.device_memset(out, 0, out.size * out.dtype.itemsize,
                                       stream=stream_of(like) or 0)
         return out
-    if fam == "numba":
-        from numba import cuda
+    with _allocating(like):
+        if fam == "numba":
+            from numba import cuda
 
-        return cuda.to_device(np.zeros(shape, dtype=_np_dtype(dtype)))
-    return np.zeros(shape, dtype=_np_dtype(dtype))
+            return cuda.to_device(np.zeros(shape, dtype=_np_dtype(dtype)))
+        return np.zeros(shape, dtype=_np_dtype(dtype))
 
 
 def ones(like: Operand, shape, dtype: str = "float32"):
@@ -309,7 +326,8 @@ def ones(like: Operand, shape, dtype: str = "float32"):
     if like.family == "numba":
         from numba import cuda
 
-        return cuda.to_device(np.ones(shape, dtype=_np_dtype(dtype)))
+        with _allocating(like):
+            return cuda.to_device(np.ones(shape, dtype=_np_dtype(dtype)))
     x = empty(like, shape, dtype)
     if like.family == "torch":
         x.fill_(1)
@@ -361,9 +379,12 @@ def copy_aligned(op: Operand, min_rows_align: int = 8):
 
         host = np.zeros(buf_shape, dtype=x.dtype)
         host[..., :cols] = x.copy_to_host()
-        return cuda.to_device(host)[tuple([slice(None)] * (op.ndim - 1) + [slice(0, cols)])]
+        with _allocating(op):
+            buf = cuda.to_device(host)
+        return buf[tuple([slice(None)] * (op.ndim - 1) + [slice(0, cols)])]
     else:
-        buf = np.zeros(buf_shape, dtype=x.dtype)
+        with _allocating(op):
+            buf = np.zeros(buf_shape, dtype=x.dtype)
     buf[..., :cols] = x
     return buf[..., :cols]
 
@@ -381,23 +402,18 @@ def zeros_like_matrix(op: Operand, rows: int, cols: int):
 
         with cupy.cuda.Device(op.device):
             return cupy.zeros(shape, dtype=x.dtype)
-    if op.family == "numba":
-        from numba import cuda
+    with _allocating(op):
+        if op.family == "numba":
+            from numba import cuda
 
-        return cuda.to_device(np.zeros(shape, dtype=x.dtype))
-    return np.zeros(shape, dtype=x.dtype)
+            return cuda.to_device(np.zeros(shape, dtype=x.dtype))
+        return np.zeros(shape, dtype=x.dtype)
 
 
 def on_device(device):
-    """Context in which a launch goes to ``device`` (the inputs' GPU); a no-op in the simulator
-    or when the device is unknown."""
-    import contextlib
-
-    if device is None or SIMULATOR:
-        return contextlib.nullcontext()
-    from numba import cuda
-
-    return cuda.gpus[device]
+    """Context in which an op works on ``device`` (its inputs' GPU): :func:`tilepy.devices.use`;
+    nothing changes for ``None`` (inputs that name no device)."""
+    return devices.use(device)
 
 
 _PLACEHOLDERS: dict = {}
@@ -415,7 +431,7 @@ def placeholder(ndim: int, dtype: str = "float32"):
         return FakeCUDAArray(np.zeros(shape, dtype))
     from numba import cuda
 
-    key = (cuda.get_current_device().id, ndim, dtype)
+    key = (devices.current_id(), ndim, dtype)
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = cuda.device_array(shape, dtype)
     return _PLACEHOLDERS[key]
@@ -464,8 +480,9 @@ def fingerprint(x):
     if fam == "numba" and SIMULATOR:
         x = x._ary
     if fam in ("numba", "numpy"):
-        if isinstance(x, np.ndarray):
-            return (t, x.dtype, x.shape, x.strides, x.ctypes.data & 15), x.ctypes.data
+        if isinstance(x, np.ndarray):   # the simulator's: a device only on fake devices
+            return (t, x.dtype, x.shape, x.strides, devices.array_device(x),
+                    x.ctypes.data & 15), x.ctypes.data
         p = int(x.device_ctypes_pointer.value or 0)
         ctx = getattr(x.gpu_data, "context", None)   # the device the memory belongs to
         dev = getattr(getattr(ctx, "device", None), "id", None)

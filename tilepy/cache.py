@@ -60,15 +60,9 @@ def tilepy_version() -> str:
 def current_gpu_name(device=None) -> str:
     """The name of CUDA device ``device`` (default: the current one); "simulator" in the
     CUDA simulator. Part of every tuning-cache key."""
-    from numba import config, cuda
+    from . import devices
 
-    if config.ENABLE_CUDASIM:
-        return "simulator"
-    dev = cuda.get_current_device()
-    if device is not None and device != dev.id:
-        dev = next((d for d in cuda.list_devices() if d.id == device), dev)
-    name = dev.name
-    return name.decode() if isinstance(name, bytes) else name
+    return devices.info(device).name
 
 
 def shape_bucket(n: int) -> int:

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import devices
 from ._env import choose_target
 
 SIMULATOR = choose_target()
@@ -58,39 +59,34 @@ MAX_GRID_YZ = 65535
 #: CUDA's largest grid along x; a plan past it is refused when built.
 MAX_GRID_X = 2**31 - 1
 
-#: The simulator's stand-in SM count for persistent grids: small, so that a test's few tiles
-#: still give each block several of them.
-SIM_SMS = 4
+#: The simulator's stand-in SM count (:data:`tilepy.devices.SIM_SMS`; patch it there).
+SIM_SMS = devices.SIM_SMS
 
 
-def sm_count(default: int) -> int:
-    """The current device's multiprocessor count (persistent grids); :data:`SIM_SMS` in the
-    simulator, ``default`` where the device does not say."""
-    if SIMULATOR:
-        return SIM_SMS
-    from numba import cuda
-
+def sm_count(default: int, device: int | None = None) -> int:
+    """The multiprocessor count of ``device`` (default: the one an op works on,
+    :func:`tilepy.devices.current`; persistent grids); ``default`` where the device does not
+    say."""
     try:
-        return int(cuda.get_current_device().MULTIPROCESSOR_COUNT)
+        return int(devices.info(device).sms)
     except Exception:  # noqa: BLE001 - no device attribute: the caller's default
+        if SIMULATOR:
+            raise
         return default
 
 
-def compute_capability() -> tuple[int, int]:
-    """The current device's compute capability as (major, minor); (0, 0) in the simulator."""
-    if SIMULATOR:
-        return (0, 0)
-    from numba import cuda
-
-    return tuple(cuda.get_current_device().compute_capability)
+def compute_capability(device: int | None = None) -> tuple[int, int]:
+    """The compute capability (major, minor) of ``device`` (default: the one an op works on,
+    :func:`tilepy.devices.current`); (0, 0) in the simulator."""
+    return tuple(devices.info(device).cc)
 
 
-def is_hopper() -> bool:
-    """Whether the current device is compute capability 9.0 (the sm_90a kernels' target) and
-    ``TILEPY_HOPPER=0`` does not turn them off."""
+def is_hopper(device: int | None = None) -> bool:
+    """Whether ``device`` (default: the one an op works on) is compute capability 9.0 (the
+    sm_90a kernels' target) and ``TILEPY_HOPPER=0`` does not turn them off."""
     import os
 
-    return os.environ.get("TILEPY_HOPPER", "1") != "0" and compute_capability() == (9, 0)
+    return os.environ.get("TILEPY_HOPPER", "1") != "0" and compute_capability(device) == (9, 0)
 
 
 @dataclass(frozen=True)
@@ -224,6 +220,10 @@ class LaunchPlan:
         self.split = tuple(split)
         self.chunks = self._plan_chunks()
         self._lock = threading.Lock()
+        # the device whose context the kernel was loaded into (the op's, tilepy.devices.use);
+        # where the process sees several, a launch from outside it enters it first
+        self.device = devices.entered() if SIMULATOR else devices.current_id()
+        self._switch = self.device is not None and devices.several()
         if SIMULATOR:
             self._templates = list(args)
         else:
@@ -325,11 +325,9 @@ class LaunchPlan:
         handle = kernel._codelibrary.get_cufunc().handle
         self._kernel = kernel
         if restrided and self.smem > 48 * 1024:   # the op allowed it for the other overload
-            from numba import cuda
-
             attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             (err,) = driver.cuKernelSetAttribute(attr, self.smem, handle,
-                                                 cuda.get_current_device().id)
+                                                 devices.current_id())
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"could not allow {self.smem} B of dynamic shared memory: "
                                    f"{err!r}")
@@ -417,7 +415,7 @@ class LaunchPlan:
         if self.cluster < 2:
             raise ValueError("max_active_clusters: this plan launches no clusters")
         if SIMULATOR:
-            return max(1, SIM_SMS // self.cluster)
+            return max(1, devices.current().sms // self.cluster)
         driver = self._driver
         err, n = driver.cuOccupancyMaxActiveClusters(self._func, self._cluster_cfg)
         if err != self._success:
@@ -553,7 +551,12 @@ class LaunchPlan:
         self._go(stream, ptrs, scalars)
 
     def _go(self, stream, ptrs, scalars):
+        if self._switch and devices.entered() != self.device:
+            with devices.use(self.device):
+                self._go(stream, ptrs, scalars)
+            return
         if SIMULATOR:
+            devices.note("launch")
             self._launch_sim(ptrs, scalars)
         else:
             self._launch_driver(_stream_handle(stream), ptrs, scalars)

@@ -398,7 +398,8 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
                              f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
-    if dv != d and not arrays.SIMULATOR and not launch.is_hopper():
+    if dv != d and not arrays.SIMULATOR and \
+            not launch.is_hopper(arrays.same_device(Q, K, V)):
         raise NotImplementedError(hopper_only(d, dv))
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
@@ -480,65 +481,66 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
                      config, key):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config, head_dim_v=True)
-    dv = V.shape[-1]
-    win, cap = check_variant(causal, window, softcap)
-    score_mod, mask_mod, alibi_slopes, mod_args, block_mask = mods
-    mask_ops = None
-    if block_mask is not None:
-        mask_mod, mod_args, mask_ops = abm.check_block_mask(
-            block_mask, mask_mod, mod_args, bq, hq, sq, sk, causal, window, Q.raw)
-        mask_block = abm.block_sizes(block_mask.block_size)
-    n_args = n_mod_args(mod_args)
-    user = check_user_functions(score_mod, mask_mod, n_args)
-    if n_args and not user:
-        raise TypeError("flash_attention: mod_args are passed to score_mod / mask_mod; "
-                        "neither was given")
-    alibi = alibi_slopes is not None
-    check_config_variant(config, win, cap, user or alibi)
-    hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
-    arrays.same_device(Q, *hops)
-    variant = is_variant(win, cap) or user or alibi
-    caller_out = out is not None
-    # a block mask: the caller's, else one made here for a mask_mod of no array argument
-    own_mask, recordable = (None, ()), True
-    # (ALiBi's slopes may come with it: they do not change which keys are seen)
-    auto = block_mask is None and abm.makes_own_mask(mask_mod, mod_args, win)
-    if auto and bq and hq and sq and sk:
-        mask_block = sparse_block(config or choose_config(d, dtype, False, True, dv))
-        made = abm.cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, mask_block, Q.raw)
-        if made is None:
-            recordable = False      # (being captured: every block visited, no plan kept)
-        else:
-            mask_ops = [describe(x, "block_mask", dtypes=("int32",)) for x in made.arrays]
-            own_mask = (made, tuple(op.byte_pointer() for op in mask_ops))
-    sparse = None if mask_ops is None else (mask_block, abm.mask_views(mask_ops, bq, hq),
-                                            mask_ops)
-    if out is None:
-        out = arrays.empty(Q, out_shape(Q, V), dtype)
-        Out = describe(out, "out")
-    lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
-    if bq and hq and sq:
-        # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
-        # else the built-in one
-        # (a tuned choice is for the plain kernels: a variant takes the built-in one)
-        cfg = config or (None if variant or dv != d else tuned_attention_config(
-            bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
-                                                                         variant, dv)
-        if sparse is not None:
-            cfg = sparse_config(cfg, sparse[0], given=config is not None)
-        bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
-                     fallback=config is None,
-                     variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
-                              else None),
-                     hargs=hargs, hops=hops, sparse=sparse)
-        if bound is not None and recordable:
-            _PLANS.put(key, (bound, arrays.stream_getter(Q),
-                           None if caller_out else arrays.allocator(Q, out_shape(Q, V),
-                                                                    dtype),
-                           arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
-                           (scale, scale * fa.LOG2E,
-                            *(x for x in hargs if isinstance(x, np.generic))), own_mask))
-    return (out, lse) if return_lse else out
+    with arrays.on_device(device):
+        dv = V.shape[-1]
+        win, cap = check_variant(causal, window, softcap)
+        score_mod, mask_mod, alibi_slopes, mod_args, block_mask = mods
+        mask_ops = None
+        if block_mask is not None:
+            mask_mod, mod_args, mask_ops = abm.check_block_mask(
+                block_mask, mask_mod, mod_args, bq, hq, sq, sk, causal, window, Q.raw)
+            mask_block = abm.block_sizes(block_mask.block_size)
+        n_args = n_mod_args(mod_args)
+        user = check_user_functions(score_mod, mask_mod, n_args)
+        if n_args and not user:
+            raise TypeError("flash_attention: mod_args are passed to score_mod / mask_mod; "
+                            "neither was given")
+        alibi = alibi_slopes is not None
+        check_config_variant(config, win, cap, user or alibi)
+        hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
+        arrays.same_device(Q, *hops)
+        variant = is_variant(win, cap) or user or alibi
+        caller_out = out is not None
+        # a block mask: the caller's, else one made here for a mask_mod of no array argument
+        own_mask, recordable = (None, ()), True
+        # (ALiBi's slopes may come with it: they do not change which keys are seen)
+        auto = block_mask is None and abm.makes_own_mask(mask_mod, mod_args, win)
+        if auto and bq and hq and sq and sk:
+            mask_block = sparse_block(config or choose_config(d, dtype, False, True, dv))
+            made = abm.cached_block_mask(mask_mod, mod_args, bq, hq, sq, sk, mask_block, Q.raw)
+            if made is None:
+                recordable = False      # (being captured: every block visited, no plan kept)
+            else:
+                mask_ops = [describe(x, "block_mask", dtypes=("int32",)) for x in made.arrays]
+                own_mask = (made, tuple(op.byte_pointer() for op in mask_ops))
+        sparse = None if mask_ops is None else (mask_block, abm.mask_views(mask_ops, bq, hq),
+                                                mask_ops)
+        if out is None:
+            out = arrays.empty(Q, out_shape(Q, V), dtype)
+            Out = describe(out, "out")
+        lse = arrays.empty(Q, (bq, hq, sq), "float32") if return_lse else None
+        if bq and hq and sq:
+            # the caller's config, else a choice persisted by `python -m tilepy tune attention`,
+            # else the built-in one
+            # (a tuned choice is for the plain kernels: a variant takes the built-in one)
+            cfg = config or (None if variant or dv != d else tuned_attention_config(
+                bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
+                                                                             variant, dv)
+            if sparse is not None:
+                cfg = sparse_config(cfg, sparse[0], given=config is not None)
+            bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
+                         fallback=config is None,
+                         variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
+                                  else None),
+                         hargs=hargs, hops=hops, sparse=sparse)
+            if bound is not None and recordable:
+                _PLANS.put(key, (bound, arrays.stream_getter(Q),
+                               None if caller_out else arrays.allocator(Q, out_shape(Q, V),
+                                                                        dtype),
+                               arrays.allocator(Q, (bq, hq, sq), "float32") if return_lse else None,
+                               (scale, scale * fa.LOG2E,
+                                *(x for x in hargs if isinstance(x, np.generic))), own_mask))
+        return (out, lse) if return_lse else out
 
 
 def axes(layout: str) -> str:

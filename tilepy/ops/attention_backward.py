@@ -316,80 +316,81 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         (win, cap, user, kmods) = _validate(
             dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
             deterministic, dq, dk, dv, config, dlse)
-    hargs, hops = hook_args(mods[3], mods[4], bq, hq, sq, sk)   # views of the hook's arrays
-    arrays.same_device(Q, *hops)
-    results, makers = [], []
-    for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
-        if arr is None:
-            make = arrays.allocator(Q, like.shape, dtype)
-            makers.append((_DQ + slot, make))
-            arr, _ = make()
-            G = describe(arr, _OPERANDS[_DQ + slot])
-        results.append((arr, G))
-    cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap) or user)
-    hk = bhsd_dims(K.shape, layout)[1]
-    if not (bq and hq and hk and (sq or sk)):
-        return tuple(a for a, _ in results)
-    gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
-    mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk,
-                                                 Q.raw, bool(deterministic))
-    sqp = bk.row_pad(cfg, sq)
-    if mask is not None:
-        # a mask's last query block may reach past seq_q: the rows' scratch covers it whole
-        mask_block = block_sizes(mask.block_size)
-        sqp = bk.row_pad(cfg, -(-sq // mask_block[0]) * mask_block[0])
-    scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
-    if bk.uses_atomics(cfg, deterministic):
-        scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
-    ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
-           "dk": results[1][1], "dv": results[2][1]}
     with arrays.on_device(device):
-        views, reusable = {}, True
-        for name in ("q", "k", "v", "o", "do"):
-            op = ops[name]
-            if not readable(op):
-                op = ops[name] = describe(arrays.copy_aligned(op), op.name)
-                reusable = False
-            views[name] = bhsd_view(op, layout)
-        for name in ("dq", "dk", "dv"):
-            views[name] = bhsd_view(ops[name], layout)
-        views["lse"] = bhsd_view(Lse, "bhsd")
-        if dLse is not None:
-            views["dlse"] = bhsd_view(dLse, "bhsd")
-            ops["dlse"] = dLse
-        for i, (name, shape) in enumerate(scratch):
-            make = arrays.allocator(Q, shape, "float32")
-            makers.append((_SCRATCH0 + i, make))
-            arr, _ = make()
-            ops[name] = describe(arr, name)
-            views[name] = bhsd_view(ops[name], "bhsd")
-        arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
-        for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
-            views[f"hook{i}"], ops[f"hook{i}"] = view, op
-        sparse = None
+        hargs, hops = hook_args(mods[3], mods[4], bq, hq, sq, sk)   # views of the hook's arrays
+        arrays.same_device(Q, *hops)
+        results, makers = [], []
+        for slot, (arr, like, G) in enumerate(zip((dq, dk, dv), (Q, K, V), grads)):
+            if arr is None:
+                make = arrays.allocator(Q, like.shape, dtype)
+                makers.append((_DQ + slot, make))
+                arr, _ = make()
+                G = describe(arr, _OPERANDS[_DQ + slot])
+            results.append((arr, G))
+        cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap) or user)
+        hk = bhsd_dims(K.shape, layout)[1]
+        if not (bq and hq and hk and (sq or sk)):
+            return tuple(a for a, _ in results)
+        gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
+        mask, caller_mask, recordable = _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk,
+                                                     Q.raw, bool(deterministic))
+        sqp = bk.row_pad(cfg, sq)
         if mask is not None:
-            mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
-            mviews = abm.mask_views(mops, bq, hq)
-            if caller_mask:      # bound after the hook's arrays (the caller's pointers)
-                for i, (view, op) in enumerate(zip(mviews, mops)):
-                    views[f"mask{i}"], ops[f"mask{i}"] = view, op
-            sparse = (mask_block, mviews[:4], mviews[4:])
-        views["placeholder3"] = arrays.placeholder(3)
-        views["placeholder4"] = arrays.placeholder(4)
-        stream = arrays.stream_handle(Q)
-        plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
-                          hargs, sparse=sparse)
-        for plan, args in plans:
-            plan.launch(stream, args)
-        # the scratch and any copies, when a CUDA graph captured the launches
-        device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
-                                         *(ops[n] for n in ("q", "k", "v", "o", "do")
-                                           if not reusable))
-    if reusable and recordable:
-        # (the op's own mask kept with the plans that read it)
-        _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers,
-                         None if caller_mask else mask))
-    return tuple(a for a, _ in results)
+            # a mask's last query block may reach past seq_q: the rows' scratch covers it whole
+            mask_block = block_sizes(mask.block_size)
+            sqp = bk.row_pad(cfg, -(-sq // mask_block[0]) * mask_block[0])
+        scratch = [("delta", (bq, hq, sqp)), ("lse2", (bq, hq, sqp))]
+        if bk.uses_atomics(cfg, deterministic):
+            scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
+        ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
+               "dk": results[1][1], "dv": results[2][1]}
+        with arrays.on_device(device):
+            views, reusable = {}, True
+            for name in ("q", "k", "v", "o", "do"):
+                op = ops[name]
+                if not readable(op):
+                    op = ops[name] = describe(arrays.copy_aligned(op), op.name)
+                    reusable = False
+                views[name] = bhsd_view(op, layout)
+            for name in ("dq", "dk", "dv"):
+                views[name] = bhsd_view(ops[name], layout)
+            views["lse"] = bhsd_view(Lse, "bhsd")
+            if dLse is not None:
+                views["dlse"] = bhsd_view(dLse, "bhsd")
+                ops["dlse"] = dLse
+            for i, (name, shape) in enumerate(scratch):
+                make = arrays.allocator(Q, shape, "float32")
+                makers.append((_SCRATCH0 + i, make))
+                arr, _ = make()
+                ops[name] = describe(arr, name)
+                views[name] = bhsd_view(ops[name], "bhsd")
+            arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
+            for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
+                views[f"hook{i}"], ops[f"hook{i}"] = view, op
+            sparse = None
+            if mask is not None:
+                mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
+                mviews = abm.mask_views(mops, bq, hq)
+                if caller_mask:      # bound after the hook's arrays (the caller's pointers)
+                    for i, (view, op) in enumerate(zip(mviews, mops)):
+                        views[f"mask{i}"], ops[f"mask{i}"] = view, op
+                sparse = (mask_block, mviews[:4], mviews[4:])
+            views["placeholder3"] = arrays.placeholder(3)
+            views["placeholder4"] = arrays.placeholder(4)
+            stream = arrays.stream_handle(Q)
+            plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
+                              hargs, sparse=sparse)
+            for plan, args in plans:
+                plan.launch(stream, args)
+            # the scratch and any copies, when a CUDA graph captured the launches
+            device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
+                                             *(ops[n] for n in ("q", "k", "v", "o", "do")
+                                               if not reusable))
+        if reusable and recordable:
+            # (the op's own mask kept with the plans that read it)
+            _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers,
+                             None if caller_mask else mask))
+        return tuple(a for a, _ in results)
 
 
 def _bind(plans, views, ops):

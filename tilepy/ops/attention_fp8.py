@@ -85,42 +85,43 @@ def flash_attention_fp8(q, k, v, *, causal=False, scale=None, window=None, softc
     Q, K, V, Out, descales, (bq, hq, sq), want, scale, win, cap, cfg, device = \
         check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_k,
                         descale_v, out, layout, config)
-    if not arrays.SIMULATOR and launch.compute_capability() != (9, 0):
-        raise NotImplementedError("flash_attention on float8 inputs needs a compute "
-                                  "capability 9.0 GPU (wgmma); other GPUs are not supported")
-    if max(bq, hq) > launch.MAX_GRID_YZ:
-        raise NotImplementedError(f"flash_attention on float8 inputs: more than "
-                                  f"{launch.MAX_GRID_YZ} batches or query heads (the grid "
-                                  f"kernel's limit; got {bq}, {hq}); split the batch")
-    allocs = {}
-    if out is None:
-        allocs[OUT] = arrays.allocator(Q, want, "bfloat16")
-    if return_lse:
-        allocs[LSE] = arrays.allocator(Q, (bq, hq, sq), "float32")
-    made = {k_: alloc() for k_, alloc in allocs.items()}
-    out = made[OUT][0] if out is None else out
-    lse = made[LSE][0] if return_lse else None
-    if bq and hq and sq and not K.shape[-2 if layout == "bhsd" else 1]:
-        # no key: zeros and LSE -inf (the 16-bit kernels' answer), without a launch
-        arrays.fill(describe(out, "out"), 0.0)
-        if lse is not None:
-            arrays.fill(describe(lse, "lse"), -np.inf)
+    with arrays.on_device(device):
+        if not arrays.SIMULATOR and launch.compute_capability(device) != (9, 0):
+            raise NotImplementedError("flash_attention on float8 inputs needs a compute "
+                                      "capability 9.0 GPU (wgmma); other GPUs are not supported")
+        if max(bq, hq) > launch.MAX_GRID_YZ:
+            raise NotImplementedError(f"flash_attention on float8 inputs: more than "
+                                      f"{launch.MAX_GRID_YZ} batches or query heads (the grid "
+                                      f"kernel's limit; got {bq}, {hq}); split the batch")
+        allocs = {}
+        if out is None:
+            allocs[OUT] = arrays.allocator(Q, want, "bfloat16")
+        if return_lse:
+            allocs[LSE] = arrays.allocator(Q, (bq, hq, sq), "float32")
+        made = {k_: alloc() for k_, alloc in allocs.items()}
+        out = made[OUT][0] if out is None else out
+        lse = made[LSE][0] if return_lse else None
+        if bq and hq and sq and not K.shape[-2 if layout == "bhsd" else 1]:
+            # no key: zeros and LSE -inf (the 16-bit kernels' answer), without a launch
+            arrays.fill(describe(out, "out"), 0.0)
+            if lse is not None:
+                arrays.fill(describe(lse, "lse"), -np.inf)
+            return (out, lse) if return_lse else out
+        if bq and hq and sq:
+            ptrs = [Q.byte_pointer(), K.byte_pointer(), V.byte_pointer(),
+                    describe(out, "out").byte_pointer(),
+                    made[LSE][1] if return_lse else 0] + \
+                [S.byte_pointer() if S is not None else 0 for S in descales]
+            recorded = _run(Q, K, V, describe(out, "out"), lse, descales, cfg, win, cap, scale,
+                            layout, device, ptrs)
+            # (ones made during a capture are written only when the graph runs: not kept for
+            # eager calls)
+            if recorded is not None and (recorded[2] is None or not device_write.stream_capturing(
+                    arrays.stream_handle(Q))):
+                steps, vt_alloc, keep = recorded
+                _PLANS.put(key, (launch.CallPlan(steps, {**allocs, VT: vt_alloc}),
+                                 arrays.stream_getter(Q), keep))
         return (out, lse) if return_lse else out
-    if bq and hq and sq:
-        ptrs = [Q.byte_pointer(), K.byte_pointer(), V.byte_pointer(),
-                describe(out, "out").byte_pointer(),
-                made[LSE][1] if return_lse else 0] + \
-            [S.byte_pointer() if S is not None else 0 for S in descales]
-        recorded = _run(Q, K, V, describe(out, "out"), lse, descales, cfg, win, cap, scale,
-                        layout, device, ptrs)
-        # (ones made during a capture are written only when the graph runs: not kept for
-        # eager calls)
-        if recorded is not None and (recorded[2] is None or not device_write.stream_capturing(
-                arrays.stream_handle(Q))):
-            steps, vt_alloc, keep = recorded
-            _PLANS.put(key, (launch.CallPlan(steps, {**allocs, VT: vt_alloc}),
-                             arrays.stream_getter(Q), keep))
-    return (out, lse) if return_lse else out
 
 
 #: The operand slots of a recorded call (:class:`tilepy.launch.CallPlan`): the caller's

@@ -111,80 +111,81 @@ def _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, w
     """The first call of a signature: every check, the launches, and the recorded call
     (:data:`_PLANS`) that later calls of the signature replay from their pointers."""
     Q, K, V, Out, dims, device = check_arguments(q, k_cache, v_cache, out, block_table)
-    b, sq, hq, hk, d, paged = dims
-    scale = at.check_scale(scale, d)
-    Seq = check_seqlens_array(cache_seqlens, b, Q)
-    Table = describe_table(block_table, b, Q) if paged else None
-    Kn, Vn, sn = check_new(k, v, b, hk, d, Q)
-    win, cap = at.check_variant(causal, window, softcap)
-    page = K.shape[1] if paged else 0
-    capacity = Table.shape[1] * page if paged else K.shape[1]
-    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
-    check_config(cfg, d, Q.dtype, page)
-    splits = check_splits(num_splits, cfg)
-    if max(b, hq, hk) > launch.MAX_GRID_YZ:
-        raise NotImplementedError(f"flash_attention_with_kvcache: at most "
-                                  f"{launch.MAX_GRID_YZ} sequences and heads (got {b} and "
-                                  f"{hq})")
-    stream = arrays.stream_handle(Q)
-    checker = functools.partial(check_call_values, seq_new=sn, capacity=capacity,
-                                pages=K.shape[0] if paged else 0)
-    if check_seqlens and b and not device_write.stream_capturing(stream):
-        checker(cache_seqlens, block_table)
-    allocs = {}
-    if out is None:
-        allocs[OUT] = arrays.allocator(Q, Q.shape, Q.dtype)
-    if return_lse:
-        allocs[LSE] = arrays.allocator(Q, (b, hq, sq), "float32")
-    steps = []      # (plan, args, sources)
-    made = {}
-    ptrs = {Q_: Q.byte_pointer(), KC: K.byte_pointer(), VC: V.byte_pointer(),
-            SEQ: Seq.byte_pointer()}
-    if paged:
-        ptrs[TABLE] = Table.byte_pointer()
     with arrays.on_device(device):
-        seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
-        table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
-        caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
-        if sn and b:
-            ptrs[KN], ptrs[VN] = Kn.byte_pointer(), Vn.byte_pointer()
-            steps.append(append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")),
-                                seq_v, table_v))
-        if b and hq and sq:
-            if isinstance(cfg, DecodeConfig):
-                if splits is None:
-                    tiles = -(-(sq * (hq // hk)) // dec.ROWS)
-                    splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
-                                               launch.sm_count(launch.SIM_SMS),
-                                               dec.resident_splits(cfg), cfg.warps)
-                splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
-                if splits > 1:
-                    allocs[PARTS] = arrays.allocator(Q, (splits, b, hk, sq, hq // hk, d),
-                                                     "float32")
-                    allocs[PLSE] = arrays.allocator(Q, (splits, b, hk, hq // hk, sq),
-                                                    "float32")
-        for k_, alloc in allocs.items():
-            made[k_], ptrs[k_] = alloc()
-        if out is not None:
-            ptrs[OUT] = Out.byte_pointer()
-        O = describe(made.get(OUT, out), "out")
-        L = describe(made[LSE], "lse") if return_lse else None
-        if b and hq and sq:
-            keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
-            if isinstance(cfg, DecodeConfig):
-                steps += decode(cfg, Q, caches, O, L, keys, scale, win, cap, paged, splits,
-                                made.get(PARTS), made.get(PLSE))
-            else:
-                steps.append(forward(cfg, Q, caches, O, L, keys, scale, causal, win, cap,
-                                     paged))
-        for plan, args, _ in steps:
-            plan.launch(stream, args)
-    bound = [(plan.bind([None if s is None else (s, ptrs[s]) for s in sources]), ())
-             for plan, _, sources in steps]
-    _PLANS.put(key, (launch.CallPlan(bound, allocs), arrays.stream_getter(Q),
-                     checker if b else None))
-    out = made.get(OUT, out)
-    return (out, made[LSE]) if return_lse else out
+        b, sq, hq, hk, d, paged = dims
+        scale = at.check_scale(scale, d)
+        Seq = check_seqlens_array(cache_seqlens, b, Q)
+        Table = describe_table(block_table, b, Q) if paged else None
+        Kn, Vn, sn = check_new(k, v, b, hk, d, Q)
+        win, cap = at.check_variant(causal, window, softcap)
+        page = K.shape[1] if paged else 0
+        capacity = Table.shape[1] * page if paged else K.shape[1]
+        cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
+        check_config(cfg, d, Q.dtype, page)
+        splits = check_splits(num_splits, cfg)
+        if max(b, hq, hk) > launch.MAX_GRID_YZ:
+            raise NotImplementedError(f"flash_attention_with_kvcache: at most "
+                                      f"{launch.MAX_GRID_YZ} sequences and heads (got {b} and "
+                                      f"{hq})")
+        stream = arrays.stream_handle(Q)
+        checker = functools.partial(check_call_values, seq_new=sn, capacity=capacity,
+                                    pages=K.shape[0] if paged else 0)
+        if check_seqlens and b and not device_write.stream_capturing(stream):
+            checker(cache_seqlens, block_table)
+        allocs = {}
+        if out is None:
+            allocs[OUT] = arrays.allocator(Q, Q.shape, Q.dtype)
+        if return_lse:
+            allocs[LSE] = arrays.allocator(Q, (b, hq, sq), "float32")
+        steps = []      # (plan, args, sources)
+        made = {}
+        ptrs = {Q_: Q.byte_pointer(), KC: K.byte_pointer(), VC: V.byte_pointer(),
+                SEQ: Seq.byte_pointer()}
+        if paged:
+            ptrs[TABLE] = Table.byte_pointer()
+        with arrays.on_device(device):
+            seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
+            table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
+            caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
+            if sn and b:
+                ptrs[KN], ptrs[VN] = Kn.byte_pointer(), Vn.byte_pointer()
+                steps.append(append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")),
+                                    seq_v, table_v))
+            if b and hq and sq:
+                if isinstance(cfg, DecodeConfig):
+                    if splits is None:
+                        tiles = -(-(sq * (hq // hk)) // dec.ROWS)
+                        splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
+                                                   launch.sm_count(launch.SIM_SMS),
+                                                   dec.resident_splits(cfg), cfg.warps)
+                    splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
+                    if splits > 1:
+                        allocs[PARTS] = arrays.allocator(Q, (splits, b, hk, sq, hq // hk, d),
+                                                         "float32")
+                        allocs[PLSE] = arrays.allocator(Q, (splits, b, hk, hq // hk, sq),
+                                                        "float32")
+            for k_, alloc in allocs.items():
+                made[k_], ptrs[k_] = alloc()
+            if out is not None:
+                ptrs[OUT] = Out.byte_pointer()
+            O = describe(made.get(OUT, out), "out")
+            L = describe(made[LSE], "lse") if return_lse else None
+            if b and hq and sq:
+                keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
+                if isinstance(cfg, DecodeConfig):
+                    steps += decode(cfg, Q, caches, O, L, keys, scale, win, cap, paged, splits,
+                                    made.get(PARTS), made.get(PLSE))
+                else:
+                    steps.append(forward(cfg, Q, caches, O, L, keys, scale, causal, win, cap,
+                                         paged))
+            for plan, args, _ in steps:
+                plan.launch(stream, args)
+        bound = [(plan.bind([None if s is None else (s, ptrs[s]) for s in sources]), ())
+                 for plan, _, sources in steps]
+        _PLANS.put(key, (launch.CallPlan(bound, allocs), arrays.stream_getter(Q),
+                         checker if b else None))
+        out = made.get(OUT, out)
+        return (out, made[LSE]) if return_lse else out
 
 
 def forward(cfg, Q, caches, Out, lse, keys, scale, causal, win, cap, paged):
@@ -251,35 +252,36 @@ def decode_launches(q, k_cache, v_cache, cache_seqlens, *, block_table=None, cau
     write (hold them as long as the plans are used). The op's checks and choices (config,
     splits)."""
     Q, K, V, _, dims, device = check_arguments(q, k_cache, v_cache, None, block_table)
-    b, sq, hq, hk, d, paged = dims
-    scale = at.check_scale(None, d)
-    Seq = check_seqlens_array(cache_seqlens, b, Q)
-    Table = describe_table(block_table, b, Q) if paged else None
-    page = K.shape[1] if paged else 0
-    capacity = Table.shape[1] * page if paged else K.shape[1]
-    cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
-    check_config(cfg, d, Q.dtype, page)
-    if not isinstance(cfg, DecodeConfig):
-        raise ValueError("decode_launches: the decoding kernel's config (a DecodeConfig)")
-    splits = check_splits(num_splits, cfg)
-    if splits is None:
-        splits = dec.choose_splits(b, hk, -(-(sq * (hq // hk)) // dec.ROWS),
-                                   -(-capacity // cfg.block_n), launch.sm_count(launch.SIM_SMS),
-                                   dec.resident_splits(cfg), cfg.warps)
-    splits = -(-splits // cfg.warps) * cfg.warps
-    win, cap = at.check_variant(causal, None, 0.0)
     with arrays.on_device(device):
-        out = arrays.empty(Q, Q.shape, Q.dtype)
-        parts = arrays.empty(Q, (splits, b, hk, sq, hq // hk, d), "float32") \
-            if splits > 1 else None
-        part_lse = arrays.empty(Q, (splits, b, hk, hq // hk, sq), "float32") \
-            if splits > 1 else None
-        keys = (at.device_view(arrays.raw_view(Seq, hook=True)), np.int64(0)) + (
-            (at.device_view(arrays.raw_view(Table, hook=True)),) if paged else ())
-        steps = decode(cfg, Q, (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd")),
-                       describe(out, "out"), None, keys, scale, win, cap, paged, splits,
-                       parts, part_lse, trace=trace)
-    return [(plan, args) for plan, args, _ in steps], out, cfg, splits, (parts, part_lse)
+        b, sq, hq, hk, d, paged = dims
+        scale = at.check_scale(None, d)
+        Seq = check_seqlens_array(cache_seqlens, b, Q)
+        Table = describe_table(block_table, b, Q) if paged else None
+        page = K.shape[1] if paged else 0
+        capacity = Table.shape[1] * page if paged else K.shape[1]
+        cfg = config if config is not None else choose_config(d, Q.dtype, sq, page, hq // hk)
+        check_config(cfg, d, Q.dtype, page)
+        if not isinstance(cfg, DecodeConfig):
+            raise ValueError("decode_launches: the decoding kernel's config (a DecodeConfig)")
+        splits = check_splits(num_splits, cfg)
+        if splits is None:
+            splits = dec.choose_splits(b, hk, -(-(sq * (hq // hk)) // dec.ROWS),
+                                       -(-capacity // cfg.block_n), launch.sm_count(launch.SIM_SMS),
+                                       dec.resident_splits(cfg), cfg.warps)
+        splits = -(-splits // cfg.warps) * cfg.warps
+        win, cap = at.check_variant(causal, None, 0.0)
+        with arrays.on_device(device):
+            out = arrays.empty(Q, Q.shape, Q.dtype)
+            parts = arrays.empty(Q, (splits, b, hk, sq, hq // hk, d), "float32") \
+                if splits > 1 else None
+            part_lse = arrays.empty(Q, (splits, b, hk, hq // hk, sq), "float32") \
+                if splits > 1 else None
+            keys = (at.device_view(arrays.raw_view(Seq, hook=True)), np.int64(0)) + (
+                (at.device_view(arrays.raw_view(Table, hook=True)),) if paged else ())
+            steps = decode(cfg, Q, (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd")),
+                           describe(out, "out"), None, keys, scale, win, cap, paged, splits,
+                           parts, part_lse, trace=trace)
+        return [(plan, args) for plan, args, _ in steps], out, cfg, splits, (parts, part_lse)
 
 
 def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_lse=False):

@@ -92,75 +92,77 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return (out, lse) if return_lse else out
     Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
                                                                          config)
-    CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
-    mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    win, cap = at.check_variant(causal, window, softcap)
-    n_args = at.n_mod_args(mod_args)
-    user = at.check_user_functions(score_mod, mask_mod, n_args)
-    if n_args and not user:
-        raise TypeError("flash_attention_varlen: mod_args are passed to score_mod / mask_mod; "
-                        "neither was given")
-    alibi = alibi_slopes is not None
-    hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
-    if alibi:
-        hargs = hargs[:-1]      # the kernel appends each sequence's seq_k - seq_q
-    arrays.same_device(Q, *hops)
-    if max(n, hq) > launch.MAX_GRID_YZ:
-        raise NotImplementedError(f"flash_attention_varlen: at most {launch.MAX_GRID_YZ} "
-                                  f"sequences and query heads (got {n} and {hq})")
-    if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
-        check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
-                            mq, mk)
-    caller_out = out is not None
-    if out is None:
-        out = arrays.empty(Q, Q.shape, dtype)
-        Out = describe(out, "out")
-    lse = arrays.empty(Q, (hq, Q.shape[0]), "float32") if return_lse else None
-    if n and hq and mq:
-        cfg = config or choose_config(d, dtype, causal)
-        variant = at.is_variant(win, cap) or user or alibi
-        hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
-            if variant else None
-        with arrays.on_device(device), at.user_errors(
-                (win, cap, score_mod, mask_mod) if variant else None):
-            views, copies = [], []
-            for op in (Q, K, V):
-                if not at.readable(op):
-                    op = describe(arrays.copy_aligned(op), op.name)
-                    copies.append(op)
-                views.append(packed_view(op))
-            lse_v = packed_lse_view(describe(lse, "lse")) if lse is not None \
-                else arrays.placeholder(3)
-            seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
-                    at.device_view(arrays.raw_view(CuK, hook=True)))
-            stream = arrays.stream_handle(Q)
-            run = (views, packed_view(Out), lse_v, scale, (seqs, tuple(hargs)), (n, mq),
-                   causal, win, hook if variant else None, lse is not None, Q)
-            try:
-                plan, args = _plan(cfg, *run)
-            except (ValueError, RuntimeError):
-                # TMA cannot describe these views (tensor-map limits): the mma.sync kernel
-                if config is not None or not isinstance(cfg, aw.WgmmaAttentionConfig):
-                    raise
-                plan, args = _plan(at.mma_sync_config(d, dtype), *run)
-            plan.launch(stream, args)
-            device_write.keep_during_capture(stream, *copies)
-            if not copies and not device_write.stream_capturing(stream):
-                # the plan's arrays: the five operands, any the plan supplies (TMA maps),
-                # then the lengths and the hook's, as operands 5, 6, ...
-                lse_src = (4, describe(lse, "lse").byte_pointer()) if lse is not None \
-                    else None
-                hook_src = [(5 + i, op.byte_pointer()) for i, op in enumerate([CuQ, CuK, *hops])]
-                n_plan = len(plan.array_positions()) - 5 - len(hook_src)
-                bound = plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()),
-                                   (2, V.byte_pointer()), (3, Out.byte_pointer()), lse_src]
-                                  + [None] * n_plan + hook_src)
-                _PLANS.put(key, (bound, arrays.stream_getter(Q),
-                                 None if caller_out else arrays.allocator(Q, Q.shape, dtype),
-                                 arrays.allocator(Q, (hq, Q.shape[0]), "float32")
-                                 if return_lse else None,
-                                 (Q.shape[0], K.shape[0], mq, mk)))
-    return (out, lse) if return_lse else out
+    with arrays.on_device(device):
+        CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
+        mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
+        win, cap = at.check_variant(causal, window, softcap)
+        n_args = at.n_mod_args(mod_args)
+        user = at.check_user_functions(score_mod, mask_mod, n_args)
+        if n_args and not user:
+            raise TypeError("flash_attention_varlen: mod_args are passed to score_mod / mask_mod; "
+                            "neither was given")
+        alibi = alibi_slopes is not None
+        hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
+        if alibi:
+            hargs = hargs[:-1]      # the kernel appends each sequence's seq_k - seq_q
+        arrays.same_device(Q, *hops)
+        if max(n, hq) > launch.MAX_GRID_YZ:
+            raise NotImplementedError(f"flash_attention_varlen: at most {launch.MAX_GRID_YZ} "
+                                      f"sequences and query heads (got {n} and {hq})")
+        if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
+            check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
+                                mq, mk)
+        caller_out = out is not None
+        if out is None:
+            out = arrays.empty(Q, Q.shape, dtype)
+            Out = describe(out, "out")
+        lse = arrays.empty(Q, (hq, Q.shape[0]), "float32") if return_lse else None
+        if n and hq and mq:
+            cfg = config or choose_config(d, dtype, causal)
+            variant = at.is_variant(win, cap) or user or alibi
+            hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
+                if variant else None
+            with arrays.on_device(device), at.user_errors(
+                    (win, cap, score_mod, mask_mod) if variant else None):
+                views, copies = [], []
+                for op in (Q, K, V):
+                    if not at.readable(op):
+                        op = describe(arrays.copy_aligned(op), op.name)
+                        copies.append(op)
+                    views.append(packed_view(op))
+                lse_v = packed_lse_view(describe(lse, "lse")) if lse is not None \
+                    else arrays.placeholder(3)
+                seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
+                        at.device_view(arrays.raw_view(CuK, hook=True)))
+                stream = arrays.stream_handle(Q)
+                run = (views, packed_view(Out), lse_v, scale, (seqs, tuple(hargs)), (n, mq),
+                       causal, win, hook if variant else None, lse is not None, Q)
+                try:
+                    plan, args = _plan(cfg, *run)
+                except (ValueError, RuntimeError):
+                    # TMA cannot describe these views (tensor-map limits): the mma.sync kernel
+                    if config is not None or not isinstance(cfg, aw.WgmmaAttentionConfig):
+                        raise
+                    plan, args = _plan(at.mma_sync_config(d, dtype), *run)
+                plan.launch(stream, args)
+                device_write.keep_during_capture(stream, *copies)
+                if not copies and not device_write.stream_capturing(stream):
+                    # the plan's arrays: the five operands, any the plan supplies (TMA maps),
+                    # then the lengths and the hook's, as operands 5, 6, ...
+                    lse_src = (4, describe(lse, "lse").byte_pointer()) if lse is not None \
+                        else None
+                    hook_src = [(5 + i, op.byte_pointer())
+                                for i, op in enumerate([CuQ, CuK, *hops])]
+                    n_plan = len(plan.array_positions()) - 5 - len(hook_src)
+                    bound = plan.bind([(0, Q.byte_pointer()), (1, K.byte_pointer()),
+                                       (2, V.byte_pointer()), (3, Out.byte_pointer()), lse_src]
+                                      + [None] * n_plan + hook_src)
+                    _PLANS.put(key, (bound, arrays.stream_getter(Q),
+                                     None if caller_out else arrays.allocator(Q, Q.shape, dtype),
+                                     arrays.allocator(Q, (hq, Q.shape[0]), "float32")
+                                     if return_lse else None,
+                                     (Q.shape[0], K.shape[0], mq, mk)))
+        return (out, lse) if return_lse else out
 
 
 _PLANS = launch.PlanCache()
@@ -352,97 +354,98 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                         "(flash_attention_varlen(..., return_lse=True)), got None")
     Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
                                                                          None)
-    CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
-    mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
-    win, cap = at.check_variant(causal, window, softcap)
-    n_args = at.n_mod_args(mod_args)
-    user = check_functions(score_mod, score_mod_grad, mask_mod,
-                           op="flash_attention_varlen_backward", n_args=n_args)
-    if n_args and not user:
-        raise TypeError("flash_attention_varlen_backward: mod_args are passed to score_mod / "
-                        "mask_mod; neither was given")
-    dO = describe(dout, "dout", allow_float32=False)
-    if dO.shape != Q.shape or dO.dtype != dtype:
-        raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
-                         f"{dO.shape} {dO.dtype}")
-    Lse = describe(lse, "lse")
-    if Lse.dtype != "float32" or Lse.shape != (hq, Q.shape[0]):
-        raise ValueError(f"lse must be float32 of shape {(hq, Q.shape[0])} (heads_q, "
-                         f"total_q), got {Lse.dtype} {Lse.shape}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
-                        f"{deterministic!r}")
-    grads = []
-    for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
-        G = describe(arr, name, allow_float32=False) if arr is not None else None
-        if G is not None and (G.shape != like.shape or G.dtype != dtype):
-            raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
-                             f"{dtype}, got {G.shape} {G.dtype}")
-        grads.append(G)
-    arrays.same_device(Q, dO, Lse, *grads)
-    if config is not None:
-        if isinstance(config, WgmmaBackwardConfig):
-            raise NotImplementedError("flash_attention_varlen_backward runs the mma.sync "
-                                      "kernels; pass a BackwardConfig or leave config unset")
-        if not isinstance(config, BackwardConfig):
-            raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
-                            f"BackwardConfig, got {type(config).__name__}")
-        if (config.head_dim, config.dtype) != (d, dtype):
-            raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
-                             f"inputs are head_dim {d} {dtype}")
-    alibi = alibi_slopes is not None
-    hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
-    if alibi:
-        hargs = hargs[:-1]      # the kernels append each sequence's seq_k - seq_q
-    arrays.same_device(Q, *hops)
-    if max(n, hq) > launch.MAX_GRID_YZ:
-        raise NotImplementedError(f"flash_attention_varlen_backward: at most "
-                                  f"{launch.MAX_GRID_YZ} sequences and query heads (got {n} "
-                                  f"and {hq})")
-    if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
-        check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
-                            mq, mk)
-    results = []
-    for arr, like, G, name in zip((dq, dk, dv), (Q, K, V), grads, ("dq", "dk", "dv")):
-        if arr is None:
-            arr = arrays.zeros(Q, like.shape, dtype)
-            G = describe(arr, name)
-        results.append((arr, G))
-    if not (n and hq and (mq or mk)):
+    with arrays.on_device(device):
+        CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
+        mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
+        win, cap = at.check_variant(causal, window, softcap)
+        n_args = at.n_mod_args(mod_args)
+        user = check_functions(score_mod, score_mod_grad, mask_mod,
+                               op="flash_attention_varlen_backward", n_args=n_args)
+        if n_args and not user:
+            raise TypeError("flash_attention_varlen_backward: mod_args are passed to score_mod / "
+                            "mask_mod; neither was given")
+        dO = describe(dout, "dout", allow_float32=False)
+        if dO.shape != Q.shape or dO.dtype != dtype:
+            raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
+                             f"{dO.shape} {dO.dtype}")
+        Lse = describe(lse, "lse")
+        if Lse.dtype != "float32" or Lse.shape != (hq, Q.shape[0]):
+            raise ValueError(f"lse must be float32 of shape {(hq, Q.shape[0])} (heads_q, "
+                             f"total_q), got {Lse.dtype} {Lse.shape}")
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
+                            f"{deterministic!r}")
+        grads = []
+        for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
+            G = describe(arr, name, allow_float32=False) if arr is not None else None
+            if G is not None and (G.shape != like.shape or G.dtype != dtype):
+                raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
+                                 f"{dtype}, got {G.shape} {G.dtype}")
+            grads.append(G)
+        arrays.same_device(Q, dO, Lse, *grads)
+        if config is not None:
+            if isinstance(config, WgmmaBackwardConfig):
+                raise NotImplementedError("flash_attention_varlen_backward runs the mma.sync "
+                                          "kernels; pass a BackwardConfig or leave config unset")
+            if not isinstance(config, BackwardConfig):
+                raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
+                                f"BackwardConfig, got {type(config).__name__}")
+            if (config.head_dim, config.dtype) != (d, dtype):
+                raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
+                                 f"inputs are head_dim {d} {dtype}")
+        alibi = alibi_slopes is not None
+        hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
+        if alibi:
+            hargs = hargs[:-1]      # the kernels append each sequence's seq_k - seq_q
+        arrays.same_device(Q, *hops)
+        if max(n, hq) > launch.MAX_GRID_YZ:
+            raise NotImplementedError(f"flash_attention_varlen_backward: at most "
+                                      f"{launch.MAX_GRID_YZ} sequences and query heads (got {n} "
+                                      f"and {hq})")
+        if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
+            check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
+                                mq, mk)
+        results = []
+        for arr, like, G, name in zip((dq, dk, dv), (Q, K, V), grads, ("dq", "dk", "dv")):
+            if arr is None:
+                arr = arrays.zeros(Q, like.shape, dtype)
+                G = describe(arr, name)
+            results.append((arr, G))
+        if not (n and hq and (mq or mk)):
+            return tuple(a for a, _ in results)
+        cfg = config or choose_backward_config(d, dtype, bool(deterministic))
+        # lse2 / delta per sequence, 16-byte aligned, padded after each (bk.varlen_row_start)
+        rows = bk.varlen_rows(Q.shape[0], n, bk.varlen_pad(cfg))
+        scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
+        variant = at.is_variant(win, cap) or user or alibi
+        kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
+        with arrays.on_device(device), at.user_errors(
+                (win, cap, score_mod, mask_mod) if user else None):
+            views, copies = {}, []
+            for name, op in (("q", Q), ("k", K), ("v", V), ("o", Out), ("do", dO)):
+                if not at.readable(op):
+                    op = describe(arrays.copy_aligned(op), op.name)
+                    copies.append(op)
+                views[name] = packed_view(op)
+            for name, (_, G) in zip(("dq", "dk", "dv"), results):
+                views[name] = packed_view(G)
+            views["lse"] = packed_lse_view(Lse)
+            for name, shape in scratch:
+                arr = arrays.empty(Q, shape, "float32")
+                copies.append(describe(arr, name))
+                views[name] = at.bhsd_view(copies[-1], "bhsd")
+            views["placeholder3"] = arrays.placeholder(3)
+            views["placeholder4"] = arrays.placeholder(4)
+            seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
+                    at.device_view(arrays.raw_view(CuK, hook=True)))
+            stream = arrays.stream_handle(Q)
+            plans = bk.plans(cfg, False, bool(deterministic), views, scale, win, cap,
+                             kmods if variant else (None, None, None), (seqs, tuple(hargs)),
+                             varlen=(n, mq, mk))
+            for plan, args in plans:
+                plan.launch(stream, args)
+            device_write.keep_during_capture(stream, *copies)
         return tuple(a for a, _ in results)
-    cfg = config or choose_backward_config(d, dtype, bool(deterministic))
-    # lse2 / delta per sequence, 16-byte aligned, padded after each (bk.varlen_row_start)
-    rows = bk.varlen_rows(Q.shape[0], n, bk.varlen_pad(cfg))
-    scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
-    variant = at.is_variant(win, cap) or user or alibi
-    kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
-    with arrays.on_device(device), at.user_errors(
-            (win, cap, score_mod, mask_mod) if user else None):
-        views, copies = {}, []
-        for name, op in (("q", Q), ("k", K), ("v", V), ("o", Out), ("do", dO)):
-            if not at.readable(op):
-                op = describe(arrays.copy_aligned(op), op.name)
-                copies.append(op)
-            views[name] = packed_view(op)
-        for name, (_, G) in zip(("dq", "dk", "dv"), results):
-            views[name] = packed_view(G)
-        views["lse"] = packed_lse_view(Lse)
-        for name, shape in scratch:
-            arr = arrays.empty(Q, shape, "float32")
-            copies.append(describe(arr, name))
-            views[name] = at.bhsd_view(copies[-1], "bhsd")
-        views["placeholder3"] = arrays.placeholder(3)
-        views["placeholder4"] = arrays.placeholder(4)
-        seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
-                at.device_view(arrays.raw_view(CuK, hook=True)))
-        stream = arrays.stream_handle(Q)
-        plans = bk.plans(cfg, False, bool(deterministic), views, scale, win, cap,
-                         kmods if variant else (None, None, None), (seqs, tuple(hargs)),
-                         varlen=(n, mq, mk))
-        for plan, args in plans:
-            plan.launch(stream, args)
-        device_write.keep_during_capture(stream, *copies)
-    return tuple(a for a, _ in results)
 
 
 def choose_backward_config(head_dim: int, dtype: str, deterministic: bool) -> BackwardConfig:

@@ -344,7 +344,7 @@ def _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32):
         if dtype != "float32" and config.dtype != dtype:
             raise ValueError(f"config is for {config.dtype}, inputs are {dtype}")
         if isinstance(config, (hw.WgmmaConfig, ws.WsConfig)) and not (
-                arrays.SIMULATOR or launch.compute_capability() == (9, 0)):
+                arrays.SIMULATOR or launch.compute_capability(device) == (9, 0)):
             raise ValueError("a WgmmaConfig needs a compute capability 9.0 GPU (wgmma)")
     return dtype, out_dtype, (m, n, k, batch), (A, B, Bias, C, Out), device, out_shape
 

@@ -251,19 +251,20 @@ def _check(a, b, scale, out, config):
 
 def _gemm_softmax(a, b, scale, out, config, key):
     A, B, Out, dtype, (m, n, k), scale, device = _check(a, b, scale, out, config)
-    caller_out = out is not None
-    if out is None:
-        out = arrays.empty(A, (m, n), dtype)
-        Out = describe(out, "out")
-    if m == 0 or n == 0:
+    with arrays.on_device(device):
+        caller_out = out is not None
+        if out is None:
+            out = arrays.empty(A, (m, n), dtype)
+            Out = describe(out, "out")
+        if m == 0 or n == 0:
+            return out
+        cached = _run(A, B, Out, config, m, n, k, scale, device)
+        if cached is not None:
+            bound, alloc_seg, scalars = cached
+            alloc_out = None if caller_out else arrays.allocator(A, (m, n), dtype)
+            _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc_out,
+                                    Out.byte_pointer() % 16, alloc_seg, scalars))
         return out
-    cached = _run(A, B, Out, config, m, n, k, scale, device)
-    if cached is not None:
-        bound, alloc_seg, scalars = cached
-        alloc_out = None if caller_out else arrays.allocator(A, (m, n), dtype)
-        _PLANS.put(key, _Cached(bound, arrays.stream_getter(A), alloc_out,
-                                Out.byte_pointer() % 16, alloc_seg, scalars))
-    return out
 
 
 def _tma_scalars(scale: float):

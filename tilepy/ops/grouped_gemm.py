@@ -54,61 +54,62 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     anything is launched.
     """
     A, B, Offs, Out, (m, k, n, e), device = check_arguments(a, b, offsets, out)
-    hopper = isinstance(config, kw.KMajorConfig)
-    if hopper and k and not _kmajor_ready(A, B, k):
-        raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
-                         "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
-                         "16-byte aligned rows")
-    if config is None and k and not arrays.SIMULATOR and \
-            launch.compute_capability() == (9, 0) and _kmajor_ready(A, B, k):
-        hopper, config = True, kw.KMajorConfig()
-    cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
-                                                             e, A.dtype)
-    if not isinstance(cfg, (GemmConfig, kw.KMajorConfig)):
-        raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync) or a "
-                        f"tilepy.ops.gemm_kmajor_wgmma.KMajorConfig (Hopper), got "
-                        f"{type(cfg).__name__}")
-    if not hopper and cfg.dtype != A.dtype:
-        raise ValueError(f"config is for {cfg.dtype}, inputs are {A.dtype}")
-    stream = arrays.stream_handle(A)
-    if check_offsets and e and not device_write.stream_capturing(stream):
-        check_values(arrays.to_host(Offs), m)
-    if out is None:
-        out = arrays.empty(A, (m, n), A.dtype)
-        Out = describe(out, "out")
-    if m == 0 or n == 0 or e == 0:
-        return out
     with arrays.on_device(device):
-        if k == 0:
-            # an empty inner dimension: zeros, through the kernel on K = 8 of zeros
-            A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
-            B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
-            k = 8
-            hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
-        if hopper:
-            kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
-            one = arrays.placeholder(1)
-            plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
-                                 kernel_view(B, 3, swap_last=True), kernel_view(Out, 2), one,
-                                 one, kernel_view(Offs), one, k, A.dtype,
-                                 arrays.byte_allocator(A))
-            plan.launch(stream, args)
+        hopper = isinstance(config, kw.KMajorConfig)
+        if hopper and k and not _kmajor_ready(A, B, k):
+            raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
+                             "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
+                             "16-byte aligned rows")
+        if config is None and k and not arrays.SIMULATOR and \
+                launch.compute_capability() == (9, 0) and _kmajor_ready(A, B, k):
+            hopper, config = True, kw.KMajorConfig()
+        cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
+                                                                 e, A.dtype)
+        if not isinstance(cfg, (GemmConfig, kw.KMajorConfig)):
+            raise TypeError(f"config must be a tilepy.tile.GemmConfig (mma.sync) or a "
+                            f"tilepy.ops.gemm_kmajor_wgmma.KMajorConfig (Hopper), got "
+                            f"{type(cfg).__name__}")
+        if not hopper and cfg.dtype != A.dtype:
+            raise ValueError(f"config is for {cfg.dtype}, inputs are {A.dtype}")
+        stream = arrays.stream_handle(A)
+        if check_offsets and e and not device_write.stream_capturing(stream):
+            check_values(arrays.to_host(Offs), m)
+        if out is None:
+            out = arrays.empty(A, (m, n), A.dtype)
+            Out = describe(out, "out")
+        if m == 0 or n == 0 or e == 0:
             return out
-        A2 = gm.aligned_rows(A)
-        layout_b = gm.matrix_layout(B)
-        B2 = B if layout_b != "other" else gm.aligned_rows(B)
-        layout_b = "row" if layout_b == "other" else layout_b
-        b_view = kernel_view(B2, 3, swap_last=layout_b == "col")
-        out_v = kernel_view(Out, 2)
-        kern = tc.grouped_kernel(cfg, layout_b == "row", A.dtype)
-        offs_v = kernel_view(Offs)
-        args = (kernel_view(A2, 2), b_view, out_v, offs_v, arrays.placeholder(1),
-                np.float32(1.0))
-        allow_dynamic_shared(kern, args, cfg.smem_bytes)
-        LaunchPlan(kern, args, tc.grouped_grid(cfg, m, n, e), cfg.threads,
-                   cfg.smem_bytes).launch(stream, args)
-        device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
-    return out
+        with arrays.on_device(device):
+            if k == 0:
+                # an empty inner dimension: zeros, through the kernel on K = 8 of zeros
+                A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
+                B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+                k = 8
+                hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
+            if hopper:
+                kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
+                one = arrays.placeholder(1)
+                plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
+                                     kernel_view(B, 3, swap_last=True), kernel_view(Out, 2), one,
+                                     one, kernel_view(Offs), one, k, A.dtype,
+                                     arrays.byte_allocator(A))
+                plan.launch(stream, args)
+                return out
+            A2 = gm.aligned_rows(A)
+            layout_b = gm.matrix_layout(B)
+            B2 = B if layout_b != "other" else gm.aligned_rows(B)
+            layout_b = "row" if layout_b == "other" else layout_b
+            b_view = kernel_view(B2, 3, swap_last=layout_b == "col")
+            out_v = kernel_view(Out, 2)
+            kern = tc.grouped_kernel(cfg, layout_b == "row", A.dtype)
+            offs_v = kernel_view(Offs)
+            args = (kernel_view(A2, 2), b_view, out_v, offs_v, arrays.placeholder(1),
+                    np.float32(1.0))
+            allow_dynamic_shared(kern, args, cfg.smem_bytes)
+            LaunchPlan(kern, args, tc.grouped_grid(cfg, m, n, e), cfg.threads,
+                       cfg.smem_bytes).launch(stream, args)
+            device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
+        return out
 
 
 def _kmajor_ready(A, B, k: int) -> bool:

@@ -38,6 +38,7 @@ import threading
 import numpy as np
 from numba import cuda
 
+from .. import devices
 from ..kcache import enable_disk_cache
 from ..launch import LaunchPlan, _stream_handle
 from ..ptx.asm import SIMULATOR
@@ -149,7 +150,7 @@ _WRITERS_LOCK = threading.Lock()
 def _writer(nwords: int, ptr: int):
     """The writer kernel's bound plan for ``nwords`` words on the current device (built on
     first use, typed on a view at ``ptr``)."""
-    key = (None if SIMULATOR else cuda.get_current_device().id, nwords)
+    key = (devices.current_id(), nwords)
     bound = _WRITERS.get(key)
     if bound is None:
         with _WRITERS_LOCK:

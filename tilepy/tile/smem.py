@@ -16,6 +16,7 @@ import functools
 
 from numba import cuda, types
 
+from .. import devices
 from ..inline import inline_device
 from ..ptx.asm import SIMULATOR
 
@@ -54,15 +55,15 @@ def allow_dynamic_shared(kernel, args, nbytes: int) -> None:
     if SIMULATOR or nbytes <= STATIC_LIMIT:
         return
     overload = compiled_overload(kernel, args)
-    dev = cuda.get_current_device()
-    key = (id(overload), dev.id)
+    dev = devices.current_id()
+    key = (id(overload), dev)
     if _raised.get(key, 0) >= nbytes:
         return
     from cuda.bindings import driver
 
     handle = overload._codelibrary.get_cufunc().handle
     attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    (err,) = driver.cuKernelSetAttribute(attr, int(nbytes), handle, dev.id)
+    (err,) = driver.cuKernelSetAttribute(attr, int(nbytes), handle, dev)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"could not allow {nbytes} B of dynamic shared memory: {err}")
     _raised[key] = nbytes

@@ -14,8 +14,8 @@ import collections
 import threading
 
 import numpy as np
-from numba import cuda
 
+from .. import devices
 from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer
 from ..ptx.asm import SIMULATOR
 from . import device_write
@@ -84,7 +84,7 @@ class TmaLaunchPlan(LaunchPlan):
         self._unsettled = {}
         self._kept = {}   # buffer address -> DeviceBuffer a captured graph of this plan read
         self._maps_lock = threading.Lock()
-        self._device = None if SIMULATOR else cuda.get_current_device().id
+        self._device = devices.entered() if SIMULATOR else devices.current_id()
         key = tuple(pointer(args[i]) for i in self._map_args)
         if initial is None:   # maps the caller wrote: usable on any stream
             held = args[maps_arg]

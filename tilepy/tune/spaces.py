@@ -85,13 +85,11 @@ def hopper_space(dtype: str = "float16", m=None, n=None, k=None, batch: int = 1)
 
 def _device_cc():
     """The current device's compute capability; (9, 0) when there is none (simulator)."""
-    from numba import config
+    from .. import devices
 
-    if config.ENABLE_CUDASIM:
+    if devices.SIMULATOR:
         return (9, 0)
-    from numba import cuda
-
-    return tuple(cuda.get_current_device().compute_capability)
+    return tuple(devices.current().cc)
 
 
 def gemm_space(dtype: str = "float16", cc=None, m=None, n=None, k=None, *,
