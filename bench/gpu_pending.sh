@@ -58,6 +58,13 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s33a    issue 29 on a two-GPU machine (kind nvidia-h100-x2 / nvidia-h200-x2; NVLink
+#                multicast off): the two-GPU tests, every op with its inputs on the other GPU
+#                (bench/multi_gpu.py devices, both directions), the tensor-parallel block over
+#                NCCL (torchrun, 2 ranks: errors, graph replay, step time on one and two GPUs)
+#   PART=s33b    one GPU after tilepy.devices: the PyTorch, CUDA-graph and GEMM op GPU tests,
+#                the host cost per call (bench/overhead.py; the cached path adds one
+#                thread-local check per launch)
 #   PART=s32e    what session 32 left unmeasured (no device time): the backward GPU tests and
 #                the block-mask ones after the soft cap's float16 derivative pairs, the chain
 #                skipped for ALiBi / masks and the window mask on crossed blocks only; the
@@ -316,6 +323,21 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s33a "* ]]; then
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    gpu_tests multi_gpu_tests 300 tests/test_multi_gpu.py
+    step multi_gpu_devices_1 120 "$PY" bench/multi_gpu.py devices --src 1 \
+        --json "$OUT/multi_gpu_devices_1.json"
+    step multi_gpu_devices_0 120 "$PY" bench/multi_gpu.py devices --src 0 \
+        --json "$OUT/multi_gpu_devices_0.json"
+    step multi_gpu_tp 200 "$PY" -m torch.distributed.run --nproc-per-node 2 \
+        bench/multi_gpu.py tp --json "$OUT/multi_gpu_tp.json"
+fi
+if [[ " $PART " == *" s33b "* ]]; then
+    gpu_tests torch_graph_gemm_gpu 200 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
+        tests/test_ops_gemm.py tests/test_launch.py
+    step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
 fi
 if [[ " $PART " == *" s32f "* ]]; then
     bench_suite bench_backward_user 300 "test_flash_attention_backward_user_functions"

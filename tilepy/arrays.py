@@ -286,7 +286,7 @@ def empty(like: Operand, shape, dtype: str):
 def _allocating(like: Operand):
     """Context of a Numba (or simulator) allocation like ``like``: on its device (Numba
     allocates on the current one), logged on :func:`tilepy.devices.fake`'s devices."""
-    with devices.use(like.device):
+    with devices.use(like.device, lazy=True):
         devices.note("alloc")
         yield
 

@@ -223,16 +223,18 @@ def current() -> DeviceInfo:
 
 
 @contextlib.contextmanager
-def use(device: int | None):
+def use(device: int | None, *, lazy: bool = False):
     """Work on ``device`` for the ``with`` block: its context current, :func:`current` it.
     ``None`` (an op whose inputs name no device: NumPy arrays in the simulator) changes
-    nothing. Nested entries of the device already entered cost a list append."""
+    nothing. Nested entries of the device already entered switch no context (a list
+    append); nor does a ``lazy`` entry in a process that sees one device (an allocation on
+    the hot path: Numba makes that device's context current when it needs one)."""
     if device is None:
         yield
         return
     device = int(device)
     s = _stack()
-    if s and s[-1] == device:
+    if (s and s[-1] == device) or (lazy and not several()):
         s.append(device)
         try:
             yield
