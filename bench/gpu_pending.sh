@@ -65,6 +65,8 @@
 #   PART=s33b    one GPU after tilepy.devices: the PyTorch, CUDA-graph and GEMM op GPU tests,
 #                the host cost per call (bench/overhead.py; the cached path adds one
 #                thread-local check per launch)
+#   PART=s33c    issue 27's small M with 64 x 64 tiles (half the splits for the same items):
+#                bench/sweep_gemm_grid.py at M 1, 16, 64 over the grid's (N, K), beside cuBLAS
 #   PART=s32e    what session 32 left unmeasured (no device time): the backward GPU tests and
 #                the block-mask ones after the soft cap's float16 derivative pairs, the chain
 #                skipped for ALiBi / masks and the window mask on crossed blocks only; the
@@ -333,6 +335,10 @@ if [[ " $PART " == *" s33a "* ]]; then
         --json "$OUT/multi_gpu_devices_0.json"
     step multi_gpu_tp 200 "$PY" -m torch.distributed.run --nproc-per-node 2 \
         bench/multi_gpu.py tp --json "$OUT/multi_gpu_tp.json"
+fi
+if [[ " $PART " == *" s33c "* ]]; then
+    step sweep_gemm_small 300 "$PY" bench/sweep_gemm_grid.py --ms 1,16,64 \
+        --json "$OUT/sweep_gemm_small.json"
 fi
 if [[ " $PART " == *" s33b "* ]]; then
     gpu_tests torch_graph_gemm_gpu 200 tests/test_torch_gpu.py tests/test_cuda_graphs.py \

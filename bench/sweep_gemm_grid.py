@@ -25,12 +25,16 @@ CALLS = 20   # calls per graph replay (bench/measure.py graph_ms)
 
 
 def candidates(dtype, m):
-    """(name, config) pairs: 64- and 128-row tiles of 128 or 256 columns, split-K by 1-8
-    (small M only), and the built-in large-shape default."""
+    """(name, config) pairs: 64- and 128-row tiles of 128 or 256 columns (and 64 × 64 at
+    M <= 64: twice the column tiles, so half the splits for the same items — a smaller
+    split-K reduction), split-K by 1-8 (small M only), and the built-in large-shape default."""
     from tilepy.ops.gemm_wgmma_ws import WsConfig
 
     out = []
-    for bm, bn, st in ((64, 128, 8), (64, 256, 5), (128, 128, 6), (128, 256, 4)):
+    tiles = ((64, 128, 8), (64, 256, 5), (128, 128, 6), (128, 256, 4))
+    if m <= 64:
+        tiles = ((64, 64, 12),) + tiles
+    for bm, bn, st in tiles:
         one = {"consumers": 1} if bm == 64 else {}
         for s in ((1, 2, 4, 8) if m <= 512 else (1,)):
             out.append((f"{bm}x{bn} s{st} split{s}",
