@@ -128,6 +128,30 @@ def case_quantize(rng, fk, dev):
     assert np.isfinite(np.asarray(scales, np.float64)).all()
 
 
+def case_gemm_fp8(rng, fk, dev):
+    import ml_dtypes
+
+    f8 = ml_dtypes.float8_e4m3fn
+    a = (rng.standard_normal((20, 64)) * 3).astype(f8)
+    w = (rng.standard_normal((40, 64)) * 3).astype(f8)     # b = wᵀ: K-major
+    a, w = placed(fk, dev, a, w)
+    b = fk.place(w.T, dev)
+    got = tilepy.gemm(a, b, out_dtype="float32")
+    want = a.astype(np.float64) @ w.astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+
+
+def case_attention_fp8(rng, fk, dev):
+    from test_ops_attention_fp8 import codes
+    from test_ops_attention_fp8 import reference as fp8_reference
+
+    q, k, v = placed(fk, dev, codes(rng, (1, 2, 16, 16)), codes(rng, (1, 2, 20, 16)),
+                     codes(rng, (1, 2, 20, 16)))
+    got = tilepy.flash_attention(q, k, v, causal=True).astype(np.float64)
+    want, _, bound = fp8_reference(q, k, v, 1.0, 1.0, 1.0, causal=True)
+    assert (np.abs(got - want) <= bound).all()
+
+
 CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
