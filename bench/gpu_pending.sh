@@ -65,7 +65,9 @@
 #   PART=s33b    one GPU after tilepy.devices: the PyTorch, CUDA-graph and GEMM op GPU tests,
 #                the host cost per call (bench/overhead.py; the cached path adds one
 #                thread-local check per launch)
-#   PART=s33c    issue 27's small M with 64 x 64 tiles (half the splits for the same items):
+#   PART=s33c    issue 27: the grouped GEMM with the TMA-store epilogue (its GPU tests with
+#                and without, the grouped benchmark with both beside torch._grouped_mm); small
+#                M with 64 x 64 tiles (half the splits for the same items):
 #                bench/sweep_gemm_grid.py at M 1, 16, 64 over the grid's (N, K), beside cuBLAS
 #   PART=s32e    what session 32 left unmeasured (no device time): the backward GPU tests and
 #                the block-mask ones after the soft cap's float16 derivative pairs, the chain
@@ -337,6 +339,8 @@ if [[ " $PART " == *" s33a "* ]]; then
         bench/multi_gpu.py tp --json "$OUT/multi_gpu_tp.json"
 fi
 if [[ " $PART " == *" s33c "* ]]; then
+    gpu_tests grouped_gpu 120 tests/test_ops_grouped_gemm.py
+    bench_suite bench_grouped 120 "test_grouped_gemm"
     step sweep_gemm_small 300 "$PY" bench/sweep_gemm_grid.py --ms 1,16,64 \
         --json "$OUT/sweep_gemm_small.json"
 fi

@@ -50,6 +50,39 @@ def test_groups_against_float64(dtype, sizes, b_transposed, hopper):
 
 
 @sim
+def test_tma_store_epilogue_with_groups_ending_inside_tiles():
+    """``KMajorConfig(tma_store=True)``: a consumer's 64 rows that lie inside their group go
+    out through TMA, a tile's rows that reach into the next group from registers (clipped at
+    the group's end). Groups of 70, 0, 130 and 3 rows over 128-row tiles (halves inside and
+    across a group's end, an empty group, the last rows at total_M), N = 72 (a partial
+    64-column box), out NaN-poisoned: float64's answer, and the register epilogue's bits;
+    then rows past the last group's end, left as they were."""
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    rng = np.random.default_rng()
+    sizes, k, n = [70, 0, 130, 3], 40, 72
+    ends = np.cumsum(sizes).astype(np.int32)
+    a = rand(rng, (int(ends[-1]), k), "bfloat16")
+    b = rand(rng, (len(sizes), n, k), "bfloat16").transpose(0, 2, 1)
+    outs = []
+    for tma in (True, False):
+        out = np.full((a.shape[0], n), np.nan, NP["bfloat16"])
+        tilepy.grouped_gemm(a, b, ends, out=out,
+                            config=KMajorConfig(block_n=64, tma_store=tma))
+        outs.append(out)
+    check(outs[0], reference(a, b, ends), "bfloat16")
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    # the last group ending 103 rows before total_M (unchecked): its tile's second half
+    # crosses that end, and the rows past it stay as they were
+    out = np.full((a.shape[0], n), 7.0, NP["bfloat16"])
+    short = np.array([70, 70, 100, 100], np.int32)
+    tilepy.grouped_gemm(a, b, short, out=out, check_offsets=False,
+                        config=KMajorConfig(block_n=64, tma_store=True))
+    check(out[:100], reference(a[:100], b, short), "bfloat16")
+    assert (out[100:].astype(np.float32) == 7.0).all()
+
+
+@sim
 @pytest.mark.parametrize("hopper", [False, True])
 def test_unchecked_offsets_are_clamped(hopper):
     """check_offsets=False: an end past total_M reads no further than total_M, a decreasing
@@ -139,11 +172,16 @@ def test_grouped_kernel_compiles_without_spills():
 
 
 @pytest.mark.gpu
-def test_gpu_experts_against_torch():
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_gpu_experts_against_torch(monkeypatch, tma_store):
     """8 experts, 4096 routed rows split unevenly (two groups empty), K 1024, N 2048, bf16,
     ``b`` as the transposed view of (E, N, K) weights: against float32 products per group;
-    the gradients of a and b against the same."""
+    the gradients of a and b against the same. With the built-in Hopper config's register
+    epilogue and with its TMA-store one (``grouped_gemm.TMA_STORE``)."""
     torch = pytest.importorskip("torch")
+    from tilepy.ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "TMA_STORE", tma_store)
     g = torch.Generator().manual_seed(0)
     sizes = torch.tensor([700, 0, 1300, 5, 1, 0, 1090, 1000])
     ends = torch.cumsum(sizes, 0).int().cuda()

@@ -201,10 +201,9 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         raise ValueError(f"kmajor_gemm_kernel: block scales take no row / column scales and "
                          f"block_n <= {BLOCK_SCALE}; got {cfg}")
     TMA_OUT = bool(cfg.tma_store)
-    if TMA_OUT and (GROUPED or out_kind not in ("float16", "bfloat16")):
-        raise ValueError(f"kmajor_gemm_kernel: tma_store takes the scaled GEMM's 16-bit "
-                         f"outputs (a group's rows end inside a tile); got {out_kind!r}, "
-                         f"grouped={grouped}")
+    if TMA_OUT and out_kind not in ("float16", "bfloat16"):
+        raise ValueError(f"kmajor_gemm_kernel: tma_store takes 16-bit outputs; got "
+                         f"{out_kind!r}")
     BM, BN, NC, ST = cfg.block_m, cfg.block_n, cfg.consumers, cfg.stages
     EB = 1 if FP8 else 2            # bytes an element
     BKE = BK // EB                  # k elements a stage
@@ -230,8 +229,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     PASSES = -(-NI // PASS_NI)
     if TMA_OUT:
         stage_pass = [stage_scaled_accumulators_swizzled(
-            NI, out_kind, row_scale, col_scale, scaled=not BLOCK, activation=activation,
-            bias_kind=bias_kind, first=PASS_NI * p, count=min(PASS_NI, NI - PASS_NI * p))
+            NI, out_kind, row_scale, col_scale, scaled=FP8 and not BLOCK,
+            activation=activation, bias_kind=bias_kind, first=PASS_NI * p, count=min(PASS_NI, NI - PASS_NI * p))
             for p in range(PASSES)]
         stage0, stage1 = stage_pass[0], stage_pass[-1]
         STAGING = lay.offset("staging")
@@ -284,8 +283,11 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
 
     @inline_device
     def epilogue(acc, base, maps, out, scale_a, scale_b, bias, row0, col0, m, n, t, lane, cw):
-        # the consumer's 64 rows of the tile: staged and stored with TMA, or from registers
-        if TMA_OUT:
+        # the consumer's 64 rows of the tile: staged and stored with TMA, or from registers;
+        # grouped, ``m`` is the group's end: 64 rows that reach past it (the next group's
+        # rows, which that group's own tile writes) go from registers, clipped there — a TMA
+        # store clips only at the output's end
+        if TMA_OUT and (not GROUPED or row0 + 64 <= m):
             omap = T.tensor_map_address(maps) + MAP_OUT
             stg = base + STAGING + cw * STAGING_BYTES
             staging_acquire(t, WG_BAR + cw)
@@ -558,6 +560,8 @@ COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", KMajorConfig(), "e4m3", "rowcol", Fals
             ("gemm_fp8_e4m3_e5m2_bias_gelu", KMajorConfig(), "e4m3", "rowcol", False, "e5m2",
              "gelu", "bfloat16"),
             ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None),
+            ("grouped_gemm_bf16_tmastore", KMajorConfig(tma_store=True), "bfloat16", None,
+             True, None, None, None),
             ("gemm_fp8_e4m3_bf16_rowcol_tmastore", KMajorConfig(tma_store=True), "e4m3",
              "rowcol", False, None, None, None),
             ("gemm_fp8_e4m3_e5m2_bias_gelu_tmastore", KMajorConfig(tma_store=True), "e4m3",

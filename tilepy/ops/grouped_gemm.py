@@ -14,6 +14,8 @@ graph that captured a call replays it for any routing:
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import arrays
@@ -26,6 +28,13 @@ from .. import launch
 from . import gemm as gm
 from . import gemm_kmajor_wgmma as kw
 from . import gemm_mma_sync as tc
+from .gemm_wgmma_ws import tma_storable
+
+#: The built-in Hopper config's epilogue: True stores each consumer's 64 rows that lie inside
+#: their group with TMA (staged in shared memory), the rows of a tile that reach into the next
+#: group from registers; False stores every tile from registers. A config passed by the
+#: caller (``KMajorConfig(tma_store=...)``) chooses for itself.
+TMA_STORE = False
 
 
 def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
@@ -60,6 +69,7 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
             raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
                              "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
                              "16-byte aligned rows")
+        built_in = config is None
         if config is None and k and not arrays.SIMULATOR and \
                 launch.compute_capability() == (9, 0) and _kmajor_ready(A, B, k):
             hopper, config = True, kw.KMajorConfig()
@@ -87,10 +97,13 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
                 k = 8
                 hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
             if hopper:
+                out_v = kernel_view(Out, 2)
+                if built_in and TMA_STORE and tma_storable(out_v):
+                    cfg = dataclasses.replace(cfg, tma_store=True)
                 kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
                 one = arrays.placeholder(1)
                 plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
-                                     kernel_view(B, 3, swap_last=True), kernel_view(Out, 2), one,
+                                     kernel_view(B, 3, swap_last=True), out_v, one,
                                      one, kernel_view(Offs), one, k, A.dtype,
                                      arrays.byte_allocator(A))
                 plan.launch(stream, args)
