@@ -84,6 +84,35 @@ def test_tma_store_epilogue_with_groups_ending_inside_tiles():
 
 @sim
 @pytest.mark.parametrize("hopper", [False, True])
+def test_a_repeated_call_replays_the_first(hopper):
+    """Fresh arrays of one signature three times: the first call's launch replayed with the
+    new pointers (the Hopper plan's tensor maps made for them), a new output each call, the
+    offsets still checked on the replay (a decreasing end is refused before anything runs)."""
+    from tilepy.ops import grouped_gemm as gg
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    rng = np.random.default_rng()
+    cfg = KMajorConfig(block_n=64) if hopper else None
+    ends = np.array([5, 5, 75], np.int32)
+    before = len(gg._PLANS)
+    outs = []
+    for _ in range(3):
+        a = rand(rng, (75, 24), "bfloat16")
+        b = rand(rng, (3, 40, 24), "bfloat16").transpose(0, 2, 1) if hopper else \
+            rand(rng, (3, 24, 40), "bfloat16")
+        got = tilepy.grouped_gemm(a, b, ends, config=cfg)
+        check(got, reference(a, b, ends), "bfloat16")
+        assert all(got is not o for o in outs)
+        outs.append(got)
+    assert len(gg._PLANS) == before + 1
+    poison = np.full((75, 40), np.nan, NP["bfloat16"])
+    with pytest.raises(ValueError, match="offsets"):
+        tilepy.grouped_gemm(a, b, np.array([5, 4, 75], np.int32), out=poison, config=cfg)
+    assert np.isnan(poison.astype(np.float32)).all()
+
+
+@sim
+@pytest.mark.parametrize("hopper", [False, True])
 def test_unchecked_offsets_are_clamped(hopper):
     """check_offsets=False: an end past total_M reads no further than total_M, a decreasing
     end makes an empty group (the next group starts at the previous end: groups never
