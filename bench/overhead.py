@@ -1,8 +1,8 @@
 """Host-side cost of one op call on tiny inputs (µs per call; the GPU is not the bottleneck).
 
 Usage: python bench/overhead.py [--json FILE] [--profile]
-Times tilepy.gemm / softmax / flash_attention next to torch.matmul, cupy.matmul and
-torch.softmax in the same run: CPU time per asynchronous call, averaged over many calls after
+Times tilepy.gemm / softmax / flash_attention / grouped_gemm next to torch.matmul,
+cupy.matmul, torch.softmax and torch._grouped_mm in the same run: CPU time per asynchronous call, averaged over many calls after
 a warm-up (the queue is drained every 200 calls so it never fills). ``--profile`` prints the
 top of a cProfile of tilepy.gemm's calls (where the host time goes).
 """
@@ -78,6 +78,16 @@ def main(argv=None):
     add("tilepy.flash_attention 1x2x64x64 f16 (torch)", lambda: tilepy.flash_attention(q, q, q))
 
     add("tilepy.gemm_softmax 64x64x64 f16 (torch)", lambda: tilepy.gemm_softmax(a, b))
+    # four groups of 16 rows (offsets unchecked: no host synchronisation), b K-major as
+    # torch._grouped_mm takes it; beside it, the peer where this PyTorch has it
+    ga = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    gw = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
+    add("tilepy.grouped_gemm 4 x 16x64x64 bf16 (torch)",
+        lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False))
+    if hasattr(torch, "_grouped_mm"):
+        add("torch._grouped_mm 4 x 16x64x64 bf16", lambda: torch._grouped_mm(ga, gw.mT,
+                                                                             offs=ends), True)
     add("tilepy.log_softmax 64x256 f16 (torch)", lambda: tilepy.log_softmax(x))
     if args.breakdown:
         breakdown(add, torch, tilepy, a, b, out)
