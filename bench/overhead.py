@@ -2,8 +2,9 @@
 
 Usage: python bench/overhead.py [--json FILE] [--profile]
 Times tilepy.gemm / softmax / flash_attention / grouped_gemm next to torch.matmul,
-cupy.matmul, torch.softmax and torch._grouped_mm in the same run: CPU time per asynchronous call, averaged over many calls after
-a warm-up (the queue is drained every 200 calls so it never fills). ``--profile`` prints the
+cupy.matmul, torch.softmax and torch._grouped_mm in the same run: CPU time per asynchronous
+call, averaged over many calls after a warm-up (the queue is drained every 200 calls so it
+never fills). ``--profile`` prints the
 top of a cProfile of tilepy.gemm's calls (where the host time goes).
 """
 
