@@ -62,9 +62,9 @@
 #                multicast off): the two-GPU tests, every op with its inputs on the other GPU
 #                (bench/multi_gpu.py devices, both directions), the tensor-parallel block over
 #                NCCL (torchrun, 2 ranks: errors, graph replay, step time on one and two GPUs)
-#   PART=s33b    one GPU after tilepy.devices: the PyTorch, CUDA-graph and GEMM op GPU tests,
-#                the host cost per call (bench/overhead.py; the cached path adds one
-#                thread-local check per launch)
+#   PART=s33b    one GPU after tilepy.devices (it touches every op; run first): the PyTorch,
+#                CUDA-graph, GEMM, attention, KV-cache and softmax GPU tests, the host cost
+#                per call (bench/overhead.py, grouped_gemm's replay beside torch._grouped_mm)
 #   PART=s33c    issue 27: the grouped GEMM with the TMA-store epilogue (its GPU tests with
 #                and without, the grouped benchmark with both beside torch._grouped_mm); small
 #                M with 64 x 64 tiles (half the splits for the same items):
@@ -345,9 +345,11 @@ if [[ " $PART " == *" s33c "* ]]; then
         --json "$OUT/sweep_gemm_small.json"
 fi
 if [[ " $PART " == *" s33b "* ]]; then
-    gpu_tests torch_graph_gemm_gpu 200 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
+    gpu_tests torch_graph_gemm_gpu 150 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
         tests/test_ops_gemm.py tests/test_launch.py
-    step overhead 150 "$PY" bench/overhead.py --json "$OUT/overhead.json"
+    gpu_tests attention_softmax_gpu 150 tests/test_ops_attention.py \
+        tests/test_ops_attention_kvcache.py tests/test_ops_softmax.py
+    step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json"
 fi
 if [[ " $PART " == *" s32f "* ]]; then
     bench_suite bench_backward_user 300 "test_flash_attention_backward_user_functions"
