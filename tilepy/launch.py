@@ -548,13 +548,19 @@ class LaunchPlan:
         """Launch with a full argument list shaped like the one the plan was built from."""
         ptrs = [pointer(arg_at(args, i)) for i, *_ in self._arrays]
         scalars = [arg_at(args, i) for i, _ in self._scalars]
-        self._go(stream, ptrs, scalars)
+        self._go_on_device(stream, ptrs, scalars)
 
-    def _go(self, stream, ptrs, scalars):
+    def _go_on_device(self, stream, ptrs, scalars):
+        """:meth:`_go` (a subclass's too: its tensor maps, counters) inside the device the
+        plan was built on, entered first where the process sees several and a caller is
+        elsewhere."""
         if self._switch and devices.entered() != self.device:
             with devices.use(self.device):
                 self._go(stream, ptrs, scalars)
-            return
+        else:
+            self._go(stream, ptrs, scalars)
+
+    def _go(self, stream, ptrs, scalars):
         if SIMULATOR:
             devices.note("launch")
             self._launch_sim(ptrs, scalars)
@@ -636,7 +642,7 @@ class BoundPlan:
 
     def __call__(self, stream, ptrs, scalars=()):
         arg_ptrs = [off if k is None else ptrs[k] + off for k, off in self._map]
-        self.plan._go(stream, arg_ptrs, scalars)
+        self.plan._go_on_device(stream, arg_ptrs, scalars)
 
 
 def _stream_handle(stream) -> int:

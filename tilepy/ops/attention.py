@@ -98,12 +98,13 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
     return mma_sync_config(head_dim, dtype)
 
 
-def hopper_only(d: int, dv: int) -> str:
-    """Why v's head dim ``dv`` other than ``d`` cannot run here."""
+def hopper_only(d: int, dv: int, device=None) -> str:
+    """Why v's head dim ``dv`` other than ``d`` cannot run on ``device`` (default: the one an
+    op works on)."""
+    cc = launch.compute_capability(device)
     return (f"flash_attention: v's head_dim {dv} differing from q's and k's {d} runs on the "
             f"Hopper TMA kernels only (compute capability 9.0, TILEPY_HOPPER not 0); this "
-            f"GPU is compute capability {launch.compute_capability()}"
-            + (" with TILEPY_HOPPER=0" if launch.compute_capability()[0] == 9 else ""))
+            f"GPU is compute capability {cc}" + (" with TILEPY_HOPPER=0" if cc[0] == 9 else ""))
 
 
 def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
@@ -398,9 +399,10 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
                              f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
-    if dv != d and not arrays.SIMULATOR and \
-            not launch.is_hopper(arrays.same_device(Q, K, V)):
-        raise NotImplementedError(hopper_only(d, dv))
+    if dv != d and not arrays.SIMULATOR:
+        qkv_device = arrays.same_device(Q, K, V)
+        if not launch.is_hopper(qkv_device):
+            raise NotImplementedError(hopper_only(d, dv, qkv_device))
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     scale = check_scale(scale, d)

@@ -235,7 +235,7 @@ def _check(a, b, scale, out, config):
             raise ValueError(f"out must have dtype {dtype}, got {Out.dtype}")
     device = arrays.same_device(A, B, Out)
     if isinstance(config, WsConfig):
-        _check_ws_config(config, dtype, n)
+        _check_ws_config(config, dtype, n, device)
     elif config is not None:
         if not isinstance(config, GemmSoftmaxConfig):
             raise TypeError(f"config must be a tilepy.ops.gemm_softmax_mma_sync."
@@ -335,7 +335,7 @@ def _run(A, B, Out, cfg, m, n, k, scale, device):
     return (plan.bind([(0, a_ptr), (1, b_ptr), (2, o_ptr), seg_src]), alloc_seg, gsk.scalars)
 
 
-def _check_ws_config(cfg, dtype: str, n: int):
+def _check_ws_config(cfg, dtype: str, n: int, device=None):
     """A WsConfig for the TMA kernel's softmax mode: refused before launch if it cannot run."""
     if cfg.dtype != dtype:
         raise ValueError(f"config is for {cfg.dtype}, inputs are {dtype}")
@@ -347,7 +347,7 @@ def _check_ws_config(cfg, dtype: str, n: int):
         raise ValueError(f"config: the TMA softmax mode takes rows of at most "
                          f"{gsw.SOFTMAX_CHUNKS * cfg.block_n} columns, got {n}")
     if not arrays.SIMULATOR:
-        if launch.compute_capability() != (9, 0):
+        if launch.compute_capability(device) != (9, 0):
             raise ValueError("config: a WsConfig needs a compute capability 9.0 GPU")
 
 

@@ -18,7 +18,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import arrays
+from .. import arrays, devices
 from ..arrays import describe, kernel_view
 from ..launch import LaunchPlan
 from ..tile import device_write
@@ -67,12 +67,13 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     fps = [arrays.fingerprint(x) for x in (a, b, offsets, out)]
     cached, key = _PLANS.lookup((tuple(f for f, _ in fps), config, TMA_STORE))
     if cached is not None:
-        bound, stream, alloc, m = cached
+        bound, stream, alloc, m, device = cached
         ptrs = [p for _, p in fps]
         s = stream()
         if check_offsets and not device_write.stream_capturing(s):
-            check_values(arrays.to_host(describe(offsets, "offsets",
-                                                 dtypes=arrays.HOOK_DTYPES)), m)
+            with devices.use(device, lazy=True):
+                check_values(arrays.to_host(describe(offsets, "offsets",
+                                                     dtypes=arrays.HOOK_DTYPES)), m)
         if out is None:
             out, ptrs[3] = alloc()
         bound(s, ptrs)
@@ -93,8 +94,8 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
                              "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
                              "16-byte aligned rows")
         built_in = config is None
-        if config is None and k and not arrays.SIMULATOR and \
-                launch.compute_capability() == (9, 0) and _kmajor_ready(A, B, k):
+        if config is None and k and not arrays.SIMULATOR and launch.is_hopper(device) and \
+                _kmajor_ready(A, B, k):
             hopper, config = True, kw.KMajorConfig()
         cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
                                                                  e, A.dtype)
@@ -137,7 +138,7 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
                 _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
                                             (3, Out.byte_pointer()), None, None,
                                             (2, Offs.byte_pointer()), None]),
-                                 arrays.stream_getter(A), alloc, m))
+                                 arrays.stream_getter(A), alloc, m, device))
                 return out
             A2 = gm.aligned_rows(A)
             layout_b = gm.matrix_layout(B)
@@ -159,7 +160,7 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
                 _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
                                             (3, Out.byte_pointer()), (2, Offs.byte_pointer()),
                                             None]),
-                                 arrays.stream_getter(A), alloc, m))
+                                 arrays.stream_getter(A), alloc, m, device))
         return out
 
 
