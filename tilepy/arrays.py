@@ -13,7 +13,6 @@ bits for 16-bit types, ``float32`` otherwise — without copying.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -274,21 +273,21 @@ def empty(like: Operand, shape, dtype: str):
     if fam == "numba" and dtype == "bfloat16":
         raise TypeError("Numba device arrays have no bfloat16 dtype; pass out_dtype="
                         "'float32' or use CuPy / PyTorch arrays")
-    with _allocating(like):
-        if fam == "numba":
-            from numba import cuda
+    if fam == "numba":
+        from numba import cuda
 
-            return cuda.device_array(shape, dtype=_np_dtype(dtype))
-        return np.empty(shape, dtype=_np_dtype(dtype))
+        return _allocated(like, lambda: cuda.device_array(shape, dtype=_np_dtype(dtype)))
+    return _allocated(like, lambda: np.empty(shape, dtype=_np_dtype(dtype)))
 
 
-@contextlib.contextmanager
-def _allocating(like: Operand):
-    """Context of a Numba (or simulator) allocation like ``like``: on its device (Numba
-    allocates on the current one), logged on :func:`tilepy.devices.fake`'s devices."""
+def _allocated(like: Operand, make):
+    """``make()``, a Numba (or simulator) allocation like ``like``, run on its device (Numba
+    allocates on the current one); on :func:`tilepy.devices.fake`'s devices logged, and the
+    new array placed on that device."""
     with devices.use(like.device, lazy=True):
         devices.note("alloc")
-        yield
+        x = make()
+    return devices.adopt(x, like.device)
 
 
 def zeros(like: Operand, shape, dtype: str):
@@ -312,12 +311,11 @@ def zeros(like: Operand, shape, dtype: str):
             cuda.driver.device_memset(out, 0, out.size * out.dtype.itemsize,
                                       stream=stream_of(like) or 0)
         return out
-    with _allocating(like):
-        if fam == "numba":
-            from numba import cuda
+    if fam == "numba":
+        from numba import cuda
 
-            return cuda.to_device(np.zeros(shape, dtype=_np_dtype(dtype)))
-        return np.zeros(shape, dtype=_np_dtype(dtype))
+        return _allocated(like, lambda: cuda.to_device(np.zeros(shape, dtype=_np_dtype(dtype))))
+    return _allocated(like, lambda: np.zeros(shape, dtype=_np_dtype(dtype)))
 
 
 def ones(like: Operand, shape, dtype: str = "float32"):
@@ -326,8 +324,7 @@ def ones(like: Operand, shape, dtype: str = "float32"):
     if like.family == "numba":
         from numba import cuda
 
-        with _allocating(like):
-            return cuda.to_device(np.ones(shape, dtype=_np_dtype(dtype)))
+        return _allocated(like, lambda: cuda.to_device(np.ones(shape, dtype=_np_dtype(dtype))))
     x = empty(like, shape, dtype)
     if like.family == "torch":
         x.fill_(1)
@@ -379,14 +376,12 @@ def copy_aligned(op: Operand, min_rows_align: int = 8):
 
         host = np.zeros(buf_shape, dtype=x.dtype)
         host[..., :cols] = x.copy_to_host()
-        with _allocating(op):
-            buf = cuda.to_device(host)
+        buf = _allocated(op, lambda: cuda.to_device(host))
         return buf[tuple([slice(None)] * (op.ndim - 1) + [slice(0, cols)])]
     else:
-        with _allocating(op):
-            buf = np.zeros(buf_shape, dtype=x.dtype)
+        buf = _allocated(op, lambda: np.zeros(buf_shape, dtype=x.dtype))
     buf[..., :cols] = x
-    return buf[..., :cols]
+    return devices.adopt(buf[..., :cols], op.device)
 
 
 def zeros_like_matrix(op: Operand, rows: int, cols: int):
@@ -402,12 +397,11 @@ def zeros_like_matrix(op: Operand, rows: int, cols: int):
 
         with cupy.cuda.Device(op.device):
             return cupy.zeros(shape, dtype=x.dtype)
-    with _allocating(op):
-        if op.family == "numba":
-            from numba import cuda
+    if op.family == "numba":
+        from numba import cuda
 
-            return cuda.to_device(np.zeros(shape, dtype=x.dtype))
-        return np.zeros(shape, dtype=x.dtype)
+        return _allocated(op, lambda: cuda.to_device(np.zeros(shape, dtype=x.dtype)))
+    return _allocated(op, lambda: np.zeros(shape, dtype=x.dtype))
 
 
 def on_device(device):

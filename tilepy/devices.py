@@ -255,6 +255,14 @@ def note(what: str) -> None:
         _fake.note(what)
 
 
+def adopt(x, device):
+    """``x``, a new array made for an operand on ``device``: placed there on fake devices
+    (so that an op's result fed to the next op names its device); otherwise ``x`` as it is."""
+    if _fake is not None and device is not None:
+        _fake.place(x, device)
+    return x
+
+
 def array_device(x):
     """The fake device ``x`` was placed on, or None (always None outside :func:`fake`)."""
     if _fake is not None:
