@@ -62,6 +62,9 @@
 #                multicast off): the two-GPU tests, every op with its inputs on the other GPU
 #                (bench/multi_gpu.py devices, both directions), the tensor-parallel block over
 #                NCCL (torchrun, 2 ranks: errors, graph replay, step time on one and two GPUs)
+#   PART=s33d    issue 26: the decoding split path's combine kernel as a programmatic dependent
+#                launch (attention_kvcache.PDL): the KV-cache GPU tests (a PDL case captured
+#                in a graph too), the decoding benchmark timing both
 #   PART=s33b    one GPU after tilepy.devices (it touches every op; run first): the PyTorch,
 #                CUDA-graph, GEMM, attention, KV-cache and softmax GPU tests, the host cost
 #                per call (bench/overhead.py, grouped_gemm's replay beside torch._grouped_mm)
@@ -343,6 +346,10 @@ if [[ " $PART " == *" s33c "* ]]; then
     bench_suite bench_grouped 120 "test_grouped_gemm"
     step sweep_gemm_small 300 "$PY" bench/sweep_gemm_grid.py --ms 1,16,64 \
         --json "$OUT/sweep_gemm_small.json"
+fi
+if [[ " $PART " == *" s33d "* ]]; then
+    gpu_tests kvcache_gpu 150 tests/test_ops_attention_kvcache.py
+    bench_suite bench_attention_kvcache 300 "test_flash_attention_with_kvcache and q1"
 fi
 if [[ " $PART " == *" s33b "* ]]; then
     gpu_tests torch_graph_gemm_gpu 150 tests/test_torch_gpu.py tests/test_cuda_graphs.py \

@@ -551,6 +551,16 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
         del k, v
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours), "device copy": copy_timing(torch, nbytes)}
+    # the same with the combine kernel as a programmatic dependent launch (PDL: off by
+    # default until measured; the plan cache keys on it)
+    from tilepy.ops import attention_kvcache as akv
+
+    akv.PDL = True
+    try:
+        ours(True)
+        timings["tilepy, PDL combine"] = gpu_time(torch, ours)
+    finally:
+        akv.PDL = False
     if page is None:
         if nbytes <= 8 << 30:
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)

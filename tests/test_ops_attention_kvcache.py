@@ -81,6 +81,28 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, spl
 
 
 @sim
+def test_programmatic_dependent_launch_of_the_combine(monkeypatch):
+    """``attention_kvcache.PDL``: the split path's combine kernel launched as a dependent
+    launch (waiting for the decoding kernel's results first), the decoding kernel letting it
+    begin; the same answer (in the simulator the two instructions are no-ops: the kernels'
+    offline compile below has them, the GPU decides the timing)."""
+    from tilepy.ops import attention_kvcache as akv
+
+    monkeypatch.setattr(akv, "PDL", True)
+    rng = np.random.default_rng()
+    b, cap, hq, hk, d = 2, 40, 4, 2, 32
+    q = rand(rng, (b, 1, hq, d), "bfloat16")
+    kc, vc = rand(rng, (b, cap, hk, d), "bfloat16"), rand(rng, (b, cap, hk, d), "bfloat16")
+    lens = np.array([23, cap], np.int32)
+    cfg = DecodeConfig(d, 16, 3, "bfloat16")
+    steps, *_ = akv.decode_launches(q, kc, vc, lens, num_splits=2, config=cfg)
+    assert [p.dependent for p, _ in steps] == [False, True]
+    got = kvcache(q, kc, vc, lens, num_splits=2, config=cfg)
+    want, _ = kv_reference(q, kc, vc, lens)
+    check(got, want, vc, "bfloat16")
+
+
+@sim
 @pytest.mark.parametrize("page,sn", [(16, 0), (64, 2)])
 def test_paged_cache_with_appended_tokens(page, sn):
     """Pages in a shuffled order, new tokens written through the block table at each
@@ -223,8 +245,10 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
 
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
-    """The decoding kernel (the default 32-key config split and paged; four warps a block, also
-    traced; 64-key blocks whole and contiguous) and the combine kernel, offline for sm_90: per
+    """The decoding kernel (the default 32-key config split and paged, also letting a
+    dependent launch begin; four warps a block, also traced; 64-key blocks whole and
+    contiguous) and the combine kernel (also waiting for the kernel ahead), offline for sm_90:
+    per
     key block
     (head_dim 128) BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
     from tilepy.offline import find_ptxas, run_in_subprocess
@@ -232,9 +256,12 @@ def test_decoding_kernels_compile_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
-    assert len(reports) == 5
+    assert len(reports) == 7
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
+        # programmatic dependent launch: the trigger / the wait only where generated
+        want = 1 if name.endswith(("_trigger", "_wait")) else 0
+        assert rep["counts"]["griddepcontrol"] == want, (name, rep["counts"])
         # the traced kernel's phase marks, and no timer read in the others
         assert (rep["timer_reads"] > 0) == name.endswith("_trace"), (name, rep["timer_reads"])
         c = rep["counts"]
@@ -252,14 +279,18 @@ def test_decoding_kernels_compile_without_spills():
         print(f"{name}: {rep['registers']} registers, {rep['config']}")
 
 @gpu
-@pytest.mark.parametrize("page", [None, 16, 256])
-def test_gpu_decoding_against_sdpa_and_a_graph_replay(page):
+@pytest.mark.parametrize("page,pdl", [(None, False), (16, False), (256, False), (None, True)],
+                         ids=["contiguous", "page16", "page256", "contiguous-pdl"])
+def test_gpu_decoding_against_sdpa_and_a_graph_replay(monkeypatch, page, pdl):
     """Full size (B 8, 32 query heads over 8, head_dim 128, bf16, 4096 cached keys of ragged
-    lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys; then one CUDA
+    lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys (``pdl``: the
+    combine kernel as a programmatic dependent launch, captured too); then one CUDA
     graph captured with k / v appended and replayed with new lengths and contents."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
+    from tilepy.ops import attention_kvcache as akv
 
+    monkeypatch.setattr(akv, "PDL", pdl)
     b, hq, hk, d, cap = 8, 32, 8, 128, 4096
     dev, dt = "cuda", torch.bfloat16
     if page is None:

@@ -188,13 +188,19 @@ class LaunchPlan:
     module docstring), and without an entry for that dimension the plan is refused
     (``ValueError``), as is a grid x past :data:`MAX_GRID_X`. ``chunks`` is None for a single
     launch, else the launches: ``(grid, [(array index, byte offset, shape), …])``.
+
+    ``dependent``: launched with programmatic stream serialisation (``cuLaunchKernelEx``,
+    sm_90): the kernel may begin while the kernel ahead of it in the stream finishes, and
+    must call :func:`tilepy.ptx.griddep.griddepcontrol_wait` before it reads that kernel's
+    results (the simulator runs kernels one after the other).
     """
 
     def __init__(self, dispatcher, args, grid, block, smem: int = 0, cluster: int = 1,
-                 split=()):
+                 split=(), dependent: bool = False):
         self.grid = tuple(int(g) for g in (grid if isinstance(grid, tuple) else (grid,)))
         self.grid += (1,) * (3 - len(self.grid))
         self.cluster = int(cluster)
+        self.dependent = bool(dependent)
         if self.cluster < 1 or self.grid[0] % self.cluster:
             raise ValueError(f"a cluster of {self.cluster} blocks must divide the grid's x "
                              f"dimension ({self.grid[0]})")
@@ -337,8 +343,9 @@ class LaunchPlan:
         self._func = func
         self._launch_fn = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
-        if self.cluster > 1:
-            self._build_cluster_config(driver)
+        self._ex_cfg = None
+        if self.cluster > 1 or self.dependent:
+            self._build_ex_config(driver)
         slots = []
         self._ptr_slots = []     # per array argument, the ctypes slot holding its data pointer
         self._array_slots = []   # per array argument, all its slots (nitems, shape: chunks)
@@ -392,19 +399,33 @@ class LaunchPlan:
         self._params_addr = ctypes.addressof(self._params)
         self._dims = (*self.grid, *self.block, self.smem)
 
-    def _build_cluster_config(self, driver):
-        """A ``cuLaunchKernelEx`` configuration with the cluster-dimension attribute (blocks
-        ``cluster·i … cluster·i + cluster − 1`` of the grid's x dimension form cluster i)."""
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = \
-            self.cluster, 1, 1
+    def _build_ex_config(self, driver):
+        """A ``cuLaunchKernelEx`` configuration: with ``cluster > 1`` the cluster-dimension
+        attribute (blocks ``cluster·i … cluster·i + cluster − 1`` of the grid's x dimension
+        form cluster i), with ``dependent`` programmatic stream serialisation (the kernel may
+        start before the one ahead of it in the stream has finished: it must call
+        :func:`tilepy.ptx.griddep.griddepcontrol_wait` before reading that kernel's
+        results)."""
+        attrs = []
+        if self.cluster > 1:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = \
+                self.cluster, 1, 1
+            attrs.append(attr)
+        if self.dependent:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.\
+                CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
         cfg = driver.CUlaunchConfig()
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.block
         cfg.sharedMemBytes = self.smem
-        cfg.attrs = [attr]
-        cfg.numAttrs = 1
+        cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
+        self._ex_cfg = cfg
         self._cluster_cfg = cfg
         self._driver = driver
 
@@ -434,7 +455,7 @@ class LaunchPlan:
             for slot, v in zip(self._scalar_slots, scalars):
                 slot.value = v
             if self.chunks is None:
-                if self.cluster == 1:   # the common case, in line
+                if self._ex_cfg is None:   # the common case, in line
                     (err,) = self._launch_fn(self._func, *self._dims, stream, 0,
                                              self._extra_addr)
                     if err != self._success:
@@ -465,8 +486,8 @@ class LaunchPlan:
 
     def _launch_grid(self, stream: int, grid):
         """One launch of the parameter buffer as it stands on ``grid`` (the lock held)."""
-        if self.cluster > 1:
-            cfg = self._cluster_cfg
+        if self._ex_cfg is not None:
+            cfg = self._ex_cfg
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
             cfg.hStream = stream
             (err,) = self._driver.cuLaunchKernelEx(cfg, self._func, self._params_addr, 0)
@@ -479,7 +500,7 @@ class LaunchPlan:
             self._launch_failed(err, grid)
 
     def _launch_failed(self, err, grid):
-        call = "cuLaunchKernelEx" if self.cluster > 1 else "cuLaunchKernel"
+        call = "cuLaunchKernelEx" if self._ex_cfg is not None else "cuLaunchKernel"
         raise RuntimeError(f"{call} failed: {err!r} (grid {grid}"
                            + (f", a chunk of {self.grid}" if grid != self.grid else "")
                            + f", block {self.block}, {self.smem} B of dynamic shared "

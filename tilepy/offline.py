@@ -34,6 +34,7 @@ COUNTED = {
     "bar.sync": r"^\s*bar(rier)?\.sync",
     "bar.arrive": r"^\s*bar(rier)?\.arrive",
     "setmaxnreg": r"^\s*setmaxnreg\.",
+    "griddepcontrol": r"^\s*griddepcontrol\.",
     "ld.local": r"^\s*ld\.local",
     "st.local": r"^\s*st\.local",
 }

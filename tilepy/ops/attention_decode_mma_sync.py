@@ -54,6 +54,7 @@ from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.barrier import mark_warp_specialised, warp_sync
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
+from ..ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.attention import limits_shape, mask_key_block, modify_scores, softcap_score
 from ..tile.config import DTYPES, SMEM_LIMIT
@@ -151,10 +152,13 @@ TRACE_MARKS = {"entry": 0, "q_landed": 1, "first_kv": 2, "loop_end": 3, "stored"
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bool = False,
                   split: bool = False, softcap: float = 0.0, paged: bool = False,
-                  trace: bool = False):
+                  trace: bool = False, trigger: bool = False):
     """The kernel of the module docstring for ``cfg``, generated once per argument set.
     ``trace``: the kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace`
-    rows (one per warp of the grid), and marks :data:`TRACE_MARKS` in it."""
+    rows (one per warp of the grid), and marks :data:`TRACE_MARKS` in it. ``trigger``
+    (sm_90): each warp, its key loop done, lets a dependent launch (the combine kernel
+    launched with ``LaunchPlan(..., dependent=True)``) begin
+    (:func:`tilepy.ptx.griddep.griddepcontrol_launch_dependents`)."""
     BN, D, STAGES = cfg.block_n, cfg.tile_dim, cfg.stages
     VALID = None if cfg.head_dim == D else cfg.head_dim
     KD, NS, KN, NO = D // 16, BN // 8, BN // 16, D // 8
@@ -168,6 +172,7 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     WIN = (left, right)
     LIMITS = limits_shape(1, False, WIN)
     SPLIT, PAGED = bool(split), bool(paged)
+    TRIGGER = bool(trigger)
     HAS_LSE = bool(has_lse) or SPLIT
     CAP = float(softcap) > 0
     WARPS, PER_WARP = cfg.warps, cfg.warp_bytes
@@ -381,6 +386,8 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
             if lane == 0:
                 TR.note(scratch, MK.loop_end)
 
+        if TRIGGER:
+            griddepcontrol_launch_dependents()
         finalize(acc, row_sum)
         for hh in range(2):
             r = row0 + g + 8 * hh
@@ -431,7 +438,7 @@ MAX_COMBINE_SPLITS = 1024
 
 
 @functools.cache
-def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
+def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False):
     """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
     (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
     ``part_lse`` (S, B, Hkv, G, Sq) float32, S at most :data:`MAX_COMBINE_SPLITS` — into ``o``
@@ -442,7 +449,11 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
     each per step) and put the weights in shared memory; then :func:`combine_ways` groups of
     threads, each thread two columns, sum every ``ways``-th split, and the groups' sums are
     added in shared memory (in a fixed order: the same bits every run). Every load of a pass
-    is independent of the others, so a long split list costs latency once, not per split."""
+    is independent of the others, so a long split list costs latency once, not per split.
+    ``wait``: the kernel first waits for the kernel ahead of it in the stream
+    (:func:`tilepy.ptx.griddep.griddepcontrol_wait`) — for a launch with programmatic stream
+    serialisation (``LaunchPlan(..., dependent=True)``), which may begin before the split
+    kernel has finished."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
@@ -452,6 +463,7 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
     THREADS = CT * WAYS
     WARPS = THREADS // 32
     HAS_LSE = bool(has_lse)
+    WAIT = bool(wait)
     MAXS = MAX_COMBINE_SPLITS
     SUMS = WAYS * 2 * CT
     red_max = block_row_reduce("max", WARPS)
@@ -460,6 +472,8 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool):
 
     @_kernel_jit(True, THREADS)
     def kernel(parts, part_lse, o, lse):
+        if WAIT:
+            griddepcontrol_wait()
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
         r = np.int64(cuda.blockIdx.x)
@@ -670,12 +684,23 @@ def compile_reports(only=None):
                                 argtypes(True, False) + (types.Array(types.uint64, 2, "C"),),
                                 (9, 0), threads=cfg.threads, config=cfg.describe(),
                                 smem_bytes=cfg.smem_bytes))
-    name = "decode_combine_d128_bf16_lse"
+    # programmatic dependent launch: the split kernel lets the combine begin, which waits
+    name = "decode_d128_bf16_causal_split_paged_trigger"
     if only is None or name in only:
-        f32 = types.float32
-        out.append(report_entry(name, lambda: combine_kernel(128, "bfloat16", True),
-                                (types.Array(f32, 6, "A"), types.Array(f32, 5, "A"),
-                                 types.Array(types.uint16, 5, "A"), types.Array(f32, 4, "A")),
-                                (9, 0), threads=combine_threads(128), config="combine d128",
-                                smem_bytes=0))
+        cfg = DecodeConfig(128, 32, 4, "bfloat16")
+        out.append(report_entry(name, lambda: decode_kernel(cfg, -1, 0, True, True, 0.0, True,
+                                                            trigger=True),
+                                argtypes(True, True), (9, 0), threads=cfg.threads,
+                                config=cfg.describe(), smem_bytes=cfg.smem_bytes))
+    f32 = types.float32
+    for name, wait in (("decode_combine_d128_bf16_lse", False),
+                       ("decode_combine_d128_bf16_lse_wait", True)):
+        if only is None or name in only:
+            out.append(report_entry(name, lambda w=wait: combine_kernel(128, "bfloat16", True,
+                                                                        wait=w),
+                                    (types.Array(f32, 6, "A"), types.Array(f32, 5, "A"),
+                                     types.Array(types.uint16, 5, "A"),
+                                     types.Array(f32, 4, "A")),
+                                    (9, 0), threads=combine_threads(128),
+                                    config="combine d128", smem_bytes=0))
     return out

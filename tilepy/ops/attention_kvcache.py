@@ -84,7 +84,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     ops = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, out)
     fps = [arrays.fingerprint(x) for x in ops]
     cached, key = _PLANS.lookup((tuple(f for f, _ in fps), causal, scale, window, softcap,
-                                 num_splits, return_lse, config))
+                                 num_splits, return_lse, config, PDL))
     if cached is not None:
         call, stream, checker = cached
         if check_seqlens and checker is not None and not device_write.stream_capturing(
@@ -104,6 +104,12 @@ SLOTS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k", "v", "o
 Q_, KC, VC, SEQ, TABLE, KN, VN, OUT, LSE, PARTS, PLSE = range(len(SLOTS))
 
 _PLANS = launch.PlanCache()
+
+#: Programmatic dependent launch of the split path's combine kernel (sm_90): launched with
+#: programmatic stream serialisation, it may begin while the decoding kernel finishes (whose
+#: warps let it, their key loops done) and waits for that kernel's results before reading
+#: them — the launch gap between the two overlapped. Off until a GPU run measures it.
+PDL = False
 
 
 def _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, window, softcap,
@@ -225,17 +231,19 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     lse_src = LSE if lse is not None else None
     keys_src = [SEQ] + ([TABLE] if paged else [])
     split = splits > 1      # (several warps: at least that many splits)
+    pdl = split and PDL and (arrays.SIMULATOR or launch.compute_capability() >= (9, 0))
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged,
-                             trace=trace is not None)
+                             trace=trace is not None, trigger=pdl)
     if not split:
         plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1, trace=trace)
         return [(plan, args, [Q_, KC, VC, OUT, lse_src] + keys_src)]
     p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
     pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
     plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
-    comb = dec.combine_kernel(d, cfg.dtype, lse is not None)
+    comb = dec.combine_kernel(d, cfg.dtype, lse is not None, wait=pdl)
     cargs = (p_v, pl_v, o5, lse4)
-    cplan = LaunchPlan(comb, cargs, (sq * (hq // hk), hk, b), dec.combine_threads(d))
+    cplan = LaunchPlan(comb, cargs, (sq * (hq // hk), hk, b), dec.combine_threads(d),
+                       dependent=pdl)
     return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src),
             (cplan, cargs, [PARTS, PLSE, OUT, lse_src])]
 

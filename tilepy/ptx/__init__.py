@@ -20,6 +20,8 @@ the same per-lane semantics in the CUDA simulator (see :mod:`tilepy.ptx.asm`). M
 * :mod:`~tilepy.ptx.cluster` — thread-block clusters (sm_90): rank, ``mapa``, remote mbarrier
   arrivals, the cluster barrier, multicast TMA loads
 * :mod:`~tilepy.ptx.barrier` — named CTA barriers (``bar.sync`` / ``bar.arrive`` id, count)
+* :mod:`~tilepy.ptx.griddep` — programmatic dependent launch: ``griddepcontrol.wait`` /
+  ``launch_dependents``
 * :mod:`~tilepy.ptx.vector` — 4/8/16-byte shared and global vector moves
 * :mod:`~tilepy.ptx.global_vector` — 16-byte global loads / stores and 8-byte stores at
   ``a[r, c]`` (LLVM vector accesses, not inline PTX)

@@ -23,7 +23,7 @@ EXTRA: dict = {}
 ARCH_SPECIFIC: set = set()
 
 _MODULES = ("mma", "ldmatrix", "cp_async", "shuffle", "math", "address", "wgmma", "mbarrier",
-            "tma", "cluster", "timer")
+            "tma", "cluster", "timer", "griddep")
 
 _ARRAYS = ("u32", "i32", "u64", "f32", "f16", "u16")
 
