@@ -242,6 +242,34 @@ def test_plan_launched_from_elsewhere_enters_its_device():
         assert list(x.copy_to_host()) == [1] * 8
 
 
+def test_a_launch_without_a_context_is_made_again_on_the_plans_device(monkeypatch):
+    """The driver refusing a launch for want of a current context (a thread that has made no
+    CUDA call yet replaying a cached plan): the plan enters its device and launches once
+    more; refused again inside it, the error stands. (The driver's launch function stands in
+    for cuLaunchKernel: the simulator has none.)"""
+    ok, no_context = "CUDA_SUCCESS", "CUDA_ERROR_INVALID_CONTEXT"
+    with devices.fake(FAKES[:1], current=0) as fk:
+        x = cuda.to_device(np.zeros(8, np.float32))
+        with devices.use(0):
+            plan = launch.LaunchPlan(add_one, (x,), 1, 32)
+        seen = []
+
+        def launch_fn(func, *rest):
+            seen.append(devices.entered())
+            return (no_context if devices.entered() is None else ok,)
+
+        plan._launch_fn, plan._func, plan._dims, plan._extra_addr = launch_fn, None, \
+            (1, 1, 1, 32, 1, 1, 0), 0
+        plan._success, plan._no_context, plan._ex_cfg = ok, no_context, None
+        plan._ptr_slots, plan._scalar_slots = [], []
+        monkeypatch.setattr(launch, "SIMULATOR", False)
+        plan._go(0, [], [])
+        assert seen == [None, 0] and fk.events("activate") == [0, 0]
+        plan._launch_fn = lambda func, *rest: (no_context,)
+        with pytest.raises(launch.NoContextError, match="INVALID_CONTEXT"):
+            plan._go(0, [], [])
+
+
 def test_tuning_keys_name_the_inputs_device():
     from tilepy.cache import current_gpu_name
 

@@ -174,6 +174,11 @@ def launch_bound(dispatcher) -> int | None:
     return int(lb[0] if isinstance(lb, tuple) else lb)
 
 
+class NoContextError(RuntimeError):
+    """A launch the driver refused for want of a current context
+    (``CUDA_ERROR_INVALID_CONTEXT``)."""
+
+
 class LaunchPlan:
     """``dispatcher`` compiled for ``args`` (Numba device arrays and NumPy scalars), launched
     on ``grid`` × ``block`` with ``smem`` bytes of dynamic shared memory; ``cluster`` > 1:
@@ -343,6 +348,7 @@ class LaunchPlan:
         self._func = func
         self._launch_fn = driver.cuLaunchKernel
         self._success = driver.CUresult.CUDA_SUCCESS
+        self._no_context = driver.CUresult.CUDA_ERROR_INVALID_CONTEXT
         self._ex_cfg = None
         if self.cluster > 1 or self.dependent:
             self._build_ex_config(driver)
@@ -501,7 +507,8 @@ class LaunchPlan:
 
     def _launch_failed(self, err, grid):
         call = "cuLaunchKernelEx" if self._ex_cfg is not None else "cuLaunchKernel"
-        raise RuntimeError(f"{call} failed: {err!r} (grid {grid}"
+        kind = NoContextError if err == getattr(self, "_no_context", None) else RuntimeError
+        raise kind(f"{call} failed: {err!r} (grid {grid}"
                            + (f", a chunk of {self.grid}" if grid != self.grid else "")
                            + f", block {self.block}, {self.smem} B of dynamic shared "
                            "memory"
@@ -585,8 +592,17 @@ class LaunchPlan:
         if SIMULATOR:
             devices.note("launch")
             self._launch_sim(ptrs, scalars)
-        else:
+            return
+        try:
             self._launch_driver(_stream_handle(stream), ptrs, scalars)
+        except NoContextError:
+            # no context current on this thread (one that has made no CUDA call yet, calling
+            # a cached plan, which enters no device on a one-GPU process): once more with
+            # the plan's device's context current
+            if self.device is None or devices.entered() == self.device:
+                raise
+            with devices.use(self.device):
+                self._launch_driver(_stream_handle(stream), ptrs, scalars)
 
     def bind(self, sources):
         """A :class:`BoundPlan`: ``sources[j]`` for the j-th array argument is ``(operand
