@@ -289,3 +289,33 @@ def test_tuple_arguments_are_flattened_and_bound(on_gpu):
     bound(0, [pointer(x2), pointer(w2), pointer(y2)], (np.int64(-3), np.float32(3.0)))
     np.testing.assert_array_equal(y2.copy_to_host(), -x * 3 + 2 * w - 3)
     np.testing.assert_array_equal(yd.copy_to_host(), x * 2 + w + 5)   # untouched
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_thread_replays_a_cached_plan():
+    """A thread that has made no CUDA call yet replays a launch plan another thread built
+    (``tilepy.gemm``'s cached call on PyTorch tensors): the result, not a refused launch
+    (without a current context the plan enters its device and launches again)."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    import tilepy
+
+    a = torch.randn(96, 64, device="cuda", dtype=torch.float16)
+    b = torch.randn(64, 80, device="cuda", dtype=torch.float16)
+    tilepy.gemm(a, b)                      # the plan, made on this thread
+    got, errors = [], []
+
+    def replay():
+        try:
+            got.append(tilepy.gemm(a, b))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=replay)
+    t.start()
+    t.join()
+    assert not errors, errors
+    want = a.float() @ b.float()
+    assert (got[0].float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
