@@ -252,13 +252,26 @@ def test_keys_past_the_end_stay_out_of_dq(atomic):
     cfg = BackwardConfig(32, dtype="float16", block_m=32, block_n=32, dq_block_m=32,
                          dq_block_n=32, dq_atomic=atomic)
     got = flash_attention_backward(do, q, k, v, out, lse, config=cfg)
+    # dQ = scale · dS K with K ≈ -2 everywhere and Σ_j dS_ij = 0: the keys' common part
+    # cancels, so dS's rounding to float16 before the product (relative 2**-11 each, as
+    # FlashAttention rounds it) is not small against dQ — bounded element by element by
+    # scale · |dS| @ |K| · 2**-11 (measured at most 0.37 of it over 24 seeds; a fixed 1e-2 of
+    # max |dQ| failed once in CI at 1.06e-2)
+    Q, K, V, dO = (f64(x)[0, 0] for x in (q, k, v, do))
+    s = scale * Q @ K.T
+    p = np.exp(s - s.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    ds = p * (dO @ V.T - (dO * (p @ V)).sum(1, keepdims=True))
+    dq_bound = scale * np.abs(ds) @ np.abs(K) * 2.0 ** -11 + 1e-3 * np.abs(rq).max()
     for name, g, want in zip(("dq", "dk", "dv"), got, (rq, rk, rv)):
         g = f64(g)
         assert np.isfinite(g).all(), f"{name}: not finite"
-        # dS = P (dP - D) with P = 1/50 everywhere: a difference of near-equal values,
-        # rounded to float16 before dQ's product — looser than the random-input cases
-        err = np.abs(g - want).max() / np.abs(want).max()
-        assert err <= 1e-2, f"{name}: relative error {err:.2e}"
+        if name == "dq":
+            excess = (np.abs(g - want)[0, 0] / dq_bound).max()
+            assert excess <= 1, f"dq: {excess:.2f} times dS's rounding bound"
+        else:
+            err = np.abs(g - want).max() / np.abs(want).max()
+            assert err <= 1e-2, f"{name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("b, hq, hk, sq, sk, d, causal, dtype, layout, kw", [
