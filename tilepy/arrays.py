@@ -119,11 +119,15 @@ def describe(x, name: str, *, allow_float32: bool = True, dtypes=None) -> Operan
     return Operand(name, fam, dt, tuple(x.shape), strides, device, x)
 
 
-def _numba_device(x):
-    """The device a Numba device array's memory belongs to (its context's), else the current
-    one."""
+def _memory_device(x):
+    """The device a Numba device array's memory belongs to (its context's), or None."""
     ctx = getattr(getattr(x, "gpu_data", None), "context", None)
-    dev = getattr(getattr(ctx, "device", None), "id", None)
+    return getattr(getattr(ctx, "device", None), "id", None)
+
+
+def _numba_device(x):
+    """The device a Numba device array's memory belongs to, else the current one."""
+    dev = _memory_device(x)
     if dev is not None:
         return int(dev)
     try:
@@ -478,9 +482,7 @@ def fingerprint(x):
             return (t, x.dtype, x.shape, x.strides, devices.array_device(x),
                     x.ctypes.data & 15), x.ctypes.data
         p = int(x.device_ctypes_pointer.value or 0)
-        ctx = getattr(x.gpu_data, "context", None)   # the device the memory belongs to
-        dev = getattr(getattr(ctx, "device", None), "id", None)
-        return (t, x.dtype, x.shape, x.strides, dev, p & 15), p
+        return (t, x.dtype, x.shape, x.strides, _memory_device(x), p & 15), p
     return (t, id(x)), 0
 
 

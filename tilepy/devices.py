@@ -6,8 +6,8 @@ with the GPU — device queries (compute capability, SM count, name), allocation
 kernel compilation and loading, launches — happens inside :func:`use` of that device, never on
 whichever device happens to be current. A launch plan cached for a later call (its arrays'
 fingerprints carry the device) launches inside :func:`use` of the device it was built on, when
-the process sees more than one device (:func:`on_plan_device`); with one device that costs
-nothing.
+the process sees more than one device (:class:`tilepy.launch.LaunchPlan`); with one device
+that costs nothing.
 
 Device properties come from :func:`info` (cached per device; reading them makes no context),
 the device an op is working on from :func:`current`. Everything here goes through a backend:
@@ -85,12 +85,6 @@ class _Driver:
         from numba import cuda
 
         return cuda.gpus[device]
-
-    def note(self, what: str) -> None:
-        pass
-
-    def array_device(self, x):
-        return None
 
 
 class _Simulator(_Driver):
@@ -234,14 +228,8 @@ def use(device: int | None, *, lazy: bool = False):
         return
     device = int(device)
     s = _stack()
-    if (s and s[-1] == device) or (lazy and not several()):
-        s.append(device)
-        try:
-            yield
-        finally:
-            s.pop()
-        return
-    with _backend.activate(device):
+    stay = (s and s[-1] == device) or (lazy and not several())
+    with contextlib.nullcontext() if stay else _backend.activate(device):
         s.append(device)
         try:
             yield

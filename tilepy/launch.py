@@ -432,7 +432,6 @@ class LaunchPlan:
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
         self._ex_cfg = cfg
-        self._cluster_cfg = cfg
         self._driver = driver
 
     def max_active_clusters(self) -> int:
@@ -444,7 +443,7 @@ class LaunchPlan:
         if SIMULATOR:
             return max(1, devices.current().sms // self.cluster)
         driver = self._driver
-        err, n = driver.cuOccupancyMaxActiveClusters(self._func, self._cluster_cfg)
+        err, n = driver.cuOccupancyMaxActiveClusters(self._func, self._ex_cfg)
         if err != self._success:
             raise RuntimeError(f"cuOccupancyMaxActiveClusters failed: {err!r}")
         return int(n)
@@ -509,11 +508,10 @@ class LaunchPlan:
         call = "cuLaunchKernelEx" if self._ex_cfg is not None else "cuLaunchKernel"
         kind = NoContextError if err == getattr(self, "_no_context", None) else RuntimeError
         raise kind(f"{call} failed: {err!r} (grid {grid}"
-                           + (f", a chunk of {self.grid}" if grid != self.grid else "")
-                           + f", block {self.block}, {self.smem} B of dynamic shared "
-                           "memory"
-                           + (f", clusters of {self.cluster}" if self.cluster > 1 else "")
-                           + ")")
+                   + (f", a chunk of {self.grid}" if grid != self.grid else "")
+                   + f", block {self.block}, {self.smem} B of dynamic shared memory"
+                   + (f", clusters of {self.cluster}" if self.cluster > 1 else "")
+                   + ")")
 
     # ---- the simulator: rebuild the arrays from pointers -----------------------------------
 
@@ -593,8 +591,9 @@ class LaunchPlan:
             devices.note("launch")
             self._launch_sim(ptrs, scalars)
             return
+        handle = _stream_handle(stream)
         try:
-            self._launch_driver(_stream_handle(stream), ptrs, scalars)
+            self._launch_driver(handle, ptrs, scalars)
         except NoContextError:
             # no context current on this thread (one that has made no CUDA call yet, calling
             # a cached plan, which enters no device on a one-GPU process): once more with
@@ -602,7 +601,7 @@ class LaunchPlan:
             if self.device is None or devices.entered() == self.device:
                 raise
             with devices.use(self.device):
-                self._launch_driver(_stream_handle(stream), ptrs, scalars)
+                self._launch_driver(handle, ptrs, scalars)
 
     def bind(self, sources):
         """A :class:`BoundPlan`: ``sources[j]`` for the j-th array argument is ``(operand

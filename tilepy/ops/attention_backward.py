@@ -248,6 +248,20 @@ def output_spec(dout, q, k, v, out, lse, *, causal=False, scale=None, window=Non
     return Q.shape, K.shape, V.shape, dtype
 
 
+def describe_grads(dq, dk, dv, Q, K, V, dtype: str) -> list:
+    """The caller's gradient outputs ``dq``, ``dk``, ``dv`` (each None or an array of q's,
+    k's, v's shape and ``dtype``) as Operands, None where not given; ``ValueError`` for a
+    shape or dtype other than that."""
+    grads = []
+    for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
+        G = describe(arr, name, allow_float32=False) if arr is not None else None
+        if G is not None and (G.shape != like.shape or G.dtype != dtype):
+            raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
+                             f"{dtype}, got {G.shape} {G.dtype}")
+        grads.append(G)
+    return grads
+
+
 def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
               deterministic, dq, dk, dv, config, dlse):
     if out is None:
@@ -282,13 +296,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
                         f"{deterministic!r}")
-    grads = []
-    for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
-        G = describe(arr, name, allow_float32=False) if arr is not None else None
-        if G is not None and (G.shape != like.shape or G.dtype != dtype):
-            raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
-                             f"{dtype}, got {G.shape} {G.dtype}")
-        grads.append(G)
+    grads = describe_grads(dq, dk, dv, Q, K, V, dtype)
     device = arrays.same_device(Q, K, V, Out, dO, Lse, dLse, *grads)
     if config is not None:
         if not isinstance(config, (BackwardConfig, WgmmaBackwardConfig)):
@@ -344,48 +352,47 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
             scratch.append(("dq_acc", gen.dq_acc_shape(cfg, bq, hq, sqp)))
         ops = {"do": dO, "q": Q, "k": K, "v": V, "o": Out, "lse": Lse, "dq": results[0][1],
                "dk": results[1][1], "dv": results[2][1]}
-        with arrays.on_device(device):
-            views, reusable = {}, True
-            for name in ("q", "k", "v", "o", "do"):
-                op = ops[name]
-                if not readable(op):
-                    op = ops[name] = describe(arrays.copy_aligned(op), op.name)
-                    reusable = False
-                views[name] = bhsd_view(op, layout)
-            for name in ("dq", "dk", "dv"):
-                views[name] = bhsd_view(ops[name], layout)
-            views["lse"] = bhsd_view(Lse, "bhsd")
-            if dLse is not None:
-                views["dlse"] = bhsd_view(dLse, "bhsd")
-                ops["dlse"] = dLse
-            for i, (name, shape) in enumerate(scratch):
-                make = arrays.allocator(Q, shape, "float32")
-                makers.append((_SCRATCH0 + i, make))
-                arr, _ = make()
-                ops[name] = describe(arr, name)
-                views[name] = bhsd_view(ops[name], "bhsd")
-            arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
-            for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
-                views[f"hook{i}"], ops[f"hook{i}"] = view, op
-            sparse = None
-            if mask is not None:
-                mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
-                mviews = abm.mask_views(mops, bq, hq)
-                if caller_mask:      # bound after the hook's arrays (the caller's pointers)
-                    for i, (view, op) in enumerate(zip(mviews, mops)):
-                        views[f"mask{i}"], ops[f"mask{i}"] = view, op
-                sparse = (mask_block, mviews[:4], mviews[4:])
-            views["placeholder3"] = arrays.placeholder(3)
-            views["placeholder4"] = arrays.placeholder(4)
-            stream = arrays.stream_handle(Q)
-            plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
-                              hargs, sparse=sparse)
-            for plan, args in plans:
-                plan.launch(stream, args)
-            # the scratch and any copies, when a CUDA graph captured the launches
-            device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
-                                             *(ops[n] for n in ("q", "k", "v", "o", "do")
-                                               if not reusable))
+        views, reusable = {}, True
+        for name in ("q", "k", "v", "o", "do"):
+            op = ops[name]
+            if not readable(op):
+                op = ops[name] = describe(arrays.copy_aligned(op), op.name)
+                reusable = False
+            views[name] = bhsd_view(op, layout)
+        for name in ("dq", "dk", "dv"):
+            views[name] = bhsd_view(ops[name], layout)
+        views["lse"] = bhsd_view(Lse, "bhsd")
+        if dLse is not None:
+            views["dlse"] = bhsd_view(dLse, "bhsd")
+            ops["dlse"] = dLse
+        for i, (name, shape) in enumerate(scratch):
+            make = arrays.allocator(Q, shape, "float32")
+            makers.append((_SCRATCH0 + i, make))
+            arr, _ = make()
+            ops[name] = describe(arr, name)
+            views[name] = bhsd_view(ops[name], "bhsd")
+        arrays_of_hook = [x for x in hargs if not isinstance(x, np.generic)]
+        for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
+            views[f"hook{i}"], ops[f"hook{i}"] = view, op
+        sparse = None
+        if mask is not None:
+            mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
+            mviews = abm.mask_views(mops, bq, hq)
+            if caller_mask:      # bound after the hook's arrays (the caller's pointers)
+                for i, (view, op) in enumerate(zip(mviews, mops)):
+                    views[f"mask{i}"], ops[f"mask{i}"] = view, op
+            sparse = (mask_block, mviews[:4], mviews[4:])
+        views["placeholder3"] = arrays.placeholder(3)
+        views["placeholder4"] = arrays.placeholder(4)
+        stream = arrays.stream_handle(Q)
+        plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap, kmods,
+                          hargs, sparse=sparse)
+        for plan, args in plans:
+            plan.launch(stream, args)
+        # the scratch and any copies, when a CUDA graph captured the launches
+        device_write.keep_during_capture(stream, *(ops[n] for n, _ in scratch),
+                                         *(ops[n] for n in ("q", "k", "v", "o", "do")
+                                           if not reusable))
         if reusable and recordable:
             # (the op's own mask kept with the plans that read it)
             _PLANS.put(key, (_bind(plans, views, ops), arrays.stream_getter(Q), makers,

@@ -149,43 +149,42 @@ def _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, w
                 SEQ: Seq.byte_pointer()}
         if paged:
             ptrs[TABLE] = Table.byte_pointer()
-        with arrays.on_device(device):
-            seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
-            table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
-            caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
-            if sn and b:
-                ptrs[KN], ptrs[VN] = Kn.byte_pointer(), Vn.byte_pointer()
-                steps.append(append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")),
-                                    seq_v, table_v))
-            if b and hq and sq:
-                if isinstance(cfg, DecodeConfig):
-                    if splits is None:
-                        tiles = -(-(sq * (hq // hk)) // dec.ROWS)
-                        splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
-                                                   launch.sm_count(launch.SIM_SMS),
-                                                   dec.resident_splits(cfg), cfg.warps)
-                    splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
-                    if splits > 1:
-                        allocs[PARTS] = arrays.allocator(Q, (splits, b, hk, sq, hq // hk, d),
-                                                         "float32")
-                        allocs[PLSE] = arrays.allocator(Q, (splits, b, hk, hq // hk, sq),
-                                                        "float32")
-            for k_, alloc in allocs.items():
-                made[k_], ptrs[k_] = alloc()
-            if out is not None:
-                ptrs[OUT] = Out.byte_pointer()
-            O = describe(made.get(OUT, out), "out")
-            L = describe(made[LSE], "lse") if return_lse else None
-            if b and hq and sq:
-                keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
-                if isinstance(cfg, DecodeConfig):
-                    steps += decode(cfg, Q, caches, O, L, keys, scale, win, cap, paged, splits,
-                                    made.get(PARTS), made.get(PLSE))
-                else:
-                    steps.append(forward(cfg, Q, caches, O, L, keys, scale, causal, win, cap,
-                                         paged))
-            for plan, args, _ in steps:
-                plan.launch(stream, args)
+        seq_v = at.device_view(arrays.raw_view(Seq, hook=True))
+        table_v = at.device_view(arrays.raw_view(Table, hook=True)) if paged else None
+        caches = (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd"))
+        if sn and b:
+            ptrs[KN], ptrs[VN] = Kn.byte_pointer(), Vn.byte_pointer()
+            steps.append(append(caches, (at.bhsd_view(Kn, "bshd"), at.bhsd_view(Vn, "bshd")),
+                                seq_v, table_v))
+        if b and hq and sq:
+            if isinstance(cfg, DecodeConfig):
+                if splits is None:
+                    tiles = -(-(sq * (hq // hk)) // dec.ROWS)
+                    splits = dec.choose_splits(b, hk, tiles, -(-capacity // cfg.block_n),
+                                               launch.sm_count(launch.SIM_SMS),
+                                               dec.resident_splits(cfg), cfg.warps)
+                splits = -(-splits // cfg.warps) * cfg.warps   # each warp of a block one
+                if splits > 1:
+                    allocs[PARTS] = arrays.allocator(Q, (splits, b, hk, sq, hq // hk, d),
+                                                     "float32")
+                    allocs[PLSE] = arrays.allocator(Q, (splits, b, hk, hq // hk, sq),
+                                                    "float32")
+        for k_, alloc in allocs.items():
+            made[k_], ptrs[k_] = alloc()
+        if out is not None:
+            ptrs[OUT] = Out.byte_pointer()
+        O = describe(made.get(OUT, out), "out")
+        L = describe(made[LSE], "lse") if return_lse else None
+        if b and hq and sq:
+            keys = (seq_v, np.int64(sn)) + ((table_v,) if paged else ())
+            if isinstance(cfg, DecodeConfig):
+                steps += decode(cfg, Q, caches, O, L, keys, scale, win, cap, paged, splits,
+                                made.get(PARTS), made.get(PLSE))
+            else:
+                steps.append(forward(cfg, Q, caches, O, L, keys, scale, causal, win, cap,
+                                     paged))
+        for plan, args, _ in steps:
+            plan.launch(stream, args)
         bound = [(plan.bind([None if s is None else (s, ptrs[s]) for s in sources]), ())
                  for plan, _, sources in steps]
         _PLANS.put(key, (launch.CallPlan(bound, allocs), arrays.stream_getter(Q),
@@ -278,17 +277,16 @@ def decode_launches(q, k_cache, v_cache, cache_seqlens, *, block_table=None, cau
                                        dec.resident_splits(cfg), cfg.warps)
         splits = -(-splits // cfg.warps) * cfg.warps
         win, cap = at.check_variant(causal, None, 0.0)
-        with arrays.on_device(device):
-            out = arrays.empty(Q, Q.shape, Q.dtype)
-            parts = arrays.empty(Q, (splits, b, hk, sq, hq // hk, d), "float32") \
-                if splits > 1 else None
-            part_lse = arrays.empty(Q, (splits, b, hk, hq // hk, sq), "float32") \
-                if splits > 1 else None
-            keys = (at.device_view(arrays.raw_view(Seq, hook=True)), np.int64(0)) + (
-                (at.device_view(arrays.raw_view(Table, hook=True)),) if paged else ())
-            steps = decode(cfg, Q, (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd")),
-                           describe(out, "out"), None, keys, scale, win, cap, paged, splits,
-                           parts, part_lse, trace=trace)
+        out = arrays.empty(Q, Q.shape, Q.dtype)
+        parts = arrays.empty(Q, (splits, b, hk, sq, hq // hk, d), "float32") \
+            if splits > 1 else None
+        part_lse = arrays.empty(Q, (splits, b, hk, hq // hk, sq), "float32") \
+            if splits > 1 else None
+        keys = (at.device_view(arrays.raw_view(Seq, hook=True)), np.int64(0)) + (
+            (at.device_view(arrays.raw_view(Table, hook=True)),) if paged else ())
+        steps = decode(cfg, Q, (at.bhsd_view(K, "bshd"), at.bhsd_view(V, "bshd")),
+                       describe(out, "out"), None, keys, scale, win, cap, paged, splits,
+                       parts, part_lse, trace=trace)
         return [(plan, args) for plan, args, _ in steps], out, cfg, splits, (parts, part_lse)
 
 

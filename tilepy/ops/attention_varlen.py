@@ -24,6 +24,7 @@ from ..tile.attention import score_hook
 from ..tile.attention_backward import check_functions
 from . import attention as at
 from . import attention_backward_mma_sync as bk
+from .attention_backward import describe_grads
 from . import attention_mma_sync as fa
 from . import attention_wgmma as aw
 from .attention_backward_mma_sync import BackwardConfig
@@ -102,13 +103,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             raise TypeError("flash_attention_varlen: mod_args are passed to score_mod / mask_mod; "
                             "neither was given")
         alibi = alibi_slopes is not None
-        hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
-        if alibi:
-            hargs = hargs[:-1]      # the kernel appends each sequence's seq_k - seq_q
-        arrays.same_device(Q, *hops)
-        if max(n, hq) > launch.MAX_GRID_YZ:
-            raise NotImplementedError(f"flash_attention_varlen: at most {launch.MAX_GRID_YZ} "
-                                      f"sequences and query heads (got {n} and {hq})")
+        hargs, hops = _packed_hook_args("flash_attention_varlen", alibi_slopes, mod_args, n, hq,
+                                        Q)
         if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
             check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
                                 mq, mk)
@@ -122,8 +118,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             variant = at.is_variant(win, cap) or user or alibi
             hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
                 if variant else None
-            with arrays.on_device(device), at.user_errors(
-                    (win, cap, score_mod, mask_mod) if variant else None):
+            with at.user_errors((win, cap, score_mod, mask_mod) if variant else None):
                 views, copies = [], []
                 for op in (Q, K, V):
                     if not at.readable(op):
@@ -211,6 +206,21 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False):
     if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
         return dataclasses.replace(at.hopper_config(head_dim, dtype, causal), persistent=False)
     return at.mma_sync_config(head_dim, dtype)
+
+
+def _packed_hook_args(op: str, alibi_slopes, mod_args, n: int, hq: int, Q):
+    """``(hook arguments, their array operands)`` of a packed batch of ``n`` sequences and
+    ``hq`` query heads (:func:`tilepy.ops.attention.hook_args`, without ALiBi's key offset: the
+    kernels append each sequence's seq_k - seq_q), the arrays on ``Q``'s device;
+    ``NotImplementedError`` (naming ``op``) past the grid's y / z limit."""
+    hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
+    if alibi_slopes is not None:
+        hargs = hargs[:-1]
+    arrays.same_device(Q, *hops)
+    if max(n, hq) > launch.MAX_GRID_YZ:
+        raise NotImplementedError(f"{op}: at most {launch.MAX_GRID_YZ} sequences and query "
+                                  f"heads (got {n} and {hq})")
+    return hargs, hops
 
 
 def check_arguments(q, k, v, scale, out, config):
@@ -375,13 +385,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
                             f"{deterministic!r}")
-        grads = []
-        for name, arr, like in (("dq", dq, Q), ("dk", dk, K), ("dv", dv, V)):
-            G = describe(arr, name, allow_float32=False) if arr is not None else None
-            if G is not None and (G.shape != like.shape or G.dtype != dtype):
-                raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
-                                 f"{dtype}, got {G.shape} {G.dtype}")
-            grads.append(G)
+        grads = describe_grads(dq, dk, dv, Q, K, V, dtype)
         arrays.same_device(Q, dO, Lse, *grads)
         if config is not None:
             if isinstance(config, WgmmaBackwardConfig):
@@ -394,14 +398,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                 raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                                  f"inputs are head_dim {d} {dtype}")
         alibi = alibi_slopes is not None
-        hargs, hops = at.hook_args(alibi_slopes, mod_args, n, hq, 0, 0)
-        if alibi:
-            hargs = hargs[:-1]      # the kernels append each sequence's seq_k - seq_q
-        arrays.same_device(Q, *hops)
-        if max(n, hq) > launch.MAX_GRID_YZ:
-            raise NotImplementedError(f"flash_attention_varlen_backward: at most "
-                                      f"{launch.MAX_GRID_YZ} sequences and query heads (got {n} "
-                                      f"and {hq})")
+        hargs, hops = _packed_hook_args("flash_attention_varlen_backward", alibi_slopes,
+                                        mod_args, n, hq, Q)
         if check_seqlens and not device_write.stream_capturing(arrays.stream_handle(Q)):
             check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
                                 mq, mk)
@@ -419,8 +417,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
         variant = at.is_variant(win, cap) or user or alibi
         kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
-        with arrays.on_device(device), at.user_errors(
-                (win, cap, score_mod, mask_mod) if user else None):
+        with at.user_errors((win, cap, score_mod, mask_mod) if user else None):
             views, copies = {}, []
             for name, op in (("q", Q), ("k", K), ("v", V), ("o", Out), ("do", dO)):
                 if not at.readable(op):

@@ -167,42 +167,41 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
             A, B = describe(a, "a", dtypes=FP8_DTYPES), describe(b, "b", dtypes=FP8_DTYPES)
             k = 16
             Sa = Sb = block = None
-        with arrays.on_device(device):
-            stream = arrays.stream_handle(A)
-            ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
-            One = describe(ones, "ones") if ones is not None else None
-            if block is not None:   # 2-D (M, K blocks) and (K blocks, N blocks)
-                sa_v, sb_v = arrays.kernel_view(Sa, 2), arrays.kernel_view(Sb, 2)
-            else:
-                sa_v = _scale_view(Sa if Sa is not None else One)
-                sb_v = _scale_view(Sb if Sb is not None else One)
-            bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
-            out_v = arrays.kernel_view(Out)
-            if TMA_STORE and config is None and out_dtype != "float32" and \
-                    ws.tma_storable(out_v):
-                # the TMA-store epilogue wherever TMA can store the output (with block scales
-                # too: their two partial accumulators make it spill a little, and it is still
-                # the faster epilogue)
-                cfg = dataclasses.replace(cfg, tma_store=True)
-            kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
-                                         _per_index(Sa, m) and block is None,
-                                         _per_index(Sb, n) and block is None, block is not None,
-                                         b_fmt=_FMT[B.dtype], activation=activation,
-                                         bias_kind=Bias.dtype if Bias is not None else None)
-            # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
-            a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
-                                                     (A.strides[0], 1)))
-            if b_in_place:
-                b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
-                                                         (B.strides[1], 1)))
-                bt = None
-            else:
-                bt, b_v = _k_major_copy(A, B, n, k, stream)
-            plan, args = fk.plan(kern, cfg, a_v, b_v, out_v, sa_v, sb_v,
-                                 arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
-                                 arrays.byte_allocator(A))
-            plan.launch(stream, args)
-            device_write.keep_during_capture(stream, ones, bt, *((a, b) if zeros else ()))
+        stream = arrays.stream_handle(A)
+        ones = arrays.ones(A, (1,)) if Sa is None or Sb is None else None
+        One = describe(ones, "ones") if ones is not None else None
+        if block is not None:   # 2-D (M, K blocks) and (K blocks, N blocks)
+            sa_v, sb_v = arrays.kernel_view(Sa, 2), arrays.kernel_view(Sb, 2)
+        else:
+            sa_v = _scale_view(Sa if Sa is not None else One)
+            sb_v = _scale_view(Sb if Sb is not None else One)
+        bias_v = arrays.kernel_view(Bias) if Bias is not None else arrays.placeholder(1)
+        out_v = arrays.kernel_view(Out)
+        if TMA_STORE and config is None and out_dtype != "float32" and \
+                ws.tma_storable(out_v):
+            # the TMA-store epilogue wherever TMA can store the output (with block scales
+            # too: their two partial accumulators make it spill a little, and it is still
+            # the faster epilogue)
+            cfg = dataclasses.replace(cfg, tma_store=True)
+        kern = fk.kmajor_gemm_kernel(cfg, _FMT[A.dtype], out_dtype,
+                                     _per_index(Sa, m) and block is None,
+                                     _per_index(Sb, n) and block is None, block is not None,
+                                     b_fmt=_FMT[B.dtype], activation=activation,
+                                     bias_kind=Bias.dtype if Bias is not None else None)
+        # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
+        a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
+                                                 (A.strides[0], 1)))
+        if b_in_place:
+            b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
+                                                     (B.strides[1], 1)))
+            bt = None
+        else:
+            bt, b_v = _k_major_copy(A, B, n, k, stream)
+        plan, args = fk.plan(kern, cfg, a_v, b_v, out_v, sa_v, sb_v,
+                             arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
+                             arrays.byte_allocator(A))
+        plan.launch(stream, args)
+        device_write.keep_during_capture(stream, ones, bt, *((a, b) if zeros else ()))
         # operand slots: a, b, scale_a, scale_b, out, bias (a None scale reads the kept ones)
         src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
                (4, Out.byte_pointer()),

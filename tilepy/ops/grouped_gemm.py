@@ -94,7 +94,7 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
                              "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
                              "16-byte aligned rows")
         built_in = config is None
-        if config is None and k and not arrays.SIMULATOR and launch.is_hopper(device) and \
+        if built_in and k and not arrays.SIMULATOR and launch.is_hopper(device) and \
                 _kmajor_ready(A, B, k):
             hopper, config = True, kw.KMajorConfig()
         cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
@@ -116,51 +116,50 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
             return out
         alloc = None if caller_out else arrays.allocator(A, (m, n), A.dtype)
         k_given = k > 0       # (K = 0 runs on zeros made for this call)
-        with arrays.on_device(device):
-            if k == 0:
-                # an empty inner dimension: zeros, through the kernel on K = 8 of zeros
-                A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
-                B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
-                k = 8
-                hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
-            if hopper:
-                out_v = kernel_view(Out, 2)
-                if built_in and TMA_STORE and tma_storable(out_v):
-                    cfg = dataclasses.replace(cfg, tma_store=True)
-                kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
-                one = arrays.placeholder(1)
-                plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
-                                     kernel_view(B, 3, swap_last=True), out_v, one,
-                                     one, kernel_view(Offs), one, k, A.dtype,
-                                     arrays.byte_allocator(A))
-                plan.launch(stream, args)
-                # array arguments a, b, out, scale_a, scale_b, offsets, bias (then the maps)
-                _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
-                                            (3, Out.byte_pointer()), None, None,
-                                            (2, Offs.byte_pointer()), None]),
-                                 arrays.stream_getter(A), alloc, m, device))
-                return out
-            A2 = gm.aligned_rows(A)
-            layout_b = gm.matrix_layout(B)
-            B2 = B if layout_b != "other" else gm.aligned_rows(B)
-            layout_b = "row" if layout_b == "other" else layout_b
-            b_view = kernel_view(B2, 3, swap_last=layout_b == "col")
+        if k == 0:
+            # an empty inner dimension: zeros, through the kernel on K = 8 of zeros
+            A = describe(arrays.zeros_like_matrix(A, m, 8), "a")
+            B = describe(arrays.zeros_like_matrix(B, 8, n), "b")
+            k = 8
+            hopper, cfg = False, gm.choose_config(max(m // max(e, 1), 1), n, k, e, A.dtype)
+        if hopper:
             out_v = kernel_view(Out, 2)
-            kern = tc.grouped_kernel(cfg, layout_b == "row", A.dtype)
-            offs_v = kernel_view(Offs)
-            args = (kernel_view(A2, 2), b_view, out_v, offs_v, arrays.placeholder(1),
-                    np.float32(1.0))
-            allow_dynamic_shared(kern, args, cfg.smem_bytes)
-            plan = LaunchPlan(kern, args, tc.grouped_grid(cfg, m, n, e), cfg.threads,
-                              cfg.smem_bytes)
+            if built_in and TMA_STORE and tma_storable(out_v):
+                cfg = dataclasses.replace(cfg, tma_store=True)
+            kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
+            one = arrays.placeholder(1)
+            plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
+                                 kernel_view(B, 3, swap_last=True), out_v, one,
+                                 one, kernel_view(Offs), one, k, A.dtype,
+                                 arrays.byte_allocator(A))
             plan.launch(stream, args)
-            device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
-            if A2 is A and B2 is B and k_given:     # (no copies: a later call may replay it)
-                # array arguments a, b, out, offsets, the placeholder
-                _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
-                                            (3, Out.byte_pointer()), (2, Offs.byte_pointer()),
-                                            None]),
-                                 arrays.stream_getter(A), alloc, m, device))
+            # array arguments a, b, out, scale_a, scale_b, offsets, bias (then the maps)
+            _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
+                                        (3, Out.byte_pointer()), None, None,
+                                        (2, Offs.byte_pointer()), None]),
+                             arrays.stream_getter(A), alloc, m, device))
+            return out
+        A2 = gm.aligned_rows(A)
+        layout_b = gm.matrix_layout(B)
+        B2 = B if layout_b != "other" else gm.aligned_rows(B)
+        layout_b = "row" if layout_b == "other" else layout_b
+        b_view = kernel_view(B2, 3, swap_last=layout_b == "col")
+        out_v = kernel_view(Out, 2)
+        kern = tc.grouped_kernel(cfg, layout_b == "row", A.dtype)
+        offs_v = kernel_view(Offs)
+        args = (kernel_view(A2, 2), b_view, out_v, offs_v, arrays.placeholder(1),
+                np.float32(1.0))
+        allow_dynamic_shared(kern, args, cfg.smem_bytes)
+        plan = LaunchPlan(kern, args, tc.grouped_grid(cfg, m, n, e), cfg.threads,
+                          cfg.smem_bytes)
+        plan.launch(stream, args)
+        device_write.keep_during_capture(stream, *(x for x in (A2, B2, A, B) if x is not None))
+        if A2 is A and B2 is B and k_given:     # (no copies: a later call may replay it)
+            # array arguments a, b, out, offsets, the placeholder
+            _PLANS.put(key, (plan.bind([(0, A.byte_pointer()), (1, B.byte_pointer()),
+                                        (3, Out.byte_pointer()), (2, Offs.byte_pointer()),
+                                        None]),
+                             arrays.stream_getter(A), alloc, m, device))
         return out
 
 

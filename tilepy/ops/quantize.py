@@ -135,48 +135,47 @@ def _run(x, granularity, dtype, key):
         fast = vectorizable(X)
         allocs = {VALUES: new_values,
                   SCALES: arrays.allocator(X, scales_shape(X.shape, gran), "float32")}
-        with arrays.on_device(X.device):
+        if fast:
+            tiling = qs.choose_tiling(gran, X.dtype, k, arrays.SIMULATOR)
+            grids = _vector_grids(gran, tiling, X.dtype, m, k)
+        else:
+            grids = None
+        parts = (grids[-1] if fast else _fallback_blocks(m)) if gran == "tensor" else 0
+        if parts:
+            allocs[PARTIALS] = arrays.allocator(X, (parts,), "float32")
+        made = {}
+        ptrs = [X.byte_pointer(), 0, 0, 0]
+        for slot, alloc in allocs.items():
+            made[slot], ptrs[slot] = alloc()
+        stream = arrays.stream_handle(X)
+        xv = arrays.kernel_view(X)
+        cv = arrays.device_view(_codes_raw(made[VALUES]))
+        sv = arrays.raw_view(describe(made[SCALES], "scales"))
+        sv = arrays.device_view(arrays.restride(sv, (1, 1), (4, 4)) if gran == "tensor"
+                                else sv.reshape(m, 1) if gran == "row" else sv)
+        pv = arrays.device_view(arrays.raw_view(describe(made[PARTIALS], "partials"))) \
+            if parts else arrays.placeholder(1)
+        sources = [X_, VALUES, SCALES, PARTIALS if parts else None]
+        modes = ("amax", "apply") if gran == "tensor" else ("group",)
+        steps = []
+        for mode, grid in zip(modes, grids if fast else [None] * len(modes)):
             if fast:
-                tiling = qs.choose_tiling(gran, X.dtype, k, arrays.SIMULATOR)
-                grids = _vector_grids(gran, tiling, X.dtype, m, k)
+                segs = grid[2] if mode == "group" else 1
+                kern = qs.vector_kernel(X.dtype, dtype, mode, tiling, segs > 1)
+                args = (xv, cv, sv, pv, np.int64(segs))
+                plan = LaunchPlan(kern, args, grid[:2], tiling.threads)
             else:
-                grids = None
-            parts = (grids[-1] if fast else _fallback_blocks(m)) if gran == "tensor" else 0
-            if parts:
-                allocs[PARTIALS] = arrays.allocator(X, (parts,), "float32")
-            made = {}
-            ptrs = [X.byte_pointer(), 0, 0, 0]
-            for slot, alloc in allocs.items():
-                made[slot], ptrs[slot] = alloc()
-            stream = arrays.stream_handle(X)
-            xv = arrays.kernel_view(X)
-            cv = arrays.device_view(_codes_raw(made[VALUES]))
-            sv = arrays.raw_view(describe(made[SCALES], "scales"))
-            sv = arrays.device_view(arrays.restride(sv, (1, 1), (4, 4)) if gran == "tensor"
-                                    else sv.reshape(m, 1) if gran == "row" else sv)
-            pv = arrays.device_view(arrays.raw_view(describe(made[PARTIALS], "partials"))) \
-                if parts else arrays.placeholder(1)
-            sources = [X_, VALUES, SCALES, PARTIALS if parts else None]
-            modes = ("amax", "apply") if gran == "tensor" else ("group",)
-            steps = []
-            for mode, grid in zip(modes, grids if fast else [None] * len(modes)):
-                if fast:
-                    segs = grid[2] if mode == "group" else 1
-                    kern = qs.vector_kernel(X.dtype, dtype, mode, tiling, segs > 1)
-                    args = (xv, cv, sv, pv, np.int64(segs))
-                    plan = LaunchPlan(kern, args, grid[:2], tiling.threads)
+                kern = qs.quantize_kernel(X.dtype, dtype, mode, WARPS)
+                if gran == "tensor":
+                    gr, gc, grid = 1, k, (parts, 1, 1)
                 else:
-                    kern = qs.quantize_kernel(X.dtype, dtype, mode, WARPS)
-                    if gran == "tensor":
-                        gr, gc, grid = 1, k, (parts, 1, 1)
-                    else:
-                        gr, gc = (1, k) if gran == "row" else gran
-                        grid = (-(-m // gr), -(-k // gc), 1)
-                    args = (xv, cv, sv, pv, np.int64(gr), np.int64(gc))
-                    plan = LaunchPlan(kern, args, grid, 32 * WARPS)
-                plan.launch(stream, args)
-                steps.append((plan.bind([None if s is None else (s, ptrs[s]) for s in sources]),
-                              ()))
+                    gr, gc = (1, k) if gran == "row" else gran
+                    grid = (-(-m // gr), -(-k // gc), 1)
+                args = (xv, cv, sv, pv, np.int64(gr), np.int64(gc))
+                plan = LaunchPlan(kern, args, grid, 32 * WARPS)
+            plan.launch(stream, args)
+            steps.append((plan.bind([None if s is None else (s, ptrs[s]) for s in sources]),
+                          ()))
         _PLANS.put(key, (launch.CallPlan(steps, allocs), arrays.stream_getter(X)))
         return made[VALUES], made[SCALES]
 

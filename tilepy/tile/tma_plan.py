@@ -15,9 +15,7 @@ import threading
 
 import numpy as np
 
-from .. import devices
 from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer
-from ..ptx.asm import SIMULATOR
 from . import device_write
 from . import tma as host_tma
 from .device_write import DeviceBuffer
@@ -84,7 +82,6 @@ class TmaLaunchPlan(LaunchPlan):
         self._unsettled = {}
         self._kept = {}   # buffer address -> DeviceBuffer a captured graph of this plan read
         self._maps_lock = threading.Lock()
-        self._device = devices.entered() if SIMULATOR else devices.current_id()
         key = tuple(pointer(args[i]) for i in self._map_args)
         if initial is None:   # maps the caller wrote: usable on any stream
             held = args[maps_arg]
@@ -132,7 +129,7 @@ class TmaLaunchPlan(LaunchPlan):
                 pending = None
         from ..arrays import on_device
 
-        with on_device(self._device):
+        with on_device(self.device):
             if pending is not None:   # encoded when the plan was built
                 _, buf, raw = pending
                 device_write.write(stream, buf.ptr, raw)
@@ -271,7 +268,7 @@ class ScheduledTmaPlan(TmaLaunchPlan):
 
         size = (self._buffer_bytes, self._counter_bytes)
         if capturing:
-            with on_device(self._device):
+            with on_device(self.device):
                 entry = _tile_counter(self._alloc, handle, *size)
             with self._maps_lock:
                 self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
@@ -282,7 +279,7 @@ class ScheduledTmaPlan(TmaLaunchPlan):
             if entry is not None:
                 return entry
             built, self._built_counter = self._built_counter, None
-        with on_device(self._device):
+        with on_device(self.device):
             if built is None:
                 entry = _tile_counter(self._alloc, handle, *size)
             else:
