@@ -222,10 +222,18 @@ def gpu_time(torch, fn, *, flush: bool = False, repeat: int = REPEAT, warmup: in
     return Timing(ms, host_us, flush, all_hidden, ms_called, calls)
 
 
+_SIDE_STREAMS = {}
+
+
 def capture_calls(torch, fn, calls: int = 20):
     """A CUDA graph of ``calls`` calls of ``fn``, captured after three warm-up calls on a side
-    stream (PyTorch's recipe)."""
-    side = torch.cuda.Stream()
+    stream (PyTorch's recipe). One side stream per device for the process: tilepy keeps
+    per-stream state (tile counters, split-K workspaces) for as long as a plan lives, so a
+    fresh stream per capture would grow it with every measurement."""
+    dev = torch.cuda.current_device()
+    side = _SIDE_STREAMS.get(dev)
+    if side is None:
+        side = _SIDE_STREAMS[dev] = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):

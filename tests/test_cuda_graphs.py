@@ -253,6 +253,51 @@ def test_gemm_split_k(torch, warmup):
     check(run(), reference())
 
 
+def test_gemm_split_k_calls_in_one_capture_share_a_workspace(torch):
+    """Three split-K products (the third reading the first's result) in one capture: on
+    sm_90 the plan gets one set of semaphores and partials for the capture's stream, not one
+    per call, zeroed in the graph before the first; every replay is right (each call leaves
+    the semaphores at zero for the next), and a second capture gets a set of its own."""
+    from tilepy.ops import gemm as gm
+    from tilepy.tile.tma_plan import ScheduledTmaPlan
+
+    m = 16
+    a = torch.randn(m, 4096, device="cuda", dtype=torch.float16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.float16)
+    c = torch.randn(4096, 4096, device="cuda", dtype=torch.float16) / 64
+
+    def run():
+        x = tilepy.gemm(a, b)
+        y = tilepy.gemm(a, b * 1)
+        return x, y, tilepy.gemm(x, c)
+
+    def reference():
+        x = a.float() @ b.float()
+        return x, x, x.half().float() @ c.float()
+
+    def capture_keys():
+        plans = [e.bound.plan for e in gm._PLANS.values()
+                 if isinstance(e.bound.plan, ScheduledTmaPlan)]
+        return plans, {k for p in plans for k in p._counters if k[0] == "capture"}
+
+    run()
+    torch.cuda.synchronize()
+    graph, outs = capture(torch, run, False)
+    plans, keys = capture_keys()
+    if hopper(torch):
+        assert plans and len(keys) == 1, keys
+    for _ in range(2):
+        for x in (a, b, c):
+            x.copy_(torch.randn_like(x, dtype=torch.float32).to(x.dtype) / 8)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(outs, reference()):
+            CHECKS["gemm"](got, want)
+    graph2, _ = capture(torch, run, False)
+    if hopper(torch):
+        assert len(capture_keys()[1]) == 2
+
+
 # ---- gemm_softmax ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", ["default", "global_park"])

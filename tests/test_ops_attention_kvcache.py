@@ -81,14 +81,16 @@ def test_contiguous_cache_against_float64(sq, hq, hk, causal, window, dtype, spl
 
 
 @sim
-def test_programmatic_dependent_launch_of_the_combine(monkeypatch):
-    """``attention_kvcache.PDL``: the split path's combine kernel launched as a dependent
-    launch (waiting for the decoding kernel's results first), the decoding kernel letting it
-    begin; the same answer (in the simulator the two instructions are no-ops: the kernels'
-    offline compile below has them, the GPU decides the timing)."""
+@pytest.mark.parametrize("pdl", [True, False])
+def test_programmatic_dependent_launch_of_the_combine(monkeypatch, pdl):
+    """``attention_kvcache.PDL`` (the default): the split path's combine kernel launched as a
+    dependent launch (waiting for the decoding kernel's results first), the decoding kernel
+    letting it begin; off, the two in plain stream order. The same answer (in the simulator
+    the two instructions are no-ops: the kernels' offline compile below has them, the GPU
+    decides the timing)."""
     from tilepy.ops import attention_kvcache as akv
 
-    monkeypatch.setattr(akv, "PDL", True)
+    monkeypatch.setattr(akv, "PDL", pdl)
     rng = np.random.default_rng()
     b, cap, hq, hk, d = 2, 40, 4, 2, 32
     q = rand(rng, (b, 1, hq, d), "bfloat16")
@@ -96,7 +98,7 @@ def test_programmatic_dependent_launch_of_the_combine(monkeypatch):
     lens = np.array([23, cap], np.int32)
     cfg = DecodeConfig(d, 16, 3, "bfloat16")
     steps, *_ = akv.decode_launches(q, kc, vc, lens, num_splits=2, config=cfg)
-    assert [p.dependent for p, _ in steps] == [False, True]
+    assert [p.dependent for p, _ in steps] == [False, pdl]
     got = kvcache(q, kc, vc, lens, num_splits=2, config=cfg)
     want, _ = kv_reference(q, kc, vc, lens)
     check(got, want, vc, "bfloat16")
@@ -342,14 +344,31 @@ def test_gpu_decoding_against_sdpa_and_a_graph_replay(monkeypatch, page, pdl):
 
 
 def test_split_rule_fills_whole_waves():
-    """choose_splits: the fewest splits whose last wave of blocks is at least 95% full (132
-    SMs x 4 resident splits = 528 slots), a multiple of the warps, each split at least 4 key
-    blocks long."""
+    """choose_splits: waves x (longest run + 2) over 132 SMs x 4 resident splits = 528 slots,
+    the fewest splits within 2% of the least, a multiple of the warps, each split at least 4
+    key blocks long."""
     from tilepy.ops.attention_decode_mma_sync import choose_splits
 
-    assert choose_splits(64, 8, 1, 128, 132, 4) == 1           # 512 of 528 slots
-    assert choose_splits(8, 8, 1, 1024, 132, 4) == 8           # 8 x 64 = 512
-    assert choose_splits(1, 8, 1, 4096, 132, 4) == 63          # 504 of 528
+    assert choose_splits(64, 8, 1, 128, 132, 4) == 1           # 512 of 528 slots, 1 x 130
+    assert choose_splits(8, 8, 1, 1024, 132, 4) == 8           # 8 x 64 = 512, 1 x 130
+    assert choose_splits(1, 8, 1, 1024, 132, 4) == 64          # 1 x 18 (63: runs of 17, 1 x 19)
+    assert choose_splits(1, 8, 1, 4096, 132, 4) == 64          # 1 x 66 (66: 1 x 65, within 2%)
     assert choose_splits(1, 8, 1, 4096, 132, 4, step=4) == 64  # multiples of 4
     assert choose_splits(1, 8, 1, 40, 132, 4) == 10            # capped: 4 key blocks a split
-    assert choose_splits(75, 8, 1, 1024, 132, 4) == 6          # 3600 of 3696: 7 waves
+    assert choose_splits(75, 8, 1, 1024, 132, 4) == 6          # 7 x 173 (7: 8 x 149, within 2%)
+
+
+@sim
+def test_split_runs_are_even_and_cover_the_keys():
+    """Splits that do not divide the key blocks (7 runs of 10 blocks: lengths 1 and 2, none
+    empty) and more splits than blocks (some runs empty): the merged answer is float64's."""
+    rng = np.random.default_rng()
+    b, cap, hq, hk, d = 2, 160, 4, 1, 32
+    q = rand(rng, (b, 1, hq, d), "bfloat16")
+    kc, vc = rand(rng, (b, cap, hk, d), "bfloat16"), rand(rng, (b, cap, hk, d), "bfloat16")
+    lens = np.array([cap, 37], np.int32)
+    cfg = DecodeConfig(d, 16, 3, "bfloat16")
+    for splits in (7, 12):
+        got = kvcache(q, kc, vc, lens, num_splits=splits, config=cfg)
+        want, _ = kv_reference(q, kc, vc, lens)
+        check(got, want, vc, "bfloat16")

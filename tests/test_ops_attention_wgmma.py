@@ -355,6 +355,18 @@ def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
     np.testing.assert_array_equal(cbuf.view((2,), np.int32).copy_to_host(), [0, 0])
     assert cbuf.ptr != counter._ary.ctypes.data and len(plan._counters) == 1
     np.testing.assert_array_equal(counter.copy_to_host(), [7, 7])
+    # two launches in one capture (the driver's capture id) share one counter, zeroed
+    # before the first; a second capture gets its own
+    monkeypatch.setattr(device_write, "capture_id", lambda stream: 41)
+    call()
+    call()
+    assert len(plan._kept) == 2 + 2 + 1      # two more maps, one more counter
+    shared = plan._counters[("capture", 41, 0)]
+    assert shared[0].ptr != cbuf.ptr
+    monkeypatch.setattr(device_write, "capture_id", lambda stream: 42)
+    call()
+    assert len(plan._kept) == 2 + 3 + 2 and plan._counters[("capture", 42, 0)] is not shared
+    np.testing.assert_array_equal(counter.copy_to_host(), [7, 7])
 
 
 def test_tma_config():

@@ -27,7 +27,8 @@ of ``cfg.warps`` warps per block, grid :func:`grid` = (row tiles · splits / war
   ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32, the natural-log LSE (-inf for a row that sees
   no key, whose output row is 0).
 * With ``split``: warp ``w`` of block ``x = rt · (splits / warps) + j`` takes split ``s = j ·
-  warps + w``, the ``s``-th of ``splits`` equal runs of the key blocks its rows see (several
+  warps + w``, the ``s``-th of ``splits`` runs of the key blocks its rows see, as even as whole
+  blocks allow (key blocks ``[s·n // splits, (s+1)·n // splits)`` of the ``n``; several
   warps: each its own run, Q tile and ring, meeting only itself), and writes float32
   partials —
   ``o`` (splits, B, Hkv, Sq, G, D) normalised over its run, ``lse`` (splits, B, Hkv, G, Sq)
@@ -288,11 +289,11 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
         else:
             kb_first = np.int64(0)
             all_first = np.int64(0)
-        # this block's run of them
+        # this block's run of them: runs as even as whole blocks allow (lengths differ by at
+        # most one; none empty unless there are fewer blocks than splits)
         n = max(kb_end - kb_first, np.int64(0))
-        per = (n + nsplit - 1) // nsplit
-        lo = kb_first + sp * per
-        hi = min(lo + per, kb_end)
+        lo = kb_first + sp * n // nsplit
+        hi = kb_first + (sp + 1) * n // nsplit
         if lane == 0:
             TR.note_value(scratch, MK.key_blocks, max(hi - lo, np.int64(0)))
             TR.note_value(scratch, MK.split, sp)
@@ -589,23 +590,20 @@ def choose_splits(batch: int, heads_kv: int, tiles: int, key_blocks: int, sms: i
     """Splits of the keys (flash-decoding) for ``batch · heads_kv · tiles`` (sequence, KV head,
     row tile) pairs over ``key_blocks`` blocks of keys, a multiple of ``step`` (the warps of a
     block, each on its own split). The blocks run in waves of ``sms · resident`` slots
-    (``resident``: the splits an SM holds at once) and every split does the same work, so a
-    last wave that is partly empty leaves bandwidth unused: the fewest splits whose last wave
-    is at least 95% full, else the best-filled count; each split at least 4 key blocks long,
-    at most 128 splits (at least ``step``)."""
+    (``resident``: the splits an SM holds at once), a wave as long as its longest run of key
+    blocks (runs of one sequence differ by at most one block). Modelled time is waves × (the
+    longest run + 2 blocks of fixed cost per run: its start); the count is the fewest splits
+    within 2% of the least time (more splits add partials to merge), each split at least 4
+    key blocks long, at most 128 splits (at least ``step``). So a last wave that is partly
+    empty, or a run one block longer than the rest, counts."""
     pairs = max(batch * heads_kv * tiles, 1)
     slots = max(sms * max(resident, 1), 1)
     step = max(int(step), 1)
     top = max(step, min(key_blocks // 4, 128) // step * step)
-    best, best_fill = step, -1.0
-    for s in range(step, top + 1, step):
-        blocks = pairs * s
-        fill = blocks / (-(-blocks // slots) * slots)
-        if fill >= 0.95:
-            return s
-        if fill > best_fill + 1e-9:
-            best, best_fill = s, fill
-    return best
+    costs = [(-(-(pairs * s) // slots) * (-(-key_blocks // s) + 2), s)
+             for s in range(step, top + 1, step)]
+    least = min(costs)[0]
+    return min(s for cost, s in costs if cost <= 1.02 * least)
 
 
 def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int,

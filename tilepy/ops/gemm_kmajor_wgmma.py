@@ -26,7 +26,7 @@ which maps to pass (:func:`plan`). ``out`` (M, N) float32, or uint16 bits of ``o
 :func:`kmajor_gemm_kernel`); ``offsets`` a placeholder unless ``grouped``; ``bias`` float32 or
 uint16 bits of ``bias_kind``. Grid :func:`grid`
 (a block per output tile, or persistent: at most one per SM, each striding over the tiles —
-in grouped raster order, or group by group), :attr:`KMajorConfig.threads` threads,
+in grouped raster order; grouped, group by group and in that order within each), :attr:`KMajorConfig.threads` threads,
 :attr:`KMajorConfig.smem_bytes` of dynamic shared memory. K need not be a multiple of the
 stage's k (TMA zero-fills).
 
@@ -180,7 +180,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     wgmma product (scale-d 0), waited for and added to the float32 sum times its two scales
     (:func:`tilepy.tile.epilogue.accumulate_scaled`); ``block_n`` at most 128 (a tile's
     columns in one scale block). ``grouped``: the work items are the tiles of each group's
-    rows (group by group; every thread counts them from ``offsets``), B's map 3-D."""
+    rows (group by group, each group's in grouped raster order; every thread counts them from
+    ``offsets``), B's map 3-D."""
     if fmt not in FORMATS or out_kind not in OUT_KINDS:
         raise ValueError(f"kmajor_gemm_kernel: format of {tuple(FORMATS)}, out of "
                          f"{OUT_KINDS}; got {fmt!r}, {out_kind!r}")
@@ -269,8 +270,11 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                 break
             seen += t
             start = end
-        local = w - seen
-        return g, start + (local // tiles_n) * BM, (local % tiles_n) * BN, end
+        # within the group, the grouped raster (GROUP_M row blocks walked together, so the
+        # blocks running at once share B's column panels in L2 — a group's B is one expert's
+        # whole weight, larger than L2 for a model's MLP)
+        _, bm0, bn0 = order.tile_origin(w - seen, (end - start + BM - 1) // BM, tiles_n)
+        return g, start + bm0, bn0, end
 
     @inline_device
     def issue(part, bars, base, s, ph, cw):

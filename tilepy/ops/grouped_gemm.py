@@ -34,7 +34,7 @@ from .gemm_wgmma_ws import tma_storable
 #: their group with TMA (staged in shared memory), the rows of a tile that reach into the next
 #: group from registers; False stores every tile from registers. A config passed by the
 #: caller (``KMajorConfig(tma_store=...)``) chooses for itself.
-TMA_STORE = False
+TMA_STORE = True
 
 
 def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):

@@ -294,6 +294,24 @@ def stream_capturing(stream) -> bool:
     return _capture_query()(_stream_handle(stream))
 
 
+def capture_id(stream) -> int:
+    """The id of the CUDA-graph capture that ``stream`` (a raw handle or a Numba stream) is
+    part of — unique over the process's lifetime (``cuStreamGetCaptureInfo``) — or 0 when the
+    stream is not being captured or the driver does not answer. Always 0 in the simulator."""
+    if SIMULATOR:
+        return 0
+    from cuda.bindings import driver
+
+    try:
+        res = driver.cuStreamGetCaptureInfo(_stream_handle(stream))
+        active = driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+        if res[0] != driver.CUresult.CUDA_SUCCESS or res[1] != active:
+            return 0
+        return int(res[2])
+    except Exception:  # noqa: BLE001 - an unknown binding's answer: no id (a buffer per launch)
+        return 0
+
+
 @functools.cache
 def _capture_query():
     from cuda.bindings import driver

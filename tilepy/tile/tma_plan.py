@@ -229,9 +229,11 @@ class ScheduledTmaPlan(TmaLaunchPlan):
     :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view of (not yet
     zeroed: it becomes the first stream's); without it ``args``' counter must be zeroed.
 
-    A launch during a CUDA-graph capture gets a counter of its own, zeroed in the graph just
-    before it and kept for the plan's lifetime: the graph's launches then share no counter
-    with launches outside it or with other graphs (which may run at the same time).
+    Launches during a CUDA-graph capture get a counter of their own per capture and stream
+    (:func:`tilepy.tile.device_write.capture_id`; per launch where the driver gives no id),
+    zeroed in the graph just before the first of them and kept for the plan's lifetime: the
+    graph's launches then share no counter with launches outside it or with other graphs
+    (which may run at the same time), and a graph of many calls holds one, not one a call.
 
     ``counter_bytes`` (a multiple of 8): the counter's size, all of it zeroed (a launch leaves
     it at zero). ``workspace_offset``: the argument after the counter is a workspace that
@@ -249,7 +251,8 @@ class ScheduledTmaPlan(TmaLaunchPlan):
                 raise ValueError("ScheduledTmaPlan: a workspace needs the counter's buffer")
             self._workspace = (self.array_index(self.maps_arg + 2), int(workspace_offset))
         self._buffer_bytes = counter.nbytes if counter is not None else self._counter_bytes
-        self._counters = {}   # stream key -> (DeviceBuffer, int32 view)
+        # stream key (or ("capture", capture id, stream key)) -> (DeviceBuffer, int32 view)
+        self._counters = {}
         self._counters_lock = threading.Lock()
         held = args[self.maps_arg + 1]
         # the first stream's counter, and whether it still has to be zeroed
@@ -268,10 +271,21 @@ class ScheduledTmaPlan(TmaLaunchPlan):
 
         size = (self._buffer_bytes, self._counter_bytes)
         if capturing:
+            # launches in one stream of one capture run in that order, each leaving the
+            # counter at zero: they share one, zeroed in the graph before the first
+            cid = device_write.capture_id(handle)
+            key = ("capture", cid, stream_key(handle))
+            with self._counters_lock:
+                entry = self._counters.get(key) if cid else None
+            if entry is not None:
+                return entry
             with on_device(self.device):
                 entry = _tile_counter(self._alloc, handle, *size)
             with self._maps_lock:
                 self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
+            if cid:
+                with self._counters_lock:
+                    self._counters[key] = entry
             return entry
         key = stream_key(handle)
         with self._counters_lock:
