@@ -58,6 +58,10 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s34a    the grouped kernel's raster within each group and its TMA-store default (GPU
+#                tests, the grouped benchmark), split-K calls of one capture sharing a workspace
+#                (the CUDA-graph split-K tests), the decoding split rule and even runs (the
+#                KV-cache GPU tests, the 134 MB contiguous benchmark case)
 #   PART=s33a    issue 29 on a two-GPU machine (kind nvidia-h100-x2 / nvidia-h200-x2; NVLink
 #                multicast off): the two-GPU tests, every op with its inputs on the other GPU
 #                (bench/multi_gpu.py devices, both directions), the tensor-parallel block over
@@ -331,6 +335,14 @@ if [[ " $PART " == *" s32c "* ]]; then
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
 fi
+if [[ " $PART " == *" s34a "* ]]; then
+    gpu_tests grouped_gpu 50 tests/test_ops_grouped_gemm.py
+    bench_suite bench_grouped 40 "test_grouped_gemm"
+    gpu_tests graphs_split_k_gpu 40 tests/test_cuda_graphs.py -k "split_k"
+    bench_suite bench_kvcache_b1 30 \
+        "test_flash_attention_with_kvcache and q1 and (B1_S32768 or B1_S131072) and contiguous"
+    gpu_tests kvcache_gpu 60 -n 4 tests/test_ops_attention_kvcache.py
+fi
 if [[ " $PART " == *" s33a "* ]]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     gpu_tests multi_gpu_tests 300 tests/test_multi_gpu.py
@@ -352,9 +364,9 @@ if [[ " $PART " == *" s33d "* ]]; then
     bench_suite bench_attention_kvcache 300 "test_flash_attention_with_kvcache and q1"
 fi
 if [[ " $PART " == *" s33b "* ]]; then
-    gpu_tests torch_graph_gemm_gpu 150 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
+    gpu_tests torch_graph_gemm_gpu 150 -n 4 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
         tests/test_ops_gemm.py tests/test_launch.py
-    gpu_tests attention_softmax_gpu 150 tests/test_ops_attention.py \
+    gpu_tests attention_softmax_gpu 150 -n 4 tests/test_ops_attention.py \
         tests/test_ops_attention_kvcache.py tests/test_ops_softmax.py
     step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json"
 fi
