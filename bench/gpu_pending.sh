@@ -271,10 +271,13 @@ step() {  # step NAME SECONDS CMD...
         "$OUT/$name.log" | tail -n 1)")")
 }
 
-gpu_tests() {  # gpu_tests NAME SECONDS FILES...
+gpu_tests() {  # gpu_tests NAME SECONDS FILES...: GPU_TEST_WORKERS processes (default 4: a
+    # process compiles its kernels one at a time, and one process ran past limits that four
+    # kept; 0 runs them in this process)
     local name=$1 secs=$2
     shift 2
-    step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu "$@"
+    step "$name" "$secs" "$PY" -m pytest -q -p no:cacheprovider -m gpu \
+        -n "${GPU_TEST_WORKERS:-4}" "$@"
 }
 
 bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selected by -k K
@@ -341,11 +344,12 @@ if [[ " $PART " == *" s34a "* ]]; then
     gpu_tests graphs_split_k_gpu 40 tests/test_cuda_graphs.py -k "split_k"
     bench_suite bench_kvcache_b1 30 \
         "test_flash_attention_with_kvcache and q1 and (B1_S32768 or B1_S131072) and contiguous"
-    gpu_tests kvcache_gpu 60 -n 4 tests/test_ops_attention_kvcache.py
+    gpu_tests kvcache_gpu 60 tests/test_ops_attention_kvcache.py
 fi
 if [[ " $PART " == *" s33a "* ]]; then
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-    gpu_tests multi_gpu_tests 300 tests/test_multi_gpu.py
+    # one process: the tests probe the idle GPU's memory, which other workers would touch
+    GPU_TEST_WORKERS=0 gpu_tests multi_gpu_tests 300 tests/test_multi_gpu.py
     step multi_gpu_devices_1 120 "$PY" bench/multi_gpu.py devices --src 1 \
         --json "$OUT/multi_gpu_devices_1.json"
     step multi_gpu_devices_0 120 "$PY" bench/multi_gpu.py devices --src 0 \
@@ -364,9 +368,9 @@ if [[ " $PART " == *" s33d "* ]]; then
     bench_suite bench_attention_kvcache 300 "test_flash_attention_with_kvcache and q1"
 fi
 if [[ " $PART " == *" s33b "* ]]; then
-    gpu_tests torch_graph_gemm_gpu 150 -n 4 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
+    gpu_tests torch_graph_gemm_gpu 150 tests/test_torch_gpu.py tests/test_cuda_graphs.py \
         tests/test_ops_gemm.py tests/test_launch.py
-    gpu_tests attention_softmax_gpu 150 -n 4 tests/test_ops_attention.py \
+    gpu_tests attention_softmax_gpu 150 tests/test_ops_attention.py \
         tests/test_ops_attention_kvcache.py tests/test_ops_softmax.py
     step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json"
 fi
@@ -374,7 +378,7 @@ if [[ " $PART " == *" s32f "* ]]; then
     bench_suite bench_backward_user 300 "test_flash_attention_backward_user_functions"
 fi
 if [[ " $PART " == *" s32e "* ]]; then
-    step attention_backward_gpu_x 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -x -rf \
+    step attention_backward_gpu_x 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -n 4 -x -rf \
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
