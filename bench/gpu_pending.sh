@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s34b    what session 34 left: the decoding benchmark at q1 and q4 after the split rule
+#                (every shape; paged-16 B64 S131072 moved 3 -> 17 splits), the backward
+#                variants benchmark with room (s32e's 150 s step ended before its JSON)
 #   PART=s34a    the grouped kernel's raster within each group and its TMA-store default (GPU
 #                tests, the grouped benchmark), split-K calls of one capture sharing a workspace
 #                (the CUDA-graph split-K tests), the decoding split rule and even runs (the
@@ -337,6 +340,10 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s34b "* ]]; then
+    bench_suite bench_attention_kvcache 280 "test_flash_attention_with_kvcache"
+    bench_suite bench_backward_variants 280 "test_flash_attention_backward_variants"
 fi
 if [[ " $PART " == *" s34a "* ]]; then
     gpu_tests grouped_gpu 50 tests/test_ops_grouped_gemm.py
