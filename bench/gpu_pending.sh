@@ -58,7 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
-#   PART=s34b    what session 34 left: the decoding benchmark at q1 and q4 after the split rule
+#   PART=s34b    what session 34 left: the host cost per call with cProfiles of the decoding,
+#                attention and grouped calls (where their as-called time goes), the
+#                decoding benchmark at q1 and q4 after the split rule
 #                (every shape; paged-16 B64 S131072 moved 3 -> 17 splits), the backward
 #                variants benchmark with room (s32e's 150 s step ended before its JSON)
 #   PART=s34a    the grouped kernel's raster within each group and its TMA-store default (GPU
@@ -342,6 +344,8 @@ if [[ " $PART " == *" s32c "* ]]; then
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
 fi
 if [[ " $PART " == *" s34b "* ]]; then
+    step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json" \
+        --profile kvcache attention grouped
     bench_suite bench_attention_kvcache 280 "test_flash_attention_with_kvcache"
     bench_suite bench_backward_variants 280 "test_flash_attention_backward_variants"
 fi

@@ -1,11 +1,12 @@
 """Host-side cost of one op call on tiny inputs (µs per call; the GPU is not the bottleneck).
 
-Usage: python bench/overhead.py [--json FILE] [--profile]
-Times tilepy.gemm / softmax / flash_attention / grouped_gemm next to torch.matmul,
-cupy.matmul, torch.softmax and torch._grouped_mm in the same run: CPU time per asynchronous
-call, averaged over many calls after a warm-up (the queue is drained every 200 calls so it
-never fills). ``--profile`` prints the
-top of a cProfile of tilepy.gemm's calls (where the host time goes).
+Usage: python bench/overhead.py [--json FILE] [--profile OP ...]
+Times tilepy.gemm / softmax / flash_attention / grouped_gemm / flash_attention_with_kvcache
+next to torch.matmul, cupy.matmul, torch.softmax, SDPA and torch._grouped_mm in the same run:
+CPU time per asynchronous call, averaged over many calls after a warm-up (the queue is
+drained every 200 calls so it never fills). ``--profile gemm attention kvcache grouped``
+prints the top of a cProfile of those ops' repeated calls, by own time and by cumulative
+time (where the host time goes).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def per_call_us(fn, sync, calls=2000, warmup=50):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", nargs="*", choices=PROFILED, default=None,
+                   help="ops to profile (none named: gemm)")
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--breakdown", action="store_true",
                    help="also time the pieces of one tilepy.gemm call (front, cache lookup, "
@@ -90,23 +92,59 @@ def main(argv=None):
         add("torch._grouped_mm 4 x 16x64x64 bf16", lambda: torch._grouped_mm(ga, gw.mT,
                                                                              offs=ends), True)
     add("tilepy.log_softmax 64x256 f16 (torch)", lambda: tilepy.log_softmax(x))
+    # one decoding step over a small cache (host cost: the GPU work is a few µs), split in
+    # four (the decoding kernel and the combine kernel, two launches) and unsplit
+    kq = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn_like(kc)
+    lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
+    kout = torch.empty_like(kq)
+    calls = {
+        "gemm": lambda: tilepy.gemm(a, b),
+        "attention": lambda: tilepy.flash_attention(q, q, q),
+        "grouped": lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False),
+        "kvcache": lambda: tilepy.flash_attention_with_kvcache(
+            kq, kc, kv, lens, out=kout, num_splits=4, check_seqlens=False),
+    }
+    add("tilepy.flash_attention_with_kvcache B1 256 keys 4 splits (torch, out=)",
+        calls["kvcache"])
+    add("tilepy.flash_attention_with_kvcache B1 256 keys 1 split (torch, out=)",
+        lambda: tilepy.flash_attention_with_kvcache(kq, kc, kv, lens, out=kout, num_splits=1,
+                                                    check_seqlens=False))
+    add("torch SDPA 1x32x1x256 GQA bf16",
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            kq.transpose(1, 2), kc.transpose(1, 2), kv.transpose(1, 2), enable_gqa=True), True)
     if args.breakdown:
         breakdown(add, torch, tilepy, a, b, out)
 
-    if args.profile:
+    if args.profile is not None:
         import cProfile
         import pstats
 
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(500):
-            tilepy.gemm(a, b)
-        sync()
-        pr.disable()
-        pstats.Stats(pr).sort_stats("cumulative").print_stats(35)
+        for op in args.profile or ["gemm"]:
+            fn = calls[op]
+            for _ in range(50):
+                fn()
+            sync()
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(500):
+                fn()
+                if i % 200 == 199:
+                    sync()
+            sync()
+            pr.disable()
+            print(f"\n=== cProfile of 500 calls: {op} ===", flush=True)
+            stats = pstats.Stats(pr)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(25)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+#: --profile's choices: the repeated calls it can profile.
+PROFILED = ("attention", "gemm", "grouped", "kvcache")
 
 
 def breakdown(add, torch, tilepy, a, b, out):
