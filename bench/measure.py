@@ -228,8 +228,9 @@ _SIDE_STREAMS = {}
 def capture_calls(torch, fn, calls: int = 20):
     """A CUDA graph of ``calls`` calls of ``fn``, captured after three warm-up calls on a side
     stream (PyTorch's recipe). One side stream per device for the process: tilepy keeps
-    per-stream state (tile counters, split-K workspaces) for as long as a plan lives, so a
-    fresh stream per capture would grow it with every measurement."""
+    per-stream state (tile counters, split-K workspaces) for as long as a plan lives, so each
+    new stream handle would add a set (PyTorch's pool hands out up to 32 per device and
+    priority)."""
     dev = torch.cuda.current_device()
     side = _SIDE_STREAMS.get(dev)
     if side is None:

@@ -319,3 +319,53 @@ def test_gpu_a_new_thread_replays_a_cached_plan():
     assert not errors, errors
     want = a.float() @ b.float()
     assert (got[0].float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
+
+
+def test_a_refused_programmatic_launch_falls_back_to_stream_order():
+    """A ``dependent`` plan whose ``cuLaunchKernelEx`` the driver refuses (a driver that
+    cannot make or capture a programmatic launch) launches with ``cuLaunchKernel`` instead,
+    that time and after; a plain launch that fails is still an error naming the call; a
+    refusal for want of a context is not taken for it (the plan retries in its device)."""
+    calls = []
+
+    class Driver:
+        def __init__(self, ex_err):
+            self.ex_err = ex_err
+
+        def cuLaunchKernelEx(self, cfg, func, params, extra):
+            calls.append("ex")
+            return (self.ex_err,)
+
+    def plain(ok):
+        def launch_fn(*args):
+            calls.append("plain")
+            return (0 if ok else 7,)
+        return launch_fn
+
+    class Cfg:
+        pass
+
+    def stub(ex_err, plain_ok):
+        plan = object.__new__(LaunchPlan)
+        plan.dependent, plan.cluster, plan.block, plan.smem = True, 1, (32, 1, 1), 0
+        plan._ex_cfg, plan._driver = Cfg(), Driver(ex_err)
+        plan._launch_fn, plan._func = plain(plain_ok), object()
+        plan._success, plan._no_context = 0, 201
+        plan._params_addr = plan._extra_addr = 0
+        plan.grid = (4, 1, 1)
+        return plan
+
+    plan = stub(801, True)                       # CUDA_ERROR_NOT_SUPPORTED, then fine
+    plan._launch_grid(0, (4, 1, 1))
+    assert calls == ["ex", "plain"] and not plan.dependent and plan._ex_cfg is None
+    plan._launch_grid(0, (4, 1, 1))
+    assert calls == ["ex", "plain", "plain"]
+    calls.clear()
+    with pytest.raises(RuntimeError, match="cuLaunchKernel failed"):
+        stub(801, False)._launch_grid(0, (4, 1, 1))
+    assert calls == ["ex", "plain"]
+    calls.clear()
+    plan = stub(201, True)                       # no context: the caller's retry, not this
+    with pytest.raises(launch.NoContextError):
+        plan._launch_grid(0, (4, 1, 1))
+    assert calls == ["ex"] and plan.dependent

@@ -303,7 +303,9 @@ def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
     out of each call and reused; another stream (and the per-thread default stream in
     another host thread) gets a counter of its own. The third call runs "during a capture"
     (stream_capturing patched to say so): its maps and a tile counter of its own are made,
-    zeroed and kept, not cached, and the stream's counter is not touched."""
+    zeroed and kept, not cached, and the stream's counter is not touched. Then with a capture
+    id (``capture_id`` patched): two calls in one capture share one new counter, left at zero
+    between them; another stream of that capture and another capture get their own."""
     from tilepy.ops import attention as at
     from tilepy.ops import attention_wgmma as aw
     from tilepy.tile import device_write
@@ -363,9 +365,12 @@ def test_tma_persistent_new_pointers_and_a_capture(monkeypatch):
     assert len(plan._kept) == 2 + 2 + 1      # two more maps, one more counter
     shared = plan._counters[("capture", 41, 0)]
     assert shared[0].ptr != cbuf.ptr
+    np.testing.assert_array_equal(shared[1].copy_to_host(), [0, 0])
+    assert plan._counter(other, True) is not shared       # another stream of the capture
+    assert plan._counter(0, True) is shared
     monkeypatch.setattr(device_write, "capture_id", lambda stream: 42)
     call()
-    assert len(plan._kept) == 2 + 3 + 2 and plan._counters[("capture", 42, 0)] is not shared
+    assert len(plan._kept) == 2 + 3 + 3 and plan._counters[("capture", 42, 0)] is not shared
     np.testing.assert_array_equal(counter.copy_to_host(), [7, 7])
 
 

@@ -490,12 +490,22 @@ class LaunchPlan:
                 cs[5 + d].value = n
 
     def _launch_grid(self, stream: int, grid):
-        """One launch of the parameter buffer as it stands on ``grid`` (the lock held)."""
+        """One launch of the parameter buffer as it stands on ``grid`` (the lock held).
+
+        A ``dependent`` plan without clusters whose programmatic launch the driver refuses
+        (one that cannot make or capture such a launch) launches in plain stream order
+        instead, this time and from then on: correct for its kernel, whose
+        ``griddepcontrol.wait`` returns at once when the kernel ahead has finished."""
         if self._ex_cfg is not None:
             cfg = self._ex_cfg
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
             cfg.hStream = stream
             (err,) = self._driver.cuLaunchKernelEx(cfg, self._func, self._params_addr, 0)
+            if err != self._success and self.dependent and self.cluster == 1 and \
+                    err != self._no_context:
+                self.dependent, self._ex_cfg = False, None
+                self._launch_grid(stream, grid)
+                return
         else:
             gx, gy, gz = grid
             bx, by, bz = self.block

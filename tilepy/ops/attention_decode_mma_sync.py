@@ -295,7 +295,7 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
         lo = kb_first + sp * n // nsplit
         hi = kb_first + (sp + 1) * n // nsplit
         if lane == 0:
-            TR.note_value(scratch, MK.key_blocks, max(hi - lo, np.int64(0)))
+            TR.note_value(scratch, MK.key_blocks, hi - lo)
             TR.note_value(scratch, MK.split, sp)
 
         row_max = cuda.local.array((1, 2), np.float32)

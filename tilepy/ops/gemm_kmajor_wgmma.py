@@ -26,9 +26,9 @@ which maps to pass (:func:`plan`). ``out`` (M, N) float32, or uint16 bits of ``o
 :func:`kmajor_gemm_kernel`); ``offsets`` a placeholder unless ``grouped``; ``bias`` float32 or
 uint16 bits of ``bias_kind``. Grid :func:`grid`
 (a block per output tile, or persistent: at most one per SM, each striding over the tiles —
-in grouped raster order; grouped, group by group and in that order within each), :attr:`KMajorConfig.threads` threads,
-:attr:`KMajorConfig.smem_bytes` of dynamic shared memory. K need not be a multiple of the
-stage's k (TMA zero-fills).
+in grouped raster order; grouped, group by group and in that order within each),
+:attr:`KMajorConfig.threads` threads, :attr:`KMajorConfig.smem_bytes` of dynamic shared
+memory. K need not be a multiple of the stage's k (TMA zero-fills).
 
 Warpgroup 0's thread 0 loads each k step's A box and B box into the next ring slot, running on
 across the block's tiles (the next tile's loads overlap this one's epilogue); warpgroups

@@ -258,8 +258,9 @@ def release(token) -> None:
 #: workspaces), by address: kept for the life of the process. A graph holds no reference to
 #: them, and freeing one — when a plan is dropped from its op's cache — would let a later
 #: allocation (the graph's own pool included) reuse memory a replay still reads. A few hundred
-#: bytes per captured launch, except a split-K GEMM's workspace (4 bytes per element of its
-#: items' tiles: megabytes).
+#: bytes per captured launch (its tensor maps), and per plan, capture and captured stream a
+#: tile counter — for a split-K GEMM with its workspace (4 bytes per element of its items'
+#: tiles: megabytes).
 GRAPH_BUFFERS: dict = {}
 
 

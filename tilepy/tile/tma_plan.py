@@ -283,7 +283,7 @@ class ScheduledTmaPlan(TmaLaunchPlan):
                 entry = _tile_counter(self._alloc, handle, *size)
             with self._maps_lock:
                 self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
-            if cid:
+            if cid:   # (kept for the plan's life, as the buffer is for the process's)
                 with self._counters_lock:
                     self._counters[key] = entry
             return entry
