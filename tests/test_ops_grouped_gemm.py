@@ -31,8 +31,10 @@ def reference(a, b, ends):
     ("float16", [1, 0, 3, 17], False, False),  # M = 1, an empty group, 3, 17 (two row tiles)
     ("bfloat16", [0, 5, 33, 0], True, False),  # empty first and last groups; b as (E, N, K)ᵀ
     # the Hopper kernel (TMA, wgmma): 5 tiles over the simulator's 4 SMs (a block takes two),
-    # groups ending inside a row tile whose other rows belong to the next group
+    # groups ending inside a row tile whose other rows belong to the next group; b K-major,
+    # then row-major (MN-major B tiles, N = 24 inside one 64-column box)
     ("bfloat16", [0, 5, 33, 0, 1, 2, 3], True, True),
+    ("float16", [0, 5, 33, 0, 1, 2, 3], False, True),
 ])
 def test_groups_against_float64(dtype, sizes, b_transposed, hopper):
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
@@ -80,6 +82,36 @@ def test_tma_store_epilogue_with_groups_ending_inside_tiles():
                         config=KMajorConfig(block_n=64, tma_store=True))
     check(out[:100], reference(a[:100], b, short), "bfloat16")
     assert (out[100:].astype(np.float32) == 7.0).all()
+
+
+@sim
+def test_row_major_b_on_the_hopper_kernel_in_several_boxes():
+    """``b`` row-major (E, K, N) on the Hopper kernel with 128-column tiles: each stage's B is
+    two 64-column MN-major boxes (the second past N = 72, zero-filled), the groups' rows
+    ending inside tiles, the TMA-store epilogue: float64's answer; the built-in choice takes
+    such a ``b`` too (``_hopper_b_layout``; a column slice of one too, its rows still 16-byte
+    aligned), and one whose rows are not (N = 70, contiguous) not."""
+    from tilepy.arrays import describe
+    from tilepy.ops import grouped_gemm as gg
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    rng = np.random.default_rng()
+    sizes, k, n = [70, 0, 130, 3], 40, 72
+    ends = np.cumsum(sizes).astype(np.int32)
+    a = rand(rng, (int(ends[-1]), k), "bfloat16")
+    b = rand(rng, (len(sizes), k, n), "bfloat16")
+    out = np.full((a.shape[0], n), np.nan, NP["bfloat16"])
+    tilepy.grouped_gemm(a, b, ends, out=out, config=KMajorConfig(block_n=128, tma_store=True))
+    check(out, reference(a, b, ends), "bfloat16")
+    A = describe(a, "a")
+    assert gg._hopper_b_layout(A, describe(b, "b"), k) == "row"
+    assert gg._hopper_b_layout(A, describe(b.transpose(0, 2, 1).copy().transpose(0, 2, 1), "b"),
+                               k) == "k"
+    assert gg._hopper_b_layout(A, describe(b[:, :, :70], "b"), k) == "row"
+    odd = np.ascontiguousarray(b[:, :, :70])
+    assert gg._hopper_b_layout(A, describe(odd, "b"), k) is None
+    with pytest.raises(ValueError, match="Hopper grouped kernel"):
+        tilepy.grouped_gemm(a, odd, ends, config=KMajorConfig(block_n=64))
 
 
 @sim
@@ -201,12 +233,14 @@ def test_grouped_kernel_compiles_without_spills():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tma_store", [False, True])
-def test_gpu_experts_against_torch(monkeypatch, tma_store):
+@pytest.mark.parametrize("tma_store,b_row_major", [(False, False), (True, False),
+                                                   (True, True)])
+def test_gpu_experts_against_torch(monkeypatch, tma_store, b_row_major):
     """8 experts, 4096 routed rows split unevenly (two groups empty), K 1024, N 2048, bf16,
-    ``b`` as the transposed view of (E, N, K) weights: against float32 products per group;
-    the gradients of a and b against the same. With the built-in Hopper config's register
-    epilogue and with its TMA-store one (``grouped_gemm.TMA_STORE``)."""
+    ``b`` as the transposed view of (E, N, K) weights, or row-major (E, K, N) weights:
+    against float32 products per group; the gradients of a and b against the same. With the
+    built-in Hopper config's register epilogue and with its TMA-store one
+    (``grouped_gemm.TMA_STORE``)."""
     torch = pytest.importorskip("torch")
     from tilepy.ops import grouped_gemm as gg
 
@@ -215,8 +249,13 @@ def test_gpu_experts_against_torch(monkeypatch, tma_store):
     sizes = torch.tensor([700, 0, 1300, 5, 1, 0, 1090, 1000])
     ends = torch.cumsum(sizes, 0).int().cuda()
     a = torch.randn(int(sizes.sum()), 1024, generator=g).bfloat16().cuda().requires_grad_()
-    w = torch.randn(8, 2048, 1024, generator=g).bfloat16().cuda().requires_grad_()
-    y = tilepy.grouped_gemm(a, w.mT, ends)
+    w = torch.randn(8, 2048, 1024, generator=g).bfloat16().cuda()
+    if b_row_major:     # (w stays (E, N, K) for the checks below: its transpose's copy)
+        wk = w.mT.contiguous().requires_grad_()
+        y = tilepy.grouped_gemm(a, wk, ends)
+    else:
+        w.requires_grad_()
+        y = tilepy.grouped_gemm(a, w.mT, ends)
     dy = torch.randn_like(y)
     y.backward(dy)
     bounds = [0] + ends.tolist()
@@ -229,4 +268,5 @@ def test_gpu_experts_against_torch(monkeypatch, tma_store):
             assert (a.grad[s:t].float() - ga).abs().max().item() < 2e-2 * max(ga.abs().max(),
                                                                                1)
         gw = (a[s:t].float().T @ dy[s:t].float()).T
-        assert (w.grad[e].float() - gw).abs().max().item() < 2e-2 * max(gw.abs().max(), 1)
+        got = wk.grad[e].mT if b_row_major else w.grad[e]
+        assert (got.float() - gw).abs().max().item() < 2e-2 * max(gw.abs().max(), 1)

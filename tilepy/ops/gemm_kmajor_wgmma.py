@@ -5,10 +5,11 @@ it) through TMA into an mbarrier ring, wgmmas into float32 accumulators — comp
 schedules, the scaled epilogue). Two uses, as generator parameters: the scaled FP8 GEMM
 (e4m3 / e5m2, k32 wgmmas on 1-byte operands, scales per tensor, row, column or block) and the
 grouped 16-bit GEMM (float16 / bfloat16, one ``b`` per group of rows, the groups' row ends read
-on the device).
+on the device; there ``b`` may also be row-major, ``b_row_major``: MN-major B tiles, which
+wgmma transposes for 16-bit operands).
 
 ``kmajor_gemm_kernel(cfg, fmt, out_kind, row_scale, col_scale, block_scale, grouped, b_fmt,
-activation, bias_kind)`` returns a kernel
+activation, bias_kind, b_row_major)`` returns a kernel
 
     kernel(a, b, out, scale_a, scale_b, offsets, bias, k, maps)
 
@@ -16,7 +17,8 @@ computing ``out[i, j] = act(scale_a[i or 0] · scale_b[j or 0] · Σ_k a[i, k] �
 bias[j])`` for ``a`` (M, K) and ``b`` (N, K) (``b`` of format ``b_fmt``, by default ``fmt``;
 ``bias`` (N,) of ``bias_kind``, or a placeholder without one) — or, ``grouped``, ``out[i, j] = Σ_k a[i, k] · b[g, j, k]`` for the
 rows ``i`` of group ``g`` (``offsets`` (E,) int32: the groups' cumulative row ends, clamped
-into ``previous end … M``; ``b`` (E, N, K)) — read through their tensor maps in ``maps``
+into ``previous end … M``; ``b`` (E, N, K), or (E, K, N) with ``b_row_major``) — read
+through their tensor maps in ``maps``
 (uint8: A's map at byte 0, B's at :data:`MAP_B`; 128-byte swizzle, boxes of ``block_m`` /
 ``block_n`` rows × 128 bytes of k; grouped, B's map is 3-D with the group outermost). ``a``
 and ``b`` themselves (uint8 / uint16 views) are not read: their pointers tell a launch plan
@@ -168,7 +170,7 @@ def _jit(threads: int):
 def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bfloat16",
                        row_scale: bool = False, col_scale: bool = False,
                        block_scale: bool = False, grouped: bool = False, b_fmt: str | None = None,
-                       activation=None, bias_kind: str | None = None):
+                       activation=None, bias_kind: str | None = None, b_row_major: bool = False):
     """The kernel of the module docstring, generated once per argument set; ``fmt`` the
     operands' format (one of :data:`FORMATS`: the 8-bit ones scaled, the 16-bit ones
     ``grouped``, without scales); ``b_fmt`` B's, another 8-bit format with 8-bit ``fmt``
@@ -181,7 +183,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     (:func:`tilepy.tile.epilogue.accumulate_scaled`); ``block_n`` at most 128 (a tile's
     columns in one scale block). ``grouped``: the work items are the tiles of each group's
     rows (group by group, each group's in grouped raster order; every thread counts them from
-    ``offsets``), B's map 3-D."""
+    ``offsets``), B's map 3-D. ``b_row_major`` (grouped only): B row-major (E, K, N), each
+    stage's B ``block_n / 64`` boxes of 64 k × 64 n (MN-major), else K-major (E, N, K)."""
     if fmt not in FORMATS or out_kind not in OUT_KINDS:
         raise ValueError(f"kmajor_gemm_kernel: format of {tuple(FORMATS)}, out of "
                          f"{OUT_KINDS}; got {fmt!r}, {out_kind!r}")
@@ -198,6 +201,10 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         raise NotImplementedError(f"kmajor_gemm_kernel: the 8-bit formats run scaled and "
                                   f"not grouped, the 16-bit ones grouped without scales; got "
                                   f"{fmt!r}, grouped={grouped}")
+    B_ROW = bool(b_row_major)
+    if B_ROW and not GROUPED:
+        raise NotImplementedError("kmajor_gemm_kernel: a row-major b is the grouped 16-bit "
+                                  "GEMM's only (wgmma reads 8-bit operands K-major)")
     if BLOCK and (row_scale or col_scale or cfg.block_n > BLOCK_SCALE):
         raise ValueError(f"kmajor_gemm_kernel: block scales take no row / column scales and "
                          f"block_n <= {BLOCK_SCALE}; got {cfg}")
@@ -218,8 +225,11 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
     roles = warpgroup_roles(NC, producer_regs=cfg.producer_regs if cfg.setmaxnreg else 0,
                             consumer_regs=cfg.consumer_regs if cfg.setmaxnreg else 0)
     load_a = tma_tile(1, A_BYTES)
-    load_b = tma_tile(1, BN * BK)
-    wmma = warpgroup_mma(BN, SmemOperand(BN, BKE, "k", EB), SmemOperand(64, BKE, "k", EB),
+    # B's stage: block_n rows of BK bytes of k (K-major), or block_n / 64 boxes of BKE k rows
+    # × 64 n (row-major: 128 bytes of n a box row) — the same bytes
+    load_b = tma_tile(BN // 64, 64 * BK) if B_ROW else tma_tile(1, BN * BK)
+    wmma = warpgroup_mma(BN, SmemOperand(BN, BKE, "mn" if B_ROW else "k", EB),
+                         SmemOperand(64, BKE, "k", EB),
                          FORMATS[fmt], b_dtype=FORMATS[b_fmt])
     NACC = wmma.NACC
     store = store_scaled_accumulators(BN // 8, out_kind, row_scale, col_scale,
@@ -341,7 +351,9 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                         full = ring.commit(bars, s, STAGE)
                         stage = base + STAGES + s * STAGE
                         load_a.load_2d(stage, ta, full, kt * BKE, bm0)
-                        if GROUPED:
+                        if GROUPED and B_ROW:
+                            load_b.load_3d(stage + A_BYTES, tb, full, bn0, kt * BKE, g)
+                        elif GROUPED:
                             load_b.load_3d(stage + A_BYTES, tb, full, kt * BKE, bn0, g)
                         else:
                             load_b.load_2d(stage + A_BYTES, tb, full, kt * BKE, bn0)
@@ -454,6 +466,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                 T.bulk_wait_group_read(0)   # no store still reads the staging at exit
 
     kernel.tma_out = TMA_OUT      # the maps end with the output's (plan)
+    kernel.b_row_major = B_ROW    # B's map: (E, K, N) in boxes of 64 k × 64 n (plan)
     return kernel
 
 
@@ -495,7 +508,8 @@ MAPS_ARG = 8
 def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, k: int,
          fmt: str, alloc=None):
     """``(launch plan, arguments)`` of :func:`kmajor_gemm_kernel`'s kernel on views ``a``
-    (M, K) and ``b`` (N, K), or grouped (E, N, K) — uint8 codes (8-bit formats) or uint16 bits,
+    (M, K) and ``b`` (N, K), or grouped (E, N, K) — (E, K, N) for a kernel generated with
+    ``b_row_major`` — uint8 codes (8-bit formats) or uint16 bits,
     rows of a multiple of 16 bytes (or a single row) — ``out``, the scale views and
     ``offsets`` (int32 (E,) grouped, else a placeholder), ``bias`` (its view, or a
     placeholder): a
@@ -512,17 +526,23 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, 
     eb = 1 if fmt in FP8_FORMATS else 2
     kind, bke = ("uint8" if eb == 1 else "uint16"), BK // eb
     grouped = len(b.shape) == 3
-    (m, kk), n = a.shape, b.shape[len(b.shape) - 2]
+    b_row = getattr(kernel, "b_row_major", False)
+    (m, kk), n = a.shape, b.shape[len(b.shape) - (1 if b_row else 2)]
+    # B's map: rows of its contiguous dimension (k, or n when row-major) in boxes of
+    # block_n rows × 128 bytes of k, or row-major 64 k rows × 64 n (128 bytes)
+    rows, inner = (kk, n) if b_row else (n, kk)
     # a single row's stride is never used: its row length stands in (TMA wants multiples of
     # 16 bytes)
     sa = (a.strides[0] if m > 1 else kk * eb, eb)
-    sb = (b.strides[len(b.shape) - 2] if n > 1 else kk * eb, eb)
+    sb = (b.strides[len(b.shape) - 2] if rows > 1 else -(-inner * eb // 16) * 16, eb)
+    box = (bke, 64) if b_row else (cfg.block_n, bke)
     if grouped:
         e = b.shape[0]
-        b_shape, b_strides, b_box = (e, n, kk), (b.strides[0] if e > 1 else n * sb[0],) + sb, \
-            (1, cfg.block_n, bke)
+        b_shape = (e, rows, inner)
+        b_strides = (b.strides[0] if e > 1 else rows * sb[0],) + sb
+        b_box = (1,) + box
     else:
-        b_shape, b_strides, b_box = (n, kk), sb, (cfg.block_n, bke)
+        b_shape, b_strides, b_box = (rows, inner), sb, box
 
     def ab_maps(a_ptr, b_ptr):
         ma = host_tma.encode_tiled(a_ptr, kind, (m, kk), sa, (cfg.block_m, bke), 128)
@@ -554,22 +574,25 @@ def plan(kernel, cfg: KMajorConfig, a, b, out, scale_a, scale_b, offsets, bias, 
 
 
 #: The kernels the compile layer reports on: (name, config, format, scales, grouped, B's
-#: format, activation, bias kind) — scales "rowcol" or "block".
+#: format, activation, bias kind, B row-major) — scales "rowcol" or "block".
 COMPILED = (("gemm_fp8_e4m3_bf16_rowcol", KMajorConfig(), "e4m3", "rowcol", False, None, None,
-             None),
+             None, False),
             ("gemm_fp8_e4m3_bf16_rowcol_n128", KMajorConfig(block_n=128), "e4m3", "rowcol",
-             False, None, None, None),
+             False, None, None, None, False),
             ("gemm_fp8_e4m3_bf16_block", KMajorConfig(block_n=128), "e4m3", "block", False,
-             None, None, None),
+             None, None, None, False),
             ("gemm_fp8_e4m3_e5m2_bias_gelu", KMajorConfig(), "e4m3", "rowcol", False, "e5m2",
-             "gelu", "bfloat16"),
-            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None),
+             "gelu", "bfloat16", False),
+            ("grouped_gemm_bf16", KMajorConfig(), "bfloat16", None, True, None, None, None,
+             False),
             ("grouped_gemm_bf16_tmastore", KMajorConfig(tma_store=True), "bfloat16", None,
-             True, None, None, None),
+             True, None, None, None, False),
+            ("grouped_gemm_bf16_brow_tmastore", KMajorConfig(tma_store=True), "bfloat16", None,
+             True, None, None, None, True),
             ("gemm_fp8_e4m3_bf16_rowcol_tmastore", KMajorConfig(tma_store=True), "e4m3",
-             "rowcol", False, None, None, None),
+             "rowcol", False, None, None, None, False),
             ("gemm_fp8_e4m3_e5m2_bias_gelu_tmastore", KMajorConfig(tma_store=True), "e4m3",
-             "rowcol", False, "e5m2", "gelu", "bfloat16"))
+             "rowcol", False, "e5m2", "gelu", "bfloat16", False))
 
 
 def compile_reports():
@@ -577,10 +600,11 @@ def compile_reports():
     from ..offline import report_entry
 
     return [report_entry(name,
-                         lambda cfg=cfg, fmt=fmt, sc=sc, gr=gr, bf=bf, act=act, bk=bk:
+                         lambda cfg=cfg, fmt=fmt, sc=sc, gr=gr, bf=bf, act=act, bk=bk, br=br:
                          kmajor_gemm_kernel(cfg, fmt, "bfloat16", sc == "rowcol",
-                                            sc == "rowcol", sc == "block", gr, bf, act, bk),
+                                            sc == "rowcol", sc == "block", gr, bf, act, bk,
+                                            br),
                          argtypes("bfloat16", sc == "block", gr, bk), (9, 0, "a"),
                          threads=cfg.threads, launch_bounds=(cfg.threads, 1),
                          config=cfg.describe(), smem_bytes=cfg.smem_bytes)
-            for name, cfg, fmt, sc, gr, bf, act, bk in COMPILED]
+            for name, cfg, fmt, sc, gr, bf, act, bk, br in COMPILED]

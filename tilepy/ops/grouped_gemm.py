@@ -54,9 +54,10 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
       Unchecked, the kernel clamps each end into ``previous end … total_M``: nothing is read
       or written out of bounds, and rows past the last end are left as they were.
     * ``config``: a :class:`tilepy.tile.GemmConfig` (the mma.sync kernel) or a
-      :class:`tilepy.ops.gemm_kmajor_wgmma.KMajorConfig` (the Hopper kernel; ``b`` K-major);
-      by default on sm_90 the Hopper kernel's 128 × 256 tiles where ``b`` is K-major, else the
-      config ``tilepy.gemm``'s heuristic picks for the average group.
+      :class:`tilepy.ops.gemm_kmajor_wgmma.KMajorConfig` (the Hopper kernel; ``b`` K-major or
+      row-major, 16-byte aligned rows); by default on sm_90 the Hopper kernel's 128 × 256
+      tiles where it can read ``b``, else the config ``tilepy.gemm``'s heuristic picks for the
+      average group.
 
     CuPy arrays, PyTorch tensors (the ``torch.ops.tilepy.grouped_gemm`` operator, with
     autograd), Numba device arrays (NumPy arrays in the simulator); errors are raised before
@@ -89,13 +90,15 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
     A, B, Offs, Out, (m, k, n, e), device = check_arguments(a, b, offsets, out)
     with arrays.on_device(device):
         hopper = isinstance(config, kw.KMajorConfig)
-        if hopper and k and not _kmajor_ready(A, B, k):
-            raise ValueError("config: the Hopper grouped kernel needs b K-major (a transposed view "
-                             "of a row-major (E, N, K)), a row-major, K a multiple of 8 and "
-                             "16-byte aligned rows")
+        b_layout = _hopper_b_layout(A, B, k) if k else None
+        if hopper and k and b_layout is None:
+            raise ValueError("config: the Hopper grouped kernel needs a row-major, K a multiple "
+                             "of 8, b row-major (E, K, N) or K-major (a transposed view of a "
+                             "row-major (E, N, K)), and 16-byte aligned starts and rows (row "
+                             "strides multiples of 8 elements)")
         built_in = config is None
-        if built_in and k and not arrays.SIMULATOR and launch.is_hopper(device) and \
-                _kmajor_ready(A, B, k):
+        if built_in and b_layout is not None and not arrays.SIMULATOR and \
+                launch.is_hopper(device):
             hopper, config = True, kw.KMajorConfig()
         cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
                                                                  e, A.dtype)
@@ -126,10 +129,11 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
             out_v = kernel_view(Out, 2)
             if built_in and TMA_STORE and tma_storable(out_v):
                 cfg = dataclasses.replace(cfg, tma_store=True)
-            kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True)
+            b_row = b_layout == "row"
+            kern = kw.kmajor_gemm_kernel(cfg, A.dtype, A.dtype, grouped=True, b_row_major=b_row)
             one = arrays.placeholder(1)
             plan, args = kw.plan(kern, cfg, kernel_view(A, 2),
-                                 kernel_view(B, 3, swap_last=True), out_v, one,
+                                 kernel_view(B, 3, swap_last=not b_row), out_v, one,
                                  one, kernel_view(Offs), one, k, A.dtype,
                                  arrays.byte_allocator(A))
             plan.launch(stream, args)
@@ -163,15 +167,20 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
         return out
 
 
-def _kmajor_ready(A, B, k: int) -> bool:
-    """Whether the Hopper grouped kernel can read ``a`` (row-major) and ``b`` (K-major: the
-    transposed view of a row-major (E, N, K)) through tensor maps: unit k strides, the other
+def _hopper_b_layout(A, B, k: int):
+    """How the Hopper grouped kernel reads ``b`` (E, K, N) through tensor maps — ``"k"``
+    (K-major: the transposed view of a row-major (E, N, K)), ``"row"`` (row-major) — or None
+    where it cannot: ``a`` row-major, unit strides along ``b``'s contiguous axis, the other
     strides positive (a tensor map has no broadcast axis) and, like both starts, 16-byte
     aligned, K a multiple of 8."""
-    strides = (A.strides[0], B.strides[0], B.strides[2])
-    aligned = all(s > 0 and s * 2 % 16 == 0 for s in strides)
-    return (k % 8 == 0 and A.strides[1] == 1 and B.strides[1] == 1 and aligned
-            and A.byte_pointer() % 16 == 0 and B.byte_pointer() % 16 == 0)
+    if not (k % 8 == 0 and A.strides[1] == 1 and A.strides[0] > 0 and A.strides[0] * 2 % 16 == 0
+            and A.byte_pointer() % 16 == 0 and B.byte_pointer() % 16 == 0):
+        return None
+    for layout, unit, others in (("k", 1, (0, 2)), ("row", 2, (0, 1))):
+        if B.strides[unit] == 1 and all(B.strides[d] > 0 and B.strides[d] * 2 % 16 == 0
+                                        for d in others):
+            return layout
+    return None
 
 
 def output_spec(a, b, offsets, *, out=None):
@@ -254,7 +263,7 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None):
                                   "it cannot be captured into a CUDA graph yet")
     ends = arrays.to_host(Offs).astype(np.int64)
     check_values(ends, A.shape[0])
-    (m, k), n = A.shape, D.shape[1]
+    k, n = A.shape[1], D.shape[1]
     if out is None:
         out = arrays.empty(A, (groups, k, n), A.dtype)
     start = 0
