@@ -60,7 +60,8 @@
 #                backward variants benchmark again (FlexAttention without donated buffers)
 #   PART=s34b    what session 34 left: the host cost per call with cProfiles of the decoding,
 #                attention and grouped calls (where their as-called time goes), the
-#                decoding benchmark at q1 and q4 after the split rule
+#                decoding benchmark at q1 and q4 after the split rule; the grouped GEMM with a
+#                row-major b on the Hopper kernel (GPU tests, the benchmark's "b row-major")
 #                (every shape; paged-16 B64 S131072 moved 3 -> 17 splits), the backward
 #                variants benchmark with room (s32e's 150 s step ended before its JSON)
 #   PART=s34a    the grouped kernel's raster within each group and its TMA-store default (GPU
@@ -346,6 +347,8 @@ fi
 if [[ " $PART " == *" s34b "* ]]; then
     step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json" \
         --profile kvcache attention grouped
+    gpu_tests grouped_gpu 60 tests/test_ops_grouped_gemm.py
+    bench_suite bench_grouped 60 "test_grouped_gemm"
     bench_suite bench_attention_kvcache 280 "test_flash_attention_with_kvcache"
     bench_suite bench_backward_variants 280 "test_flash_attention_backward_variants"
 fi
