@@ -87,8 +87,9 @@ def test_tma_store_epilogue_with_groups_ending_inside_tiles():
 @sim
 def test_row_major_b_on_the_hopper_kernel_in_several_boxes():
     """``b`` row-major (E, K, N) on the Hopper kernel with 128-column tiles: each stage's B is
-    two 64-column MN-major boxes (the second past N = 72, zero-filled), the groups' rows
-    ending inside tiles, the TMA-store epilogue: float64's answer; the built-in choice takes
+    two 64-column MN-major boxes (the second past N = 72, zero-filled), three k steps (the
+    last past K = 136), the groups' rows ending inside tiles, the TMA-store epilogue:
+    float64's answer; the built-in choice takes
     such a ``b`` too (``_hopper_b_layout``; a column slice of one too, its rows still 16-byte
     aligned), and one whose rows are not (N = 70, contiguous) not."""
     from tilepy.arrays import describe
@@ -96,7 +97,7 @@ def test_row_major_b_on_the_hopper_kernel_in_several_boxes():
     from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
 
     rng = np.random.default_rng()
-    sizes, k, n = [70, 0, 130, 3], 40, 72
+    sizes, k, n = [70, 0, 130, 3], 136, 72      # K: three k steps of 64, the last partial
     ends = np.cumsum(sizes).astype(np.int32)
     a = rand(rng, (int(ends[-1]), k), "bfloat16")
     b = rand(rng, (len(sizes), k, n), "bfloat16")
@@ -240,11 +241,22 @@ def test_gpu_experts_against_torch(monkeypatch, tma_store, b_row_major):
     ``b`` as the transposed view of (E, N, K) weights, or row-major (E, K, N) weights:
     against float32 products per group; the gradients of a and b against the same. With the
     built-in Hopper config's register epilogue and with its TMA-store one
-    (``grouped_gemm.TMA_STORE``)."""
+    (``grouped_gemm.TMA_STORE``); the row-major ``b`` on the Hopper kernel
+    (``grouped_gemm.HOPPER_ROW_MAJOR_B``), which the test checks was the kernel run."""
     torch = pytest.importorskip("torch")
+    from tilepy.ops import gemm_kmajor_wgmma as kw
     from tilepy.ops import grouped_gemm as gg
 
     monkeypatch.setattr(gg, "TMA_STORE", tma_store)
+    monkeypatch.setattr(gg, "HOPPER_ROW_MAJOR_B", True)
+    generated = []
+    make = kw.kmajor_gemm_kernel
+
+    def recording(*args, **kw_args):
+        generated.append(kw_args.get("b_row_major", False))
+        return make(*args, **kw_args)
+
+    monkeypatch.setattr(kw, "kmajor_gemm_kernel", recording)
     g = torch.Generator().manual_seed(0)
     sizes = torch.tensor([700, 0, 1300, 5, 1, 0, 1090, 1000])
     ends = torch.cumsum(sizes, 0).int().cuda()
@@ -256,6 +268,8 @@ def test_gpu_experts_against_torch(monkeypatch, tma_store, b_row_major):
     else:
         w.requires_grad_()
         y = tilepy.grouped_gemm(a, w.mT, ends)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert generated and generated[0] == b_row_major, generated
     dy = torch.randn_like(y)
     y.backward(dy)
     bounds = [0] + ends.tolist()

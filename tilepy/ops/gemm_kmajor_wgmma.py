@@ -20,7 +20,8 @@ rows ``i`` of group ``g`` (``offsets`` (E,) int32: the groups' cumulative row en
 into ``previous end … M``; ``b`` (E, N, K), or (E, K, N) with ``b_row_major``) — read
 through their tensor maps in ``maps``
 (uint8: A's map at byte 0, B's at :data:`MAP_B`; 128-byte swizzle, boxes of ``block_m`` /
-``block_n`` rows × 128 bytes of k; grouped, B's map is 3-D with the group outermost). ``a``
+``block_n`` rows × 128 bytes of k — a row-major B's of 64 k rows × 128 bytes of n; grouped,
+B's map is 3-D with the group outermost). ``a``
 and ``b`` themselves (uint8 / uint16 views) are not read: their pointers tell a launch plan
 which maps to pass (:func:`plan`). ``out`` (M, N) float32, or uint16 bits of ``out_kind``
 (float16 / bfloat16); ``scale_a`` float32 (M,) with ``row_scale`` else (1,), ``scale_b``

@@ -36,6 +36,12 @@ from .gemm_wgmma_ws import tma_storable
 #: caller (``KMajorConfig(tma_store=...)``) chooses for itself.
 TMA_STORE = True
 
+#: Whether the built-in choice runs a row-major ``b`` (E, K, N) on the Hopper kernel (its B
+#: tiles MN-major) — off until a GPU run has passed its test (the simulator and the offline
+#: compile have); ``KMajorConfig`` passed as ``config`` runs it either way. Off, such a
+#: ``b`` runs on the mma.sync kernel.
+HOPPER_ROW_MAJOR_B = False
+
 
 def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     """``out[offsets[g-1]:offsets[g]] = a[offsets[g-1]:offsets[g]] @ b[g]`` for every group
@@ -56,8 +62,8 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     * ``config``: a :class:`tilepy.tile.GemmConfig` (the mma.sync kernel) or a
       :class:`tilepy.ops.gemm_kmajor_wgmma.KMajorConfig` (the Hopper kernel; ``b`` K-major or
       row-major, 16-byte aligned rows); by default on sm_90 the Hopper kernel's 128 × 256
-      tiles where it can read ``b``, else the config ``tilepy.gemm``'s heuristic picks for the
-      average group.
+      tiles where ``b`` is K-major (row-major too with :data:`HOPPER_ROW_MAJOR_B`), else the
+      config ``tilepy.gemm``'s heuristic picks for the average group.
 
     CuPy arrays, PyTorch tensors (the ``torch.ops.tilepy.grouped_gemm`` operator, with
     autograd), Numba device arrays (NumPy arrays in the simulator); errors are raised before
@@ -66,7 +72,8 @@ def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):
     (:mod:`tilepy.launch`; offsets still checked when ``check_offsets``).
     """
     fps = [arrays.fingerprint(x) for x in (a, b, offsets, out)]
-    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), config, TMA_STORE))
+    cached, key = _PLANS.lookup((tuple(f for f, _ in fps), config, TMA_STORE,
+                                 HOPPER_ROW_MAJOR_B))
     if cached is not None:
         bound, stream, alloc, m, device = cached
         ptrs = [p for _, p in fps]
@@ -97,8 +104,8 @@ def _grouped_gemm(a, b, offsets, out, check_offsets, config, key):
                              "row-major (E, N, K)), and 16-byte aligned starts and rows (row "
                              "strides multiples of 8 elements)")
         built_in = config is None
-        if built_in and b_layout is not None and not arrays.SIMULATOR and \
-                launch.is_hopper(device):
+        if built_in and (b_layout == "k" or b_layout == "row" and HOPPER_ROW_MAJOR_B) and \
+                not arrays.SIMULATOR and launch.is_hopper(device):
             hopper, config = True, kw.KMajorConfig()
         cfg = config if config is not None else gm.choose_config(max(m // max(e, 1), 1), n, k,
                                                                  e, A.dtype)
