@@ -61,6 +61,26 @@ def main(argv=None):
     out = torch.empty(64, 64, device="cuda", dtype=torch.float16)
     x = torch.randn(64, 256, device="cuda", dtype=torch.float16)
     q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+    # four groups of 16 rows (offsets unchecked: no host synchronisation), b K-major as
+    # torch._grouped_mm takes it
+    ga = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    gw = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
+    # one decoding step over a small cache (host cost: the GPU work is a few µs), split in
+    # four (the decoding kernel and the combine kernel, two launches)
+    kq = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn_like(kc)
+    lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
+    kout = torch.empty_like(kq)
+    # the tilepy calls that are timed and can be profiled (--profile)
+    calls = {
+        "gemm": lambda: tilepy.gemm(a, b),
+        "attention": lambda: tilepy.flash_attention(q, q, q),
+        "grouped": lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False),
+        "kvcache": lambda: tilepy.flash_attention_with_kvcache(
+            kq, kc, kv, lens, out=kout, num_splits=4, check_seqlens=False),
+    }
     add("torch.matmul 64x64x64 f16", lambda: torch.matmul(a, b), True)
     add("torch.softmax 64x256 f16", lambda: torch.softmax(x, -1), True)
     add("torch SDPA 1x2x64x64 f16",
@@ -73,39 +93,19 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001
         print("cupy unavailable:", e)
         ca = cb = None
-    add("tilepy.gemm 64x64x64 f16 (torch)", lambda: tilepy.gemm(a, b))
+    add("tilepy.gemm 64x64x64 f16 (torch)", calls["gemm"])
     add("tilepy.gemm 64x64x64 f16 (torch, out=)", lambda: tilepy.gemm(a, b, out=out))
     if ca is not None:
         add("tilepy.gemm 64x64x64 f16 (cupy)", lambda: tilepy.gemm(ca, cb))
     add("tilepy.softmax 64x256 f16 (torch)", lambda: tilepy.softmax(x))
-    add("tilepy.flash_attention 1x2x64x64 f16 (torch)", lambda: tilepy.flash_attention(q, q, q))
+    add("tilepy.flash_attention 1x2x64x64 f16 (torch)", calls["attention"])
 
     add("tilepy.gemm_softmax 64x64x64 f16 (torch)", lambda: tilepy.gemm_softmax(a, b))
-    # four groups of 16 rows (offsets unchecked: no host synchronisation), b K-major as
-    # torch._grouped_mm takes it; beside it, the peer where this PyTorch has it
-    ga = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
-    gw = torch.randn(4, 64, 64, device="cuda", dtype=torch.bfloat16)
-    ends = torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32)
-    add("tilepy.grouped_gemm 4 x 16x64x64 bf16 (torch)",
-        lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False))
+    add("tilepy.grouped_gemm 4 x 16x64x64 bf16 (torch)", calls["grouped"])
     if hasattr(torch, "_grouped_mm"):
         add("torch._grouped_mm 4 x 16x64x64 bf16", lambda: torch._grouped_mm(ga, gw.mT,
                                                                              offs=ends), True)
     add("tilepy.log_softmax 64x256 f16 (torch)", lambda: tilepy.log_softmax(x))
-    # one decoding step over a small cache (host cost: the GPU work is a few µs), split in
-    # four (the decoding kernel and the combine kernel, two launches) and unsplit
-    kq = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kc = torch.randn(1, 256, 8, 128, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn_like(kc)
-    lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
-    kout = torch.empty_like(kq)
-    calls = {
-        "gemm": lambda: tilepy.gemm(a, b),
-        "attention": lambda: tilepy.flash_attention(q, q, q),
-        "grouped": lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False),
-        "kvcache": lambda: tilepy.flash_attention_with_kvcache(
-            kq, kc, kv, lens, out=kout, num_splits=4, check_seqlens=False),
-    }
     add("tilepy.flash_attention_with_kvcache B1 256 keys 4 splits (torch, out=)",
         calls["kvcache"])
     add("tilepy.flash_attention_with_kvcache B1 256 keys 1 split (torch, out=)",

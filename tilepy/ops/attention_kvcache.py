@@ -73,8 +73,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
       (:func:`tilepy.ops.attention_decode_mma_sync.choose_splits`): the fewest within 2 % of
       the least modelled time of the waves of blocks over the SMs, each as long as its
       longest run (runs differ by at most one key block), each run at least 4 key blocks
-      long, a multiple of the config's
-      ``warps``; a given count is rounded up to such a multiple. The results agree to
+      long, a multiple of the config's ``warps``; a given count is rounded up to such a
+      multiple. The results agree to
       rounding whatever the value.
     * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
       blocks, three stages: :func:`choose_config`), or an

@@ -352,12 +352,12 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                         full = ring.commit(bars, s, STAGE)
                         stage = base + STAGES + s * STAGE
                         load_a.load_2d(stage, ta, full, kt * BKE, bm0)
-                        if GROUPED and B_ROW:
-                            load_b.load_3d(stage + A_BYTES, tb, full, bn0, kt * BKE, g)
-                        elif GROUPED:
-                            load_b.load_3d(stage + A_BYTES, tb, full, kt * BKE, bn0, g)
+                        # B's box origin (x along the contiguous axis): n, k row-major
+                        bx, by = (bn0, kt * BKE) if B_ROW else (kt * BKE, bn0)
+                        if GROUPED:
+                            load_b.load_3d(stage + A_BYTES, tb, full, bx, by, g)
                         else:
-                            load_b.load_2d(stage + A_BYTES, tb, full, kt * BKE, bn0)
+                            load_b.load_2d(stage + A_BYTES, tb, full, bx, by)
                         s, ph = ring.advance(s, ph)
         else:
             roles.enter_consumer()
