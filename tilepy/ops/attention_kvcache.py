@@ -110,8 +110,8 @@ _PLANS = launch.PlanCache()
 #: Programmatic dependent launch of the split path's combine kernel (sm_90): launched with
 #: programmatic stream serialisation, it may begin while the decoding kernel finishes (whose
 #: warps let it, their key loops done) and waits for that kernel's results before reading
-#: them — the launch gap between the two overlapped (on an H100: 1–5 % less GPU time at caches
-#: up to 134 MB, no change on larger ones). False launches the two in plain stream order.
+#: them — the launch gap between the two overlapped. False launches the two in plain stream
+#: order (the same results, bit for bit).
 PDL = True
 
 
