@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s35a    the grouped GEMM with a row-major b on the Hopper kernel by default (the
+#                benchmark's "b row-major"), the host-cost profiles s34b lost, then s28c's
+#                Nsight Compute of the FP8 GEMM and the FP8 attention
 #   PART=s34b    what session 34 left: the host cost per call with cProfiles of the decoding,
 #                attention and grouped calls (where their as-called time goes), the
 #                decoding benchmark at q1 and q4 after the split rule; the grouped GEMM with a
@@ -343,6 +346,17 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s35a "* ]]; then
+    bench_suite bench_grouped 60 "test_grouped_gemm"
+    step overhead 90 "$PY" bench/overhead.py --calls 1000 --profile kvcache attention grouped
+    # (s34b's overhead.log did not come back: the profiles also go to a plain ASCII file)
+    LC_ALL=C tr -cd '\11\12\40-\176' < "$OUT/overhead.log" | cut -c1-160 \
+        > "$OUT/overhead_profile.txt"
+    rm -f "$OUT/overhead.log"
+    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8 200 \
+        bash bench/profile_attention.sh "$OUT" --configs 256x4p,256x4pt
+    step ncu_attention_fp8 200 bash bench/profile_attention.sh "$OUT" --fp8 --head-dims 128
 fi
 if [[ " $PART " == *" s34b "* ]]; then
     step overhead 120 "$PY" bench/overhead.py --json "$OUT/overhead.json" \

@@ -128,15 +128,24 @@ def test_edges():
 
 
 @pytest.mark.sim
-def test_v_transpose_orders_the_keys():
+@pytest.mark.parametrize("s,d,offset,words", [(37, 24, 0, True), (150, 80, 0, True),
+                                              (37, 24, 1, False)])
+def test_v_transpose_orders_the_keys(s, d, offset, words):
     """Vᵀ's last axis holds the keys in FP8_KEY_ORDER per 16, zeros past seq_k; a strided
-    (bshd) V read in place."""
+    (bshd) V read in place. By words (:func:`tilepy.tile.transpose.transpose_words_kernel`;
+    150 keys × 80 columns: tiles cut in both axes), and by bytes where V's data is not 4-byte
+    aligned (``offset``)."""
+    from tilepy.tile import transpose as TR
+
     rng = np.random.default_rng()
-    v = rng.integers(1, 255, (2, 37, 3, 24), dtype=np.uint8)       # (b, s, h, d), no zeros
+    v = rng.integers(1, 255, (2, s, 3, d + offset), dtype=np.uint8)[..., offset:]   # no 0
     view = v.transpose(0, 2, 1, 3)                                  # (b, h, s, d)
-    vt = np.full((2, 3, 24, 48), 255, np.uint8)
+    r16 = -(-s // 16) * 16
+    vt = np.full((2, 3, d, r16), 255, np.uint8)
+    plan, _ = TR.launch_plan(view, vt, key_order=True)
+    assert (plan.dispatcher is TR.transpose_words_kernel(True)) == words
     af.transpose_v(view, vt, 0)
-    keys = reference_rows(48, 37)
+    keys = reference_rows(r16, s)
     want = np.where(keys >= 0, view[:, :, np.maximum(keys, 0), :].transpose(0, 1, 3, 2), 0)
     np.testing.assert_array_equal(vt, want)
 
@@ -212,14 +221,15 @@ def test_gpu_against_float32(d, causal, hk):
 
 @pytest.mark.compile
 def test_transpose_compiles_for_sm90():
-    """The byte transpose (V's with the key order, the FP8 GEMM's plain one): no spill, no
-    local memory."""
+    """The byte and word transposes (V's with the key order, the FP8 GEMM's plain one): no
+    spill, no local memory."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_fp8:compile_reports")
-    assert set(reps) == {"transpose_bytes_key_order", "transpose_bytes"}
+    assert set(reps) == {f"transpose_{unit}{order}" for unit in ("bytes", "words")
+                         for order in ("_key_order", "")}
     for rep in reps.values():
         assert "error" not in rep, rep.get("error")
         assert rep["spill_stores"] == 0 and rep["local_bytes"] == 0, rep

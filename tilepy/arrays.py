@@ -201,6 +201,31 @@ def restride(view, shape, strides):
                          gpu_data=view.gpu_data)
 
 
+def word_view(view):
+    """A uint8 kernel view (NumPy, the simulator's or a Numba device array) read as uint32
+    words — the last axis a quarter as long, the other strides kept — or None where it cannot
+    be: the last axis not contiguous or not a multiple of 4 long, another stride or the data
+    pointer not a multiple of 4 bytes."""
+    ary = getattr(view, "_ary", view)       # (the simulator's device array wraps NumPy)
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    if not shape or (shape[-1] > 1 and strides[-1] != 1) or shape[-1] % 4 or \
+            any(st % 4 for st in strides[:-1]):
+        return None
+    words = shape[:-1] + (shape[-1] // 4,)
+    wstrides = strides[:-1] + (4,)
+    if isinstance(ary, np.ndarray):
+        if ary.ctypes.data % 4:
+            return None
+        out = ary.view(np.uint32)     # (NumPy: only the last axis need be contiguous)
+        return device_view(out) if ary is not view else out
+    if int(ary.device_ctypes_pointer.value or 0) % 4:
+        return None
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    return DeviceNDArray(shape=words, strides=wstrides, dtype=np.dtype(np.uint32),
+                         stream=ary.stream, gpu_data=ary.gpu_data)
+
+
 def raw_view(op: Operand, *, hook: bool = False):
     """The operand's data as a NumPy (simulator) or Numba device array, 16-bit float types as
     uint16 bits (with ``hook``, float16 as float16: a score hook's argument), 8-bit floats as

@@ -3,8 +3,8 @@
 ``softmax(scale · (q · dq) (k · dk)ᵀ) · (v · dv)`` with the descales ``dq``, ``dk``, ``dv``
 float32 per tensor or per (batch, K/V head), out in bfloat16. Two launches:
 
-1. V's transpose (:func:`tilepy.tile.transpose.transpose_bytes_kernel`): Vᵀ (batch, heads_kv, head_dim_v, keys rounded
-   up to 16) uint8, each 16 keys in the order of
+1. V's transpose (:mod:`tilepy.tile.transpose`, by 4-byte words where V's data allows):
+   Vᵀ (batch, heads_kv, head_dim_v, keys rounded up to 16) uint8, each 16 keys in the order of
    :data:`tilepy.ops.attention_wgmma.FP8_KEY_ORDER`, keys past seq_k zero. The 8-bit P·V
    wgmma takes its B operand K-major only; with the keys in that order the S accumulators,
    rounded to e4m3, are P's A registers as they stand (no shuffle in the kernel). It reads and
@@ -277,15 +277,20 @@ def transpose_v(v, vt, stream):
 
 
 def compile_reports():
-    """Offline sm_90a reports of the byte transpose (V's, with the key order; and the plain
-    one the FP8 GEMM uses for a b that is not K-major)."""
+    """Offline sm_90a reports of the byte and word transposes (V's, with the key order; and
+    the plain ones the FP8 GEMM uses for a b that is not K-major)."""
     from numba import types
 
     from ..offline import report_entry
 
-    u8 = types.Array(types.uint8, 4, "A")
-    threads = TR.BLOCK[0] * TR.BLOCK[1]
-    return [report_entry(f"transpose_bytes{'_key_order' if order else ''}",
-                         lambda order=order: TR.transpose_bytes_kernel(order), (u8, u8),
-                         (9, 0), threads=threads)
-            for order in (True, False)]
+    reps = []
+    for unit, dtype, make, block in (("bytes", types.uint8, TR.transpose_bytes_kernel,
+                                      TR.BLOCK),
+                                     ("words", types.uint32, TR.transpose_words_kernel,
+                                      TR.WBLOCK)):
+        ty = types.Array(dtype, 4, "A")
+        reps += [report_entry(f"transpose_{unit}{'_key_order' if order else ''}",
+                              lambda order=order, make=make: make(order), (ty, ty), (9, 0),
+                              threads=block[0] * block[1])
+                 for order in (True, False)]
+    return reps

@@ -37,10 +37,9 @@ from .gemm_wgmma_ws import tma_storable
 TMA_STORE = True
 
 #: Whether the built-in choice runs a row-major ``b`` (E, K, N) on the Hopper kernel (its B
-#: tiles MN-major) — off until a GPU run has passed its test (the simulator and the offline
-#: compile have); ``KMajorConfig`` passed as ``config`` runs it either way. Off, such a
+#: tiles MN-major); ``KMajorConfig`` passed as ``config`` runs it either way. Off, such a
 #: ``b`` runs on the mma.sync kernel.
-HOPPER_ROW_MAJOR_B = False
+HOPPER_ROW_MAJOR_B = True
 
 
 def grouped_gemm(a, b, offsets, *, out=None, check_offsets=True, config=None):

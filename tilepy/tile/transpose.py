@@ -12,6 +12,13 @@ Grid :func:`grid` (tiles of :data:`ROWS` rows × :data:`COLS` columns, H, B), bl
 shared memory, then written as COLS rows of ``dst`` (a warp writes 32 consecutive bytes): every
 global access a whole 32-byte sector. Bytes only, so the 1-byte formats (e4m3, e5m2) and any
 alignment go through it.
+
+``transpose_words_kernel(key_order)`` does the same on the arrays read as uint32 words
+(``src`` (B, H, R, C/4), ``dst`` (B, H, C, R'/4): C and R' multiples of 4, the last axes
+contiguous, every other stride and both data pointers multiples of 4 bytes): tiles of
+:data:`WROWS` × :data:`WCOLS` bytes, block :data:`WBLOCK`, each thread loading and storing
+whole words and moving their bytes in registers (a quarter of the byte kernel's global
+accesses and index arithmetic). :func:`launch_plan` takes it wherever the views allow.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import functools
 
 from numba import cuda, types
 
+from .. import arrays
 from ..kcache import cached_jit
 from ..launch import LaunchPlan
 
@@ -70,17 +78,82 @@ def transpose_bytes_kernel(key_order: bool = False):
     return kernel
 
 
+#: The word kernel: a tile of WROWS rows of ``src`` × WCOLS bytes, threads (WTX, WTY) with WTX
+#: the words of a tile row (WTX · 4 = WCOLS = WROWS).
+WROWS = WCOLS = 64
+WTX, WTY = 16, 16
+WBLOCK = (WTX, WTY)
+WPITCH = WTX + 1    # shared tile row words (+1: fewer bank conflicts)
+
+
+@functools.cache
+def transpose_words_kernel(key_order: bool = False):
+    """The word kernel of the module docstring, generated once per ``key_order``."""
+    ORDER = bool(key_order)
+
+    @cached_jit
+    def kernel(src, dst):
+        b = cuda.blockIdx.z
+        h = cuda.blockIdx.y
+        rows = src.shape[2]
+        wcols = src.shape[3]
+        cols = dst.shape[2]
+        out_words = dst.shape[3]
+        col_tiles = (cols + WCOLS - 1) // WCOLS
+        r0 = (cuda.blockIdx.x // col_tiles) * WROWS
+        c0 = (cuda.blockIdx.x % col_tiles) * WCOLS
+        tx = cuda.threadIdx.x
+        ty = cuda.threadIdx.y
+        tile = cuda.shared.array((WROWS, WPITCH), types.uint32)
+        w = c0 // 4 + tx
+        for r in range(ty, WROWS, WTY):
+            row = r0 + r
+            tile[r, tx] = src[b, h, row, w] if row < rows and w < wcols else types.uint32(0)
+        cuda.syncthreads()
+        # the output word tx of a tile row holds src rows base + (0, 1, 2, 3), or in the key
+        # order (KEY_ORDER) base + (0, 1, 8, 9) with base 16 (tx // 4) + 2 (tx % 4)
+        if ORDER:
+            base = 16 * (tx // 4) + 2 * (tx % 4)
+            ra, rb, rc, rd = base, base + 1, base + 8, base + 9
+        else:
+            ra, rb, rc, rd = 4 * tx, 4 * tx + 1, 4 * tx + 2, 4 * tx + 3
+        ow = r0 // 4 + tx
+        for cc in range(ty, WCOLS, WTY):
+            if c0 + cc < cols and ow < out_words:
+                sw = cc // 4
+                sh = types.uint32(8 * (cc % 4))
+                m = types.uint32(0xFF)
+                dst[b, h, c0 + cc, ow] = ((tile[ra, sw] >> sh) & m) | \
+                    (((tile[rb, sw] >> sh) & m) << types.uint32(8)) | \
+                    (((tile[rc, sw] >> sh) & m) << types.uint32(16)) | \
+                    (((tile[rd, sw] >> sh) & m) << types.uint32(24))
+
+    return kernel
+
+
 def grid(dst_shape) -> tuple:
     """The launch grid for ``dst`` of shape (B, H, C, R')."""
     bsz, heads, cols, out_rows = dst_shape
     return (-(-out_rows // ROWS) * -(-cols // COLS), heads, bsz)
 
 
+def words_grid(dst_shape) -> tuple:
+    """The word kernel's launch grid for ``dst`` of byte shape (B, H, C, R')."""
+    bsz, heads, cols, out_rows = dst_shape
+    return (-(-out_rows // WROWS) * -(-cols // WCOLS), heads, bsz)
+
+
 def launch_plan(src, dst, key_order: bool = False):
-    """``(plan, args)`` of :func:`transpose_bytes_kernel` from ``src`` into ``dst`` (views as
-    the module docstring says); ``(None, None)`` when ``dst`` is empty."""
+    """``(plan, args)`` of :func:`transpose_words_kernel` from ``src`` into ``dst`` (views as
+    the module docstring says) where both read as words (:func:`tilepy.arrays.word_view`),
+    else of :func:`transpose_bytes_kernel`; ``(None, None)`` when ``dst`` is empty."""
     if not all(dst.shape):
         return None, None
+    ws, wd = arrays.word_view(src), arrays.word_view(dst)
+    if ws is not None and wd is not None:
+        args = (ws, wd)
+        return LaunchPlan(transpose_words_kernel(key_order), args, words_grid(dst.shape),
+                          WBLOCK, 0), args
     args = (src, dst)
     return LaunchPlan(transpose_bytes_kernel(key_order), args, grid(dst.shape), BLOCK,
                       0), args
