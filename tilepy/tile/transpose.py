@@ -40,6 +40,14 @@ PITCH = COLS + 1    # shared tile row bytes (+1: fewer bank conflicts)
 KEY_ORDER = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
 
 
+@cuda.jit(device=True, inline=True)
+def tile_origin(cols, tile_rows, tile_cols):
+    """``(r0, c0)``: the first ``src`` row and column of this block's tile (blockIdx.x row
+    tile-major over ``cols`` columns)."""
+    col_tiles = (cols + tile_cols - 1) // tile_cols
+    return (cuda.blockIdx.x // col_tiles) * tile_rows, (cuda.blockIdx.x % col_tiles) * tile_cols
+
+
 @functools.cache
 def transpose_bytes_kernel(key_order: bool = False):
     """The kernel of the module docstring, generated once per ``key_order``."""
@@ -52,9 +60,7 @@ def transpose_bytes_kernel(key_order: bool = False):
         rows = src.shape[2]
         cols = dst.shape[2]
         out_rows = dst.shape[3]
-        col_tiles = (cols + COLS - 1) // COLS
-        r0 = (cuda.blockIdx.x // col_tiles) * ROWS
-        c0 = (cuda.blockIdx.x % col_tiles) * COLS
+        r0, c0 = tile_origin(cols, ROWS, COLS)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tile = cuda.shared.array((ROWS, PITCH), types.uint8)
@@ -99,9 +105,7 @@ def transpose_words_kernel(key_order: bool = False):
         wcols = src.shape[3]
         cols = dst.shape[2]
         out_words = dst.shape[3]
-        col_tiles = (cols + WCOLS - 1) // WCOLS
-        r0 = (cuda.blockIdx.x // col_tiles) * WROWS
-        c0 = (cuda.blockIdx.x % col_tiles) * WCOLS
+        r0, c0 = tile_origin(cols, WROWS, WCOLS)
         tx = cuda.threadIdx.x
         ty = cuda.threadIdx.y
         tile = cuda.shared.array((WROWS, WPITCH), types.uint32)
