@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s35b    the FP8 attention after V's transpose by words (GPU tests, the benchmark against
+#                bf16), the decoding kernel traced at q1 and q4 (B8 S4096, paged-16 B64 S4096:
+#                why q4 runs 20 % slower), the host-cost profiles, Nsight of the FP8 GEMM
 #   PART=s35a    the grouped GEMM with a row-major b on the Hopper kernel by default (the
 #                benchmark's "b row-major"), the host-cost profiles s34b lost, then s28c's
 #                Nsight Compute of the FP8 GEMM and the FP8 attention
@@ -346,6 +349,23 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s35b "* ]]; then
+    # (at most 8 files come back from $OUT: the Nsight files and the step logs go in archives)
+    gpu_tests attention_fp8_gpu 100 tests/test_ops_attention_fp8.py
+    bench_suite bench_attention_fp8 150 "test_flash_attention_fp8"
+    step trace_decode 120 "$PY" bench/trace_decode.py --json "$OUT/trace_decode.json" \
+        --shapes 8:4096:0:1,8:4096:0:4,64:4096:16:1,64:4096:16:4
+    step overhead 90 "$PY" bench/overhead.py --calls 1000 --profile kvcache attention grouped
+    LC_ALL=C tr -cd '\11\12\40-\176' < "$OUT/overhead.log" | cut -c1-160 \
+        > "$OUT/overhead_profile.txt"
+    mkdir -p "$OUT/ncu"
+    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8_step 200 \
+        bash bench/profile_attention.sh "$OUT/ncu" --configs 256x4p,256x4pt
+    mv "$OUT/ncu_gemm_fp8_step.log" "$OUT/ncu/"
+    rm -f "$OUT"/ncu/*.ncu-rep
+    tar czf "$OUT/ncu_gemm_fp8.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
 fi
 if [[ " $PART " == *" s35a "* ]]; then
     bench_suite bench_grouped 60 "test_grouped_gemm"

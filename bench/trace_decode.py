@@ -5,9 +5,10 @@ bandwidth): ``flash_attention_with_kvcache``'s launches for each shape built by
 back to back, beside the op in a CUDA graph and a device copy of the same bytes in the same
 run.
 
-    python bench/trace_decode.py [--shapes B:S[:page],...] [--json FILE]
+    python bench/trace_decode.py [--shapes B:S[:page[:seq_q]],...] [--json FILE]
 
-Per shape (bf16, 32 query heads over 8 KV heads, head_dim 128, seq_q 1, every cache full):
+Per shape (bf16, 32 query heads over 8 KV heads, head_dim 128, seq_q 1 unless given — page 0
+is the contiguous cache —, every cache full):
 event µs of the decoding kernel (untraced / traced), of the combine kernel, of both back to
 back, graph-replay µs per call of the op and of the copy; and from the trace (global timer,
 µs): the start spread (the last warp's entry after the first's), entry → Q landed → first key
@@ -56,13 +57,14 @@ def main():
     from tilepy.ops.attention_kvcache import decode_launches
     from tilepy.tile import trace as TR
 
-    hq, hk, d, sq = 32, 8, 128, 1
+    hq, hk, d = 32, 8, 128
     tdt = torch.bfloat16
     rows = []
     for shape in args.shapes.split(","):
         parts = [int(x) for x in shape.split(":")]
         b, s = parts[:2]
-        page = parts[2] if len(parts) > 2 else None
+        page = parts[2] if len(parts) > 2 and parts[2] else None
+        sq = parts[3] if len(parts) > 3 else 1
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=tdt)
         lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
         table = None
@@ -111,13 +113,14 @@ def main():
             summaries.append(TR.summary(trace.copy_to_host(), dec.TRACE_MARKS, PHASES,
                                         {"key_blocks": dec.TRACE_MARKS["key_blocks"]}))
         mid = sorted(summaries, key=lambda x: x["span_us"])[len(summaries) // 2]
-        row = {"batch": b, "seq": s, "page": page, "mb": nbytes / 1e6, "config": cfg.describe(),
+        row = {"batch": b, "seq": s, "page": page, "seq_q": sq, "mb": nbytes / 1e6,
+               "config": cfg.describe(),
                "splits": splits, "grid": list(g), "warps": warps, "same_as_op": same,
                "decode_us": t_dec, "decode_traced_us": t_dec_traced, "combine_us": t_comb,
                "both_us": t_both, "op_graph_us": op_us, "copy_graph_us": copy_us,
                "ratio_to_copy": copy_us / op_us, "median_run": mid}
         rows.append(row)
-        print(f"\nB{b} S{s} page {page} ({nbytes / 1e6:.0f} MB)  {cfg.describe()}  splits "
+        print(f"\nB{b} S{s} page {page} seq_q {sq} ({nbytes / 1e6:.0f} MB)  {cfg.describe()}  splits "
               f"{splits}, grid {g}, {warps} warps; outputs equal to the op's: {same}")
         print(f"  events: decode {t_dec:.1f} us (traced {t_dec_traced:.1f}), combine "
               f"{t_comb:.1f}, both {t_both:.1f}; graph per call: op {op_us:.1f} us, copy "
