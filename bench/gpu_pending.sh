@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s35c    the decoding combine kernel with a warp (or a few) a row, not a block (issue 26:
+#                s35b's trace put q4's loss there): KV-cache GPU tests, the decoding
+#                benchmark at every shape, the trace again
 #   PART=s35b    the FP8 attention after V's transpose by words (GPU tests, the benchmark against
 #                bf16), the decoding kernel traced at q1 and q4 (B8 S4096, paged-16 B64 S4096:
 #                why q4 runs 20 % slower), the host-cost profiles, Nsight of the FP8 GEMM
@@ -349,6 +352,12 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s35c "* ]]; then
+    gpu_tests kvcache_gpu 100 tests/test_ops_attention_kvcache.py
+    bench_suite bench_attention_kvcache 160 "test_flash_attention_with_kvcache"
+    step trace_decode 120 "$PY" bench/trace_decode.py --json "$OUT/trace_decode.json" \
+        --shapes 8:4096:0:1,8:4096:0:4,64:4096:16:1,64:4096:16:4,1:131072:0:1
 fi
 if [[ " $PART " == *" s35b "* ]]; then
     # (at most 8 files come back from $OUT: the Nsight files and the step logs go in archives)

@@ -249,7 +249,8 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
 def test_decoding_kernels_compile_without_spills():
     """The decoding kernel (the default 32-key config split and paged, also letting a
     dependent launch begin; four warps a block, also traced; 64-key blocks whole and
-    contiguous) and the combine kernel (also waiting for the kernel ahead), offline for sm_90:
+    contiguous) and the combine kernel (also waiting for the kernel ahead; one and four warps a
+    row), offline for sm_90:
     per
     key block
     (head_dim 128) BN mma for Q·Kᵀ and BN for P·V, no local memory, no float64."""
@@ -258,7 +259,7 @@ def test_decoding_kernels_compile_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
-    assert len(reports) == 7
+    assert len(reports) == 8
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         # programmatic dependent launch: the trigger / the wait only where generated
@@ -279,6 +280,41 @@ def test_decoding_kernels_compile_without_spills():
         assert rep["f64"] == 0, "64-bit float arithmetic in the kernel"
         assert 0 < rep["registers"] <= 255
         print(f"{name}: {rep['registers']} registers, {rep['config']}")
+
+@sim
+@pytest.mark.parametrize("n,ways,d", [(5, 1, 80), (6, 2, 40), (41, 2, 80)])
+def test_combine_kernel_against_float64(n, ways, d):
+    """The combine kernel alone: ``n`` partials merged by ``ways`` warps a row (one split
+    step left over where the count is odd; rows past the last in the block's second row
+    slot), against float64 — a split that saw no key (-inf), a row no split saw (zeros, LSE
+    -inf); every output element written (poisoned first)."""
+    from tilepy.arrays import device_view
+    from tilepy.ops import attention_decode_mma_sync as dec
+
+    rng = np.random.default_rng()
+    b, hk, sq, g = 2, 2, 1, 3
+    parts = rng.standard_normal((n, b, hk, sq, g, d)).astype(np.float32)
+    plse = (rng.standard_normal((n, b, hk, g, sq)) * 3).astype(np.float32)
+    plse[1, 0, 0] = -np.inf                 # a split that saw no key, for (b 0, hk 0)
+    plse[:, 1, 1, 2, 0] = -np.inf           # (b 1, hk 1, g 2): no key at all
+    o = np.full((b, hk, sq, g, d), 0x7FC1, np.uint16)      # a NaN's bits
+    lse = np.full((b, hk, g, sq), np.nan, np.float32)
+    kern = dec.combine_kernel(d, "bfloat16", True, ways=ways)
+    kern[dec.combine_grid(sq, g, hk, b, ways), dec.combine_threads()](
+        *(device_view(x) for x in (parts, plse, o, lse)))
+    top = plse.max(0).astype(np.float64)
+    safe = np.where(np.isfinite(top), top, 0)
+    tot = safe + np.log(np.exp(plse - safe).sum(0))              # (b, hk, g, sq)
+    with np.errstate(invalid="ignore"):     # (-inf - -inf: the row with no key, NaN -> 0)
+        w = np.exp(plse - tot)                                    # (n, b, hk, g, sq)
+    want = np.einsum("sbhgi,sbhigd->bhigd", np.nan_to_num(w), parts.astype(np.float64))
+    got = (o.astype(np.uint32) << 16).view(np.float32)
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max()
+    assert (got[1, 1, 0, 2] == 0).all() and lse[1, 1, 2, 0] == -np.inf
+    live = np.isfinite(tot)
+    assert np.abs(lse[live] - tot[live]).max() < 1e-4 and live.sum() == lse.size - 1
+
 
 @gpu
 @pytest.mark.parametrize("page,pdl", [(None, False), (16, False), (256, False), (None, True)],

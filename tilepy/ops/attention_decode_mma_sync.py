@@ -63,7 +63,7 @@ from ..tile.copy import (copy_grouped_rows_to_shared, copy_rows_to_shared, load_
                          load_b_fragments)
 from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
-from ..tile.reduce import block_row_reduce
+from ..tile.reduce import warp_reduce
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.trace import SCRATCH_BYTES
 from ..tile.trace import WIDTH as TRACE_WIDTH
@@ -439,107 +439,154 @@ MAX_COMBINE_SPLITS = 1024
 
 
 @functools.cache
-def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False):
+def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
+                   ways: int = 1):
     """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
     (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
     ``part_lse`` (S, B, Hkv, G, Sq) float32, S at most :data:`MAX_COMBINE_SPLITS` — into ``o``
     (B, Hkv, Sq, G, D) uint16 bits of ``dtype``: ``o = Σ_s exp(lse_s - lse) · parts_s`` with
     ``lse = log Σ_s exp(lse_s)`` (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32
-    (-inf, and a zero row, where no split saw a key). Grid (Sq · G, Hkv, B),
-    :func:`combine_threads` threads: the block's threads share the LSE reductions (one split
-    each per step) and put the weights in shared memory; then :func:`combine_ways` groups of
-    threads, each thread two columns, sum every ``ways``-th split, and the groups' sums are
-    added in shared memory (in a fixed order: the same bits every run). Every load of a pass
-    is independent of the others, so a long split list costs latency once, not per split.
+    (-inf, and a zero row, where no split saw a key).
+
+    Grid :func:`combine_grid`, :data:`COMBINE_WARPS` warps a block: ``ways`` warps a packed
+    row (``r = i · G + g``; ``COMBINE_WARPS / ways`` rows a block). Each warp of a row reduces
+    the row's LSE over the splits (lanes over the splits, warp shuffles), the row's first warp
+    puts the weights in shared memory; then each warp sums every ``ways``-th split (two splits
+    a step: their loads in flight together), each lane two columns of every 64, and the
+    row's other warps' sums are added to the first's in shared memory in a fixed order (the
+    same bits every run). :func:`combine_ways` picks ``ways`` from the split count: one warp a
+    row keeps many rows in flight where splits are few, several share a long split list.
     ``wait``: the kernel first waits for the kernel ahead of it in the stream
     (:func:`tilepy.ptx.griddep.griddepcontrol_wait`) — for a launch with programmatic stream
     serialisation (``LaunchPlan(..., dependent=True)``), which may begin before the split
     kernel has finished."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
+    if ways not in (1, 2, 4) or ways > COMBINE_WARPS:
+        raise ValueError(f"combine_kernel: ways must be 1, 2 or 4 and at most "
+                         f"{COMBINE_WARPS}, got {ways!r}")
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
-    HALF = head_dim // 2
-    CT = _combine_column_threads(head_dim)
-    WAYS = combine_ways(head_dim)
-    THREADS = CT * WAYS
-    WARPS = THREADS // 32
+    D = head_dim
+    NP = -(-(head_dim // 2) // 32)      # column pairs per lane
+    NX = 2 * NP
+    WAYS = ways
+    ROWS_PB = COMBINE_WARPS // WAYS
+    OTHERS = max(WAYS - 1, 1)
     HAS_LSE = bool(has_lse)
     WAIT = bool(wait)
     MAXS = MAX_COMBINE_SPLITS
-    SUMS = WAYS * 2 * CT
-    red_max = block_row_reduce("max", WARPS)
-    red_sum = block_row_reduce("sum", WARPS)
+    red_max = warp_reduce("max")
+    red_sum = warp_reduce("sum")
     f32 = np.float32
 
-    @_kernel_jit(True, THREADS)
+    @_kernel_jit(True, COMBINE_WARPS * 32)
     def kernel(parts, part_lse, o, lse):
         if WAIT:
             griddepcontrol_wait()
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
-        r = np.int64(cuda.blockIdx.x)
+        tid = cuda.threadIdx.x
+        warp = tid // 32
+        lane = tid % 32
+        rw = warp // WAYS
+        way = warp % WAYS
         grp = np.int64(o.shape[3])
+        r = np.int64(cuda.blockIdx.x) * ROWS_PB + rw
+        live = r < np.int64(o.shape[2]) * grp
+        if not live:
+            r = np.int64(0)     # (a row past the last reads row 0 and stores nothing)
         i = r // grp
         gg = r % grp
-        tid = cuda.threadIdx.x
         n = part_lse.shape[0]
-        scratch = cuda.shared.array(32, f32)
-        weights = cuda.shared.array(MAXS, f32)
-        sums = cuda.shared.array(SUMS, f32)
+        weights = cuda.shared.array((ROWS_PB, MAXS), f32)
+        sums = cuda.shared.array((ROWS_PB, OTHERS, D), f32)
         top = _NEG_INF
-        for s in range(tid, n, THREADS):
+        for s in range(lane, n, 32):
             top = max(top, part_lse[s, b, hk, gg, i])
-        top = red_max(top, scratch)
+        top = red_max(top)
         acc = _ZERO
         if top != _NEG_INF:
-            for s in range(tid, n, THREADS):
+            for s in range(lane, n, 32):
                 acc += math.exp(part_lse[s, b, hk, gg, i] - top)
-        acc = red_sum(acc, scratch)
+        acc = red_sum(acc)
         total = top + math.log(acc) if top != _NEG_INF else _NEG_INF
-        for s in range(tid, n, THREADS):
-            weights[s] = math.exp(part_lse[s, b, hk, gg, i] - total) \
-                if total != _NEG_INF else _ZERO
+        if way == 0:
+            for s in range(lane, n, 32):
+                weights[rw, s] = math.exp(part_lse[s, b, hk, gg, i] - total) \
+                    if total != _NEG_INF else _ZERO
         cuda.syncthreads()
-        way = tid // CT
-        col = tid % CT
-        c = 2 * col
-        x0 = _ZERO
-        x1 = _ZERO
-        if col < HALF:
-            for s in range(way, n, WAYS):
-                w = weights[s]
-                x0 += w * parts[s, b, hk, i, gg, c]
-                x1 += w * parts[s, b, hk, i, gg, c + 1]
-        sums[way * 2 * CT + c] = x0
-        sums[way * 2 * CT + c + 1] = x1
-        cuda.syncthreads()
-        if way == 0 and col < HALF:
-            for w_ in range(1, WAYS):
-                x0 += sums[w_ * 2 * CT + c]
-                x1 += sums[w_ * 2 * CT + c + 1]
-            word = pack(x0, x1)
-            o[b, hk, i, gg, c] = word & 0xFFFF
-            o[b, hk, i, gg, c + 1] = word >> 16
-        if HAS_LSE and tid == 0:
-            lse[b, hk, gg, i] = total
+        x = cuda.local.array(NX, f32)
+        for k in range(NX):
+            x[k] = _ZERO
+        s = way
+        while s + WAYS < n:         # two splits a step
+            w0 = weights[rw, s]
+            w1 = weights[rw, s + WAYS]
+            for k in range(NP):
+                c = 2 * (lane + 32 * k)
+                if c < D:
+                    a0 = parts[s, b, hk, i, gg, c]
+                    a1 = parts[s, b, hk, i, gg, c + 1]
+                    b0 = parts[s + WAYS, b, hk, i, gg, c]
+                    b1 = parts[s + WAYS, b, hk, i, gg, c + 1]
+                    x[2 * k] += w0 * a0 + w1 * b0
+                    x[2 * k + 1] += w0 * a1 + w1 * b1
+            s += 2 * WAYS
+        if s < n:
+            w0 = weights[rw, s]
+            for k in range(NP):
+                c = 2 * (lane + 32 * k)
+                if c < D:
+                    x[2 * k] += w0 * parts[s, b, hk, i, gg, c]
+                    x[2 * k + 1] += w0 * parts[s, b, hk, i, gg, c + 1]
+        if WAYS > 1:
+            if way > 0:
+                for k in range(NP):
+                    c = 2 * (lane + 32 * k)
+                    if c < D:
+                        sums[rw, way - 1, c] = x[2 * k]
+                        sums[rw, way - 1, c + 1] = x[2 * k + 1]
+            cuda.syncthreads()
+            if way == 0:
+                for w_ in range(WAYS - 1):
+                    for k in range(NP):
+                        c = 2 * (lane + 32 * k)
+                        if c < D:
+                            x[2 * k] += sums[rw, w_, c]
+                            x[2 * k + 1] += sums[rw, w_, c + 1]
+        if way == 0 and live:
+            for k in range(NP):
+                c = 2 * (lane + 32 * k)
+                if c < D:
+                    word = pack(x[2 * k], x[2 * k + 1])
+                    o[b, hk, i, gg, c] = word & 0xFFFF
+                    o[b, hk, i, gg, c + 1] = word >> 16
+            if HAS_LSE and lane == 0:
+                lse[b, hk, gg, i] = total
 
     return kernel
 
 
-def _combine_column_threads(head_dim: int) -> int:
-    """Threads of one column group of the combine kernel: two columns each, whole warps."""
-    return -(-(head_dim // 2) // 32) * 32
+#: Warps of a :func:`combine_kernel` block (two in the simulator, where every thread is a
+#: Python thread).
+COMBINE_WARPS = 2 if SIMULATOR else 4
 
 
-def combine_ways(head_dim: int) -> int:
-    """Column groups of a combine block, each summing every ``ways``-th split: 512 threads in
-    all on a GPU (two in the simulator, where every thread is a Python thread)."""
-    return 2 if SIMULATOR else max(1, 512 // _combine_column_threads(head_dim))
+def combine_ways(splits: int) -> int:
+    """The warps that share a packed row in :func:`combine_kernel` for ``splits`` partials:
+    one up to 16 splits, two up to 64, else four (at most :data:`COMBINE_WARPS`)."""
+    return min(COMBINE_WARPS, 1 if splits <= 16 else 2 if splits <= 64 else 4)
 
 
-def combine_threads(head_dim: int) -> int:
-    """Threads of a :func:`combine_kernel` block."""
-    return _combine_column_threads(head_dim) * combine_ways(head_dim)
+def combine_threads(head_dim: int = 0) -> int:
+    """Threads of a :func:`combine_kernel` block (any head dim)."""
+    return COMBINE_WARPS * 32
+
+
+def combine_grid(seq_q: int, group: int, heads_kv: int, batch: int, ways: int) -> tuple:
+    """:func:`combine_kernel`'s grid for ``ways`` warps a packed row: (row groups, Hkv, B)."""
+    per = COMBINE_WARPS // ways
+    return (-(-(seq_q * group) // per), heads_kv, batch)
 
 
 def grid(seq_q: int, group: int, heads_kv: int, batch: int, splits: int = 1,
@@ -691,11 +738,12 @@ def compile_reports(only=None):
                                 argtypes(True, True), (9, 0), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
     f32 = types.float32
-    for name, wait in (("decode_combine_d128_bf16_lse", False),
-                       ("decode_combine_d128_bf16_lse_wait", True)):
+    for name, wait, ways in (("decode_combine_d128_bf16_lse", False, 1),
+                             ("decode_combine_d128_bf16_lse_wait", True, 1),
+                             ("decode_combine_4ways_d128_bf16_lse_wait", True, 4)):
         if only is None or name in only:
-            out.append(report_entry(name, lambda w=wait: combine_kernel(128, "bfloat16", True,
-                                                                        wait=w),
+            out.append(report_entry(name, lambda w=wait, y=ways: combine_kernel(
+                                        128, "bfloat16", True, wait=w, ways=y),
                                     (types.Array(f32, 6, "A"), types.Array(f32, 5, "A"),
                                      types.Array(types.uint16, 5, "A"),
                                      types.Array(f32, 4, "A")),

@@ -242,10 +242,11 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
     pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
     plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
-    comb = dec.combine_kernel(d, cfg.dtype, lse is not None, wait=pdl)
+    ways = dec.combine_ways(splits)
+    comb = dec.combine_kernel(d, cfg.dtype, lse is not None, wait=pdl, ways=ways)
     cargs = (p_v, pl_v, o5, lse4)
-    cplan = LaunchPlan(comb, cargs, (sq * (hq // hk), hk, b), dec.combine_threads(d),
-                       dependent=pdl)
+    cplan = LaunchPlan(comb, cargs, dec.combine_grid(sq, hq // hk, hk, b, ways),
+                       dec.combine_threads(), dependent=pdl)
     return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src),
             (cplan, cargs, [PARTS, PLSE, OUT, lse_src])]
 
