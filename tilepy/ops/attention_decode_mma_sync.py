@@ -451,7 +451,7 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     Grid :func:`combine_grid`, :data:`COMBINE_WARPS` warps a block: ``ways`` warps a packed
     row (``r = i · G + g``; ``COMBINE_WARPS / ways`` rows a block). Each warp of a row reduces
     the row's LSE over the splits (lanes over the splits, warp shuffles), the row's first warp
-    puts the weights in shared memory; then each warp sums every ``ways``-th split (two splits
+    puts the weights in shared memory; then each warp sums every ``ways``-th split (four splits
     a step: their loads in flight together), each lane two columns of every 64, and the
     row's other warps' sums are added to the first's in shared memory in a fixed order (the
     same bits every run). :func:`combine_ways` picks ``ways`` from the split count: one warp a
@@ -519,9 +519,11 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
         for k in range(NX):
             x[k] = _ZERO
         s = way
-        while s + WAYS < n:         # two splits a step
+        while s + 3 * WAYS < n:     # four splits a step, their loads in flight together
             w0 = weights[rw, s]
             w1 = weights[rw, s + WAYS]
+            w2 = weights[rw, s + 2 * WAYS]
+            w3 = weights[rw, s + 3 * WAYS]
             for k in range(NP):
                 c = 2 * (lane + 32 * k)
                 if c < D:
@@ -529,16 +531,21 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
                     a1 = parts[s, b, hk, i, gg, c + 1]
                     b0 = parts[s + WAYS, b, hk, i, gg, c]
                     b1 = parts[s + WAYS, b, hk, i, gg, c + 1]
-                    x[2 * k] += w0 * a0 + w1 * b0
-                    x[2 * k + 1] += w0 * a1 + w1 * b1
-            s += 2 * WAYS
-        if s < n:
+                    c0 = parts[s + 2 * WAYS, b, hk, i, gg, c]
+                    c1 = parts[s + 2 * WAYS, b, hk, i, gg, c + 1]
+                    d0 = parts[s + 3 * WAYS, b, hk, i, gg, c]
+                    d1 = parts[s + 3 * WAYS, b, hk, i, gg, c + 1]
+                    x[2 * k] += (w0 * a0 + w1 * b0) + (w2 * c0 + w3 * d0)
+                    x[2 * k + 1] += (w0 * a1 + w1 * b1) + (w2 * c1 + w3 * d1)
+            s += 4 * WAYS
+        while s < n:
             w0 = weights[rw, s]
             for k in range(NP):
                 c = 2 * (lane + 32 * k)
                 if c < D:
                     x[2 * k] += w0 * parts[s, b, hk, i, gg, c]
                     x[2 * k + 1] += w0 * parts[s, b, hk, i, gg, c + 1]
+            s += WAYS
         if WAYS > 1:
             if way > 0:
                 for k in range(NP):
@@ -574,8 +581,9 @@ COMBINE_WARPS = 2 if SIMULATOR else 4
 
 def combine_ways(splits: int) -> int:
     """The warps that share a packed row in :func:`combine_kernel` for ``splits`` partials:
-    one up to 16 splits, two up to 64, else four (at most :data:`COMBINE_WARPS`)."""
-    return min(COMBINE_WARPS, 1 if splits <= 16 else 2 if splits <= 64 else 4)
+    one up to 8 splits, two up to 32, else four (at most :data:`COMBINE_WARPS`) — at most
+    about two four-split steps a warp up to 32 splits."""
+    return min(COMBINE_WARPS, 1 if splits <= 8 else 2 if splits <= 32 else 4)
 
 
 def combine_threads(head_dim: int = 0) -> int:
