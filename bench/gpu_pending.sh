@@ -58,6 +58,8 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s35d    the combine kernel with up to eight warps a row (B1's 64 splits in two steps a
+#                warp): KV-cache GPU tests, the decoding benchmark; then s32f
 #   PART=s35c    the decoding combine kernel with a warp (or a few) a row, not a block (issue 26:
 #                s35b's trace put q4's loss there): KV-cache GPU tests, the decoding
 #                benchmark at every shape, the trace again
@@ -352,6 +354,11 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s35d "* ]]; then
+    gpu_tests kvcache_gpu 80 tests/test_ops_attention_kvcache.py
+    bench_suite bench_attention_kvcache 140 "test_flash_attention_with_kvcache"
+    bench_suite bench_backward_user 250 "test_flash_attention_backward_user_functions"
 fi
 if [[ " $PART " == *" s35c "* ]]; then
     gpu_tests kvcache_gpu 100 tests/test_ops_attention_kvcache.py
