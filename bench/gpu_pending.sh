@@ -58,6 +58,8 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
+#                (the one-launch gradient in b captured in a graph)
 #   PART=s35d    the combine kernel with up to eight warps a row (B1's 64 splits in two steps a
 #                warp): KV-cache GPU tests, the decoding benchmark; then s32f
 #   PART=s35c    the decoding combine kernel with a warp (or a few) a row, not a block (issue 26:
@@ -354,6 +356,11 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s35e "* ]]; then
+    gpu_tests kvcache_grouped_gpu 90 tests/test_ops_attention_kvcache.py \
+        tests/test_ops_grouped_gemm.py
+    bench_suite bench_attention_kvcache 140 "test_flash_attention_with_kvcache"
 fi
 if [[ " $PART " == *" s35d "* ]]; then
     gpu_tests kvcache_gpu 80 tests/test_ops_attention_kvcache.py

@@ -174,16 +174,31 @@ def test_unchecked_offsets_are_clamped(hopper):
 
 
 @sim
-def test_gradient_in_b():
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_gradient_in_b(one_launch):
+    """``out[g] = a[rows of g]ᵀ @ dout[rows of g]``: one launch (the rows a k-range read from
+    the offsets on the device: 37 rows over several k steps, one row, none) and per group
+    through ``tilepy.gemm``; K and N cut across tiles; ``out`` poisoned first."""
     rng = np.random.default_rng()
-    a, dout = rand(rng, (21, 24), "float16"), rand(rng, (21, 16), "float16")
-    ends = np.array([1, 1, 4, 21], np.int32)
-    got = grouped_gemm_weight_grad(a, dout, ends, 4)
+    a, dout = rand(rng, (41, 40), "float16"), rand(rng, (41, 24), "float16")
+    ends = np.array([1, 1, 4, 41], np.int32)
+    out = np.full((4, 40, 24), np.nan, np.float16)
+    got = grouped_gemm_weight_grad(a, dout, ends, 4, out=out, one_launch=one_launch)
+    assert got is out
     start = 0
     for g, end in enumerate(ends):
         check(got[g], f64(a[start:end]).T @ f64(dout[start:end]), "float16") if end > start \
             else np.testing.assert_array_equal(got[g], 0)
         start = end
+
+
+def test_gradient_in_b_errors():
+    a = np.zeros((6, 16), np.float16)
+    ends = np.array([2, 6], np.int32)
+    with pytest.raises(ValueError, match=r"out must be \(2, 16, 8\) float16"):
+        grouped_gemm_weight_grad(a, a[:, :8], ends, 2, out=np.zeros((2, 8, 16), np.float16))
+    with pytest.raises(ValueError, match="one_launch: a and dout must be row-major"):
+        grouped_gemm_weight_grad(a, np.zeros((6, 12), np.float16), ends, 2, one_launch=True)
 
 
 def test_errors_are_raised_before_launch():
@@ -217,13 +232,14 @@ def test_errors_are_raised_before_launch():
 @pytest.mark.compile
 def test_grouped_kernel_compiles_without_spills():
     """The grouped kernel (the plain kernel's main loop and epilogue per group, the group
-    found by a scan of the offsets) for sm_90: the mma of the default tile, no local memory."""
+    found by a scan of the offsets) and the one-launch gradient in b (A read k-major) for
+    sm_90: the mma of the default tile, no local memory."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.gemm_mma_sync:grouped_compile_reports")
-    assert len(reports) == 2
+    assert len(reports) == 3
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
@@ -284,3 +300,36 @@ def test_gpu_experts_against_torch(monkeypatch, tma_store, b_row_major):
         gw = (a[s:t].float().T @ dy[s:t].float()).T
         got = wk.grad[e].mT if b_row_major else w.grad[e]
         assert (got.float() - gw).abs().max().item() < 2e-2 * max(gw.abs().max(), 1)
+
+
+@pytest.mark.gpu
+def test_gpu_weight_grad_one_launch_in_a_graph():
+    """The gradient in b as one launch captured into a CUDA graph (``one_launch=None`` while
+    capturing): 8 groups of 4096 rows split unevenly (one empty), K 1024, N 2048, bf16, against
+    float32 per-group products; replayed after the offsets' contents change."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4096, 1024, generator=g).bfloat16().cuda()
+    dout = torch.randn(4096, 2048, generator=g).bfloat16().cuda()
+    out = torch.full((8, 1024, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ends = torch.tensor([700, 700, 2000, 2005, 2006, 3000, 3100, 4096], dtype=torch.int32,
+                        device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):       # a warm-up outside the capture (the kernel compiles)
+        grouped_gemm_weight_grad(a, dout, ends, 8, out=out, one_launch=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        grouped_gemm_weight_grad(a, dout, ends, 8, out=out)
+    for new_ends in (None, [0, 1000, 1000, 3000, 3001, 3002, 4000, 4096]):
+        if new_ends is not None:
+            ends.copy_(torch.tensor(new_ends, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        bounds = [0] + ends.tolist()
+        for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+            want = a[s:t].float().T @ dout[s:t].float()
+            err = (out[e].float() - want).abs().max().item()
+            assert err <= 2e-2 * max(want.abs().max().item(), 1), (e, err)

@@ -361,9 +361,9 @@ _grouped_wgrad_op = _register("grouped_gemm_weight_grad", _grouped_wgrad_impl,
 def grouped_gemm(a, b, offsets, out, check_offsets, config):
     """``tilepy.grouped_gemm`` on PyTorch tensors: the ``tilepy::grouped_gemm`` operator
     (fake tensors, ``torch.compile``, autograd: ``a``'s gradient is a grouped GEMM against
-    ``b``'s transposed view, ``b``'s the ``tilepy::grouped_gemm_weight_grad`` operator, one
-    GEMM per group after reading the offsets on the host); with ``out=`` or a ``config`` an
-    eager call without a gradient."""
+    ``b``'s transposed view, ``b``'s the ``tilepy::grouped_gemm_weight_grad`` operator:
+    :func:`tilepy.ops.grouped_gemm.grouped_gemm_weight_grad`'s default, one launch while a
+    graph is captured); with ``out=`` or a ``config`` an eager call without a gradient."""
     op = "grouped_gemm"
     if config is not None:
         return _configured(op, _grouped.grouped_gemm, dict(a=a, b=b, offsets=offsets,

@@ -36,7 +36,8 @@ from ..launch import GridSplit, LaunchPlan
 from ..ptx import shared_addr
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..tile.config import GemmConfig
-from ..tile.copy import copy_global_to_shared, load_a_fragments, load_b_fragments
+from ..tile.copy import (copy_global_to_shared, load_a_fragments, load_a_fragments_k_major,
+                         load_b_fragments)
 from ..tile.epilogue import store_accumulators
 from ..tile.mma import warp_mma
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
@@ -46,8 +47,12 @@ from ..kcache import cached_jit
 @functools.cache
 def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float16",
                 activation=None, has_bias: bool = False, has_c: bool = False, group_m: int = 8,
-                double_buffer: bool = True, late_issue: bool = False):
+                double_buffer: bool = True, late_issue: bool = False, a_k_major: bool = False):
+    """The kernel of the module docstring; ``a_k_major``: ``a`` holds Aᵀ, (Z, K, M) row-major
+    matrices (A stored k-major, e.g. the rows of a product's left factor read as columns),
+    its tiles copied along rows and loaded with ``ldmatrix.trans``."""
     BM, BN, BK = cfg.block.m, cfg.block.n, cfg.block.k
+    A_KM = bool(a_k_major)
     STAGES = cfg.pipeline.stages
     GROUP_M = group_m
     NBUF = 2 if double_buffer else 1
@@ -61,7 +66,21 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
     STAGE_BYTES = A_BYTES + B_BYTES
 
     smem = dynamic_shared()
-    setup_a, copy_a = copy_global_to_shared(BM, BK, THREADS, cfg.swizzle)
+    if A_KM:
+        setup_a, copy_a = copy_global_to_shared(BK, BM, THREADS, cfg.swizzle, True)
+        setup_fa, load_a = load_a_fragments_k_major(MI, BM, cfg.swizzle)
+    else:
+        setup_a, copy_a = copy_global_to_shared(BM, BK, THREADS, cfg.swizzle)
+        setup_fa2, load_a2 = load_a_fragments(MI, BK, cfg.swizzle)
+
+        @inline_device
+        def setup_fa(row0, lane):      # (the k-major loader's three values)
+            off, x = setup_fa2(row0, lane)
+            return off, x, 0
+
+        @inline_device
+        def load_a(frag, buf, tile_addr, kk, off, x, unused):
+            load_a2(frag, buf, tile_addr, kk, off, x)
     if b_k_major:
         setup_b, copy_b = copy_global_to_shared(BK, BN, THREADS, cfg.swizzle, True)
         setup_fb, load_b = load_b_fragments(NI, BN, True, cfg.swizzle)
@@ -70,20 +89,19 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
         setup_fb, load_b = load_b_fragments(NI, BK, False, cfg.swizzle)
     PER_A = BM * BK // 8 // THREADS
     PER_B = BK * BN // 8 // THREADS
-    setup_fa, load_a = load_a_fragments(MI, BK, cfg.swizzle)
     mma = warp_mma(MI, NI, cfg.dtype)
     store = store_accumulators(MI, NI, out_kind, activation, has_bias, has_c)
 
     @inline_device
-    def issue_tile(plan_a, plan_b, base, slot, kt, k, kstep_b):
+    def issue_tile(plan_a, plan_b, base, slot, kt, k, kstep_a, kstep_b):
         a_addr = base + slot * STAGE_BYTES
         k_left = k - kt * BK
-        copy_a(plan_a, a_addr, kt, k_left, BK * 2)
+        copy_a(plan_a, a_addr, kt, k_left, kstep_a)
         copy_b(plan_b, a_addr + A_BYTES, kt, k_left, kstep_b)
 
     @inline_device
     def gemm_block(a, b, out, c, bias, alpha, beta):
-        m = a.shape[0]
+        m = out.shape[0]
         n = out.shape[1]
         # Grouped order: consecutive blocks sweep GROUP_M block-rows before moving right, so
         # the A panels and B panels they read stay in L2 together.
@@ -99,8 +117,8 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
     @inline_device
     def gemm_tile(a, b, out, c, bias, alpha, beta, row0, col0):
-        m = a.shape[0]
-        k = a.shape[1]
+        m = out.shape[0]
+        k = a.shape[0] if A_KM else a.shape[1]
         n = out.shape[1]
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -119,7 +137,12 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
 
         plan_a = cuda.local.array((4, PER_A), np.int64)
         plan_b = cuda.local.array((4, PER_B), np.int64)
-        setup_a(plan_a, a, row0, 0, m, k, tid)
+        if A_KM:
+            setup_a(plan_a, a, 0, row0, k, m, tid)
+            kstep_a = BK * a.strides[0]
+        else:
+            setup_a(plan_a, a, row0, 0, m, k, tid)
+            kstep_a = BK * 2
         if b_k_major:
             setup_b(plan_b, b, 0, col0, k, n, tid)
             kstep_b = BK * b.strides[0]
@@ -127,13 +150,13 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             setup_b(plan_b, b, col0, 0, n, k, tid)
             kstep_b = BK * 2
 
-        fa_off, fa_x = setup_fa(wrow, lane)
+        fa_off, fa_c, fa_x = setup_fa(wrow, lane)
         fb_off, fb_u, fb_v = setup_fb(wcol, lane)
 
         ktiles = (k + BK - 1) // BK
         for s in range(STAGES - 1):
             if s < ktiles:
-                issue_tile(plan_a, plan_b, base, s, s, k, kstep_b)
+                issue_tile(plan_a, plan_b, base, s, s, k, kstep_a, kstep_b)
             cp_async_commit_group()
 
         for kt in range(ktiles):
@@ -144,27 +167,27 @@ def gemm_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "float1
             b_addr = a_addr + A_BYTES
             if not late_issue:
                 if nxt < ktiles:
-                    issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                    issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_a, kstep_b)
                 cp_async_commit_group()
             if double_buffer:
-                load_a(a_frag, 0, a_addr, 0, fa_off, fa_x)
+                load_a(a_frag, 0, a_addr, 0, fa_off, fa_c, fa_x)
                 load_b(b_frag, 0, b_addr, 0, fb_off, fb_u, fb_v)
                 if late_issue:  # the first fragments' ldmatrix go out before the copies
                     if nxt < ktiles:
-                        issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                        issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_a, kstep_b)
                     cp_async_commit_group()
                 for kk in range(KI):
                     if kk + 1 < KI:
-                        load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_x)
+                        load_a(a_frag, (kk + 1) % 2, a_addr, kk + 1, fa_off, fa_c, fa_x)
                         load_b(b_frag, (kk + 1) % 2, b_addr, kk + 1, fb_off, fb_u, fb_v)
                     mma(acc, a_frag, b_frag, kk % 2)
             else:
                 for kk in range(KI):
-                    load_a(a_frag, 0, a_addr, kk, fa_off, fa_x)
+                    load_a(a_frag, 0, a_addr, kk, fa_off, fa_c, fa_x)
                     load_b(b_frag, 0, b_addr, kk, fb_off, fb_u, fb_v)
                     if late_issue and kk == 0:
                         if nxt < ktiles:
-                            issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_b)
+                            issue_tile(plan_a, plan_b, base, nxt % STAGES, nxt, k, kstep_a, kstep_b)
                         cp_async_commit_group()
                     mma(acc, a_frag, b_frag, 0)
 
@@ -217,6 +240,52 @@ def grouped_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "flo
                       (mt - t0) * BM, (pid % tiles_n) * BN)
 
     return kernel
+
+
+@functools.cache
+def grouped_weight_grad_kernel(cfg: GemmConfig, out_kind: str = "float16"):
+    """The grouped GEMM's gradient in ``b`` in one launch: ``kernel(a, dout, out, offsets,
+    bias, alpha)`` computes ``out[g] = alpha · a[rows of g]ᵀ @ dout[rows of g]`` for every group
+    ``g`` — ``a`` (total_M, K) and ``dout`` (total_M, N) row-major, ``out`` (E, K, N)
+    (``out_kind``; 16-bit as uint16 bits), ``offsets`` as :func:`grouped_kernel`'s (clamped the
+    same way on the device); an empty group's matrix is written as zeros. The reduction runs
+    over the group's rows: ``a``'s rows are read as Aᵀ (:func:`gemm_kernel` with
+    ``a_k_major``), ``dout``'s as a row-major B. Grid :func:`grouped_weight_grad_grid`: block
+    ``x`` is tile ``(x // tiles_n, x % tiles_n)`` of the (K, N) matrix of group ``y``."""
+    BM, BN = cfg.block.m, cfg.block.n
+    THREADS = cfg.threads
+    gemm_tile = gemm_kernel(cfg, True, out_kind, a_k_major=True).gemm_tile
+
+    @cached_jit
+    def kernel(a, dout, out, offsets, bias, alpha):
+        total = np.int64(a.shape[0])
+        g = cuda.blockIdx.y
+        start = np.int64(0)
+        end = np.int64(0)
+        for e in range(g + 1):
+            start = end
+            end = min(max(np.int64(offsets[e]), start), total)
+        tiles_n = (out.shape[2] + BN - 1) // BN
+        pid = np.int64(cuda.blockIdx.x)
+        row0 = (pid // tiles_n) * BM
+        col0 = (pid % tiles_n) * BN
+        mat = out[g]
+        if end > start:
+            gemm_tile(a[start:end], dout[start:end], mat, mat, bias, alpha, np.float32(0.0),
+                      row0, col0)
+        else:       # an empty group: its tile of zeros
+            for idx in range(cuda.threadIdx.x, BM * BN, THREADS):
+                r = row0 + idx // BN
+                c = col0 + idx % BN
+                if r < mat.shape[0] and c < mat.shape[1]:
+                    mat[r, c] = 0
+
+    return kernel
+
+
+def grouped_weight_grad_grid(cfg: GemmConfig, k: int, n: int, groups: int) -> tuple:
+    """:func:`grouped_weight_grad_kernel`'s grid: the (K, N) tiles of a matrix, the groups."""
+    return (-(-k // cfg.block.m) * -(-n // cfg.block.n), groups)
 
 
 def grouped_grid(cfg: GemmConfig, total_m: int, n: int, groups: int) -> tuple:
@@ -300,7 +369,7 @@ def compile_reports():
 
 def grouped_compile_reports():
     """Offline sm_90 reports of :func:`grouped_kernel` with the default 128×128×32 tile, ``b``
-    row-major and (E, N, K) row-major."""
+    row-major and (E, N, K) row-major, and of :func:`grouped_weight_grad_kernel`."""
     from numba import types
 
     from ..offline import report_entry
@@ -316,4 +385,9 @@ def grouped_compile_reports():
                                 lambda bkm=b_k_major: grouped_kernel(cfg, bkm, "bfloat16"),
                                 argtypes, (9, 0), threads=cfg.threads,
                                 config=cfg.describe()))
+    argtypes = (types.Array(u16, 2, "A"), types.Array(u16, 2, "A"), types.Array(u16, 3, "A"),
+                types.Array(types.int32, 1, "A"), types.float32[::1], types.float32)
+    out.append(report_entry("grouped_weight_grad_bf16",
+                            lambda: grouped_weight_grad_kernel(cfg, "bfloat16"), argtypes,
+                            (9, 0), threads=cfg.threads, config=cfg.describe()))
     return out

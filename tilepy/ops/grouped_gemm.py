@@ -243,15 +243,22 @@ def check_values(offsets, total_m: int) -> None:
                          f"offsets[-1] = {int(ends[-1])}")
 
 
-def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None):
+def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None, one_launch=None):
     """``out[g] = a[rows of g]ᵀ @ dout[rows of g]`` (E = ``groups`` matrices (K, N)): the
     gradient of :func:`grouped_gemm` in ``b`` (row-major (E, K, N)), zeros for an empty group.
     ``a`` (total_M, K) and ``dout`` (total_M, N) of one 16-bit dtype, ``offsets`` as
-    :func:`grouped_gemm`'s (checked the same way).
+    :func:`grouped_gemm`'s; ``out`` (E, K, N) row-major of that dtype, or None (a new array).
 
-    Not yet one launch: the offsets are read on the host (a synchronisation with the stream,
-    so not inside a CUDA graph capture) and each group is one ``tilepy.gemm`` of a transposed
-    view (copied into a row-major buffer by ``gemm``)."""
+    ``one_launch=True``: one launch of the mma.sync kernel
+    (:func:`tilepy.ops.gemm_mma_sync.grouped_weight_grad_kernel`), which finds each group's
+    rows from the offsets on the device (clamped as :func:`grouped_gemm` clamps them, not
+    checked): no synchronisation, so it can be captured into a CUDA graph. It needs ``a`` and
+    ``dout`` row-major with 16-byte aligned rows and a row-major ``out``. ``False``: the
+    offsets are read on the host (a synchronisation with the stream; checked as
+    :func:`grouped_gemm` checks them) and each group is one ``tilepy.gemm`` of a transposed
+    view (on sm_90 the TMA / wgmma kernels, faster for large groups). None (the default): one
+    launch while the stream is being captured or where the device is not sm_90, else the
+    per-group calls."""
     from . import gemm as gm_op
 
     A = describe(a, "a", allow_float32=False)
@@ -262,18 +269,57 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None):
     Offs = describe(offsets, "offsets", dtypes=arrays.HOOK_DTYPES)
     if Offs.dtype != "int32" or Offs.shape != (groups,):
         raise ValueError(f"offsets must be int32 ({groups},), got {Offs.dtype} {Offs.shape}")
-    arrays.same_device(A, D, Offs)
-    stream = arrays.stream_handle(A)
-    if device_write.stream_capturing(stream):
-        raise NotImplementedError("grouped_gemm's gradient in b reads the offsets on the host: "
-                                  "it cannot be captured into a CUDA graph yet")
-    ends = arrays.to_host(Offs).astype(np.int64)
-    check_values(ends, A.shape[0])
     k, n = A.shape[1], D.shape[1]
-    if out is None:
-        out = arrays.empty(A, (groups, k, n), A.dtype)
-    start = 0
-    for g, end in enumerate(ends):
-        gm_op.gemm(a[start:end].T, dout[start:end], out=out[g])
-        start = int(end)
-    return out
+    Out = describe(out, "out", allow_float32=False) if out is not None else None
+    if Out is not None and (Out.shape != (groups, k, n) or Out.dtype != A.dtype):
+        raise ValueError(f"out must be ({groups}, {k}, {n}) {A.dtype}, got {Out.shape} "
+                         f"{Out.dtype}")
+    device = arrays.same_device(A, D, Offs, Out)
+    with arrays.on_device(device):
+        stream = arrays.stream_handle(A)
+        capturing = device_write.stream_capturing(stream)
+        fits = _weight_grad_fits(A, D, Out)
+        if one_launch is None:
+            one_launch = fits and (capturing or arrays.SIMULATOR or
+                                   not launch.is_hopper(device))
+        if one_launch and not fits:
+            raise ValueError("one_launch: a and dout must be row-major with 16-byte aligned "
+                             "rows (K and N multiples of 8) and out row-major")
+        if not one_launch and capturing:
+            raise NotImplementedError("grouped_gemm_weight_grad(one_launch=False) reads the "
+                                      "offsets on the host: it cannot be captured into a CUDA "
+                                      "graph (one_launch=None or True can)")
+        if out is None:
+            out = arrays.empty(A, (groups, k, n), A.dtype)
+            Out = describe(out, "out")
+        if groups == 0 or k == 0 or n == 0:
+            return out
+        if one_launch:
+            cfg = gm.choose_config(k, n, max(A.shape[0] // groups, 1), groups, A.dtype)
+            kern = tc.grouped_weight_grad_kernel(cfg, A.dtype)
+            args = (kernel_view(A, 2), kernel_view(D, 2), kernel_view(Out, 3), kernel_view(Offs),
+                    arrays.placeholder(1), np.float32(1.0))
+            allow_dynamic_shared(kern, args, cfg.smem_bytes)
+            LaunchPlan(kern, args, tc.grouped_weight_grad_grid(cfg, k, n, groups), cfg.threads,
+                       cfg.smem_bytes).launch(stream, args)
+            return out
+        ends = arrays.to_host(Offs).astype(np.int64)
+        check_values(ends, A.shape[0])
+        start = 0
+        for g, end in enumerate(ends):
+            gm_op.gemm(a[start:end].T, dout[start:end], out=out[g])
+            start = int(end)
+        return out
+
+
+def _weight_grad_fits(A, D, Out) -> bool:
+    """Whether the one-launch gradient in ``b`` reads ``a`` and ``dout`` and writes ``out`` in
+    place: row-major, rows and starts 16-byte aligned (the mma.sync kernel's cp.async)."""
+    def rows_ok(X):
+        st = X.strides
+        return st[-1] == 1 and all(x % 8 == 0 and x > 0 for x in st[:-1]) and \
+            X.shape[-1] % 8 == 0 and X.byte_pointer() % 16 == 0
+
+    return rows_ok(A) and rows_ok(D) and (Out is None or (
+        Out.strides == (Out.shape[1] * Out.shape[2], Out.shape[2], 1) and
+        Out.byte_pointer() % 16 == 0))
