@@ -249,7 +249,7 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
 def test_decoding_kernels_compile_without_spills():
     """The decoding kernel (the default 32-key config split and paged, also letting a
     dependent launch begin; four warps a block, also traced; 64-key blocks whole and
-    contiguous) and the combine kernel (also waiting for the kernel ahead; one and eight warps a
+    contiguous) and the combine kernel (also waiting for the kernel ahead; one and four warps a
     row), offline for sm_90:
     per
     key block

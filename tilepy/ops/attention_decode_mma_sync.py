@@ -462,8 +462,8 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     kernel has finished."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
-    if ways not in (1, 2, 4, 8) or ways > COMBINE_WARPS:
-        raise ValueError(f"combine_kernel: ways must be 1, 2, 4 or 8 and at most "
+    if ways not in (1, 2, 4) or ways > COMBINE_WARPS:
+        raise ValueError(f"combine_kernel: ways must be 1, 2 or 4 and at most "
                          f"{COMBINE_WARPS}, got {ways!r}")
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     D = head_dim
@@ -576,15 +576,14 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
 
 #: Warps of a :func:`combine_kernel` block (two in the simulator, where every thread is a
 #: Python thread).
-COMBINE_WARPS = 2 if SIMULATOR else 8
+COMBINE_WARPS = 2 if SIMULATOR else 4
 
 
 def combine_ways(splits: int) -> int:
     """The warps that share a packed row in :func:`combine_kernel` for ``splits`` partials:
-    one up to 8 splits, two up to 16, four up to 32, else eight (at most
-    :data:`COMBINE_WARPS`) — at most two four-split steps a warp up to 64 splits."""
-    ways = 1 if splits <= 8 else 2 if splits <= 16 else 4 if splits <= 32 else 8
-    return min(COMBINE_WARPS, ways)
+    one up to 8 splits, two up to 32, else four (at most :data:`COMBINE_WARPS`) — at most
+    about two four-split steps a warp up to 32 splits."""
+    return min(COMBINE_WARPS, 1 if splits <= 8 else 2 if splits <= 32 else 4)
 
 
 def combine_threads(head_dim: int = 0) -> int:
@@ -749,7 +748,7 @@ def compile_reports(only=None):
     f32 = types.float32
     for name, wait, ways in (("decode_combine_d128_bf16_lse", False, 1),
                              ("decode_combine_d128_bf16_lse_wait", True, 1),
-                             ("decode_combine_8ways_d128_bf16_lse_wait", True, 8)):
+                             ("decode_combine_4ways_d128_bf16_lse_wait", True, 4)):
         if only is None or name in only:
             out.append(report_entry(name, lambda w=wait, y=ways: combine_kernel(
                                         128, "bfloat16", True, wait=w, ways=y),
