@@ -58,6 +58,10 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s36a    what session 35 left unmeasured: the grouped GEMM's one-launch gradient in b
+#                against the per-group calls and a cuBLAS loop; Nsight of the FP8 GEMM with block
+#                scales (issue 28's 0.75-0.81x case). Before it, set the decoding combine kernel
+#                to eight warps (bench/NOTES.md, session 35) and run the decoding benchmark
 #   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
 #                (the one-launch gradient in b captured in a graph)
 #   PART=s35d    the combine kernel with up to eight warps a row (B1's 64 splits in two steps a
@@ -356,6 +360,17 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s36a "* ]]; then
+    # (at most 8 files come back from $OUT: logs and Nsight files in archives)
+    bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
+    mkdir -p "$OUT/ncu"
+    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8_block_step 200 \
+        bash bench/profile_attention.sh "$OUT/ncu" --configs 256x4p,256x4pt --block-scales
+    mv "$OUT/ncu_gemm_fp8_block_step.log" "$OUT/ncu/"
+    rm -f "$OUT"/ncu/*.ncu-rep
+    tar czf "$OUT/ncu_gemm_fp8_block.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
 fi
 if [[ " $PART " == *" s35e "* ]]; then
     gpu_tests kvcache_grouped_gpu 90 tests/test_ops_attention_kvcache.py \

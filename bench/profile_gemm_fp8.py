@@ -6,6 +6,11 @@ ncu): where the FP8 kernel's time goes against cuBLASLt's — tensor-pipe use, L
 stalls.
 
     python bench/profile_gemm_fp8.py [--shape 4096x4096x4096] [--configs 256x4p,256x4pt]
+                                     [--block-scales]
+
+``--block-scales``: tilepy's launches take DeepGEMM's block scales (``scale_a`` per 1 × 128
+of ``a``, ``scale_b`` per 128 × 128 of ``b``, as ``quantize_fp8`` makes them); the peer keeps
+its row / column scales.
 
 A config is ``<block_n>x<stages>`` then ``p`` for persistent and ``t`` for the TMA-store
 epilogue (KMajorConfig).
@@ -18,6 +23,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="4096x4096x4096")
     p.add_argument("--configs", default="256x4p,256x4pt")
+    p.add_argument("--block-scales", action="store_true")
     args = p.parse_args()
     import torch
 
@@ -30,6 +36,11 @@ def main():
     sa = torch.rand(m, 1, device="cuda") + 0.5
     sb = torch.rand(1, n, device="cuda") + 0.5
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ta, tb = sa, sb         # tilepy's scales
+    if args.block_scales:
+        kb = -(-k // 128)
+        ta = torch.rand(m, kb, device="cuda") + 0.5
+        tb = (torch.rand(-(-n // 128), kb, device="cuda") + 0.5).t()
     cfgs = []
     for c in args.configs.split(","):
         bn, st = c.rstrip("pt").split("x")
@@ -42,13 +53,14 @@ def main():
 
     for _ in range(20):   # compile, warm the clocks
         for cfg in cfgs:
-            tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, out=out, config=cfg)
+            tilepy.gemm(a, w.t(), scale_a=ta, scale_b=tb, out=out, config=cfg)
         peer()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for cfg in cfgs:
-        tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb, out=out, config=cfg)
-        print(f"profiled {cfg.describe()}", flush=True)
+        tilepy.gemm(a, w.t(), scale_a=ta, scale_b=tb, out=out, config=cfg)
+        print(f"profiled {cfg.describe()}{', block scales' if args.block_scales else ''}",
+              flush=True)
     peer()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()

@@ -312,6 +312,50 @@ def test_grouped_gemm(benchmark, record, torch, gpu_name):
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
+def test_grouped_gemm_weight_grad(benchmark, record, torch, gpu_name):
+    """The grouped GEMM's gradient in ``b`` (issue 27): ``out[g] = a[rows of g]ᵀ @ dout[rows
+    of g]`` for 8 experts over 32768 rows split as ``test_grouped_gemm``'s, K 4096, N 14336,
+    bf16 — one launch (``one_launch=True``: the mma.sync kernel, offsets read on the device;
+    the path a captured backward takes) against the per-group ``tilepy.gemm`` calls
+    (``one_launch=False``, offsets read on the host) and a loop of cuBLAS calls (main peer)."""
+    from tilepy.ops.grouped_gemm import grouped_gemm_weight_grad
+
+    e, m, k, n = 8, 32768, 4096, 14336
+    rng = np.random.default_rng(0)
+    sizes = rng.multinomial(m, rng.dirichlet(np.ones(e)))
+    ends = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device="cuda")
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(e, k, n, device="cuda", dtype=torch.bfloat16)
+    ref = torch.empty_like(out)
+    bounds = [0] + np.cumsum(sizes).tolist()
+
+    def one():
+        return grouped_gemm_weight_grad(a, dout, ends, e, out=out, one_launch=True)
+
+    def per_group():
+        return grouped_gemm_weight_grad(a, dout, ends, e, out=out, one_launch=False)
+
+    def loop():
+        for g in range(e):
+            torch.matmul(a[bounds[g]:bounds[g + 1]].T, dout[bounds[g]:bounds[g + 1]],
+                         out=ref[g])
+
+    one()
+    loop()
+    for g in (0, e - 1):
+        assert max_rel_err(out[g], ref[g]) < 2e-2, g
+    notes = {}
+    timings = {"tilepy, one launch": gpu_time(torch, one), "cuBLAS loop": gpu_time(torch, loop),
+               "tilepy, per group": gpu_time(torch, per_group)}
+    record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings,
+                      main="cuBLAS loop", notes=notes, gpu=gpu_name, dtype="bfloat16",
+                      shape=f"E{e} M{m} K{k} N{n}", table="Grouped GEMM, gradient in b",
+                      case=f"{e} experts, {m} rows, K{k} N{n} bfloat16",
+                      sizes=[int(x) for x in sizes])
+    benchmark.pedantic(lambda: (one(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
 @pytest.mark.parametrize("gran", ["tensor", "row", (1, 128), (128, 128)],
                          ids=["tensor", "row", "1x128", "128x128"])
 def test_quantize_fp8(benchmark, record, torch, gpu_name, gran):
