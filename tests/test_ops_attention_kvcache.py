@@ -282,14 +282,18 @@ def test_decoding_kernels_compile_without_spills():
         print(f"{name}: {rep['registers']} registers, {rep['config']}")
 
 @sim
-@pytest.mark.parametrize("n,ways,d", [(5, 1, 80), (6, 2, 40), (41, 2, 80)])
-def test_combine_kernel_against_float64(n, ways, d):
-    """The combine kernel alone: ``n`` partials merged by ``ways`` warps a row (one split
-    step left over where the count is odd; rows past the last in the block's second row
-    slot), against float64 — a split that saw no key (-inf), a row no split saw (zeros, LSE
-    -inf); every output element written (poisoned first)."""
+@pytest.mark.parametrize("n,ways,d", [(5, 1, 80), (6, 2, 40), (41, 2, 80), (70, 4, 40)])
+def test_combine_kernel_against_float64(monkeypatch, n, ways, d):
+    """The combine kernel alone: ``n`` partials merged by ``ways`` warps a row (four-split
+    steps and the splits left over; rows past the last in a block's last row slot), against
+    float64 — a split that saw no key (-inf), a row no split saw (zeros, LSE -inf); every
+    output element written (poisoned first). Four ways with the GPU's four warps a block (the
+    simulator's default is two)."""
     from tilepy.arrays import device_view
     from tilepy.ops import attention_decode_mma_sync as dec
+
+    if ways > dec.COMBINE_WARPS:
+        monkeypatch.setattr(dec, "COMBINE_WARPS", ways)
 
     rng = np.random.default_rng()
     b, hk, sq, g = 2, 2, 1, 3

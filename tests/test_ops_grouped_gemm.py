@@ -174,13 +174,15 @@ def test_unchecked_offsets_are_clamped(hopper):
 
 
 @sim
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_gradient_in_b(one_launch):
+@pytest.mark.parametrize("one_launch,strided", [(True, False), (False, False), (True, True)])
+def test_gradient_in_b(one_launch, strided):
     """``out[g] = a[rows of g]ᵀ @ dout[rows of g]``: one launch (the rows a k-range read from
     the offsets on the device: 37 rows over several k steps, one row, none) and per group
-    through ``tilepy.gemm``; K and N cut across tiles; ``out`` poisoned first."""
+    through ``tilepy.gemm``; K and N cut across tiles; ``out`` poisoned first; ``strided``:
+    ``dout`` a transposed view (copied for the one launch)."""
     rng = np.random.default_rng()
-    a, dout = rand(rng, (41, 40), "float16"), rand(rng, (41, 24), "float16")
+    a = rand(rng, (41, 40), "float16")
+    dout = rand(rng, (24, 41), "float16").T if strided else rand(rng, (41, 24), "float16")
     ends = np.array([1, 1, 4, 41], np.int32)
     out = np.full((4, 40, 24), np.nan, np.float16)
     got = grouped_gemm_weight_grad(a, dout, ends, 4, out=out, one_launch=one_launch)
@@ -197,8 +199,10 @@ def test_gradient_in_b_errors():
     ends = np.array([2, 6], np.int32)
     with pytest.raises(ValueError, match=r"out must be \(2, 16, 8\) float16"):
         grouped_gemm_weight_grad(a, a[:, :8], ends, 2, out=np.zeros((2, 8, 16), np.float16))
-    with pytest.raises(ValueError, match="one_launch: a and dout must be row-major"):
+    with pytest.raises(ValueError, match="one_launch: N must be a multiple of 8"):
         grouped_gemm_weight_grad(a, np.zeros((6, 12), np.float16), ends, 2, one_launch=True)
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        grouped_gemm_weight_grad(a, a[:, :8], np.array([4, 2], np.int32), 2, one_launch=True)
 
 
 def test_errors_are_raised_before_launch():

@@ -328,7 +328,7 @@ def plan(kernel, cfg: GemmConfig, a, b, out, c, bias, alpha=1.0, beta=0.0):
     batch past the grid's y limit launches in chunks (:data:`BATCH_SPLIT`)."""
     args = (a, b, out, c, bias, np.float32(alpha), np.float32(beta))
     allow_dynamic_shared(kernel, args, cfg.smem_bytes)
-    g = grid(cfg, a.shape[1], out.shape[2], out.shape[0])
+    g = grid(cfg, out.shape[1], out.shape[2], out.shape[0])   # (M from out: a may be k-major)
     return LaunchPlan(kernel, args, g, cfg.threads, cfg.smem_bytes, split=BATCH_SPLIT), args
 
 

@@ -251,14 +251,15 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None, one_lau
 
     ``one_launch=True``: one launch of the mma.sync kernel
     (:func:`tilepy.ops.gemm_mma_sync.grouped_weight_grad_kernel`), which finds each group's
-    rows from the offsets on the device (clamped as :func:`grouped_gemm` clamps them, not
-    checked): no synchronisation, so it can be captured into a CUDA graph. It needs ``a`` and
-    ``dout`` row-major with 16-byte aligned rows and a row-major ``out``. ``False``: the
-    offsets are read on the host (a synchronisation with the stream; checked as
-    :func:`grouped_gemm` checks them) and each group is one ``tilepy.gemm`` of a transposed
-    view (on sm_90 the TMA / wgmma kernels, faster for large groups). None (the default): one
-    launch while the stream is being captured or where the device is not sm_90, else the
-    per-group calls."""
+    rows from the offsets on the device (clamped as :func:`grouped_gemm` clamps them), so it
+    can be captured into a CUDA graph; it needs N a multiple of 8, ``out`` (if given)
+    row-major and 16-byte aligned and at most 65535 groups (``a`` and ``dout`` that are not
+    row-major with 16-byte aligned rows are copied first). ``False``: each group is one
+    ``tilepy.gemm`` of a transposed view (on sm_90 the TMA / wgmma kernels, faster for large
+    groups), the offsets read on the host. None (the default): one launch while the stream
+    is being captured or where the device is not sm_90 (when it can), else the per-group
+    calls. Outside a capture the offsets are read on the host and checked as
+    :func:`grouped_gemm` checks them (a synchronisation with the stream), either way."""
     from . import gemm as gm_op
 
     A = describe(a, "a", allow_float32=False)
@@ -278,48 +279,42 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None, one_lau
     with arrays.on_device(device):
         stream = arrays.stream_handle(A)
         capturing = device_write.stream_capturing(stream)
-        fits = _weight_grad_fits(A, D, Out)
+        fits = n % 8 == 0 and groups <= launch.MAX_GRID_YZ and (Out is None or (
+            Out.strides == (k * n, n, 1) and Out.byte_pointer() % 16 == 0))
         if one_launch is None:
             one_launch = fits and (capturing or arrays.SIMULATOR or
                                    not launch.is_hopper(device))
-        if one_launch and not fits:
-            raise ValueError("one_launch: a and dout must be row-major with 16-byte aligned "
-                             "rows (K and N multiples of 8) and out row-major")
+        elif one_launch and not fits:
+            raise ValueError(f"one_launch: N must be a multiple of 8, out (if given) row-major "
+                             f"and 16-byte aligned, and at most {launch.MAX_GRID_YZ} groups")
         if not one_launch and capturing:
-            raise NotImplementedError("grouped_gemm_weight_grad(one_launch=False) reads the "
-                                      "offsets on the host: it cannot be captured into a CUDA "
-                                      "graph (one_launch=None or True can)")
+            raise NotImplementedError(
+                "grouped_gemm_weight_grad: the per-group path reads the offsets on the host, so "
+                "it cannot be captured into a CUDA graph; the one-launch path needs N a "
+                f"multiple of 8, out (if given) row-major and at most {launch.MAX_GRID_YZ} "
+                "groups")
         if out is None:
             out = arrays.empty(A, (groups, k, n), A.dtype)
             Out = describe(out, "out")
         if groups == 0 or k == 0 or n == 0:
             return out
+        if not capturing:       # (eager: the offsets checked, as grouped_gemm checks them)
+            check_values(arrays.to_host(Offs).astype(np.int64), A.shape[0])
         if one_launch:
+            A2, D2 = gm.aligned_rows(A), gm.aligned_rows(D)     # (copies where not row-major)
             cfg = gm.choose_config(k, n, max(A.shape[0] // groups, 1), groups, A.dtype)
             kern = tc.grouped_weight_grad_kernel(cfg, A.dtype)
-            args = (kernel_view(A, 2), kernel_view(D, 2), kernel_view(Out, 3), kernel_view(Offs),
-                    arrays.placeholder(1), np.float32(1.0))
+            args = (kernel_view(A2, 2), kernel_view(D2, 2), kernel_view(Out, 3),
+                    kernel_view(Offs), arrays.placeholder(1), np.float32(1.0))
             allow_dynamic_shared(kern, args, cfg.smem_bytes)
             LaunchPlan(kern, args, tc.grouped_weight_grad_grid(cfg, k, n, groups), cfg.threads,
                        cfg.smem_bytes).launch(stream, args)
+            device_write.keep_during_capture(stream, A2, D2)
             return out
         ends = arrays.to_host(Offs).astype(np.int64)
-        check_values(ends, A.shape[0])
         start = 0
         for g, end in enumerate(ends):
             gm_op.gemm(a[start:end].T, dout[start:end], out=out[g])
             start = int(end)
         return out
 
-
-def _weight_grad_fits(A, D, Out) -> bool:
-    """Whether the one-launch gradient in ``b`` reads ``a`` and ``dout`` and writes ``out`` in
-    place: row-major, rows and starts 16-byte aligned (the mma.sync kernel's cp.async)."""
-    def rows_ok(X):
-        st = X.strides
-        return st[-1] == 1 and all(x % 8 == 0 and x > 0 for x in st[:-1]) and \
-            X.shape[-1] % 8 == 0 and X.byte_pointer() % 16 == 0
-
-    return rows_ok(A) and rows_ok(D) and (Out is None or (
-        Out.strides == (Out.shape[1] * Out.shape[2], Out.shape[2], 1) and
-        Out.byte_pointer() % 16 == 0))
