@@ -78,7 +78,7 @@ def test_against_float64(case):
         check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head)
 
 
-def check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head):
+def check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head, config=None):
     rng = np.random.default_rng()
     q, k, v = codes(rng, (b, hq, sq, d)), codes(rng, (b, hk, sk, d)), codes(rng, (b, hk, sk, dv))
     if per_head:
@@ -94,7 +94,7 @@ def check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head):
     got, lse = tilepy.flash_attention(to_layout(q), to_layout(k), to_layout(v), causal=causal,
                                       window=window, softcap=cap, descale_q=ds[0],
                                       descale_k=ds[1], descale_v=ds[2], return_lse=True,
-                                      out=out, layout=layout)
+                                      out=out, layout=layout, config=config)
     assert got is out
     got = to_layout(got.astype(np.float64))
     want, want_lse, bound = reference(q, k, v, *ds, causal=causal, window=window, softcap=cap)
@@ -105,6 +105,19 @@ def check_case(b, hq, hk, sq, sk, d, dv, causal, window, cap, layout, per_head):
     assert np.abs(lse[finite] - want_lse[finite]).max() <= 1e-5 * max(1, np.abs(want_lse).max())
     if sq > sk and causal:     # the first sq - sk rows see no key: zeros
         assert (got[:, :, :sq - sk] == 0).all()
+
+
+@pytest.mark.sim
+def test_exponentials_on_the_fma_pipe():
+    """``WgmmaAttentionConfig(fma_exp_every=2)``: every other 8-key tile's exponentials by the
+    FMA-pipe cubic (relative error 8e-5, far inside e4m3's rounding of P) — the same bounds as
+    the default kernel, rows with no key included."""
+    import dataclasses
+
+    cfg = dataclasses.replace(af.default_config(32, 32), fma_exp_every=2)
+    check_case(1, 2, 1, 100, 40, 32, 32, True, None, 0.0, "bhsd", True, config=cfg)
+    with pytest.raises(ValueError, match="fma_exp_every must be 0 or an int in 2"):
+        dataclasses.replace(cfg, fma_exp_every=1)
 
 
 @pytest.mark.sim

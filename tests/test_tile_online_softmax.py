@@ -23,7 +23,7 @@ import pytest
 from numba import cuda
 
 from tilepy.offline import find_ptxas, run_in_subprocess
-from tilepy.tile.online_softmax import online_softmax_finalize, online_softmax_update
+from tilepy.tile.online_softmax import exp2_fma, online_softmax_finalize, online_softmax_update
 
 TARGETS = [pytest.param("sim", marks=pytest.mark.sim, id="sim"),
            pytest.param("gpu", marks=pytest.mark.gpu, id="gpu")]
@@ -34,11 +34,11 @@ C_HEAD64 = np.float32(LOG2E / 8.0)  # softmax scale 1/sqrt(64), in log2 units
 
 
 @functools.cache
-def stream_kernel(mi, ni, nb, quad_sum, threshold=None, shift=0):
+def stream_kernel(mi, ni, nb, quad_sum, threshold=None, shift=0, every=0):
     """kernel(S, scale_log2[1], out, stats): out = finalized softmax of S (mi·16 × nb·ni·8);
     stats[kb, (m, l, alpha), lane, i, h] after block kb, stats[nb, 1] = l after finalize."""
     update = online_softmax_update(mi, ni, quad_sum, rescale_threshold=threshold,
-                                   p_scale_log2=shift)
+                                   p_scale_log2=shift, fma_exp_every=every)
     finalize = online_softmax_finalize(mi, nb * ni, quad_sum)
     no = nb * ni
     neg_inf = np.float32(-np.inf)
@@ -90,8 +90,8 @@ def stream_kernel(mi, ni, nb, quad_sum, threshold=None, shift=0):
     return k
 
 
-def run_stream(s, c, mi, ni, nb, quad_sum, threshold=None, shift=0):
-    kern = stream_kernel(mi, ni, nb, quad_sum, threshold, shift)
+def run_stream(s, c, mi, ni, nb, quad_sum, threshold=None, shift=0, every=0):
+    kern = stream_kernel(mi, ni, nb, quad_sum, threshold, shift, every)
     args = [s, np.array([c], np.float32), np.full(s.shape, 7.0, np.float32),
             np.full((nb + 1, 3, 32, mi, 2), 7.0, np.float32)]
     dev = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
@@ -161,9 +161,9 @@ def assert_close(got, want, rtol, what):
                            f"tolerance {rtol:.3g}")
 
 
-def check_stream(s, c, mi, ni, nb, quad_sum, out, stats):
+def check_stream(s, c, mi, ni, nb, quad_sum, out, stats, extra=0.0):
     soft, steps = reference(s, c, nb)
-    rtol = tolerance(s, c, nb, ni)
+    rtol = tolerance(s, c, nb, ni) + extra
     assert_close(out, soft, rtol, "softmax")
     for kb, (m, lsum, alpha) in enumerate(steps):
         got_m, got_l, got_a = stats[kb]
@@ -259,6 +259,55 @@ def test_large_scores_stay_finite(target, c):
     assert np.allclose(out[2], 1 / s.shape[1], rtol=1e-6)
 
 
+@functools.cache
+def exp2_fma_kernel():
+    @cuda.jit
+    def k(x, y):
+        i = cuda.grid(1)
+        if i < x.size:
+            y[i] = exp2_fma(x[i])
+
+    return k
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_exp2_fma_against_float64(target):
+    """:func:`exp2_fma` (2**x without the MUFU): relative error at most 8e-5 from -125 to 127,
+    +0 below -125 and at -inf, NaN for NaN."""
+    x = np.concatenate([np.linspace(-125, 40, 4001),
+                        np.random.default_rng(3).uniform(-30, 16, 2000),
+                        [0.0, -0.5, 0.5, -124.999, -125.0, 127.0, -125.5, -126.0, -200.0,
+                         -np.inf, np.nan]]).astype(np.float32)
+    y = np.full(x.shape, 7.0, np.float32)
+    dev = [cuda.to_device(a) for a in (x, y)]
+    exp2_fma_kernel()[(x.size + 127) // 128, 128](*dev)
+    got = dev[1].copy_to_host().astype(np.float64)
+    want = np.exp2(x.astype(np.float64))
+    inside = x >= -125
+    assert (np.abs(got[inside] / want[inside] - 1) <= 8e-5).all()
+    low = (x < -125) & ~np.isnan(x)
+    assert (got[low] == 0).all() and np.isnan(got[np.isnan(x)]).all()
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("masked", [False, True], ids=["scores", "masked"])
+def test_fma_exponentials_stream(target, masked):
+    """``fma_exp_every=2``: every other 8-key tile's exponentials by :func:`exp2_fma` — the same
+    softmax, max and alpha within the cubic's error (p, the sums and the quotient: 3 · 8e-5
+    more); masked rows still exactly 0, never NaN."""
+    mi, ni, nb = 1, 2, 3
+    if masked:
+        s = masked_scores(mi, ni, nb)
+    else:
+        s = (np.random.default_rng(12).standard_normal((16, 8 * ni * nb)) * 4).astype(np.float32)
+        s[::3, -8 * ni:] += 6
+    out, stats = run_stream(s, C_HEAD64, mi, ni, nb, True, every=2)
+    check_stream(s, C_HEAD64, mi, ni, nb, True, out, stats, extra=2.4e-4)
+    assert not np.isnan(out).any() and not np.isnan(stats).any()
+    if masked:
+        assert (out[0] == 0).all() and (out[12, :-1] == 0).all()
+
+
 def test_generator_arguments():
     assert online_softmax_update(2, 8) is online_softmax_update(2, 8)
     with pytest.raises(ValueError, match="online_softmax_update: ni must be an integer >= 1"):
@@ -297,6 +346,21 @@ def test_update_2x8_compiles_to_registers_only(reports, quad_sum):
     assert rep["registers"] <= 168, rep["registers"]
     print(f"online_softmax 2x8 {'quad' if quad_sum else 'deferred'} sum: "
           f"{rep['registers']} registers, {rep['ex2']} ex2, {c['shfl']} shfl")
+
+
+@pytest.mark.compile
+@pytest.mark.xdist_group("online_softmax_reports")
+def test_fma_exponentials_compile_to_registers_only(reports):
+    """``fma_exp_every=2``: half the scores' ex2 gone (2·(4·4 + 2) = 36 a block, against 68),
+    no local memory, no spill."""
+    rep = reports["online_softmax_2x8_deferred_sum_fma_exp_2"]
+    assert "error" not in rep, rep["error"]
+    assert rep["stack_frame"] == 0 and rep["local_bytes"] == 0
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0
+    k, rest = divmod(rep["ex2"], 36)
+    assert k >= 1 and rest == 0, rep["ex2"]
+    print(f"online_softmax 2x8 fma_exp_every=2: {rep['registers']} registers, "
+          f"{rep['ex2']} ex2")
 
 
 # ---- lazy rescaling -----------------------------------------------------------------------------
@@ -368,6 +432,8 @@ def test_p_scaled_in_the_exponent(target):
     np.testing.assert_array_equal(stats[:nb, 0], plain[:nb, 0])      # the max in use
     with pytest.raises(ValueError, match="p_scale_log2 must be an int"):
         online_softmax_update(1, 2, p_scale_log2=0.5)
+    with pytest.raises(ValueError, match="fma_exp_every must be 0 or an int in 2"):
+        online_softmax_update(1, 2, fma_exp_every=3)
 
 
 def test_lazy_threshold_is_checked():

@@ -231,6 +231,9 @@ class WgmmaAttentionConfig:
     ``overlap``: pipeline the softmax of
     key block j+1 with the P·V wgmmas of block j inside each warpgroup (FlashAttention-3's
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`).
+    ``fma_exp_every`` (0: off; 2 … block_n / 8): every ``k``-th 8-key tile's exponentials
+    computed on the FMA pipe (:func:`tilepy.tile.online_softmax.exp2_fma`, relative error
+    8e-5) instead of the MUFU's ``ex2``, which the 8-bit kernels' softmax keeps busy.
 
     ``dtype="float8_e4m3fn"`` (:data:`FP8_DTYPES`): the FP8 kernel (``tma=True`` with
     ``producer=True``, 64- or 128-key blocks, head dims multiples of 16): Q and K as e4m3 (128-column sub-tiles, k32 wgmmas),
@@ -249,6 +252,7 @@ class WgmmaAttentionConfig:
     pingpong: bool = False
     producer: bool = False
     head_dim_v: int | None = None
+    fma_exp_every: int = 0
 
     def __post_init__(self):
         def need(ok, what):
@@ -299,6 +303,9 @@ class WgmmaAttentionConfig:
         need(isinstance(self.tma, bool), "tma must be a bool")
         need(isinstance(self.pingpong, bool), "pingpong must be a bool")
         need(isinstance(self.producer, bool), "producer must be a bool")
+        need(isinstance(self.fma_exp_every, int) and not isinstance(self.fma_exp_every, bool)
+             and (self.fma_exp_every == 0 or 2 <= self.fma_exp_every <= self.block_n // 8),
+             f"fma_exp_every must be 0 or an int in 2 … {self.block_n // 8} (block_n / 8)")
         need(self.tma or not (self.pingpong or self.producer),
              "pingpong and producer need tma=True (they schedule the TMA-fed kernel)")
         need(self.block_m >= 128 or not self.pingpong,
@@ -448,7 +455,9 @@ class WgmmaAttentionConfig:
                 + (", wgmma issue alternating between the warpgroups (ping-pong)"
                    if self.pingpong else "")
                 + (", a producer warpgroup (setmaxnreg {}/{})".format(*self.registers)
-                   if self.producer else ""))
+                   if self.producer else "")
+                + (f", every {self.fma_exp_every}th 8-key tile's exponentials on the FMA pipe"
+                   if self.fma_exp_every else ""))
 
 
 def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
@@ -567,7 +576,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
     update = online_softmax_update(
         1, NS, quad_sum=False, max_chains=2,
         rescale_threshold=FP8_RESCALE_THRESHOLD if FP8 else RESCALE_THRESHOLD,
-        p_scale_log2=FP8_P_SCALE_LOG2 if FP8 else 0)
+        p_scale_log2=FP8_P_SCALE_LOG2 if FP8 else 0, fma_exp_every=cfg.fma_exp_every)
     finalize = online_softmax_finalize(1, NO, quad_sum=False)
     # without a lower bound (window left -1) kb_first and all_first are the constant 0
     bounds = key_blocks(BM, BN, False, WIN)
@@ -1962,7 +1971,9 @@ VARLEN_REPORTS = ((128, True), (64, False))
 
 #: FP8 TMA kernels of :func:`compile_reports` (ping-pong, a producer warpgroup, 128 query
 #: rows): (head_dim, block_n, causal with LSE).
-FP8_REPORTS = ((128, 128, True), (128, 128, False), (256, 64, False), (64, 128, True))
+#: (head_dim, block_n, causal, fma_exp_every) of the FP8 kernels' reports
+FP8_REPORTS = ((128, 128, True, 0), (128, 128, False, 0), (256, 64, False, 0),
+               (64, 128, True, 0), (128, 128, False, 2))
 
 
 def _variant_entry(d, bm, pingpong, persistent, window, cap):
@@ -2057,11 +2068,11 @@ def _tma_reports():
         name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
-    for d, bn, causal in FP8_REPORTS:
+    for d, bn, causal, every in FP8_REPORTS:
         cfg = WgmmaAttentionConfig(d, 128, bn, "float8_e4m3fn", overlap=True, tma=True,
-                                   pingpong=True, producer=True)
+                                   pingpong=True, producer=True, fma_exp_every=every)
         name = (f"attention_wgmma_tma_pingpong_producer_fp8_d{d}_128x{bn}"
-                f"{'_causal_lse' if causal else ''}")
+                f"{'_causal_lse' if causal else ''}{f'_fma_exp_{every}' if every else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
     from .attention import HOPPER_CHOICE
 

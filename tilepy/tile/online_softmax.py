@@ -42,17 +42,53 @@ import numpy as np
 from numba import cuda
 
 from ..inline import inline_device, written_out
-from ..ptx.math import ex2_approx
+from ..ptx.math import ex2_approx, f32_as_u32, u32_as_f32
 from .reduce import _check_count, fragment_row_reduce, quad_row_reduce
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 
+# exp2_fma: 1.5 · 2**23 rounds a float32 of magnitude below 2**22 to an integer in its low
+# mantissa bits (``t``'s bits minus _ROUND_BITS are that integer); 2**f on [-1/2, 1/2] by a
+# cubic fitted for relative error (at most 8e-5: far below bfloat16's and e4m3's steps)
+_ROUND = np.float32(12582912.0)
+_ROUND_BITS = 0x4B400000
+_C0 = np.float32(0.9999289512634277)
+_C1 = np.float32(0.6932762265205383)
+_C2 = np.float32(0.24260404706001282)
+_C3 = np.float32(0.05508868396282196)
+_LOWEST = np.float32(-125.0)     # (p · 2**n stays a normal float32 down to here)
+_HIGHEST = np.float32(127.0)
+
+
+@inline_device
+def exp2_fma(x):
+    """``2**x`` for a float32 ``x`` on the FMA and integer pipes, no MUFU ``ex2``: ``x = n + f``
+    (``n`` the nearest integer by the 1.5·2**23 rounding trick, ``|f| ≤ 1/2``), a cubic for
+    ``2**f`` (relative error at most 8e-5), ``n`` added to its exponent bits. ``x < -125``
+    (-inf included) gives +0 (``ex2.approx.ftz`` flushes only below -126: the difference is
+    below 2**-125) and NaN stays NaN; ``x > 127`` gives 2**127 (the softmax's exponents stay
+    far below). What :func:`online_softmax_update`'s
+    ``fma_exp_every`` moves off the MUFU pipe, which the 8-bit kernels' exponentials fill."""
+    xc = min(max(x, _LOWEST), _HIGHEST)
+    t = xc + _ROUND
+    f = xc - (t - _ROUND)
+    p = ((_C3 * f + _C2) * f + _C1) * f + _C0
+    n = np.int64(f32_as_u32(t)) - _ROUND_BITS
+    bits = (np.int64(f32_as_u32(p)) + (n << 23)) & 0xFFFFFFFF
+    y = u32_as_f32(np.uint32(bits))
+    if x < _LOWEST:
+        y = _ZERO
+    if x != x:
+        y = x
+    return y
+
 
 @functools.cache
 def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: int = 1,
-                          rescale_threshold: float | None = None, p_scale_log2: int = 0):
+                          rescale_threshold: float | None = None, p_scale_log2: int = 0,
+                          fma_exp_every: int = 0):
     """``update(scores, row_max, row_sum, out_acc_scale, scale_log2)`` for one key block; one warp.
 
     * ``scores``: (mi, ni, 4) float32 fragment of S for this key block (``mi*16`` rows,
@@ -82,8 +118,13 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
       above the small probabilities (e4m3). The caller divides what it derives by ``2**e``
       where it needs the true sums (the LSE); the output ``Σ p·v / Σ p`` needs nothing.
 
+    * ``fma_exp_every`` (an int ``k``, 0 or 2 … ``ni``): the exponentials of every ``k``-th
+      8-key column tile (``j % k == k - 1``) by :func:`exp2_fma` on the FMA pipe instead of
+      ``ex2`` on the MUFU pipe, which then shares the softmax's exponentials with it
+      (FlashAttention-4's remedy where MMAs outrun the MUFU); 0 (the default): all ``ex2``.
+
     Shuffles: ``mi*4`` for the max, ``mi*4`` more for the sum with ``quad_sum``. ex2:
-    ``mi * (ni*4 + 2)``.
+    ``mi * (ni*4 + 2)`` (fewer with ``fma_exp_every``).
     """
     _check_count("online_softmax_update", "mi", mi)
     _check_count("online_softmax_update", "ni", ni)
@@ -97,6 +138,11 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
         raise ValueError("online_softmax_update: p_scale_log2 must be an int in 0 … 16, got "
                          f"{p_scale_log2!r}")
     SHIFT = np.float32(p_scale_log2)
+    if not (isinstance(fma_exp_every, (int, np.integer)) and not isinstance(fma_exp_every, bool)
+            and (fma_exp_every == 0 or 2 <= fma_exp_every <= ni)):
+        raise ValueError(f"online_softmax_update: fma_exp_every must be 0 or an int in 2 … "
+                         f"{ni} (ni), got {fma_exp_every!r}")
+    EVERY = int(fma_exp_every)
     max_into = fragment_row_reduce("max", mi, ni, accumulate=True, chains=max_chains)
     sum_into = fragment_row_reduce("sum", mi, ni, accumulate=True, quad=bool(quad_sum))
 
@@ -132,8 +178,14 @@ def online_softmax_update(mi: int, ni: int, quad_sum: bool = True, max_chains: i
                 out_acc_scale[i, h] = alpha
                 row_sum[i, h] = row_sum[i, h] * alpha
                 for j in range(ni):
-                    scores[i, j, 2 * h] = ex2_approx(scores[i, j, 2 * h] * c - m_scaled)
-                    scores[i, j, 2 * h + 1] = ex2_approx(scores[i, j, 2 * h + 1] * c - m_scaled)
+                    if EVERY and j % EVERY == EVERY - 1:
+                        scores[i, j, 2 * h] = exp2_fma(scores[i, j, 2 * h] * c - m_scaled)
+                        scores[i, j, 2 * h + 1] = exp2_fma(scores[i, j, 2 * h + 1] * c -
+                                                           m_scaled)
+                    else:
+                        scores[i, j, 2 * h] = ex2_approx(scores[i, j, 2 * h] * c - m_scaled)
+                        scores[i, j, 2 * h + 1] = ex2_approx(scores[i, j, 2 * h + 1] * c -
+                                                             m_scaled)
         sum_into(scores, row_sum)
 
     return update
@@ -209,7 +261,7 @@ def accumulator_fragment(n: int):
 
 # ---- offline compile check ----------------------------------------------------------------
 
-def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True):
+def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True, fma_exp_every: int = 0):
     """A kernel streaming the update over ``nblocks`` key blocks, for the offline check.
 
     ``kernel(s, out, nblocks, scale_log2)``, one warp: block ``kb``'s scores for lane ``L``
@@ -217,7 +269,7 @@ def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True):
     rescaled by alpha and gets ``p`` added (a stand-in for ``p @ V`` that uses every value),
     then is finalized and stored to ``out[L, :]``.
     """
-    update = online_softmax_update(mi, ni, quad_sum)
+    update = online_softmax_update(mi, ni, quad_sum, fma_exp_every=fma_exp_every)
     finalize = online_softmax_finalize(mi, nd, quad_sum)
 
     def kernel(s, out, nblocks, scale_log2):
@@ -255,7 +307,8 @@ def streaming_kernel(mi: int, ni: int, nd: int, quad_sum: bool = True):
 
 def compile_reports():
     """Offline reports (sm_90) of :func:`streaming_kernel` for mi=2, ni=8, nd=8 (a 32-row
-    warp tile, 64-key blocks, head dim 64), with the sum reduced per block and deferred.
+    warp tile, 64-key blocks, head dim 64), with the sum reduced per block and deferred, and
+    deferred with every other tile's exponentials on the FMA pipe (``fma_exp_every=2``).
 
     Run with the simulator off: ``tilepy.offline.run_in_subprocess(
     "tilepy.tile.online_softmax:compile_reports")``.
@@ -268,11 +321,13 @@ def compile_reports():
 
     argtypes = (types.float32[:, :, ::1], types.float32[:, ::1], types.int32, types.float32)
     out = []
-    for quad_sum in (True, False):
-        name = f"online_softmax_2x8_{'quad_sum' if quad_sum else 'deferred_sum'}"
+    for quad_sum, every in ((True, 0), (False, 0), (False, 2)):
+        name = (f"online_softmax_2x8_{'quad_sum' if quad_sum else 'deferred_sum'}"
+                + (f"_fma_exp_{every}" if every else ""))
         entry = {"name": name, "mi": 2, "ni": 8, "nd": 8, "quad_sum": quad_sum}
         try:
-            rep = compile_kernel(name, streaming_kernel(2, 8, 8, quad_sum), argtypes, (9, 0))
+            rep = compile_kernel(name, streaming_kernel(2, 8, 8, quad_sum, every), argtypes,
+                                 (9, 0))
         except Exception as e:  # reported; the test fails on it
             entry["error"] = f"{type(e).__name__}: {e}"
         else:
@@ -284,4 +339,4 @@ def compile_reports():
     return out
 
 
-__all__ = ["accumulator_fragment", "online_softmax_finalize", "online_softmax_update"]
+__all__ = ["accumulator_fragment", "exp2_fma", "online_softmax_finalize", "online_softmax_update"]
