@@ -58,10 +58,12 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
-#   PART=s36a    what session 35 left unmeasured: the grouped GEMM's one-launch gradient in b
-#                against the per-group calls and a cuBLAS loop; Nsight of the FP8 GEMM with block
-#                scales (issue 28's 0.75-0.81x case). Before it, set the decoding combine kernel
-#                to eight warps (bench/NOTES.md, session 35) and run the decoding benchmark
+#   PART=s36a    what session 35 left unmeasured (run first): the decoding benchmark with the
+#                combine kernel in blocks of eight warps beside four (B1's 64 splits), the FP8
+#                attention benchmark with every other tile's exponentials on the FMA pipe
+#                (fma_exp_every=2) beside the default; their GPU tests (and exp2_fma's)
+#   PART=s36b    the grouped GEMM's one-launch gradient in b against the per-group calls and a
+#                cuBLAS loop; Nsight of the FP8 GEMM with block scales (the 0.75-0.81x case)
 #   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
 #                (the one-launch gradient in b captured in a graph)
 #   PART=s35d    the combine kernel with up to eight warps a row (B1's 64 splits in two steps a
@@ -362,7 +364,14 @@ if [[ " $PART " == *" s32c "* ]]; then
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
 fi
 if [[ " $PART " == *" s36a "* ]]; then
-    # (at most 8 files come back from $OUT: logs and Nsight files in archives)
+    # (at most 8 files come back from $OUT: logs in an archive)
+    bench_suite bench_attention_kvcache 170 "test_flash_attention_with_kvcache"
+    bench_suite bench_attention_fp8 170 "test_flash_attention_fp8"
+    gpu_tests attention_fp8_kvcache_gpu 100 tests/test_ops_attention_fp8.py \
+        tests/test_ops_attention_kvcache.py tests/test_tile_online_softmax.py
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+fi
+if [[ " $PART " == *" s36b "* ]]; then
     bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
     mkdir -p "$OUT/ncu"
     NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8_block_step 200 \

@@ -440,7 +440,7 @@ MAX_COMBINE_SPLITS = 1024
 
 @functools.cache
 def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
-                   ways: int = 1):
+                   ways: int = 1, warps: int = 0):
     """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
     (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
     ``part_lse`` (S, B, Hkv, G, Sq) float32, S at most :data:`MAX_COMBINE_SPLITS` — into ``o``
@@ -448,8 +448,8 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     ``lse = log Σ_s exp(lse_s)`` (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32
     (-inf, and a zero row, where no split saw a key).
 
-    Grid :func:`combine_grid`, :data:`COMBINE_WARPS` warps a block: ``ways`` warps a packed
-    row (``r = i · G + g``; ``COMBINE_WARPS / ways`` rows a block). Each warp of a row reduces
+    Grid :func:`combine_grid`, ``warps`` warps a block (0: :data:`COMBINE_WARPS`): ``ways``
+    warps a packed row (``r = i · G + g``; ``warps / ways`` rows a block). Each warp of a row reduces
     the row's LSE over the splits (lanes over the splits, warp shuffles), the row's first warp
     puts the weights in shared memory; then each warp sums every ``ways``-th split (four splits
     a step: their loads in flight together), each lane two columns of every 64, and the
@@ -462,15 +462,16 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     kernel has finished."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
-    if ways not in (1, 2, 4) or ways > COMBINE_WARPS:
-        raise ValueError(f"combine_kernel: ways must be 1, 2 or 4 and at most "
-                         f"{COMBINE_WARPS}, got {ways!r}")
+    warps = warps or COMBINE_WARPS
+    if warps not in (2, 4, 8) or ways not in (1, 2, 4, 8) or ways > warps:
+        raise ValueError(f"combine_kernel: warps must be 2, 4 or 8 and ways 1, 2, 4 or 8, at "
+                         f"most warps; got warps={warps!r}, ways={ways!r}")
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     D = head_dim
     NP = -(-(head_dim // 2) // 32)      # column pairs per lane
     NX = 2 * NP
     WAYS = ways
-    ROWS_PB = COMBINE_WARPS // WAYS
+    ROWS_PB = warps // WAYS
     OTHERS = max(WAYS - 1, 1)
     HAS_LSE = bool(has_lse)
     WAIT = bool(wait)
@@ -479,7 +480,7 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     red_sum = warp_reduce("sum")
     f32 = np.float32
 
-    @_kernel_jit(True, COMBINE_WARPS * 32)
+    @_kernel_jit(True, warps * 32)
     def kernel(parts, part_lse, o, lse):
         if WAIT:
             griddepcontrol_wait()
@@ -574,26 +575,36 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     return kernel
 
 
-#: Warps of a :func:`combine_kernel` block (two in the simulator, where every thread is a
-#: Python thread).
+#: Warps of a :func:`combine_kernel` block by default (two in the simulator, where every
+#: thread is a Python thread); :data:`tilepy.ops.attention_kvcache.COMBINE_WARPS` chooses for
+#: the op.
 COMBINE_WARPS = 2 if SIMULATOR else 4
 
 
-def combine_ways(splits: int) -> int:
-    """The warps that share a packed row in :func:`combine_kernel` for ``splits`` partials:
-    one up to 8 splits, two up to 32, else four (at most :data:`COMBINE_WARPS`) — at most
-    about two four-split steps a warp up to 32 splits."""
-    return min(COMBINE_WARPS, 1 if splits <= 8 else 2 if splits <= 32 else 4)
+def combine_ways(splits: int, warps: int = 0) -> int:
+    """The warps that share a packed row in :func:`combine_kernel` for ``splits`` partials, in
+    blocks of ``warps`` (0: :data:`COMBINE_WARPS`): with four warps one up to 8 splits, two up
+    to 32, else four (the measured choice); with eight one up to 8, two up to 16, four up to 32,
+    else eight (at most two four-split steps a warp up to 64 splits: the candidate for B1's
+    64-split caches)."""
+    warps = warps or COMBINE_WARPS
+    if warps >= 8:
+        ways = 1 if splits <= 8 else 2 if splits <= 16 else 4 if splits <= 32 else 8
+    else:
+        ways = 1 if splits <= 8 else 2 if splits <= 32 else 4
+    return min(warps, ways)
 
 
-def combine_threads(head_dim: int = 0) -> int:
-    """Threads of a :func:`combine_kernel` block (any head dim)."""
-    return COMBINE_WARPS * 32
+def combine_threads(warps: int = 0) -> int:
+    """Threads of a :func:`combine_kernel` block of ``warps`` warps (0: :data:`COMBINE_WARPS`)."""
+    return (warps or COMBINE_WARPS) * 32
 
 
-def combine_grid(seq_q: int, group: int, heads_kv: int, batch: int, ways: int) -> tuple:
-    """:func:`combine_kernel`'s grid for ``ways`` warps a packed row: (row groups, Hkv, B)."""
-    per = COMBINE_WARPS // ways
+def combine_grid(seq_q: int, group: int, heads_kv: int, batch: int, ways: int,
+                 warps: int = 0) -> tuple:
+    """:func:`combine_kernel`'s grid for ``ways`` warps a packed row in blocks of ``warps``
+    (0: :data:`COMBINE_WARPS`): (row groups, Hkv, B)."""
+    per = (warps or COMBINE_WARPS) // ways
     return (-(-(seq_q * group) // per), heads_kv, batch)
 
 
@@ -746,15 +757,16 @@ def compile_reports(only=None):
                                 argtypes(True, True), (9, 0), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
     f32 = types.float32
-    for name, wait, ways in (("decode_combine_d128_bf16_lse", False, 1),
-                             ("decode_combine_d128_bf16_lse_wait", True, 1),
-                             ("decode_combine_4ways_d128_bf16_lse_wait", True, 4)):
+    for name, wait, ways, warps in (("decode_combine_d128_bf16_lse", False, 1, 4),
+                                    ("decode_combine_d128_bf16_lse_wait", True, 1, 4),
+                                    ("decode_combine_4ways_d128_bf16_lse_wait", True, 4, 4),
+                                    ("decode_combine_8ways_d128_bf16_lse_wait", True, 8, 8)):
         if only is None or name in only:
-            out.append(report_entry(name, lambda w=wait, y=ways: combine_kernel(
-                                        128, "bfloat16", True, wait=w, ways=y),
+            out.append(report_entry(name, lambda w=wait, y=ways, n=warps: combine_kernel(
+                                        128, "bfloat16", True, wait=w, ways=y, warps=n),
                                     (types.Array(f32, 6, "A"), types.Array(f32, 5, "A"),
                                      types.Array(types.uint16, 5, "A"),
                                      types.Array(f32, 4, "A")),
-                                    (9, 0), threads=combine_threads(128),
+                                    (9, 0), threads=combine_threads(warps),
                                     config="combine d128", smem_bytes=0))
     return out

@@ -86,7 +86,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     ops = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, out)
     fps = [arrays.fingerprint(x) for x in ops]
     cached, key = _PLANS.lookup((tuple(f for f, _ in fps), causal, scale, window, softcap,
-                                 num_splits, return_lse, config, PDL))
+                                 num_splits, return_lse, config, PDL, COMBINE_WARPS))
     if cached is not None:
         call, stream, checker = cached
         if check_seqlens and checker is not None and not device_write.stream_capturing(
@@ -113,6 +113,10 @@ _PLANS = launch.PlanCache()
 #: them — the launch gap between the two overlapped. False launches the two in plain stream
 #: order (the same results, bit for bit).
 PDL = True
+
+#: Warps of the split path's combine kernel block (4, or 8: more warps share a row of many
+#: splits, :func:`tilepy.ops.attention_decode_mma_sync.combine_ways`); the simulator's 2.
+COMBINE_WARPS = dec.COMBINE_WARPS
 
 
 def _run(q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, scale, window, softcap,
@@ -242,11 +246,12 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
     pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
     plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
-    ways = dec.combine_ways(splits)
-    comb = dec.combine_kernel(d, cfg.dtype, lse is not None, wait=pdl, ways=ways)
+    warps = COMBINE_WARPS
+    ways = dec.combine_ways(splits, warps)
+    comb = dec.combine_kernel(d, cfg.dtype, lse is not None, wait=pdl, ways=ways, warps=warps)
     cargs = (p_v, pl_v, o5, lse4)
-    cplan = LaunchPlan(comb, cargs, dec.combine_grid(sq, hq // hk, hk, b, ways),
-                       dec.combine_threads(), dependent=pdl)
+    cplan = LaunchPlan(comb, cargs, dec.combine_grid(sq, hq // hk, hk, b, ways, warps),
+                       dec.combine_threads(warps), dependent=pdl)
     return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src),
             (cplan, cargs, [PARTS, PLSE, OUT, lse_src])]
 
