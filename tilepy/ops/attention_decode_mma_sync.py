@@ -438,9 +438,17 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
 MAX_COMBINE_SPLITS = 1024
 
 
-@functools.cache
 def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
                    ways: int = 1, warps: int = 0):
+    """:func:`_combine_kernel` with ``warps`` 0 resolved to :data:`COMBINE_WARPS` now (the
+    generated kernels are cached by the resolved count, so a later change of the default
+    never hands out a kernel whose block disagrees with :func:`combine_grid`)."""
+    return _combine_kernel(head_dim, dtype, has_lse, bool(wait), ways, warps or COMBINE_WARPS)
+
+
+@functools.cache
+def _combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool, ways: int,
+                    warps: int):
     """``kernel(parts, part_lse, o, lse)``: merge a split kernel's partials
     (:func:`decode_kernel` with ``split``) — ``parts`` (S, B, Hkv, Sq, G, D) float32,
     ``part_lse`` (S, B, Hkv, G, Sq) float32, S at most :data:`MAX_COMBINE_SPLITS` — into ``o``
@@ -462,7 +470,6 @@ def combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool = False,
     kernel has finished."""
     if dtype not in DTYPES:
         raise ValueError(f"combine_kernel: dtype must be one of {DTYPES}, got {dtype!r}")
-    warps = warps or COMBINE_WARPS
     if warps not in (2, 4, 8) or ways not in (1, 2, 4, 8) or ways > warps:
         raise ValueError(f"combine_kernel: warps must be 2, 4 or 8 and ways 1, 2, 4 or 8, at "
                          f"most warps; got warps={warps!r}, ways={ways!r}")

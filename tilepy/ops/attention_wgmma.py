@@ -303,7 +303,8 @@ class WgmmaAttentionConfig:
         need(isinstance(self.tma, bool), "tma must be a bool")
         need(isinstance(self.pingpong, bool), "pingpong must be a bool")
         need(isinstance(self.producer, bool), "producer must be a bool")
-        need(isinstance(self.fma_exp_every, int) and not isinstance(self.fma_exp_every, bool)
+        need(isinstance(self.fma_exp_every, (int, np.integer))
+             and not isinstance(self.fma_exp_every, bool)
              and (self.fma_exp_every == 0 or 2 <= self.fma_exp_every <= self.block_n // 8),
              f"fma_exp_every must be 0 or an int in 2 … {self.block_n // 8} (block_n / 8)")
         need(self.tma or not (self.pingpong or self.producer),
