@@ -456,14 +456,14 @@ def _combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool, ways: 
     ``lse = log Σ_s exp(lse_s)`` (float32), and with ``has_lse`` ``lse`` (B, Hkv, G, Sq) float32
     (-inf, and a zero row, where no split saw a key).
 
-    Grid :func:`combine_grid`, ``warps`` warps a block (0: :data:`COMBINE_WARPS`): ``ways``
-    warps a packed row (``r = i · G + g``; ``warps / ways`` rows a block). Each warp of a row reduces
-    the row's LSE over the splits (lanes over the splits, warp shuffles), the row's first warp
-    puts the weights in shared memory; then each warp sums every ``ways``-th split (four splits
-    a step: their loads in flight together), each lane two columns of every 64, and the
-    row's other warps' sums are added to the first's in shared memory in a fixed order (the
-    same bits every run). :func:`combine_ways` picks ``ways`` from the split count: one warp a
-    row keeps many rows in flight where splits are few, several share a long split list.
+    Grid :func:`combine_grid`, ``warps`` warps a block: ``ways`` warps a packed row (``r = i ·
+    G + g``; ``warps / ways`` rows a block). Each warp of a row reduces the row's LSE over the
+    splits (lanes over the splits, warp shuffles), the row's first warp puts the weights in
+    shared memory; then each warp sums every ``ways``-th split (four splits a step: their
+    loads in flight together), each lane two columns of every 64, and the row's other warps'
+    sums are added to the first's in shared memory in a fixed order (the same bits every
+    run). :func:`combine_ways` picks ``ways`` from the split count: one warp a row keeps many
+    rows in flight where splits are few, several share a long split list.
     ``wait``: the kernel first waits for the kernel ahead of it in the stream
     (:func:`tilepy.ptx.griddep.griddepcontrol_wait`) — for a launch with programmatic stream
     serialisation (``LaunchPlan(..., dependent=True)``), which may begin before the split

@@ -298,8 +298,10 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None, one_lau
             Out = describe(out, "out")
         if groups == 0 or k == 0 or n == 0:
             return out
+        ends = None
         if not capturing:       # (eager: the offsets checked, as grouped_gemm checks them)
-            check_values(arrays.to_host(Offs).astype(np.int64), A.shape[0])
+            ends = arrays.to_host(Offs).astype(np.int64)
+            check_values(ends, A.shape[0])
         if one_launch:
             A2, D2 = gm.aligned_rows(A), gm.aligned_rows(D)     # (copies where not row-major)
             cfg = gm.choose_config(k, n, max(A.shape[0] // groups, 1), groups, A.dtype)
@@ -311,8 +313,7 @@ def grouped_gemm_weight_grad(a, dout, offsets, groups: int, *, out=None, one_lau
                        cfg.smem_bytes).launch(stream, args)
             device_write.keep_during_capture(stream, A2, D2)
             return out
-        ends = arrays.to_host(Offs).astype(np.int64)
-        start = 0
+        start = 0       # (per group: never capturing, so the offsets were read above)
         for g, end in enumerate(ends):
             gm_op.gemm(a[start:end].T, dout[start:end], out=out[g])
             start = int(end)
