@@ -313,6 +313,23 @@ bench_suite() {  # bench_suite NAME SECONDS K: the pytest-benchmark suites selec
         --benchmark-json="$OUT/$name.json" --benchmark-columns=median,rounds
 }
 
+archive_logs() {  # the steps' logs as one logs.tgz (at most 8 files come back from $OUT)
+    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+}
+
+ncu_gemm_fp8_archive() {  # ncu_gemm_fp8_archive NAME SECONDS ARGS...: Nsight Compute of the
+    # FP8 GEMM (bench/profile_gemm_fp8.py ARGS) with per-instruction stalls, its text, CSVs
+    # and log as NAME.tgz (the report itself left out)
+    local name=$1 secs=$2
+    shift 2
+    mkdir -p "$OUT/ncu"
+    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step "${name}_step" "$secs" \
+        bash bench/profile_attention.sh "$OUT/ncu" "$@"
+    mv "$OUT/${name}_step.log" "$OUT/ncu/"
+    rm -f "$OUT"/ncu/*.ncu-rep
+    tar czf "$OUT/$name.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
+}
+
 PART=${PART:-s6 s5 hgemm softmax hattn tests2 host tune}
 if [[ " $PART " == *" s24a "* ]]; then
     gpu_tests attention_wgmma_gpu 150 tests/test_ops_attention_wgmma.py
@@ -369,17 +386,12 @@ if [[ " $PART " == *" s36a "* ]]; then
     bench_suite bench_attention_fp8 170 "test_flash_attention_fp8"
     gpu_tests attention_fp8_kvcache_gpu 100 tests/test_ops_attention_fp8.py \
         tests/test_ops_attention_kvcache.py tests/test_tile_online_softmax.py
-    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+    archive_logs
 fi
 if [[ " $PART " == *" s36b "* ]]; then
     bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
-    mkdir -p "$OUT/ncu"
-    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8_block_step 200 \
-        bash bench/profile_attention.sh "$OUT/ncu" --configs 256x4p,256x4pt --block-scales
-    mv "$OUT/ncu_gemm_fp8_block_step.log" "$OUT/ncu/"
-    rm -f "$OUT"/ncu/*.ncu-rep
-    tar czf "$OUT/ncu_gemm_fp8_block.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
-    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+    ncu_gemm_fp8_archive ncu_gemm_fp8_block 200 --configs 256x4p,256x4pt --block-scales
+    archive_logs
 fi
 if [[ " $PART " == *" s35e "* ]]; then
     gpu_tests kvcache_grouped_gpu 90 tests/test_ops_attention_kvcache.py \
@@ -406,13 +418,8 @@ if [[ " $PART " == *" s35b "* ]]; then
     step overhead 90 "$PY" bench/overhead.py --calls 1000 --profile kvcache attention grouped
     LC_ALL=C tr -cd '\11\12\40-\176' < "$OUT/overhead.log" | cut -c1-160 \
         > "$OUT/overhead_profile.txt"
-    mkdir -p "$OUT/ncu"
-    NCU_EXTRA="--section SourceCounters" PROFILE=gemm_fp8 step ncu_gemm_fp8_step 200 \
-        bash bench/profile_attention.sh "$OUT/ncu" --configs 256x4p,256x4pt
-    mv "$OUT/ncu_gemm_fp8_step.log" "$OUT/ncu/"
-    rm -f "$OUT"/ncu/*.ncu-rep
-    tar czf "$OUT/ncu_gemm_fp8.tgz" -C "$OUT" ncu && rm -rf "$OUT/ncu"
-    tar czf "$OUT/logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log) && rm -f "$OUT"/*.log
+    ncu_gemm_fp8_archive ncu_gemm_fp8 200 --configs 256x4p,256x4pt
+    archive_logs
 fi
 if [[ " $PART " == *" s35a "* ]]; then
     bench_suite bench_grouped 60 "test_grouped_gemm"
