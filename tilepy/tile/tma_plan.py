@@ -19,19 +19,12 @@ from ..launch import BoundPlan, LaunchPlan, _stream_handle, pointer
 from . import device_write
 from . import tma as host_tma
 from .device_write import DeviceBuffer
+from .stream_counter import StreamCounters, stream_key
 
 MAP_CACHE = 64    # tensor-map buffers a plan keeps (per stream and operand pointers)
 
 
-#: CUDA's per-thread default stream handle: a different stream in each host thread.
-PER_THREAD_STREAM = 2
 _ANY_STREAM = None   # the stream key of maps a plan was handed already written
-
-
-def stream_key(handle: int):
-    """What identifies a stream for per-stream state (tensor maps, tile counters): its handle,
-    and for the per-thread default stream the host thread too."""
-    return (handle, threading.get_ident()) if handle == PER_THREAD_STREAM else handle
 
 
 class TmaLaunchPlan(LaunchPlan):
@@ -208,32 +201,14 @@ def _held_buffer(array):
 COUNTER_BYTES = 8
 
 
-def _tile_counter(alloc, stream, nbytes: int = COUNTER_BYTES, zeroed: int = COUNTER_BYTES):
-    """``(DeviceBuffer, int32 view of its first zeroed bytes)``: a tile counter from ``alloc``
-    (``nbytes``, 256-byte aligned), its first ``zeroed`` bytes zeroed on ``stream``
-    (:func:`tilepy.tile.device_write.zero`): the persistent TMA kernel's tile tickets and
-    finished blocks, which its last block out sets back to zero (or the split-K GEMM's tile
-    semaphores, then its partial sums' workspace)."""
-    buf = device_write.allocate(alloc, nbytes, 256)
-    device_write.zero(stream, buf.ptr, zeroed)
-    return buf, buf.view((zeroed // 4,), np.int32)
-
-
-class ScheduledTmaPlan(TmaLaunchPlan):
+class ScheduledTmaPlan(StreamCounters, TmaLaunchPlan):
     """The plan of a persistent TMA kernel that draws its tiles from a ticket counter
     (:func:`tilepy.tile.schedule.ticket_scheduler`): its argument after the tensor maps is
-    the counter (:func:`_tile_counter`). A launch leaves it at zero, so launches in one stream
-    share one; launches in two streams would take each other's tiles, so each stream has its
-    own (the per-thread default stream: one per host thread), from the plan's allocation
-    callback, zeroed on that stream before its first launch. ``counter``: the
-    :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view of (not yet
-    zeroed: it becomes the first stream's); without it ``args``' counter must be zeroed.
-
-    Launches during a CUDA-graph capture get a counter of their own per capture and stream
-    (:func:`tilepy.tile.device_write.capture_id`; per launch where the driver gives no id),
-    zeroed in the graph just before the first of them and kept for the plan's lifetime: the
-    graph's launches then share no counter with launches outside it or with other graphs
-    (which may run at the same time), and a graph of many calls holds one, not one a call.
+    the counter, one per stream (and per capture) from the plan's allocation callback
+    (:class:`tilepy.tile.stream_counter.StreamCounters`: a launch leaves it at zero).
+    ``counter``: the :class:`~tilepy.tile.device_write.DeviceBuffer` that ``args`` hold a view
+    of (not yet zeroed: it becomes the first stream's); without it ``args``' counter must be
+    zeroed.
 
     ``counter_bytes`` (a multiple of 8): the counter's size, all of it zeroed (a launch leaves
     it at zero). ``workspace_offset``: the argument after the counter is a workspace that
@@ -243,69 +218,13 @@ class ScheduledTmaPlan(TmaLaunchPlan):
     def __init__(self, kernel, args, *rest, counter=None, counter_bytes=COUNTER_BYTES,
                  workspace_offset=None, **kw):
         super().__init__(kernel, args, *rest, **kw)
-        self._counter_array = self.array_index(self.maps_arg + 1)
-        self._counter_bytes = int(counter_bytes)
-        self._workspace = None
+        workspace = None
         if workspace_offset is not None:
             if counter is None:
                 raise ValueError("ScheduledTmaPlan: a workspace needs the counter's buffer")
-            self._workspace = (self.array_index(self.maps_arg + 2), int(workspace_offset))
-        self._buffer_bytes = counter.nbytes if counter is not None else self._counter_bytes
-        # stream key (or ("capture", capture id, stream key)) -> (DeviceBuffer, int32 view)
-        self._counters = {}
-        self._counters_lock = threading.Lock()
-        held = args[self.maps_arg + 1]
-        # the first stream's counter, and whether it still has to be zeroed
-        self._built_counter = (counter or DeviceBuffer(held, pointer(held),
-                                                       self._counter_bytes), held)
-        self._built_zeroed = counter is None
-
-    def counter_for(self, stream):
-        """The tile counter (an int32 device array: [2] for the ticket scheduler, one per tile
-        for split-K) of launches in ``stream``, made and zeroed on that stream the first time
-        it is seen."""
-        return self._counter(_stream_handle(stream), False)[1]
-
-    def _counter(self, handle: int, capturing: bool):
-        from ..arrays import on_device
-
-        size = (self._buffer_bytes, self._counter_bytes)
-        if capturing:
-            # launches in one stream of one capture run in that order, each leaving the
-            # counter at zero: they share one, zeroed in the graph before the first
-            cid = device_write.capture_id(handle)
-            key = ("capture", cid, stream_key(handle))
-            with self._counters_lock:
-                entry = self._counters.get(key) if cid else None
-            if entry is not None:
-                return entry
-            with on_device(self.device):
-                entry = _tile_counter(self._alloc, handle, *size)
-            with self._maps_lock:
-                self._kept[entry[0].ptr] = device_write.keep_for_graphs(entry[0])
-            if cid:   # (kept for the plan's life, as the buffer is for the process's)
-                with self._counters_lock:
-                    self._counters[key] = entry
-            return entry
-        key = stream_key(handle)
-        with self._counters_lock:
-            entry = self._counters.get(key)
-            if entry is not None:
-                return entry
-            built, self._built_counter = self._built_counter, None
-        with on_device(self.device):
-            if built is None:
-                entry = _tile_counter(self._alloc, handle, *size)
-            else:
-                entry = built
-                if not self._built_zeroed:
-                    device_write.zero(handle, entry[0].ptr, self._counter_bytes)
-        with self._counters_lock:
-            entry = self._counters.setdefault(key, entry)
-        return entry
+            workspace = (self.array_index(self.maps_arg + 2), int(workspace_offset))
+        self._init_counters(self._alloc, self.array_index(self.maps_arg + 1),
+                            args[self.maps_arg + 1], counter, counter_bytes, workspace)
 
     def _fill(self, ptrs, stream: int, capturing: bool) -> None:
-        ptr = self._counter(stream, capturing)[0].ptr
-        ptrs[self._counter_array] = ptr
-        if self._workspace is not None:
-            ptrs[self._workspace[0]] = ptr + self._workspace[1]
+        self._fill_counter(ptrs, stream, capturing)
