@@ -528,8 +528,10 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
     cache, ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over the whole cache (its
     default backend; not causal for ``sq`` 4: four rows' mask is no work at these lengths;
     left out above 8 GB of K and V). Correctness first: two sequences against SDPA in
-    float32 (the bottom-right causal mask). Also timed: the split path's combine kernel in
-    blocks of eight warps (``attention_kvcache.COMBINE_WARPS``) beside the default four."""
+    float32 (the bottom-right causal mask). Also timed where the keys are split: the splits
+    merged by the combine kernel (``attention_kvcache.FUSED_MERGE`` off) in blocks of four
+    and of eight warps (``COMBINE_WARPS``), beside the default merge by each row tile's last
+    split inside the decoding kernel."""
     import tilepy
     import torch.nn.functional as F
 
@@ -565,21 +567,27 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
         del k, v
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours), "device copy": copy_timing(torch, nbytes)}
-    # the same with the split path's combine kernel in blocks of eight warps instead of four
-    # (attention_kvcache.COMBINE_WARPS; the plan cache keys on it): more warps a row where the
-    # splits are many (B1's 64). (PDL against plain stream order: sessions 33-34's runs.)
+    # the same with the splits merged by the combine kernel (attention_kvcache.FUSED_MERGE
+    # off) in blocks of four and of eight warps (COMBINE_WARPS; the plan cache keys on both):
+    # more warps a row where the splits are many (B1's 64). (PDL against plain stream
+    # order: sessions 33-34's runs.)
     from tilepy.ops import attention_kvcache as akv
 
+    cfg = akv.choose_config(d, "bfloat16", sq, page or 0, hq // hk)
+    splits = akv.decode_launches(q, kc, vc, lens, block_table=table)[3]
     first = out.clone()
-    warps, akv.COMBINE_WARPS = akv.COMBINE_WARPS, 8 if akv.COMBINE_WARPS != 8 else 4
+    fused, warps = akv.FUSED_MERGE, akv.COMBINE_WARPS
+    akv.FUSED_MERGE = False
     try:
-        out.fill_(float("nan"))
-        ours(True)
-        err = max_abs_err(out, first)       # (the splits' sums in another grouping)
-        assert err < tolerance("bfloat16") * vc.abs().max().item(), err
-        timings[f"tilepy, {akv.COMBINE_WARPS}-warp combine"] = gpu_time(torch, ours)
+        for n in (4, 8) if splits > 1 else ():
+            akv.COMBINE_WARPS = n
+            out.fill_(float("nan"))
+            ours(True)
+            err = max_abs_err(out, first)       # (the splits' sums in another grouping)
+            assert err < tolerance("bfloat16") * vc.abs().max().item(), err
+            timings[f"tilepy, {n}-warp combine"] = gpu_time(torch, ours)
     finally:
-        akv.COMBINE_WARPS = warps
+        akv.FUSED_MERGE, akv.COMBINE_WARPS = fused, warps
     if page is None:
         if nbytes <= 8 << 30:
             qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
@@ -587,13 +595,11 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
                 torch, lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)))
         else:
             notes["SDPA"] = "left out above 8 GB of K and V"
-    from tilepy.ops.attention_kvcache import choose_config
-
     layout = "contiguous" if page is None else f"page {page}"
     record_throughput(record, work=nbytes, unit="GB/s", timings=timings, main="device copy",
                       notes=notes, gpu=gpu_name, dtype="bfloat16",
                       shape=f"B{b} S{cap} Hq{hq}/Hkv{hk} D{d} q{sq}",
-                      config=choose_config(d, "bfloat16", sq, page or 0, hq // hk).describe(),
+                      config=cfg.describe(),
                       table="Decoding over a KV cache",
                       case=f"B{b} cache {cap} {layout} q{sq} bfloat16",
                       figure=f"kvcache_{layout.replace(' ', '')}_q{sq}", x=nbytes,

@@ -91,6 +91,7 @@ def test_programmatic_dependent_launch_of_the_combine(monkeypatch, pdl):
     from tilepy.ops import attention_kvcache as akv
 
     monkeypatch.setattr(akv, "PDL", pdl)
+    monkeypatch.setattr(akv, "FUSED_MERGE", False)
     rng = np.random.default_rng()
     b, cap, hq, hk, d = 2, 40, 4, 2, 32
     q = rand(rng, (b, 1, hq, d), "bfloat16")
@@ -224,7 +225,8 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
     trace = cuda.to_device(np.zeros((g[0] * g[1] * g[2] * warps, TR.WIDTH), np.uint64))
     steps, out, _, got_splits, keep = decode_launches(q, kc, vc, lens, num_splits=splits,
                                                       config=cfg, trace=trace)
-    assert got_splits == splits and len(steps) == (2 if splits > 1 else 1)
+    merged = splits == 1 or dec.fused_fits(cfg, splits)     # no combine kernel
+    assert got_splits == splits and len(steps) == (1 if merged else 2)
     for plan, args in steps:
         plan.launch(0, args)
     want = kvcache(q, kc, vc, lens, num_splits=splits, config=cfg)
@@ -245,6 +247,86 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
     assert vals[busy, mk["key_blocks"]].sum() == 3 * hk
 
 
+@sim
+@pytest.mark.parametrize("sq,hq,hk,d,splits,warps,page", [
+    (1, 8, 2, 40, 3, 1, None),      # 4 packed rows of a tile, three splits
+    (5, 8, 2, 32, 4, 2, None),      # 20 rows: a full tile and one of 4; two warps a block
+    (2, 4, 1, 64, 2, 1, 16),        # paged, MQA
+])
+def test_fused_merge_against_float64_and_the_combine_kernel(monkeypatch, sq, hq, hk, d, splits,
+                                                            warps, page):
+    """The splits merged by the decoding kernel itself (``FUSED_MERGE``, the default): one
+    launch, a counted plan whose stream counter is back at zero after each call; against
+    float64 (out and LSE; a sequence with no key, one with a key block per split at most,
+    the full capacity) and within float32 rounding of the combine kernel's merge; the same
+    bits on a second call with the same inputs."""
+    from tilepy.ops import attention_decode_mma_sync as dec
+    from tilepy.ops import attention_kvcache as akv
+    from tilepy.tile.stream_counter import CountedLaunchPlan
+
+    rng = np.random.default_rng()
+    b, cap = 3, 64
+    dtype = "bfloat16"
+    q = rand(rng, (b, sq, hq, d), dtype)
+    if page:
+        kc = rand(rng, (b * cap // page + 2, page, hk, d), dtype)
+        table = rng.permutation(kc.shape[0])[:b * cap // page].reshape(b, -1).astype(np.int32)
+    else:
+        kc, table = rand(rng, (b, cap, hk, d), dtype), None
+    vc = rand(rng, kc.shape, dtype)
+    lens = np.array([0, 29, cap], np.int32)
+    cfg = DecodeConfig(d, 16, 3, dtype, warps=warps)
+    assert dec.fused_fits(cfg, splits)
+    akv._PLANS.clear()
+    outs = []
+    for _ in range(2):
+        out = np.full(q.shape, np.nan, q.dtype)
+        got, lse = kvcache(q, kc, vc, lens, block_table=table, num_splits=splits, config=cfg,
+                           return_lse=True, out=out)
+        outs.append(got.copy())
+    (entry,) = akv._PLANS.values()
+    (bound, _), = entry[0].steps            # one launch: no combine kernel
+    assert isinstance(bound.plan, CountedLaunchPlan)
+    counter = bound.plan.counter_for(0)
+    assert counter.shape == (b * hk * -(-(sq * hq // hk) // 16),)
+    np.testing.assert_array_equal(counter.copy_to_host(), 0)
+    np.testing.assert_array_equal(outs[0].view(np.uint16), outs[1].view(np.uint16))
+    want, wl = kv_reference(q, kc, vc, lens, table)
+    check(got, want, vc, dtype)
+    check_lse(lse, wl)
+    assert (got[0] == 0).all() and (lse[0] == -np.inf).all()
+    monkeypatch.setattr(akv, "FUSED_MERGE", False)
+    comb, comb_lse = kvcache(q, kc, vc, lens, block_table=table, num_splits=splits, config=cfg,
+                             return_lse=True)
+    f32 = lambda x: x.astype(np.float32)
+    assert np.abs(f32(comb) - f32(got)).max() <= 2 ** -7 * np.abs(f32(comb)).max()
+    live = np.isfinite(comb_lse)
+    np.testing.assert_array_equal(live, np.isfinite(lse))
+    assert np.abs(comb_lse[live] - lse[live]).max() < 1e-5
+
+
+@sim
+def test_fused_merge_falls_back_to_the_combine_kernel():
+    """Splits whose weights do not fit a warp's shared memory (64 bytes each) take the
+    combine kernel: two launches."""
+    from tilepy.ops import attention_decode_mma_sync as dec
+    from tilepy.ops.attention_kvcache import decode_launches
+
+    rng = np.random.default_rng()
+    cfg = DecodeConfig(16, 16, 2, "float16")
+    many = cfg.warp_bytes // 64 + 1
+    assert dec.fused_fits(cfg, many - 1) and not dec.fused_fits(cfg, many)
+    q = rand(rng, (1, 1, 2, 16), "float16")
+    kc = rand(rng, (1, 16 * many, 1, 16), "float16")
+    lens = np.array([16 * many], np.int32)
+    steps, out, _, splits, _ = decode_launches(q, kc, kc, lens, num_splits=many, config=cfg)
+    assert splits == many and len(steps) == 2
+    for plan, args in steps:
+        plan.launch(0, args)
+    want, _ = kv_reference(q, kc, kc, lens)
+    check(out, want, kc, "float16")
+
+
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
     """The decoding kernel (the default 32-key config split and paged, also letting a
@@ -259,7 +341,7 @@ def test_decoding_kernels_compile_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reports = run_in_subprocess("tilepy.ops.attention_decode_mma_sync:compile_reports")
-    assert len(reports) == 9
+    assert len(reports) == 10
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         # programmatic dependent launch: the trigger / the wait only where generated
@@ -321,17 +403,20 @@ def test_combine_kernel_against_float64(n, ways, d):
 
 @gpu
 @pytest.mark.parametrize("page,pdl", [(None, False), (16, False), (256, False), (None, True)],
-                         ids=["contiguous", "page16", "page256", "contiguous-pdl"])
+                         ids=["contiguous", "page16", "page256", "contiguous-combine-pdl"])
 def test_gpu_decoding_against_sdpa_and_a_graph_replay(monkeypatch, page, pdl):
     """Full size (B 8, 32 query heads over 8, head_dim 128, bf16, 4096 cached keys of ragged
-    lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys (``pdl``: the
-    combine kernel as a programmatic dependent launch, captured too); then one CUDA
-    graph captured with k / v appended and replayed with new lengths and contents."""
+    lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys — the splits
+    merged inside the decoding kernel (the default), or with ``pdl`` by the combine kernel
+    as a programmatic dependent launch, captured too; then one CUDA graph captured with k /
+    v appended and replayed with new lengths and contents (the fused merge's counter: one
+    of the capture's own, zeroed in the graph)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from tilepy.ops import attention_kvcache as akv
 
     monkeypatch.setattr(akv, "PDL", pdl)
+    monkeypatch.setattr(akv, "FUSED_MERGE", not pdl)
     b, hq, hk, d, cap = 8, 32, 8, 128, 4096
     dev, dt = "cuda", torch.bfloat16
     if page is None:

@@ -51,6 +51,8 @@ import numpy as np
 from numba import cuda
 
 from ..launch import LaunchPlan
+from ..tile import device_write
+from ..tile.stream_counter import CountedLaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.asm import SIMULATOR
 from ..ptx.barrier import mark_warp_specialised, warp_sync
@@ -65,6 +67,7 @@ from ..tile.mma import _MMA
 from ..tile.online_softmax import online_softmax_finalize, online_softmax_update
 from ..tile.reduce import warp_reduce
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tile.split_kv import columns, split_merge, weight_bytes
 from ..tile.trace import SCRATCH_BYTES
 from ..tile.trace import WIDTH as TRACE_WIDTH
 from ..tile.trace import phase_marks
@@ -153,13 +156,23 @@ TRACE_MARKS = {"entry": 0, "q_landed": 1, "first_kv": 2, "loop_end": 3, "stored"
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bool = False,
                   split: bool = False, softcap: float = 0.0, paged: bool = False,
-                  trace: bool = False, trigger: bool = False):
+                  trace: bool = False, trigger: bool = False, fused: bool = False):
     """The kernel of the module docstring for ``cfg``, generated once per argument set.
     ``trace``: the kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace`
     rows (one per warp of the grid), and marks :data:`TRACE_MARKS` in it. ``trigger``
     (sm_90): each warp, its key loop done, lets a dependent launch (the combine kernel
     launched with ``LaunchPlan(..., dependent=True)``) begin
-    (:func:`tilepy.ptx.griddep.griddepcontrol_launch_dependents`)."""
+    (:func:`tilepy.ptx.griddep.griddepcontrol_launch_dependents`).
+
+    ``fused`` (with ``split``): the splits merge themselves, no combine kernel — the kernel
+    takes ``fin = (parts, plse, out, out_lse, counters)`` after ``keys``: ``parts`` / ``plse``
+    2-D views of its own partials ``o`` (S · B · Hkv · Sq · G, D) and ``lse`` (S, B · Hkv · G
+    · Sq), ``out`` / ``out_lse`` the merged results as the unsplit kernel writes them (``o`` /
+    ``lse`` there; ``out_lse`` written with ``has_lse``), ``counters`` int32 (B · Hkv · row
+    tiles,), zero before the launch and left at zero. Each warp, its partials written,
+    counts itself in its row tile's counter; the tile's last warp merges the tile
+    (:func:`tilepy.tile.split_kv.split_merge`: the same bits whichever warp is last), its
+    weights in its own shared memory (``64 · splits`` bytes: :func:`fused_fits`)."""
     BN, D, STAGES = cfg.block_n, cfg.tile_dim, cfg.stages
     VALID = None if cfg.head_dim == D else cfg.head_dim
     KD, NS, KN, NO = D // 16, BN // 8, BN // 16, D // 8
@@ -179,6 +192,17 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     WARPS, PER_WARP = cfg.warps, cfg.warp_bytes
     if WARPS > 1 and not SPLIT:
         raise ValueError("a decoding kernel of several warps writes split partials (split=True)")
+    FUSED = bool(fused)
+    FINAL_LSE = bool(has_lse)
+    if FUSED and not SPLIT:
+        raise ValueError("a decoding kernel that merges its splits (fused=True) splits them "
+                         "(split=True)")
+    if FUSED and TRIGGER:
+        raise ValueError("a decoding kernel that merges its splits (fused=True) has no "
+                         "dependent launch to trigger")
+    sm = split_merge(cfg.head_dim)
+    MCOLS = columns(cfg.head_dim)
+    HEAD = cfg.head_dim
 
     mma = _MMA[cfg.dtype]
     pack = cvt_f16x2_f32 if cfg.dtype == "float16" else cvt_bf16x2_f32
@@ -237,7 +261,7 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     MK = device_namespace("decode trace marks", **TRACE_MARKS)
 
     @inline_device
-    def body(q, k, v, o, lse, scale, scale_log2, keys, tr):
+    def body(q, k, v, o, lse, scale, scale_log2, keys, fin, tr):
         b = cuda.blockIdx.z
         hk = cuda.blockIdx.y
         per_warp()
@@ -414,21 +438,58 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
                         lse[sp, b, hk, gg, i] = val
                     else:
                         lse[b, hk, gg, i] = val
+        if FUSED:
+            # the row tile's last split merges its partials (every split's, its own too)
+            valid = min(np.int64(ROWS), rows - row0)
+            slot = (b * np.int64(cuda.gridDim.y) + hk) * tiles + rt
+            if sm.arrive(fin[4], slot, nsplit, lane):
+                bh = b * np.int64(cuda.gridDim.y) + hk
+                lr = row0 + lane % ROWS           # this lane's row in phase one
+                lcol = (bh * grp + lr % grp) * sq + lr // grp
+                x = cuda.local.array((ROWS, MCOLS), np.float32)
+                total = sm.merge(fin[0], fin[1], bh * rows + row0,
+                                 np.int64(cuda.gridDim.y) * np.int64(cuda.gridDim.z) * rows,
+                                 lcol, valid, nsplit, shared_addr(smem(), 0) + warp * PER_WARP,
+                                 lane, x)
+                for ii in range(ROWS):
+                    if ii < valid:
+                        i = (row0 + ii) // grp
+                        gg = (row0 + ii) % grp
+                        for j in range(MCOLS // 4):
+                            c = 4 * (lane + 32 * j)
+                            if c < HEAD:
+                                w0 = pack(x[ii, 4 * j], x[ii, 4 * j + 1])
+                                w1 = pack(x[ii, 4 * j + 2], x[ii, 4 * j + 3])
+                                fin[2][b, hk, i, gg, c] = w0 & 0xFFFF
+                                fin[2][b, hk, i, gg, c + 1] = w0 >> 16
+                                fin[2][b, hk, i, gg, c + 2] = w1 & 0xFFFF
+                                fin[2][b, hk, i, gg, c + 3] = w1 >> 16
+                if FINAL_LSE and lane < valid:
+                    fin[3][b, hk, lr % grp, lr // grp] = total
         if lane == 0:
             TR.note(scratch, MK.stored)
             TR.flush(tr, (cuda.blockIdx.x + cuda.gridDim.x * (hk + cuda.gridDim.y * b))
                      * WARPS + warp, scratch)
 
-    if trace:
+    if trace and FUSED:
+        @_kernel_jit(not CAP, cfg.threads)
+        def kernel(q, k, v, o, lse, scale, scale_log2, keys, fin, tr):
+            body(q, k, v, o, lse, scale, scale_log2, keys, fin, tr)
+    elif trace:
         @_kernel_jit(not CAP, cfg.threads)
         def kernel(q, k, v, o, lse, scale, scale_log2, keys, tr):
-            body(q, k, v, o, lse, scale, scale_log2, keys, tr)
+            body(q, k, v, o, lse, scale, scale_log2, keys, 0, tr)
+    elif FUSED:
+        @_kernel_jit(not CAP, cfg.threads)
+        def kernel(q, k, v, o, lse, scale, scale_log2, keys, fin):
+            body(q, k, v, o, lse, scale, scale_log2, keys, fin, 0)
     else:
         @_kernel_jit(not CAP, cfg.threads)
         def kernel(q, k, v, o, lse, scale, scale_log2, keys):
-            body(q, k, v, o, lse, scale, scale_log2, keys, 0)
+            body(q, k, v, o, lse, scale, scale_log2, keys, 0, 0)
 
     kernel.trace = trace
+    kernel.fused = FUSED
     if trace:
         kernel.smem_bytes = cfg.smem_bytes + WARPS * SCRATCH_BYTES
     return kernel
@@ -679,16 +740,33 @@ def choose_splits(batch: int, heads_kv: int, tiles: int, key_blocks: int, sms: i
     return min(s for cost, s in costs if cost <= 1.02 * least)
 
 
+def fused_fits(cfg: DecodeConfig, splits: int) -> bool:
+    """Whether :func:`decode_kernel` with ``fused=True`` can merge ``splits`` runs: each warp's
+    shared memory holds their weights (:func:`tilepy.tile.split_kv.weight_bytes`), and rows of
+    at most 128 columns (a lane's merged row then fits its registers)."""
+    return cfg.head_dim <= 128 and weight_bytes(splits) <= cfg.warp_bytes
+
+
 def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits: int,
-         trace=None):
+         trace=None, fin=None, counter=None, alloc=None):
     """``(launch plan, arguments)`` of :func:`decode_kernel`'s kernel on its views.
     ``trace``: the uint64 array of :mod:`tilepy.tile.trace` rows (a row per warp of the grid)
     of a kernel generated with ``trace=True`` (ValueError otherwise, or when it is too
-    short)."""
+    short). ``fin``: the ``(parts, plse, out, out_lse, counters)`` of a kernel generated with
+    ``fused=True`` (:func:`fused_arguments`), ``counters`` a view of ``counter`` (a
+    :class:`~tilepy.tile.device_write.DeviceBuffer` from ``alloc``): the plan is then a
+    :class:`~tilepy.tile.stream_counter.CountedLaunchPlan` (a zeroed counter per stream)."""
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), tuple(keys))
     if getattr(kernel, "trace", False) != (trace is not None):
         raise ValueError("plan: a trace array goes with a kernel generated with trace=True, "
                          "and only with one")
+    if getattr(kernel, "fused", False) != (fin is not None):
+        raise ValueError("plan: the merged results (fin) go with a kernel generated with "
+                         "fused=True, and only with one")
+    if fin is not None:
+        if not fused_fits(cfg, splits):
+            raise ValueError(f"plan: {splits} splits do not fit the fused merge of {cfg}")
+        args += (tuple(fin),)
     smem_bytes = getattr(kernel, "smem_bytes", cfg.smem_bytes)
     g = grid(q.shape[2], q.shape[3], q.shape[1], q.shape[0], splits, cfg.warps)
     if trace is not None:
@@ -698,11 +776,33 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
                              f"columns at least (a row per warp); got {tuple(trace.shape)}")
         args += (trace,)
     allow_dynamic_shared(kernel, args, smem_bytes)
+    if fin is not None:
+        return CountedLaunchPlan(kernel, args, g, cfg.threads, smem_bytes,
+                                 counter_arg=(8, 4), counter=counter, alloc=alloc), args
     return LaunchPlan(kernel, args, g, cfg.threads, smem_bytes), args
 
 
-def argtypes(split: bool, paged: bool, layout: str = "A"):
-    """Numba argument types of :func:`decode_kernel`'s kernel (offline compilation)."""
+def fused_arguments(parts, part_lse, out, out_lse, alloc):
+    """``(fin, counter)`` for :func:`plan` of a fused kernel: 2-D views of the split
+    partials ``parts`` (S, B, Hkv, Sq, G, D) and ``part_lse`` (S, B, Hkv, G, Sq) (contiguous
+    device arrays), the merged results ``out`` / ``out_lse`` (the unsplit kernel's ``o`` /
+    ``lse`` views), and a counter buffer of B · Hkv · row-tiles int32 from ``alloc`` (zeroed by
+    the plan)."""
+    from .. import arrays
+
+    s, b, hk, sq, grp, d = parts.shape
+    rows = sq * grp
+    p2 = arrays.restride(parts, (s * b * hk * rows, d), (d * 4, 4))
+    l2 = arrays.restride(part_lse, (s, b * hk * rows), (b * hk * rows * 4, 4))
+    slots = b * hk * -(-rows // ROWS)
+    counter = device_write.allocate(alloc, 4 * slots + (-4 * slots) % 8, 256)
+    counters = counter.view((slots,), np.int32)
+    return (p2, l2, out, out_lse, counters), counter
+
+
+def argtypes(split: bool, paged: bool, layout: str = "A", fused: bool = False):
+    """Numba argument types of :func:`decode_kernel`'s kernel (offline compilation);
+    ``fused``: with the merged results' ``fin`` (:func:`fused_arguments`)."""
     from numba import types
 
     keys = (types.Array(types.int32, 1, layout), types.int64)
@@ -715,8 +815,14 @@ def argtypes(split: bool, paged: bool, layout: str = "A"):
         o = types.Array(types.uint16, 5, layout)
         lse = types.Array(types.float32, 4, layout)
     u16_4 = types.Array(types.uint16, 4, layout)
+    fin = ()
+    if fused:
+        f32_2 = types.Array(types.float32, 2, layout)
+        fin = (types.Tuple((f32_2, f32_2, types.Array(types.uint16, 5, layout),
+                            types.Array(types.float32, 4, layout),
+                            types.Array(types.int32, 1, "C"))),)
     return (types.Array(types.uint16, 5, layout), u16_4, u16_4, o, lse, types.float32,
-            types.float32, types.Tuple(keys))
+            types.float32, types.Tuple(keys)) + fin
 
 
 #: The decoding kernels the compile layer reports on: (name, config, (left, right), split,
@@ -762,6 +868,14 @@ def compile_reports(only=None):
         out.append(report_entry(name, lambda: decode_kernel(cfg, -1, 0, True, True, 0.0, True,
                                                             trigger=True),
                                 argtypes(True, True), (9, 0), threads=cfg.threads,
+                                config=cfg.describe(), smem_bytes=cfg.smem_bytes))
+    # the splits merged by their last warp (no combine kernel)
+    name = "decode_d128_bf16_causal_split_paged_fused"
+    if only is None or name in only:
+        cfg = DecodeConfig(128, 32, 3, "bfloat16")
+        out.append(report_entry(name, lambda: decode_kernel(cfg, -1, 0, True, True, 0.0, True,
+                                                            fused=True),
+                                argtypes(True, True, fused=True), (9, 0), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
     f32 = types.float32
     for name, wait, ways, warps in (("decode_combine_d128_bf16_lse", False, 1, 4),

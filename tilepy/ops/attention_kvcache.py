@@ -86,7 +86,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     ops = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, out)
     fps = [arrays.fingerprint(x) for x in ops]
     cached, key = _PLANS.lookup((tuple(f for f, _ in fps), causal, scale, window, softcap,
-                                 num_splits, return_lse, config, PDL, COMBINE_WARPS))
+                                 num_splits, return_lse, config, PDL, COMBINE_WARPS,
+                                 FUSED_MERGE))
     if cached is not None:
         call, stream, checker = cached
         if check_seqlens and checker is not None and not device_write.stream_capturing(
@@ -113,6 +114,14 @@ _PLANS = launch.PlanCache()
 #: them — the launch gap between the two overlapped. False launches the two in plain stream
 #: order (the same results, bit for bit).
 PDL = True
+
+#: The split path's merge inside the decoding kernel: the last split of each row tile to
+#: finish merges the tile's partials (:func:`tilepy.ops.attention_decode_mma_sync.decode_kernel`
+#: with ``fused``), so no combine kernel runs — where the warps' shared memory holds the merge's
+#: weights (:func:`~tilepy.ops.attention_decode_mma_sync.fused_fits`); False always launches the
+#: combine kernel. The same results either way, to float32 rounding (each way the same bits on
+#: every run).
+FUSED_MERGE = True
 
 #: Warps of the split path's combine kernel block (4, or 8: more warps share a row of many
 #: splits, :func:`tilepy.ops.attention_decode_mma_sync.combine_ways`); the simulator's 2.
@@ -237,14 +246,25 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     lse_src = LSE if lse is not None else None
     keys_src = [SEQ] + ([TABLE] if paged else [])
     split = splits > 1      # (several warps: at least that many splits)
-    pdl = split and PDL and (arrays.SIMULATOR or launch.compute_capability() >= (9, 0))
+    fused = split and FUSED_MERGE and dec.fused_fits(cfg, splits)
+    pdl = split and not fused and PDL and (arrays.SIMULATOR or
+                                           launch.compute_capability() >= (9, 0))
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged,
-                             trace=trace is not None, trigger=pdl)
+                             trace=trace is not None, trigger=pdl, fused=fused)
     if not split:
         plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1, trace=trace)
         return [(plan, args, [Q_, KC, VC, OUT, lse_src] + keys_src)]
-    p_v = at.device_view(arrays.raw_view(describe(parts, "parts")))
-    pl_v = at.device_view(arrays.raw_view(describe(part_lse, "part_lse")))
+    p_raw = arrays.raw_view(describe(parts, "parts"))
+    pl_raw = arrays.raw_view(describe(part_lse, "part_lse"))
+    p_v, pl_v = at.device_view(p_raw), at.device_view(pl_raw)
+    if fused:
+        fin, counter = dec.fused_arguments(p_raw, pl_raw, None, None, arrays.byte_allocator(Q))
+        fin = tuple(at.device_view(x) for x in fin[:2]) + (o5, lse4, fin[4])
+        plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits,
+                              trace=trace, fin=fin, counter=counter,
+                              alloc=arrays.byte_allocator(Q))
+        return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src +
+                 [PARTS, PLSE, OUT, lse_src, None])]
     plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
     warps = COMBINE_WARPS
     ways = dec.combine_ways(splits, warps)
