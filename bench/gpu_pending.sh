@@ -65,7 +65,8 @@
 #   PART=s36c    what session 35 left unmeasured: the FP8 attention benchmark with every other
 #                tile's exponentials on the FMA pipe (fma_exp_every=2) beside the default, its
 #                GPU tests (and exp2_fma's); the grouped GEMM's one-launch gradient in b
-#                against the per-group calls and a cuBLAS loop
+#                against the per-group calls and a cuBLAS loop; the host cost per call (the
+#                decoding call now one launch where its splits merge themselves)
 #   PART=s36b    Nsight of the FP8 GEMM with block scales (the 0.75-0.81x case)
 #   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
 #                (the one-launch gradient in b captured in a graph)
@@ -396,6 +397,7 @@ if [[ " $PART " == *" s36c "* ]]; then
     gpu_tests attention_fp8_gpu 90 tests/test_ops_attention_fp8.py \
         tests/test_tile_online_softmax.py
     bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
+    step overhead 60 "$PY" bench/overhead.py --calls 1000 --json "$OUT/overhead.json"
     archive_logs
 fi
 if [[ " $PART " == *" s36b "* ]]; then
