@@ -70,7 +70,7 @@ from ..tile.epilogue import (
 )
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import NamedBarriers, warpgroup_roles
-from ..tile.schedule import grouped_raster, static_persistent
+from ..tile.schedule import group_end, grouped_raster, static_persistent
 from ..tile.smem import dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.tma_copy import tma_tile
@@ -258,7 +258,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         total = np.int64(0)
         start = np.int64(0)
         for g in range(offsets.shape[0]):
-            end = min(max(np.int64(offsets[g]), start), m)
+            end = group_end(offsets, g, start, m)
             total += (end - start + BM - 1) // BM * tiles_n
             start = end
         return total
@@ -274,7 +274,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
         start = np.int64(0)
         end = np.int64(0)
         for gi in range(offsets.shape[0]):
-            end = min(max(np.int64(offsets[gi]), start), m)
+            end = group_end(offsets, gi, start, m)
             t = (end - start + BM - 1) // BM * tiles_n
             g = gi
             if w < seen + t:

@@ -41,6 +41,7 @@ from ..tile.copy import (copy_global_to_shared, load_a_fragments, load_a_fragmen
 from ..tile.epilogue import store_accumulators
 from ..tile.mma import warp_mma
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
+from ..tile.schedule import group_end
 from ..kcache import cached_jit
 
 
@@ -227,7 +228,7 @@ def grouped_kernel(cfg: GemmConfig, b_k_major: bool = True, out_kind: str = "flo
         t0 = np.int64(0)
         g = -1
         for e in range(offsets.shape[0]):
-            end = min(max(np.int64(offsets[e]), start), total)
+            end = group_end(offsets, e, start, total)
             count = (end - start + BM - 1) // BM
             if mt < t0 + count:
                 g = e
@@ -264,7 +265,7 @@ def grouped_weight_grad_kernel(cfg: GemmConfig, out_kind: str = "float16"):
         end = np.int64(0)
         for e in range(g + 1):
             start = end
-            end = min(max(np.int64(offsets[e]), start), total)
+            end = group_end(offsets, e, start, total)
         tiles_n = (out.shape[2] + BN - 1) // BN
         pid = np.int64(cuda.blockIdx.x)
         row0 = (pid // tiles_n) * BM

@@ -16,6 +16,8 @@ asks a scheduler for each one's coordinates and for the sequence of items a bloc
   block index, each further one ``atomic_add(counter, 1) + gridDim.x``; the last block out
   sets the counter back to zero for the next launch on the stream. Balances tiles of unequal
   work (causal attention) as the hardware's block scheduler would.
+* :func:`group_end` — a grouped GEMM's groups from their cumulative row ends (``offsets``,
+  ``torch._grouped_mm``'s convention), clamped so that groups never overlap or leave the rows.
 * :func:`heavy_first` — attention's item order: query blocks of a (batch, head) fastest, or,
   causal, groups of (batch, head) whose K and V fit an L2 budget, in each the query blocks from
   the heaviest (the last, which sees every key) down.
@@ -25,12 +27,21 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from numba import cuda
 
 from ..inline import device_namespace, inline_device
 
 #: heavy_first: the (batch, head) group's K and V bytes that should stay in L2 together
 L2_GROUP_BYTES = 16 << 20
+
+
+@inline_device
+def group_end(offsets, g, start, total):
+    """The end of group ``g``'s rows (int64), whose rows start at ``start`` (the previous
+    group's end; 0 for the first): ``offsets[g]`` clamped into ``start … total``, so that
+    groups never overlap and never leave the ``total`` rows whatever the device holds."""
+    return min(max(np.int64(offsets[g]), start), total)
 
 
 @functools.cache
