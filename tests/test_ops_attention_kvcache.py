@@ -306,6 +306,27 @@ def test_fused_merge_against_float64_and_the_combine_kernel(monkeypatch, sq, hq,
 
 
 @sim
+def test_a_nan_query_gives_a_nan_row_and_lse(monkeypatch):
+    """A NaN in one query head's row: that row and its LSE are NaN (not zeros and -inf, "no
+    key"), the other heads untouched — unsplit, split with the fused merge and with the
+    combine kernel."""
+    from tilepy.ops import attention_kvcache as akv
+
+    rng = np.random.default_rng()
+    q = rand(rng, (1, 1, 4, 32), "float16")
+    q[0, 0, 1, 5] = np.nan
+    kc = rand(rng, (1, 48, 2, 32), "float16")
+    lens = np.array([48], np.int32)
+    cfg = DecodeConfig(32, 16, 3, "float16")
+    for fused, splits in ((True, 1), (True, 3), (False, 3)):
+        monkeypatch.setattr(akv, "FUSED_MERGE", fused)
+        out, lse = kvcache(q, kc, kc, lens, num_splits=splits, config=cfg, return_lse=True)
+        assert np.isnan(out[0, 0, 1]).all() and np.isnan(lse[0, 1, 0]), (fused, splits)
+        keep = [0, 2, 3]
+        assert np.isfinite(out[0, 0, keep]).all() and np.isfinite(lse[0, keep]).all()
+
+
+@sim
 def test_fused_merge_falls_back_to_the_combine_kernel():
     """Splits whose weights do not fit a warp's shared memory (64 bytes each) take the
     combine kernel: two launches."""

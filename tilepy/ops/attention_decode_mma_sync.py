@@ -58,7 +58,7 @@ from ..ptx.asm import SIMULATOR
 from ..ptx.barrier import mark_warp_specialised, warp_sync
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
-from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, fmax_nan
 from ..tile.attention import limits_shape, mask_key_block, modify_scores, softcap_score
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import (copy_grouped_rows_to_shared, copy_rows_to_shared, load_a_fragments,
@@ -430,10 +430,11 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
                         o[b, hk, i, gg, c + 1] = word >> 16
                 if HAS_LSE and t == 0:
                     total = row_sum[0, hh]
-                    if total > _ZERO:
-                        val = row_max[0, hh] * scale + math.log(total)
-                    else:
+                    # no key: -inf; a NaN score's row: NaN (never "no key")
+                    if total == _ZERO:
                         val = _NEG_INF
+                    else:
+                        val = row_max[0, hh] * scale + math.log(total)
                     if SPLIT:
                         lse[sp, b, hk, gg, i] = val
                     else:
@@ -571,7 +572,7 @@ def _combine_kernel(head_dim: int, dtype: str, has_lse: bool, wait: bool, ways: 
         sums = cuda.shared.array((ROWS_PB, OTHERS, D), f32)
         top = _NEG_INF
         for s in range(lane, n, 32):
-            top = max(top, part_lse[s, b, hk, gg, i])
+            top = fmax_nan(top, part_lse[s, b, hk, gg, i])     # (a NaN LSE is kept)
         top = red_max(top)
         acc = _ZERO
         if top != _NEG_INF:

@@ -19,7 +19,8 @@ saw no key) — then call, with every lane of the warp:
   (16, :func:`columns` of ``head_dim``)) go the merged rows ``i < valid``: lane ``lane`` holds
   columns ``4 · (lane + 32 j) … + 3`` at ``x[i, 4 j …]``, ``Σ_s exp(lse_s - lse) · part_s``
   with ``lse = log Σ_s exp(lse_s)``; the return value is that LSE of row ``lane % 16`` (-inf
-  where no run saw a key, whose row is then zero). Each row's LSE is reduced by its two
+  where no run saw a key, whose row is then zero; NaN, and a NaN row, where a run's LSE is
+  NaN). Each row's LSE is reduced by its two
   lanes (runs of one parity each), the weights go to shared memory at ``w_addr`` (``64 · n``
   bytes the warp owns), and the rows are summed over the runs in run order: the same float32
   operations whichever warp is last, so the same bits every run of the kernel.
@@ -36,7 +37,7 @@ from numba import cuda
 from ..inline import device_namespace, inline_device
 from ..ptx.barrier import warp_sync
 from ..ptx.global_vector import ld_global_v4
-from ..ptx.math import f32_as_u32
+from ..ptx.math import f32_as_u32, fmax_nan
 from ..ptx.shuffle import shfl_idx, shfl_xor
 from ..ptx.vector import ld_shared_f32, st_shared_b32
 
@@ -92,8 +93,8 @@ def split_merge(head_dim: int):
         top = _NEG_INF
         if live:
             for s in range(h, n, 2):
-                top = max(top, plse[s, lcol])
-        top = max(top, shfl_xor(top, R))
+                top = fmax_nan(top, plse[s, lcol])     # (a NaN LSE is kept)
+        top = fmax_nan(top, shfl_xor(top, R))
         acc = _ZERO
         if live and top != _NEG_INF:
             for s in range(h, n, 2):
