@@ -397,7 +397,8 @@ if [[ " $PART " == *" s36c "* ]]; then
     gpu_tests attention_fp8_gpu 90 tests/test_ops_attention_fp8.py \
         tests/test_tile_online_softmax.py
     bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
-    step overhead 60 "$PY" bench/overhead.py --calls 1000 --json "$OUT/overhead.json"
+    step overhead 90 "$PY" bench/overhead.py --calls 1000 --json "$OUT/overhead.json" \
+        --profile kvcache
     archive_logs
 fi
 if [[ " $PART " == *" s36b "* ]]; then
