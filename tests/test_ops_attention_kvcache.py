@@ -106,12 +106,14 @@ def test_programmatic_dependent_launch_of_the_combine(monkeypatch, pdl):
 
 
 @sim
-@pytest.mark.parametrize("page,sn", [(16, 0), (64, 2)])
-def test_paged_cache_with_appended_tokens(page, sn):
+@pytest.mark.parametrize("page,sn,bn", [(16, 0, 0), (64, 2, 16), (16, 2, 32), (16, 0, 64)])
+def test_paged_cache_with_appended_tokens(page, sn, bn):
     """Pages in a shuffled order, new tokens written through the block table at each
     sequence's end (one lands on a new page) and attended to; with appends, blocks of two
-    warps, each on its own run of the keys. Twice, on fresh arrays of the same signature: the
-    second call replays the first one's recorded launches (and still checks the lengths)."""
+    warps, each on its own run of the keys. ``bn`` larger than the page: each key block
+    gathers two or four pages (three pages a sequence: the last block's pieces past the
+    table's end are never read). Twice, on fresh arrays of the same signature: the second
+    call replays the first one's recorded launches (and still checks the lengths)."""
     rng = np.random.default_rng()
     b, sq, hq, hk, d, per = 3, 2, 4, 2, 32, 3
     pages = b * per + 1
@@ -125,7 +127,8 @@ def test_paged_cache_with_appended_tokens(page, sn):
         want_k, want_v = append_reference(kc, vc, kn, vn, lens, table)
         args = dict(k=kn if sn else None, v=vn if sn else None, block_table=table,
                     num_splits=2 if sn else 1, return_lse=True,
-                    config=DecodeConfig(32, 16, 3, "float16", warps=2) if sn else None)
+                    config=DecodeConfig(32, bn, 3, "float16", warps=2 if sn else 1)
+                    if bn else None)
         got, lse = kvcache(q, kc, vc, lens, **args)
         np.testing.assert_array_equal(kc, want_k)
         np.testing.assert_array_equal(vc, want_v)
@@ -193,6 +196,11 @@ def test_errors_are_raised_before_launch():
     with pytest.raises(ValueError, match="num_splits > 1 needs the decoding kernel"):
         kvcache(x, kc, kc, lens, num_splits=2, config=AttentionConfig(16, 16, 16, 16,
                                                                       "float16"))
+    with pytest.raises(ValueError, match="block_n = 32 must divide the page size 48 or be a "
+                                         "multiple of it"):
+        kvcache(x, np.zeros((2, 48, 2, 16), np.float16), np.zeros((2, 48, 2, 16), np.float16),
+                lens, block_table=np.zeros((2, 1), np.int32),
+                config=DecodeConfig(16, 32, 3, "float16"))
     with pytest.raises(ValueError, match="block_n = 64 must divide the page size 32"):
         kvcache(x, kc, kc, lens, block_table=np.zeros((2, 1), np.int32),
                 config=AttentionConfig(16, 16, 64, 16, "float16"))
@@ -350,7 +358,8 @@ def test_fused_merge_falls_back_to_the_combine_kernel():
 
 @pytest.mark.compile
 def test_decoding_kernels_compile_without_spills():
-    """The decoding kernel (the default 32-key config split and paged, also letting a
+    """The decoding kernel (the default 32-key config split and paged — also merging its own
+    splits over pages of 16 keys, two a key block —, also letting a
     dependent launch begin; four warps a block, also traced; 64-key blocks whole and
     contiguous) and the combine kernel (also waiting for the kernel ahead; one and four warps a
     row), offline for sm_90:

@@ -15,7 +15,9 @@ of ``cfg.warps`` warps per block, grid :func:`grid` = (row tiles · splits / war
   for the G query heads of their KV head.
 * ``k`` / ``v``: the cache, as :func:`tilepy.ops.attention_mma_sync.attention_kernel`'s
   ``cache`` parameter reads it — contiguous (B, Hkv, capacity, D), or ``paged`` (pages, Hkv,
-  page_size, D) with ``page_size`` a multiple of ``cfg.block_n``.
+  page_size, D) with ``page_size`` a multiple of ``cfg.block_n``, or with ``page_rows`` (a
+  generator parameter) pages of ``page_rows`` keys, a divisor of ``cfg.block_n``: a key block
+  then gathers ``block_n / page_rows`` pages.
 * ``keys`` = ``(seqlens, added[, block_table])``: batch ``b`` sees its first ``min(max(
   seqlens[b] + added, 0), capacity)`` keys (int32 ``seqlens``, int64 ``added``); paged, key
   ``j`` at row ``j % page_size`` of page ``block_table[b, j // page_size]``, an entry outside
@@ -156,13 +158,19 @@ TRACE_MARKS = {"entry": 0, "q_landed": 1, "first_kv": 2, "loop_end": 3, "stored"
 @functools.cache
 def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bool = False,
                   split: bool = False, softcap: float = 0.0, paged: bool = False,
-                  trace: bool = False, trigger: bool = False, fused: bool = False):
+                  trace: bool = False, trigger: bool = False, fused: bool = False,
+                  page_rows: int = 0):
     """The kernel of the module docstring for ``cfg``, generated once per argument set.
     ``trace``: the kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace`
     rows (one per warp of the grid), and marks :data:`TRACE_MARKS` in it. ``trigger``
     (sm_90): each warp, its key loop done, lets a dependent launch (the combine kernel
     launched with ``LaunchPlan(..., dependent=True)``) begin
     (:func:`tilepy.ptx.griddep.griddepcontrol_launch_dependents`).
+
+    ``page_rows`` (paged only; 0: pages of at least ``block_n`` keys): the cache's pages hold
+    that many keys, a multiple of 16 dividing ``block_n`` (16 for 32-key blocks): each key
+    block is copied as ``block_n / page_rows`` pieces, each from its own page (so small pages
+    keep the key blocks of a large one).
 
     ``fused`` (with ``split``): the splits merge themselves, no combine kernel — the kernel
     takes ``fin = (parts, plse, out, out_lse, counters)`` after ``keys``: ``parts`` / ``plse``
@@ -186,6 +194,14 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     WIN = (left, right)
     LIMITS = limits_shape(1, False, WIN)
     SPLIT, PAGED = bool(split), bool(paged)
+    SEGS = 1
+    if page_rows:
+        if not PAGED or page_rows % 16 or BN % page_rows:
+            raise ValueError(f"page_rows={page_rows!r}: a paged cache's pages of a multiple of "
+                             f"16 keys dividing block_n={BN}")
+        SEGS = BN // page_rows
+    SEG_ROWS = BN // SEGS
+    SEG_BYTES = SEG_ROWS * D * 2        # a piece's rows in the shared tile (row pitch D · 2)
     TRIGGER = bool(trigger)
     HAS_LSE = bool(has_lse) or SPLIT
     CAP = float(softcap) > 0
@@ -209,6 +225,8 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
     smem = dynamic_shared()
     issue_q = copy_grouped_rows_to_shared(ROWS, D, 32, SW, VALID)
     setup_kv, issue_kv = copy_rows_to_shared(BN, D, 32, SW, VALID)
+    # (a piece's rows start a multiple of 8 rows into the tile: the same swizzle phases)
+    issue_seg = copy_rows_to_shared(SEG_ROWS, D, 32, SW, VALID)[1]
     setup_fq, load_q = load_a_fragments(1, D, SW)
     setup_fk, load_k = load_b_fragments(NS, D, False, SW)
     setup_fv, load_v = load_b_fragments(NO, D, True, SW)
@@ -225,7 +243,23 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
             ks = k.strides[2]
             vs = v.strides[2]
             pos = kb * BN
-            if PAGED:
+            at = kv_base + ((kb - lo) % STAGES) * STAGE
+            k_shift = np.int64(0)
+            v_shift = np.int64(0)
+            if PAGED and SEGS > 1:
+                # pages of SEG_ROWS keys: the block's pieces, each from its own page (an entry
+                # past the table's end only for a piece past the capacity: zero-filled)
+                last = np.int64(keys[2].shape[1] - 1)
+                for j in range(SEGS):
+                    ent = min(pos // SEG_ROWS + j, last)
+                    pg = min(max(np.int64(keys[2][b, ent]), np.int64(0)),
+                             np.int64(k.shape[0] - 1))
+                    left = sk - pos - j * SEG_ROWS
+                    issue_seg(at + j * SEG_BYTES, pg * k.strides[0], kp0[0], kp0[1], kp0[2],
+                              kp0[3], ks, left)
+                    issue_seg(at + TILE + j * SEG_BYTES, pg * v.strides[0], vp0[0], vp0[1],
+                              vp0[2], vp0[3], vs, left)
+            elif PAGED:
                 page = np.int64(k.shape[2])
                 pg = min(max(np.int64(keys[2][b, pos // page]), np.int64(0)),
                          np.int64(k.shape[0] - 1))
@@ -234,9 +268,9 @@ def decode_kernel(cfg: DecodeConfig, left: int = -1, right: int = 0, has_lse: bo
             else:
                 k_shift = pos * ks
                 v_shift = pos * vs
-            at = kv_base + ((kb - lo) % STAGES) * STAGE
-            issue_kv(at, k_shift, kp0[0], kp0[1], kp0[2], kp0[3], ks, sk - pos)
-            issue_kv(at + TILE, v_shift, vp0[0], vp0[1], vp0[2], vp0[3], vs, sk - pos)
+            if SEGS == 1:
+                issue_kv(at, k_shift, kp0[0], kp0[1], kp0[2], kp0[3], ks, sk - pos)
+                issue_kv(at + TILE, v_shift, vp0[0], vp0[1], vp0[2], vp0[3], vs, sk - pos)
         cp_async_commit_group()
 
     if WARPS == 1:
@@ -870,12 +904,13 @@ def compile_reports(only=None):
                                                             trigger=True),
                                 argtypes(True, True), (9, 0), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
-    # the splits merged by their last warp (no combine kernel)
-    name = "decode_d128_bf16_causal_split_paged_fused"
+    # the splits merged by their last warp (no combine kernel); pages of 16 keys, two a
+    # key block (the op's default for such a cache)
+    name = "decode_d128_bf16_causal_split_page16_fused"
     if only is None or name in only:
         cfg = DecodeConfig(128, 32, 3, "bfloat16")
         out.append(report_entry(name, lambda: decode_kernel(cfg, -1, 0, True, True, 0.0, True,
-                                                            fused=True),
+                                                            fused=True, page_rows=16),
                                 argtypes(True, True, fused=True), (9, 0), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
     f32 = types.float32

@@ -79,8 +79,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k=None, 
     * ``config``: a :class:`~tilepy.ops.attention_decode_mma_sync.DecodeConfig` (default: 32-key
       blocks, three stages: :func:`choose_config`), or an
       :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` for the forward kernel (no
-      split); its ``block_n`` must divide a paged cache's
-      ``page_size``.
+      split). A paged cache's ``page_size``: the forward kernel's ``block_n`` must divide it,
+      the decoding kernel's must divide it or be a multiple of it (a key block then gathers
+      its pages).
     Errors are raised before anything is launched.
     """
     ops = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, out)
@@ -249,8 +250,10 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     fused = split and FUSED_MERGE and dec.fused_fits(cfg, splits)
     pdl = split and not fused and PDL and (arrays.SIMULATOR or
                                            launch.compute_capability() >= (9, 0))
+    page = caches[0].shape[2] if paged else 0
     kern = dec.decode_kernel(cfg, win[0], win[1], lse is not None, split, cap, paged,
-                             trace=trace is not None, trigger=pdl, fused=fused)
+                             trace=trace is not None, trigger=pdl, fused=fused,
+                             page_rows=page if page < cfg.block_n else 0)
     if not split:
         plan, args = dec.plan(kern, cfg, q5, *caches, o5, lse4, scale, keys, 1, trace=trace)
         return [(plan, args, [Q_, KC, VC, OUT, lse_src] + keys_src)]
@@ -331,7 +334,8 @@ def output_spec(q, k_cache, v_cache, cache_seqlens, *, block_table=None, return_
 def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0, group: int = 1):
     """The built-in config. Up to :data:`DECODE_ROWS` packed rows (``seq_q`` times the query
     heads of a KV head, ``group``): the decoding kernel, 32-key blocks (16 in the simulator),
-    fewer when a page is smaller (``block_n`` must divide ``page_size``), four stages (three
+    fewer when a page size neither divides nor is a multiple of them (48: 16-key blocks; a
+    16-key page: each 32-key block gathers two pages), four stages (three
     key blocks in flight while one is computed). More (a prefill against a cache): the
     forward kernel, 64-row query blocks of four warps. Past head_dim 128 the key blocks are
     halved (16 keys, four stages; the forward's 32), so that shared memory stays within the
@@ -344,7 +348,8 @@ def choose_config(head_dim: int, dtype: str, seq_q: int, page_size: int = 0, gro
             bn //= 2
         return AttentionConfig(head_dim, bm, bn, 16, dtype)
     bn = at.SIM_BLOCK_N if arrays.SIMULATOR else 16 if wide else 32
-    while page_size and page_size % bn:
+    # a page smaller than a key block and dividing it: the block gathers its pages
+    while page_size and page_size % bn and bn % page_size:
         bn //= 2
     return DecodeConfig(head_dim, bn, 3 if bn >= 32 else 4, dtype)
 
@@ -358,7 +363,8 @@ def check_config(cfg, d: int, dtype: str, page: int) -> None:
     """``TypeError`` / ``ValueError`` unless ``cfg`` is a :class:`DecodeConfig` (the decoding
     kernel) or an :class:`AttentionConfig` (the forward kernel, one block per query head) of
     the inputs' head_dim and dtype whose ``block_n`` divides a paged cache's ``page`` (0: not
-    paged)."""
+    paged) — or, the decoding kernel's, is a multiple of it (a key block then gathers several
+    pages)."""
     if not isinstance(cfg, (DecodeConfig, AttentionConfig)):
         raise TypeError(f"config must be a tilepy.ops.attention_decode_mma_sync.DecodeConfig "
                         f"or a tilepy.ops.attention_mma_sync.AttentionConfig, got "
@@ -366,7 +372,11 @@ def check_config(cfg, d: int, dtype: str, page: int) -> None:
     if (cfg.head_dim, cfg.dtype) != (d, dtype):
         raise ValueError(f"config is for head_dim {cfg.head_dim} {cfg.dtype}; the inputs are "
                          f"head_dim {d} {dtype}")
-    if page and page % cfg.block_n:
+    if page and page % cfg.block_n and (not isinstance(cfg, DecodeConfig) or
+                                        cfg.block_n % page):
+        if isinstance(cfg, DecodeConfig):
+            raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page} "
+                             f"or be a multiple of it")
         raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page}")
 
 
