@@ -3,8 +3,10 @@ against a KV cache, contiguous or paged (FlashAttention-2's ``flash_attn_with_kv
 
 The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`, mma.sync): the query
 heads of one KV head packed into one 16-row tile (K and V read once for all of them), the keys
-cut into ``num_splits`` runs handled by separate blocks (flash-decoding), whose float32
-partials a second small kernel merges by their log-sum-exps. Each block reads its sequence's
+cut into ``num_splits`` runs handled by separate warps (flash-decoding), whose float32
+partials are merged by their log-sum-exps — by each row tile's last run inside the decoding
+kernel (:data:`FUSED_MERGE`), or by a second small kernel where the merge's weights do not
+fit the warp's shared memory. Each block reads its sequence's
 length (and, paged, its block table) on the device, so the same launches — and a CUDA graph
 that captured them — serve every step of a generation loop. New keys and values (``k`` /
 ``v``) are first written into the cache by a small copy kernel (:func:`append_kernel`) on the
@@ -235,7 +237,8 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     """``(plan, args, sources)`` of each launch of the decoding kernel
     (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a KV head packed into one
     tile, the keys split ``splits`` ways; with more than one split, into the float32
-    ``parts`` / ``part_lse``, then the combine kernel that merges them. ``trace``: the
+    ``parts`` / ``part_lse``, merged by each row tile's last split (:data:`FUSED_MERGE`, where
+    it fits: one launch) or by the combine kernel (a second launch). ``trace``: the
     decoding kernel is the traced one, marking into this array (``decode_kernel(...,
     trace=True)``; a measuring tool's, not the op's)."""
     b, sq, hq, d = Q.shape
@@ -286,7 +289,8 @@ def decode_launches(q, k_cache, v_cache, cache_seqlens, *, block_table=None, cau
     keep)`` with
     ``steps`` the ``(plan, args)`` of the decoding kernel — the traced one writing into
     ``trace`` when given (a uint64 array of :mod:`tilepy.tile.trace` rows, one per warp:
-    ``dec.grid(...)`` blocks times ``cfg.warps``) — and, with splits, the combine kernel;
+    ``dec.grid(...)`` blocks times ``cfg.warps``) — and, with splits not merged in it, the
+    combine kernel;
     ``out`` the new output array they write, ``keep`` the split partials' arrays they also
     write (hold them as long as the plans are used). The op's checks and choices (config,
     splits)."""
