@@ -59,14 +59,14 @@
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
 #   PART=s36a    the decoding kernel merging its own splits (the last split of a row tile, no
-#                combine kernel; issue 26): the KV-cache GPU tests, the decoding benchmark
-#                (the combine kernel in blocks of four and eight warps timed beside it), the
-#                phase trace at the 134 MB shapes
-#   PART=s36c    what session 35 left unmeasured: the FP8 attention benchmark with every other
-#                tile's exponentials on the FMA pipe (fma_exp_every=2) beside the default, its
-#                GPU tests (and exp2_fma's); the grouped GEMM's one-launch gradient in b
-#                against the per-group calls and a cuBLAS loop; the host cost per call (the
-#                decoding call now one launch where its splits merge themselves)
+#                combine kernel) and gathering 16-key pages into 32-key blocks (issue 26): the
+#                KV-cache GPU tests, the decoding benchmark (the combine kernel in blocks of
+#                four and eight warps timed beside it); the FP8 attention benchmark with every
+#                other tile's exponentials on the FMA pipe (fma_exp_every=2) beside the
+#                default, its GPU tests (and exp2_fma's)
+#   PART=s36c    the decoding phase trace at the 134 MB shapes; the grouped GEMM's one-launch
+#                gradient in b against the per-group calls and a cuBLAS loop; the host cost
+#                per call (the decoding call now one launch where its splits merge themselves)
 #   PART=s36b    Nsight of the FP8 GEMM with block scales (the 0.75-0.81x case)
 #   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
 #                (the one-launch gradient in b captured in a graph)
@@ -386,16 +386,16 @@ if [[ " $PART " == *" s32c "* ]]; then
 fi
 if [[ " $PART " == *" s36a "* ]]; then
     # (at most 8 files come back from $OUT: logs in an archive)
-    gpu_tests kvcache_gpu 90 tests/test_ops_attention_kvcache.py
-    bench_suite bench_attention_kvcache 260 "test_flash_attention_with_kvcache"
-    step trace_decode 90 "$PY" bench/trace_decode.py --json "$OUT/trace_decode.json" \
-        --shapes 8:4096:0:1,8:4096:0:4,8:4096:16:4,1:32768:0:1
+    gpu_tests kvcache_gpu 80 tests/test_ops_attention_kvcache.py
+    bench_suite bench_attention_kvcache 240 "test_flash_attention_with_kvcache"
+    bench_suite bench_attention_fp8 140 "test_flash_attention_fp8"
+    gpu_tests attention_fp8_gpu 70 tests/test_ops_attention_fp8.py \
+        tests/test_tile_online_softmax.py
     archive_logs
 fi
 if [[ " $PART " == *" s36c "* ]]; then
-    bench_suite bench_attention_fp8 170 "test_flash_attention_fp8"
-    gpu_tests attention_fp8_gpu 90 tests/test_ops_attention_fp8.py \
-        tests/test_tile_online_softmax.py
+    step trace_decode 90 "$PY" bench/trace_decode.py --json "$OUT/trace_decode.json" \
+        --shapes 8:4096:0:1,8:4096:0:4,8:4096:16:4,1:32768:0:1
     bench_suite bench_grouped_wgrad 150 "test_grouped_gemm_weight_grad"
     step overhead 90 "$PY" bench/overhead.py --calls 1000 --json "$OUT/overhead.json" \
         --profile kvcache
