@@ -530,10 +530,10 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
     cache, ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over the whole cache (its
     default backend; not causal for ``sq`` 4: four rows' mask is no work at these lengths;
     left out above 8 GB of K and V). Correctness first: two sequences against SDPA in
-    float32 (the bottom-right causal mask). Also timed where the keys are split: the splits
-    merged by the combine kernel (``attention_kvcache.FUSED_MERGE`` off) in blocks of four
-    and of eight warps (``COMBINE_WARPS``), beside the default merge by each row tile's last
-    split inside the decoding kernel."""
+    float32 (the bottom-right causal mask). Also timed where the keys are split: the combine
+    kernel in blocks of four warps (``attention_kvcache.COMBINE_WARPS``; the default eight),
+    and the opt-in merge by each row tile's last split inside the decoding kernel
+    (``FUSED_MERGE``)."""
     import tilepy
     import torch.nn.functional as F
 
@@ -569,25 +569,24 @@ def test_flash_attention_with_kvcache(benchmark, record, torch, gpu_name, shape,
         del k, v
     notes = {}
     timings = {"tilepy": gpu_time(torch, ours), "device copy": copy_timing(torch, nbytes)}
-    # the same with the splits merged by the combine kernel (attention_kvcache.FUSED_MERGE
-    # off) in blocks of four and of eight warps (COMBINE_WARPS; the plan cache keys on both):
-    # more warps a row where the splits are many (B1's 64). (PDL against plain stream
-    # order: sessions 33-34's runs.)
+    # the same with the combine kernel in blocks of four warps, and with the splits merged in
+    # the decoding kernel (COMBINE_WARPS, FUSED_MERGE; the plan cache keys on both). (PDL
+    # against plain stream order: sessions 33-34's runs.)
     from tilepy.ops import attention_kvcache as akv
 
     cfg = akv.choose_config(d, "bfloat16", sq, page or 0, hq // hk)
     splits = akv.decode_launches(q, kc, vc, lens, block_table=table)[3]
     first = out.clone()
     fused, warps = akv.FUSED_MERGE, akv.COMBINE_WARPS
-    akv.FUSED_MERGE = False
     try:
-        for n in (4, 8) if splits > 1 else ():
-            akv.COMBINE_WARPS = n
+        for name, merge, n in (("tilepy, 4-warp combine", False, 4),
+                               ("tilepy, fused merge", True, warps)) if splits > 1 else ():
+            akv.FUSED_MERGE, akv.COMBINE_WARPS = merge, n
             out.fill_(float("nan"))
             ours(True)
             err = max_abs_err(out, first)       # (the splits' sums in another grouping)
             assert err < tolerance("bfloat16") * vc.abs().max().item(), err
-            timings[f"tilepy, {n}-warp combine"] = gpu_time(torch, ours)
+            timings[name] = gpu_time(torch, ours)
     finally:
         akv.FUSED_MERGE, akv.COMBINE_WARPS = fused, warps
     if page is None:

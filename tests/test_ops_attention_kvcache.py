@@ -233,7 +233,10 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
     trace = cuda.to_device(np.zeros((g[0] * g[1] * g[2] * warps, TR.WIDTH), np.uint64))
     steps, out, _, got_splits, keep = decode_launches(q, kc, vc, lens, num_splits=splits,
                                                       config=cfg, trace=trace)
-    merged = splits == 1 or dec.fused_fits(cfg, splits)     # no combine kernel
+    from tilepy.ops import attention_kvcache as akv
+
+    # (no combine kernel: one split, or the opt-in merge inside the decoding kernel)
+    merged = splits == 1 or (akv.FUSED_MERGE and dec.fused_fits(cfg, splits))
     assert got_splits == splits and len(steps) == (1 if merged else 2)
     for plan, args in steps:
         plan.launch(0, args)
@@ -263,7 +266,7 @@ def test_traced_decoding_kernel_marks_each_warp(splits, warps):
 ])
 def test_fused_merge_against_float64_and_the_combine_kernel(monkeypatch, sq, hq, hk, d, splits,
                                                             warps, page):
-    """The splits merged by the decoding kernel itself (``FUSED_MERGE``, the default): one
+    """The splits merged by the decoding kernel itself (``FUSED_MERGE``, opt-in): one
     launch, a counted plan whose stream counter is back at zero after each call; against
     float64 (out and LSE; a sequence with no key, one with a key block per split at most,
     the full capacity) and within float32 rounding of the combine kernel's merge; the same
@@ -285,6 +288,7 @@ def test_fused_merge_against_float64_and_the_combine_kernel(monkeypatch, sq, hq,
     lens = np.array([0, 29, cap], np.int32)
     cfg = DecodeConfig(d, 16, 3, dtype, warps=warps)
     assert dec.fused_fits(cfg, splits)
+    monkeypatch.setattr(akv, "FUSED_MERGE", True)
     akv._PLANS.clear()
     outs = []
     for _ in range(2):
@@ -335,12 +339,14 @@ def test_a_nan_query_gives_a_nan_row_and_lse(monkeypatch):
 
 
 @sim
-def test_fused_merge_falls_back_to_the_combine_kernel():
-    """Splits whose weights do not fit a warp's shared memory (64 bytes each) take the
-    combine kernel: two launches."""
+def test_fused_merge_falls_back_to_the_combine_kernel(monkeypatch):
+    """With the fused merge on, splits whose weights do not fit a warp's shared memory (64
+    bytes each) take the combine kernel: two launches."""
     from tilepy.ops import attention_decode_mma_sync as dec
+    from tilepy.ops import attention_kvcache as akv
     from tilepy.ops.attention_kvcache import decode_launches
 
+    monkeypatch.setattr(akv, "FUSED_MERGE", True)
     rng = np.random.default_rng()
     cfg = DecodeConfig(16, 16, 2, "float16")
     many = cfg.warp_bytes // 64 + 1
@@ -432,21 +438,20 @@ def test_combine_kernel_against_float64(n, ways, d):
 
 
 @gpu
-@pytest.mark.parametrize("page,pdl", [(None, False), (16, False), (256, False), (None, True)],
-                         ids=["contiguous", "page16", "page256", "contiguous-combine-pdl"])
-def test_gpu_decoding_against_sdpa_and_a_graph_replay(monkeypatch, page, pdl):
+@pytest.mark.parametrize("page,fused", [(None, False), (16, False), (256, False), (None, True)],
+                         ids=["contiguous", "page16", "page256", "contiguous-fused"])
+def test_gpu_decoding_against_sdpa_and_a_graph_replay(monkeypatch, page, fused):
     """Full size (B 8, 32 query heads over 8, head_dim 128, bf16, 4096 cached keys of ragged
     lengths, seq_q 1 and 4) against SDPA over each sequence's gathered keys — the splits
-    merged inside the decoding kernel (the default), or with ``pdl`` by the combine kernel
-    as a programmatic dependent launch, captured too; then one CUDA graph captured with k /
-    v appended and replayed with new lengths and contents (the fused merge's counter: one
-    of the capture's own, zeroed in the graph)."""
+    merged by the combine kernel as a programmatic dependent launch (the default), or with
+    ``fused`` inside the decoding kernel; then one CUDA graph captured with k / v appended
+    and replayed with new lengths and contents (the fused merge's counter: one of the
+    capture's own, zeroed in the graph)."""
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from tilepy.ops import attention_kvcache as akv
 
-    monkeypatch.setattr(akv, "PDL", pdl)
-    monkeypatch.setattr(akv, "FUSED_MERGE", not pdl)
+    monkeypatch.setattr(akv, "FUSED_MERGE", fused)
     b, hq, hk, d, cap = 8, 32, 8, 128, 4096
     dev, dt = "cuda", torch.bfloat16
     if page is None:

@@ -4,9 +4,8 @@ against a KV cache, contiguous or paged (FlashAttention-2's ``flash_attn_with_kv
 The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`, mma.sync): the query
 heads of one KV head packed into one 16-row tile (K and V read once for all of them), the keys
 cut into ``num_splits`` runs handled by separate warps (flash-decoding), whose float32
-partials are merged by their log-sum-exps — by each row tile's last run inside the decoding
-kernel (:data:`FUSED_MERGE`), or by a second small kernel where the merge's weights do not
-fit the warp's shared memory. Each block reads its sequence's
+partials a second small kernel merges by their log-sum-exps (opt-in, :data:`FUSED_MERGE`:
+each row tile's last run merges them inside the decoding kernel — measured slower). Each block reads its sequence's
 length (and, paged, its block table) on the device, so the same launches — and a CUDA graph
 that captured them — serve every step of a generation loop. New keys and values (``k`` /
 ``v``) are first written into the cache by a small copy kernel (:func:`append_kernel`) on the
@@ -118,16 +117,21 @@ _PLANS = launch.PlanCache()
 #: order (the same results, bit for bit).
 PDL = True
 
-#: The split path's merge inside the decoding kernel: the last split of each row tile to
-#: finish merges the tile's partials (:func:`tilepy.ops.attention_decode_mma_sync.decode_kernel`
-#: with ``fused``), so no combine kernel runs — where the warps' shared memory holds the merge's
-#: weights (:func:`~tilepy.ops.attention_decode_mma_sync.fused_fits`); False always launches the
-#: combine kernel. The same results either way, to float32 rounding (each way the same bits on
-#: every run).
-FUSED_MERGE = True
+#: Opt-in (off): the split path's merge inside the decoding kernel — the last split of each
+#: row tile to finish merges the tile's partials
+#: (:func:`tilepy.ops.attention_decode_mma_sync.decode_kernel` with ``fused``), so no combine
+#: kernel runs, where the warps' shared memory holds the merge's weights
+#: (:func:`~tilepy.ops.attention_decode_mma_sync.fused_fits`). Measured on an H100 it is
+#: slower wherever the keys are split (0.34–0.92× the combine kernel's bandwidth; worst at
+#: many splits and four query rows): one warp walks every split of its tile at the end of the
+#: launch, a chain of dependent loads on the critical path, where the combine kernel spreads
+#: the rows over many warps. The same results either way, to float32 rounding (each way the
+#: same bits on every run).
+FUSED_MERGE = False
 
 #: Warps of the split path's combine kernel block (4, or 8: more warps share a row of many
-#: splits, :func:`tilepy.ops.attention_decode_mma_sync.combine_ways`); the simulator's 2.
+#: splits, :func:`tilepy.ops.attention_decode_mma_sync.combine_ways`): 8 on a GPU (measured:
+#: 1.01–1.06× four at one sequence's 32–64 splits, the same elsewhere), the simulator's 2.
 COMBINE_WARPS = dec.COMBINE_WARPS
 
 
@@ -237,8 +241,8 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     """``(plan, args, sources)`` of each launch of the decoding kernel
     (:mod:`tilepy.ops.attention_decode_mma_sync`): the query heads of a KV head packed into one
     tile, the keys split ``splits`` ways; with more than one split, into the float32
-    ``parts`` / ``part_lse``, merged by each row tile's last split (:data:`FUSED_MERGE`, where
-    it fits: one launch) or by the combine kernel (a second launch). ``trace``: the
+    ``parts`` / ``part_lse``, merged by the combine kernel (a second launch) or, with
+    :data:`FUSED_MERGE` where it fits, by each row tile's last split (one launch). ``trace``: the
     decoding kernel is the traced one, marking into this array (``decode_kernel(...,
     trace=True)``; a measuring tool's, not the op's)."""
     b, sq, hq, d = Q.shape
