@@ -66,6 +66,7 @@
 #                default, its GPU tests (and exp2_fma's)
 #   PART=s36d    s36a's FP8 attention benchmark with room (it ran past 140 s), the grouped GEMM's
 #                one-launch gradient in b
+#   PART=s36e    s36d's FP8 benchmark alone
 #   PART=s36c    the decoding phase trace at the 134 MB shapes; the grouped GEMM's one-launch
 #                gradient in b against the per-group calls and a cuBLAS loop; the host cost
 #                per call (the decoding call now one launch where its splits merge themselves)
@@ -394,6 +395,9 @@ if [[ " $PART " == *" s36a "* ]]; then
     gpu_tests attention_fp8_gpu 70 tests/test_ops_attention_fp8.py \
         tests/test_tile_online_softmax.py
     archive_logs
+fi
+if [[ " $PART " == *" s36e "* ]]; then   # s36d's first step alone (little device time)
+    bench_suite bench_attention_fp8 250 "test_flash_attention_fp8"
 fi
 if [[ " $PART " == *" s36d "* ]]; then
     # s36a's FP8 benchmark ran past its 140 s (three FP8 kernels compiled per case)
