@@ -788,7 +788,7 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
     ``trace``: the uint64 array of :mod:`tilepy.tile.trace` rows (a row per warp of the grid)
     of a kernel generated with ``trace=True`` (ValueError otherwise, or when it is too
     short). ``fin``: the ``(parts, plse, out, out_lse, counters)`` of a kernel generated with
-    ``fused=True`` (:func:`fused_arguments`), ``counters`` a view of ``counter`` (a
+    ``fused=True`` (:func:`fused_views`), ``counters`` a view of ``counter`` (a
     :class:`~tilepy.tile.device_write.DeviceBuffer` from ``alloc``): the plan is then a
     :class:`~tilepy.tile.stream_counter.CountedLaunchPlan` (a zeroed counter per stream)."""
     args = (q, k, v, o, lse, np.float32(scale), np.float32(scale * LOG2E), tuple(keys))
@@ -817,12 +817,11 @@ def plan(kernel, cfg: DecodeConfig, q, k, v, o, lse, scale: float, keys, splits:
     return LaunchPlan(kernel, args, g, cfg.threads, smem_bytes), args
 
 
-def fused_arguments(parts, part_lse, out, out_lse, alloc):
-    """``(fin, counter)`` for :func:`plan` of a fused kernel: 2-D views of the split
-    partials ``parts`` (S, B, Hkv, Sq, G, D) and ``part_lse`` (S, B, Hkv, G, Sq) (contiguous
-    device arrays), the merged results ``out`` / ``out_lse`` (the unsplit kernel's ``o`` /
-    ``lse`` views), and a counter buffer of B · Hkv · row-tiles int32 from ``alloc`` (zeroed by
-    the plan)."""
+def fused_views(parts, part_lse, alloc):
+    """``(parts 2-D, part_lse 2-D, counters, counter)`` for the ``fin`` of a fused kernel's
+    :func:`plan`: 2-D views of the split partials ``parts`` (S, B, Hkv, Sq, G, D) and
+    ``part_lse`` (S, B, Hkv, G, Sq) (contiguous raw arrays), and a counter buffer of B · Hkv ·
+    row-tiles int32 from ``alloc`` (zeroed by the plan) with its int32 view."""
     from .. import arrays
 
     s, b, hk, sq, grp, d = parts.shape
@@ -831,13 +830,12 @@ def fused_arguments(parts, part_lse, out, out_lse, alloc):
     l2 = arrays.restride(part_lse, (s, b * hk * rows), (b * hk * rows * 4, 4))
     slots = b * hk * -(-rows // ROWS)
     counter = device_write.allocate(alloc, 4 * slots + (-4 * slots) % 8, 256)
-    counters = counter.view((slots,), np.int32)
-    return (p2, l2, out, out_lse, counters), counter
+    return p2, l2, counter.view((slots,), np.int32), counter
 
 
 def argtypes(split: bool, paged: bool, layout: str = "A", fused: bool = False):
     """Numba argument types of :func:`decode_kernel`'s kernel (offline compilation);
-    ``fused``: with the merged results' ``fin`` (:func:`fused_arguments`)."""
+    ``fused``: with the merged results' ``fin`` (:func:`fused_views`)."""
     from numba import types
 
     keys = (types.Array(types.int32, 1, layout), types.int64)

@@ -268,11 +268,11 @@ def decode(cfg, Q, caches, Out, lse, keys, scale, win, cap, paged, splits, parts
     pl_raw = arrays.raw_view(describe(part_lse, "part_lse"))
     p_v, pl_v = at.device_view(p_raw), at.device_view(pl_raw)
     if fused:
-        fin, counter = dec.fused_arguments(p_raw, pl_raw, None, None, arrays.byte_allocator(Q))
-        fin = tuple(at.device_view(x) for x in fin[:2]) + (o5, lse4, fin[4])
+        alloc = arrays.byte_allocator(Q)
+        p2, l2, counters, counter = dec.fused_views(p_raw, pl_raw, alloc)
+        fin = (at.device_view(p2), at.device_view(l2), o5, lse4, counters)
         plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits,
-                              trace=trace, fin=fin, counter=counter,
-                              alloc=arrays.byte_allocator(Q))
+                              trace=trace, fin=fin, counter=counter, alloc=alloc)
         return [(plan, args, [Q_, KC, VC, PARTS, PLSE] + keys_src +
                  [PARTS, PLSE, OUT, lse_src, None])]
     plan, args = dec.plan(kern, cfg, q5, *caches, p_v, pl_v, scale, keys, splits, trace=trace)
@@ -380,12 +380,12 @@ def check_config(cfg, d: int, dtype: str, page: int) -> None:
     if (cfg.head_dim, cfg.dtype) != (d, dtype):
         raise ValueError(f"config is for head_dim {cfg.head_dim} {cfg.dtype}; the inputs are "
                          f"head_dim {d} {dtype}")
-    if page and page % cfg.block_n and (not isinstance(cfg, DecodeConfig) or
-                                        cfg.block_n % page):
-        if isinstance(cfg, DecodeConfig):
+    if page and page % cfg.block_n:
+        if not isinstance(cfg, DecodeConfig):
+            raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page}")
+        if cfg.block_n % page:
             raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page} "
                              f"or be a multiple of it")
-        raise ValueError(f"config.block_n = {cfg.block_n} must divide the page size {page}")
 
 
 #: The most splits of the keys ``num_splits`` may ask for.

@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from ..launch import LaunchPlan, _stream_handle, pointer
+from ..launch import LaunchPlan, _stream_handle, arg_at, pointer
 from . import device_write
 from .device_write import DeviceBuffer
 
@@ -143,8 +143,6 @@ class CountedLaunchPlan(StreamCounters, LaunchPlan):
     def __init__(self, kernel, args, grid, block, smem=0, *, counter_arg, counter, alloc,
                  **kw):
         super().__init__(kernel, args, grid, block, smem, **kw)
-        from ..launch import arg_at
-
         self._init_counters(alloc, self.array_index(counter_arg), arg_at(args, counter_arg),
                             counter, counter.nbytes)
 

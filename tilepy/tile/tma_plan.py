@@ -218,11 +218,8 @@ class ScheduledTmaPlan(StreamCounters, TmaLaunchPlan):
     def __init__(self, kernel, args, *rest, counter=None, counter_bytes=COUNTER_BYTES,
                  workspace_offset=None, **kw):
         super().__init__(kernel, args, *rest, **kw)
-        workspace = None
-        if workspace_offset is not None:
-            if counter is None:
-                raise ValueError("ScheduledTmaPlan: a workspace needs the counter's buffer")
-            workspace = (self.array_index(self.maps_arg + 2), int(workspace_offset))
+        workspace = None if workspace_offset is None else (
+            self.array_index(self.maps_arg + 2), int(workspace_offset))
         self._init_counters(self._alloc, self.array_index(self.maps_arg + 1),
                             args[self.maps_arg + 1], counter, counter_bytes, workspace)
 
