@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s37a    block-sparse attention on the persistent TMA kernel (issue 25): the block-mask
+#                GPU tests, the mask_mod / block-mask benchmark cases against FlexAttention with
+#                the grid kernel timed beside; then s36d's FP8 attention benchmark
 #   PART=s36a    the decoding kernel merging its own splits (the last split of a row tile, no
 #                combine kernel) and gathering 16-key pages into 32-key blocks (issue 26): the
 #                KV-cache GPU tests, the decoding benchmark (the combine kernel in blocks of
@@ -386,6 +389,13 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s37a "* ]]; then
+    gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
+    bench_suite bench_attention_user 200 \
+        "test_flash_attention_user_functions and (mask_mod or block_mask)"
+    bench_suite bench_attention_fp8 250 "test_flash_attention_fp8"
+    archive_logs
 fi
 if [[ " $PART " == *" s36a "* ]]; then
     # (at most 8 files come back from $OUT: logs in an archive)

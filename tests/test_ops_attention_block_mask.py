@@ -159,6 +159,42 @@ def test_block_sparse_attention_against_float64(kernel):
     check(got, lse, *reference(q, k, v, vis))
 
 
+@pytest.mark.sim
+def test_block_sparse_persistent_kernel_against_float64():
+    """The persistent TMA kernel under a block mask: 7 tiles (GQA 2 / 1, 300 rows of 128-row
+    tiles) over the simulator's 4 SM slots, so slots walk several tiles with the K/V ring
+    counted on across them; per-head lists in which query block 1 of head 1 sees no key
+    (zeros, LSE -inf: the producer's count of 0), keys 128 … 255 are listed nowhere and NaN
+    (a step word pointing there spreads NaN), 64-key tiles two to a 128-key mask block; out
+    poisoned with NaN."""
+    rng = np.random.default_rng()
+    b, hq, hk, s, d = 1, 2, 1, 300, 64
+    cfg = aw.WgmmaAttentionConfig(64, 128, 64, "float16", overlap=True, tma=True,
+                                  producer=True, persistent=True)
+    q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
+    k[:, :, 128:256] = np.nan
+    v[:, :, 128:256] = np.nan
+    doc = documents(rng, b, s)
+
+    def hidden(bb, h, q_idx, kv_idx, ids):
+        return (kv_idx < 128 or kv_idx >= 256) and not (h == 1 and 128 <= q_idx < 256) and \
+            same_document(bb, h, q_idx, kv_idx, ids)
+
+    bm = tilepy.create_block_mask(hidden, b, hq, s, s, mod_args=(doc,), block_size=128)
+    out = np.full((b, hq, s, d), np.nan, np.float16)
+    got, lse = tilepy.flash_attention(q, k, v, block_mask=bm, out=out, return_lse=True,
+                                      config=cfg)
+    assert got is out
+    vis = matrix(hidden, b, hq, s, s, (doc,))
+    want, want_lse = reference(q, np.nan_to_num(k), np.nan_to_num(v), vis)
+    assert not vis[:, 1, 128:256].any()
+    with np.errstate(invalid="ignore"):
+        want = np.nan_to_num(want)
+    check(got, lse, want, want_lse)
+    assert (got[:, 1, 128:256].astype(np.float32) == 0).all()
+
+
 def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
     """Document masking in which no query sees keys lo … hi - 1 (a key block no list names)
     and head 1 no key from 80 on (per-head lists under GQA)."""
@@ -501,12 +537,20 @@ def test_gpu_block_masks_against_sdpa(d):
 
 def test_sparse_configs_divide_the_mask_and_stay_valid():
     """The Hopper configs a block mask of 64, 128 or 192 query rows gets: tiles that divide it,
-    a producer warpgroup and ping-pong only at 128 rows or more, never persistent."""
+    a producer warpgroup and ping-pong only at 128 rows or more; persistent where a producer
+    warpgroup and the persistent kernel's tiles allow it (head dims 64 and 128), and a caller's
+    config kept as given."""
     from tilepy.ops import attention as at
 
     for d in (64, 128, 192, 256):
         for block in ((64, 64), (128, 128), (192, 128), (64, 256)):
             cfg = at.sparse_config(at.hopper_config(d, "bfloat16", False), block)
             assert block[0] % cfg.block_m == 0 and block[1] % cfg.block_n == 0
-            assert not cfg.persistent and (cfg.block_m >= 128 or not cfg.producer)
+            assert cfg.block_m >= 128 or not cfg.producer
+            assert cfg.persistent == (at.SPARSE_PERSISTENT and cfg.producer and d <= 128
+                                      and (aw.tile_width(d), cfg.block_n)
+                                      in aw.PERSISTENT_OVERLAP_FITS), (d, block, cfg)
+    grid = aw.WgmmaAttentionConfig(128, 128, 128, "bfloat16", overlap=True, tma=True,
+                                   pingpong=True, producer=True)
+    assert at.sparse_config(grid, (128, 128), given=True) is grid
 

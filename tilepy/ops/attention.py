@@ -681,12 +681,21 @@ def sparse_block(cfg) -> tuple:
     return cfg.block_m, cfg.block_n
 
 
+#: Block-sparse attention on sm_90 runs the persistent TMA kernel (the next tile's Q and first
+#: key blocks load while the current one computes; a mask row of a few key blocks leaves the
+#: grid kernel's per-tile start and epilogue exposed) where its config allows: a producer
+#: warpgroup (128 query rows or more) and a (tile width, block_n) the persistent overlap kernel
+#: compiles without spills. False: the grid TMA kernel.
+SPARSE_PERSISTENT = True
+
+
 def sparse_config(cfg, mask_block, given: bool = False):
-    """``cfg`` as a block-sparse kernel takes it: a TMA config not persistent (the grid TMA
-    kernel) and, for a mask of block size ``mask_block`` (None: any), tiles that divide it —
-    ``block_m`` the config's, else 128 or 64 rows (TMA) / 16 (mma.sync), ``block_n`` the
-    config's or the largest multiple of 16 below it that divides the mask's. ``ValueError``
-    when ``given`` (the caller's config) does not divide it, or no tile does."""
+    """``cfg`` as a block-sparse kernel takes it: a TMA config — persistent per
+    :data:`SPARSE_PERSISTENT` where it can be (a caller's config as given) — and, for a mask
+    of block size ``mask_block`` (None: any), tiles that divide it — ``block_m`` the
+    config's, else 128 or 64 rows (TMA) / 16 (mma.sync), ``block_n`` the config's or the
+    largest multiple of 16 below it that divides the mask's. ``ValueError`` when ``given``
+    (the caller's config) does not divide it, or no tile does."""
     bq, bk = (None, None) if mask_block is None else mask_block
     if isinstance(cfg, aw.WgmmaAttentionConfig):
         if not cfg.tma:
@@ -694,7 +703,7 @@ def sparse_config(cfg, mask_block, given: bool = False):
                                       f"(tma=True) on sm_90; got {cfg.describe()}")
         rows = [cfg.block_m, 128, 64]
         keys = [cfg.block_n] + [n for n in aw.TMA_BLOCK_NS[::-1] if n < cfg.block_n]
-        fields = dict(persistent=False)
+        fields = dict(persistent=cfg.persistent if given else SPARSE_PERSISTENT)
     else:
         rows = [cfg.block_m, 16]
         keys = list(range(cfg.block_n, 15, -16))
@@ -709,10 +718,17 @@ def sparse_config(cfg, mask_block, given: bool = False):
         raise ValueError(f"flash_attention: a block mask's block size {mask_block} must be "
                          f"multiples of {rows[-1]} rows and {keys[-1]} keys here")
     if isinstance(cfg, aw.WgmmaAttentionConfig):
+        if given:
+            return cfg
         if bm != cfg.block_m:   # (a producer warpgroup and ping-pong need 128 rows or more)
             fields.update(block_m=bm, pingpong=cfg.pingpong and bm >= 128,
                           producer=cfg.producer and bm >= 128)
-        return dataclasses.replace(cfg, block_n=bn, **fields)
+        try:
+            return dataclasses.replace(cfg, block_n=bn, **fields)
+        except ValueError:      # no persistent kernel of these tiles: the grid one
+            if not fields["persistent"]:
+                raise
+            return dataclasses.replace(cfg, block_n=bn, **dict(fields, persistent=False))
     if bm != cfg.block_m:
         return dataclasses.replace(cfg, block_m=bm, block_n=bn, warp_rows=16)
     return dataclasses.replace(cfg, block_n=bn)

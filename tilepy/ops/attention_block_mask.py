@@ -449,12 +449,15 @@ def _sparse_argtypes(base, layout: str = "A"):
 
 #: Block-sparse kernels of :func:`compile_reports`: (name, head_dim, tile rows, tile keys,
 #: mask block) — the grid TMA kernel of the built-in d128 config (ping-pong, producer) under
-#: 128 × 128 mask blocks and under 128 × 256 ones (two key tiles a mask block), and the
-#: mma.sync kernel of the built-in d128 config.
+#: 128 × 128 mask blocks and under 128 × 256 ones (two key tiles a mask block), its persistent
+#: kernel (the block-sparse default on sm_90) under 128 × 128, and the mma.sync kernel of the
+#: built-in d128 config.
 SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 128, 128, 128,
                    (128, 128)),
                   ("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128_mask256", 128,
                    128, 128, (128, 256)),
+                  ("attention_wgmma_tma_pingpong_producer_persistent_sparse_d128_128x128", 128,
+                   128, 128, (128, 128)),
                   ("attention_sparse_d128_f16_lse", 128, 64, 64, (128, 128)))
 
 
@@ -483,13 +486,13 @@ def compile_reports():
     for name, d, bm, bn, block in SPARSE_REPORTS:
         if name.startswith("attention_wgmma"):
             cfg = aw.WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True, pingpong=True,
-                                          producer=True)
+                                          producer=True, persistent="persistent" in name)
+            make = (lambda cfg=cfg, block=block: aw.wgmma_attention_kernel(
+                cfg, False, True, None, hook, mask_block=block))
             out.append(report_entry(
-                name, lambda cfg=cfg, block=block: aw.wgmma_attention_kernel(
-                    cfg, False, True, None, hook, mask_block=block),
-                _sparse_argtypes(aw.kernel_argtypes(cfg)), (9, 0, "a"), threads=cfg.threads,
-                launch_bounds=(cfg.threads, 1), config=cfg.describe(),
-                smem_bytes=cfg.smem_bytes))
+                name, make, _sparse_argtypes(aw.kernel_argtypes(cfg)), (9, 0, "a"),
+                threads=cfg.threads, launch_bounds=(cfg.threads, 1), config=cfg.describe(),
+                smem_bytes=aw.smem_bytes_of(make(), cfg)))
         else:
             cfg = fa.AttentionConfig(d, bm, bn, 16, "float16")
             out.append(report_entry(

@@ -482,13 +482,14 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
       cache.
 
     * ``mask_block=(block_q, block_k)``: block-sparse over a block mask of that block size
-      (multiples of ``block_m`` / ``block_n``), on the grid TMA kernel of a 16-bit config,
-      with a ``score_mod`` (the mask function in it) and no window: ``hargs`` is
-      ``(hook_args, (num, idx, full_num, full_idx))``, the mask's arrays as (B, Hq, …) views;
-      a tile's producer loads, and its consumers compute, the key blocks of its mask query
-      block's partial then full lists (:func:`tilepy.tile.attention.block_mask_row`), no
-      other; the full blocks' scores take ``full_score_mod`` (the hook without the mask
-      function; None: nothing).
+      (multiples of ``block_m`` / ``block_n``), on the grid or persistent TMA kernel of a
+      16-bit config, with a ``score_mod`` (the mask function in it) and no window: ``hargs``
+      is ``(hook_args, (num, idx, full_num, full_idx))``, the mask's arrays as (B, Hq, …)
+      views; a tile's producer loads, and its consumers compute, the key blocks of its mask
+      query block's partial then full lists (:func:`tilepy.tile.attention.block_mask_row`),
+      no other; the full blocks' scores take ``full_score_mod`` (the hook without the mask
+      function; None: nothing). The persistent kernel walks its tiles in plain order (no
+      causal heaviest-first order: the lists say nothing of it).
     * ``varlen``: packed sequences of different lengths, on the grid TMA kernel of a 16-bit
       config (not with ``mask_block``) — :func:`tilepy.ops.attention_mma_sync.
       attention_kernel`'s contract: views of batch 1, ``hargs`` ``((cu_seqlens_q,
@@ -510,9 +511,9 @@ def wgmma_attention_kernel(cfg: WgmmaAttentionConfig, causal: bool = False,
             f"16-bit config without a block mask; got {cfg.describe()}")
     if mask_block is not None:
         mask_block = check_mask_block(mask_block, cfg.block_m, cfg.block_n)
-        if cfg.persistent or cfg.fp8 or (left, right) != (-1, -1) or score_mod is None:
+        if not cfg.tma or cfg.fp8 or (left, right) != (-1, -1) or score_mod is None:
             raise NotImplementedError(
-                f"wgmma attention: a block-sparse kernel (mask_block) is the grid TMA kernel "
+                f"wgmma attention: a block-sparse kernel (mask_block) is a TMA kernel "
                 f"of a 16-bit config with a score_mod and no window; got {cfg.describe()}")
     else:
         full_score_mod = None
@@ -1633,8 +1634,9 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     """The persistent TMA kernel ``tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched,
     hargs)``: one block per SM slot; its producer warpgroup draws tiles from the ticket
     counter ``sched`` and loads each tile's Q and key blocks into the ring of ``t`` while the
-    consumers compute the previous one; ``hargs``: the score hook's run-time arguments."""
-    BN, CONSUMERS, KV, LIMITS, NACC_O = c.BN, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
+    consumers compute the previous one; ``hargs``: the score hook's run-time arguments
+    (block-sparse: with the block mask's, as the grid kernel's)."""
+    BM, BN, CONSUMERS, KV, LIMITS, NACC_O = c.BM, c.BN, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
     NACC_S, NO, NS, P_REGS, Q_BYTES, STAGE = c.NACC_S, c.NO, c.NS, c.P_REGS, c.Q_BYTES, c.STAGE
     TILE, align, epilogue, f32, i64, no_keys = c.TILE, c.align, c.epilogue, c.f32, c.i64, c.no_keys
     start_rows, thread_rows, tile_coords = c.start_rows, c.thread_rows, c.tile_coords
@@ -1642,8 +1644,9 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     resolve, scale_source, split_hargs = c.resolve, c.scale_source, c.split_hargs
     BARS, CREGS, CWG, PREGS, QE0, QF1 = t.BARS, t.CREGS, t.CWG, t.PREGS, t.QE0, t.QF1
     init_ring, load_kv, load_q, tjit = t.init_ring, t.load_kv, t.load_q, t.tjit
-    load_v = t.load_v
+    load_v, key_of, put_step = t.load_v, t.key_of, t.put_step
     tma_loop, warpgroup_span = t.tma_loop, t.warpgroup_span
+    SPARSE, mask_row = c.SPARSE, c.mask_row
 
     # ---- persistent TMA: one block per SM slot takes tiles until none is left ------------
     # Tiles are handed out at run time: each block's first is its block index, every further
@@ -1659,7 +1662,27 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     # current tile computes. The consumers release a tile's last key block's slots after the
     # epilogue, which stages O in that block's stage. The producer of the last block to run
     # out of tiles sets the counter back to zero for the next launch.
+    # Block-sparse: a tile visits its mask row's key blocks (tilepy.tile.attention.
+    # block_mask_row), each K load's step word written as in the grid kernel (t.put_step:
+    # after the slot's release, before its load); the producer writes the tile's number of
+    # steps beside the step words (N_STEPS + qi, int32) before its Q load, as the tile
+    # number, so the consumers read both after Q full and need no list of their own.
     TILE_NO = (BARS + 8 * cfg.tma_barriers) // 4      # int32 index of the tile-number slots
+    N_STEPS = cfg.smem_bytes // 4 + 2                 # (after the two step words)
+
+    @inline_device
+    def tile_blocks(mask, row0, b, h, kb0, n_kb):
+        """``(n_kb, blocks)`` of a tile: its mask row's (block-sparse), else ``kb0`` on."""
+        if SPARSE:
+            return mask_row(mask, row0 // BM, b, h)
+        return n_kb, kb0
+
+    @inline_device
+    def split_mask(hook):
+        """``(hook arguments, block mask)``: block-sparse hargs carry both."""
+        if SPARSE:
+            return hook[0], hook[1]
+        return hook, ()
 
     @inline_device
     def q_full(bars, qi):
@@ -1667,7 +1690,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
 
     @inline_device
     def produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch, group,
-                      n_tiles, dsc):
+                      n_tiles, dsc, mask):
         kv_base = base + KV
         bars = base + BARS
         T.fence_proxy_tensormap_acquire(tq)
@@ -1687,6 +1710,9 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
             nxt = cuda.atomic.add(sched, 0, 1) + cuda.gridDim.x
             b, h, hk, row0, kb0, n_kb, _, _ = tile_coords(tile, n_qb, heads, batch, group, sq,
                                                           sk)
+            n_kb, blocks = tile_blocks(mask, row0, b, h, kb0, n_kb)
+            if SPARSE:
+                tiles[N_STEPS + qi] = np.int32(n_kb)
             if n_kb > 0:
                 put_descales(base + DSC + 8 * qi, dsc, b, hk)   # read after Q full
                 load_q(base + qi * Q_BYTES, tq, q_full(bars, qi), row0, h, b)
@@ -1696,11 +1722,12 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
                 st = gk & 1
                 if gk >= 2:       # the slot's previous use, gk - 2, released
                     MB.mbarrier_wait_parity(bars + 32 * st + 24, ((gk >> 1) - 1) & 1)
-                load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, (kb0 + kb) * BN, hk, b)
+                key = key_of(blocks, kb)
+                put_step(base, st, blocks, kb)
+                load_kv(kv_base + st * STAGE, tk, bars + 32 * st + 8, key, hk, b)
                 if gk >= 2:
                     MB.mbarrier_wait_parity(bars + 32 * st + 32, ((gk >> 1) - 1) & 1)
-                load_v(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, (kb0 + kb) * BN,
-                       hk, b)
+                load_v(kv_base + st * STAGE + TILE, tv, bars + 32 * st + 16, key, hk, b)
                 gk += 1
             j += 1
             tile = nxt
@@ -1715,7 +1742,8 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     @tjit
     def tpkernel(q, k, v, o, lse, scale, scale_log2, maps, sched, hargs):
         sq, sk, heads, batch, group, n_qb, n_tiles = tile_space(q, k)
-        dsc, hook = split_hargs(hargs)
+        dsc, both = split_hargs(hargs)
+        hook, mask = split_mask(both)
         tid = cuda.threadIdx.x
         wg, g, t, wrow = thread_rows(tid)
 
@@ -1749,7 +1777,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
             W.setmaxnreg_dec(PREGS)
             if tid == CONSUMERS:
                 produce_tiles(base, tiles, sched, tq, tk, tv, sq, sk, n_qb, heads, batch,
-                              group, n_tiles, dsc)
+                              group, n_tiles, dsc, mask)
         else:
             W.setmaxnreg_inc(CREGS)
             j = 0
@@ -1762,13 +1790,18 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
                     break
                 b, h, hk, row0, kb0, n_kb, all_first, all_see = tile_coords(
                     tile, n_qb, heads, batch, group, sq, sk)
+                # block-sparse: the count the producer wrote; the steps' key blocks come with
+                # their K tiles (t.get_step: ``blocks`` only gives the loop its types)
+                _, blocks = tile_blocks(mask, row0, b, h, kb0, n_kb)
+                if SPARSE:
+                    n_kb = i64(tiles[N_STEPS + qi])
                 start_rows(acc_o, limit, row_max, row_sum, row0 + wrow, g, sq, sk)
                 if n_kb > 0:
                     n_wg, first, see = warpgroup_span(row0, wg, kb0, n_kb, all_first, all_see,
                                                       sq, sk)
                     q_rows = base + qi * Q_BYTES + wg * (64 * 128)
                     tma_loop(acc_o, s, s3, p, limit, row_max, row_sum, alpha, base, tq, tk,
-                             tv, b, h, hk, row0, q_rows, kb0, n_kb, n_wg, first, see, t, tid,
+                             tv, b, h, hk, row0, q_rows, blocks, n_kb, n_wg, first, see, t, tid,
                              wg, scale_source(base + DSC + 8 * qi, scale_log2), gk,
                              q_full(bars, qi), (j >> 1) & 1, row0 + wrow + g,
                              scale_source(base + DSC + 8 * qi, scale), hook)
@@ -1789,6 +1822,8 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
                             scale, g, t)
                 j += 1
 
+    if SPARSE:   # the step words, then the tiles' step counts (_tma_parts, above)
+        tpkernel.tilepy_smem_bytes = cfg.smem_bytes + 16
     return tpkernel
 
 
@@ -1813,7 +1848,7 @@ def blocks_per_sm(kernel, args, cfg: WgmmaAttentionConfig) -> int:
 
     regs = -(-int(compiled_overload(kernel, args).regs_per_thread) // 8) * 8
     by_regs = 65536 // (max(regs, 8) * cfg.threads)
-    by_smem = SM_SMEM // (cfg.smem_bytes + BLOCK_SMEM_RESERVED)
+    by_smem = SM_SMEM // (smem_bytes_of(kernel, cfg) + BLOCK_SMEM_RESERVED)
     return max(1, min(by_regs, by_smem, 2048 // cfg.threads))
 
 
