@@ -60,7 +60,11 @@
 #                backward variants benchmark again (FlexAttention without donated buffers)
 #   PART=s37a    block-sparse attention on the persistent TMA kernel (issue 25): the block-mask
 #                GPU tests, the mask_mod / block-mask benchmark cases against FlexAttention with
-#                the grid kernel timed beside; then s36d's FP8 attention benchmark
+#                the grid kernel timed beside
+#   PART=s37b    the GEMM as a programmatic dependent launch (issue 27): its GPU test (a chain
+#                of split-K calls, eager and in a graph), the shape grid with the other launch
+#                kind timed beside
+#   PART=s37c    s36d's FP8 attention benchmark (fma_exp_every 0 / 2 / 3) alone
 #   PART=s36a    the decoding kernel merging its own splits (the last split of a row tile, no
 #                combine kernel) and gathering 16-key pages into 32-key blocks (issue 26): the
 #                KV-cache GPU tests, the decoding benchmark (the combine kernel in blocks of
@@ -394,8 +398,15 @@ if [[ " $PART " == *" s37a "* ]]; then
     gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
     bench_suite bench_attention_user 200 \
         "test_flash_attention_user_functions and (mask_mod or block_mask)"
-    bench_suite bench_attention_fp8 250 "test_flash_attention_fp8"
     archive_logs
+fi
+if [[ " $PART " == *" s37b "* ]]; then
+    gpu_tests gemm_pdl_gpu 90 tests/test_ops_gemm_wgmma_ws.py -k "dependent or split_k"
+    bench_suite bench_gemm_grid 200 "test_gemm_shape_grid"
+    archive_logs
+fi
+if [[ " $PART " == *" s37c "* ]]; then
+    bench_suite bench_attention_fp8 250 "test_flash_attention_fp8"
 fi
 if [[ " $PART " == *" s36a "* ]]; then
     # (at most 8 files come back from $OUT: logs in an archive)

@@ -172,6 +172,15 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
     peer = torch.empty_like(out)
     timings = {"tilepy": graph_timing(torch, lambda: tilepy.gemm(a, b, out=out)),
                CUBLAS: graph_timing(torch, lambda: torch.matmul(a, b, out=peer))}
+    from tilepy.ops import gemm as op   # the other launch kind beside (tilepy.ops.gemm.PDL)
+
+    pdl = op.PDL
+    try:
+        op.PDL = not pdl
+        timings["tilepy, PDL" if op.PDL else "tilepy, no PDL"] = graph_timing(
+            torch, lambda: tilepy.gemm(a, b, out=out))
+    finally:
+        op.PDL = pdl
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
                       gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
                       table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "

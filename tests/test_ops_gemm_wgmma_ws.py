@@ -341,6 +341,29 @@ def test_tma_store_through_the_op():
         tilepy.gemm(a, b, out_dtype="float32", config=cfg)
 
 
+@pytest.mark.sim
+def test_dependent_launch_through_the_op(monkeypatch):
+    """``tilepy.ops.gemm.PDL``: the op's plan for the warp-specialised kernel launches with
+    programmatic stream serialisation (split-K: the counters and partials of the call before
+    are only touched after it has finished) and computes the same; off, a plain launch. Two
+    calls in a row, the second reading the first's result."""
+    from tilepy.ops import gemm as g
+
+    rng = np.random.default_rng()
+    a = rng.standard_normal((40, 72)).astype(np.float16)
+    b = rng.standard_normal((72, 64)).astype(np.float16)
+    cfg = WsConfig(stages=2, splits=2, **SMALL)
+    for pdl in (True, False):
+        monkeypatch.setattr(g, "PDL", pdl)
+        g._PLANS.clear()
+        first = tilepy.gemm(a, b, config=cfg)
+        check(first, matmul64(a, b), "float16")
+        (entry,) = g._PLANS.values()
+        assert entry.bound.plan.dependent is pdl
+        second = tilepy.gemm(first[:, :64], b[:64], config=cfg)
+        check(second, matmul64(first[:, :64], b[:64]), "float16")
+
+
 def test_tma_store_config():
     cfg = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, tma_store=True)
     assert "TMA-store" in cfg.describe() and cfg.smem_bytes <= 227 * 1024
@@ -687,6 +710,24 @@ def test_traced_kernels_compile_and_untraced_ones_read_no_timer(reports):
     assert split["spill_stores"] <= reports["gemm_ws_64x256_bcol_splitk3"]["spill_stores"]
 
 
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_dependent_launch_kernel_waits_before_global_memory(reports):
+    """``pdl=True`` (split-K's config): griddepcontrol.wait and launch_dependents are in the
+    kernel, the wait before its first tensor-map fence, TMA load, global store and atomic;
+    registers and spills as without it."""
+    (rep,) = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_pdl").values()
+    assert "error" not in rep, rep.get("error")
+    first = rep["first"]
+    assert first["wait"] is not None and first["trigger"] is not None, first
+    for kind in ("tensormap_fence", "tma_load", "st_global", "atom"):
+        assert first[kind] is not None and first["wait"] < first[kind], (kind, first)
+    plain = reports["gemm_ws_64x256_bcol_splitk3"]
+    assert "griddepcontrol.wait" not in plain["ops"]
+    assert rep["spill_stores"] <= plain["spill_stores"] and rep["registers"] <= 255
+    assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+
+
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
 # stages (not persistent), and two per staging pass (float32 out: two passes)
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
@@ -882,6 +923,48 @@ def test_gpu_against_torch(dtype, cfg_kw):
         ref = a.double() @ b.double() + bias.double()
         err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < TOL[dtype], (m, n, k, b_col, err)
+
+
+@pytest.mark.gpu
+def test_gpu_dependent_launches_chained_in_a_graph(monkeypatch):
+    """``gemm.PDL``: a chain of split-K GEMMs, each reading the one before's output (and its
+    counters and partials), eager and replayed from a CUDA graph: the same bits as plain
+    launches (a kernel touching memory before the one ahead finished would differ)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    from tilepy.ops import gemm as g
+
+    cfg = WsConfig(64, 128, 8, "bfloat16", consumers=1, smem_epilogue=True, splits=4)
+    x0 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    bufs = [torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+
+    def chain():
+        x = x0
+        for buf in bufs:
+            x = tilepy.gemm(x, w, out=buf, config=cfg)
+        return x
+
+    results = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(g, "PDL", pdl)
+        g._PLANS.clear()
+        results[pdl] = chain().clone()
+        if pdl:
+            graph = torch.cuda.CUDAGraph()
+            for buf in bufs:
+                buf.fill_(float("nan"))
+            with torch.cuda.graph(graph):
+                chain()
+            for _ in range(3):
+                for buf in bufs:
+                    buf.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(bufs[-1].view(torch.int16), results[False].view(torch.int16))
+    assert torch.equal(results[True].view(torch.int16), results[False].view(torch.int16))
+    assert torch.isfinite(results[False]).all()
 
 
 @pytest.mark.gpu

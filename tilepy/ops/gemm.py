@@ -58,6 +58,13 @@ HBM_BYTES_PER_US = 3.5e6
 HBM_FULL_ITEMS = 100
 
 
+#: The warp-specialised TMA kernel (the Hopper default) as a programmatic dependent launch
+#: (:func:`tilepy.tile.dependent.dependent_launch`): its blocks' launch and set-up overlap the
+#: tail of the kernel ahead in the stream; every global access still follows that kernel's
+#: end. Aimed at small problems, whose time is mostly such fixed costs.
+PDL = False
+
+
 def tile_count(m: int, n: int, bm: int, bn: int, batch: int = 1) -> int:
     """The ``bm`` × ``bn`` tiles of ``batch`` (m, n) outputs."""
     return -(-m // bm) * -(-n // bn) * batch
@@ -240,7 +247,7 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fc, pc = arrays.fingerprint(c if use_c else None)
     fo, po = arrays.fingerprint(out)
     cached, key = _PLANS.lookup(
-        (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c))
+        (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
@@ -439,7 +446,8 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 ws if isinstance(cfg, ws.WsConfig) else tc
             kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                     tc: tc.gemm_kernel}[gen](
-                cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None)
+                cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None,
+                **({"pdl": PDL} if gen is ws else {}))
             extra = {"stream": stream, "alloc": arrays.byte_allocator(A)} if gen is ws else {}
             plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
                                   **extra)

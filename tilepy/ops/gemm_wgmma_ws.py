@@ -64,6 +64,7 @@ from ..ptx.asm import SIMULATOR
 from ..tile import device_write
 from ..tile import tma as host_tma
 from ..tile.config import SMEM_LIMIT
+from ..tile.dependent import dependent_launch
 from ..tile.epilogue import (
     SWIZZLED_BOX_BYTES,
     stage_accumulators_swizzled,
@@ -445,13 +446,17 @@ TRACE_MARKS = {"entry": 0, "ready": 1, "first_stage": 2, "first_loop_end": 3,
 
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
-                         has_bias: bool = False, has_c: bool = False, trace: bool = False):
+                         has_bias: bool = False, has_c: bool = False, trace: bool = False,
+                         pdl: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials)`` (see
     the module docstring; ``counters`` / ``partials``: split-K's tile semaphores and partial
     sums, placeholders without ``splits``); launch it through :func:`plan`. ``trace``: the
     kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace` rows (one per
     block), and marks the phases of :data:`TRACE_MARKS` in it (``plan(..., trace=array)``);
-    nothing else changes. A composition:
+    nothing else changes. ``pdl``: launched as a programmatic dependent launch (:func:`plan`
+    gives its plan ``dependent=True``): the blocks set up their shared memory while the
+    kernel ahead in the stream finishes, and touch global memory only after it has
+    (:func:`tilepy.tile.dependent.dependent_launch`). A composition:
     the roles (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer
     (:func:`tma_producer`: the stage ring and TMA tile loads), the grouped raster and static
     persistent schedule (:mod:`tilepy.tile.schedule`), each consumer's main loop
@@ -486,6 +491,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     f32 = types.float32
     TR = phase_marks(trace)
     MK = device_namespace("ws trace marks", **TRACE_MARKS)
+    after = dependent_launch(pdl)   # (a no-op without pdl)
     TRACE_OFF = -(-cfg.smem_bytes // 16) * 16    # the traced kernel's row, after the layout
 
     if trace:
@@ -587,6 +593,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             CLU.cluster_wait()
         else:
             cuda.syncthreads()
+        after.begin()   # pdl: the kernel ahead done; nothing global before this
         if tid == WARPGROUP:
             TR.note(base + TRACE_OFF, MK.ready)
         if wg == 0:
@@ -615,6 +622,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
     kernel.config = cfg
     kernel.trace = trace
+    kernel.pdl = bool(pdl)
     if trace:
         kernel.smem_bytes = TRACE_OFF + SCRATCH_BYTES
     kernel.b_row_major = b_row_major
@@ -890,7 +898,7 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
     p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG, cfg.cluster,
-             alloc=alloc, initial=(buf, raw), **extra)
+             alloc=alloc, initial=(buf, raw), dependent=getattr(kernel, "pdl", False), **extra)
     if trace is not None and (len(trace.shape) != 2 or trace.shape[0] < g[0] * g[1]
                               or trace.shape[1] != TRACE_WIDTH):
         raise ValueError(f"plan: the trace needs ({g[0] * g[1]}, {TRACE_WIDTH}) rows and "
@@ -1023,7 +1031,7 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
                        if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
                                          "fence.", "bar.", "st.global", "ld.shared",
                                          "st.shared", "barrier.cluster", "mapa.",
-                                         "stmatrix"))})
+                                         "stmatrix", "griddepcontrol."))})
     d["timer_reads"] = rep.ptx.count("%globaltimer")   # a traced kernel's marks only
     d.pop("ptx")
     return d
@@ -1039,6 +1047,26 @@ def compile_reports_trace():
             kernel_report("ws_64x256_bcol_splitk3_trace",
                           wgmma_ws_gemm_kernel(split, False, "float16", trace=True), split,
                           "float16")]
+
+
+def compile_reports_pdl():
+    """Offline report of split-K's 64 × 256 config as a programmatic dependent launch
+    (``pdl=True``), with the order of its first instructions of each kind in the PTX
+    (``first``: the line numbers of the first ``griddepcontrol.*``, tensor-map fence, TMA
+    load, global store and atomic)."""
+    from ..offline import compile_kernel
+
+    split = WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3)
+    kern = wgmma_ws_gemm_kernel(split, False, "float16", pdl=True)
+    rep = kernel_report("ws_64x256_bcol_splitk3_pdl", kern, split, "float16")
+    ptx = compile_kernel("gemm_pdl_order", kern.py_func, argtypes("float16", True),
+                         (9, 0, "a"), launch_bounds=(split.threads, 1)).ptx.splitlines()
+    marks = {"wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents",
+             "tensormap_fence": "fence.proxy.tensormap", "tma_load": "cp.async.bulk.tensor",
+             "st_global": "st.global", "atom": "atom."}
+    rep["first"] = {k: next((i for i, ln in enumerate(ptx) if ln.strip().startswith(v)), None)
+                    for k, v in marks.items()}
+    return [rep]
 
 
 def compile_reports_epilogues():

@@ -61,8 +61,8 @@ class TmaLaunchPlan(LaunchPlan):
     """
 
     def __init__(self, kernel, args, grid, block, smem, encoder, map_args, maps_arg: int,
-                 cluster: int = 1, *, alloc=None, initial=None):
-        super().__init__(kernel, args, grid, block, smem, cluster)
+                 cluster: int = 1, *, alloc=None, initial=None, dependent: bool = False):
+        super().__init__(kernel, args, grid, block, smem, cluster, dependent=dependent)
         self._encoder = encoder
         self._alloc = alloc
         self._map_args = tuple(map_args)   # the arguments the maps describe (a, b[, out])

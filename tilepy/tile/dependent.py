@@ -1,0 +1,42 @@
+"""Programmatic dependent launch as a kernel piece: a kernel launched with programmatic stream
+serialisation (``tilepy.launch.LaunchPlan(..., dependent=True)``, sm_90) may begin while the
+kernel ahead of it in the stream is still running — its blocks' launch and set-up (shared
+memory, mbarrier initialisation) overlap that kernel's tail instead of following it.
+
+:func:`dependent_launch` gives ``begin()``: every thread of the kernel calls it once, after
+its block's set-up and before its first access to global memory (a load, a store, an
+atomic, a tensor-map fence or TMA). It waits until the kernel ahead has finished and its
+writes are visible (:func:`tilepy.ptx.griddep.griddepcontrol_wait`), then lets the kernel
+behind start launching (:func:`~tilepy.ptx.griddep.griddepcontrol_launch_dependents`: the
+dependent grid launches once every block of this one has called it or exited). Nothing
+this kernel reads or writes is touched before the kernel ahead has completed, so a launch
+with the attribute is correct whatever ran before it; one without runs ``begin`` as two
+instructions that return at once.
+
+``dependent_launch(False)`` gives a ``begin`` that does nothing (the plain kernel's code)."""
+
+from __future__ import annotations
+
+import functools
+
+from ..inline import device_namespace, inline_device
+from ..ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
+
+
+@functools.cache
+def dependent_launch(enabled: bool):
+    """The namespace ``begin()`` of the module docstring; a no-op unless ``enabled``."""
+    if not enabled:
+        @inline_device
+        def begin():
+            pass
+    else:
+        @inline_device
+        def begin():
+            griddepcontrol_wait()
+            griddepcontrol_launch_dependents()
+
+    return device_namespace(f"dependent_launch({bool(enabled)})", begin=begin)
+
+
+__all__ = ["dependent_launch"]
