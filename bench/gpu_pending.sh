@@ -61,9 +61,9 @@
 #   PART=s37a    block-sparse attention on the persistent TMA kernel (issue 25): the block-mask
 #                GPU tests, the mask_mod / block-mask benchmark cases against FlexAttention with
 #                the grid kernel timed beside
-#   PART=s37b    the GEMM as a programmatic dependent launch (issue 27): its GPU test (a chain
-#                of split-K calls, eager and in a graph), the shape grid with the other launch
-#                kind timed beside
+#   PART=s37b    the GEMM as a programmatic dependent launch and split-K reduced in a cluster
+#                (issue 27): their GPU tests (a chain of split-K calls, eager and in a graph;
+#                the same bits every run), the shape grid with each flag flipped timed beside
 #   PART=s37c    s36d's FP8 attention benchmark (fma_exp_every 0 / 2 / 3) alone
 #   PART=s36a    the decoding kernel merging its own splits (the last split of a row tile, no
 #                combine kernel) and gathering 16-key pages into 32-key blocks (issue 26): the
@@ -401,7 +401,7 @@ if [[ " $PART " == *" s37a "* ]]; then
     archive_logs
 fi
 if [[ " $PART " == *" s37b "* ]]; then
-    gpu_tests gemm_pdl_gpu 90 tests/test_ops_gemm_wgmma_ws.py -k "dependent or split_k"
+    gpu_tests gemm_pdl_gpu 90 tests/test_ops_gemm_wgmma_ws.py -k "dependent or split_k or cluster"
     bench_suite bench_gemm_grid 200 "test_gemm_shape_grid"
     archive_logs
 fi

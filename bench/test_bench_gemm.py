@@ -174,13 +174,19 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
                CUBLAS: graph_timing(torch, lambda: torch.matmul(a, b, out=peer))}
     from tilepy.ops import gemm as op   # the other launch kind beside (tilepy.ops.gemm.PDL)
 
-    pdl = op.PDL
-    try:
-        op.PDL = not pdl
-        timings["tilepy, PDL" if op.PDL else "tilepy, no PDL"] = graph_timing(
-            torch, lambda: tilepy.gemm(a, b, out=out))
-    finally:
-        op.PDL = pdl
+    def flipped(flag, on, off):   # the op with one of its module flags the other way
+        was = getattr(op, flag)
+        try:
+            setattr(op, flag, not was)
+            timings[on if not was else off] = graph_timing(
+                torch, lambda: tilepy.gemm(a, b, out=out))
+        finally:
+            setattr(op, flag, was)
+
+    flipped("PDL", "tilepy, PDL", "tilepy, no PDL")
+    cfg = op.hopper_config(m, n, 1, "bfloat16", k=k)
+    if cfg is not None and getattr(cfg, "splits", 1) > 1:   # split-K: the other reduction
+        flipped("SPLIT_CLUSTER", "tilepy, cluster split-K", "tilepy, workspace split-K")
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
                       gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
                       table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "

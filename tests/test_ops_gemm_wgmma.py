@@ -3,6 +3,7 @@
 bytes the descriptors address), its sm_90a compile (registers, no spills), and on the GPU the
 op's default path at full size against cuBLAS."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -156,6 +157,25 @@ def test_one_wave_config(m, n, k, want):
     assert (cfg.block_m, cfg.block_n, cfg.splits) == want
     assert cfg.consumers == (1 if cfg.block_m == 64 else 2)
     assert cfg.tma_store == (want == (128, 256, 1))
+
+
+def test_one_wave_candidates_reduce_in_clusters(monkeypatch):
+    """``gemm.SPLIT_CLUSTER``: the one-wave candidates with splits take the cluster reduction
+    where the other splits' accumulators fit their stages (every split tile of
+    ONE_WAVE_TILES but 128 x 256 at 4 splits), the same tiles and splits otherwise."""
+    from tilepy.ops import gemm as g
+
+    plain = g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")
+    monkeypatch.setattr(g, "SPLIT_CLUSTER", True)
+    clustered = g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")
+    assert [t for t, _ in plain] == [t for t, _ in clustered]
+    assert any(c.splits > 1 for _, c in plain)
+    for (_, p), (_, c) in zip(plain, clustered):
+        assert dataclasses.replace(c, split_cluster=False) == p
+        fits = p.splits > 1 and (p.splits - 1) * p.block_m * p.block_n * 4 <= \
+            p.stages * p.stage_bytes
+        assert c.split_cluster == fits, c
+    assert g.cluster_split(g.ws.WsConfig(128, 256, 4, splits=4)).split_cluster is False
 
 
 @pytest.mark.parametrize("m,n,want", [

@@ -113,8 +113,11 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
     ("bfloat16", "col", TWO, 8, {"persistent": True, "smem_epilogue": True,
                                  "tma_store": True}),
     pytest.param("float16", "col", SMALL, 3, {"persistent": True, "epilogue": True},
-                 marks=pytest.mark.extended)],
-    ids=["4-splits", "more-splits-than-k-steps-tma-store", "persistent-3-blocks-fused"])
+                 marks=pytest.mark.extended),
+    ("bfloat16", "row", SMALL, 4, {"split_cluster": True, "stages": 3, "epilogue": True}),
+    ("float16", "col", TWO, 2, {"split_cluster": True, "smem_epilogue": True})],
+    ids=["4-splits", "more-splits-than-k-steps-tma-store", "persistent-3-blocks-fused",
+         "cluster-4-fused", "cluster-2-two-consumers"])
 def test_split_k(dtype, b_layout, shape, splits, extra):
     """Split-K: M, N, K = 70, 136, 328 (six k steps of 64, the last partial), the tiles' k
     ranges as separate items — 4 splits of 1-2 k steps; 8 splits of six steps (two items
@@ -122,12 +125,15 @@ def test_split_k(dtype, b_layout, shape, splits, extra):
     blocks, with bias, c, alpha, beta and GELU into float32 — summed by each tile's last item.
     The result is right and the semaphores are back at zero after a launch, so a second
     launch finds its last items again and gives the same bits (in the simulator's fixed block
-    order; the order-independence of the sum is the GPU test's)."""
+    order; the order-independence of the sum is the GPU test's). ``split_cluster``: the
+    splits of a tile as one cluster (4 with the fused epilogue; 2 over two
+    consumers' 64-row halves with the staged epilogue in the freed stages), summed in the
+    first split's shared memory — no workspace; the same bits on a second launch."""
     rng = np.random.default_rng()
     m, n, k = 70, 136, 328
     extra = dict(extra)
     fused = extra.pop("epilogue", False)
-    cfg = WsConfig(stages=2, dtype=dtype, splits=splits, **shape, **extra)
+    cfg = WsConfig(stages=extra.pop("stages", 2), dtype=dtype, splits=splits, **shape, **extra)
     a = padded(rng, (m, k), dtype)
     b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
     kw, ref = {}, matmul64(a, b)
@@ -146,13 +152,17 @@ def test_split_k(dtype, b_layout, shape, splits, extra):
         assert plan.grid[0] == tiles * splits      # a block per item
     elif fused:
         assert plan.grid[0] == 3
-    counters = np.asarray(plan.counter_for(0))
-    assert counters.shape[0] >= tiles and not counters.any()
+    if cfg.split_cluster:
+        assert plan.cluster == splits and not hasattr(plan, "counter_for")
+    else:
+        counters = np.asarray(plan.counter_for(0))
+        assert counters.shape[0] >= tiles and not counters.any()
     first = out.copy()
     out[:] = np.nan
     plan.launch(0, args)
     assert np.array_equal(out.view(np.uint8), first.view(np.uint8))
-    assert not np.asarray(plan.counter_for(0)).any()
+    if not cfg.split_cluster:
+        assert not np.asarray(plan.counter_for(0)).any()
 
 
 @pytest.mark.sim
@@ -514,6 +524,24 @@ def test_capture_reads_settled_maps(monkeypatch):
     assert plan.maps_encoded == 2 and len(plan._kept) == 2
 
 
+def test_split_cluster_config_validation():
+    """split_cluster: 2 … 8 splits, a grid of one item per block, no B multicast, the other
+    splits' accumulators within the stage buffers; the launch's cluster is the splits."""
+    cfg = WsConfig(64, 128, 8, consumers=1, splits=4, split_cluster=True)
+    assert cfg.launch_cluster == 4 and cfg.split_region_bytes == 3 * 64 * 128 * 4
+    assert "reduced in a cluster" in cfg.describe()
+    assert WsConfig(64, 128, 8, consumers=1, splits=4).launch_cluster == 1
+    for bad, match in (({"splits": 1}, "splits in 2"), ({"splits": 9}, "splits in 2"),
+                       ({"persistent": True}, "persistent=False"),
+                       ({"cluster": 2, "block_n": 128}, "splits > 1 needs cluster=1"),
+                       ({"stages": 2, "splits": 8}, "do not fit")):
+        kw = dict(block_m=64, block_n=128, stages=8, consumers=1, splits=4,
+                  split_cluster=True)
+        kw.update(bad)
+        with pytest.raises(ValueError, match=match):
+            WsConfig(**kw)
+
+
 def test_split_k_config_validation():
     """splits: an int 1 … 64 (not a bool), not with clusters; gemm_softmax's mode (whose
     consumers walk every k step of a chunk) refuses it."""
@@ -710,13 +738,34 @@ def test_traced_kernels_compile_and_untraced_ones_read_no_timer(reports):
     assert split["spill_stores"] <= reports["gemm_ws_64x256_bcol_splitk3"]["spill_stores"]
 
 
+@pytest.fixture(scope="module")
+def small_reports():
+    return run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_small")
+
+
 @pytest.mark.compile
 @pytest.mark.xdist_group("gemm_wgmma_ws_reports")
-def test_dependent_launch_kernel_waits_before_global_memory(reports):
+def test_cluster_split_k_compiles_without_a_workspace(reports, small_reports):
+    """split_cluster (4 splits of 64 x 128): the partials go to the first split's shared
+    memory (st.shared::cluster) between cluster barriers — no global partials, no atomic —
+    with no serialised wgmma and no more spill than the workspace reduction's."""
+    rep = small_reports["gemm_ws_64x128_bcol_splitk4_cluster"]
+    assert "error" not in rep, rep.get("error")
+    ops = set(rep["ops"])
+    assert {"st.shared::cluster.v4.f32", "mapa.shared::cluster.u32",
+            "barrier.cluster.arrive.release", "barrier.cluster.wait.acquire"} <= ops, ops
+    assert "st.global.v4.f32" not in ops and not any(o.startswith("atom.") for o in ops), ops
+    assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+    assert rep["spill_stores"] <= reports["gemm_ws_64x256_bcol_splitk3"]["spill_stores"]
+
+
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_dependent_launch_kernel_waits_before_global_memory(reports, small_reports):
     """``pdl=True`` (split-K's config): griddepcontrol.wait and launch_dependents are in the
     kernel, the wait before its first tensor-map fence, TMA load, global store and atomic;
     registers and spills as without it."""
-    (rep,) = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_pdl").values()
+    rep = small_reports["gemm_ws_64x256_bcol_splitk3_pdl"]
     assert "error" not in rep, rep.get("error")
     first = rep["first"]
     assert first["wait"] is not None and first["trigger"] is not None, first
@@ -968,13 +1017,17 @@ def test_gpu_dependent_launches_chained_in_a_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_split_k_same_bits_every_run():
-    """Split-K at a decode shape (M 16, K 4096 cut in 8): ten launches give the same bits (the
-    partials are added in split order whichever block finishes a tile last)."""
+@pytest.mark.parametrize("cluster", [False, True], ids=["workspace", "cluster"])
+def test_gpu_split_k_same_bits_every_run(cluster):
+    """Split-K at a decode shape (M 16, K 4096 cut in 8; in a cluster, 4): ten launches give
+    the same bits (the partials are added in split order whichever block finishes a tile
+    last; or, reduced in a cluster, by its first split whenever the others arrive)."""
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
-    cfg = WsConfig(64, 256, 5, "bfloat16", consumers=1, smem_epilogue=True, splits=8)
+    cfg = WsConfig(64, 128, 8, "bfloat16", consumers=1, smem_epilogue=True, splits=4,
+                   split_cluster=True) if cluster else \
+        WsConfig(64, 256, 5, "bfloat16", consumers=1, smem_epilogue=True, splits=8)
     a = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     first = tilepy.gemm(a, b, config=cfg)

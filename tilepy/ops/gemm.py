@@ -64,6 +64,12 @@ HBM_FULL_ITEMS = 100
 #: end. Aimed at small problems, whose time is mostly such fixed costs.
 PDL = False
 
+#: Split-K's partial sums added in distributed shared memory, a tile's splits one cluster
+#: (``WsConfig(split_cluster=True)``: no workspace, no semaphore, no global round trip),
+#: for the one-wave configs whose other splits' accumulators fit the stage buffers; False:
+#: through the global workspace (the tile's last item adds them).
+SPLIT_CLUSTER = False
+
 
 def tile_count(m: int, n: int, bm: int, bn: int, batch: int = 1) -> int:
     """The ``bm`` × ``bn`` tiles of ``batch`` (m, n) outputs."""
@@ -138,9 +144,21 @@ def one_wave_candidates(m: int, n: int, k: int, batch: int, dtype: str):
                 continue
             t = one_wave_time_us(m, n, k, batch, bm, bn, s)
             if t is not None:
-                out.append((t, ws.WsConfig(bm, bn, st, dtype, consumers=1 if bm == 64 else 2,
-                                           smem_epilogue=True, splits=s)))
+                cfg = ws.WsConfig(bm, bn, st, dtype, consumers=1 if bm == 64 else 2,
+                                  smem_epilogue=True, splits=s)
+                out.append((t, cluster_split(cfg) if SPLIT_CLUSTER else cfg))
     return out
+
+
+def cluster_split(cfg):
+    """``cfg`` with its splits reduced in a cluster (:data:`SPLIT_CLUSTER`) where it has 2 … 8
+    of them and the others' accumulators fit its stage buffers; else ``cfg``."""
+    if not 2 <= cfg.splits <= 8:
+        return cfg
+    try:
+        return dataclasses.replace(cfg, split_cluster=True)
+    except ValueError:
+        return cfg
 
 
 def one_wave_config(m: int, n: int, k: int, batch: int, dtype: str, tma_store: bool = True):
@@ -247,7 +265,8 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fc, pc = arrays.fingerprint(c if use_c else None)
     fo, po = arrays.fingerprint(out)
     cached, key = _PLANS.lookup(
-        (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL))
+        (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL,
+         SPLIT_CLUSTER))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,

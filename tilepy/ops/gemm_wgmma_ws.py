@@ -79,7 +79,7 @@ from ..tile.roles import NamedBarriers, warpgroup_roles
 from ..tile.schedule import grouped_raster, static_persistent
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
-from ..tile.split_k import split_k_reduce
+from ..tile.split_k import cluster_region_bytes, split_k_cluster_reduce, split_k_reduce
 from ..tile.tma_copy import tma_tile
 from ..tile.tma_plan import ScheduledTmaPlan, TmaLaunchPlan
 from ..tile.trace import SCRATCH_BYTES
@@ -141,6 +141,13 @@ class WsConfig:
     the same order whoever arrives last, so the result is the same bits on every run — and
     runs the epilogue. No block waits on another. The workspace and semaphores are the
     plan's (:func:`plan`): one per stream, the semaphores left at zero by every launch.
+
+    ``split_cluster`` (with ``splits`` 2 … 8, not persistent, no B multicast): a tile's splits
+    are launched as one cluster of ``splits`` blocks and reduced in distributed shared memory
+    instead (:func:`tilepy.tile.split_k.split_k_cluster_reduce`): the other splits store their
+    accumulators into the first's freed stage buffers, which adds them in split order (the
+    same bits every run) and runs the epilogue — no workspace, semaphore or global round
+    trip; the splits of a tile wait for each other at the cluster barrier.
     """
 
     block_m: int = 128
@@ -155,6 +162,7 @@ class WsConfig:
     tma_store: bool = False
     cluster: int = 1
     splits: int = 1
+    split_cluster: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -168,6 +176,14 @@ class WsConfig:
              and 1 <= self.splits <= 64,
              "splits must be an int in 1 … 64")
         need(self.splits == 1 or self.cluster == 1, "splits > 1 needs cluster=1")
+        if self.split_cluster:
+            need(2 <= self.splits <= 8 and not self.persistent,
+                 "split_cluster needs splits in 2 … 8 (a portable cluster of the tile's "
+                 "splits) and a grid of one item per block (persistent=False)")
+            need(self.split_region_bytes <= self.stages * self.stage_bytes,
+                 f"split_cluster: the other splits' {self.split_region_bytes} B of "
+                 f"accumulators do not fit in the {self.stages * self.stage_bytes} B of stage "
+                 f"buffers they are stored into")
         need(self.block_n % (64 * self.cluster) == 0, f"cluster={self.cluster}: block_n must "
              f"be a multiple of {64 * self.cluster} (each block loads an equal share of B's "
              "64-column boxes)")
@@ -202,6 +218,19 @@ class WsConfig:
             need(WARPGROUP * (self.producer_regs + self.consumers * self.consumer_regs)
                  <= _REG_FILE, "producer_regs + consumers × consumer_regs exceed the "
                  "65536-register file (per 128 threads)")
+
+    @property
+    def launch_cluster(self) -> int:
+        """Blocks per cluster of the launch: ``splits`` with ``split_cluster``, else
+        ``cluster``."""
+        return self.splits if self.split_cluster else self.cluster
+
+    @property
+    def split_region_bytes(self) -> int:
+        """Shared memory the other splits' accumulators fill in the first's (``split_cluster``;
+        :func:`tilepy.tile.split_k.cluster_region_bytes`)."""
+        n = self.block_m * self.block_n // (4 * WARPGROUP * self.consumers)   # float4s a thread
+        return cluster_region_bytes(self.splits, n, 0, WARPGROUP * self.consumers)
 
     @property
     def rows_per_consumer(self) -> int:
@@ -241,7 +270,7 @@ class WsConfig:
             ("staging", self.epilogue_bytes, 1024, None if self.persistent else "stages"),
             ("barriers", self.barrier_bytes, 8),
             ("bias", 4 * self.block_n if self.bias_in_smem else 0, 16),
-            ("split_flag", 16 if self.splits > 1 else 0, 16))
+            ("split_flag", 16 if self.splits > 1 and not self.split_cluster else 0, 16))
 
     @property
     def named_barriers(self) -> NamedBarriers:
@@ -283,6 +312,7 @@ class WsConfig:
                 + (", TMA-store epilogue" if self.tma_store else "")
                 + (f", clusters of {self.cluster} (B multicast)" if self.cluster > 1 else "")
                 + (f", split-K {self.splits}" if self.splits > 1 else "")
+                + (" reduced in a cluster" if self.split_cluster else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -483,7 +513,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     CONSUMER_THREADS = roles.CONSUMER_THREADS
     S = cfg.splits
     item = split_range(S)
-    if S > 1:
+    SPLIT_CLUSTER = cfg.split_cluster
+    if S > 1 and SPLIT_CLUSTER:   # the tile's splits a cluster; partials into split 0's stages
+        split_k = split_k_cluster_reduce(S, NACC // 4, NACC1 // 4 if CM == 128 else 0,
+                                         CONSUMER_THREADS, cfg.named_barriers.ids["consumers"])
+        REGION = lay.offset("stages")
+    elif S > 1:
         split_k = split_k_reduce(S, NACC // 4, NACC1 // 4 if CM == 128 else 0,
                                  CONSUMER_THREADS, cfg.named_barriers.ids["consumers"])
         FLAG = lay.offset("split_flag")
@@ -549,9 +584,15 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     TR.note(scratch, MK.first_loop_end)
                 if last_item:
                     TR.note(scratch, MK.last_loop_end)
-            # split-K: only the tile's last item (its partials summed) stores it
-            stores = S == 1 or split_k.reduce(acc0, acc1, partials, counters, tile, split,
-                                              tid - WARPGROUP, base + FLAG)
+            # split-K: only the tile's last item (its partials summed) stores it; in a cluster,
+            # its first split
+            if S == 1:
+                stores = True
+            elif SPLIT_CLUSTER:
+                stores = split_k.reduce(acc0, acc1, base + REGION, split, tid - WARPGROUP)
+            else:
+                stores = split_k.reduce(acc0, acc1, partials, counters, tile, split,
+                                        tid - WARPGROUP, base + FLAG)
             if leader and items == 0:
                 TR.note(scratch, MK.first_reduced)
             if stores:
@@ -602,6 +643,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 produce(base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total, ktiles,
                         w0, step)
                 TR.mark(tr, TR.row(), MK.producer_end)
+            if S > 1 and SPLIT_CLUSTER:   # the cluster barriers of the block's one item
+                split_k.meet()
         else:
             roles.enter_consumer()
             consume(base, a, b, out, c, bias, alpha, beta, roles.consumer(wg), m_tiles,
@@ -897,8 +940,9 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     else:
         g = grid(cfg, a.shape[1], out.shape[2], out.shape[0],
                  sms if sms is not None else (sm_count(SMS) if cfg.persistent else None))
-    p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG, cfg.cluster,
-             alloc=alloc, initial=(buf, raw), dependent=getattr(kernel, "pdl", False), **extra)
+    p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG,
+             cfg.launch_cluster, alloc=alloc, initial=(buf, raw),
+             dependent=getattr(kernel, "pdl", False), **extra)
     if trace is not None and (len(trace.shape) != 2 or trace.shape[0] < g[0] * g[1]
                               or trace.shape[1] != TRACE_WIDTH):
         raise ValueError(f"plan: the trace needs ({g[0] * g[1]}, {TRACE_WIDTH}) rows and "
@@ -923,12 +967,12 @@ MAPS_ARG = 7
 
 
 def split_scratch(cfg: WsConfig, m: int, n: int, batch: int, alloc=None):
-    """None without ``cfg.splits``; else ``(ScheduledTmaPlan keywords, (counters,
+    """None without ``cfg.splits`` (or with ``split_cluster``: no workspace); else ``(ScheduledTmaPlan keywords, (counters,
     partials))``: one buffer from ``alloc`` holding the tiles' int32 semaphores (zeroed by the
     plan on each stream before its first launch, left at zero by every launch) and then the
     float32 partial sums (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of
     every item's tile)."""
-    if cfg.splits == 1:
+    if cfg.splits == 1 or cfg.split_cluster:
         return None
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
     counter_bytes = -(-4 * tiles // 256) * 256
@@ -1031,7 +1075,7 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
                        if ln.startswith(("wgmma.", "mbarrier.", "cp.async.bulk", "setmaxnreg",
                                          "fence.", "bar.", "st.global", "ld.shared",
                                          "st.shared", "barrier.cluster", "mapa.",
-                                         "stmatrix", "griddepcontrol."))})
+                                         "stmatrix", "griddepcontrol.", "atom."))})
     d["timer_reads"] = rep.ptx.count("%globaltimer")   # a traced kernel's marks only
     d.pop("ptx")
     return d
@@ -1049,11 +1093,12 @@ def compile_reports_trace():
                           "float16")]
 
 
-def compile_reports_pdl():
-    """Offline report of split-K's 64 × 256 config as a programmatic dependent launch
-    (``pdl=True``), with the order of its first instructions of each kind in the PTX
-    (``first``: the line numbers of the first ``griddepcontrol.*``, tensor-map fence, TMA
-    load, global store and atomic)."""
+def compile_reports_small():
+    """Offline reports of the small-problem variants of split-K's 64 × 256 config: as a
+    programmatic dependent launch (``pdl=True``), with the order of its first instructions of
+    each kind in the PTX (``first``: the line numbers of the first ``griddepcontrol.*``,
+    tensor-map fence, TMA load, global store and atomic); and with its splits reduced in a
+    cluster (``split_cluster``, 4 splits, 64 × 128 over 8 stages)."""
     from ..offline import compile_kernel
 
     split = WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3)
@@ -1066,7 +1111,9 @@ def compile_reports_pdl():
              "st_global": "st.global", "atom": "atom."}
     rep["first"] = {k: next((i for i, ln in enumerate(ptx) if ln.strip().startswith(v)), None)
                     for k, v in marks.items()}
-    return [rep]
+    cl = WsConfig(64, 128, 8, consumers=1, smem_epilogue=True, splits=4, split_cluster=True)
+    return [rep, kernel_report("ws_64x128_bcol_splitk4_cluster",
+                               wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16")]
 
 
 def compile_reports_epilogues():

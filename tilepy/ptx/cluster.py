@@ -16,6 +16,10 @@ at the same time on SMs of one GPC, and each block can address the others' share
   fence) before every arrival in the SASS, which made a GEMM whose consumers free each stage
   this way markedly slower (bench/NOTES.md: clusters of two sharing B). What the consumer
   read was read by wgmma, whose completion ``wgmma.wait_group`` already established.
+* ``st_shared_cluster_v4_f32(addr, x0, x1, x2, x3)`` — four float32 (16 bytes, x0 first) at
+  ``shared::cluster`` address ``addr`` (:func:`mapa_shared`: possibly another block's shared
+  memory), a weak store: the cluster barrier's release / acquire makes it visible to the
+  owning block (split-K's reduction in distributed shared memory).
 * ``cluster_arrive()`` / ``cluster_wait()`` — the cluster barrier (``barrier.cluster.arrive``
   with release, ``barrier.cluster.wait`` with acquire): every thread of every block of the
   cluster arrives, and a wait returns once they all have. Used after the mbarrier inits (no
@@ -60,6 +64,15 @@ def _mapa_twin(addr, rank):
 
 def _arrive_cluster_twin(addr):
     mbarrier._arrive("mbarrier_arrive_cluster", addr, 0)
+
+
+def _st_cluster_v4_f32_twin(addr, x0, x1, x2, x3):
+    from . import address
+
+    addr = int(addr)
+    address.check_range("shared", "st_shared_cluster_v4_f32", addr, 16, 16,
+                        t=_simcluster.owner(addr))
+    address.write_bytes(addr, np.array([x0, x1, x2, x3], np.float32).tobytes())
 
 
 def _cluster_arrive_twin():
@@ -112,6 +125,14 @@ mbarrier_arrive_cluster = instruction(
         "the mbarrier at shared::cluster address addr (mapa_shared of a barrier, possibly "
         "another block's). sm_90+.")
 
+st_shared_cluster_v4_f32 = instruction(
+    "st_shared_cluster_v4_f32", "st.shared::cluster.v4.f32 [$0], {$1, $2, $3, $4};",
+    ins=("u32", "f32", "f32", "f32", "f32"), side_effect=True, clobber_memory=True,
+    min_cc=_SM90, twin=_st_cluster_v4_f32_twin,
+    doc="``st_shared_cluster_v4_f32(addr, x0, x1, x2, x3)``: store four float32 at "
+        "shared::cluster address addr (16-byte aligned; mapa_shared of a block's shared "
+        "memory), x0 first. sm_90+.")
+
 cluster_arrive = instruction(
     "cluster_arrive", "barrier.cluster.arrive.release;", side_effect=True, clobber_memory=True,
     min_cc=_SM90, twin=_cluster_arrive_twin,
@@ -142,5 +163,6 @@ tma_load_3d_multicast = instruction(
     doc="``tma_load_3d_multicast(dst, tmap, bar, x, y, z, mask)``: as tma_load_2d_multicast "
         "for a 3-D tensor map. sm_90+.")
 
-__all__ = ["cluster_ctarank", "mapa_shared", "mbarrier_arrive_cluster", "cluster_arrive",
-           "cluster_wait", "tma_load_2d_multicast", "tma_load_3d_multicast"]
+__all__ = ["cluster_ctarank", "mapa_shared", "mbarrier_arrive_cluster",
+           "st_shared_cluster_v4_f32", "cluster_arrive", "cluster_wait",
+           "tma_load_2d_multicast", "tma_load_3d_multicast"]
