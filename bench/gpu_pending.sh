@@ -402,7 +402,7 @@ if [[ " $PART " == *" s37a "* ]]; then
 fi
 if [[ " $PART " == *" s37b "* ]]; then
     gpu_tests gemm_pdl_gpu 90 tests/test_ops_gemm_wgmma_ws.py -k "dependent or split_k or cluster"
-    bench_suite bench_gemm_grid 200 "test_gemm_shape_grid"
+    bench_suite bench_gemm_grid 300 "test_gemm_shape_grid"
     archive_logs
 fi
 if [[ " $PART " == *" s37c "* ]]; then
