@@ -161,7 +161,7 @@ def test_block_sparse_attention_against_float64(kernel):
 
 @pytest.mark.sim
 def test_block_sparse_persistent_kernel_against_float64():
-    """The persistent TMA kernel under a block mask: 7 tiles (GQA 2 / 1, 300 rows of 128-row
+    """The persistent TMA kernel under a block mask: 6 tiles (GQA 2 / 1, 300 rows of 128-row
     tiles) over the simulator's 4 SM slots, so slots walk several tiles with the K/V ring
     counted on across them; per-head lists in which query block 1 of head 1 sees no key
     (zeros, LSE -inf: the producer's count of 0), keys 128 … 255 are listed nowhere and NaN

@@ -165,9 +165,9 @@ def test_one_wave_candidates_reduce_in_clusters(monkeypatch):
     ONE_WAVE_TILES but 128 x 256 at 4 splits), the same tiles and splits otherwise."""
     from tilepy.ops import gemm as g
 
-    plain = g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")
+    plain = g.one_wave_candidates(128, 4096, 4096, 1, "bfloat16")
     monkeypatch.setattr(g, "SPLIT_CLUSTER", True)
-    clustered = g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")
+    clustered = g.one_wave_candidates(128, 4096, 4096, 1, "bfloat16")
     assert [t for t, _ in plain] == [t for t, _ in clustered]
     assert any(c.splits > 1 for _, c in plain)
     for (_, p), (_, c) in zip(plain, clustered):

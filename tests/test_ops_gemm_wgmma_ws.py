@@ -524,6 +524,28 @@ def test_capture_reads_settled_maps(monkeypatch):
     assert plan.maps_encoded == 2 and len(plan._kept) == 2
 
 
+@pytest.mark.sim
+def test_split_cluster_falls_back_where_clusters_cannot_run(monkeypatch):
+    """A device that cannot hold a cluster of the splits: the caller's split_cluster config is
+    refused before launch; the op's own choice runs the workspace reduction instead."""
+    from tilepy import launch
+    from tilepy.ops import gemm as g
+
+    cfg = WsConfig(64, 64, 2, consumers=1, splits=2, split_cluster=True)
+    monkeypatch.setattr(launch.LaunchPlan, "max_active_clusters", lambda self: 0)
+    monkeypatch.setattr(g, "hopper_config", lambda *args, **kw: cfg)
+    g._PLANS.clear()
+    rng = np.random.default_rng()
+    a = rng.standard_normal((20, 136)).astype(np.float16)
+    b = rng.standard_normal((136, 64)).astype(np.float16)
+    with pytest.raises(ValueError, match="cannot run a cluster of 2 blocks"):
+        tilepy.gemm(a, b, config=cfg)
+    got = tilepy.gemm(a, b)
+    check(got, matmul64(a, b), "float16")
+    (entry,) = g._PLANS.values()
+    assert entry.bound.plan.cluster == 1
+
+
 def test_split_cluster_config_validation():
     """split_cluster: 2 … 8 splits, a grid of one item per block, no B multicast, the other
     splits' accumulators within the stage buffers; the launch's cluster is the splits."""

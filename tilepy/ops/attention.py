@@ -210,7 +210,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     fb, pb = mask_fingerprints(block_mask)
     cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
-                                 mask_mod, fh, fb, return_lse, layout, config))
+                                 mask_mod, fh, fb, return_lse, layout, config,
+                                 SPARSE_PERSISTENT))
     if cached is not None:
         bound, stream, alloc_out, alloc_lse, scalars, own_mask = cached
         if out is None:

@@ -468,8 +468,18 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None,
                 **({"pdl": PDL} if gen is ws else {}))
             extra = {"stream": stream, "alloc": arrays.byte_allocator(A)} if gen is ws else {}
-            plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
-                                  **extra)
+            try:
+                plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
+                                      beta, **extra)
+            except ValueError:
+                if config is not None or not getattr(cfg, "split_cluster", False):
+                    raise
+                # clusters of the splits this device cannot hold: the workspace reduction
+                cfg = dataclasses.replace(cfg, split_cluster=False)
+                kern = ws.wgmma_ws_gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
+                                               Bias is not None, C is not None, pdl=PDL)
+                plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
+                                      beta, **extra)
         plan.launch(stream, args)
         # temporaries the launch reads (a float32 bias, aligned copies, zero matrices): kept
         # when a CUDA graph captured it
@@ -495,8 +505,8 @@ def _grid_safe(cfg, batch: int):
     chunks."""
     if not isinstance(cfg, ws.WsConfig) or cfg.persistent or batch <= launch.MAX_GRID_YZ:
         return cfg
-    try:
-        return dataclasses.replace(cfg, persistent=True)
+    try:   # (split-K in clusters wants one item per block: the workspace reduction then)
+        return dataclasses.replace(cfg, persistent=True, split_cluster=False)
     except ValueError:
         pass
     try:

@@ -943,6 +943,10 @@ def plan(kernel, cfg: WsConfig, a, b, out, c, bias, alpha=1.0, beta=0.0, *,
     p = kind(kernel, args, g, cfg.threads, smem, encoder, map_args, MAPS_ARG,
              cfg.launch_cluster, alloc=alloc, initial=(buf, raw),
              dependent=getattr(kernel, "pdl", False), **extra)
+    if cfg.split_cluster and p.max_active_clusters() < 1:
+        raise ValueError(f"plan: this device cannot run a cluster of {cfg.splits} blocks of "
+                         f"{cfg.describe()} (split_cluster needs them on SMs of one GPC at "
+                         "once)")
     if trace is not None and (len(trace.shape) != 2 or trace.shape[0] < g[0] * g[1]
                               or trace.shape[1] != TRACE_WIDTH):
         raise ValueError(f"plan: the trace needs ({g[0] * g[1]}, {TRACE_WIDTH}) rows and "
