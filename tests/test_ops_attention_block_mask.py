@@ -535,21 +535,23 @@ def test_gpu_block_masks_against_sdpa(d):
     assert (mine.float() - builtin.float()).abs().max().item() <= 1e-2
 
 
-def test_sparse_configs_divide_the_mask_and_stay_valid():
+def test_sparse_configs_divide_the_mask_and_stay_valid(monkeypatch):
     """The Hopper configs a block mask of 64, 128 or 192 query rows gets: tiles that divide it,
-    a producer warpgroup and ping-pong only at 128 rows or more; persistent where a producer
-    warpgroup and the persistent kernel's tiles allow it (head dims 64 and 128), and a caller's
-    config kept as given."""
+    a producer warpgroup and ping-pong only at 128 rows or more; with SPARSE_PERSISTENT (off by
+    default) persistent where a producer warpgroup and the persistent kernel's tiles allow it
+    (head dims 64 and 128), else never; a caller's config kept as given."""
     from tilepy.ops import attention as at
 
-    for d in (64, 128, 192, 256):
-        for block in ((64, 64), (128, 128), (192, 128), (64, 256)):
-            cfg = at.sparse_config(at.hopper_config(d, "bfloat16", False), block)
-            assert block[0] % cfg.block_m == 0 and block[1] % cfg.block_n == 0
-            assert cfg.block_m >= 128 or not cfg.producer
-            assert cfg.persistent == (at.SPARSE_PERSISTENT and cfg.producer and d <= 128
-                                      and (aw.tile_width(d), cfg.block_n)
-                                      in aw.PERSISTENT_OVERLAP_FITS), (d, block, cfg)
+    for persistent in (False, True):
+        monkeypatch.setattr(at, "SPARSE_PERSISTENT", persistent)
+        for d in (64, 128, 192, 256):
+            for block in ((64, 64), (128, 128), (192, 128), (64, 256)):
+                cfg = at.sparse_config(at.hopper_config(d, "bfloat16", False), block)
+                assert block[0] % cfg.block_m == 0 and block[1] % cfg.block_n == 0
+                assert cfg.block_m >= 128 or not cfg.producer
+                assert cfg.persistent == (persistent and cfg.producer and d <= 128
+                                          and (aw.tile_width(d), cfg.block_n)
+                                          in aw.PERSISTENT_OVERLAP_FITS), (d, block, cfg)
     grid = aw.WgmmaAttentionConfig(128, 128, 128, "bfloat16", overlap=True, tma=True,
                                    pingpong=True, producer=True)
     assert at.sparse_config(grid, (128, 128), given=True) is grid

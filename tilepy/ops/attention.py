@@ -682,12 +682,14 @@ def sparse_block(cfg) -> tuple:
     return cfg.block_m, cfg.block_n
 
 
-#: Block-sparse attention on sm_90 runs the persistent TMA kernel (the next tile's Q and first
-#: key blocks load while the current one computes; a mask row of a few key blocks leaves the
-#: grid kernel's per-tile start and epilogue exposed) where its config allows: a producer
+#: Whether block-sparse attention on sm_90 runs the persistent TMA kernel (the next tile's Q and
+#: first key blocks load while the current one computes) where its config allows — a producer
 #: warpgroup (128 query rows or more) and a (tile width, block_n) the persistent overlap kernel
-#: compiles without spills. False: the grid TMA kernel.
-SPARSE_PERSISTENT = True
+#: compiles without spills — instead of the grid TMA kernel. Off: measured against the grid
+#: kernel at B4 H16 S8192 D128 bf16 it was 0.97× (causal as mask_mod), 0.998× (a causal
+#: document block mask) and 1.03× (a 1024-key window) — the per-tile start it hides was not
+#: what bounds these (bench/NOTES.md, session 37).
+SPARSE_PERSISTENT = False
 
 
 def sparse_config(cfg, mask_block, given: bool = False):
