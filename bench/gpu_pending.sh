@@ -77,7 +77,8 @@
 #   PART=s36c    the decoding phase trace at the 134 MB shapes; the grouped GEMM's one-launch
 #                gradient in b against the per-group calls and a cuBLAS loop; the host cost
 #                per call (the decoding call now one launch where its splits merge themselves)
-#   PART=s36b    Nsight of the FP8 GEMM with block scales (the 0.75-0.81x case)
+#   PART=s36b    Nsight of the FP8 GEMM with block scales (the 0.75-0.81x case; 128-column tiles:
+#                block scales take block_n <= 128 — s37 ran it with 256 and got a refusal)
 #   PART=s35e    s35d without s32f (little device time left), with the grouped GEMM's GPU tests
 #                (the one-launch gradient in b captured in a graph)
 #   PART=s35d    the combine kernel with up to eight warps a row (B1's 64 splits in two steps a
@@ -435,7 +436,7 @@ if [[ " $PART " == *" s36c "* ]]; then
     archive_logs
 fi
 if [[ " $PART " == *" s36b "* ]]; then
-    ncu_gemm_fp8_archive ncu_gemm_fp8_block 200 --configs 256x4p,256x4pt --block-scales
+    ncu_gemm_fp8_archive ncu_gemm_fp8_block 200 --configs 128x4p,128x4pt --block-scales
     archive_logs
 fi
 if [[ " $PART " == *" s35e "* ]]; then
