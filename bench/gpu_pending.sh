@@ -65,6 +65,8 @@
 #                (issue 27): their GPU tests (a chain of split-K calls, eager and in a graph;
 #                the same bits every run), the shape grid with each flag flipped timed beside
 #   PART=s37c    s36d's FP8 attention benchmark (fma_exp_every 0 / 2 / 3) alone
+#   PART=s37d    the PDL GEMM with its trigger late (after the last loads and main loops) beside
+#                early: the shape grid alone
 #   PART=s36a    the decoding kernel merging its own splits (the last split of a row tile, no
 #                combine kernel) and gathering 16-key pages into 32-key blocks (issue 26): the
 #                KV-cache GPU tests, the decoding benchmark (the combine kernel in blocks of
@@ -405,6 +407,9 @@ if [[ " $PART " == *" s37b "* ]]; then
     gpu_tests gemm_pdl_gpu 90 tests/test_ops_gemm_wgmma_ws.py -k "dependent or split_k or cluster"
     bench_suite bench_gemm_grid 300 "test_gemm_shape_grid"
     archive_logs
+fi
+if [[ " $PART " == *" s37d "* ]]; then
+    bench_suite bench_gemm_grid 200 "test_gemm_shape_grid"
 fi
 if [[ " $PART " == *" s37c "* ]]; then
     bench_suite bench_attention_fp8 250 "test_flash_attention_fp8"

@@ -183,7 +183,13 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
         finally:
             setattr(op, flag, was)
 
-    flipped("PDL", "tilepy, PDL", "tilepy, no PDL")
+    flipped("PDL", "tilepy, PDL", "tilepy, no PDL")      # (op.PDL_TRIGGER: "late")
+    trigger = op.PDL_TRIGGER
+    try:   # the other trigger point
+        op.PDL_TRIGGER = "early" if trigger == "late" else "late"
+        flipped("PDL", f"tilepy, PDL {op.PDL_TRIGGER}", f"tilepy, no PDL ({op.PDL_TRIGGER})")
+    finally:
+        op.PDL_TRIGGER = trigger
     cfg = op.hopper_config(m, n, 1, "bfloat16", k=k)
     if cfg is not None and getattr(cfg, "splits", 1) > 1:   # split-K: the other reduction
         flipped("SPLIT_CLUSTER", "tilepy, cluster split-K", "tilepy, workspace split-K")

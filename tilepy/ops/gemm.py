@@ -63,6 +63,10 @@ HBM_FULL_ITEMS = 100
 #: tail of the kernel ahead in the stream; every global access still follows that kernel's
 #: end. Aimed at small problems, whose time is mostly such fixed costs.
 PDL = False
+#: When a PDL kernel lets the next one launch (:func:`tilepy.tile.dependent.dependent_launch`):
+#: ``"early"`` right after its set-up, ``"late"`` once its last loads are issued and main loops
+#: done.
+PDL_TRIGGER = "late"
 
 #: Split-K's partial sums added in distributed shared memory, a tile's splits one cluster
 #: (``WsConfig(split_cluster=True)``: no workspace, no semaphore, no global round trip),
@@ -266,7 +270,7 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fo, po = arrays.fingerprint(out)
     cached, key = _PLANS.lookup(
         (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL,
-         SPLIT_CLUSTER))
+         PDL_TRIGGER, SPLIT_CLUSTER))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
@@ -466,7 +470,7 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                     tc: tc.gemm_kernel}[gen](
                 cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None,
-                **({"pdl": PDL} if gen is ws else {}))
+                **({"pdl": PDL and PDL_TRIGGER} if gen is ws else {}))
             extra = {"stream": stream, "alloc": arrays.byte_allocator(A)} if gen is ws else {}
             try:
                 plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
@@ -477,7 +481,8 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 # clusters of the splits this device cannot hold: the workspace reduction
                 cfg = dataclasses.replace(cfg, split_cluster=False)
                 kern = ws.wgmma_ws_gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
-                                               Bias is not None, C is not None, pdl=PDL)
+                                               Bias is not None, C is not None,
+                                               pdl=PDL and PDL_TRIGGER)
                 plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
                                       beta, **extra)
         plan.launch(stream, args)

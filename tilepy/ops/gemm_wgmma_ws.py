@@ -477,16 +477,19 @@ TRACE_MARKS = {"entry": 0, "ready": 1, "first_stage": 2, "first_loop_end": 3,
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
                          has_bias: bool = False, has_c: bool = False, trace: bool = False,
-                         pdl: bool = False):
+                         pdl=False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials)`` (see
     the module docstring; ``counters`` / ``partials``: split-K's tile semaphores and partial
     sums, placeholders without ``splits``); launch it through :func:`plan`. ``trace``: the
     kernel takes a last argument, a uint64 array of :mod:`tilepy.tile.trace` rows (one per
     block), and marks the phases of :data:`TRACE_MARKS` in it (``plan(..., trace=array)``);
-    nothing else changes. ``pdl``: launched as a programmatic dependent launch (:func:`plan`
-    gives its plan ``dependent=True``): the blocks set up their shared memory while the
-    kernel ahead in the stream finishes, and touch global memory only after it has
-    (:func:`tilepy.tile.dependent.dependent_launch`). A composition:
+    nothing else changes. ``pdl`` (``False``, ``"early"`` or ``"late"``; ``True`` is
+    ``"early"``): launched as a programmatic dependent launch (:func:`plan` gives its plan
+    ``dependent=True``): the blocks set up their shared memory while the kernel ahead in the
+    stream finishes, and touch global memory only after it has
+    (:func:`tilepy.tile.dependent.dependent_launch`); the kernel behind may launch from this
+    one's start (``"early"``) or once every block's producer has issued its last load and its
+    consumers have finished their last main loop (``"late"``). A composition:
     the roles (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer
     (:func:`tma_producer`: the stage ring and TMA tile loads), the grouped raster and static
     persistent schedule (:mod:`tilepy.tile.schedule`), each consumer's main loop
@@ -526,7 +529,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     f32 = types.float32
     TR = phase_marks(trace)
     MK = device_namespace("ws trace marks", **TRACE_MARKS)
-    after = dependent_launch(pdl)   # (a no-op without pdl)
+    after = dependent_launch(bool(pdl), "late" if pdl == "late" else "early")   # (no-ops
+    # without pdl)
     TRACE_OFF = -(-cfg.smem_bytes // 16) * 16    # the traced kernel's row, after the layout
 
     if trace:
@@ -579,6 +583,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                     TR.note(scratch, MK.last_loop_start)
             if S == 1 or k_end > k_begin:
                 s, ph = mainloop(acc0, acc1, base, s, ph, cw, k_end - k_begin, lane)
+            if last_item:
+                after.release()     # pdl "late": the kernel behind may launch
             if leader:
                 if items == 0:
                     TR.note(scratch, MK.first_loop_end)
@@ -643,6 +649,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 produce(base, maps, a.shape[0], b.shape[0], m_tiles, n_tiles, total, ktiles,
                         w0, step)
                 TR.mark(tr, TR.row(), MK.producer_end)
+            after.release()
             if S > 1 and SPLIT_CLUSTER:   # the cluster barriers of the block's one item
                 split_k.meet()
         else:
@@ -666,6 +673,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     kernel.config = cfg
     kernel.trace = trace
     kernel.pdl = bool(pdl)
+    kernel.pdl_trigger = "late" if pdl == "late" else "early"
     if trace:
         kernel.smem_bytes = TRACE_OFF + SCRATCH_BYTES
     kernel.b_row_major = b_row_major

@@ -13,7 +13,12 @@ this kernel reads or writes is touched before the kernel ahead has completed, so
 with the attribute is correct whatever ran before it; one without runs ``begin`` as two
 instructions that return at once.
 
-``dependent_launch(False)`` gives a ``begin`` that does nothing (the plain kernel's code)."""
+``dependent_launch(enabled, trigger="late")`` moves the second half to ``release()``, which
+every thread calls once when its block needs no more of the GPU for itself (say, a GEMM's last
+loads issued or its main loop done): the kernel behind then launches only as this one
+finishes, not from its start (``begin`` alone waits). With ``trigger="early"`` ``release``
+does nothing. ``dependent_launch(False)`` gives a ``begin`` and a ``release`` that do nothing
+(the plain kernel's code)."""
 
 from __future__ import annotations
 
@@ -24,19 +29,38 @@ from ..ptx.griddep import griddepcontrol_launch_dependents, griddepcontrol_wait
 
 
 @functools.cache
-def dependent_launch(enabled: bool):
-    """The namespace ``begin()`` of the module docstring; a no-op unless ``enabled``."""
+def dependent_launch(enabled: bool, trigger: str = "early"):
+    """The namespace ``begin()``, ``release()`` of the module docstring; no-ops unless
+    ``enabled``. ``trigger``: ``"early"`` (in ``begin``) or ``"late"`` (in ``release``)."""
+    if trigger not in ("early", "late"):
+        raise ValueError(f"dependent_launch: trigger {trigger!r} is 'early' or 'late'")
+    EARLY = bool(enabled) and trigger == "early"
+    LATE = bool(enabled) and trigger == "late"
     if not enabled:
         @inline_device
         def begin():
             pass
-    else:
+    elif EARLY:
         @inline_device
         def begin():
             griddepcontrol_wait()
             griddepcontrol_launch_dependents()
+    else:
+        @inline_device
+        def begin():
+            griddepcontrol_wait()
 
-    return device_namespace(f"dependent_launch({bool(enabled)})", begin=begin)
+    if LATE:
+        @inline_device
+        def release():
+            griddepcontrol_launch_dependents()
+    else:
+        @inline_device
+        def release():
+            pass
+
+    return device_namespace(f"dependent_launch({bool(enabled)}, {trigger})", begin=begin,
+                            release=release)
 
 
 __all__ = ["dependent_launch"]
