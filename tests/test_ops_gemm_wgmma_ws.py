@@ -784,19 +784,25 @@ def test_cluster_split_k_compiles_without_a_workspace(reports, small_reports):
 @pytest.mark.compile
 @pytest.mark.xdist_group("gemm_wgmma_ws_reports")
 def test_dependent_launch_kernel_waits_before_global_memory(reports, small_reports):
-    """``pdl=True`` (split-K's config): griddepcontrol.wait and launch_dependents are in the
-    kernel, the wait before its first tensor-map fence, TMA load, global store and atomic;
+    """``pdl`` (split-K's config, both triggers): griddepcontrol.wait and launch_dependents
+    are in the kernel, the wait before its first tensor-map fence, TMA load, global store and
+    atomic; the early trigger right after the wait, the late one after the loads are issued;
     registers and spills as without it."""
-    rep = small_reports["gemm_ws_64x256_bcol_splitk3_pdl"]
-    assert "error" not in rep, rep.get("error")
-    first = rep["first"]
-    assert first["wait"] is not None and first["trigger"] is not None, first
-    for kind in ("tensormap_fence", "tma_load", "st_global", "atom"):
-        assert first[kind] is not None and first["wait"] < first[kind], (kind, first)
     plain = reports["gemm_ws_64x256_bcol_splitk3"]
     assert "griddepcontrol.wait" not in plain["ops"]
-    assert rep["spill_stores"] <= plain["spill_stores"] and rep["registers"] <= 255
-    assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+    for trigger in ("early", "late"):
+        rep = small_reports[f"gemm_ws_64x256_bcol_splitk3_pdl_{trigger}"]
+        assert "error" not in rep, rep.get("error")
+        first = rep["first"]
+        assert first["wait"] is not None and first["trigger"] is not None, first
+        for kind in ("tensormap_fence", "tma_load", "st_global", "atom"):
+            assert first[kind] is not None and first["wait"] < first[kind], (kind, first)
+        if trigger == "late":   # after the loads are issued (the producer's is its last)
+            assert rep["last_trigger"] > first["tma_load"], first
+        else:
+            assert first["trigger"] < first["tensormap_fence"], first
+        assert rep["spill_stores"] <= plain["spill_stores"] and rep["registers"] <= 255
+        assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
 
 
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the

@@ -1107,25 +1107,31 @@ def compile_reports_trace():
 
 def compile_reports_small():
     """Offline reports of the small-problem variants of split-K's 64 × 256 config: as a
-    programmatic dependent launch (``pdl=True``), with the order of its first instructions of
-    each kind in the PTX (``first``: the line numbers of the first ``griddepcontrol.*``,
-    tensor-map fence, TMA load, global store and atomic); and with its splits reduced in a
+    programmatic dependent launch (``pdl`` early and late), with the order of its first
+    instructions of each kind in the PTX (``first``: the line numbers of the first
+    ``griddepcontrol.*``, tensor-map fence, TMA load, global store and atomic;
+    ``last_trigger``: of the last ``launch_dependents``); and with its splits reduced in a
     cluster (``split_cluster``, 4 splits, 64 × 128 over 8 stages)."""
     from ..offline import compile_kernel
 
     split = WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3)
-    kern = wgmma_ws_gemm_kernel(split, False, "float16", pdl=True)
-    rep = kernel_report("ws_64x256_bcol_splitk3_pdl", kern, split, "float16")
-    ptx = compile_kernel("gemm_pdl_order", kern.py_func, argtypes("float16", True),
-                         (9, 0, "a"), launch_bounds=(split.threads, 1)).ptx.splitlines()
     marks = {"wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents",
              "tensormap_fence": "fence.proxy.tensormap", "tma_load": "cp.async.bulk.tensor",
              "st_global": "st.global", "atom": "atom."}
-    rep["first"] = {k: next((i for i, ln in enumerate(ptx) if ln.strip().startswith(v)), None)
-                    for k, v in marks.items()}
+    reps = []
+    for pdl in ("early", "late"):
+        kern = wgmma_ws_gemm_kernel(split, False, "float16", pdl=pdl)
+        rep = kernel_report(f"ws_64x256_bcol_splitk3_pdl_{pdl}", kern, split, "float16")
+        ptx = compile_kernel("gemm_pdl_order", kern.py_func, argtypes("float16", True),
+                             (9, 0, "a"), launch_bounds=(split.threads, 1)).ptx.splitlines()
+        rep["first"] = {k: next((i for i, ln in enumerate(ptx) if ln.strip().startswith(v)),
+                                None) for k, v in marks.items()}
+        rep["last_trigger"] = max((i for i, ln in enumerate(ptx)
+                                   if ln.strip().startswith(marks["trigger"])), default=None)
+        reps.append(rep)
     cl = WsConfig(64, 128, 8, consumers=1, smem_epilogue=True, splits=4, split_cluster=True)
-    return [rep, kernel_report("ws_64x128_bcol_splitk4_cluster",
-                               wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16")]
+    return reps + [kernel_report("ws_64x128_bcol_splitk4_cluster",
+                                 wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16")]
 
 
 def compile_reports_epilogues():
