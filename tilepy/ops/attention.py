@@ -688,7 +688,7 @@ def sparse_block(cfg) -> tuple:
 #: compiles without spills — instead of the grid TMA kernel. Off: measured against the grid
 #: kernel at B4 H16 S8192 D128 bf16 it was 0.97× (causal as mask_mod), 0.998× (a causal
 #: document block mask) and 1.03× (a 1024-key window) — the per-tile start it hides was not
-#: what bounds these (bench/NOTES.md, session 37).
+#: what bounds these (bench/NOTES.md: block-sparse on the persistent kernel).
 SPARSE_PERSISTENT = False
 
 
