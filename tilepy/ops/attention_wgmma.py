@@ -233,7 +233,8 @@ class WgmmaAttentionConfig:
     intra-warpgroup overlap; only where it compiles without spills, see :data:`OVERLAP_FITS`).
     ``fma_exp_every`` (0: off; 2 … block_n / 8): every ``k``-th 8-key tile's exponentials
     computed on the FMA pipe (:func:`tilepy.tile.online_softmax.exp2_fma`, relative error
-    8e-5) instead of the MUFU's ``ex2``, which the 8-bit kernels' softmax keeps busy.
+    8e-5) instead of the MUFU's ``ex2``, which the 8-bit kernels' softmax keeps busy (measured
+    slower than 0 in the FP8 kernel: the FMA pipe is not idle there either).
 
     ``dtype="float8_e4m3fn"`` (:data:`FP8_DTYPES`): the FP8 kernel (``tma=True`` with
     ``producer=True``, 64- or 128-key blocks, head dims multiples of 16): Q and K as e4m3 (128-column sub-tiles, k32 wgmmas),
