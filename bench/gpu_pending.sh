@@ -60,7 +60,7 @@
 #                backward variants benchmark again (FlexAttention without donated buffers)
 #   PART=s37a    block-sparse attention on the persistent TMA kernel (issue 25): the block-mask
 #                GPU tests, the mask_mod / block-mask benchmark cases against FlexAttention with
-#                the grid kernel timed beside
+#                the grid kernel timed beside, the document mask with `&` and with `and`
 #   PART=s37b    the GEMM as a programmatic dependent launch and split-K reduced in a cluster
 #                (issue 27): their GPU tests (a chain of split-K calls, eager and in a graph;
 #                the same bits every run), the shape grid with each flag flipped timed beside

@@ -335,17 +335,24 @@ def _window1024(b, h, q_idx, kv_idx):
 
 
 def _document_causal(b, h, q_idx, kv_idx, doc):
+    # (& and clamped indices, as docs/attention.md advises: unconditional reads the kernel
+    # can share between a row's columns)
+    return (kv_idx <= q_idx) & (doc[b, min(q_idx, 8191)] == doc[b, min(kv_idx, 8191)])
+
+
+def _document_causal_and(b, h, q_idx, kv_idx, doc):
+    # (the same with a short-circuit `and`: every read behind a branch)
     return kv_idx <= q_idx and doc[b, min(q_idx, 8191)] == doc[b, min(kv_idx, 8191)]
 
 
-def _document_block_mask(torch, b, h, s):
+def _document_block_mask(torch, b, h, s, fn=_document_causal):
     """tilepy's keywords for causal document masking with a block mask made once (outside
     the timing), as a FlexAttention user makes one with create_block_mask."""
     import tilepy
 
     doc = _documents(torch, b, s)
     return dict(causal=False, block_mask=tilepy.create_block_mask(
-        _document_causal, b, None, s, s, mod_args=(doc,)))
+        fn, b, None, s, s, mod_args=(doc,)))
 
 
 def _alibi_slopes(torch, h):
@@ -389,6 +396,10 @@ USER_FUNCTIONS = [
      lambda torch, b, h, s: dict(causal=True, window=(1023, 0)),
      lambda torch, b, h, s: dict(mask_mod=lambda bb, hh, qi, kj: (kj <= qi) & (qi - kj < 1024))),
     ("document_block_mask", True, _document_block_mask, None,
+     lambda torch, b, h, s: (lambda doc: dict(mask_mod=lambda bb, hh, qi, kj: (
+         doc[bb, qi] == doc[bb, kj]) & (kj <= qi)))(_documents(torch, b, s))),
+    ("document_block_mask_and", True,
+     lambda torch, b, h, s: _document_block_mask(torch, b, h, s, _document_causal_and), None,
      lambda torch, b, h, s: (lambda doc: dict(mask_mod=lambda bb, hh, qi, kj: (
          doc[bb, qi] == doc[bb, kj]) & (kj <= qi)))(_documents(torch, b, s))),
 ]

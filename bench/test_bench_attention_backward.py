@@ -304,8 +304,9 @@ def _documents(torch, b, s):
 
 
 def _document_causal(b, h, q_idx, kv_idx, doc):
-    return kv_idx <= q_idx and doc[b, min(q_idx, doc.shape[1] - 1)] == \
-        doc[b, min(kv_idx, doc.shape[1] - 1)]
+    # (& and clamped indices, as docs/attention.md advises)
+    return (kv_idx <= q_idx) & (doc[b, min(q_idx, doc.shape[1] - 1)] ==
+                                doc[b, min(kv_idx, doc.shape[1] - 1)])
 
 
 def test_flash_attention_backward_block_mask(benchmark, record, torch, gpu_name):
