@@ -440,12 +440,16 @@ def test_flash_attention_user_functions(benchmark, record, torch, gpu_name, case
     if builtin is not None:
         timings["tilepy built-in"] = gpu_time(torch, lambda: tilepy.flash_attention(
             q, k, v, out=out, **dict(dict(causal=causal), **builtin)))
-    if kind == "mask_mod" and name != "document":   # block-sparse: the grid kernel beside
-        from tilepy.ops.attention import hopper_config
+    if kind == "mask_mod" and name != "document":   # block-sparse: the other TMA kernel
+        import dataclasses
 
-        grid = hopper_config(d, "bfloat16", False)     # (d128: the grid TMA kernel)
-        timings["tilepy grid kernel"] = gpu_time(torch, lambda: tilepy.flash_attention(
-            q, k, v, out=out, config=grid, **dict(dict(causal=causal), **mods)))
+        from tilepy.ops import attention as at
+
+        other = dataclasses.replace(at.hopper_config(d, "bfloat16", False),   # (d128: grid)
+                                    persistent=not at.SPARSE_PERSISTENT)
+        label = "tilepy persistent kernel" if other.persistent else "tilepy grid kernel"
+        timings[label] = gpu_time(torch, lambda: tilepy.flash_attention(
+            q, k, v, out=out, config=other, **dict(dict(causal=causal), **mods)))
     record_throughput(record, work=4 * pairs * d, unit="TFLOPS", timings=timings,
                       main="FlexAttention", notes=notes, gpu=gpu_name,
                       shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=causal,
