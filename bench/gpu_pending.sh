@@ -58,9 +58,10 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
-#   PART=s37a    block-sparse attention on the persistent TMA kernel (issue 25): the block-mask
-#                GPU tests, the mask_mod / block-mask benchmark cases against FlexAttention with
-#                the grid kernel timed beside, the document mask with `&` and with `and`
+#   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
+#                block-mask benchmark cases against FlexAttention with the other TMA kernel
+#                (persistent; grid when SPARSE_PERSISTENT is on) timed beside, the document mask
+#                with `&` and with `and`
 #   PART=s37b    the GEMM as a programmatic dependent launch and split-K reduced in a cluster
 #                (issue 27): their GPU tests (a chain of split-K calls, eager and in a graph;
 #                the same bits every run), the shape grid with each flag flipped timed beside
