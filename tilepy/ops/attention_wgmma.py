@@ -1637,7 +1637,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     counter ``sched`` and loads each tile's Q and key blocks into the ring of ``t`` while the
     consumers compute the previous one; ``hargs``: the score hook's run-time arguments
     (block-sparse: with the block mask's, as the grid kernel's)."""
-    BM, BN, CONSUMERS, KV, LIMITS, NACC_O = c.BM, c.BN, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
+    BM, CONSUMERS, KV, LIMITS, NACC_O = c.BM, c.CONSUMERS, c.KV, c.LIMITS, c.NACC_O
     NACC_S, NO, NS, P_REGS, Q_BYTES, STAGE = c.NACC_S, c.NO, c.NS, c.P_REGS, c.Q_BYTES, c.STAGE
     TILE, align, epilogue, f32, i64, no_keys = c.TILE, c.align, c.epilogue, c.f32, c.i64, c.no_keys
     start_rows, thread_rows, tile_coords = c.start_rows, c.thread_rows, c.tile_coords
