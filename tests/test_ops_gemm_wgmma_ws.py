@@ -798,7 +798,7 @@ def test_dependent_launch_kernel_waits_before_global_memory(reports, small_repor
         for kind in ("tensormap_fence", "tma_load", "st_global", "atom"):
             assert first[kind] is not None and first["wait"] < first[kind], (kind, first)
         if trigger == "late":   # after the loads are issued (the producer's is its last)
-            assert rep["last_trigger"] > first["tma_load"], first
+            assert rep["last"]["trigger"] > first["tma_load"], first
         else:
             assert first["trigger"] < first["tensormap_fence"], first
         assert rep["spill_stores"] <= plain["spill_stores"] and rep["registers"] <= 255

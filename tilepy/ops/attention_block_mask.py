@@ -450,8 +450,8 @@ def _sparse_argtypes(base, layout: str = "A"):
 #: Block-sparse kernels of :func:`compile_reports`: (name, head_dim, tile rows, tile keys,
 #: mask block) — the grid TMA kernel of the built-in d128 config (ping-pong, producer) under
 #: 128 × 128 mask blocks and under 128 × 256 ones (two key tiles a mask block), its persistent
-#: kernel (the block-sparse default on sm_90) under 128 × 128, and the mma.sync kernel of the
-#: built-in d128 config.
+#: kernel (opt-in: ``tilepy.ops.attention.SPARSE_PERSISTENT``) under 128 × 128, and the
+#: mma.sync kernel of the built-in d128 config.
 SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 128, 128, 128,
                    (128, 128)),
                   ("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128_mask256", 128,

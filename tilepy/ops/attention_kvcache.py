@@ -5,13 +5,14 @@ The decoding kernel (:mod:`tilepy.ops.attention_decode_mma_sync`, mma.sync): the
 heads of one KV head packed into one 16-row tile (K and V read once for all of them), the keys
 cut into ``num_splits`` runs handled by separate warps (flash-decoding), whose float32
 partials a second small kernel merges by their log-sum-exps (opt-in, :data:`FUSED_MERGE`:
-each row tile's last run merges them inside the decoding kernel — measured slower). Each block reads its sequence's
-length (and, paged, its block table) on the device, so the same launches — and a CUDA graph
-that captured them — serve every step of a generation loop. New keys and values (``k`` /
-``v``) are first written into the cache by a small copy kernel (:func:`append_kernel`) on the
-same stream. An :class:`~tilepy.ops.attention_mma_sync.AttentionConfig` as ``config`` runs the
-forward kernel instead (its ``cache`` generator parameter: one block per query block and
-query head, no split).
+each row tile's last run merges them inside the decoding kernel — measured slower). Each
+block reads its sequence's length (and, paged, its block table) on the device, so the same
+launches — and a CUDA graph that captured them — serve every step of a generation loop. New
+keys and values (``k`` / ``v``) are first written into the cache by a small copy kernel
+(:func:`append_kernel`) on the same stream. An
+:class:`~tilepy.ops.attention_mma_sync.AttentionConfig` as ``config`` runs the forward kernel
+instead (its ``cache`` generator parameter: one block per query block and query head, no
+split).
 
 Not yet: the Hopper (TMA / wgmma) kernels.
 """

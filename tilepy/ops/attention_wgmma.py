@@ -1669,7 +1669,7 @@ def _tma_persistent_kernel(cfg: WgmmaAttentionConfig, c, t):
     # steps beside the step words (N_STEPS + qi, int32) before its Q load, as the tile
     # number, so the consumers read both after Q full and need no list of their own.
     TILE_NO = (BARS + 8 * cfg.tma_barriers) // 4      # int32 index of the tile-number slots
-    N_STEPS = cfg.smem_bytes // 4 + 2                 # (after the two step words)
+    N_STEPS = t.STEPS // 4 + 2                        # (after the two step words)
 
     @inline_device
     def tile_blocks(mask, row0, b, h, kb0, n_kb):

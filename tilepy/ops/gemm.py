@@ -467,24 +467,23 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
             cfg = _grid_safe(cfg, batch)
             gen = hw if isinstance(cfg, hw.WgmmaConfig) else \
                 ws if isinstance(cfg, ws.WsConfig) else tc
-            kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
-                    tc: tc.gemm_kernel}[gen](
-                cfg, layout_b == "row", out_dtype, activation, Bias is not None, C is not None,
-                **({"pdl": PDL and PDL_TRIGGER} if gen is ws else {}))
             extra = {"stream": stream, "alloc": arrays.byte_allocator(A)} if gen is ws else {}
+
+            def planned(cfg):
+                kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
+                        tc: tc.gemm_kernel}[gen](
+                    cfg, layout_b == "row", out_dtype, activation, Bias is not None,
+                    C is not None, **({"pdl": PDL and PDL_TRIGGER} if gen is ws else {}))
+                return gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
+                                **extra)
+
             try:
-                plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
-                                      beta, **extra)
+                plan, args = planned(cfg)
             except ValueError:
                 if config is not None or not getattr(cfg, "split_cluster", False):
                     raise
                 # clusters of the splits this device cannot hold: the workspace reduction
-                cfg = dataclasses.replace(cfg, split_cluster=False)
-                kern = ws.wgmma_ws_gemm_kernel(cfg, layout_b == "row", out_dtype, activation,
-                                               Bias is not None, C is not None,
-                                               pdl=PDL and PDL_TRIGGER)
-                plan, args = gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha,
-                                      beta, **extra)
+                plan, args = planned(dataclasses.replace(cfg, split_cluster=False))
         plan.launch(stream, args)
         # temporaries the launch reads (a float32 bias, aligned copies, zero matrices): kept
         # when a CUDA graph captured it

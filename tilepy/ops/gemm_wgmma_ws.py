@@ -673,7 +673,6 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     kernel.config = cfg
     kernel.trace = trace
     kernel.pdl = bool(pdl)
-    kernel.pdl_trigger = "late" if pdl == "late" else "early"
     if trace:
         kernel.smem_bytes = TRACE_OFF + SCRATCH_BYTES
     kernel.b_row_major = b_row_major
@@ -979,11 +978,11 @@ MAPS_ARG = 7
 
 
 def split_scratch(cfg: WsConfig, m: int, n: int, batch: int, alloc=None):
-    """None without ``cfg.splits`` (or with ``split_cluster``: no workspace); else ``(ScheduledTmaPlan keywords, (counters,
-    partials))``: one buffer from ``alloc`` holding the tiles' int32 semaphores (zeroed by the
-    plan on each stream before its first launch, left at zero by every launch) and then the
-    float32 partial sums (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of
-    every item's tile)."""
+    """None without ``cfg.splits`` (or with ``split_cluster``: no workspace); else
+    ``(ScheduledTmaPlan keywords, (counters, partials))``: one buffer from ``alloc`` holding
+    the tiles' int32 semaphores (zeroed by the plan on each stream before its first launch,
+    left at zero by every launch) and then the float32 partial sums
+    (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of every item's tile)."""
     if cfg.splits == 1 or cfg.split_cluster:
         return None
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
@@ -1069,10 +1068,12 @@ def compile_reports(group: str = "main"):
             for name, cfg, b_row, kind, *epi in _report_kernels()[group]]
 
 
-def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
+def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str, order=None) -> dict:
     """The offline sm_90a report (:func:`tilepy.offline.compile_kernel`) of a kernel with this
     module's arguments, as a dict with the config and the synchronisation / memory
-    instructions it uses (``ops``)."""
+    instructions it uses (``ops``). ``order``: ``{key: instruction prefix}``, whose PTX line
+    numbers the report adds — ``first`` (each key's first line, None where absent) and
+    ``last`` (its last)."""
     from ..offline import compile_kernel
 
     types_ = argtypes(out_kind, getattr(kern, "split_scratch", False))
@@ -1089,7 +1090,13 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str) -> dict:
                                          "st.shared", "barrier.cluster", "mapa.",
                                          "stmatrix", "griddepcontrol.", "atom."))})
     d["timer_reads"] = rep.ptx.count("%globaltimer")   # a traced kernel's marks only
-    d.pop("ptx")
+    if order:
+        lines = [ln.strip() for ln in d.pop("ptx").splitlines()]
+        at = {k: [i for i, ln in enumerate(lines) if ln.startswith(v)] for k, v in order.items()}
+        d["first"] = {k: (v[0] if v else None) for k, v in at.items()}
+        d["last"] = {k: (v[-1] if v else None) for k, v in at.items()}
+    else:
+        d.pop("ptx")
     return d
 
 
@@ -1109,26 +1116,17 @@ def compile_reports_small():
     """Offline reports of the small-problem variants of split-K's 64 × 256 config: as a
     programmatic dependent launch (``pdl`` early and late), with the order of its first
     instructions of each kind in the PTX (``first``: the line numbers of the first
-    ``griddepcontrol.*``, tensor-map fence, TMA load, global store and atomic;
-    ``last_trigger``: of the last ``launch_dependents``); and with its splits reduced in a
+    ``griddepcontrol.*``, tensor-map fence, TMA load, global store and atomic; ``last``:
+    their last, :func:`kernel_report`'s ``order``); and with its splits reduced in a
     cluster (``split_cluster``, 4 splits, 64 × 128 over 8 stages)."""
-    from ..offline import compile_kernel
-
     split = WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3)
     marks = {"wait": "griddepcontrol.wait", "trigger": "griddepcontrol.launch_dependents",
              "tensormap_fence": "fence.proxy.tensormap", "tma_load": "cp.async.bulk.tensor",
              "st_global": "st.global", "atom": "atom."}
-    reps = []
-    for pdl in ("early", "late"):
-        kern = wgmma_ws_gemm_kernel(split, False, "float16", pdl=pdl)
-        rep = kernel_report(f"ws_64x256_bcol_splitk3_pdl_{pdl}", kern, split, "float16")
-        ptx = compile_kernel("gemm_pdl_order", kern.py_func, argtypes("float16", True),
-                             (9, 0, "a"), launch_bounds=(split.threads, 1)).ptx.splitlines()
-        rep["first"] = {k: next((i for i, ln in enumerate(ptx) if ln.strip().startswith(v)),
-                                None) for k, v in marks.items()}
-        rep["last_trigger"] = max((i for i, ln in enumerate(ptx)
-                                   if ln.strip().startswith(marks["trigger"])), default=None)
-        reps.append(rep)
+    reps = [kernel_report(f"ws_64x256_bcol_splitk3_pdl_{pdl}",
+                          wgmma_ws_gemm_kernel(split, False, "float16", pdl=pdl), split,
+                          "float16", order=marks)
+            for pdl in ("early", "late")]
     cl = WsConfig(64, 128, 8, consumers=1, smem_epilogue=True, splits=4, split_cluster=True)
     return reps + [kernel_report("ws_64x128_bcol_splitk4_cluster",
                                  wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16")]

@@ -34,30 +34,21 @@ def dependent_launch(enabled: bool, trigger: str = "early"):
     ``enabled``. ``trigger``: ``"early"`` (in ``begin``) or ``"late"`` (in ``release``)."""
     if trigger not in ("early", "late"):
         raise ValueError(f"dependent_launch: trigger {trigger!r} is 'early' or 'late'")
-    EARLY = bool(enabled) and trigger == "early"
-    LATE = bool(enabled) and trigger == "late"
-    if not enabled:
-        @inline_device
-        def begin():
-            pass
-    elif EARLY:
-        @inline_device
-        def begin():
-            griddepcontrol_wait()
-            griddepcontrol_launch_dependents()
-    else:
-        @inline_device
-        def begin():
-            griddepcontrol_wait()
+    WAIT = bool(enabled)
+    EARLY = WAIT and trigger == "early"
+    LATE = WAIT and trigger == "late"
 
-    if LATE:
-        @inline_device
-        def release():
+    @inline_device
+    def begin():
+        if WAIT:
+            griddepcontrol_wait()
+        if EARLY:
             griddepcontrol_launch_dependents()
-    else:
-        @inline_device
-        def release():
-            pass
+
+    @inline_device
+    def release():
+        if LATE:
+            griddepcontrol_launch_dependents()
 
     return device_namespace(f"dependent_launch({bool(enabled)}, {trigger})", begin=begin,
                             release=release)
