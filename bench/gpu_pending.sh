@@ -58,6 +58,9 @@
 #   PART=s32d    GEMM's wave-aware tile choice (issue 27: 128 x 128 where 128 x 256 leaves the
 #                last wave mostly empty): the op's GPU tests, the shape grid against cuBLAS; the
 #                backward variants benchmark again (FlexAttention without donated buffers)
+#   PART=s38a    the forward reading a block mask's bitmap on its partial blocks (issue 25): the
+#                block-mask GPU tests, the document-mask benchmark cases (the mask function and
+#                a mask that reads nothing timed beside)
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
 #                block-mask benchmark cases against FlexAttention with the other TMA kernel
 #                (persistent; grid when SPARSE_PERSISTENT is on) timed beside, the document mask
@@ -397,6 +400,12 @@ if [[ " $PART " == *" s32c "* ]]; then
         --tb=short tests/test_attention_backward_gpu.py --deselect \
         tests/test_attention_backward_gpu.py::test_gpu_llama_training_loss_curve_matches_sdpa
     bench_suite bench_backward_variants 200 "test_flash_attention_backward_variants"
+fi
+if [[ " $PART " == *" s38a "* ]]; then
+    gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
+    bench_suite bench_attention_user 200 \
+        "test_flash_attention_user_functions and document_block_mask"
+    archive_logs
 fi
 if [[ " $PART " == *" s37a "* ]]; then
     gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py

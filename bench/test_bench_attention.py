@@ -345,6 +345,10 @@ def _document_causal_and(b, h, q_idx, kv_idx, doc):
     return kv_idx <= q_idx and doc[b, min(q_idx, 8191)] == doc[b, min(kv_idx, 8191)]
 
 
+def _see_all_doc(b, h, q_idx, kv_idx, doc):
+    return True
+
+
 def _document_block_mask(torch, b, h, s, fn=_document_causal):
     """tilepy's keywords for causal document masking with a block mask made once (outside
     the timing), as a FlexAttention user makes one with create_block_mask."""
@@ -450,6 +454,20 @@ def test_flash_attention_user_functions(benchmark, record, torch, gpu_name, case
         label = "tilepy persistent kernel" if other.persistent else "tilepy grid kernel"
         timings[label] = gpu_time(torch, lambda: tilepy.flash_attention(
             q, k, v, out=out, config=other, **dict(dict(causal=causal), **mods)))
+    if "block_mask" in mods and mods["block_mask"].mod_args:
+        import dataclasses
+
+        # the mask's function on the partial blocks in place of its bitmap (partial_bits)
+        mask = mods["block_mask"]
+        fn = dataclasses.replace(mask, partial_bits=None)
+        timings["tilepy mask function"] = gpu_time(
+            torch, lambda: tilepy.flash_attention(q, k, v, out=out, block_mask=fn))
+        # a diagnostic, not an answer: the same block mask with a mask function that reads
+        # its array but hides nothing, so the partial blocks cost no mask at all. What it
+        # saves is the most any cheaper mask evaluation could
+        cheap = dataclasses.replace(mask, mask_mod=_see_all_doc, partial_bits=None)
+        timings["tilepy mask reads nothing (wrong answer)"] = gpu_time(
+            torch, lambda: tilepy.flash_attention(q, k, v, out=out, block_mask=cheap))
     record_throughput(record, work=4 * pairs * d, unit="TFLOPS", timings=timings,
                       main="FlexAttention", notes=notes, gpu=gpu_name,
                       shape=f"B={b} H={h} S={s} D={d}", dtype="bfloat16", causal=causal,

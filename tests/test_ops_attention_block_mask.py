@@ -195,6 +195,112 @@ def test_block_sparse_persistent_kernel_against_float64():
     assert (got[:, 1, 128:256].astype(np.float32) == 0).all()
 
 
+def unpacked_bits(bm, sq, sk):
+    """A mask's ``partial_bits`` as a bool (b, h, sq, sk) array."""
+    words = np.asarray(bm.partial_bits)
+    assert words.dtype == np.uint32
+    bits = (words[..., None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(*words.shape[:3], -1)[:, :, :sq, :sk].astype(bool)
+
+
+def partial_pairs(bm, sq, sk):
+    """A bool (b, h, sq, sk) array of the pairs inside the mask's partial blocks."""
+    num, idx = np.asarray(bm.kv_num_blocks), np.asarray(bm.kv_indices)
+    bq, bk = bm.block_size
+    out = np.zeros((*num.shape[:2], sq, sk), bool)
+    for z, y, qb in np.ndindex(*num.shape):
+        for kb in idx[z, y, qb, :num[z, y, qb]]:
+            out[z, y, qb * bq:(qb + 1) * bq, kb * bk:(kb + 1) * bk] = True
+    return out
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("kernel", ["tma", "mma_sync"])
+def test_partial_bits_are_the_function_and_the_forward_reads_them(kernel):
+    """``partial_bits``: made by default for a mask function that reads an array, equal to
+    the function on every pair of the partial blocks (GQA, lengths not multiples of a block,
+    per-head lists); the forward reads them in place of the function — bits changed by hand
+    (the function untouched) change the result to the bits' mask — unless the call gives its
+    own ``mod_args``, which the function then reads. On the grid TMA kernel (64-key tiles,
+    two per 128-key mask block: the word-at-a-time form) and the mma.sync kernel (16-key
+    tiles: a word per score). Out poisoned with NaN."""
+    rng = np.random.default_rng()
+    if kernel == "tma":
+        b, hq, hk, s, d, block = 1, 2, 1, 150, 64, (64, 128)
+        cfg = aw.WgmmaAttentionConfig(64, 64, 64, "float16", overlap=True, tma=True)
+    else:
+        b, hq, hk, s, d, block = 2, 2, 1, 53, 16, (32, 32)
+        cfg = None
+    q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
+    doc = documents(rng, b, s)
+
+    def doc_causal(bb, h, q_idx, kv_idx, ids):
+        return kv_idx <= q_idx + 3 * h and same_document(bb, h, q_idx, kv_idx, ids)
+
+    bm = tilepy.create_block_mask(doc_causal, b, hq, s, s, mod_args=(doc,), block_size=block)
+    assert bm.partial_bits is not None
+    vis = matrix(doc_causal, b, hq, s, s, (doc,))
+    inside = partial_pairs(bm, s, s)
+    assert inside.any()
+    np.testing.assert_array_equal(unpacked_bits(bm, s, s)[inside], vis[inside])
+
+    def run(mask, **kw):
+        out = np.full(q.shape, np.nan, np.float16)
+        got, lse = tilepy.flash_attention(q, k, v, block_mask=mask, out=out, return_lse=True,
+                                          config=cfg, **kw)
+        assert got is out
+        return got, lse
+
+    check(*run(bm), *reference(q, k, v, vis))
+    # every other visible pair of the partial blocks hidden in the bits only
+    words = np.asarray(bm.partial_bits).copy()
+    rows, cols = np.nonzero(vis[0, 1] & inside[0, 1])
+    for i, j in zip(rows[::2], cols[::2]):
+        words[0, 1, i, j // 32] &= ~np.uint32(1 << (j % 32))
+    changed = dataclasses.replace(bm, partial_bits=words)
+    fewer = vis.copy()
+    fewer[0, 1, rows[::2], cols[::2]] = False
+    check(*run(changed), *reference(q, k, v, fewer))
+    # the call's own mod_args: the function, not the bits
+    check(*run(changed, mod_args=(doc,)), *reference(q, k, v, vis))
+
+
+@pytest.mark.sim
+def test_partial_bits_by_default_only_where_they_pay():
+    """None (the default) keeps bits for a function reading an array within the size limit,
+    not for one of numbers only, nor past the limit, nor for key blocks that are not multiples
+    of 32; True / False force; bad values and bad bits refused before launch."""
+    x = np.zeros((1, 2, 40, 16), np.float16)
+    doc = np.zeros((1, 40), np.int32)
+    assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                    block_size=32).partial_bits.shape == (1, 1, 64, 2)
+    assert tilepy.create_block_mask(causal, 1, None, 40, 40, like=x,
+                                    block_size=32).partial_bits is None
+    assert tilepy.create_block_mask(causal, 1, None, 40, 40, like=x, block_size=32,
+                                    partial_bits=True).partial_bits is not None
+    assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                    block_size=(32, 16)).partial_bits is None
+    assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                    block_size=32, partial_bits=False).partial_bits is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(abm, "PARTIAL_BITS_LIMIT", 64 * 2 * 4 - 1)
+        assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                        block_size=32).partial_bits is None
+    with pytest.raises(ValueError, match="multiple of 32, got 16"):
+        tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, block_size=16,
+                                 partial_bits=True)
+    with pytest.raises(TypeError, match="partial_bits must be None, True or False"):
+        tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, partial_bits="yes")
+    bm = tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                  block_size=32)
+    for bad, err in ((np.zeros((1, 1, 40, 2), np.uint32), "partial_bits must have shape"),
+                     (np.zeros((1, 1, 64, 2), np.int32), "partial_bits: dtype int32")):
+        with pytest.raises((TypeError, ValueError), match=err):
+            tilepy.flash_attention(x, x, x, block_mask=dataclasses.replace(bm,
+                                                                           partial_bits=bad))
+
+
 def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
     """Document masking in which no query sees keys lo … hi - 1 (a key block no list names)
     and head 1 no key from 80 on (per-head lists under GQA)."""
@@ -470,8 +576,9 @@ def test_bad_block_masks_are_refused_before_launch():
 @pytest.mark.compile
 def test_block_sparse_kernels_compile_without_spills():
     """Offline sm_90a: the block-sparse grid TMA kernel (d128, ping-pong, producer; one and two
-    key tiles a mask block) and the block-sparse mma.sync kernel (d128) with a causal mask
-    function and LSE, and the block mask's kernel: no spill, no local memory, the TMA kernel's
+    key tiles a mask block; reading a bitmap, with a load per word) and the block-sparse
+    mma.sync kernel (d128) with a causal mask function and LSE, and the block mask's kernel
+    (with and without the bitmap): no spill, no local memory, the TMA kernel's
     wgmmas and TMA loads present, no serialised wgmmas; the backward's block-sparse dK / dV
     and dQ kernels (d64, d128) spill at most 96 B more than the dense ones with the hook."""
     from tilepy.offline import find_ptxas, run_in_subprocess
@@ -479,10 +586,16 @@ def test_block_sparse_kernels_compile_without_spills():
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports")
-    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 1
+    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 2
     for name, rep in reps.items():
         assert "error" not in rep, rep
         assert rep["local_bytes"] == 0 and rep["counts"]["ld.local"] == 0, rep
+        if "_bits_" in name:
+            # the bitmap read a word per 32 keys of a row: 4 words for each of a thread's 2
+            # rows, in each of the kernel's two calls of the hook, on top of the loads of the
+            # same kernel with the causal function (whose test reads no memory)
+            fn = reps[name.replace("_bits_", "_")]
+            assert rep["counts"]["ld.global"] <= fn["counts"]["ld.global"] + 2 * 2 * 4, rep
         if name.startswith("attention_backward") and name.endswith("_sparse"):
             # the backward's block-sparse kernels against the dense ones with the same hook
             # (at head_dim 128 those spill already): at most 96 B more (d128 dK / dV: 120 B
@@ -510,8 +623,9 @@ def test_block_sparse_kernels_compile_without_spills():
 def test_gpu_block_masks_against_sdpa(d):
     """B2 H8 S3000 (partial blocks) bf16 on the built-in configs (sm_90: the block-sparse grid
     TMA kernel): causal document masking through a block mask made by create_block_mask,
-    against SDPA with the explicit mask in float32; causal written as mask_mod (the op's own
-    block mask) against the built-in causal=True; out poisoned with NaN first."""
+    against SDPA with the explicit mask in float32, reading the mask's bitmap and (without it)
+    the function; causal written as mask_mod (the op's own block mask) against the built-in
+    causal=True; out poisoned with NaN first."""
     torch = pytest.importorskip("torch")
     b, h, s = 2, 8, 3000
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -530,6 +644,10 @@ def test_gpu_block_masks_against_sdpa(d):
         q.float(), k.float(), v.float(), attn_mask=vis[:, None])
     assert got is out and not torch.isnan(got).any()
     assert (got.float() - want).abs().max().item() <= 2e-2
+    # the forward read the mask's bitmap; without it, the function on the partial blocks
+    assert bm.partial_bits is not None
+    fn = tilepy.flash_attention(q, k, v, block_mask=dataclasses.replace(bm, partial_bits=None))
+    assert (fn.float() - want).abs().max().item() <= 2e-2
     mine = tilepy.flash_attention(q, k, v, mask_mod=causal)
     builtin = tilepy.flash_attention(q, k, v, causal=True)
     assert (mine.float() - builtin.float()).abs().max().item() <= 1e-2

@@ -229,10 +229,11 @@ __all__ = ["BlockMask", "create_block_mask", "flash_attention", "flash_attention
 
 
 def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_args=(),
-                      block_size=_attention_block_mask.BLOCK_SIZE):
+                      block_size=_attention_block_mask.BLOCK_SIZE, partial_bits=None):
     return _attention_block_mask.create_block_mask(mask_mod, batch, heads, seq_q, seq_k,
                                                    like=like, mod_args=mod_args,
-                                                   block_size=block_size)
+                                                   block_size=block_size,
+                                                   partial_bits=partial_bits)
 
 
 create_block_mask.__doc__ = _attention_block_mask.create_block_mask.__doc__

@@ -35,6 +35,7 @@ COUNTED = {
     "bar.arrive": r"^\s*bar(rier)?\.arrive",
     "setmaxnreg": r"^\s*setmaxnreg\.",
     "griddepcontrol": r"^\s*griddepcontrol\.",
+    "ld.global": r"^\s*ld(\.global)?(\.nc)?(\.v[24])?\.[usbf]\d+\s",   # global or generic
     "ld.local": r"^\s*ld\.local",
     "st.local": r"^\s*st\.local",
 }

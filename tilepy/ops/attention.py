@@ -205,10 +205,11 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
     fk, pk = arrays.fingerprint(k)
     fv, pv = arrays.fingerprint(v)
     fo, po = arrays.fingerprint(out)
+    bits = abm.reads_bits(block_mask, mask_mod, mod_args)
     if isinstance(block_mask, abm.BlockMask):     # its function and arguments, unless given
         mask_mod, mod_args = block_mask.function(mask_mod, mod_args)
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
-    fb, pb = mask_fingerprints(block_mask)
+    fb, pb = mask_fingerprints(block_mask, bits=bits)
     cached, key = _PLANS.lookup((fq, fk, fv, fo, causal, scale, window, softcap, score_mod,
                                  mask_mod, fh, fb, return_lse, layout, config,
                                  SPARSE_PERSISTENT))
@@ -225,7 +226,7 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
             raise TypeError("flash_attention: score_mod_grad was given without score_mod")
     return _flash_attention(q, k, v, causal, scale, window, softcap,
                             (score_mod, mask_mod, alibi_slopes, mod_args, block_mask),
-                            return_lse, out, layout, config, key)
+                            return_lse, out, layout, config, key, bits)
 
 
 _PLANS = PlanCache()
@@ -278,16 +279,18 @@ def hook_fingerprints(alibi_slopes, mod_args):
     return tuple(sigs), tuple(ptrs)
 
 
-def mask_fingerprints(block_mask, mask_arrays=None):
+def mask_fingerprints(block_mask, mask_arrays=None, bits: bool = False):
     """``(signature, pointers)`` of a caller's block mask for the plan cache: its block size,
     lengths, function and arguments' signature, and its arrays
     (:func:`tilepy.arrays.fingerprint`) — ``mask_arrays``, by default its four lists, in the
-    order the plans bind them; ``(None, ())`` for none (or not a BlockMask: the op's checks
-    refuse it)."""
+    order the plans bind them, after its ``partial_bits`` where the call reads them
+    (``bits``: the last of the hook's arguments); ``(None, ())`` for none (or not a
+    BlockMask: the op's checks refuse it)."""
     if not isinstance(block_mask, abm.BlockMask):
         return (None if block_mask is None else id(block_mask)), ()
     sigs, ptrs = [], []
-    for x in block_mask.arrays if mask_arrays is None else mask_arrays:
+    mask_arrays = block_mask.arrays if mask_arrays is None else mask_arrays
+    for x in ((block_mask.partial_bits,) if bits else ()) + tuple(mask_arrays):
         f, p = arrays.fingerprint(x)
         sigs.append(f)
         ptrs.append(p)
@@ -481,18 +484,20 @@ def check_scale(scale, head_dim: int) -> float:
 
 
 def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,
-                     config, key):
+                     config, key, reads_bits=False):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
         q, k, v, causal, scale, out, layout, config, head_dim_v=True)
     with arrays.on_device(device):
         dv = V.shape[-1]
         win, cap = check_variant(causal, window, softcap)
         score_mod, mask_mod, alibi_slopes, mod_args, block_mask = mods
-        mask_ops = None
+        mask_ops, bits = None, None
         if block_mask is not None:
             mask_mod, mod_args, mask_ops = abm.check_block_mask(
                 block_mask, mask_mod, mod_args, bq, hq, sq, sk, causal, window, Q.raw)
             mask_block = abm.block_sizes(block_mask.block_size)
+            # (reads_bits: abm.reads_bits of the call's own mask_mod and mod_args)
+            bits = abm.check_partial_bits(block_mask, bq, hq) if reads_bits else None
         n_args = n_mod_args(mod_args)
         user = check_user_functions(score_mod, mask_mod, n_args)
         if n_args and not user:
@@ -501,6 +506,9 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
         alibi = alibi_slopes is not None
         check_config_variant(config, win, cap, user or alibi)
         hargs, hops = hook_args(alibi_slopes, mod_args, bq, hq, sq, sk)
+        if bits is not None:   # the bitmap: the hook's last argument
+            hargs += (abm.mask_views([bits], bq, hq)[0],)
+            hops = list(hops) + [bits]
         arrays.same_device(Q, *hops)
         variant = is_variant(win, cap) or user or alibi
         caller_out = out is not None
@@ -533,8 +541,8 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
                 cfg = sparse_config(cfg, sparse[0], given=config is not None)
             bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
                          fallback=config is None,
-                         variant=((win, cap, score_mod, mask_mod, n_args, alibi) if variant
-                                  else None),
+                         variant=((win, cap, score_mod, mask_mod, n_args, alibi,
+                                   bits is not None) if variant else None),
                          hargs=hargs, hops=hops, sparse=sparse)
             if bound is not None and recordable:
                 _PLANS.put(key, (bound, arrays.stream_getter(Q),
@@ -591,9 +599,10 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     runs as the same config without TMA (cp.async loads) instead of failing — or, for a
     variant or a head dim without a cp.async wgmma kernel (not 64 or 128), as the mma.sync
     kernel; with v's head dim other than q's (TMA kernels only) the error is raised.
-    ``variant``: ``((left, right), cap, score_mod, mask_mod, n_args, alibi)``, the kernels'
-    window, soft cap, user functions, their number of ``mod_args`` and ALiBi
-    (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
+    ``variant``: ``((left, right), cap, score_mod, mask_mod, n_args, alibi, bits)``, the
+    kernels' window, soft cap, user functions, their number of ``mod_args``, ALiBi and
+    whether the partial blocks read the block mask's bitmap (the hook's last argument) in
+    place of ``mask_mod`` (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
     arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays among them, whose
     pointers a bound plan takes after out's and lse's. ``sparse``: ``(mask_block, views,
     Operands)`` of a block mask (the block-sparse kernel; its arrays' pointers after the
@@ -751,9 +760,10 @@ def _plan(cfg, causal, variant, has_lse, views, o_v, lse_v, scale, stream, Q, ha
     kernel = aw.wgmma_attention_kernel if gen is aw else fa.attention_kernel
     reads_bh = False
     if variant is not None:
-        win, cap, score_mod, mask_mod, n_args, alibi = variant
-        kern = kernel(cfg, False, has_lse, win, score_hook(cap, score_mod, mask_mod,
-                                                           n_args=n_args, alibi=alibi),
+        win, cap, score_mod, mask_mod, n_args, alibi, bits = variant
+        kern = kernel(cfg, False, has_lse, win,
+                      score_hook(cap, score_mod, None if bits else mask_mod, n_args=n_args,
+                                 alibi=alibi, mask_bits=bits),
                       mask_block=sparse[0] if sparse else None,
                       full_score_mod=score_hook(cap, score_mod, None, n_args=n_args,
                                                 alibi=alibi) if sparse else None)

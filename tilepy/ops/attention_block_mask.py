@@ -57,6 +57,13 @@ class BlockMask:
       them (None) has its backward visit every block. They must be the transpose of the
       ``kv_*`` lists: a mask whose lists are replaced (``dataclasses.replace``) must have
       them replaced too, or set to None.
+    * ``partial_bits``: None, or uint32 ``(batch, heads, query blocks · block_q, key blocks ·
+      block_k / 32)``: ``mask_mod``'s value at every pair of the partial blocks (bit
+      ``kv_idx % 32`` of word ``[b, h, q_idx, kv_idx // 32]``; the other blocks' words are
+      not read). ``flash_attention`` then reads these bits on the partial blocks in place of
+      calling ``mask_mod`` — unless the call gives its own ``mod_args`` (the bits hold the
+      function's value for the mask's). A mask whose lists or arguments are replaced must
+      have it replaced or set to None.
 
     Arrays of the caller's kind (CuPy, PyTorch, Numba; NumPy in the simulator) on one device.
     A hand-made mask must list each key block at most once per query block across both lists
@@ -76,6 +83,7 @@ class BlockMask:
     q_indices: object = None
     full_q_num_blocks: object = None
     full_q_indices: object = None
+    partial_bits: object = None
 
     @property
     def arrays(self) -> tuple:
@@ -138,7 +146,7 @@ def _dim(x, name: str) -> int:
 
 
 def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_args=(),
-                      block_size=BLOCK_SIZE):
+                      block_size=BLOCK_SIZE, partial_bits=None):
     """The :class:`BlockMask` of ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``
     (``flash_attention``'s contract) over ``batch`` × ``heads`` × ``seq_q`` × ``seq_k``,
     FlexAttention's ``create_block_mask``.
@@ -152,6 +160,14 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
       chosen so, or a ``ValueError`` says which sizes fit).
     * ``mod_args``: as ``flash_attention``'s (arrays on the device, numbers); kept in the
       mask, and used by ``flash_attention(..., block_mask=)`` unless that call gives its own.
+    * ``partial_bits``: whether to keep ``mask_mod``'s value at every pair of the partial
+      blocks as a bitmap (:class:`BlockMask`'s ``partial_bits``: ``seq_q · seq_k / 8`` bytes
+      per batch and head, rounded up to blocks), which the attention forward then reads in
+      place of calling the function — one 32-bit load per 32 keys of a row instead of the
+      function's own loads per score. None (the default): kept where ``mod_args`` holds an
+      array (a function that reads memory, whose per-score loads cost most) and the bitmap
+      takes at most :data:`PARTIAL_BITS_LIMIT` bytes, with key blocks of a multiple of 32;
+      True / False: always (``ValueError`` for other key blocks) / never.
 
     Every pair is evaluated once on the caller's current stream (no host synchronisation);
     the result is valid for the ``mod_args`` contents it saw — make a new one when they
@@ -182,21 +198,42 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
     if max(b, h) > MAX_GRID_YZ:
         raise ValueError(f"create_block_mask: at most {MAX_GRID_YZ} batches and heads, got "
                          f"batch {b}, heads {h}")
+    bits_shape = (b, h, nq * bq, nk * bk // 32)
+    if partial_bits is None:
+        keep_bits = bool(hops) and bk % 32 == 0 and \
+            4 * int(np.prod(bits_shape)) <= PARTIAL_BITS_LIMIT
+    elif isinstance(partial_bits, (bool, np.bool_)):
+        keep_bits = bool(partial_bits)
+        if keep_bits and bk % 32:
+            raise ValueError(f"create_block_mask: partial_bits needs a key block that is a "
+                             f"multiple of 32, got {bk}")
+    else:
+        raise TypeError(f"create_block_mask: partial_bits must be None, True or False, got "
+                        f"{partial_bits!r}")
     with arrays.on_device(L.device):
         outs = [arrays.zeros(L, shape, "int32")
                 for shape in ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk),
                               (b, h, nk), (b, h, nk, nq), (b, h, nk), (b, h, nk, nq))]
+        bits = arrays.zeros(L, bits_shape, "uint32") if keep_bits else None
         if nq and nk:
             views = [device_view(arrays.raw_view(describe(x, "mask", dtypes=("int32",))))
                      for x in outs]
             stream = arrays.stream_handle(L)
-            kern = block_mask_kernel(mask_visible(mask_mod, n_args), bq, bk)
+            kern = block_mask_kernel(mask_visible(mask_mod, n_args), bq, bk, keep_bits)
             args = (np.int64(sq), np.int64(sk), *views[:4], tuple(hargs))
+            if keep_bits:
+                args += (device_view(arrays.raw_view(describe(bits, "partial_bits",
+                                                              dtypes=("uint32",)))),)
             LaunchPlan(kern, args, (nq, h, b), bq).launch(stream, args)
             args = tuple(views)
             LaunchPlan(transpose_kernel(), args, (-(-nk // 32), h, b), 32).launch(stream, args)
     return BlockMask(*outs[:4], (bq, bk), (sq, sk), mask_mod, tuple(mod_args or ()),
-                     *outs[4:])
+                     *outs[4:], partial_bits=bits)
+
+
+#: The most bytes :func:`create_block_mask` gives a bitmap it keeps by default
+#: (``partial_bits=None``): 256 MiB (batch 4 of one 16k × 16k mask shared by the heads).
+PARTIAL_BITS_LIMIT = 256 << 20
 
 
 def _n_mod_args(mod_args) -> int:
@@ -209,18 +246,33 @@ def _n_mod_args(mod_args) -> int:
 
 
 @functools.cache
-def block_mask_kernel(visible, block_q: int, block_k: int):
-    """``kernel(sq, sk, num, idx, full_num, full_idx, args)``: grid (query blocks, heads,
-    batch), ``block_q`` threads, thread ``r`` for query row ``qb · block_q + r``. Per key block
-    (in order) each thread tests its row's keys with ``visible(b, h, q, kv, args)`` — stopping
-    once it has seen a visible and a hidden key — and the block's threads vote (rows past
-    ``sq`` and keys past ``sk`` do not count): some pair visible → partial, every pair → full;
-    thread 0 appends the key block to its list and writes the counts at the end. Not disk-cached
-    (its closure holds the user's function)."""
-    BQ, BK = block_q, block_k
+def block_mask_kernel(visible, block_q: int, block_k: int, bits: bool = False):
+    """``kernel(sq, sk, num, idx, full_num, full_idx, args[, words])``: grid (query blocks,
+    heads, batch), ``block_q`` threads, thread ``r`` for query row ``qb · block_q + r``. Per key
+    block (in order) each thread tests its row's keys with ``visible(b, h, q, kv, args)`` —
+    stopping once it has seen a visible and a hidden key — and the block's threads vote (rows
+    past ``sq`` and keys past ``sk`` do not count): some pair visible → partial, every pair →
+    full; thread 0 appends the key block to its list and writes the counts at the end.
+    ``bits``: on a partial block each thread also writes its row's ``block_k / 32`` words of
+    ``words`` (uint32 (batch, heads, rows, key words), zero-filled before: bit ``c`` of word
+    ``kv // 32`` for ``kv = 32 · word + c`` visible, keys past ``sk`` and rows past ``sq`` 0).
+    Not disk-cached (its closure holds the user's function)."""
+    BQ, BK, BITS = block_q, block_k, bits
+    one = np.uint32(1)
 
-    @cuda.jit
-    def kernel(sq, sk, num, idx, full_num, full_idx, args):
+    @inline_device
+    def write_bits(words, b, h, r, kb, sk, args):
+        for wd in range(BK // 32):
+            acc = np.uint32(0)
+            key0 = np.int64(kb) * BK + 32 * wd
+            for c in range(32):
+                if key0 + c < sk:
+                    if visible(b, h, r, key0 + c, args):
+                        acc |= one << np.uint32(c)
+            words[b, h, r, np.int64(kb) * (BK // 32) + wd] = acc
+
+    @inline_device
+    def run(sq, sk, num, idx, full_num, full_idx, args, words):
         qb = cuda.blockIdx.x
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -242,6 +294,9 @@ def block_mask_kernel(visible, block_q: int, block_k: int):
                         break
             any_seen = cuda.syncthreads_or(seen)
             any_hidden = cuda.syncthreads_or(hidden)
+            if BITS:
+                if any_seen and any_hidden and r < sq:
+                    write_bits(words, b, h, r, kb, sk, args)
             if cuda.threadIdx.x == 0 and any_seen:
                 if any_hidden:
                     idx[b, h, qb, n_part] = kb
@@ -252,6 +307,15 @@ def block_mask_kernel(visible, block_q: int, block_k: int):
         if cuda.threadIdx.x == 0:
             num[b, h, qb] = n_part
             full_num[b, h, qb] = n_full
+
+    if BITS:
+        @cuda.jit
+        def kernel(sq, sk, num, idx, full_num, full_idx, args, words):
+            run(sq, sk, num, idx, full_num, full_idx, args, words)
+    else:
+        @cuda.jit
+        def kernel(sq, sk, num, idx, full_num, full_idx, args):
+            run(sq, sk, num, idx, full_num, full_idx, args, 0)
 
     return kernel
 
@@ -369,6 +433,36 @@ def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq:
     return mask_mod, mod_args, ops[:4]
 
 
+def reads_bits(block_mask, mask_mod, mod_args) -> bool:
+    """Whether ``flash_attention(..., block_mask=, mask_mod=, mod_args=)`` reads the mask's
+    ``partial_bits`` in place of calling ``mask_mod``: a :class:`BlockMask` with them, and a
+    call that gives neither another function nor its own ``mod_args`` (the bits are the
+    function's value for the mask's)."""
+    return (isinstance(block_mask, BlockMask) and block_mask.partial_bits is not None
+            and (mask_mod is None or mask_mod is block_mask.mask_mod)
+            and (mod_args is None or (isinstance(mod_args, (tuple, list)) and not mod_args)))
+
+
+def check_partial_bits(block_mask, batch: int, heads: int):
+    """The Operand of a checked block mask's ``partial_bits`` (:func:`check_block_mask` first);
+    ``TypeError`` / ``ValueError`` unless uint32 of shape ``(batch or 1, heads or 1, query
+    blocks · block_q, key blocks · block_k / 32)`` with the lists' (batch, heads), on their
+    device."""
+    bq, bk = block_sizes(block_mask.block_size)
+    if bk % 32:
+        raise ValueError(f"block_mask.partial_bits: the key block {bk} must be a multiple of 32")
+    sq, sk = block_mask.seq_lengths
+    op = describe(block_mask.partial_bits, "block_mask.partial_bits", dtypes=("uint32",))
+    lists = describe(block_mask.kv_num_blocks, "block_mask.kv_num_blocks", dtypes=("int32",))
+    want = (*lists.shape[:2], -(-sq // bq) * bq, -(-sk // bk) * bk // 32)
+    if op.shape != want or want[0] not in (1, batch) or want[1] not in (1, heads):
+        raise ValueError(f"block_mask.partial_bits must have shape {want} (the lists' batch "
+                         f"and heads, query blocks · {bq} rows, key blocks · {bk} / 32 "
+                         f"words), got {op.shape}")
+    arrays.same_device(lists, op)
+    return op
+
+
 def mask_views(ops, batch: int, heads: int):
     """The block mask's arrays as the kernels' ``(num, idx, full_num, full_idx)`` views over
     (batch, heads, …), a zero stride along a dimension of 1 (one mask for all)."""
@@ -449,11 +543,14 @@ def _sparse_argtypes(base, layout: str = "A"):
 
 #: Block-sparse kernels of :func:`compile_reports`: (name, head_dim, tile rows, tile keys,
 #: mask block) — the grid TMA kernel of the built-in d128 config (ping-pong, producer) under
-#: 128 × 128 mask blocks and under 128 × 256 ones (two key tiles a mask block), its persistent
+#: 128 × 128 mask blocks, also reading a block mask's ``partial_bits`` (``_bits``) in place of
+#: the function, and under 128 × 256 ones (two key tiles a mask block), its persistent
 #: kernel (opt-in: ``tilepy.ops.attention.SPARSE_PERSISTENT``) under 128 × 128, and the
 #: mma.sync kernel of the built-in d128 config.
 SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 128, 128, 128,
                    (128, 128)),
+                  ("attention_wgmma_tma_pingpong_producer_sparse_bits_d128_128x128", 128, 128,
+                   128, (128, 128)),
                   ("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128_mask256", 128,
                    128, 128, (128, 256)),
                   ("attention_wgmma_tma_pingpong_producer_persistent_sparse_d128_128x128", 128,
@@ -482,15 +579,22 @@ def compile_reports():
     from . import attention_wgmma as aw
 
     hook = score_hook(0.0, None, _probe_causal)
+    bits_hook = score_hook(0.0, None, None, mask_bits=True)
+    words = types.Tuple((types.Array(types.uint32, 4, "A"),))   # the hook's bitmap
     out = []
     for name, d, bm, bn, block in SPARSE_REPORTS:
         if name.startswith("attention_wgmma"):
             cfg = aw.WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True, pingpong=True,
                                           producer=True, persistent="persistent" in name)
-            make = (lambda cfg=cfg, block=block: aw.wgmma_attention_kernel(
-                cfg, False, True, None, hook, mask_block=block))
+            bits = "_bits_" in name
+            make = (lambda cfg=cfg, block=block, bits=bits: aw.wgmma_attention_kernel(
+                cfg, False, True, None, bits_hook if bits else hook, mask_block=block,
+                full_score_mod=None))
+            base = aw.kernel_argtypes(cfg)
+            if bits:
+                base = base[:-1] + (words,)
             out.append(report_entry(
-                name, make, _sparse_argtypes(aw.kernel_argtypes(cfg)), (9, 0, "a"),
+                name, make, _sparse_argtypes(base), (9, 0, "a"),
                 threads=cfg.threads, launch_bounds=(cfg.threads, 1), config=cfg.describe(),
                 smem_bytes=aw.smem_bytes_of(make(), cfg)))
         else:
@@ -520,13 +624,16 @@ def compile_reports():
                                 (9, 0), threads=threads, config=cfg.describe(),
                                 smem_bytes=smem))
     n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
-    out.append(report_entry(
-        "block_mask_128x128", lambda: block_mask_kernel(mask_visible(_probe_causal), 128, 128),
-        (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(())), (9, 0), threads=128))
+    for bits in (False, True):
+        out.append(report_entry(
+            "block_mask_128x128" + ("_bits" if bits else ""),
+            lambda bits=bits: block_mask_kernel(mask_visible(_probe_causal), 128, 128, bits),
+            (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(()))
+            + ((types.Array(types.uint32, 4, "A"),) if bits else ()), (9, 0), threads=128))
     return out
 
 
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
            "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
-           "makes_own_mask",
+           "makes_own_mask", "PARTIAL_BITS_LIMIT", "check_partial_bits", "reads_bits",
            "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel"]

@@ -283,6 +283,8 @@ def _modify_scores(mi: int, ns: int, score_mod):
             return None
 
         return nothing
+    if score_mod in _BITS_HOOKS and ns % 4 == 0:
+        return _modify_scores_bits(mi, ns, *_BITS_HOOKS[score_mod])
     fn = score_mod
 
     @inline_device
@@ -297,6 +299,42 @@ def _modify_scores(mi: int, ns: int, score_mod):
                         x = s[i, j, 2 * hh + e] * c
                         s[i, j, 2 * hh + e] = np.float32(
                             fn(x, r, key0 + 8 * j + e, b, h, args)) * inv
+
+    return modify
+
+
+@functools.cache
+def _modify_scores_bits(mi: int, ns: int, base, nb: int):
+    # the fragment's 8·ns keys start at a multiple of 32 (key0 - 2t = kb · 8·ns): word
+    # key0 // 32 + w holds the lane's keys of n8 tiles 4w … 4w + 3, shifted right by 2t the
+    # bits 8·jj + e of its own columns
+    NW, NB, PLAIN = ns // 4, nb, base is None
+    fn = _keep6 if base is None else base
+    one, zero = np.uint32(1), np.uint32(0)
+
+    @inline_device
+    def modify(s, row0, key0, b, h, scale, args):
+        c = np.float32(scale)
+        inv = _ONE / c
+        bits = args[NB]
+        kw = key0 >> 5
+        sh = np.uint32(key0 & 31)
+        for i in range(mi):
+            for hh in range(2):
+                r = row0 + 16 * i + 8 * hh
+                for w in range(NW):
+                    word = np.uint32(bits[b, h, r, kw + w]) >> sh
+                    for jj in range(4):
+                        j = 4 * w + jj
+                        for e in range(2):
+                            if PLAIN:
+                                x = s[i, j, 2 * hh + e]
+                            else:
+                                x = np.float32(fn(s[i, j, 2 * hh + e] * c, r, key0 + 8 * j + e,
+                                                  b, h, args)) * inv
+                            if (word >> np.uint32(8 * jj + e)) & one == zero:
+                                x = _NEG_INF
+                            s[i, j, 2 * hh + e] = x
 
     return modify
 
@@ -326,7 +364,7 @@ def _softcap_score(cap: float):
 
 
 def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None, *, n_args: int = 0,
-               alibi: bool = False):
+               alibi: bool = False, mask_bits: bool = False):
     """The kernels' ``score_mod`` (:func:`modify_scores`'s contract) for a soft cap, ALiBi and
     a user's FlexAttention-style functions, applied in this order to each scaled score:
 
@@ -352,8 +390,20 @@ def score_hook(cap: float = 0.0, score_mod=None, mask_mod=None, *, n_args: int =
     nothing to do. ``TypeError`` for a non-callable or a function whose positional parameters
     do not number ``5 + n_args`` (score_mod) / ``4 + n_args`` (mask_mod); ``ValueError`` for
     ``n_args`` outside 0 … :data:`MAX_MOD_ARGS`. One device function per (cap, score_mod,
-    mask_mod, n_args, alibi)."""
+    mask_mod, n_args, alibi, mask_bits).
+
+    ``mask_bits=True`` takes the mask from a bitmap in place of ``mask_mod`` (then None, else
+    ``ValueError``): key ``kv_idx`` is hidden from row ``q_idx`` where bit ``kv_idx % 32`` of
+    the uint32 word ``args[nb][b, h, q_idx, kv_idx // 32]`` is 0, ``nb = n_args`` (+ 2 with
+    ``alibi``): the argument after the others — a block mask's ``partial_bits``
+    (:func:`tilepy.create_block_mask`). :func:`modify_scores` then loads each word once for
+    the 32 keys it covers (the function, called per score, would load it per score)."""
     n_args = check_n_args(n_args)
+    if mask_bits:
+        if mask_mod is not None:
+            raise ValueError("score_hook: mask_bits replaces mask_mod; pass one of them")
+        base = score_hook(cap, score_mod, None, n_args=n_args, alibi=alibi)
+        return _bits_hook(base, n_args + (2 if alibi else 0))
     if score_mod is None and mask_mod is None and not alibi:
         return softcap_score(cap) if cap else None
     if cap:
@@ -444,6 +494,36 @@ def _with_args(fn, arity: int, n: int):
 
 
 @functools.cache
+@functools.cache
+def _bits_hook(base, nb: int):
+    """The hook of :func:`score_hook` with ``mask_bits``: ``base`` (the hook without a mask,
+    or None), then the bitmap ``args[nb]``'s test. Kept in :data:`_BITS_HOOKS` for
+    :func:`modify_scores`' word-at-a-time form."""
+    NB = nb
+    keep = _keep6 if base is None else base
+
+    @inline_device
+    def hook(score, q_row, k_col, batch, head, args):
+        x = keep(score, q_row, k_col, batch, head, args)
+        w = np.uint32(args[NB][batch, head, q_row, k_col >> 5])
+        if (w >> np.uint32(k_col & 31)) & np.uint32(1) == np.uint32(0):
+            x = _NEG_INF
+        return x
+
+    _BITS_HOOKS[hook] = (base, NB)
+    return hook
+
+
+#: Hooks made by :func:`score_hook` with ``mask_bits``: hook → (the hook without the mask or
+#: None, the bitmap's index in the hook's arguments).
+_BITS_HOOKS = {}
+
+
+@inline_device
+def _keep6(score, q_row, k_col, batch, head, args):
+    return score
+
+
 def _score_hook(cap: float, score_mod, mask_mod, n_args: int, alibi: bool):
     CAPPED = cap > 0
     C = np.float32(cap if CAPPED else 1.0)
