@@ -61,6 +61,10 @@
 #   PART=s38a    the forward reading a block mask's bitmap on its partial blocks (issue 25): the
 #                block-mask GPU tests, the document-mask benchmark cases (the mask function and
 #                a mask that reads nothing timed beside)
+#   PART=s38b    the mask_mod / block-mask forward cases with the bitmap (the persistent kernel
+#                timed beside: is SPARSE_PERSISTENT worth turning on now), the document block
+#                mask's backward with a mask that reads nothing timed beside (what the mask
+#                costs the backward)
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
 #                block-mask benchmark cases against FlexAttention with the other TMA kernel
 #                (persistent; grid when SPARSE_PERSISTENT is on) timed beside, the document mask
@@ -405,6 +409,13 @@ if [[ " $PART " == *" s38a "* ]]; then
     gpu_tests block_mask_gpu 120 tests/test_ops_attention_block_mask.py
     bench_suite bench_attention_user 200 \
         "test_flash_attention_user_functions and document_block_mask"
+    archive_logs
+fi
+if [[ " $PART " == *" s38b "* ]]; then
+    bench_suite bench_attention_user 220 \
+        "test_flash_attention_user_functions and (mask_mod or block_mask) and not _and"
+    bench_suite bench_backward_user 120 \
+        "test_flash_attention_backward_user_functions and document_block_mask"
     archive_logs
 fi
 if [[ " $PART " == *" s37a "* ]]; then

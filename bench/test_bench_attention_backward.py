@@ -485,6 +485,17 @@ def test_flash_attention_backward_user_functions(benchmark, record, torch, gpu_n
     timings = {"tilepy": gpu_time(torch, ours)}
     if builtin is not None:
         timings["tilepy built-in"] = gpu_time(torch, lambda: ours(bkw, bout, blse))
+    if "block_mask" in kw and kw["block_mask"].mod_args:
+        # a diagnostic, not an answer: the same block mask with a function that reads its
+        # array and hides nothing — what the partial blocks' mask costs the backward
+        import dataclasses
+
+        from test_bench_attention import _see_all_doc
+
+        cheap = dict(kw, block_mask=dataclasses.replace(kw["block_mask"], mask_mod=_see_all_doc,
+                                                        partial_bits=None))
+        timings["tilepy mask reads nothing (wrong answer)"] = gpu_time(
+            torch, lambda: ours(cheap))
     flex = flex_mods(torch, b, h, s)
     if "mask_mod" not in flex:
         flex = dict(flex, mask_mod=(lambda bb, hh, qi, kj: kj <= qi) if causal else None)
