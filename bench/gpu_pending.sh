@@ -65,6 +65,10 @@
 #                timed beside: is SPARSE_PERSISTENT worth turning on now), the document block
 #                mask's backward with a mask that reads nothing timed beside (what the mask
 #                costs the backward)
+#   PART=s38c    the block-sparse backward reading the bitmaps, its warp-specialised kernel with
+#                the producer's step words and count (issue 25): the block-mask GPU tests, the
+#                document mask's backward (the function, the deterministic pair and the dense
+#                register split timed beside)
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
 #                block-mask benchmark cases against FlexAttention with the other TMA kernel
 #                (persistent; grid when SPARSE_PERSISTENT is on) timed beside, the document mask
@@ -415,6 +419,12 @@ if [[ " $PART " == *" s38b "* ]]; then
     bench_suite bench_attention_user 220 \
         "test_flash_attention_user_functions and (mask_mod or block_mask) and not _and"
     bench_suite bench_backward_user 120 \
+        "test_flash_attention_backward_user_functions and document_block_mask"
+    archive_logs
+fi
+if [[ " $PART " == *" s38c "* ]]; then
+    gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
+    bench_suite bench_backward_user 150 \
         "test_flash_attention_backward_user_functions and document_block_mask"
     archive_logs
 fi

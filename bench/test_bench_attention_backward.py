@@ -496,6 +496,24 @@ def test_flash_attention_backward_user_functions(benchmark, record, torch, gpu_n
                                                         partial_bits=None))
         timings["tilepy mask reads nothing (wrong answer)"] = gpu_time(
             torch, lambda: ours(cheap))
+        # the mask's function in place of its bitmaps; the deterministic pair of kernels; the
+        # warp-specialised kernel with the dense split of registers (producer 24)
+        fn = dict(kw, block_mask=dataclasses.replace(kw["block_mask"], partial_bits=None,
+                                                     partial_bits_t=None))
+        timings["tilepy mask function"] = gpu_time(torch, lambda: ours(fn))
+        timings["tilepy deterministic"] = gpu_time(torch, lambda: ours(dict(
+            kw, deterministic=True)))
+        from tilepy.ops import attention_backward as ab
+        from tilepy.ops import attention_backward_wgmma as bw
+
+        split = bw.WS_REGISTERS_SPARSE
+        try:
+            bw.WS_REGISTERS_SPARSE = bw.WS_REGISTERS
+            ab._PLANS.clear()
+            timings["tilepy producer 24 registers"] = gpu_time(torch, ours)
+        finally:
+            bw.WS_REGISTERS_SPARSE = split
+            ab._PLANS.clear()
     flex = flex_mods(torch, b, h, s)
     if "mask_mod" not in flex:
         flex = dict(flex, mask_mod=(lambda bb, hh, qi, kj: kj <= qi) if causal else None)

@@ -220,8 +220,9 @@ def test_partial_bits_are_the_function_and_the_forward_reads_them(kernel):
     """``partial_bits``: made by default for a mask function that reads an array, equal to
     the function on every pair of the partial blocks (GQA, lengths not multiples of a block,
     per-head lists); the forward reads them in place of the function — bits changed by hand
-    (the function untouched) change the result to the bits' mask — unless the call gives its
-    own ``mod_args``, which the function then reads. On the grid TMA kernel (64-key tiles,
+    (the function untouched) change the result to the bits' mask, also when the call passes
+    the mask's own ``mod_args`` again — but not when it gives other arrays, which the function
+    then reads; the bits by key equal them. On the grid TMA kernel (64-key tiles,
     two per 128-key mask block: the word-at-a-time form) and the mma.sync kernel (16-key
     tiles: a word per score). Out poisoned with NaN."""
     rng = np.random.default_rng()
@@ -262,8 +263,15 @@ def test_partial_bits_are_the_function_and_the_forward_reads_them(kernel):
     fewer = vis.copy()
     fewer[0, 1, rows[::2], cols[::2]] = False
     check(*run(changed), *reference(q, k, v, fewer))
-    # the call's own mod_args: the function, not the bits
-    check(*run(changed, mod_args=(doc,)), *reference(q, k, v, vis))
+    # the mask's own mod_args passed again: still the bits; other arrays (a copy of the
+    # ids): the function, not the bits
+    check(*run(changed, mod_args=(doc,)), *reference(q, k, v, fewer))
+    check(*run(changed, mod_args=(doc.copy(),)), *reference(q, k, v, vis))
+    # the bits by key (the backward's): the same bits
+    by_key = np.asarray(bm.partial_bits_t)
+    t = ((by_key[..., None] >> np.arange(32, dtype=np.uint32)) & 1).reshape(
+        *by_key.shape[:3], -1)[:, :, :s, :s].astype(bool)
+    np.testing.assert_array_equal(t.transpose(0, 1, 3, 2)[inside], vis[inside])
 
 
 @pytest.mark.sim
@@ -284,11 +292,13 @@ def test_partial_bits_by_default_only_where_they_pay():
     assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
                                     block_size=32, partial_bits=False).partial_bits is None
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(abm, "PARTIAL_BITS_LIMIT", 64 * 2 * 4 - 1)
-        assert tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
-                                        block_size=32).partial_bits is None
-    with pytest.raises(ValueError, match="multiple of 32, got 16"):
-        tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, block_size=16,
+        # (the two bitmaps: 64 rows × 2 words and 64 keys × 2 words, 4 bytes each)
+        for limit, kept in ((2 * 64 * 2 * 4, True), (2 * 64 * 2 * 4 - 1, False)):
+            mp.setattr(abm, "PARTIAL_BITS_LIMIT", limit)
+            assert (tilepy.create_block_mask(same_document, 1, None, 40, 40, mod_args=(doc,),
+                                             block_size=32).partial_bits is not None) == kept
+    with pytest.raises(ValueError, match=r"multiples of 32, got \(32, 16\)"):
+        tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, block_size=(32, 16),
                                  partial_bits=True)
     with pytest.raises(TypeError, match="partial_bits must be None, True or False"):
         tilepy.create_block_mask(causal, 1, 1, 40, 40, like=x, partial_bits="yes")
@@ -306,6 +316,24 @@ def document_hidden(b, h, q_idx, kv_idx, doc, lo, hi):
     and head 1 no key from 80 on (per-head lists under GQA)."""
     return (kv_idx < lo or kv_idx >= hi) and (h == 0 or kv_idx < 80) and \
         same_document(b, h, q_idx, kv_idx, doc)
+
+
+def gradients64(q, k, v, do, vis):
+    """(dq, dk, dv) in float64 of attention under the bool mask ``vis`` (GQA by repeating):
+    P from the rows' visible keys, dP = dO Vᵀ, dS = P (dP − rowsum(dO ∘ O))."""
+    b, hq, s, d = q.shape
+    g = hq // k.shape[1]
+    kd, vd = (np.repeat(x.astype(np.float64), g, axis=1) for x in (k, v))
+    sc = 1 / math.sqrt(d)
+    p, _ = softmax_rows(np.where(vis, q.astype(np.float64) @ kd.transpose(0, 1, 3, 2) * sc,
+                                 -np.inf))
+    o = p @ vd
+    dod = do.astype(np.float64)
+    ds = p * (dod @ vd.transpose(0, 1, 3, 2) - (dod * o).sum(-1, keepdims=True))
+    hk = k.shape[1]
+    return (ds @ kd * sc, (ds.transpose(0, 1, 3, 2) @ q.astype(np.float64) * sc).reshape(
+        b, hk, g, k.shape[2], d).sum(2), (p.transpose(0, 1, 3, 2) @ dod).reshape(
+        b, hk, g, k.shape[2], d).sum(2))
 
 
 #: The wgmma backward kernels under a block mask (their twins): dK / dV over 64 keys then
@@ -364,23 +392,58 @@ def test_block_sparse_backward_against_float64(made):
     out, lse = tilepy.flash_attention(q, k, v, return_lse=True, **kw)
     check(out, lse, *reference(np.nan_to_num(q), np.nan_to_num(k), np.nan_to_num(v), vis))
     dq, dk, dv = tilepy.flash_attention_backward(do, q, k, v, out, lse, **kw, **bw_kw)
-    # float64: P from the rows' visible keys, dP = dO Vᵀ, dS = P (dP − rowsum(dO ∘ O))
-    g = hq // hk
-    kd = np.repeat(np.nan_to_num(k).astype(np.float64), g, axis=1)
-    vd = np.repeat(np.nan_to_num(v).astype(np.float64), g, axis=1)
-    sc = 1 / math.sqrt(d)
-    p, _ = softmax_rows(np.where(vis, q.astype(np.float64) @ kd.transpose(0, 1, 3, 2) * sc,
-                                 -np.inf))
-    o = p @ vd
-    dod = do.astype(np.float64)
-    ds = p * (dod @ vd.transpose(0, 1, 3, 2) - (dod * o).sum(-1, keepdims=True))
-    want = (ds @ kd * sc, (ds.transpose(0, 1, 3, 2) @ q.astype(np.float64) * sc).reshape(
-        b, hk, g, s, d).sum(2), (p.transpose(0, 1, 3, 2) @ dod).reshape(b, hk, g, s, d).sum(2))
+    want = gradients64(q, np.nan_to_num(k), np.nan_to_num(v), do, vis)
     for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         got = got.astype(np.float64)
         assert not np.isnan(got).any(), name
         assert np.abs(got - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max()), name
     assert (dk[:, :, lo:hi] == 0).all() and (dv[:, :, lo:hi] == 0).all()
+
+
+@pytest.mark.sim
+def test_backward_reads_both_bitmaps():
+    """The backward reads a block mask's bitmaps in place of its function — by query row in
+    dQ's own kernel (``deterministic=True``), by key in the dK / dV kernel: with every other
+    visible pair of the partial blocks hidden in both bitmaps (the function untouched),
+    forward and gradients are those of the bits' mask against float64; with the function's
+    bits, identical to the function's gradients."""
+    rng = np.random.default_rng()
+    b, hq, hk, s, d = 1, 2, 1, 70, 32
+    q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
+    k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
+    do = rng.standard_normal(q.shape).astype(np.float16)
+    doc = documents(rng, b, s)
+
+    def doc_causal(bb, h, q_idx, kv_idx, ids):
+        return kv_idx <= q_idx and same_document(bb, h, q_idx, kv_idx, ids)
+
+    bm = tilepy.create_block_mask(doc_causal, b, None, s, s, mod_args=(doc,), block_size=32)
+    vis = matrix(doc_causal, b, 1, s, s, (doc,))
+    fn = dataclasses.replace(bm, partial_bits=None, partial_bits_t=None)
+    out, lse = tilepy.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    got = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=bm,
+                                          deterministic=True)
+    want = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=fn,
+                                           deterministic=True)
+    for x, y in zip(got, want):
+        np.testing.assert_array_equal(x, y)
+    rows, cols = np.nonzero(vis[0, 0] & partial_pairs(bm, s, s)[0, 0])
+    assert len(rows) > 20
+    words, words_t = (np.asarray(x).copy() for x in (bm.partial_bits, bm.partial_bits_t))
+    for i, j in zip(rows[::2], cols[::2]):
+        words[0, 0, i, j // 32] &= ~np.uint32(1 << (j % 32))
+        words_t[0, 0, j, i // 32] &= ~np.uint32(1 << (i % 32))
+    changed = dataclasses.replace(bm, partial_bits=words, partial_bits_t=words_t)
+    fewer = vis.copy()
+    fewer[0, 0, rows[::2], cols[::2]] = False
+    out, lse = tilepy.flash_attention(q, k, v, block_mask=changed, return_lse=True)
+    check(out, lse, *reference(q, k, v, fewer))
+    grads = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=changed,
+                                            deterministic=True)
+    for name, x, ref in zip(("dq", "dk", "dv"), grads, gradients64(q, k, v, do, fewer)):
+        x = x.astype(np.float64)
+        assert not np.isnan(x).any(), name
+        assert np.abs(x - ref).max() <= 1e-2 * max(1.0, np.abs(ref).max()), name
 
 
 def hand_mask(like, block, seq, partial, full, n_kb):
@@ -653,9 +716,47 @@ def test_gpu_block_masks_against_sdpa(d):
     assert (mine.float() - builtin.float()).abs().max().item() <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,deterministic", [(128, False), (128, True), (64, False)])
+def test_gpu_block_sparse_backward_against_sdpa(d, deterministic):
+    """The block-sparse backward of a causal document mask (B2 H8 S3000 bf16, a block mask
+    from create_block_mask, its bitmaps read in place of the function) against SDPA's float32
+    autograd with the explicit mask: at head_dim 128 the warp-specialised kernel (the
+    producer's step words) and the deterministic pair, at 64 the built-in choice; the same
+    gradients with the function evaluated instead of the bitmaps."""
+    torch = pytest.importorskip("torch")
+    b, h, s = 2, 8, 3000
+    q, k, v, do = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    doc = torch.from_numpy(documents(np.random.default_rng(1), b, s)).cuda()
+
+    def doc_causal(bb, hh, q_idx, kv_idx, ids):
+        return (kv_idx <= q_idx) & (ids[bb, min(q_idx, 2999)] == ids[bb, min(kv_idx, 2999)])
+
+    bm = tilepy.create_block_mask(doc_causal, b, None, s, s, mod_args=(doc,))
+    assert bm.partial_bits_t is not None
+    out, lse = tilepy.flash_attention(q, k, v, block_mask=bm, return_lse=True)
+    grads = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=bm,
+                                            deterministic=deterministic)
+    i = torch.arange(s, device="cuda")
+    vis = (i[None, :] <= i[:, None])[None] & (doc[:, :, None] == doc[:, None, :])
+    x = [t.float().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*x, attn_mask=vis[:, None])
+    ref.backward(do.float())
+    for name, got, want in zip(("dq", "dk", "dv"), grads, (t.grad for t in x)):
+        assert not torch.isnan(got).any(), name
+        err = (got.float() - want).abs().max().item()
+        assert err <= 2e-2 * max(1.0, want.abs().max().item()), (name, err)
+    fn = dataclasses.replace(bm, partial_bits=None, partial_bits_t=None)
+    again = tilepy.flash_attention_backward(do, q, k, v, out, lse, block_mask=fn,
+                                            deterministic=deterministic)
+    for got, other in zip(grads, again):
+        assert (got.float() - other.float()).abs().max().item() <= 1e-2
+
+
 def test_sparse_configs_divide_the_mask_and_stay_valid(monkeypatch):
     """The Hopper configs a block mask of 64, 128 or 192 query rows gets: tiles that divide it,
-    a producer warpgroup and ping-pong only at 128 rows or more; with SPARSE_PERSISTENT (off by
+    a producer warpgroup and ping-pong only at 128 rows or more; with SPARSE_PERSISTENT (on by
     default) persistent where a producer warpgroup and the persistent kernel's tiles allow it
     (head dims 64 and 128), else never; a caller's config kept as given."""
     from tilepy.ops import attention as at

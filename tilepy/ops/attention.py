@@ -694,11 +694,11 @@ def sparse_block(cfg) -> tuple:
 #: Whether block-sparse attention on sm_90 runs the persistent TMA kernel (the next tile's Q and
 #: first key blocks load while the current one computes) where its config allows — a producer
 #: warpgroup (128 query rows or more) and a (tile width, block_n) the persistent overlap kernel
-#: compiles without spills — instead of the grid TMA kernel. Off: measured against the grid
-#: kernel at B4 H16 S8192 D128 bf16 it was 0.97× (causal as mask_mod), 0.998× (a causal
-#: document block mask) and 1.03× (a 1024-key window) — the per-tile start it hides was not
-#: what bounds these (bench/NOTES.md: block-sparse on the persistent kernel).
-SPARSE_PERSISTENT = False
+#: compiles without spills — instead of the grid TMA kernel. On: with the partial blocks' mask
+#: read from a bitmap, measured against the grid kernel at B4 H16 S8192 D128 bf16 it was 2–5 %
+#: faster on a causal document block mask and 3 % on a 1024-key window, 3 % slower on causal
+#: as mask_mod (bench/NOTES.md: block-sparse on the persistent kernel, the bitmap).
+SPARSE_PERSISTENT = True
 
 
 def sparse_config(cfg, mask_block, given: bool = False):

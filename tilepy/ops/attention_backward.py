@@ -150,6 +150,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       before anything is launched. A call with the same signature as an earlier one reuses its
       launch plans.
     """
+    # (the mask's bitmaps in place of mask_mod: the call's own function and arguments)
+    bits = abm.reads_bits(block_mask, mask_mod, mod_args, by_key=True)
     if block_mask is not None:
         Q = describe(q, "q")
         b, hq, sq, _ = bhsd_dims(Q.shape, layout) if layout in ("bhsd", "bshd") else (0,) * 4
@@ -159,11 +161,11 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
     fps = [arrays.fingerprint(x) for x in (dout, q, k, v, out, lse, dq, dk, dv, dlse)]
     fh, ph = hook_fingerprints(alibi_slopes, mod_args)
     # (the arrays the plans bind: the lists and transposed lists, none without the latter)
-    fm, pm = mask_fingerprints(block_mask, _mask_arrays(block_mask)) \
+    fm, pm = mask_fingerprints(block_mask, _mask_arrays(block_mask, bits)) \
         if block_mask is not None else (None, ())
     mods = (score_mod, score_mod_grad, mask_mod)
     key = (tuple(f for f, _ in fps), causal, scale, window, softcap, mods, fh, fm, layout,
-           deterministic, config)
+           deterministic, config, bits)
     cached, key = _PLANS.lookup(key)
     if cached is not None:
         bound, stream, makers, _ = cached
@@ -187,17 +189,21 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
         return tuple(results)
     return _backward(dout, q, k, v, out, lse, causal, scale, window, softcap,
                      mods + (alibi_slopes, mod_args), layout, deterministic, dq, dk, dv,
-                     config, dlse, key, block_mask)
+                     config, dlse, key, block_mask, bits)
 
 
 _PLANS = PlanCache()
 
 
-def _mask_arrays(block_mask) -> tuple:
+def _mask_arrays(block_mask, bits: bool = False) -> tuple:
     """The arrays of a block mask the backward reads: the lists and, where it has them, the
-    transposed lists (without them it is not block-sparse: none)."""
+    transposed lists (without them it is not block-sparse: none), then with ``bits`` its
+    bitmaps (``partial_bits``, ``partial_bits_t``)."""
     qa = block_mask.q_arrays
-    return () if qa is None else tuple(block_mask.arrays) + tuple(qa)
+    if qa is None:
+        return ()
+    extra = (block_mask.partial_bits, block_mask.partial_bits_t) if bits else ()
+    return tuple(block_mask.arrays) + tuple(qa) + extra
 
 
 def _sparse_mask(block_mask, cfg, mods, win, bq, hq, sq, sk, like, deterministic=False):
@@ -319,7 +325,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
 
 
 def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
-              deterministic, dq, dk, dv, config, dlse, key, block_mask=None):
+              deterministic, dq, dk, dv, config, dlse, key, block_mask=None, bits=False):
     (Q, K, V, Out), dtype, (bq, hq, sq, sk, d), (dO, Lse, dLse, grads), scale, device, \
         (win, cap, user, kmods) = _validate(
             dout, q, k, v, out, lse, causal, scale, window, softcap, mods, layout,
@@ -375,13 +381,19 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         for i, (view, op) in enumerate(zip(arrays_of_hook, hops)):   # bound after _OPERANDS
             views[f"hook{i}"], ops[f"hook{i}"] = view, op
         sparse = None
+        bits = bool(bits and caller_mask and mask is not None)
         if mask is not None:
             mops = [describe(x, "block_mask", dtypes=("int32",)) for x in _mask_arrays(mask)]
+            if bits:   # the bitmaps: the hook's last two arguments, bound after the lists
+                mops += [abm.check_partial_bits(mask, bq, hq, by_key) for by_key in (0, 1)]
             mviews = abm.mask_views(mops, bq, hq)
             if caller_mask:      # bound after the hook's arrays (the caller's pointers)
                 for i, (view, op) in enumerate(zip(mviews, mops)):
                     views[f"mask{i}"], ops[f"mask{i}"] = view, op
-            sparse = (mask_block, mviews[:4], mviews[4:])
+            if bits:
+                hargs = tuple(hargs) + tuple(mviews[8:])
+                kmods = tuple(kmods) + (True,)
+            sparse = (mask_block, mviews[:4], mviews[4:8])
         views["placeholder3"] = arrays.placeholder(3)
         views["placeholder4"] = arrays.placeholder(4)
         stream = arrays.stream_handle(Q)

@@ -43,6 +43,7 @@ from ..ptx.barrier import bar_sync, warp_sync
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
+from ..ptx.vector import ld_shared_b32, st_shared_b32
 from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
                             mbarrier_wait_parity)
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
@@ -524,6 +525,9 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
 #: of the two consumer warpgroups; 24 + 2 · 240 = 504 = 3 · 168, what a block of 384 threads
 #: is allocated (FlashAttention-3's backward takes the same split).
 WS_REGISTERS = (24, 240)
+#: The same under a block mask: the producer's walk over the mask's lists spills ~110 B in 24
+#: registers (offline sm_90a, d128), ~30 B in 40 while the consumers' 232 spill ~30 B more.
+WS_REGISTERS_SPARSE = (40, 232)
 
 
 def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
@@ -555,13 +559,15 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     (:func:`tilepy.tile.attention_backward.query_steps`' ``first`` / ``advance``: a few
     integers and scalar loads a step, within the producer's 24 registers).
     """
-    return _dkdv_ws_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
-                                                cfg.block_m, cfg.block_n))
+    variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
+                             cfg.block_n)
+    return _dkdv_ws_kernel(cfg, *variant,
+                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE)
 
 
 @functools.cache
 def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
-                    mask_block):
+                    mask_block, registers=WS_REGISTERS):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
     WIN = (left, right)
     SPARSE = mask_block is not None
@@ -586,7 +592,15 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     DS_BUFFERS = 2 if SPLIT else 1
     ring = tma_pipeline(2, 4 * KG, 1, producers=PT)
     KV_BAR = ring.nbytes     # after the ring's barriers
-    roles = warpgroup_roles(KG, True, True, *WS_REGISTERS)
+    # block-sparse: the producer writes each step's query block and (head offset, part) into
+    # its ring slot's two step words (after the K / V barrier) before it arrives, and the
+    # consumers read them once the slot is full: they keep no list
+    STEP = KV_BAR + 8
+    COUNT = STEP + 2 * 8     # and the block's step count, thread 0's
+    if SPARSE and COUNT + 4 > lay["bars"].nbytes:
+        raise ValueError(f"dkdv_ws_kernel: no room for the step words in {lay['bars'].nbytes} "
+                         f"bytes of barriers")
+    roles = warpgroup_roles(KG, True, True, *registers)
     named = NamedBarriers()
     DS_BAR = named.take("ds", 128 * KG)            # both consumers' dS written
     WG_BAR = named.take("warpgroup", 128, count=KG)  # one consumer's dS written (own keys)
@@ -630,6 +644,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
+            if SPARSE and tid == 0:   # (released by the arrival below)
+                st_shared_b32(bars + STEP + 8 * s, np.uint32(walk[1]))
+                st_shared_b32(bars + STEP + 8 * s + 4,
+                              np.uint32(2 * walk[0] + (1 if walk[2] else 0)))
             ring.arrive_copied(bars, s)   # K / V's copies (n = 0) waited for with the slot's
             if n == 0:
                 mbarrier_arrive(bars + KV_BAR)
@@ -666,12 +684,19 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
         hq0 = hk * group
-        walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # the producer's steps
+        if not SPARSE:
+            walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # the producer's
         for n in range(steps):
-            hq = hq0 + walk[0]
-            row = walk[1] * BM
-            part = walk[2]
             ring.wait(bars, s, ph)
+            if SPARSE:   # the step the producer wrote into the slot
+                hp = ld_shared_b32(bars + STEP + 8 * s + 4)
+                hq = hq0 + np.int64(hp >> np.uint32(1))
+                row = np.int64(ld_shared_b32(bars + STEP + 8 * s)) * BM
+                part = (hp & np.uint32(1)) != np.uint32(0)
+            else:
+                hq = hq0 + walk[0]
+                row = walk[1] * BM
+                part = walk[2]
             buf = (n % DS_BUFFERS) * DS_BYTES
             products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
                      base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
@@ -706,7 +731,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                         stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
-            walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
+            if not SPARSE:
+                walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
         if issuer:
             bulk_wait_group(0)
 
@@ -719,13 +745,19 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         tid = cuda.threadIdx.x
         c = roles.consumer(roles.warpgroup(tid))
         qb0, per_head = qblocks(key0, sq, sk)
-        steps = count_steps(qmask, kb, b, hk * group, group, per_head)
         base = shared_addr(smem(), 0)
         if tid == 0:
             ring.init(base + BAR_OFF)
             mbarrier_init(base + BAR_OFF + KV_BAR, PT)
             fence_mbarrier_init()
+            if SPARSE:
+                st_shared_b32(base + BAR_OFF + COUNT, np.uint32(count_steps(
+                    qmask, kb, b, hk * group, group, per_head)))
         cuda.syncthreads()
+        if SPARSE:   # thread 0's count: every thread's would keep the lists live (~250 B)
+            steps = np.int64(ld_shared_b32(base + BAR_OFF + COUNT))
+        else:
+            steps = count_steps(qmask, kb, b, hk * group, group, per_head)
         if c < 0:
             roles.enter_producer()
             if steps > 0:

@@ -62,8 +62,10 @@ class BlockMask:
       ``kv_idx % 32`` of word ``[b, h, q_idx, kv_idx // 32]``; the other blocks' words are
       not read). ``flash_attention`` then reads these bits on the partial blocks in place of
       calling ``mask_mod`` — unless the call gives its own ``mod_args`` (the bits hold the
-      function's value for the mask's). A mask whose lists or arguments are replaced must
-      have it replaced or set to None.
+      function's value for the mask's). ``partial_bits_t``: the same bits by key, uint32
+      ``(batch, heads, key blocks · block_k, query blocks · block_q / 32)`` (bit ``q_idx % 32``
+      of word ``[b, h, kv_idx, q_idx // 32]``), which the backward reads (it needs both). A
+      mask whose lists or arguments are replaced must have them replaced or set to None.
 
     Arrays of the caller's kind (CuPy, PyTorch, Numba; NumPy in the simulator) on one device.
     A hand-made mask must list each key block at most once per query block across both lists
@@ -84,6 +86,7 @@ class BlockMask:
     full_q_num_blocks: object = None
     full_q_indices: object = None
     partial_bits: object = None
+    partial_bits_t: object = None
 
     @property
     def arrays(self) -> tuple:
@@ -161,13 +164,14 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
     * ``mod_args``: as ``flash_attention``'s (arrays on the device, numbers); kept in the
       mask, and used by ``flash_attention(..., block_mask=)`` unless that call gives its own.
     * ``partial_bits``: whether to keep ``mask_mod``'s value at every pair of the partial
-      blocks as a bitmap (:class:`BlockMask`'s ``partial_bits``: ``seq_q · seq_k / 8`` bytes
-      per batch and head, rounded up to blocks), which the attention forward then reads in
-      place of calling the function — one 32-bit load per 32 keys of a row instead of the
-      function's own loads per score. None (the default): kept where ``mod_args`` holds an
-      array (a function that reads memory, whose per-score loads cost most) and the bitmap
-      takes at most :data:`PARTIAL_BITS_LIMIT` bytes, with key blocks of a multiple of 32;
-      True / False: always (``ValueError`` for other key blocks) / never.
+      blocks as bitmaps (:class:`BlockMask`'s ``partial_bits`` by query row and
+      ``partial_bits_t`` by key: ``seq_q · seq_k / 8`` bytes each per batch and head, rounded
+      up to blocks), which the attention forward and backward then read in place of calling
+      the function — one 32-bit load per 32 keys of a row instead of the function's own
+      loads per score. None (the default): kept where ``mod_args`` holds an array (a function
+      that reads memory, whose per-score loads cost most), the block sizes are multiples of
+      32 and the two take at most :data:`PARTIAL_BITS_LIMIT` bytes; True / False: always
+      (``ValueError`` for other block sizes) / never.
 
     Every pair is evaluated once on the caller's current stream (no host synchronisation);
     the result is valid for the ``mod_args`` contents it saw — make a new one when they
@@ -200,13 +204,13 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
                          f"batch {b}, heads {h}")
     bits_shape = (b, h, nq * bq, nk * bk // 32)
     if partial_bits is None:
-        keep_bits = bool(hops) and bk % 32 == 0 and \
-            4 * int(np.prod(bits_shape)) <= PARTIAL_BITS_LIMIT
+        keep_bits = bool(hops) and bq % 32 == 0 and bk % 32 == 0 and \
+            2 * 4 * int(np.prod(bits_shape)) <= PARTIAL_BITS_LIMIT
     elif isinstance(partial_bits, (bool, np.bool_)):
         keep_bits = bool(partial_bits)
-        if keep_bits and bk % 32:
-            raise ValueError(f"create_block_mask: partial_bits needs a key block that is a "
-                             f"multiple of 32, got {bk}")
+        if keep_bits and (bq % 32 or bk % 32):
+            raise ValueError(f"create_block_mask: partial_bits needs a block size of "
+                             f"multiples of 32, got {(bq, bk)}")
     else:
         raise TypeError(f"create_block_mask: partial_bits must be None, True or False, got "
                         f"{partial_bits!r}")
@@ -215,6 +219,8 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
                 for shape in ((b, h, nq), (b, h, nq, nk), (b, h, nq), (b, h, nq, nk),
                               (b, h, nk), (b, h, nk, nq), (b, h, nk), (b, h, nk, nq))]
         bits = arrays.zeros(L, bits_shape, "uint32") if keep_bits else None
+        bits_t = arrays.zeros(L, (b, h, nk * bk, nq * bq // 32), "uint32") if keep_bits \
+            else None
         if nq and nk:
             views = [device_view(arrays.raw_view(describe(x, "mask", dtypes=("int32",))))
                      for x in outs]
@@ -222,17 +228,19 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
             kern = block_mask_kernel(mask_visible(mask_mod, n_args), bq, bk, keep_bits)
             args = (np.int64(sq), np.int64(sk), *views[:4], tuple(hargs))
             if keep_bits:
-                args += (device_view(arrays.raw_view(describe(bits, "partial_bits",
-                                                              dtypes=("uint32",)))),)
+                args += tuple(device_view(arrays.raw_view(describe(x, "partial_bits",
+                                                                   dtypes=("uint32",))))
+                              for x in (bits, bits_t))
             LaunchPlan(kern, args, (nq, h, b), bq).launch(stream, args)
             args = tuple(views)
             LaunchPlan(transpose_kernel(), args, (-(-nk // 32), h, b), 32).launch(stream, args)
     return BlockMask(*outs[:4], (bq, bk), (sq, sk), mask_mod, tuple(mod_args or ()),
-                     *outs[4:], partial_bits=bits)
+                     *outs[4:], partial_bits=bits, partial_bits_t=bits_t)
 
 
-#: The most bytes :func:`create_block_mask` gives a bitmap it keeps by default
-#: (``partial_bits=None``): 256 MiB (batch 4 of one 16k × 16k mask shared by the heads).
+#: The most bytes :func:`create_block_mask` gives the bitmaps it keeps by default
+#: (``partial_bits=None``), the two together: 256 MiB (batch 4 of one 16k × 16k mask shared by
+#: the heads).
 PARTIAL_BITS_LIMIT = 256 << 20
 
 
@@ -247,32 +255,49 @@ def _n_mod_args(mod_args) -> int:
 
 @functools.cache
 def block_mask_kernel(visible, block_q: int, block_k: int, bits: bool = False):
-    """``kernel(sq, sk, num, idx, full_num, full_idx, args[, words])``: grid (query blocks,
+    """``kernel(sq, sk, num, idx, full_num, full_idx, args[, words, words_t])``: grid (query blocks,
     heads, batch), ``block_q`` threads, thread ``r`` for query row ``qb · block_q + r``. Per key
     block (in order) each thread tests its row's keys with ``visible(b, h, q, kv, args)`` —
     stopping once it has seen a visible and a hidden key — and the block's threads vote (rows
     past ``sq`` and keys past ``sk`` do not count): some pair visible → partial, every pair →
     full; thread 0 appends the key block to its list and writes the counts at the end.
-    ``bits``: on a partial block each thread also writes its row's ``block_k / 32`` words of
-    ``words`` (uint32 (batch, heads, rows, key words), zero-filled before: bit ``c`` of word
-    ``kv // 32`` for ``kv = 32 · word + c`` visible, keys past ``sk`` and rows past ``sq`` 0).
-    Not disk-cached (its closure holds the user's function)."""
+    ``bits`` (``block_q`` and ``block_k`` multiples of 32): on a partial block each thread also
+    writes its row's ``block_k / 32`` words of ``words`` (uint32 (batch, heads, rows, key
+    words), zero-filled before: bit ``c`` of word ``kv // 32`` for ``kv = 32 · word + c``
+    visible; keys past ``sk`` and rows past ``sq`` 0), and, through shared memory, the
+    block's words of ``words_t`` (uint32 (batch, heads, keys, query words): bit ``i`` of word
+    ``q // 32`` for ``q = 32 · word + i``), the same bits by key. Not disk-cached (its closure
+    holds the user's function)."""
     BQ, BK, BITS = block_q, block_k, bits
+    KW, QW = block_k // 32, block_q // 32
     one = np.uint32(1)
 
     @inline_device
-    def write_bits(words, b, h, r, kb, sk, args):
-        for wd in range(BK // 32):
+    def write_bits(words, words_t, b, h, qb, r, kb, sq, sk, args):
+        row = cuda.threadIdx.x
+        tile = cuda.shared.array((BQ, KW), np.uint32)
+        for wd in range(KW):
             acc = np.uint32(0)
             key0 = np.int64(kb) * BK + 32 * wd
-            for c in range(32):
-                if key0 + c < sk:
-                    if visible(b, h, r, key0 + c, args):
-                        acc |= one << np.uint32(c)
-            words[b, h, r, np.int64(kb) * (BK // 32) + wd] = acc
+            if r < sq:
+                for c in range(32):
+                    if key0 + c < sk:
+                        if visible(b, h, r, key0 + c, args):
+                            acc |= one << np.uint32(c)
+            words[b, h, r, np.int64(kb) * KW + wd] = acc
+            tile[row, wd] = acc
+        cuda.syncthreads()
+        for c in range(row, BK, BQ):    # the block's keys, by the block's threads in turn
+            for qw in range(QW):
+                acc = np.uint32(0)
+                for i in range(32):
+                    acc |= ((tile[32 * qw + i, c // 32] >> np.uint32(c % 32)) & one) \
+                        << np.uint32(i)
+                words_t[b, h, np.int64(kb) * BK + c, np.int64(qb) * QW + qw] = acc
+        cuda.syncthreads()   # (tile is rewritten by the next partial block)
 
     @inline_device
-    def run(sq, sk, num, idx, full_num, full_idx, args, words):
+    def run(sq, sk, num, idx, full_num, full_idx, args, words, words_t):
         qb = cuda.blockIdx.x
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
@@ -295,8 +320,8 @@ def block_mask_kernel(visible, block_q: int, block_k: int, bits: bool = False):
             any_seen = cuda.syncthreads_or(seen)
             any_hidden = cuda.syncthreads_or(hidden)
             if BITS:
-                if any_seen and any_hidden and r < sq:
-                    write_bits(words, b, h, r, kb, sk, args)
+                if any_seen and any_hidden:   # (block-uniform)
+                    write_bits(words, words_t, b, h, qb, r, kb, sq, sk, args)
             if cuda.threadIdx.x == 0 and any_seen:
                 if any_hidden:
                     idx[b, h, qb, n_part] = kb
@@ -310,12 +335,12 @@ def block_mask_kernel(visible, block_q: int, block_k: int, bits: bool = False):
 
     if BITS:
         @cuda.jit
-        def kernel(sq, sk, num, idx, full_num, full_idx, args, words):
-            run(sq, sk, num, idx, full_num, full_idx, args, words)
+        def kernel(sq, sk, num, idx, full_num, full_idx, args, words, words_t):
+            run(sq, sk, num, idx, full_num, full_idx, args, words, words_t)
     else:
         @cuda.jit
         def kernel(sq, sk, num, idx, full_num, full_idx, args):
-            run(sq, sk, num, idx, full_num, full_idx, args, 0)
+            run(sq, sk, num, idx, full_num, full_idx, args, 0, 0)
 
     return kernel
 
@@ -433,32 +458,46 @@ def check_block_mask(block_mask, mask_mod, mod_args, batch: int, heads: int, sq:
     return mask_mod, mod_args, ops[:4]
 
 
-def reads_bits(block_mask, mask_mod, mod_args) -> bool:
+def reads_bits(block_mask, mask_mod, mod_args, by_key: bool = False) -> bool:
     """Whether ``flash_attention(..., block_mask=, mask_mod=, mod_args=)`` reads the mask's
-    ``partial_bits`` in place of calling ``mask_mod``: a :class:`BlockMask` with them, and a
-    call that gives neither another function nor its own ``mod_args`` (the bits are the
-    function's value for the mask's)."""
-    return (isinstance(block_mask, BlockMask) and block_mask.partial_bits is not None
-            and (mask_mod is None or mask_mod is block_mask.mask_mod)
-            and (mod_args is None or (isinstance(mod_args, (tuple, list)) and not mod_args)))
+    ``partial_bits`` (``by_key``: the backward, which reads ``partial_bits_t`` too) in place of
+    calling ``mask_mod``: a :class:`BlockMask` with them, and a call that gives no other
+    function and no ``mod_args`` but the mask's own objects (the bits are the function's value
+    for those)."""
+    if not isinstance(block_mask, BlockMask) or block_mask.partial_bits is None or \
+            (by_key and block_mask.partial_bits_t is None):
+        return False
+    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+        return False
+    if mod_args is None or (isinstance(mod_args, (tuple, list)) and not mod_args):
+        return True
+    own = tuple(block_mask.mod_args or ())
+    return isinstance(mod_args, (tuple, list)) and len(mod_args) == len(own) and \
+        all(x is y for x, y in zip(mod_args, own))
 
 
-def check_partial_bits(block_mask, batch: int, heads: int):
-    """The Operand of a checked block mask's ``partial_bits`` (:func:`check_block_mask` first);
-    ``TypeError`` / ``ValueError`` unless uint32 of shape ``(batch or 1, heads or 1, query
-    blocks · block_q, key blocks · block_k / 32)`` with the lists' (batch, heads), on their
-    device."""
+def check_partial_bits(block_mask, batch: int, heads: int, by_key: bool = False):
+    """The Operand of a checked block mask's ``partial_bits`` (``by_key``:
+    ``partial_bits_t``; :func:`check_block_mask` first); ``TypeError`` / ``ValueError``
+    unless uint32 of shape ``(batch or 1, heads or 1, query blocks · block_q, key blocks ·
+    block_k / 32)`` (by key: ``(…, key blocks · block_k, query blocks · block_q / 32)``) with
+    the lists' (batch, heads), on their device."""
     bq, bk = block_sizes(block_mask.block_size)
-    if bk % 32:
-        raise ValueError(f"block_mask.partial_bits: the key block {bk} must be a multiple of 32")
+    name = "partial_bits_t" if by_key else "partial_bits"
+    if bq % 32 or bk % 32:
+        raise ValueError(f"block_mask.{name}: the block size {(bq, bk)} must be multiples of 32")
     sq, sk = block_mask.seq_lengths
-    op = describe(block_mask.partial_bits, "block_mask.partial_bits", dtypes=("uint32",))
+    x = block_mask.partial_bits_t if by_key else block_mask.partial_bits
+    op = describe(x, f"block_mask.{name}", dtypes=("uint32",))
     lists = describe(block_mask.kv_num_blocks, "block_mask.kv_num_blocks", dtypes=("int32",))
-    want = (*lists.shape[:2], -(-sq // bq) * bq, -(-sk // bk) * bk // 32)
+    rows, words = -(-sq // bq) * bq, -(-sk // bk) * bk // 32
+    if by_key:
+        rows, words = words * 32, rows // 32
+    want = (*lists.shape[:2], rows, words)
     if op.shape != want or want[0] not in (1, batch) or want[1] not in (1, heads):
-        raise ValueError(f"block_mask.partial_bits must have shape {want} (the lists' batch "
-                         f"and heads, query blocks · {bq} rows, key blocks · {bk} / 32 "
-                         f"words), got {op.shape}")
+        raise ValueError(f"block_mask.{name} must have shape {want} (the lists' batch and "
+                         f"heads, then {'keys, query words' if by_key else 'rows, key words'} "
+                         f"of whole blocks), got {op.shape}")
     arrays.same_device(lists, op)
     return op
 
@@ -545,7 +584,8 @@ def _sparse_argtypes(base, layout: str = "A"):
 #: mask block) — the grid TMA kernel of the built-in d128 config (ping-pong, producer) under
 #: 128 × 128 mask blocks, also reading a block mask's ``partial_bits`` (``_bits``) in place of
 #: the function, and under 128 × 256 ones (two key tiles a mask block), its persistent
-#: kernel (opt-in: ``tilepy.ops.attention.SPARSE_PERSISTENT``) under 128 × 128, and the
+#: kernel (``tilepy.ops.attention.SPARSE_PERSISTENT``, the default) under 128 × 128, with the
+#: function and with the bitmap, and the
 #: mma.sync kernel of the built-in d128 config.
 SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 128, 128, 128,
                    (128, 128)),
@@ -555,6 +595,8 @@ SPARSE_REPORTS = (("attention_wgmma_tma_pingpong_producer_sparse_d128_128x128", 
                    128, 128, (128, 256)),
                   ("attention_wgmma_tma_pingpong_producer_persistent_sparse_d128_128x128", 128,
                    128, 128, (128, 128)),
+                  ("attention_wgmma_tma_pingpong_producer_persistent_sparse_bits_d128_128x128",
+                   128, 128, 128, (128, 128)),
                   ("attention_sparse_d128_f16_lse", 128, 64, 64, (128, 128)))
 
 
@@ -629,7 +671,7 @@ def compile_reports():
             "block_mask_128x128" + ("_bits" if bits else ""),
             lambda bits=bits: block_mask_kernel(mask_visible(_probe_causal), 128, 128, bits),
             (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(()))
-            + ((types.Array(types.uint32, 4, "A"),) if bits else ()), (9, 0), threads=128))
+            + ((types.Array(types.uint32, 4, "A"),) * 2 if bits else ()), (9, 0), threads=128))
     return out
 
 

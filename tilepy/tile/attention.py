@@ -37,7 +37,8 @@ The pieces, in the order a kernel uses them
   :func:`limits_shape`), and the online softmax's start (row max -inf, row sum 0).
 * :func:`modify_scores` — an optional score function on the scores of one key block, before
   the mask; :func:`softcap_score` makes Gemma 2's, :func:`score_hook` one from a cap and a
-  user's FlexAttention-style ``score_mod`` / ``mask_mod``.
+  user's FlexAttention-style ``score_mod`` / ``mask_mod`` or a block mask's bitmap
+  (:func:`bitmap_word`).
 * :func:`mask_scores` — the scores of keys a row does not see set to -inf;
   :func:`mask_key_block` the same in the key blocks that need it (a block-uniform test).
 * :func:`store_rows` — the finalised O rows rounded to 16 bits, and the LSE.
@@ -303,11 +304,18 @@ def _modify_scores(mi: int, ns: int, score_mod):
     return modify
 
 
+@inline_device
+def bitmap_word(words, b, h, r, col0, w):
+    """Word ``w`` of a fragment row's bitmap: ``words[b, h, r, col0 // 32 + w]`` (uint32) shifted
+    right by ``col0 % 32``, so that bit ``8·jj + e`` is the lane's column ``col0 + 8·(4w + jj)
+    + e`` — for a fragment whose 8·ns columns start at a multiple of 32 (``col0`` = that start
+    + 2t): :func:`score_hook`'s ``mask_bits``."""
+    return np.uint32(words[b, h, r, (col0 >> 5) + w]) >> np.uint32(col0 & 31)
+
+
 @functools.cache
 def _modify_scores_bits(mi: int, ns: int, base, nb: int):
-    # the fragment's 8·ns keys start at a multiple of 32 (key0 - 2t = kb · 8·ns): word
-    # key0 // 32 + w holds the lane's keys of n8 tiles 4w … 4w + 3, shifted right by 2t the
-    # bits 8·jj + e of its own columns
+    # the fragment's 8·ns keys start at a multiple of 32 (key0 - 2t = kb · 8·ns)
     NW, NB, PLAIN = ns // 4, nb, base is None
     fn = _keep6 if base is None else base
     one, zero = np.uint32(1), np.uint32(0)
@@ -317,13 +325,11 @@ def _modify_scores_bits(mi: int, ns: int, base, nb: int):
         c = np.float32(scale)
         inv = _ONE / c
         bits = args[NB]
-        kw = key0 >> 5
-        sh = np.uint32(key0 & 31)
         for i in range(mi):
             for hh in range(2):
                 r = row0 + 16 * i + 8 * hh
                 for w in range(NW):
-                    word = np.uint32(bits[b, h, r, kw + w]) >> sh
+                    word = bitmap_word(bits, b, h, r, key0, w)
                     for jj in range(4):
                         j = 4 * w + jj
                         for e in range(2):
@@ -494,7 +500,6 @@ def _with_args(fn, arity: int, n: int):
 
 
 @functools.cache
-@functools.cache
 def _bits_hook(base, nb: int):
     """The hook of :func:`score_hook` with ``mask_bits``: ``base`` (the hook without a mask,
     or None), then the bitmap ``args[nb]``'s test. Kept in :data:`_BITS_HOOKS` for
@@ -524,6 +529,7 @@ def _keep6(score, q_row, k_col, batch, head, args):
     return score
 
 
+@functools.cache
 def _score_hook(cap: float, score_mod, mask_mod, n_args: int, alibi: bool):
     CAPPED = cap > 0
     C = np.float32(cap if CAPPED else 1.0)
@@ -808,7 +814,7 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     return store
 
 
-__all__ = ["block_bounds", "block_coords", "block_mask_row", "check_mask_block",
+__all__ = ["bitmap_word", "block_bounds", "block_coords", "block_mask_row", "check_mask_block",
            "check_user_function",
            "key_block_at", "key_block_partial", "key_blocks", "key_window", "limits_shape",
            "mask_visible",

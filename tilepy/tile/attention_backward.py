@@ -60,8 +60,8 @@ from ..ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx,
                         unpack_f16x2_f32)
 from ..ptx.ldmatrix import stmatrix_x4_trans
 from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
-from .attention import (block_mask_row, key_block_at, key_block_partial, key_blocks, key_window,
-                        mask_key_block)
+from .attention import (bitmap_word, block_mask_row, key_block_at, key_block_partial, key_blocks,
+                        key_window, mask_key_block)
 from .config import DTYPES
 
 _NEG_INF = np.float32(-np.inf)
@@ -267,7 +267,7 @@ def _mask_transposed_window(mi: int, ns: int, left: int, right: int):
 
 def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mod_grad=None,
                     mask_mod=None, transposed: bool = False, n_args: int = 0,
-                    alibi: bool = False, packed: bool = False):
+                    alibi: bool = False, packed: bool = False, mask_bits: bool = False):
     """The forward's score modifications (:func:`tilepy.tile.attention.score_hook`: a soft
     cap, ALiBi, a user ``score_mod``, then a ``mask_mod``) on one lane's (mi, ns, 4) raw score
     fragment, with their derivative, for the backward: a namespace of
@@ -294,7 +294,15 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
     ``score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args) -> float``: the derivative of
     ``score_mod`` in its first argument, required with a ``score_mod`` (``TypeError``
     otherwise). With the cap alone the code is the cap's and the indices are not read. ``cap``
-    a finite float > 0 or 0; ``n_args`` the number of ``mod_args``."""
+    a finite float > 0 or 0; ``n_args`` the number of ``mod_args``.
+
+    ``mask_bits`` (``mask_mod`` None, else ``ValueError``): the mask read from a block mask's
+    bitmaps (:class:`tilepy.BlockMask`'s ``partial_bits`` / ``partial_bits_t``), the hook's
+    arguments ``args[nb]`` / ``args[nb + 1]`` after the others (``nb = n_args``, + 2 with
+    ALiBi): the key is hidden where bit ``kv_idx % 32`` of ``args[nb][b, h, q_idx, kv_idx //
+    32]`` is 0 — transposed, bit ``q_idx % 32`` of ``args[nb + 1][b, h, kv_idx, q_idx //
+    32]``, the same bits by key — one word loaded per 32 columns of a fragment row where
+    ``ns`` is a multiple of 4 (the columns' block then starts at a multiple of 32)."""
     from .attention import _keep_score, _see_all, _user_function, check_n_args, softcap_score
 
     if cap:
@@ -304,12 +312,15 @@ def score_functions(mi: int, ns: int, cap: float = 0.0, score_mod=None, score_mo
     if packed and score_mod is not None:
         raise ValueError("score_functions: packed derivatives take no score_mod (its "
                          "derivative may leave [0, 1])")
+    if mask_bits and mask_mod is not None:
+        raise ValueError("score_functions: mask_bits replaces mask_mod; pass one of them")
     return _score_functions(mi, ns, float(cap or 0.0),
                             _user_function(score_mod, "score_mod", 5, _keep_score, n_args),
                             _user_function(score_mod_grad, "score_mod_grad", 5, _one_grad,
                                            n_args),
                             _user_function(mask_mod, "mask_mod", 4, _see_all, n_args),
-                            bool(transposed), bool(alibi), n_args, bool(packed))
+                            bool(transposed), bool(alibi), n_args, bool(packed),
+                            bool(mask_bits))
 
 
 def check_functions(score_mod, score_mod_grad, mask_mod, op: str = "the backward",
@@ -351,7 +362,7 @@ def _defaults():
 @functools.cache
 def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, mask_mod,
                      transposed: bool, alibi: bool = False, n_args: int = 0,
-                     packed: bool = False):
+                     packed: bool = False, bits: bool = False):
     from .attention import _alibi_slope
 
     CAPPED = cap > 0
@@ -390,20 +401,71 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
         s[i, j, e] = x * inv_scale
         return d
 
+    BITS = bits
+    NB = n_args + (2 if alibi else 0) + (1 if transposed else 0)   # the bitmap this layout reads
+    WORDS = bits and ns % 4 == 0
+    u1, u0 = np.uint32(1), np.uint32(0)
+
+    @inline_device
+    def one_bit(s, i, j, e, c, inv_scale, row0, col0, b, h, args, word, bit):
+        """:func:`one_score` with the mask's bit in place of mask_mod: bit ``bit`` of
+        ``word``."""
+        d = one_score(s, i, j, e, c, inv_scale, row0, col0, b, h, args)
+        if (word >> np.uint32(bit)) & u1 == u0:
+            s[i, j, e] = _NEG_INF
+            d = zero
+        return d
+
+    @inline_device
+    def store(dfac, i, j, hh, d0, d1):
+        if PACKED:
+            dfac[i, j, hh] = cvt_f16x2_f32(d0, d1)
+        else:
+            dfac[i, j, 2 * hh] = d0
+            dfac[i, j, 2 * hh + 1] = d1
+
+    @inline_device
+    def apply_words(s, dfac, scale, row0, col0, b, h, args):
+        # (the fragment's 8·ns columns start at a multiple of 32: col0 - 2t)
+        c = np.float32(scale)
+        inv_scale = one / c
+        words = args[NB]
+        for i in range(mi):
+            for hh in range(2):
+                r = row0 + 16 * i + 8 * hh
+                for w in range(ns // 4):
+                    word = bitmap_word(words, b, h, r, col0, w)
+                    for jj in range(4):
+                        j = 4 * w + jj
+                        d0 = one_bit(s, i, j, 2 * hh, c, inv_scale, row0, col0, b, h, args,
+                                     word, 8 * jj)
+                        d1 = one_bit(s, i, j, 2 * hh + 1, c, inv_scale, row0, col0, b, h, args,
+                                     word, 8 * jj + 1)
+                        store(dfac, i, j, hh, d0, d1)
+
     @inline_device
     def apply(s, dfac, scale, row0, col0, b, h, args):
+        if WORDS:
+            apply_words(s, dfac, scale, row0, col0, b, h, args)
+            return
         c = np.float32(scale)
         inv_scale = one / c
         for i in range(mi):
             for j in range(ns):
                 for hh in range(2):
-                    d0 = one_score(s, i, j, 2 * hh, c, inv_scale, row0, col0, b, h, args)
-                    d1 = one_score(s, i, j, 2 * hh + 1, c, inv_scale, row0, col0, b, h, args)
-                    if PACKED:
-                        dfac[i, j, hh] = cvt_f16x2_f32(d0, d1)
+                    if BITS:   # a word a score
+                        r = row0 + 16 * i + 8 * hh
+                        col = col0 + 8 * j
+                        word = np.uint32(args[NB][b, h, r, col >> 5])
+                        d0 = one_bit(s, i, j, 2 * hh, c, inv_scale, row0, col0, b, h, args,
+                                     word, col & 31)
+                        d1 = one_bit(s, i, j, 2 * hh + 1, c, inv_scale, row0, col0, b, h, args,
+                                     word, (col & 31) + 1)
                     else:
-                        dfac[i, j, 2 * hh] = d0
-                        dfac[i, j, 2 * hh + 1] = d1
+                        d0 = one_score(s, i, j, 2 * hh, c, inv_scale, row0, col0, b, h, args)
+                        d1 = one_score(s, i, j, 2 * hh + 1, c, inv_scale, row0, col0, b, h,
+                                       args)
+                    store(dfac, i, j, hh, d0, d1)
 
     @inline_device
     def chain_packed(ds, dfac):
@@ -432,6 +494,7 @@ def _score_functions(mi: int, ns: int, cap: float, score_mod, score_mod_grad, ma
     # name (kernels with user functions are not disk-cached; their ids keep names apart here)
     user = "" if (sm, smg, mm) == _defaults() else f"_user{id(sm)}_{id(smg)}_{id(mm)}"
     user += f"_alibi{n_args}" if alibi else ""
+    user += "_bits" if bits else ""
     name = f"score_functions_{mi}x{ns}_{cap!r}{'_t' if T else ''}{'_p' if packed else ''}" \
         f"{user}".replace(".", "_")
     return device_namespace(name, apply=apply, chain=chain, CAP=cap)
@@ -577,12 +640,16 @@ def stage_float32(n: int, row_floats: int):
 
 
 def variant_mods(mods) -> tuple:
-    """``(score_mod, score_mod_grad, mask_mod, n_args, alibi)`` from 3 or 5 entries."""
+    """``(score_mod, score_mod_grad, mask_mod, n_args, alibi, bits)`` from 3, 5 or 6 entries
+    (``bits``: a block mask's partial blocks read its bitmaps in place of ``mask_mod``, the
+    hook's arguments after the others — :func:`score_functions`)."""
     mods = tuple(mods)
     if len(mods) == 3:
         mods += (0, False)
-    sm, smg, mm, n_args, alibi = mods
-    return sm, smg, mm, int(n_args), bool(alibi)
+    if len(mods) == 5:
+        mods += (False,)
+    sm, smg, mm, n_args, alibi, bits = mods
+    return sm, smg, mm, int(n_args), bool(alibi), bool(bits)
 
 
 
@@ -702,8 +769,9 @@ def _hooks(n8: int, cap: float, mods: tuple, sparse: bool, transposed: bool) -> 
     chain = cap > 0 or mods[0] is not None
     packed = chain and mods[0] is None
     full_hook = sparse and capped and mods[2] is not None
-    hook = score_functions(1, n8, cap, *mods[:3], transposed=transposed, n_args=mods[3],
-                           alibi=mods[4], packed=packed) if capped else None
+    hook = score_functions(1, n8, cap, mods[0], mods[1], None if mods[5] else mods[2],
+                           transposed=transposed, n_args=mods[3], alibi=mods[4],
+                           packed=packed, mask_bits=mods[5]) if capped else None
     full = score_functions(1, n8, cap, mods[0], mods[1], None, transposed=transposed,
                            n_args=mods[3], alibi=mods[4], packed=packed) if full_hook else None
     return capped, chain, packed, full_hook, hook, full
