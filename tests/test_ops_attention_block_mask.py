@@ -643,16 +643,23 @@ def test_block_sparse_kernels_compile_without_spills():
     mma.sync kernel (d128) with a causal mask function and LSE, and the block mask's kernel
     (with and without the bitmap): no spill, no local memory, the TMA kernel's
     wgmmas and TMA loads present, no serialised wgmmas; the backward's block-sparse dK / dV
-    and dQ kernels (d64, d128) spill at most 96 B more than the dense ones with the hook."""
+    and dQ kernels (d64, d128) spill at most 96 B more than the dense ones with the hook, the
+    warp-specialised wgmma one (d128) at most 128 B."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports")
-    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 2
+    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 3
     for name, rep in reps.items():
         assert "error" not in rep, rep
         assert rep["local_bytes"] == 0 and rep["counts"]["ld.local"] == 0, rep
+        if name == abm.WS_SPARSE_REPORT:
+            # the warp-specialised backward under a block mask: its steps counted by one
+            # thread and handed to the consumers by the producer (84 B; 404 when every
+            # thread walked the lists; the dense kernel with the same hook 48)
+            assert rep["spill_stores"] <= 128, rep
+            continue
         if "_bits_" in name:
             # the bitmap read a word per 32 keys of a row: 4 words for each of a thread's 2
             # rows, in each of the kernel's two calls of the hook, on top of the loads of the

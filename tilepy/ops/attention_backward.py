@@ -132,7 +132,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       kernel visits the key blocks the mask lists for each query block and the dK / dV kernel
       the query blocks its transposed lists (:attr:`tilepy.BlockMask.q_arrays`, made by
       :func:`tilepy.create_block_mask`) list for each key block, ``mask_mod`` applied on every
-      visited score; a ``mask_mod`` of no array argument gets the op's own mask at the
+      visited score of the partial blocks — or, where the mask has its bitmaps
+      (``partial_bits`` / ``partial_bits_t``) and the call no ``mod_args`` but the mask's own,
+      their bits; a ``mask_mod`` of no array argument gets the op's own mask at the
       kernels' tiles (:func:`tilepy.ops.attention_block_mask.cached_block_mask`). A mask
       without transposed lists, or whose blocks the kernels' tiles do not divide, has every
       block visited, ``mask_mod`` on every score. Either way the gradients are the forward's

@@ -221,6 +221,8 @@ class WgmmaBackwardConfig:
                         ("dq", self.key_groups * self.dq_jobs * DQ_TILE_BYTES, 16)]
         if self.producer:
             regions.append(("bars", 64, 8))    # the Q / dO ring's and K / V's mbarriers
+        else:
+            regions.append(("count", 16, 16))  # block-sparse: the block's step count
         return SmemLayout.of(*regions)
 
     @property
@@ -361,6 +363,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     KG, SL, JOBS = cfg.key_groups, cfg.slices, cfg.dq_jobs
     DS_OFF = lay.offset("ds") if ATOMIC else 0
     DQ_OFF = lay.offset("dq") if ATOMIC else 0
+    COUNT_OFF = lay.offset("count")
     # per warpgroup: which slice, from which key box, over how many keys (see dq_jobs)
     KDQ = BN if (KG > 1 and SL == KG) else 64
     SPLIT = KG > 1 and SL == KG      # warpgroup w: slice w over every key
@@ -405,7 +408,14 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         shift = sk - sq
         qb0, per_head = qblocks(key0, sq, sk)
         hq0 = hk * group
-        steps = count_steps(qmask, kbx, b, hq0, group, per_head)
+        if SPARSE:   # thread 0 counts: every thread's count would keep the lists live longer
+            if tid == 0:
+                st_shared_b32(shared_addr(smem(), 0) + COUNT_OFF, np.uint32(count_steps(
+                    qmask, kbx, b, hq0, group, per_head)))
+            cuda.syncthreads()
+            steps = np.int64(ld_shared_b32(shared_addr(smem(), 0) + COUNT_OFF))
+        else:
+            steps = count_steps(qmask, kbx, b, hq0, group, per_head)
         dk_acc = cuda.local.array(ACC_O, np.float32)
         dv_acc = cuda.local.array(ACC_O, np.float32)
         for i in range(ACC_O):

@@ -609,10 +609,16 @@ SPARSE_BACKWARD_REPORTS = tuple(
     for d in (64, 128) for kind in ("dkdv", "dq") for sparse in (True, False))
 
 
+#: The warp-specialised wgmma backward kernel of the built-in d128 choice under 128 × 128 mask
+#: blocks (a causal mask function), in :func:`compile_reports`.
+WS_SPARSE_REPORT = "attention_backward_wgmma_ws_d128_sparse"
+
+
 def compile_reports():
     """Offline sm_90a reports of the block-sparse attention kernels (:data:`SPARSE_REPORTS`,
     a causal mask function, LSE), of the block-sparse backward kernels
-    (:data:`SPARSE_BACKWARD_REPORTS`) and of the block mask's own kernel for it."""
+    (:data:`SPARSE_BACKWARD_REPORTS`, :data:`WS_SPARSE_REPORT`) and of the block mask's own
+    kernel for it (with and without the bitmaps)."""
     from numba import types
 
     from ..offline import report_entry
@@ -665,6 +671,14 @@ def compile_reports():
         out.append(report_entry(name, make, _sparse_argtypes(base) if sparse else base,
                                 (9, 0), threads=threads, config=cfg.describe(),
                                 smem_bytes=smem))
+    from . import attention_backward_wgmma as bw
+
+    cfg = bw.WgmmaBackwardConfig(128, dtype="bfloat16", **ab.HOPPER_FUSED[128])
+    out.append(report_entry(
+        WS_SPARSE_REPORT, lambda: bw.dkdv_ws_kernel(cfg, False, None, 0.0, mods,
+                                                     mask_block=(128, 128)),
+        _sparse_argtypes(bk.argtypes("dkdv")), (9, 0, "a"), threads=cfg.threads,
+        launch_bounds=(cfg.threads, 1), config=cfg.describe(), smem_bytes=cfg.dkdv_layout.nbytes))
     n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
     for bits in (False, True):
         out.append(report_entry(
@@ -678,4 +692,5 @@ def compile_reports():
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
            "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
            "makes_own_mask", "PARTIAL_BITS_LIMIT", "check_partial_bits", "reads_bits",
-           "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel"]
+           "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel",
+           "WS_SPARSE_REPORT"]
