@@ -46,6 +46,7 @@ from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
+from ..ptx.vector import ld_shared_b32, st_shared_b32
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile.attention import block_coords, limits_shape
 from ..tile.attention_backward import (
@@ -190,6 +191,7 @@ class BackwardConfig:
                    ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
         if atomic_dq:
             regions.append(("ds", BN * BM * 2, 128))
+        regions.append(("count", 16, 16))   # block-sparse: the block's step count
         return SmemLayout.of(*regions)
 
     @property
@@ -454,6 +456,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
     DS_OFF = lay.offset("ds") if atomic_dq else 0
+    COUNT_OFF = lay.offset("count")
     Q_TILE = BM * D * 2
     ROW_BYTES = BM * 4
 
@@ -515,9 +518,15 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
         kbx = cuda.blockIdx.x
         if SPARSE:
             qmask = hargs[1]
+            # thread 0 counts: every thread's count kept the lists live (spills)
+            if tid == 0:
+                st_shared_b32(shared_addr(smem(), 0) + COUNT_OFF, np.uint32(count_steps(
+                    qmask, kbx, b, hq0, group, per_head)))
+            cuda.syncthreads()
+            steps = np.int64(ld_shared_b32(shared_addr(smem(), 0) + COUNT_OFF))
         else:
             qmask = 0
-        steps = count_steps(qmask, kbx, b, hq0, group, per_head)
+            steps = count_steps(qmask, kbx, b, hq0, group, per_head)
 
         dk_acc = cuda.local.array((1, NO, 4), np.float32)
         dv_acc = cuda.local.array((1, NO, 4), np.float32)
