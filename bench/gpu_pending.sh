@@ -69,6 +69,8 @@
 #                the producer's step words and count (issue 25): the block-mask GPU tests, the
 #                document mask's backward (the function, the deterministic pair and the dense
 #                register split timed beside)
+#   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
+#                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
 #                block-mask benchmark cases against FlexAttention with the other TMA kernel
 #                (persistent; grid when SPARSE_PERSISTENT is on) timed beside, the document mask
@@ -425,6 +427,13 @@ fi
 if [[ " $PART " == *" s38c "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
     bench_suite bench_backward_user 150 \
+        "test_flash_attention_backward_user_functions and document_block_mask"
+    archive_logs
+fi
+if [[ " $PART " == *" s38d "* ]]; then
+    gpu_tests block_sparse_backward_gpu 100 tests/test_ops_attention_block_mask.py \
+        -k block_sparse_backward_against_sdpa
+    bench_suite bench_backward_user 130 \
         "test_flash_attention_backward_user_functions and document_block_mask"
     archive_logs
 fi
