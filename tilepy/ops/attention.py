@@ -178,7 +178,9 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       compiled kernel and launch plan; a number is part of the plan's key.
     * ``block_mask``: a :class:`tilepy.BlockMask` (:func:`tilepy.create_block_mask`, FlexAttention's
       ``BlockMask``): each query block visits only the key blocks the mask lists, and
-      evaluates ``mask_mod`` only on its partial ones (not on the full ones). Its ``mask_mod``
+      evaluates ``mask_mod`` only on its partial ones (not on the full ones) — or, where the
+      mask keeps its bitmap (``partial_bits``) and this call gives no ``mod_args`` but the
+      mask's own objects, reads the function's bits there instead. Its ``mask_mod``
       is used (a different ``mask_mod`` given here is a ``ValueError``), and its ``mod_args``
       unless this call gives some; with ``causal`` or ``window`` a ``ValueError`` (write them
       in ``mask_mod``). Without one, a ``mask_mod`` whose ``mod_args`` hold no array gets a

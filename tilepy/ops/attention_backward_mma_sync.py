@@ -402,10 +402,11 @@ def dkdv_kernel(cfg: BackwardConfig, causal: bool, atomic_dq: bool, window=None,
     attention_kernel`): ``window`` ``(left, right)`` (:func:`tilepy.tile.attention.
     key_window`; only the query blocks that see the key block are visited) and ``softcap``
     (> 0: Gemma 2's soft cap, its derivative chained into dS), ``mods`` ``(score_mod,
-    score_mod_grad, mask_mod[, n_args, alibi])``: the forward's user functions, the derivative
-    of its ``score_mod``, the number of ``mod_args`` they take and ALiBi
-    (:func:`tilepy.tile.attention_backward.score_functions`), whose run-time arguments are
-    ``hargs`` (the forward's; ``()`` without). ``varlen``: packed sequences, as the forward's
+    score_mod_grad, mask_mod[, n_args, alibi[, bits]])``: the forward's user functions, the
+    derivative of its ``score_mod``, the number of ``mod_args`` they take, ALiBi and whether a
+    block mask's bitmaps replace ``mask_mod`` (:func:`tilepy.tile.attention_backward.
+    score_functions`), whose run-time arguments are ``hargs`` (the forward's, then the
+    bitmaps; ``()`` without). ``varlen``: packed sequences, as the forward's
     (:func:`~tilepy.ops.attention_mma_sync.attention_kernel`): views of batch 1 holding the
     sequences along the sequence axis (``lse2`` / ``delta`` padded past the last row by at
     least ``block_m``), ``hargs`` ``((cu_seqlens_q, cu_seqlens_k), hook_args)``, grid z the

@@ -276,7 +276,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
     reading ``a_p`` or ``a_ds`` from the step before must have retired.
 
     ``causal``, ``window``, ``softcap``, ``mods`` (``(score_mod, score_mod_grad, mask_mod[,
-    n_args, alibi])``), ``sparse``: the variant, as
+    n_args, alibi[, bits]])``), ``sparse``: the variant, as
     :func:`tilepy.tile.attention_backward.key_block_scores` takes it."""
     left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
     return _key_block_products(cfg, left, right, cap, mods, bool(sparse))
@@ -567,7 +567,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
     producer and the consumers walk the same steps one after the other
     (:func:`tilepy.tile.attention_backward.query_steps`' ``first`` / ``advance``: a few
-    integers and scalar loads a step, within the producer's 24 registers).
+    integers and scalar loads a step, within the producer's 24 registers). Under a block mask
+    thread 0 counts the block's steps into shared memory before the first barrier, only the
+    producer walks the mask's lists (in :data:`WS_REGISTERS_SPARSE`'s 40 registers) and it
+    writes each step's query block and (head, partial) beside the step's ring slot, which the
+    consumers read once the slot is full.
     """
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
                              cfg.block_n)

@@ -264,37 +264,38 @@ def block_mask_kernel(visible, block_q: int, block_k: int, bits: bool = False):
     ``bits`` (``block_q`` and ``block_k`` multiples of 32): on a partial block each thread also
     writes its row's ``block_k / 32`` words of ``words`` (uint32 (batch, heads, rows, key
     words), zero-filled before: bit ``c`` of word ``kv // 32`` for ``kv = 32 · word + c``
-    visible; keys past ``sk`` and rows past ``sq`` 0), and, through shared memory, the
-    block's words of ``words_t`` (uint32 (batch, heads, keys, query words): bit ``i`` of word
-    ``q // 32`` for ``q = 32 · word + i``), the same bits by key. Not disk-cached (its closure
-    holds the user's function)."""
+    visible; keys past ``sk`` and rows past ``sq`` 0), and, through ``block_q`` words of
+    shared memory, the block's words of ``words_t`` (uint32 (batch, heads, keys, query words):
+    bit ``i`` of word ``q // 32`` for ``q = 32 · word + i``), the same bits by key. Not
+    disk-cached (its closure holds the user's function)."""
     BQ, BK, BITS = block_q, block_k, bits
     KW, QW = block_k // 32, block_q // 32
     one = np.uint32(1)
 
     @inline_device
     def write_bits(words, words_t, b, h, qb, r, kb, sq, sk, args):
+        # word by word: each thread its row's 32 keys, then (through a block_q-word tile of
+        # shared memory) thread 32·qw + c the word of key c over rows 32·qw … 32·qw + 31
         row = cuda.threadIdx.x
-        tile = cuda.shared.array((BQ, KW), np.uint32)
+        tile = cuda.shared.array(BQ, np.uint32)
+        c = row % 32
+        qw = row // 32
         for wd in range(KW):
             acc = np.uint32(0)
             key0 = np.int64(kb) * BK + 32 * wd
             if r < sq:
-                for c in range(32):
-                    if key0 + c < sk:
-                        if visible(b, h, r, key0 + c, args):
-                            acc |= one << np.uint32(c)
+                for j in range(32):
+                    if key0 + j < sk:
+                        if visible(b, h, r, key0 + j, args):
+                            acc |= one << np.uint32(j)
             words[b, h, r, np.int64(kb) * KW + wd] = acc
-            tile[row, wd] = acc
-        cuda.syncthreads()
-        for c in range(row, BK, BQ):    # the block's keys, by the block's threads in turn
-            for qw in range(QW):
-                acc = np.uint32(0)
-                for i in range(32):
-                    acc |= ((tile[32 * qw + i, c // 32] >> np.uint32(c % 32)) & one) \
-                        << np.uint32(i)
-                words_t[b, h, np.int64(kb) * BK + c, np.int64(qb) * QW + qw] = acc
-        cuda.syncthreads()   # (tile is rewritten by the next partial block)
+            tile[row] = acc
+            cuda.syncthreads()
+            acc = np.uint32(0)
+            for i in range(32):
+                acc |= ((tile[32 * qw + i] >> np.uint32(c)) & one) << np.uint32(i)
+            words_t[b, h, key0 + c, np.int64(qb) * QW + qw] = acc
+            cuda.syncthreads()   # (the tile is rewritten by the next word)
 
     @inline_device
     def run(sq, sk, num, idx, full_num, full_idx, args, words, words_t):
@@ -680,12 +681,15 @@ def compile_reports():
         _sparse_argtypes(bk.argtypes("dkdv")), (9, 0, "a"), threads=cfg.threads,
         launch_bounds=(cfg.threads, 1), config=cfg.describe(), smem_bytes=cfg.dkdv_layout.nbytes))
     n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
-    for bits in (False, True):
+    # (the bitmaps' kernel at the largest blocks: its shared memory grows with block_q)
+    for bits, block in ((False, 128), (True, 1024)):
         out.append(report_entry(
-            "block_mask_128x128" + ("_bits" if bits else ""),
-            lambda bits=bits: block_mask_kernel(mask_visible(_probe_causal), 128, 128, bits),
+            f"block_mask_{block}x{block}" + ("_bits" if bits else ""),
+            lambda bits=bits, block=block: block_mask_kernel(mask_visible(_probe_causal), block,
+                                                             block, bits),
             (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(()))
-            + ((types.Array(types.uint32, 4, "A"),) * 2 if bits else ()), (9, 0), threads=128))
+            + ((types.Array(types.uint32, 4, "A"),) * 2 if bits else ()), (9, 0),
+            threads=block))
     return out
 
 

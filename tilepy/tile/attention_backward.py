@@ -710,8 +710,8 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
       ``packed``), else (1, nq, 4) float32.
 
     ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`; ``softcap`` a float >= 0;
-    ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi])``; ``sparse``: under a
-    block mask (``part`` read). With none of them the code is plain causal's or full
+    ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi[, bits]])``
+    (:func:`variant_mods`); ``sparse``: under a block mask (``part`` read). With none of them the code is plain causal's or full
     attention's. Arguments a variant does not need are not read."""
     left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
     return _key_block_scores(int(nq), int(block_n), left, right, cap, mods, bool(sparse))
