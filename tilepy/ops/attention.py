@@ -604,11 +604,11 @@ def _run(Q, K, V, Out, lse, cfg, causal, scale, layout, device, fallback=False, 
     ``variant``: ``((left, right), cap, score_mod, mask_mod, n_args, alibi, bits)``, the
     kernels' window, soft cap, user functions, their number of ``mod_args``, ALiBi and
     whether the partial blocks read the block mask's bitmap (the hook's last argument) in
-    place of ``mask_mod`` (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs`` the hook's run-time
-    arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays among them, whose
-    pointers a bound plan takes after out's and lse's. ``sparse``: ``(mask_block, views,
-    Operands)`` of a block mask (the block-sparse kernel; its arrays' pointers after the
-    hook's), or None."""
+    place of ``mask_mod`` (:func:`tilepy.tile.attention.score_hook`), else None; ``hargs``
+    the hook's run-time arguments (:func:`hook_args`) and ``hops`` the Operands of the arrays
+    among them, whose pointers a bound plan takes after out's and lse's. ``sparse``:
+    ``(mask_block, views, Operands)`` of a block mask (the block-sparse kernel; its arrays'
+    pointers after the hook's), or None."""
     with arrays.on_device(device):
         views, reusable, copies = [], True, []
         for op in (Q, K, V):

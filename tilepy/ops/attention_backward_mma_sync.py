@@ -46,7 +46,6 @@ from ..ptx.asm import SIMULATOR
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
-from ..ptx.vector import ld_shared_b32, st_shared_b32
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
 from ..tile.attention import block_coords, limits_shape
 from ..tile.attention_backward import (
@@ -55,6 +54,7 @@ from ..tile.attention_backward import (
     key_block_scores,
     key_steps,
     query_block_scores,
+    counted_steps,
     query_steps,
     reads_hook,
     variant_mods,
@@ -477,7 +477,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     qblocks = query_blocks(BM, False, WIN, BN)
     # block-sparse: each head's query blocks from the transposed lists of this key block
     SPARSE = mask_block is not None
-    count_steps, step_of, first_step, _ = query_steps(BM, BN, mask_block)
+    _, step_of, first_step, _ = query_steps(BM, BN, mask_block)
+    count_steps = counted_steps(BM, BN, mask_block)
 
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
@@ -519,15 +520,10 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
         kbx = cuda.blockIdx.x
         if SPARSE:
             qmask = hargs[1]
-            # thread 0 counts: every thread's count kept the lists live (spills)
-            if tid == 0:
-                st_shared_b32(shared_addr(smem(), 0) + COUNT_OFF, np.uint32(count_steps(
-                    qmask, kbx, b, hq0, group, per_head)))
-            cuda.syncthreads()
-            steps = np.int64(ld_shared_b32(shared_addr(smem(), 0) + COUNT_OFF))
         else:
             qmask = 0
-            steps = count_steps(qmask, kbx, b, hq0, group, per_head)
+        steps = count_steps(shared_addr(smem(), 0) + COUNT_OFF, tid, qmask, kbx, b, hq0, group,
+                            per_head)
 
         dk_acc = cuda.local.array((1, NO, 4), np.float32)
         dv_acc = cuda.local.array((1, NO, 4), np.float32)

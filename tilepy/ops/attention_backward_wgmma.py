@@ -52,6 +52,7 @@ from ..tile.attention import block_coords, limits_shape
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
+    counted_steps,
     kernel_variant,
     key_block_coords,
     key_block_scores,
@@ -388,7 +389,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                                                                     SPARSE)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, False, WIN, BN)
-    count_steps, step_of, first_step, _ = query_steps(BM, BN, mask_block)
+    _, step_of, first_step, _ = query_steps(BM, BN, mask_block)
+    count_steps = counted_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
@@ -408,14 +410,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         shift = sk - sq
         qb0, per_head = qblocks(key0, sq, sk)
         hq0 = hk * group
-        if SPARSE:   # thread 0 counts: every thread's count would keep the lists live longer
-            if tid == 0:
-                st_shared_b32(shared_addr(smem(), 0) + COUNT_OFF, np.uint32(count_steps(
-                    qmask, kbx, b, hq0, group, per_head)))
-            cuda.syncthreads()
-            steps = np.int64(ld_shared_b32(shared_addr(smem(), 0) + COUNT_OFF))
-        else:
-            steps = count_steps(qmask, kbx, b, hq0, group, per_head)
+        steps = count_steps(shared_addr(smem(), 0) + COUNT_OFF, tid, qmask, kbx, b, hq0, group,
+                            per_head)
         dk_acc = cuda.local.array(ACC_O, np.float32)
         dv_acc = cuda.local.array(ACC_O, np.float32)
         for i in range(ACC_O):
@@ -630,7 +626,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                            cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(D)
     qblocks = query_blocks(BM, False, WIN, BN)
-    count_steps, _, first_step, advance = query_steps(BM, BN, mask_block)
+    _, _, first_step, advance = query_steps(BM, BN, mask_block)
+    count_steps = counted_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
@@ -764,14 +761,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             ring.init(base + BAR_OFF)
             mbarrier_init(base + BAR_OFF + KV_BAR, PT)
             fence_mbarrier_init()
-            if SPARSE:
-                st_shared_b32(base + BAR_OFF + COUNT, np.uint32(count_steps(
-                    qmask, kb, b, hk * group, group, per_head)))
         cuda.syncthreads()
-        if SPARSE:   # thread 0's count: every thread's would keep the lists live (~250 B)
-            steps = np.int64(ld_shared_b32(base + BAR_OFF + COUNT))
-        else:
-            steps = count_steps(qmask, kb, b, hk * group, group, per_head)
+        steps = count_steps(base + BAR_OFF + COUNT, tid, qmask, kb, b, hk * group, group,
+                            per_head)
         if c < 0:
             roles.enter_producer()
             if steps > 0:

@@ -59,7 +59,7 @@ from ..inline import device_namespace, inline_device
 from ..ptx.math import (cvt_bf16x2_f32, cvt_f16x2_f32, ex2_approx, tanh_approx,
                         unpack_f16x2_f32)
 from ..ptx.ldmatrix import stmatrix_x4_trans
-from ..ptx.vector import ld_shared_v2_f32, st_shared_v2_f32
+from ..ptx.vector import ld_shared_b32, ld_shared_v2_f32, st_shared_b32, st_shared_v2_f32
 from .attention import (bitmap_word, block_mask_row, key_block_at, key_block_partial, key_blocks,
                         key_window, mask_key_block)
 from .config import DTYPES
@@ -711,8 +711,9 @@ def key_block_scores(nq: int, block_n: int, causal: bool = False, window=None,
 
     ``causal`` / ``window`` as :func:`tilepy.tile.attention.key_window`; ``softcap`` a float >= 0;
     ``mods`` ``(score_mod, score_mod_grad, mask_mod[, n_args, alibi[, bits]])``
-    (:func:`variant_mods`); ``sparse``: under a block mask (``part`` read). With none of them the code is plain causal's or full
-    attention's. Arguments a variant does not need are not read."""
+    (:func:`variant_mods`); ``sparse``: under a block mask (``part`` read). With none of them
+    the code is plain causal's or full attention's. Arguments a variant does not need are not
+    read."""
     left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
     return _key_block_scores(int(nq), int(block_n), left, right, cap, mods, bool(sparse))
 
@@ -849,6 +850,32 @@ def query_steps(block_m: int, block_n: int, mask_block=None):
     if mask_block is None:
         return _dense_steps()
     return _sparse_steps(int(block_n), int(mask_block[1]), int(mask_block[0]) // int(block_m))
+
+
+def counted_steps(block_m: int, block_n: int, mask_block=None):
+    """``steps(addr, tid, qmask, kb, b, hq0, group, per_head) -> int64``: :func:`query_steps`'
+    count, the same in every thread of the block. Under a block mask thread ``tid == 0``
+    counts over the lists and leaves the count at shared address ``addr`` (4 bytes), and the
+    block synchronises before every thread reads it — so every thread of the block must call
+    it: a count made by each thread kept the lists' pointers and strides allocated through
+    the kernels' loops (spills). Dense: the count itself (``addr`` unread, no barrier)."""
+    return _counted_steps(query_steps(block_m, block_n, mask_block)[0], mask_block is not None)
+
+
+@functools.cache
+def _counted_steps(count, sparse: bool):
+    SPARSE = sparse
+
+    @inline_device
+    def steps(addr, tid, qmask, kb, b, hq0, group, per_head):
+        if SPARSE:
+            if tid == 0:
+                st_shared_b32(addr, np.uint32(count(qmask, kb, b, hq0, group, per_head)))
+            cuda.syncthreads()
+            return np.int64(ld_shared_b32(addr))
+        return np.int64(count(qmask, kb, b, hq0, group, per_head))
+
+    return steps
 
 
 @functools.cache
@@ -996,7 +1023,7 @@ def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
 
     return bounds, at, partial
 
-__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions",
+__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions", "counted_steps",
            "kernel_variant", "key_block_coords", "key_block_scores", "key_steps",
            "mask_keys_past", "mask_transposed", "mask_transposed_window", "query_block_scores",
            "query_blocks", "query_steps", "reads_hook", "row_state", "score_functions",
