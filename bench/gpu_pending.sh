@@ -70,6 +70,12 @@
 #                backward user-functions benchmark (causal / window mask_mod run block-sparse
 #                on the op's own mask: the spill fixes apply; the document mask with the
 #                function, the deterministic pair and the dense register split timed beside)
+#   PART=s39a    the swapped-operand GEMM of few rows (issue 27, WsConfig(swap_ab=True)): its GPU
+#                test through the op, the shape grid's rows 1, 16 and 64 with the swapped
+#                kernel and the one-wave configs timed beside (gemm.SWAP_SMALL_M flipped)
+#   PART=s39b    the swapped-operand configs swept (bench/sweep_gemm_grid.py --swapped: tiles of
+#                64 / 128 columns, stages, split-K 1 … 8, the op's choice beside) at rows 1, 16,
+#                32 over the grid's (N, K), and with a column-major B (a linear layer's weight)
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -428,6 +434,19 @@ fi
 if [[ " $PART " == *" s38c "* ]]; then
     gpu_tests block_mask_gpu 150 tests/test_ops_attention_block_mask.py
     bench_suite bench_backward_user 280 "test_flash_attention_backward_user_functions"
+    archive_logs
+fi
+if [[ " $PART " == *" s39a "* ]]; then
+    gpu_tests swapped_gemm_gpu 150 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_small_m 260 \
+        "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x or 64x)"
+    archive_logs
+fi
+if [[ " $PART " == *" s39b "* ]]; then
+    step sweep_swapped 330 "$PY" bench/sweep_gemm_grid.py --swapped --ms 1,16,32 \
+        --json "$OUT/sweep_swapped.json"
+    step sweep_swapped_bcol 150 "$PY" bench/sweep_gemm_grid.py --swapped --bcol --ms 16 \
+        --nk 4096x4096,4096x14336 --json "$OUT/sweep_swapped_bcol.json"
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then

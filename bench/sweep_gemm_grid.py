@@ -5,6 +5,11 @@ run: what ``gemm.hopper_config`` should pick for which shape.
     python bench/sweep_gemm_grid.py [--json FILE] [--dtype bfloat16] [--ms 1,16,128]
         [--nk 4096x4096,14336x4096] [--large]
 
+``--swapped``: instead, the swapped-operand configs of few rows (``WsConfig(swap_ab=True)``:
+64- or 128-column tiles of outᵀ over the rows rounded up to 16, 32 or 64, stages, split-K
+1 … 8) and the op's current choice for the shape. ``--bcol``: B as a transposed view of a
+row-major (N, K) tensor (a linear layer's weight) instead of a row-major (K, N) one.
+
 ``--large``: instead of the small-problem candidates, the persistent tile shapes a problem of
 many tiles could take — 128 × 256 (the default), 128 × 192 and 128 × 128 with the TMA-store
 epilogue, 256 × 128 with the staged one — for shapes whose 128 × 256 tiles leave the last
@@ -45,6 +50,29 @@ def candidates(dtype, m):
     return out
 
 
+def swapped_candidates(dtype, m):
+    """(name, config) pairs: swapped-operand tiles (64 or 128 of B's columns × the rows rounded
+    up), stage counts, split-K 1 … 8; the op's rule (``gemm.swapped_config``) among them."""
+    from tilepy.ops.gemm_wgmma_ws import SWAP_BLOCK_N, WsConfig
+
+    bn = next(w for w in SWAP_BLOCK_N if m <= w)
+    out = []
+    for bm, stages in ((64, (4, 8)), (128, (6,))):
+        for st in stages:
+            for s in (1, 2, 4, 8):
+                out.append((f"swap {bm}x{bn} s{st} split{s}",
+                            WsConfig(bm, bn, st, dtype, consumers=bm // 64, splits=s,
+                                     swap_ab=True)))
+    return out
+
+
+def op_choice(dtype, m, n, k):
+    """("op's choice", the config tilepy.gemm takes for this shape)."""
+    from tilepy.ops import gemm as g
+
+    return ("op's choice", g.hopper_config(m, n, 1, dtype, k=k))
+
+
 def large_candidates(dtype):
     """(name, config) pairs: persistent tile shapes for problems of many tiles."""
     from tilepy.ops.gemm_wgmma_ws import WsConfig
@@ -65,6 +93,10 @@ def main():
     p.add_argument("--nk", help="comma-separated NxK pairs (default: the grid's)")
     p.add_argument("--large", action="store_true",
                    help="the persistent tile shapes of problems of many tiles")
+    p.add_argument("--swapped", action="store_true",
+                   help="the swapped-operand configs of few rows")
+    p.add_argument("--bcol", action="store_true",
+                   help="B a transposed view of a row-major (N, K) tensor")
     args = p.parse_args()
     ms = tuple(int(x) for x in args.ms.split(",")) if args.ms else MS
     nks = tuple(tuple(int(v) for v in x.split("x")) for x in args.nk.split(",")) \
@@ -81,7 +113,8 @@ def main():
     del x
     rows, errors = [], []
     for n, k in nks:
-        b = torch.randn(k, n, device="cuda", dtype=tdt)
+        b = torch.randn(n, k, device="cuda", dtype=tdt).t() if args.bcol else \
+            torch.randn(k, n, device="cuda", dtype=tdt)
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=tdt)
             out = torch.empty(m, n, device="cuda", dtype=tdt)
@@ -89,8 +122,9 @@ def main():
             flop = 2 * m * n * k
             peer_ms = graph_ms(torch, lambda: torch.matmul(a, b, out=out))
             best = None
-            for name, cfg in (large_candidates(args.dtype) if args.large
-                              else candidates(args.dtype, m)):
+            cands = large_candidates(args.dtype) if args.large else \
+                swapped_candidates(args.dtype, m) if args.swapped else candidates(args.dtype, m)
+            for name, cfg in cands + [op_choice(args.dtype, m, n, k)]:
                 try:
                     err = poisoned_check(
                         torch, lambda: tilepy.gemm(a, b, out=out, config=cfg), out, ref)
@@ -103,6 +137,7 @@ def main():
                     continue
                 row = {"shape": [m, n, k], "dtype": args.dtype, "config": name,
                        "describe": cfg.describe(), "ms": t, "tflops": flop / t / 1e9,
+                       "b_layout": "col" if args.bcol else "row",
                        "peer": "torch.matmul (cuBLAS)", "peer_ms": peer_ms,
                        "peer_tflops": flop / peer_ms / 1e9, "ratio": peer_ms / t,
                        "rel_err": err, "timing": f"CUDA-graph replays of {CALLS} calls"}

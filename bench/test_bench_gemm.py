@@ -191,8 +191,11 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
     finally:
         op.PDL_TRIGGER = trigger
     cfg = op.hopper_config(m, n, 1, "bfloat16", k=k)
-    if cfg is not None and getattr(cfg, "splits", 1) > 1:   # split-K: the other reduction
+    if cfg is not None and getattr(cfg, "splits", 1) > 1 and not cfg.swap_ab:
+        # split-K: the other reduction
         flipped("SPLIT_CLUSTER", "tilepy, cluster split-K", "tilepy, workspace split-K")
+    if m <= op.SWAP_MAX_M:   # few rows: the swapped-operand kernel (or not) beside
+        flipped("SWAP_SMALL_M", "tilepy, swapped", "tilepy, not swapped")
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
                       gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
                       table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "
@@ -370,7 +373,8 @@ def test_grouped_gemm_weight_grad(benchmark, record, torch, gpu_name):
     timings = {"tilepy, one launch": gpu_time(torch, one), "cuBLAS loop": gpu_time(torch, loop),
                "tilepy, per group": gpu_time(torch, per_group)}
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings,
-                      main="cuBLAS loop", notes=notes, gpu=gpu_name, dtype="bfloat16",
+                      main="cuBLAS loop", ours="tilepy, one launch", notes=notes, gpu=gpu_name,
+                      dtype="bfloat16",
                       shape=f"E{e} M{m} K{k} N{n}", table="Grouped GEMM, gradient in b",
                       case=f"{e} experts, {m} rows, K{k} N{n} bfloat16",
                       sizes=[int(x) for x in sizes])

@@ -333,6 +333,98 @@ def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue, block
 
 
 @pytest.mark.sim
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,tile,splits,m,extra", [
+    ("float16", "row", (64, 16), 1, 13, {}),
+    ("bfloat16", "col", (128, 32), 2, 20, {"epilogue": True}),
+    ("float16", "row", (128, 64), 3, 40, {"batch": 2, "persistent": True}),
+    pytest.param("bfloat16", "col", (64, 16), 4, 1, {"batch": 2}, marks=pytest.mark.extended)],
+    ids=["f16-row-m13", "bf16-col-two-consumers-split2-fused", "f16-row-batched-persistent",
+         "bf16-col-m1-batched-split4"])
+def test_swapped_operands(dtype, b_layout, tile, splits, m, extra):
+    """``swap_ab``: outᵀ = bᵀ · aᵀ, B's columns on the wgmma's 64-row side (a row-major B as
+    the MN-major A operand, a column-major one K-major), the few rows of ``a`` on its n side
+    of 16, 32 or 64, the register epilogue writing the tile transposed. N = 150 (partial
+    64-column tiles), K = 200 (four k steps, the last partial, through two stages), out
+    poisoned; split-K's partials summed by each tile's last item; the fused epilogue (bias
+    along out's columns, c, alpha, beta, GELU into float32); a batched A times a broadcast B
+    on a persistent grid of 2 blocks."""
+    rng = np.random.default_rng()
+    extra = dict(extra)
+    fused, batch = extra.pop("epilogue", False), extra.pop("batch", 1)
+    bm, bn = tile
+    n, k = 150, 200
+    lead = (batch,) if batch > 1 else ()
+    a = padded(rng, (*lead, m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    cfg = WsConfig(bm, bn, 2, dtype, consumers=bm // 64, splits=splits, swap_ab=True, **extra)
+    kw, ref = {}, matmul64(a, b)
+    out = padded_out((*lead, m, n), np.float32 if fused else NP[dtype])
+    if fused:
+        bias = rng.standard_normal(n).astype(np.float32)
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        kw = dict(bias=bias, c=c, alpha=2.0, beta=0.5, activation="gelu")
+        pre = 2.0 * ref + 0.5 * c + bias
+        ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    plan, args = run(cfg, a, b, out, b_layout, sms=2 if cfg.persistent else None, **kw)
+    check(out, ref, dtype)
+    tiles = -(-n // bm) * -(-m // bn) * batch
+    assert plan.grid[0] == (2 if cfg.persistent else tiles * splits // batch)
+    if splits > 1:   # the semaphores are back at zero; a second launch gives the same bits
+        assert not np.asarray(plan.counter_for(0)).any()
+        first = out.copy()
+        out[:] = np.nan
+        plan.launch(0, args)
+        assert np.array_equal(out.view(np.uint8), first.view(np.uint8))
+
+
+def test_swapped_config_validation_grid_and_maps():
+    """``swap_ab`` takes block_n 16, 32 or 64, 64 rows a consumer, no cluster and the register
+    epilogue; its grid counts tiles of out's columns × rows; its maps are B's (64-row side:
+    64 × 64 boxes of a row-major B, block_m × 64 of a column-major one) then A's (block_n ×
+    64); the op's rule (:func:`tilepy.ops.gemm.swapped_config`) sizes the tile to the rows and
+    splits K while the items stay within two an SM."""
+    from tilepy.ops import gemm as g
+
+    for bad in ({"block_n": 128}, {"block_n": 8}, {"block_m": 128, "consumers": 1},
+                {"smem_epilogue": True}, {"splits": 2, "split_cluster": True}):
+        kw = {"block_m": 64, "block_n": 16, "consumers": 1, "swap_ab": True, **bad}
+        with pytest.raises(ValueError, match="swap_ab|rows per consumer"):
+            WsConfig(**kw)
+    cfg = WsConfig(64, 16, 8, consumers=1, splits=4, swap_ab=True)
+    assert "operands swapped" in cfg.describe()
+    assert ws.grid(cfg, 16, 4096) == (64 * 4, 1)              # 64 column tiles x 4 splits
+    assert ws.grid(cfg, 40, 4096, 2) == (64 * 3 * 4, 2)       # 3 row tiles of 16, batch 2
+    a = np.zeros((1, 16, 4096), np.uint16)
+    la, lb = ws.layouts(cfg, True, a, np.zeros((1, 4096, 1024), np.uint16))
+    assert la[2] == (16, 64) and lb[2] == (64, 64)
+    _, lb = ws.layouts(cfg, False, a, np.zeros((1, 1024, 4096), np.uint16))
+    assert lb[2] == (64, 64)
+    _, lb = ws.layouts(WsConfig(128, 32, 4, swap_ab=True), False, a,
+                       np.zeros((1, 1024, 4096), np.uint16))
+    assert lb[2] == (128, 64)
+    assert g.swapped_config(16, 4096, 4096, 1, "bfloat16") == WsConfig(
+        64, 16, 8, "bfloat16", consumers=1, splits=4, swap_ab=True)
+    big = g.swapped_config(64, 28672, 8192, 1, "bfloat16")     # 448 tiles: no split
+    assert (big.block_n, big.splits, big.stages) == (64, 1, 7)
+    assert g.swapped_config(1, 4096, 256, 1, "float16").splits == 1   # 4 k steps only
+
+
+@pytest.mark.sim
+def test_swapped_config_through_the_op():
+    """``tilepy.gemm(..., config=WsConfig(swap_ab=True))``: one row times a column-major B
+    (a transposed view) with a bias, c and beta — the op passes the views and the maps in
+    the swapped order."""
+    rng = np.random.default_rng()
+    a = rng.standard_normal((1, 72)).astype(np.float16)
+    bt = rng.standard_normal((80, 72)).astype(np.float16)
+    bias = rng.standard_normal(80).astype(np.float16)
+    c = rng.standard_normal((1, 80)).astype(np.float16)
+    cfg = WsConfig(64, 16, 2, consumers=1, swap_ab=True)
+    got = tilepy.gemm(a, bt.T, bias=bias, c=c, beta=0.5, config=cfg)
+    check(got, matmul64(a, bt.T) + bias.astype(np.float64) + 0.5 * c, "float16")
+
+
 def test_tma_store_through_the_op():
     """tilepy.gemm with a tma_store config: the op encodes the output's tensor map; an out
     TMA cannot store (rows of 100 halves: 200 bytes) or a float32 out is refused before
@@ -805,6 +897,23 @@ def test_dependent_launch_kernel_waits_before_global_memory(reports, small_repor
         assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
 
 
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_swapped_kernels_compile_without_spills(small_reports):
+    """``swap_ab``: m64n16 / m64n32 wgmmas, A (B's columns) transposed from a row-major B and
+    K-major from a column-major one, B (the rows) K-major; no spill, none serialised."""
+    forms = {"gemm_ws_64x16_brow_swap_splitk4":
+             ["wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 1,1,1,0"],
+             "gemm_ws_64x32_bcol_swap_splitk2_bias_gelu":
+             ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 1,1,0,0"]}
+    for name, want in forms.items():
+        rep = small_reports[name]
+        assert "error" not in rep, rep.get("error")
+        assert rep["wgmma_forms"] == want, rep["wgmma_forms"]
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["ptxas_log"]
+        assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
+
+
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
 # stages (not persistent), and two per staging pass (float32 out: two passes)
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,
@@ -924,6 +1033,42 @@ def _gpu_run(torch, cfg, a, b, b_col, bias=None):
     plan.launch(0, args)
     torch.cuda.synchronize()
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_swapped_operands_through_the_op(monkeypatch, dtype):
+    """``tilepy.gemm`` with :data:`tilepy.ops.gemm.SWAP_SMALL_M` on: rows 1 … 64 (tiles of 16,
+    32 and 64 rows of outᵀ, split-K as the rule chooses) at Llama's (N, K) and at odd N, K,
+    both B layouts, plain and with a bias + GELU, against float64; a split config's result
+    the same bits on a second call (the ordered sum of the partials)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    from tilepy.ops import gemm as g
+
+    monkeypatch.setattr(g, "SWAP_SMALL_M", True)
+    tdt = getattr(torch, dtype)
+    for m, n, k, b_col in ((1, 4096, 4096, False), (16, 4096, 4096, True),
+                           (7, 14336, 4096, False), (33, 4096, 14336, True),
+                           (64, 1000, 776, False), (20, 1000, 776, True)):
+        cfg = g.swapped_config(m, n, k, 1, dtype)
+        a = _padded(torch, m, k, tdt)
+        b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
+        ref = a.double() @ b.double()
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
+        tilepy.gemm(a, b, out=out)
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < TOL[dtype], (m, n, k, b_col, cfg.describe(), err)
+        if cfg.splits > 1:
+            first = out.clone()
+            tilepy.gemm(a, b, out=out)
+            assert torch.equal(out.view(torch.int16), first.view(torch.int16)), cfg.describe()
+        bias = torch.randn(n, device="cuda", dtype=tdt)
+        got = tilepy.gemm(a, b, bias=bias, activation="gelu")
+        want = torch.nn.functional.gelu(ref + bias.double())
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < TOL[dtype], ("bias+gelu", m, n, k, b_col, err)
 
 
 @pytest.mark.gpu

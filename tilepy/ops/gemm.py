@@ -75,6 +75,34 @@ PDL_TRIGGER = "late"
 SPLIT_CLUSTER = False
 
 
+#: Few rows (m ≤ :data:`SWAP_MAX_M`): the warp-specialised kernel with its operands swapped
+#: (:func:`swapped_config`: outᵀ = bᵀ · aᵀ, B's columns on the wgmma's 64-row side, the rows on
+#: its n side of 16, 32 or 64), instead of a 64-row tile mostly of padding. Off until a GPU
+#: run has measured it against the one-wave configs (bench/NOTES.md: small M).
+SWAP_SMALL_M = False
+SWAP_MAX_M = 64
+#: Shared memory a swapped config's stage ring may take: two blocks an SM.
+SWAP_STAGE_BUDGET = 112 * 1024
+
+
+def swapped_config(m: int, n: int, k: int, batch: int, dtype: str):
+    """The swapped-operand config of a problem of few rows (``m`` ≤ :data:`SWAP_MAX_M`): tiles
+    of 64 of B's columns × the rows rounded up to 16, 32 or 64; as many stages as
+    :data:`SWAP_STAGE_BUDGET` holds (at most 8); split-K (2, 4 or 8) while the work items stay
+    within two a SM and each keeps at least four k steps of 64 — the problem is bound by
+    reading B, which needs loads in flight on every SM."""
+    bn = next(w for w in ws.SWAP_BLOCK_N if m <= w)
+    stage = (64 + bn) * ws.BK * 2
+    tiles = tile_count(n, m, 64, bn, batch)
+    ksteps = -(-k // ws.BK)
+    splits = 1
+    for s in (2, 4, 8):
+        if tiles * s <= 2 * SMS and ksteps >= 4 * s:
+            splits = s
+    return ws.WsConfig(64, bn, min(8, SWAP_STAGE_BUDGET // stage), dtype, consumers=1,
+                       splits=splits, swap_ab=True)
+
+
 def tile_count(m: int, n: int, bm: int, bn: int, batch: int = 1) -> int:
     """The ``bm`` × ``bn`` tiles of ``batch`` (m, n) outputs."""
     return -(-m // bm) * -(-n // bn) * batch
@@ -183,7 +211,9 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
                   k: int | None = None):
     """The wgmma kernel's config on a compute capability 9.0 GPU; None elsewhere (and always
     with ``TILEPY_HOPPER=0``). A problem of fewer 128 × 256 tiles than SMs takes
-    :func:`one_wave_config` when ``k`` is given and a config fills a wave; else a problem big
+    :func:`one_wave_config` when ``k`` is given and a config fills a wave (with
+    :data:`SWAP_SMALL_M`, one of at most :data:`SWAP_MAX_M` rows :func:`swapped_config`); else
+    a problem big
     enough to fill the SMs with this kernel's tiles takes them (128 × 256 or, where its last
     wave would be mostly empty, 128 × 128: :func:`waves_config`); else None (mma.sync).
     ``tma_store=False``: the staged epilogue of 16-byte stores instead of the TMA-store one —
@@ -192,6 +222,8 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
     shared memory; the TMA-store epilogue was slower there)."""
     if arrays.SIMULATOR or dtype == "float32" or not launch.is_hopper():
         return None
+    if SWAP_SMALL_M and k is not None and m <= SWAP_MAX_M:
+        return swapped_config(m, n, k, batch, dtype)
     if k is not None and few_tiles(m, n, batch):
         cfg = one_wave_config(m, n, k, batch, dtype, tma_store)
         if cfg is not None:
@@ -270,7 +302,7 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fo, po = arrays.fingerprint(out)
     cached, key = _PLANS.lookup(
         (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL,
-         PDL_TRIGGER, SPLIT_CLUSTER))
+         PDL_TRIGGER, SPLIT_CLUSTER, SWAP_SMALL_M))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,

@@ -96,6 +96,8 @@ SMS = 132         # H200; the persistent grid's default when the device is not a
 MAP_B = np.uint64(128)
 MAP_OUT = np.uint64(256)
 _REG_FILE = 65536
+#: ``WsConfig(swap_ab=True)``'s tile widths over the output's rows
+SWAP_BLOCK_N = (16, 32, 64)
 TMA_PASS_COLUMNS = 128  # tma_store: columns staged per pass (two 64 × 64 boxes)
 
 
@@ -148,6 +150,17 @@ class WsConfig:
     accumulators into the first's freed stage buffers, which adds them in split order (the
     same bits every run) and runs the epilogue — no workspace, semaphore or global round
     trip; the splits of a tile wait for each other at the cluster barrier.
+
+    ``swap_ab`` (for few rows: M at most ``block_n``): the kernel computes ``outᵀ = bᵀ · aᵀ``
+    — the wgmma's 64-row side runs over the output's columns (B's n) and its n side, only
+    ``block_n`` (16, 32 or 64) wide, over the output's rows, so a 16-row problem is not a
+    64-row tile of which three quarters is padding. A stage is B's ``block_m`` × 64 k (a
+    row-major B: ``block_m / 64`` boxes of 64 k × 64 n, the MN-major A operand; a
+    column-major one: one K-major box) then A's ``block_n`` rows × 64 k (K-major); a tile is
+    ``block_m`` of the output's columns × ``block_n`` of its rows, and the register epilogue
+    writes it transposed (bias along the tile's rows). One block per work item or
+    persistent, with ``splits`` or without; 64 rows a consumer, no cluster, no staged or TMA
+    epilogue.
     """
 
     block_m: int = 128
@@ -163,6 +176,7 @@ class WsConfig:
     cluster: int = 1
     splits: int = 1
     split_cluster: bool = False
+    swap_ab: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -184,14 +198,22 @@ class WsConfig:
                  f"split_cluster: the other splits' {self.split_region_bytes} B of "
                  f"accumulators do not fit in the {self.stages * self.stage_bytes} B of stage "
                  f"buffers they are stored into")
-        need(self.block_n % (64 * self.cluster) == 0, f"cluster={self.cluster}: block_n must "
-             f"be a multiple of {64 * self.cluster} (each block loads an equal share of B's "
-             "64-column boxes)")
+        need(self.swap_ab or self.block_n % (64 * self.cluster) == 0, f"cluster="
+             f"{self.cluster}: block_n must be a multiple of {64 * self.cluster} (each block "
+             "loads an equal share of B's 64-column boxes)")
         need(self.consumers in (1, 2), "consumers must be 1 or 2")
         need(self.block_m in (64, 128, 256) and self.block_m % self.consumers == 0
              and self.block_m // self.consumers in (64, 128),
              "block_m / consumers (rows per consumer warpgroup) must be 64 or 128")
-        need(self.block_n in (64, 128, 192, 256), "block_n must be 64, 128, 192 or 256")
+        if self.swap_ab:
+            need(self.block_n in SWAP_BLOCK_N, f"swap_ab: block_n (the output rows of a tile) "
+                 f"must be one of {SWAP_BLOCK_N}")
+            need(self.rows_per_consumer == 64 and self.cluster == 1 and not self.smem_epilogue
+                 and not self.split_cluster,
+                 "swap_ab: 64 rows a consumer, no cluster, the register epilogue, split-K "
+                 "through the workspace")
+        else:
+            need(self.block_n in (64, 128, 192, 256), "block_n must be 64, 128, 192 or 256")
         need(self.rows_per_consumer // 64 * self.block_n <= 256,
              "a consumer's accumulators exceed 128 registers per thread (rows per consumer "
              "× block_n must be at most 64 × 256)")
@@ -313,6 +335,8 @@ class WsConfig:
                 + (f", clusters of {self.cluster} (B multicast)" if self.cluster > 1 else "")
                 + (f", split-K {self.splits}" if self.splits > 1 else "")
                 + (" reduced in a cluster" if self.split_cluster else "")
+                + (", operands swapped (the tile's rows are out's columns)"
+                   if self.swap_ab else "")
                 + (f", smem epilogue ({self.epilogue_bytes // 1024} KB"
                    + (" own buffer)" if self.persistent else " in the stages)")
                    if self.smem_epilogue else ""))
@@ -336,8 +360,12 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     :mod:`tilepy.tile.schedule` namespace). ``za`` / ``zb``: the operands' batch extents (1:
     a 2-D map, broadcast). A stage is the A box (``block_m`` × 64 k, K-major) then B's
     (row-major B: ``block_n / 64`` boxes of 64 k × 64 n; column-major: ``block_n`` × 64 k),
-    all 128-byte swizzled; with a cluster each block loads its share of B, multicast."""
+    all 128-byte swizzled; with a cluster each block loads its share of B, multicast. With
+    ``cfg.swap_ab`` the maps hold B's map first and A's second, and a stage is B's ``block_m``
+    columns × 64 k (row-major B: ``block_m / 64`` boxes of 64 k × 64 n; column-major: one
+    K-major box) then A's ``block_n`` rows × 64 k."""
     BM, BN, CL = cfg.block_m, cfg.block_n, cfg.cluster
+    SWAP = cfg.swap_ab
     A_BYTES = BM * BK * 2
     STAGE_BYTES = cfg.stage_bytes
     CL_MASK = (1 << CL) - 1        # multicast to every block of the cluster
@@ -350,6 +378,9 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     ring = stage_ring(cfg)
     load_a = tma_tile(1, A_BYTES)
     load_b = tma_tile(NJ_CL, 8192) if b_row_major else tma_tile(1, B_SHARE)
+    if SWAP:   # the 64-row side from B, the n side from A (both maps in the order loaded)
+        load_a = tma_tile(BM // 64, 8192) if b_row_major else tma_tile(1, A_BYTES)
+        load_b = tma_tile(1, BN * BK * 2)
     item = split_range(cfg.splits)
 
     @inline_device
@@ -372,14 +403,21 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
                 full = ring.commit(bars, s, STAGE_BYTES)
                 stage = base + STAGES + s * STAGE_BYTES
                 k0 = kt * BK
-                load_a.load(stage, ta, full, k0, bm0, z_a, za != 1)
-                dst = stage + A_BYTES + rank * B_SHARE
-                bx = bn0 + rank * B_X if b_row_major else k0
-                by = k0 if b_row_major else bn0 + rank * B_Y
-                if CL > 1:
-                    load_b.load_multicast(dst, tb, full, bx, by, z_b, zb != 1, CL_MASK)
+                if SWAP:   # B's block_m columns (ta: B's map), then A's block_n rows
+                    if b_row_major:
+                        load_a.load(stage, ta, full, bm0, k0, z_b, zb != 1)
+                    else:
+                        load_a.load(stage, ta, full, k0, bm0, z_b, zb != 1)
+                    load_b.load(stage + A_BYTES, tb, full, k0, bn0, z_a, za != 1)
                 else:
-                    load_b.load(dst, tb, full, bx, by, z_b, zb != 1)
+                    load_a.load(stage, ta, full, k0, bm0, z_a, za != 1)
+                    dst = stage + A_BYTES + rank * B_SHARE
+                    bx = bn0 + rank * B_X if b_row_major else k0
+                    by = k0 if b_row_major else bn0 + rank * B_Y
+                    if CL > 1:
+                        load_b.load_multicast(dst, tb, full, bx, by, z_b, zb != 1, CL_MASK)
+                    else:
+                        load_b.load(dst, tb, full, bx, by, z_b, zb != 1)
                 s, ph = ring.advance(s, ph)
 
     return produce
@@ -428,8 +466,12 @@ def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
     lay = cfg.layout
     STAGES, BARS = lay.offset("stages"), lay.offset("barriers")
     ring = stage_ring(cfg)
-    wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "mn" if b_row_major else "k"),
-                         SmemOperand(BM, BK, "k"), cfg.dtype)
+    if cfg.swap_ab:   # B's columns the 64-row side (MN-major from a row-major B), A's rows n
+        wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "k"),
+                             SmemOperand(BM, BK, "mn" if b_row_major else "k"), cfg.dtype)
+    else:
+        wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "mn" if b_row_major else "k"),
+                             SmemOperand(BM, BK, "k"), cfg.dtype)
 
     @inline_device
     def run(acc0, acc1, base, s, ph, cw, ktiles, lane):
@@ -517,6 +559,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     S = cfg.splits
     item = split_range(S)
     SPLIT_CLUSTER = cfg.split_cluster
+    SWAP = cfg.swap_ab
     if S > 1 and SPLIT_CLUSTER:   # the tile's splits a cluster; partials into split 0's stages
         split_k = split_k_cluster_reduce(S, NACC // 4, NACC1 // 4 if CM == 128 else 0,
                                          CONSUMER_THREADS, cfg.named_barriers.ids["consumers"])
@@ -544,11 +587,19 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             pass
 
     @inline_device
+    def extent(a, b):
+        # the tiles' rows and columns: out's (m, n), or with swap_ab (n, m)
+        m = a.shape[1]
+        n = b.shape[2] if b_row_major else b.shape[1]
+        if SWAP:
+            return n, m
+        return m, n
+
+    @inline_device
     def consume(base, a, b, out, c, bias, alpha, beta, cw, m_tiles, n_tiles, total, ktiles,
                 w0, step, maps, counters, partials, tr):
         """Consumer warpgroup ``cw``: rows ``cw · CM …`` of every work item of the block."""
-        m = a.shape[1]
-        n = b.shape[2] if b_row_major else b.shape[1]
+        m, n = extent(a, b)
         tid = cuda.threadIdx.x
         lane = tid % 32
         scratch = base + TRACE_OFF
@@ -618,8 +669,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
 
     @inline_device
     def body(a, b, out, c, bias, alpha, beta, maps, counters, partials, tr):
-        m = a.shape[1]
-        n = b.shape[2] if b_row_major else b.shape[1]
+        m, n = extent(a, b)
         m_tiles = (m + BM * CL - 1) // (BM * CL)   # (blocks of a cluster's rows)
         n_tiles = (n + BN - 1) // BN
         total = m_tiles * n_tiles * out.shape[0] * S
@@ -692,7 +742,8 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
       after the last.
 
     Which one, by the config: straight from the registers (:func:`~tilepy.tile.epilogue.
-    store_accumulators`); ``smem_epilogue``: staged through shared memory, 16-byte stores of
+    store_accumulators`; with ``swap_ab`` transposed, the tile being of ``outᵀ``);
+    ``smem_epilogue``: staged through shared memory, 16-byte stores of
     whole rows (:func:`~tilepy.tile.epilogue.store_accumulators_smem`; without ``persistent``
     in the stage buffers, after a named barrier of all consumers, and with the bias in shared
     memory); ``tma_store``: staged 128-byte-swizzled, in passes of up to 128 columns, and
@@ -713,7 +764,7 @@ def _epilogue(cfg: WsConfig, out_kind: str, activation, has_bias: bool, has_c: b
     WG0 = bars.ids["warpgroup"]
     CONSUMER_THREADS = NC * WARPGROUP
     f32 = types.float32
-    store = store_accumulators(1, NI, out_kind, activation, has_bias, has_c)
+    store = store_accumulators(1, NI, out_kind, activation, has_bias, has_c, cfg.swap_ab)
     store_smem = store_accumulators_smem(MW, NI, out_kind, activation, has_bias, has_c,
                                          bias_in_smem=BIAS_SMEM)
     PASS_NI = min(NI, TMA_PASS_COLUMNS // 8)      # tma_store: n8 blocks per staging pass
@@ -814,20 +865,22 @@ def _map_layout(view, box_rows: int):
 
 def encode_maps(cfg: WsConfig, b_row_major: bool, a_ptr: int, a_layout, b_ptr: int, b_layout):
     """The 256 bytes (uint8) of the A and B tensor maps for operands at ``a_ptr`` / ``b_ptr``
-    with the ``_map_layout`` layouts (shape, strides, box)."""
+    with the ``_map_layout`` layouts (shape, strides, box) — B's first with ``swap_ab``."""
     dt = cfg.dtype
     ma = host_tma.encode_tiled(a_ptr, dt, *a_layout, swizzle=128)
     mb = host_tma.encode_tiled(b_ptr, dt, *b_layout, swizzle=128)
-    return np.concatenate([ma.data, mb.data])
+    return np.concatenate([mb.data, ma.data] if cfg.swap_ab else [ma.data, mb.data])
 
 
 def layouts(cfg: WsConfig, b_row_major: bool, a, b):
     """The (shape, strides, box) of the A and B tensor maps of 3-D kernel views ``a``, ``b``;
     raises ValueError for operands TMA cannot describe (the op then has to copy them)."""
-    a_layout = _map_layout(a, cfg.block_m)
+    # (swap_ab: A's rows on the tile's n side, B's columns on its 64-row side)
+    a_layout = _map_layout(a, cfg.block_n if cfg.swap_ab else cfg.block_m)
     # row-major B: boxes of 64 k rows × 64 n (MN-major atoms); column-major: block_n × 64 k
-    # (with a cluster, each block loads its share of the block_n rows)
-    b_layout = _map_layout(b, BK if b_row_major else cfg.block_n // cfg.cluster)
+    # (with a cluster, each block loads its share of the block_n rows; swap_ab: block_m)
+    b_layout = _map_layout(b, BK if b_row_major else cfg.block_m if cfg.swap_ab else
+                           cfg.block_n // cfg.cluster)
     for name, (shape, strides, _) in (("a", a_layout), ("b", b_layout)):
         for s in strides[:-1]:
             if s % 16 or s <= 0:
@@ -876,6 +929,8 @@ def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
     clusters, x counts whole clusters' blocks, and a persistent grid is at most ``clusters``
     clusters (those the device runs at once)."""
     cl = cfg.cluster
+    if cfg.swap_ab:   # the tiles run over out's columns × its rows
+        m, n = n, m
     tiles = -(-m // (cfg.block_m * cl)) * -(-n // cfg.block_n) * cfg.splits  # per cluster
     if not cfg.persistent:
         return (tiles * cl, batch)
@@ -985,6 +1040,8 @@ def split_scratch(cfg: WsConfig, m: int, n: int, batch: int, alloc=None):
     (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of every item's tile)."""
     if cfg.splits == 1 or cfg.split_cluster:
         return None
+    if cfg.swap_ab:
+        m, n = n, m
     tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
     counter_bytes = -(-4 * tiles // 256) * 256
     row = 4 * WARPGROUP * cfg.consumers            # floats per partials row
@@ -1090,6 +1147,11 @@ def kernel_report(name: str, kern, cfg: WsConfig, out_kind: str, order=None) -> 
                                          "st.shared", "barrier.cluster", "mapa.",
                                          "stmatrix", "griddepcontrol.", "atom."))})
     d["timer_reads"] = rep.ptx.count("%globaltimer")   # a traced kernel's marks only
+    # each wgmma's shape and types with its last four immediates (ss form: scale-a, scale-b,
+    # trans-a, trans-b)
+    d["wgmma_forms"] = sorted({ln.split()[0] + " " + ",".join(
+        x.strip() for x in ln.rstrip(";").split(",")[-4:])
+        for ln in (x.strip() for x in rep.ptx.splitlines()) if ln.startswith("wgmma.mma_async")})
     if order:
         lines = [ln.strip() for ln in d.pop("ptx").splitlines()]
         at = {k: [i for i, ln in enumerate(lines) if ln.startswith(v)] for k, v in order.items()}
@@ -1128,8 +1190,18 @@ def compile_reports_small():
                           "float16", order=marks)
             for pdl in ("early", "late")]
     cl = WsConfig(64, 128, 8, consumers=1, smem_epilogue=True, splits=4, split_cluster=True)
-    return reps + [kernel_report("ws_64x128_bcol_splitk4_cluster",
-                                 wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16")]
+    reps.append(kernel_report("ws_64x128_bcol_splitk4_cluster",
+                              wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16"))
+    # the swapped operands of few rows (swap_ab): B's columns the wgmma's 64-row side — MN-major
+    # from a row-major B — and 16 / 32 rows its n side, split-K; the second with a bias + GELU
+    swap16 = WsConfig(64, 16, 8, "bfloat16", consumers=1, splits=4, swap_ab=True)
+    swap32 = WsConfig(64, 32, 8, "bfloat16", consumers=1, splits=2, swap_ab=True)
+    for name, cfg, b_row, epi in (("ws_64x16_brow_swap_splitk4", swap16, True, ()),
+                                  ("ws_64x32_bcol_swap_splitk2_bias_gelu", swap32, False,
+                                   ("gelu", True))):
+        reps.append(kernel_report(name, wgmma_ws_gemm_kernel(cfg, b_row, "bfloat16", *epi), cfg,
+                                  "bfloat16"))
+    return reps
 
 
 def compile_reports_epilogues():

@@ -8,6 +8,10 @@ a 2-D float32 array, or a uint16 array holding float16 / bfloat16 bits (bfloat16
 dtype; 16-bit results are converted with ``cvt.rn.{f16,bf16}x2.f32``); ``c`` is an array of
 the same kind as ``out`` (read only with ``has_c``), ``bias`` float32 (read only with
 ``has_bias``). Stores go straight from registers (each lane writes pairs of adjacent columns).
+``transposed=True``: the accumulator tile is of ``outᵀ`` (a GEMM computed with its operands
+swapped): element (r, j) of the tile goes to ``out[j, r]``, with ``c[j, r]`` and ``bias[r]``
+(the bias runs along the tile's rows, ``out``'s columns); (m, n) still bound the tile's rows
+and columns.
 
 ``store_accumulators_smem(...)`` is the same epilogue for one wgmma warpgroup's accumulators,
 staged through shared memory: the results are written to a padded shared tile, the warpgroup
@@ -124,13 +128,14 @@ def activation_fn(name):
 
 
 @functools.cache
-def _pair_io(out_kind: str, pair_stores: bool = False):
+def _pair_io(out_kind: str, pair_stores: bool = False, transposed: bool = False):
     """``(get_pair, put_pair, pack)`` for an output kind: read / write two adjacent elements
     of a 2-D array (the second only when its column is below ``n``), and the packing of two
     float32 into one uint32 of 16-bit bits (None for float32). ``pair_stores``: a 16-bit pair
     whose address is 4-byte aligned goes in one store (a branch per pair: for epilogues
     written out with constant indices — in a loop it made LLVM stop unrolling the 128 × 256
-    kernel's, sending its accumulators to local memory)."""
+    kernel's, sending its accumulators to local memory). ``transposed``: the pair (r, c),
+    (r, c + 1) is the array's ``[c, r]`` and ``[c + 1, r]`` (two element accesses)."""
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
     if out_kind == "float16":
@@ -139,6 +144,35 @@ def _pair_io(out_kind: str, pair_stores: bool = False):
         pack, unpack = cvt_bf16x2_f32, unpack_bf16x2_f32
     else:
         pack = unpack = None
+
+    if transposed:
+        if pack is None:
+            @inline_device
+            def get_pair_t(src, r, c, n):
+                v1 = src[c + 1, r] if c + 1 < n else _ZERO
+                return src[c, r], v1
+
+            @inline_device
+            def put_pair_t(out, r, c, n, v0, v1):
+                out[c, r] = v0
+                if c + 1 < n:
+                    out[c + 1, r] = v1
+        else:
+            @inline_device
+            def get_pair_t(src, r, c, n):
+                word = np.uint32(src[c, r])
+                if c + 1 < n:
+                    word = word | (np.uint32(src[c + 1, r]) << np.uint32(16))
+                return unpack(word)
+
+            @inline_device
+            def put_pair_t(out, r, c, n, v0, v1):
+                word = pack(v0, v1)
+                out[c, r] = word & 0xFFFF
+                if c + 1 < n:
+                    out[c + 1, r] = word >> 16
+
+        return get_pair_t, put_pair_t, pack
 
     if pack is None:
         @inline_device
@@ -173,14 +207,14 @@ def _pair_io(out_kind: str, pair_stores: bool = False):
 
 
 @functools.cache
-def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool):
+def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool, transposed=False):
     """``(load_bias, finish)``: ``load_bias(bias, c, n) -> (b0, b1)`` (zeros without a bias;
     ``c < n``), and ``finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta) -> (v0, v1)``, the
     epilogue of two adjacent accumulators at (r, c), (r, c + 1) before the cast:
     ``act(alpha · a + b + beta · c_in[r, c])`` (``c_in`` read only with ``has_c``; r < m,
-    c < n)."""
+    c < n; ``transposed``: ``c_in[c, r]`` and ``[c + 1, r]``)."""
     act = activation_fn(activation)
-    get_pair = _pair_io(out_kind)[0]
+    get_pair = _pair_io(out_kind, transposed=transposed)[0]
 
     @inline_device
     def load_bias(bias, c, n):
@@ -207,21 +241,38 @@ def _pair_math(out_kind: str, activation, has_bias: bool, has_c: bool):
 
 @functools.cache
 def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bias=False,
-                       has_c=False):
-    put_pair = _pair_io(out_kind)[1]
-    load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c)
+                       has_c=False, transposed=False):
+    """The register epilogue of the module docstring (``transposed``: of a tile of
+    ``outᵀ``)."""
+    put_pair = _pair_io(out_kind, transposed=transposed)[1]
+    load_bias, finish = _pair_math(out_kind, activation, has_bias, has_c, transposed)
 
-    @inline_device
-    def store_n8(a0, a1, a2, a3, out, r, c, m, n, alpha, bias, c_in, beta):
-        """One n8 block of a lane: columns (c, c + 1) of rows r and r + 8."""
-        if c < n:
-            b0, b1 = load_bias(bias, c, n)
-            if r < m:
-                v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
-                put_pair(out, r, c, n, v0, v1)
-            if r + 8 < m:
-                v0, v1 = finish(a2, a3, b0, b1, r + 8, c, n, alpha, c_in, beta)
-                put_pair(out, r + 8, c, n, v0, v1)
+    if transposed:
+        @inline_device
+        def store_n8(a0, a1, a2, a3, out, r, c, m, n, alpha, bias, c_in, beta):
+            """One n8 block of a lane: tile columns (c, c + 1) of tile rows r and r + 8, the
+            bias of each row."""
+            if c < n:
+                if r < m:
+                    b = bias[r] if has_bias else _ZERO
+                    v0, v1 = finish(a0, a1, b, b, r, c, n, alpha, c_in, beta)
+                    put_pair(out, r, c, n, v0, v1)
+                if r + 8 < m:
+                    b = bias[r + 8] if has_bias else _ZERO
+                    v0, v1 = finish(a2, a3, b, b, r + 8, c, n, alpha, c_in, beta)
+                    put_pair(out, r + 8, c, n, v0, v1)
+    else:
+        @inline_device
+        def store_n8(a0, a1, a2, a3, out, r, c, m, n, alpha, bias, c_in, beta):
+            """One n8 block of a lane: columns (c, c + 1) of rows r and r + 8."""
+            if c < n:
+                b0, b1 = load_bias(bias, c, n)
+                if r < m:
+                    v0, v1 = finish(a0, a1, b0, b1, r, c, n, alpha, c_in, beta)
+                    put_pair(out, r, c, n, v0, v1)
+                if r + 8 < m:
+                    v0, v1 = finish(a2, a3, b0, b1, r + 8, c, n, alpha, c_in, beta)
+                    put_pair(out, r + 8, c, n, v0, v1)
 
     if _plain(activation, has_bias, has_c):
         @inline_device
@@ -240,7 +291,8 @@ def store_accumulators(mi: int, ni: int, out_kind: str, activation=None, has_bia
         [f"store_n8(acc[{i}, {j}, 0], acc[{i}, {j}, 1], acc[{i}, {j}, 2], acc[{i}, {j}, 3], "
          f"out, r0 + {16 * i}, c0 + {8 * j}, m, n, alpha, bias, c_in, beta)"
          for i in range(mi) for j in range(ni)],
-        {"store_n8": store_n8}, f"store_accumulators {mi}x{ni}")
+        {"store_n8": store_n8}, f"store_accumulators {mi}x{ni}"
+        + (" transposed" if transposed else ""))
 
 
 @functools.cache

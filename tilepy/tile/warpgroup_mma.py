@@ -12,7 +12,8 @@ matrix descriptors' strides and the byte offset of each k step — is derived he
   column-major B, K of ``Q·Kᵀ``): ``k / 64`` boxes, each ``rows`` rows × 64 k (128 bytes a
   row), one after the other. Step ``kk`` is ``(kk // 4) · rows · 128 + (kk % 4) · 32`` bytes
   in; LBO 16 (unused with the swizzle), SBO 1024 (eight rows).
-* **MN-major** (M or N contiguous: B of a row-major B, V of ``P·V``): ``rows / 64`` boxes,
+* **MN-major** (M or N contiguous: B of a row-major B, V of ``P·V``, A of a column-major A —
+  16-bit operands only): ``rows / 64`` boxes,
   each ``k`` rows (of K) × 64 columns; LBO = ``k · 128`` (the next 64 columns), SBO 1024
   (eight k rows), step ``kk`` at ``kk · 2048``.
 
@@ -114,6 +115,13 @@ class SmemOperand:
     def nbytes(self) -> int:
         return self.rows * self.k * self.elem_bytes
 
+    @property
+    def row_block_bytes(self) -> int:
+        """Bytes from the operand's start to its rows 64 … (an A tile of more than 64 rows,
+        one warpgroup's m64 block at a time): 64 rows of a K-major box, or the next box of an
+        MN-major one."""
+        return 64 * SWIZZLE if self.major == "k" else self.lbo
+
 
 @functools.cache
 def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
@@ -133,7 +141,8 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
       has retired (``acc0`` readable), the second still running (``wait(0)`` and
       ``fence_operand(acc1)`` before reading ``acc1``).
     * ``mma2(acc0, acc1, a_addr, b_addr, scale_d)``: two m64 row blocks (A rows 64 … 127 at
-      ``a_addr + 64 · 128``) sharing each B step, issued in turn (a 128-row warpgroup tile).
+      ``a_addr + a.row_block_bytes``) sharing each B step, issued in turn (a 128-row warpgroup
+      tile).
     * ``mma_rs(acc, a_regs, b_addr, scale_d)`` (``a=None``): A from ``a_regs``, a uint32
       array of four registers per k step (k16, or k32 for 8-bit types: ``k / 4`` or ``k / 8``
       registers; the rs-form fragment layout of
@@ -163,16 +172,15 @@ def warpgroup_mma(n: int, b: SmemOperand, a: SmemOperand | None = None,
                          f"operands")
     KS = K // KSTEP
     NACC = n // 2
-    op = W.wgmma(n, _AB[dtype], a_in_registers=a is None, trans_b=b.major == "mn",
+    op = W.wgmma(n, _AB[dtype], a_in_registers=a is None,
+                 trans_a=a is not None and a.major == "mn", trans_b=b.major == "mn",
                  b_type=_AB[b_dtype] if b_dtype != dtype else None)
     LBO_B, SBO_B = b.lbo, b.sbo
     BOX_B, K16_B = b.steps
     if a is not None:
-        if a.major != "k":
-            raise ValueError("warpgroup_mma: A from shared memory must be K-major")
         LBO_A, SBO_A = a.lbo, a.sbo
         BOX_A, K16_A = a.steps
-        M2 = 64 * SWIZZLE   # the second m64 row block of a 128-row A tile
+        M2 = a.row_block_bytes   # the second m64 row block of a 128-row A tile
 
         @inline_device
         def mma(acc, a_addr, b_addr, scale_d):
