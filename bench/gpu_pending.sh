@@ -76,6 +76,8 @@
 #   PART=s39b    the swapped-operand configs swept (bench/sweep_gemm_grid.py --swapped: tiles of
 #                64 / 128 columns, stages, split-K 1 … 8, the op's choice beside) at rows 1, 16,
 #                32 over the grid's (N, K), and with a column-major B (a linear layer's weight)
+#   PART=s39c    the swapped-operand GEMM as the op's default at rows ≤ 32 (128-column tiles,
+#                one item an SM): its GPU test, then the whole shape grid (issue 27's table)
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -447,6 +449,11 @@ if [[ " $PART " == *" s39b "* ]]; then
         --json "$OUT/sweep_swapped.json"
     step sweep_swapped_bcol 150 "$PY" bench/sweep_gemm_grid.py --swapped --bcol --ms 16 \
         --nk 4096x4096,4096x14336 --json "$OUT/sweep_swapped_bcol.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s39c "* ]]; then
+    gpu_tests swapped_gemm_gpu 120 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_grid 330 "test_gemm_shape_grid"
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then

@@ -52,7 +52,8 @@ def candidates(dtype, m):
 
 def swapped_candidates(dtype, m):
     """(name, config) pairs: swapped-operand tiles (64 or 128 of B's columns × the rows rounded
-    up), stage counts, split-K 1 … 8; the op's rule (``gemm.swapped_config``) among them."""
+    up), stage counts, split-K 1 … 8, a block per item or persistent (64-column tiles, 1 or
+    2 splits); the op's rule (``gemm.swapped_config``) among them."""
     from tilepy.ops.gemm_wgmma_ws import SWAP_BLOCK_N, WsConfig
 
     bn = next(w for w in SWAP_BLOCK_N if m <= w)
@@ -63,6 +64,10 @@ def swapped_candidates(dtype, m):
                 out.append((f"swap {bm}x{bn} s{st} split{s}",
                             WsConfig(bm, bn, st, dtype, consumers=bm // 64, splits=s,
                                      swap_ab=True)))
+    for s in (1, 2):   # one block an SM striding over the items
+        out.append((f"swap 64x{bn} s8 split{s} persistent",
+                    WsConfig(64, bn, 8, dtype, consumers=1, splits=s, swap_ab=True,
+                             persistent=True)))
     return out
 
 

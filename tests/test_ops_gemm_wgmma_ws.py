@@ -383,7 +383,7 @@ def test_swapped_config_validation_grid_and_maps():
     epilogue; its grid counts tiles of out's columns × rows; its maps are B's (64-row side:
     64 × 64 boxes of a row-major B, block_m × 64 of a column-major one) then A's (block_n ×
     64); the op's rule (:func:`tilepy.ops.gemm.swapped_config`) sizes the tile to the rows and
-    splits K while the items stay within two an SM."""
+    splits K while the items stay within one an SM."""
     from tilepy.ops import gemm as g
 
     for bad in ({"block_n": 128}, {"block_n": 8}, {"block_m": 128, "consumers": 1},
@@ -404,10 +404,11 @@ def test_swapped_config_validation_grid_and_maps():
                        np.zeros((1, 1024, 4096), np.uint16))
     assert lb[2] == (128, 64)
     assert g.swapped_config(16, 4096, 4096, 1, "bfloat16") == WsConfig(
-        64, 16, 8, "bfloat16", consumers=1, splits=4, swap_ab=True)
-    big = g.swapped_config(64, 28672, 8192, 1, "bfloat16")     # 448 tiles: no split
-    assert (big.block_n, big.splits, big.stages) == (64, 1, 7)
+        128, 16, 6, "bfloat16", consumers=2, splits=4, swap_ab=True)   # 32 tiles x 4
+    big = g.swapped_config(32, 28672, 8192, 1, "bfloat16")     # 224 tiles: no split
+    assert (big.block_n, big.splits) == (32, 1)
     assert g.swapped_config(1, 4096, 256, 1, "float16").splits == 1   # 4 k steps only
+    assert g.swapped_config(64, 4096, 4096, 1, "float16").block_n == 64
 
 
 @pytest.mark.sim
@@ -902,7 +903,7 @@ def test_dependent_launch_kernel_waits_before_global_memory(reports, small_repor
 def test_swapped_kernels_compile_without_spills(small_reports):
     """``swap_ab``: m64n16 / m64n32 wgmmas, A (B's columns) transposed from a row-major B and
     K-major from a column-major one, B (the rows) K-major; no spill, none serialised."""
-    forms = {"gemm_ws_64x16_brow_swap_splitk4":
+    forms = {"gemm_ws_128x16_brow_swap_splitk4":
              ["wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 1,1,1,0"],
              "gemm_ws_64x32_bcol_swap_splitk2_bias_gelu":
              ["wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 1,1,0,0"]}
@@ -1037,17 +1038,19 @@ def _gpu_run(torch, cfg, a, b, b_col, bias=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_swapped_operands_through_the_op(monkeypatch, dtype):
-    """``tilepy.gemm`` with :data:`tilepy.ops.gemm.SWAP_SMALL_M` on: rows 1 … 64 (tiles of 16,
-    32 and 64 rows of outᵀ, split-K as the rule chooses) at Llama's (N, K) and at odd N, K,
-    both B layouts, plain and with a bias + GELU, against float64; a split config's result
-    the same bits on a second call (the ordered sum of the partials)."""
+def test_gpu_swapped_operands_through_the_op(dtype):
+    """``tilepy.gemm`` with the swapped-operand configs of :func:`tilepy.ops.gemm.
+    swapped_config`: rows 1 … 64 (tiles of 16, 32 and 64 rows of outᵀ, split-K as the rule
+    chooses; up to :data:`~tilepy.ops.gemm.SWAP_MAX_M` rows the op's own choice) at Llama's
+    (N, K) and at odd N, K, both B layouts, plain and with a bias + GELU, against float64; a
+    split config's result the same bits on a second call (the ordered sum of the partials)."""
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
     from tilepy.ops import gemm as g
 
-    monkeypatch.setattr(g, "SWAP_SMALL_M", True)
+    assert g.hopper_config(16, 4096, 1, dtype, k=4096) == g.swapped_config(16, 4096, 4096, 1,
+                                                                           dtype)
     tdt = getattr(torch, dtype)
     for m, n, k, b_col in ((1, 4096, 4096, False), (16, 4096, 4096, True),
                            (7, 14336, 4096, False), (33, 4096, 14336, True),
@@ -1057,15 +1060,15 @@ def test_gpu_swapped_operands_through_the_op(monkeypatch, dtype):
         b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
         ref = a.double() @ b.double()
         out = torch.full((m, n), float("nan"), device="cuda", dtype=tdt)
-        tilepy.gemm(a, b, out=out)
+        tilepy.gemm(a, b, out=out, config=cfg)
         err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < TOL[dtype], (m, n, k, b_col, cfg.describe(), err)
         if cfg.splits > 1:
             first = out.clone()
-            tilepy.gemm(a, b, out=out)
+            tilepy.gemm(a, b, out=out, config=cfg)
             assert torch.equal(out.view(torch.int16), first.view(torch.int16)), cfg.describe()
         bias = torch.randn(n, device="cuda", dtype=tdt)
-        got = tilepy.gemm(a, b, bias=bias, activation="gelu")
+        got = tilepy.gemm(a, b, bias=bias, activation="gelu", config=cfg)
         want = torch.nn.functional.gelu(ref + bias.double())
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err < TOL[dtype], ("bias+gelu", m, n, k, b_col, err)

@@ -77,29 +77,31 @@ SPLIT_CLUSTER = False
 
 #: Few rows (m ≤ :data:`SWAP_MAX_M`): the warp-specialised kernel with its operands swapped
 #: (:func:`swapped_config`: outᵀ = bᵀ · aᵀ, B's columns on the wgmma's 64-row side, the rows on
-#: its n side of 16, 32 or 64), instead of a 64-row tile mostly of padding. Off until a GPU
-#: run has measured it against the one-wave configs (bench/NOTES.md: small M).
-SWAP_SMALL_M = False
-SWAP_MAX_M = 64
-#: Shared memory a swapped config's stage ring may take: two blocks an SM.
-SWAP_STAGE_BUDGET = 112 * 1024
+#: its n side of 16 or 32), instead of a 64-row tile mostly of padding. Measured against the
+#: one-wave configs over the shape grid's rows 1, 16 and 32 (bench/NOTES.md: small M): faster
+#: at every point, by 2–38 %. At 64 rows a 64-row-side tile re-reads all of A per tile of B's
+#: columns, slower than the one-wave 64 × 256 tile: not swapped.
+SWAP_SMALL_M = True
+SWAP_MAX_M = 32
+#: The swapped configs' tile over B's columns (two consumer warpgroups of 64) and stages.
+SWAP_BLOCK_M = 128
+SWAP_STAGES = 6
 
 
 def swapped_config(m: int, n: int, k: int, batch: int, dtype: str):
-    """The swapped-operand config of a problem of few rows (``m`` ≤ :data:`SWAP_MAX_M`): tiles
-    of 64 of B's columns × the rows rounded up to 16, 32 or 64; as many stages as
-    :data:`SWAP_STAGE_BUDGET` holds (at most 8); split-K (2, 4 or 8) while the work items stay
-    within two a SM and each keeps at least four k steps of 64 — the problem is bound by
-    reading B, which needs loads in flight on every SM."""
+    """The swapped-operand config of a problem of few rows (``m`` ≤ 64): tiles of
+    :data:`SWAP_BLOCK_M` of B's columns × the rows rounded up to 16, 32 or 64,
+    :data:`SWAP_STAGES` stages; split-K (2, 4 or 8) while the work items stay within one an SM
+    and each split keeps at least four k steps of 64. The problem is bound by reading B; one
+    item an SM with the most k steps each was the fastest in the sweep (bench/NOTES.md)."""
     bn = next(w for w in ws.SWAP_BLOCK_N if m <= w)
-    stage = (64 + bn) * ws.BK * 2
-    tiles = tile_count(n, m, 64, bn, batch)
+    tiles = tile_count(n, m, SWAP_BLOCK_M, bn, batch)
     ksteps = -(-k // ws.BK)
     splits = 1
     for s in (2, 4, 8):
-        if tiles * s <= 2 * SMS and ksteps >= 4 * s:
+        if tiles * s <= SMS and ksteps >= 4 * s:
             splits = s
-    return ws.WsConfig(64, bn, min(8, SWAP_STAGE_BUDGET // stage), dtype, consumers=1,
+    return ws.WsConfig(SWAP_BLOCK_M, bn, SWAP_STAGES, dtype, consumers=SWAP_BLOCK_M // 64,
                        splits=splits, swap_ab=True)
 
 
@@ -211,9 +213,9 @@ def hopper_config(m: int, n: int, batch: int, dtype: str, tma_store: bool = True
                   k: int | None = None):
     """The wgmma kernel's config on a compute capability 9.0 GPU; None elsewhere (and always
     with ``TILEPY_HOPPER=0``). A problem of fewer 128 × 256 tiles than SMs takes
-    :func:`one_wave_config` when ``k`` is given and a config fills a wave (with
-    :data:`SWAP_SMALL_M`, one of at most :data:`SWAP_MAX_M` rows :func:`swapped_config`); else
-    a problem big
+    :func:`one_wave_config` when ``k`` is given and a config fills a wave (one of at most
+    :data:`SWAP_MAX_M` rows :func:`swapped_config`, with :data:`SWAP_SMALL_M`); else a problem
+    big
     enough to fill the SMs with this kernel's tiles takes them (128 × 256 or, where its last
     wave would be mostly empty, 128 × 128: :func:`waves_config`); else None (mma.sync).
     ``tma_store=False``: the staged epilogue of 16-byte stores instead of the TMA-store one —

@@ -1193,10 +1193,11 @@ def compile_reports_small():
     reps.append(kernel_report("ws_64x128_bcol_splitk4_cluster",
                               wgmma_ws_gemm_kernel(cl, False, "float16"), cl, "float16"))
     # the swapped operands of few rows (swap_ab): B's columns the wgmma's 64-row side — MN-major
-    # from a row-major B — and 16 / 32 rows its n side, split-K; the second with a bias + GELU
-    swap16 = WsConfig(64, 16, 8, "bfloat16", consumers=1, splits=4, swap_ab=True)
+    # from a row-major B — and 16 / 32 rows its n side, split-K; two consumers of 64 columns,
+    # and one with a bias + GELU
+    swap16 = WsConfig(128, 16, 6, "bfloat16", splits=4, swap_ab=True)   # (the op's rule)
     swap32 = WsConfig(64, 32, 8, "bfloat16", consumers=1, splits=2, swap_ab=True)
-    for name, cfg, b_row, epi in (("ws_64x16_brow_swap_splitk4", swap16, True, ()),
+    for name, cfg, b_row, epi in (("ws_128x16_brow_swap_splitk4", swap16, True, ()),
                                   ("ws_64x32_bcol_swap_splitk2_bias_gelu", swap32, False,
                                    ("gelu", True))):
         reps.append(kernel_report(name, wgmma_ws_gemm_kernel(cfg, b_row, "bfloat16", *epi), cfg,
