@@ -78,6 +78,8 @@
 #                32 over the grid's (N, K), and with a column-major B (a linear layer's weight)
 #   PART=s39c    the swapped-operand GEMM as the op's default at rows ≤ 32 (128-column tiles,
 #                one item an SM): its GPU test, then the whole shape grid (issue 27's table)
+#   PART=s39d    the swapped configs swept at 64 rows (bench/sweep_gemm_grid.py --swapped --ms 64):
+#                whether the op's rule should reach past 32 rows
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -454,6 +456,11 @@ fi
 if [[ " $PART " == *" s39c "* ]]; then
     gpu_tests swapped_gemm_gpu 120 tests/test_ops_gemm_wgmma_ws.py -k swapped
     bench_suite bench_gemm_grid 330 "test_gemm_shape_grid"
+    archive_logs
+fi
+if [[ " $PART " == *" s39d "* ]]; then
+    step sweep_swapped_64 200 "$PY" bench/sweep_gemm_grid.py --swapped --ms 64 \
+        --json "$OUT/sweep_swapped_64.json"
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
