@@ -80,6 +80,8 @@
 #                one item an SM): its GPU test, then the whole shape grid (issue 27's table)
 #   PART=s39d    the swapped configs swept at 64 rows (bench/sweep_gemm_grid.py --swapped --ms 64):
 #                whether the op's rule should reach past 32 rows
+#   PART=s39e    the swapped-operand GEMM's phases (bench/trace_gemm.py: the op's config at rows
+#                1 and 16 is the swapped one): where its 1–3 µs over cuBLAS go
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -461,6 +463,11 @@ fi
 if [[ " $PART " == *" s39d "* ]]; then
     step sweep_swapped_64 200 "$PY" bench/sweep_gemm_grid.py --swapped --ms 64 \
         --json "$OUT/sweep_swapped_64.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s39e "* ]]; then
+    step trace_gemm_swapped 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
+        --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
