@@ -82,6 +82,8 @@
 #                whether the op's rule should reach past 32 rows
 #   PART=s39e    the swapped-operand GEMM's phases (bench/trace_gemm.py: the op's config at rows
 #                1 and 16 is the swapped one): where its 1–3 µs over cuBLAS go
+#   PART=s39f    issue 25's short-sequence forward shapes against cuDNN (B16 H16 S512 D64, B4 H32
+#                S1024 D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128; causal and not)
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -468,6 +470,11 @@ fi
 if [[ " $PART " == *" s39e "* ]]; then
     step trace_gemm_swapped 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
         --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
+    archive_logs
+fi
+if [[ " $PART " == *" s39f "* ]]; then
+    bench_suite bench_attention_short 240 \
+        "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
