@@ -84,6 +84,8 @@
 #                1 and 16 is the swapped one): where its 1–3 µs over cuBLAS go
 #   PART=s39f    issue 25's short-sequence forward shapes against cuDNN (B16 H16 S512 D64, B4 H32
 #                S1024 D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128; causal and not)
+#   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
+#                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -475,6 +477,14 @@ fi
 if [[ " $PART " == *" s39f "* ]]; then
     bench_suite bench_attention_short 240 \
         "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
+    archive_logs
+fi
+if [[ " $PART " == *" s39g "* ]]; then
+    gpu_tests swapped_gemm_gpu 100 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_rows_1_16 120 \
+        "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x)"
+    step trace_gemm_swapped 120 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
+        --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
