@@ -86,6 +86,7 @@
 #                S1024 D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128; causal and not)
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
+#   PART=s39h    s39g without the trace
 #   PART=s38d    s38c slimmed to the device time left: the block-sparse backward's GPU test and the
 #                document mask's backward benchmark
 #   PART=s37a    block-sparse attention (issue 25): the block-mask GPU tests, the mask_mod /
@@ -485,6 +486,12 @@ if [[ " $PART " == *" s39g "* ]]; then
         "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x)"
     step trace_gemm_swapped 120 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
         --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
+    archive_logs
+fi
+if [[ " $PART " == *" s39h "* ]]; then
+    gpu_tests swapped_gemm_gpu 80 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_rows_1_16 90 \
+        "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x)"
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
