@@ -153,10 +153,14 @@ def test_the_hopper_space_comes_first_on_sm90_only():
 
     small = spaces.hopper_space("bfloat16", 16, 4096, 4096)
     first = [c for _, c in g.one_wave_candidates(16, 4096, 4096, 1, "bfloat16")]
-    # the swapped-operand config (16-row tiles of outᵀ) ahead of them
-    assert small[0] == g.swapped_config(16, 4096, 4096, 1, "bfloat16")
-    assert small[0].swap_ab and small[0].block_n == 16 and small[0].splits == 4
-    small = small[1:]
+    # the swapped-operand configs (16-row tiles of outᵀ) ahead of them, the op's choice first
+    swapped = g.swapped_candidates(16, 4096, 4096, 1, "bfloat16")
+    assert small[:len(swapped)] == swapped
+    assert swapped[0] == g.swapped_config(16, 4096, 4096, 1, "bfloat16")
+    assert swapped[0].block_n == 16 and swapped[0].splits == 4
+    assert [(c.block_m, c.splits) for c in swapped] == [(128, 4), (128, 2), (128, 8), (64, 2)]
+    assert all(c.swap_ab for c in swapped) and len(set(swapped)) == len(swapped)
+    small = small[len(swapped):]
     assert any(c.splits > 1 for c in first) and small[:len(first)] == first
     assert g.one_wave_config(16, 4096, 4096, 1, "bfloat16") in first
     assert len(small) == len(set(small))

@@ -105,6 +105,26 @@ def swapped_config(m: int, n: int, k: int, batch: int, dtype: str):
                        splits=splits, swap_ab=True)
 
 
+def swapped_candidates(m: int, n: int, k: int, batch: int, dtype: str):
+    """The swapped-operand configs the tuner weighs for a problem of few rows:
+    :func:`swapped_config` first, then the same tiles with half and twice its splits, and
+    64-column tiles (one consumer, 8 stages) with as many work items (half the splits) — the
+    runners-up of the sweep (bench/NOTES.md: small M) — each split keeping ≥ 4 k steps."""
+    best = swapped_config(m, n, k, batch, dtype)
+    ksteps = -(-k // ws.BK)
+    out = [best]
+    for bm, stages, splits in ((best.block_m, best.stages, best.splits // 2),
+                               (best.block_m, best.stages, best.splits * 2),
+                               (64, 8, max(1, best.splits // 2))):
+        if splits < 1 or splits > 8 or (splits > 1 and ksteps < 4 * splits):
+            continue
+        cfg = ws.WsConfig(bm, best.block_n, stages, dtype, consumers=bm // 64, splits=splits,
+                          swap_ab=True)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def tile_count(m: int, n: int, bm: int, bn: int, batch: int = 1) -> int:
     """The ``bm`` × ``bn`` tiles of ``batch`` (m, n) outputs."""
     return -(-m // bm) * -(-n // bn) * batch

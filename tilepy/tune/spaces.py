@@ -72,11 +72,11 @@ def hopper_space(dtype: str = "float16", m=None, n=None, k=None, batch: int = 1)
     larger than an (m, n) output; with ``k`` too, a problem of fewer 128 × 256 tiles than
     SMs also gets the tile × split-K configs the op's small-problem rule weighs
     (:func:`tilepy.ops.gemm.one_wave_candidates`), first — after, for one of at most
-    :data:`tilepy.ops.gemm.SWAP_MAX_M` rows, the swapped-operand config
-    (:func:`tilepy.ops.gemm.swapped_config`)."""
+    :data:`tilepy.ops.gemm.SWAP_MAX_M` rows, the swapped-operand configs
+    (:func:`tilepy.ops.gemm.swapped_candidates`, the op's own choice first)."""
     out = []
     if None not in (m, n, k) and m <= _gemm_op.SWAP_MAX_M:
-        out.append(_gemm_op.swapped_config(m, n, k, batch, dtype))
+        out += _gemm_op.swapped_candidates(m, n, k, batch, dtype)
     if None not in (m, n, k) and _gemm_op.few_tiles(m, n, batch):
         out += [cfg for _, cfg in _gemm_op.one_wave_candidates(m, n, k, batch, dtype)]
     for kind, kw in HOPPER_CANDIDATES:
