@@ -196,6 +196,8 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
         flipped("SPLIT_CLUSTER", "tilepy, cluster split-K", "tilepy, workspace split-K")
     if m <= op.SWAP_MAX_M:   # few rows: the swapped-operand kernel (or not) beside
         flipped("SWAP_SMALL_M", "tilepy, swapped", "tilepy, not swapped")
+    if m <= 256:   # the tensor maps prefetched at entry (or not): the first stage's wait
+        flipped("PREFETCH_MAPS", "tilepy, maps prefetched", "tilepy, maps not prefetched")
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
                       gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
                       table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "

@@ -915,6 +915,26 @@ def test_swapped_kernels_compile_without_spills(small_reports):
         assert "C75" not in rep["ptxas_log"], rep["ptxas_log"]
 
 
+@pytest.mark.compile
+@pytest.mark.xdist_group("gemm_wgmma_ws_reports")
+def test_prefetched_maps_come_before_the_barriers(small_reports):
+    """``prefetch_maps``: both maps acquired and prefetched ahead of the mbarrier set-up and of
+    the first TMA load, no spill or register added to the kernel without it; refused with
+    ``pdl`` (its blocks may start before the maps' writer has finished)."""
+    rep = small_reports["gemm_ws_128x16_brow_swap_splitk4_prefetch"]
+    plain = small_reports["gemm_ws_128x16_brow_swap_splitk4"]
+    assert "error" not in rep, rep.get("error")
+    first, last = rep["first"], rep["last"]
+    assert first["prefetch"] is not None and last["prefetch"] > first["prefetch"], first
+    assert first["fence"] < first["prefetch"] < last["prefetch"] < first["mbarrier_init"] \
+        < first["tma_load"], (first, last)
+    assert rep["spill_stores"] == plain["spill_stores"] == 0
+    assert rep["registers"] <= plain["registers"] + 8
+    with pytest.raises(ValueError, match="prefetch_maps"):
+        ws.wgmma_ws_gemm_kernel(WsConfig(**SMALL), True, "float16", pdl="late",
+                                prefetch_maps=True)
+
+
 # bar.sync per kernel: the set-up syncthreads, the consumers' barrier before they overwrite the
 # stages (not persistent), and two per staging pass (float32 out: two passes)
 SMEM_EPI_BARRIERS = {"gemm_ws_128x256_brow_smemepi": 4, "gemm_ws_128x256_bcol_smemepi_f32out": 6,

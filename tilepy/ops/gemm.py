@@ -68,6 +68,12 @@ PDL = False
 #: done.
 PDL_TRIGGER = "late"
 
+#: The warp-specialised kernel's thread 0 acquires and prefetches the operands' tensor maps
+#: at entry, before the barriers are set up (``wgmma_ws_gemm_kernel(prefetch_maps=True)``), so
+#: the producer's first loads need not fetch them; not with :data:`PDL` (whose blocks may start
+#: before the maps' writer has finished). Aimed at small problems' first-stage wait.
+PREFETCH_MAPS = True
+
 #: Split-K's partial sums added in distributed shared memory, a tile's splits one cluster
 #: (``WsConfig(split_cluster=True)``: no workspace, no semaphore, no global round trip),
 #: for the one-wave configs whose other splits' accumulators fit the stage buffers; False:
@@ -324,7 +330,7 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     fo, po = arrays.fingerprint(out)
     cached, key = _PLANS.lookup(
         (fa, fb, fbias, fc, fo, activation, out_dtype, config, allow_tf32, use_c, PDL,
-         PDL_TRIGGER, SPLIT_CLUSTER, SWAP_SMALL_M))
+         PDL_TRIGGER, SPLIT_CLUSTER, SWAP_SMALL_M, PREFETCH_MAPS))
     if cached is not None:
         return cached(out, [pa, pb, pbias, pc, po], alpha, beta, bias)
     return _gemm(a, b, bias, activation, alpha, beta, c, out, out_dtype, config, allow_tf32,
@@ -527,7 +533,9 @@ def _run(A, B, Bias, C, Out, dtype, out_dtype, m, n, k, batch, activation, alpha
                 kern = {hw: hw.wgmma_gemm_kernel, ws: ws.wgmma_ws_gemm_kernel,
                         tc: tc.gemm_kernel}[gen](
                     cfg, layout_b == "row", out_dtype, activation, Bias is not None,
-                    C is not None, **({"pdl": PDL and PDL_TRIGGER} if gen is ws else {}))
+                    C is not None, **({"pdl": PDL and PDL_TRIGGER,
+                                       "prefetch_maps": PREFETCH_MAPS and not PDL}
+                                      if gen is ws else {}))
                 return gen.plan(kern, cfg, a_view, b_view, out_v, c_v, bias_v, alpha, beta,
                                 **extra)
 

@@ -519,7 +519,7 @@ TRACE_MARKS = {"entry": 0, "ready": 1, "first_stage": 2, "first_loop_end": 3,
 @functools.cache
 def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activation=None,
                          has_bias: bool = False, has_c: bool = False, trace: bool = False,
-                         pdl=False):
+                         pdl=False, prefetch_maps: bool = False):
     """The kernel ``kernel(a, b, out, c, bias, alpha, beta, maps, counters, partials)`` (see
     the module docstring; ``counters`` / ``partials``: split-K's tile semaphores and partial
     sums, placeholders without ``splits``); launch it through :func:`plan`. ``trace``: the
@@ -531,7 +531,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     stream finishes, and touch global memory only after it has
     (:func:`tilepy.tile.dependent.dependent_launch`); the kernel behind may launch from this
     one's start (``"early"``) or once every block's producer has issued its last load and its
-    consumers have finished their last main loop (``"late"``). A composition:
+    consumers have finished their last main loop (``"late"``). ``prefetch_maps`` (not with
+    ``pdl``, whose blocks may start before the kernel that wrote the maps has finished):
+    thread 0 acquires A's and B's tensor maps and prefetches them at entry, before the
+    barriers are set up, so the first TMA loads need not fetch them. A composition:
     the roles (:func:`~tilepy.tile.roles.warpgroup_roles`), the producer
     (:func:`tma_producer`: the stage ring and TMA tile loads), the grouped raster and static
     persistent schedule (:mod:`tilepy.tile.schedule`), each consumer's main loop
@@ -560,6 +563,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     item = split_range(S)
     SPLIT_CLUSTER = cfg.split_cluster
     SWAP = cfg.swap_ab
+    if prefetch_maps and pdl:
+        raise ValueError("wgmma_ws_gemm_kernel: prefetch_maps reads the maps before a pdl "
+                         "kernel may read global memory; one or the other")
+    PREFETCH = bool(prefetch_maps)
     if S > 1 and SPLIT_CLUSTER:   # the tile's splits a cluster; partials into split 0's stages
         split_k = split_k_cluster_reduce(S, NACC // 4, NACC1 // 4 if CM == 128 else 0,
                                          CONSUMER_THREADS, cfg.named_barriers.ids["consumers"])
@@ -683,6 +690,12 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             TR.note(base + TRACE_OFF, MK.entry)
             TR.note_value(base + TRACE_OFF, MK.smid, TR.smid())
         if tid == 0:
+            if PREFETCH:   # the maps on their way while the barriers are set up
+                tmaps = T.tensor_map_address(maps)
+                T.fence_proxy_tensormap_acquire(tmaps)
+                T.prefetch_tensormap(tmaps)
+                T.fence_proxy_tensormap_acquire(tmaps + MAP_B)
+                T.prefetch_tensormap(tmaps + MAP_B)
             ring.init(base + BARS)
             MB.fence_mbarrier_init()
         if CL > 1:   # every block's barriers exist before any block signals them
@@ -723,6 +736,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     kernel.config = cfg
     kernel.trace = trace
     kernel.pdl = bool(pdl)
+    kernel.prefetch_maps = PREFETCH
     if trace:
         kernel.smem_bytes = TRACE_OFF + SCRATCH_BYTES
     kernel.b_row_major = b_row_major
@@ -1202,6 +1216,13 @@ def compile_reports_small():
                                    ("gelu", True))):
         reps.append(kernel_report(name, wgmma_ws_gemm_kernel(cfg, b_row, "bfloat16", *epi), cfg,
                                   "bfloat16"))
+    # the tensor maps prefetched at entry (the op's default without pdl): the first
+    # instructions' order
+    reps.append(kernel_report(
+        "ws_128x16_brow_swap_splitk4_prefetch",
+        wgmma_ws_gemm_kernel(swap16, True, "bfloat16", prefetch_maps=True), swap16, "bfloat16",
+        order={"prefetch": "prefetch.tensormap", "fence": "fence.proxy.tensormap",
+               "mbarrier_init": "mbarrier.init", "tma_load": "cp.async.bulk.tensor"}))
     return reps
 
 
