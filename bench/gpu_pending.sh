@@ -78,7 +78,7 @@
 #                32 over the grid's (N, K), and with a column-major B (a linear layer's weight)
 #   PART=s39c    the swapped-operand GEMM as the op's default at rows ≤ 32 (128-column tiles,
 #                one item an SM): its GPU test, then the whole shape grid (issue 27's table;
-#                rows ≤ 256 also time the kernel without the tensor maps prefetched at entry)
+#                rows ≤ 256 also time the kernel with the tensor maps prefetched at entry)
 #   PART=s39d    the swapped configs swept at 64 rows (bench/sweep_gemm_grid.py --swapped --ms 64):
 #                whether the op's rule should reach past 32 rows
 #   PART=s39e    the swapped-operand GEMM's phases (bench/trace_gemm.py: the op's config at rows

@@ -1058,12 +1058,13 @@ def _gpu_run(torch, cfg, a, b, b_col, bias=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_gpu_swapped_operands_through_the_op(dtype):
+def test_gpu_swapped_operands_through_the_op(monkeypatch, dtype):
     """``tilepy.gemm`` with the swapped-operand configs of :func:`tilepy.ops.gemm.
     swapped_config`: rows 1 … 64 (tiles of 16, 32 and 64 rows of outᵀ, split-K as the rule
     chooses; up to :data:`~tilepy.ops.gemm.SWAP_MAX_M` rows the op's own choice) at Llama's
     (N, K) and at odd N, K, both B layouts, plain and with a bias + GELU, against float64; a
-    split config's result the same bits on a second call (the ordered sum of the partials)."""
+    split config's result the same bits on a second call (the ordered sum of the partials);
+    with the tensor maps prefetched at entry (``gemm.PREFETCH_MAPS``) too."""
     torch = pytest.importorskip("torch")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
@@ -1092,6 +1093,17 @@ def test_gpu_swapped_operands_through_the_op(dtype):
         want = torch.nn.functional.gelu(ref + bias.double())
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err < TOL[dtype], ("bias+gelu", m, n, k, b_col, err)
+    # the tensor maps prefetched at entry (gemm.PREFETCH_MAPS), the op's own configs: a
+    # swapped one and a one-wave one
+    monkeypatch.setattr(g, "PREFETCH_MAPS", True)
+    for m in (16, 100):
+        a = _padded(torch, m, 4096, tdt)
+        b = _padded(torch, 4096, 4096, tdt)
+        out = torch.full((m, 4096), float("nan"), device="cuda", dtype=tdt)
+        tilepy.gemm(a, b, out=out)
+        ref = a.double() @ b.double()
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err < TOL[dtype], ("prefetch_maps", m, err)
 
 
 @pytest.mark.gpu

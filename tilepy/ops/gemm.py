@@ -71,8 +71,9 @@ PDL_TRIGGER = "late"
 #: The warp-specialised kernel's thread 0 acquires and prefetches the operands' tensor maps
 #: at entry, before the barriers are set up (``wgmma_ws_gemm_kernel(prefetch_maps=True)``), so
 #: the producer's first loads need not fetch them; not with :data:`PDL` (whose blocks may start
-#: before the maps' writer has finished). Aimed at small problems' first-stage wait.
-PREFETCH_MAPS = True
+#: before the maps' writer has finished). Aimed at small problems' first-stage wait; off until
+#: a GPU run has measured it (bench/NOTES.md).
+PREFETCH_MAPS = False
 
 #: Split-K's partial sums added in distributed shared memory, a tile's splits one cluster
 #: (``WsConfig(split_cluster=True)``: no workspace, no semaphore, no global round trip),
