@@ -48,11 +48,11 @@ def views(a, b, out, b_layout, c=None):
 
 
 def run(cfg, a, b, out, b_layout, *, bias=None, c=None, alpha=1.0, beta=0.0, activation=None,
-        sms=None):
+        sms=None, prefetch_maps=False):
     va, vb, vo, vc = views(a, b, out, b_layout, c)
     kind = arrays.dtype_name(out.dtype)
     kern = ws.wgmma_ws_gemm_kernel(cfg, b_layout == "row", kind, activation, bias is not None,
-                                   c is not None)
+                                   c is not None, prefetch_maps=prefetch_maps)
     bias_v = kernel_view(describe(bias, "bias")) if bias is not None else arrays.placeholder(1)
     plan, args = ws.plan(kern, cfg, va, vb, vo, vc, bias_v, alpha, beta, sms=sms)
     plan.launch(0, args)
@@ -348,7 +348,8 @@ def test_swapped_operands(dtype, b_layout, tile, splits, m, extra):
     64-column tiles), K = 200 (four k steps, the last partial, through two stages), out
     poisoned; split-K's partials summed by each tile's last item; the fused epilogue (bias
     along out's columns, c, alpha, beta, GELU into float32); a batched A times a broadcast B
-    on a persistent grid of 2 blocks."""
+    on a persistent grid of 2 blocks; the first case with its tensor maps prefetched at entry
+    (``prefetch_maps``)."""
     rng = np.random.default_rng()
     extra = dict(extra)
     fused, batch = extra.pop("epilogue", False), extra.pop("batch", 1)
@@ -366,7 +367,8 @@ def test_swapped_operands(dtype, b_layout, tile, splits, m, extra):
         kw = dict(bias=bias, c=c, alpha=2.0, beta=0.5, activation="gelu")
         pre = 2.0 * ref + 0.5 * c + bias
         ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
-    plan, args = run(cfg, a, b, out, b_layout, sms=2 if cfg.persistent else None, **kw)
+    plan, args = run(cfg, a, b, out, b_layout, sms=2 if cfg.persistent else None,
+                     prefetch_maps=splits == 1, **kw)
     check(out, ref, dtype)
     tiles = -(-n // bm) * -(-m // bn) * batch
     assert plan.grid[0] == (2 if cfg.persistent else tiles * splits // batch)
