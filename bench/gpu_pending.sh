@@ -462,8 +462,8 @@ if [[ " $PART " == *" s39b "* ]]; then
     archive_logs
 fi
 if [[ " $PART " == *" s39c "* ]]; then
-    gpu_tests swapped_gemm_gpu 120 tests/test_ops_gemm_wgmma_ws.py -k swapped
-    bench_suite bench_gemm_grid 330 "test_gemm_shape_grid"
+    gpu_tests swapped_gemm_gpu 100 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_grid 420 "test_gemm_shape_grid"
     archive_logs
 fi
 if [[ " $PART " == *" s39d "* ]]; then
