@@ -471,28 +471,22 @@ if [[ " $PART " == *" s39d "* ]]; then
         --json "$OUT/sweep_swapped_64.json"
     archive_logs
 fi
-if [[ " $PART " == *" s39e "* ]]; then
-    step trace_gemm_swapped 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
-        --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
-    archive_logs
-fi
 if [[ " $PART " == *" s39f "* ]]; then
     bench_suite bench_attention_short 240 \
         "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
     archive_logs
 fi
-if [[ " $PART " == *" s39g "* ]]; then
+# s39g = s39h's steps, then s39e's
+if [[ " $PART " == *" s39g "* || " $PART " == *" s39h "* ]]; then
     gpu_tests swapped_gemm_gpu 100 tests/test_ops_gemm_wgmma_ws.py -k swapped
     bench_suite bench_gemm_rows_1_16 120 \
         "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x)"
-    step trace_gemm_swapped 120 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
-        --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
-    archive_logs
 fi
-if [[ " $PART " == *" s39h "* ]]; then
-    gpu_tests swapped_gemm_gpu 80 tests/test_ops_gemm_wgmma_ws.py -k swapped
-    bench_suite bench_gemm_rows_1_16 90 \
-        "test_gemm_shape_grid and (1x4096 or 1x14336 or 1x28672 or 16x)"
+if [[ " $PART " == *" s39e "* || " $PART " == *" s39g "* ]]; then
+    step trace_gemm_swapped 150 "$PY" bench/trace_gemm.py --json "$OUT/trace_gemm_swapped.json" \
+        --shapes 16x4096x4096,1x4096x4096,16x14336x4096,16x4096x14336,64x4096x4096
+fi
+if [[ " $PART " == *" s39e "* || " $PART " == *" s39g "* || " $PART " == *" s39h "* ]]; then
     archive_logs
 fi
 if [[ " $PART " == *" s38d "* ]]; then
