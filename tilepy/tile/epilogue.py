@@ -145,32 +145,16 @@ def _pair_io(out_kind: str, pair_stores: bool = False, transposed: bool = False)
     else:
         pack = unpack = None
 
-    if transposed:
-        if pack is None:
-            @inline_device
-            def get_pair_t(src, r, c, n):
-                v1 = src[c + 1, r] if c + 1 < n else _ZERO
-                return src[c, r], v1
+    if transposed:   # the plain element accesses on the transposed view
+        get_pair, put_pair, _ = _pair_io(out_kind)
 
-            @inline_device
-            def put_pair_t(out, r, c, n, v0, v1):
-                out[c, r] = v0
-                if c + 1 < n:
-                    out[c + 1, r] = v1
-        else:
-            @inline_device
-            def get_pair_t(src, r, c, n):
-                word = np.uint32(src[c, r])
-                if c + 1 < n:
-                    word = word | (np.uint32(src[c + 1, r]) << np.uint32(16))
-                return unpack(word)
+        @inline_device
+        def get_pair_t(src, r, c, n):
+            return get_pair(src.T, r, c, n)
 
-            @inline_device
-            def put_pair_t(out, r, c, n, v0, v1):
-                word = pack(v0, v1)
-                out[c, r] = word & 0xFFFF
-                if c + 1 < n:
-                    out[c + 1, r] = word >> 16
+        @inline_device
+        def put_pair_t(out, r, c, n, v0, v1):
+            put_pair(out.T, r, c, n, v0, v1)
 
         return get_pair_t, put_pair_t, pack
 
