@@ -254,6 +254,13 @@ class WsConfig:
         n = self.block_m * self.block_n // (4 * WARPGROUP * self.consumers)   # float4s a thread
         return cluster_region_bytes(self.splits, n, 0, WARPGROUP * self.consumers)
 
+    def tile_count(self, m: int, n: int, batch: int = 1) -> int:
+        """The tiles of ``batch`` (m, n) outputs (with a cluster, of a cluster's rows; with
+        ``swap_ab``, over the output's columns × its rows)."""
+        if self.swap_ab:
+            m, n = n, m
+        return -(-m // (self.block_m * self.cluster)) * -(-n // self.block_n) * batch
+
     @property
     def rows_per_consumer(self) -> int:
         return self.block_m // self.consumers
@@ -376,11 +383,12 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
     lay = cfg.layout
     STAGES, BARS = lay.offset("stages"), lay.offset("barriers")
     ring = stage_ring(cfg)
-    load_a = tma_tile(1, A_BYTES)
-    load_b = tma_tile(NJ_CL, 8192) if b_row_major else tma_tile(1, B_SHARE)
     if SWAP:   # the 64-row side from B, the n side from A (both maps in the order loaded)
         load_a = tma_tile(BM // 64, 8192) if b_row_major else tma_tile(1, A_BYTES)
         load_b = tma_tile(1, BN * BK * 2)
+    else:
+        load_a = tma_tile(1, A_BYTES)
+        load_b = tma_tile(NJ_CL, 8192) if b_row_major else tma_tile(1, B_SHARE)
     item = split_range(cfg.splits)
 
     @inline_device
@@ -943,9 +951,7 @@ def grid(cfg: WsConfig, m: int, n: int, batch: int = 1, sms: int | None = None,
     clusters, x counts whole clusters' blocks, and a persistent grid is at most ``clusters``
     clusters (those the device runs at once)."""
     cl = cfg.cluster
-    if cfg.swap_ab:   # the tiles run over out's columns × its rows
-        m, n = n, m
-    tiles = -(-m // (cfg.block_m * cl)) * -(-n // cfg.block_n) * cfg.splits  # per cluster
+    tiles = cfg.tile_count(m, n) * cfg.splits  # per cluster
     if not cfg.persistent:
         return (tiles * cl, batch)
     n_cl = min((sms or SMS) // cl, tiles * batch)
@@ -1054,9 +1060,7 @@ def split_scratch(cfg: WsConfig, m: int, n: int, batch: int, alloc=None):
     (:func:`tilepy.tile.split_k.split_k_reduce`: 4 bytes per element of every item's tile)."""
     if cfg.splits == 1 or cfg.split_cluster:
         return None
-    if cfg.swap_ab:
-        m, n = n, m
-    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n) * batch
+    tiles = cfg.tile_count(m, n, batch)   # (splits > 1: no cluster)
     counter_bytes = -(-4 * tiles // 256) * 256
     row = 4 * WARPGROUP * cfg.consumers            # floats per partials row
     rows = tiles * cfg.splits * cfg.block_m * cfg.block_n // row
