@@ -85,6 +85,9 @@
 #                1 and 16 is the swapped one): where its 1–3 µs over cuBLAS go
 #   PART=s39f    issue 25's short-sequence forward shapes against cuDNN (B16 H16 S512 D64, B4 H32
 #                S1024 D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128; causal and not)
+#   PART=s40a    s39f, then the short-sequence shapes' configs swept against cuDNN
+#                (bench/sweep_attention.py --short-ab: tile shapes, grid and persistent,
+#                ping-pong on and off): whether these shapes want another built-in config
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -474,6 +477,13 @@ fi
 if [[ " $PART " == *" s39f "* ]]; then
     bench_suite bench_attention_short 240 \
         "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
+    archive_logs
+fi
+if [[ " $PART " == *" s40a "* ]]; then
+    bench_suite bench_attention_short 240 \
+        "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
+    step sweep_attention_short 330 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma \
+        --json "$OUT/sweep_attention_short.json"
     archive_logs
 fi
 # s39g = s39h's steps, then s39e's

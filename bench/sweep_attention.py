@@ -15,6 +15,7 @@ pick. Each tilepy result is checked against SDPA once before timing.
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -64,9 +65,11 @@ def configs(d, dtype, kernels=("mma_sync", "wgmma")):
 FLAGS = ("overlap", "persistent", "tma", "pingpong", "producer")
 
 
-def tag_of(cfg, b, h, s, d, causal) -> str:
+def tag_of(cfg, b, h, s, d, causal, hkv=None) -> str:
     wr = getattr(cfg, "warp_rows", 64)   # the wgmma kernel: a warpgroup per 64 rows
-    return (f"B{b} H{h} S{s} D{d} causal={causal} bm={cfg.block_m} bn={cfg.block_n} wr={wr}"
+    heads = f"H{h}" + (f" Hkv{hkv}" if hkv not in (None, h) else "")
+    return (f"B{b} {heads} S{s} D{d} causal={causal} bm={cfg.block_m} bn={cfg.block_n} "
+            f"wr={wr}"
             + (" wgmma" if wr == 64 else "")
             + "".join(f" {f}" for f in FLAGS if getattr(cfg, f, False)))
 
@@ -96,6 +99,11 @@ def main():
     p.add_argument("--wide-ab", action="store_true",
                    help="head dims 96, 192 and 256 (B4 H16 S4096): the built-in TMA config "
                         "against other key-block sizes, ping-pong on and off")
+    p.add_argument("--short-ab", action="store_true",
+                   help="issue 25's short-sequence shapes (B16 H16 S512 D64, B4 H32 S1024 "
+                        "D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128): the built-in config "
+                        "against other tile shapes, grid and persistent, ping-pong on and "
+                        "off; the peer is SDPA's cuDNN backend")
     p.add_argument("--causal-only", action="store_true", help="only the causal cases")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     p.add_argument("--block-m", type=int,
@@ -110,27 +118,36 @@ def main():
     from tilepy.ops.attention import choose_config  # the built-in configs the A/Bs start from
     from tilepy.testing.timing import time_cuda
 
-    shapes = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
+    # (batch, heads_q, heads_kv, seq, head_dim)
+    shapes = [(4, 32, 32, 4096, 128), (8, 16, 16, 2048, 64)]
     if args.grid or args.tma_ab or args.schedule_ab or args.persistent_ab or args.variants_ab:
-        shapes = [(4, 32, s, 128) for s in (1024, 2048, 4096, 8192)] + [(8, 16, 2048, 64)]
+        shapes = ([(4, 32, 32, s, 128) for s in (1024, 2048, 4096, 8192)]
+                  + [(8, 16, 16, 2048, 64)])
     if args.wide_ab:
-        shapes = [(4, 16, 4096, d) for d in (96, 192, 256)]
+        shapes = [(4, 16, 16, 4096, d) for d in (96, 192, 256)]
+    if args.short_ab:
+        shapes = [(16, 16, 16, 512, 64), (4, 32, 32, 1024, 128), (8, 16, 16, 2048, 64),
+                  (4, 32, 8, 4096, 128)]
     if args.head_dim:
-        shapes = [sh for sh in shapes if sh[3] == args.head_dim]
+        shapes = [sh for sh in shapes if sh[4] == args.head_dim]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     time_cuda(lambda: torch.matmul(warm, warm), warmup=50, repeat=5)  # clocks up first
-    for b, h, s, d in shapes:
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
-                   for _ in range(3))
+    peer_name = "SDPA cuDNN" if args.short_ab else "SDPA FA2"
+    peer_backend = SDPBackend.CUDNN_ATTENTION if args.short_ab else SDPBackend.FLASH_ATTENTION
+    for b, h, hkv, s, d in shapes:
+        q = torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.float16)
+                for _ in range(2))
+        gqa = {"enable_gqa": True} if hkv != h else {}
         for causal in ((False,) if args.quick else (True,) if args.causal_only
                        else (False, True)):
             flop = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
 
             def fa2():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                with sdpa_kernel(peer_backend):
                     return torch.nn.functional.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal)
+                        q, k, v, is_causal=causal, **gqa)
 
             want = fa2()
             cfgs = configs(d, "float16", args.kernels.split(","))
@@ -156,6 +173,20 @@ def main():
                                     builtin, block_n=bn, pingpong=pp, persistent=persistent))
                             except ValueError:        # (the persistent kernel's fits)
                                 pass
+                cfgs = list(dict.fromkeys(cfgs))
+            elif args.short_ab:
+                # tile shapes of the head dim's class, grid and persistent, ping-pong on
+                # and off (configs whose kernel does not fit are left out)
+                shapes_mn = (((128, 128), (192, 128), (128, 64)) if d == 64
+                             else ((128, 128), (128, 64)))
+                cfgs = [builtin]
+                for (bm, bn), pp, persistent in itertools.product(
+                        shapes_mn, (False, True), (False, True)):
+                    try:
+                        cfgs.append(dataclasses.replace(builtin, block_m=bm, block_n=bn,
+                                                        pingpong=pp, persistent=persistent))
+                    except ValueError:
+                        pass
                 cfgs = list(dict.fromkeys(cfgs))
             elif args.tma_ab:
                 base = dataclasses.replace(plain, overlap=True)
@@ -208,7 +239,7 @@ def main():
                         ms = time_cuda(lambda: tilepy.flash_attention(
                             q, k, v, causal=causal, config=cfg, out=out), warmup=2, repeat=10)
                     except Exception as e:  # noqa: BLE001
-                        print(f"{tag_of(cfg, b, h, s, d, causal)}: FAILED "
+                        print(f"{tag_of(cfg, b, h, s, d, causal, hkv)}: FAILED "
                               f"{type(e).__name__}: {e}", flush=True)
                         errs[cfg] = None
                         continue
@@ -218,18 +249,20 @@ def main():
                     continue
                 ms = statistics.median(m for m, _ in runs[cfg])
                 peer_ms = statistics.median(pm for _, pm in runs[cfg])
-                row = dict(b=b, h=h, s=s, d=d, causal=causal, block_m=cfg.block_m,
+                row = dict(b=b, h=h, hkv=hkv, s=s, d=d, causal=causal,
+                           builtin=cfg == builtin, block_m=cfg.block_m,
                            block_n=cfg.block_n, warp_rows=getattr(cfg, "warp_rows", 64),
                            kernel=type(cfg).__name__,
                            **{f: getattr(cfg, f, False) for f in FLAGS},
                            ms=ms, runs_ms=[m for m, _ in runs[cfg]],
-                           tflops=flop / ms / 1e9, peer="SDPA FA2", peer_ms=peer_ms,
+                           tflops=flop / ms / 1e9, peer=peer_name, peer_ms=peer_ms,
                            ratio=peer_ms / ms, max_abs_err=errs[cfg])
                 rows.append(row)
                 spread = (f" (rounds {min(row['runs_ms']) * 1e3:.0f}-"
                           f"{max(row['runs_ms']) * 1e3:.0f} us)" if len(runs[cfg]) > 1 else "")
-                print(f"{tag_of(cfg, b, h, s, d, causal)}: {row['tflops']:6.1f} TFLOPS  "
-                      f"{row['ratio']:.3f}x FA2 (err {errs[cfg]:.1e}){spread}", flush=True)
+                print(f"{tag_of(cfg, b, h, s, d, causal, hkv)}: {row['tflops']:6.1f} TFLOPS  "
+                      f"{row['ratio']:.3f}x {peer_name} (err {errs[cfg]:.1e}){spread}"
+                      + (" [built-in]" if row["builtin"] else ""), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
