@@ -14,11 +14,15 @@ import tilepy
 from tilepy.offline import find_ptxas, run_in_subprocess
 from tilepy.ops.attention_wgmma import (
     FP8_REPORTS,
+    FP8_SCHEDULE_REPORTS,
     HEAD_DIM_V_REPORTS,
     OVERLAP_REPORTS,
+    OVERLAP_SCHEDULE_REPORTS,
     PERSISTENT_REPORTS,
     PERSISTENT_TMA_REPORTS,
+    PLAIN_REPORTS,
     TMA_REPORTS,
+    TMA_SCHEDULE_REPORTS,
     VARIANT_REPORTS,
     VARLEN_REPORTS,
     WgmmaAttentionConfig,
@@ -453,15 +457,21 @@ def test_config_validation():
 @pytest.mark.compile
 @pytest.mark.parametrize("group", [
     "tma",                                              # the built-in choices' family
-    "cp_async"])                                        # config= only
+    "cp_async",                                         # the TMA configs' fallback tiles
+    # schedules reachable through config= only
+    pytest.param("tma_schedules", marks=pytest.mark.extended),
+    pytest.param("cp_async_schedules", marks=pytest.mark.extended)])
 def test_compiles_for_sm90a_without_spills(group):
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess(f"tilepy.ops.attention_wgmma:compile_reports_{group}")
-    assert len(reps) == (3 + len(OVERLAP_REPORTS) + len(PERSISTENT_REPORTS) if group != "tma"
-                         else len(TMA_REPORTS) + len(PERSISTENT_TMA_REPORTS)
-                         + len(VARIANT_REPORTS) + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS)
-                         + len(VARLEN_REPORTS))
+    assert len(reps) == {
+        "tma": len(TMA_REPORTS) + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS)
+        + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS) + len(VARLEN_REPORTS),
+        "tma_schedules": len(TMA_SCHEDULE_REPORTS) + len(FP8_SCHEDULE_REPORTS),
+        "cp_async": len(OVERLAP_REPORTS),
+        "cp_async_schedules": len(PLAIN_REPORTS) + len(OVERLAP_SCHEDULE_REPORTS)
+        + len(PERSISTENT_REPORTS)}[group]
     for name, rep in reps.items():
         assert "error" not in rep, rep.get("error")
         # at least one key block's wgmmas: head_dim / k for S, block_n / k for P·V (k 16, 32

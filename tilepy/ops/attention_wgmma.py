@@ -1971,9 +1971,15 @@ def _overlap_entry(name, cfg, causal, has_lse):
 
 
 #: The overlap kernels of :func:`compile_reports`: (head_dim, block_n, dtype, causal with LSE).
-OVERLAP_REPORTS = ((64, 64, "float16", False), (64, 128, "float16", True),
-                   (128, 64, "float16", False), (128, 64, "bfloat16", True),
-                   (128, 128, "float16", False), (128, 128, "bfloat16", True))
+OVERLAP_REPORTS = ((64, 128, "float16", True), (128, 128, "float16", False),
+                   (128, 128, "bfloat16", True))
+#: The cp.async overlap kernels of the ``cp_async_schedules`` group: tiles no built-in config
+#: falls back to (``config=`` only).
+OVERLAP_SCHEDULE_REPORTS = ((64, 64, "float16", False), (128, 64, "float16", False),
+                            (128, 64, "bfloat16", True))
+#: The plain cp.async kernels (no overlap) of the ``cp_async_schedules`` group: (head_dim,
+#: causal with LSE).
+PLAIN_REPORTS = ((64, False), (128, False), (128, True))
 #: The persistent kernels of :func:`compile_reports`: (head_dim, block_n, overlap, causal with
 #: LSE).
 PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
@@ -1982,13 +1988,16 @@ PERSISTENT_REPORTS = ((128, 128, False, False), (128, 128, True, True),
 
 #: The TMA kernels of :func:`compile_reports`: (head_dim, block_n, causal with LSE, pingpong,
 #: producer[, block_m: default 128]).
-TMA_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
-               (128, 128, True, True, False), (128, 128, False, False, True),
-               (128, 128, True, True, True), (64, 128, False, True, True),
-               (64, 128, True, True, True, 192),
+TMA_REPORTS = ((128, 128, True, True, True), (64, 128, True, True, True, 192),
                # past 128 (the built-in choices) and a head dim not a multiple of 64
                (256, 80, True, True, True), (192, 112, False, True, True),
                (96, 128, True, True, True))
+#: The TMA kernels of the ``tma_schedules`` group (the same fields): schedules no built-in
+#: config takes (``config=`` only) — without ping-pong or a producer warpgroup, 64-key
+#: blocks at head_dim 64, 128 query rows at head_dim 64.
+TMA_SCHEDULE_REPORTS = ((128, 128, False, False, False), (64, 64, True, False, False),
+                        (128, 128, True, True, False), (128, 128, False, False, True),
+                        (64, 128, False, True, True))
 #: TMA kernels with V's head dim other than Q's and K's (the built-in choice, ping-pong and a
 #: producer warpgroup): (head_dim, head_dim_v, block_n, causal with LSE).
 HEAD_DIM_V_REPORTS = ((192, 128, 112, True),)
@@ -2010,7 +2019,10 @@ VARLEN_REPORTS = ((128, True), (64, False))
 #: rows): (head_dim, block_n, causal with LSE).
 #: (head_dim, block_n, causal, fma_exp_every) of the FP8 kernels' reports
 FP8_REPORTS = ((128, 128, True, 0), (128, 128, False, 0), (256, 64, False, 0),
-               (64, 128, True, 0), (128, 128, False, 2))
+               (64, 128, True, 0))
+#: The FP8 kernels of the ``tma_schedules`` group (the same fields): every other tile's
+#: exponentials on the FMA pipe (not the default).
+FP8_SCHEDULE_REPORTS = ((128, 128, False, 2),)
 
 
 def _variant_entry(d, bm, pingpong, persistent, window, cap):
@@ -2030,39 +2042,50 @@ def _variant_entry(d, bm, pingpong, persistent, window, cap):
         smem_bytes=cfg.smem_bytes)
 
 
+#: :func:`compile_reports`' groups: the kernels a built-in config or its fallback runs, and the
+#: schedules reachable through ``config=`` only (the test suite runs those with --extended).
+REPORT_GROUPS = ("tma", "tma_schedules", "cp_async", "cp_async_schedules")
+
+
 def compile_reports(group: str = "all"):
-    """Offline sm_90a reports of the d64 and d128 kernels (causal with LSE, and not), of the
-    overlap kernels (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`)
-    and of the persistent ones (:data:`PERSISTENT_REPORTS`), the TMA ones
-    (:data:`TMA_REPORTS`), TMA ones with a window or soft cap (:data:`VARIANT_REPORTS`) and
-    with V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`), the FP8 ones
-    (:data:`FP8_REPORTS`) and the packed-sequence ones (:data:`VARLEN_REPORTS`).
-    ``group``: "all", "tma" (the TMA kernels, the built-in choices' family) or "cp_async"
-    (the kernels that load with cp.async: the first three, overlap and persistent)."""
-    if group not in ("all", "tma", "cp_async"):
-        raise ValueError(f"compile_reports: group must be 'all', 'tma' or 'cp_async', "
-                         f"got {group!r}")
+    """Offline sm_90a reports of the wgmma attention kernels, by ``group``:
+
+    * ``"tma"``: the TMA kernels of the built-in choices' family (:data:`TMA_REPORTS`, the
+      persistent ones :data:`PERSISTENT_TMA_REPORTS`, with a window or soft cap
+      :data:`VARIANT_REPORTS`, V's head dim other than Q's :data:`HEAD_DIM_V_REPORTS`, FP8
+      :data:`FP8_REPORTS`, packed sequences :data:`VARLEN_REPORTS`);
+    * ``"tma_schedules"``: TMA schedules no built-in config takes
+      (:data:`TMA_SCHEDULE_REPORTS`, :data:`FP8_SCHEDULE_REPORTS`);
+    * ``"cp_async"``: the cp.async overlap kernels a TMA config falls back to
+      (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`);
+    * ``"cp_async_schedules"``: the other cp.async kernels (:data:`PLAIN_REPORTS`,
+      :data:`OVERLAP_SCHEDULE_REPORTS`, :data:`PERSISTENT_REPORTS`);
+    * ``"all"``: every group."""
     if group == "all":
-        return compile_reports("cp_async") + compile_reports("tma")
+        return [rep for g in REPORT_GROUPS for rep in compile_reports(g)]
+    if group not in REPORT_GROUPS:
+        raise ValueError(f"compile_reports: group must be 'all' or one of {REPORT_GROUPS}, "
+                         f"got {group!r}")
+    if group.startswith("tma"):
+        return _tma_reports(group == "tma_schedules")
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
-    if group == "tma":
-        return _tma_reports()
     out = []
-    for d, causal in ((64, False), (128, False), (128, True)):
+    schedules = group == "cp_async_schedules"
+    for d, causal in PLAIN_REPORTS if schedules else ():
         cfg = WgmmaAttentionConfig(d)
         out.append(report_entry(f"attention_wgmma_d{d}{'_causal_lse' if causal else ''}",
                                 lambda cfg=cfg, causal=causal:
                                 wgmma_attention_kernel(cfg, causal, causal),
                                 argtypes(), (9, 0, "a"), threads=cfg.threads,
                                 config=cfg.describe(), smem_bytes=cfg.smem_bytes))
-    for d, bn, dtype, causal in OVERLAP_REPORTS:
+    for d, bn, dtype, causal in OVERLAP_SCHEDULE_REPORTS if schedules else OVERLAP_REPORTS:
         cfg = WgmmaAttentionConfig(d, 128, bn, dtype, overlap=True)
         name = (f"attention_wgmma_overlap_d{d}_{cfg.block_m}x{bn}_{dtype}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
-    for d, bn, overlap, causal in PERSISTENT_REPORTS:
+    for d, bn, overlap, causal in PERSISTENT_REPORTS if schedules else ():
         cfg = WgmmaAttentionConfig(d, 128, bn, overlap=overlap, persistent=True)
         name = (f"attention_wgmma_persistent{'_overlap' if overlap else ''}_d{d}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
@@ -2071,27 +2094,51 @@ def compile_reports(group: str = "all"):
 
 
 def compile_reports_tma():
-    """:func:`compile_reports` of the TMA group (a target for ``run_in_subprocess``)."""
+    """:func:`compile_reports` of the ``tma`` group (a target for ``run_in_subprocess``)."""
     return compile_reports("tma")
 
 
+def compile_reports_tma_schedules():
+    """:func:`compile_reports` of the ``tma_schedules`` group (a ``run_in_subprocess``
+    target)."""
+    return compile_reports("tma_schedules")
+
+
 def compile_reports_cp_async():
-    """:func:`compile_reports` of the cp.async group (a target for ``run_in_subprocess``)."""
+    """:func:`compile_reports` of the ``cp_async`` group (a target for ``run_in_subprocess``)."""
     return compile_reports("cp_async")
 
 
-def _tma_reports():
-    """:func:`compile_reports`' TMA group."""
+def compile_reports_cp_async_schedules():
+    """:func:`compile_reports` of the ``cp_async_schedules`` group (a ``run_in_subprocess``
+    target)."""
+    return compile_reports("cp_async_schedules")
+
+
+def _fp8_entry(d, bn, causal, every):
+    cfg = WgmmaAttentionConfig(d, 128, bn, "float8_e4m3fn", overlap=True, tma=True,
+                               pingpong=True, producer=True, fma_exp_every=every)
+    name = (f"attention_wgmma_tma_pingpong_producer_fp8_d{d}_128x{bn}"
+            f"{'_causal_lse' if causal else ''}{f'_fma_exp_{every}' if every else ''}")
+    return _overlap_entry(name, cfg, causal, causal)
+
+
+def _tma_reports(schedules: bool):
+    """:func:`compile_reports`' ``tma`` group, or with ``schedules`` its ``tma_schedules``
+    one."""
     from ..offline import report_entry
 
     out = []
-    for d, bn, causal, pingpong, producer, *bm in TMA_REPORTS:
+    for d, bn, causal, pingpong, producer, *bm in (TMA_SCHEDULE_REPORTS if schedules
+                                                   else TMA_REPORTS):
         cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
                                    pingpong=pingpong, producer=producer)
         name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
                 f"{'_producer' if producer else ''}_d{d}_{cfg.block_m}x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
+    if schedules:
+        return out + [_fp8_entry(*e) for e in FP8_SCHEDULE_REPORTS]
     for d, causal, pingpong, bm in PERSISTENT_TMA_REPORTS:
         cfg = WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True, pingpong=pingpong,
                                    producer=True, persistent=True)
@@ -2105,12 +2152,7 @@ def _tma_reports():
         name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
                 f"{'_causal_lse' if causal else ''}")
         out.append(_overlap_entry(name, cfg, causal, causal))
-    for d, bn, causal, every in FP8_REPORTS:
-        cfg = WgmmaAttentionConfig(d, 128, bn, "float8_e4m3fn", overlap=True, tma=True,
-                                   pingpong=True, producer=True, fma_exp_every=every)
-        name = (f"attention_wgmma_tma_pingpong_producer_fp8_d{d}_128x{bn}"
-                f"{'_causal_lse' if causal else ''}{f'_fma_exp_{every}' if every else ''}")
-        out.append(_overlap_entry(name, cfg, causal, causal))
+    out.extend(_fp8_entry(*e) for e in FP8_REPORTS)
     from .attention import HOPPER_CHOICE
 
     for d, causal in VARLEN_REPORTS:
