@@ -88,6 +88,7 @@
 #   PART=s40a    s39f, then the short-sequence shapes' configs swept against cuDNN
 #                (bench/sweep_attention.py --short-ab: tile shapes, grid and persistent,
 #                ping-pong on and off): whether these shapes want another built-in config
+#   PART=s40b    s40a's sweep alone (the device time left)
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -482,6 +483,8 @@ fi
 if [[ " $PART " == *" s40a "* ]]; then
     bench_suite bench_attention_short 240 \
         "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
+fi
+if [[ " $PART " == *" s40a "* || " $PART " == *" s40b "* ]]; then
     step sweep_attention_short 330 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma \
         --json "$OUT/sweep_attention_short.json"
     archive_logs
