@@ -114,7 +114,10 @@ def test_batch_broadcast_fused_epilogue_and_persistent_grid():
                                  "tma_store": True}),
     pytest.param("float16", "col", SMALL, 3, {"persistent": True, "epilogue": True},
                  marks=pytest.mark.extended),
-    ("bfloat16", "row", SMALL, 4, {"split_cluster": True, "stages": 3, "epilogue": True}),
+    # (split_cluster is config= only: gemm.SPLIT_CLUSTER is off)
+    pytest.param("bfloat16", "row", SMALL, 4,
+                 {"split_cluster": True, "stages": 3, "epilogue": True},
+                 marks=pytest.mark.extended),
     ("float16", "col", TWO, 2, {"split_cluster": True, "smem_epilogue": True})],
     ids=["4-splits", "more-splits-than-k-steps-tma-store", "persistent-3-blocks-fused",
          "cluster-4-fused", "cluster-2-two-consumers"])
