@@ -100,7 +100,7 @@ def reference(q, k, v, dout, causal, layout="bhsd", scale=None):
     with sdpa_kernel(SDPBackend.MATH):
         o = sdpa(ql, kl, vl, **kw)
     dql, dk, dv = torch.autograd.grad(o, (ql, kl, vl), dout[:, :, dead:])
-    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    out, dq = q.new_zeros(*q.shape[:3], v.shape[3]), torch.zeros_like(q)
     out[:, :, dead:] = o.detach()
     dq[:, :, dead:] = dql
     if layout == "bshd":
@@ -144,6 +144,27 @@ def test_gpu_backward_against_sdpa_float32(case):
         assert torch.isneginf(lse[:, :, :dead]).all()
         assert (bhsd(out, layout)[:, :, :dead] == 0).all(), "rows without keys: out 0"
         assert (bhsd(dq, layout)[:, :, :dead] == 0).all(), "rows without keys: dq 0"
+
+
+@pytest.mark.parametrize("dtype,causal,layout", [(BF16, True, "bshd"), (F16, False, "bhsd")])
+def test_gpu_head_dim_v_gradients_through_autograd(dtype, causal, layout):
+    """DeepSeek's 192 / 128 (v's head dim other than q's and k's), GQA 8/2, seq_q ≠ seq_k:
+    ``loss.backward()`` through ``tilepy.flash_attention`` (the TMA forward, the mma.sync
+    backward) against SDPA's math backend in float32."""
+    b, hq, hkv, sq, sk, d, dv = 1, 8, 2, 700, 900, 192, 128
+
+    def shape(h, s, w):
+        return (b, s, h, w) if layout == "bshd" else (b, h, s, w)
+
+    q = torch.randn(shape(hq, sq, d), device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(shape(hkv, sk, d), device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(shape(hkv, sk, dv), device="cuda", dtype=dtype, requires_grad=True)
+    dout = torch.randn(shape(hq, sq, dv), device="cuda", dtype=dtype)
+    out = tilepy.flash_attention(q, k, v, causal=causal, layout=layout)
+    out.backward(dout)
+    want_out, want = reference(q, k, v, dout, causal, layout)
+    assert rel(out.detach(), want_out) < TOL[dtype]
+    check_grads((q.grad, k.grad, v.grad), want, dtype, "head_dim_v")
 
 
 @pytest.mark.parametrize("case", [CASES[9], CASES[6]], ids=case_id)

@@ -84,7 +84,7 @@ def reference(q, k, v, do, causal, scale, window=None, cap=0.0, score_mod=None,
     ds = p * (dp - (do * out).sum(-1, keepdims=True)) * dcap
     dq = scale * ds @ kk
     dk = (scale * ds.transpose(0, 1, 3, 2) @ q).reshape(b, hk, group, sk, d).sum(2)
-    dv = (p.transpose(0, 1, 3, 2) @ do).reshape(b, hk, group, sk, d).sum(2)
+    dv = (p.transpose(0, 1, 3, 2) @ do).reshape(b, hk, group, sk, do.shape[3]).sum(2)
     return out, dq, dk, dv
 
 
@@ -100,11 +100,15 @@ def close(got, want, dtype, what):
 
 
 def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=0,
-             window=None, softcap=0.0, mods=None, **kw):
+             window=None, softcap=0.0, mods=None, dv=None, **kw):
+    """One backward call against the float64 derivation (``dv``: v's head dim, default d)."""
     rng = np.random.default_rng(seed)
     dt = DTYPES[dtype]
-    q, do = (rng.standard_normal((b, hq, sq, d)).astype(dt) for _ in range(2))
-    k, v = (rng.standard_normal((b, hk, sk, d)).astype(dt) for _ in range(2))
+    dv = d if dv is None else dv
+    q = rng.standard_normal((b, hq, sq, d)).astype(dt)
+    do = rng.standard_normal((b, hq, sq, dv)).astype(dt)
+    k = rng.standard_normal((b, hk, sk, d)).astype(dt)
+    v = rng.standard_normal((b, hk, sk, dv)).astype(dt)
     if softcap:
         q = (q.astype(np.float32) * 2).astype(dt)     # larger scores: the cap bites
     scale = d ** -0.5
@@ -135,6 +139,39 @@ def run_case(b, hq, hk, sq, sk, d, causal, dtype="float16", layout="bhsd", seed=
 ])
 def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout)
+
+
+@pytest.mark.parametrize("b, hq, hk, sq, sk, d, dv, causal, dtype, layout, kw", [
+    # v narrower (DeepSeek's 192 / 128 in small): GQA, seq_q < seq_k, dQ by its own kernel
+    (1, 2, 1, 40, 50, 48, 32, False, "float16", "bhsd", {}),
+    # v wider, not a multiple of 16 (40 in a 48-column tile); causal with rows that see no
+    # key, bshd, dQ by atomics
+    (1, 2, 2, 45, 37, 24, 40, True, "bfloat16", "bshd", {"config": BackwardConfig(
+        24, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32, dq_block_n=32,
+        dq_atomic=True, head_dim_v=40)}),
+])
+def test_head_dim_v(b, hq, hk, sq, sk, d, dv, causal, dtype, layout, kw):
+    """v's head dim other than q's and k's: the mma.sync kernels' tiles as wide as the wider,
+    each operand zero-filled past its own head dim; dV (and out, dout) in v's, dQ / dK in
+    q's, against the float64 derivation."""
+    run_case(b, hq, hk, sq, sk, d, causal, dtype, layout, dv=dv, **kw)
+    if not kw:
+        assert choose_config(d, dtype, head_dim_v=dv).dv == dv
+
+
+def test_head_dim_v_errors():
+    """A config for another v head dim, and dout of q's shape instead of out's: clear errors
+    before launch."""
+    q = np.zeros((1, 2, 8, 48), np.float16)
+    v = np.zeros((1, 2, 8, 32), np.float16)
+    out, lse = flash_attention(q, q, v, return_lse=True)
+    with pytest.raises(ValueError, match="config is for v's head_dim 48; v's is 32"):
+        flash_attention_backward(out, q, q, v, out, lse, config=BackwardConfig(
+            48, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32))
+    with pytest.raises(ValueError, match="dout must have out's shape"):
+        flash_attention_backward(q, q, q, v, out, lse)
+    with pytest.raises(ValueError, match="head_dim_v must be None or one of"):
+        BackwardConfig(48, head_dim_v=36)
 
 
 @pytest.mark.parametrize("b, hq, hk, sq, sk, causal, window, softcap, layout, kw", [
@@ -449,7 +486,7 @@ def test_bad_input_is_named():
     rng = np.random.default_rng(2)
     q = rng.standard_normal((1, 2, 9, 16)).astype(np.float16)
     out, lse = flash_attention(q, q, q, return_lse=True)
-    with pytest.raises(ValueError, match="dout must have q's shape"):
+    with pytest.raises(ValueError, match="dout must have out's shape"):
         flash_attention_backward(q[:, :1], q, q, q, out, lse)
     with pytest.raises(ValueError, match="lse must be float32 of shape"):
         flash_attention_backward(q, q, q, q, out, lse[:, :, :4])

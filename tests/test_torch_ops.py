@@ -227,6 +227,21 @@ def test_flash_attention_operator_and_gradients_against_float64():
                 ins, torch.float16)
 
 
+def test_flash_attention_head_dim_v_gradients():
+    """v's head dim other than q's and k's (48 / 32; GQA 2 / 1, causal, seq_q < seq_k) through
+    autograd against float64, and the backward operator's fake shapes (opcheck)."""
+    ins = [rand(1, 2, 9, 48, grad=True), rand(1, 1, 13, 48, grad=True),
+           rand(1, 1, 13, 32, grad=True)]
+    check_grads(lambda q, k, v: tilepy.flash_attention(q, k, v, causal=True),
+                lambda q, k, v: _attention_reference(q, k, v, True, 48 ** -0.5),
+                ins, torch.float16)
+    q, k, v = (x.detach() for x in ins)
+    o, l = tilepy.flash_attention(q, k, v, causal=True, return_lse=True)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_backward.default,
+                          (rand(1, 2, 9, 32), q, k, v, o, l, None, True, None, -1, -1, 0.0,
+                           "bhsd", False))
+
+
 def test_flash_attention_window_and_softcap_gradients_and_compile():
     """The variants through the operator: opcheck with a window and a cap, gradients against
     float64 autograd (a sliding window under causal with a cap; GQA; rows that see no key),

@@ -129,7 +129,8 @@ def flash_attention(q, k, v, *, causal=False, scale=None, window=None, softcap=0
       kernel, its tiles zero-padded to the next multiple of 16 (past 128 it spills: a
       portable fallback). ``v`` may have another head dim (``head_dim_v``, e.g. 192 / 128),
       a multiple of 8 up to 256: ``out`` then ends in v's; the TMA kernels only (sm_90 and
-      the simulator), forward only (the backward raises ``NotImplementedError``).
+      the simulator). Its backward runs the mma.sync backward kernels (any GPU), tiles as
+      wide as the wider head dim.
     * Any ``seq_q`` and ``seq_k`` (not multiples of a block; ``seq_q != seq_k`` allowed).
     * Grouped-query / multi-query attention: ``heads_q`` a multiple of ``heads_kv``; query
       head ``h`` uses key/value head ``h // (heads_q // heads_kv)``.
@@ -385,12 +386,14 @@ def check_config_variant(config, win, cap, user=False) -> None:
                                   "(mma.sync)")
 
 
-def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=False):
+def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=False,
+                    any_device=False):
     """Validate flash_attention's arguments (the backward's too,
     :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
     head_dim), (K, V, Out), scale as a float, device)``. ``head_dim_v``: v's head dim may
-    differ from q's and k's (the forward; ``out`` then ends in v's, :func:`out_shape`);
-    otherwise a different one is a ``NotImplementedError``."""
+    differ from q's and k's (``out`` then ends in v's, :func:`out_shape`) — on sm_90 only
+    unless ``any_device`` (the backward's mma.sync kernels); otherwise a different one is a
+    ``NotImplementedError``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q = describe(q, "q", allow_float32=False)
@@ -405,7 +408,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
                              f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
-    if dv != d and not arrays.SIMULATOR:
+    if dv != d and not arrays.SIMULATOR and not any_device:
         qkv_device = arrays.same_device(Q, K, V)
         if not launch.is_hopper(qkv_device):
             raise NotImplementedError(hopper_only(d, dv, qkv_device))
@@ -456,8 +459,8 @@ def check_shapes(Q, K, V, layout: str, head_dim_v: bool = True):
                          f"k {K.shape}, v {V.shape}, layout {layout!r})")
     if dv != d and not head_dim_v:
         raise NotImplementedError(
-            f"v's head_dim {dv} differs from q's and k's {d}: the forward "
-            f"(tilepy.flash_attention) takes it; the backward does not yet")
+            f"v's head_dim {dv} differs from q's and k's {d}, which this op does not take "
+            f"(tilepy.flash_attention and its backward do)")
     if (hk, sk) != (hv, sv):
         raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
     if hk < 1 or hq % hk:

@@ -61,7 +61,7 @@ WGMMA_VARIANTS = True
 
 
 def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
-                  variant: bool = False, wgmma: bool = True):
+                  variant: bool = False, wgmma: bool = True, head_dim_v=None):
     """The built-in backward config for a head dimension and dtype on the current device: on a
     compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
     :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
@@ -69,22 +69,29 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
     ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
     kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
-    mma.sync kernels' choice whatever the device (packed sequences, which only they take)."""
+    mma.sync kernels' choice whatever the device (packed sequences, which only they take).
+    ``head_dim_v`` (v's head dim, where it differs): the mma.sync kernels' config of the wider
+    of the two, on every device."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    extra = {} if dv == head_dim else {"head_dim_v": dv}
     if arrays.SIMULATOR:
-        return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS)
+        return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS, **extra)
+    if extra:
+        wgmma = False
     if wgmma and head_dim in bw.HEAD_DIMS and launch.is_hopper() and \
             (WGMMA_VARIANTS or not variant):
         if not deterministic and head_dim in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
-    blocks = GPU_BLOCKS[min(d for d in GPU_BLOCKS if d >= head_dim)]
-    if 64 < head_dim <= 128 and (-(-head_dim // 16) * 2) % 4:
+    width = max(head_dim, dv)
+    blocks = GPU_BLOCKS[min(d for d in GPU_BLOCKS if d >= width)]
+    if 64 < width <= 128 and (-(-width // 16) * 2) % 4:
         # 80- and 112-column tiles (head_dim 72, 80, 104, 112): their 10 / 14 n8 tiles do not
         # split over GPU_BLOCKS[128]'s two column groups of warps; 32 keys a block (two warps,
         # each its own 16 rows of dQ and every column) — offline sm_90: 234 registers at 72,
         # 255 and 24 B of spill stores at 112 (64 query rows a step instead: 124 B)
         blocks = dict(blocks, block_n=32)
-    return BackwardConfig(head_dim, dtype=dtype, **blocks)
+    return BackwardConfig(head_dim, dtype=dtype, **blocks, **extra)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=None,
@@ -102,6 +109,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       returned with ``return_lse=True`` — ``lse`` float32 (batch, heads_q, seq_q), natural
       log, ``-inf`` for a row that sees no key (its gradients are 0). ``dout`` has ``out``'s
       shape and dtype.
+    * ``v``'s head dim may differ from q's and k's (``out`` and ``dout`` end in v's, as the
+      forward's): the mma.sync kernels on any GPU (their tiles as wide as the wider head dim,
+      each operand zero-filled past its own), a ``BackwardConfig`` with ``head_dim_v``.
     * Results in ``q``'s, ``k``'s and ``v``'s shapes, layout and dtype, written into
       ``dq``, ``dk``, ``dv`` when given (any strides). With grouped-query attention ``dk`` and
       ``dv`` are summed over each key/value head's query heads.
@@ -145,7 +155,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       FlashAttention does).
     * ``config``: a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (mma.sync)
       or :class:`~tilepy.ops.attention_backward_wgmma.WgmmaBackwardConfig` (Hopper; its
-      ``head_dim`` and ``dtype`` must match) instead of the built-in choice.
+      ``head_dim``, ``dtype`` and v's head dim — ``head_dim_v``, a BackwardConfig's only —
+      must match) instead of the built-in choice.
     * ``dlse``: the loss's gradient in ``lse`` (float32, ``lse``'s shape) when the forward's
       LSE is used downstream as well as ``out`` (autograd passes it); None: zero.
     * Array kinds, devices and streams as :func:`tilepy.flash_attention`; errors are raised
@@ -276,7 +287,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
                         "result), got None")
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
-        q, k, v, causal, scale, out, layout, None)
+        q, k, v, causal, scale, out, layout, None, head_dim_v=True, any_device=True)
     win, cap = check_variant(causal, window, softcap)
     score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
     n_args = n_mod_args(mod_args)
@@ -287,8 +298,8 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
                         "mask_mod; neither was given")
     user = user or alibi_slopes is not None
     dO = describe(dout, "dout", allow_float32=False)
-    if dO.shape != Q.shape or dO.dtype != dtype:
-        raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
+    if dO.shape != Out.shape or dO.dtype != dtype:
+        raise ValueError(f"dout must have out's shape {Out.shape} and dtype {dtype}, got "
                          f"{dO.shape} {dO.dtype}")
     if lse is None:
         raise TypeError("flash_attention_backward needs the forward's lse "
@@ -314,6 +325,10 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         if (config.head_dim, config.dtype) != (d, dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {dtype}")
+        dv = bhsd_dims(V.shape, layout)[3]
+        if getattr(config, "dv", config.head_dim) != dv:
+            raise ValueError(f"config is for v's head_dim {getattr(config, 'dv', d)}; v's is "
+                             f"{dv} (a BackwardConfig with head_dim_v={dv} takes it)")
     if user and max(bq, hq) > launch.MAX_GRID_YZ:
         raise NotImplementedError(
             f"flash_attention_backward: score_mod / mask_mod / alibi_slopes with more than "
@@ -343,7 +358,8 @@ def _backward(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
                 arr, _ = make()
                 G = describe(arr, _OPERANDS[_DQ + slot])
             results.append((arr, G))
-        cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap) or user)
+        cfg = config or choose_config(d, dtype, bool(deterministic), is_variant(win, cap) or user,
+                                      head_dim_v=bhsd_dims(V.shape, layout)[3])
         hk = bhsd_dims(K.shape, layout)[1]
         if not (bq and hq and hk and (sq or sk)):
             return tuple(a for a, _ in results)

@@ -109,6 +109,10 @@ class BackwardConfig:
       the dQ kernel, where ``deterministic`` is not asked for. Off by default: on the H200 the
       atomics cost more than the dQ kernel's recomputation (bench/NOTES.md: attention
       backward).
+    * ``head_dim_v``: v's (and out's, dout's) head dim where it differs from q's and k's
+      ``head_dim`` (None: the same). The tiles are as wide as the wider of the two; each
+      operand's columns past its own head dim are zero-filled in shared memory and never
+      stored.
     """
 
     head_dim: int
@@ -119,6 +123,7 @@ class BackwardConfig:
     dtype: str = "float16"
     cc: tuple = (9, 0)
     dq_atomic: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         _require(isinstance(self.dq_atomic, bool), f"BackwardConfig.dq_atomic must be a bool, "
@@ -127,6 +132,9 @@ class BackwardConfig:
                  f"{self.dtype!r}")
         _require(self.head_dim in HEAD_DIMS, f"BackwardConfig.head_dim must be one of "
                  f"{HEAD_DIMS}, got {self.head_dim!r}")
+        _require(self.head_dim_v is None or self.head_dim_v in HEAD_DIMS,
+                 f"BackwardConfig.head_dim_v must be None or one of {HEAD_DIMS}, got "
+                 f"{self.head_dim_v!r}")
         for name in ("block_m", "block_n", "dq_block_m", "dq_block_n"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value > 0 and value % 16 == 0,
@@ -169,10 +177,16 @@ class BackwardConfig:
         return max(1, self.warps // self.dq_row_warps)
 
     @property
+    def dv(self) -> int:
+        """v's head dim (``head_dim_v``, else ``head_dim``)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def tile_dim(self) -> int:
-        """The shared tiles' row length: head_dim rounded up to a multiple of 16 (the copies
-        zero-fill the columns past head_dim; what is computed there is never stored)."""
-        return -(-self.head_dim // 16) * 16
+        """The shared tiles' row length: the wider of head_dim and :attr:`dv` rounded up to a
+        multiple of 16 (the copies zero-fill each operand's columns past its own head dim;
+        what is computed there is never stored)."""
+        return -(-max(self.head_dim, self.dv) // 16) * 16
 
     @property
     def swizzle(self) -> bool:
@@ -203,7 +217,8 @@ class BackwardConfig:
         dq = "atomics" if self.dq_atomic else f"{self.dq_block_m} x {self.dq_block_n} " \
             f"({self.dq_warps} warps)"
         return (f"dK/dV {self.block_n} keys x {self.block_m} queries ({self.warps} warps), "
-                f"dQ {dq}, D={self.head_dim} {self.dtype}")
+                f"dQ {dq}, D={self.head_dim}"
+                + (f", Dv={self.dv}" if self.dv != self.head_dim else "") + f" {self.dtype}")
 
 
 def kernel_jit(threads: int, blocks_per_sm: int | None = None, disk_cache: bool = True):
@@ -432,7 +447,9 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                  mods: tuple, varlen: bool = False, mask_block=None):
     # D: the shared tiles' width (head_dim rounded up to 16; the copies zero-fill past it)
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.tile_dim
+    # the columns each operand holds: q, k (and dq, dk) head_dim; v, do (and dv) dv
     VALID = None if cfg.head_dim == D else cfg.head_dim
+    VALID_V = None if cfg.dv == D else cfg.dv
     W = cfg.warps
     THREADS = 32 * W
     NQ = BM // 8        # n8 tiles of Sᵀ (query columns)
@@ -464,7 +481,9 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     mma = _MMA[cfg.dtype]
     smem = dynamic_shared()
     setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW, VALID)
+    setup_v, issue_v = copy_rows_to_shared(BN, D, THREADS, SW, VALID_V)
     setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW, VALID)
+    setup_do, issue_do = copy_rows_to_shared(BM, D, THREADS, SW, VALID_V)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)  # BM float32 as 16-bit
     setup_ka, load_ka = load_a_fragments(1, D, SW)            # K, V rows of the warp
     setup_qn, load_qn = load_b_fragments(NQ, D, False, SW)    # Q, dO as n = query, k = d
@@ -483,6 +502,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     afrag = a_fragment(cfg.dtype)
     store_ds = store_accumulators_to_shared(1, NQ, BM, cfg.dtype, True)
     store = store_accumulators(1, cfg.head_dim // 8, cfg.dtype)   # head_dim's columns only
+    store_v = store_accumulators(1, cfg.dv // 8, cfg.dtype)        # dv's
     add_dq = atomic_add_accumulators(MIQ, NOQ)
 
     @kernel_jit(THREADS, disk_cache=not USER)
@@ -542,13 +562,13 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             ds_ = do_.strides[2]
             k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start + key0, 0))),
                                        ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
-                                       vs, tid)
+            v0, vsh, vr, vc = setup_v(np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
+                                      vs, tid)
             issue_kv(k_tile, 0, k0, ksh, kr, kc, ks, sk - key0)
-            issue_kv(v_tile, 0, v0, vsh, vr, vc, vs, sk - key0)
+            issue_v(v_tile, 0, v0, vsh, vr, vc, vs, sk - key0)
             q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, hq0, q_start, 0))), qs, tid)
-            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (vb, hq0, q_start, 0))), ds_,
-                                      tid)
+            d0, dsh, dr, dc = setup_do(np.int64(global_addr(do_, (vb, hq0, q_start, 0))), ds_,
+                                       tid)
             l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
             e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
             hstep_q = q.strides[1]
@@ -559,7 +579,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
             nh, qbn, _, _, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
             row = qbn * BM
             issue_q(base + Q_OFF, nh * hstep_q + row * qs, q0, qsh, qr, qc, qs, sq - row)
-            issue_q(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)
+            issue_do(base + DO_OFF, nh * hstep_d + row * ds_, d0, dsh, dr, dc, ds_, sq - row)
             issue_r(base + L_OFF, nh * hstep_r + row * 4, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF, nh * hstep_r + row * 4, e0, esh, er, ec, 0, 1)
             cp_async_commit_group()
@@ -596,8 +616,8 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                     so = ((n + 1) % 2)
                     issue_q(base + Q_OFF + so * Q_TILE, nh * hstep_q + nrow * qs,
                             q0, qsh, qr, qc, qs, sq - nrow)
-                    issue_q(base + DO_OFF + so * Q_TILE, nh * hstep_d + nrow * ds_,
-                            d0, dsh, dr, dc, ds_, sq - nrow)
+                    issue_do(base + DO_OFF + so * Q_TILE, nh * hstep_d + nrow * ds_,
+                             d0, dsh, dr, dc, ds_, sq - nrow)
                     issue_r(base + L_OFF + so * ROW_BYTES, nh * hstep_r + nrow * 4,
                             l0, lsh, lr, lc, 0, 1)
                     issue_r(base + DL_OFF + so * ROW_BYTES, nh * hstep_r + nrow * 4,
@@ -683,7 +703,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
                                (wc * NOQ_ALL + cp * NOQ) * 8, q_start + sq, g, t)
 
         store(dk_acc, dk[vb, hk], k_start + key0 + warp * 16, k_start + sk, scale, g, t)
-        store(dv_acc, dv[vb, hk], k_start + key0 + warp * 16, k_start + sk, _ONE, g, t)
+        store_v(dv_acc, dv[vb, hk], k_start + key0 + warp * 16, k_start + sk, _ONE, g, t)
 
     return kernel
 
@@ -711,7 +731,8 @@ def dq_kernel(cfg: BackwardConfig, causal: bool, window=None, softcap: float = 0
 def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tuple,
                varlen: bool = False, mask_block=None):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.tile_dim    # as the dK / dV kernel's
-    VALID = None if cfg.head_dim == D else cfg.head_dim
+    VALID = None if cfg.head_dim == D else cfg.head_dim            # q, k, dq
+    VALID_V = None if cfg.dv == D else cfg.dv                      # v, do
     THREADS = 32 * cfg.dq_warps
     KD = D // 16
     NS = BN // 8
@@ -726,7 +747,9 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     mma = _MMA[cfg.dtype]
     smem = dynamic_shared()
     setup_q, issue_q = copy_rows_to_shared(BM, D, THREADS, SW, VALID)
+    setup_do, issue_do = copy_rows_to_shared(BM, D, THREADS, SW, VALID_V)
     setup_kv, issue_kv = copy_rows_to_shared(BN, D, THREADS, SW, VALID)
+    setup_v, issue_v = copy_rows_to_shared(BN, D, THREADS, SW, VALID_V)
     setup_a, load_a = load_a_fragments(1, D, SW)              # Q, dO rows of the warp
     setup_kn, load_kn = load_b_fragments(NS, D, False, SW)    # K, V as n = key, k = d
     setup_kk, load_kk = load_b_fragments(NO, D, True, SW)     # K as k = key, n = d
@@ -796,16 +819,16 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
             vs = v.strides[2]
             q0, qsh, qr, qc = setup_q(np.int64(global_addr(q, (vb, h, q_start + row0, 0))), qs,
                                       tid)
-            d0, dsh, dr, dc = setup_q(np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
-                                      ds_, tid)
+            d0, dsh, dr, dc = setup_do(np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
+                                       ds_, tid)
             k0, ksh, kr, kc = setup_kv(np.int64(global_addr(k, (vb, hk, k_start, 0))), ks, tid)
-            v0, vsh, vr, vc = setup_kv(np.int64(global_addr(v, (vb, hk, k_start, 0))), vs, tid)
+            v0, vsh, vr, vc = setup_v(np.int64(global_addr(v, (vb, hk, k_start, 0))), vs, tid)
             issue_q(base, 0, q0, qsh, qr, qc, qs, sq - row0)
-            issue_q(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
+            issue_do(base + Q_TILE, 0, d0, dsh, dr, dc, ds_, sq - row0)
             first = kv_base + (kb_first % 2) * STAGE
             kb0 = at(blocks, kb_first)
             issue_kv(first, kb0 * BN * ks, k0, ksh, kr, kc, ks, sk - kb0 * BN)
-            issue_kv(first + KV_TILE, kb0 * BN * vs, v0, vsh, vr, vc, vs, sk - kb0 * BN)
+            issue_v(first + KV_TILE, kb0 * BN * vs, v0, vsh, vr, vc, vs, sk - kb0 * BN)
             cp_async_commit_group()
 
             a_off, a_x = setup_a(warp * 16, lane)
@@ -827,7 +850,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
                     kn = at(blocks, jb + 1)
                     left = sk - kn * BN
                     issue_kv(nxt, kn * BN * ks, k0, ksh, kr, kc, ks, left)
-                    issue_kv(nxt + KV_TILE, kn * BN * vs, v0, vsh, vr, vc, vs, left)
+                    issue_v(nxt + KV_TILE, kn * BN * vs, v0, vsh, vr, vc, vs, left)
                 cp_async_commit_group()
                 k_tile = kv_base + (jb % 2) * STAGE
                 v_tile = k_tile + KV_TILE
@@ -906,9 +929,10 @@ def uses_atomics(cfg, deterministic: bool) -> bool:
 def prepass_plan(dtype: str, views: dict, sqp: int, atomic: bool):
     """``(plan, args)`` of the rows pre-pass for :func:`plans`' ``views`` (``atomic``: it
     also zeroes ``dq_acc``)."""
-    batch, hq, _, d = views["q"].shape
+    batch, hq, _, _ = views["q"].shape
+    dv = views["o"].shape[3]            # D = rowsum(dO ∘ O) over v's head dim
     dlse = views.get("dlse")
-    pre = rows_prepass(d, dtype, atomic, dlse is not None)
+    pre = rows_prepass(dv, dtype, atomic, dlse is not None)
     args = (views["o"], views["do"], views["lse"],
             views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
             views["dq_acc"] if atomic else views["placeholder4"])
@@ -955,7 +979,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
         out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
     else:
         pad = varlen_pad(cfg)
-        pre = varlen_rows_prepass(d, cfg.dtype, pad)
+        pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad)
         args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"],
                 hargs[0][0])
         out.append((LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), hq, batch),
