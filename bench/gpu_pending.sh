@@ -89,6 +89,8 @@
 #                (bench/sweep_attention.py --short-ab: tile shapes, grid and persistent,
 #                ping-pong on and off): whether these shapes want another built-in config
 #   PART=s40b    s40a's sweep alone (the device time left)
+#   PART=s40c    the backward with v's head dim other than q's (192 / 128) GPU test, then
+#                s40a's sweep at head_dim 64 only (B16 H16 S512, B8 H16 S2048)
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -487,6 +489,12 @@ fi
 if [[ " $PART " == *" s40a "* || " $PART " == *" s40b "* ]]; then
     step sweep_attention_short 330 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma \
         --json "$OUT/sweep_attention_short.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s40c "* ]]; then
+    gpu_tests head_dim_v_backward_gpu 120 tests/test_attention_backward_gpu.py -k head_dim_v
+    step sweep_attention_short_d64 240 "$PY" bench/sweep_attention.py --short-ab \
+        --kernels wgmma --head-dim 64 --json "$OUT/sweep_attention_short_d64.json"
     archive_logs
 fi
 # s39g = s39h's steps, then s39e's
