@@ -106,6 +106,7 @@ def main():
                         "off; the peer is SDPA's cuDNN backend")
     p.add_argument("--causal-only", action="store_true", help="only the causal cases")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
+    p.add_argument("--seq", type=int, help="only the shapes of this sequence length")
     p.add_argument("--block-m", type=int,
                    help="--schedule-ab: the built-in config and only those of this block_m")
     p.add_argument("--kernels", default="mma_sync,wgmma",
@@ -130,6 +131,8 @@ def main():
                   (4, 32, 8, 4096, 128)]
     if args.head_dim:
         shapes = [sh for sh in shapes if sh[4] == args.head_dim]
+    if args.seq:
+        shapes = [sh for sh in shapes if sh[3] == args.seq]
     rows = []
     warm = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
     time_cuda(lambda: torch.matmul(warm, warm), warmup=50, repeat=5)  # clocks up first
