@@ -91,6 +91,9 @@
 #   PART=s40b    s40a's sweep alone (the device time left)
 #   PART=s40c    the backward with v's head dim other than q's (192 / 128) GPU test, then
 #                s40a's sweep at head_dim 64 only (B16 H16 S512, B8 H16 S2048)
+#   PART=s40d    s40a's sweep at head_dim 128 only (B4 H32 S1024, GQA 32/8 S4096)
+#   PART=s40e    the S1024 D128 and S512 D64 sweeps again, three rounds each (A, B, A, B, …)
+#   PART=s40f    the swapped GEMM's GPU test; the shape grid's 1 and 16 × 4096 × 4096
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -496,6 +499,21 @@ if [[ " $PART " == *" s40c "* ]]; then
     step sweep_attention_short_d64 240 "$PY" bench/sweep_attention.py --short-ab \
         --kernels wgmma --head-dim 64 --json "$OUT/sweep_attention_short_d64.json"
     archive_logs
+fi
+if [[ " $PART " == *" s40d "* ]]; then
+    step sweep_attention_short_d128 200 "$PY" bench/sweep_attention.py --short-ab \
+        --kernels wgmma --head-dim 128 --json "$OUT/sweep_attention_short_d128.json"
+fi
+if [[ " $PART " == *" s40e "* ]]; then
+    step s1024 110 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma --head-dim 128 \
+        --seq 1024 --rounds 3 --json "$OUT/sweep_short_s1024_rounds.json"
+    step s512 110 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma --head-dim 64 \
+        --seq 512 --rounds 3 --json "$OUT/sweep_short_s512_rounds.json"
+fi
+if [[ " $PART " == *" s40f "* ]]; then
+    gpu_tests swapped_gemm_gpu 70 tests/test_ops_gemm_wgmma_ws.py -k swapped
+    bench_suite bench_gemm_rows_1_16_4096 110 \
+        "test_gemm_shape_grid and (1x4096x4096 or 16x4096x4096)"
 fi
 # s39g = s39h's steps, then s39e's
 if [[ " $PART " == *" s39g "* || " $PART " == *" s39h "* ]]; then
