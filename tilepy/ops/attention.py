@@ -242,7 +242,7 @@ def output_spec(q, k, v, *, causal=False, scale=None, window=None, softcap=0.0,
     metadata, so it also takes PyTorch fake tensors (the registered operator's meta
     function)."""
     Q, dtype, (bq, hq, sq, _, _), (_, V, _), *_ = check_arguments(
-        q, k, v, causal, scale, out, layout, config, head_dim_v=True)
+        q, k, v, causal, scale, out, layout, config)
     check_config_variant(config, *check_variant(causal, window, softcap),
                          alibi_slopes is not None)
     if alibi_slopes is not None:
@@ -386,14 +386,12 @@ def check_config_variant(config, win, cap, user=False) -> None:
                                   "(mma.sync)")
 
 
-def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=False,
-                    any_device=False):
+def check_arguments(q, k, v, causal, scale, out, layout, config, any_device=False):
     """Validate flash_attention's arguments (the backward's too,
     :mod:`tilepy.ops.attention_backward`): ``(Q, dtype, (batch, heads_q, seq_q, seq_k,
-    head_dim), (K, V, Out), scale as a float, device)``. ``head_dim_v``: v's head dim may
-    differ from q's and k's (``out`` then ends in v's, :func:`out_shape`) — on sm_90 only
-    unless ``any_device`` (the backward's mma.sync kernels); otherwise a different one is a
-    ``NotImplementedError``."""
+    head_dim), (K, V, Out), scale as a float, device)``. v's head dim may differ from q's and
+    k's (``out`` then ends in v's, :func:`out_shape`) — on sm_90 only (elsewhere a
+    ``NotImplementedError``) unless ``any_device`` (the backward's mma.sync kernels)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     Q = describe(q, "q", allow_float32=False)
@@ -403,7 +401,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
         raise TypeError(f"q, k and v must have the same dtype; got q {Q.dtype}, k {K.dtype}, "
                         f"v {V.dtype}")
     dtype = Q.dtype
-    bq, hq, sq, sk, d, dv = check_shapes(Q, K, V, layout, head_dim_v)
+    bq, hq, sq, sk, d, dv = check_shapes(Q, K, V, layout)
     for name, x in (("head_dim", d), ("v's head_dim", dv)):
         if x not in HEAD_DIMS:
             raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
@@ -440,11 +438,11 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, head_dim_v=Fals
     return Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device
 
 
-def check_shapes(Q, K, V, layout: str, head_dim_v: bool = True):
+def check_shapes(Q, K, V, layout: str):
     """``(batch, heads_q, seq_q, seq_k, head_dim, v's head_dim)`` of ``Q``, ``K``, ``V`` in
     ``layout`` after the shape checks every attention forward makes (4-D; batches, k's and v's
-    heads and lengths agree; q's and k's head dims agree; heads_q a multiple of heads_kv).
-    ``head_dim_v=False``: v's head dim other than q's is a ``NotImplementedError``."""
+    heads and lengths agree; q's and k's head dims agree; heads_q a multiple of heads_kv);
+    v's head dim may differ."""
     for op in (Q, K, V):
         if op.ndim != 4:
             raise ValueError(f"{op.name} must be 4-D ({axes(layout)}), got shape {op.shape}")
@@ -457,10 +455,6 @@ def check_shapes(Q, K, V, layout: str, head_dim_v: bool = True):
     if d != dk:
         raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv} (shapes q {Q.shape}, "
                          f"k {K.shape}, v {V.shape}, layout {layout!r})")
-    if dv != d and not head_dim_v:
-        raise NotImplementedError(
-            f"v's head_dim {dv} differs from q's and k's {d}, which this op does not take "
-            f"(tilepy.flash_attention and its backward do)")
     if (hk, sk) != (hv, sv):
         raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
     if hk < 1 or hq % hk:
@@ -491,7 +485,7 @@ def check_scale(scale, head_dim: int) -> float:
 def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,
                      config, key, reads_bits=False):
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
-        q, k, v, causal, scale, out, layout, config, head_dim_v=True)
+        q, k, v, causal, scale, out, layout, config)
     with arrays.on_device(device):
         dv = V.shape[-1]
         win, cap = check_variant(causal, window, softcap)

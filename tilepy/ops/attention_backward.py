@@ -287,7 +287,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         raise TypeError("flash_attention_backward needs the forward's out (flash_attention's "
                         "result), got None")
     Q, dtype, (bq, hq, sq, sk, d), (K, V, Out), scale, device = check_arguments(
-        q, k, v, causal, scale, out, layout, None, head_dim_v=True, any_device=True)
+        q, k, v, causal, scale, out, layout, None, any_device=True)
     win, cap = check_variant(causal, window, softcap)
     score_mod, score_mod_grad, mask_mod, alibi_slopes, mod_args = mods
     n_args = n_mod_args(mod_args)
