@@ -94,6 +94,9 @@
 #   PART=s40d    s40a's sweep at head_dim 128 only (B4 H32 S1024, GQA 32/8 S4096)
 #   PART=s40e    the S1024 D128 and S512 D64 sweeps again, three rounds each (A, B, A, B, …)
 #   PART=s40f    the swapped GEMM's GPU test; the shape grid's 1 and 16 × 4096 × 4096
+#   PART=s41a    the ping-pong consumers (issue 27's large shapes: WsConfig(pingpong=True), a
+#                tile a consumer): its GPU test, the --large sweep with the ping-pong
+#                candidates at 4096 rows over three (N, K) and at 8192³
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -514,6 +517,14 @@ if [[ " $PART " == *" s40f "* ]]; then
     gpu_tests swapped_gemm_gpu 70 tests/test_ops_gemm_wgmma_ws.py -k swapped
     bench_suite bench_gemm_rows_1_16_4096 110 \
         "test_gemm_shape_grid and (1x4096x4096 or 16x4096x4096)"
+fi
+if [[ " $PART " == *" s41a "* ]]; then
+    gpu_tests pingpong_gemm_gpu 150 tests/test_ops_gemm_wgmma_ws.py -k pingpong
+    step sweep_pingpong_4096 200 "$PY" bench/sweep_gemm_grid.py --large --ms 4096 \
+        --nk 4096x4096,14336x4096,28672x8192 --json "$OUT/sweep_pingpong_4096.json"
+    step sweep_pingpong_8192 150 "$PY" bench/sweep_gemm_grid.py --large --ms 8192 \
+        --nk 8192x8192 --dtype float16 --json "$OUT/sweep_pingpong_8192.json"
+    archive_logs
 fi
 # s39g = s39h's steps, then s39e's
 if [[ " $PART " == *" s39g "* || " $PART " == *" s39h "* ]]; then

@@ -13,7 +13,9 @@ row-major (N, K) tensor (a linear layer's weight) instead of a row-major (K, N) 
 ``--large``: instead of the small-problem candidates, the persistent tile shapes a problem of
 many tiles could take — 128 × 256 (the default), 128 × 192 and 128 × 128 with the TMA-store
 epilogue, 256 × 128 with the staged one — for shapes whose 128 × 256 tiles leave the last
-wave part empty (e.g. 448 tiles over 132 SMs).
+wave part empty (e.g. 448 tiles over 132 SMs); and the ping-pong schedules (a tile a
+consumer: 64 × 256 with the TMA-store or the register epilogue, also in clusters of two;
+128 × 128), whose epilogue runs under the other consumer's main loop.
 
 Both sides are timed as CUDA-graph replays of 20 calls (the GPU work only, no host cost):
 events around one replay, median of 5 replays, per call. Every config is checked against a
@@ -87,7 +89,15 @@ def large_candidates(dtype):
             ("128x192 s4 persistent tma-store", WsConfig(128, 192, 4, dtype, **tma)),
             ("128x128 s6 persistent tma-store", WsConfig(128, 128, 6, dtype, **tma)),
             ("256x128 s3 persistent", WsConfig(256, 128, 3, dtype, persistent=True,
-                                                smem_epilogue=True))]
+                                                smem_epilogue=True)),
+            ("pingpong 64x256 s4 tma-store", WsConfig(64, 256, 4, dtype, pingpong=True, **tma)),
+            ("pingpong 64x256 s5 registers", WsConfig(64, 256, 5, dtype, persistent=True,
+                                                       pingpong=True)),
+            ("pingpong 128x128 s6 registers", WsConfig(128, 128, 6, dtype, persistent=True,
+                                                        pingpong=True)),
+            ("pingpong 64x256 s4 tma-store cluster2",
+             WsConfig(64, 256, 4, dtype, pingpong=True, cluster=2, producer_regs=56,
+                      consumer_regs=224, **tma))]
 
 
 def main():

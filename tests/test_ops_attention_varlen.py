@@ -29,7 +29,7 @@ def varlen_reference(q, k, v, cu_q, cu_k, causal, window=(-1, -1), cap=0.0, alib
     """float64 ``(out, lse)`` of each sequence alone (:func:`test_ops_attention.reference` on
     a batch of one, bshd), packed back: out (total_q, Hq, D) and lse (Hq, total_q); rows
     outside every sequence NaN."""
-    out = np.full(q.shape, np.nan)
+    out = np.full((*q.shape[:2], v.shape[2]), np.nan)
     lse = np.full((q.shape[1], q.shape[0]), np.nan)
     for z in range(len(cu_q) - 1):
         rq, rk = slice(cu_q[z], cu_q[z + 1]), slice(cu_k[z], cu_k[z + 1])
@@ -42,14 +42,16 @@ def varlen_reference(q, k, v, cu_q, cu_k, causal, window=(-1, -1), cap=0.0, alib
     return out, lse
 
 
-def run(lq, lk, hq, hk, d, dtype, causal, pad=3, **kw):
+def run(lq, lk, hq, hk, d, dtype, causal, pad=3, dv=None, **kw):
     """Pack random sequences of lengths ``lq`` / ``lk`` (``pad`` rows past the last sequence
-    in q and k), run into a NaN-poisoned out, check against float64 and return the LSE."""
+    in q and k; v of head dim ``dv``, default ``d``), run into a NaN-poisoned out, check
+    against float64 and return the LSE."""
     rng = np.random.default_rng()
     cu_q, cu_k = cumulative(lq), cumulative(lk)
     q = rand(rng, (cu_q[-1] + pad, hq, d), dtype)
-    k, v = (rand(rng, (cu_k[-1] + pad, hk, d), dtype) for _ in range(2))
-    out = np.full(q.shape, np.nan, NP[dtype])
+    k = rand(rng, (cu_k[-1] + pad, hk, d), dtype)
+    v = rand(rng, (cu_k[-1] + pad, hk, dv or d), dtype)
+    out = np.full((*q.shape[:2], v.shape[2]), np.nan, NP[dtype])
     res, lse = flash_attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
                                       out=out, return_lse=True, **kw)
     assert res is out and lse.shape == (hq, q.shape[0])
@@ -64,14 +66,17 @@ def run(lq, lk, hq, hk, d, dtype, causal, pad=3, **kw):
 
 
 @sim
-@pytest.mark.parametrize("lq,lk,causal,d,dtype", [
+@pytest.mark.parametrize("lq,lk,causal,d,dtype,kw", [
     # zero-length queries, zero-length keys (rows of zeros, LSE -inf), seq_q > seq_k under
     # causal (rows that see no key), several query blocks in one sequence; head_dim 24
-    ([5, 0, 37, 20], [9, 4, 30, 0], True, 24, "bfloat16"),
-    ([17, 40, 1], [33, 40, 50], False, 32, "float16"),
-])
-def test_against_float64(lq, lk, causal, d, dtype):
-    run(lq, lk, 2, 1, d, dtype, causal)
+    ([5, 0, 37, 20], [9, 4, 30, 0], True, 24, "bfloat16", {}),
+    ([17, 40, 1], [33, 40, 50], False, 32, "float16", {}),
+    # a window alone (no soft cap, ALiBi or user function: no score hook) — it was once
+    # dropped, the kernel attending to every key
+    ([33, 6], [40, 6], False, 32, "float16", {"window": (9, 4)}),
+], ids=["causal-d24", "full-d32", "window-alone"])
+def test_against_float64(lq, lk, causal, d, dtype, kw):
+    run(lq, lk, 2, 1, d, dtype, causal, **kw)
 
 
 def same_segment(b, h, i, j, seg):
@@ -111,6 +116,15 @@ def test_tma_kernel_against_float64(dtype, causal, variant):
         run([70, 0, 130, 5], [90, 3, 120, 0], 2, 1, 64, dtype, causal, config=cfg)
 
 
+@sim
+def test_head_dim_v_forward():
+    """v's own head dim (48 / 32 and 24 / 40) on packed sequences: the TMA kernel's config
+    (the simulator's small one), a zero-length query and key sequence, GQA, causal and a
+    window; out (total_q, heads_q, head_dim_v)."""
+    run([5, 0, 70, 20], [9, 4, 66, 0], 2, 1, 48, "float16", True, dv=32)
+    run([33, 6], [40, 6], 2, 2, 24, "bfloat16", False, dv=40, window=(9, 4))
+
+
 def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, alibi=None):
     """float64 (dq, dk, dv) of each sequence alone
     (:func:`test_ops_attention_backward.reference` on a batch of one), packed; rows outside
@@ -141,16 +155,23 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
         "window": (7, 3), "softcap": 5.0,
         "config": BackwardConfig(32, dtype="bfloat16", block_m=32, block_n=32, dq_block_m=32,
                                  dq_block_n=32, dq_atomic=True)}),
-])
+    # v's own head dim, causal, a zero-length key sequence
+    ([30, 7], [20, 0], True, 48, "float16", {"dv": 32}),
+], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
     """The gradients of packed sequences against each sequence's float64 derivation, into
-    NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1)."""
+    NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1); v's own
+    head dim (``dv``: the mma.sync kernels' tiles as wide as the wider one)."""
     from test_ops_attention_backward import close
 
+    kw = dict(kw)
+    dv = kw.pop("dv", d)
     rng = np.random.default_rng()
     cu_q, cu_k = cumulative(lq), cumulative(lk)
-    q, do = (rand(rng, (cu_q[-1] + 2, 2, d), dtype) for _ in range(2))
-    k, v = (rand(rng, (cu_k[-1] + 2, 1, d), dtype) for _ in range(2))
+    q = rand(rng, (cu_q[-1] + 2, 2, d), dtype)
+    do = rand(rng, (cu_q[-1] + 2, 2, dv), dtype)
+    k = rand(rng, (cu_k[-1] + 2, 1, d), dtype)
+    v = rand(rng, (cu_k[-1] + 2, 1, dv), dtype)
     fwd = {n: kw[n] for n in ("window", "softcap") if n in kw}
     slopes = rng.uniform(0.05, 0.5, (len(lq), 2)).astype(np.float32) if fwd else None
     args = (cu_q, cu_k, max(lq), max(lk))
@@ -211,6 +232,20 @@ def test_bad_input_is_refused_before_launch():
     with pytest.raises(ValueError, match="must not decrease"):
         flash_attention_varlen_backward(x, x, x, x, x, lse, np.array([0, 5, 4], np.int32), cu,
                                         6, 6)
+    # v's own head dim: out and dout of (total_q, heads_q, head_dim_v); configs of it
+    v16 = np.zeros((10, 2, 16), np.float16)
+    with pytest.raises(ValueError, match=r"out must have shape \(10, 2, 16\)"):
+        flash_attention_varlen(x, x, v16, cu, cu, 6, 6, out=x)
+    with pytest.raises(ValueError, match="config is for v's head_dim 32"):
+        flash_attention_varlen(x, x, v16, cu, cu, 6, 6, config=WgmmaAttentionConfig(
+            32, 64, 64, overlap=True, tma=True))
+    with pytest.raises(ValueError, match="head_dim 12 is not supported"):
+        flash_attention_varlen(x, x, np.zeros((10, 2, 12), np.float16), cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="dout must have out's shape"):
+        flash_attention_varlen_backward(x, x, x, v16, v16, lse, cu, cu, 6, 6)
+    with pytest.raises(ValueError, match="config is for v's head_dim 32"):
+        flash_attention_varlen_backward(v16, x, x, v16, v16, lse, cu, cu, 6, 6,
+                                        config=BackwardConfig(32, dtype="float16"))
 
 
 @sim

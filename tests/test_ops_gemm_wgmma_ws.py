@@ -296,6 +296,19 @@ def test_smem_epilogue_odd_shapes(monkeypatch, dtype, b_layout, shape, persisten
 TMA_STORE = dict(TWO, stages=2, persistent=True, smem_epilogue=True, tma_store=True)
 
 
+def fused_epilogue(rng, ref, fused, dtype):
+    """``(run keywords, float64 result)``: none and ``ref`` as it is, or with ``fused`` a
+    random c and bias, alpha 0.5, beta -0.75 and GELU, applied to ``ref`` (m, n)."""
+    if not fused:
+        return {}, ref
+    m, n = ref.shape[-2:]
+    c = rng.standard_normal((m, n)).astype(NP[dtype])
+    bias = rng.standard_normal(n).astype(np.float32)
+    pre = 0.5 * ref - 0.75 * c.astype(np.float64) + bias
+    return (dict(bias=bias, c=c, alpha=0.5, beta=-0.75, activation="gelu"),
+            0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2))))
+
+
 @pytest.mark.sim
 @pytest.mark.parametrize("dtype,b_layout,batch,epilogue,block_n,n", [
     ("float16", "row", 1, True, 128, 120), ("bfloat16", "col", 2, False, 256, 200)],
@@ -321,13 +334,7 @@ def test_tma_store_epilogue(monkeypatch, dtype, b_layout, batch, epilogue, block
     a = padded(rng, (*lead, m, k), dtype)
     b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
     out = padded_out((*lead, m, n), NP[dtype])
-    kw, ref = {}, matmul64(a, b)
-    if epilogue:
-        c = rng.standard_normal((m, n)).astype(NP[dtype])
-        bias = rng.standard_normal(n).astype(np.float32)
-        kw = dict(bias=bias, c=c, alpha=0.5, beta=-0.75, activation="gelu")
-        pre = 0.5 * ref - 0.75 * c.astype(np.float64) + bias
-        ref = 0.5 * pre * (1 + np.vectorize(math.erf)(pre / math.sqrt(2)))
+    kw, ref = fused_epilogue(rng, matmul64(a, b), epilogue, dtype)
     run(WsConfig(dtype=dtype, **dict(TMA_STORE, block_n=block_n)), a, b, out, b_layout, sms=3,
         **kw)
     check(out, ref, dtype)
@@ -429,6 +436,66 @@ def test_swapped_config_through_the_op():
     cfg = WsConfig(64, 16, 2, consumers=1, swap_ab=True)
     got = tilepy.gemm(a, bt.T, bias=bias, c=c, beta=0.5, config=cfg)
     check(got, matmul64(a, bt.T) + bias.astype(np.float64) + 0.5 * c, "float16")
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("dtype,b_layout,tile,stages,extra,sms", [
+    ("float16", "row", (64, 64), 3, {}, 3),
+    ("bfloat16", "col", (64, 128), 2, {"smem_epilogue": True, "tma_store": True,
+                                       "epilogue": True}, 2),
+    pytest.param("float16", "col", (128, 64), 3, {"smem_epilogue": True}, 3,
+                 marks=pytest.mark.extended),
+    pytest.param("bfloat16", "row", (64, 128), 2, {"cluster": 2, "producer_regs": 56,
+                                                   "consumer_regs": 224}, 2,
+                 marks=pytest.mark.extended)],
+    ids=["f16-row-register-epilogue", "bf16-col-tma-store-fused", "f16-col-128-rows-staged",
+         "bf16-row-cluster-2"])
+def test_pingpong_consumers(dtype, b_layout, tile, stages, extra, sms):
+    """``pingpong``: the two consumers take turns over a persistent block's items, a whole tile
+    each. M, N, K = 200 (4 row tiles of 64 — 2 of 128 — the last partial), 100 or 136, 328
+    (six k steps, the last partial: an item starts two ring rounds on from the one before,
+    the parity the turn protects); 3 blocks over 8 tiles (3, 3 and 2 items: consumer 1 has
+    one fewer than consumer 0 in two blocks), or 2 blocks (clusters: one of two blocks);
+    the TMA-store epilogue with bias, c, alpha, beta and GELU. Out poisoned, rows 16-byte
+    multiples but not contiguous."""
+    rng = np.random.default_rng()
+    extra = dict(extra)
+    fused = extra.pop("epilogue", False)
+    bm, bn = tile
+    m, k = 200, 328
+    n = 100 if bn == 64 else 136
+    a = padded(rng, (m, k), dtype)
+    b = padded(rng, (k, n), dtype) if b_layout == "row" else padded(rng, (n, k), dtype).T
+    out = padded_out((m, n), NP[dtype])
+    kw, ref = fused_epilogue(rng, matmul64(a, b), fused, dtype)
+    cfg = WsConfig(bm, bn, stages, dtype, persistent=True, pingpong=True, **extra)
+    assert cfg.rows_per_consumer == bm and cfg.stage_bytes == (bm + bn) * 64 * 2
+    plan, _ = run(cfg, a, b, out, b_layout, sms=sms, **kw)
+    assert plan.grid[0] == sms
+    check(out, ref, dtype)
+
+
+def test_pingpong_config():
+    """The ping-pong schedule's rules, shared memory (a stage is one consumer's tile: 64 × 256
+    keeps 4 stages beside the TMA-store staging) and named barriers (a turn each way)."""
+    cfg = WsConfig(64, 256, 4, persistent=True, smem_epilogue=True, tma_store=True,
+                   pingpong=True)
+    assert cfg.stage_bytes == 40 * 1024 and cfg.smem_bytes <= 227 * 1024
+    assert cfg.stage_releasers == 1 and WsConfig().stage_releasers == 2
+    assert cfg.named_barriers.threads["turn"] == 256 and "ping-pong" in cfg.describe()
+    assert cfg.tile_count(200, 300) == 4 * 2
+    for bad, match in (({"persistent": False}, "pingpong needs"),
+                       ({"splits": 2}, "pingpong needs"),
+                       ({"consumers": 1}, "pingpong needs"),
+                       ({"block_m": 256}, "pingpong: block_m")):
+        kw = dict(block_m=64, block_n=128, persistent=True, pingpong=True)
+        kw.update(bad)
+        with pytest.raises(ValueError, match=match):
+            WsConfig(**kw)
+    with pytest.raises(ValueError, match="softmax mode"):
+        from tilepy.ops.gemm_softmax_wgmma import check_softmax_config
+        check_softmax_config(WsConfig(64, 128, persistent=True, smem_epilogue=True,
+                                      pingpong=True), "float16")
 
 
 def test_tma_store_through_the_op():
@@ -921,6 +988,25 @@ def test_swapped_kernels_compile_without_spills(small_reports):
 
 
 @pytest.mark.compile
+@pytest.mark.extended   # (config= only until measured: not a path the op takes)
+def test_pingpong_kernels_compile_without_spills():
+    """The ping-pong candidates: no spill or local memory, the turn's two named barriers (one
+    ``bar.arrive`` and one ``bar.sync`` beside the set-up barrier and the epilogue's own), the
+    full-width wgmmas (m64n256 a consumer; 128 × 128: m64n128)."""
+    reps = run_in_subprocess("tilepy.ops.gemm_wgmma_ws:compile_reports_pingpong")
+    assert set(reps) == {"gemm_ws_pp_64x256_brow_tmastore",
+                         "gemm_ws_pp_64x256_bcol_tmastore_bias_gelu",
+                         "gemm_ws_pp_64x256_brow_registers", "gemm_ws_pp_128x128_brow_registers"}
+    for name, rep in reps.items():
+        assert "error" not in rep, rep.get("error")
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["local_bytes"] == 0
+        assert "C75" not in rep["ptxas_log"], (name, rep["ptxas_log"])
+        assert rep["counts"]["bar.arrive"] >= 1 and rep["counts"]["bar.sync"] >= 2, name
+        n = 128 if "128x128" in name else 256
+        assert any(f"m64n{n}k16" in f for f in rep["wgmma_forms"]), rep["wgmma_forms"]
+
+
+@pytest.mark.compile
 @pytest.mark.xdist_group("gemm_wgmma_ws_reports")
 def test_prefetched_maps_come_before_the_barriers(small_reports):
     """``prefetch_maps``: both maps acquired and prefetched ahead of the mbarrier set-up and of
@@ -1136,6 +1222,37 @@ def test_gpu_tma_store_epilogue(dtype):
         want = ref + bias
         err = ((got.float() - want).abs().max() / want.abs().max()).item()
         assert err <= TOL[dtype], ("bias", m, n, k, b_col, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_pingpong_consumers(dtype):
+    """The ping-pong candidates (:data:`~tilepy.ops.gemm_wgmma_ws.PINGPONG_TMA_STORE`, the
+    register-epilogue 64 × 256 and 128 × 128 ones, clusters of two) at full size and at edges,
+    both B layouts, plain and with a bias, against torch in float32, out poisoned with NaN."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("not a compute capability 9.0 GPU")
+    tdt = getattr(torch, dtype)
+    cfgs = [dataclasses.replace(c, dtype=dtype) for c in
+            (ws.PINGPONG_TMA_STORE, ws.PINGPONG_REGISTERS, ws.PINGPONG_128)]
+    cfgs.append(dataclasses.replace(ws.PINGPONG_TMA_STORE, dtype=dtype, cluster=2,
+                                    producer_regs=56, consumer_regs=224))
+    for cfg in cfgs:
+        for (m, n, k), b_col in [((4096, 4096, 4096), False), ((4096, 4096, 4096), True),
+                                 ((3000, 2056, 1000), False), ((1100, 704, 300), True)]:
+            a = _padded(torch, m, k, tdt)
+            b = _padded(torch, n, k, tdt).t() if b_col else _padded(torch, k, n, tdt)
+            ref = a.float() @ b.float()
+            got = _gpu_run(torch, cfg, a, b, b_col)
+            assert not bool(torch.isnan(got).any()), (cfg.describe(), m, n, k, b_col)
+            err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err <= TOL[dtype], (cfg.describe(), m, n, k, b_col, err)
+            bias = torch.randn(n, device="cuda", dtype=torch.float32)
+            got = _gpu_run(torch, cfg, a, b, b_col, bias=bias)
+            want = ref + bias
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            assert err <= TOL[dtype], ("bias", cfg.describe(), m, n, k, b_col, err)
 
 
 def _padded(torch, rows, cols, dt):

@@ -483,6 +483,16 @@ def test_errors_name_the_argument_in_eager_and_compiled_calls():
                                         config=tilepy.ops.softmax.plan(8)).sum().item())
 
 
+def _varlen_grads(ref_in, bounds, causal, g):
+    """float64 autograd gradients of packed (total, heads, dim) float64 leaves ``ref_in``
+    whose sequences are ``bounds`` ((start, end) rows; scale 0.25: head dim 16) for the
+    output gradient ``g``."""
+    want_out = torch.cat([_attention_reference(
+        *(x[None, a:e].transpose(1, 2) for x in ref_in), causal, 0.25)[0].transpose(0, 1)
+        for a, e in bounds])
+    return torch.autograd.grad(want_out, ref_in, g.double())
+
+
 def test_flash_attention_varlen_operator_gradients_and_compile():
     """PyTorch tensors through tilepy.flash_attention_varlen: the ``tilepy::
     flash_attention_varlen`` operator (opcheck's schema, fake-tensor and autograd-registration
@@ -505,10 +515,7 @@ def test_flash_attention_varlen_operator_gradients_and_compile():
     ins = [x.clone().requires_grad_() for x in (q, k, v)]
     got = torch.autograd.grad(loss(*ins), ins)
     ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want_out = torch.cat([_attention_reference(
-        *(x[None, a:e].transpose(1, 2) for x in ref_in), True, 0.25)[0].transpose(0, 1)
-        for a, e in ((0, 4), (4, 11))])
-    want = torch.autograd.grad(want_out, ref_in, g.double())
+    want = _varlen_grads(ref_in, ((0, 4), (4, 11)), True, g)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         close(a, b, torch.float16, name)
     torch._dynamo.reset()
@@ -519,6 +526,26 @@ def test_flash_attention_varlen_operator_gradients_and_compile():
     with pytest.raises(NotImplementedError, match="no autograd with score_mod"):
         tilepy.flash_attention_varlen(*ins, cu, cu, 7, 7,
                                       mask_mod=lambda b, h, i, j: i >= j)
+
+
+def test_flash_attention_varlen_operator_head_dim_v():
+    """v's own head dim (16 / 24) through the varlen operator: opcheck's fake tensors (out of
+    v's head dim) and its gradients against float64 autograd per sequence."""
+    q, k, v = rand(11, 2, 16), rand(11, 1, 16), rand(11, 1, 24)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tilepy.flash_attention_varlen.default,
+                          (q, k, v, cu, cu, 7, 7, False, None, -1, -1, 0.0, True, True),
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
+    g = rand(11, 2, 24)
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = tilepy.flash_attention_varlen(*ins, cu, cu, 7, 7)
+    assert out.shape == (11, 2, 24)
+    got = torch.autograd.grad(out, ins, g)
+    ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = _varlen_grads(ref_in, ((0, 4), (4, 11)), False, g)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(a, b, torch.float16, name)
 
 
 def test_flash_attention_with_kvcache_operator_writes_the_cache_and_compiles():

@@ -992,7 +992,8 @@ def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, cau
 def _varlen_backward_fake(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
                           wl, wr, softcap, check_seqlens, alibi_slopes=None):
     _varlen.output_spec(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
-                        window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes)
+                        window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes,
+                        any_device=True)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -39,10 +39,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """:func:`tilepy.flash_attention` over a packed batch of ``n`` sequences of different
     lengths (FlashAttention-2's ``flash_attn_varlen_func``).
 
-    * ``q`` (total_q, heads_q, head_dim), ``k`` and ``v`` (total_k, heads_kv, head_dim):
-      sequence ``z`` is rows ``cu_seqlens_q[z] … cu_seqlens_q[z + 1] - 1`` of ``q`` and keys
-      ``cu_seqlens_k[z] … cu_seqlens_k[z + 1] - 1`` of ``k`` / ``v``. ``out`` and the result
-      have ``q``'s shape; rows of ``q`` outside every sequence are not written.
+    * ``q`` (total_q, heads_q, head_dim), ``k`` (total_k, heads_kv, head_dim) and ``v``
+      (total_k, heads_kv, head_dim_v): sequence ``z`` is rows ``cu_seqlens_q[z] …
+      cu_seqlens_q[z + 1] - 1`` of ``q`` and keys ``cu_seqlens_k[z] … cu_seqlens_k[z + 1] - 1``
+      of ``k`` / ``v``. ``out`` and the result are (total_q, heads_q, head_dim_v); rows of
+      ``q`` outside every sequence are not written. v's head dim may differ from q's and k's
+      (e.g. 192 / 128) on sm_90 (the grid TMA kernel; elsewhere ``NotImplementedError``, as
+      :func:`tilepy.flash_attention`).
     * ``cu_seqlens_q`` / ``cu_seqlens_k``: int32 arrays of ``n + 1`` cumulative lengths on the
       inputs' device, starting at 0, non-decreasing (zero-length sequences allowed), ending at
       most at ``total_q`` / ``total_k``. ``max_seqlen_q``: at least the longest query
@@ -91,8 +94,8 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         lse, pl = alloc_lse() if alloc_lse is not None else (None, 0)
         bound(stream(), (pq, pk, pv, po, pl, pcq, pck, *ph))
         return (out, lse) if return_lse else out
-    Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
-                                                                         config)
+    Q, dtype, (hq, hk, d, dv), (K, V, Out), scale, device = check_arguments(q, k, v, scale,
+                                                                             out, config)
     with arrays.on_device(device):
         CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
         mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
@@ -109,12 +112,13 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             check_seqlen_values(arrays.to_host(CuQ), arrays.to_host(CuK), Q.shape[0], K.shape[0],
                                 mq, mk)
         caller_out = out is not None
+        o_shape = out_shape(Q, V)
         if out is None:
-            out = arrays.empty(Q, Q.shape, dtype)
+            out = arrays.empty(Q, o_shape, dtype)
             Out = describe(out, "out")
         lse = arrays.empty(Q, (hq, Q.shape[0]), "float32") if return_lse else None
         if n and hq and mq:
-            cfg = config or choose_config(d, dtype, causal)
+            cfg = config or choose_config(d, dtype, causal, dv)
             variant = at.is_variant(win, cap) or user or alibi
             hook = score_hook(cap, score_mod, mask_mod, n_args=n_args, alibi=alibi) \
                 if variant else None
@@ -131,12 +135,14 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                         at.device_view(arrays.raw_view(CuK, hook=True)))
                 stream = arrays.stream_handle(Q)
                 run = (views, packed_view(Out), lse_v, scale, (seqs, tuple(hargs)), (n, mq),
-                       causal, win, hook if variant else None, lse is not None, Q)
+                       causal, (win, hook) if variant else None, lse is not None, Q)
                 try:
                     plan, args = _plan(cfg, *run)
                 except (ValueError, RuntimeError):
                     # TMA cannot describe these views (tensor-map limits): the mma.sync kernel
-                    if config is not None or not isinstance(cfg, aw.WgmmaAttentionConfig):
+                    # (of one head dim only)
+                    if config is not None or not isinstance(cfg, aw.WgmmaAttentionConfig) \
+                            or dv != d:
                         raise
                     plan, args = _plan(at.mma_sync_config(d, dtype), *run)
                 plan.launch(stream, args)
@@ -153,7 +159,7 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                        (2, V.byte_pointer()), (3, Out.byte_pointer()), lse_src]
                                       + [None] * n_plan + hook_src)
                     _PLANS.put(key, (bound, arrays.stream_getter(Q),
-                                     None if caller_out else arrays.allocator(Q, Q.shape, dtype),
+                                     None if caller_out else arrays.allocator(Q, o_shape, dtype),
                                      arrays.allocator(Q, (hq, Q.shape[0]), "float32")
                                      if return_lse else None,
                                      (Q.shape[0], K.shape[0], mq, mk)))
@@ -164,47 +170,54 @@ _PLANS = launch.PlanCache()
 
 
 def output_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None):
+                causal=False, scale=None, window=None, softcap=0.0, alibi_slopes=None,
+                any_device=False):
     """``(out shape, lse shape)`` of :func:`flash_attention_varlen` after every check it
     makes before launching that reads only metadata (the cumulative lengths' values are not
-    read): the registered operator's fake implementation."""
-    Q, _, (hq, _, _), (K, _, _), _, device = check_arguments(q, k, v, scale, None, None)
+    read): the registered operator's fake implementation (``any_device``: the backward's,
+    whose kernels run v's own head dim on every GPU)."""
+    Q, _, (hq, _, _, _), (K, V, _), _, device = check_arguments(q, k, v, scale, None, None,
+                                                                any_device)
     _, _, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
     check_max_seqlens(max_seqlen_q, max_seqlen_k)
     at.check_variant(causal, window, softcap)
     if alibi_slopes is not None:
         arrays.same_device(Q, at.check_alibi(alibi_slopes, n, hq))
-    return Q.shape, (hq, Q.shape[0])
+    return out_shape(Q, V), (hq, Q.shape[0])
 
 
-def _plan(cfg, views, o_v, lse_v, scale, hargs, varlen, causal, win, hook, has_lse, Q):
-    """``(plan, args)`` of ``cfg``'s varlen kernel (the variant's when ``hook`` is not None:
-    the window ``win`` and the score hook) over the packed views."""
-    if isinstance(cfg, aw.WgmmaAttentionConfig):
-        if hook is not None:
-            kern = aw.wgmma_attention_kernel(cfg, False, has_lse, win, hook, varlen=True)
-        else:
-            kern = aw.wgmma_attention_kernel(cfg, bool(causal), has_lse, varlen=True)
+def _plan(cfg, views, o_v, lse_v, scale, hargs, varlen, causal, variant, has_lse, Q):
+    """``(plan, args)`` of ``cfg``'s varlen kernel over the packed views: the variant's when
+    ``variant`` is ``(win, hook)`` — the window (which holds the causal bound) and the score
+    hook, None where only the window varies — else the plain or causal one."""
+    kernel = aw.wgmma_attention_kernel if isinstance(cfg, aw.WgmmaAttentionConfig) \
+        else fa.attention_kernel
+    if variant is not None:
+        kern = kernel(cfg, False, has_lse, *variant, varlen=True)
+    else:
+        kern = kernel(cfg, bool(causal), has_lse, varlen=True)
+    if kernel is aw.wgmma_attention_kernel:
         return aw.plan(kern, cfg, *views, o_v, lse_v, scale, hargs=hargs, varlen=varlen,
                        alloc=arrays.byte_allocator(Q))
-    if hook is not None:
-        kern = fa.attention_kernel(cfg, False, has_lse, win, hook, varlen=True)
-    else:
-        kern = fa.attention_kernel(cfg, bool(causal), has_lse, varlen=True)
     return fa.plan(kern, cfg, *views, o_v, lse_v, scale, hargs=hargs, varlen=varlen)
 
 
-def choose_config(head_dim: int, dtype: str, causal: bool = False):
+def choose_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=None):
     """The config packed sequences run with: on sm_90 (head dims of the TMA kernels) the
     built-in Hopper config's grid TMA kernel (:func:`tilepy.ops.attention.hopper_config`, not
     persistent: a block per (query block, head, sequence)); elsewhere the built-in mma.sync
     config of the head_dim (:data:`tilepy.ops.attention.GPU_CONFIGS`); in the simulator the
-    small mma.sync one."""
+    small mma.sync one. ``head_dim_v`` (v's head dim, where it differs): the TMA kernel's
+    config (in the simulator a small one; elsewhere :func:`check_arguments` refuses it)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
     if arrays.SIMULATOR:
+        if dv != head_dim:
+            return at.choose_config(head_dim, dtype, causal, head_dim_v=dv)
         return AttentionConfig(head_dim, at.SIM_BLOCK_M, at.SIM_BLOCK_N, at.SIM_WARP_ROWS,
                                dtype)
-    if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
-        return dataclasses.replace(at.hopper_config(head_dim, dtype, causal), persistent=False)
+    if (head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper()) or dv != head_dim:
+        return dataclasses.replace(at.hopper_config(head_dim, dtype, causal, dv),
+                                   persistent=False)
     return at.mma_sync_config(head_dim, dtype)
 
 
@@ -223,9 +236,11 @@ def _packed_hook_args(op: str, alibi_slopes, mod_args, n: int, hq: int, Q):
     return hargs, hops
 
 
-def check_arguments(q, k, v, scale, out, config):
-    """``(Q, dtype, (heads_q, heads_kv, head_dim), (K, V, Out), scale, device)`` of packed
-    (total, heads, head_dim) inputs; errors name the argument."""
+def check_arguments(q, k, v, scale, out, config, any_device=False):
+    """``(Q, dtype, (heads_q, heads_kv, head_dim, v's head_dim), (K, V, Out), scale, device)``
+    of packed (total, heads, head_dim) inputs; errors name the argument. v's head dim may
+    differ from q's and k's: the forward's TMA kernels take it on sm_90 only (elsewhere a
+    ``NotImplementedError``, unless ``any_device``: the backward's mma.sync kernels)."""
     Q = describe(q, "q", allow_float32=False)
     K = describe(k, "k", allow_float32=False)
     V = describe(v, "v", allow_float32=False)
@@ -237,35 +252,50 @@ def check_arguments(q, k, v, scale, out, config):
             raise ValueError(f"{op.name} must be 3-D (total, heads, head_dim) for packed "
                              f"sequences, got shape {op.shape}")
     (_, hq, d), (tk, hk, dk), (tv, hv, dv) = Q.shape, K.shape, V.shape
-    if not d == dk == dv:
+    if d != dk:
         raise ValueError(f"head_dim differs: q {d}, k {dk}, v {dv}")
     if (tk, hk) != (tv, hv):
-        raise ValueError(f"k and v must have the same shape, got k {K.shape} and v {V.shape}")
+        raise ValueError(f"k and v must have the same total and heads, got k {K.shape} and v "
+                         f"{V.shape}")
     if hk < 1 or hq % hk:
         raise ValueError(f"heads_q ({hq}) must be a multiple of heads_kv ({hk})")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported; supported: the multiples of 8 from "
-                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    for name, x in (("head_dim", d), ("v's head_dim", dv)):
+        if x not in HEAD_DIMS:
+            raise ValueError(f"{name} {x} is not supported; supported: the multiples of 8 "
+                             f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     scale = at.check_scale(scale, d)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
-    if Out is not None and (Out.shape != Q.shape or Out.dtype != Q.dtype):
-        raise ValueError(f"out must have q's shape {Q.shape} and dtype {Q.dtype}, got "
-                         f"{Out.shape} {Out.dtype}")
+    want = out_shape(Q, V)
+    if Out is not None and (Out.shape != want or Out.dtype != Q.dtype):
+        raise ValueError(f"out must have shape {want} (q's" + (f" with v's head_dim {dv}"
+                         if dv != d else "") + f") and dtype {Q.dtype}, got {Out.shape} "
+                         f"{Out.dtype}")
     device = arrays.same_device(Q, K, V, Out)
+    if dv != d and not arrays.SIMULATOR and not any_device and not launch.is_hopper(device):
+        raise NotImplementedError(at.hopper_only(d, dv, device).replace(
+            "flash_attention:", "flash_attention_varlen:"))
     if config is not None:
         if isinstance(config, aw.WgmmaAttentionConfig):
-            if not config.tma or config.persistent or config.fp8 or config.dv != d:
+            if not config.tma or config.persistent or config.fp8:
                 raise NotImplementedError(
                     f"flash_attention_varlen runs the grid TMA wgmma kernel (tma=True, not "
-                    f"persistent, v's head dim q's) or the mma.sync kernel; got "
-                    f"{config.describe()}")
+                    f"persistent) or the mma.sync kernel; got {config.describe()}")
         elif not isinstance(config, AttentionConfig):
             raise TypeError(f"config must be an AttentionConfig or a WgmmaAttentionConfig, "
                             f"got {type(config).__name__}")
         if (config.head_dim, config.dtype) != (d, Q.dtype):
             raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                              f"inputs are head_dim {d} {Q.dtype}")
-    return Q, Q.dtype, (hq, hk, d), (K, V, Out), scale, device
+        if getattr(config, "dv", d) != dv:
+            raise ValueError(f"config is for v's head_dim {getattr(config, 'dv', d)}; v's is "
+                             f"{dv} (a WgmmaAttentionConfig with tma=True and head_dim_v="
+                             f"{dv} takes it)")
+    return Q, Q.dtype, (hq, hk, d, dv), (K, V, Out), scale, device
+
+
+def out_shape(Q, V):
+    """The packed output's shape: q's (total_q, heads_q) with v's head dim."""
+    return (*Q.shape[:2], V.shape[2])
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device):
@@ -349,8 +379,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` for the output gradient ``dout``.
 
     * The forward's arguments as given to it; ``out`` and ``lse`` (float32 (heads_q,
-      total_q)) what it returned with ``return_lse=True``; ``dout`` has ``q``'s shape and
-      dtype. A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
+      total_q)) what it returned with ``return_lse=True``; ``dout`` has ``out``'s shape and
+      dtype (v's head dim may differ from q's: the mma.sync kernels take it on every GPU). A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
       :func:`tilepy.flash_attention_backward`).
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
@@ -362,8 +392,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     if out is None or lse is None:
         raise TypeError("flash_attention_varlen_backward needs the forward's out and lse "
                         "(flash_attention_varlen(..., return_lse=True)), got None")
-    Q, dtype, (hq, hk, d), (K, V, Out), scale, device = check_arguments(q, k, v, scale, out,
-                                                                         None)
+    Q, dtype, (hq, hk, d, dv_dim), (K, V, Out), scale, device = check_arguments(
+        q, k, v, scale, out, None, any_device=True)
     with arrays.on_device(device):
         CuQ, CuK, n = check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device)
         mq, mk = check_max_seqlens(max_seqlen_q, max_seqlen_k)
@@ -375,8 +405,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             raise TypeError("flash_attention_varlen_backward: mod_args are passed to score_mod / "
                             "mask_mod; neither was given")
         dO = describe(dout, "dout", allow_float32=False)
-        if dO.shape != Q.shape or dO.dtype != dtype:
-            raise ValueError(f"dout must have q's shape {Q.shape} and dtype {dtype}, got "
+        if dO.shape != Out.shape or dO.dtype != dtype:
+            raise ValueError(f"dout must have out's shape {Out.shape} and dtype {dtype}, got "
                              f"{dO.shape} {dO.dtype}")
         Lse = describe(lse, "lse")
         if Lse.dtype != "float32" or Lse.shape != (hq, Q.shape[0]):
@@ -397,6 +427,9 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             if (config.head_dim, config.dtype) != (d, dtype):
                 raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                                  f"inputs are head_dim {d} {dtype}")
+            if config.dv != dv_dim:
+                raise ValueError(f"config is for v's head_dim {config.dv}; v's is {dv_dim} (a "
+                                 f"BackwardConfig with head_dim_v={dv_dim} takes it)")
         alibi = alibi_slopes is not None
         hargs, hops = _packed_hook_args("flash_attention_varlen_backward", alibi_slopes,
                                         mod_args, n, hq, Q)
@@ -411,7 +444,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             results.append((arr, G))
         if not (n and hq and (mq or mk)):
             return tuple(a for a, _ in results)
-        cfg = config or choose_backward_config(d, dtype, bool(deterministic))
+        cfg = config or choose_backward_config(d, dtype, bool(deterministic), dv_dim)
         # lse2 / delta per sequence, 16-byte aligned, padded after each (bk.varlen_row_start)
         rows = bk.varlen_rows(Q.shape[0], n, bk.varlen_pad(cfg))
         scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
@@ -445,12 +478,15 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         return tuple(a for a, _ in results)
 
 
-def choose_backward_config(head_dim: int, dtype: str, deterministic: bool) -> BackwardConfig:
+def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
+                           head_dim_v=None) -> BackwardConfig:
     """The mma.sync backward config packed sequences run with (the built-in one off Hopper,
-    :func:`tilepy.ops.attention_backward.choose_config`)."""
+    :func:`tilepy.ops.attention_backward.choose_config`; ``head_dim_v``: v's head dim where
+    it differs)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, deterministic, variant=True, wgmma=False)
+    return backward_choice(head_dim, dtype, deterministic, variant=True, wgmma=False,
+                           head_dim_v=head_dim_v)
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]

@@ -70,10 +70,10 @@ def check_softmax_config(cfg: WsConfig, out_kind, activation=None, has_bias=Fals
     softmax mode."""
     if not (cfg.persistent and cfg.smem_epilogue and cfg.consumers == 2
             and cfg.rows_per_consumer == 64 and not cfg.tma_store and cfg.cluster == 1
-            and cfg.splits == 1):
+            and cfg.splits == 1 and not cfg.pingpong):
         raise ValueError("softmax mode needs WsConfig(128, block_n, persistent=True, "
                          f"smem_epilogue=True) with two consumers of 64 rows (no clusters, no "
-                         f"split-K), got {cfg}")
+                         f"split-K, no ping-pong), got {cfg}")
     if out_kind not in ("float16", "bfloat16") or activation or has_bias or has_c:
         raise ValueError("softmax mode: 16-bit output, no activation, bias or c")
     if cfg.smem_bytes + softmax_stats_bytes(cfg) > SMEM_LIMIT[(9, 0)]:
@@ -467,7 +467,7 @@ def _consumer_parts(cfg: WsConfig, c, f):
             bn0 = (w % n_tiles) * BN
             for i in range(NACC):
                 acc0[i] = f32(0)
-            s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane)
+            s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane, 0)
             if TMA_OUT and w - w0 == n_tiles - 1:
                 # after the last main loop the stage buffers are free: the rescale's first
                 # loads run under this chunk's softmax

@@ -161,6 +161,17 @@ class WsConfig:
     writes it transposed (bias along the tile's rows). One block per work item or
     persistent, with ``splits`` or without; 64 rows a consumer, no cluster, no staged or TMA
     epilogue.
+
+    ``pingpong`` (two consumers, ``persistent``, no split-K): the consumers take turns over
+    the block's work items — consumer 0 the block's 1st, 3rd, … item, consumer 1 its 2nd,
+    4th, … — each computing a whole ``block_m`` × ``block_n`` tile (``block_m`` 64 or 128
+    rows a consumer), so one consumer's epilogue runs while the other's wgmmas keep the
+    tensor cores busy. A stage holds one tile's A and B; the producer loads the items in
+    order, and a consumer starts an item's main loop only when the other has issued its
+    previous item's last wgmmas (a named barrier each way, the "turn"): the main loops
+    alternate, and no consumer waits on a stage more than one ring round ahead (an
+    mbarrier's parity cannot tell round r from r − 2). Each consumer's epilogue is its own
+    (the TMA-store staging is per consumer already).
     """
 
     block_m: int = 128
@@ -177,6 +188,7 @@ class WsConfig:
     splits: int = 1
     split_cluster: bool = False
     swap_ab: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         def need(ok, what):
@@ -202,9 +214,16 @@ class WsConfig:
              f"{self.cluster}: block_n must be a multiple of {64 * self.cluster} (each block "
              "loads an equal share of B's 64-column boxes)")
         need(self.consumers in (1, 2), "consumers must be 1 or 2")
-        need(self.block_m in (64, 128, 256) and self.block_m % self.consumers == 0
-             and self.block_m // self.consumers in (64, 128),
-             "block_m / consumers (rows per consumer warpgroup) must be 64 or 128")
+        if self.pingpong:
+            need(self.consumers == 2 and self.persistent and self.splits == 1
+                 and not self.swap_ab,
+                 "pingpong needs two consumers, persistent=True, no split-K and no swap_ab")
+            need(self.block_m in (64, 128),
+                 "pingpong: block_m (one consumer's tile rows) must be 64 or 128")
+        else:
+            need(self.block_m in (64, 128, 256) and self.block_m % self.consumers == 0
+                 and self.block_m // self.consumers in (64, 128),
+                 "block_m / consumers (rows per consumer warpgroup) must be 64 or 128")
         if self.swap_ab:
             need(self.block_n in SWAP_BLOCK_N, f"swap_ab: block_n (the output rows of a tile) "
                  f"must be one of {SWAP_BLOCK_N}")
@@ -263,7 +282,14 @@ class WsConfig:
 
     @property
     def rows_per_consumer(self) -> int:
-        return self.block_m // self.consumers
+        """Rows of a tile one consumer computes (``pingpong``: the whole tile's)."""
+        return self.block_m if self.pingpong else self.block_m // self.consumers
+
+    @property
+    def stage_releasers(self) -> int:
+        """Consumer warpgroups that release each stage (``pingpong``: the one whose item it
+        holds)."""
+        return 1 if self.pingpong else self.consumers
 
     @property
     def threads(self) -> int:
@@ -308,6 +334,8 @@ class WsConfig:
         bars = NamedBarriers()
         bars.take("consumers", self.consumers * WARPGROUP)
         bars.take("warpgroup", WARPGROUP, count=self.consumers)
+        if self.pingpong:   # consumer i waits on turn + i; the other arrives on it
+            bars.take("turn", 2 * WARPGROUP, count=2)
         return bars
 
 
@@ -338,6 +366,7 @@ class WsConfig:
                 + (f", setmaxnreg {self.producer_regs}/{self.consumer_regs}"
                    if self.setmaxnreg else "")
                 + (", persistent" if self.persistent else "")
+                + (", consumers in ping-pong (a tile each)" if self.pingpong else "")
                 + (", TMA-store epilogue" if self.tma_store else "")
                 + (f", clusters of {self.cluster} (B multicast)" if self.cluster > 1 else "")
                 + (f", split-K {self.splits}" if self.splits > 1 else "")
@@ -452,21 +481,26 @@ def split_range(splits: int):
 
 def stage_ring(cfg: WsConfig):
     """The stage ring of a :class:`WsConfig` kernel: released by lane 0 of each consumer warp
-    (of every block of a cluster)."""
-    return tma_pipeline(cfg.stages, 4 * cfg.consumers * cfg.cluster, cfg.cluster)
+    (with ``pingpong``, of the consumer whose item the stage holds), of every block of a
+    cluster."""
+    return tma_pipeline(cfg.stages, 4 * cfg.stage_releasers * cfg.cluster, cfg.cluster)
 
 
 @functools.cache
 def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
     """One consumer warpgroup's main loop over a work item's k steps: ``run(acc0, acc1, base,
-    s, ph, cw, ktiles, lane) -> (s, ph)`` accumulates (into the zeroed or running ``acc0``
-    and, with 128 rows per consumer, ``acc1``) rows ``cw · rows_per_consumer …`` of the A
-    boxes times B from ring uses ``(s, ph)`` on; returns the ring position after them. Each
-    step: wait for the stage, its k16 wgmmas as one group, ``wait_group 1`` (the previous
-    step's group has retired) and free the previous step's stage; the last stage is freed
-    after ``wait_group 0``, which also leaves the accumulators readable."""
+    s, ph, cw, ktiles, lane, turn) -> (s, ph)`` accumulates (into the zeroed or running
+    ``acc0`` and, with 128 rows per consumer, ``acc1``) rows ``cw · rows_per_consumer …`` of
+    the A boxes (``pingpong``: every row) times B from ring uses ``(s, ph)`` on; returns the
+    ring position after them. Each step: wait for the stage, its k16 wgmmas as one group,
+    ``wait_group 1`` (the previous step's group has retired) and free the previous step's
+    stage; the last stage is freed after ``wait_group 0``, which also leaves the
+    accumulators readable. ``turn`` (``pingpong``; 0 for none): the named barrier on which
+    the warpgroup arrives (with the other consumer's 128 threads waiting) once it has
+    waited for its last stage and issued that stage's wgmmas."""
     BM, BN = cfg.block_m, cfg.block_n
     CM = cfg.rows_per_consumer
+    A_ROWS = 0 if cfg.pingpong else CM * 128   # a consumer's A rows in the stage, bytes
     MW = CM // 64
     NACC1 = BN // 2 if MW == 2 else 1
     A_BYTES = BM * BK * 2
@@ -481,8 +515,10 @@ def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
         wmma = warpgroup_mma(BN, SmemOperand(BN, BK, "mn" if b_row_major else "k"),
                              SmemOperand(BM, BK, "k"), cfg.dtype)
 
+    PINGPONG = cfg.pingpong
+
     @inline_device
-    def run(acc0, acc1, base, s, ph, cw, ktiles, lane):
+    def run(acc0, acc1, base, s, ph, cw, ktiles, lane, turn):
         bars = base + BARS
         prev = 0
         for kt in range(ktiles):
@@ -490,10 +526,12 @@ def consumer_mainloop(cfg: WsConfig, b_row_major: bool):
             stage = base + STAGES + s * STAGE_BYTES
             wmma.fence()
             if MW == 2:
-                wmma.mma2(acc0, acc1, stage + cw * (CM * 128), stage + A_BYTES, 1)
+                wmma.mma2(acc0, acc1, stage + cw * A_ROWS, stage + A_BYTES, 1)
             else:
-                wmma.mma(acc0, stage + cw * (CM * 128), stage + A_BYTES, 1)
+                wmma.mma(acc0, stage + cw * A_ROWS, stage + A_BYTES, 1)
             wmma.commit()
+            if PINGPONG and turn != 0 and kt == ktiles - 1:
+                BAR.bar_arrive(turn, 2 * WARPGROUP)   # the other consumer's turn
             wmma.wait(1)
             if kt > 0:
                 ring.release(bars, prev, lane)
@@ -571,6 +609,10 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
     item = split_range(S)
     SPLIT_CLUSTER = cfg.split_cluster
     SWAP = cfg.swap_ab
+    PINGPONG = cfg.pingpong
+    TURN = cfg.named_barriers.ids["turn"] if PINGPONG else 0
+    STAGES = cfg.stages
+    ROW_STEP = 0 if PINGPONG else CM    # a consumer's rows in the tile
     if prefetch_maps and pdl:
         raise ValueError("wgmma_ws_gemm_kernel: prefetch_maps reads the maps before a pdl "
                          "kernel may read global memory; one or the other")
@@ -625,10 +667,25 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         s = 0
         ph = 0
         items = 0
-        for w in range(w0, total, step):
+        # pingpong: this consumer's items are every other one of the block's, from its cw-th
+        first = w0 + cw * step if PINGPONG else w0
+        stride = 2 * step if PINGPONG else step
+        block_items = (total - w0 + step - 1) // step
+        own = cw   # (pingpong) the item's index among the block's
+        turn = 0
+        for w in range(first, total, stride):
             tile, split, k_begin, k_end = item(w, ktiles)
-            last_item = w + step >= total
+            last_item = w + stride >= total
             z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
+            if PINGPONG:
+                # the other consumer has waited for its last stage before this item's first
+                pos = own * ktiles
+                s = pos % STAGES
+                ph = (pos // STAGES) % 2
+                if own > 0:
+                    BAR.bar_sync(TURN + cw, 2 * WARPGROUP)
+                turn = TURN + 1 - cw if own + 1 < block_items else 0
+                own += 2
             for i in range(NACC):
                 acc0[i] = f32(0)
             if CM == 128:
@@ -648,7 +705,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if last_item:
                     TR.note(scratch, MK.last_loop_start)
             if S == 1 or k_end > k_begin:
-                s, ph = mainloop(acc0, acc1, base, s, ph, cw, k_end - k_begin, lane)
+                s, ph = mainloop(acc0, acc1, base, s, ph, cw, k_end - k_begin, lane, turn)
             if last_item:
                 after.release()     # pdl "late": the kernel behind may launch
             if leader:
@@ -668,8 +725,8 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
             if leader and items == 0:
                 TR.note(scratch, MK.first_reduced)
             if stores:
-                epilogue.store(acc0, acc1, base, maps, out, c, bias, z, bm0 + cw * CM, bn0,
-                               m, n, alpha, beta, cw, tid)
+                epilogue.store(acc0, acc1, base, maps, out, c, bias, z, bm0 + cw * ROW_STEP,
+                               bn0, m, n, alpha, beta, cw, tid)
             if leader:
                 if items == 0:
                     TR.note(scratch, MK.first_item_end)
@@ -1228,6 +1285,28 @@ def compile_reports_small():
         order={"prefetch": "prefetch.tensormap", "fence": "fence.proxy.tensormap",
                "mbarrier_init": "mbarrier.init", "tma_load": "cp.async.bulk.tensor"}))
     return reps
+
+
+#: The ping-pong schedule's candidates (``WsConfig(pingpong=True)``): 64 × 256 a consumer
+#: with the TMA-store epilogue (4 stages of 40 KB beside the two 16 KB stagings), and with the
+#: register epilogue (5 stages: no staging); 128 × 128 a consumer (two m64 halves), the
+#: register epilogue.
+PINGPONG_TMA_STORE = WsConfig(64, 256, 4, persistent=True, smem_epilogue=True, tma_store=True,
+                              pingpong=True)
+PINGPONG_REGISTERS = WsConfig(64, 256, 5, persistent=True, pingpong=True)
+PINGPONG_128 = WsConfig(128, 128, 6, persistent=True, pingpong=True)
+
+
+def compile_reports_pingpong():
+    """Offline sm_90a reports of the ping-pong candidates (row-major B, float16 out; the
+    TMA-store one also column-major B and bias + GELU)."""
+    kernels = (("ws_pp_64x256_brow_tmastore", PINGPONG_TMA_STORE, True, ()),
+               ("ws_pp_64x256_bcol_tmastore_bias_gelu", PINGPONG_TMA_STORE, False,
+                ("gelu", True)),
+               ("ws_pp_64x256_brow_registers", PINGPONG_REGISTERS, True, ()),
+               ("ws_pp_128x128_brow_registers", PINGPONG_128, True, ()))
+    return [kernel_report(name, wgmma_ws_gemm_kernel(cfg, b_row, "float16", *epi), cfg,
+                          "float16") for name, cfg, b_row, epi in kernels]
 
 
 def compile_reports_epilogues():
