@@ -97,6 +97,8 @@
 #   PART=s41a    the ping-pong consumers (issue 27's large shapes: WsConfig(pingpong=True), a
 #                tile a consumer): its GPU test, the --large sweep with the ping-pong
 #                candidates at 4096 rows over three (N, K) and at 8192³
+#   PART=s41b    packed sequences after v's own head dim and the window-alone fix: the varlen
+#                GPU tests (a window alone at 192 / 128 against SDPA with an explicit mask)
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -524,6 +526,10 @@ if [[ " $PART " == *" s41a "* ]]; then
         --nk 4096x4096,14336x4096,28672x8192 --json "$OUT/sweep_pingpong_4096.json"
     step sweep_pingpong_8192 150 "$PY" bench/sweep_gemm_grid.py --large --ms 8192 \
         --nk 8192x8192 --dtype float16 --json "$OUT/sweep_pingpong_8192.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s41b "* ]]; then
+    gpu_tests varlen_gpu 200 tests/test_ops_attention_varlen.py
     archive_logs
 fi
 # s39g = s39h's steps, then s39e's

@@ -288,6 +288,50 @@ def test_a_call_of_the_same_signature_reuses_the_plan(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_window_alone_and_head_dim_v():
+    """On the GPU (sm_90's grid TMA kernel for the forward, the mma.sync backward): a window
+    alone (no soft cap, ALiBi or user function — once dropped on this path) with q / k head
+    dim 192 and v's 128, GQA 8/2, 6 sequences of 0…700, bf16 — out and the gradients against
+    SDPA in float32 per sequence with the window as an explicit mask."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("v's own head dim: the forward runs on sm_90's TMA kernels")
+    import torch.nn.functional as F
+
+    from tilepy.ops.attention_varlen import flash_attention_varlen_backward
+
+    dt, left, right = torch.bfloat16, 100, 30
+    lens = np.random.default_rng().integers(0, 701, 6)
+    lens[2] = 0
+    cu = torch.tensor(cumulative(lens), device="cuda")
+    total, longest = int(lens.sum()), int(lens.max())
+    q = torch.randn(total, 8, 192, device="cuda", dtype=dt)
+    k = torch.randn(total, 2, 192, device="cuda", dtype=dt)
+    v = torch.randn(total, 2, 128, device="cuda", dtype=dt)
+    do = torch.randn(total, 8, 128, device="cuda", dtype=dt)
+    out, lse = flash_attention_varlen(q, k, v, cu, cu, longest, longest, window=(left, right),
+                                      return_lse=True)
+    grads = flash_attention_varlen_backward(do, q, k, v, out, lse, cu, cu, longest, longest,
+                                            window=(left, right))
+    for z in range(6):
+        a, e = int(cu[z]), int(cu[z + 1])
+        if a == e:
+            continue
+        i = torch.arange(e - a, device="cuda")
+        keep = (i[None, :] >= i[:, None] - left) & (i[None, :] <= i[:, None] + right)
+        leaves = [x[a:e].transpose(0, 1).float().requires_grad_() for x in (q, k, v)]
+        want = F.scaled_dot_product_attention(*leaves, attn_mask=keep, enable_gqa=True)
+        want_grads = torch.autograd.grad(want, leaves, do[a:e].transpose(0, 1).float())
+        got = out[a:e].transpose(0, 1).float()
+        err = ((got - want).abs().max() / v.abs().max()).item()
+        assert err < 3e-2, ("out", z, err)
+        for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+            g = g[a:e].transpose(0, 1).float()
+            err = ((g - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
+            assert not g.isnan().any() and err < 5e-2, (name, z, err)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("d,causal,dtype", [(128, True, "bfloat16"), (64, False, "float16"),
                                             (72, True, "float16")])
 def test_gpu_against_sdpa_and_a_graph_replay(d, causal, dtype):
