@@ -99,6 +99,9 @@
 #                candidates at 4096 rows over three (N, K) and at 8192³
 #   PART=s41b    packed sequences after v's own head dim and the window-alone fix: the varlen
 #                GPU tests (a window alone at 192 / 128 against SDPA with an explicit mask)
+#   PART=s41c    the wgmma backward at head dims between its tile widths (40 … 128, zero-filled):
+#                the head-dim GPU tests (96 and 72 / 120 / 40 now on wgmma), the padded head
+#                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN)
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -530,6 +533,11 @@ if [[ " $PART " == *" s41a "* ]]; then
 fi
 if [[ " $PART " == *" s41b "* ]]; then
     gpu_tests varlen_gpu 200 tests/test_ops_attention_varlen.py
+    archive_logs
+fi
+if [[ " $PART " == *" s41c "* ]]; then
+    gpu_tests backward_padded_gpu 200 tests/test_attention_backward_gpu.py -k "multiple_of_16"
+    bench_suite bench_backward_padded 200 "test_flash_attention_backward_padded_head_dims"
     archive_logs
 fi
 # s39g = s39h's steps, then s39e's

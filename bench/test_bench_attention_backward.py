@@ -428,6 +428,49 @@ def test_flash_attention_backward_variants(benchmark, record, torch, gpu_name, v
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
+#: (batch, heads, seq, head_dim) of head dims between the wgmma tile widths (issue 25)
+PADDED = [(4, 32, 4096, 96), (4, 32, 4096, 80)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", PADDED, ids=lambda c: f"B{c[0]}_H{c[1]}_S{c[2]}_D{c[3]}")
+def test_flash_attention_backward_padded_head_dims(benchmark, record, torch, gpu_name, shape,
+                                                   causal):
+    """Head dims between the wgmma tile widths (96, 80: the 128-column tiles, zero-filled)
+    through the backward, bf16: tilepy's built-in choice (on sm_90 the wgmma kernels) against
+    the mma.sync kernels of the same op (``config=`` the portable choice; the gradients
+    compared, bf16 tolerance) and SDPA's cuDNN backend."""
+    import tilepy
+    from tilepy.ops import attention_backward as ab
+
+    b, h, s, d = shape
+    q, k, v, dout = inputs(torch, b, h, s, d, "bfloat16")
+    out, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True)
+    grads = poisoned(torch, q, k, v)
+    portable = ab.choose_config(d, "bfloat16", wgmma=False)
+
+    def ours(config=None):
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               config=config, dq=grads[0], dk=grads[1],
+                                               dv=grads[2])
+
+    err = checked_pair(torch, grads, lambda: ours(portable), ours, "tilepy")
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours),
+               "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
+    want = reference_grads(torch, q, k, v, dout, causal)
+    timings[CUDNN] = try_peer(notes, CUDNN, lambda: sdpa_backward_timing(
+        torch, "CUDNN_ATTENTION", q, k, v, dout, causal, want, tolerance("bfloat16"), CUDNN))
+    row, shp, tag = labels(b, h, s, d, "bfloat16", causal)
+    record_throughput(record, work=work_of(b, h, s, d, causal, 5), unit="TFLOPS",
+                      timings=timings, main=CUDNN, notes=notes, gpu=gpu_name, shape=shp,
+                      dtype="bfloat16", causal=causal, config=config_of(d, "bfloat16", causal),
+                      max_rel_err=err, table="Attention backward, head dims between widths",
+                      case=row, figure=f"attention_backward_padded_{tag}", x=d,
+                      xlabel="head dim")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
 # ---- user functions (issue 25): score_mod / mask_mod through the backward --------------------
 
 def _softcap50_grad(score, b, h, q_idx, kv_idx):

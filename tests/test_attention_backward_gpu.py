@@ -394,16 +394,20 @@ def test_gpu_window_and_softcap_autograd(b, hq, hkv, sq, sk, d, causal, window, 
     (1, 8, 2, 700, 1100, 72, False, "bshd", BF16),    # 80-column tiles, GQA
     (1, 4, 4, 1100, 700, 24, True, "bhsd", BF16),     # 32-column tiles, 400 rows see no key
     (1, 4, 4, 513, 513, 120, True, "bshd", F16),      # 128-column tiles, the widest
+    (1, 8, 2, 900, 1000, 96, True, "bshd", BF16),     # 96: Phi's; GQA
 ])
 def test_gpu_head_dims_not_a_multiple_of_16(b, hq, hkv, sq, sk, d, causal, layout, dtype):
-    """head_dim a multiple of 8 only (tiles zero-padded to the next 16 in shared memory):
-    the forward and the gradients through the explicit backward at full size against SDPA's
-    float32 gradients, written over NaN-filled outputs."""
+    """head_dim a multiple of 8 only: the forward and the gradients through the explicit
+    backward at full size against SDPA's float32 gradients, written over NaN-filled outputs
+    — on sm_90 from 40 up the wgmma kernels (the 64- or 128-column tile zero-filled past the
+    head dim, the stores its columns only), else the mma.sync ones (tiles zero-padded to the
+    next 16); both ways, the fused kernel and the deterministic pair."""
     q, k, v, dout = make_inputs(b, hq, hkv, sq, sk, d, layout, dtype)
     out, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True, layout=layout)
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout,
-                                    dq=dq, dk=dk, dv=dv)
     want_out, want = reference(q, k, v, dout, causal, layout)
     assert rel(out, want_out) < TOL[dtype]
-    check_grads((dq, dk, dv), want, dtype, d)
+    for deterministic in (False, True):
+        dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+        tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, layout=layout,
+                                        dq=dq, dk=dk, dv=dv, deterministic=deterministic)
+        check_grads((dq, dk, dv), want, dtype, (d, deterministic))

@@ -355,7 +355,15 @@ def test_dq_by_atomics():
     pytest.param(128, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True,
                            dq_own_keys=True),
                  (1, 1, 1, 90, 140, False, "bfloat16", "bshd"), marks=pytest.mark.extended),
-])
+    # head dims between the tile widths, zero-filled by the copies, stored to their own
+    # columns: 96 on the warp-specialised kernel (dQ's second slice half padding, its
+    # conversion storing 32 of its 64 columns), 40 on dK / dV then dQ's own kernel
+    (96, dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
+     (1, 2, 1, 70, 90, True, "bfloat16", "bshd")),
+    (40, dict(block_m=32, key_groups=1, dq_groups=1, dq_block_n=32),
+     (1, 2, 2, 50, 40, False, "float16", "bhsd")),
+], ids=["d64-causal-gqa", "d128-atomic-one-warpgroup", "d128-ws-causal", "d64-ws",
+        "d128-ws-own-keys", "d96-ws-padded", "d40-padded"])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout,
@@ -457,6 +465,11 @@ def test_config_choice_and_checks(monkeypatch):
     # variants on the wgmma kernels there too; packed sequences on the mma.sync ones (the
     # only kernels that take them)
     assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
+    # head dims between the widths: the wgmma kernels of the wider tile from 40 up
+    c96 = choose_config(96, "float16")
+    assert isinstance(c96, WgmmaBackwardConfig) and c96.producer and c96.width == 128
+    assert choose_config(40, "float16").width == 64
+    assert isinstance(choose_config(32, "float16"), BackwardConfig)
     from tilepy.ops.attention_varlen import choose_backward_config
 
     for d in (64, 128):
@@ -532,8 +545,9 @@ def test_kernels_compile_without_spills(part):
         c = rep["counts"]
         assert rep["local_bytes"] == 0 and rep["f64"] == 0, (name, rep)
         assert 0 < rep["registers"] <= 255, name
-        spills = 128 if "d128" in name and ("atomic" in name or "_ws_" in name or
-                                            "wgmma" not in name) else 0
+        # (d96: the 128-column tiles, as spilling as d128's)
+        spills = 128 if ("d128" in name or "d96" in name) and (
+            "atomic" in name or "_ws_" in name or "wgmma" not in name) else 0
         # measured and accepted: the soft cap's derivative fragment (float16 pairs) beside dK
         # / dV (104 B in the warp-specialised kernel, 64 B in the dK / dV kernel at 255
         # registers; on the H100 the window / soft-cap / ALiBi backward ran 1.7-2.0x faster

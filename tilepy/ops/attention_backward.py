@@ -42,7 +42,8 @@ GPU_BLOCKS = {64: dict(block_m=64, block_n=64, dq_block_m=64, dq_block_n=64),
 SIM_BLOCKS = dict(block_m=32, block_n=32, dq_block_m=32, dq_block_n=32)
 
 
-#: Hopper (sm_90), head_dim 64 and 128: the wgmma kernels' config fields by head_dim — the
+#: Hopper (sm_90), by tile width (64, 128; a head dim between takes its width's): the wgmma
+#: kernels' config fields — the
 #: fastest of bench/probe_attention_backward_kernels.py's grid per kernel on the H200
 #: (bench/NOTES.md: attention backward): one 64-key warpgroup per dK / dV block, dQ by its own
 #: kernel of one warpgroup. The deterministic choice, and at head_dim 64 the default.
@@ -55,6 +56,12 @@ HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64)
 HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True)}
 
 
+#: The smallest head dim the built-in choice on sm_90 runs on the wgmma kernels (each head
+#: dim up to 128 in the tile of its 64-column class, :func:`~tilepy.ops.
+#: attention_backward_wgmma.tile_width`: 40 fills 5/8 of a 64-column tile, 72 9/16 of a
+#: 128-column one); below, the mma.sync kernels.
+WGMMA_MIN_HEAD_DIM = 40
+
 #: Whether the built-in choice on sm_90 runs a variant (window, soft cap, ALiBi, user
 #: functions, block masks) on the wgmma kernels (True) or the mma.sync ones.
 WGMMA_VARIANTS = True
@@ -63,9 +70,10 @@ WGMMA_VARIANTS = True
 def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
                   variant: bool = False, wgmma: bool = True, head_dim_v=None):
     """The built-in backward config for a head dimension and dtype on the current device: on a
-    compute capability 9.0 GPU for head_dim 64 and 128 the wgmma kernels' —
-    :data:`HOPPER_FUSED` where it applies and atomics are allowed, else
-    :data:`HOPPER_CHOICE` — otherwise the mma.sync kernels' (simulator: small tiles).
+    compute capability 9.0 GPU for head dims from :data:`WGMMA_MIN_HEAD_DIM` to 128 the
+    wgmma kernels' — those of the head dim's tile width (64 or 128), :data:`HOPPER_FUSED`
+    where it applies and atomics are allowed, else :data:`HOPPER_CHOICE` — otherwise the
+    mma.sync kernels' (simulator: small tiles).
     ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
     kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
@@ -78,11 +86,12 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS, **extra)
     if extra:
         wgmma = False
-    if wgmma and head_dim in bw.HEAD_DIMS and launch.is_hopper() and \
-            (WGMMA_VARIANTS or not variant):
-        if not deterministic and head_dim in HOPPER_FUSED:
-            return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[head_dim])
-        return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[head_dim])
+    if wgmma and head_dim >= WGMMA_MIN_HEAD_DIM and head_dim in bw.HEAD_DIMS and \
+            launch.is_hopper() and (WGMMA_VARIANTS or not variant):
+        w = bw.tile_width(head_dim)    # a head dim between: the wider tile, zero-filled
+        if not deterministic and w in HOPPER_FUSED:
+            return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[w])
+        return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[w])
     width = max(head_dim, dv)
     blocks = GPU_BLOCKS[min(d for d in GPU_BLOCKS if d >= width)]
     if 64 < width <= 128 and (-(-width // 16) * 2) % 4:
@@ -128,7 +137,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       ``dq_atomic=True`` asks for the atomic way (unless ``deterministic=True``).
     * ``window`` / ``softcap`` (the forward's variants): the same kernels with the window's
       query and key ranges and the cap's derivative (``dS`` times ``1 - tanh²``) — on sm_90
-      at head_dim 64 and 128 the wgmma kernels, elsewhere the mma.sync ones (both take every
+      at head dims 40 … 128 the wgmma kernels, elsewhere the mma.sync ones (both take every
       variant: :func:`tilepy.tile.attention_backward.key_block_scores`).
     * ``score_mod`` / ``mask_mod``: the forward's user functions, inlined into the same
       kernels (:func:`tilepy.tile.attention_backward.score_functions`); a ``score_mod`` needs

@@ -24,7 +24,9 @@ shared); what changes is who multiplies:
 Shared tiles are 128-byte-swizzled 64-column boxes (:func:`tilepy.tile.copy.
 copy_rows_to_shared_128b`): a (rows × D) tile is at once the K-major operand with K = D and the
 MN-major one with N = D (:class:`tilepy.tile.warpgroup_mma.SmemOperand`), so one copy of Q, dO
-and K serves both kinds of product. Head dims 64 and 128.
+and K serves both kinds of product. Tiles are 64 or 128 columns wide (:func:`tile_width`);
+a head dim between (any multiple of 8 up to 128) is zero-filled to its tile's width by the
+copies, and the stores write its own columns only.
 """
 
 from __future__ import annotations
@@ -78,8 +80,15 @@ from ..tile.smem_layout import SmemLayout
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from . import attention_backward_mma_sync as bk
 
-#: Head dims of the wgmma kernels (whole 64-element boxes of the 128-byte swizzle).
-HEAD_DIMS = (64, 128)
+#: Head dims of the wgmma kernels: multiples of 8 up to 128, each in a tile of whole
+#: 64-element boxes of the 128-byte swizzle (:func:`tile_width`).
+HEAD_DIMS = tuple(range(8, 129, 8))
+
+
+def tile_width(head_dim: int) -> int:
+    """The shared tiles' width of a head dim: 64 up to 64, else 128 (zero-filled past the
+    head dim)."""
+    return 64 if head_dim <= 64 else 128
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -92,11 +101,11 @@ DQ_ROW = 64 + DQ_PAD
 DQ_TILE_BYTES = 64 * DQ_ROW * 4
 
 
-def dq_blocked_shape(batch: int, heads: int, sqp: int, head_dim: int) -> tuple:
-    """The atomic path's float32 dQ accumulator: (B, Hq, SqP · slices, 64 + DQ_PAD), query
-    block ``qb``'s slice ``c`` (columns ``64 c …``) at rows ``(qb · slices + c) · 64 …``: one
-    contiguous tile per bulk reduction."""
-    return (batch, heads, sqp * (head_dim // 64), DQ_ROW)
+def dq_blocked_shape(batch: int, heads: int, sqp: int, width: int) -> tuple:
+    """The atomic path's float32 dQ accumulator of tiles ``width`` columns wide: (B, Hq, SqP ·
+    slices, 64 + DQ_PAD), query block ``qb``'s slice ``c`` (columns ``64 c …``) at rows
+    ``(qb · slices + c) · 64 …``: one contiguous tile per bulk reduction."""
+    return (batch, heads, sqp * (width // 64), DQ_ROW)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -148,8 +157,8 @@ class WgmmaBackwardConfig:
                      "64-column slices between them")
         _require(self.dtype in DTYPES, f"WgmmaBackwardConfig.dtype must be one of {DTYPES}, "
                  f"got {self.dtype!r}")
-        _require(self.head_dim in HEAD_DIMS, f"WgmmaBackwardConfig.head_dim must be one of "
-                 f"{HEAD_DIMS}, got {self.head_dim!r}")
+        _require(self.head_dim in HEAD_DIMS, f"WgmmaBackwardConfig.head_dim must be a multiple "
+                 f"of 8 in 8 … 128, got {self.head_dim!r}")
         for name in ("block_m", "dq_block_n"):
             value = getattr(self, name)
             _require(isinstance(value, int) and 16 <= value <= 256 and value % 16 == 0,
@@ -160,7 +169,7 @@ class WgmmaBackwardConfig:
         copiers = 128 if self.producer else self.threads
         for rows, threads, what in ((self.block_m, copiers, "block_m"),
                                     (self.dq_block_n, self.dq_threads, "dq_block_n")):
-            step = threads // (self.head_dim // 8)
+            step = threads // (self.width // 8)
             _require(rows % step == 0, f"WgmmaBackwardConfig.{what}={rows}: the tile copy "
                      f"takes {step} rows per pass")
         limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
@@ -173,9 +182,14 @@ class WgmmaBackwardConfig:
         return 64 * self.key_groups
 
     @property
+    def width(self) -> int:
+        """The shared tiles' and accumulators' columns (:func:`tile_width`)."""
+        return tile_width(self.head_dim)
+
+    @property
     def slices(self) -> int:
         """dQ's 64-column slices (the atomic path's unit of reduction)."""
-        return self.head_dim // 64
+        return self.width // 64
 
     @property
     def own_keys(self) -> bool:
@@ -211,7 +225,7 @@ class WgmmaBackwardConfig:
 
     @property
     def dkdv_layout(self) -> SmemLayout:
-        D, BM, BN = self.head_dim, self.block_m, self.block_n
+        D, BM, BN = self.width, self.block_m, self.block_n
         regions = [("k", BN * D * 2, 1024), ("v", BN * D * 2, 1024),
                    ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
                    ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
@@ -228,7 +242,7 @@ class WgmmaBackwardConfig:
 
     @property
     def dq_layout(self) -> SmemLayout:
-        D, BM, BN = self.head_dim, self.dq_block_m, self.dq_block_n
+        D, BM, BN = self.width, self.dq_block_m, self.dq_block_n
         return SmemLayout.of(("q", BM * D * 2, 1024), ("do", BM * D * 2, 1024),
                              ("kv", 2 * 2 * BN * D * 2, 1024))
 
@@ -286,7 +300,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
 @functools.cache
 def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                         mods: tuple, sparse: bool):
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     NQ = BM // 8
     s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
     g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
@@ -347,12 +361,13 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: fl
 @functools.cache
 def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
                  mask_block):
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.threads
     NQ = BM // 8
-    NO = D // 8
+    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
+    NW = D // 8
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -380,8 +395,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         return job
 
     smem = dynamic_shared(1024)
-    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
-    issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
+    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS, cfg.head_dim)
+    issue_q = copy_rows_to_shared_128b(BM, D, THREADS, cfg.head_dim)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
                            k=KDQ) if ATOMIC else None
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
@@ -518,7 +533,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         if ATOMIC:
             if issuer and steps > 0:
                 bulk_wait_group(0)
-        out3 = cuda.local.array((1, NO, 4), np.float32)
+        out3 = cuda.local.array((1, NW, 4), np.float32)
         to_frag_o(out3, dk_acc)
         store(out3, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
         to_frag_o(out3, dv_acc)
@@ -578,14 +593,15 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
 @functools.cache
 def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
                     mask_block, registers=WS_REGISTERS):
-    BM, BN, D = cfg.block_m, cfg.block_n, cfg.head_dim
+    BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     WIN = (left, right)
     SPARSE = mask_block is not None
     KG, SL = cfg.key_groups, cfg.slices
     THREADS = cfg.threads
     PT = 128                 # producer threads
     NQ = BM // 8
-    NO = D // 8
+    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
+    NW = D // 8
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -617,8 +633,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     WARP_STAGE = 16 * DQ_ROW * 4                   # a warp's rows of a staged dQ partial
 
     smem = dynamic_shared(1024)
-    issue_kv = copy_rows_to_shared_128b(BN, D, PT)
-    issue_q = copy_rows_to_shared_128b(BM, D, PT)
+    issue_kv = copy_rows_to_shared_128b(BN, D, PT, cfg.head_dim)
+    issue_q = copy_rows_to_shared_128b(BM, D, PT, cfg.head_dim)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
     products, g_mma, (DF_SHAPE, DF_TYPE) = key_block_products(cfg, False, WIN, cap, mods,
                                                                     SPARSE)
@@ -781,7 +797,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                         group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb)
             lane = tid % 32
             cw = tid // 32 - 4
-            out3 = cuda.local.array((1, NO, 4), np.float32)
+            out3 = cuda.local.array((1, NW, 4), np.float32)
             to_frag_o(out3, dk_acc)
             store(out3, dk[b, hk], key0 + cw * 16, sk, scale, lane // 4, lane % 4)
             to_frag_o(out3, dv_acc)
@@ -803,12 +819,13 @@ def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: floa
 @functools.cache
 def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
                mask_block):
-    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.head_dim
+    BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.width
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.dq_threads
     NS = BN // 8
-    NO = D // 8
+    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
+    NW = D // 8
     lay = cfg.dq_layout
     Q_OFF, DO_OFF, KV_OFF = (lay.offset(n) for n in ("q", "do", "kv"))
     KV_TILE = BN * D * 2
@@ -817,8 +834,8 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     ACC_O, ACC_S, A_REGS = D // 2, BN // 2, BN // 4   # registers per thread (local arrays)
 
     smem = dynamic_shared(1024)
-    issue_q = copy_rows_to_shared_128b(BM, D, THREADS)
-    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS)
+    issue_q = copy_rows_to_shared_128b(BM, D, THREADS, cfg.head_dim)
+    issue_kv = copy_rows_to_shared_128b(BN, D, THREADS, cfg.head_dim)
     s_mma = warpgroup_mma(BN, SmemOperand(BN, D, "k"), SmemOperand(BM, D, "k"), cfg.dtype)
     q_mma = warpgroup_mma(D, SmemOperand(D, BN, "mn"), None, cfg.dtype)
     to_frag_s, _ = accumulator_fragment(BN)
@@ -917,7 +934,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
                 q_mma.wait(0)
                 q_mma.fence_operand(acc)
 
-        out3 = cuda.local.array((1, NO, 4), np.float32)
+        out3 = cuda.local.array((1, NW, 4), np.float32)
         to_frag_o(out3, acc)
         store(out3, dq[b, h], wrow, sq, scale, g, t)
 
@@ -927,9 +944,11 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
 @functools.cache
 def dq_convert_blocked(head_dim: int, dtype: str):
     """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``, from the
-    blocked accumulator of :func:`dq_blocked_shape`; grid ``(ceil(Sq / 16), Hq, B)``,
+    blocked accumulator of :func:`dq_blocked_shape` (tiles :func:`tile_width` wide; the
+    columns past ``head_dim`` are not stored); grid ``(ceil(Sq / 16), Hq, B)``,
     :data:`~tilepy.ops.attention_backward_mma_sync.ROW_THREADS` threads."""
-    SL = head_dim // 64
+    SL = tile_width(head_dim) // 64
+    DH = head_dim
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
 
@@ -946,6 +965,8 @@ def dq_convert_blocked(head_dim: int, dtype: str):
             for sl in range(SL):
                 src = ((row // 64) * SL + sl) * 64 + row % 64
                 c = 8 * lane
+                if 64 * sl + c >= DH:
+                    continue
                 x = ld_global_v4(a2, src, c)
                 y = ld_global_v4(a2, src, c + 4)
                 st_global_v4(o2, row, 64 * sl + c, pack(x[0] * scale, x[1] * scale),
@@ -957,7 +978,7 @@ def dq_convert_blocked(head_dim: int, dtype: str):
 
 def dq_acc_shape(cfg: WgmmaBackwardConfig, batch: int, heads: int, sqp: int) -> tuple:
     """The float32 dQ accumulator a call with atomics needs."""
-    return dq_blocked_shape(batch, heads, sqp, cfg.head_dim)
+    return dq_blocked_shape(batch, heads, sqp, cfg.width)
 
 
 def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
@@ -1034,6 +1055,11 @@ COMPILED = (
     ("bwd_wgmma_ws_d128_f16_own_keys", "ws", WgmmaBackwardConfig(
         128, dq_atomic=True, producer=True, dq_own_keys=True), False),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
+    # a head dim between the widths (96: the 128-column tiles, zero-filled; the built-in
+    # choice's warp-specialised kernel and the deterministic dQ kernel)
+    ("bwd_wgmma_ws_d96_bf16_causal", "ws", WgmmaBackwardConfig(
+        96, dtype="bfloat16", dq_atomic=True, producer=True), True),
+    ("bwd_wgmma_dq_d96_f16", "dq", WgmmaBackwardConfig(96), False),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
     # the variants: a sliding window under causal with a soft cap (Gemma 2's layers) on the
     # built-in choices — the warp-specialised kernel, and the deterministic pair
@@ -1053,7 +1079,7 @@ COMPILED = (
 CORE_COMPILED = ("bwd_wgmma_dkdv_d128_bf16_causal", "bwd_wgmma_dkdv_d64_f16",
                  "bwd_wgmma_ws_d128_f16", "bwd_wgmma_ws_d128_bf16_causal",
                  "bwd_wgmma_dq_d128_f16_causal", "bwd_wgmma_dq_d64_f16",
-                 "bwd_wgmma_ws_d128_bf16_window_softcap")
+                 "bwd_wgmma_ws_d128_bf16_window_softcap", "bwd_wgmma_ws_d96_bf16_causal")
 
 
 def compile_reports_core():

@@ -333,13 +333,15 @@ def copy_tile_to_shared(rows: int, cols: int, threads: int, swizzle: bool = True
 
 
 @functools.cache
-def copy_rows_to_shared_128b(rows: int, cols: int, threads: int):
+def copy_rows_to_shared_128b(rows: int, cols: int, threads: int, valid_cols=None):
     """``issue(tile, src, row_stride, rows_left, tid)``: one thread's cp.async copies of a
     (rows × cols) 16-bit tile into 64-column sub-tiles of ``rows × 128`` bytes (sub-tile ``c //
     8`` at ``tile + (c // 8)·rows·128``), 128-byte swizzled — the K-major operand layout of
     wgmma for K = cols (Q, K), and the MN-major one for N = cols (V); rows at or past
-    ``rows_left`` are zero-filled. ``src``: int64 global byte address of the tile's row 0,
-    ``row_stride`` in bytes; ``tile``: its shared address, 1024-byte aligned.
+    ``rows_left`` are zero-filled, and so are the columns at or past ``valid_cols`` (a
+    multiple of 8; default ``cols``: a head dim narrower than its tile, whose source rows
+    end there — those chunks read nothing). ``src``: int64 global byte address of the
+    tile's row 0, ``row_stride`` in bytes; ``tile``: its shared address, 1024-byte aligned.
 
     Thread ``tid`` copies 16-byte chunk ``tid % chunks`` of rows ``tid // chunks + p ·
     (threads / chunks)`` (``chunks = cols / 8``): one column and one swizzle phase per thread
@@ -350,10 +352,16 @@ def copy_rows_to_shared_128b(rows: int, cols: int, threads: int):
     step = threads // chunks              # rows per pass (a multiple of 8)
     passes = rows // step
     sub_bytes = rows * 128
+    valid = chunks if valid_cols is None else valid_cols // 8
     if not (cols % 64 == 0 and threads % chunks == 0 and step % 8 == 0 and rows % step == 0):
         raise ValueError(f"copy_rows_to_shared_128b: a {rows}x{cols} tile (64-column sub-tiles) "
                          f"does not split into passes of {threads} threads with rows a multiple "
                          "of 8 apart")
+    if valid_cols is not None and not (0 < valid_cols <= cols and valid_cols % 8 == 0):
+        raise ValueError(f"copy_rows_to_shared_128b: valid_cols {valid_cols} must be a "
+                         f"multiple of 8 in 8 … {cols}")
+
+    PADDED = valid < chunks
 
     @inline_device
     def issue(tile, src, row_stride, rows_left, tid):
@@ -362,6 +370,10 @@ def copy_rows_to_shared_128b(rows: int, cols: int, threads: int):
         dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
         a = src + r * row_stride + c * 16
         left = rows_left - r
+        if PADDED and c >= valid:
+            # a chunk past the valid columns reads nothing: its source is the row's first
+            a = src + r * row_stride
+            left = 0
         for p in range(passes):
             cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
                            16 if p * step < left else 0)
