@@ -102,6 +102,8 @@
 #   PART=s41c    the wgmma backward at head dims between its tile widths (40 … 128, zero-filled):
 #                the head-dim GPU tests (96 and 72 / 120 / 40 now on wgmma), the padded head
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN)
+#   PART=s41d    issue 25's short sequences with 64-row tiles of one warpgroup (several blocks
+#                an SM): the --short-ab sweep at S512 D64 and S1024 D128, two rounds each
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
 #                rows 1 and 16 (the points the swapped default changed), then s39e's trace
 #   PART=s39h    s39g without the trace
@@ -538,6 +540,13 @@ fi
 if [[ " $PART " == *" s41c "* ]]; then
     gpu_tests backward_padded_gpu 200 tests/test_attention_backward_gpu.py -k "multiple_of_16"
     bench_suite bench_backward_padded 200 "test_flash_attention_backward_padded_head_dims"
+    archive_logs
+fi
+if [[ " $PART " == *" s41d "* ]]; then
+    step s512_64rows 130 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma \
+        --head-dim 64 --seq 512 --rounds 2 --json "$OUT/sweep_short_s512_64rows.json"
+    step s1024_64rows 130 "$PY" bench/sweep_attention.py --short-ab --kernels wgmma \
+        --head-dim 128 --seq 1024 --rounds 2 --json "$OUT/sweep_short_s1024_64rows.json"
     archive_logs
 fi
 # s39g = s39h's steps, then s39e's

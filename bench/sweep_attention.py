@@ -102,7 +102,8 @@ def main():
     p.add_argument("--short-ab", action="store_true",
                    help="issue 25's short-sequence shapes (B16 H16 S512 D64, B4 H32 S1024 "
                         "D128, B8 H16 S2048 D64, GQA 32/8 S4096 D128): the built-in config "
-                        "against other tile shapes, grid and persistent, ping-pong on and "
+                        "against other tile shapes (64-row ones of one warpgroup too), grid "
+                        "and persistent, ping-pong on and "
                         "off; the peer is SDPA's cuDNN backend")
     p.add_argument("--causal-only", action="store_true", help="only the causal cases")
     p.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
@@ -188,6 +189,16 @@ def main():
                     try:
                         cfgs.append(dataclasses.replace(builtin, block_m=bm, block_n=bn,
                                                         pingpong=pp, persistent=persistent))
+                    except ValueError:
+                        pass
+                # one consumer warpgroup of 64 rows (the TMA loads from its own thread: no
+                # producer warpgroup), small enough for two or three blocks an SM, whose
+                # prologues and epilogues then overlap each other's main loops
+                for bn, persistent in itertools.product((64, 128), (False, True)):
+                    try:
+                        cfgs.append(dataclasses.replace(
+                            builtin, block_m=64, block_n=bn, pingpong=False, producer=False,
+                            persistent=persistent))
                     except ValueError:
                         pass
                 cfgs = list(dict.fromkeys(cfgs))
