@@ -96,7 +96,7 @@
 #   PART=s40f    the swapped GEMM's GPU test; the shape grid's 1 and 16 × 4096 × 4096
 #   PART=s41a    the ping-pong consumers (issue 27's large shapes: WsConfig(pingpong=True), a
 #                tile a consumer): its GPU test, the --large sweep with the ping-pong
-#                candidates at 4096 rows over three (N, K) and at 8192³
+#                candidates at 4096 rows over three (N, K), at 8192³ and at 2048³
 #   PART=s41b    packed sequences after v's own head dim and the window-alone fix: the varlen
 #                GPU tests (a window alone at 192 / 128 against SDPA with an explicit mask)
 #   PART=s41c    the wgmma backward at head dims between its tile widths (40 … 128, zero-filled):
@@ -531,6 +531,8 @@ if [[ " $PART " == *" s41a "* ]]; then
         --nk 4096x4096,14336x4096,28672x8192 --json "$OUT/sweep_pingpong_4096.json"
     step sweep_pingpong_8192 150 "$PY" bench/sweep_gemm_grid.py --large --ms 8192 \
         --nk 8192x8192 --dtype float16 --json "$OUT/sweep_pingpong_8192.json"
+    step sweep_pingpong_2048 60 "$PY" bench/sweep_gemm_grid.py --large --ms 2048 \
+        --nk 2048x2048 --json "$OUT/sweep_pingpong_2048.json"
     archive_logs
 fi
 if [[ " $PART " == *" s41b "* ]]; then
