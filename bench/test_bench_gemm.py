@@ -198,8 +198,25 @@ def test_gemm_shape_grid(benchmark, record, torch, gpu_name, mnk):
         flipped("SWAP_SMALL_M", "tilepy, swapped", "tilepy, not swapped")
     if m <= 256:   # the tensor maps prefetched at entry (or not): the first stage's wait
         flipped("PREFETCH_MAPS", "tilepy, maps prefetched", "tilepy, maps not prefetched")
+    extra = {}
+    if m <= 16:
+        # bound by reading B (the issue: "measure it also as bandwidth against a device
+        # copy"): the operands' and the result's bytes per second of each side's GPU-only time,
+        # beside a device-to-device copy of B's bytes timed the same way
+        nbytes = 2 * (m * k + k * n + m * n)
+        src = torch.empty(k * n, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        copy_ms = graph_timing(torch, lambda: dst.copy_(src)).ms
+        extra = {"bandwidth_gbps": {
+            "tilepy": nbytes / timings["tilepy"].ms / 1e6,
+            CUBLAS: nbytes / timings[CUBLAS].ms / 1e6,
+            "device copy of B": 2 * 2 * k * n / copy_ms / 1e6},
+            "bandwidth_note": "bytes read and written per second, GPU-only; the copy reads "
+                              "and writes B's bytes"}
+        del src, dst
     record_throughput(record, work=2 * m * n * k, unit="TFLOPS", timings=timings, main=CUBLAS,
                       gpu=gpu_name, dtype="bfloat16", shape=f"{m}x{n}x{k}", max_rel_err=err,
+                      **extra,
                       table="GEMM: tilepy.gemm, shape grid (bfloat16; GPU time from CUDA-graph "
                             "replays of 20 calls)", case=f"{m}x{n}x{k}")
     benchmark.pedantic(lambda: (tilepy.gemm(a, b, out=out), torch.cuda.synchronize()),
