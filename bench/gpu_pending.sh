@@ -97,11 +97,13 @@
 #   PART=s41a    the ping-pong consumers (issue 27's large shapes: WsConfig(pingpong=True), a
 #                tile a consumer): its GPU test, the --large sweep with the ping-pong
 #                candidates at 4096 rows over three (N, K), at 8192³ and at 2048³
-#   PART=s41b    packed sequences after v's own head dim and the window-alone fix: the varlen
-#                GPU tests (a window alone at 192 / 128 against SDPA with an explicit mask)
+#   PART=s41b    packed sequences after v's own head dim, the window-alone fix and the wgmma
+#                backward: the varlen GPU tests (a window alone at 192 / 128 against SDPA with
+#                an explicit mask; the backward's against SDPA now on the wgmma pair)
 #   PART=s41c    the wgmma backward at head dims between its tile widths (40 … 128, zero-filled):
 #                the head-dim GPU tests (96 and 72 / 120 / 40 now on wgmma), the padded head
-#                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN)
+#                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
+#                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41d    issue 25's short sequences with 64-row tiles of one warpgroup (several blocks
 #                an SM): the --short-ab sweep at S512 D64 and S1024 D128, two rounds each
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
@@ -541,7 +543,8 @@ if [[ " $PART " == *" s41b "* ]]; then
 fi
 if [[ " $PART " == *" s41c "* ]]; then
     gpu_tests backward_padded_gpu 200 tests/test_attention_backward_gpu.py -k "multiple_of_16"
-    bench_suite bench_backward_padded 200 "test_flash_attention_backward_padded_head_dims"
+    bench_suite bench_backward_padded 200 \
+        "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
     archive_logs
 fi
 if [[ " $PART " == *" s41d "* ]]; then

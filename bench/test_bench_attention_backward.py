@@ -38,6 +38,8 @@ H=32, D=128, S ∈ {1024, 8192} in float16; causal and not; Sq = Sk, no GQA. Sel
 ``-k``: ``-k backward``, ``-k training_step``, ``-k "not bfloat16"``, ``-k causal``, ``-k S8192``…
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from measure import gpu_time, max_rel_err, record_throughput, try_peer
@@ -468,6 +470,56 @@ def test_flash_attention_backward_padded_head_dims(benchmark, record, torch, gpu
                       max_rel_err=err, table="Attention backward, head dims between widths",
                       case=row, figure=f"attention_backward_padded_{tag}", x=d,
                       xlabel="head dim")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, causal):
+    """The backward of packed sequences (``flash_attention_varlen_backward``) over the varlen
+    forward benchmark's batch — 32 sequences of random lengths 128…4096 (seed 0), H16 D128
+    bf16: the built-in choice (on sm_90 the wgmma pair: dK / dV, then dQ's own kernel)
+    against the mma.sync kernels (``config=``; the gradients compared, bf16 tolerance) and
+    tilepy's fixed-length backward at the same tokens (its time scaled to the same pairs).
+    TFLOPS count 2.5× the forward's work over the visible pairs."""
+    import tilepy
+    from tilepy.ops import attention_varlen as av
+    from tilepy.ops.attention_backward import choose_config
+
+    h, d, dt = 16, 128, torch.bfloat16
+    lens = np.random.default_rng(0).integers(128, 4097, 32)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
+    total, longest = int(lens.sum()), int(lens.max())
+    q, k, v, dout = (torch.randn(total, h, d, device="cuda", dtype=dt) for _ in range(4))
+    out, lse = tilepy.flash_attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                             return_lse=True)
+    grads = poisoned(torch, q, k, v)
+    portable = choose_config(d, "bfloat16", True, variant=True, wgmma=False)
+
+    def ours(config=None):
+        return av.flash_attention_varlen_backward(
+            dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, dq=grads[0],
+            dk=grads[1], dv=grads[2], check_seqlens=False, config=config)
+
+    err = checked_pair(torch, grads, lambda: ours(portable), ours, "tilepy")
+    pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lens)) * h
+    timings = {"tilepy": gpu_time(torch, ours),
+               "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
+    sm = total // 32
+    qf, kf, vf, df = (torch.randn(32, h, sm, d, device="cuda", dtype=dt) for _ in range(4))
+    of, lf = tilepy.flash_attention(qf, kf, vf, causal=causal, return_lse=True)
+    fixed = gpu_time(torch, lambda: tilepy.flash_attention_backward(df, qf, kf, vf, of, lf,
+                                                                    causal=causal))
+    fixed_pairs = 32 * h * (sm * (sm + 1) // 2 if causal else sm * sm)
+    timings["tilepy fixed-length (TFLOPS)"] = dataclasses.replace(
+        fixed, ms=fixed.ms * pairs / fixed_pairs,
+        ms_as_called=fixed.ms_as_called and fixed.ms_as_called * pairs / fixed_pairs)
+    mask = "causal" if causal else "full"
+    record_throughput(record, work=2.5 * 4 * pairs * d, unit="TFLOPS", timings=timings,
+                      main="tilepy fixed-length (TFLOPS)", gpu=gpu_name,
+                      shape=f"32 seqs 128-4096 (total {total}) H={h} D={d}", dtype="bfloat16",
+                      causal=causal, max_rel_err=err, table="Attention varlen backward",
+                      case=f"varlen backward 32x(128-4096) H{h} D{d} {mask} bfloat16",
+                      figure=f"attention_varlen_backward_{mask}", x=total, xlabel="tokens")
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 

@@ -462,8 +462,8 @@ def test_config_choice_and_checks(monkeypatch):
     assert choose_config(128, "bfloat16").producer
     assert not choose_config(128, "bfloat16", deterministic=True).dq_atomic
     assert not choose_config(64, "float16").dq_atomic
-    # variants on the wgmma kernels there too; packed sequences on the mma.sync ones (the
-    # only kernels that take them)
+    # variants on the wgmma kernels there too, and packed sequences — on the pair whose dQ
+    # has its own kernel (no atomics for them)
     assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
     # head dims between the widths: the wgmma kernels of the wider tile from 40 up
     c96 = choose_config(96, "float16")
@@ -472,8 +472,11 @@ def test_config_choice_and_checks(monkeypatch):
     assert isinstance(choose_config(32, "float16"), BackwardConfig)
     from tilepy.ops.attention_varlen import choose_backward_config
 
-    for d in (64, 128):
-        assert isinstance(choose_backward_config(d, "bfloat16", False), BackwardConfig)
+    for d in (64, 96, 128):
+        packed = choose_backward_config(d, "bfloat16", False)
+        assert isinstance(packed, WgmmaBackwardConfig) and not packed.dq_atomic, packed
+    assert isinstance(choose_backward_config(32, "bfloat16", False), BackwardConfig)
+    assert isinstance(choose_backward_config(64, "bfloat16", False, 32), BackwardConfig)
     with pytest.raises(ValueError, match="producer"):
         WgmmaBackwardConfig(128, producer=True)
     with pytest.raises(ValueError, match="dq_own_keys"):
@@ -556,7 +559,10 @@ def test_kernels_compile_without_spills(part):
         # "Session 32")
         spills = {"bwd_wgmma_ws_d128_bf16_window_softcap": 128,
                   "bwd_wgmma_dkdv_d128_f16_window_softcap": 80,
-                  "bwd_wgmma_dkdv_d128_bf16_causal": 8}.get(name, spills)
+                  "bwd_wgmma_dkdv_d128_bf16_causal": 8,
+                  # packed sequences: the sequence's bounds and offsets held beside the
+                  # 255-register loop (the mma.sync packed dK / dV kernel spills 68 B)
+                  "bwd_wgmma_dkdv_d128_bf16_causal_varlen": 96}.get(name, spills)
         assert rep["spill_stores"] <= spills, (name, rep["spill_stores"])
         if "wgmma" in name:
             assert rep["ptxas_wgmma_notes"] == [], (name, rep["ptxas_wgmma_notes"])

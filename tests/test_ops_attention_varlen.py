@@ -11,6 +11,7 @@ import pytest
 
 from tilepy import flash_attention_varlen
 from tilepy.ops.attention_backward_mma_sync import BackwardConfig
+from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 from tilepy.ops.attention_mma_sync import AttentionConfig
 from tilepy.ops.attention_varlen import flash_attention_varlen_backward
 from tilepy.ops.attention_wgmma import WgmmaAttentionConfig
@@ -157,7 +158,17 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
                                  dq_block_n=32, dq_atomic=True)}),
     # v's own head dim, causal, a zero-length key sequence
     ([30, 7], [20, 0], True, 48, "float16", {"dv": 32}),
-], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32"])
+    # the wgmma kernels (sm_90's choice): zero-length sequences, causal; a head dim between
+    # the tile widths (96) with a window and a cap, a fused config's dQ atomics not used
+    ([5, 0, 37, 70], [9, 4, 30, 0], True, 64, "bfloat16", {
+        "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=32, key_groups=1,
+                                      dq_groups=1, dq_block_n=32)}),
+    ([23, 70, 6], [30, 64, 6], False, 96, "float16", {
+        "window": (20, 9), "softcap": 5.0,
+        "config": WgmmaBackwardConfig(96, block_m=64, key_groups=2, dq_atomic=True,
+                                      producer=True)}),
+], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32", "wgmma-causal-d64",
+        "wgmma-d96-window-softcap"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
     """The gradients of packed sequences against each sequence's float64 derivation, into
     NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1); v's own

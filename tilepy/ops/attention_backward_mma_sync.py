@@ -297,6 +297,18 @@ def varlen_rows(total_q: int, sequences: int, pad: int) -> int:
     return (total_q // 4) * 4 + sequences * (pad + 4) + pad + 16
 
 
+def varlen_prepass_plan(cfg, views, heads: int, varlen, cu_seqlens_q):
+    """``(plan, args)`` of packed sequences' rows pre-pass (:func:`varlen_rows_prepass`) for a
+    backward config ``cfg`` (its :func:`varlen_pad`), ``varlen`` = ``(sequences,
+    max_seqlen_q, max_seqlen_k)``, the views of :func:`plans`."""
+    batch, sq_blocks, _ = varlen
+    pad = varlen_pad(cfg)
+    pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad)
+    args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"], cu_seqlens_q)
+    return (LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), heads, batch),
+                       ROW_THREADS), args)
+
+
 @functools.cache
 def varlen_rows_prepass(head_dim: int, dtype: str, pad: int):
     """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q)``; grid
@@ -978,12 +990,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
     if varlen is None:
         out.append(prepass_plan(cfg.dtype, views, sqp, atomic))
     else:
-        pad = varlen_pad(cfg)
-        pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad)
-        args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"],
-                hargs[0][0])
-        out.append((LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), hq, batch),
-                               ROW_THREADS), args))
+        out.append(varlen_prepass_plan(cfg, views, hq, varlen, hargs[0][0]))
 
     mods = _mods(mods)
     chunks = not _reads_hook(mods) and varlen is None

@@ -347,21 +347,28 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
 
 
 def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
-                mods=(None, None, None), mask_block=None):
+                mods=(None, None, None), mask_block=None, varlen: bool = False):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)``
     (``dq_acc`` read with ``cfg.dq_atomic``) —
     :func:`tilepy.ops.attention_backward_mma_sync.dkdv_kernel`'s contract and variants
-    (``window``, ``softcap``, ``mods``, ``mask_block``; not packed sequences); grid
-    ``(ceil(Sk / block_n), Hkv, B)``, ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes`` of
-    dynamic shared memory (1024-byte aligned)."""
+    (``window``, ``softcap``, ``mods``, ``mask_block``, and ``varlen``: packed sequences,
+    without ``dq_atomic``); grid ``(ceil(Sk / block_n), Hkv, B)`` (``varlen``: the longest
+    sequence's keys and the sequences), ``cfg.threads`` threads, ``cfg.dkdv_layout.nbytes``
+    of dynamic shared memory (1024-byte aligned)."""
+    if varlen and cfg.dq_atomic:
+        raise NotImplementedError("dkdv_kernel: packed sequences take dQ's own kernel (no "
+                                  "dq_atomic: the accumulator's rows outside every sequence "
+                                  "would need clearing)")
     return _dkdv_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
-                                             cfg.block_m, cfg.block_n))
+                                             cfg.block_m, cfg.block_n, varlen), bool(varlen))
 
 
 @functools.cache
 def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
-                 mask_block):
+                 mask_block, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
+    VARLEN = varlen
+    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.threads
@@ -412,8 +419,27 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
-        hook = hargs[0] if SPARSE else hargs
-        qmask = hargs[1] if SPARSE else 0
+        if VARLEN:
+            # sequence b: query rows q_start … of the packed (batch 1) views, keys k_start …
+            cu_q, cu_k = hargs[0]
+            q_start = np.int64(cu_q[b])
+            k_start = np.int64(cu_k[b])
+            # (int32 lengths: fewer registers live across the loop, which runs at 255)
+            sq = np.int32(cu_q[b + 1] - cu_q[b])
+            sk = np.int32(cu_k[b + 1] - cu_k[b])
+            hook = hargs[1] + (sk - sq,)
+            qmask = 0
+            vb = 0
+            r_start = row_start(q_start, b)     # the sequence's rows of lse2 / delta
+            if key0 >= sk:
+                return      # past this sequence's keys (the grid fits the longest)
+        else:
+            q_start = 0
+            k_start = 0
+            r_start = 0
+            hook = hargs[0] if SPARSE else hargs
+            qmask = hargs[1] if SPARSE else 0
+            vb = b
         kbx = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -439,17 +465,19 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             vs = v.strides[2]
             qs = q.strides[2]
             ds_ = do_.strides[2]
-            issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), ks, sk - key0, tid)
-            issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), vs, sk - key0, tid)
-            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
-            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+            issue_kv(base + K_OFF, np.int64(global_addr(k, (vb, hk, k_start + key0, 0))), ks,
+                     sk - key0, tid)
+            issue_kv(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))), vs,
+                     sk - key0, tid)
+            l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
+            e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
             hstep_r = lse2.strides[1]
             fh, fqb, _, _, _ = first_step(qb0, per_head, qmask, kbx, b, hq0, group)
             row = fqb * BM
-            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, hq0 + fh, row, 0))), qs, sq - row,
-                    tid)
-            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, hq0 + fh, row, 0))), ds_,
-                    sq - row, tid)
+            issue_q(base + Q_OFF, np.int64(global_addr(q, (vb, hq0 + fh, q_start + row, 0))),
+                    qs, sq - row, tid)
+            issue_q(base + DO_OFF, np.int64(global_addr(do_, (vb, hq0 + fh, q_start + row, 0))),
+                    ds_, sq - row, tid)
             issue_r(base + L_OFF, fh * hstep_r + row * 4, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF, fh * hstep_r + row * 4, e0, esh, er, ec, 0, 1)
             cp_async_commit_group()
@@ -483,9 +511,11 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                     nrow = nqb * BM
                     so = (n + 1) % 2
                     issue_q(base + Q_OFF + so * Q_TILE,
-                            np.int64(global_addr(q, (b, nh, nrow, 0))), qs, sq - nrow, tid)
+                            np.int64(global_addr(q, (vb, nh, q_start + nrow, 0))), qs,
+                            sq - nrow, tid)
                     issue_q(base + DO_OFF + so * Q_TILE,
-                            np.int64(global_addr(do_, (b, nh, nrow, 0))), ds_, sq - nrow, tid)
+                            np.int64(global_addr(do_, (vb, nh, q_start + nrow, 0))), ds_,
+                            sq - nrow, tid)
                     issue_r(base + L_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
                             l0, lsh, lr, lc, 0, 1)
                     issue_r(base + DL_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
@@ -534,10 +564,12 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             if issuer and steps > 0:
                 bulk_wait_group(0)
         out3 = cuda.local.array((1, NW, 4), np.float32)
+        if VARLEN:   # (read again: nothing held across the loop for the stores)
+            k_start = np.int64(hargs[0][1][b])
         to_frag_o(out3, dk_acc)
-        store(out3, dk[b, hk], key0 + warp * 16, sk, scale, g, t)
+        store(out3, dk[vb, hk, k_start:], key0 + warp * 16, sk, scale, g, t)
         to_frag_o(out3, dv_acc)
-        store(out3, dv[b, hk], key0 + warp * 16, sk, _ONE, g, t)
+        store(out3, dv[vb, hk, k_start:], key0 + warp * 16, sk, _ONE, g, t)
 
     return kernel
 
@@ -807,19 +839,24 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
 
 
 def dq_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
-              mods=(None, None, None), mask_block=None):
+              mods=(None, None, None), mask_block=None, varlen: bool = False):
     """``kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs)`` —
-    :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract and variants (not
-    packed sequences); grid ``(ceil(Sq / dq_block_m), Hq, B)``, ``cfg.dq_threads`` threads,
-    ``cfg.dq_layout.nbytes`` of dynamic shared memory (1024-byte aligned)."""
+    :func:`tilepy.ops.attention_backward_mma_sync.dq_kernel`'s contract and variants
+    (``varlen``: packed sequences, as :func:`dkdv_kernel`'s); grid ``(ceil(Sq /
+    dq_block_m), Hq, B)`` (``varlen``: the longest sequence's rows and the sequences),
+    ``cfg.dq_threads`` threads, ``cfg.dq_layout.nbytes`` of dynamic shared memory
+    (1024-byte aligned)."""
     return _dq_kernel(cfg, *kernel_variant(causal, window, softcap, mods, mask_block,
-                                           cfg.dq_block_m, cfg.dq_block_n))
+                                           cfg.dq_block_m, cfg.dq_block_n, varlen),
+                      bool(varlen))
 
 
 @functools.cache
 def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
-               mask_block):
+               mask_block, varlen: bool = False):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.width
+    VARLEN = varlen
+    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.dq_threads
@@ -852,7 +889,25 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
-        hook = hargs[0] if SPARSE else hargs
+        if VARLEN:
+            cu_q, cu_k = hargs[0]
+            q_start = np.int64(cu_q[b])
+            k_start = np.int64(cu_k[b])
+            sq = np.int64(cu_q[b + 1]) - q_start
+            sk = np.int64(cu_k[b + 1]) - k_start
+            hook = hargs[1] + (sk - sq,)
+            vb = 0
+            # the sequence's rows of lse2 / delta (row_state reads them by sequence row)
+            r_start = row_start(q_start, b)
+            lse2_rows = lse2[:, :, r_start:]
+            delta_rows = delta[:, :, r_start:]
+        else:
+            q_start = 0
+            k_start = 0
+            hook = hargs[0] if SPARSE else hargs
+            vb = b
+            lse2_rows = lse2
+            delta_rows = delta
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -863,6 +918,8 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
         row0, kb_first, n_kb, all_first, all_see, blocks = key_bounds(
             sq, sk, hargs[1] if SPARSE else 0, b, h)
         wrow = row0 + warp * 16
+        if VARLEN and row0 >= sq:
+            return      # past this sequence's rows (the grid fits the longest)
 
         acc = cuda.local.array(ACC_O, np.float32)
         for i in range(ACC_O):
@@ -870,19 +927,19 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
         l2 = cuda.local.array((1, 2), np.float32)
         dl = cuda.local.array((1, 2), np.float32)
         limit = cuda.local.array(LIMITS, np.int64)
-        rows(lse2, delta, l2, dl, limit, b, h, wrow, g, sq, sk)
+        rows(lse2_rows, delta_rows, l2, dl, limit, vb, h, wrow, g, sq, sk)
 
         if n_kb > kb_first:
             base = shared_addr(smem(), 0)
             kv_base = base + KV_OFF
             ks = k.strides[2]
             vs = v.strides[2]
-            issue_q(base + Q_OFF, np.int64(global_addr(q, (b, h, row0, 0))), q.strides[2],
-                    sq - row0, tid)
-            issue_q(base + DO_OFF, np.int64(global_addr(do_, (b, h, row0, 0))),
+            issue_q(base + Q_OFF, np.int64(global_addr(q, (vb, h, q_start + row0, 0))),
+                    q.strides[2], sq - row0, tid)
+            issue_q(base + DO_OFF, np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
                     do_.strides[2], sq - row0, tid)
-            k0 = np.int64(global_addr(k, (b, hk, 0, 0)))
-            v0 = np.int64(global_addr(v, (b, hk, 0, 0)))
+            k0 = np.int64(global_addr(k, (vb, hk, k_start, 0)))
+            v0 = np.int64(global_addr(v, (vb, hk, k_start, 0)))
             first = kv_base + (kb_first % 2) * STAGE
             kbf = at(blocks, kb_first)
             issue_kv(first, k0 + kbf * BN * ks, ks, sk - kbf * BN, tid)
@@ -936,7 +993,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
 
         out3 = cuda.local.array((1, NW, 4), np.float32)
         to_frag_o(out3, acc)
-        store(out3, dq[b, h], wrow, sq, scale, g, t)
+        store(out3, dq[vb, h, q_start:], wrow, sq, scale, g, t)
 
     return kernel
 
@@ -985,29 +1042,33 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
           scale: float, window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(),
           varlen=None, sparse=None):
     """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
-    kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract, variants and
-    block masks included; packed sequences (``varlen``) are a ``NotImplementedError``."""
-    if varlen is not None:
-        raise NotImplementedError("the wgmma backward kernels do not take packed sequences; "
-                                  "use a tilepy.ops.attention_backward_mma_sync."
-                                  "BackwardConfig")
+    kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract, variants,
+    block masks and packed sequences (``varlen``: the dK / dV kernel without dQ's part, then
+    dQ's own kernel, whatever ``deterministic`` and the config say) included."""
     q, k = views["q"], views["k"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = hq // hk
     sqp = views["delta"].shape[2]
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
-    atomic = bk.uses_atomics(cfg, deterministic)
-    out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
+    atomic = bk.uses_atomics(cfg, deterministic) and varlen is None
+    if varlen is None:
+        out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
+    else:
+        batch, sq, sk = varlen      # the grids: the sequences, the longest's rows and keys
+        out = [bk.varlen_prepass_plan(cfg, views, hq, varlen, hargs[0][0])]
     mods = variant_mods(mods)
-    chunks = not reads_hook(mods)    # a hook reads b and h: no grid chunks (they shift)
+    # a hook reads b and h (and packed sequences the grid's z): no grid chunks (they shift)
+    chunks = not reads_hook(mods) and varlen is None
+    vl = varlen is not None
     hargs = tuple(hargs)
     mask_block, kv_mask, q_mask = sparse if sparse is not None else (None, None, None)
     variant = (window, softcap, mods, mask_block)
 
     # without atomics (deterministic): the dK / dV kernel without its dQ part
     kcfg = cfg if atomic else dataclasses.replace(cfg, dq_atomic=False, producer=False)
-    kern = (dkdv_ws_kernel if kcfg.producer else dkdv_kernel)(kcfg, causal, *variant)
+    kern = dkdv_ws_kernel(kcfg, causal, *variant) if kcfg.producer else \
+        dkdv_kernel(kcfg, causal, *variant, varlen=vl)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
             views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2,
             hargs if sparse is None else (hargs, q_mask))
@@ -1022,7 +1083,7 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
                                bk.ROW_THREADS, split=bk.heads_split((0, 1), (), 1, False)), args))
         return [(p, a) for p, a in out if p.grid[0] > 0]
-    kern = dq_kernel(cfg, causal, *variant)
+    kern = dq_kernel(cfg, causal, *variant, varlen=vl)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dq"], scale32,
             slog2, hargs if sparse is None else (hargs, kv_mask))
     smem = cfg.dq_layout.nbytes
@@ -1033,7 +1094,8 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     return [(p, a) for p, a in out if p.grid[0] > 0]
 
 
-#: The kernels the compile layer reports on: (name, kind, config, causal[, window, softcap]).
+#: The kernels the compile layer reports on: (name, kind, config, causal[, window, softcap]);
+#: names ending ``_varlen`` are the packed-sequence kernels.
 COMPILED = (
     ("bwd_wgmma_dkdv_d128_f16", "dkdv", WgmmaBackwardConfig(128), False),
     ("bwd_wgmma_dkdv_d128_bf16_causal", "dkdv", WgmmaBackwardConfig(128, dtype="bfloat16"),
@@ -1060,6 +1122,11 @@ COMPILED = (
     ("bwd_wgmma_ws_d96_bf16_causal", "ws", WgmmaBackwardConfig(
         96, dtype="bfloat16", dq_atomic=True, producer=True), True),
     ("bwd_wgmma_dq_d96_f16", "dq", WgmmaBackwardConfig(96), False),
+    # packed sequences (names ending _varlen): the pair packed sequences run with on sm_90
+    ("bwd_wgmma_dkdv_d128_bf16_causal_varlen", "dkdv",
+     WgmmaBackwardConfig(128, dtype="bfloat16"), True),
+    ("bwd_wgmma_dq_d128_bf16_causal_varlen", "dq", WgmmaBackwardConfig(128, dtype="bfloat16"),
+     True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
     # the variants: a sliding window under causal with a soft cap (Gemma 2's layers) on the
     # built-in choices — the warp-specialised kernel, and the deterministic pair
@@ -1106,10 +1173,13 @@ def compile_reports(only=None):
         build = {"dkdv": dkdv_kernel, "ws": dkdv_ws_kernel, "dq": dq_kernel}[kind]
         threads = cfg.dq_threads if kind == "dq" else cfg.threads
         smem = (cfg.dq_layout if kind == "dq" else cfg.dkdv_layout).nbytes
+        packed = name.endswith("_varlen")
+        extra = {"varlen": True} if packed else {}
         out.append(report_entry(name, lambda build=build, cfg=cfg, causal=causal,
-                                variant=tuple(variant): build(cfg, causal, *variant),
+                                variant=tuple(variant), extra=extra: build(cfg, causal,
+                                                                           *variant, **extra),
                                 bk.argtypes(
-                                    "dq" if kind == "dq" else "dkdv"), (9, 0, "a"),
+                                    "dq" if kind == "dq" else "dkdv", packed), (9, 0, "a"),
                                 launch_bounds=(threads, 1) if kind == "ws" else None,
                                 threads=threads, config=cfg.describe(), causal=causal,
                                 smem_bytes=smem))

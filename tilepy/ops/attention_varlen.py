@@ -28,6 +28,7 @@ from .attention_backward import describe_grads
 from . import attention_mma_sync as fa
 from . import attention_wgmma as aw
 from .attention_backward_mma_sync import BackwardConfig
+from . import attention_backward_wgmma as bw
 from .attention_backward_wgmma import WgmmaBackwardConfig
 from .attention_mma_sync import HEAD_DIMS, AttentionConfig
 
@@ -385,9 +386,12 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
     * dQ always comes from its own kernel (the same bits every run, whatever
-      ``deterministic`` says; a config's ``dq_atomic`` is not used); ``check_seqlens`` and
-      ``config`` (a :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig`: the
-      mma.sync backward kernels run packed sequences) as the forward's.
+      ``deterministic`` says; a config's ``dq_atomic`` / ``producer`` are not used);
+      ``check_seqlens`` as the forward's. ``config``: a
+      :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (the mma.sync
+      kernels) or, on sm_90, a :class:`~tilepy.ops.attention_backward_wgmma.
+      WgmmaBackwardConfig`; unset, on sm_90 the wgmma kernels where the head dim takes
+      them (:func:`choose_backward_config`), else the mma.sync ones.
     """
     if out is None or lse is None:
         raise TypeError("flash_attention_varlen_backward needs the forward's out and lse "
@@ -418,16 +422,18 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         grads = describe_grads(dq, dk, dv, Q, K, V, dtype)
         arrays.same_device(Q, dO, Lse, *grads)
         if config is not None:
-            if isinstance(config, WgmmaBackwardConfig):
-                raise NotImplementedError("flash_attention_varlen_backward runs the mma.sync "
-                                          "kernels; pass a BackwardConfig or leave config unset")
-            if not isinstance(config, BackwardConfig):
+            if not isinstance(config, (BackwardConfig, WgmmaBackwardConfig)):
                 raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
-                                f"BackwardConfig, got {type(config).__name__}")
+                                f"BackwardConfig or a tilepy.ops.attention_backward_wgmma."
+                                f"WgmmaBackwardConfig, got {type(config).__name__}")
+            if isinstance(config, WgmmaBackwardConfig) and not launch.is_hopper(device) \
+                    and not arrays.SIMULATOR:
+                raise NotImplementedError("flash_attention_varlen_backward: a "
+                                          "WgmmaBackwardConfig runs on sm_90 only")
             if (config.head_dim, config.dtype) != (d, dtype):
                 raise ValueError(f"config is for head_dim {config.head_dim} {config.dtype}; the "
                                  f"inputs are head_dim {d} {dtype}")
-            if config.dv != dv_dim:
+            if getattr(config, "dv", config.head_dim) != dv_dim:
                 raise ValueError(f"config is for v's head_dim {config.dv}; v's is {dv_dim} (a "
                                  f"BackwardConfig with head_dim_v={dv_dim} takes it)")
         alibi = alibi_slopes is not None
@@ -469,9 +475,10 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             seqs = (at.device_view(arrays.raw_view(CuQ, hook=True)),
                     at.device_view(arrays.raw_view(CuK, hook=True)))
             stream = arrays.stream_handle(Q)
-            plans = bk.plans(cfg, False, bool(deterministic), views, scale, win, cap,
-                             kmods if variant else (None, None, None), (seqs, tuple(hargs)),
-                             varlen=(n, mq, mk))
+            gen = bw if isinstance(cfg, WgmmaBackwardConfig) else bk
+            plans = gen.plans(cfg, False, bool(deterministic), views, scale, win, cap,
+                              kmods if variant else (None, None, None), (seqs, tuple(hargs)),
+                              varlen=(n, mq, mk))
             for plan, args in plans:
                 plan.launch(stream, args)
             device_write.keep_during_capture(stream, *copies)
@@ -479,14 +486,15 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
 
 def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
-                           head_dim_v=None) -> BackwardConfig:
-    """The mma.sync backward config packed sequences run with (the built-in one off Hopper,
-    :func:`tilepy.ops.attention_backward.choose_config`; ``head_dim_v``: v's head dim where
-    it differs)."""
+                           head_dim_v=None):
+    """The backward config packed sequences run with: the built-in one
+    (:func:`tilepy.ops.attention_backward.choose_config` — on sm_90 the wgmma kernels'
+    where the head dim takes them), always of the pair whose dQ has its own kernel (packed
+    sequences take no dQ atomics); ``head_dim_v``: v's head dim where it differs (the
+    mma.sync kernels)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, deterministic, variant=True, wgmma=False,
-                           head_dim_v=head_dim_v)
+    return backward_choice(head_dim, dtype, True, variant=True, head_dim_v=head_dim_v)
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]
