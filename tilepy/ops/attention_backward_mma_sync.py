@@ -47,7 +47,7 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.global_vector import ld_global_v4, st_global_v4
 from ..ptx.shuffle import shfl_xor
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, unpack_bf16x2_f32, unpack_f16x2_f32
-from ..tile.attention import block_coords, limits_shape
+from ..tile.attention import block_coords, limits_shape, packed_sequence
 from ..tile.attention_backward import (
     LOG2E,
     kernel_variant,
@@ -522,11 +522,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         if VARLEN:
             # sequence b: query rows q_start … of the packed views, keys k_start …
-            cu_q, cu_k = hargs[0]
-            q_start = np.int64(cu_q[b])
-            k_start = np.int64(cu_k[b])
-            sq = np.int64(cu_q[b + 1]) - q_start
-            sk = np.int64(cu_k[b + 1]) - k_start
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
             hook = hargs[1] + (sk - sq,)
             vb = 0
             r_start = row_start(q_start, b)     # the sequence's rows of lse2 / delta
@@ -783,11 +779,7 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         if VARLEN:
-            cu_q, cu_k = hargs[0]
-            q_start = np.int64(cu_q[b])
-            k_start = np.int64(cu_k[b])
-            sq = np.int64(cu_q[b + 1]) - q_start
-            sk = np.int64(cu_k[b + 1]) - k_start
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
             hook = hargs[1] + (sk - sq,)
             vb = 0
             # the sequence's rows of lse2 / delta (row_state reads them by sequence row)

@@ -50,7 +50,7 @@ from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
                             mbarrier_wait_parity)
 from ..ptx.tma import bulk_commit_group, bulk_reduce_add_f32, bulk_wait_group, bulk_wait_group_read
 from ..ptx.wgmma import fence_proxy_async_shared
-from ..tile.attention import block_coords, limits_shape
+from ..tile.attention import block_coords, limits_shape, packed_sequence
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
@@ -421,12 +421,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
         if VARLEN:
             # sequence b: query rows q_start … of the packed (batch 1) views, keys k_start …
-            cu_q, cu_k = hargs[0]
-            q_start = np.int64(cu_q[b])
-            k_start = np.int64(cu_k[b])
-            # (int32 lengths: fewer registers live across the loop, which runs at 255)
-            sq = np.int32(cu_q[b + 1] - cu_q[b])
-            sk = np.int32(cu_k[b + 1] - cu_k[b])
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
             hook = hargs[1] + (sk - sq,)
             qmask = 0
             vb = 0
@@ -890,11 +885,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
         if VARLEN:
-            cu_q, cu_k = hargs[0]
-            q_start = np.int64(cu_q[b])
-            k_start = np.int64(cu_k[b])
-            sq = np.int64(cu_q[b + 1]) - q_start
-            sk = np.int64(cu_k[b + 1]) - k_start
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
             hook = hargs[1] + (sk - sq,)
             vb = 0
             # the sequence's rows of lse2 / delta (row_state reads them by sequence row)

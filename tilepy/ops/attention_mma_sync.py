@@ -71,7 +71,7 @@ from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..tile.attention import (block_mask_row, check_mask_block, key_block_at, key_block_partial, key_blocks, key_window,
                               limits_shape, mask_key_block, mask_scores, modify_scores,
-                              row_limits, store_rows)
+                              packed_sequence, row_limits, store_rows)
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared, load_a_fragments, load_b_fragments
 from ..tile.mma import _MMA
@@ -318,11 +318,7 @@ def _attention_kernel(cfg: AttentionConfig, has_lse: bool, left: int, right: int
         h = cuda.blockIdx.y
         if VARLEN:
             # sequence b: rows q_start … of the packed q / o, keys k_start … of k / v
-            cu_q, cu_k = hargs[0]
-            q_start = np.int64(cu_q[b])
-            k_start = np.int64(cu_k[b])
-            sq = np.int64(cu_q[b + 1]) - q_start
-            sk = np.int64(cu_k[b + 1]) - k_start
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
             hook = hargs[1] + (sk - sq,)
             vb = 0
             kvb = 0

@@ -204,6 +204,17 @@ def block_coords(q, k):
     return sq, sk, b, h, h // (q.shape[1] // k.shape[1])
 
 
+@inline_device
+def packed_sequence(seqs, b):
+    """``(q_start, k_start, sq, sk)`` (int64) of packed sequence ``b``: its first query row and
+    key in the packed views and its lengths, from ``seqs = (cu_seqlens_q, cu_seqlens_k)``
+    (int32 cumulative lengths). Any thread."""
+    cu_q, cu_k = seqs
+    q_start = np.int64(cu_q[b])
+    k_start = np.int64(cu_k[b])
+    return q_start, k_start, np.int64(cu_q[b + 1]) - q_start, np.int64(cu_k[b + 1]) - k_start
+
+
 # ---- per-row limits, score modification, masking -------------------------------------------
 
 def row_limits(mi: int, causal: bool = False, window=None):
