@@ -104,6 +104,7 @@
 #                the head-dim GPU tests (96 and 72 / 120 / 40 now on wgmma), the padded head
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
+#   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
 #   PART=s41d    issue 25's short sequences with 64-row tiles of one warpgroup (several blocks
 #                an SM): the --short-ab sweep at S512 D64 and S1024 D128, two rounds each
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
@@ -541,8 +542,13 @@ if [[ " $PART " == *" s41b "* ]]; then
     gpu_tests varlen_gpu 200 tests/test_ops_attention_varlen.py
     archive_logs
 fi
-if [[ " $PART " == *" s41c "* ]]; then
+if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     gpu_tests backward_padded_gpu 200 tests/test_attention_backward_gpu.py -k "multiple_of_16"
+fi
+if [[ " $PART " == *" s41e "* ]]; then
+    gpu_tests varlen_gpu 200 tests/test_ops_attention_varlen.py
+fi
+if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     bench_suite bench_backward_padded 200 \
         "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
     archive_logs
