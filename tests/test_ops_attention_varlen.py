@@ -163,10 +163,10 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
     ([5, 0, 37, 70], [9, 4, 30, 0], True, 64, "bfloat16", {
         "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=32, key_groups=1,
                                       dq_groups=1, dq_block_n=32)}),
-    ([23, 70, 6], [30, 64, 6], False, 96, "float16", {
+    pytest.param([23, 70, 6], [30, 64, 6], False, 96, "float16", {
         "window": (20, 9), "softcap": 5.0,
         "config": WgmmaBackwardConfig(96, block_m=64, key_groups=2, dq_atomic=True,
-                                      producer=True)}),
+                                      producer=True)}, marks=pytest.mark.extended),
 ], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32", "wgmma-causal-d64",
         "wgmma-d96-window-softcap"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
