@@ -470,6 +470,10 @@ def test_config_choice_and_checks(monkeypatch):
     assert isinstance(c96, WgmmaBackwardConfig) and c96.producer and c96.width == 128
     assert choose_config(40, "float16").width == 64
     assert isinstance(choose_config(32, "float16"), BackwardConfig)
+    monkeypatch.setattr(ab, "WGMMA_PADDED", False)        # the switch back: 64 / 128 only
+    assert isinstance(choose_config(96, "float16"), BackwardConfig)
+    assert isinstance(choose_config(64, "float16"), WgmmaBackwardConfig)
+    monkeypatch.setattr(ab, "WGMMA_PADDED", True)
     from tilepy.ops.attention_varlen import choose_backward_config
 
     for d in (64, 96, 128):

@@ -61,6 +61,9 @@ HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=Tru
 #: attention_backward_wgmma.tile_width`: 40 fills 5/8 of a 64-column tile, 72 9/16 of a
 #: 128-column one); below, the mma.sync kernels.
 WGMMA_MIN_HEAD_DIM = 40
+#: Whether a head dim between the tile widths (not 64 or 128) takes the wgmma kernels at all
+#: (False: only 64 and 128 do, the others the mma.sync kernels).
+WGMMA_PADDED = True
 
 #: Whether the built-in choice on sm_90 runs a variant (window, soft cap, ALiBi, user
 #: functions, block masks) on the wgmma kernels (True) or the mma.sync ones.
@@ -87,7 +90,8 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
     if extra:
         wgmma = False
     if wgmma and head_dim >= WGMMA_MIN_HEAD_DIM and head_dim in bw.HEAD_DIMS and \
-            launch.is_hopper() and (WGMMA_VARIANTS or not variant):
+            (WGMMA_PADDED or head_dim in (64, 128)) and launch.is_hopper() and \
+            (WGMMA_VARIANTS or not variant):
         w = bw.tile_width(head_dim)    # a head dim between: the wider tile, zero-filled
         if not deterministic and w in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[w])

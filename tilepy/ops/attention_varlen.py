@@ -494,7 +494,13 @@ def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
     mma.sync kernels)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, True, variant=True, head_dim_v=head_dim_v)
+    return backward_choice(head_dim, dtype, True, variant=True, wgmma=BACKWARD_WGMMA,
+                           head_dim_v=head_dim_v)
+
+
+#: Whether packed sequences' backward takes sm_90's wgmma kernels by default (False: the
+#: mma.sync ones everywhere).
+BACKWARD_WGMMA = True
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]
