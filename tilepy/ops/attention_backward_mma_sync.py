@@ -292,6 +292,33 @@ def varlen_row_start(pad: int):
     return start
 
 
+@functools.cache
+def dq_sequence(varlen: bool, sparse: bool, pad: int):
+    """``locate(hargs, b, sq, sk, lse2, delta) -> (q_start, k_start, sq, sk, hook, vb,
+    lse2_rows, delta_rows)``: a dQ kernel's block of batch (or, ``varlen``, packed sequence)
+    ``b`` — its first query row and key in the views, its lengths, the score hook's arguments
+    (``varlen``: with the sequence's ``sk - sq`` appended; ``sparse``: the first of
+    ``hargs``), the views' batch index and the ``lse2`` / ``delta`` rows from the sequence's
+    (:func:`varlen_row_start` of ``pad``). ``sq`` / ``sk``: the views' lengths, returned as
+    they are without ``varlen``. The dQ kernels of both backward families call it."""
+    start_of = varlen_row_start(pad)
+
+    if varlen:
+        @inline_device
+        def locate(hargs, b, sq, sk, lse2, delta):
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
+            # the sequence's rows of lse2 / delta (row_state reads them by sequence row)
+            r_start = start_of(q_start, b)
+            return (q_start, k_start, sq, sk, hargs[1] + (sk - sq,), 0, lse2[:, :, r_start:],
+                    delta[:, :, r_start:])
+    else:
+        @inline_device
+        def locate(hargs, b, sq, sk, lse2, delta):
+            return 0, 0, sq, sk, hargs[0] if sparse else hargs, b, lse2, delta
+
+    return locate
+
+
 def varlen_rows(total_q: int, sequences: int, pad: int) -> int:
     """The rows of the varlen ``lse2`` / ``delta`` (:func:`varlen_row_start`'s layout)."""
     return (total_q // 4) * 4 + sequences * (pad + 4) + pad + 16
@@ -765,8 +792,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     WIN = (left, right)
     USER = reads_hook(mods)
     VARLEN = varlen
-    row_start = varlen_row_start(varlen_pad(cfg))
     SPARSE = mask_block is not None
+    locate = dq_sequence(VARLEN, SPARSE, varlen_pad(cfg))
     row_scores, chain, (DF_SHAPE, DF_TYPE) = query_block_scores(NS, BN, False, WIN, cap, mods,
                                                                 SPARSE)
     key_bounds, at, partial = key_steps(BM, BN, False, WIN, mask_block)
@@ -778,21 +805,8 @@ def _dq_kernel(cfg: BackwardConfig, left: int, right: int, cap: float, mods: tup
     @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
-        if VARLEN:
-            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
-            hook = hargs[1] + (sk - sq,)
-            vb = 0
-            # the sequence's rows of lse2 / delta (row_state reads them by sequence row)
-            r_start = row_start(q_start, b)
-            lse2_rows = lse2[:, :, r_start:]
-            delta_rows = delta[:, :, r_start:]
-        else:
-            q_start = 0
-            k_start = 0
-            hook = hargs[0] if SPARSE else hargs
-            vb = b
-            lse2_rows = lse2
-            delta_rows = delta
+        q_start, k_start, sq, sk, hook, vb, lse2_rows, delta_rows = locate(
+            hargs, b, sq, sk, lse2, delta)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

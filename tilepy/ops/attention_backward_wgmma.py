@@ -851,7 +851,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
                mask_block, varlen: bool = False):
     BM, BN, D = cfg.dq_block_m, cfg.dq_block_n, cfg.width
     VARLEN = varlen
-    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
+    locate = bk.dq_sequence(varlen, mask_block is not None, bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.dq_threads
@@ -884,21 +884,8 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dq, scale, scale_log2, hargs):
         sq, sk, b, h, hk = block_coords(q, k)
-        if VARLEN:
-            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
-            hook = hargs[1] + (sk - sq,)
-            vb = 0
-            # the sequence's rows of lse2 / delta (row_state reads them by sequence row)
-            r_start = row_start(q_start, b)
-            lse2_rows = lse2[:, :, r_start:]
-            delta_rows = delta[:, :, r_start:]
-        else:
-            q_start = 0
-            k_start = 0
-            hook = hargs[0] if SPARSE else hargs
-            vb = b
-            lse2_rows = lse2
-            delta_rows = delta
+        q_start, k_start, sq, sk, hook, vb, lse2_rows, delta_rows = locate(
+            hargs, b, sq, sk, lse2, delta)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
