@@ -596,25 +596,54 @@ def test_gpu_tma_persistent_concurrent_streams():
             assert (got.float() - want.float()).abs().max().item() < 1e-2   # NaN fails
 
 
-def gpu_against_sdpa(d, causal, cfg, b=2, hk=4):
+def gpu_against_sdpa(d, causal, cfg, b=2, hk=4, sq=1000, sk=1100):
     torch = pytest.importorskip("torch")
     from tilepy.launch import compute_capability
 
     if compute_capability() != (9, 0):
         pytest.skip("not a compute capability 9.0 GPU")
-    q = torch.randn(b, 2 * hk, 1000, d, device="cuda", dtype=torch.float16)
-    k = torch.randn(b, hk, 1100, d, device="cuda", dtype=torch.float16)
-    v = torch.randn(b, hk, 1100, d, device="cuda", dtype=torch.float16)
+    q = torch.randn(b, 2 * hk, sq, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(b, hk, sk, d, device="cuda", dtype=torch.float16)
     got = tilepy.flash_attention(q, k, v, causal=causal, config=cfg)
     kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
     if causal:   # bottom-right alignment, as tilepy documents
-        i = torch.arange(1000, device="cuda")[:, None]
-        j = torch.arange(1100, device="cuda")[None, :]
-        mask = j <= i + 100
+        i = torch.arange(sq, device="cuda")[:, None]
+        j = torch.arange(sk, device="cuda")[None, :]
+        mask = j <= i + sk - sq
         want = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     else:
         want = torch.nn.functional.scaled_dot_product_attention(q, kk, vv)
     assert (got.float() - want.float()).abs().max().item() < 1e-2
+
+
+def test_short_causal_sequences_choose_64_row_tiles():
+    """The built-in Hopper choice: a plain causal call at the 64-column class with seq_q up to
+    SHORT_CAUSAL_SEQ takes 64 x 64 tiles of one warpgroup; longer, non-causal, a variant, or a
+    wider class keep the table's config."""
+    from tilepy.ops.attention import SHORT_CAUSAL_SEQ, hopper_config
+
+    for d in (40, 64):
+        short = hopper_config(d, "float16", True, seq_q=SHORT_CAUSAL_SEQ)
+        assert (short.block_m, short.block_n, short.producer, short.tma) == (64, 64, False, True)
+        assert short.head_dim == d
+    table = hopper_config(64, "float16", True)
+    assert table.block_m == 192
+    for kw in (dict(seq_q=SHORT_CAUSAL_SEQ + 1), dict(seq_q=100, variant=True)):
+        assert hopper_config(64, "float16", True, **kw) == table
+    assert hopper_config(64, "float16", False, seq_q=100) == hopper_config(64, "float16")
+    assert hopper_config(128, "float16", True, seq_q=100) == hopper_config(128, "float16", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,sq,sk", [(64, 512, 512), (40, 300, 420), (64, 1, 77)])
+def test_gpu_short_causal_default_against_sdpa(d, sq, sk):
+    """The short-sequence causal tiles through the built-in choice (seq_q <= 512), GQA, ragged
+    lengths and seq_q != seq_k, against SDPA with the bottom-right mask."""
+    from tilepy.ops.attention import choose_config
+
+    gpu_against_sdpa(d, True, None, sq=sq, sk=sk)
+    assert choose_config(d, "float16", True, seq_q=sq).block_m == 64
 
 
 @pytest.mark.gpu

@@ -61,29 +61,45 @@ HOPPER_CHOICE = {(128, False): _D128, (128, True): dict(_D128, persistent=True),
                  (64, False): _D64, (64, True): _D64,
                  (192, False): dict(_WIDE, block_n=112), (192, True): dict(_WIDE, block_n=96),
                  (256, False): dict(_WIDE, block_n=80), (256, True): dict(_WIDE, block_n=80)}
+# Short causal sequences at the 64-column class (seq_q <= SHORT_CAUSAL_SEQ, plain causal: no
+# window, cap or user function): 64 x 64 tiles of one consumer warpgroup that issues its own
+# TMA loads (no producer warpgroup), several blocks an SM, so that one tile's prologue and
+# epilogue overlap another's main loop. Causal S512 has ~2.5 key blocks per 192-row tile on
+# average: there the fixed cost per tile decides (bench/NOTES.md: short sequences with 64-row
+# tiles — the fastest causal config at B16 H16 S512 D64 in two runs, +14 % and +30 % over the
+# 192-row one; not faster without the mask, nor at S1024 D128).
+SHORT_CAUSAL_SEQ = 512
+_SHORT_CAUSAL_D64 = dict(block_m=64, block_n=64, overlap=True, tma=True)
 
 
-def hopper_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=None):
+def hopper_config(head_dim: int, dtype: str, causal: bool = False, head_dim_v=None,
+                  seq_q=None, variant: bool = False):
     """The wgmma kernel's built-in config (:data:`HOPPER_CHOICE`) for a head dim (a multiple
     of 8 up to 256: the config of its 64-column tile width; with a different ``head_dim_v``,
-    of the wider of the two)."""
+    of the wider of the two). ``seq_q`` (the query length, when known) and ``variant`` (a
+    window, soft cap or user function): a plain causal call at the 64-column class with
+    ``seq_q <= SHORT_CAUSAL_SEQ`` takes the short-sequence tiles."""
     dv = head_dim if head_dim_v is None else head_dim_v
     tile_dim = aw.tile_width(max(head_dim, dv))
+    fields = HOPPER_CHOICE[(tile_dim, bool(causal))]
+    if (tile_dim == 64 and causal and not variant and seq_q is not None
+            and seq_q <= SHORT_CAUSAL_SEQ):
+        fields = _SHORT_CAUSAL_D64
     return aw.WgmmaAttentionConfig(head_dim, dtype=dtype,
-                                   head_dim_v=None if dv == head_dim else dv,
-                                   **HOPPER_CHOICE[(tile_dim, bool(causal))])
+                                   head_dim_v=None if dv == head_dim else dv, **fields)
 
 
 def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool = False,
-                  head_dim_v=None):
+                  head_dim_v=None, seq_q=None):
     """The built-in config for a head dimension, dtype and masking on the current device: the
     TMA wgmma kernel's on a compute capability 9.0 GPU for every head dim (that of its
     64-column class, :data:`HOPPER_CHOICE`), else the mma.sync kernel's (simulator: a small
     one).
-    ``variant`` (a window other than causal / full, or a soft cap): the same choice — the
-    Hopper configs are TMA ones, whose kernels take variants; the argument is kept for the
-    callers that pass it. ``head_dim_v`` (v's head dim, when it differs): the TMA kernels
-    only — in the simulator a small TMA config, on a GPU other than sm_90 a
+    ``variant`` (a window other than causal / full, a soft cap, ALiBi or a user function):
+    the same kernel family — the Hopper configs are TMA ones, whose kernels take variants —
+    but never the short-sequence tiles, which ``seq_q`` (the query length) selects for a plain
+    causal call (:func:`hopper_config`). ``head_dim_v`` (v's head dim, when it differs): the
+    TMA kernels only — in the simulator a small TMA config, on a GPU other than sm_90 a
     ``NotImplementedError``."""
     dv = head_dim if head_dim_v is None else head_dim_v
     if arrays.SIMULATOR:
@@ -92,7 +108,7 @@ def choose_config(head_dim: int, dtype: str, causal: bool = False, variant: bool
                                            head_dim_v=dv)
         return AttentionConfig(head_dim, SIM_BLOCK_M, SIM_BLOCK_N, SIM_WARP_ROWS, dtype)
     if head_dim in aw.TMA_HEAD_DIMS and launch.is_hopper():
-        return hopper_config(head_dim, dtype, causal, dv)
+        return hopper_config(head_dim, dtype, causal, dv, seq_q=seq_q, variant=variant)
     if dv != head_dim:
         raise NotImplementedError(hopper_only(head_dim, dv))
     return mma_sync_config(head_dim, dtype)
@@ -535,7 +551,7 @@ def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, 
             # (a tuned choice is for the plain kernels: a variant takes the built-in one)
             cfg = config or (None if variant or dv != d else tuned_attention_config(
                 bq, hq, sq, sk, d, dtype, causal, device)) or choose_config(d, dtype, causal,
-                                                                             variant, dv)
+                                                                             variant, dv, sq)
             if sparse is not None:
                 cfg = sparse_config(cfg, sparse[0], given=config is not None)
             bound = _run(Q, K, V, Out, lse, cfg, bool(causal), scale, layout, device,
