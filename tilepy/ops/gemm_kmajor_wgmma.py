@@ -345,7 +345,9 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                 ph = 0
                 # the ring runs on across the block's tiles: the next tile's first k steps
                 # load while the consumers run this one's epilogue
-                for w in range(w0, total, step):
+                # (a while loop: a range with a run-time step divides by it — schedule.udiv)
+                w = w0
+                while w < total:
                     g, bm0, bn0, _ = locate(w, offsets, tiles_m, tiles_n, m)
                     for kt in range(ktiles):
                         ring.acquire(bars, s, ph)
@@ -359,6 +361,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                         else:
                             load_b.load_2d(stage + A_BYTES, tb, full, bx, by)
                         s, ph = ring.advance(s, ph)
+                    w += step
         else:
             roles.enter_consumer()
             cw = wg - 1
@@ -371,7 +374,8 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
             lane = t % 32
             s = 0
             ph = 0
-            for w in range(w0, total, step):
+            w = w0
+            while w < total:
                 _, bm0, bn0, rows_end = locate(w, offsets, tiles_m, tiles_n, m)
                 if BLOCK:
                     # per k step (one scale block) a product of its own (scale-d 0) into one of
@@ -463,6 +467,7 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                     ring.release(bars, prev, lane)
                 epilogue(acc, base, maps, out, scale_a, scale_b, bias, bm0 + 64 * cw, bn0,
                          rows_end, n, t, lane, cw)
+                w += step
             if TMA_OUT and t == 0:
                 T.bulk_wait_group_read(0)   # no store still reads the staging at exit
 

@@ -31,6 +31,7 @@ from ..tile.epilogue import (
     swizzled_pair_offset,
 )
 from ..tile.roles import warpgroup_roles
+from ..tile.schedule import udiv
 from ..tile.smem import dynamic_shared
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from .gemm_wgmma_ws import (
@@ -433,7 +434,8 @@ def _consumer_parts(cfg: WsConfig, c, f):
     @inline_device
     def chunk_origin(w, tiles_m, tiles_n):
         """Work item w: chunk ``w % tiles_n`` of the block's rows (``w // tiles_n``)."""
-        return 0, (w // tiles_n) * BM, (w % tiles_n) * BN
+        row = udiv(w, tiles_n)     # (32-bit: schedule.udiv)
+        return 0, row * BM, (w - row * tiles_n) * BN
 
     produce = tma_producer(cfg, b_row_major, device_namespace("softmax chunks",
                                                                 tile_origin=chunk_origin))
@@ -463,8 +465,9 @@ def _consumer_parts(cfg: WsConfig, c, f):
         s = 0
         ph = 0
         for w in range(w0, w0 + n_tiles):
-            bm0 = (w // n_tiles) * BM
-            bn0 = (w % n_tiles) * BN
+            row = udiv(w, n_tiles)
+            bm0 = row * BM
+            bn0 = (w - row * n_tiles) * BN
             for i in range(NACC):
                 acc0[i] = f32(0)
             s, ph = mainloop(acc0, acc1, base, s, ph, cw, ktiles, lane, 0)
@@ -487,7 +490,7 @@ def _consumer_parts(cfg: WsConfig, c, f):
                                      + (((w - w0) * 4 + warp) * 8 + lane // 4) * 8,
                                      rmax[0, 0], rmax[0, 1])
         if TMA_OUT:
-            finish_tma(base, omap, w0 // n_tiles * BM + cw * ROW_OFF, n, n_tiles - 1, cw,
+            finish_tma(base, omap, udiv(w0, n_tiles) * BM + cw * ROW_OFF, n, n_tiles - 1, cw,
                        drop)
         else:
             finish_softmax(base, out[0], m, n, w0, cw, warp, lane, rmax, rsum)
@@ -573,7 +576,7 @@ def _consumer_parts(cfg: WsConfig, c, f):
         drop = T.l2_evict_first_policy()
         if tid % WARPGROUP == 0:
             T.fence_proxy_tensormap_acquire(omap)
-        row0 = w0 // n_tiles * BM + cw * ROW_OFF
+        row0 = udiv(w0, n_tiles) * BM + cw * ROW_OFF
         s = 0
         ph = 0
         r = 0

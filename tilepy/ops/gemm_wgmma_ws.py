@@ -76,7 +76,7 @@ from ..tile.epilogue import (
 )
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import NamedBarriers, warpgroup_roles
-from ..tile.schedule import grouped_raster, static_persistent
+from ..tile.schedule import grouped_raster, static_persistent, udiv
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.split_k import cluster_region_bytes, split_k_cluster_reduce, split_k_reduce
@@ -430,7 +430,8 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
         rank = int(CLU.cluster_ctarank()) if CL > 1 else 0
         s = 0
         ph = 0
-        for w in range(w0, total, step):
+        w = w0
+        while w < total:   # (not a range with a run-time step: schedule.udiv)
             tile, _, k_begin, k_end = item(w, ktiles)
             z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
             z_a = min(z, za - 1)
@@ -456,6 +457,7 @@ def tma_producer(cfg: WsConfig, b_row_major: bool, order):
                     else:
                         load_b.load(dst, tb, full, bx, by, z_b, zb != 1)
                 s, ph = ring.advance(s, ph)
+            w += step
 
     return produce
 
@@ -670,10 +672,11 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
         # pingpong: this consumer's items are every other one of the block's, from its cw-th
         first = w0 + cw * step if PINGPONG else w0
         stride = 2 * step if PINGPONG else step
-        block_items = (total - w0 + step - 1) // step
+        block_items = udiv(total - w0 + step - 1, step)
         own = cw   # (pingpong) the item's index among the block's
         turn = 0
-        for w in range(first, total, stride):
+        w = first
+        while w < total:   # (not a range with a run-time step: schedule.udiv)
             tile, split, k_begin, k_end = item(w, ktiles)
             last_item = w + stride >= total
             z, bm0, bn0 = order.tile_origin(tile, m_tiles, n_tiles)
@@ -733,6 +736,7 @@ def wgmma_ws_gemm_kernel(cfg: WsConfig, b_row_major: bool, out_kind: str, activa
                 if last_item:
                     TR.note(scratch, MK.last_item_end)
             items += 1
+            w += stride
         epilogue.end(tid)
         if leader:
             TR.note(scratch, MK.consumer_end)

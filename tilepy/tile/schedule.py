@@ -37,6 +37,26 @@ L2_GROUP_BYTES = 16 << 20
 
 
 @inline_device
+def udiv(a, b):
+    """``a // b`` (int64) for ``0 <= a < 2**32`` and ``0 < b < 2**32``, as one 32-bit unsigned
+    division. Index arithmetic by a value known only at run time (a tile count, a grid's
+    stride) should use it, and a block's walk over its items should not be a ``range`` with a
+    run-time step (whose trip count is such a division). A 64-bit division becomes a call to
+    the division routine where the kernel is assembled as a separate compilation unit — the
+    runtime's linker (nvJitLink or the driver) does, the ``ptxas`` executable does not — and
+    a call in a kernel makes ptxas serialise every one of its wgmmas and ignore its
+    ``setmaxnreg`` (notes C7509, C7504; :func:`tilepy.offline.ptxas` with
+    ``TILEPY_ASSEMBLER=runtime`` shows them)."""
+    return np.int64(np.uint32(a) // np.uint32(b))
+
+
+@inline_device
+def umod(a, b):
+    """``a % b`` (int64) for ``0 <= a < 2**32`` and ``0 < b < 2**32`` (see :func:`udiv`)."""
+    return np.int64(np.uint32(a) % np.uint32(b))
+
+
+@inline_device
 def group_end(offsets, g, start, total):
     """The end of group ``g``'s rows (int64), whose rows start at ``start`` (the previous
     group's end; 0 for the first): ``offsets[g]`` clamped into ``start … total``, so that
@@ -55,14 +75,17 @@ def grouped_raster(block_m: int, block_n: int, group_m: int = 8, cluster: int = 
 
     @inline_device
     def tile_origin(w, tiles_m, tiles_n):
+        # (32-bit unsigned divisions: udiv)
         tiles = tiles_m * tiles_n
-        z = w // tiles
+        z = udiv(w, tiles)
         pid = w - z * tiles
         width = GROUP * tiles_n
-        first = (pid // width) * GROUP
+        band = udiv(pid, width)
+        first = band * GROUP
         rows = min(tiles_m - first, GROUP)
-        tm = first + (pid % width) % rows
-        tn = (pid % width) // rows
+        within = pid - band * width
+        tn = udiv(within, rows)
+        tm = first + within - tn * rows
         if CL == 1:
             return z, tm * BM, tn * BN
         return z, (tm * CL + cuda.blockIdx.x % CL) * BM, tn * BN
