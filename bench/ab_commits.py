@@ -3,7 +3,9 @@ tree B in turn, round after round, each round a fresh process per tree (two vers
 package cannot share a process), and the medians compared.
 
     python bench/ab_commits.py --a OLD_TREE --b NEW_TREE [--rounds 3] [--suites gemm,attention]
-        [--json FILE]
+        [--env-a KEY=VALUE] [--env-b KEY=VALUE] [--json FILE]
+
+Suites: gemm, attention, attention_backward, fp8, gemm_softmax.
 
 A tree is a directory holding a ``tilepy`` package (e.g. ``git archive COMMIT tilepy | tar -x
 -C DIR``). Each worker times every case of its suites with CUDA events around back-to-back
@@ -29,6 +31,11 @@ GEMM = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
 ATTENTION = [(4, 32, 32, s, 128, c) for s in (1024, 4096, 8192) for c in (False, True)] + [
     (8, 16, 16, 2048, 64, False), (8, 16, 16, 2048, 64, True), (4, 32, 8, 4096, 128, False)]
 GEMM_SOFTMAX = [(16384, 1024, 1024)]
+# (batch, heads_q, heads_kv, seq, head_dim, causal): bf16, dq / dk / dv against SDPA's autograd
+ATTENTION_BACKWARD = [(4, 32, 32, 4096, 128, False), (4, 32, 32, 4096, 128, True),
+                      (8, 16, 16, 2048, 64, True)]
+# (M = N = K, block scales): e4m3, bf16 out
+FP8 = [(4096, True), (8192, True), (8192, False)]
 
 
 def _time(torch, fn, repeat=20):
@@ -89,6 +96,58 @@ def worker(suites, out_path):
                          "case": f"B{bsz} H{hq}/{hk} S{s} D{d}{' causal' if causal else ''}",
                          "flop": flop, "ms": ms, "peer_ms": peer, "err": err})
             del q, k, v, o, want
+    if "attention_backward" in suites:
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        for bsz, hq, hk, s, d, causal in ATTENTION_BACKWARD:
+            q, k, v, dout = (torch.randn(bsz, hq, s, d, device="cuda", dtype=torch.bfloat16)
+                             for _ in range(4))
+            o, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True)
+
+            def ours():
+                return tilepy.flash_attention_backward(dout, q, k, v, o, lse, causal=causal)
+
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            ref = sdpa(qq, kk, vv, is_causal=causal)
+            want = torch.autograd.grad(ref, (qq, kk, vv), dout, retain_graph=True)
+            err = max(((g.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                      for g, w in zip(ours(), want))
+            ms = _time(torch, ours)
+            peer = _time(torch, lambda: torch.autograd.grad(ref, (qq, kk, vv), dout,
+                                                            retain_graph=True))
+            flop = 10 * bsz * hq * s * s * d // (2 if causal else 1)   # 2.5x the forward
+            rows.append({"suite": "attention_backward",
+                         "case": f"B{bsz} H{hq} S{s} D{d}{' causal' if causal else ''}",
+                         "flop": flop, "ms": ms, "peer_ms": peer, "err": err})
+            del q, k, v, dout, o, lse, qq, kk, vv, ref, want
+    if "fp8" in suites:
+        for n, block in FP8:
+            a = (torch.randn(n, n, device="cuda") * 3).to(torch.float8_e4m3fn)
+            w = (torch.randn(n, n, device="cuda") * 3).to(torch.float8_e4m3fn)
+            if block:   # 1 x 128 / 128 x 128 scales (DeepGEMM's recipe); the bf16 peer
+                sa = torch.rand(n, n // 128, device="cuda") + 0.5
+                sb = torch.rand(n // 128, n // 128, device="cuda") + 0.5
+                want = (a.float() * sa.repeat_interleave(128, 1)) @ (
+                    w.float().t() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1))
+                ab, wb = a.bfloat16(), w.bfloat16()
+                peer_fn = lambda: torch.matmul(ab, wb.t())   # noqa: E731
+            else:
+                sa, sb = torch.rand(n, device="cuda") + 0.5, torch.rand(n, device="cuda") + 0.5
+                want = (a.float() * sa[:, None]) @ (w.float().t() * sb[None, :])
+                sa2, sb2 = sa[:, None].contiguous(), sb[None, :].contiguous()
+                peer_fn = lambda: torch._scaled_mm(  # noqa: E731
+                    a, w.t(), scale_a=sa2, scale_b=sb2, out_dtype=torch.bfloat16)
+
+            def ours():
+                return tilepy.gemm(a, w.t(), scale_a=sa, scale_b=sb)
+
+            err = ((ours().float() - want).abs().max() / want.abs().max()).item()
+            ms = _time(torch, ours)
+            peer = _time(torch, peer_fn)
+            rows.append({"suite": "fp8", "case": f"{n}^3 {'block' if block else 'row/col'}"
+                         f" scales (peer: {'bf16 matmul' if block else '_scaled_mm'})",
+                         "flop": 2 * n ** 3, "ms": ms, "peer_ms": peer, "err": err})
+            del a, w, want
     if "gemm_softmax" in suites:
         for m, n, k in GEMM_SOFTMAX:
             a = torch.randn(m, k, device="cuda", dtype=torch.float16)
@@ -113,6 +172,10 @@ def main():
     p.add_argument("--suites", default="gemm,attention,gemm_softmax")
     p.add_argument("--cases", help="only attention cases of this sequence length (e.g. 4096)")
     p.add_argument("--json")
+    p.add_argument("--env-a", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for tree A's workers (repeatable): e.g. "
+                        "the same tree twice, A and B differing in one setting")
+    p.add_argument("--env-b", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--worker", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
@@ -131,6 +194,7 @@ def main():
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [os.path.abspath(tree)] + [p for p in os.environ.get("PYTHONPATH", "").split(
                     os.pathsep) if p and os.path.abspath(p) != os.path.dirname(here)]))
+            env.update(kv.split("=", 1) for kv in (args.env_a if side == "A" else args.env_b))
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
                                    "--suites", args.suites, "--out", out]
                                   + (["--cases", args.cases] if args.cases else []),
@@ -170,6 +234,7 @@ def main():
 
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "a": args.a, "b": args.b,
+                       "env_a": args.env_a, "env_b": args.env_b,
                        "rounds": args.rounds, "rows": table}, f, indent=1)
 
 

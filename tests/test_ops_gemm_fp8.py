@@ -233,8 +233,8 @@ def test_fp8_kernel_compiles_for_sm90a():
             rep["counts"]["cp.async.bulk.tensor"] >= 2
         assert rep["spill_stores"] == 0 and rep["f64"] == 0 and rep["stack_frame"] == 0 and \
             not rep["ptxas_wgmma_notes"], rep
-        # no 64-bit division by a run-time value: where the runtime's linker assembles, it is
-        # a call, which serialises every wgmma of the kernel (tilepy.tile.schedule.udiv)
+        # no 64-bit division by a run-time value: a call, which serialises every wgmma where
+        # the kernel is linked without LTO (tilepy.tile.schedule.udiv)
         assert rep["counts"]["div64"] == 0, (name, rep["counts"])
 
 

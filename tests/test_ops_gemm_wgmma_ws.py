@@ -851,9 +851,8 @@ def reports():
 @pytest.mark.xdist_group("gemm_wgmma_ws_reports")
 def test_kernels_divide_no_64_bit_integers(reports):
     """The tile walk's index arithmetic in 32-bit unsigned divisions: a 64-bit one by a
-    run-time value becomes a call where the runtime's linker assembles the kernel (a separate
-    compilation unit), and ptxas then serialises every wgmma (C7509;
-    tilepy.tile.schedule.udiv)."""
+    run-time value is a call, and where the kernel is linked without LTO ptxas then serialises
+    every wgmma (C7509; tilepy.tile.schedule.udiv)."""
     for name, rep in reports.items():
         if name.startswith("gemm_ws"):
             assert rep["counts"]["div64"] == 0, (name, rep["counts"])

@@ -38,9 +38,9 @@ COUNTED = {
     "ld.global": r"^\s*ld(\.global)?(\.nc)?(\.v[24])?\.[usbf]\d+\s",   # global or generic
     "ld.local": r"^\s*ld\.local",
     "st.local": r"^\s*st\.local",
-    # 64-bit integer division by a run-time value: a call to the division routine where the
-    # runtime's linker assembles (a separate compilation unit), which serialises every wgmma of
-    # the kernel there (ptxas C7509) though the ptxas executable inlines it
+    # 64-bit integer division by a run-time value: a call to the division routine, which
+    # serialises every wgmma of the kernel where it is assembled as a separate compilation
+    # unit (ptxas C7509; tilepy.tile.schedule.udiv)
     "div64": r"^\s*(div|rem)\.[su]64\s",
 }
 
@@ -110,53 +110,36 @@ def parse_ptxas(log: str, report: Report) -> None:
     report.local_bytes = int(m.group(1)) if m else 0
 
 
-#: ``TILEPY_ASSEMBLER=runtime``: assemble with the linker Numba-CUDA loads kernels through
-#: (``cuda.core.Linker``: nvJitLink where its library is found, else the driver's JIT) instead
-#: of the ``ptxas`` executable — the machine code a launch on this machine would run, which
-#: differs from the executable's where their versions differ.
+#: ``TILEPY_ASSEMBLER=lto``: compile the kernel as Numba-CUDA does for a launch where nvJitLink
+#: is present — NVVM's LTO-IR, link-time optimised and assembled by nvJitLink
+#: (``cuda.core.Linker``) — instead of PTX through the ``ptxas`` executable: the machine code
+#: a launch runs, which can differ (its own optimisation of the IR, its own ptxas).
 #: ``TILEPY_CUBIN_DIR``: a directory that keeps each assembled cubin as ``<name>.cubin``.
 ASSEMBLER_ENV, CUBIN_DIR_ENV = "TILEPY_ASSEMBLER", "TILEPY_CUBIN_DIR"
 
 
-def runtime_assembler() -> str:
-    """Which assembler ``TILEPY_ASSEMBLER=runtime`` uses here: the ``cuda.core`` linker's
-    backend ("nvJitLink" or "driver") and its version, or why none is available."""
+def lto_assembler() -> str:
+    """The nvJitLink that ``TILEPY_ASSEMBLER=lto`` uses here ("nvJitLink 13.0"), or why there
+    is none."""
     try:
-        from cuda.core import Linker, LinkerOptions, ObjectCode
+        from cuda.bindings import nvjitlink
 
-        linker = Linker(ObjectCode.from_ptx(b".version 7.8\n.target sm_90\n"
-                                            b".address_size 64\n"),
-                        options=LinkerOptions(arch="sm_90"))
-        backend = linker.which_backend()
-        linker.close()
+        return "nvJitLink %d.%d" % nvjitlink.version()
     except Exception as e:  # noqa: BLE001  (a report line, not a failure)
         return f"unavailable ({type(e).__name__}: {e})"
-    version = ""
-    try:
-        if backend.lower().startswith("nvjitlink"):
-            from cuda.bindings import nvjitlink
-
-            version = "%d.%d" % nvjitlink.version()
-        else:
-            from cuda.bindings import driver
-
-            err, v = driver.cuDriverGetVersion()
-            version = "driver %d.%d" % (v // 1000, v % 1000 // 10)
-    except Exception:  # noqa: BLE001
-        pass
-    return f"{backend} {version}".strip()
 
 
-def _runtime_assemble(ptx: str, arch: str, cubin_path: str) -> str:
-    """Assemble through ``cuda.core.Linker`` (verbose): write the cubin, return the log."""
+def _lto_assemble(ltoir: bytes, arch: str, cubin_path: str) -> str:
+    """Link-time optimise and assemble ``ltoir`` through nvJitLink (verbose): write the cubin,
+    return the log."""
     from cuda.core import Linker, LinkerOptions, ObjectCode
 
-    linker = Linker(ObjectCode.from_ptx(ptx.encode()),
-                    options=LinkerOptions(arch=arch, verbose=True))
+    linker = Linker(ObjectCode.from_ltoir(ltoir),
+                    options=LinkerOptions(arch=arch, link_time_optimization=True, verbose=True))
     try:
         code = linker.link("cubin").code
     except Exception as e:
-        raise RuntimeError(f"the runtime linker failed for {arch}: {e}\n"
+        raise RuntimeError(f"nvJitLink failed for {arch}: {e}\n"
                            f"{linker.get_error_log()}") from e
     log = (linker.get_info_log() or "") + (linker.get_error_log() or "")
     linker.close()
@@ -165,36 +148,33 @@ def _runtime_assemble(ptx: str, arch: str, cubin_path: str) -> str:
     return log
 
 
+def _keep_cubin(cubin: str, name: str) -> None:
+    keep = os.environ.get(CUBIN_DIR_ENV)
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        shutil.copyfile(cubin, os.path.join(keep, re.sub(r"[^\w.-]", "_", name) + ".cubin"))
+
+
 def ptxas(ptx: str, arch: str, sass=None, name: str = "kernel") -> str:
     """Assemble ``ptx`` for ``arch`` (e.g. 'sm_90a') with -v; return the log. Raises on error.
     ``sass``: a function of the cubin's path, called before the cubin is deleted (e.g.
-    :func:`sass_in_flight`); its result is stored in ``ptxas.last_sass``. The assembler: the
-    ``ptxas`` executable (:func:`find_ptxas`), or with ``TILEPY_ASSEMBLER=runtime`` the
-    runtime's linker (:data:`ASSEMBLER_ENV`); ``TILEPY_CUBIN_DIR`` keeps the cubin as
-    ``<name>.cubin``."""
-    runtime = os.environ.get(ASSEMBLER_ENV, "").strip().lower() == "runtime"
-    exe = None if runtime else find_ptxas()
-    if exe is None and not runtime:
+    :func:`sass_in_flight`); its result is stored in ``ptxas.last_sass``. ``TILEPY_CUBIN_DIR``
+    keeps the cubin as ``<name>.cubin``."""
+    exe = find_ptxas()
+    if exe is None:
         raise FileNotFoundError("ptxas not found: pip install 'tilepy[test]' (nvidia-cuda-nvcc), "
                                 "or set TILEPY_PTXAS / CUDA_HOME")
     with tempfile.TemporaryDirectory() as d:
         src, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
-        if runtime:
-            log = _runtime_assemble(ptx, arch, cubin)
-        else:
-            with open(src, "w") as f:
-                f.write(ptx)
-            proc = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", cubin],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"ptxas failed for {arch}:\n{proc.stderr}")
-            log = proc.stderr + proc.stdout
-        keep = os.environ.get(CUBIN_DIR_ENV)
-        if keep:
-            os.makedirs(keep, exist_ok=True)
-            shutil.copyfile(cubin, os.path.join(keep, re.sub(r"[^\w.-]", "_", name) + ".cubin"))
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([exe, f"-arch={arch}", "-v", src, "-o", cubin],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ptxas failed for {arch}:\n{proc.stderr}")
+        _keep_cubin(cubin, name)
         ptxas.last_sass = sass(cubin) if sass is not None else None
-    return log
+    return proc.stderr + proc.stdout
 
 
 def sass_in_flight(cubin_path: str) -> dict:
@@ -237,7 +217,17 @@ def compile_kernel(name, pyfunc, argtypes, cc=(9, 0), *, assemble=True, sass=Non
     ptx, _ = cuda.compile_ptx(pyfunc, argtypes, cc=tuple(cc), **options)
     arch = "sm_%d%d%s" % (cc[0], cc[1], cc[2] if len(cc) > 2 else "")
     rep = Report(name=name, arch=arch, counts=count_instructions(ptx), ptx=ptx)
-    if assemble:
+    if assemble and os.environ.get(ASSEMBLER_ENV, "").strip().lower() == "lto":
+        # the launch's path: LTO-IR of the same function, nvJitLink's optimisation and ptxas
+        ltoir, _ = cuda.compile(pyfunc, argtypes, cc=tuple(cc), device=False, abi="numba",
+                                output="ltoir", **options)
+        with tempfile.TemporaryDirectory() as d:
+            cubin = os.path.join(d, "k.cubin")
+            rep.ptxas_log = _lto_assemble(ltoir, arch, cubin)
+            _keep_cubin(cubin, name)
+            rep.sass = sass(cubin) if sass is not None else None
+        parse_ptxas(rep.ptxas_log, rep)
+    elif assemble:
         rep.ptxas_log = ptxas(ptx, arch, sass=sass, name=name)
         parse_ptxas(rep.ptxas_log, rep)
         if sass is not None:

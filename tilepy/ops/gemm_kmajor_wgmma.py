@@ -379,62 +379,49 @@ def kmajor_gemm_kernel(cfg: KMajorConfig, fmt: str = "e4m3", out_kind: str = "bf
                 _, bm0, bn0, rows_end = locate(w, offsets, tiles_m, tiles_n, m)
                 if BLOCK:
                     # per k step (one scale block) a product of its own (scale-d 0) into one of
-                    # two partial accumulators, alternating: step j's wgmmas run while step
-                    # j - 1's partial, retired by wait_group 1, is added to the sum times its
-                    # scales and its slot freed. Unrolled by two so each step's partial is
-                    # fixed; every path ends with nothing in flight (ptxas serialises wgmmas
-                    # at a merge of paths with different groups in flight, C7514 / C7517).
+                    # two partial accumulators: two steps issued back to back, then the first
+                    # waited for (wait_group 1) and added to the sum times its scales while the
+                    # second's wgmmas run, then the second (wait_group 0). Nothing is in flight
+                    # across the loop's back edge or a merge of paths: where a group stays in
+                    # flight there, the copies of loop-carried accumulator registers make ptxas
+                    # serialise every wgmma of the kernel (C7514 / C7517; seen with the
+                    # contiguous argument layouts launches specialise on).
                     for i in range(NACC):
                         acc[i] = f32(0)
                     r0 = min(bm0 + 64 * cw + 16 * (t // 32) + lane // 4, m - 1)
                     r1 = min(r0 + 8, m - 1)
                     nb = min(bn0 // BLOCK_SCALE, scale_b.shape[1] - 1)
-                    sb = scale_b[0, nb]
-                    g0 = scale_a[r0, 0] * sb
-                    g1 = scale_a[r1, 0] * sb
-                    issue(part, bars, base, s, ph, cw)
-                    s_p = s
-                    s, ph = ring.advance(s, ph)
-                    for q in range((ktiles - 1) // 2):
-                        j = 2 * q + 1
+                    for q in range(ktiles // 2):
+                        j = 2 * q
                         sb = scale_b[j, nb]
-                        h0 = scale_a[r0, j] * sb
-                        h1 = scale_a[r1, j] * sb
-                        issue(part2, bars, base, s, ph, cw)
-                        wmma.wait(1)
-                        wmma.fence_operand(part)
-                        ring.release(bars, s_p, lane)
-                        promote(acc, part, g0, g1)
-                        s_p = s
-                        s, ph = ring.advance(s, ph)
+                        g0 = scale_a[r0, j] * sb
+                        g1 = scale_a[r1, j] * sb
                         sb = scale_b[j + 1, nb]
-                        g0 = scale_a[r0, j + 1] * sb
-                        g1 = scale_a[r1, j + 1] * sb
+                        h0 = scale_a[r0, j + 1] * sb
+                        h1 = scale_a[r1, j + 1] * sb
                         issue(part, bars, base, s, ph, cw)
-                        wmma.wait(1)
-                        W.wgmma_fence_operand(part2, NACC)
-                        ring.release(bars, s_p, lane)
-                        promote(acc, part2, h0, h1)
                         s_p = s
                         s, ph = ring.advance(s, ph)
-                    if ktiles % 2 == 0:
-                        # one more step (the last, odd) into the second partial
-                        j = ktiles - 1
-                        sb = scale_b[j, nb]
-                        h0 = scale_a[r0, j] * sb
-                        h1 = scale_a[r1, j] * sb
                         issue(part2, bars, base, s, ph, cw)
+                        s_q = s
+                        s, ph = ring.advance(s, ph)
                         wmma.wait(1)
                         wmma.fence_operand(part)
                         ring.release(bars, s_p, lane)
                         promote(acc, part, g0, g1)
-                        s_p = s
-                        s, ph = ring.advance(s, ph)
                         wmma.wait(0)
                         W.wgmma_fence_operand(part2, NACC)
-                        ring.release(bars, s_p, lane)
+                        ring.release(bars, s_q, lane)
                         promote(acc, part2, h0, h1)
-                    else:
+                    if ktiles % 2 == 1:
+                        # the last step alone
+                        j = ktiles - 1
+                        sb = scale_b[j, nb]
+                        g0 = scale_a[r0, j] * sb
+                        g1 = scale_a[r1, j] * sb
+                        issue(part, bars, base, s, ph, cw)
+                        s_p = s
+                        s, ph = ring.advance(s, ph)
                         wmma.wait(0)
                         wmma.fence_operand(part)
                         ring.release(bars, s_p, lane)
@@ -495,15 +482,18 @@ def grid(cfg: KMajorConfig, m: int, n: int, sms: int | None = None, groups: int 
 
 def argtypes(out_kind: str, block_scale: bool = False, grouped: bool = False,
              bias_kind: str | None = None):
-    """Numba argument types of :func:`kmajor_gemm_kernel`'s kernel (offline compilation)."""
+    """Numba argument types of :func:`kmajor_gemm_kernel`'s kernel (offline compilation):
+    contiguous arrays, the types a launch on contiguous operands specialises on (the code
+    differs from that of strided ``"A"`` arrays: once, only the contiguous form made ptxas
+    serialise the block-scaled kernel's wgmmas)."""
     u8 = types.Array(types.uint8, 1, "C")
-    ops = (types.Array(types.uint16, 2, "A"), types.Array(types.uint16, 3, "A")) if grouped \
-        else (types.Array(types.uint8, 2, "A"),) * 2
-    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "A")
-    f32 = types.Array(types.float32, 2 if block_scale else 1, "A")
-    offs = types.Array(types.int32 if grouped else types.float32, 1, "A")
+    ops = (types.Array(types.uint16, 2, "C"), types.Array(types.uint16, 3, "C")) if grouped \
+        else (types.Array(types.uint8, 2, "C"),) * 2
+    out = types.Array(types.float32 if out_kind == "float32" else types.uint16, 2, "C")
+    f32 = types.Array(types.float32, 2 if block_scale else 1, "C")
+    offs = types.Array(types.int32 if grouped else types.float32, 1, "C")
     bias = types.Array(types.uint16 if bias_kind in ("float16", "bfloat16") else types.float32,
-                       1, "A")
+                       1, "C")
     return (*ops, out, f32, f32, offs, bias, types.int64, u8)
 
 

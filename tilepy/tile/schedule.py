@@ -41,12 +41,10 @@ def udiv(a, b):
     """``a // b`` (int64) for ``0 <= a < 2**32`` and ``0 < b < 2**32``, as one 32-bit unsigned
     division. Index arithmetic by a value known only at run time (a tile count, a grid's
     stride) should use it, and a block's walk over its items should not be a ``range`` with a
-    run-time step (whose trip count is such a division). A 64-bit division becomes a call to
-    the division routine where the kernel is assembled as a separate compilation unit — the
-    runtime's linker (nvJitLink or the driver) does, the ``ptxas`` executable does not — and
-    a call in a kernel makes ptxas serialise every one of its wgmmas and ignore its
-    ``setmaxnreg`` (notes C7509, C7504; :func:`tilepy.offline.ptxas` with
-    ``TILEPY_ASSEMBLER=runtime`` shows them)."""
+    run-time step (whose trip count is such a division): a 64-bit division is a call to the
+    division routine in the machine code (``__cuda_sm20_div_u64``), and where the kernel is
+    assembled as a separate compilation unit (a linker without link-time optimisation) a
+    call makes ptxas serialise every wgmma of the kernel (note C7509)."""
     return np.int64(np.uint32(a) // np.uint32(b))
 
 
