@@ -105,6 +105,16 @@
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
+#   PART=s42a    the FP8 GEMM with block scales after its loop change (two k steps issued, the
+#                first promoted under the second: no wgmma serialised): its GPU tests, the
+#                probe at 4096³ / 8192³ against _scaled_mm, the loaded kernels' registers and
+#                local memory with their machine code (probe_runtime_ptxas.py --launched)
+#   PART=s42b    issue 25's short causal sequences on 64 x 64 tiles by default (seq_q <= 512):
+#                the GPU test against SDPA, then s39f's short-sequence shapes against cuDNN
+#   PART=s42c    the 32-bit tile walk (tile.schedule.udiv, no range with a run-time step) and
+#                the FP8 block loop against the tree before them (ab_commits.py, two rounds,
+#                gemm / attention / fp8): needs .ab/old (git archive 73e078c tilepy | tar -x
+#                -C .ab/old) carried with the call
 #   PART=s41d    issue 25's short sequences with 64-row tiles of one warpgroup (several blocks
 #                an SM): the --short-ab sweep at S512 D64 and S1024 D128, two rounds each
 #   PART=s39g    s39c slimmed to the device time left: the swapped GEMM's GPU test, the grid's
@@ -551,6 +561,26 @@ fi
 if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     bench_suite bench_backward_padded 200 \
         "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
+    archive_logs
+fi
+if [[ " $PART " == *" s42a "* ]]; then
+    gpu_tests fp8_gemm_gpu 120 tests/test_ops_gemm_fp8.py
+    step probe_gemm_fp8 200 "$PY" bench/probe_gemm_fp8.py \
+        --shapes 4096x4096x4096,8192x8192x8192 --json "$OUT/probe_gemm_fp8.json"
+    step launched 120 "$PY" bench/probe_runtime_ptxas.py --launched --cubins /tmp/launched \
+        --json "$OUT/launched.json"
+    tar czf "$OUT/launched_cubins.tgz" -C /tmp launched
+    archive_logs
+fi
+if [[ " $PART " == *" s42b "* ]]; then
+    gpu_tests short_causal_gpu 120 tests/test_ops_attention_wgmma.py -k short_causal
+    bench_suite bench_attention_short 240 \
+        "test_flash_attention and (S512 or Hq32_Hkv32_S1024 or Hq16_Hkv16_S2048 or Hkv8_S4096)"
+    archive_logs
+fi
+if [[ " $PART " == *" s42c "* ]]; then
+    step ab_udiv 560 "$PY" bench/ab_commits.py --a .ab/old --b . --rounds 2 \
+        --suites gemm,attention,fp8 --cases 4096 --json "$OUT/ab_udiv.json"
     archive_logs
 fi
 if [[ " $PART " == *" s41d "* ]]; then
