@@ -778,7 +778,7 @@ def test_tma_default_falls_back_when_maps_cannot_be_encoded(monkeypatch):
     cfg = WgmmaAttentionConfig(64, 192, 64, "float16", overlap=True, tma=True, producer=True)
     monkeypatch.setattr(host_tma, "encode_tiled", refuse)
     monkeypatch.setattr(A, "choose_config", lambda d, dtype, causal=False, variant=False,
-                        head_dim_v=None: cfg)
+                        head_dim_v=None, seq_q=None: cfg)
     rng = np.random.default_rng()
     q, k, v = (rand(rng, (1, 1, 40, 64), "float16") for _ in range(3))
     out = tilepy.flash_attention(q, k, v, causal=True)

@@ -139,7 +139,7 @@ from ..tile.attention import (
 )
 from ..tile.config import DTYPES, SMEM_LIMIT
 from ..tile.copy import copy_rows_to_shared_128b
-from ..tile.schedule import heavy_first
+from ..tile.schedule import heavy_first, udiv
 from ..tile.tma_plan import COUNTER_BYTES, ScheduledTmaPlan, TmaLaunchPlan
 from ..tile.epilogue import staged_bytes, store_accumulators_smem
 from ..tile.online_softmax import (
@@ -848,7 +848,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         sk = k.shape[2]
         heads = q.shape[1]
         batch = q.shape[0]
-        group = heads // k.shape[1]
+        group = udiv(heads, k.shape[1])   # (32-bit: schedule.udiv)
         n_qb = (sq + BM - 1) // BM
         return sq, sk, heads, batch, group, n_qb, n_qb * heads * batch
 
@@ -859,7 +859,7 @@ def _common_parts(cfg: WgmmaAttentionConfig, has_lse: bool, left: int, right: in
         of key blocks, and the keys all its rows see (:func:`block_bounds`)."""
         b, h, qb = tile_at(tile, n_qb, heads, batch, sk)
         row0, kb0, kb_end, all_first, all_see = block_at(qb, sq, sk)
-        return b, h, h // group, row0, kb0, kb_end - kb0, all_first, all_see
+        return b, h, udiv(h, group), row0, kb0, kb_end - kb0, all_first, all_see
 
     return SimpleNamespace(**locals())
 
@@ -1109,7 +1109,7 @@ def _cp_async_persistent_kernel(cfg: WgmmaAttentionConfig, c, loops):
         sk = k.shape[2]
         heads = q.shape[1]
         batch = q.shape[0]
-        group = heads // k.shape[1]
+        group = udiv(heads, k.shape[1])   # (32-bit: schedule.udiv)
         n_qb = (sq + BM - 1) // BM
         n_tiles = n_qb * heads * batch
         tid = cuda.threadIdx.x

@@ -71,6 +71,7 @@ from numba import cuda
 from ..inline import inline_device
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32, tanh_approx
 from .config import DTYPES
+from .schedule import udiv
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
@@ -201,7 +202,7 @@ def block_coords(q, k):
     sk = k.shape[2]
     b = cuda.blockIdx.z
     h = cuda.blockIdx.y
-    return sq, sk, b, h, h // (q.shape[1] // k.shape[1])
+    return sq, sk, b, h, udiv(h, udiv(q.shape[1], k.shape[1]))   # (32-bit: schedule.udiv)
 
 
 @inline_device

@@ -147,17 +147,21 @@ def heavy_first(head_dim: int, causal: bool):
 
     @inline_device
     def at(tile, n_qb, heads, batch, sk):
+        # (32-bit unsigned divisions: udiv)
         if CAUSAL:
             total = heads * batch
-            per = min(max(1, L2_GROUP_BYTES // (KV_ROW * max(sk, 1))), total)
-            first = (tile // (per * n_qb)) * per
+            kv = KV_ROW * max(sk, 1)
+            per = min(1 if kv >= L2_GROUP_BYTES else udiv(L2_GROUP_BYTES, kv), total)
+            first = udiv(tile, per * n_qb) * per
             members = min(per, total - first)
             r = tile - first * n_qb
-            qb = n_qb - 1 - r // members
-            bh = first + r % members
+            step = udiv(r, members)
+            qb = n_qb - 1 - step
+            bh = first + r - step * members
         else:
-            bh = tile // n_qb
-            qb = tile % n_qb
-        return bh // heads, bh % heads, qb
+            bh = udiv(tile, n_qb)
+            qb = tile - bh * n_qb
+        b = udiv(bh, heads)
+        return b, bh - b * heads, qb
 
     return device_namespace(f"heavy_first({head_dim}, {causal})", at=at)
