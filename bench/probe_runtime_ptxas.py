@@ -67,11 +67,12 @@ def launched(json_path=None, cubin_dir=None) -> int:
     tilepy.flash_attention(q, kk, v, causal=True).sum().backward()
     torch.cuda.synchronize()
     rows = []
+    if cubin_dir:
+        os.makedirs(cubin_dir, exist_ok=True)
     for obj in gc.get_objects():
         if isinstance(obj, _Kernel):
             attrs = obj._codelibrary.get_cufunc().attrs
             if cubin_dir:   # the loaded machine code (an ObjectCode's bytes), for nvdisasm
-                os.makedirs(cubin_dir, exist_ok=True)
                 code = obj._codelibrary.get_cubin()
                 with open(os.path.join(cubin_dir, obj.entry_name[:100] + ".cubin"), "wb") as f:
                     f.write(bytes(getattr(code, "code", code)))
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.launched:
         return launched(args.json, args.cubins)
-    from tilepy.offline import lto_assembler, run_in_subprocess
+    from tilepy.offline import ASSEMBLER_ENV, CUBIN_DIR_ENV, lto_assembler, run_in_subprocess
 
     rows = []
     print(f"LTO assembler: {lto_assembler()}", flush=True)
@@ -109,28 +110,20 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         got = {}
         for how in (("lto",) if args.lto_only else ("ptxas", "lto")):
-            env = {"TILEPY_ASSEMBLER": how}
+            env = {ASSEMBLER_ENV: how}
             if how == "lto" and args.cubins:
-                env["TILEPY_CUBIN_DIR"] = args.cubins
-            old = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
+                env[CUBIN_DIR_ENV] = args.cubins
             try:
-                got[how] = run_in_subprocess(target)
+                got[how] = run_in_subprocess(target, env=env)
             except Exception as e:  # noqa: BLE001  (one target's failure is a report line)
                 got[how] = {"_error": {"name": "_error", "error": str(e)[-400:]}}
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
         for name in got["lto"]:
             rt = got["lto"][name]
             px = got.get("ptxas", {}).get(name, {})
             row = dict(target=target, name=name, error=rt.get("error") or px.get("error"),
                        div64=div64(rt),
                        lto=dict(registers=rt.get("registers"),
-                                    spill_stores=rt.get("spill_stores"), notes=notes(rt)),
+                                spill_stores=rt.get("spill_stores"), notes=notes(rt)),
                        ptxas=dict(registers=px.get("registers"),
                                   spill_stores=px.get("spill_stores"), notes=notes(px)))
             rows.append(row)

@@ -267,14 +267,15 @@ def report_entry(name, build, argtypes, cc=(9, 0), *, threads, launch_bounds=Non
     return entry
 
 
-def run_in_subprocess(target: str, timeout: float = 900) -> dict:
+def run_in_subprocess(target: str, timeout: float = 900, env: dict | None = None) -> dict:
     """Run ``python -m tilepy.offline TARGET`` with the simulator off; return its JSON.
 
     ``TARGET`` is ``module:function``; the function is called with no arguments and returns
     a list of :class:`Report` (or dicts). Errors per kernel come back as
-    ``{"name": …, "error": …}`` entries.
+    ``{"name": …, "error": …}`` entries. ``env``: variables set for that process only (e.g.
+    :data:`ASSEMBLER_ENV`).
     """
-    env = dict(os.environ)
+    env = dict(os.environ, **(env or {}))
     env["NUMBA_ENABLE_CUDASIM"] = "0"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -49,12 +49,6 @@ def udiv(a, b):
 
 
 @inline_device
-def umod(a, b):
-    """``a % b`` (int64) for ``0 <= a < 2**32`` and ``0 < b < 2**32`` (see :func:`udiv`)."""
-    return np.int64(np.uint32(a) % np.uint32(b))
-
-
-@inline_device
 def group_end(offsets, g, start, total):
     """The end of group ``g``'s rows (int64), whose rows start at ``start`` (the previous
     group's end; 0 for the first): ``offsets[g]`` clamped into ``start … total``, so that
