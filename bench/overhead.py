@@ -73,9 +73,16 @@ def main(argv=None):
     kv = torch.randn_like(kc)
     lens = torch.full((1,), 256, device="cuda", dtype=torch.int32)
     kout = torch.empty_like(kq)
+    # issue 27's small-M rows (bf16, N = K = 4096): host-bound as called, so the host time
+    # per call decides their as-called ratio
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    x16 = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    x128 = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)
     # the tilepy calls that are timed and can be profiled (--profile)
     calls = {
         "gemm": lambda: tilepy.gemm(a, b),
+        "gemm_m16": lambda: tilepy.gemm(x16, w),
+        "gemm_m128": lambda: tilepy.gemm(x128, w),
         "attention": lambda: tilepy.flash_attention(q, q, q),
         "grouped": lambda: tilepy.grouped_gemm(ga, gw.mT, ends, check_offsets=False),
         "kvcache": lambda: tilepy.flash_attention_with_kvcache(
@@ -94,6 +101,10 @@ def main(argv=None):
         print("cupy unavailable:", e)
         ca = cb = None
     add("tilepy.gemm 64x64x64 f16 (torch)", calls["gemm"])
+    add("torch.matmul 16x4096x4096 bf16", lambda: torch.matmul(x16, w), True)
+    add("tilepy.gemm 16x4096x4096 bf16 (torch)", calls["gemm_m16"])
+    add("torch.matmul 128x4096x4096 bf16", lambda: torch.matmul(x128, w), True)
+    add("tilepy.gemm 128x4096x4096 bf16 (torch)", calls["gemm_m128"])
     add("tilepy.gemm 64x64x64 f16 (torch, out=)", lambda: tilepy.gemm(a, b, out=out))
     if ca is not None:
         add("tilepy.gemm 64x64x64 f16 (cupy)", lambda: tilepy.gemm(ca, cb))
@@ -144,7 +155,7 @@ def main(argv=None):
 
 
 #: --profile's choices: the repeated calls it can profile.
-PROFILED = ("attention", "gemm", "grouped", "kvcache")
+PROFILED = ("attention", "gemm", "gemm_m16", "gemm_m128", "grouped", "kvcache")
 
 
 def breakdown(add, torch, tilepy, a, b, out):

@@ -5,7 +5,8 @@ SDPA's (float32 from the same inputs) first. A probe for choosing configs, not t
 (``bench/test_bench_attention_backward.py``).
 
     python bench/probe_attention_backward.py --json OUT.json [--quick] [--head-dim D]
-        [--configs I,J]   (indices into the head_dim's grid of configs)
+        [--configs I,J]   (indices into the head_dim's grid of configs;
+        past 128, the built-in choice and the split-column wgmma kernel)
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def main():
     from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
     shapes = [(4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (8, 16, 2048, 64, False),
-              (8, 16, 2048, 64, True)]
+              (8, 16, 2048, 64, True), (4, 16, 4096, 256, False), (4, 16, 4096, 256, True),
+              (4, 16, 4096, 192, False)]
     if args.quick:
         shapes = shapes[:1] + shapes[2:3]
     if args.head_dim:
@@ -59,6 +61,11 @@ def main():
                       dq_own_keys=True)],
              64: [ws(64, block_m=128, key_groups=1, dq_groups=1, dq_block_n=64),
                   ws(64, block_m=64, key_groups=2, dq_atomic=True, producer=True)]}
+    # past 128: the built-in choice (None), then the wgmma kernel with its columns split
+    # between the consumers
+    for d in {x[3] for x in shapes} - set(grids):
+        grids[d] = [None, ws(d, key_groups=1, dq_atomic=True, producer=True,
+                             split_columns=True)]
     if args.configs:
         pick = [int(i) for i in args.configs.split(",")]
         grids = {d: [g[i] for i in pick if i < len(g)] for d, g in grids.items()}
@@ -100,7 +107,8 @@ def one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids, b, h, s, d,
         ref = torch.autograd.grad(o, (qq, kk, vv), do.float())
         dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
         for cfg in grids[d]:   # the default call (deterministic=False)
-            row = dict(b=b, h=h, s=s, d=d, causal=causal, config=cfg.describe(),
+            row = dict(b=b, h=h, s=s, d=d, causal=causal,
+                       config=cfg.describe() if cfg is not None else "built-in",
                        deterministic=False, peers_ms=peers)
             try:
                 def run():

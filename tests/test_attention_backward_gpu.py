@@ -146,6 +146,29 @@ def test_gpu_backward_against_sdpa_float32(case):
         assert (bhsd(dq, layout)[:, :, :dead] == 0).all(), "rows without keys: dq 0"
 
 
+WIDE_CASES = [CASES[12], CASES[13], (1, 4, 2, 1300, 900, 256, True, "bhsd", F16, None)]
+
+
+@pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
+def test_gpu_wide_head_dims_on_wgmma(case):
+    """Past head_dim 128, the warp-specialised wgmma kernel with its columns split between
+    the consumers (``split_columns``, one ring slot; 200 zero-filled to 256), into NaN-filled
+    outputs, against SDPA's math backend in float32 — GQA, seq_q above and below seq_k."""
+    from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
+
+    b, hq, hkv, sq, sk, d, causal, layout, dtype, scale = case
+    q, k, v, dout = make_inputs(b, hq, hkv, sq, sk, d, layout, dtype)
+    out, lse = tilepy.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                      layout=layout)
+    cfg = WgmmaBackwardConfig(d, dtype=str(dtype).split(".")[-1], key_groups=1,
+                              dq_atomic=True, producer=True, split_columns=True)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
+                                    layout=layout, dq=dq, dk=dk, dv=dv, config=cfg)
+    _, want = reference(q, k, v, dout, causal, layout, scale)
+    check_grads((dq, dk, dv), want, dtype, case_id(case))
+
+
 @pytest.mark.parametrize("dtype,causal,layout", [(BF16, True, "bshd"), (F16, False, "bhsd")])
 def test_gpu_head_dim_v_gradients_through_autograd(dtype, causal, layout):
     """DeepSeek's 192 / 128 (v's head dim other than q's and k's), GQA 8/2, seq_q ≠ seq_k:

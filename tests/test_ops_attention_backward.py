@@ -362,8 +362,17 @@ def test_dq_by_atomics():
      (1, 2, 1, 70, 90, True, "bfloat16", "bshd")),
     (40, dict(block_m=32, key_groups=1, dq_groups=1, dq_block_n=32),
      (1, 2, 2, 50, 40, False, "float16", "bhsd")),
+    # past 128: the warp-specialised kernel with dK / dV / dQ's columns split between its
+    # two consumers over the same 64 keys, one ring slot; 256 causal with GQA and seq_q >
+    # seq_k (keys past the end zero-filled), 200 zero-filled to 256 (the second consumer
+    # stores 72 of its 128 columns, dQ's last slice half padding)
+    (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
+     (1, 2, 1, 90, 70, True, "float16", "bhsd")),
+    (200, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
+     (1, 1, 1, 70, 130, False, "bfloat16", "bshd")),
 ], ids=["d64-causal-gqa", "d128-atomic-one-warpgroup", "d128-ws-causal", "d64-ws",
-        "d128-ws-own-keys", "d96-ws-padded", "d40-padded"])
+        "d128-ws-own-keys", "d96-ws-padded", "d40-padded", "d256-ws-split-columns",
+        "d200-ws-split-columns-padded"])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout,

@@ -53,7 +53,14 @@ HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64)
 #: two 64-key consumer warpgroups, dQ by bulk reductions) — 10 % faster than HOPPER_CHOICE's
 #: two kernels at B4 H32 S4096 on the H200, causal or not (bench/probe_attention_backward.py);
 #: at head_dim 64 it was slower.
-HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True)}
+HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
+                256: dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
+                          split_columns=True)}
+#: Whether the built-in choice on sm_90 runs head dims past 128 (``deterministic=False``) on
+#: the warp-specialised wgmma kernel with its columns split between the consumers
+#: (``HOPPER_FUSED[256]``; the deterministic path and packed sequences stay on the mma.sync
+#: kernels there). False: the mma.sync kernels for every head dim past 128.
+WGMMA_WIDE = False
 
 
 #: The smallest head dim the built-in choice on sm_90 runs on the wgmma kernels (each head
@@ -75,8 +82,9 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
     """The built-in backward config for a head dimension and dtype on the current device: on a
     compute capability 9.0 GPU for head dims from :data:`WGMMA_MIN_HEAD_DIM` to 128 the
     wgmma kernels' — those of the head dim's tile width (64 or 128), :data:`HOPPER_FUSED`
-    where it applies and atomics are allowed, else :data:`HOPPER_CHOICE` — otherwise the
-    mma.sync kernels' (simulator: small tiles).
+    where it applies and atomics are allowed, else :data:`HOPPER_CHOICE` — and past 128 with
+    :data:`WGMMA_WIDE` and atomics allowed ``HOPPER_FUSED[256]``; otherwise the mma.sync
+    kernels' (simulator: small tiles).
     ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
     kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
@@ -89,10 +97,10 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS, **extra)
     if extra:
         wgmma = False
+    w = bw.tile_width(head_dim)    # a head dim between: the wider tile, zero-filled
     if wgmma and head_dim >= WGMMA_MIN_HEAD_DIM and head_dim in bw.HEAD_DIMS and \
             (WGMMA_PADDED or head_dim in (64, 128)) and launch.is_hopper() and \
-            (WGMMA_VARIANTS or not variant):
-        w = bw.tile_width(head_dim)    # a head dim between: the wider tile, zero-filled
+            (WGMMA_VARIANTS or not variant) and (w <= 128 or WGMMA_WIDE and not deterministic):
         if not deterministic and w in HOPPER_FUSED:
             return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[w])
         return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[w])

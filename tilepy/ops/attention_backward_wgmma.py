@@ -80,15 +80,17 @@ from ..tile.smem_layout import SmemLayout
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
 from . import attention_backward_mma_sync as bk
 
-#: Head dims of the wgmma kernels: multiples of 8 up to 128, each in a tile of whole
-#: 64-element boxes of the 128-byte swizzle (:func:`tile_width`).
-HEAD_DIMS = tuple(range(8, 129, 8))
+#: Head dims of the wgmma kernels: multiples of 8 up to 256, each in a tile of whole
+#: 64-element boxes of the 128-byte swizzle (:func:`tile_width`); past 128 only the
+#: warp-specialised kernel with its columns split between the consumers
+#: (``WgmmaBackwardConfig.split_columns``).
+HEAD_DIMS = tuple(range(8, 257, 8))
 
 
 def tile_width(head_dim: int) -> int:
-    """The shared tiles' width of a head dim: 64 up to 64, else 128 (zero-filled past the
-    head dim)."""
-    return 64 if head_dim <= 64 else 128
+    """The shared tiles' width of a head dim: 64 up to 64, 128 up to 128, else 256
+    (zero-filled past the head dim)."""
+    return 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -125,7 +127,15 @@ class WgmmaBackwardConfig:
     :func:`dkdv_ws_kernel` instead; ``dq_own_keys`` (its choice): each consumer's dQ partial
     over its own keys and every column rather than over all the block's keys and its own
     64 columns (always so at head_dim 64). A deterministic call with a ``dq_atomic`` config
-    runs the same dK / dV blocks without the dQ part, then the dQ kernel."""
+    runs the same dK / dV blocks without the dQ part, then the dQ kernel.
+
+    ``split_columns`` (head dims past 128, the 256-column tiles: a ``producer`` config with
+    ``dq_atomic``, ``block_m`` 64 and one key group): two consumer warpgroups over the same 64
+    keys, consumer ``c`` accumulating columns ``128 c …`` of dK and dV (what one warpgroup's
+    registers hold of a 128-column tile) and of dQ's partial; each computes the block's whole
+    ``Sᵀ`` and ``dPᵀ`` (over every column), so the score products run twice. Q and dO stream
+    through one ring slot (two do not fit in shared memory). Not deterministic: the
+    deterministic path and packed sequences run the mma.sync kernels past 128."""
 
     head_dim: int
     block_m: int = 64
@@ -137,15 +147,25 @@ class WgmmaBackwardConfig:
     dq_atomic: bool = False
     producer: bool = False
     dq_own_keys: bool = False
+    split_columns: bool = False
 
     def __post_init__(self):
-        for name in ("dq_atomic", "producer", "dq_own_keys"):
+        for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns"):
             _require(isinstance(getattr(self, name), bool), f"WgmmaBackwardConfig.{name} must "
                      f"be a bool, got {getattr(self, name)!r}")
         if self.producer:
-            _require(self.dq_atomic and self.block_m == 64 and self.key_groups == 2,
+            _require(self.dq_atomic and self.block_m == 64 and
+                     self.key_groups == (1 if self.split_columns else 2),
                      "WgmmaBackwardConfig: producer (the warp-specialised dK / dV / dQ kernel) "
-                     "takes dq_atomic=True, block_m 64 and 2 key warpgroups")
+                     "takes dq_atomic=True, block_m 64 and 2 key warpgroups (1 with "
+                     "split_columns)")
+        _require(self.split_columns == (self.head_dim > 128),
+                 f"WgmmaBackwardConfig: head dims past 128 (and only those) take "
+                 f"split_columns=True, producer=True, dq_atomic=True, key_groups=1; got "
+                 f"head_dim {self.head_dim}, split_columns={self.split_columns}")
+        _require(not self.split_columns or self.producer, "WgmmaBackwardConfig: "
+                 "split_columns is a form of the producer kernel (producer=True, "
+                 "dq_atomic=True, key_groups=1)")
         _require(not self.dq_own_keys or self.producer, "WgmmaBackwardConfig: dq_own_keys is "
                  "a choice of the producer kernel")
         if self.dq_atomic:
@@ -158,7 +178,7 @@ class WgmmaBackwardConfig:
         _require(self.dtype in DTYPES, f"WgmmaBackwardConfig.dtype must be one of {DTYPES}, "
                  f"got {self.dtype!r}")
         _require(self.head_dim in HEAD_DIMS, f"WgmmaBackwardConfig.head_dim must be a multiple "
-                 f"of 8 in 8 … 128, got {self.head_dim!r}")
+                 f"of 8 in 8 … 256, got {self.head_dim!r}")
         for name in ("block_m", "dq_block_n"):
             value = getattr(self, name)
             _require(isinstance(value, int) and 16 <= value <= 256 and value % 16 == 0,
@@ -173,7 +193,9 @@ class WgmmaBackwardConfig:
             _require(rows % step == 0, f"WgmmaBackwardConfig.{what}={rows}: the tile copy "
                      f"takes {step} rows per pass")
         limit = SMEM_LIMIT.get(tuple(self.cc[:2]), 99 * 1024)
-        for name, nbytes in (("dK/dV", self.dkdv_layout.nbytes), ("dQ", self.dq_layout.nbytes)):
+        layouts = (("dK/dV", self.dkdv_layout.nbytes),) + (
+            () if self.split_columns else (("dQ", self.dq_layout.nbytes),))
+        for name, nbytes in layouts:
             _require(nbytes <= limit, f"WgmmaBackwardConfig: the {name} kernel's {nbytes} B of "
                      f"shared memory exceed the {limit} B a block may use")
 
@@ -195,14 +217,29 @@ class WgmmaBackwardConfig:
     def own_keys(self) -> bool:
         """The producer kernel: each consumer warpgroup's dQ partial is over its own 64 keys
         and every column (``dq_own_keys``, and always at head_dim 64), else over all the
-        block's keys and its own 64-column slice."""
-        return self.producer and (self.dq_own_keys or self.slices == 1)
+        block's keys and its own 64-column slice (:attr:`split_columns`: over the block's 64
+        keys and its own two slices)."""
+        return self.producer and not self.split_columns and (self.dq_own_keys or
+                                                             self.slices == 1)
 
     @property
     def dq_jobs(self) -> int:
         """dQ partial products (64-column slices staged) per warpgroup and query block (atomic
-        path): every slice with one key warpgroup or :attr:`own_keys`, else one."""
+        path): every slice with one key warpgroup or :attr:`own_keys`, half of them with
+        :attr:`split_columns`, else one."""
+        if self.split_columns:
+            return self.slices // 2
         return self.slices if self.key_groups == 1 or self.own_keys else 1
+
+    @property
+    def consumers(self) -> int:
+        """The dK / dV kernel's consumer (MMA) warpgroups."""
+        return 2 if self.split_columns else self.key_groups
+
+    @property
+    def stages(self) -> int:
+        """Slots of the Q / dO stream (one with :attr:`split_columns`)."""
+        return 1 if self.split_columns else 2
 
     @property
     def dq_block_m(self) -> int:
@@ -211,7 +248,7 @@ class WgmmaBackwardConfig:
     @property
     def threads(self) -> int:
         """The dK / dV kernel's block: its key warpgroups, and the producer's."""
-        return 128 * (self.key_groups + (1 if self.producer else 0))
+        return 128 * (self.consumers + (1 if self.producer else 0))
 
     @property
     def dq_threads(self) -> int:
@@ -225,15 +262,16 @@ class WgmmaBackwardConfig:
 
     @property
     def dkdv_layout(self) -> SmemLayout:
-        D, BM, BN = self.width, self.block_m, self.block_n
+        D, BM, BN, ST = self.width, self.block_m, self.block_n, self.stages
         regions = [("k", BN * D * 2, 1024), ("v", BN * D * 2, 1024),
-                   ("q", 2 * BM * D * 2, 1024), ("do", 2 * BM * D * 2, 1024),
-                   ("lse2", 2 * BM * 4, 16), ("delta", 2 * BM * 4, 16)]
+                   ("q", ST * BM * D * 2, 1024), ("do", ST * BM * D * 2, 1024),
+                   ("lse2", ST * BM * 4, 16), ("delta", ST * BM * 4, 16)]
         if self.dq_atomic:
-            # the producer kernel's consumers share dS (split columns): two buffers
+            # the producer kernel's consumers share dS (split slices): two buffers; with
+            # split_columns each consumer its own box of the block's 64 keys
             buffers = 2 if self.producer and not self.own_keys else 1
             regions += [("ds", buffers * BM * BN * 2, 1024),
-                        ("dq", self.key_groups * self.dq_jobs * DQ_TILE_BYTES, 16)]
+                        ("dq", self.consumers * self.dq_jobs * DQ_TILE_BYTES, 16)]
         if self.producer:
             regions.append(("bars", 64, 8))    # the Q / dO ring's and K / V's mbarriers
         else:
@@ -249,11 +287,12 @@ class WgmmaBackwardConfig:
     def describe(self) -> str:
         dq = ("dQ by bulk reductions from the dK/dV kernel" + (
             ", producer warpgroup" if self.producer else "") + (
-            ", dQ over each warpgroup's own keys" if self.dq_own_keys else "")
+            ", dQ over each warpgroup's own keys" if self.dq_own_keys else "") + (
+            ", dK / dV / dQ columns split between them" if self.split_columns else "")
             if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
-                f"({self.key_groups} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
+                f"({self.consumers} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
 
 
 def _jit(threads: int):
@@ -261,7 +300,8 @@ def _jit(threads: int):
 
 
 def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=None,
-                       softcap: float = 0.0, mods=(None, None, None), sparse: bool = False):
+                       softcap: float = 0.0, mods=(None, None, None), sparse: bool = False,
+                       columns=None):
     """``(products, g_mma, (shape, dtype))``: one query block's work for a warpgroup's 64
     keys, issued up to
     the dK product (still in flight on return: ``g_mma.wait(0)`` then
@@ -269,7 +309,7 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
     its group).
 
     ``products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-    do_tile, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk, ds_box, lane, warp4,
+    do_tile, g_off, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk, ds_box, lane, warp4,
     t, scale_log2, scale, col0, b, hq, hook, part)``: ``Sᵀ = K Qᵀ`` and ``dPᵀ = V dOᵀ`` (A:
     the warpgroup's K / V rows at ``k_wg`` / ``v_wg``, B: the block's Q / dO tiles,
     ``cfg.block_m`` rows); the variant's score modifications and masks
@@ -292,18 +332,25 @@ def key_block_products(cfg: WgmmaBackwardConfig, causal: bool = False, window=No
 
     ``causal``, ``window``, ``softcap``, ``mods`` (``(score_mod, score_mod_grad, mask_mod[,
     n_args, alibi[, bits]])``), ``sparse``: the variant, as
-    :func:`tilepy.tile.attention_backward.key_block_scores` takes it."""
+    :func:`tilepy.tile.attention_backward.key_block_scores` takes it.
+
+    ``columns``: the columns of dK and dV the warpgroup accumulates (default the tile's
+    width; ``dk_acc`` / ``dv_acc`` hold ``columns / 2`` floats), from byte ``g_off`` of the
+    Q / dO tiles (a multiple of one 64-column box: :attr:`WgmmaBackwardConfig.split_columns`'
+    second consumer reads from its half); ``Sᵀ`` and ``dPᵀ`` are always over every column."""
     left, right, cap, mods, _ = kernel_variant(causal, window, softcap, mods)
-    return _key_block_products(cfg, left, right, cap, mods, bool(sparse))
+    return _key_block_products(cfg, left, right, cap, mods, bool(sparse),
+                               cfg.width if columns is None else int(columns))
 
 
 @functools.cache
 def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
-                        mods: tuple, sparse: bool):
+                        mods: tuple, sparse: bool, columns: int):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     NQ = BM // 8
     s_mma = warpgroup_mma(BM, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
-    g_mma = warpgroup_mma(D, SmemOperand(D, BM, "mn"), None, cfg.dtype)  # dV, dK (A in regs)
+    # dV, dK (A in registers) over the warpgroup's columns
+    g_mma = warpgroup_mma(columns, SmemOperand(D, BM, "mn"), None, cfg.dtype)
     to_frag_s, _ = accumulator_fragment(BM)
     grad = softmax_gradient(1, NQ, "cols")
     key_scores, chain, dfac_layout = key_block_scores(NQ, BN, False, (left, right), cap, mods,
@@ -314,8 +361,8 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
 
     @inline_device
     def products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg, q_tile,
-                 do_tile, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk, ds_box,
-                 lane, warp4, t, scale_log2, scale, col0, b, hq, hook, part):
+                 do_tile, g_off, l_addr, d_addr, block_diag, key_shift, edge, my_key, sk,
+                 ds_box, lane, warp4, t, scale_log2, scale, col0, b, hq, hook, part):
         s_mma.mma_pair(st, k_wg, q_tile, dpt, v_wg, do_tile)   # Sᵀ = K Qᵀ, dPᵀ = V dOᵀ
         to_frag_s(st3, st)
         key_scores(st3, dfac, scale, my_key, col0, b, hq, hook, part, block_diag, key_shift,
@@ -326,7 +373,7 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
         for kk in range(BM // 16):
             a_p[4 * kk], a_p[4 * kk + 1], a_p[4 * kk + 2], a_p[4 * kk + 3] = afrag(st3, 0, kk)
         g_mma.fence()
-        g_mma.mma_rs(dv_acc, a_p, do_tile, 1)
+        g_mma.mma_rs(dv_acc, a_p, do_tile + g_off, 1)
         g_mma.commit()
         g_mma.wait(1)            # dPᵀ has landed (dV may still run)
         s_mma.fence_operand(dpt)
@@ -340,7 +387,7 @@ def _key_block_products(cfg: WgmmaBackwardConfig, left: int, right: int, cap: fl
         if STORE_DS:   # dS (queries × keys, K-major) for dQ, before dK's wgmma reads a_ds
             to_ds(ds_box, a_ds, lane, warp4)
         g_mma.fence()
-        g_mma.mma_rs(dk_acc, a_ds, q_tile, 1)
+        g_mma.mma_rs(dk_acc, a_ds, q_tile + g_off, 1)
         g_mma.commit()
 
     return products, g_mma, dfac_layout
@@ -523,7 +570,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                 d_addr = base + DL_OFF + sgo * ROW_BYTES
 
                 products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
-                         q_tile, do_tile, l_addr, d_addr, row + shift - key0,
+                         q_tile, do_tile, 0, l_addr, d_addr, row + shift - key0,
                          my_key - shift - (row + 2 * t), edge, my_key, sk, ds_wg, lane,
                          warp % 4, t, scale_log2, scale, row + 2 * t, b, hq, hook, cpart)
 
@@ -624,11 +671,17 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     WIN = (left, right)
     SPARSE = mask_block is not None
     KG, SL = cfg.key_groups, cfg.slices
+    CONS = cfg.consumers
+    # split_columns: both consumers over the block's 64 keys, consumer c's dK / dV / dQ
+    # columns HALF · c … (HALF_B bytes into the MN-major Q / dO tiles)
+    COLS = cfg.split_columns
+    HALF = D // 2 if COLS else D
+    HALF_B = (HALF // 64) * BM * 128
     THREADS = cfg.threads
     PT = 128                 # producer threads
     NQ = BM // 8
     NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
-    NW = D // 8
+    NW = D // 8 if not cfg.split_columns else D // 16   # (a consumer's)
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -637,13 +690,14 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     DS_BYTES = BM * BN * 2
     ROW_BYTES = BM * 4
     WG_ROWS = 64 * 128
-    ACC_O, ACC_S, A_REGS = D // 2, BM // 2, BM // 4
-    SPLIT = not cfg.own_keys  # consumer c: columns 64 c … over every key; else its own keys
+    ACC_O, ACC_S, A_REGS = HALF // 2, BM // 2, BM // 4
+    # consumer c: columns 64 c … over every key; else (own keys, split columns) its own box
+    SPLIT = not cfg.own_keys and not COLS
     KDQ = BN if SPLIT else 64
     JOBS = cfg.dq_jobs        # a consumer's 64-column dQ slices, one product each
     SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
     DS_BUFFERS = 2 if SPLIT else 1
-    ring = tma_pipeline(2, 4 * KG, 1, producers=PT)
+    ring = tma_pipeline(cfg.stages, 4 * CONS, 1, producers=PT, single=COLS)
     KV_BAR = ring.nbytes     # after the ring's barriers
     # block-sparse: the producer writes each step's query block and (head offset, part) into
     # its ring slot's two step words (after the K / V barrier) before it arrives, and the
@@ -653,10 +707,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     if SPARSE and COUNT + 4 > lay["bars"].nbytes:
         raise ValueError(f"dkdv_ws_kernel: no room for the step words in {lay['bars'].nbytes} "
                          f"bytes of barriers")
-    roles = warpgroup_roles(KG, True, True, *registers)
+    roles = warpgroup_roles(CONS, True, True, *registers)
     named = NamedBarriers()
-    DS_BAR = named.take("ds", 128 * KG)            # both consumers' dS written
-    WG_BAR = named.take("warpgroup", 128, count=KG)  # one consumer's dS written (own keys)
+    DS_BAR = named.take("ds", 128 * CONS)          # both consumers' dS written
+    WG_BAR = named.take("warpgroup", 128, count=CONS)  # one consumer's dS written (own box)
     WARP_STAGE = 16 * DQ_ROW * 4                   # a warp's rows of a staged dQ partial
 
     smem = dynamic_shared(1024)
@@ -664,14 +718,16 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     issue_q = copy_rows_to_shared_128b(BM, D, PT, cfg.head_dim)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
     products, g_mma, (DF_SHAPE, DF_TYPE) = key_block_products(cfg, False, WIN, cap, mods,
-                                                                    SPARSE)
+                                                              SPARSE, HALF)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"),
                            cfg.dtype, k=KDQ)
-    to_frag_o, _ = accumulator_fragment(D)
+    to_frag_o, _ = accumulator_fragment(HALF)
     qblocks = query_blocks(BM, False, WIN, BN)
     _, _, first_step, advance = query_steps(BM, BN, mask_block)
     count_steps = counted_steps(BM, BN, mask_block)
-    store = store_accumulators(1, NO, cfg.dtype)
+    # the stores: every column, or (split columns) each consumer's stored n8 blocks
+    store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
+    store_hi = store_accumulators(1, max(1, NO - HALF // 8), cfg.dtype) if COLS else store
     stage_dq = stage_float32(64, DQ_ROW)
 
     @inline_device
@@ -719,13 +775,17 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         t = lane % 4
         issuer = lane == 0       # issues the warp's bulk reductions
         shift = sk - sq
-        my_key = key0 + cw * 16 + g
+        my_key = key0 + (warp4 if COLS else cw) * 16 + g
         edge = key0 + BN > sk    # the block holds zero-filled keys past sk
-        k_wg = base + K_OFF + c * WG_ROWS
-        v_wg = base + V_OFF + c * WG_ROWS
+        k_wg = base + K_OFF + (0 if COLS else c * WG_ROWS)
+        v_wg = base + V_OFF + (0 if COLS else c * WG_ROWS)
+        g_off = c * HALF_B if COLS else 0
         dq_a = base + DS_OFF + (0 if SPLIT else c * (BM * 128))
-        dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * WG_ROWS)   # + job · SLICE_B
-        sl0 = c if SPLIT else 0  # the first slice this consumer reduces
+        # + job · SLICE_B: the K box of the job's slice
+        dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * JOBS * SLICE_B if COLS
+                               else c * WG_ROWS)
+        # the first slice this consumer reduces
+        sl0 = c if SPLIT else c * JOBS if COLS else 0
         stage = base + DQ_OFF + c * (JOBS * DQ_TILE_BYTES)
         dqp = cuda.local.array(32, np.float32)
         st = cuda.local.array(ACC_S, np.float32)
@@ -753,7 +813,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 part = walk[2]
             buf = (n % DS_BUFFERS) * DS_BYTES
             products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
-                     base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
+                     base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE, g_off,
                      base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
                      row + shift - key0, my_key - shift - (row + 2 * t), edge, my_key,
                      sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2,
@@ -825,10 +885,23 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             lane = tid % 32
             cw = tid // 32 - 4
             out3 = cuda.local.array((1, NW, 4), np.float32)
-            to_frag_o(out3, dk_acc)
-            store(out3, dk[b, hk], key0 + cw * 16, sk, scale, lane // 4, lane % 4)
-            to_frag_o(out3, dv_acc)
-            store(out3, dv[b, hk], key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
+            if COLS:   # consumer c: its columns HALF · c … of the block's 64 keys
+                r0 = key0 + (cw % 4) * 16
+                to_frag_o(out3, dk_acc)
+                if c == 0:
+                    store(out3, dk[b, hk], r0, sk, scale, lane // 4, lane % 4)
+                else:
+                    store_hi(out3, dk[b, hk, :, HALF:], r0, sk, scale, lane // 4, lane % 4)
+                to_frag_o(out3, dv_acc)
+                if c == 0:
+                    store(out3, dv[b, hk], r0, sk, _ONE, lane // 4, lane % 4)
+                else:
+                    store_hi(out3, dv[b, hk, :, HALF:], r0, sk, _ONE, lane // 4, lane % 4)
+            else:
+                to_frag_o(out3, dk_acc)
+                store(out3, dk[b, hk], key0 + cw * 16, sk, scale, lane // 4, lane % 4)
+                to_frag_o(out3, dv_acc)
+                store(out3, dv[b, hk], key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
 
     return kernel
 
@@ -1043,6 +1116,11 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     mask_block, kv_mask, q_mask = sparse if sparse is not None else (None, None, None)
     variant = (window, softcap, mods, mask_block)
 
+    if cfg.split_columns and not atomic:
+        raise NotImplementedError(
+            f"{cfg.describe()}: past head_dim 128 the wgmma backward takes dQ by atomics only; "
+            f"deterministic calls and packed sequences run the mma.sync kernels there (leave "
+            f"config=None)")
     # without atomics (deterministic): the dK / dV kernel without its dQ part
     kcfg = cfg if atomic else dataclasses.replace(cfg, dq_atomic=False, producer=False)
     kern = dkdv_ws_kernel(kcfg, causal, *variant) if kcfg.producer else \
@@ -1095,6 +1173,12 @@ COMPILED = (
     ("bwd_wgmma_ws_d128_f16_own_keys", "ws", WgmmaBackwardConfig(
         128, dq_atomic=True, producer=True, dq_own_keys=True), False),
     ("bwd_wgmma_dq_d128_f16_causal", "dq", WgmmaBackwardConfig(128), True),
+    # past 128: the columns split between the consumers (256, and 192 zero-filled to it)
+    ("bwd_wgmma_ws_d256_bf16_causal", "ws", WgmmaBackwardConfig(
+        256, dtype="bfloat16", key_groups=1, dq_atomic=True, producer=True,
+        split_columns=True), True),
+    ("bwd_wgmma_ws_d192_f16", "ws", WgmmaBackwardConfig(
+        192, key_groups=1, dq_atomic=True, producer=True, split_columns=True), False),
     # a head dim between the widths (96: the 128-column tiles, zero-filled; the built-in
     # choice's warp-specialised kernel and the deterministic dQ kernel)
     ("bwd_wgmma_ws_d96_bf16_causal", "ws", WgmmaBackwardConfig(

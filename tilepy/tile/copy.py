@@ -346,39 +346,70 @@ def copy_rows_to_shared_128b(rows: int, cols: int, threads: int, valid_cols=None
     Thread ``tid`` copies 16-byte chunk ``tid % chunks`` of rows ``tid // chunks + p ·
     (threads / chunks)`` (``chunks = cols / 8``): one column and one swizzle phase per thread
     (the row step is a multiple of 8), so its shared offsets are one base plus constants and
-    its global ones a base plus multiples of the row stride. Every one of the ``threads``
-    threads calls it; ``threads / chunks`` must be a multiple of 8 dividing ``rows``."""
+    its global ones a base plus multiples of the row stride. Where ``threads / chunks`` is
+    4, 2 or 1 (a 256-column tile of 128 threads), the row's chunks are taken in
+    ``8 / (threads / chunks)`` groups, each thread one chunk of every group, so that its rows
+    stay 8 apart. Every one of the ``threads`` threads calls it; the rows a pass covers
+    (``threads / chunks`` times the groups) must divide ``rows``."""
     chunks = cols // 8                    # 16-byte chunks per row
-    step = threads // chunks              # rows per pass (a multiple of 8)
-    passes = rows // step
+    step = threads // chunks if chunks and threads % chunks == 0 else 0
+    groups = 8 // step if step in (1, 2, 4) else 1   # the row's chunks in groups
+    per = chunks // groups                # chunks a pass covers per row (of one group)
+    step = step * groups                  # rows per pass (a multiple of 8)
     sub_bytes = rows * 128
     valid = chunks if valid_cols is None else valid_cols // 8
-    if not (cols % 64 == 0 and threads % chunks == 0 and step % 8 == 0 and rows % step == 0):
+    if not (cols % 64 == 0 and step and step % 8 == 0 and rows % step == 0):
         raise ValueError(f"copy_rows_to_shared_128b: a {rows}x{cols} tile (64-column sub-tiles) "
                          f"does not split into passes of {threads} threads with rows a multiple "
                          "of 8 apart")
     if valid_cols is not None and not (0 < valid_cols <= cols and valid_cols % 8 == 0):
         raise ValueError(f"copy_rows_to_shared_128b: valid_cols {valid_cols} must be a "
                          f"multiple of 8 in 8 … {cols}")
+    passes = rows // step
 
     PADDED = valid < chunks
 
+    if groups == 1:
+        @inline_device
+        def issue(tile, src, row_stride, rows_left, tid):
+            c = tid % chunks
+            r = tid // chunks
+            dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+            a = src + r * row_stride + c * 16
+            left = rows_left - r
+            if PADDED and c >= valid:
+                # a chunk past the valid columns reads nothing: its source is the row's first
+                a = src + r * row_stride
+                left = 0
+            for p in range(passes):
+                cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
+                               16 if p * step < left else 0)
+
+        return issue
+
+    GB = per * 16               # bytes from a chunk to its twin in the next group
+    GSUB = (per // 8) * sub_bytes
+
     @inline_device
-    def issue(tile, src, row_stride, rows_left, tid):
-        c = tid % chunks
-        r = tid // chunks
+    def issue_groups(tile, src, row_stride, rows_left, tid):
+        # the groups' chunks of one row pass after another, the source advanced a pass at a
+        # time (one 64-bit add a pass rather than an address per copy held at once)
+        c = tid % per
+        r = tid // per
         dst = tile + (c // 8) * sub_bytes + r * 128 + (((c % 8) ^ (r % 8)) * 16)
         a = src + r * row_stride + c * 16
         left = rows_left - r
-        if PADDED and c >= valid:
-            # a chunk past the valid columns reads nothing: its source is the row's first
-            a = src + r * row_stride
-            left = 0
+        pass_bytes = step * row_stride
         for p in range(passes):
-            cp_async_cg_16(dst + p * (step * 128), a + p * step * row_stride,
-                           16 if p * step < left else 0)
+            n = 16 if p * step < left else 0
+            for j in range(groups):
+                if PADDED and c + j * per >= valid:   # past the valid columns: zero-filled
+                    cp_async_cg_16(dst + p * (step * 128) + j * GSUB, a - c * 16, 0)
+                else:
+                    cp_async_cg_16(dst + p * (step * 128) + j * GSUB, a + j * GB, n)
+            a += pass_bytes
 
-    return issue
+    return issue_groups
 
 
 @functools.cache

@@ -57,17 +57,25 @@ from ..ptx import wgmma as WG
 
 
 @functools.cache
-def tma_pipeline(stages: int, arrivals: int, cluster: int = 1, producers: int = 1):
+def tma_pipeline(stages: int, arrivals: int, cluster: int = 1, producers: int = 1,
+                 single: bool = False):
     """The ring's device functions for ``stages`` slots, ``arrivals`` releases per use (per
     block: each consumer warp's lane 0, or lanes ``0 … cluster - 1``, counted over the
     cluster's blocks), clusters of ``cluster`` blocks (1 or 2) and ``producers`` arrivals
     per fill (1: a TMA producer's ``commit``; more: cp.async producer threads, each
     ``arrive_copies``). Returns a module-like
     namespace that kernels call through (``ring.wait(bars, s, ph)``), with the constants
-    ``STAGES`` and ``nbytes``."""
-    if stages < 2:
-        raise ValueError(f"tma_pipeline: at least 2 stages (a single stage deadlocks TMA "
-                         f"against its readers), got {stages}")
+    ``STAGES`` and ``nbytes``.
+
+    ``single=True`` allows one slot (for tiles too large to double): the producer then fills
+    use ``i + 1`` only after every consumer released use ``i``, so loading never overlaps
+    reading, and a consumer must release a use before it waits for the next — the discipline
+    of releasing slot ``i - 1`` once the products of slot ``i`` are issued deadlocks on one
+    slot, which is why it takes the keyword."""
+    if stages < (1 if single else 2):
+        raise ValueError(f"tma_pipeline: at least 2 stages (a single stage deadlocks a "
+                         f"consumer that releases a slot after waiting for the next; "
+                         f"single=True allows one), got {stages}")
     if cluster not in (1, 2) or arrivals < 1 or producers < 1:
         raise ValueError(f"tma_pipeline: cluster 1 or 2, arrivals >= 1 and producers >= 1, "
                          f"got {cluster}, {arrivals}, {producers}")
