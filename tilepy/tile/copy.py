@@ -403,10 +403,11 @@ def copy_rows_to_shared_128b(rows: int, cols: int, threads: int, valid_cols=None
         for p in range(passes):
             n = 16 if p * step < left else 0
             for j in range(groups):
-                if PADDED and c + j * per >= valid:   # past the valid columns: zero-filled
-                    cp_async_cg_16(dst + p * (step * 128) + j * GSUB, a - c * 16, 0)
-                else:
-                    cp_async_cg_16(dst + p * (step * 128) + j * GSUB, a + j * GB, n)
+                # past the valid columns: zero-filled from the row's first chunk (selects,
+                # not branches)
+                ok = not PADDED or c + j * per < valid
+                cp_async_cg_16(dst + p * (step * 128) + j * GSUB,
+                               a + (j * GB if ok else -c * 16), n if ok else 0)
             a += pass_bytes
 
     return issue_groups
