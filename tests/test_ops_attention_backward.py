@@ -463,6 +463,17 @@ def test_heads_and_batches_past_the_grid_limit(monkeypatch, b, hq, hk, limit):
         ab._PLANS.clear()
 
 
+def test_split_columns_refuse_deterministic():
+    """The split-column kernel takes dQ by atomics only: a deterministic call with it is a
+    clear error before anything launches."""
+    with pytest.raises(NotImplementedError, match="atomics only"):
+        run_case(1, 1, 1, 10, 10, 136, False, deterministic=True,
+                 config=WgmmaBackwardConfig(136, key_groups=1, dq_atomic=True, producer=True,
+                                            split_columns=True))
+    with pytest.raises(ValueError, match="past 128"):
+        WgmmaBackwardConfig(256, key_groups=2, dq_atomic=True, producer=True)
+
+
 def test_config_choice_and_checks(monkeypatch):
     assert choose_config(64, "float16").head_dim == 64
     # on sm_90: the fused kernel at head_dim 128 unless deterministic, dQ's own kernel else
@@ -471,6 +482,14 @@ def test_config_choice_and_checks(monkeypatch):
     assert choose_config(128, "bfloat16").producer
     assert not choose_config(128, "bfloat16", deterministic=True).dq_atomic
     assert not choose_config(64, "float16").dq_atomic
+    # past 128: the split-column wgmma kernel with WGMMA_WIDE unless deterministic (the
+    # mma.sync kernels then, and always without the switch)
+    monkeypatch.setattr(ab, "WGMMA_WIDE", True)
+    wide = choose_config(192, "bfloat16")
+    assert wide.split_columns and wide.width == 256 and wide.threads == 384
+    assert isinstance(choose_config(256, "float16", deterministic=True), BackwardConfig)
+    monkeypatch.setattr(ab, "WGMMA_WIDE", False)
+    assert isinstance(choose_config(256, "float16"), BackwardConfig)
     # variants on the wgmma kernels there too, and packed sequences — on the pair whose dQ
     # has its own kernel (no atomics for them)
     assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
