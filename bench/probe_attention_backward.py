@@ -64,8 +64,8 @@ def main():
     # past 128: the built-in choice (None), then the wgmma kernel with its columns split
     # between the consumers
     for d in {x[3] for x in shapes} - set(grids):
-        grids[d] = [None, ws(d, key_groups=1, dq_atomic=True, producer=True,
-                             split_columns=True)]
+        grids[d] = [None] + [ws(d, key_groups=1, dq_atomic=True, producer=True,
+                                split_columns=True, query_halves=h) for h in (False, True)]
     if args.configs:
         pick = [int(i) for i in args.configs.split(",")]
         grids = {d: [g[i] for i in pick if i < len(g)] for d, g in grids.items()}

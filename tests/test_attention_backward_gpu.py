@@ -149,10 +149,12 @@ def test_gpu_backward_against_sdpa_float32(case):
 WIDE_CASES = [CASES[12], CASES[13], (1, 4, 2, 1300, 900, 256, True, "bhsd", F16, None)]
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["whole-scores", "query-halves"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
-def test_gpu_wide_head_dims_on_wgmma(case):
+def test_gpu_wide_head_dims_on_wgmma(case, halves):
     """Past head_dim 128, the warp-specialised wgmma kernel with its columns split between
-    the consumers (``split_columns``, one ring slot; 200 zero-filled to 256), into NaN-filled
+    the consumers (``split_columns``, one ring slot; 200 zero-filled to 256) — each consumer
+    computing the whole Sᵀ / dPᵀ, or its query half (``query_halves``) — into NaN-filled
     outputs, against SDPA's math backend in float32 — GQA, seq_q above and below seq_k."""
     from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
@@ -161,7 +163,8 @@ def test_gpu_wide_head_dims_on_wgmma(case):
     out, lse = tilepy.flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True,
                                       layout=layout)
     cfg = WgmmaBackwardConfig(d, dtype=str(dtype).split(".")[-1], key_groups=1,
-                              dq_atomic=True, producer=True, split_columns=True)
+                              dq_atomic=True, producer=True, split_columns=True,
+                              query_halves=halves)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale,
                                     layout=layout, dq=dq, dk=dk, dv=dv, config=cfg)

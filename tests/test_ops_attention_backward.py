@@ -370,9 +370,16 @@ def test_dq_by_atomics():
      (1, 2, 1, 90, 70, True, "float16", "bhsd")),
     (200, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
      (1, 1, 1, 70, 130, False, "bfloat16", "bshd")),
+    # the same with Sᵀ / dPᵀ by query halves (P and dS through shared boxes, one barrier of
+    # both consumers a step): 256 causal GQA, 136 (one stored n8 block past 128)
+    (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
+               query_halves=True), (1, 2, 1, 90, 70, True, "bfloat16", "bhsd")),
+    (136, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
+               query_halves=True), (1, 1, 1, 70, 130, False, "float16", "bshd")),
 ], ids=["d64-causal-gqa", "d128-atomic-one-warpgroup", "d128-ws-causal", "d64-ws",
         "d128-ws-own-keys", "d96-ws-padded", "d40-padded", "d256-ws-split-columns",
-        "d200-ws-split-columns-padded"])
+        "d200-ws-split-columns-padded", "d256-ws-split-columns-halves",
+        "d136-ws-split-columns-halves-padded"])
 def test_wgmma_kernels(d, cfg, case):
     b, hq, hk, sq, sk, causal, dtype, layout = case
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout,
@@ -486,7 +493,7 @@ def test_config_choice_and_checks(monkeypatch):
     # mma.sync kernels then, and always without the switch)
     monkeypatch.setattr(ab, "WGMMA_WIDE", True)
     wide = choose_config(192, "bfloat16")
-    assert wide.split_columns and wide.width == 256 and wide.threads == 384
+    assert wide.split_columns and wide.query_halves and wide.width == 256 and wide.threads == 384
     assert isinstance(choose_config(256, "float16", deterministic=True), BackwardConfig)
     monkeypatch.setattr(ab, "WGMMA_WIDE", False)
     assert isinstance(choose_config(256, "float16"), BackwardConfig)
@@ -598,11 +605,19 @@ def test_kernels_compile_without_spills(part):
                   # past 128 (columns split between the consumers): the consumers' per-thread
                   # constants held across the loop, as at d128 (72 B at 256, 80 B at 192)
                   "bwd_wgmma_ws_d256_bf16_causal": 80,
-                  "bwd_wgmma_ws_d192_f16": 88}.get(name, spills)
+                  "bwd_wgmma_ws_d192_f16": 88,
+                  # (by query halves: 16 B at 256, 32 B at 192)
+                  "bwd_wgmma_ws_d256_bf16_causal_halves": 24,
+                  "bwd_wgmma_ws_d192_f16_halves": 40}.get(name, spills)
         assert rep["spill_stores"] <= spills, (name, rep["spill_stores"])
         if "wgmma" in name:
             assert rep["ptxas_wgmma_notes"] == [], (name, rep["ptxas_wgmma_notes"])
             assert c["mma"] == 0, name
+            # at most one 64-bit division (a call in the machine code, which serialises every
+            # wgmma where the kernel is linked without link-time optimisation): the block's
+            # GQA group, once per block (in 32 bits the window / soft-cap kernel spilled 328 B
+            # instead of 108 offline); the dense step walk divides in 32 bits
+            assert c["div64"] <= 1, (name, c["div64"])
             # dK/dV (and the fused kernel): Sᵀ, dPᵀ (D/16 steps each), dV, dK (block_m/16
             # each) [+ dQ]; dQ: S, dP, dQ
             assert c["wgmma.mma_async"] >= (16 if "dkdv" in name or "_ws_" in name else 12), \

@@ -55,7 +55,7 @@ HOPPER_CHOICE = {64: dict(block_m=128, key_groups=1, dq_groups=1, dq_block_n=64)
 #: at head_dim 64 it was slower.
 HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=True),
                 256: dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
-                          split_columns=True)}
+                          split_columns=True, query_halves=True)}
 #: Whether the built-in choice on sm_90 runs head dims past 128 (``deterministic=False``) on
 #: the warp-specialised wgmma kernel with its columns split between the consumers
 #: (``HOPPER_FUSED[256]``; the deterministic path and packed sequences stay on the mma.sync

@@ -135,7 +135,11 @@ class WgmmaBackwardConfig:
     registers hold of a 128-column tile) and of dQ's partial; each computes the block's whole
     ``Sᵀ`` and ``dPᵀ`` (over every column), so the score products run twice. Q and dO stream
     through one ring slot (two do not fit in shared memory). Not deterministic: the
-    deterministic path and packed sequences run the mma.sync kernels past 128."""
+    deterministic path and packed sequences run the mma.sync kernels past 128.
+    ``query_halves`` (with ``split_columns``): consumer ``c`` computes ``Sᵀ`` and ``dPᵀ``
+    for queries ``32 c …`` of the step only, and both write their rows of ``P`` and ``dS``
+    into shared boxes that the dV / dK products then read (A from shared memory): no
+    product runs twice, one barrier of both consumers per step."""
 
     head_dim: int
     block_m: int = 64
@@ -148,9 +152,10 @@ class WgmmaBackwardConfig:
     producer: bool = False
     dq_own_keys: bool = False
     split_columns: bool = False
+    query_halves: bool = False
 
     def __post_init__(self):
-        for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns"):
+        for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns", "query_halves"):
             _require(isinstance(getattr(self, name), bool), f"WgmmaBackwardConfig.{name} must "
                      f"be a bool, got {getattr(self, name)!r}")
         if self.producer:
@@ -166,6 +171,8 @@ class WgmmaBackwardConfig:
         _require(not self.split_columns or self.producer, "WgmmaBackwardConfig: "
                  "split_columns is a form of the producer kernel (producer=True, "
                  "dq_atomic=True, key_groups=1)")
+        _require(not self.query_halves or self.split_columns, "WgmmaBackwardConfig: "
+                 "query_halves is a form of split_columns")
         _require(not self.dq_own_keys or self.producer, "WgmmaBackwardConfig: dq_own_keys is "
                  "a choice of the producer kernel")
         if self.dq_atomic:
@@ -272,6 +279,8 @@ class WgmmaBackwardConfig:
             buffers = 2 if self.producer and not self.own_keys else 1
             regions += [("ds", buffers * BM * BN * 2, 1024),
                         ("dq", self.consumers * self.dq_jobs * DQ_TILE_BYTES, 16)]
+            if self.query_halves:   # P (both consumers' rows); dS's two boxes: two steps
+                regions.append(("p", BM * BN * 2, 1024))
         if self.producer:
             regions.append(("bars", 64, 8))    # the Q / dO ring's and K / V's mbarriers
         else:
@@ -288,7 +297,8 @@ class WgmmaBackwardConfig:
         dq = ("dQ by bulk reductions from the dK/dV kernel" + (
             ", producer warpgroup" if self.producer else "") + (
             ", dQ over each warpgroup's own keys" if self.dq_own_keys else "") + (
-            ", dK / dV / dQ columns split between them" if self.split_columns else "")
+            ", dK / dV / dQ columns split between them" if self.split_columns else "") + (
+            ", Sᵀ / dPᵀ by query halves" if self.query_halves else "")
             if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
@@ -696,7 +706,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     KDQ = BN if SPLIT else 64
     JOBS = cfg.dq_jobs        # a consumer's 64-column dQ slices, one product each
     SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
-    DS_BUFFERS = 2 if SPLIT else 1
+    # two dS buffers where both consumers read one (a step's dQ products may still read the
+    # last one while the other consumer writes the next)
+    DS_BUFFERS = 2 if SPLIT or cfg.query_halves else 1
     ring = tma_pipeline(cfg.stages, 4 * CONS, 1, producers=PT, single=COLS)
     KV_BAR = ring.nbytes     # after the ring's barriers
     # block-sparse: the producer writes each step's query block and (head offset, part) into
@@ -729,6 +741,59 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
     store_hi = store_accumulators(1, max(1, NO - HALF // 8), cfg.dtype) if COLS else store
     stage_dq = stage_float32(64, DQ_ROW)
+    QH = cfg.query_halves
+    P_OFF = lay.offset("p") if QH else 0
+    # the halves' fragments: accumulator floats, A registers, local arrays of the variant
+    HQ_ACC, HQ_A = BM // 4, BM // 8
+    if QH:
+        # each consumer's Sᵀ / dPᵀ over its 32 of the step's queries (A: K / V, B: its rows
+        # of the K-major Q / dO tiles); P and dS through shared boxes (queries × 64 keys),
+        # read by dV / dK as MN-major A (M = keys) and by dQ as K-major A
+        HQ = BM // 2
+        NQH = HQ // 8
+        h_mma = warpgroup_mma(HQ, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
+        gs_mma = warpgroup_mma(HALF, SmemOperand(D, BM, "mn"), SmemOperand(BN, BM, "mn"),
+                               cfg.dtype)
+        to_frag_h, _ = accumulator_fragment(HQ)
+        grad_h = softmax_gradient(1, NQH, "cols")
+        key_scores_h, chain_h, (DFH_SHAPE, DFH_TYPE) = key_block_scores(
+            NQH, BN, False, WIN, cap, mods, SPARSE)
+        afrag = a_fragment(cfg.dtype)
+        to_box = transpose_to_shared(NQH)
+        PDS_BAR = named.take("p_ds", 128 * CONS)   # both consumers' rows of P and dS written
+
+        @inline_device
+        def products_halves(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_tile,
+                            v_tile, q_tile, do_tile, g_off, l_addr, d_addr, block_diag, key_shift, edge, my_key,
+                            sk, ds_box, p_box, c, lane, warp4, t, scale_log2, scale, col0, b,
+                            hq, hook, part):
+            qo = c * (HQ * 128)          # this consumer's query rows in the K-major boxes
+            h_mma.mma_pair(st, k_tile, q_tile + qo, dpt, v_tile, do_tile + qo)
+            to_frag_h(st3, st)
+            key_scores_h(st3, dfac, scale, my_key, col0 + c * HQ, b, hq, hook, part,
+                         block_diag + c * HQ, key_shift - c * HQ, edge, sk)
+            grad_h.probabilities(st3, l_addr + c * (HQ * 4), scale_log2, t)
+            for kk in range(HQ // 16):
+                a_p[4 * kk], a_p[4 * kk + 1], a_p[4 * kk + 2], a_p[4 * kk + 3] = \
+                    afrag(st3, 0, kk)
+            to_box(p_box + qo, a_p, lane, warp4)
+            h_mma.wait(0)                # dPᵀ has landed
+            h_mma.fence_operand(dpt)
+            to_frag_h(dpt3, dpt)
+            grad_h.gradients(dpt3, st3, d_addr + c * (HQ * 4), t)
+            chain_h(dpt3, dfac)
+            for kk in range(HQ // 16):
+                a_ds[4 * kk], a_ds[4 * kk + 1], a_ds[4 * kk + 2], a_ds[4 * kk + 3] = \
+                    afrag(dpt3, 0, kk)
+            to_box(ds_box + qo, a_ds, lane, warp4)
+            fence_proxy_async_shared()   # (generic-proxy stores before wgmma reads)
+            bar_sync(PDS_BAR, 128 * CONS)
+            gs_mma.fence()
+            gs_mma.mma(dv_acc, p_box, do_tile + g_off, 1)    # dV += Pᵀ dO (its columns)
+            gs_mma.mma(dk_acc, ds_box, q_tile + g_off, 1)    # dK += dSᵀ Q
+            gs_mma.commit()
+    else:
+        products_halves = None
 
     @inline_device
     def produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps, group,
@@ -780,7 +845,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         k_wg = base + K_OFF + (0 if COLS else c * WG_ROWS)
         v_wg = base + V_OFF + (0 if COLS else c * WG_ROWS)
         g_off = c * HALF_B if COLS else 0
-        dq_a = base + DS_OFF + (0 if SPLIT else c * (BM * 128))
+        dq_a = base + DS_OFF + (0 if SPLIT or QH else c * (BM * 128))
         # + job · SLICE_B: the K box of the job's slice
         dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * JOBS * SLICE_B if COLS
                                else c * WG_ROWS)
@@ -795,6 +860,14 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
+        if QH:   # (the halves' fragments: the arrays above go unused)
+            st_h = cuda.local.array(HQ_ACC, np.float32)
+            dpt_h = cuda.local.array(HQ_ACC, np.float32)
+            st3_h = cuda.local.array((1, NQH, 4), np.float32)
+            dpt3_h = cuda.local.array((1, NQH, 4), np.float32)
+            dfac_h_ = cuda.local.array(DFH_SHAPE, DFH_TYPE)
+            a_p_h = cuda.local.array(HQ_A, np.uint32)
+            a_ds_h = cuda.local.array(HQ_A, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
         hq0 = hk * group
@@ -812,12 +885,21 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 row = walk[1] * BM
                 part = walk[2]
             buf = (n % DS_BUFFERS) * DS_BYTES
-            products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
-                     base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE, g_off,
-                     base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
-                     row + shift - key0, my_key - shift - (row + 2 * t), edge, my_key,
-                     sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2,
-                     scale, row + 2 * t, b, hq, hook, part)
+            if QH:
+                products_halves(st_h, dpt_h, st3_h, dpt3_h, dfac_h_, a_p_h, a_ds_h, dk_acc,
+                                dv_acc, k_wg, v_wg, base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
+                                g_off, base + L_OFF + s * ROW_BYTES,
+                                base + DL_OFF + s * ROW_BYTES, row + shift - key0,
+                                my_key - shift - (row + 2 * t), edge, my_key, sk,
+                                base + DS_OFF + buf, base + P_OFF, c, lane, warp4, t,
+                                scale_log2, scale, row + 2 * t, b, hq, hook, part)
+            else:
+                products(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg, v_wg,
+                         base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE, g_off,
+                         base + L_OFF + s * ROW_BYTES, base + DL_OFF + s * ROW_BYTES,
+                         row + shift - key0, my_key - shift - (row + 2 * t), edge, my_key,
+                         sk, base + DS_OFF + buf + c * (BM * 128), lane, warp4, t, scale_log2,
+                         scale, row + 2 * t, b, hq, hook, part)
             fence_proxy_async_shared()
             if issuer:   # the warp's last partial has been read; the barrier below tells
                 bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
@@ -1179,6 +1261,12 @@ COMPILED = (
         split_columns=True), True),
     ("bwd_wgmma_ws_d192_f16", "ws", WgmmaBackwardConfig(
         192, key_groups=1, dq_atomic=True, producer=True, split_columns=True), False),
+    ("bwd_wgmma_ws_d256_bf16_causal_halves", "ws", WgmmaBackwardConfig(
+        256, dtype="bfloat16", key_groups=1, dq_atomic=True, producer=True,
+        split_columns=True, query_halves=True), True),
+    ("bwd_wgmma_ws_d192_f16_halves", "ws", WgmmaBackwardConfig(
+        192, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
+        query_halves=True), False),
     # a head dim between the widths (96: the 128-column tiles, zero-filled; the built-in
     # choice's warp-specialised kernel and the deterministic dQ kernel)
     ("bwd_wgmma_ws_d96_bf16_causal", "ws", WgmmaBackwardConfig(

@@ -63,6 +63,7 @@ from ..ptx.vector import ld_shared_b32, ld_shared_v2_f32, st_shared_b32, st_shar
 from .attention import (bitmap_word, block_mask_row, key_block_at, key_block_partial, key_blocks,
                         key_window, mask_key_block)
 from .config import DTYPES
+from .schedule import udiv
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -886,7 +887,8 @@ def _dense_steps():
 
     @inline_device
     def step(n, qb0, per_head, qmask, kb, b, hq0, group):
-        return n // per_head, qb0 + n % per_head, True
+        h = udiv(n, per_head)      # (32-bit: no division routine in the machine code)
+        return h, qb0 + n - h * per_head, True
 
     @inline_device
     def first(qb0, per_head, qmask, kb, b, hq0, group):
