@@ -368,8 +368,9 @@ def test_dq_by_atomics():
     # stores 72 of its 128 columns, dQ's last slice half padding)
     (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
      (1, 2, 1, 90, 70, True, "float16", "bhsd")),
-    (200, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
-     (1, 1, 1, 70, 130, False, "bfloat16", "bshd")),
+    pytest.param(200, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
+                           split_columns=True),
+                 (1, 1, 1, 70, 130, False, "bfloat16", "bshd"), marks=pytest.mark.extended),
     # the same with Sᵀ / dPᵀ by query halves (P and dS through shared boxes, one barrier of
     # both consumers a step): 256 causal GQA, 136 (one stored n8 block past 128)
     (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
