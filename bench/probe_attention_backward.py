@@ -37,6 +37,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--head-dim", type=int, help="only the shapes of this head_dim")
     ap.add_argument("--configs", help="comma-separated indices into the head_dim's grid")
+    ap.add_argument("--causal", choices=("0", "1"), help="only the full (0) or causal (1) "
+                    "shapes")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -52,6 +54,8 @@ def main():
         shapes = shapes[:1] + shapes[2:3]
     if args.head_dim:
         shapes = [x for x in shapes if x[3] == args.head_dim]
+    if args.causal is not None:
+        shapes = [x for x in shapes if x[4] == (args.causal == "1")]
     ws = WgmmaBackwardConfig
     # the built-in two-kernel configs, then the warp-specialised kernel (dQ by bulk
     # reductions from a producer + 2 consumer warpgroup block)
