@@ -105,6 +105,11 @@
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
+#   PART=s43a    issue 25's backward past head_dim 128 on wgmma (split_columns, whole scores
+#                and query halves): its GPU test (both forms), then the backward probe at
+#                D256 (full, causal) and D192 against cuDNN / FA2 and the mma.sync kernels;
+#                if the halves pass and beat the mma.sync kernels, turn
+#                attention_backward.WGMMA_WIDE on
 #   PART=s42a    the FP8 GEMM with block scales after its loop change (two k steps issued, the
 #                first promoted under the second: no wgmma serialised): its GPU tests, the
 #                probe at 4096³ / 8192³ against _scaled_mm, the loaded kernels' registers and
@@ -561,6 +566,14 @@ fi
 if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     bench_suite bench_backward_padded 200 \
         "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
+    archive_logs
+fi
+if [[ " $PART " == *" s43a "* ]]; then
+    gpu_tests wide_backward_gpu 200 tests/test_attention_backward_gpu.py -k wide_head_dims
+    step probe_bwd_d256 300 "$PY" bench/probe_attention_backward.py --head-dim 256 \
+        --json "$OUT/probe_bwd_d256.json"
+    step probe_bwd_d192 150 "$PY" bench/probe_attention_backward.py --head-dim 192 \
+        --json "$OUT/probe_bwd_d192.json"
     archive_logs
 fi
 if [[ " $PART " == *" s42a "* ]]; then
