@@ -408,6 +408,11 @@ def ws_config(d, dtype="float16", **kw):
     # (dQ's columns split between the consumers): whole query blocks that see no key
     pytest.param(128, ws_config(128), (1, 2, 2, 90, 60, True, "float16", "bhsd"),
                  dict(window=(7, 0)), marks=pytest.mark.extended),
+    # past 128 by query halves: a window on both sides with a soft cap (each consumer's
+    # 32 queries: the window's diagonal and the cap's derivative at its columns), GQA 2/1
+    (192, WgmmaBackwardConfig(192, dtype="bfloat16", key_groups=1, dq_atomic=True,
+                              producer=True, split_columns=True, query_halves=True),
+     (1, 2, 1, 70, 100, False, "bfloat16", "bshd"), dict(window=(20, 9), softcap=3.0)),
 ])
 def test_wgmma_variants(d, cfg, case, variant):
     """The forward's variants on the wgmma kernels (their twins): the window's query ranges

@@ -341,14 +341,19 @@ def gradients64(q, k, v, do, vis):
 #: 64-key consumers, dQ by bulk reductions; its unused dQ kernel's 128 rows do not count)
 #: with 64 x 128 blocks.
 WGMMA_SPARSE = {
-    "wgmma": (dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64), (64, 64), 85),
-    "wgmma_ws": (dict(block_m=64, key_groups=2, dq_atomic=True, producer=True), (64, 128), 170),
+    "wgmma": (dict(block_m=64, key_groups=1, dq_groups=1, dq_block_n=64), (64, 64), 85, 64),
+    "wgmma_ws": (dict(block_m=64, key_groups=2, dq_atomic=True, producer=True), (64, 128), 170,
+                 64),
+    # past head_dim 128: the split-column kernel by query halves (64-key blocks, one slot)
+    "wgmma_wide": (dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
+                        split_columns=True, query_halves=True), (64, 64), 150, 136),
 }
 
 
 @pytest.mark.sim
 @pytest.mark.parametrize("made", ["caller", pytest.param("caller64", marks=pytest.mark.extended),
-                                  "op", "wgmma", "wgmma_ws"])
+                                  "op", "wgmma", "wgmma_ws",
+                                  pytest.param("wgmma_wide", marks=pytest.mark.extended)])
 def test_block_sparse_backward_against_float64(made):
     """The backward under a block mask walks its lists (dQ) and its transposed lists (dK /
     dV): gradients against a float64 derivation — GQA 2 / 1 with a mask per query head, 85
@@ -367,9 +372,9 @@ def test_block_sparse_backward_against_float64(made):
     lo, hi, block = (0, 64, (64, 64)) if made == "caller64" else (32, 64, (64, 32))
     bw_kw = {}
     if made in WGMMA_SPARSE:
-        fields, block, s = WGMMA_SPARSE[made]
-        d, lo, hi = 64, block[1], 2 * block[1]
-        bw_kw = dict(config=WgmmaBackwardConfig(64, **fields))
+        fields, block, s, d = WGMMA_SPARSE[made]
+        lo, hi = block[1], 2 * block[1]
+        bw_kw = dict(config=WgmmaBackwardConfig(d, **fields))
     q = rng.standard_normal((b, hq, s, d)).astype(np.float16)
     k, v = (rng.standard_normal((b, hk, s, d)).astype(np.float16) for _ in range(2))
     k[:, :, lo:hi] = np.nan
