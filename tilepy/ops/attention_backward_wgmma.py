@@ -19,13 +19,15 @@ shared); what changes is who multiplies:
   (:func:`key_block_products`) in two consumer warpgroups beside a producer warpgroup that
   streams Q, dO, lse2 and delta through an mbarrier ring, plus dQ's partial ``dS K`` from
   ``dS`` in shared memory, added into dQ's float32 accumulator by bulk reductions: no dQ
-  kernel (FlashAttention-3's design; 5 products per block pair instead of 7).
+  kernel (FlashAttention-3's design; 5 products per block pair instead of 7). Past head_dim
+  128 (``split_columns``) its two consumers share the block's 64 keys and split the columns
+  of dK, dV and dQ.
 
 Shared tiles are 128-byte-swizzled 64-column boxes (:func:`tilepy.tile.copy.
 copy_rows_to_shared_128b`): a (rows × D) tile is at once the K-major operand with K = D and the
 MN-major one with N = D (:class:`tilepy.tile.warpgroup_mma.SmemOperand`), so one copy of Q, dO
-and K serves both kinds of product. Tiles are 64 or 128 columns wide (:func:`tile_width`);
-a head dim between (any multiple of 8 up to 128) is zero-filled to its tile's width by the
+and K serves both kinds of product. Tiles are 64, 128 or 256 columns wide (:func:`tile_width`);
+a head dim between (any multiple of 8 up to 256) is zero-filled to its tile's width by the
 copies, and the stores write its own columns only.
 """
 
@@ -658,6 +660,16 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
       warp for its 16 rows, issued by the warp's lane 0 after a warp_sync. Lane 0 waits for
       a reduction's reads one step later, before the dS barrier, which every lane passes
       before it rewrites the staging.
+
+    * ``split_columns`` (head dims past 128, 256-column tiles): the block's 64 keys are both
+      consumers'; consumer ``c`` accumulates columns ``128 c …`` of dK and dV and reduces dQ's
+      slices ``2 c``, ``2 c + 1`` over the block's keys from its own dS box; the ring has one
+      slot (:func:`tilepy.tile.pipeline.tma_pipeline` ``single=True``: the slot is released
+      once dV and dK retired, before the dQ products). With ``query_halves`` each consumer
+      computes ``Sᵀ`` / ``dPᵀ`` for its 32 of the step's queries and stores its rows of P and
+      dS into shared boxes (dS in two, alternating by step: the other consumer's dQ products
+      may still read the last); after one barrier of both consumers, dV and dK read them as
+      MN-major A operands and dQ reads dS as a K-major one.
 
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
     producer and the consumers walk the same steps one after the other
