@@ -429,6 +429,59 @@ def test_cp_async_producers_fill_the_ring(waited):
     np.testing.assert_array_equal(out, src)
 
 
+def make_rows_copy_kernel(rows, cols, threads, valid_cols):
+    """One block of ``threads`` threads: shared memory poisoned, then
+    :func:`tilepy.tile.copy.copy_rows_to_shared_128b`'s copies of ``src`` (rows × valid
+    columns, uint16) for ``rows_left`` rows, waited for, and shared memory copied to ``out``."""
+    from tilepy.ptx import cp_async as CP
+    from tilepy.ptx.address import global_addr
+    from tilepy.tile.copy import copy_rows_to_shared_128b
+
+    issue = copy_rows_to_shared_128b(rows, cols, threads, valid_cols)
+    words = rows * cols
+    T_ = threads
+
+    @cuda.jit
+    def kernel(src, out, rows_left):
+        smem = cuda.shared.array(words, uint16)
+        tid = cuda.threadIdx.x
+        for i in range(tid, words, T_):
+            smem[i] = 0xFFFF
+        cuda.syncthreads()
+        issue(shared_addr(smem, 0), np.int64(global_addr(src, (0, 0))), src.strides[0],
+              rows_left, tid)
+        CP.cp_async_wait_all()
+        cuda.syncthreads()
+        for i in range(tid, words, T_):
+            out[i] = smem[i]
+
+    return kernel
+
+
+@pytest.mark.sim
+@pytest.mark.parametrize("rows, cols, threads, valid, rows_left", [
+    (64, 128, 128, None, 64),     # one chunk a thread per pass (rows 8 apart)
+    (64, 256, 128, None, 64),     # two chunk groups a thread (the 256-column tiles)
+    (64, 256, 128, 200, 37),      # padded columns and rows past the end zero-filled
+])
+def test_rows_copy_writes_the_swizzled_boxes(rows, cols, threads, valid, rows_left):
+    """Every 16-byte chunk of the (rows × cols) tile lands once, at ``(c // 8) · rows · 128 +
+    r · 128 + ((c % 8) ^ (r % 8)) · 16`` — the source's chunk, or zeros past ``rows_left`` and
+    the valid columns; nothing of the poison is left."""
+    rng = np.random.default_rng()
+    vc = cols if valid is None else valid
+    src = rng.integers(0, 2**15, (rows, vc), dtype=np.uint16)
+    out = np.zeros(rows * cols, np.uint16)
+    make_rows_copy_kernel(rows, cols, threads, valid)[1, threads](src, out, rows_left)
+    want = np.zeros_like(out)
+    for r in range(rows):
+        for c in range(cols // 8):
+            at = ((c // 8) * rows * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16) // 2
+            if r < rows_left and 8 * c < vc:
+                want[at:at + 8] = src[r, 8 * c:8 * c + 8]
+    np.testing.assert_array_equal(out, want)
+
+
 # ---- offline compile for sm_90a ----------------------------------------------------------------
 
 def compile_reports():
