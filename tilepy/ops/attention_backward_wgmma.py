@@ -703,7 +703,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     PT = 128                 # producer threads
     NQ = BM // 8
     NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
-    NW = D // 8 if not cfg.split_columns else D // 16   # (a consumer's)
+    NW = HALF // 8           # a consumer's accumulator columns in n8 blocks
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
@@ -755,8 +755,6 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     stage_dq = stage_float32(64, DQ_ROW)
     QH = cfg.query_halves
     P_OFF = lay.offset("p") if QH else 0
-    # the halves' fragments: accumulator floats, A registers, local arrays of the variant
-    HQ_ACC, HQ_A = BM // 4, BM // 8
     if QH:
         # each consumer's Sᵀ / dPᵀ over its 32 of the step's queries (A: K / V, B: its rows
         # of the K-major Q / dO tiles); P and dS through shared boxes (queries × 64 keys),
@@ -768,17 +766,19 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                                cfg.dtype)
         to_frag_h, _ = accumulator_fragment(HQ)
         grad_h = softmax_gradient(1, NQH, "cols")
-        key_scores_h, chain_h, (DFH_SHAPE, DFH_TYPE) = key_block_scores(
+        key_scores_h, chain_h, (DF_SHAPE, DF_TYPE) = key_block_scores(
             NQH, BN, False, WIN, cap, mods, SPARSE)
+        # the consumer's fragments are of its 32 queries
+        NQ, ACC_S, A_REGS = NQH, HQ // 2, HQ // 4
         afrag = a_fragment(cfg.dtype)
         to_box = transpose_to_shared(NQH)
         PDS_BAR = named.take("p_ds", 128 * CONS)   # both consumers' rows of P and dS written
 
         @inline_device
         def products_halves(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_tile,
-                            v_tile, q_tile, do_tile, g_off, l_addr, d_addr, block_diag, key_shift, edge, my_key,
-                            sk, ds_box, p_box, c, lane, warp4, t, scale_log2, scale, col0, b,
-                            hq, hook, part):
+                            v_tile, q_tile, do_tile, g_off, l_addr, d_addr, block_diag,
+                            key_shift, edge, my_key, sk, ds_box, p_box, c, lane, warp4, t,
+                            scale_log2, scale, col0, b, hq, hook, part):
             qo = c * (HQ * 128)          # this consumer's query rows in the K-major boxes
             h_mma.mma_pair(st, k_tile, q_tile + qo, dpt, v_tile, do_tile + qo)
             to_frag_h(st3, st)
@@ -872,14 +872,6 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         dfac = cuda.local.array(DF_SHAPE, DF_TYPE)   # (read by variants only)
         a_p = cuda.local.array(A_REGS, np.uint32)
         a_ds = cuda.local.array(A_REGS, np.uint32)
-        if QH:   # (the halves' fragments: the arrays above go unused)
-            st_h = cuda.local.array(HQ_ACC, np.float32)
-            dpt_h = cuda.local.array(HQ_ACC, np.float32)
-            st3_h = cuda.local.array((1, NQH, 4), np.float32)
-            dpt3_h = cuda.local.array((1, NQH, 4), np.float32)
-            dfac_h_ = cuda.local.array(DFH_SHAPE, DFH_TYPE)
-            a_p_h = cuda.local.array(HQ_A, np.uint32)
-            a_ds_h = cuda.local.array(HQ_A, np.uint32)
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
         hq0 = hk * group
@@ -898,7 +890,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 part = walk[2]
             buf = (n % DS_BUFFERS) * DS_BYTES
             if QH:
-                products_halves(st_h, dpt_h, st3_h, dpt3_h, dfac_h_, a_p_h, a_ds_h, dk_acc,
+                products_halves(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc,
                                 dv_acc, k_wg, v_wg, base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                                 g_off, base + L_OFF + s * ROW_BYTES,
                                 base + DL_OFF + s * ROW_BYTES, row + shift - key0,
