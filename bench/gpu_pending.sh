@@ -105,6 +105,10 @@
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
+#   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
+#                bulk reductions into per-sequence 64-row blocks) against deterministic=True
+#                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
+#                128 (WGMMA_WIDE on) at D256 / D192 against cuDNN and FA2
 #   PART=s43a    issue 25's backward past head_dim 128 on wgmma (split_columns, whole scores
 #                and query halves): its GPU test (both forms), then the backward probe at
 #                D256 (full, causal) and D192 against cuDNN / FA2 and the mma.sync kernels;
@@ -566,6 +570,11 @@ fi
 if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     bench_suite bench_backward_padded 200 \
         "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
+    archive_logs
+fi
+if [[ " $PART " == *" s44a "* ]]; then
+    bench_suite bench_bwd_varlen_wide 540 \
+        "test_flash_attention_varlen_backward or (test_flash_attention_backward and (D256 or D192))"
     archive_logs
 fi
 if [[ " $PART " == *" s43a "* ]]; then

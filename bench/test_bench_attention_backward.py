@@ -50,6 +50,9 @@ MAIN = [(4, 32, 4096, 128), (8, 16, 2048, 64)]
 SEQ = [(4, 32, 1024, 128), (4, 32, 8192, 128)]
 CASES = ([(s, dt) for s in MAIN for dt in ("float16", "bfloat16")]
          + [(s, "float16") for s in SEQ])
+# past head_dim 128 (Gemma's 256; 192 runs the 256-column tiles zero-filled): the backward
+# alone (no training-step case; the deterministic timing is the mma.sync kernels there)
+WIDE = [((4, 16, 4096, 256), "bfloat16"), ((4, 16, 4096, 192), "bfloat16")]
 CUDNN = "SDPA cuDNN"
 FA2 = "SDPA FA2"
 PEERS = ((CUDNN, "CUDNN_ATTENTION"), (FA2, "FLASH_ATTENTION"))
@@ -213,7 +216,7 @@ def labels(b, h, s, d, dtype, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + WIDE, ids=case_id)
 def test_flash_attention_backward(benchmark, record, torch, gpu_name, case, causal):
     import tilepy
 
@@ -473,13 +476,27 @@ def test_flash_attention_backward_padded_head_dims(benchmark, record, torch, gpu
     benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
 
 
+def deterministic_varlen(torch, grads, reference, run):
+    """``run`` (the deterministic call into ``grads``) checked against ``reference`` and
+    twice against itself (the same bits), then timed."""
+    checked_pair(torch, grads, reference, run, DETERMINISTIC)
+    first = [g.clone() for g in grads]
+    run()
+    torch.cuda.synchronize()
+    if not all(torch.equal(a, b) for a, b in zip(first, grads)):
+        raise AssertionError(f"{DETERMINISTIC}: two runs differ")
+    return gpu_time(torch, run)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, causal):
     """The backward of packed sequences (``flash_attention_varlen_backward``) over the varlen
     forward benchmark's batch — 32 sequences of random lengths 128…4096 (seed 0), H16 D128
-    bf16: the built-in choice (on sm_90 the wgmma pair: dK / dV, then dQ's own kernel)
-    against the mma.sync kernels (``config=``; the gradients compared, bf16 tolerance) and
-    tilepy's fixed-length backward at the same tokens (its time scaled to the same pairs).
+    bf16: the built-in choice (on sm_90 the warp-specialised wgmma kernel, dQ by bulk
+    reductions) against the mma.sync kernels (``config=``; the gradients compared, bf16 tolerance) and
+    tilepy's fixed-length backward at the same tokens (its time scaled to the same pairs);
+    ``deterministic=True`` timed beside (on sm_90 dQ by its own kernel, where the built-in
+    choice reduces it from the warp-specialised kernel; checked for the same bits twice).
     TFLOPS count 2.5× the forward's work over the visible pairs."""
     import tilepy
     from tilepy.ops import attention_varlen as av
@@ -504,6 +521,13 @@ def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, cau
     pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lens)) * h
     timings = {"tilepy": gpu_time(torch, ours),
                "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
+    for t in grads:
+        t.fill_(float("nan"))  # the deterministic check must see its own writes
+    notes = {}
+    timings[DETERMINISTIC] = try_peer(notes, DETERMINISTIC, lambda: deterministic_varlen(
+        torch, grads, lambda: ours(portable), lambda: av.flash_attention_varlen_backward(
+            dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, dq=grads[0],
+            dk=grads[1], dv=grads[2], check_seqlens=False, deterministic=True)))
     sm = total // 32
     qf, kf, vf, df = (torch.randn(32, h, sm, d, device="cuda", dtype=dt) for _ in range(4))
     of, lf = tilepy.flash_attention(qf, kf, vf, causal=causal, return_lse=True)
@@ -515,7 +539,7 @@ def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, cau
         ms_as_called=fixed.ms_as_called and fixed.ms_as_called * pairs / fixed_pairs)
     mask = "causal" if causal else "full"
     record_throughput(record, work=2.5 * 4 * pairs * d, unit="TFLOPS", timings=timings,
-                      main="tilepy fixed-length (TFLOPS)", gpu=gpu_name,
+                      main="tilepy fixed-length (TFLOPS)", gpu=gpu_name, notes=notes,
                       shape=f"32 seqs 128-4096 (total {total}) H={h} D={d}", dtype="bfloat16",
                       causal=causal, max_rel_err=err, table="Attention varlen backward",
                       case=f"varlen backward 32x(128-4096) H{h} D{d} {mask} bfloat16",

@@ -503,8 +503,7 @@ def test_config_choice_and_checks(monkeypatch):
     assert isinstance(choose_config(256, "float16", deterministic=True), BackwardConfig)
     monkeypatch.setattr(ab, "WGMMA_WIDE", False)
     assert isinstance(choose_config(256, "float16"), BackwardConfig)
-    # variants on the wgmma kernels there too, and packed sequences — on the pair whose dQ
-    # has its own kernel (no atomics for them)
+    # variants on the wgmma kernels there too
     assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
     # head dims between the widths: the wgmma kernels of the wider tile from 40 up
     c96 = choose_config(96, "float16")
@@ -517,9 +516,19 @@ def test_config_choice_and_checks(monkeypatch):
     monkeypatch.setattr(ab, "WGMMA_PADDED", True)
     from tilepy.ops.attention_varlen import choose_backward_config
 
+    # packed sequences: the fused kernel (dQ by bulk reductions) where the fixed-length
+    # backward takes it, unless deterministic or BACKWARD_FUSED is off; dQ's own kernel else
+    from tilepy.ops import attention_varlen as av
+
     for d in (64, 96, 128):
-        packed = choose_backward_config(d, "bfloat16", False)
+        packed = choose_backward_config(d, "bfloat16", True)
         assert isinstance(packed, WgmmaBackwardConfig) and not packed.dq_atomic, packed
+        fused = choose_backward_config(d, "bfloat16", False)
+        assert fused == choose_config(d, "bfloat16", variant=True), (d, fused)
+    assert choose_backward_config(128, "bfloat16", False).producer
+    monkeypatch.setattr(av, "BACKWARD_FUSED", False)
+    assert not choose_backward_config(128, "bfloat16", False).dq_atomic
+    monkeypatch.setattr(av, "BACKWARD_FUSED", True)
     assert isinstance(choose_backward_config(32, "bfloat16", False), BackwardConfig)
     assert isinstance(choose_backward_config(64, "bfloat16", False, 32), BackwardConfig)
     with pytest.raises(ValueError, match="producer"):

@@ -158,17 +158,23 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
                                  dq_block_n=32, dq_atomic=True)}),
     # v's own head dim, causal, a zero-length key sequence
     ([30, 7], [20, 0], True, 48, "float16", {"dv": 32}),
-    # the wgmma kernels (sm_90's choice): zero-length sequences, causal; a head dim between
-    # the tile widths (96) with a window and a cap, a fused config's dQ atomics not used
+    # the wgmma kernels (sm_90's choice): the pair whose dQ has its own kernel, zero-length
+    # sequences, causal
     ([5, 0, 37, 70], [9, 4, 30, 0], True, 64, "bfloat16", {
         "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=32, key_groups=1,
                                       dq_groups=1, dq_block_n=32)}),
+    # the warp-specialised kernel, dQ by bulk reductions into each sequence's 64-row blocks
+    # of the accumulator: a sequence over two blocks beside zero-length ones, causal; a head
+    # dim between the tile widths (96) with a window and a cap
+    ([70, 0, 6, 37], [66, 5, 0, 40], True, 64, "bfloat16", {
+        "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=64, key_groups=2,
+                                      dq_atomic=True, producer=True)}),
     pytest.param([23, 70, 6], [30, 64, 6], False, 96, "float16", {
         "window": (20, 9), "softcap": 5.0,
         "config": WgmmaBackwardConfig(96, block_m=64, key_groups=2, dq_atomic=True,
                                       producer=True)}, marks=pytest.mark.extended),
 ], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32", "wgmma-causal-d64",
-        "wgmma-d96-window-softcap"])
+        "wgmma-fused-causal-d64", "wgmma-fused-d96-window-softcap"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
     """The gradients of packed sequences against each sequence's float64 derivation, into
     NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1); v's own

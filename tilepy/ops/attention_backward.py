@@ -58,9 +58,10 @@ HOPPER_FUSED = {128: dict(block_m=64, key_groups=2, dq_atomic=True, producer=Tru
                           split_columns=True, query_halves=True)}
 #: Whether the built-in choice on sm_90 runs head dims past 128 (``deterministic=False``) on
 #: the warp-specialised wgmma kernel with its columns split between the consumers
-#: (``HOPPER_FUSED[256]``; the deterministic path and packed sequences stay on the mma.sync
-#: kernels there). False: the mma.sync kernels for every head dim past 128.
-WGMMA_WIDE = False
+#: (``HOPPER_FUSED[256]``: 3.5-3.8x the mma.sync kernels at S4096 on an H100,
+#: bench/NOTES.md; the deterministic path stays on the mma.sync kernels there). False: the
+#: mma.sync kernels for every head dim past 128.
+WGMMA_WIDE = True
 
 
 #: The smallest head dim the built-in choice on sm_90 runs on the wgmma kernels (each head
@@ -88,7 +89,7 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
     ``variant`` (a window other than causal / full, a soft cap, ALiBi, user functions): on
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
     kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
-    mma.sync kernels' choice whatever the device (packed sequences, which only they take).
+    mma.sync kernels' choice whatever the device.
     ``head_dim_v`` (v's head dim, where it differs): the mma.sync kernels' config of the wider
     of the two, on every device."""
     dv = head_dim if head_dim_v is None else head_dim_v

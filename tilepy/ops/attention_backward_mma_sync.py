@@ -324,33 +324,54 @@ def varlen_rows(total_q: int, sequences: int, pad: int) -> int:
     return (total_q // 4) * 4 + sequences * (pad + 4) + pad + 16
 
 
-def varlen_prepass_plan(cfg, views, heads: int, varlen, cu_seqlens_q):
+def varlen_prepass_plan(cfg, views, heads: int, varlen, cu_seqlens_q, dq_slices: int = 0):
     """``(plan, args)`` of packed sequences' rows pre-pass (:func:`varlen_rows_prepass`) for a
     backward config ``cfg`` (its :func:`varlen_pad`), ``varlen`` = ``(sequences,
-    max_seqlen_q, max_seqlen_k)``, the views of :func:`plans`."""
+    max_seqlen_q, max_seqlen_k)``, the views of :func:`plans`; ``dq_slices`` > 0: it also
+    zeroes the sequences' rows of ``views["dq_acc"]``, the blocked accumulator of that many
+    64-column slices in :func:`varlen_acc_row`'s rows."""
     batch, sq_blocks, _ = varlen
     pad = varlen_pad(cfg)
-    pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad)
-    args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"], cu_seqlens_q)
+    pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad, dq_slices)
+    args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"], cu_seqlens_q,
+            views["dq_acc"] if dq_slices else views["placeholder4"])
     return (LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), heads, batch),
                        ROW_THREADS), args)
 
 
+@inline_device
+def varlen_acc_row(q_start, z):
+    """Packed sequences' dQ accumulator (the wgmma kernels' blocked one): the virtual row where
+    sequence ``z`` (first query row ``q_start``) begins — ``64 · (q_start // 64 + z)``, a
+    64-row block of its own, so that no block holds rows of two sequences (the sequences
+    before ``z`` fill at most ``q_start // 64 + z`` blocks)."""
+    return (q_start // 64 + np.int64(z)) * 64
+
+
+def varlen_acc_rows(total_q: int, sequences: int) -> int:
+    """The virtual rows of packed sequences' dQ accumulator (:func:`varlen_acc_row`)."""
+    return (total_q // 64 + sequences + 1) * 64
+
+
 @functools.cache
-def varlen_rows_prepass(head_dim: int, dtype: str, pad: int):
-    """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q)``; grid
-    ``(ceil((max_seqlen_q + pad) / 16), Hq, sequences)``, :data:`ROW_THREADS` threads. ``o``,
-    ``do_`` (1, Hq, total_q, D), ``lse`` (1, Hq, total_q) float32; ``delta`` / ``lse2`` (1,
-    Hq, :func:`varlen_rows`) written in :func:`varlen_row_start`'s layout: row ``r`` of
-    sequence ``z`` at ``start + r``, and the ``pad`` rows after its end as padding (lse2
-    +inf, delta 0)."""
+def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0):
+    """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q, dq_acc)``;
+    grid ``(ceil((max_seqlen_q + pad) / 16), Hq, sequences)``, :data:`ROW_THREADS` threads.
+    ``o``, ``do_`` (1, Hq, total_q, D), ``lse`` (1, Hq, total_q) float32; ``delta`` /
+    ``lse2`` (1, Hq, :func:`varlen_rows`) written in :func:`varlen_row_start`'s layout: row
+    ``r`` of sequence ``z`` at ``start + r``, and the ``pad`` rows after its end as padding
+    (lse2 +inf, delta 0). ``dq_slices`` > 0: ``dq_acc`` (1, Hq, rows · dq_slices, C) float32
+    is the blocked accumulator (virtual row ``v``'s slice ``c`` at row ``(v // 64 ·
+    dq_slices + c) · 64 + v % 64``) and each sequence row's virtual row
+    (:func:`varlen_acc_row` + ``r``) is zeroed in every slice; else a placeholder."""
     dot = _row_dot(head_dim, dtype)
     start_of = varlen_row_start(pad)
     PAD = pad
+    SL = dq_slices
     L2E = np.float32(LOG2E)
 
     @kernel_jit(ROW_THREADS)
-    def kernel(o, do_, lse, delta, lse2, cu_q):
+    def kernel(o, do_, lse, delta, lse2, cu_q, dq_acc):
         z = cuda.blockIdx.z
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -368,6 +389,13 @@ def varlen_rows_prepass(head_dim: int, dtype: str, pad: int):
             else:
                 delta[0, h, at] = _ZERO
                 lse2[0, h, at] = _INF
+        if SL and row < sq:     # the row's slices of the accumulator (the rows read back)
+            vrow = varlen_acc_row(q_start, z) + row
+            z2 = dq_acc[0, h]
+            for sl in range(SL):
+                rr = ((vrow // 64) * SL + sl) * 64 + vrow % 64
+                for c in range(4 * lane, dq_acc.shape[3], 4 * ROW_LANES):
+                    st_global_v4(z2, rr, c, _ZERO, _ZERO, _ZERO, _ZERO)
 
     return kernel
 

@@ -638,7 +638,7 @@ WS_REGISTERS_SPARSE = (40, 232)
 
 
 def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: float = 0.0,
-                   mods=(None, None, None), mask_block=None):
+                   mods=(None, None, None), mask_block=None, varlen: bool = False):
     """``kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs)`` — the
     warp-specialised dK / dV / dQ kernel of a ``producer`` config (FlashAttention-3's backward
     design): :func:`dkdv_kernel`'s contract with dQ always reduced into ``dq_acc``
@@ -671,6 +671,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
       may still read the last); after one barrier of both consumers, dV and dK read them as
       MN-major A operands and dQ reads dS as a K-major one.
 
+    ``varlen``: packed sequences (:func:`dkdv_kernel`'s views, grid and ``hargs``); dQ goes
+    into the accumulator's virtual rows from
+    :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` on (each sequence in
+    64-row blocks of its own: no bulk reduction reaches another sequence's rows).
+
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
     producer and the consumers walk the same steps one after the other
     (:func:`tilepy.tile.attention_backward.query_steps`' ``first`` / ``advance``: a few
@@ -681,15 +686,18 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     consumers read once the slot is full.
     """
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
-                             cfg.block_n)
+                             cfg.block_n, varlen)
     return _dkdv_ws_kernel(cfg, *variant,
-                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE)
+                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE,
+                           bool(varlen))
 
 
 @functools.cache
 def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
-                    mask_block, registers=WS_REGISTERS):
+                    mask_block, registers=WS_REGISTERS, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
+    VARLEN = varlen
+    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     KG, SL = cfg.key_groups, cfg.slices
@@ -809,25 +817,27 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
 
     @inline_device
     def produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps, group,
-                sq, sk, tid, qmask, kb):
+                sq, sk, tid, qmask, kb, vb, q_start, k_start, r_start):
         bars = base + BAR_OFF
-        issue_kv(base + K_OFF, np.int64(global_addr(k, (b, hk, key0, 0))), k.strides[2],
-                 sk - key0, tid)
-        issue_kv(base + V_OFF, np.int64(global_addr(v, (b, hk, key0, 0))), v.strides[2],
-                 sk - key0, tid)
+        issue_kv(base + K_OFF, np.int64(global_addr(k, (vb, hk, k_start + key0, 0))),
+                 k.strides[2], sk - key0, tid)
+        issue_kv(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
+                 v.strides[2], sk - key0, tid)
         hq0 = hk * group
-        l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (b, hq0, 0))), 0, tid)
-        e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (b, hq0, 0))), 0, tid)
+        l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
+        e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
         s, ph = 0, 0
         walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # step n's
         for n in range(steps):
             hq = hq0 + walk[0]
             row = walk[1] * BM
             ring.acquire(bars, s, ph)
-            issue_q(base + Q_OFF + s * Q_TILE, np.int64(global_addr(q, (b, hq, row, 0))),
-                    q.strides[2], sq - row, tid)
-            issue_q(base + DO_OFF + s * Q_TILE, np.int64(global_addr(do_, (b, hq, row, 0))),
-                    do_.strides[2], sq - row, tid)
+            issue_q(base + Q_OFF + s * Q_TILE,
+                    np.int64(global_addr(q, (vb, hq, q_start + row, 0))), q.strides[2],
+                    sq - row, tid)
+            issue_q(base + DO_OFF + s * Q_TILE,
+                    np.int64(global_addr(do_, (vb, hq, q_start + row, 0))), do_.strides[2],
+                    sq - row, tid)
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
@@ -843,7 +853,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
-                sk, c, tid, scale_log2, scale, hook, qmask, kb):
+                sk, c, tid, scale_log2, scale, hook, qmask, kb, vb, acc0):
         bars = base + BAR_OFF
         lane = tid % 32
         cw = tid // 32 - 4       # the consumer warp, 0 … 4 KG - 1
@@ -927,7 +937,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             if issuer:     # the warp's 16 rows: one contiguous range of the blocked layout
                 for job in range(JOBS):
                     bulk_reduce_add_f32(global_addr(dq_acc, (
-                        b, hq, ((row // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
+                        vb, hq, (((acc0 + row) // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
                         stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
@@ -939,8 +949,24 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     @bk.kernel_jit(THREADS, 1, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
-        hook = hargs[0] if SPARSE else hargs
-        qmask = hargs[1] if SPARSE else 0
+        if VARLEN:
+            # sequence b: query rows q_start … of the packed (batch 1) views, keys k_start …
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
+            hook = hargs[1] + (sk - sq,)
+            qmask = 0
+            vb = 0
+            r_start = row_start(q_start, b)    # the sequence's rows of lse2 / delta
+            acc0 = bk.varlen_acc_row(q_start, b)   # and of the dQ accumulator
+            if key0 >= sk:
+                return      # past this sequence's keys (the grid fits the longest)
+        else:
+            q_start = 0
+            k_start = 0
+            r_start = 0
+            acc0 = 0
+            hook = hargs[0] if SPARSE else hargs
+            qmask = hargs[1] if SPARSE else 0
+            vb = b
         kb = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         c = roles.consumer(roles.warpgroup(tid))
@@ -957,7 +983,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             roles.enter_producer()
             if steps > 0:
                 produce(base, q, k, v, do_, lse2, delta, b, hk, key0, qb0, per_head, steps,
-                        group, sq, sk, tid, qmask, kb)
+                        group, sq, sk, tid, qmask, kb, vb, q_start, k_start, r_start)
         else:
             roles.enter_consumer()
             dk_acc = cuda.local.array(ACC_O, np.float32)
@@ -967,27 +993,31 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 dv_acc[i] = _ZERO
             if steps > 0:
                 consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps,
-                        group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb)
+                        group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb, vb, acc0)
             lane = tid % 32
             cw = tid // 32 - 4
             out3 = cuda.local.array((1, NW, 4), np.float32)
+            if VARLEN:   # (read again: nothing held across the loop for the stores)
+                k_start = np.int64(hargs[0][1][b])
+            dk2 = dk[vb, hk, k_start:]
+            dv2 = dv[vb, hk, k_start:]
             if COLS:   # consumer c: its columns HALF · c … of the block's 64 keys
                 r0 = key0 + (cw % 4) * 16
                 to_frag_o(out3, dk_acc)
                 if c == 0:
-                    store(out3, dk[b, hk], r0, sk, scale, lane // 4, lane % 4)
+                    store(out3, dk2, r0, sk, scale, lane // 4, lane % 4)
                 else:
-                    store_hi(out3, dk[b, hk, :, HALF:], r0, sk, scale, lane // 4, lane % 4)
+                    store_hi(out3, dk2[:, HALF:], r0, sk, scale, lane // 4, lane % 4)
                 to_frag_o(out3, dv_acc)
                 if c == 0:
-                    store(out3, dv[b, hk], r0, sk, _ONE, lane // 4, lane % 4)
+                    store(out3, dv2, r0, sk, _ONE, lane // 4, lane % 4)
                 else:
-                    store_hi(out3, dv[b, hk, :, HALF:], r0, sk, _ONE, lane // 4, lane % 4)
+                    store_hi(out3, dv2[:, HALF:], r0, sk, _ONE, lane // 4, lane % 4)
             else:
                 to_frag_o(out3, dk_acc)
-                store(out3, dk[b, hk], key0 + cw * 16, sk, scale, lane // 4, lane % 4)
+                store(out3, dk2, key0 + cw * 16, sk, scale, lane // 4, lane % 4)
                 to_frag_o(out3, dv_acc)
-                store(out3, dv[b, hk], key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
+                store(out3, dv2, key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
 
     return kernel
 
@@ -1136,28 +1166,42 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
 
 
 @functools.cache
-def dq_convert_blocked(head_dim: int, dtype: str):
-    """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``, from the
-    blocked accumulator of :func:`dq_blocked_shape` (tiles :func:`tile_width` wide; the
-    columns past ``head_dim`` are not stored); grid ``(ceil(Sq / 16), Hq, B)``,
-    :data:`~tilepy.ops.attention_backward_mma_sync.ROW_THREADS` threads."""
+def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
+    """``kernel(dq_acc, dq, scale, cu_seqlens_q)``: ``dq = scale · dq_acc`` rounded to
+    ``dtype``, from the blocked accumulator of :func:`dq_blocked_shape` (tiles
+    :func:`tile_width` wide; the columns past ``head_dim`` are not stored); grid ``(ceil(Sq /
+    16), Hq, B)``, :data:`~tilepy.ops.attention_backward_mma_sync.ROW_THREADS` threads;
+    ``cu_seqlens_q`` not read. ``varlen``: packed sequences — grid ``(ceil(max_seqlen_q /
+    16), Hq, sequences)``, sequence ``z``'s row ``r`` from the accumulator's virtual row
+    :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` + ``r`` into ``dq``'s
+    packed row ``cu_seqlens_q[z] + r`` (batch 1); rows outside every sequence untouched."""
     SL = tile_width(head_dim) // 64
     DH = head_dim
+    VARLEN = varlen
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
 
     @_jit(bk.ROW_THREADS)
-    def kernel(dq_acc, dq, scale):
+    def kernel(dq_acc, dq, scale, cu_q):
         b = cuda.blockIdx.z
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         lane = tid % LANES
         row = cuda.blockIdx.x * ROWS + tid // LANES
-        if row < dq.shape[2]:
+        if VARLEN:
+            q_start = np.int64(cu_q[b])
+            sq = np.int64(cu_q[b + 1]) - q_start
+            vrow = bk.varlen_acc_row(q_start, b) + row
+            a2 = dq_acc[0, h]
+            o2 = dq[0, h, q_start:]
+        else:
+            sq = dq.shape[2]
+            vrow = row
             a2 = dq_acc[b, h]
             o2 = dq[b, h]
+        if row < sq:
             for sl in range(SL):
-                src = ((row // 64) * SL + sl) * 64 + row % 64
+                src = ((vrow // 64) * SL + sl) * 64 + vrow % 64
                 c = 8 * lane
                 if 64 * sl + c >= DH:
                     continue
@@ -1175,25 +1219,45 @@ def dq_acc_shape(cfg: WgmmaBackwardConfig, batch: int, heads: int, sqp: int) -> 
     return dq_blocked_shape(batch, heads, sqp, cfg.width)
 
 
+def varlen_atomic(cfg, deterministic: bool) -> bool:
+    """Whether a packed-sequence call takes dQ by bulk reductions: the warp-specialised
+    kernel's configs (``producer``) without ``deterministic``; the others take dQ's own
+    kernel."""
+    return isinstance(cfg, WgmmaBackwardConfig) and cfg.producer and \
+        bk.uses_atomics(cfg, deterministic)
+
+
+def varlen_dq_acc_shape(cfg: WgmmaBackwardConfig, heads: int, total_q: int,
+                        sequences: int) -> tuple:
+    """The float32 dQ accumulator of a packed-sequence call with :func:`varlen_atomic`:
+    :func:`dq_blocked_shape` over :func:`~tilepy.ops.attention_backward_mma_sync.
+    varlen_acc_rows` virtual rows, batch 1."""
+    return dq_blocked_shape(1, heads, bk.varlen_acc_rows(total_q, sequences), cfg.width)
+
+
 def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: dict,
           scale: float, window=None, softcap: float = 0.0, mods=(None, None, None), hargs=(),
           varlen=None, sparse=None):
     """The launch plans of one backward call (the rows pre-pass, then the dK / dV and dQ
     kernels): :func:`tilepy.ops.attention_backward_mma_sync.plans`'s contract, variants,
-    block masks and packed sequences (``varlen``: the dK / dV kernel without dQ's part, then
-    dQ's own kernel, whatever ``deterministic`` and the config say) included."""
+    block masks and packed sequences included. ``varlen``: with :func:`varlen_atomic` the
+    warp-specialised kernel's dQ by bulk reductions into ``views["dq_acc"]``
+    (:func:`varlen_dq_acc_shape`; the pre-pass zeroes the sequences' rows), else the dK / dV
+    kernel without dQ's part, then dQ's own kernel."""
     q, k = views["q"], views["k"]
     batch, hq, sq, d = q.shape
     hk, sk = k.shape[1], k.shape[2]
     group = hq // hk
     sqp = views["delta"].shape[2]
     scale32, slog2 = np.float32(scale), np.float32(scale * LOG2E)
-    atomic = bk.uses_atomics(cfg, deterministic) and varlen is None
+    atomic = bk.uses_atomics(cfg, deterministic) if varlen is None else \
+        varlen_atomic(cfg, deterministic)
     if varlen is None:
         out = [bk.prepass_plan(cfg.dtype, views, sqp, atomic)]
     else:
         batch, sq, sk = varlen      # the grids: the sequences, the longest's rows and keys
-        out = [bk.varlen_prepass_plan(cfg, views, hq, varlen, hargs[0][0])]
+        out = [bk.varlen_prepass_plan(cfg, views, hq, varlen, hargs[0][0],
+                                      cfg.slices if atomic else 0)]
     mods = variant_mods(mods)
     # a hook reads b and h (and packed sequences the grid's z): no grid chunks (they shift)
     chunks = not reads_hook(mods) and varlen is None
@@ -1205,11 +1269,10 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
     if cfg.split_columns and not atomic:
         raise NotImplementedError(
             f"{cfg.describe()}: past head_dim 128 the wgmma backward takes dQ by atomics only; "
-            f"deterministic calls and packed sequences run the mma.sync kernels there (leave "
-            f"config=None)")
+            f"deterministic calls run the mma.sync kernels there (leave config=None)")
     # without atomics (deterministic): the dK / dV kernel without its dQ part
     kcfg = cfg if atomic else dataclasses.replace(cfg, dq_atomic=False, producer=False)
-    kern = dkdv_ws_kernel(kcfg, causal, *variant) if kcfg.producer else \
+    kern = dkdv_ws_kernel(kcfg, causal, *variant, varlen=vl) if kcfg.producer else \
         dkdv_kernel(kcfg, causal, *variant, varlen=vl)
     args = (q, k, views["v"], views["do"], views["lse2"], views["delta"], views["dk"],
             views["dv"], views["dq_acc"] if atomic else views["placeholder4"], scale32, slog2,
@@ -1220,8 +1283,9 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
                            split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
                            if chunks else ()), args))
     if atomic:
-        conv = dq_convert_blocked(d, cfg.dtype)
-        args = (views["dq_acc"], views["dq"], scale32)
+        conv = dq_convert_blocked(d, cfg.dtype, vl)
+        args = (views["dq_acc"], views["dq"], scale32,
+                hargs[0][0] if vl else views["placeholder3"])
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
                                bk.ROW_THREADS, split=bk.heads_split((0, 1), (), 1, False)), args))
         return [(p, a) for p, a in out if p.grid[0] > 0]
@@ -1281,6 +1345,9 @@ COMPILED = (
      WgmmaBackwardConfig(128, dtype="bfloat16"), True),
     ("bwd_wgmma_dq_d128_bf16_causal_varlen", "dq", WgmmaBackwardConfig(128, dtype="bfloat16"),
      True),
+    # and without deterministic: the warp-specialised kernel, dQ by bulk reductions
+    ("bwd_wgmma_ws_d128_bf16_causal_varlen", "ws", WgmmaBackwardConfig(
+        128, dtype="bfloat16", dq_atomic=True, producer=True), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
     # the variants: a sliding window under causal with a soft cap (Gemma 2's layers) on the
     # built-in choices — the warp-specialised kernel, and the deterministic pair

@@ -385,9 +385,11 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
       :func:`tilepy.flash_attention_backward`).
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
-    * dQ always comes from its own kernel (the same bits every run, whatever
-      ``deterministic`` says; a config's ``dq_atomic`` / ``producer`` are not used);
-      ``check_seqlens`` as the forward's. ``config``: a
+    * ``deterministic``: as :func:`tilepy.flash_attention_backward`'s. Without it, on sm_90,
+      the warp-specialised wgmma kernel (a config with ``producer``) reduces dQ into a float32
+      accumulator as it computes dK / dV (the order of the additions varies from run to
+      run); with it, and with every other config, dQ comes from its own kernel (the same
+      bits every run). ``check_seqlens`` as the forward's. ``config``: a
       :class:`~tilepy.ops.attention_backward_mma_sync.BackwardConfig` (the mma.sync
       kernels) or, on sm_90, a :class:`~tilepy.ops.attention_backward_wgmma.
       WgmmaBackwardConfig`; unset, on sm_90 the wgmma kernels where the head dim takes
@@ -454,6 +456,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         # lse2 / delta per sequence, 16-byte aligned, padded after each (bk.varlen_row_start)
         rows = bk.varlen_rows(Q.shape[0], n, bk.varlen_pad(cfg))
         scratch = [("delta", (1, hq, rows)), ("lse2", (1, hq, rows))]
+        if bw.varlen_atomic(cfg, bool(deterministic)):    # dQ by bulk reductions
+            scratch.append(("dq_acc", bw.varlen_dq_acc_shape(cfg, hq, Q.shape[0], n)))
         variant = at.is_variant(win, cap) or user or alibi
         kmods = (score_mod, score_mod_grad, mask_mod, n_args, alibi)
         with at.user_errors((win, cap, score_mod, mask_mod) if user else None):
@@ -489,18 +493,23 @@ def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
                            head_dim_v=None):
     """The backward config packed sequences run with: the built-in one
     (:func:`tilepy.ops.attention_backward.choose_config` — on sm_90 the wgmma kernels'
-    where the head dim takes them), always of the pair whose dQ has its own kernel (packed
-    sequences take no dQ atomics); ``head_dim_v``: v's head dim where it differs (the
+    where the head dim takes them: without ``deterministic`` and with
+    :data:`BACKWARD_FUSED` the warp-specialised kernel with dQ by bulk reductions, else the
+    pair whose dQ has its own kernel); ``head_dim_v``: v's head dim where it differs (the
     mma.sync kernels)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, True, variant=True, wgmma=BACKWARD_WGMMA,
-                           head_dim_v=head_dim_v)
+    return backward_choice(head_dim, dtype, deterministic or not BACKWARD_FUSED, variant=True,
+                           wgmma=BACKWARD_WGMMA, head_dim_v=head_dim_v)
 
 
 #: Whether packed sequences' backward takes sm_90's wgmma kernels by default (False: the
 #: mma.sync ones everywhere).
 BACKWARD_WGMMA = True
+#: Whether packed sequences' backward without ``deterministic`` takes the warp-specialised
+#: wgmma kernel where the fixed-length backward does (dQ by bulk reductions into a float32
+#: accumulator, each sequence in 64-row blocks of its own); False: dQ's own kernel always.
+BACKWARD_FUSED = True
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]
