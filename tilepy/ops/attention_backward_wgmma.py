@@ -739,6 +739,21 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     if SPARSE and COUNT + 4 > lay["bars"].nbytes:
         raise ValueError(f"dkdv_ws_kernel: no room for the step words in {lay['bars'].nbytes} "
                          f"bytes of barriers")
+    # packed sequences (never block-sparse): the block's sequence words — q_start, k_start,
+    # sq, sk — in the step words' place, written by thread 0 before the first barrier and
+    # read where they are used, not held across the loops (offline sm_90a, d128: 280 B of
+    # spill stores against 304 B held; the fixed-length kernel's 52 B keep its lengths and
+    # the walk derived from them in uniform registers, from the kernel parameters)
+    SEQ = STEP
+
+    @inline_device
+    def sequence(bars, i, value):
+        """Word ``i`` of the block's packed sequence (int64), or ``value`` without
+        packed sequences."""
+        if VARLEN:
+            return np.int64(ld_shared_b32(bars + SEQ + 4 * i))
+        return value
+
     roles = warpgroup_roles(CONS, True, True, *registers)
     named = NamedBarriers()
     DS_BAR = named.take("ds", 128 * CONS)          # both consumers' dS written
@@ -831,13 +846,14 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         for n in range(steps):
             hq = hq0 + walk[0]
             row = walk[1] * BM
+            qs = sequence(bars, 0, q_start)
+            left = sequence(bars, 2, sq) - row      # query rows left in the sequence
             ring.acquire(bars, s, ph)
             issue_q(base + Q_OFF + s * Q_TILE,
-                    np.int64(global_addr(q, (vb, hq, q_start + row, 0))), q.strides[2],
-                    sq - row, tid)
+                    np.int64(global_addr(q, (vb, hq, qs + row, 0))), q.strides[2], left, tid)
             issue_q(base + DO_OFF + s * Q_TILE,
-                    np.int64(global_addr(do_, (vb, hq, q_start + row, 0))), do_.strides[2],
-                    sq - row, tid)
+                    np.int64(global_addr(do_, (vb, hq, qs + row, 0))), do_.strides[2], left,
+                    tid)
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
@@ -853,7 +869,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
-                sk, c, tid, scale_log2, scale, hook, qmask, kb, vb, acc0):
+                sk, c, tid, scale_log2, scale, hook, qmask, kb, vb):
         bars = base + BAR_OFF
         lane = tid % 32
         cw = tid // 32 - 4       # the consumer warp, 0 … 4 KG - 1
@@ -889,6 +905,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # the producer's
         for n in range(steps):
             ring.wait(bars, s, ph)
+            if VARLEN:   # (read each step: see SEQ)
+                sk = sequence(bars, 3, sk)
+                shift = sk - sequence(bars, 2, sq)
+                edge = key0 + BN > sk
             if SPARSE:   # the step the producer wrote into the slot
                 hp = ld_shared_b32(bars + STEP + 8 * s + 4)
                 hq = hq0 + np.int64(hp >> np.uint32(1))
@@ -935,6 +955,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             fence_proxy_async_shared()
             warp_sync()
             if issuer:     # the warp's 16 rows: one contiguous range of the blocked layout
+                acc0 = 0
+                if VARLEN:   # the sequence's first (virtual) row of the accumulator
+                    acc0 = bk.varlen_acc_row(sequence(bars, 0, 0), b)
                 for job in range(JOBS):
                     bulk_reduce_add_f32(global_addr(dq_acc, (
                         vb, hq, (((acc0 + row) // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
@@ -956,14 +979,12 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             qmask = 0
             vb = 0
             r_start = row_start(q_start, b)    # the sequence's rows of lse2 / delta
-            acc0 = bk.varlen_acc_row(q_start, b)   # and of the dQ accumulator
             if key0 >= sk:
                 return      # past this sequence's keys (the grid fits the longest)
         else:
             q_start = 0
             k_start = 0
             r_start = 0
-            acc0 = 0
             hook = hargs[0] if SPARSE else hargs
             qmask = hargs[1] if SPARSE else 0
             vb = b
@@ -976,6 +997,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             ring.init(base + BAR_OFF)
             mbarrier_init(base + BAR_OFF + KV_BAR, PT)
             fence_mbarrier_init()
+            if VARLEN:
+                for i, word in enumerate((q_start, k_start, sq, sk)):
+                    st_shared_b32(base + BAR_OFF + SEQ + 4 * i, np.uint32(word))
         cuda.syncthreads()
         steps = count_steps(base + BAR_OFF + COUNT, tid, qmask, kb, b, hk * group, group,
                             per_head)
@@ -993,12 +1017,13 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 dv_acc[i] = _ZERO
             if steps > 0:
                 consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps,
-                        group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb, vb, acc0)
+                        group, sq, sk, c, tid, scale_log2, scale, hook, qmask, kb, vb)
             lane = tid % 32
             cw = tid // 32 - 4
             out3 = cuda.local.array((1, NW, 4), np.float32)
             if VARLEN:   # (read again: nothing held across the loop for the stores)
-                k_start = np.int64(hargs[0][1][b])
+                k_start = sequence(base + BAR_OFF, 1, k_start)
+                sk = sequence(base + BAR_OFF, 3, sk)
             dk2 = dk[vb, hk, k_start:]
             dv2 = dv[vb, hk, k_start:]
             if COLS:   # consumer c: its columns HALF · c … of the block's 64 keys
