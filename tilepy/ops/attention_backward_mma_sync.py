@@ -319,6 +319,34 @@ def dq_sequence(varlen: bool, sparse: bool, pad: int):
     return locate
 
 
+@functools.cache
+def key_sequence(varlen: bool, sparse: bool, pad: int):
+    """``locate(hargs, b, sq, sk) -> (q_start, k_start, sq, sk, hook, qmask, vb, r_start)``: a
+    dK / dV kernel's block of batch (or, ``varlen``, packed sequence) ``b`` — its first query
+    row and key in the views, its lengths, the score hook's arguments (``varlen``: with the
+    sequence's ``sk - sq`` appended; ``sparse``: the first of ``hargs``), the block mask's
+    transposed lists (``sparse``: the second of ``hargs``; else 0), the views' batch index
+    and the sequence's first row of ``lse2`` / ``delta`` (:func:`varlen_row_start` of
+    ``pad``). ``sq`` / ``sk``: the views' lengths, returned as they are without ``varlen``.
+    The dK / dV kernels of both backward families call it (a packed block past its
+    sequence's keys, ``key0 >= sk``, returns at once)."""
+    start_of = varlen_row_start(pad)
+
+    if varlen:
+        @inline_device
+        def locate(hargs, b, sq, sk):
+            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
+            return (q_start, k_start, sq, sk, hargs[1] + (sk - sq,), 0, 0,
+                    start_of(q_start, b))
+    else:
+        @inline_device
+        def locate(hargs, b, sq, sk):
+            return (0, 0, sq, sk, hargs[0] if sparse else hargs, hargs[1] if sparse else 0, b,
+                    0)
+
+    return locate
+
+
 def varlen_rows(total_q: int, sequences: int, pad: int) -> int:
     """The rows of the varlen ``lse2`` / ``delta`` (:func:`varlen_row_start`'s layout)."""
     return (total_q // 4) * 4 + sequences * (pad + 4) + pad + 16
@@ -535,7 +563,7 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     USER = reads_hook(mods)      # user functions or ALiBi: no disk cache, no grid chunks
     ATOMIC = bool(atomic_dq)
     VARLEN = varlen
-    row_start = varlen_row_start(varlen_pad(cfg))
+    locate = key_sequence(VARLEN, mask_block is not None, varlen_pad(cfg))
     WIN = (left, right)
     lay = cfg.dkdv_layout(atomic_dq)
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
@@ -575,20 +603,10 @@ def _dkdv_kernel(cfg: BackwardConfig, atomic_dq: bool, left: int, right: int, ca
     @kernel_jit(THREADS, disk_cache=not USER)
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
-        if VARLEN:
-            # sequence b: query rows q_start … of the packed views, keys k_start …
-            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
-            hook = hargs[1] + (sk - sq,)
-            vb = 0
-            r_start = row_start(q_start, b)     # the sequence's rows of lse2 / delta
-            if key0 >= sk:
-                return      # past this sequence's keys (the grid fits the longest)
-        else:
-            q_start = 0
-            k_start = 0
-            r_start = 0
-            hook = hargs[0] if SPARSE else hargs
-            vb = b
+        # packed sequence b: query rows q_start … of the views, keys k_start …
+        q_start, k_start, sq, sk, hook, _, vb, r_start = locate(hargs, b, sq, sk)
+        if VARLEN and key0 >= sk:
+            return      # past this sequence's keys (the grid fits the longest)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

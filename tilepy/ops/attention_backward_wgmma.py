@@ -427,7 +427,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                  mask_block, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     VARLEN = varlen
-    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
+    locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     THREADS = cfg.threads
@@ -478,22 +478,10 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
-        if VARLEN:
-            # sequence b: query rows q_start … of the packed (batch 1) views, keys k_start …
-            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
-            hook = hargs[1] + (sk - sq,)
-            qmask = 0
-            vb = 0
-            r_start = row_start(q_start, b)     # the sequence's rows of lse2 / delta
-            if key0 >= sk:
-                return      # past this sequence's keys (the grid fits the longest)
-        else:
-            q_start = 0
-            k_start = 0
-            r_start = 0
-            hook = hargs[0] if SPARSE else hargs
-            qmask = hargs[1] if SPARSE else 0
-            vb = b
+        # packed sequence b: query rows q_start … of the (batch 1) views, keys k_start …
+        q_start, k_start, sq, sk, hook, qmask, vb, r_start = locate(hargs, b, sq, sk)
+        if VARLEN and key0 >= sk:
+            return      # past this sequence's keys (the grid fits the longest)
         kbx = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -697,7 +685,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                     mask_block, registers=WS_REGISTERS, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     VARLEN = varlen
-    row_start = bk.varlen_row_start(bk.varlen_pad(cfg))
+    locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
     KG, SL = cfg.key_groups, cfg.slices
@@ -972,22 +960,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     @bk.kernel_jit(THREADS, 1, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
         sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
-        if VARLEN:
-            # sequence b: query rows q_start … of the packed (batch 1) views, keys k_start …
-            q_start, k_start, sq, sk = packed_sequence(hargs[0], b)
-            hook = hargs[1] + (sk - sq,)
-            qmask = 0
-            vb = 0
-            r_start = row_start(q_start, b)    # the sequence's rows of lse2 / delta
-            if key0 >= sk:
-                return      # past this sequence's keys (the grid fits the longest)
-        else:
-            q_start = 0
-            k_start = 0
-            r_start = 0
-            hook = hargs[0] if SPARSE else hargs
-            qmask = hargs[1] if SPARSE else 0
-            vb = b
+        # packed sequence b: query rows q_start … of the (batch 1) views, keys k_start …
+        q_start, k_start, sq, sk, hook, qmask, vb, r_start = locate(hargs, b, sq, sk)
+        if VARLEN and key0 >= sk:
+            return      # past this sequence's keys (the grid fits the longest)
         kb = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         c = roles.consumer(roles.warpgroup(tid))
