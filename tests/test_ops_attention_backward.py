@@ -363,7 +363,8 @@ def test_dq_by_atomics():
     (40, dict(block_m=32, key_groups=1, dq_groups=1, dq_block_n=32),
      (1, 2, 2, 50, 40, False, "float16", "bhsd")),
     # past 128: the warp-specialised kernel with dK / dV / dQ's columns split between its
-    # two consumers over the same 64 keys, one ring slot; 256 causal with GQA and seq_q >
+    # two consumers over the same 64 keys, dQ staged in the step's ring slot (swizzled rows,
+    # the slot released a step later: GQA's several steps); 256 causal with GQA and seq_q >
     # seq_k (keys past the end zero-filled), 200 zero-filled to 256 (the second consumer
     # stores 72 of its 128 columns, dQ's last slice half padding)
     (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),

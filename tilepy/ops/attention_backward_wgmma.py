@@ -68,6 +68,7 @@ from ..tile.attention_backward import (
     row_state,
     softmax_gradient,
     stage_float32,
+    swizzled_chunk,
     store_accumulators,
     transpose_to_shared,
     variant_mods,
@@ -99,17 +100,26 @@ _ONE = np.float32(1.0)
 
 #: The atomic path's dQ partial tiles: 64 query rows × 64 columns of float32, rows padded by
 #: 4 floats (so a warp's stores of 8 rows land in distinct banks); the float32 accumulator in
-#: global memory has the same padded rows, block by block (:func:`dq_blocked_shape`).
+#: global memory has the same padded rows, block by block (:func:`dq_blocked_shape`). The
+#: 256-column tiles' (:func:`dq_row_floats`) are not padded but swizzled
+#: (:func:`tilepy.tile.attention_backward.stage_float32`): they are staged in the Q / dO ring
+#: slot the step has finished with, 64 floats a row.
 DQ_PAD = 4
 DQ_ROW = 64 + DQ_PAD
 DQ_TILE_BYTES = 64 * DQ_ROW * 4
 
 
+def dq_row_floats(width: int) -> int:
+    """The floats of a row of the dQ partial tiles and accumulator for tiles ``width``
+    columns wide: :data:`DQ_ROW` (padded), 64 (swizzled) for 256."""
+    return 64 if width == 256 else DQ_ROW
+
+
 def dq_blocked_shape(batch: int, heads: int, sqp: int, width: int) -> tuple:
     """The atomic path's float32 dQ accumulator of tiles ``width`` columns wide: (B, Hq, SqP ·
-    slices, 64 + DQ_PAD), query block ``qb``'s slice ``c`` (columns ``64 c …``) at rows
-    ``(qb · slices + c) · 64 …``: one contiguous tile per bulk reduction."""
-    return (batch, heads, sqp * (width // 64), DQ_ROW)
+    slices, :func:`dq_row_floats`), query block ``qb``'s slice ``c`` (columns ``64 c …``) at
+    rows ``(qb · slices + c) · 64 …``: one contiguous tile per bulk reduction."""
+    return (batch, heads, sqp * (width // 64), dq_row_floats(width))
 
 
 def _require(ok: bool, message: str) -> None:
@@ -135,9 +145,10 @@ class WgmmaBackwardConfig:
     ``dq_atomic``, ``block_m`` 64 and one key group): two consumer warpgroups over the same 64
     keys, consumer ``c`` accumulating columns ``128 c …`` of dK and dV (what one warpgroup's
     registers hold of a 128-column tile) and of dQ's partial; each computes the block's whole
-    ``Sᵀ`` and ``dPᵀ`` (over every column), so the score products run twice. Q and dO stream
-    through one ring slot (two do not fit in shared memory). Not deterministic: the
-    deterministic path and packed sequences run the mma.sync kernels past 128.
+    ``Sᵀ`` and ``dPᵀ`` (over every column), so the score products run twice. dQ's partial
+    sums are staged in the step's Q / dO ring slot once both consumers' dV / dK products
+    retired (no staging of its own: two slots then fit). Not deterministic: the
+    deterministic path runs the mma.sync kernels past 128.
     ``query_halves`` (with ``split_columns``): consumer ``c`` computes ``Sᵀ`` and ``dPᵀ``
     for queries ``32 c …`` of the step only, and both write their rows of ``P`` and ``dS``
     into shared boxes that the dV / dK products then read (A from shared memory): no
@@ -247,8 +258,8 @@ class WgmmaBackwardConfig:
 
     @property
     def stages(self) -> int:
-        """Slots of the Q / dO stream (one with :attr:`split_columns`)."""
-        return 1 if self.split_columns else 2
+        """Slots of the Q / dO stream."""
+        return 2
 
     @property
     def dq_block_m(self) -> int:
@@ -279,8 +290,9 @@ class WgmmaBackwardConfig:
             # the producer kernel's consumers share dS (split slices): two buffers; with
             # split_columns each consumer its own box of the block's 64 keys
             buffers = 2 if self.producer and not self.own_keys else 1
-            regions += [("ds", buffers * BM * BN * 2, 1024),
-                        ("dq", self.consumers * self.dq_jobs * DQ_TILE_BYTES, 16)]
+            regions.append(("ds", buffers * BM * BN * 2, 1024))
+            if not self.split_columns:   # (split_columns: staged in the ring slot)
+                regions.append(("dq", self.consumers * self.dq_jobs * DQ_TILE_BYTES, 16))
             if self.query_halves:   # P (both consumers' rows); dS's two boxes: two steps
                 regions.append(("p", BM * BN * 2, 1024))
         if self.producer:
@@ -651,9 +663,11 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
 
     * ``split_columns`` (head dims past 128, 256-column tiles): the block's 64 keys are both
       consumers'; consumer ``c`` accumulates columns ``128 c …`` of dK and dV and reduces dQ's
-      slices ``2 c``, ``2 c + 1`` over the block's keys from its own dS box; the ring has one
-      slot (:func:`tilepy.tile.pipeline.tma_pipeline` ``single=True``: the slot is released
-      once dV and dK retired, before the dQ products). With ``query_halves`` each consumer
+      slices ``2 c``, ``2 c + 1`` over the block's keys from its own dS box. Both consumers
+      meet at a barrier once their dV and dK retired; consumer 0 then stages its slices in
+      the step's Q tile, consumer 1 in its dO tile (swizzled float32 rows,
+      :func:`dq_row_floats`), and each warp releases the slot a step later, once its bulk
+      reductions have read it. With ``query_halves`` each consumer
       computes ``Sᵀ`` / ``dPᵀ`` for its 32 of the step's queries and stores its rows of P and
       dS into shared boxes (dS in two, alternating by step: the other consumer's dQ products
       may still read the last); after one barrier of both consumers, dV and dK read them as
@@ -703,7 +717,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
     L_OFF, DL_OFF = lay.offset("lse2"), lay.offset("delta")
-    DS_OFF, DQ_OFF, BAR_OFF = lay.offset("ds"), lay.offset("dq"), lay.offset("bars")
+    DS_OFF, BAR_OFF = lay.offset("ds"), lay.offset("bars")
+    DQ_OFF = 0 if COLS else lay.offset("dq")
     Q_TILE = BM * D * 2
     DS_BYTES = BM * BN * 2
     ROW_BYTES = BM * 4
@@ -717,7 +732,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # two dS buffers where both consumers read one (a step's dQ products may still read the
     # last one while the other consumer writes the next)
     DS_BUFFERS = 2 if SPLIT or cfg.query_halves else 1
-    ring = tma_pipeline(cfg.stages, 4 * CONS, 1, producers=PT, single=COLS)
+    ring = tma_pipeline(cfg.stages, 4 * CONS, 1, producers=PT)
     KV_BAR = ring.nbytes     # after the ring's barriers
     # block-sparse: the producer writes each step's query block and (head offset, part) into
     # its ring slot's two step words (after the K / V barrier) before it arrives, and the
@@ -746,7 +761,14 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     named = NamedBarriers()
     DS_BAR = named.take("ds", 128 * CONS)          # both consumers' dS written
     WG_BAR = named.take("warpgroup", 128, count=CONS)  # one consumer's dS written (own box)
-    WARP_STAGE = 16 * DQ_ROW * 4                   # a warp's rows of a staged dQ partial
+    ROWF = dq_row_floats(D)
+    STAGE_TILE = 64 * ROWF * 4                     # a staged 64 × 64 dQ partial
+    WARP_STAGE = 16 * ROWF * 4                     # a warp's rows of it
+    # split columns: staged in the slot's Q (consumer 0) or dO tile (1), once both retired
+    # their dV / dK products (the other consumer's read both tiles)
+    STAGE_BAR = named.take("stage", 128 * CONS) if COLS else 0
+    if COLS and JOBS * STAGE_TILE > Q_TILE:
+        raise ValueError(f"dkdv_ws_kernel: {JOBS} staged dQ slices do not fit a Q tile")
 
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, PT, cfg.head_dim)
@@ -763,7 +785,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # the stores: every column, or (split columns) each consumer's stored n8 blocks
     store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
     store_hi = store_accumulators(1, max(1, NO - HALF // 8), cfg.dtype) if COLS else store
-    stage_dq = stage_float32(64, DQ_ROW)
+    stage_dq = stage_float32(64, ROWF, COLS)
     QH = cfg.query_halves
     P_OFF = lay.offset("p") if QH else 0
     if QH:
@@ -877,7 +899,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                                else c * WG_ROWS)
         # the first slice this consumer reduces
         sl0 = c if SPLIT else c * JOBS if COLS else 0
-        stage = base + DQ_OFF + c * (JOBS * DQ_TILE_BYTES)
+        stage = base + DQ_OFF + c * (JOBS * STAGE_TILE)      # (split columns: per step)
         dqp = cuda.local.array(32, np.float32)
         st = cuda.local.array(ACC_S, np.float32)
         dpt = cuda.local.array(ACC_S, np.float32)
@@ -925,6 +947,10 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             fence_proxy_async_shared()
             if issuer:   # the warp's last partial has been read; the barrier below tells
                 bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
+            if COLS:
+                if n > 0:   # (lane 0, after its wait) the last step's slot: staging read
+                    ring.release(bars, s ^ 1, lane)
+                stage = base + (DO_OFF if c else Q_OFF) + s * Q_TILE
             if SPLIT:
                 bar_sync(DS_BAR, 128 * KG)
             else:
@@ -938,8 +964,11 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 if job == 0:
                     g_mma.fence_operand(dk_acc)
                     g_mma.fence_operand(dv_acc)
-                    ring.release(bars, s, lane)
-                stage_dq(stage + job * DQ_TILE_BYTES, dqp, 0, warp4, g, t)
+                    if COLS:   # both consumers' dV / dK retired: the slot is the staging's
+                        bar_sync(STAGE_BAR, 128 * CONS)
+                    else:
+                        ring.release(bars, s, lane)
+                stage_dq(stage + job * STAGE_TILE, dqp, 0, warp4, g, t)
             fence_proxy_async_shared()
             warp_sync()
             if issuer:     # the warp's 16 rows: one contiguous range of the blocked layout
@@ -949,7 +978,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 for job in range(JOBS):
                     bulk_reduce_add_f32(global_addr(dq_acc, (
                         vb, hq, (((acc0 + row) // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
-                        stage + job * DQ_TILE_BYTES + warp4 * WARP_STAGE, WARP_STAGE)
+                        stage + job * STAGE_TILE + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
             if not SPARSE:
@@ -1179,6 +1208,7 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
     SL = tile_width(head_dim) // 64
     DH = head_dim
     VARLEN = varlen
+    SWZ = dq_row_floats(tile_width(head_dim)) == 64    # (stage_float32's swizzled rows)
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
 
@@ -1206,8 +1236,12 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
                 c = 8 * lane
                 if 64 * sl + c >= DH:
                     continue
-                x = ld_global_v4(a2, src, c)
-                y = ld_global_v4(a2, src, c + 4)
+                if SWZ:   # chunks 2 lane, 2 lane + 1 of the row, where the staging put them
+                    x = ld_global_v4(a2, src, swizzled_chunk(src, 2 * lane) * 4)
+                    y = ld_global_v4(a2, src, swizzled_chunk(src, 2 * lane + 1) * 4)
+                else:
+                    x = ld_global_v4(a2, src, c)
+                    y = ld_global_v4(a2, src, c + 4)
                 st_global_v4(o2, row, 64 * sl + c, pack(x[0] * scale, x[1] * scale),
                              pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
                              pack(y[2] * scale, y[3] * scale))

@@ -38,8 +38,8 @@ Generators (each cached on its arguments):
   and first key.
 * :func:`transpose_to_shared` — a warpgroup's ``dSᵀ``, packed to 16 bits as an A fragment, as
   the K-major shared tile of ``dS`` (stmatrix.trans): the A operand of ``dQ = dS K``.
-* :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded rows,
-  the source of a bulk reduction into global memory.
+* :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded (or
+  swizzled) rows, the source of a bulk reduction into global memory.
 * :func:`key_block_scores` / :func:`query_block_scores` — a variant's whole treatment of one
   block of scores (causal or window masks, the soft cap, ALiBi, user functions, the keys past
   the end) in a dK / dV kernel (``Sᵀ``) and a dQ kernel (``S``), with the derivative chained
@@ -618,26 +618,42 @@ def transpose_to_shared(nq: int):
 
 
 @functools.cache
-def stage_float32(n: int, row_floats: int):
+def stage_float32(n: int, row_floats: int, swizzled: bool = False):
     """``store(stage, acc, reg0, warp4, g, t)``: a warpgroup's (64 × n) float32 wgmma
     accumulator — ``acc[reg0 …]``, ``n / 2`` registers per thread (``reg0 = 32 j``: columns
     ``64 j …`` of a wider accumulator) — into the shared tile at ``stage`` of 64 rows of
     ``row_floats`` floats each (``row_floats ≥ n``; padding rows by 4 floats puts a warp's
-    8-row stores in distinct banks). 8-byte stores; the caller fences and synchronises
+    8-row stores in distinct banks). ``swizzled`` (``row_floats == n == 64``, no padding):
+    16-byte chunk ``k`` of row ``r`` at chunk :func:`swizzled_chunk` ``(r, k) = k ^ (r % 8)``
+    instead — the same banks spread in 64 floats a row; whoever reads the tile (or the global
+    memory it is reduced into) undoes it. 8-byte stores; the caller fences and synchronises
     before the tile is read (by a bulk copy: ``fence_proxy_async_shared``)."""
-    if n % 8 or row_floats < n or row_floats % 2:
+    if n % 8 or row_floats < n or row_floats % 2 or swizzled and (row_floats, n) != (64, 64):
         raise ValueError(f"stage_float32: n={n} (a multiple of 8) and row_floats={row_floats} "
-                         f"(even, >= n)")
+                         f"(even, >= n; 64 and 64 swizzled)")
     RB = row_floats * 4
+    SWZ = bool(swizzled)
 
     @inline_device
     def store(stage, acc, reg0, warp4, g, t):
         for j in range(n // 8):
             for hh in range(2):
-                st_shared_v2_f32(stage + (warp4 * 16 + g + 8 * hh) * RB + (8 * j + 2 * t) * 4,
-                                 acc[reg0 + 4 * j + 2 * hh], acc[reg0 + 4 * j + 2 * hh + 1])
+                r = warp4 * 16 + g + 8 * hh
+                if SWZ:   # chunk 2j + t // 2 of row r (r % 8 = g), 8 bytes into it for odd t
+                    col = swizzled_chunk(g, 2 * j + t // 2) * 4 + (t % 2) * 2
+                else:
+                    col = 8 * j + 2 * t
+                st_shared_v2_f32(stage + r * RB + col * 4, acc[reg0 + 4 * j + 2 * hh],
+                                 acc[reg0 + 4 * j + 2 * hh + 1])
 
     return store
+
+
+@inline_device
+def swizzled_chunk(row, chunk):
+    """Where :func:`stage_float32`'s swizzled tiles keep 16-byte chunk ``chunk`` (0 … 15) of
+    row ``row``: chunk ``chunk ^ (row % 8)`` of the row."""
+    return chunk ^ (row % 8)
 
 
 def variant_mods(mods) -> tuple:
@@ -1030,4 +1046,4 @@ __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions", 
            "mask_keys_past", "mask_transposed", "mask_transposed_window", "query_block_scores",
            "query_blocks", "query_steps", "reads_hook", "row_state", "score_functions",
            "softcap_scores", "softmax_gradient", "stage_float32", "store_accumulators",
-           "transpose_to_shared", "variant_mods"]
+           "swizzled_chunk", "transpose_to_shared", "variant_mods"]
