@@ -621,7 +621,7 @@ def test_kernels_compile_without_spills(part):
                   # and in the warp-specialised kernel (dQ by bulk reductions): the walk's
                   # state derived from the loaded lengths in per-thread registers, where the
                   # fixed-length kernel keeps it in uniform ones (52 B there)
-                  "bwd_wgmma_ws_d128_bf16_causal_varlen": 288,
+                  "bwd_wgmma_ws_d128_bf16_causal_varlen": 248,
                   # past 128 (columns split between the consumers): the consumers' per-thread
                   # constants held across the loop, as at d128 (72 B at 256, 80 B at 192)
                   "bwd_wgmma_ws_d256_bf16_causal": 80,

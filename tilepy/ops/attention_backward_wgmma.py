@@ -296,7 +296,8 @@ class WgmmaBackwardConfig:
             if self.query_halves:   # P (both consumers' rows); dS's two boxes: two steps
                 regions.append(("p", BM * BN * 2, 1024))
         if self.producer:
-            regions.append(("bars", 64, 8))    # the Q / dO ring's and K / V's mbarriers
+            # the Q / dO ring's and K / V's mbarriers, the step and sequence words
+            regions.append(("bars", 96, 8))
         else:
             regions.append(("count", 16, 16))  # block-sparse: the block's step count
         return SmemLayout.of(*regions)
@@ -690,7 +691,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
                              cfg.block_n, varlen)
     return _dkdv_ws_kernel(cfg, *variant,
-                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE,
+                           WS_REGISTERS if variant[-1] is None
+                           else WS_REGISTERS_SPARSE,
                            bool(varlen))
 
 
@@ -739,15 +741,17 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # consumers read them once the slot is full: they keep no list
     STEP = KV_BAR + 8
     COUNT = STEP + 2 * 8     # and the block's step count, thread 0's
-    if SPARSE and COUNT + 4 > lay["bars"].nbytes:
+    # packed sequences (never block-sparse): the block's sequence words — q_start, k_start,
+    # sq, sk — written by thread 0 before the first barrier and read where they are used,
+    # and the steps passed in the step words as under a block mask: the lengths come from
+    # per-thread loads, so what derives from them (the walk) lives in per-thread registers
+    # where the fixed-length kernel keeps it in uniform ones, from the kernel parameters
+    # (offline sm_90a, d128: the walk and lengths held in the consumers spilled 304 B)
+    SEQ = COUNT + 8
+    STEP_WORDS = SPARSE or VARLEN
+    if STEP_WORDS and SEQ + 16 > lay["bars"].nbytes:
         raise ValueError(f"dkdv_ws_kernel: no room for the step words in {lay['bars'].nbytes} "
                          f"bytes of barriers")
-    # packed sequences (never block-sparse): the block's sequence words — q_start, k_start,
-    # sq, sk — in the step words' place, written by thread 0 before the first barrier and
-    # read where they are used, not held across the loops (offline sm_90a, d128: 280 B of
-    # spill stores against 304 B held; the fixed-length kernel's 52 B keep its lengths and
-    # the walk derived from them in uniform registers, from the kernel parameters)
-    SEQ = STEP
 
     @inline_device
     def sequence(bars, i, value):
@@ -867,7 +871,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
-            if SPARSE and tid == 0:   # (released by the arrival below)
+            if STEP_WORDS and tid == 0:   # (released by the arrival below)
                 st_shared_b32(bars + STEP + 8 * s, np.uint32(walk[1]))
                 st_shared_b32(bars + STEP + 8 * s + 4,
                               np.uint32(2 * walk[0] + (1 if walk[2] else 0)))
@@ -911,7 +915,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         mbarrier_wait_parity(bars + KV_BAR, 0)
         s, ph = 0, 0
         hq0 = hk * group
-        if not SPARSE:
+        if not STEP_WORDS:
             walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # the producer's
         for n in range(steps):
             ring.wait(bars, s, ph)
@@ -919,7 +923,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 sk = sequence(bars, 3, sk)
                 shift = sk - sequence(bars, 2, sq)
                 edge = key0 + BN > sk
-            if SPARSE:   # the step the producer wrote into the slot
+            if STEP_WORDS:   # the step the producer wrote into the slot
                 hp = ld_shared_b32(bars + STEP + 8 * s + 4)
                 hq = hq0 + np.int64(hp >> np.uint32(1))
                 row = np.int64(ld_shared_b32(bars + STEP + 8 * s)) * BM
@@ -981,7 +985,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                         stage + job * STAGE_TILE + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
-            if not SPARSE:
+            if not STEP_WORDS:
                 walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
         if issuer:
             bulk_wait_group(0)
