@@ -573,8 +573,9 @@ if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     archive_logs
 fi
 if [[ " $PART " == *" s44a "* ]]; then
-    bench_suite bench_bwd_varlen 280 "test_flash_attention_varlen_backward"
     bench_suite bench_bwd_wide 260 "test_flash_attention_backward and (D256 or D192)"
+    bench_suite bench_bwd_varlen 240 "test_flash_attention_varlen_backward"
+    gpu_tests wide_backward_gpu 90 tests/test_attention_backward_gpu.py -k wide_head_dims
     archive_logs
 fi
 if [[ " $PART " == *" s43a "* ]]; then
