@@ -109,6 +109,8 @@
 #                bulk reductions into per-sequence 64-row blocks) against deterministic=True
 #                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
 #                128 (WGMMA_WIDE on) at D256 / D192 against cuDNN and FA2
+#   PART=s44d    issue 25: packed sequences' backward on the fused kernel (the default past
+#                head_dim 128, a config at 128): its GPU test against SDPA per sequence
 #   PART=s43a    issue 25's backward past head_dim 128 on wgmma (split_columns, whole scores
 #                and query halves): its GPU test (both forms), then the backward probe at
 #                D256 (full, causal) and D192 against cuDNN / FA2 and the mma.sync kernels;
@@ -576,6 +578,10 @@ if [[ " $PART " == *" s44a "* ]]; then
     bench_suite bench_bwd_wide 260 "test_flash_attention_backward and (D256 or D192)"
     bench_suite bench_bwd_varlen 240 "test_flash_attention_varlen_backward"
     gpu_tests wide_backward_gpu 90 tests/test_attention_backward_gpu.py -k wide_head_dims
+    archive_logs
+fi
+if [[ " $PART " == *" s44d "* ]]; then
+    gpu_tests packed_fused_gpu 200 tests/test_attention_backward_gpu.py -k packed_sequences
     archive_logs
 fi
 if [[ " $PART " == *" s43a "* ]]; then

@@ -10,6 +10,7 @@ tests/conftest.py)."""
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -153,9 +154,10 @@ WIDE_CASES = [CASES[12], CASES[13], (1, 4, 2, 1300, 900, 256, True, "bhsd", F16,
 @pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
 def test_gpu_wide_head_dims_on_wgmma(case, halves):
     """Past head_dim 128, the warp-specialised wgmma kernel with its columns split between
-    the consumers (``split_columns``, one ring slot; 200 zero-filled to 256) — each consumer
-    computing the whole Sᵀ / dPᵀ, or its query half (``query_halves``) — into NaN-filled
-    outputs, against SDPA's math backend in float32 — GQA, seq_q above and below seq_k."""
+    the consumers (``split_columns``, dQ staged in the ring slot; 200 zero-filled to 256) —
+    each consumer computing the whole Sᵀ / dPᵀ, or its query half (``query_halves``) — into
+    NaN-filled outputs, against SDPA's math backend in float32 — GQA, seq_q above and below
+    seq_k."""
     from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
 
     b, hq, hkv, sq, sk, d, causal, layout, dtype, scale = case
@@ -170,6 +172,43 @@ def test_gpu_wide_head_dims_on_wgmma(case, halves):
                                     layout=layout, dq=dq, dk=dk, dv=dv, config=cfg)
     _, want = reference(q, k, v, dout, causal, layout, scale)
     check_grads((dq, dk, dv), want, dtype, case_id(case))
+
+
+@pytest.mark.parametrize("d,fused", [(256, False), (128, True)],
+                         ids=["d256-built-in", "d128-fused-config"])
+def test_gpu_packed_sequences_on_the_fused_kernel(d, fused):
+    """Packed sequences' backward with dQ by bulk reductions into each sequence's 64-row
+    blocks of the accumulator — past 128 the built-in choice (query halves), at 128 a fused
+    config — into NaN-filled outputs, each sequence against SDPA's math backend in float32;
+    zero-length query and key sequences (their rows: zero gradients), GQA 4/2, causal, rows
+    outside every sequence left as they were."""
+    from tilepy.ops.attention_backward_wgmma import WgmmaBackwardConfig
+    from tilepy.ops.attention_varlen import flash_attention_varlen_backward
+
+    lq, lk, hq, hk, dtype = [300, 0, 1000, 65, 700], [300, 20, 1000, 0, 900], 4, 2, BF16
+    cu = [torch.tensor([0] + list(itertools.accumulate(x)), dtype=torch.int32, device="cuda")
+          for x in (lq, lk)]
+    q, dout = (torch.randn(sum(lq) + 3, hq, d, device="cuda", dtype=dtype) for _ in range(2))
+    k, v = (torch.randn(sum(lk) + 3, hk, d, device="cuda", dtype=dtype) for _ in range(2))
+    args = (*cu, max(lq), max(lk))
+    out, lse = tilepy.flash_attention_varlen(q, k, v, *args, causal=True, return_lse=True)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    cfg = WgmmaBackwardConfig(d, dtype="bfloat16", dq_atomic=True, producer=True) \
+        if fused else None
+    flash_attention_varlen_backward(dout, q, k, v, out, lse, *args, causal=True,
+                                    dq=grads[0], dk=grads[1], dv=grads[2], config=cfg)
+    cq, ck = (c.tolist() for c in cu)
+    for z in range(len(lq)):
+        rq, rk = slice(cq[z], cq[z + 1]), slice(ck[z], ck[z + 1])
+        if not lq[z] or not lk[z]:      # no queries or no keys: zero gradients
+            assert all((g[r] == 0).all() for g, r in zip(grads, (rq, rk, rk))), z
+            continue
+        _, want = reference(q[rq][None], k[rk][None], v[rk][None], dout[rq][None], True,
+                            "bshd")
+        check_grads(tuple(g[r][None] for g, r in zip(grads, (rq, rk, rk))), want, dtype,
+                    f"sequence {z}")
+    for g, total in zip(grads, (sum(lq), sum(lk), sum(lk))):
+        assert torch.isnan(g[total:]).all(), "rows outside every sequence written"
 
 
 @pytest.mark.parametrize("dtype,causal,layout", [(BF16, True, "bshd"), (F16, False, "bhsd")])

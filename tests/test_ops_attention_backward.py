@@ -504,6 +504,7 @@ def test_config_choice_and_checks(monkeypatch):
     assert isinstance(choose_config(256, "float16", deterministic=True), BackwardConfig)
     monkeypatch.setattr(ab, "WGMMA_WIDE", False)
     assert isinstance(choose_config(256, "float16"), BackwardConfig)
+    monkeypatch.setattr(ab, "WGMMA_WIDE", True)
     # variants on the wgmma kernels there too
     assert isinstance(choose_config(128, "bfloat16", variant=True), WgmmaBackwardConfig)
     # head dims between the widths: the wgmma kernels of the wider tile from 40 up
@@ -517,19 +518,20 @@ def test_config_choice_and_checks(monkeypatch):
     monkeypatch.setattr(ab, "WGMMA_PADDED", True)
     from tilepy.ops.attention_varlen import choose_backward_config
 
-    # packed sequences: the fused kernel (dQ by bulk reductions) where the fixed-length
-    # backward takes it, unless deterministic or BACKWARD_FUSED is off; dQ's own kernel else
+    # packed sequences: the pair whose dQ has its own kernel up to 128 (as fast there), the
+    # fused kernel past it unless deterministic (the mma.sync kernels then)
     from tilepy.ops import attention_varlen as av
 
     for d in (64, 96, 128):
-        packed = choose_backward_config(d, "bfloat16", True)
-        assert isinstance(packed, WgmmaBackwardConfig) and not packed.dq_atomic, packed
-        fused = choose_backward_config(d, "bfloat16", False)
-        assert fused == choose_config(d, "bfloat16", variant=True), (d, fused)
+        for det in (False, True):
+            packed = choose_backward_config(d, "bfloat16", det)
+            assert isinstance(packed, WgmmaBackwardConfig) and not packed.dq_atomic, packed
+    wide = choose_backward_config(256, "bfloat16", False)
+    assert wide.split_columns and wide.query_halves, wide
+    assert isinstance(choose_backward_config(256, "bfloat16", True), BackwardConfig)
+    monkeypatch.setattr(av, "BACKWARD_FUSED_MIN_HEAD_DIM", 72)
     assert choose_backward_config(128, "bfloat16", False).producer
-    monkeypatch.setattr(av, "BACKWARD_FUSED", False)
-    assert not choose_backward_config(128, "bfloat16", False).dq_atomic
-    monkeypatch.setattr(av, "BACKWARD_FUSED", True)
+    monkeypatch.setattr(av, "BACKWARD_FUSED_MIN_HEAD_DIM", 136)
     assert isinstance(choose_backward_config(32, "bfloat16", False), BackwardConfig)
     assert isinstance(choose_backward_config(64, "bfloat16", False, 32), BackwardConfig)
     with pytest.raises(ValueError, match="producer"):
@@ -622,6 +624,7 @@ def test_kernels_compile_without_spills(part):
                   # state derived from the loaded lengths in per-thread registers, where the
                   # fixed-length kernel keeps it in uniform ones (52 B there)
                   "bwd_wgmma_ws_d128_bf16_causal_varlen": 248,
+                  "bwd_wgmma_ws_d256_bf16_causal_halves_varlen": 160,
                   # past 128 (columns split between the consumers): the consumers' per-thread
                   # constants held across the loop, as at d128 (60 B at 256, 76 B at 192)
                   "bwd_wgmma_ws_d256_bf16_causal": 64,

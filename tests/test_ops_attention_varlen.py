@@ -164,17 +164,24 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
         "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=32, key_groups=1,
                                       dq_groups=1, dq_block_n=32)}),
     # the warp-specialised kernel, dQ by bulk reductions into each sequence's 64-row blocks
-    # of the accumulator: a sequence over two blocks beside zero-length ones, causal; a head
-    # dim between the tile widths (96) with a window and a cap
-    ([70, 0, 6, 37], [66, 5, 0, 40], True, 64, "bfloat16", {
+    # of the accumulator (the default past head_dim 128): 136 by query halves (the 256-column
+    # tiles, dQ staged in the ring slot), a sequence over two blocks beside zero-length ones,
+    # causal; 64 (each consumer's own keys); a head dim between the tile widths (96) with a
+    # window and a cap
+    ([70, 0, 6, 37], [66, 5, 0, 40], True, 136, "float16", {
+        "config": WgmmaBackwardConfig(136, key_groups=1, dq_atomic=True, producer=True,
+                                      split_columns=True, query_halves=True)}),
+    pytest.param([70, 0, 6, 37], [66, 5, 0, 40], True, 64, "bfloat16", {
         "config": WgmmaBackwardConfig(64, dtype="bfloat16", block_m=64, key_groups=2,
-                                      dq_atomic=True, producer=True)}),
+                                      dq_atomic=True, producer=True)},
+                 marks=pytest.mark.extended),
     pytest.param([23, 70, 6], [30, 64, 6], False, 96, "float16", {
         "window": (20, 9), "softcap": 5.0,
         "config": WgmmaBackwardConfig(96, block_m=64, key_groups=2, dq_atomic=True,
                                       producer=True)}, marks=pytest.mark.extended),
 ], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32", "wgmma-causal-d64",
-        "wgmma-fused-causal-d64", "wgmma-fused-d96-window-softcap"])
+        "wgmma-fused-halves-causal-d136", "wgmma-fused-causal-d64",
+        "wgmma-fused-d96-window-softcap"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
     """The gradients of packed sequences against each sequence's float64 derivation, into
     NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1); v's own

@@ -493,23 +493,28 @@ def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
                            head_dim_v=None):
     """The backward config packed sequences run with: the built-in one
     (:func:`tilepy.ops.attention_backward.choose_config` — on sm_90 the wgmma kernels'
-    where the head dim takes them: without ``deterministic`` and with
-    :data:`BACKWARD_FUSED` the warp-specialised kernel with dQ by bulk reductions, else the
-    pair whose dQ has its own kernel); ``head_dim_v``: v's head dim where it differs (the
-    mma.sync kernels)."""
+    where the head dim takes them: without ``deterministic`` and from
+    :data:`BACKWARD_FUSED_MIN_HEAD_DIM` up the warp-specialised kernel with dQ by bulk
+    reductions, else the pair whose dQ has its own kernel); ``head_dim_v``: v's head dim
+    where it differs (the mma.sync kernels)."""
     from .attention_backward import choose_config as backward_choice
 
-    return backward_choice(head_dim, dtype, deterministic or not BACKWARD_FUSED, variant=True,
-                           wgmma=BACKWARD_WGMMA, head_dim_v=head_dim_v)
+    fused = not deterministic and head_dim >= BACKWARD_FUSED_MIN_HEAD_DIM
+    return backward_choice(head_dim, dtype, not fused, variant=True, wgmma=BACKWARD_WGMMA,
+                           head_dim_v=head_dim_v)
 
 
 #: Whether packed sequences' backward takes sm_90's wgmma kernels by default (False: the
 #: mma.sync ones everywhere).
 BACKWARD_WGMMA = True
-#: Whether packed sequences' backward without ``deterministic`` takes the warp-specialised
-#: wgmma kernel where the fixed-length backward does (dQ by bulk reductions into a float32
-#: accumulator, each sequence in 64-row blocks of its own); False: dQ's own kernel always.
-BACKWARD_FUSED = True
+#: The smallest head dim at which packed sequences' backward without ``deterministic`` takes
+#: the warp-specialised wgmma kernel where the fixed-length backward does (dQ by bulk
+#: reductions into a float32 accumulator, each sequence in 64-row blocks of its own); below,
+#: the pair whose dQ has its own kernel. At head_dim 128 the two ran equally fast over
+#: packed sequences on an H100 (the fused kernel's loop spills there: its walk derives from
+#: the loaded lengths), so the deterministic pair stays; past 128 the alternative is the
+#: mma.sync kernels (4x slower).
+BACKWARD_FUSED_MIN_HEAD_DIM = 136
 
 
 __all__ = ["flash_attention_varlen", "flash_attention_varlen_backward"]
