@@ -109,6 +109,7 @@
 #                bulk reductions into per-sequence 64-row blocks) against deterministic=True
 #                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
 #                128 (WGMMA_WIDE on) at D256 / D192 against cuDNN and FA2
+#   PART=s44e    issue 25's wide head dims forward (D96 / D192 / D256 bf16 S4096) against cuDNN
 #   PART=s44d    issue 25: packed sequences' backward on the fused kernel (the default past
 #                head_dim 128, a config at 128): its GPU test against SDPA per sequence
 #   PART=s43a    issue 25's backward past head_dim 128 on wgmma (split_columns, whole scores
@@ -578,6 +579,11 @@ if [[ " $PART " == *" s44a "* ]]; then
     bench_suite bench_bwd_wide 260 "test_flash_attention_backward and (D256 or D192)"
     bench_suite bench_bwd_varlen 240 "test_flash_attention_varlen_backward"
     gpu_tests wide_backward_gpu 90 tests/test_attention_backward_gpu.py -k wide_head_dims
+    archive_logs
+fi
+if [[ " $PART " == *" s44e "* ]]; then
+    bench_suite bench_fwd_wide 280 \
+        "test_flash_attention and Hkv16_S4096 and (D96 or D192 or D256) and bfloat16"
     archive_logs
 fi
 if [[ " $PART " == *" s44d "* ]]; then
