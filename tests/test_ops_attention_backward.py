@@ -364,11 +364,13 @@ def test_dq_by_atomics():
      (1, 2, 2, 50, 40, False, "float16", "bhsd")),
     # past 128: the warp-specialised kernel with dK / dV / dQ's columns split between its
     # two consumers over the same 64 keys, dQ staged in the step's ring slot (swizzled rows,
-    # the slot released a step later: GQA's several steps); 256 causal with GQA and seq_q >
-    # seq_k (keys past the end zero-filled), 200 zero-filled to 256 (the second consumer
-    # stores 72 of its 128 columns, dQ's last slice half padding)
-    (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True),
-     (1, 2, 1, 90, 70, True, "float16", "bhsd")),
+    # the slot released a step later: GQA's several steps); each consumer computing the whole
+    # Sᵀ / dPᵀ (opt-in, extended): 256 causal with GQA and seq_q > seq_k (keys past the end
+    # zero-filled), 200 zero-filled to 256 (the second consumer stores 72 of its 128
+    # columns, dQ's last slice half padding)
+    pytest.param(256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
+                           split_columns=True),
+                 (1, 2, 1, 90, 70, True, "float16", "bhsd"), marks=pytest.mark.extended),
     pytest.param(200, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
                            split_columns=True),
                  (1, 1, 1, 70, 130, False, "bfloat16", "bshd"), marks=pytest.mark.extended),
@@ -620,10 +622,9 @@ def test_kernels_compile_without_spills(part):
                   # packed sequences: the sequence's bounds and offsets held beside the
                   # 255-register loop (the mma.sync packed dK / dV kernel spills 68 B)
                   "bwd_wgmma_dkdv_d128_bf16_causal_varlen": 96,
-                  # and in the warp-specialised kernel (dQ by bulk reductions): the walk's
-                  # state derived from the loaded lengths in per-thread registers, where the
-                  # fixed-length kernel keeps it in uniform ones (52 B there)
-                  "bwd_wgmma_ws_d128_bf16_causal_varlen": 248,
+                  # and in the warp-specialised kernel past 128 (dQ by bulk reductions): the
+                  # walk's state derived from the loaded lengths in per-thread registers,
+                  # where the fixed-length kernel keeps it in uniform ones (8 B there)
                   "bwd_wgmma_ws_d256_bf16_causal_halves_varlen": 160,
                   # past 128 (columns split between the consumers): the consumers' per-thread
                   # constants held across the loop, as at d128 (60 B at 256, 76 B at 192)

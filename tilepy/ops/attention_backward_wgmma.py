@@ -1384,13 +1384,10 @@ COMPILED = (
      WgmmaBackwardConfig(128, dtype="bfloat16"), True),
     ("bwd_wgmma_dq_d128_bf16_causal_varlen", "dq", WgmmaBackwardConfig(128, dtype="bfloat16"),
      True),
-    # and without deterministic: the warp-specialised kernel, dQ by bulk reductions (past 128
-    # the built-in choice; at 128 a config's)
+    # and past 128 (without deterministic) the warp-specialised kernel, dQ by bulk reductions
     ("bwd_wgmma_ws_d256_bf16_causal_halves_varlen", "ws", WgmmaBackwardConfig(
         256, dtype="bfloat16", key_groups=1, dq_atomic=True, producer=True,
         split_columns=True, query_halves=True), True),
-    ("bwd_wgmma_ws_d128_bf16_causal_varlen", "ws", WgmmaBackwardConfig(
-        128, dtype="bfloat16", dq_atomic=True, producer=True), True),
     ("bwd_wgmma_dq_d64_f16", "dq", WgmmaBackwardConfig(64), False),
     # the variants: a sliding window under causal with a soft cap (Gemma 2's layers) on the
     # built-in choices — the warp-specialised kernel, and the deterministic pair
