@@ -691,8 +691,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
                              cfg.block_n, varlen)
     return _dkdv_ws_kernel(cfg, *variant,
-                           WS_REGISTERS if variant[-1] is None
-                           else WS_REGISTERS_SPARSE,
+                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE,
                            bool(varlen))
 
 
@@ -934,8 +933,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 part = walk[2]
             buf = (n % DS_BUFFERS) * DS_BYTES
             if QH:
-                products_halves(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc,
-                                dv_acc, k_wg, v_wg, base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
+                products_halves(st, dpt, st3, dpt3, dfac, a_p, a_ds, dk_acc, dv_acc, k_wg,
+                                v_wg, base + Q_OFF + s * Q_TILE, base + DO_OFF + s * Q_TILE,
                                 g_off, base + L_OFF + s * ROW_BYTES,
                                 base + DL_OFF + s * ROW_BYTES, row + shift - key0,
                                 my_key - shift - (row + 2 * t), edge, my_key, sk,

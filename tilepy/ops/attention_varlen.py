@@ -381,7 +381,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
     * The forward's arguments as given to it; ``out`` and ``lse`` (float32 (heads_q,
       total_q)) what it returned with ``return_lse=True``; ``dout`` has ``out``'s shape and
-      dtype (v's head dim may differ from q's: the mma.sync kernels take it on every GPU). A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
+      dtype (v's head dim may differ from q's: the mma.sync kernels take it on every GPU).
+      A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
       :func:`tilepy.flash_attention_backward`).
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
