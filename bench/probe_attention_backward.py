@@ -6,7 +6,8 @@ SDPA's (float32 from the same inputs) first. A probe for choosing configs, not t
 
     python bench/probe_attention_backward.py --json OUT.json [--quick] [--head-dim D]
         [--configs I,J]   (indices into the head_dim's grid of configs;
-        past 128, the built-in choice and the split-column wgmma kernel)
+        past 128, the built-in choice and the split-column wgmma kernel) [--causal 0|1]
+        [--order-ab]      (each config with heavy_first on, off, on, off)
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def main():
     ap.add_argument("--configs", help="comma-separated indices into the head_dim's grid")
     ap.add_argument("--causal", choices=("0", "1"), help="only the full (0) or causal (1) "
                     "shapes")
+    ap.add_argument("--order-ab", action="store_true", help="each wgmma config twice with "
+                    "heavy_first on and off, alternating (A, B, A, B): the causal key blocks' "
+                    "order")
     args = ap.parse_args()
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,6 +77,12 @@ def main():
     if args.configs:
         pick = [int(i) for i in args.configs.split(",")]
         grids = {d: [g[i] for i in pick if i < len(g)] for d, g in grids.items()}
+    if args.order_ab:
+        import dataclasses
+
+        grids = {d: [x for c in g if c is not None
+                     for x in (c, dataclasses.replace(c, heavy_first=False)) * 2]
+                 for d, g in grids.items()}
     rows = []
     for shape in shapes:
         rows += one_shape(torch, tilepy, sdpa, sdpa_kernel, SDPBackend, grids,

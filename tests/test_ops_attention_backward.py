@@ -375,9 +375,12 @@ def test_dq_by_atomics():
                            split_columns=True),
                  (1, 1, 1, 70, 130, False, "bfloat16", "bshd"), marks=pytest.mark.extended),
     # the same with Sᵀ / dPᵀ by query halves (P and dS through shared boxes, one barrier of
-    # both consumers a step): 256 causal GQA, 136 (one stored n8 block past 128)
-    (256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
-               query_halves=True), (1, 2, 1, 90, 70, True, "bfloat16", "bhsd")),
+    # both consumers a step): 256 causal GQA (extended: causal is the packed d136 case's in
+    # tests/test_ops_attention_varlen.py, GQA the d192 window's in test_wgmma_variants), 136
+    # (one stored n8 block past 128)
+    pytest.param(256, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True,
+                           split_columns=True, query_halves=True),
+                 (1, 2, 1, 90, 70, True, "bfloat16", "bhsd"), marks=pytest.mark.extended),
     (136, dict(block_m=64, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
                query_halves=True), (1, 1, 1, 70, 130, False, "float16", "bshd")),
 ], ids=["d64-causal-gqa", "d128-atomic-one-warpgroup", "d128-ws-causal", "d64-ws",
@@ -582,7 +585,8 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("part", ["core", "rest"])
+@pytest.mark.parametrize("part", ["core", "rest",
+                                  pytest.param("extended", marks=pytest.mark.extended)])
 def test_kernels_compile_without_spills(part):
     """mma.sync kernels for sm_90, wgmma ones for sm_90a: no local memory, spills only where
     measured and accepted (the mma.sync dK / dV kernel at head_dim 128, the wgmma atomic
@@ -595,13 +599,15 @@ def test_kernels_compile_without_spills(part):
 
     # core: the mma.sync kernels (two of them the window + soft-cap variants, two the packed
     # sequences: 68 B of spill stores in the dK / dV kernel at head_dim 128, offline sm_90)
-    # and the wgmma ones of the built-in choices' shapes; rest: the other wgmma ones
+    # and the wgmma ones of the built-in choices' shapes; rest: the other wgmma ones a
+    # built-in choice runs; extended: those only config= reaches
     reports = run_in_subprocess(f"tilepy.ops.attention_backward_wgmma:compile_reports_{part}")
     if part == "core":
         reports.update(run_in_subprocess(
             "tilepy.ops.attention_backward_mma_sync:compile_reports"))
-    assert len(reports) == (10 + len(bwg.CORE_COMPILED) if part == "core"
-                            else len(bwg.COMPILED) - len(bwg.CORE_COMPILED))
+    assert len(reports) == {
+        "core": 10 + len(bwg.CORE_COMPILED), "extended": len(bwg.EXTENDED_COMPILED),
+        "rest": len(bwg.COMPILED) - len(bwg.CORE_COMPILED) - len(bwg.EXTENDED_COMPILED)}[part]
     for name, rep in reports.items():
         assert "error" not in rep, rep.get("error")
         c = rep["counts"]
@@ -619,6 +625,8 @@ def test_kernels_compile_without_spills(part):
         spills = {"bwd_wgmma_ws_d128_bf16_window_softcap": 128,
                   "bwd_wgmma_dkdv_d128_f16_window_softcap": 80,
                   "bwd_wgmma_dkdv_d128_bf16_causal": 8,
+                  # (config= only: causal blocks heaviest first, 116 B without)
+                  "bwd_wgmma_dkdv_d128_f16_atomic_1wg": 144,
                   # packed sequences: the sequence's bounds and offsets held beside the
                   # 255-register loop (the mma.sync packed dK / dV kernel spills 68 B)
                   "bwd_wgmma_dkdv_d128_bf16_causal_varlen": 96,

@@ -642,20 +642,25 @@ def test_bad_block_masks_are_refused_before_launch():
 
 
 @pytest.mark.compile
-def test_block_sparse_kernels_compile_without_spills():
-    """Offline sm_90a: the block-sparse grid TMA kernel (d128, ping-pong, producer; one and two
-    key tiles a mask block; reading a bitmap, with a load per word) and the block-sparse
-    mma.sync kernel (d128) with a causal mask function and LSE, and the block mask's kernel
-    (with and without the bitmap): no spill, no local memory, the TMA kernel's
-    wgmmas and TMA loads present, no serialised wgmmas; the backward's block-sparse dK / dV
-    and dQ kernels (d64, d128) spill at most 96 B more than the dense ones with the hook, the
-    warp-specialised wgmma one (d128) at most 128 B."""
+@pytest.mark.parametrize("group", ["core", pytest.param("extended", marks=pytest.mark.extended)])
+def test_block_sparse_kernels_compile_without_spills(group):
+    """Offline sm_90a: the block-sparse TMA kernels (d128, ping-pong, producer; persistent —
+    the default — and, extended, grid with one and two key tiles a mask block; with the mask
+    function and reading a bitmap, with a load per word) and the block-sparse mma.sync kernel
+    (d128) with a causal mask function and LSE, and the block mask's kernel (with and without
+    the bitmap): no spill, no local memory, the TMA kernel's wgmmas and TMA loads present, no
+    serialised wgmmas; the backward's block-sparse dK / dV and dQ kernels (d128; extended
+    d64) spill at most 96 B more than the dense ones with the hook, the warp-specialised
+    wgmma one (d128) at most 128 B."""
     from tilepy.offline import find_ptxas, run_in_subprocess
 
     if find_ptxas() is None:
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
-    reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports")
-    assert len(reps) == len(abm.SPARSE_REPORTS) + len(abm.SPARSE_BACKWARD_REPORTS) + 3
+    reps = run_in_subprocess("tilepy.ops.attention_block_mask:compile_reports"
+                             + ("_extended" if group == "extended" else ""))
+    every = [n for n, *_ in abm.SPARSE_REPORTS + abm.SPARSE_BACKWARD_REPORTS]
+    assert len(reps) == (len(abm.EXTENDED_REPORTS) if group == "extended"
+                         else len(every) - len(abm.EXTENDED_REPORTS) + 3)
     for name, rep in reps.items():
         assert "error" not in rep, rep
         assert rep["local_bytes"] == 0 and rep["counts"]["ld.local"] == 0, rep

@@ -168,7 +168,7 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
     # tiles, dQ staged in the ring slot), a sequence over two blocks beside zero-length ones,
     # causal; 64 (each consumer's own keys); a head dim between the tile widths (96) with a
     # window and a cap
-    ([70, 0, 6, 37], [66, 5, 0, 40], True, 136, "float16", {
+    ([70, 0, 6], [66, 5, 0], True, 136, "float16", {
         "config": WgmmaBackwardConfig(136, key_groups=1, dq_atomic=True, producer=True,
                                       split_columns=True, query_halves=True)}),
     pytest.param([70, 0, 6, 37], [66, 5, 0, 40], True, 64, "bfloat16", {

@@ -25,6 +25,7 @@ from tilepy.ops.attention_wgmma import (
     TMA_SCHEDULE_REPORTS,
     VARIANT_REPORTS,
     VARLEN_REPORTS,
+    VARLEN_SCHEDULE_REPORTS,
     WgmmaAttentionConfig,
 )
 
@@ -454,6 +455,7 @@ def test_config_validation():
 @pytest.mark.compile
 @pytest.mark.parametrize("group", [
     "tma",                                              # the built-in choices' family
+    "tma_variants",                                     # with windows, FP8, packed, ...
     "cp_async",                                         # the TMA configs' fallback tiles
     # schedules reachable through config= only
     pytest.param("tma_schedules", marks=pytest.mark.extended),
@@ -463,9 +465,11 @@ def test_compiles_for_sm90a_without_spills(group):
         pytest.fail("ptxas not found: install the test extra (nvidia-cuda-nvcc)")
     reps = run_in_subprocess(f"tilepy.ops.attention_wgmma:compile_reports_{group}")
     assert len(reps) == {
-        "tma": len(TMA_REPORTS) + len(PERSISTENT_TMA_REPORTS) + len(VARIANT_REPORTS)
-        + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS) + len(VARLEN_REPORTS),
-        "tma_schedules": len(TMA_SCHEDULE_REPORTS) + len(FP8_SCHEDULE_REPORTS),
+        "tma": len(TMA_REPORTS) + len(PERSISTENT_TMA_REPORTS),
+        "tma_variants": len(VARIANT_REPORTS) + len(HEAD_DIM_V_REPORTS) + len(FP8_REPORTS)
+        + len(VARLEN_REPORTS),
+        "tma_schedules": len(TMA_SCHEDULE_REPORTS) + len(FP8_SCHEDULE_REPORTS)
+        + len(VARLEN_SCHEDULE_REPORTS),
         "cp_async": len(OVERLAP_REPORTS),
         "cp_async_schedules": len(PLAIN_REPORTS) + len(OVERLAP_SCHEDULE_REPORTS)
         + len(PERSISTENT_REPORTS)}[group]
@@ -513,7 +517,9 @@ def test_compiles_for_sm90a_without_spills(group):
             if "ex2_in_flight" in rep and ("overlap" in name or "tma" in name) \
                     and "softcap" not in name:
                 bn = int(name.split("x")[1].split("_")[0])
-                assert rep["ex2_in_flight"] == [bn // 2 + 2], rep["ex2_in_flight"]
+                # (FP8 with exponentials on the FMA pipe, fma_exp_every=2: half of them ex2)
+                ex2 = bn // 4 if name.endswith("_fma_exp_2") else bn // 2
+                assert rep["ex2_in_flight"] == [ex2 + 2], (name, rep["ex2_in_flight"])
                 assert rep["shfl_in_flight"][0] >= 4
 
 

@@ -342,6 +342,37 @@ def test_heavy_first_order(batch, heads, n_qb, sk, causal):
 
 
 @pytest.mark.sim
+@pytest.mark.parametrize("heavy", [False, True])
+def test_key_block_order_visits_every_block_once(heavy):
+    """A dK / dV kernel's blocks (grid: key blocks × K/V heads × batch): each (batch, head, key
+    block) once, with its first key and group size; heavy (causal), the grid's linear order
+    takes every head's first key block (the heaviest), then every head's second, … (all heads
+    fit one L2 group here)."""
+    from tilepy.tile.attention_backward import key_block_order
+
+    coords = key_block_order(64, 128, heavy)
+    n_kb, hk, batch = 4, 3, 2
+
+    @cuda.jit
+    def kernel(q, k, out):
+        sq, sk, b, h, group, key0, kb = coords(q, k)
+        i = cuda.blockIdx.x + cuda.gridDim.x * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z)
+        for j, x in enumerate((sq, sk, b, h, group, key0, kb)):
+            out[i, j] = x
+
+    q = np.zeros((batch, 2 * hk, 70, 8), np.float16)
+    k = np.zeros((batch, hk, 200, 8), np.float16)
+    out = np.full((n_kb * hk * batch, 7), -1, np.int64)
+    kernel[(n_kb, hk, batch), 1](q, k, out)
+    assert (out[:, :2] == [70, 200]).all() and (out[:, 4] == 2).all()
+    assert (out[:, 5] == 64 * out[:, 6]).all()
+    assert sorted(map(tuple, out[:, [2, 3, 6]])) == [
+        (b, h, kb) for b in range(batch) for h in range(hk) for kb in range(n_kb)]
+    kbs = list(out[:, 6])
+    assert kbs == (sorted(kbs) if heavy else [i % n_kb for i in range(len(kbs))])
+
+
+@pytest.mark.sim
 def test_ticket_scheduler_hands_out_each_item_once_and_resets():
     sched = ticket_scheduler()
 

@@ -58,7 +58,8 @@ from ..tile.attention_backward import (
     a_fragment,
     counted_steps,
     kernel_variant,
-    key_block_coords,
+    heavy_keys,
+    key_block_order,
     key_block_scores,
     key_steps,
     query_block_scores,
@@ -152,7 +153,12 @@ class WgmmaBackwardConfig:
     ``query_halves`` (with ``split_columns``): consumer ``c`` computes ``Sᵀ`` and ``dPᵀ``
     for queries ``32 c …`` of the step only, and both write their rows of ``P`` and ``dS``
     into shared boxes that the dV / dK products then read (A from shared memory): no
-    product runs twice, one barrier of both consumers per step."""
+    product runs twice, one barrier of both consumers per step.
+
+    ``heavy_first`` (the dK / dV kernels under causal, one length for every batch): the
+    grid's blocks take the key blocks heaviest first
+    (:func:`tilepy.tile.attention_backward.key_block_order`), so that the last blocks started
+    are the shortest; False: the grid's plain order."""
 
     head_dim: int
     block_m: int = 64
@@ -166,9 +172,11 @@ class WgmmaBackwardConfig:
     dq_own_keys: bool = False
     split_columns: bool = False
     query_halves: bool = False
+    heavy_first: bool = True
 
     def __post_init__(self):
-        for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns", "query_halves"):
+        for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns", "query_halves",
+                     "heavy_first"):
             _require(isinstance(getattr(self, name), bool), f"WgmmaBackwardConfig.{name} must "
                      f"be a bool, got {getattr(self, name)!r}")
         if self.producer:
@@ -317,7 +325,8 @@ class WgmmaBackwardConfig:
             if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
-                f"({self.consumers} warpgroups), {dq}, D={self.head_dim} {self.dtype}")
+                f"({self.consumers} warpgroups), {dq}, D={self.head_dim} {self.dtype}"
+                + ("" if self.heavy_first else ", key blocks in the grid's order"))
 
 
 def _jit(threads: int):
@@ -443,6 +452,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
+    coords = key_block_order(BN, D, cfg.heavy_first and heavy_keys(left, right, SPARSE,
+                                                                   VARLEN))
     THREADS = cfg.threads
     NQ = BM // 8
     NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
@@ -490,12 +501,11 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
 
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
-        sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        sq, sk, b, hk, group, key0, kbx = coords(q, k)
         # packed sequence b: query rows q_start … of the (batch 1) views, keys k_start …
         q_start, k_start, sq, sk, hook, qmask, vb, r_start = locate(hargs, b, sq, sk)
         if VARLEN and key0 >= sk:
             return      # past this sequence's keys (the grid fits the longest)
-        kbx = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -703,6 +713,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
     WIN = (left, right)
     SPARSE = mask_block is not None
+    coords = key_block_order(BN, D, cfg.heavy_first and heavy_keys(left, right, SPARSE,
+                                                                   VARLEN))
     KG, SL = cfg.key_groups, cfg.slices
     CONS = cfg.consumers
     # split_columns: both consumers over the block's 64 keys, consumer c's dK / dV / dQ
@@ -991,12 +1003,11 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
 
     @bk.kernel_jit(THREADS, 1, disk_cache=not reads_hook(mods))
     def kernel(q, k, v, do_, lse2, delta, dk, dv, dq_acc, scale, scale_log2, hargs):
-        sq, sk, b, hk, group, key0 = key_block_coords(q, k, BN)
+        sq, sk, b, hk, group, key0, kb = coords(q, k)
         # packed sequence b: query rows q_start … of the (batch 1) views, keys k_start …
         q_start, k_start, sq, sk, hook, qmask, vb, r_start = locate(hargs, b, sq, sk)
         if VARLEN and key0 >= sk:
             return      # past this sequence's keys (the grid fits the longest)
-        kb = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         c = roles.consumer(roles.warpgroup(tid))
         qb0, per_head = qblocks(key0, sq, sk)
@@ -1409,14 +1420,29 @@ CORE_COMPILED = ("bwd_wgmma_dkdv_d128_bf16_causal", "bwd_wgmma_dkdv_d64_f16",
                  "bwd_wgmma_ws_d128_bf16_window_softcap", "bwd_wgmma_ws_d96_bf16_causal")
 
 
+#: The :data:`COMPILED` kernels only ``config=`` reaches and no built-in choice: the
+#: deterministic pair's dK / dV kernel with atomic dQ, dQ by each consumer's own keys, the
+#: fused kernel at head_dim 64, the wide kernels' whole-scores form.
+EXTENDED_COMPILED = ("bwd_wgmma_dkdv_d128_f16_atomic", "bwd_wgmma_dkdv_d128_f16_atomic_1wg",
+                     "bwd_wgmma_dkdv_d64_f16_atomic", "bwd_wgmma_dkdv_d64_f16_atomic_1wg",
+                     "bwd_wgmma_ws_d64_f16_causal", "bwd_wgmma_ws_d128_f16_own_keys",
+                     "bwd_wgmma_ws_d256_bf16_causal", "bwd_wgmma_ws_d192_f16")
+
+
 def compile_reports_core():
     """:func:`compile_reports` of :data:`CORE_COMPILED` (a target for ``run_in_subprocess``)."""
     return compile_reports(CORE_COMPILED)
 
 
 def compile_reports_rest():
-    """:func:`compile_reports` of the rest of :data:`COMPILED`."""
-    return compile_reports([c[0] for c in COMPILED if c[0] not in CORE_COMPILED])
+    """:func:`compile_reports` of the rest of :data:`COMPILED` but :data:`EXTENDED_COMPILED`."""
+    return compile_reports([c[0] for c in COMPILED
+                            if c[0] not in CORE_COMPILED + EXTENDED_COMPILED])
+
+
+def compile_reports_extended():
+    """:func:`compile_reports` of :data:`EXTENDED_COMPILED`."""
+    return compile_reports(EXTENDED_COMPILED)
 
 
 def compile_reports(only=None):

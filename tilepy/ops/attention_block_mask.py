@@ -615,11 +615,34 @@ SPARSE_BACKWARD_REPORTS = tuple(
 WS_SPARSE_REPORT = "attention_backward_wgmma_ws_d128_sparse"
 
 
-def compile_reports():
+#: The kernels of :data:`SPARSE_REPORTS` and :data:`SPARSE_BACKWARD_REPORTS` in
+#: :func:`compile_reports`' ``extended`` group: the grid TMA kernels (the persistent one is the
+#: default) and the backward's mma.sync pairs at head_dim 64.
+EXTENDED_REPORTS = frozenset(
+    [n for n, *_ in SPARSE_REPORTS if n.startswith("attention_wgmma") and "persistent" not in n]
+    + [n for n, _, d, _ in SPARSE_BACKWARD_REPORTS if d == 64])
+
+
+def compile_reports(group: str = "core"):
     """Offline sm_90a reports of the block-sparse attention kernels (:data:`SPARSE_REPORTS`,
     a causal mask function, LSE), of the block-sparse backward kernels
     (:data:`SPARSE_BACKWARD_REPORTS`, :data:`WS_SPARSE_REPORT`) and of the block mask's own
-    kernel for it (with and without the bitmaps)."""
+    kernel for it (with and without the bitmaps). ``group``: ``"core"`` all but
+    :data:`EXTENDED_REPORTS`, ``"extended"`` those, ``"all"`` both."""
+    if group not in ("core", "extended", "all"):
+        raise ValueError(f"compile_reports: group must be 'core', 'extended' or 'all', "
+                         f"got {group!r}")
+    return _compile_reports(lambda name: group == "all" or (
+        name in EXTENDED_REPORTS) == (group == "extended"))
+
+
+def compile_reports_extended():
+    """:func:`compile_reports` of the ``extended`` group (a ``run_in_subprocess`` target)."""
+    return compile_reports("extended")
+
+
+def _compile_reports(want):
+    """:func:`compile_reports` of the kernels whose names ``want`` takes."""
     from numba import types
 
     from ..offline import report_entry
@@ -632,6 +655,8 @@ def compile_reports():
     words = types.Tuple((types.Array(types.uint32, 4, "A"),))   # the hook's bitmap
     out = []
     for name, d, bm, bn, block in SPARSE_REPORTS:
+        if not want(name):
+            continue
         if name.startswith("attention_wgmma"):
             cfg = aw.WgmmaAttentionConfig(d, bm, bn, overlap=True, tma=True, pingpong=True,
                                           producer=True, persistent="persistent" in name)
@@ -658,6 +683,8 @@ def compile_reports():
 
     mods = (None, None, _probe_causal)
     for name, kind, d, sparse in SPARSE_BACKWARD_REPORTS:
+        if not want(name):
+            continue
         cfg = bk.BackwardConfig(d, dtype="float16", **ab.GPU_BLOCKS[d])
         block = (128, 128) if sparse else None
         base = bk.argtypes(kind)
@@ -675,16 +702,21 @@ def compile_reports():
     from . import attention_backward_wgmma as bw
 
     cfg = bw.WgmmaBackwardConfig(128, dtype="bfloat16", **ab.HOPPER_FUSED[128])
-    out.append(report_entry(
-        WS_SPARSE_REPORT, lambda: bw.dkdv_ws_kernel(cfg, False, None, 0.0, mods,
-                                                     mask_block=(128, 128)),
-        _sparse_argtypes(bk.argtypes("dkdv")), (9, 0, "a"), threads=cfg.threads,
-        launch_bounds=(cfg.threads, 1), config=cfg.describe(), smem_bytes=cfg.dkdv_layout.nbytes))
+    if want(WS_SPARSE_REPORT):
+        out.append(report_entry(
+            WS_SPARSE_REPORT, lambda: bw.dkdv_ws_kernel(cfg, False, None, 0.0, mods,
+                                                         mask_block=(128, 128)),
+            _sparse_argtypes(bk.argtypes("dkdv")), (9, 0, "a"), threads=cfg.threads,
+            launch_bounds=(cfg.threads, 1), config=cfg.describe(),
+            smem_bytes=cfg.dkdv_layout.nbytes))
     n3, n4 = types.Array(types.int32, 3, "A"), types.Array(types.int32, 4, "A")
     # (the bitmaps' kernel at the largest blocks: its shared memory grows with block_q)
     for bits, block in ((False, 128), (True, 1024)):
+        name = f"block_mask_{block}x{block}" + ("_bits" if bits else "")
+        if not want(name):
+            continue
         out.append(report_entry(
-            f"block_mask_{block}x{block}" + ("_bits" if bits else ""),
+            name,
             lambda bits=bits, block=block: block_mask_kernel(mask_visible(_probe_causal), block,
                                                              block, bits),
             (types.int64, types.int64, n3, n4, n3, n4, types.Tuple(()))
@@ -695,6 +727,7 @@ def compile_reports():
 
 __all__ = ["BLOCK_SIZE", "BlockMask", "CACHE_SIZE", "block_mask_kernel", "block_sizes",
            "cached_block_mask", "check_block_mask", "compile_reports", "create_block_mask",
+           "EXTENDED_REPORTS",
            "makes_own_mask", "PARTIAL_BITS_LIMIT", "check_partial_bits", "reads_bits",
            "mask_views", "SPARSE_BACKWARD_REPORTS", "SPARSE_REPORTS", "transpose_kernel",
            "WS_SPARSE_REPORT"]

@@ -2013,16 +2013,17 @@ VARIANT_REPORTS = ((128, 128, True, False, (255, 0), 50.0), (64, 192, False, Tru
 
 #: Packed-sequence (varlen) grid TMA kernels of :func:`compile_reports` (the built-in
 #: Hopper configs, not persistent): (head_dim, causal with LSE).
-VARLEN_REPORTS = ((128, True), (64, False))
+VARLEN_REPORTS = ((128, True),)
+#: The packed-sequence kernels of the ``tma_schedules`` group (the same fields).
+VARLEN_SCHEDULE_REPORTS = ((64, False),)
 
 #: FP8 TMA kernels of :func:`compile_reports` (ping-pong, a producer warpgroup, 128 query
 #: rows): (head_dim, block_n, causal with LSE).
 #: (head_dim, block_n, causal, fma_exp_every) of the FP8 kernels' reports
-FP8_REPORTS = ((128, 128, True, 0), (128, 128, False, 0), (256, 64, False, 0),
-               (64, 128, True, 0))
+FP8_REPORTS = ((128, 128, True, 0), (256, 64, False, 0))
 #: The FP8 kernels of the ``tma_schedules`` group (the same fields): every other tile's
-#: exponentials on the FMA pipe (not the default).
-FP8_SCHEDULE_REPORTS = ((128, 128, False, 2),)
+#: exponentials on the FMA pipe (not the default), and further built-in shapes.
+FP8_SCHEDULE_REPORTS = ((128, 128, False, 2), (128, 128, False, 0), (64, 128, True, 0))
 
 
 def _variant_entry(d, bm, pingpong, persistent, window, cap):
@@ -2044,18 +2045,20 @@ def _variant_entry(d, bm, pingpong, persistent, window, cap):
 
 #: :func:`compile_reports`' groups: the kernels a built-in config or its fallback runs, and the
 #: schedules reachable through ``config=`` only (the test suite runs those with --extended).
-REPORT_GROUPS = ("tma", "tma_schedules", "cp_async", "cp_async_schedules")
+REPORT_GROUPS = ("tma", "tma_variants", "tma_schedules", "cp_async", "cp_async_schedules")
 
 
 def compile_reports(group: str = "all"):
     """Offline sm_90a reports of the wgmma attention kernels, by ``group``:
 
     * ``"tma"``: the TMA kernels of the built-in choices' family (:data:`TMA_REPORTS`, the
-      persistent ones :data:`PERSISTENT_TMA_REPORTS`, with a window or soft cap
-      :data:`VARIANT_REPORTS`, V's head dim other than Q's :data:`HEAD_DIM_V_REPORTS`, FP8
-      :data:`FP8_REPORTS`, packed sequences :data:`VARLEN_REPORTS`);
+      persistent ones :data:`PERSISTENT_TMA_REPORTS`);
+    * ``"tma_variants"``: the same family with a window or soft cap
+      (:data:`VARIANT_REPORTS`), V's head dim other than Q's (:data:`HEAD_DIM_V_REPORTS`),
+      FP8 (:data:`FP8_REPORTS`), packed sequences (:data:`VARLEN_REPORTS`);
     * ``"tma_schedules"``: TMA schedules no built-in config takes
-      (:data:`TMA_SCHEDULE_REPORTS`, :data:`FP8_SCHEDULE_REPORTS`);
+      (:data:`TMA_SCHEDULE_REPORTS`) and further shapes of the variants
+      (:data:`FP8_SCHEDULE_REPORTS`, :data:`VARLEN_SCHEDULE_REPORTS`);
     * ``"cp_async"``: the cp.async overlap kernels a TMA config falls back to
       (:data:`OVERLAP_REPORTS`, with :func:`tilepy.offline.sass_in_flight`);
     * ``"cp_async_schedules"``: the other cp.async kernels (:data:`PLAIN_REPORTS`,
@@ -2067,7 +2070,7 @@ def compile_reports(group: str = "all"):
         raise ValueError(f"compile_reports: group must be 'all' or one of {REPORT_GROUPS}, "
                          f"got {group!r}")
     if group.startswith("tma"):
-        return _tma_reports(group == "tma_schedules")
+        return _tma_reports(group)
     from ..offline import report_entry
     from .attention_mma_sync import argtypes
 
@@ -2098,6 +2101,12 @@ def compile_reports_tma():
     return compile_reports("tma")
 
 
+def compile_reports_tma_variants():
+    """:func:`compile_reports` of the ``tma_variants`` group (a ``run_in_subprocess``
+    target)."""
+    return compile_reports("tma_variants")
+
+
 def compile_reports_tma_schedules():
     """:func:`compile_reports` of the ``tma_schedules`` group (a ``run_in_subprocess``
     target)."""
@@ -2123,39 +2132,40 @@ def _fp8_entry(d, bn, causal, every):
     return _overlap_entry(name, cfg, causal, causal)
 
 
-def _tma_reports(schedules: bool):
-    """:func:`compile_reports`' ``tma`` group, or with ``schedules`` its ``tma_schedules``
-    one."""
+def _tma_reports(group: str):
+    """:func:`compile_reports`' ``tma``, ``tma_variants`` or ``tma_schedules`` group."""
     from ..offline import report_entry
-
-    out = []
-    for d, bn, causal, pingpong, producer, *bm in (TMA_SCHEDULE_REPORTS if schedules
-                                                   else TMA_REPORTS):
-        cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
-                                   pingpong=pingpong, producer=producer)
-        name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
-                f"{'_producer' if producer else ''}_d{d}_{cfg.block_m}x{bn}"
-                f"{'_causal_lse' if causal else ''}")
-        out.append(_overlap_entry(name, cfg, causal, causal))
-    if schedules:
-        return out + [_fp8_entry(*e) for e in FP8_SCHEDULE_REPORTS]
-    for d, causal, pingpong, bm in PERSISTENT_TMA_REPORTS:
-        cfg = WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True, pingpong=pingpong,
-                                   producer=True, persistent=True)
-        name = (f"attention_wgmma_tma_persistent{'_pingpong' if pingpong else ''}_d{d}_"
-                f"{bm}x128{'_causal_lse' if causal else ''}")
-        out.append(_overlap_entry(name, cfg, causal, causal))
-    out.extend(_variant_entry(*v) for v in VARIANT_REPORTS)
-    for d, dv, bn, causal in HEAD_DIM_V_REPORTS:
-        cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=True,
-                                   producer=True, head_dim_v=dv)
-        name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
-                f"{'_causal_lse' if causal else ''}")
-        out.append(_overlap_entry(name, cfg, causal, causal))
-    out.extend(_fp8_entry(*e) for e in FP8_REPORTS)
     from .attention import HOPPER_CHOICE
 
-    for d, causal in VARLEN_REPORTS:
+    out = []
+    if group == "tma_variants":
+        out.extend(_variant_entry(*v) for v in VARIANT_REPORTS)
+        for d, dv, bn, causal in HEAD_DIM_V_REPORTS:
+            cfg = WgmmaAttentionConfig(d, 128, bn, overlap=True, tma=True, pingpong=True,
+                                       producer=True, head_dim_v=dv)
+            name = (f"attention_wgmma_tma_pingpong_producer_d{d}_v{dv}_128x{bn}"
+                    f"{'_causal_lse' if causal else ''}")
+            out.append(_overlap_entry(name, cfg, causal, causal))
+    else:
+        for d, bn, causal, pingpong, producer, *bm in (
+                TMA_SCHEDULE_REPORTS if group == "tma_schedules" else TMA_REPORTS):
+            cfg = WgmmaAttentionConfig(d, bm[0] if bm else 128, bn, overlap=True, tma=True,
+                                       pingpong=pingpong, producer=producer)
+            name = (f"attention_wgmma_tma{'_pingpong' if pingpong else ''}"
+                    f"{'_producer' if producer else ''}_d{d}_{cfg.block_m}x{bn}"
+                    f"{'_causal_lse' if causal else ''}")
+            out.append(_overlap_entry(name, cfg, causal, causal))
+    if group == "tma":
+        for d, causal, pingpong, bm in PERSISTENT_TMA_REPORTS:
+            cfg = WgmmaAttentionConfig(d, bm, 128, overlap=True, tma=True, pingpong=pingpong,
+                                       producer=True, persistent=True)
+            name = (f"attention_wgmma_tma_persistent{'_pingpong' if pingpong else ''}_d{d}_"
+                    f"{bm}x128{'_causal_lse' if causal else ''}")
+            out.append(_overlap_entry(name, cfg, causal, causal))
+        return out
+    schedules = group == "tma_schedules"
+    out.extend(_fp8_entry(*e) for e in (FP8_SCHEDULE_REPORTS if schedules else FP8_REPORTS))
+    for d, causal in VARLEN_SCHEDULE_REPORTS if schedules else VARLEN_REPORTS:
         cfg = WgmmaAttentionConfig(d, **dict(HOPPER_CHOICE[(d, causal)], persistent=False))
         name = (f"attention_wgmma_tma{'_pingpong' if cfg.pingpong else ''}_producer_varlen_d{d}_"
                 f"{cfg.block_m}x{cfg.block_n}{'_causal_lse' if causal else ''}")

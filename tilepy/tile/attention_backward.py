@@ -35,7 +35,7 @@ Generators (each cached on its arguments):
   global view (16-bit stores, or float32 atomic adds: dQ's reduction over key blocks).
 * :func:`mask_keys_past` — the zero-filled keys past the sequence's end out of ``Sᵀ``.
 * :func:`key_block_coords` — a key-block kernel's block: lengths, batch, K/V head, group size
-  and first key.
+  and first key; :func:`key_block_order` the same with causal blocks taken heaviest first.
 * :func:`transpose_to_shared` — a warpgroup's ``dSᵀ``, packed to 16 bits as an A fragment, as
   the K-major shared tile of ``dS`` (stmatrix.trans): the A operand of ``dQ = dS K``.
 * :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded (or
@@ -63,7 +63,7 @@ from ..ptx.vector import ld_shared_b32, ld_shared_v2_f32, st_shared_b32, st_shar
 from .attention import (bitmap_word, block_mask_row, key_block_at, key_block_partial, key_blocks,
                         key_window, mask_key_block)
 from .config import DTYPES
-from .schedule import udiv
+from .schedule import heavy_first, udiv
 
 _NEG_INF = np.float32(-np.inf)
 
@@ -593,6 +593,41 @@ def key_block_coords(q, k, block_n):
             q.shape[1] // k.shape[1], cuda.blockIdx.x * block_n)
 
 
+def heavy_keys(left: int, right: int, sparse: bool, varlen: bool) -> bool:
+    """Whether a dK / dV kernel's key blocks do less work the later they start (a window
+    unbounded on the left and bounded on the right — causal — over one length for every
+    batch, no block mask): :func:`key_block_order`'s ``heavy``."""
+    return left == -1 and right >= 0 and not sparse and not varlen
+
+
+@functools.cache
+def key_block_order(block_n: int, head_dim: int, heavy: bool):
+    """``coords(q, k) -> (sq, sk, b, hk, group, key0, kb)``: :func:`key_block_coords` plus the
+    key block's index ``kb`` (``key0 = kb · block_n``). ``heavy`` (causal, one length for
+    every batch: a key block's work falls with its index): the blocks taken heaviest first,
+    as :func:`tilepy.tile.schedule.heavy_first` orders a causal forward's query blocks — the
+    grid's linear block index walks groups of (batch, K/V head) whose Q and dO rows
+    (``head_dim`` 16-bit elements each, every query head of the group) fit the L2 budget, in
+    each the key blocks from the first (which sees every query) up, so that the last blocks
+    the hardware starts are the shortest. Else the grid's plain order (x the key block)."""
+    at = heavy_first(head_dim, True).at
+    HEAVY = bool(heavy)
+
+    @inline_device
+    def coords(q, k):
+        group = q.shape[1] // k.shape[1]
+        if HEAVY:
+            n_kb = cuda.gridDim.x
+            tile = cuda.blockIdx.x + n_kb * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z)
+            b, hk, r = at(tile, n_kb, cuda.gridDim.y, cuda.gridDim.z, q.shape[2] * group)
+            kb = n_kb - 1 - r
+        else:
+            b, hk, kb = cuda.blockIdx.z, cuda.blockIdx.y, cuda.blockIdx.x
+        return q.shape[2], k.shape[2], b, hk, group, kb * block_n, kb
+
+    return coords
+
+
 @functools.cache
 def transpose_to_shared(nq: int):
     """``store(box, a, lane, warp4)``: a warpgroup's (64 × 8·nq) tile, held as the 16-bit
@@ -1042,8 +1077,9 @@ def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
     return bounds, at, partial
 
 __all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions", "counted_steps",
-           "kernel_variant", "key_block_coords", "key_block_scores", "key_steps",
-           "mask_keys_past", "mask_transposed", "mask_transposed_window", "query_block_scores",
-           "query_blocks", "query_steps", "reads_hook", "row_state", "score_functions",
-           "softcap_scores", "softmax_gradient", "stage_float32", "store_accumulators",
-           "swizzled_chunk", "transpose_to_shared", "variant_mods"]
+           "heavy_keys", "kernel_variant", "key_block_coords", "key_block_order",
+           "key_block_scores", "key_steps", "mask_keys_past", "mask_transposed",
+           "mask_transposed_window", "query_block_scores", "query_blocks", "query_steps",
+           "reads_hook", "row_state", "score_functions", "softcap_scores", "softmax_gradient",
+           "stage_float32", "store_accumulators", "swizzled_chunk", "transpose_to_shared",
+           "variant_mods"]
