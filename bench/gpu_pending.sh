@@ -105,6 +105,10 @@
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
+#   PART=s45a    the backward's causal key blocks heaviest first (WgmmaBackwardConfig.heavy_first):
+#                the backward GPU tests (SDPA float32 cases, the wide head dims), the probe's
+#                order A/B (heavy, plain, heavy, plain) at D256 halves and the d128 fused kernel
+#   PART=s45b    the causal backward benchmark against cuDNN / FA2 (D128 S4096, D256, D192)
 #   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
 #                bulk reductions into per-sequence 64-row blocks) against deterministic=True
 #                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
@@ -573,6 +577,20 @@ fi
 if [[ " $PART " == *" s41c "* || " $PART " == *" s41e "* ]]; then
     bench_suite bench_backward_padded 200 \
         "test_flash_attention_backward_padded_head_dims or test_flash_attention_varlen_backward"
+    archive_logs
+fi
+if [[ " $PART " == *" s45a "* ]]; then
+    gpu_tests backward_gpu 240 tests/test_attention_backward_gpu.py \
+        -k "against_sdpa_float32 or wide_head_dims"
+    step probe_order_d256 170 "$PY" bench/probe_attention_backward.py --head-dim 256 \
+        --causal 1 --configs 2 --order-ab --json "$OUT/probe_order_d256.json"
+    step probe_order_d128 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
+        --causal 1 --configs 1 --order-ab --json "$OUT/probe_order_d128.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s45b "* ]]; then
+    bench_suite bench_bwd_causal 400 \
+        "test_flash_attention_backward and causal and (D256 or D192 or (S4096 and D128))"
     archive_logs
 fi
 if [[ " $PART " == *" s44a "* ]]; then
