@@ -147,14 +147,17 @@ def test_gpu_backward_against_sdpa_float32(case):
         assert (bhsd(dq, layout)[:, :, :dead] == 0).all(), "rows without keys: dq 0"
 
 
-WIDE_CASES = [CASES[12], CASES[13], (1, 4, 2, 1300, 900, 256, True, "bhsd", F16, None)]
+# (192: the second consumer's products and dQ slices over its one valid 64-column sub-tile)
+WIDE_CASES = [CASES[12], CASES[13], (1, 4, 2, 1300, 900, 256, True, "bhsd", F16, None),
+              (2, 4, 2, 1000, 700, 192, True, "bhsd", BF16, None)]
 
 
 @pytest.mark.parametrize("halves", [False, True], ids=["whole-scores", "query-halves"])
 @pytest.mark.parametrize("case", WIDE_CASES, ids=case_id)
 def test_gpu_wide_head_dims_on_wgmma(case, halves):
     """Past head_dim 128, the warp-specialised wgmma kernel with its columns split between
-    the consumers (``split_columns``, dQ staged in the ring slot; 200 zero-filled to 256) —
+    the consumers (``split_columns``, dQ staged in the ring slot; 200 and 192 zero-filled to
+    256) —
     each consumer computing the whole Sᵀ / dPᵀ, or its query half (``query_halves``) — into
     NaN-filled outputs, against SDPA's math backend in float32 — GQA, seq_q above and below
     seq_k."""

@@ -737,10 +737,18 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     ROW_BYTES = BM * 4
     WG_ROWS = 64 * 128
     ACC_O, ACC_S, A_REGS = HALF // 2, BM // 2, BM // 4
+    # split columns, a head dim narrower than the tile (136 … 248): the second consumer's
+    # dV / dK products span only the 64-column sub-tiles that hold valid columns (N_HI) and
+    # its dQ jobs only those slices (JOBS_HI); the score products run over the valid columns
+    # rounded to k16 (KV: the copies zero-fill up to the tile's end, and nothing stored reads
+    # a column past them)
+    N_HI = min(HALF, -(-(cfg.head_dim - HALF) // 64) * 64) if COLS else HALF
+    KV = -(-cfg.head_dim // 16) * 16
     # consumer c: columns 64 c … over every key; else (own keys, split columns) its own box
     SPLIT = not cfg.own_keys and not COLS
     KDQ = BN if SPLIT else 64
     JOBS = cfg.dq_jobs        # a consumer's 64-column dQ slices, one product each
+    JOBS_HI = N_HI // 64 if COLS else JOBS   # the second consumer's (split columns)
     SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
     # two dS buffers where both consumers read one (a step's dQ products may still read the
     # last one while the other consumer writes the next)
@@ -809,9 +817,13 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         # read by dV / dK as MN-major A (M = keys) and by dQ as K-major A
         HQ = BM // 2
         NQH = HQ // 8
-        h_mma = warpgroup_mma(HQ, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype)
+        h_mma = warpgroup_mma(HQ, SmemOperand(BM, D, "k"), SmemOperand(BN, D, "k"), cfg.dtype,
+                              k=KV)
         gs_mma = warpgroup_mma(HALF, SmemOperand(D, BM, "mn"), SmemOperand(BN, BM, "mn"),
                                cfg.dtype)
+        gs_hi = warpgroup_mma(N_HI, SmemOperand(D, BM, "mn"), SmemOperand(BN, BM, "mn"),
+                              cfg.dtype)
+        NARROW = N_HI < HALF
         to_frag_h, _ = accumulator_fragment(HQ)
         grad_h = softmax_gradient(1, NQH, "cols")
         key_scores_h, chain_h, (DF_SHAPE, DF_TYPE) = key_block_scores(
@@ -849,8 +861,12 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             fence_proxy_async_shared()   # (generic-proxy stores before wgmma reads)
             bar_sync(PDS_BAR, 128 * CONS)
             gs_mma.fence()
-            gs_mma.mma(dv_acc, p_box, do_tile + g_off, 1)    # dV += Pᵀ dO (its columns)
-            gs_mma.mma(dk_acc, ds_box, q_tile + g_off, 1)    # dK += dSᵀ Q
+            if NARROW and c == 1:   # (warpgroup-uniform) the valid sub-tiles only
+                gs_hi.mma(dv_acc, p_box, do_tile + g_off, 1)
+                gs_hi.mma(dk_acc, ds_box, q_tile + g_off, 1)
+            else:
+                gs_mma.mma(dv_acc, p_box, do_tile + g_off, 1)    # dV += Pᵀ dO (its columns)
+                gs_mma.mma(dk_acc, ds_box, q_tile + g_off, 1)    # dK += dSᵀ Q
             gs_mma.commit()
     else:
         products_halves = None
@@ -915,6 +931,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         # the first slice this consumer reduces
         sl0 = c if SPLIT else c * JOBS if COLS else 0
         stage = base + DQ_OFF + c * (JOBS * STAGE_TILE)      # (split columns: per step)
+        jobs = JOBS_HI if c == 1 else JOBS
         dqp = cuda.local.array(32, np.float32)
         st = cuda.local.array(ACC_S, np.float32)
         dpt = cuda.local.array(ACC_S, np.float32)
@@ -970,7 +987,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 bar_sync(DS_BAR, 128 * KG)
             else:
                 bar_sync(WG_BAR + c, 128)
-            for job in range(JOBS):  # 64 columns each, one after the other (32 registers)
+            for job in range(jobs):  # 64 columns each, one after the other (32 registers)
                 dq_mma.fence()
                 dq_mma.mma(dqp, dq_a + buf, dq_b + job * SLICE_B, 0)
                 dq_mma.commit()
@@ -990,7 +1007,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 acc0 = 0
                 if VARLEN:   # the sequence's first (virtual) row of the accumulator
                     acc0 = bk.varlen_acc_row(sequence(bars, 0, 0), b)
-                for job in range(JOBS):
+                for job in range(jobs):
                     bulk_reduce_add_f32(global_addr(dq_acc, (
                         vb, hq, (((acc0 + row) // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
                         stage + job * STAGE_TILE + warp4 * WARP_STAGE, WARP_STAGE)
