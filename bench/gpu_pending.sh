@@ -105,10 +105,13 @@
 #                dims' backward benchmark (96 and 80: wgmma against mma.sync and cuDNN); the
 #                packed sequences' backward benchmark (now the wgmma pair on sm_90)
 #   PART=s41e    s41c with s41b's varlen GPU tests between its GPU tests and its benchmarks
-#   PART=s45a    the backward's causal key blocks heaviest first (WgmmaBackwardConfig.heavy_first):
-#                the backward GPU tests (SDPA float32 cases, the wide head dims), the probe's
-#                order A/B (heavy, plain, heavy, plain) at D256 halves and the d128 fused kernel
-#   PART=s45b    the causal backward benchmark against cuDNN / FA2 (D128 S4096, D256, D192)
+#   PART=s45a    the backward's causal key blocks heaviest first (WgmmaBackwardConfig.heavy_first)
+#                and the wide kernel's products narrowed to a head dim's own columns: the
+#                backward GPU tests (SDPA float32 cases, the wide head dims with 192), the
+#                probe's order A/B (heavy, plain, heavy, plain) at D256 causal, the probe at D192
+#   PART=s45b    the backward benchmark against cuDNN / FA2: D256 and D192 full and causal, D128
+#                S4096 causal
+#   PART=s45c    the probe's order A/B on the d128 fused kernel (causal)
 #   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
 #                bulk reductions into per-sequence 64-row blocks) against deterministic=True
 #                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
@@ -584,13 +587,18 @@ if [[ " $PART " == *" s45a "* ]]; then
         -k "against_sdpa_float32 or wide_head_dims"
     step probe_order_d256 170 "$PY" bench/probe_attention_backward.py --head-dim 256 \
         --causal 1 --configs 2 --order-ab --json "$OUT/probe_order_d256.json"
-    step probe_order_d128 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
-        --causal 1 --configs 1 --order-ab --json "$OUT/probe_order_d128.json"
+    step probe_d192 120 "$PY" bench/probe_attention_backward.py --head-dim 192 \
+        --configs 2 --json "$OUT/probe_d192.json"
     archive_logs
 fi
 if [[ " $PART " == *" s45b "* ]]; then
-    bench_suite bench_bwd_causal 400 \
-        "test_flash_attention_backward and causal and (D256 or D192 or (S4096 and D128))"
+    bench_suite bench_bwd 420 \
+        "test_flash_attention_backward and (D256 or D192 or (S4096 and D128 and causal))"
+    archive_logs
+fi
+if [[ " $PART " == *" s45c "* ]]; then
+    step probe_order_d128 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
+        --causal 1 --configs 1 --order-ab --json "$OUT/probe_order_d128.json"
     archive_logs
 fi
 if [[ " $PART " == *" s44a "* ]]; then

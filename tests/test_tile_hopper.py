@@ -101,7 +101,7 @@ def test_pipeline_refuses_one_stage():
         tma_pipeline(1, 4)
     ring = tma_pipeline(3, 4)
     assert ring.STAGES == 3 and ring.nbytes == 48
-    one = tma_pipeline(1, 8, producers=128, single=True)   # the backward past head_dim 128
+    one = tma_pipeline(1, 8, producers=128, single=True)   # tiles too large to double
     assert one.STAGES == 1 and one.nbytes == 16
     with pytest.raises(ValueError, match="at least 2 stages"):
         tma_pipeline(0, 4, single=True)

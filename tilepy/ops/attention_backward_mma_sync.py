@@ -60,6 +60,7 @@ from ..tile.attention_backward import (
     variant_mods,
     a_fragment,
     atomic_add_accumulators,
+    blocked_row,
     key_block_coords,
     query_blocks,
     row_state,
@@ -381,6 +382,14 @@ def varlen_acc_rows(total_q: int, sequences: int) -> int:
     return (total_q // 64 + sequences + 1) * 64
 
 
+@inline_device
+def _zero_row(a2, r, lane):
+    """Row ``r`` of the 2-D float32 view ``a2`` (columns a multiple of 4) set to zero, lane
+    ``lane`` of :data:`ROW_LANES` storing every ``ROW_LANES``-th 16-byte chunk."""
+    for c in range(4 * lane, a2.shape[1], 4 * ROW_LANES):
+        st_global_v4(a2, r, c, _ZERO, _ZERO, _ZERO, _ZERO)
+
+
 @functools.cache
 def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0):
     """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q, dq_acc)``;
@@ -389,8 +398,8 @@ def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0)
     ``lse2`` (1, Hq, :func:`varlen_rows`) written in :func:`varlen_row_start`'s layout: row
     ``r`` of sequence ``z`` at ``start + r``, and the ``pad`` rows after its end as padding
     (lse2 +inf, delta 0). ``dq_slices`` > 0: ``dq_acc`` (1, Hq, rows · dq_slices, C) float32
-    is the blocked accumulator (virtual row ``v``'s slice ``c`` at row ``(v // 64 ·
-    dq_slices + c) · 64 + v % 64``) and each sequence row's virtual row
+    is the blocked accumulator (virtual row ``v``'s slice ``c`` at
+    :func:`tilepy.tile.attention_backward.blocked_row`) and each sequence row's virtual row
     (:func:`varlen_acc_row` + ``r``) is zeroed in every slice; else a placeholder."""
     dot = _row_dot(head_dim, dtype)
     start_of = varlen_row_start(pad)
@@ -421,9 +430,7 @@ def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0)
             vrow = varlen_acc_row(q_start, z) + row
             z2 = dq_acc[0, h]
             for sl in range(SL):
-                rr = ((vrow // 64) * SL + sl) * 64 + vrow % 64
-                for c in range(4 * lane, dq_acc.shape[3], 4 * ROW_LANES):
-                    st_global_v4(z2, rr, c, _ZERO, _ZERO, _ZERO, _ZERO)
+                _zero_row(z2, blocked_row(vrow, SL, sl), lane)
 
     return kernel
 
@@ -465,8 +472,7 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
                 z2 = dq_acc[b, h]
                 per = dq_acc.shape[2] // delta.shape[2]
                 for rr in range(row * per, row * per + per):
-                    for c in range(4 * lane, dq_acc.shape[3], 4 * ROW_LANES):
-                        st_global_v4(z2, rr, c, _ZERO, _ZERO, _ZERO, _ZERO)
+                    _zero_row(z2, rr, lane)
 
     return kernel
 

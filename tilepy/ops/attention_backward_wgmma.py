@@ -56,6 +56,7 @@ from ..tile.attention import block_coords, limits_shape, packed_sequence
 from ..tile.attention_backward import (
     LOG2E,
     a_fragment,
+    blocked_row,
     counted_steps,
     kernel_variant,
     heavy_keys,
@@ -110,10 +111,18 @@ DQ_ROW = 64 + DQ_PAD
 DQ_TILE_BYTES = 64 * DQ_ROW * 4
 
 
+def dq_swizzled(width: int) -> bool:
+    """Whether the dQ partial tiles and accumulator of tiles ``width`` columns wide have
+    swizzled rows of 64 floats (the 256-column tiles: staged in the ring slot,
+    :func:`tilepy.tile.attention_backward.stage_float32` with ``swizzled``) rather than padded
+    ones."""
+    return width == 256
+
+
 def dq_row_floats(width: int) -> int:
     """The floats of a row of the dQ partial tiles and accumulator for tiles ``width``
-    columns wide: :data:`DQ_ROW` (padded), 64 (swizzled) for 256."""
-    return 64 if width == 256 else DQ_ROW
+    columns wide: :data:`DQ_ROW` (padded), 64 where :func:`dq_swizzled`."""
+    return 64 if dq_swizzled(width) else DQ_ROW
 
 
 def dq_blocked_shape(batch: int, heads: int, sqp: int, width: int) -> tuple:
@@ -617,8 +626,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                     if issuer:
                         for job in range(JOBS):
                             bulk_reduce_add_f32(
-                                global_addr(dq_acc, (b, hq, ((row // 64) * SL + job_slice(
-                                    job, wg)) * 64, 0)),
+                                global_addr(dq_acc, (b, hq, blocked_row(
+                                    row, SL, job_slice(job, wg)), 0)),
                                 dq_stage + job * DQ_TILE_BYTES, DQ_TILE_BYTES)
                         bulk_commit_group()
                 g_mma.wait(0)
@@ -753,7 +762,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # two dS buffers where both consumers read one (a step's dQ products may still read the
     # last one while the other consumer writes the next)
     DS_BUFFERS = 2 if SPLIT or cfg.query_halves else 1
-    ring = tma_pipeline(cfg.stages, 4 * CONS, 1, producers=PT)
+    STAGES = cfg.stages
+    ring = tma_pipeline(STAGES, 4 * CONS, 1, producers=PT)
     KV_BAR = ring.nbytes     # after the ring's barriers
     # block-sparse: the producer writes each step's query block and (head offset, part) into
     # its ring slot's two step words (after the K / V barrier) before it arrives, and the
@@ -808,7 +818,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # the stores: every column, or (split columns) each consumer's stored n8 blocks
     store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
     store_hi = store_accumulators(1, max(1, NO - HALF // 8), cfg.dtype) if COLS else store
-    stage_dq = stage_float32(64, ROWF, COLS)
+    stage_dq = stage_float32(64, ROWF, dq_swizzled(D))
     QH = cfg.query_halves
     P_OFF = lay.offset("p") if QH else 0
     if QH:
@@ -860,14 +870,16 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             to_box(ds_box + qo, a_ds, lane, warp4)
             fence_proxy_async_shared()   # (generic-proxy stores before wgmma reads)
             bar_sync(PDS_BAR, 128 * CONS)
-            gs_mma.fence()
             if NARROW and c == 1:   # (warpgroup-uniform) the valid sub-tiles only
+                gs_hi.fence()
                 gs_hi.mma(dv_acc, p_box, do_tile + g_off, 1)
                 gs_hi.mma(dk_acc, ds_box, q_tile + g_off, 1)
+                gs_hi.commit()
             else:
+                gs_mma.fence()
                 gs_mma.mma(dv_acc, p_box, do_tile + g_off, 1)    # dV += Pᵀ dO (its columns)
                 gs_mma.mma(dk_acc, ds_box, q_tile + g_off, 1)    # dK += dSᵀ Q
-            gs_mma.commit()
+                gs_mma.commit()
     else:
         products_halves = None
 
@@ -981,7 +993,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
             if COLS:
                 if n > 0:   # (lane 0, after its wait) the last step's slot: staging read
-                    ring.release(bars, s ^ 1, lane)
+                    ring.release(bars, (s + STAGES - 1) % STAGES, lane)
                 stage = base + (DO_OFF if c else Q_OFF) + s * Q_TILE
             if SPLIT:
                 bar_sync(DS_BAR, 128 * KG)
@@ -1009,7 +1021,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                     acc0 = bk.varlen_acc_row(sequence(bars, 0, 0), b)
                 for job in range(jobs):
                     bulk_reduce_add_f32(global_addr(dq_acc, (
-                        vb, hq, (((acc0 + row) // 64) * SL + sl0 + job) * 64 + 16 * warp4, 0)),
+                        vb, hq, blocked_row(acc0 + row + 16 * warp4, SL, sl0 + job), 0)),
                         stage + job * STAGE_TILE + warp4 * WARP_STAGE, WARP_STAGE)
                 bulk_commit_group()
             s, ph = ring.advance(s, ph)
@@ -1239,7 +1251,7 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
     SL = tile_width(head_dim) // 64
     DH = head_dim
     VARLEN = varlen
-    SWZ = dq_row_floats(tile_width(head_dim)) == 64    # (stage_float32's swizzled rows)
+    SWZ = dq_swizzled(tile_width(head_dim))
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
 
@@ -1263,7 +1275,7 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
             o2 = dq[b, h]
         if row < sq:
             for sl in range(SL):
-                src = ((vrow // 64) * SL + sl) * 64 + vrow % 64
+                src = blocked_row(vrow, SL, sl)
                 c = 8 * lane
                 if 64 * sl + c >= DH:
                     continue

@@ -39,7 +39,8 @@ Generators (each cached on its arguments):
 * :func:`transpose_to_shared` — a warpgroup's ``dSᵀ``, packed to 16 bits as an A fragment, as
   the K-major shared tile of ``dS`` (stmatrix.trans): the A operand of ``dQ = dS K``.
 * :func:`stage_float32` — a warpgroup's float32 accumulator into a shared tile of padded (or
-  swizzled) rows, the source of a bulk reduction into global memory.
+  swizzled) rows, the source of a bulk reduction into global memory; :func:`blocked_row` the
+  row of the blocked accumulator those reductions add into.
 * :func:`key_block_scores` / :func:`query_block_scores` — a variant's whole treatment of one
   block of scores (causal or window masks, the soft cap, ALiBi, user functions, the keys past
   the end) in a dK / dV kernel (``Sᵀ``) and a dQ kernel (``S``), with the derivative chained
@@ -593,6 +594,14 @@ def key_block_coords(q, k, block_n):
             q.shape[1] // k.shape[1], cuda.blockIdx.x * block_n)
 
 
+@inline_device
+def blocked_row(v, slices, sl):
+    """The row of a blocked float32 dQ accumulator (64-row blocks of ``slices`` 64-column
+    slices, each slice's 64 rows contiguous) that holds (virtual) row ``v``'s slice ``sl``:
+    ``((v // 64) · slices + sl) · 64 + v % 64``."""
+    return ((v // 64) * slices + sl) * 64 + v % 64
+
+
 def heavy_keys(left: int, right: int, sparse: bool, varlen: bool) -> bool:
     """Whether a dK / dV kernel's key blocks do less work the later they start (a window
     unbounded on the left and bounded on the right — causal — over one length for every
@@ -1076,8 +1085,8 @@ def _key_steps(block_m: int, block_n: int, left: int, right: int, mask_block):
 
     return bounds, at, partial
 
-__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "check_functions", "counted_steps",
-           "heavy_keys", "kernel_variant", "key_block_coords", "key_block_order",
+__all__ = ["LOG2E", "a_fragment", "atomic_add_accumulators", "blocked_row", "check_functions",
+           "counted_steps", "heavy_keys", "kernel_variant", "key_block_coords", "key_block_order",
            "key_block_scores", "key_steps", "mask_keys_past", "mask_transposed",
            "mask_transposed_window", "query_block_scores", "query_blocks", "query_steps",
            "reads_hook", "row_state", "score_functions", "softcap_scores", "softmax_gradient",
