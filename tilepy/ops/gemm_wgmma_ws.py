@@ -1160,22 +1160,24 @@ CLUSTER_TMA_STORE = WsConfig(128, 256, 4, persistent=True, smem_epilogue=True, t
 
 def _report_kernels():
     """(name, config, B row-major, output kind, activation, has_bias) of the offline reports,
-    in two groups: the main-loop variants, and the epilogues."""
+    by group: the main-loop variants, the epilogues, the register epilogue of the unswapped
+    tiles (``config=`` only: every built-in unswapped config stages its epilogue), clusters."""
     smem = WsConfig(smem_epilogue=True)
-    main = (("ws_128x256_brow", WsConfig(), True, "float16"),
-            ("ws_128x256_bcol", WsConfig(), False, "float16"),
-            ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
-            ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
-            ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
-             "float16"),
-            # split-K: partials to the workspace, the last item's ordered sum
+    main = (  # split-K: partials to the workspace, the last item's ordered sum
             ("ws_64x256_bcol_splitk3",
              WsConfig(64, 256, 5, consumers=1, smem_epilogue=True, splits=3), False,
-             "float16"))
+             "float16"),)
+    register = (("ws_128x256_brow", WsConfig(), True, "float16"),
+                ("ws_128x256_bcol", WsConfig(), False, "float16"),
+                ("ws_256x128_brow", WsConfig(256, 128), True, "float16"),
+                ("ws_128x256_brow_persistent", WsConfig(persistent=True), True, "float16"),
+                ("ws_128x256_brow_noreg", WsConfig(producer_regs=0, consumer_regs=0), True,
+                 "float16"),
+                # a bias and an activation make the epilogue big enough that LLVM may stop
+                # unrolling it and send the accumulators to local memory: the compile test
+                # refuses a stack
+                ("ws_128x256_brow_bias_gelu", WsConfig(), True, "float16", "gelu", True))
     epilogues = (
-        # a bias and an activation make the epilogue big enough that LLVM may stop unrolling
-        # it and send the accumulators to local memory: the compile test refuses a stack
-        ("ws_128x256_brow_bias_gelu", WsConfig(), True, "float16", "gelu", True),
         ("ws_128x256_brow_smemepi_bias_gelu", smem, True, "float16", "gelu", True),
         ("ws_128x256_brow_smemepi", smem, True, "float16"),
         ("ws_128x256_bcol_smemepi_f32out", smem, False, "float32"),
@@ -1190,16 +1192,17 @@ def _report_kernels():
                ("ws_128x256_bcol_smemepi_cluster2", CLUSTER, False, "float16"),
                ("ws_128x256_brow_persistent_tmastore_cluster2", CLUSTER_TMA_STORE, True,
                 "float16"))
-    return {"main": main, "epilogues": epilogues, "cluster": cluster}
+    return {"main": main, "epilogues": epilogues, "register": register, "cluster": cluster}
 
 
 def compile_reports(group: str = "main"):
-    """Offline sm_90a reports. ``group="main"``: 128×256 (2 consumers × 64 rows) both B
-    layouts, 256×128 (2 consumers × 128 rows), the persistent variant, 128×256 without
-    setmaxnreg; ``"epilogues"``: bias + GELU (register and staged epilogues) and the
-    shared-memory epilogue (``smem_epilogue``: 128×256 f16 and float32 out, 256×128,
-    persistent with 3 stages), the TMA-store epilogue; ``"cluster"``: clusters of two. Each
-    kernel takes 2–6 s on one CPU core."""
+    """Offline sm_90a reports. ``group="main"``: split-K (64×256, 3 splits);
+    ``"epilogues"``: bias + GELU (staged epilogue) and the shared-memory epilogue
+    (``smem_epilogue``: 128×256 f16 and float32 out, 256×128, persistent with 3 stages), the
+    TMA-store epilogue; ``"register"``: the register epilogue — 128×256 (2 consumers × 64
+    rows) both B layouts, 256×128 (2 consumers × 128 rows), the persistent variant, 128×256
+    without setmaxnreg, bias + GELU; ``"cluster"``: clusters of two. Each kernel takes 2–6 s
+    on one CPU core."""
     return [kernel_report(name, wgmma_ws_gemm_kernel(cfg, b_row, kind, *epi), cfg, kind)
             for name, cfg, b_row, kind, *epi in _report_kernels()[group]]
 
@@ -1316,6 +1319,11 @@ def compile_reports_pingpong():
 def compile_reports_epilogues():
     """:func:`compile_reports` of the epilogue group (a target for ``run_in_subprocess``)."""
     return compile_reports("epilogues")
+
+
+def compile_reports_register():
+    """:func:`compile_reports` of the register-epilogue group."""
+    return compile_reports("register")
 
 
 def compile_reports_cluster():
