@@ -112,6 +112,8 @@
 #   PART=s45b    the backward benchmark against cuDNN / FA2: D256 and D192 full and causal, D128
 #                S4096 causal
 #   PART=s45c    the probe's order A/B on the d128 fused kernel (causal)
+#   PART=s45d    s45a slimmed to little device time: the wide head dims' GPU tests only, then
+#                s45a's probes
 #   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
 #                bulk reductions into per-sequence 64-row blocks) against deterministic=True
 #                (dQ's own kernel) and the fixed-length backward; the backward past head_dim
@@ -585,6 +587,11 @@ fi
 if [[ " $PART " == *" s45a "* ]]; then
     gpu_tests backward_gpu 240 tests/test_attention_backward_gpu.py \
         -k "against_sdpa_float32 or wide_head_dims"
+fi
+if [[ " $PART " == *" s45d "* ]]; then
+    gpu_tests wide_backward_gpu 130 tests/test_attention_backward_gpu.py -k wide_head_dims
+fi
+if [[ " $PART " == *" s45a "* || " $PART " == *" s45d "* ]]; then
     step probe_order_d256 170 "$PY" bench/probe_attention_backward.py --head-dim 256 \
         --causal 1 --configs 2 --order-ab --json "$OUT/probe_order_d256.json"
     step probe_d192 120 "$PY" bench/probe_attention_backward.py --head-dim 192 \
