@@ -993,7 +993,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 bulk_wait_group_read(0)   # the other lanes before they rewrite the staging
             if COLS:
                 if n > 0:   # (lane 0, after its wait) the last step's slot: staging read
-                    ring.release(bars, (s + STAGES - 1) % STAGES, lane)
+                    ring.release(bars, s - 1 if s > 0 else STAGES - 1, lane)
                 stage = base + (DO_OFF if c else Q_OFF) + s * Q_TILE
             if SPLIT:
                 bar_sync(DS_BAR, 128 * KG)

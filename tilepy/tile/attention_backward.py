@@ -624,15 +624,14 @@ def key_block_order(block_n: int, head_dim: int, heavy: bool):
 
     @inline_device
     def coords(q, k):
-        group = q.shape[1] // k.shape[1]
         if HEAVY:
+            group = q.shape[1] // k.shape[1]
             n_kb = cuda.gridDim.x
             tile = cuda.blockIdx.x + n_kb * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z)
             b, hk, r = at(tile, n_kb, cuda.gridDim.y, cuda.gridDim.z, q.shape[2] * group)
             kb = n_kb - 1 - r
-        else:
-            b, hk, kb = cuda.blockIdx.z, cuda.blockIdx.y, cuda.blockIdx.x
-        return q.shape[2], k.shape[2], b, hk, group, kb * block_n, kb
+            return q.shape[2], k.shape[2], b, hk, group, kb * block_n, kb
+        return key_block_coords(q, k, block_n) + (cuda.blockIdx.x,)
 
     return coords
 
