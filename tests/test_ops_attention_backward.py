@@ -630,10 +630,9 @@ def test_kernels_compile_without_spills(part):
                   # packed sequences: the sequence's bounds and offsets held beside the
                   # 255-register loop (the mma.sync packed dK / dV kernel spills 68 B)
                   "bwd_wgmma_dkdv_d128_bf16_causal_varlen": 96,
-                  # and in the warp-specialised kernel past 128 (dQ by bulk reductions): the
-                  # walk's state derived from the loaded lengths in per-thread registers,
-                  # where the fixed-length kernel keeps it in uniform ones (8 B there)
-                  "bwd_wgmma_ws_d256_bf16_causal_halves_varlen": 160,
+                  # and in the warp-specialised kernel past 128 (dQ by bulk reductions),
+                  # with the producer's 40 registers (WS_REGISTERS_SPARSE; 136 B in 24)
+                  "bwd_wgmma_ws_d256_bf16_causal_halves_varlen": 16,
                   # past 128 (columns split between the consumers): the consumers' per-thread
                   # constants held across the loop, as at d128 (60 B at 256, 76 B at 192)
                   "bwd_wgmma_ws_d256_bf16_causal": 64,

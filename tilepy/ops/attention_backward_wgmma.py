@@ -652,8 +652,12 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
 #: of the two consumer warpgroups; 24 + 2 · 240 = 504 = 3 · 168, what a block of 384 threads
 #: is allocated (FlashAttention-3's backward takes the same split).
 WS_REGISTERS = (24, 240)
-#: The same under a block mask: the producer's walk over the mask's lists spills ~110 B in 24
-#: registers (offline sm_90a, d128), ~30 B in 40 while the consumers' 232 spill ~30 B more.
+#: The same under a block mask or with packed sequences: the producer's walk over the mask's
+#: lists spills ~110 B in 24 registers (offline sm_90a, d128), ~30 B in 40 while the
+#: consumers' 232 spill ~30 B more; with packed sequences the lengths come from per-thread
+#: loads, so the producer's addresses and row counts are per-thread registers where the
+#: fixed-length kernel keeps them in uniform ones (offline, causal bf16: d256 query halves
+#: 136 -> 12 B of spill, d128 232 -> 180 B).
 WS_REGISTERS_SPARSE = (40, 232)
 
 
@@ -696,7 +700,9 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     ``varlen``: packed sequences (:func:`dkdv_kernel`'s views, grid and ``hargs``); dQ goes
     into the accumulator's virtual rows from
     :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` on (each sequence in
-    64-row blocks of its own: no bulk reduction reaches another sequence's rows).
+    64-row blocks of its own: no bulk reduction reaches another sequence's rows); the producer
+    takes each step from the sequence's words (no walk held across steps) in
+    :data:`WS_REGISTERS_SPARSE`'s 40 registers.
 
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
     producer and the consumers walk the same steps one after the other
@@ -710,7 +716,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
                              cfg.block_n, varlen)
     return _dkdv_ws_kernel(cfg, *variant,
-                           WS_REGISTERS if variant[-1] is None else WS_REGISTERS_SPARSE,
+                           WS_REGISTERS if variant[-1] is None and not varlen else
+                           WS_REGISTERS_SPARSE,
                            bool(varlen))
 
 
@@ -813,7 +820,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                            cfg.dtype, k=KDQ)
     to_frag_o, _ = accumulator_fragment(HALF)
     qblocks = query_blocks(BM, False, WIN, BN)
-    _, _, first_step, advance = query_steps(BM, BN, mask_block)
+    _, step_at, first_step, advance = query_steps(BM, BN, mask_block)
     count_steps = counted_steps(BM, BN, mask_block)
     # the stores: every column, or (split columns) each consumer's stored n8 blocks
     store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
@@ -895,8 +902,12 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
         e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
         s, ph = 0, 0
-        walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # step n's
+        if not VARLEN:
+            walk = first_step(qb0, per_head, qmask, kb, b, hq0, group)   # step n's
         for n in range(steps):
+            if VARLEN:   # step n from the sequence words (no walk held across steps)
+                qb0, per_head = qblocks(key0, sequence(bars, 2, sq), sequence(bars, 3, sk))
+                walk = step_at(n, qb0, per_head, qmask, kb, b, hq0, group)
             hq = hq0 + walk[0]
             row = walk[1] * BM
             qs = sequence(bars, 0, q_start)
@@ -918,7 +929,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             if n == 0:
                 mbarrier_arrive(bars + KV_BAR)
             s, ph = ring.advance(s, ph)
-            walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
+            if not VARLEN:
+                walk = advance(walk, qb0, per_head, qmask, kb, b, hq0, group)
 
     @inline_device
     def consume(base, dk_acc, dv_acc, dq_acc, b, hk, key0, qb0, per_head, steps, group, sq,
