@@ -112,6 +112,10 @@
 #   PART=s45b    the backward benchmark against cuDNN / FA2: D256 and D192 full and causal, D128
 #                S4096 causal
 #   PART=s45c    the probe's order A/B on the d128 fused kernel (causal)
+#   PART=s46a    the backward GPU tests after heavy-first / narrowed wide products (SDPA float32
+#                cases, wide head dims) and the packed sequences' backward GPU test (its
+#                warp-specialised producer now in 40 registers)
+#   PART=s46b    s45a's probes (order A/B at D256 causal, D192) and the varlen backward benchmark
 #   PART=s45d    s45a slimmed to little device time: the wide head dims' GPU tests only, then
 #                s45a's probes
 #   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
@@ -606,6 +610,21 @@ fi
 if [[ " $PART " == *" s45c "* ]]; then
     step probe_order_d128 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
         --causal 1 --configs 1 --order-ab --json "$OUT/probe_order_d128.json"
+    archive_logs
+fi
+if [[ " $PART " == *" s46a "* ]]; then
+    gpu_tests backward_gpu 230 tests/test_attention_backward_gpu.py \
+        -k "against_sdpa_float32 or wide_head_dims"
+    gpu_tests varlen_backward_gpu 150 tests/test_ops_attention_varlen.py \
+        -k test_gpu_backward_against_sdpa
+    archive_logs
+fi
+if [[ " $PART " == *" s46b "* ]]; then
+    step probe_order_d256 170 "$PY" bench/probe_attention_backward.py --head-dim 256 \
+        --causal 1 --configs 2 --order-ab --json "$OUT/probe_order_d256.json"
+    step probe_d192 120 "$PY" bench/probe_attention_backward.py --head-dim 192 \
+        --configs 2 --json "$OUT/probe_d192.json"
+    bench_suite bench_bwd_varlen 200 "test_flash_attention_varlen_backward"
     archive_logs
 fi
 if [[ " $PART " == *" s44a "* ]]; then
