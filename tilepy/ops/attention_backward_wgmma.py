@@ -687,7 +687,9 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
 
     * ``split_columns`` (head dims past 128, 256-column tiles): the block's 64 keys are both
       consumers'; consumer ``c`` accumulates columns ``128 c …`` of dK and dV and reduces dQ's
-      slices ``2 c``, ``2 c + 1`` over the block's keys from its own dS box. Both consumers
+      slices ``2 c``, ``2 c + 1`` over the block's keys from a dS box (a head dim of three
+      64-column slices, 136 … 192: consumer 0 slice 0, consumer 1 slices 1 and 2, since its
+      dV / dK span 64 columns to consumer 0's 128). Both consumers
       meet at a barrier once their dV and dK retired; consumer 0 then stages its slices in
       the step's Q tile, consumer 1 in its dO tile (swizzled float32 rows,
       :func:`dq_row_floats`), and each warp releases the slot a step later, once its bulk
@@ -754,8 +756,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     WG_ROWS = 64 * 128
     ACC_O, ACC_S, A_REGS = HALF // 2, BM // 2, BM // 4
     # split columns, a head dim narrower than the tile (136 … 248): the second consumer's
-    # dV / dK products span only the 64-column sub-tiles that hold valid columns (N_HI) and
-    # its dQ jobs only those slices (JOBS_HI); the score products run over the valid columns
+    # dV / dK products span only the 64-column sub-tiles that hold valid columns (N_HI), and
+    # dQ's valid slices only are reduced; the score products run over the valid columns
     # rounded to k16 (KV: the copies zero-fill up to the tile's end, and nothing stored reads
     # a column past them)
     N_HI = min(HALF, -(-(cfg.head_dim - HALF) // 64) * 64) if COLS else HALF
@@ -764,7 +766,13 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     SPLIT = not cfg.own_keys and not COLS
     KDQ = BN if SPLIT else 64
     JOBS = cfg.dq_jobs        # a consumer's 64-column dQ slices, one product each
-    JOBS_HI = N_HI // 64 if COLS else JOBS   # the second consumer's (split columns)
+    # split columns: dQ's valid slices, the first consumer's JOBS_LO of them and the second's
+    # the rest — any consumer can take any slice (dS is in the shared box), so where the
+    # second consumer's dV / dK are narrower (N_HI < HALF) it takes the odd slice and the
+    # consumers' steps, which meet at barriers, stay even (at 192: 1 and 2 slices)
+    VALID_SLICES = (HALF + N_HI) // 64 if COLS else 2 * JOBS
+    JOBS_LO = VALID_SLICES // 2 if COLS else JOBS
+    JOBS_HI = VALID_SLICES - JOBS_LO if COLS else JOBS
     SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
     # two dS buffers where both consumers read one (a step's dQ products may still read the
     # last one while the other consumer writes the next)
@@ -807,8 +815,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # split columns: staged in the slot's Q (consumer 0) or dO tile (1), once both retired
     # their dV / dK products (the other consumer's read both tiles)
     STAGE_BAR = named.take("stage", 128 * CONS) if COLS else 0
-    if COLS and JOBS * STAGE_TILE > Q_TILE:
-        raise ValueError(f"dkdv_ws_kernel: {JOBS} staged dQ slices do not fit a Q tile")
+    if COLS and JOBS_HI * STAGE_TILE > Q_TILE:
+        raise ValueError(f"dkdv_ws_kernel: {JOBS_HI} staged dQ slices do not fit a Q tile")
 
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, PT, cfg.head_dim)
@@ -950,12 +958,12 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         g_off = c * HALF_B if COLS else 0
         dq_a = base + DS_OFF + (0 if SPLIT or QH else c * (BM * 128))
         # + job · SLICE_B: the K box of the job's slice
-        dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * JOBS * SLICE_B if COLS
+        dq_b = base + K_OFF + (c * SLICE_B if SPLIT else c * JOBS_LO * SLICE_B if COLS
                                else c * WG_ROWS)
         # the first slice this consumer reduces
-        sl0 = c if SPLIT else c * JOBS if COLS else 0
+        sl0 = c if SPLIT else c * JOBS_LO if COLS else 0
         stage = base + DQ_OFF + c * (JOBS * STAGE_TILE)      # (split columns: per step)
-        jobs = JOBS_HI if c == 1 else JOBS
+        jobs = JOBS_HI if c == 1 else JOBS_LO
         dqp = cuda.local.array(32, np.float32)
         st = cuda.local.array(ACC_S, np.float32)
         dpt = cuda.local.array(ACC_S, np.float32)
