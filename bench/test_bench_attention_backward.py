@@ -492,12 +492,13 @@ def deterministic_varlen(torch, grads, reference, run):
 def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, causal):
     """The backward of packed sequences (``flash_attention_varlen_backward``) over the varlen
     forward benchmark's batch — 32 sequences of random lengths 128…4096 (seed 0), H16 D128
-    bf16: the built-in choice (on sm_90 the warp-specialised wgmma kernel, dQ by bulk
-    reductions) against the mma.sync kernels (``config=``; the gradients compared, bf16 tolerance) and
-    tilepy's fixed-length backward at the same tokens (its time scaled to the same pairs);
-    ``deterministic=True`` timed beside (on sm_90 dQ by its own kernel, where the built-in
-    choice reduces it from the warp-specialised kernel; checked for the same bits twice).
-    TFLOPS count 2.5× the forward's work over the visible pairs."""
+    bf16: the built-in choice (on sm_90 at head_dim 128 the wgmma pair whose dQ has its own
+    kernel: ``attention_varlen.BACKWARD_FUSED_MIN_HEAD_DIM``) against the mma.sync kernels
+    (``config=``; the gradients compared, bf16 tolerance), the warp-specialised wgmma kernel
+    with dQ by bulk reductions (the fixed-length backward's choice at 128; ``config=``, its
+    gradients checked the same way) and tilepy's fixed-length backward at the same tokens
+    (its time scaled to the same pairs); ``deterministic=True`` timed beside (checked for the
+    same bits twice). TFLOPS count 2.5× the forward's work over the visible pairs."""
     import tilepy
     from tilepy.ops import attention_varlen as av
     from tilepy.ops.attention_backward import choose_config
@@ -521,9 +522,14 @@ def test_flash_attention_varlen_backward(benchmark, record, torch, gpu_name, cau
     pairs = int(sum(n * (n + 1) // 2 if causal else n * n for n in lens)) * h
     timings = {"tilepy": gpu_time(torch, ours),
                "tilepy mma.sync": gpu_time(torch, lambda: ours(portable))}
+    fused = choose_config(d, "bfloat16", False)     # the fixed-length backward's choice
+    notes = {}
+    timings["tilepy warp-specialised"] = try_peer(notes, "tilepy warp-specialised", lambda: (
+        checked_pair(torch, grads, lambda: ours(portable), lambda: ours(fused),
+                     "tilepy warp-specialised"),
+        gpu_time(torch, lambda: ours(fused)))[1])
     for t in grads:
         t.fill_(float("nan"))  # the deterministic check must see its own writes
-    notes = {}
     timings[DETERMINISTIC] = try_peer(notes, DETERMINISTIC, lambda: deterministic_varlen(
         torch, grads, lambda: ours(portable), lambda: av.flash_attention_varlen_backward(
             dout, q, k, v, out, lse, cu, cu, longest, longest, causal=causal, dq=grads[0],
