@@ -312,8 +312,9 @@ def gemm(a, b, *, bias=None, activation=None, alpha=1.0, beta=0.0, c=None, out=N
     * float8 (e4m3 / e5m2) inputs, or ``scale_a`` / ``scale_b`` given (``tilepy.gemm`` only):
       the scaled FP8 product ``(a · scale_a) @ (b · scale_b)`` of
       :func:`tilepy.ops.gemm_fp8.gemm_fp8` — ``b`` K-major (a transposed view of (N, K)),
-      scales per tensor (0-d) or per row of ``a`` (M,) / column of ``b`` (N,), out bfloat16
-      by default; sm_90 only; on PyTorch tensors the ``tilepy::gemm_fp8`` operator, no gradient.
+      scales per tensor (0-d), per row of ``a`` (M,) / column of ``b`` (N,) or per block
+      (``a`` 1 × 128, ``b`` 128 × 128), out bfloat16 by default; sm_90 only; on PyTorch
+      tensors the ``tilepy::gemm_fp8`` operator, no gradient.
     * CuPy arrays, PyTorch tensors, Numba device arrays (NumPy arrays in the simulator); the
       result is of the same kind, on the inputs' device, computed on the caller's current
       stream. Errors are raised before anything is launched.
