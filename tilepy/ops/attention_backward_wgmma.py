@@ -453,16 +453,26 @@ def dkdv_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap: fl
                                              cfg.block_m, cfg.block_n, varlen), bool(varlen))
 
 
+def _key_blocks(cfg: WgmmaBackwardConfig, left: int, right: int, mask_block, varlen: bool):
+    """``(locate, coords)`` of a dK / dV kernel: its block's batch or packed sequence
+    (:func:`~tilepy.ops.attention_backward_mma_sync.key_sequence`) and its key block in the
+    grid's order (:func:`tilepy.tile.attention_backward.key_block_order`, heaviest first
+    where :attr:`WgmmaBackwardConfig.heavy_first` and the blocks' work falls with their
+    index)."""
+    sparse = mask_block is not None
+    heavy = cfg.heavy_first and heavy_keys(left, right, sparse, varlen)
+    return (bk.key_sequence(varlen, sparse, bk.varlen_pad(cfg)),
+            key_block_order(cfg.block_n, cfg.width, heavy))
+
+
 @functools.cache
 def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods: tuple,
                  mask_block, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     VARLEN = varlen
-    locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
+    locate, coords = _key_blocks(cfg, left, right, mask_block, varlen)
     WIN = (left, right)
     SPARSE = mask_block is not None
-    coords = key_block_order(BN, D, cfg.heavy_first and heavy_keys(left, right, SPARSE,
-                                                                   VARLEN))
     THREADS = cfg.threads
     NQ = BM // 8
     NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
@@ -728,11 +738,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                     mask_block, registers=WS_REGISTERS, varlen: bool = False):
     BM, BN, D = cfg.block_m, cfg.block_n, cfg.width
     VARLEN = varlen
-    locate = bk.key_sequence(VARLEN, mask_block is not None, bk.varlen_pad(cfg))
+    locate, coords = _key_blocks(cfg, left, right, mask_block, varlen)
     WIN = (left, right)
     SPARSE = mask_block is not None
-    coords = key_block_order(BN, D, cfg.heavy_first and heavy_keys(left, right, SPARSE,
-                                                                   VARLEN))
     KG, SL = cfg.key_groups, cfg.slices
     CONS = cfg.consumers
     # split_columns: both consumers over the block's 64 keys, consumer c's dK / dV / dQ
