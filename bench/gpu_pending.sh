@@ -114,8 +114,11 @@
 #   PART=s45c    the probe's order A/B on the d128 fused kernel (causal)
 #   PART=s46a    the backward GPU tests after heavy-first / narrowed wide products (SDPA float32
 #                cases, wide head dims) and the packed sequences' backward GPU test (its
-#                warp-specialised producer now in 40 registers)
+#                warp-specialised producer now in 40 registers), and v's head dim other than
+#                q's (192 / 128) on the wgmma kernels
 #   PART=s46b    s45a's probes (order A/B at D256 causal, D192) and the varlen backward benchmark
+#   PART=s46c    the backward benchmark of v's head dim 128 beside 192 (wgmma against the
+#                mma.sync kernels), s45c's order A/B on the d128 fused kernel
 #   PART=s45d    s45a slimmed to little device time: the wide head dims' GPU tests only, then
 #                s45a's probes
 #   PART=s44a    issue 25: packed sequences' backward on the warp-specialised kernel (dQ by
@@ -614,7 +617,7 @@ if [[ " $PART " == *" s45c "* ]]; then
 fi
 if [[ " $PART " == *" s46a "* ]]; then
     gpu_tests backward_gpu 230 tests/test_attention_backward_gpu.py \
-        -k "against_sdpa_float32 or wide_head_dims"
+        -k "against_sdpa_float32 or wide_head_dims or head_dim_v"
     gpu_tests varlen_backward_gpu 150 tests/test_ops_attention_varlen.py \
         -k test_gpu_backward_against_sdpa
     archive_logs
@@ -625,6 +628,12 @@ if [[ " $PART " == *" s46b "* ]]; then
     step probe_d192 120 "$PY" bench/probe_attention_backward.py --head-dim 192 \
         --configs 2 --json "$OUT/probe_d192.json"
     bench_suite bench_bwd_varlen 200 "test_flash_attention_varlen_backward"
+    archive_logs
+fi
+if [[ " $PART " == *" s46c "* ]]; then
+    bench_suite bench_bwd_head_dim_v 200 "test_flash_attention_backward_head_dim_v"
+    step probe_order_d128 150 "$PY" bench/probe_attention_backward.py --head-dim 128 \
+        --causal 1 --configs 1 --order-ab --json "$OUT/probe_order_d128.json"
     archive_logs
 fi
 if [[ " $PART " == *" s44a "* ]]; then

@@ -255,6 +255,52 @@ def test_flash_attention_backward(benchmark, record, torch, gpu_name, case, caus
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attention_backward_head_dim_v(benchmark, record, torch, gpu_name, causal):
+    """v's head dim other than q's and k's — DeepSeek's 192 / 128, B4 H16 S4096 bf16: the
+    built-in choice (on sm_90 the 256-column wgmma kernel, each operand zero-filled past its
+    own head dim) against the mma.sync kernels (``config=``, as the built-in choice ran
+    before) and SDPA's cuDNN backend where it takes the case. TFLOPS count the backward's
+    five products, ``2·Sq·Sk·(3·D + 2·Dv)`` per (batch, head), halved when causal."""
+    import tilepy
+    from tilepy.ops.attention_backward import choose_config
+
+    b, h, s, d, dv, dtype = 4, 16, 4096, 192, 128, "bfloat16"
+    tdt = getattr(torch, dtype)
+    q, k = (torch.randn(b, h, s, d, device="cuda", dtype=tdt) for _ in range(2))
+    v, dout = (torch.randn(b, h, s, dv, device="cuda", dtype=tdt) for _ in range(2))
+    out, lse = tilepy.flash_attention(q, k, v, causal=causal, return_lse=True)
+    grads = poisoned(torch, q, k, v)
+    portable = choose_config(d, dtype, variant=False, wgmma=False, head_dim_v=dv)
+
+    def ours(config=None):
+        return tilepy.flash_attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                               dq=grads[0], dk=grads[1], dv=grads[2],
+                                               config=config)
+
+    ours()  # compile
+    torch.cuda.synchronize()
+    want = reference_grads(torch, q, k, v, dout, causal)
+    limit = tolerance(dtype)
+    err = grad_error(torch, grads, want, limit, "tilepy")
+    notes = {}
+    timings = {"tilepy": gpu_time(torch, ours)}
+    timings["tilepy mma.sync"] = try_peer(notes, "tilepy mma.sync", lambda: checked_grad_timing(
+        torch, lambda: ours(portable), want, limit, "tilepy mma.sync"))
+    timings[CUDNN] = try_peer(notes, CUDNN, lambda: sdpa_backward_timing(
+        torch, "CUDNN_ATTENTION", q, k, v, dout, causal, want, limit, CUDNN))
+    mask = "causal" if causal else "full"
+    work = 2 * b * h * s * s * (3 * d + 2 * dv) / (2 if causal else 1)
+    record_throughput(record, work=work, unit="TFLOPS", timings=timings, main="tilepy mma.sync",
+                      notes=notes, gpu=gpu_name, shape=f"B={b} H={h} S={s} D={d} Dv={dv}",
+                      dtype=dtype, causal=causal, max_rel_err=err,
+                      table="Attention backward, v's head dim",
+                      case=f"B{b} H{h} S{s} D{d} Dv{dv} {mask} {dtype}",
+                      figure=f"attention_backward_head_dim_v_{mask}", x=s,
+                      xlabel="sequence length")
+    benchmark.pedantic(lambda: (ours(), torch.cuda.synchronize()), rounds=3, iterations=1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_attention_training_step(benchmark, record, torch, gpu_name, case, causal):
     import tilepy

@@ -217,8 +217,9 @@ def test_gpu_packed_sequences_on_the_fused_kernel(d, fused):
 @pytest.mark.parametrize("dtype,causal,layout", [(BF16, True, "bshd"), (F16, False, "bhsd")])
 def test_gpu_head_dim_v_gradients_through_autograd(dtype, causal, layout):
     """DeepSeek's 192 / 128 (v's head dim other than q's and k's), GQA 8/2, seq_q ≠ seq_k:
-    ``loss.backward()`` through ``tilepy.flash_attention`` (the TMA forward, the mma.sync
-    backward) against SDPA's math backend in float32."""
+    ``loss.backward()`` through ``tilepy.flash_attention`` (the TMA forward, the built-in
+    backward: on sm_90 the 256-column wgmma kernel, each operand zero-filled past its own
+    head dim) against SDPA's math backend in float32."""
     b, hq, hkv, sq, sk, d, dv = 1, 8, 2, 700, 900, 192, 128
 
     def shape(h, s, w):

@@ -72,6 +72,11 @@ WGMMA_MIN_HEAD_DIM = 40
 #: Whether a head dim between the tile widths (not 64 or 128) takes the wgmma kernels at all
 #: (False: only 64 and 128 do, the others the mma.sync kernels).
 WGMMA_PADDED = True
+#: Whether a v head dim differing from q's (``head_dim_v``, e.g. 192 / 128) takes the wgmma
+#: kernels on sm_90 as :data:`WGMMA_PADDED` head dims do — the tiles of the wider one's class,
+#: each operand zero-filled past its own head dim (False: the mma.sync kernels, on every
+#: device).
+WGMMA_HEAD_DIM_V = True
 
 #: Whether the built-in choice on sm_90 runs a variant (window, soft cap, ALiBi, user
 #: functions, block masks) on the wgmma kernels (True) or the mma.sync ones.
@@ -90,21 +95,24 @@ def choose_config(head_dim: int, dtype: str, deterministic: bool = False,
     sm_90 the wgmma kernels as well while :data:`WGMMA_VARIANTS` holds, else the mma.sync
     kernels'. Both kernel families take every variant and block mask; ``wgmma=False``: the
     mma.sync kernels' choice whatever the device.
-    ``head_dim_v`` (v's head dim, where it differs): the mma.sync kernels' config of the wider
-    of the two, on every device."""
+    ``head_dim_v`` (v's head dim, where it differs): on sm_90 with :data:`WGMMA_HEAD_DIM_V`
+    the wgmma kernels' config of the wider one's tile class (both at least
+    :data:`WGMMA_MIN_HEAD_DIM`), otherwise the mma.sync kernels' of the wider of the two."""
     dv = head_dim if head_dim_v is None else head_dim_v
     extra = {} if dv == head_dim else {"head_dim_v": dv}
     if arrays.SIMULATOR:
         return BackwardConfig(head_dim, dtype=dtype, **SIM_BLOCKS, **extra)
-    if extra:
+    if extra and not WGMMA_HEAD_DIM_V:
         wgmma = False
-    w = bw.tile_width(head_dim)    # a head dim between: the wider tile, zero-filled
-    if wgmma and head_dim >= WGMMA_MIN_HEAD_DIM and head_dim in bw.HEAD_DIMS and \
-            (WGMMA_PADDED or head_dim in (64, 128)) and launch.is_hopper() and \
+    # a head dim between: the wider tile, zero-filled
+    w = bw.tile_width(max(head_dim, dv))
+    exact = head_dim == dv and head_dim in (64, 128)
+    if wgmma and min(head_dim, dv) >= WGMMA_MIN_HEAD_DIM and dv in bw.HEAD_DIMS and \
+            head_dim in bw.HEAD_DIMS and (WGMMA_PADDED or exact) and launch.is_hopper() and \
             (WGMMA_VARIANTS or not variant) and (w <= 128 or WGMMA_WIDE and not deterministic):
         if not deterministic and w in HOPPER_FUSED:
-            return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[w])
-        return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[w])
+            return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_FUSED[w], **extra)
+        return WgmmaBackwardConfig(head_dim, dtype=dtype, **HOPPER_CHOICE[w], **extra)
     width = max(head_dim, dv)
     blocks = GPU_BLOCKS[min(d for d in GPU_BLOCKS if d >= width)]
     if 64 < width <= 128 and (-(-width // 16) * 2) % 4:
@@ -132,8 +140,10 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal=False, scale=Non
       log, ``-inf`` for a row that sees no key (its gradients are 0). ``dout`` has ``out``'s
       shape and dtype.
     * ``v``'s head dim may differ from q's and k's (``out`` and ``dout`` end in v's, as the
-      forward's): the mma.sync kernels on any GPU (their tiles as wide as the wider head dim,
-      each operand zero-filled past its own), a ``BackwardConfig`` with ``head_dim_v``.
+      forward's): on sm_90 the wgmma kernels of the wider head dim's tile class (e.g. 192 /
+      128: the 256-column kernel), elsewhere the mma.sync kernels (their tiles as wide as the
+      wider head dim), each operand zero-filled past its own; a ``config`` then has
+      ``head_dim_v`` (``BackwardConfig`` or ``WgmmaBackwardConfig``).
     * Results in ``q``'s, ``k``'s and ``v``'s shapes, layout and dtype, written into
       ``dq``, ``dk``, ``dv`` when given (any strides). With grouped-query attention ``dk`` and
       ``dv`` are summed over each key/value head's query heads.
@@ -350,7 +360,7 @@ def _validate(dout, q, k, v, out, lse, causal, scale, window, softcap, mods, lay
         dv = bhsd_dims(V.shape, layout)[3]
         if getattr(config, "dv", config.head_dim) != dv:
             raise ValueError(f"config is for v's head_dim {getattr(config, 'dv', d)}; v's is "
-                             f"{dv} (a BackwardConfig with head_dim_v={dv} takes it)")
+                             f"{dv} (a config with head_dim_v={dv} takes it)")
     if user and max(bq, hq) > launch.MAX_GRID_YZ:
         raise NotImplementedError(
             f"flash_attention_backward: score_mod / mask_mod / alibi_slopes with more than "

@@ -167,7 +167,12 @@ class WgmmaBackwardConfig:
     ``heavy_first`` (the dK / dV kernels under causal, one length for every batch): the
     grid's blocks take the key blocks heaviest first
     (:func:`tilepy.tile.attention_backward.key_block_order`), so that the last blocks started
-    are the shortest; False: the grid's plain order."""
+    are the shortest; False: the grid's plain order.
+
+    ``head_dim_v``: v's (and out's, dout's) head dim where it differs from q's and k's
+    ``head_dim`` (None: the same; e.g. 128 beside 192). The tiles are those of the wider of
+    the two (:attr:`width`); the copies zero-fill each operand's columns past its own head
+    dim, and dK / dQ store ``head_dim`` columns, dV ``head_dim_v``."""
 
     head_dim: int
     block_m: int = 64
@@ -182,6 +187,7 @@ class WgmmaBackwardConfig:
     split_columns: bool = False
     query_halves: bool = False
     heavy_first: bool = True
+    head_dim_v: int | None = None
 
     def __post_init__(self):
         for name in ("dq_atomic", "producer", "dq_own_keys", "split_columns", "query_halves",
@@ -194,10 +200,14 @@ class WgmmaBackwardConfig:
                      "WgmmaBackwardConfig: producer (the warp-specialised dK / dV / dQ kernel) "
                      "takes dq_atomic=True, block_m 64 and 2 key warpgroups (1 with "
                      "split_columns)")
-        _require(self.split_columns == (self.head_dim > 128),
-                 f"WgmmaBackwardConfig: head dims past 128 (and only those) take "
+        _require(self.head_dim_v is None or self.head_dim_v in HEAD_DIMS,
+                 f"WgmmaBackwardConfig.head_dim_v must be None or a multiple of 8 in 8 … 256, "
+                 f"got {self.head_dim_v!r}")
+        _require(self.split_columns == (self.width > 128),
+                 f"WgmmaBackwardConfig: head dims past 128 (and only those; q's or v's) take "
                  f"split_columns=True, producer=True, dq_atomic=True, key_groups=1; got "
-                 f"head_dim {self.head_dim}, split_columns={self.split_columns}")
+                 f"head_dim {self.head_dim}, head_dim_v {self.dv}, "
+                 f"split_columns={self.split_columns}")
         _require(not self.split_columns or self.producer, "WgmmaBackwardConfig: "
                  "split_columns is a form of the producer kernel (producer=True, "
                  "dq_atomic=True, key_groups=1)")
@@ -241,9 +251,15 @@ class WgmmaBackwardConfig:
         return 64 * self.key_groups
 
     @property
+    def dv(self) -> int:
+        """v's head dim (``head_dim_v``, else ``head_dim``)."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def width(self) -> int:
-        """The shared tiles' and accumulators' columns (:func:`tile_width`)."""
-        return tile_width(self.head_dim)
+        """The shared tiles' and accumulators' columns: :func:`tile_width` of the wider of
+        ``head_dim`` and :attr:`dv`."""
+        return tile_width(max(self.head_dim, self.dv))
 
     @property
     def slices(self) -> int:
@@ -334,7 +350,8 @@ class WgmmaBackwardConfig:
             if self.dq_atomic else
               f"dQ {self.dq_block_m} x {self.dq_block_n} ({self.dq_groups} warpgroups)")
         return (f"wgmma dK/dV {self.block_n} keys x {self.block_m} queries "
-                f"({self.consumers} warpgroups), {dq}, D={self.head_dim} {self.dtype}"
+                f"({self.consumers} warpgroups), {dq}, D={self.head_dim}"
+                + ("" if self.dv == self.head_dim else f" Dv={self.dv}") + f" {self.dtype}"
                 + ("" if self.heavy_first else ", key blocks in the grid's order"))
 
 
@@ -475,7 +492,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     SPARSE = mask_block is not None
     THREADS = cfg.threads
     NQ = BM // 8
-    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
+    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW): dK's
+    NO_V = cfg.dv // 8       # and dV's
     NW = D // 8
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
@@ -506,6 +524,9 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, THREADS, cfg.head_dim)
     issue_q = copy_rows_to_shared_128b(BM, D, THREADS, cfg.head_dim)
+    # v and dout: v's head dim (the same copies where it is q's)
+    issue_v = copy_rows_to_shared_128b(BN, D, THREADS, cfg.dv)
+    issue_do = copy_rows_to_shared_128b(BM, D, THREADS, cfg.dv)
     dq_mma = warpgroup_mma(64, SmemOperand(D, BN, "mn"), SmemOperand(BM, BN, "k"), cfg.dtype,
                            k=KDQ) if ATOMIC else None
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, THREADS, False)
@@ -516,6 +537,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
     _, step_of, first_step, _ = query_steps(BM, BN, mask_block)
     count_steps = counted_steps(BM, BN, mask_block)
     store = store_accumulators(1, NO, cfg.dtype)
+    store_v = store_accumulators(1, NO_V, cfg.dtype)
     stage_dq = stage_float32(64, DQ_ROW)
 
     @bk.kernel_jit(THREADS, disk_cache=not reads_hook(mods))
@@ -551,8 +573,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             ds_ = do_.strides[2]
             issue_kv(base + K_OFF, np.int64(global_addr(k, (vb, hk, k_start + key0, 0))), ks,
                      sk - key0, tid)
-            issue_kv(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))), vs,
-                     sk - key0, tid)
+            issue_v(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))), vs,
+                    sk - key0, tid)
             l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
             e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
             hstep_r = lse2.strides[1]
@@ -560,8 +582,8 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
             row = fqb * BM
             issue_q(base + Q_OFF, np.int64(global_addr(q, (vb, hq0 + fh, q_start + row, 0))),
                     qs, sq - row, tid)
-            issue_q(base + DO_OFF, np.int64(global_addr(do_, (vb, hq0 + fh, q_start + row, 0))),
-                    ds_, sq - row, tid)
+            issue_do(base + DO_OFF, np.int64(global_addr(do_, (vb, hq0 + fh, q_start + row,
+                                                               0))), ds_, sq - row, tid)
             issue_r(base + L_OFF, fh * hstep_r + row * 4, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF, fh * hstep_r + row * 4, e0, esh, er, ec, 0, 1)
             cp_async_commit_group()
@@ -597,9 +619,9 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
                     issue_q(base + Q_OFF + so * Q_TILE,
                             np.int64(global_addr(q, (vb, nh, q_start + nrow, 0))), qs,
                             sq - nrow, tid)
-                    issue_q(base + DO_OFF + so * Q_TILE,
-                            np.int64(global_addr(do_, (vb, nh, q_start + nrow, 0))), ds_,
-                            sq - nrow, tid)
+                    issue_do(base + DO_OFF + so * Q_TILE,
+                             np.int64(global_addr(do_, (vb, nh, q_start + nrow, 0))), ds_,
+                             sq - nrow, tid)
                     issue_r(base + L_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
                             l0, lsh, lr, lc, 0, 1)
                     issue_r(base + DL_OFF + so * ROW_BYTES, (nh - hq0) * hstep_r + nrow * 4,
@@ -653,7 +675,7 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
         to_frag_o(out3, dk_acc)
         store(out3, dk[vb, hk, k_start:], key0 + warp * 16, sk, scale, g, t)
         to_frag_o(out3, dv_acc)
-        store(out3, dv[vb, hk, k_start:], key0 + warp * 16, sk, _ONE, g, t)
+        store_v(out3, dv[vb, hk, k_start:], key0 + warp * 16, sk, _ONE, g, t)
 
     return kernel
 
@@ -662,12 +684,15 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
 #: of the two consumer warpgroups; 24 + 2 · 240 = 504 = 3 · 168, what a block of 384 threads
 #: is allocated (FlashAttention-3's backward takes the same split).
 WS_REGISTERS = (24, 240)
-#: The same under a block mask or with packed sequences: the producer's walk over the mask's
-#: lists spills ~110 B in 24 registers (offline sm_90a, d128), ~30 B in 40 while the
-#: consumers' 232 spill ~30 B more; with packed sequences the lengths come from per-thread
-#: loads, so the producer's addresses and row counts are per-thread registers where the
-#: fixed-length kernel keeps them in uniform ones (offline, causal bf16: d256 query halves
-#: 136 -> 12 B of spill, d128 232 -> 180 B).
+#: The split under a block mask, with packed sequences or by query halves: the producer's
+#: walk over the mask's lists spills ~110 B in 24 registers (offline sm_90a, d128), ~30 B in
+#: 40 while the consumers' 232 spill ~30 B more; with packed sequences the lengths come from
+#: per-thread loads, so the producer's addresses and row counts are per-thread registers
+#: where the fixed-length kernel keeps them in uniform ones (offline, causal bf16: d256 query
+#: halves 136 -> 12 B of spill, d128 232 -> 180 B); by query halves (32 queries' score
+#: fragments a consumer) the consumers fit 232 and the producer's 256-column copies 40
+#: (offline: d256 8 -> 0 B, d192 32 -> 0 B, v's head dim 128 beside 192: 68 -> 0 B; the
+#: whole-scores form spills more in 232, 60 -> 100 B at d256, and keeps 24 / 240).
 WS_REGISTERS_SPARSE = (40, 232)
 
 
@@ -714,7 +739,7 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` on (each sequence in
     64-row blocks of its own: no bulk reduction reaches another sequence's rows); the producer
     takes each step from the sequence's words (no walk held across steps) in
-    :data:`WS_REGISTERS_SPARSE`'s 40 registers.
+    :data:`WS_REGISTERS_SPARSE`'s 40 registers (as under a block mask and by query halves).
 
     Variants (``window``, ``softcap``, ``mods``, ``mask_block``) as :func:`dkdv_kernel`'s: the
     producer and the consumers walk the same steps one after the other
@@ -727,9 +752,8 @@ def dkdv_ws_kernel(cfg: WgmmaBackwardConfig, causal: bool, window=None, softcap:
     """
     variant = kernel_variant(causal, window, softcap, mods, mask_block, cfg.block_m,
                              cfg.block_n, varlen)
-    return _dkdv_ws_kernel(cfg, *variant,
-                           WS_REGISTERS if variant[-1] is None and not varlen else
-                           WS_REGISTERS_SPARSE,
+    few = variant[-1] is None and not varlen and not cfg.query_halves  # the producer's
+    return _dkdv_ws_kernel(cfg, *variant, WS_REGISTERS if few else WS_REGISTERS_SPARSE,
                            bool(varlen))
 
 
@@ -751,7 +775,8 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     THREADS = cfg.threads
     PT = 128                 # producer threads
     NQ = BM // 8
-    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW)
+    NO = cfg.head_dim // 8   # the n8 column blocks stored (of the tile's NW): dK's
+    NO_V = cfg.dv // 8       # and dV's
     NW = HALF // 8           # a consumer's accumulator columns in n8 blocks
     lay = cfg.dkdv_layout
     K_OFF, V_OFF, Q_OFF, DO_OFF = (lay.offset(n) for n in ("k", "v", "q", "do"))
@@ -763,13 +788,18 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     ROW_BYTES = BM * 4
     WG_ROWS = 64 * 128
     ACC_O, ACC_S, A_REGS = HALF // 2, BM // 2, BM // 4
-    # split columns, a head dim narrower than the tile (136 … 248): the second consumer's
-    # dV / dK products span only the 64-column sub-tiles that hold valid columns (N_HI), and
-    # dQ's valid slices only are reduced; the score products run over the valid columns
-    # rounded to k16 (KV: the copies zero-fill up to the tile's end, and nothing stored reads
-    # a column past them)
-    N_HI = min(HALF, -(-(cfg.head_dim - HALF) // 64) * 64) if COLS else HALF
-    KV = -(-cfg.head_dim // 16) * 16
+    # split columns, head dims narrower than the tile (136 … 248): the second consumer's
+    # dV / dK products span only the 64-column sub-tiles that hold valid columns of either
+    # (N_HI), and dQ's valid slices only are reduced; the score products run over the valid
+    # columns rounded to k16 (KV: the copies zero-fill up to the tile's end, and nothing
+    # stored reads a column past them)
+
+    def hi_columns(valid):
+        """The second consumer's 64-column sub-tiles that hold any of ``valid`` columns."""
+        return min(HALF, max(0, -(-(valid - HALF) // 64) * 64))
+
+    N_HI = max(hi_columns(cfg.head_dim), hi_columns(cfg.dv)) if COLS else HALF
+    KV = -(-max(cfg.head_dim, cfg.dv) // 16) * 16
     # consumer c: columns 64 c … over every key; else (own keys, split columns) its own box
     SPLIT = not cfg.own_keys and not COLS
     KDQ = BN if SPLIT else 64
@@ -778,7 +808,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     # the rest — any consumer can take any slice (dS is in the shared box), so where the
     # second consumer's dV / dK are narrower (N_HI < HALF) it takes the odd slice and the
     # consumers' steps, which meet at barriers, stay even (at 192: 1 and 2 slices)
-    VALID_SLICES = (HALF + N_HI) // 64 if COLS else 2 * JOBS
+    VALID_SLICES = max(2, (HALF + hi_columns(cfg.head_dim)) // 64) if COLS else 2 * JOBS
     JOBS_LO = VALID_SLICES // 2 if COLS else JOBS
     JOBS_HI = VALID_SLICES - JOBS_LO if COLS else JOBS
     SLICE_B = BN * 128        # bytes from one 64-column box of K to the next
@@ -829,6 +859,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     smem = dynamic_shared(1024)
     issue_kv = copy_rows_to_shared_128b(BN, D, PT, cfg.head_dim)
     issue_q = copy_rows_to_shared_128b(BM, D, PT, cfg.head_dim)
+    # v and dout: v's head dim (the same copies where it is q's)
+    issue_v = copy_rows_to_shared_128b(BN, D, PT, cfg.dv)
+    issue_do = copy_rows_to_shared_128b(BM, D, PT, cfg.dv)
     setup_r, issue_r = copy_rows_to_shared(1, 2 * BM, PT, False)
     products, g_mma, (DF_SHAPE, DF_TYPE) = key_block_products(cfg, False, WIN, cap, mods,
                                                               SPARSE, HALF)
@@ -839,8 +872,13 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
     _, step_at, first_step, advance = query_steps(BM, BN, mask_block)
     count_steps = counted_steps(BM, BN, mask_block)
     # the stores: every column, or (split columns) each consumer's stored n8 blocks
+    # (split columns: the second consumer stores dK's / dV's columns past HALF, if any)
     store = store_accumulators(1, min(NO, HALF // 8), cfg.dtype)
     store_hi = store_accumulators(1, max(1, NO - HALF // 8), cfg.dtype) if COLS else store
+    store_v = store_accumulators(1, min(NO_V, HALF // 8), cfg.dtype)
+    store_v_hi = store_accumulators(1, max(1, NO_V - HALF // 8), cfg.dtype) if COLS else \
+        store_v
+    K_HI, V_HI = NO > HALF // 8, NO_V > HALF // 8
     stage_dq = stage_float32(64, ROWF, dq_swizzled(D))
     QH = cfg.query_halves
     P_OFF = lay.offset("p") if QH else 0
@@ -912,7 +950,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         bars = base + BAR_OFF
         issue_kv(base + K_OFF, np.int64(global_addr(k, (vb, hk, k_start + key0, 0))),
                  k.strides[2], sk - key0, tid)
-        issue_kv(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
+        issue_v(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
                  v.strides[2], sk - key0, tid)
         hq0 = hk * group
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
@@ -931,9 +969,9 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
             ring.acquire(bars, s, ph)
             issue_q(base + Q_OFF + s * Q_TILE,
                     np.int64(global_addr(q, (vb, hq, qs + row, 0))), q.strides[2], left, tid)
-            issue_q(base + DO_OFF + s * Q_TILE,
-                    np.int64(global_addr(do_, (vb, hq, qs + row, 0))), do_.strides[2], left,
-                    tid)
+            issue_do(base + DO_OFF + s * Q_TILE,
+                     np.int64(global_addr(do_, (vb, hq, qs + row, 0))), do_.strides[2], left,
+                     tid)
             shift_r = (hq - hq0) * lse2.strides[1] + row * 4
             issue_r(base + L_OFF + s * ROW_BYTES, shift_r, l0, lsh, lr, lc, 0, 1)
             issue_r(base + DL_OFF + s * ROW_BYTES, shift_r, e0, esh, er, ec, 0, 1)
@@ -1107,18 +1145,18 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
                 to_frag_o(out3, dk_acc)
                 if c == 0:
                     store(out3, dk2, r0, sk, scale, lane // 4, lane % 4)
-                else:
+                elif K_HI:
                     store_hi(out3, dk2[:, HALF:], r0, sk, scale, lane // 4, lane % 4)
                 to_frag_o(out3, dv_acc)
                 if c == 0:
-                    store(out3, dv2, r0, sk, _ONE, lane // 4, lane % 4)
-                else:
-                    store_hi(out3, dv2[:, HALF:], r0, sk, _ONE, lane // 4, lane % 4)
+                    store_v(out3, dv2, r0, sk, _ONE, lane // 4, lane % 4)
+                elif V_HI:
+                    store_v_hi(out3, dv2[:, HALF:], r0, sk, _ONE, lane // 4, lane % 4)
             else:
                 to_frag_o(out3, dk_acc)
                 store(out3, dk2, key0 + cw * 16, sk, scale, lane // 4, lane % 4)
                 to_frag_o(out3, dv_acc)
-                store(out3, dv2, key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
+                store_v(out3, dv2, key0 + cw * 16, sk, _ONE, lane // 4, lane % 4)
 
     return kernel
 
@@ -1158,6 +1196,9 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
     smem = dynamic_shared(1024)
     issue_q = copy_rows_to_shared_128b(BM, D, THREADS, cfg.head_dim)
     issue_kv = copy_rows_to_shared_128b(BN, D, THREADS, cfg.head_dim)
+    # v and dout: v's head dim (the same copies where it is q's)
+    issue_do = copy_rows_to_shared_128b(BM, D, THREADS, cfg.dv)
+    issue_v = copy_rows_to_shared_128b(BN, D, THREADS, cfg.dv)
     s_mma = warpgroup_mma(BN, SmemOperand(BN, D, "k"), SmemOperand(BM, D, "k"), cfg.dtype)
     q_mma = warpgroup_mma(D, SmemOperand(D, BN, "mn"), None, cfg.dtype)
     to_frag_s, _ = accumulator_fragment(BN)
@@ -1204,14 +1245,14 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
             vs = v.strides[2]
             issue_q(base + Q_OFF, np.int64(global_addr(q, (vb, h, q_start + row0, 0))),
                     q.strides[2], sq - row0, tid)
-            issue_q(base + DO_OFF, np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
-                    do_.strides[2], sq - row0, tid)
+            issue_do(base + DO_OFF, np.int64(global_addr(do_, (vb, h, q_start + row0, 0))),
+                     do_.strides[2], sq - row0, tid)
             k0 = np.int64(global_addr(k, (vb, hk, k_start, 0)))
             v0 = np.int64(global_addr(v, (vb, hk, k_start, 0)))
             first = kv_base + (kb_first % 2) * STAGE
             kbf = at(blocks, kb_first)
             issue_kv(first, k0 + kbf * BN * ks, ks, sk - kbf * BN, tid)
-            issue_kv(first + KV_TILE, v0 + kbf * BN * vs, vs, sk - kbf * BN, tid)
+            issue_v(first + KV_TILE, v0 + kbf * BN * vs, vs, sk - kbf * BN, tid)
             cp_async_commit_group()
 
             s = cuda.local.array(ACC_S, np.float32)
@@ -1233,7 +1274,7 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
                     kn = at(blocks, jb + 1)
                     left = sk - kn * BN
                     issue_kv(nxt, k0 + kn * BN * ks, ks, left, tid)
-                    issue_kv(nxt + KV_TILE, v0 + kn * BN * vs, vs, left, tid)
+                    issue_v(nxt + KV_TILE, v0 + kn * BN * vs, vs, left, tid)
                 cp_async_commit_group()
                 k_tile = kv_base + (jb % 2) * STAGE
                 v_tile = k_tile + KV_TILE
@@ -1441,6 +1482,10 @@ COMPILED = (
     ("bwd_wgmma_ws_d192_f16_halves", "ws", WgmmaBackwardConfig(
         192, key_groups=1, dq_atomic=True, producer=True, split_columns=True,
         query_halves=True), False),
+    # v's head dim other than q's: DeepSeek's 192 / 128
+    ("bwd_wgmma_ws_d192v128_bf16_causal_halves", "ws", WgmmaBackwardConfig(
+        192, dtype="bfloat16", key_groups=1, dq_atomic=True, producer=True,
+        split_columns=True, query_halves=True, head_dim_v=128), True),
     # a head dim between the widths (96: the 128-column tiles, zero-filled; the built-in
     # choice's warp-specialised kernel and the deterministic dQ kernel)
     ("bwd_wgmma_ws_d96_bf16_causal", "ws", WgmmaBackwardConfig(

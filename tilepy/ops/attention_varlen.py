@@ -241,7 +241,8 @@ def check_arguments(q, k, v, scale, out, config, any_device=False):
     """``(Q, dtype, (heads_q, heads_kv, head_dim, v's head_dim), (K, V, Out), scale, device)``
     of packed (total, heads, head_dim) inputs; errors name the argument. v's head dim may
     differ from q's and k's: the forward's TMA kernels take it on sm_90 only (elsewhere a
-    ``NotImplementedError``, unless ``any_device``: the backward's mma.sync kernels)."""
+    ``NotImplementedError``, unless ``any_device``: the backward, whose mma.sync kernels take
+    it on every GPU)."""
     Q = describe(q, "q", allow_float32=False)
     K = describe(k, "k", allow_float32=False)
     V = describe(v, "v", allow_float32=False)
@@ -381,7 +382,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
 
     * The forward's arguments as given to it; ``out`` and ``lse`` (float32 (heads_q,
       total_q)) what it returned with ``return_lse=True``; ``dout`` has ``out``'s shape and
-      dtype (v's head dim may differ from q's: the mma.sync kernels take it on every GPU).
+      dtype (v's head dim may differ from q's: as :func:`tilepy.flash_attention_backward`
+      takes it, the wgmma kernels on sm_90, the mma.sync ones elsewhere).
       A ``score_mod`` needs its derivative ``score_mod_grad`` (as for
       :func:`tilepy.flash_attention_backward`).
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
@@ -438,7 +440,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                  f"inputs are head_dim {d} {dtype}")
             if getattr(config, "dv", config.head_dim) != dv_dim:
                 raise ValueError(f"config is for v's head_dim {config.dv}; v's is {dv_dim} (a "
-                                 f"BackwardConfig with head_dim_v={dv_dim} takes it)")
+                                 f"config with head_dim_v={dv_dim} takes it)")
         alibi = alibi_slopes is not None
         hargs, hops = _packed_hook_args("flash_attention_varlen_backward", alibi_slopes,
                                         mod_args, n, hq, Q)
@@ -495,12 +497,13 @@ def choose_backward_config(head_dim: int, dtype: str, deterministic: bool,
     """The backward config packed sequences run with: the built-in one
     (:func:`tilepy.ops.attention_backward.choose_config` — on sm_90 the wgmma kernels'
     where the head dim takes them: without ``deterministic`` and from
-    :data:`BACKWARD_FUSED_MIN_HEAD_DIM` up the warp-specialised kernel with dQ by bulk
-    reductions, else the pair whose dQ has its own kernel); ``head_dim_v``: v's head dim
-    where it differs (the mma.sync kernels)."""
+    :data:`BACKWARD_FUSED_MIN_HEAD_DIM` up (q's or v's head dim) the warp-specialised kernel
+    with dQ by bulk reductions, else the pair whose dQ has its own kernel); ``head_dim_v``:
+    v's head dim where it differs."""
     from .attention_backward import choose_config as backward_choice
 
-    fused = not deterministic and head_dim >= BACKWARD_FUSED_MIN_HEAD_DIM
+    wider = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
+    fused = not deterministic and wider >= BACKWARD_FUSED_MIN_HEAD_DIM
     return backward_choice(head_dim, dtype, not fused, variant=True, wgmma=BACKWARD_WGMMA,
                            head_dim_v=head_dim_v)
 
