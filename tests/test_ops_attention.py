@@ -235,6 +235,29 @@ def test_unaligned_and_strided_inputs_are_copied():
 
 
 @sim
+@pytest.mark.parametrize("config", [None, WgmmaAttentionConfig(32, 64, 64, overlap=True,
+                                                               tma=True)],
+                         ids=["built-in", "wgmma-tma"])
+def test_a_nan_score_gives_a_nan_row_and_lse(config):
+    """A NaN in one query row (and, causal, in a key: the rows that see it): those rows and
+    their LSE are NaN — not zeros and -inf, which mean "no key" — the others finite."""
+    rng = np.random.default_rng()
+    q = rand(rng, (1, 2, 40, 32), "float16")
+    k = rand(rng, (1, 2, 50, 32), "float16")
+    v = rand(rng, (1, 2, 50, 32), "float16")
+    q[0, 0, 7, 3] = np.nan
+    k[0, 1, 30, 5] = np.nan      # causal, bottom-right: rows 20 … see key 30
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True, config=config)
+    out, lse = f64(out), np.asarray(lse)
+    assert np.isnan(out[0, 0, 7]).all() and np.isnan(lse[0, 0, 7])
+    assert np.isnan(out[0, 1, 20:]).all() and np.isnan(lse[0, 1, 20:]).all()
+    keep = np.ones((2, 40), bool)
+    keep[0, 7] = False
+    keep[1, 20:] = False
+    assert np.isfinite(out[0][keep]).all() and np.isfinite(lse[0][keep]).all()
+
+
+@sim
 def test_other_configs():
     # 32 rows per warp (two m16 tiles), 32-key blocks, one warp per block.
     rng = np.random.default_rng()

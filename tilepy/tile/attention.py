@@ -797,7 +797,7 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
     uint16 view of this (batch, head); rows ``rows0 + 16 i + g + 8 h`` past ``sq`` skipped),
     and, with ``has_lse``, lane ``t = 0`` of each quad writes the row's natural-log LSE
     ``row_max · scale + log(row_sum)`` to ``lse[b, h, row]`` (-inf for a row that saw no key:
-    ``row_sum`` 0). ``row_sum``: the quad-reduced totals (after
+    ``row_sum`` 0; NaN where a score was). ``row_sum``: the quad-reduced totals (after
     :func:`~tilepy.tile.online_softmax.online_softmax_finalize`). ``no = 0`` writes the LSE
     alone."""
     if dtype not in DTYPES:
@@ -818,10 +818,11 @@ def store_rows(mi: int, no: int, dtype: str, has_lse: bool):
                         o2[r, c + 1] = word >> 16
                     if HAS_LSE and t == 0:
                         total = row_sum[i, hh]
-                        if total > _ZERO:
-                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
-                        else:
+                        # no key: -inf; a NaN score's row: NaN (never "no key")
+                        if total == _ZERO:
                             lse[b, h, r] = _NEG_INF
+                        else:
+                            lse[b, h, r] = row_max[i, hh] * scale + math.log(total)
 
     return store
 
