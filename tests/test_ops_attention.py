@@ -346,6 +346,26 @@ def test_tma_grid_configs_past_the_limit_run_one_dimensional(monkeypatch, plans_
     assert isinstance(entry[0].plan, aw.ScheduledTmaPlan) and entry[0].plan.grid[1:] == (1, 1)
 
 @sim
+def test_outputs_with_overlapping_elements_are_refused():
+    """An ``out`` (or a gradient output) whose elements share memory — a broadcast view —
+    is refused before launch, naming it: the forward's, the backward's and the packed
+    forward's."""
+    rng = np.random.default_rng()
+    q = rand(rng, (1, 2, 8, 16), "float16")
+    shared = np.broadcast_to(np.zeros((1, 1, 8, 16), np.float16), q.shape)
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        flash_attention(q, q, q, out=shared)
+    out, lse = flash_attention(q, q, q, return_lse=True)
+    with pytest.raises(ValueError, match="dk has overlapping elements"):
+        tilepy.flash_attention_backward(q, q, q, q, out, lse, dk=shared)
+    packed = q[0].transpose(1, 0, 2)
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        tilepy.flash_attention_varlen(packed, packed, packed, cu, cu, 8, 8,
+                                      out=np.broadcast_to(packed[:1], packed.shape))
+
+
+@sim
 def test_errors_are_raised_before_launch():
     h = np.ones((1, 2, 8, 16), np.float16)
     kv = np.ones((1, 1, 8, 16), np.float16)

@@ -101,6 +101,21 @@ def test_zero_sized_dimensions_follow_numpy():
     assert tilepy.gemm(np.ones((0, 4), np.float16), np.ones((4, 3), np.float16)).shape == (0, 3)
 
 
+def test_outputs_with_overlapping_elements_are_refused():
+    """An ``out`` whose elements share memory (a broadcast view) would take the writes of
+    several results in one place: gemm, grouped_gemm and gemm_softmax refuse it before
+    launch, naming it."""
+    a, b = np.ones((4, 8), np.float16), np.ones((8, 16), np.float16)
+    shared = np.broadcast_to(np.zeros((1, 16), np.float16), (4, 16))
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        tilepy.gemm(a, b, out=shared)
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        tilepy.grouped_gemm(a, np.ones((2, 8, 16), np.float16), np.array([1, 4], np.int32),
+                            out=shared)
+    with pytest.raises(ValueError, match="out has overlapping elements"):
+        tilepy.gemm_softmax(a, b, out=shared)
+
+
 def test_errors_are_raised_before_launch():
     a, b = np.ones((4, 8), np.float16), np.ones((8, 16), np.float16)
     with pytest.raises(ValueError, match=r"\(4, 8\).*\(9, 16\)"):

@@ -119,6 +119,26 @@ def describe(x, name: str, *, allow_float32: bool = True, dtypes=None) -> Operan
     return Operand(name, fam, dt, tuple(x.shape), strides, device, x)
 
 
+def overlaps_itself(op: Operand) -> bool:
+    """True when two elements of the operand ``op`` may share memory (zero or interleaved
+    strides, e.g. a broadcast view)."""
+    dims = sorted((abs(st), s) for s, st in zip(op.shape, op.strides) if s > 1)
+    extent = 1
+    for st, s in dims:
+        if st < extent:
+            return True
+        extent += (s - 1) * st
+    return False
+
+
+def check_distinct(op: Operand | None) -> None:
+    """A ``ValueError`` naming ``op`` (an output the caller passed) when its elements may
+    share memory: writes to them would land on one another."""
+    if op is not None and op.shape and min(op.shape) > 0 and overlaps_itself(op):
+        raise ValueError(f"{op.name} has overlapping elements (strides {op.strides}); pass an "
+                         "array whose elements are distinct")
+
+
 def _memory_device(x):
     """The device a Numba device array's memory belongs to (its context's), or None."""
     ctx = getattr(getattr(x, "gpu_data", None), "context", None)

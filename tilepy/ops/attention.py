@@ -430,6 +430,7 @@ def check_arguments(q, k, v, causal, scale, out, layout, config, any_device=Fals
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
     scale = check_scale(scale, d)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None:
         want = out_shape(Q, V)
         if Out.shape != want:

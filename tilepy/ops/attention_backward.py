@@ -309,6 +309,7 @@ def describe_grads(dq, dk, dv, Q, K, V, dtype: str) -> list:
         if G is not None and (G.shape != like.shape or G.dtype != dtype):
             raise ValueError(f"{name} must have {like.name}'s shape {like.shape} and dtype "
                              f"{dtype}, got {G.shape} {G.dtype}")
+        arrays.check_distinct(G)
         grads.append(G)
     return grads
 

@@ -151,6 +151,7 @@ def check_arguments(q, k, v, causal, scale, window, softcap, descale_q, descale_
     win, cap = check_variant(causal, window, softcap)
     want = tuple(Q.shape[:-1]) + (dv,)
     Out = describe(out, "out") if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None and (Out.shape != want or Out.dtype != "bfloat16"):
         raise ValueError(f"out must be bfloat16 of shape {want}, got {Out.dtype} {Out.shape}")
     descales = [_descale(x, n, bq, hk, Q) for x, n in ((descale_q, "descale_q"),

@@ -454,6 +454,7 @@ def check_arguments(q, k_cache, v_cache, out, block_table, data: bool = True):
         raise ValueError(f"k_cache has {nb} sequences, q {b} (a paged cache needs "
                          f"block_table)")
     Out = describe(out, "out", allow_float32=False) if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None and (Out.shape != Q.shape or Out.dtype != Q.dtype):
         raise ValueError(f"out must have q's shape {Q.shape} and dtype {Q.dtype}, got "
                          f"{Out.shape} {Out.dtype}")

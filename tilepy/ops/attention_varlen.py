@@ -267,6 +267,7 @@ def check_arguments(q, k, v, scale, out, config, any_device=False):
                              f"from {HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     scale = at.check_scale(scale, d)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
+    arrays.check_distinct(Out)
     want = out_shape(Q, V)
     if Out is not None and (Out.shape != want or Out.dtype != Q.dtype):
         raise ValueError(f"out must have shape {want} (q's" + (f" with v's head_dim {dv}"

@@ -421,6 +421,7 @@ def _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32):
         if C.dtype != out_dtype:
             raise TypeError(f"c must have the output dtype {out_dtype}, got {C.dtype}")
     Out = describe(out, "out") if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None:
         if Out.shape != out_shape:
             raise ValueError(f"out must have shape {out_shape}, got {Out.shape}")

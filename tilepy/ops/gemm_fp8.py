@@ -117,6 +117,7 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
         Sa = _scale(scale_a, "scale_a", m, "row", A)
         Sb = _scale(scale_b, "scale_b", n, "column", A)
     Out = describe(out, "out") if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None and (Out.shape != (m, n) or Out.dtype != out_dtype):
         raise ValueError(f"out must be ({m}, {n}) {out_dtype}, got {Out.shape} {Out.dtype}")
     Bias = describe(bias, "bias", dtypes=fk.OUT_KINDS) if bias is not None else None

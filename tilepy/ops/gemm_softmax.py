@@ -228,6 +228,7 @@ def _check(a, b, scale, out, config):
         raise ValueError(f"inner dimensions differ: a {A.shape} @ b {B.shape} ({k} != {k2})")
     scale = _checked_scale(scale)
     Out = describe(out, "out", allow_float32=False) if out is not None else None
+    arrays.check_distinct(Out)
     if Out is not None:
         if Out.shape != (m, n):
             raise ValueError(f"out must have shape {(m, n)}, got {Out.shape}")

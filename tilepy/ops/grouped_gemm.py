@@ -222,6 +222,7 @@ def check_arguments(a, b, offsets, out, data: bool = True):
     Out = describe(out, "out", allow_float32=False) if out is not None else None
     if Out is not None and (Out.shape != (m, n) or Out.dtype != A.dtype):
         raise ValueError(f"out must be ({m}, {n}) {A.dtype}, got {Out.shape} {Out.dtype}")
+    arrays.check_distinct(Out)
     device = arrays.same_device(A, B, Offs, Out)
     return A, B, Offs, Out, (m, k, n, e), device
 

@@ -688,18 +688,6 @@ def _rows_layout(shape, strides):
     return rows, n, row_stride
 
 
-def overlaps_itself(op) -> bool:
-    """True when two elements of the operand ``op`` may share memory (zero or interleaved
-    strides)."""
-    dims = sorted((abs(st), s) for s, st in zip(op.shape, op.strides) if s > 1)
-    extent = 1
-    for st, s in dims:
-        if st < extent:
-            return True
-        extent += (s - 1) * st
-    return False
-
-
 _PLANS = PlanCache()
 
 
@@ -737,9 +725,7 @@ def _check(x, axis, out, config):
             raise ValueError(f"out must have shape {X.shape} (that of x), got {Out.shape}")
         if Out.dtype != X.dtype:
             raise ValueError(f"out must have dtype {X.dtype} (that of x), got {Out.dtype}")
-        if Out.shape and min(Out.shape) > 0 and overlaps_itself(Out):
-            raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
-                             "array whose elements are distinct")
+        arrays.check_distinct(Out)
     device = arrays.same_device(X, Out)
     n = X.shape[ax] if X.ndim else 1
     if config is not None:

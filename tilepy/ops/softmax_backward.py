@@ -80,7 +80,7 @@ from ..tile.rows import (
 )
 from ..kcache import cached_jit
 from . import softmax as _forward
-from .softmax import Plan, block_plan, check_plan, normalize_axis, overlaps_itself, run_rows
+from .softmax import Plan, block_plan, check_plan, normalize_axis, run_rows
 
 WARP = 32
 #: Bytes of registers per column that a thread of the warp or block path gives its values: a
@@ -420,9 +420,7 @@ def _check(dy, y, axis, out, config):
             raise ValueError(f"out must have shape {DY.shape} (that of dy), got {Out.shape}")
         if Out.dtype != DY.dtype:
             raise ValueError(f"out must have dtype {DY.dtype} (that of dy), got {Out.dtype}")
-        if Out.shape and min(Out.shape) > 0 and overlaps_itself(Out):
-            raise ValueError(f"out has overlapping elements (strides {Out.strides}); pass an "
-                             "array whose elements are distinct")
+        arrays.check_distinct(Out)
     n = DY.shape[ax] if DY.ndim else 1
     if config is not None:
         check_config(config, n)
