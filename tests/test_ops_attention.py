@@ -396,8 +396,10 @@ def test_errors_are_raised_before_launch():
         flash_attention(h[0], kv, kv)
     with pytest.raises(ValueError, match="layout must be one of"):
         flash_attention(h, kv, kv, layout="sbhd")
-    with pytest.raises(ValueError, match="scale must be a finite positive"):
-        flash_attention(h, kv, kv, scale=-1.0)
+    # (and where float32 would round it to 0 or overflow: NaN out of the kernels)
+    for bad in (-1.0, 1e39, 1e-50, float("nan")):
+        with pytest.raises(ValueError, match="scale must be a positive number in"):
+            flash_attention(h, kv, kv, scale=bad)
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attention(h, kv, kv, causal="yes")
     with pytest.raises(ValueError, match="out must have shape"):
@@ -412,7 +414,7 @@ def test_errors_are_raised_before_launch():
         flash_attention(h, kv, kv, window=3)
     with pytest.raises(ValueError, match="causal=True means window right = 0"):
         flash_attention(h, kv, kv, causal=True, window=(4, 2))
-    for bad in (-1.0, float("nan"), float("inf")):
+    for bad in (-1.0, float("nan"), float("inf"), 1e39, 1e-50):
         with pytest.raises(ValueError, match="softcap must be 0.0"):
             flash_attention(h, kv, kv, softcap=bad)
     with pytest.raises(TypeError, match="softcap must be a float"):

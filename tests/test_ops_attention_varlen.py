@@ -232,6 +232,8 @@ def test_bad_input_is_refused_before_launch():
         flash_attention_varlen(x, x, x, cu, cu, 5, 6)
     with pytest.raises(TypeError, match="max_seqlen_k must be an int"):
         flash_attention_varlen(x, x, x, cu, cu, 6, 6.0)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int >= 0, got -1"):
+        flash_attention_varlen(x, x, x, cu, cu, -1, 6)
     with pytest.raises(ValueError, match="must be 3-D"):
         flash_attention_varlen(x[None], x, x, cu, cu, 6, 6)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):

@@ -371,9 +371,16 @@ def check_variant(causal, window, softcap):
         raise TypeError(f"softcap must be a float (0.0: none), got {type(softcap).__name__} "
                         f"{softcap!r}")
     cap = float(softcap)
-    if not (math.isfinite(cap) and cap >= 0):
-        raise ValueError(f"softcap must be 0.0 (none) or a finite float > 0, got {softcap!r}")
+    if not (cap == 0 or FLOAT32_RANGE[0] <= cap <= FLOAT32_RANGE[1]):
+        raise ValueError(f"softcap must be 0.0 (none) or a float in {FLOAT32_RANGE[0]:g} … "
+                         f"{FLOAT32_RANGE[1]:g} (the kernels compute in float32), got "
+                         f"{softcap!r}")
     return win, cap
+
+
+#: The range of ``scale`` and ``softcap``: the kernels take them (and ``scale · log2(e)``,
+#: ``1 / softcap``) in float32, where values outside would round to 0 or overflow.
+FLOAT32_RANGE = (1e-30, 1e30)
 
 
 def is_variant(win, cap) -> bool:
@@ -487,16 +494,18 @@ def out_shape(Q, V) -> tuple:
 
 def check_scale(scale, head_dim: int) -> float:
     """``scale`` as a float (None: ``1 / sqrt(head_dim)``); ``TypeError`` / ``ValueError``
-    unless a finite positive number."""
+    unless a positive number in :data:`FLOAT32_RANGE`."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer,
                                                                    np.floating)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__} {scale!r}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive number, got {scale!r}")
-    return scale
+    value = float(scale)
+    if not FLOAT32_RANGE[0] <= value <= FLOAT32_RANGE[1]:
+        raise ValueError(f"scale must be a positive number in {FLOAT32_RANGE[0]:g} … "
+                         f"{FLOAT32_RANGE[1]:g} (the kernels compute in float32), got "
+                         f"{scale!r}")
+    return value
 
 
 def _flash_attention(q, k, v, causal, scale, window, softcap, mods, return_lse, out, layout,

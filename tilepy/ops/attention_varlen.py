@@ -323,10 +323,13 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, Q, K, device):
 
 
 def check_max_seqlens(max_seqlen_q, max_seqlen_k):
+    """The two as ints: ``TypeError`` for another type, ``ValueError`` for a negative one."""
     out = []
     for x, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
             raise TypeError(f"{name} must be an int >= 0, got {type(x).__name__} {x!r}")
+        if x < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {x!r}")
         out.append(int(x))
     return out
 
