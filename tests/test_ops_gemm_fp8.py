@@ -211,6 +211,28 @@ def test_one_row_one_scale_shapes_and_empty_k():
     np.testing.assert_array_equal(out[0], np.maximum(bias, 0))
 
 
+@pytest.mark.sim
+@pytest.mark.parametrize("layout", ["transposed", "every-other-column"])
+def test_outputs_of_any_layout(layout):
+    """A 16-bit ``out`` whose columns are not adjacent (a transposed view, a column step):
+    the epilogue's paired stores (two columns in one 4-byte word) only where a row's columns
+    are adjacent, element stores elsewhere; the skipped elements untouched."""
+    rng = np.random.default_rng()
+    a = codes(rng, (6, 32), "float8_e4m3fn")
+    w = codes(rng, (9, 32), "float8_e4m3fn")
+    want = a.astype(np.float64) @ w.astype(np.float64).T
+    if layout == "transposed":
+        base = np.full((9, 6), np.nan, ml_dtypes.bfloat16)
+        out, rest = base.T, None
+    else:
+        base = np.full((6, 18), np.nan, ml_dtypes.bfloat16)
+        out, rest = base[:, ::2], base[:, 1::2]
+    assert tilepy.gemm(a, w.T, out=out) is out
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=1e-2,
+                               atol=1e-2 * abs(want).max())
+    assert rest is None or np.isnan(rest.astype(np.float64)).all()
+
+
 @pytest.mark.compile
 def test_fp8_kernel_compiles_for_sm90a():
     """k32 wgmmas on e4m3, no spill, no serialised-wgmma note."""
@@ -288,6 +310,22 @@ def test_gpu_block_scales_against_float32():
     assert not torch.isnan(got).any()
     err = (got - want).abs().max().item()
     assert err <= 1e-3 * want.abs().max().item(), err
+
+
+@pytest.mark.gpu
+def test_gpu_transposed_out():
+    """A transposed bfloat16 ``out`` (columns a row apart): element stores where the
+    epilogue's paired stores would write the wrong elements, against float32."""
+    torch = pytest.importorskip("torch")
+    m, n, k = 300, 200, 256
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    base = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = tilepy.gemm(a, w.t(), out=base.t())
+    want = a.float() @ w.float().t()
+    assert not torch.isnan(got).any()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item(), err
 
 
 @pytest.mark.gpu

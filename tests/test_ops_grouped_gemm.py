@@ -52,6 +52,22 @@ def test_groups_against_float64(dtype, sizes, b_transposed, hopper):
 
 
 @sim
+def test_transposed_out_on_the_hopper_kernel():
+    """A transposed ``out`` (its columns a row apart) on the Hopper kernel, the default on
+    sm_90: element stores where the register epilogue pairs adjacent columns."""
+    from tilepy.ops.gemm_kmajor_wgmma import KMajorConfig
+
+    rng = np.random.default_rng()
+    ends = np.array([3, 3, 8], np.int32)
+    a = rand(rng, (8, 16), "bfloat16")
+    b = rand(rng, (3, 24, 16), "bfloat16").transpose(0, 2, 1)
+    base = np.full((24, 8), np.nan, NP["bfloat16"])
+    assert tilepy.grouped_gemm(a, b, ends, out=base.T, config=KMajorConfig(block_n=64)) \
+        is not None
+    check(base.T, reference(a, b, ends), "bfloat16")
+
+
+@sim
 def test_tma_store_epilogue_with_groups_ending_inside_tiles():
     """``KMajorConfig(tma_store=True)``: a consumer's 64 rows that lie inside their group go
     out through TMA, a tile's rows that reach into the next group from registers (clipped at

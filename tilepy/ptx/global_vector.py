@@ -12,8 +12,10 @@ stride, any row stride; :func:`tilepy.arrays.kernel_view`):
   column: eight 8-bit codes, say);
 * ``st_global_pair(a, r, c, w)`` — the 4 bytes at ``a[r, c]`` of a 2-D uint16 array: one
   uint32 word, ``a[r, c]`` its low half (two adjacent 16-bit results in one store);
-* ``pair_aligned(a, r, c) -> bool`` — whether ``a[r, c]`` of a 2-D uint16 array is 4-byte
-  aligned (what ``st_global_pair`` needs, decided per access where the host cannot vouch).
+* ``pair_aligned(a, r, c) -> bool`` — whether ``a[r, c]`` and ``a[r, c + 1]`` of a 2-D uint16
+  array are one 4-byte aligned word: a unit element stride and ``a[r, c]`` 4-byte aligned
+  (what ``st_global_pair`` needs, decided per access where the host cannot vouch; any other
+  view — a transposed ``out``, say — takes element stores).
 
 The address is ``data + r·strides[0] + c·itemsize`` (a unit element stride is assumed) and
 must be aligned to the bytes moved: the caller checks the base pointer and row stride on the
@@ -89,7 +91,7 @@ def _pair_aligned_twin(a, r, c):
     arr = _sim_ndarray(a)
     r, c = int(r), int(c)
     addr = arr.ctypes.data + r * arr.strides[0] + c * arr.strides[1]
-    return addr % 4 == 0
+    return arr.strides[1] == arr.itemsize and addr % 4 == 0
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -194,7 +196,11 @@ def _make_intrinsics():
             ptr = address(context, builder, sig.args[0], args[0], args[1], sig.args[1],
                           args[2], sig.args[2], ir.IntType(32), 1)
             low = builder.and_(builder.ptrtoint(ptr, i64), ir.Constant(i64, 3))
-            return builder.icmp_unsigned("==", low, ir.Constant(i64, 0))
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            s1 = cgutils.unpack_tuple(builder, ary.strides, 2)[1]
+            unit = builder.icmp_signed("==", s1, ir.Constant(s1.type, 2))
+            aligned = builder.icmp_unsigned("==", low, ir.Constant(i64, 0))
+            return builder.and_(unit, aligned)
 
         return types.boolean(arr, r, c), codegen
 
