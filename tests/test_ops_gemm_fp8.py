@@ -212,6 +212,28 @@ def test_one_row_one_scale_shapes_and_empty_k():
 
 
 @pytest.mark.sim
+def test_operands_of_any_layout_or_alignment_are_copied():
+    """a and b that the kernel cannot read in place — a misaligned slice, a transposed a, a
+    broadcast (stride 0), a row-major b — are copied into its layouts first: the product
+    against float64, as with in-place operands."""
+    rng = np.random.default_rng()
+    a = codes(rng, (6, 48), "float8_e4m3fn")
+    w = codes(rng, (9, 48), "float8_e4m3fn")
+    cases = {
+        "misaligned a": (a[:, 8:40], w[:, :32].T),
+        "transposed a": (np.ascontiguousarray(a[:, :32].T).T, w[:, :32].T),
+        "broadcast a": (np.broadcast_to(a[:1, :32], (6, 32)), w[:, :32].T),
+        "broadcast b": (a[:, :32], np.broadcast_to(w[:1, :32].T, (32, 9))),
+        "row-major b": (a[:, :32], np.ascontiguousarray(w[:, :32].T)),
+        "misaligned b": (a[:, :32], w[:, 8:40].T),
+    }
+    for name, (x, y) in cases.items():
+        want = x.astype(np.float64) @ y.astype(np.float64)
+        got = tilepy.gemm(x, y, out_dtype="float32")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.sim
 @pytest.mark.parametrize("layout", ["transposed", "every-other-column"])
 def test_outputs_of_any_layout(layout):
     """A 16-bit ``out`` whose columns are not adjacent (a transposed view, a column step):

@@ -43,9 +43,11 @@ def gemm_fp8(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias
     accumulation.
 
     * ``a`` (M, K) row-major, ``b`` (K, N) K-major — the transposed view of a row-major
-      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``) — is read in place; a ``b`` of any
-      other layout (row-major (K, N), say) is first transposed into a K-major copy on the
-      GPU (one more pass over ``b`` each call, and such calls are not recorded for replay);
+      (N, K), as ``torch._scaled_mm`` takes it (``w.t()``) — with rows of whole 16-byte units
+      and 16-byte aligned data are read in place; an operand of any other layout or alignment
+      (a row-major (K, N) ``b``, a slice, a broadcast, say) is first copied into that layout
+      on the GPU (one more pass over it each call, and such calls are not recorded for
+      replay);
       each e4m3 or e5m2, in any combination (k32 wgmmas take the two formats separately;
       ``torch._scaled_mm`` refuses e5m2 · e5m2, this takes it).
     * ``scale_a``: float32, one scale (0-d, (1,)) or one per row ((M,), or (M, 1) as
@@ -99,12 +101,6 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if k % 16:
         raise ValueError(f"gemm on float8 inputs: K must be a multiple of 16 (rows of whole "
                          f"16-byte units, as torch._scaled_mm requires), got {k}")
-    if k and not (A.strides[1] == 1 and (A.strides[0] % 16 == 0 or m == 1)):
-        raise ValueError(f"a must be row-major with rows of a multiple of 16 bytes, got "
-                         f"strides {A.strides}")
-    # b K-major (torch._scaled_mm's layout) is read in place; any other layout is
-    # transposed into a K-major copy first (:func:`_k_major_copy`)
-    b_in_place = not k or (B.strides[0] == 1 and (B.strides[1] % 16 == 0 or n == 1))
     if out_dtype is None and out is not None:
         out_dtype = describe(out, "out").dtype
     out_dtype = arrays.dtype_name(out_dtype) if out_dtype is not None else "bfloat16"
@@ -132,7 +128,20 @@ def check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, co
     if block is not None and cfg.block_n > fk.BLOCK_SCALE:
         raise ValueError(f"block scales need config.block_n <= {fk.BLOCK_SCALE} (a tile's "
                          f"columns in one scale block), got {cfg.block_n}")
-    return A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device, b_in_place
+    return A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device
+
+
+def _rows_of_units(row_stride: int, col_stride: int, rows: int) -> bool:
+    """Whether a matrix of 8-bit codes with these strides (bytes) has adjacent columns and
+    rows a positive multiple of 16 bytes apart (one row: any row stride)."""
+    return col_stride == 1 and (rows == 1 or (row_stride > 0 and row_stride % 16 == 0))
+
+
+def _in_place(op, row_stride: int, col_stride: int, rows: int, k: int) -> bool:
+    """Whether the kernel reads ``op`` (rows × k codes with these strides) where it is: no K,
+    or :func:`_rows_of_units` and its data 16-byte aligned (TMA's requirement)."""
+    return not k or (_rows_of_units(row_stride, col_stride, rows) and
+                     op.byte_pointer() % 16 == 0)
 
 
 def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
@@ -145,7 +154,7 @@ def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, b
 
 
 def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, key):
-    A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device, b_in_place = \
+    A, B, Sa, Sb, Out, Bias, (m, n, k), out_dtype, block, cfg, device = \
         check_arguments(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config)
     with arrays.on_device(device):
         if not arrays.SIMULATOR and launch.compute_capability(device) != (9, 0):
@@ -189,20 +198,29 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
                                      _per_index(Sb, n) and block is None, block is not None,
                                      b_fmt=_FMT[B.dtype], activation=activation,
                                      bias_kind=Bias.dtype if Bias is not None else None)
-        # (b's K-major (K, N) view is the row-major (N, K) the kernel's map describes)
-        a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
-                                                 (A.strides[0], 1)))
+        # a row-major and b K-major (torch._scaled_mm's layouts), rows of whole 16-byte units
+        # and the data 16-byte aligned, are read in place; any other layout is copied into
+        # one first (b's K-major (K, N) view is the row-major (N, K) the kernel's map
+        # describes)
+        a_in_place = _in_place(A, A.strides[0], A.strides[1], m, k)
+        b_in_place = _in_place(B, B.strides[1], B.strides[0], n, k)
+        if a_in_place:
+            a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
+                                                     (A.strides[0], 1)))
+            at = None
+        else:
+            at, a_v = _copy_rows(A, A, m, k, A.strides[0], A.strides[1], stream)
         if b_in_place:
             b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
                                                      (B.strides[1], 1)))
             bt = None
         else:
-            bt, b_v = _k_major_copy(A, B, n, k, stream)
+            bt, b_v = _copy_rows(A, B, n, k, B.strides[1], B.strides[0], stream)
         plan, args = fk.plan(kern, cfg, a_v, b_v, out_v, sa_v, sb_v,
                              arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
                              arrays.byte_allocator(A))
         plan.launch(stream, args)
-        device_write.keep_during_capture(stream, ones, bt, *((a, b) if zeros else ()))
+        device_write.keep_during_capture(stream, ones, at, bt, *((a, b) if zeros else ()))
         # operand slots: a, b, scale_a, scale_b, out, bias (a None scale reads the kept ones)
         src = [(0, A.byte_pointer()), (1, B.byte_pointer()),
                (4, Out.byte_pointer()),
@@ -210,8 +228,8 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
                (3, Sb.byte_pointer()) if Sb is not None else None,
                None,      # offsets: a placeholder
                (5, Bias.byte_pointer()) if Bias is not None else None]
-        if zeros or not b_in_place:
-            # (the zero operands, b's K-major copy are this call's: a later call makes its own)
+        if zeros or not (a_in_place and b_in_place):
+            # (the zero operands, the copies are this call's: a later call makes its own)
             return out
         if ones is None or not device_write.stream_capturing(stream):
             # (ones made during a capture are written only when the graph runs: not kept for
@@ -280,16 +298,18 @@ def _scale_view(S):
     return arrays.device_view(arrays.restride(view, (size,), (4 * stride,)))
 
 
-def _k_major_copy(A, B, n: int, k: int, stream):
-    """``(copy, view)``: ``B`` (K, N) of any layout transposed into a new row-major (N, K)
-    uint8 array (:mod:`tilepy.tile.transpose`) on ``stream``, and its (N, K) kernel view."""
+def _copy_rows(like, X, rows: int, cols: int, row_stride: int, col_stride: int, stream):
+    """``(copy, view)``: the (rows × cols) codes of ``X`` — element ``(r, c)`` at byte
+    ``r · row_stride + c · col_stride`` of its data (any layout: a's rows, b's columns, a
+    broadcast) — into a new row-major uint8 array of ``like``'s family and device
+    (:mod:`tilepy.tile.transpose`) on ``stream``, and its (rows, cols) kernel view."""
     from ..tile import transpose as TR
 
-    bt = arrays.empty(A, (n, k), "uint8")
-    src = arrays.device_view(arrays.restride(arrays.raw_view(B), (1, 1, k, n),
-                                             (0, 0, B.strides[0], B.strides[1])))
-    raw = arrays.raw_view(describe(bt, "b", dtypes=("uint8",)))
-    dst = arrays.device_view(arrays.restride(raw, (1, 1, n, k), (0, 0, k, 1)))
+    bt = arrays.empty(like, (rows, cols), "uint8")
+    src = arrays.device_view(arrays.restride(arrays.raw_view(X), (1, 1, cols, rows),
+                                             (0, 0, col_stride, row_stride)))
+    raw = arrays.raw_view(describe(bt, X.name, dtypes=("uint8",)))
+    dst = arrays.device_view(arrays.restride(raw, (1, 1, rows, cols), (0, 0, cols, 1)))
     plan, args = TR.launch_plan(src, dst)
     if plan is not None:
         plan.launch(stream, args)
