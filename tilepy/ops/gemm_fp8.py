@@ -137,11 +137,15 @@ def _rows_of_units(row_stride: int, col_stride: int, rows: int) -> bool:
     return col_stride == 1 and (rows == 1 or (row_stride > 0 and row_stride % 16 == 0))
 
 
-def _in_place(op, row_stride: int, col_stride: int, rows: int, k: int) -> bool:
-    """Whether the kernel reads ``op`` (rows × k codes with these strides) where it is: no K,
-    or :func:`_rows_of_units` and its data 16-byte aligned (TMA's requirement)."""
-    return not k or (_rows_of_units(row_stride, col_stride, rows) and
-                     op.byte_pointer() % 16 == 0)
+def _rows_view(like, X, rows: int, k: int, row_stride: int, col_stride: int, stream):
+    """``(copy, view)``: the (rows × k) row-major kernel view the kernel's tensor map reads
+    of operand ``X`` (element ``(r, c)`` at byte ``r · row_stride + c · col_stride``) — ``X``
+    itself (``copy`` None) with no K, or where :func:`_rows_of_units` and its data is 16-byte
+    aligned (TMA's requirement), else :func:`_copy_rows`'s copy."""
+    if not k or (_rows_of_units(row_stride, col_stride, rows) and X.byte_pointer() % 16 == 0):
+        return None, arrays.device_view(arrays.restride(arrays.raw_view(X), (rows, k),
+                                                        (row_stride, 1)))
+    return _copy_rows(like, X, rows, k, row_stride, col_stride, stream)
 
 
 def output_spec(a, b, *, scale_a=None, scale_b=None, out_dtype=None, out=None, bias=None,
@@ -202,20 +206,8 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
         # and the data 16-byte aligned, are read in place; any other layout is copied into
         # one first (b's K-major (K, N) view is the row-major (N, K) the kernel's map
         # describes)
-        a_in_place = _in_place(A, A.strides[0], A.strides[1], m, k)
-        b_in_place = _in_place(B, B.strides[1], B.strides[0], n, k)
-        if a_in_place:
-            a_v = arrays.device_view(arrays.restride(arrays.raw_view(A), (m, k),
-                                                     (A.strides[0], 1)))
-            at = None
-        else:
-            at, a_v = _copy_rows(A, A, m, k, A.strides[0], A.strides[1], stream)
-        if b_in_place:
-            b_v = arrays.device_view(arrays.restride(arrays.raw_view(B), (n, k),
-                                                     (B.strides[1], 1)))
-            bt = None
-        else:
-            bt, b_v = _copy_rows(A, B, n, k, B.strides[1], B.strides[0], stream)
+        at, a_v = _rows_view(A, A, m, k, A.strides[0], A.strides[1], stream)
+        bt, b_v = _rows_view(A, B, n, k, B.strides[1], B.strides[0], stream)
         plan, args = fk.plan(kern, cfg, a_v, b_v, out_v, sa_v, sb_v,
                              arrays.placeholder(1), bias_v, k, _FMT[A.dtype],
                              arrays.byte_allocator(A))
@@ -228,7 +220,7 @@ def _gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, bias, activation, config, 
                (3, Sb.byte_pointer()) if Sb is not None else None,
                None,      # offsets: a placeholder
                (5, Bias.byte_pointer()) if Bias is not None else None]
-        if zeros or not (a_in_place and b_in_place):
+        if zeros or at is not None or bt is not None:
             # (the zero operands, the copies are this call's: a later call makes its own)
             return out
         if ones is None or not device_write.stream_capturing(stream):
