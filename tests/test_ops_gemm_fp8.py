@@ -107,6 +107,8 @@ def test_errors_are_raised_before_launch():
         tilepy.gemm(a, w.astype(np.float16).T)
     with pytest.raises(ValueError, match="or a block scale"):
         tilepy.gemm(a, w.T, scale_a=np.ones((4, 2), np.float32))
+    with pytest.raises(TypeError, match="scale_a must be a float32 array .* got the number"):
+        tilepy.gemm(a, w.T, scale_a=np.float32(2.0))
     a2, w2 = np.zeros((4, 256), a.dtype), np.zeros((8, 256), w.dtype)
     with pytest.raises(ValueError, match="block scales come in pairs"):
         tilepy.gemm(a2, w2.T, scale_a=np.ones((4, 2), np.float32),
@@ -117,7 +119,7 @@ def test_errors_are_raised_before_launch():
                     scale_b=np.ones((2, 1), np.float32), config=KMajorConfig(block_n=256))
     with pytest.raises(ValueError, match=r"scale_b must be 0-d .*, \(8,\) \(per column\)"):
         tilepy.gemm(a, w.T, scale_b=np.ones(5, np.float32))
-    with pytest.raises(TypeError, match="scale_a: dtype float64 is not supported"):
+    with pytest.raises(TypeError, match="scale_a must be float32, got float64"):
         tilepy.gemm(a, w.T, scale_a=np.ones(4, np.float64))
     with pytest.raises(ValueError, match="activation must be one of"):
         tilepy.gemm(a, w.T, activation="tanh")

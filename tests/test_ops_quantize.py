@@ -141,8 +141,9 @@ def test_errors_are_raised_before_launch():
     x = np.zeros((4, 8), np.float16)
     with pytest.raises(ValueError, match="dtype must be one of"):
         tilepy.quantize_fp8(x, dtype="e3m4")
-    with pytest.raises(ValueError, match="granularity must be one of"):
-        tilepy.quantize_fp8(x, granularity=(1, 64))
+    for bad in ((1, 64), 128, None):
+        with pytest.raises(ValueError, match="granularity must be one of"):
+            tilepy.quantize_fp8(x, granularity=bad)
     with pytest.raises(ValueError, match="x must be 2-D"):
         tilepy.quantize_fp8(x[0])
     with pytest.raises(TypeError, match="x: dtype int32 is not supported"):

@@ -403,8 +403,8 @@ def _check(a, b, bias, activation, beta, c, out, out_dtype, config, allow_tf32):
         out_dtype = dtype
     out_dtype = arrays.dtype_name(out_dtype)
     if out_dtype not in (dtype, "float32"):
-        raise TypeError(f"out_dtype must be {dtype} or float32 for {dtype} inputs, got "
-                        f"{out_dtype}")
+        allowed = "float32" if dtype == "float32" else f"{dtype} or float32"
+        raise TypeError(f"out_dtype must be {allowed} for {dtype} inputs, got {out_dtype}")
     if dtype == "float32" and allow_tf32:
         raise NotImplementedError("the TF32 tensor-core path is not implemented yet; "
                                   "allow_tf32=False runs the exact float32 path")

@@ -236,15 +236,26 @@ def _scale(s, name: str, length: int, what: str, A):
     ((length,), or torch._scaled_mm's (M, 1) / (1, N)); None stays."""
     if s is None:
         return None
-    S = describe(s, name)
-    if S.dtype != "float32":
-        raise TypeError(f"{name} must be float32, got {S.dtype}")
+    S = _float32_array(s, name)
     size = int(np.prod(S.shape))
     if S.ndim > 2 or size not in (1, length) or (S.ndim == 2 and size != 1 and (
             S.shape != ((length, 1) if what == "row" else (1, length)))):
         raise ValueError(f"{name} must be 0-d (per tensor), ({length},) (per {what}) or a "
                          f"block scale (with the other one), got shape {S.shape}")
     arrays.same_device(A, S)
+    return S
+
+
+def _float32_array(s, name: str):
+    """``s`` as an Operand of float32; a ``TypeError`` naming ``name`` for a number (the
+    scales are arrays on the inputs' device, as ``torch._scaled_mm`` takes them) or another
+    dtype."""
+    if isinstance(s, (int, float, np.number)):
+        raise TypeError(f"{name} must be a float32 array on the inputs' device (0-d for one "
+                        f"scale), got the number {s!r}")
+    S = describe(s, name, dtypes=arrays.HOOK_DTYPES + ("bfloat16",))
+    if S.dtype != "float32":
+        raise TypeError(f"{name} must be float32, got {S.dtype}")
     return S
 
 
@@ -256,7 +267,7 @@ def _block_scales(scale_a, scale_b, m: int, n: int, k: int, A):
     ``scale_b`` or the reverse (beyond one k block)."""
     if scale_a is None or scale_b is None:
         return None
-    Sa, Sb = describe(scale_a, "scale_a"), describe(scale_b, "scale_b")
+    Sa, Sb = _float32_array(scale_a, "scale_a"), _float32_array(scale_b, "scale_b")
     kb, nb = -(-k // fk.BLOCK_SCALE), -(-n // fk.BLOCK_SCALE)
     a_block = Sa.ndim == 2 and Sa.shape == (m, kb)
     b_block = Sb.ndim == 2 and Sb.shape == (kb, nb)
@@ -264,9 +275,6 @@ def _block_scales(scale_a, scale_b, m: int, n: int, k: int, A):
     # tensor too, with the same product — those forms, which take any tile width
     ambiguous = kb == 1 and nb in (1, n)
     if a_block and b_block and not ambiguous:
-        for S in (Sa, Sb):
-            if S.dtype != "float32":
-                raise TypeError(f"{S.name} must be float32, got {S.dtype}")
         arrays.same_device(A, Sa, Sb)
         return Sa, Sb
     if (a_block and kb > 1) or (b_block and kb > 1):

@@ -65,7 +65,8 @@ def check_arguments(x, granularity, dtype):
         raise ValueError(f"dtype must be one of {tuple(FORMATS)}, got {dtype!r}")
     if X.ndim != 2:
         raise ValueError(f"x must be 2-D (M, K), got shape {X.shape}")
-    gran = granularity if isinstance(granularity, str) else tuple(granularity)
+    gran = granularity if isinstance(granularity, str) or not isinstance(
+        granularity, (tuple, list)) else tuple(granularity)
     if gran not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if isinstance(gran, tuple) and -(-X.shape[1] // gran[1]) > 65535:
