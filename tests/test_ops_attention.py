@@ -414,6 +414,9 @@ def test_errors_are_raised_before_launch():
         flash_attention(h, kv, kv, window=3)
     with pytest.raises(ValueError, match="causal=True means window right = 0"):
         flash_attention(h, kv, kv, causal=True, window=(4, 2))
+    # a side longer than any sequence: unbounded, the same keys (no 64-bit constant)
+    assert key_window(True, (2 ** 64, 0)) == (-1, 0) == key_window(True, None)
+    assert key_window(False, (5, 2 ** 40)) == (5, -1)
     for bad in (-1.0, float("nan"), float("inf"), 1e39, 1e-50):
         with pytest.raises(ValueError, match="softcap must be 0.0"):
             flash_attention(h, kv, kv, softcap=bad)

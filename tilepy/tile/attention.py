@@ -78,12 +78,18 @@ _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
 
 
+#: The largest window side taken as given: a longer one sees every key a sequence has (no
+#: sequence is this long) and reads as unbounded, so the kernels' constants stay in 32 bits.
+WINDOW_UNBOUNDED = 2 ** 31 - 1
+
+
 def key_window(causal: bool = False, window=None) -> tuple[int, int]:
     """``(left, right)``: the visible keys of row ``i`` relative to its diagonal key
     ``i + sk - sq`` (see the module docstring), ``-1`` for unbounded.
 
     ``window``: None or FlashAttention's ``window_size`` ``(left, right)``, each side an int
-    >= 0, or ``-1`` / None for unbounded (other negative values are an error).
+    >= 0, or ``-1`` / None for unbounded (other negative values are an error); a side past
+    :data:`WINDOW_UNBOUNDED` (longer than any sequence) is unbounded too, the same keys.
     ``causal=True`` sets ``right = 0``; a window given with it must have ``right`` 0, -1 or
     None.
     """
@@ -102,7 +108,7 @@ def key_window(causal: bool = False, window=None) -> tuple[int, int]:
                     or v < -1:
                 raise ValueError(f"window {side} must be an int >= 0, or -1 / None for "
                                  f"unbounded, got {v!r} in {window!r}")
-            sides.append(int(v))
+            sides.append(-1 if v > WINDOW_UNBOUNDED else int(v))
         left, right = sides
     if causal:
         if right not in (-1, 0):
