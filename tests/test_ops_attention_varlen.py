@@ -179,9 +179,16 @@ def backward_reference(q, k, v, do, cu_q, cu_k, causal, window=None, cap=0.0, al
         "window": (20, 9), "softcap": 5.0,
         "config": WgmmaBackwardConfig(96, block_m=64, key_groups=2, dq_atomic=True,
                                       producer=True)}, marks=pytest.mark.extended),
+    # v's head dim other than q's on the wide kernel (DeepSeek's 192 / 128)
+    pytest.param([70, 0, 6], [66, 5, 0], True, 192, "bfloat16", {
+        "dv": 128, "config": WgmmaBackwardConfig(192, dtype="bfloat16", key_groups=1,
+                                                 dq_atomic=True, producer=True,
+                                                 split_columns=True, query_halves=True,
+                                                 head_dim_v=128)},
+                 marks=pytest.mark.extended),
 ], ids=["causal-d24", "variants-atomic-dq", "head-dim-v-48-32", "wgmma-causal-d64",
         "wgmma-fused-halves-causal-d136", "wgmma-fused-causal-d64",
-        "wgmma-fused-d96-window-softcap"])
+        "wgmma-fused-d96-window-softcap", "wgmma-fused-halves-d192-v128"])
 def test_backward_against_float64(lq, lk, causal, d, dtype, kw):
     """The gradients of packed sequences against each sequence's float64 derivation, into
     NaN-poisoned dq / dk / dv whose rows outside every sequence stay NaN (GQA 2/1); v's own
