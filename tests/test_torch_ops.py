@@ -402,6 +402,30 @@ def test_flash_attention_lse_gradient_and_backward_operator():
         tilepy.flash_attention_backward(do.requires_grad_(), q, k, v, o, l)
 
 
+def test_gradients_of_gradients_are_refused_where_there_are_none():
+    """create_graph=True through an operator whose backward has no backward of its own
+    (attention, packed attention, grouped_gemm's gradient in b) is a TypeError — PyTorch
+    alone would only warn and return gradients cut off from the graph — while a plain
+    backward still runs."""
+    q, k, v = (rand(1, 2, 9, 16).requires_grad_() for _ in range(3))
+    with pytest.raises(TypeError, match="no double backward"):
+        torch.autograd.grad(tilepy.flash_attention(q, k, v).float().square().sum(), q,
+                            create_graph=True)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    packed = [x[0].transpose(0, 1).detach().requires_grad_() for x in (q, k, v)]
+    with pytest.raises(TypeError, match="no double backward"):
+        torch.autograd.grad(tilepy.flash_attention_varlen(*packed, cu, cu, 5, 5).sum(),
+                            packed[1], create_graph=True)
+    a = rand(8, 16).requires_grad_()
+    w = rand(3, 16, 24).requires_grad_()
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="no double backward"):
+        torch.autograd.grad(tilepy.grouped_gemm(a, w, offs).float().square().sum(), w,
+                            create_graph=True)
+    tilepy.flash_attention(q, k, v).float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 # ---- torch.compile ------------------------------------------------------------------------
 
 def _counting_backend():

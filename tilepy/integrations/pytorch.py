@@ -189,6 +189,15 @@ def _no_grad_for(op: str, why: str, **tensors) -> None:
                                 "under torch.no_grad()")
 
 
+def _no_double_backward(op: str, **tensors) -> None:
+    """In a backward formula whose operator has no backward of its own: a ``TypeError``
+    where a gradient of the gradients is being recorded (``create_graph=True``) through one
+    of ``tensors``, which would otherwise come out silently wrong (PyTorch only warns that the
+    operator has no autograd kernel)."""
+    _no_grad_for(op, "its backward has no backward of its own (no double backward: "
+                 "create_graph=True)", **tensors)
+
+
 @functools.cache
 def _eager_only():
     """A caller of its first argument outside compiled graphs (an explicit ``config``), made
@@ -390,6 +399,7 @@ def _grouped_backward(ctx, dy):
     if ctx.needs_input_grad[0]:
         da = _grouped_op(dy, b.mT, offsets, False)
     if ctx.needs_input_grad[1]:
+        _no_double_backward("grouped_gemm", a=a, dy=dy)   # (da's is a grouped_gemm: it has)
         db = _grouped_wgrad_op(a, dy, offsets, b.shape[0])
     return da, db, None, None
 
@@ -871,6 +881,7 @@ def _attention_grad(ctx, dout, dlse):
                            "the backward needs (a gradient was not wanted when it ran)")
     if dout is None and dlse is None:
         return (None,) * ctx.n_inputs
+    _no_double_backward("flash_attention", q=q, k=k, v=v, dout=dout, dlse=dlse)
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _attention_backward_op(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale,
@@ -1064,6 +1075,7 @@ def _varlen_grad(ctx, dout, dlse):
                                   "returned LSE yet (only through the output)")
     if dout is None:
         return (None,) * ctx.n_inputs
+    _no_double_backward("flash_attention_varlen", q=q, k=k, v=v, dout=dout)
     max_q, max_k, causal, scale, wl, wr, softcap, check = ctx.args
     dq, dk, dv = _varlen_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
                                      causal, scale, wl, wr, softcap, check, alibi)
