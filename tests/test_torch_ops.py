@@ -552,6 +552,51 @@ def test_flash_attention_varlen_operator_gradients_and_compile():
                                       mask_mod=lambda b, h, i, j: i >= j)
 
 
+def test_flash_attention_varlen_lse_gradient_and_compile():
+    """The packed LSE used downstream as well as the output: its gradient enters the
+    backward (``dlse``), against float64 autograd per sequence (causal, a zero-length one
+    among them); compiled (fullgraph) with the LSE returned — AOT autograd hands the backward
+    a gradient for it even where the loss does not use it — the same gradients."""
+    q, k, v = rand(11, 2, 16), rand(11, 1, 16), rand(11, 1, 16)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32)
+    g = rand(11, 2, 16)
+
+    def loss(q, k, v):
+        out, lse = tilepy.flash_attention_varlen(q, k, v, cu, cu, 7, 7, causal=True,
+                                                 return_lse=True)
+        return (out.float() * g.float()).sum() + lse.square().sum()
+
+    ins = [x.clone().requires_grad_() for x in (q, k, v)]
+    got = torch.autograd.grad(loss(*ins), ins)
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    total = 0
+    for a, e in ((0, 4), (4, 11)):
+        qs, ks, vs = (x[a:e].transpose(0, 1) for x in ref)
+        s = 0.25 * qs @ ks.repeat_interleave(2, 0).mT
+        n = e - a
+        s = s.masked_fill(torch.arange(n)[None, :] > torch.arange(n)[:, None], float("-inf"))
+        out = torch.softmax(s, -1) @ vs.repeat_interleave(2, 0)
+        total = total + (out.transpose(0, 1) * g[a:e].double()).sum() + \
+            torch.logsumexp(s, -1).square().sum()
+    want = torch.autograd.grad(total, ref)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        close(a, b, torch.float16, name)
+    torch._dynamo.reset()
+
+    def out_only(q, k, v):     # the LSE returned by the compiled graph, its gradient unused
+        return tilepy.flash_attention_varlen(q, k, v, cu, cu, 7, 7, causal=True,
+                                             return_lse=True)
+
+    ins2 = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = torch.compile(out_only, fullgraph=True, backend="aot_eager")(*ins2)
+    (out.float() * g.float()).sum().backward()
+    ins3 = [x.clone().requires_grad_() for x in (q, k, v)]
+    (tilepy.flash_attention_varlen(*ins3, cu, cu, 7, 7, causal=True).float()
+     * g.float()).sum().backward()
+    for a, b in zip(ins2, ins3):
+        assert torch.equal(a.grad, b.grad)
+
+
 def test_flash_attention_varlen_operator_head_dim_v():
     """v's own head dim (16 / 24) through the varlen operator: opcheck's fake tensors (out of
     v's head dim) and its gradients against float64 autograd per sequence."""

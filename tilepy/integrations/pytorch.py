@@ -124,7 +124,8 @@ _SCHEMAS = {
                                        "int max_seqlen_q, int max_seqlen_k, bool causal, "
                                        "float? scale, int window_left, int window_right, "
                                        "float softcap, bool check_seqlens, "
-                                       "Tensor? alibi_slopes=None) -> (Tensor, Tensor, Tensor)",
+                                       "Tensor? alibi_slopes=None, Tensor? dlse=None) "
+                                       "-> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -993,15 +994,15 @@ def _varlen_fake(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, wl, wr, softc
 
 
 def _varlen_backward_impl(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-                          wl, wr, softcap, check_seqlens, alibi_slopes=None):
+                          wl, wr, softcap, check_seqlens, alibi_slopes=None, dlse=None):
     return _varlen.flash_attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
         window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes,
-        check_seqlens=check_seqlens)
+        check_seqlens=check_seqlens, dlse=dlse)
 
 
 def _varlen_backward_fake(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-                          wl, wr, softcap, check_seqlens, alibi_slopes=None):
+                          wl, wr, softcap, check_seqlens, alibi_slopes=None, dlse=None):
     _varlen.output_spec(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, scale=scale,
                         window=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes,
                         any_device=True)
@@ -1070,15 +1071,14 @@ def _varlen_grad(ctx, dout, dlse):
     if not ctx.has_lse:
         raise RuntimeError("tilepy.flash_attention_varlen: the forward ran without its LSE, "
                            "which the backward needs (a gradient was not wanted when it ran)")
-    if dlse is not None:
-        raise NotImplementedError("tilepy.flash_attention_varlen: no gradient through the "
-                                  "returned LSE yet (only through the output)")
-    if dout is None:
+    if dout is None and dlse is None:
         return (None,) * ctx.n_inputs
-    _no_double_backward("flash_attention_varlen", q=q, k=k, v=v, dout=dout)
+    _no_double_backward("flash_attention_varlen", q=q, k=k, v=v, dout=dout, dlse=dlse)
+    if dout is None:
+        dout = torch.zeros_like(out)
     max_q, max_k, causal, scale, wl, wr, softcap, check = ctx.args
     dq, dk, dv = _varlen_backward_op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                     causal, scale, wl, wr, softcap, check, alibi)
+                                     causal, scale, wl, wr, softcap, check, alibi, dlse)
     return (dq, dk, dv) + (None,) * (ctx.n_inputs - 3)
 
 

@@ -358,12 +358,15 @@ def varlen_prepass_plan(cfg, views, heads: int, varlen, cu_seqlens_q, dq_slices:
     backward config ``cfg`` (its :func:`varlen_pad`), ``varlen`` = ``(sequences,
     max_seqlen_q, max_seqlen_k)``, the views of :func:`plans`; ``dq_slices`` > 0: it also
     zeroes the sequences' rows of ``views["dq_acc"]``, the blocked accumulator of that many
-    64-column slices in :func:`varlen_acc_row`'s rows."""
+    64-column slices in :func:`varlen_acc_row`'s rows; ``views["dlse"]``, where present, the
+    LSE's gradient."""
     batch, sq_blocks, _ = varlen
     pad = varlen_pad(cfg)
-    pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad, dq_slices)
-    args = (views["o"], views["do"], views["lse"], views["delta"], views["lse2"], cu_seqlens_q,
-            views["dq_acc"] if dq_slices else views["placeholder4"])
+    dlse = views.get("dlse")
+    pre = varlen_rows_prepass(views["o"].shape[3], cfg.dtype, pad, dq_slices, dlse is not None)
+    args = (views["o"], views["do"], views["lse"],
+            views["placeholder3"] if dlse is None else dlse, views["delta"], views["lse2"],
+            cu_seqlens_q, views["dq_acc"] if dq_slices else views["placeholder4"])
     return (LaunchPlan(pre, args, (-(-(sq_blocks + pad) // ROWS_PER_BLOCK), heads, batch),
                        ROW_THREADS), args)
 
@@ -391,8 +394,10 @@ def _zero_row(a2, r, lane):
 
 
 @functools.cache
-def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0):
-    """Packed sequences' pre-pass: ``kernel(o, do_, lse, delta, lse2, cu_seqlens_q, dq_acc)``;
+def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0,
+                        has_dlse: bool = False):
+    """Packed sequences' pre-pass: ``kernel(o, do_, lse, dlse, delta, lse2, cu_seqlens_q,
+    dq_acc)``;
     grid ``(ceil((max_seqlen_q + pad) / 16), Hq, sequences)``, :data:`ROW_THREADS` threads.
     ``o``, ``do_`` (1, Hq, total_q, D), ``lse`` (1, Hq, total_q) float32; ``delta`` /
     ``lse2`` (1, Hq, :func:`varlen_rows`) written in :func:`varlen_row_start`'s layout: row
@@ -400,15 +405,18 @@ def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0)
     (lse2 +inf, delta 0). ``dq_slices`` > 0: ``dq_acc`` (1, Hq, rows · dq_slices, C) float32
     is the blocked accumulator (virtual row ``v``'s slice ``c`` at
     :func:`tilepy.tile.attention_backward.blocked_row`) and each sequence row's virtual row
-    (:func:`varlen_acc_row` + ``r``) is zeroed in every slice; else a placeholder."""
+    (:func:`varlen_acc_row` + ``r``) is zeroed in every slice; else a placeholder.
+    ``has_dlse``: ``dlse`` (1, Hq, total_q) float32, the loss's gradient in the LSE, enters
+    as ``delta - dlse`` (:func:`rows_prepass`'s); else a placeholder, not read."""
     dot = _row_dot(head_dim, dtype)
     start_of = varlen_row_start(pad)
     PAD = pad
     SL = dq_slices
+    HAS_DLSE = bool(has_dlse)
     L2E = np.float32(LOG2E)
 
     @kernel_jit(ROW_THREADS)
-    def kernel(o, do_, lse, delta, lse2, cu_q, dq_acc):
+    def kernel(o, do_, lse, dlse, delta, lse2, cu_q, dq_acc):
         z = cuda.blockIdx.z
         h = cuda.blockIdx.y
         tid = cuda.threadIdx.x
@@ -421,6 +429,8 @@ def varlen_rows_prepass(head_dim: int, dtype: str, pad: int, dq_slices: int = 0)
             at = start_of(q_start, z) + row
             if row < sq:
                 value = lse[0, h, q_start + row]
+                if HAS_DLSE:
+                    acc -= dlse[0, h, q_start + row]
                 delta[0, h, at] = acc
                 lse2[0, h, at] = _INF if value == _NEG_INF else value * L2E
             else:

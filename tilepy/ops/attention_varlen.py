@@ -380,7 +380,7 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
                                     window=None, softcap=0.0, alibi_slopes=None,
                                     score_mod=None, score_mod_grad=None, mask_mod=None,
                                     mod_args=(), deterministic=False, dq=None, dk=None,
-                                    dv=None, check_seqlens=True, config=None):
+                                    dv=None, check_seqlens=True, config=None, dlse=None):
     """Gradients ``(dq, dk, dv)`` of ``out = flash_attention_varlen(q, k, v, cu_seqlens_q,
     cu_seqlens_k, max_seqlen_q, max_seqlen_k, ...)`` for the output gradient ``dout``.
 
@@ -392,6 +392,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
       :func:`tilepy.flash_attention_backward`).
     * ``dq`` / ``dk`` / ``dv``: optional outputs of ``q``'s / ``k``'s / ``v``'s shape and
       dtype; their rows outside every sequence are left as they are (allocated here: zeros).
+    * ``dlse``: the loss's gradient in ``lse`` (float32, ``lse``'s shape) when the forward's
+      LSE is used downstream (as :func:`tilepy.flash_attention_backward`'s).
     * ``deterministic``: as :func:`tilepy.flash_attention_backward`'s. Without it, on sm_90,
       the warp-specialised wgmma kernel (a config with ``producer``) reduces dQ into a float32
       accumulator as it computes dK / dV (the order of the additions varies from run to
@@ -425,11 +427,15 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
         if Lse.dtype != "float32" or Lse.shape != (hq, Q.shape[0]):
             raise ValueError(f"lse must be float32 of shape {(hq, Q.shape[0])} (heads_q, "
                              f"total_q), got {Lse.dtype} {Lse.shape}")
+        dLse = describe(dlse, "dlse") if dlse is not None else None
+        if dLse is not None and (dLse.dtype != "float32" or dLse.shape != Lse.shape):
+            raise ValueError(f"dlse must be float32 of lse's shape {Lse.shape}, got "
+                             f"{dLse.dtype} {dLse.shape}")
         if not isinstance(deterministic, (bool, np.bool_)):
             raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} "
                             f"{deterministic!r}")
         grads = describe_grads(dq, dk, dv, Q, K, V, dtype)
-        arrays.same_device(Q, dO, Lse, *grads)
+        arrays.same_device(Q, dO, Lse, dLse, *grads)
         if config is not None:
             if not isinstance(config, (BackwardConfig, WgmmaBackwardConfig)):
                 raise TypeError(f"config must be a tilepy.ops.attention_backward_mma_sync."
@@ -477,6 +483,8 @@ def flash_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_se
             for name, (_, G) in zip(("dq", "dk", "dv"), results):
                 views[name] = packed_view(G)
             views["lse"] = packed_lse_view(Lse)
+            if dLse is not None:
+                views["dlse"] = packed_lse_view(dLse)
             for name, shape in scratch:
                 arr = arrays.empty(Q, shape, "float32")
                 copies.append(describe(arr, name))
