@@ -155,10 +155,11 @@ def test_against_float64(b, hq, hk, sq, sk, d, causal, dtype, layout):
     (1, 2, 1, 70, 90, 192, 128, True, "bfloat16", "bshd", {"config": WgmmaBackwardConfig(
         192, dtype="bfloat16", key_groups=1, dq_atomic=True, producer=True,
         split_columns=True, query_halves=True, head_dim_v=128)}),
-    # v wider in the 128-column class on the warp-specialised kernel (dQ by bulk
-    # reductions), and v narrower on the dK / dV + dQ pair (dQ by its own kernel)
-    (1, 2, 1, 50, 70, 96, 128, False, "float16", "bhsd", {"config": WgmmaBackwardConfig(
-        96, block_m=64, key_groups=2, dq_atomic=True, producer=True, head_dim_v=128)}),
+    # v wider, of the 128-column class where q's is of the 64-column one, on the
+    # warp-specialised kernel (dQ by bulk reductions: the accumulator and its converter in
+    # the wider tiles), and v narrower on the dK / dV + dQ pair (dQ by its own kernel)
+    (1, 2, 1, 90, 70, 64, 128, False, "float16", "bhsd", {"config": WgmmaBackwardConfig(
+        64, block_m=64, key_groups=2, dq_atomic=True, producer=True, head_dim_v=128)}),
     (1, 2, 2, 45, 60, 64, 48, True, "float16", "bshd", {"config": WgmmaBackwardConfig(
         64, block_m=32, key_groups=1, dq_groups=1, dq_block_n=32, head_dim_v=48)}),
 ])

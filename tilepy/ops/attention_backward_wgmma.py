@@ -951,7 +951,7 @@ def _dkdv_ws_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float,
         issue_kv(base + K_OFF, np.int64(global_addr(k, (vb, hk, k_start + key0, 0))),
                  k.strides[2], sk - key0, tid)
         issue_v(base + V_OFF, np.int64(global_addr(v, (vb, hk, k_start + key0, 0))),
-                 v.strides[2], sk - key0, tid)
+                v.strides[2], sk - key0, tid)
         hq0 = hk * group
         l0, lsh, lr, lc = setup_r(np.int64(global_addr(lse2, (vb, hq0, r_start))), 0, tid)
         e0, esh, er, ec = setup_r(np.int64(global_addr(delta, (vb, hq0, r_start))), 0, tid)
@@ -1308,19 +1308,21 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
 
 
 @functools.cache
-def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False):
+def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False, width=None):
     """``kernel(dq_acc, dq, scale, cu_seqlens_q)``: ``dq = scale · dq_acc`` rounded to
-    ``dtype``, from the blocked accumulator of :func:`dq_blocked_shape` (tiles
-    :func:`tile_width` wide; the columns past ``head_dim`` are not stored); grid ``(ceil(Sq /
+    ``dtype``, from the blocked accumulator of :func:`dq_blocked_shape` (tiles ``width``
+    wide — the config's :attr:`WgmmaBackwardConfig.width`, by default :func:`tile_width` of
+    ``head_dim``; the columns past ``head_dim`` are not stored); grid ``(ceil(Sq /
     16), Hq, B)``, :data:`~tilepy.ops.attention_backward_mma_sync.ROW_THREADS` threads;
     ``cu_seqlens_q`` not read. ``varlen``: packed sequences — grid ``(ceil(max_seqlen_q /
     16), Hq, sequences)``, sequence ``z``'s row ``r`` from the accumulator's virtual row
     :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` + ``r`` into ``dq``'s
     packed row ``cu_seqlens_q[z] + r`` (batch 1); rows outside every sequence untouched."""
-    SL = tile_width(head_dim) // 64
+    W = tile_width(head_dim) if width is None else int(width)
+    SL = W // 64
     DH = head_dim
     VARLEN = varlen
-    SWZ = dq_swizzled(tile_width(head_dim))
+    SWZ = dq_swizzled(W)
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
     LANES, ROWS = bk.ROW_LANES, bk.ROWS_PER_BLOCK
 
@@ -1430,7 +1432,7 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
                            split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
                            if chunks else ()), args))
     if atomic:
-        conv = dq_convert_blocked(d, cfg.dtype, vl)
+        conv = dq_convert_blocked(d, cfg.dtype, vl, cfg.width)
         args = (views["dq_acc"], views["dq"], scale32,
                 hargs[0][0] if vl else views["placeholder3"])
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),
