@@ -115,7 +115,7 @@
 #   PART=s46a    the backward GPU tests after heavy-first / narrowed wide products (SDPA float32
 #                cases, wide head dims) and the packed sequences' backward GPU test (its
 #                warp-specialised producer now in 40 registers), and v's head dim other than
-#                q's (192 / 128) on the wgmma kernels
+#                q's (192 / 128) on the wgmma kernels; the FP8 GEMM into a transposed out
 #   PART=s46b    s45a's probes (order A/B at D256 causal, D192) and the varlen backward benchmark
 #   PART=s46c    the backward benchmark of v's head dim 128 beside 192 (wgmma against the
 #                mma.sync kernels), s45c's order A/B on the d128 fused kernel
@@ -620,6 +620,7 @@ if [[ " $PART " == *" s46a "* ]]; then
         -k "against_sdpa_float32 or wide_head_dims or head_dim_v"
     gpu_tests varlen_backward_gpu 150 tests/test_ops_attention_varlen.py \
         -k test_gpu_backward_against_sdpa
+    gpu_tests fp8_out_gpu 90 tests/test_ops_gemm_fp8.py -k transposed_out
     archive_logs
 fi
 if [[ " $PART " == *" s46b "* ]]; then
