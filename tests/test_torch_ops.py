@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -701,6 +702,11 @@ def test_gemm_fp8_operator_and_compile():
     close(got, (ref + bias.double()).clamp_min(0), torch.float32, "compiled")
     with pytest.raises(TypeError, match="a requires grad"):
         tilepy.gemm(a.float().requires_grad_().to(torch.float8_e4m3fn), w.t(), scale_a=sa)
+    with pytest.raises(TypeError, match="scale_a must be a float32 tensor .* got float"):
+        tilepy.gemm(a, w.t(), scale_a=2.0)
+    with pytest.raises(TypeError, match="descale_k must be a float32 tensor .* got ndarray"):
+        tilepy.flash_attention(a[None, None], a[None, None], a[None, None],
+                               descale_k=np.ones((), np.float32))
 
 
 def test_flash_attention_fp8_operator_and_compile():

@@ -185,9 +185,18 @@ def _no_grad_for(op: str, why: str, **tensors) -> None:
     not give (``why``)."""
     if _grad_enabled():
         for name, t in tensors.items():
-            if t is not None and t.requires_grad:
+            # (not a tensor — a number, a NumPy array: the op's own checks name it)
+            if getattr(t, "requires_grad", False):
                 raise TypeError(f"{op}: {name} requires grad, but {why}; detach it or run "
                                 "under torch.no_grad()")
+
+
+def _tensors_or_none(op: str, what: str, **args) -> None:
+    """A ``TypeError`` naming the first of ``args`` that is neither None nor a tensor (the
+    operator's schema would refuse it with PyTorch's own message)."""
+    for name, x in args.items():
+        if x is not None and not isinstance(x, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be {what} or None, got {type(x).__name__}")
 
 
 def _no_double_backward(op: str, **tensors) -> None:
@@ -429,6 +438,8 @@ def gemm_fp8(a, b, scale_a, scale_b, out_dtype, out, config, bias=None, activati
     """``tilepy.gemm`` on float8 PyTorch tensors: the ``tilepy::gemm_fp8`` operator (fake
     tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an input that
     requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
+    _tensors_or_none("gemm", "a float32 tensor on a's device (0-d for one scale)",
+                     scale_a=scale_a, scale_b=scale_b)
     _no_grad_for("gemm", "float8 inputs have no gradient here", a=a, b=b, bias=bias)
     if out is not None or config is not None or _direct(a, b, scale_a, scale_b, bias):
         return _gemm_fp8.gemm_fp8(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
@@ -468,6 +479,8 @@ def flash_attention_fp8(q, k, v, causal, scale, window, softcap, descales, retur
     operator (fake tensors, ``torch.compile``, CUDA graphs); no gradient (``TypeError`` for an
     input that requires one). ``out=`` and ``config=`` run the op directly (eager only)."""
     dq, dk, dv = descales
+    _tensors_or_none("flash_attention", "a float32 tensor on q's device (0-d for one value)",
+                     descale_q=dq, descale_k=dk, descale_v=dv)
     _no_grad_for("flash_attention", "float8 inputs have no gradient here", q=q, k=k, v=v,
                  descale_q=dq, descale_k=dk, descale_v=dv)
     if out is not None or config is not None or _direct(q, k, v, dq, dk, dv):

@@ -155,7 +155,9 @@ def create_block_mask(mask_mod, batch, heads, seq_q, seq_k, *, like=None, mod_ar
     FlexAttention's ``create_block_mask``.
 
     * ``batch`` / ``heads``: ints, or None for one mask shared by every batch / query head
-      (``mask_mod`` then called with ``b = 0`` / ``h = 0``: it must not depend on them).
+      (``mask_mod`` then called with ``b = 0`` / ``h = 0``: it must not depend on them). A
+      mask made for 1 is shared the same way (FlexAttention's broadcast): used with more
+      batches / heads it is batch / head 0's for all of them.
     * ``like``: an array whose kind and device the mask's arrays take (e.g. ``q``); may be
       left out when ``mod_args`` holds an array.
     * ``block_size``: ``block_q`` and ``block_k`` (an int for both), multiples of 16 up to
