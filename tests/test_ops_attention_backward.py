@@ -442,6 +442,30 @@ def test_wgmma_variants(d, cfg, case, variant):
     run_case(b, hq, hk, sq, sk, d, causal, dtype, layout, config=cfg, **variant)
 
 
+@pytest.mark.parametrize("cfg", [
+    WgmmaBackwardConfig(64, block_m=64, key_groups=2, dq_atomic=True, producer=True),
+    BackwardConfig(64, block_m=32, block_n=32, dq_block_m=32, dq_block_n=32, dq_atomic=True)],
+    ids=["wgmma-fused", "mma-sync-atomic"])
+def test_a_strided_or_misaligned_dq_takes_element_stores(cfg):
+    """dQ's converter (the atomic paths) into a caller's ``dq`` whose head-dim elements are
+    not adjacent, or whose rows are not 16-byte aligned: element stores instead of the
+    16-byte vector stores (which would write the wrong elements or fault); the elements
+    between untouched."""
+    rng = np.random.default_rng()
+    dt = DTYPES["float16"]
+    q, do = (rng.standard_normal((1, 2, 70, 64)).astype(dt) for _ in range(2))
+    k, v = (rng.standard_normal((1, 1, 80, 64)).astype(dt) for _ in range(2))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    _, want, _, _ = reference(q, k, v, do, True, 64 ** -0.5)
+    stepped = np.full((1, 2, 70, 128), np.nan, dt)
+    shifted = np.full((1, 2, 70, 65), np.nan, dt)
+    for dq, rest in ((stepped[..., ::2], stepped[..., 1::2]),
+                     (shifted[..., 1:], shifted[..., :1])):
+        flash_attention_backward(do, q, k, v, out, lse, causal=True, dq=dq, config=cfg)
+        close(dq, want, "float16", "dq")
+        assert np.isnan(f64(rest)).all()
+
+
 def test_rows_without_keys_get_zero_gradients_and_bits_repeat():
     """Whole query blocks that see no key (seq_q well past seq_k, causal): dq exactly 0 there;
     two deterministic runs give the same bits."""

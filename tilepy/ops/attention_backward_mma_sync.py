@@ -68,6 +68,7 @@ from ..tile.attention_backward import (
     store_accumulators,
 )
 from ..tile.config import DTYPES, SMEM_LIMIT
+from ..tile.rows import vectors_fit, words_store
 from ..tile.copy import (
     copy_rows_to_shared,
     load_a_fragments,
@@ -488,11 +489,13 @@ def rows_prepass(head_dim: int, dtype: str, zero_dq: bool, has_dlse: bool = Fals
 
 
 @functools.cache
-def dq_convert(head_dim: int, dtype: str):
+def dq_convert(head_dim: int, dtype: str, vector: bool = True):
     """``kernel(dq_acc, dq, scale)``: ``dq = scale · dq_acc`` rounded to ``dtype``; grid
-    ``(ceil(Sq / 16), Hq, B)``, :data:`ROW_THREADS` threads."""
+    ``(ceil(Sq / 16), Hq, B)``, :data:`ROW_THREADS` threads. ``vector``: ``dq`` takes 16-byte
+    stores (:func:`tilepy.tile.rows.vectors_fit`), else element stores."""
     D = head_dim
     pack = cvt_f16x2_f32 if dtype == "float16" else cvt_bf16x2_f32
+    store8 = words_store(vector)
 
     @kernel_jit(ROW_THREADS)
     def kernel(dq_acc, dq, scale):
@@ -507,9 +510,9 @@ def dq_convert(head_dim: int, dtype: str):
             for c in range(8 * lane, D, 8 * ROW_LANES):
                 x = ld_global_v4(a2, row, c)
                 y = ld_global_v4(a2, row, c + 4)
-                st_global_v4(o2, row, c, pack(x[0] * scale, x[1] * scale),
-                             pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
-                             pack(y[2] * scale, y[3] * scale))
+                store8(o2, row, c, pack(x[0] * scale, x[1] * scale),
+                       pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
+                       pack(y[2] * scale, y[3] * scale))
 
     return kernel
 
@@ -1076,7 +1079,7 @@ def plans(cfg: BackwardConfig, causal: bool, deterministic: bool, views: dict, s
                            if chunks else ()), args))
 
     if atomic:
-        conv = dq_convert(d, cfg.dtype)
+        conv = dq_convert(d, cfg.dtype, vectors_fit(views["dq"]))
         args = (dq_acc, views["dq"], scale32)
         out.append((LaunchPlan(conv, args, (-(-sq // ROWS_PER_BLOCK), hq, q.shape[0]),
                                ROW_THREADS, split=heads_split((0, 1), (), 1, False)), args))

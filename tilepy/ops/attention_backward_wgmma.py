@@ -45,7 +45,7 @@ from ..launch import LaunchPlan
 from ..ptx import global_addr, shared_addr
 from ..ptx.barrier import bar_sync, warp_sync
 from ..ptx.cp_async import cp_async_commit_group, cp_async_wait_group
-from ..ptx.global_vector import ld_global_v4, st_global_v4
+from ..ptx.global_vector import ld_global_v4
 from ..ptx.math import cvt_bf16x2_f32, cvt_f16x2_f32
 from ..ptx.vector import ld_shared_b32, st_shared_b32
 from ..ptx.mbarrier import (fence_mbarrier_init, mbarrier_arrive, mbarrier_init,
@@ -80,6 +80,7 @@ from ..tile.copy import copy_rows_to_shared, copy_rows_to_shared_128b
 from ..tile.online_softmax import accumulator_fragment
 from ..tile.pipeline import tma_pipeline
 from ..tile.roles import NamedBarriers, warpgroup_roles
+from ..tile.rows import vectors_fit, words_store
 from ..tile.smem import allow_dynamic_shared, dynamic_shared
 from ..tile.smem_layout import SmemLayout
 from ..tile.warpgroup_mma import SmemOperand, warpgroup_mma
@@ -1308,7 +1309,8 @@ def _dq_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mods
 
 
 @functools.cache
-def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False, width=None):
+def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False, width=None,
+                       vector: bool = True):
     """``kernel(dq_acc, dq, scale, cu_seqlens_q)``: ``dq = scale · dq_acc`` rounded to
     ``dtype``, from the blocked accumulator of :func:`dq_blocked_shape` (tiles ``width``
     wide — the config's :attr:`WgmmaBackwardConfig.width`, by default :func:`tile_width` of
@@ -1319,6 +1321,7 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False, width=No
     :func:`~tilepy.ops.attention_backward_mma_sync.varlen_acc_row` + ``r`` into ``dq``'s
     packed row ``cu_seqlens_q[z] + r`` (batch 1); rows outside every sequence untouched."""
     W = tile_width(head_dim) if width is None else int(width)
+    store8 = words_store(vector)
     SL = W // 64
     DH = head_dim
     VARLEN = varlen
@@ -1356,9 +1359,9 @@ def dq_convert_blocked(head_dim: int, dtype: str, varlen: bool = False, width=No
                 else:
                     x = ld_global_v4(a2, src, c)
                     y = ld_global_v4(a2, src, c + 4)
-                st_global_v4(o2, row, 64 * sl + c, pack(x[0] * scale, x[1] * scale),
-                             pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
-                             pack(y[2] * scale, y[3] * scale))
+                store8(o2, row, 64 * sl + c, pack(x[0] * scale, x[1] * scale),
+                       pack(x[2] * scale, x[3] * scale), pack(y[0] * scale, y[1] * scale),
+                       pack(y[2] * scale, y[3] * scale))
 
     return kernel
 
@@ -1432,7 +1435,7 @@ def plans(cfg: WgmmaBackwardConfig, causal: bool, deterministic: bool, views: di
                            split=bk.heads_split((0, 3, 4, 5, 8), (1, 2, 6, 7), group, True)
                            if chunks else ()), args))
     if atomic:
-        conv = dq_convert_blocked(d, cfg.dtype, vl, cfg.width)
+        conv = dq_convert_blocked(d, cfg.dtype, vl, cfg.width, vectors_fit(views["dq"]))
         args = (views["dq_acc"], views["dq"], scale32,
                 hargs[0][0] if vl else views["placeholder3"])
         out.append((LaunchPlan(conv, args, (-(-sq // bk.ROWS_PER_BLOCK), hq, batch),

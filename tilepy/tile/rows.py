@@ -24,8 +24,11 @@ fill, packed)``                                   row (:class:`RegisterRow`)
 ``register_rows_sum(kind, values, packed,         ``Σ term(a_k, b_k)`` over two register
 term)``                                           rows
 ``slot_function(kind, packed, f)``                ``f`` of values as a function of slots
+``words_store(vector)``                           8 packed 16-bit values of a row: one
+                                                  vector store or 8 element stores
 ``natural_width``, ``vector_width``,              host side: elements per access, and what
-``packs_registers``, ``groups``                   a thread holds
+``packs_registers``, ``groups``,                  a thread holds; whether a view of any
+``vectors_fit``                                   rank takes vector accesses
 ================================================  ========================================
 
 Every device function is per thread (no exchange between threads); sizes are closure
@@ -116,6 +119,33 @@ def element_io(kind: str):
     else:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     return load, store
+
+
+@functools.cache
+def words_store(vector: bool):
+    """``store(out, r, c, w0, w1, w2, w3)``: four uint32 words, each two 16-bit values (``lo``
+    the lower column), into columns ``c … c + 7`` of row ``r`` of a 2-D uint16 array — one
+    16-byte vector store where ``vector`` (the host vouched for a unit element stride and
+    16-byte alignment, :func:`vectors_fit`), else eight element stores that follow the
+    array's strides (a caller's strided or misaligned output)."""
+    VECTOR = bool(vector)
+
+    @inline_device
+    def put(out, r, c, w):
+        out[r, c] = w & 0xFFFF
+        out[r, c + 1] = w >> 16
+
+    @inline_device
+    def store(out, r, c, w0, w1, w2, w3):
+        if VECTOR:
+            vstore(out, r, c, w0, w1, w2, w3)
+        else:
+            put(out, r, c, w0)
+            put(out, r, c + 2, w1)
+            put(out, r, c + 4, w2)
+            put(out, r, c + 6, w3)
+
+    return store
 
 
 # ---- groups of columns ------------------------------------------------------------------------
@@ -527,6 +557,19 @@ def _pointer_of(view) -> int:
     return int(view.device_ctypes_pointer.value or 0)
 
 
+def vectors_fit(view) -> bool:
+    """Whether 16-byte vector accesses along the last axis of the kernel view ``view`` (any
+    rank) land where its elements are: a unit element stride there, every other stride (of
+    an axis longer than 1) and the data pointer multiples of 16 bytes."""
+    item = view.dtype.itemsize
+    shape, strides = tuple(view.shape), tuple(view.strides)
+    if shape[-1] > 1 and strides[-1] != item:
+        return False
+    if any(st % VECTOR_BYTES for n, st in zip(shape[:-1], strides[:-1]) if n > 1):
+        return False
+    return _pointer_of(view) % VECTOR_BYTES == 0
+
+
 def vector_width(kind: str, *views) -> int:
     """Elements per access the kernels may use on the 2-D kernel views ``views`` (rows, n):
     :func:`natural_width` when every view's data pointer and row stride are multiples of 16
@@ -548,4 +591,5 @@ def vector_width(kind: str, *views) -> int:
 __all__ = ["KINDS", "VECTOR_BYTES", "RegisterRow", "RowWriter", "element_io", "fill_bits",
            "group_io", "groups", "natural_width", "packs_registers", "register_row",
            "register_row_writer", "register_rows_sum", "slot_function", "vector_width",
+           "vectors_fit", "words_store",
            "vload", "vstore"]
