@@ -576,16 +576,9 @@ def vector_width(kind: str, *views) -> int:
     bytes, its element stride is the item size and rows hold at least one vector; else 1 (the
     scalar kernels)."""
     V = natural_width(kind)
-    for v in views:
-        rows, n = v.shape
-        item = v.dtype.itemsize
-        if n < V or (n > 1 and v.strides[1] != item):
-            return 1
-        if rows > 1 and v.strides[0] % VECTOR_BYTES:
-            return 1
-        if _pointer_of(v) % VECTOR_BYTES:
-            return 1
-    return V
+    if all(v.shape[1] >= V and vectors_fit(v) for v in views):
+        return V
+    return 1
 
 
 __all__ = ["KINDS", "VECTOR_BYTES", "RegisterRow", "RowWriter", "element_io", "fill_bits",
