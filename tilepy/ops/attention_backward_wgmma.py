@@ -685,15 +685,12 @@ def _dkdv_kernel(cfg: WgmmaBackwardConfig, left: int, right: int, cap: float, mo
 #: of the two consumer warpgroups; 24 + 2 · 240 = 504 = 3 · 168, what a block of 384 threads
 #: is allocated (FlashAttention-3's backward takes the same split).
 WS_REGISTERS = (24, 240)
-#: The split under a block mask, with packed sequences or by query halves: the producer's
-#: walk over the mask's lists spills ~110 B in 24 registers (offline sm_90a, d128), ~30 B in
-#: 40 while the consumers' 232 spill ~30 B more; with packed sequences the lengths come from
-#: per-thread loads, so the producer's addresses and row counts are per-thread registers
-#: where the fixed-length kernel keeps them in uniform ones (offline, causal bf16: d256 query
-#: halves 136 -> 12 B of spill, d128 232 -> 180 B); by query halves (32 queries' score
-#: fragments a consumer) the consumers fit 232 and the producer's 256-column copies 40
-#: (offline: d256 8 -> 0 B, d192 32 -> 0 B, v's head dim 128 beside 192: 68 -> 0 B; the
-#: whole-scores form spills more in 232, 60 -> 100 B at d256, and keeps 24 / 240).
+#: The split where the producer needs more than 24 registers: under a block mask (its walk
+#: over the mask's lists), with packed sequences (the lengths come from per-thread loads, so
+#: its addresses and row counts are per-thread registers where the fixed-length kernel keeps
+#: them in uniform ones) and by query halves (its 256-column copies; the consumers' 32-query
+#: score fragments fit 232, where the whole-scores form's do not and keep 24 / 240). The
+#: offline spill figures behind each choice are in bench/NOTES.md.
 WS_REGISTERS_SPARSE = (40, 232)
 
 
